@@ -1,0 +1,142 @@
+"""Tally's one settings module. Every value comes from an environment variable (see README)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import dj_database_url
+from django.core.exceptions import ImproperlyConfigured
+
+from config import env
+
+BASE_DIR = Path(__file__).resolve().parent.parent
+VAR_DIR = BASE_DIR / "var"
+
+DEBUG = env.get_bool("DEBUG", False)
+SECRET_KEY = env.get_str("SECRET_KEY") or ""
+if not SECRET_KEY:
+    if not DEBUG:
+        raise ImproperlyConfigured("SECRET_KEY (or SECRET_KEY_FILE) must be set when DEBUG is off")
+    SECRET_KEY = "insecure-development-key-only-for-DEBUG"  # noqa: S105 - never used in production
+ALLOWED_HOSTS = env.get_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
+
+INSTALLED_APPS = [
+    "django.contrib.admin",
+    "django.contrib.auth",
+    "django.contrib.contenttypes",
+    "django.contrib.sessions",
+    "django.contrib.messages",
+    "django.contrib.staticfiles",
+    "rest_framework",
+    "inventory",
+    "quota",
+    "billing",
+    "frontend",
+]
+
+MIDDLEWARE = [
+    "django.middleware.security.SecurityMiddleware",
+    "django.contrib.sessions.middleware.SessionMiddleware",
+    "django.middleware.common.CommonMiddleware",
+    "django.middleware.csrf.CsrfViewMiddleware",
+    "django.contrib.auth.middleware.AuthenticationMiddleware",
+    "django.contrib.messages.middleware.MessageMiddleware",
+    "django.middleware.clickjacking.XFrameOptionsMiddleware",
+]
+
+ROOT_URLCONF = "config.urls"
+WSGI_APPLICATION = "config.wsgi.application"
+ASGI_APPLICATION = "config.asgi.application"
+
+TEMPLATES = [
+    {
+        "BACKEND": "django.template.backends.django.DjangoTemplates",
+        "DIRS": [],
+        "APP_DIRS": True,
+        "OPTIONS": {
+            "context_processors": [
+                "django.template.context_processors.request",
+                "django.contrib.auth.context_processors.auth",
+                "django.contrib.messages.context_processors.messages",
+            ],
+        },
+    },
+]
+
+
+def _database() -> dict[str, object]:
+    url = env.get_str("DATABASE_URL") or f"sqlite:///{BASE_DIR / 'db.sqlite3'}"
+    try:
+        config = dj_database_url.parse(url, conn_max_age=env.get_int("DATABASE_CONN_MAX_AGE", 60))
+    except ValueError as exc:
+        raise ImproperlyConfigured(f"DATABASE_URL is not a usable database URL: {exc}") from exc
+    if not config.get("ENGINE"):
+        raise ImproperlyConfigured(f"DATABASE_URL has an unknown scheme: {url.split(':', 1)[0]!r}")
+    if config["ENGINE"] == "django.db.backends.sqlite3":
+        # SQLite is the zero-set-up default; wait for the worker's writes instead of failing.
+        config.setdefault("OPTIONS", {})["timeout"] = 20
+    return dict(config)
+
+
+DATABASES = {"default": _database()}
+DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+
+AUTH_PASSWORD_VALIDATORS = [
+    {"NAME": "django.contrib.auth.password_validation.UserAttributeSimilarityValidator"},
+    {"NAME": "django.contrib.auth.password_validation.MinimumLengthValidator"},
+]
+
+LANGUAGE_CODE = "en-us"
+TIME_ZONE = "UTC"
+USE_I18N = True
+USE_TZ = True
+
+STATIC_URL = "static/"
+STATIC_ROOT = VAR_DIR / "static"
+
+# Celery: Redis in production; the default is kombu's filesystem transport, which needs no
+# server and still lets the web process and a separate worker exchange tasks.
+REDIS_URL = env.get_str("REDIS_URL")
+CELERY_BROKER_URL = env.get_str("CELERY_BROKER_URL") or REDIS_URL or "filesystem://"
+if not CELERY_BROKER_URL.split("://", 1)[0] in {"redis", "rediss", "filesystem", "memory", "amqp"}:
+    raise ImproperlyConfigured(
+        f"CELERY_BROKER_URL has an unsupported scheme: {CELERY_BROKER_URL.split('://', 1)[0]!r}"
+    )
+CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {}
+if CELERY_BROKER_URL == "filesystem://":
+    _queue_dir = VAR_DIR / "celery"
+    for _sub in ("out", "processed"):
+        (_queue_dir / _sub).mkdir(parents=True, exist_ok=True)
+    CELERY_BROKER_TRANSPORT_OPTIONS = {
+        "data_folder_in": str(_queue_dir / "out"),
+        "data_folder_out": str(_queue_dir / "out"),
+        "processed_folder": str(_queue_dir / "processed"),
+    }
+CELERY_TASK_ALWAYS_EAGER = env.get_bool("CELERY_TASK_ALWAYS_EAGER", False)
+CELERY_TASK_ACKS_LATE = True
+CELERY_TASK_REJECT_ON_WORKER_LOST = True
+CELERY_TIMEZONE = "UTC"
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
+}
+
+# Inventory sync.
+TALLY_CLUSTER_NAME = env.get_str("TALLY_CLUSTER_NAME") or "default"
+TALLY_SYNC_PAGE_SIZE = env.get_int("TALLY_SYNC_PAGE_SIZE", 500, minimum=1)
+TALLY_SYNC_WATCH_TIMEOUT_SECONDS = env.get_int("TALLY_SYNC_WATCH_TIMEOUT_SECONDS", 300, minimum=1)
+
+LOG_LEVEL = env.get_choice(
+    "LOG_LEVEL", "info", ("debug", "info", "warning", "error", "critical")
+).upper()
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["console"], "level": LOG_LEVEL},
+    "loggers": {"kubernetes": {"level": "WARNING"}, "urllib3": {"level": "WARNING"}},
+}

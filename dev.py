@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""Tally's two set-up commands, for a fresh machine with only Python 3.11+.
+
+    python3 dev.py serve   # venv + install + migrate + demo fleet + web server and worker
+    python3 dev.py test    # venv + install + lint, types and the whole test suite
+
+Each creates `.venv/` and installs the project into it when that has not happened yet (or
+`pyproject.toml` changed since), so either can be run first. Only the standard library is
+used here, because this file runs before anything is installed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent
+VENV = ROOT / ".venv"
+BIN = VENV / ("Scripts" if os.name == "nt" else "bin")
+PYTHON = BIN / "python"
+STAMP = VENV / ".tally-installed"
+
+
+def run(*args: str | Path, env: dict[str, str] | None = None) -> None:
+    print("+", " ".join(str(a) for a in args), flush=True)
+    subprocess.run([str(a) for a in args], cwd=ROOT, env=env, check=True)
+
+
+def ensure_venv() -> None:
+    """Create the virtual environment and install the project with its dev extras, once."""
+    if sys.version_info < (3, 11):
+        sys.exit(f"Tally needs Python 3.11 or newer; this is {sys.version.split()[0]}")
+    wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
+    if STAMP.exists() and STAMP.read_text() == wanted and PYTHON.exists():
+        return
+    if not PYTHON.exists():
+        run(sys.executable, "-m", "venv", VENV)
+    run(PYTHON, "-m", "pip", "install", "--quiet", "--upgrade", "pip")
+    run(PYTHON, "-m", "pip", "install", "--quiet", "-e", ".[dev]")
+    STAMP.write_text(wanted)
+
+
+def serve(argv: list[str]) -> int:
+    """Migrate, load the demo fleet and users, then run the web server and a Celery worker."""
+    port = argv[0] if argv else os.environ.get("PORT", "8000")
+    env = {**os.environ, "DEBUG": os.environ.get("DEBUG", "true")}
+    manage = [PYTHON, "manage.py"]
+    run(*manage, "migrate", "--noinput", env=env)
+    run(*manage, "load_demo", env=env)
+    children = [
+        subprocess.Popen(
+            [str(PYTHON), "-m", "celery", "-A", "config", "worker", "--beat", "--loglevel=INFO",
+             "--concurrency=1"],
+            cwd=ROOT,
+            env=env,
+        ),
+        subprocess.Popen([*map(str, manage), "runserver", f"127.0.0.1:{port}"], cwd=ROOT, env=env),
+    ]
+    time.sleep(2)
+    print(
+        f"\nTally is running at http://127.0.0.1:{port}/\n"
+        f"  admin:  http://127.0.0.1:{port}/admin/   login: operator / operator\n"
+        "  Ctrl-C stops the web server and the worker.\n",
+        flush=True,
+    )
+    try:
+        while all(child.poll() is None for child in children):
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.send_signal(signal.SIGINT)
+        for child in children:
+            try:
+                child.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                child.kill()
+    return 0
+
+
+def test(argv: list[str]) -> int:
+    """Lint, format check, type check, then the whole pytest suite; non-zero when any fails."""
+    for step in (
+        [BIN / "ruff", "check", "."],
+        [BIN / "ruff", "format", "--check", "."],
+        [BIN / "mypy", "."],
+    ):
+        print("+", " ".join(map(str, step)), flush=True)
+        if subprocess.run([str(s) for s in step], cwd=ROOT).returncode:
+            return 1
+    print("+ pytest", *argv, flush=True)
+    return subprocess.run([str(PYTHON), "-m", "pytest", *argv], cwd=ROOT).returncode
+
+
+def main() -> int:
+    commands = {"serve": serve, "test": test}
+    if len(sys.argv) < 2 or sys.argv[1] not in commands:
+        print(__doc__)
+        return 2
+    ensure_venv()
+    return commands[sys.argv[1]](sys.argv[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,277 @@
+"""The GPU fleet as Kubernetes DRA publishes it, and who held which device when.
+
+Rows are never deleted by the sync: what disappears gets `gone_at` (devices, slices, nodes,
+classes) or `released_at` (claims, allocations). Billing reads these intervals.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.db.models import Q
+
+
+class Cluster(models.Model):
+    """One Kubernetes cluster whose DRA objects Tally syncs."""
+
+    name = models.SlugField(max_length=63, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    # The driver/CUDA pair operators have validated; empty means "the most common pair".
+    baseline_driver_version = models.CharField(max_length=64, blank=True)
+    baseline_cuda_driver_version = models.CharField(max_length=64, blank=True)
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Node(models.Model):
+    """A Kubernetes node that hosts devices, with the labels DRA drivers use for topology."""
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.PROTECT, related_name="nodes")
+    name = models.CharField(max_length=253)
+    labels = models.JSONField(default=dict, blank=True)
+    # NVLink clique (`nvidia.com/gpu.clique`): GPUs in one clique share an NVLink fabric.
+    clique = models.CharField(max_length=253, blank=True, db_index=True)
+    first_seen = models.DateTimeField()
+    gone_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["cluster", "name"], name="node_unique_name"),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class DeviceClass(models.Model):
+    """A DeviceClass: the name claims ask for and the CEL selectors that define it."""
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.PROTECT, related_name="device_classes")
+    name = models.CharField(max_length=253)
+    uid = models.CharField(max_length=64, blank=True)
+    api_version = models.CharField(max_length=64)
+    # The CEL expressions of `spec.selectors[].cel.expression`, in order.
+    selectors = models.JSONField(default=list, blank=True)
+    extended_resource_name = models.CharField(max_length=253, blank=True)
+    spec = models.JSONField(default=dict, blank=True)
+    resource_version = models.CharField(max_length=64, blank=True)
+    first_seen = models.DateTimeField()
+    gone_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        verbose_name_plural = "device classes"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["cluster", "name"],
+                condition=Q(gone_at__isnull=True),
+                name="deviceclass_unique_present",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class ResourceSlice(models.Model):
+    """One ResourceSlice as last seen, kept whole (unknown fields too) for pool reconciliation."""
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.PROTECT, related_name="slices")
+    name = models.CharField(max_length=253)
+    uid = models.CharField(max_length=64, blank=True)
+    api_version = models.CharField(max_length=64)
+    driver = models.CharField(max_length=253)
+    pool = models.CharField(max_length=253)
+    generation = models.BigIntegerField()
+    resource_slice_count = models.PositiveIntegerField()
+    node_name = models.CharField(max_length=253, blank=True)
+    spec = models.JSONField(default=dict)
+    resource_version = models.CharField(max_length=64, blank=True)
+    first_seen = models.DateTimeField()
+    gone_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["cluster", "name"],
+                condition=Q(gone_at__isnull=True),
+                name="slice_unique_present",
+            ),
+        ]
+        indexes = [models.Index(fields=["cluster", "driver", "pool"], name="slice_pool")]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class Pool(models.Model):
+    """A driver's pool, and which generation of it the inventory currently counts.
+
+    Devices are taken from the newest generation only, and only once all of its
+    `resourceSliceCount` slices have been seen; until then the last complete generation stays.
+    """
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.PROTECT, related_name="pools")
+    driver = models.CharField(max_length=253)
+    name = models.CharField(max_length=253)
+    counted_generation = models.BigIntegerField(null=True, blank=True)
+    newest_generation = models.BigIntegerField(null=True, blank=True)
+    slices_expected = models.PositiveIntegerField(default=0)
+    slices_seen = models.PositiveIntegerField(default=0)
+    updated_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["cluster", "driver", "name"], name="pool_unique"),
+        ]
+
+    @property
+    def complete(self) -> bool:
+        return self.slices_seen >= self.slices_expected > 0
+
+    def __str__(self) -> str:
+        return f"{self.driver}/{self.name}"
+
+
+class DeviceKind(models.TextChoices):
+    GPU = "gpu", "whole GPU"
+    MIG = "mig", "MIG device"
+    PARTITION = "partition", "partition of a GPU"
+    OTHER = "other", "not a GPU"
+
+
+class Device(models.Model):
+    """One device of a pool's counted generation, with its attributes kept as published.
+
+    A physical GPU is counted by `physical_gpu_key`: a whole GPU, its MIG devices and its
+    partitions all carry the same key. Non-GPU devices (kind `other`) have an empty key.
+    """
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.PROTECT, related_name="devices")
+    node = models.ForeignKey(
+        Node, on_delete=models.PROTECT, null=True, blank=True, related_name="devices"
+    )
+    driver = models.CharField(max_length=253)
+    pool = models.CharField(max_length=253)
+    name = models.CharField(max_length=253)
+    slice_name = models.CharField(max_length=253)
+    pool_generation = models.BigIntegerField()
+    kind = models.CharField(max_length=16, choices=DeviceKind.choices, db_index=True)
+    physical_gpu_key = models.CharField(max_length=512, blank=True, db_index=True)
+    # GPU-equivalents: 1 for a whole GPU, a MIG device's or partition's share of its GPU.
+    gpu_share = models.DecimalField(max_digits=9, decimal_places=6, default=0)
+    # `{qualified name: {"int"|"bool"|"string"|"version": value}}` exactly as published.
+    attributes = models.JSONField(default=dict, blank=True)
+    # `{qualified name: {"value": "40Gi", ...}}` exactly as published.
+    capacity = models.JSONField(default=dict, blank=True)
+    # Everything else of the device entry (consumesCounters, taints, unknown fields).
+    extra = models.JSONField(default=dict, blank=True)
+
+    product_name = models.CharField(max_length=253, blank=True, db_index=True)
+    uuid = models.CharField(max_length=128, blank=True, db_index=True)
+    parent_uuid = models.CharField(max_length=128, blank=True, db_index=True)
+    device_type = models.CharField(max_length=64, blank=True, db_index=True)
+    profile = models.CharField(max_length=64, blank=True, db_index=True)
+    memory_bytes = models.BigIntegerField(null=True, blank=True, db_index=True)
+    architecture = models.CharField(max_length=64, blank=True, db_index=True)
+    driver_version = models.CharField(max_length=64, blank=True, db_index=True)
+    cuda_driver_version = models.CharField(max_length=64, blank=True, db_index=True)
+    cuda_compute_capability = models.CharField(max_length=64, blank=True, db_index=True)
+
+    first_seen = models.DateTimeField()
+    gone_at = models.DateTimeField(null=True, blank=True, db_index=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["cluster", "driver", "pool", "name"],
+                condition=Q(gone_at__isnull=True),
+                name="device_unique_present",
+            ),
+        ]
+        indexes = [models.Index(fields=["cluster", "driver", "pool"], name="device_pool")]
+
+    def __str__(self) -> str:
+        return f"{self.driver}/{self.pool}/{self.name}"
+
+
+class ResourceClaim(models.Model):
+    """A ResourceClaim as last seen. `released_at` is set when it disappears."""
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.PROTECT, related_name="claims")
+    namespace = models.CharField(max_length=253, db_index=True)
+    name = models.CharField(max_length=253)
+    uid = models.CharField(max_length=64)
+    api_version = models.CharField(max_length=64)
+    labels = models.JSONField(default=dict, blank=True)
+    annotations = models.JSONField(default=dict, blank=True)
+    owner_references = models.JSONField(default=list, blank=True)
+    spec = models.JSONField(default=dict)
+    status = models.JSONField(default=dict, blank=True)
+    resource_version = models.CharField(max_length=64, blank=True)
+    created_at = models.DateTimeField(null=True, blank=True)
+    first_seen = models.DateTimeField()
+    released_at = models.DateTimeField(null=True, blank=True, db_index=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["cluster", "uid"], name="claim_unique_uid"),
+        ]
+        indexes = [models.Index(fields=["cluster", "namespace", "name"], name="claim_ns_name")]
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}"
+
+
+class Allocation(models.Model):
+    """One device held by one claim over `[start, end)`; `end` is null while it is held.
+
+    `device` is linked when the device is known; the driver/pool/device names are kept either
+    way so an allocation seen before its ResourceSlice is never lost.
+    """
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.PROTECT, related_name="allocations")
+    claim = models.ForeignKey(ResourceClaim, on_delete=models.PROTECT, related_name="allocations")
+    device = models.ForeignKey(
+        Device, on_delete=models.PROTECT, null=True, blank=True, related_name="allocations"
+    )
+    request = models.CharField(max_length=253)
+    driver = models.CharField(max_length=253)
+    pool = models.CharField(max_length=253)
+    device_name = models.CharField(max_length=253)
+    share_id = models.CharField(max_length=64, blank=True)
+    consumed_capacity = models.JSONField(default=dict, blank=True)
+    start = models.DateTimeField(db_index=True)
+    end = models.DateTimeField(null=True, blank=True, db_index=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["claim", "request", "driver", "pool", "device_name", "share_id"],
+                condition=Q(end__isnull=True),
+                name="allocation_unique_open",
+            ),
+        ]
+        indexes = [models.Index(fields=["cluster", "driver", "pool", "device_name"])]
+
+    def __str__(self) -> str:
+        return f"{self.claim} → {self.driver}/{self.pool}/{self.device_name}"
+
+
+class SyncState(models.Model):
+    """Where the live sync of one kind stands, so a restart resumes its watch."""
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE, related_name="sync_states")
+    kind = models.CharField(max_length=64)
+    resource_version = models.CharField(max_length=64, blank=True)
+    last_event_at = models.DateTimeField(null=True, blank=True)
+    last_relist_at = models.DateTimeField(null=True, blank=True)
+    relists = models.PositiveIntegerField(default=0)
+    events_applied = models.PositiveBigIntegerField(default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["cluster", "kind"], name="syncstate_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.cluster}/{self.kind}"
