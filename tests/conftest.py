@@ -1,0 +1,33 @@
+"""Shared test set-up.
+
+`DATABASE_URL` decides the database: SQLite by default, PostgreSQL when it names one (as
+`.ci/run` always does). Tests marked `postgres` need the real server and are skipped only when
+no PostgreSQL is configured.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from django.db import connection
+
+REPO = Path(__file__).resolve().parent.parent
+UPSTREAM = REPO.parent / "shared" / "upstream"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if connection.vendor == "postgresql":
+        return
+    skip = pytest.mark.skip(reason="needs PostgreSQL: set DATABASE_URL=postgres://...")
+    for item in items:
+        if "postgres" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def upstream() -> Path:
+    """The folder of real DRA objects beside the repo (`../shared/upstream`)."""
+    if not UPSTREAM.is_dir():
+        pytest.fail(f"{UPSTREAM} is missing: the tests read the shared upstream objects in place")
+    return UPSTREAM
