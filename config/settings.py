@@ -140,3 +140,8 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {"kubernetes": {"level": "WARNING"}, "urllib3": {"level": "WARNING"}},
 }
+
+# Drivers whose devices without a `type` attribute are GPUs (besides any driver named gpu.*).
+TALLY_GPU_DRIVERS = frozenset(
+    env.get_list("TALLY_GPU_DRIVERS", ["gpu.nvidia.com", "gpu.example.com", "gpu.amd.com"])
+)

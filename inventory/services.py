@@ -6,12 +6,30 @@ code serves `sync_inventory --from-file`, the live list + watch, tests and bench
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from inventory.models import Cluster
+from django.conf import settings
+from django.db import transaction
+from django.db.models import Q
+
+from inventory import dra
+from inventory.models import (
+    Allocation,
+    Cluster,
+    Device,
+    DeviceClass,
+    Node,
+    Pool,
+    ResourceClaim,
+    ResourceSlice,
+)
+
+log = logging.getLogger(__name__)
 
 # The object kinds the inventory keeps; anything else in a dump is skipped and counted.
 KINDS = ("Node", "DeviceClass", "ResourceSlice", "ResourceClaim")
@@ -21,11 +39,22 @@ KINDS = ("Node", "DeviceClass", "ResourceSlice", "ResourceClaim")
 class SyncReport:
     """What one import or event did, and the objects it rejected with the reason."""
 
-    created: dict[str, int] = field(default_factory=dict)
-    updated: dict[str, int] = field(default_factory=dict)
-    gone: dict[str, int] = field(default_factory=dict)
-    skipped: dict[str, int] = field(default_factory=dict)
+    created: Counter[str] = field(default_factory=Counter)
+    updated: Counter[str] = field(default_factory=Counter)
+    gone: Counter[str] = field(default_factory=Counter)
+    skipped: Counter[str] = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        kinds = sorted({*self.created, *self.updated, *self.gone, *self.skipped})
+        parts = [
+            f"{kind}: {self.created[kind]} new, {self.updated[kind]} changed, "
+            f"{self.gone[kind]} gone"
+            + (f", {self.skipped[kind]} skipped" if self.skipped[kind] else "")
+            for kind in kinds
+        ]
+        parts.append(f"{len(self.errors)} rejected")
+        return "; ".join(parts)
 
 
 def get_cluster(name: str) -> Cluster:
@@ -47,9 +76,21 @@ def import_snapshot(
     missing are marked gone at `at` (claims released, their allocations ended). Malformed
     objects are reported in `errors` (naming the object and field) and the rest still loads;
     a malformed object that was known before is left as it was, not marked gone.
-    `objects` is consumed once, as a stream, so a large dump need not fit in memory.
+    `objects` is consumed once, as a stream, so a large dump need not fit in memory. The whole
+    snapshot is applied in one transaction: readers see it before or after, never half.
     """
-    raise NotImplementedError
+    report = SyncReport()
+    scope = set(kinds) if kinds is not None else set()
+    seen: dict[str, set[str]] = defaultdict(set)
+    writer = _Writer(cluster=cluster, at=at, report=report)
+    with transaction.atomic():
+        for parsed in _parse_stream(objects, report, seen):
+            writer.add(parsed)
+        writer.flush()
+        scope |= {kind for kind in seen if kind in KINDS}
+        writer.mark_missing(scope, seen)
+        writer.reconcile_touched_pools()
+    return report
 
 
 def apply_watch_event(
@@ -60,4 +101,536 @@ def apply_watch_event(
     `obj` must carry `kind` (the sync sets it, since watch events from typed lists may not).
     BOOKMARK and ERROR events are the caller's business and are not passed here.
     """
-    raise NotImplementedError
+    report = SyncReport()
+    writer = _Writer(cluster=cluster, at=at, report=report)
+    with transaction.atomic():
+        if event_type == "DELETED":
+            identity = dra.object_identity(obj)
+            if identity is None:
+                report.errors.append(f"{dra.object_ref(obj)}: metadata.name: is required")
+            elif identity[0] in KINDS:
+                writer.mark_deleted(*identity)
+        elif event_type in ("ADDED", "MODIFIED"):
+            for parsed in _parse_stream([obj], report, defaultdict(set)):
+                writer.add(parsed)
+            writer.flush()
+        else:
+            raise ValueError(f"unknown watch event type {event_type!r}")
+        writer.reconcile_touched_pools()
+    return report
+
+
+def _parse_stream(
+    objects: Iterable[Any], report: SyncReport, seen: dict[str, set[str]]
+) -> Iterator[dra.Parsed]:
+    for obj in objects:
+        identity = dra.object_identity(obj)
+        if identity is not None:
+            seen[identity[0]].add(identity[1])
+        try:
+            parsed = dra.parse_object(obj)
+        except dra.DRAObjectError as exc:
+            report.errors.append(str(exc))
+            log.warning("rejected %s", exc)
+            continue
+        if parsed is None:
+            report.skipped[obj.get("kind") or "<no kind>"] += 1
+            continue
+        yield parsed
+
+
+# Objects buffered before they are written in one go; bounds memory on large snapshots.
+_DEVICES_PER_FLUSH = 5000
+_CLAIMS_PER_FLUSH = 2000
+_POOLS_PER_RECONCILE = 500
+
+
+class _Writer:
+    """Writes parsed objects in batches; pools are reconciled from the stored slices at the end."""
+
+    def __init__(self, *, cluster: Cluster, at: datetime, report: SyncReport) -> None:
+        self.cluster = cluster
+        self.at = at
+        self.report = report
+        self.slices: list[dra.ParsedSlice] = []
+        self.buffered_devices = 0
+        self.claims: list[dra.ParsedClaim] = []
+        self.touched_pools: set[tuple[str, str]] = set()
+        self.node_ids: dict[str, int] = {}
+        self.gpu_drivers: frozenset[str] = settings.TALLY_GPU_DRIVERS
+
+    def add(self, parsed: dra.Parsed) -> None:
+        if isinstance(parsed, dra.ParsedSlice):
+            self.slices.append(parsed)
+            self.buffered_devices += len(parsed.devices) + 1
+            if self.buffered_devices >= _DEVICES_PER_FLUSH:
+                self._write_slices()
+        elif isinstance(parsed, dra.ParsedClaim):
+            self.claims.append(parsed)
+            if len(self.claims) >= _CLAIMS_PER_FLUSH:
+                self._write_claims()
+        elif isinstance(parsed, dra.ParsedDeviceClass):
+            self._write_device_class(parsed)
+        else:
+            self._write_node(parsed)
+
+    def flush(self) -> None:
+        self._write_slices()
+        self._write_claims()
+
+    # Nodes and device classes: few, written one by one.
+
+    def _write_node(self, parsed: dra.ParsedNode) -> None:
+        clique = parsed.labels.get("nvidia.com/gpu.clique", "")
+        node = Node.objects.filter(cluster=self.cluster, name=parsed.name).first()
+        if node is None:
+            node = Node.objects.create(
+                cluster=self.cluster,
+                name=parsed.name,
+                labels=parsed.labels,
+                clique=clique,
+                first_seen=self.at,
+            )
+            self.report.created["Node"] += 1
+        elif node.labels != parsed.labels or node.clique != clique or node.gone_at:
+            Node.objects.filter(pk=node.pk).update(
+                labels=parsed.labels, clique=clique, gone_at=None
+            )
+            self.report.updated["Node"] += 1
+        self.node_ids[parsed.name] = node.pk
+
+    def _write_device_class(self, parsed: dra.ParsedDeviceClass) -> None:
+        values = {
+            "uid": parsed.uid,
+            "api_version": parsed.api_version,
+            "selectors": parsed.selectors,
+            "extended_resource_name": parsed.extended_resource_name,
+            "spec": parsed.spec,
+            "resource_version": parsed.resource_version,
+        }
+        present = DeviceClass.objects.filter(
+            cluster=self.cluster, name=parsed.name, gone_at__isnull=True
+        )
+        current = present.values(*values).first()
+        if current is None:
+            DeviceClass.objects.create(
+                cluster=self.cluster, name=parsed.name, first_seen=self.at, **values
+            )
+            self.report.created["DeviceClass"] += 1
+        elif current != values:
+            present.update(**values)
+            self.report.updated["DeviceClass"] += 1
+
+    # Slices: stored whole; their pools are recounted afterwards.
+
+    def _write_slices(self) -> None:
+        if not self.slices:
+            return
+        by_name = {parsed.name: parsed for parsed in self.slices}
+        existing = {
+            row["name"]: row
+            for row in ResourceSlice.objects.filter(
+                cluster=self.cluster, gone_at__isnull=True, name__in=by_name
+            ).values("id", "name", "driver", "pool", "resource_version", "spec", "api_version")
+        }
+        new_rows, changed_rows = [], []
+        for parsed in by_name.values():
+            self.touched_pools.add((parsed.driver, parsed.pool))
+            row = ResourceSlice(
+                cluster=self.cluster,
+                name=parsed.name,
+                uid=parsed.uid,
+                api_version=parsed.api_version,
+                driver=parsed.driver,
+                pool=parsed.pool,
+                generation=parsed.generation,
+                resource_slice_count=parsed.resource_slice_count,
+                node_name=parsed.node_name,
+                spec=parsed.spec,
+                resource_version=parsed.resource_version,
+                first_seen=self.at,
+            )
+            old = existing.get(parsed.name)
+            if old is None:
+                new_rows.append(row)
+                continue
+            self.touched_pools.add((old["driver"], old["pool"]))
+            same_version = bool(old["resource_version"]) and (
+                old["resource_version"] == parsed.resource_version
+            )
+            unchanged = same_version or (
+                old["spec"] == parsed.spec and old["api_version"] == parsed.api_version
+            )
+            if not unchanged:
+                row.pk = old["id"]
+                changed_rows.append(row)
+        ResourceSlice.objects.bulk_create(new_rows, batch_size=1000)
+        ResourceSlice.objects.bulk_update(
+            changed_rows,
+            [
+                "uid",
+                "api_version",
+                "driver",
+                "pool",
+                "generation",
+                "resource_slice_count",
+                "node_name",
+                "spec",
+                "resource_version",
+            ],
+            batch_size=500,
+        )
+        self.report.created["ResourceSlice"] += len(new_rows)
+        self.report.updated["ResourceSlice"] += len(changed_rows)
+        self.slices = []
+        self.buffered_devices = 0
+
+    def reconcile_touched_pools(self) -> None:
+        pools = sorted(self.touched_pools)
+        self.touched_pools = set()
+        for start in range(0, len(pools), _POOLS_PER_RECONCILE):
+            self._reconcile_pools(pools[start : start + _POOLS_PER_RECONCILE])
+        if pools:
+            self._link_allocations({driver for driver, _ in pools})
+
+    def _reconcile_pools(self, pools: list[tuple[str, str]]) -> None:
+        """Recount each pool from its stored slices: newest complete generation only."""
+        wanted = set(pools)
+        pool_filter = Q(driver__in={d for d, _ in pools}, pool__in={p for _, p in pools})
+        slices: dict[tuple[str, str], list[dra.ParsedSlice]] = defaultdict(list)
+        for row in ResourceSlice.objects.filter(
+            pool_filter, cluster=self.cluster, gone_at__isnull=True
+        ).values("name", "api_version", "spec"):
+            parsed = dra.parse_object(
+                {
+                    "apiVersion": row["api_version"],
+                    "kind": "ResourceSlice",
+                    "metadata": {"name": row["name"]},
+                    "spec": row["spec"],
+                }
+            )
+            assert isinstance(parsed, dra.ParsedSlice)
+            if (parsed.driver, parsed.pool) in wanted:
+                slices[(parsed.driver, parsed.pool)].append(parsed)
+        existing: dict[tuple[str, str], dict[str, Device]] = defaultdict(dict)
+        for device in Device.objects.filter(
+            pool_filter, cluster=self.cluster, gone_at__isnull=True
+        ):
+            if (device.driver, device.pool) in wanted:
+                existing[(device.driver, device.pool)][device.name] = device
+        pool_rows = {
+            (row.driver, row.name): row
+            for row in Pool.objects.filter(
+                cluster=self.cluster,
+                driver__in={d for d, _ in pools},
+                name__in={p for _, p in pools},
+            )
+        }
+        new_devices: list[Device] = []
+        changed_devices: list[Device] = []
+        gone_ids: list[int] = []
+        for key in pools:
+            driver, pool_name = key
+            pool_slices = slices.get(key, [])
+            newest = max((s.generation for s in pool_slices), default=None)
+            at_newest = [s for s in pool_slices if s.generation == newest]
+            expected = max((s.resource_slice_count for s in at_newest), default=0)
+            pool_row = pool_rows.get(key) or Pool(
+                cluster=self.cluster, driver=driver, name=pool_name
+            )
+            pool_row.newest_generation = newest
+            pool_row.slices_expected = expected
+            pool_row.slices_seen = len(at_newest)
+            pool_row.updated_at = self.at
+            desired: dict[str, dra.CountedDevice] | None = None
+            if not pool_slices:
+                desired = {}
+            elif pool_row.complete:
+                pool_row.counted_generation = newest
+                desired = {}
+                for counted in dra.count_pool(
+                    driver=driver, pool=pool_name, slices=at_newest, gpu_drivers=self.gpu_drivers
+                ):
+                    if counted.device.name in desired:
+                        self.report.errors.append(
+                            f"ResourceSlice {counted.slice_name}: spec.devices: device "
+                            f"{counted.device.name!r} is published twice in pool {pool_name!r}"
+                        )
+                        continue
+                    desired[counted.device.name] = counted
+            pool_row.save()
+            if desired is None:
+                continue  # incomplete newest generation: keep counting the last complete one
+            node_ids = self._node_ids({c.device.node_name for c in desired.values()})
+            current = existing.get(key, {})
+            for name, counted in desired.items():
+                fields = _device_fields(counted, node_ids, pool_row.counted_generation or 0)
+                device = current.pop(name, None)
+                if device is None:
+                    new_devices.append(
+                        Device(
+                            cluster=self.cluster,
+                            driver=driver,
+                            pool=pool_name,
+                            name=name,
+                            first_seen=self.at,
+                            **fields,
+                        )
+                    )
+                elif any(getattr(device, attr) != value for attr, value in fields.items()):
+                    for attr, value in fields.items():
+                        setattr(device, attr, value)
+                    changed_devices.append(device)
+            gone_ids.extend(device.pk for device in current.values())
+        Device.objects.bulk_create(new_devices, batch_size=1000)
+        if changed_devices:
+            Device.objects.bulk_update(changed_devices, list(_DEVICE_FIELDS), batch_size=500)
+        if gone_ids:
+            Device.objects.filter(pk__in=gone_ids).update(gone_at=self.at)
+        self.report.created["Device"] += len(new_devices)
+        self.report.updated["Device"] += len(changed_devices)
+        self.report.gone["Device"] += len(gone_ids)
+
+    def _node_ids(self, names: set[str]) -> dict[str, int]:
+        """Ids of the named nodes, created (without labels) when first seen through a slice."""
+        names.discard("")
+        missing = names - self.node_ids.keys()
+        if missing:
+            for row in Node.objects.filter(cluster=self.cluster, name__in=missing).values(
+                "id", "name"
+            ):
+                self.node_ids[row["name"]] = row["id"]
+            new_nodes = [
+                Node(cluster=self.cluster, name=name, first_seen=self.at)
+                for name in sorted(missing - self.node_ids.keys())
+            ]
+            if new_nodes:
+                Node.objects.bulk_create(new_nodes, batch_size=1000)
+                self.report.created["Node"] += len(new_nodes)
+                for row in Node.objects.filter(
+                    cluster=self.cluster, name__in=[n.name for n in new_nodes]
+                ).values("id", "name"):
+                    self.node_ids[row["name"]] = row["id"]
+        return self.node_ids
+
+    # Claims and their allocations.
+
+    def _write_claims(self) -> None:
+        if not self.claims:
+            return
+        by_key = {parsed.key: parsed for parsed in self.claims}
+        self.claims = []
+        existing = {
+            claim.uid: claim
+            for claim in ResourceClaim.objects.filter(cluster=self.cluster, uid__in=by_key)
+        }
+        open_allocations: dict[int, dict[tuple[str, ...], Allocation]] = defaultdict(dict)
+        for allocation in Allocation.objects.filter(
+            claim__in=[c.pk for c in existing.values()], end__isnull=True
+        ):
+            open_allocations[allocation.claim_id][_allocation_key(allocation)] = allocation
+        claims_to_create = []
+        for key, parsed in by_key.items():
+            fields = _claim_fields(parsed)
+            claim = existing.get(key)
+            if claim is None:
+                claims_to_create.append(
+                    ResourceClaim(cluster=self.cluster, uid=key, first_seen=self.at, **fields)
+                )
+            elif claim.released_at is not None or any(
+                getattr(claim, attr) != value for attr, value in fields.items()
+            ):
+                ResourceClaim.objects.filter(pk=claim.pk).update(released_at=None, **fields)
+                self.report.updated["ResourceClaim"] += 1
+        ResourceClaim.objects.bulk_create(claims_to_create, batch_size=1000)
+        self.report.created["ResourceClaim"] += len(claims_to_create)
+        claim_ids = dict(
+            ResourceClaim.objects.filter(cluster=self.cluster, uid__in=by_key).values_list(
+                "uid", "pk"
+            )
+        )
+        new_allocations: list[Allocation] = []
+        ended: list[int] = []
+        for key, parsed in by_key.items():
+            claim_id = claim_ids[key]
+            current = open_allocations.get(claim_id, {})
+            start = min(parsed.allocated_at, self.at) if parsed.allocated_at else self.at
+            for result in parsed.results:
+                if result.admin_access:
+                    continue  # admin access observes a device; it does not hold it
+                result_key = (
+                    result.request,
+                    result.driver,
+                    result.pool,
+                    result.device,
+                    result.share_id,
+                )
+                if current.pop(result_key, None) is None:
+                    new_allocations.append(
+                        Allocation(
+                            cluster=self.cluster,
+                            claim_id=claim_id,
+                            request=result.request,
+                            driver=result.driver,
+                            pool=result.pool,
+                            device_name=result.device,
+                            share_id=result.share_id,
+                            consumed_capacity=result.consumed_capacity,
+                            start=start,
+                        )
+                    )
+            ended.extend(allocation.pk for allocation in current.values())
+        self._end_allocations(ended)
+        Allocation.objects.bulk_create(new_allocations, batch_size=1000)
+        self.report.created["Allocation"] += len(new_allocations)
+        if new_allocations:
+            self._link_allocations({a.driver for a in new_allocations})
+
+    def _end_allocations(self, allocation_ids: list[int]) -> None:
+        if allocation_ids:
+            ended = Allocation.objects.filter(pk__in=allocation_ids, end__isnull=True).update(
+                end=self.at
+            )
+            self.report.gone["Allocation"] += ended
+
+    def _link_allocations(self, drivers: set[str]) -> None:
+        """Tie allocations seen before their device to the device, once it is known."""
+        unlinked = list(
+            Allocation.objects.filter(
+                cluster=self.cluster, device__isnull=True, end__isnull=True, driver__in=drivers
+            ).values_list("pk", "driver", "pool", "device_name")
+        )
+        if not unlinked:
+            return
+        devices = {
+            (driver, pool, name): pk
+            for pk, driver, pool, name in Device.objects.filter(
+                cluster=self.cluster,
+                gone_at__isnull=True,
+                driver__in=drivers,
+                pool__in={pool for _, _, pool, _ in unlinked},
+                name__in={name for _, _, _, name in unlinked},
+            ).values_list("pk", "driver", "pool", "name")
+        }
+        for pk, driver, pool, name in unlinked:
+            device_id = devices.get((driver, pool, name))
+            if device_id is not None:
+                Allocation.objects.filter(pk=pk).update(device_id=device_id)
+
+    # Disappearance.
+
+    def mark_missing(self, scope: set[str], seen: dict[str, set[str]]) -> None:
+        """Mark objects of the snapshot's kinds that it does not hold as gone at `at`."""
+        for kind in sorted(scope):
+            present = seen.get(kind, set())
+            if kind == "ResourceClaim":
+                missing_claims = ResourceClaim.objects.filter(
+                    cluster=self.cluster, released_at__isnull=True
+                ).exclude(uid__in=present)
+                self._release_claims(list(missing_claims.values_list("pk", flat=True)))
+            elif kind == "ResourceSlice":
+                missing = ResourceSlice.objects.filter(
+                    cluster=self.cluster, gone_at__isnull=True
+                ).exclude(name__in=present)
+                self.touched_pools |= set(missing.values_list("driver", "pool"))
+                self.report.gone[kind] += missing.update(gone_at=self.at)
+            else:
+                model = {"Node": Node, "DeviceClass": DeviceClass}[kind]
+                missing_rows = model.objects.filter(
+                    cluster=self.cluster, gone_at__isnull=True
+                ).exclude(name__in=present)
+                self.report.gone[kind] += missing_rows.update(gone_at=self.at)
+
+    def mark_deleted(self, kind: str, identity: str) -> None:
+        """Mark one object gone (a claim released) because a watch reported it deleted."""
+        if kind == "ResourceClaim":
+            ids = ResourceClaim.objects.filter(
+                cluster=self.cluster, uid=identity, released_at__isnull=True
+            ).values_list("pk", flat=True)
+            self._release_claims(list(ids))
+            return
+        model = {"Node": Node, "DeviceClass": DeviceClass, "ResourceSlice": ResourceSlice}[kind]
+        rows = model.objects.filter(cluster=self.cluster, name=identity, gone_at__isnull=True)
+        if kind == "ResourceSlice":
+            self.touched_pools |= set(rows.values_list("driver", "pool"))
+        self.report.gone[kind] += rows.update(gone_at=self.at)
+
+    def _release_claims(self, claim_ids: list[int]) -> None:
+        if not claim_ids:
+            return
+        self._end_allocations(
+            list(
+                Allocation.objects.filter(claim__in=claim_ids, end__isnull=True).values_list(
+                    "pk", flat=True
+                )
+            )
+        )
+        self.report.gone["ResourceClaim"] += ResourceClaim.objects.filter(
+            pk__in=claim_ids, released_at__isnull=True
+        ).update(released_at=self.at)
+
+
+_DEVICE_FIELDS = (
+    "node_id",
+    "slice_name",
+    "pool_generation",
+    "kind",
+    "physical_gpu_key",
+    "gpu_share",
+    "attributes",
+    "capacity",
+    "extra",
+    "product_name",
+    "uuid",
+    "parent_uuid",
+    "device_type",
+    "profile",
+    "memory_bytes",
+    "architecture",
+    "driver_version",
+    "cuda_driver_version",
+    "cuda_compute_capability",
+)
+
+
+def _device_fields(
+    counted: dra.CountedDevice, node_ids: dict[str, int], generation: int
+) -> dict[str, Any]:
+    device = counted.device
+    return {
+        "node_id": node_ids.get(device.node_name),
+        "slice_name": counted.slice_name,
+        "pool_generation": generation,
+        "kind": counted.kind,
+        "physical_gpu_key": counted.physical_gpu_key,
+        "gpu_share": counted.gpu_share,
+        "attributes": device.attributes,
+        "capacity": device.capacity,
+        "extra": device.extra,
+        **counted.columns,
+    }
+
+
+def _claim_fields(parsed: dra.ParsedClaim) -> dict[str, Any]:
+    return {
+        "namespace": parsed.namespace,
+        "name": parsed.name,
+        "api_version": parsed.api_version,
+        "labels": parsed.labels,
+        "annotations": parsed.annotations,
+        "owner_references": parsed.owner_references,
+        "spec": parsed.spec,
+        "status": parsed.status,
+        "resource_version": parsed.resource_version,
+        "created_at": parsed.created_at,
+    }
+
+
+def _allocation_key(allocation: Allocation) -> tuple[str, ...]:
+    return (
+        allocation.request,
+        allocation.driver,
+        allocation.pool,
+        allocation.device_name,
+        allocation.share_id,
+    )

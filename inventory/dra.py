@@ -1,0 +1,690 @@
+"""Reading DRA objects: ResourceSlices, DeviceClasses, ResourceClaims and Nodes as plain data.
+
+Both API layouts are read. In `resource.k8s.io/v1` and `v1beta2` a slice's device carries its
+fields directly and a claim's request wraps them in `exactly`; in `v1beta1` (and `v1alpha3`)
+device fields sit under `basic` and request fields sit flat on the request. Everything is
+normalised to the v1 shape here, and fields this module does not know are kept, never dropped.
+
+A malformed object raises `DRAObjectError`, which names the object and the field.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from django.utils.dateparse import parse_datetime
+from kubernetes.utils import parse_quantity
+
+GROUP = "resource.k8s.io"
+# Attribute value types of the v1 API; one of them is set on every attribute value.
+ATTRIBUTE_TYPES = ("int", "bool", "string", "version", "ints", "bools", "strings", "versions")
+# Device fields that become their own columns; the rest of a device entry is kept in `extra`.
+DEVICE_COLUMNS = ("name", "attributes", "capacity")
+# NVIDIA's attribute domain: qualified names under it are read like unqualified ones.
+NVIDIA_DOMAIN = "gpu.nvidia.com"
+
+
+class DRAObjectError(ValueError):
+    """A DRA object that cannot be read; the message names the object and the field."""
+
+    def __init__(self, obj_ref: str, field_path: str, problem: str) -> None:
+        self.obj_ref = obj_ref
+        self.field_path = field_path
+        self.problem = problem
+        super().__init__(f"{obj_ref}: {field_path}: {problem}")
+
+
+@dataclass(slots=True)
+class ParsedDevice:
+    """One device entry of a slice, normalised to the v1 layout."""
+
+    name: str
+    attributes: dict[str, dict[str, Any]]
+    capacity: dict[str, dict[str, Any]]
+    extra: dict[str, Any]
+    consumes_counters: list[dict[str, Any]]
+    node_name: str
+
+    def attribute(self, name: str, driver: str) -> Any:
+        """The value of attribute `name`, unqualified or qualified with the driver's domain."""
+        for key in (name, f"{driver}/{name}", f"{NVIDIA_DOMAIN}/{name}"):
+            value = self.attributes.get(key)
+            if value is not None:
+                for type_name in ATTRIBUTE_TYPES:
+                    if type_name in value:
+                        return value[type_name]
+        return None
+
+    def capacity_value(self, name: str, driver: str) -> Decimal | None:
+        for key in (name, f"{driver}/{name}", f"{NVIDIA_DOMAIN}/{name}"):
+            entry = self.capacity.get(key)
+            if entry is not None and "value" in entry:
+                return Decimal(parse_quantity(entry["value"]))
+        return None
+
+
+@dataclass(slots=True)
+class ParsedSlice:
+    name: str
+    uid: str
+    api_version: str
+    resource_version: str
+    driver: str
+    pool: str
+    generation: int
+    resource_slice_count: int
+    node_name: str
+    devices: list[ParsedDevice]
+    shared_counters: list[dict[str, Any]]
+    spec: dict[str, Any]
+
+
+@dataclass(slots=True)
+class ParsedDeviceClass:
+    name: str
+    uid: str
+    api_version: str
+    resource_version: str
+    selectors: list[str]
+    extended_resource_name: str
+    spec: dict[str, Any]
+
+
+@dataclass(slots=True)
+class ParsedRequest:
+    """A device request, or one alternative of a `firstAvailable` request."""
+
+    name: str
+    device_class_name: str
+    selectors: list[str]
+    allocation_mode: str
+    count: int
+    admin_access: bool
+    capacity_requests: dict[str, str]
+    first_available: list[ParsedRequest] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class ParsedResult:
+    """One entry of `status.allocation.devices.results`."""
+
+    request: str
+    driver: str
+    pool: str
+    device: str
+    admin_access: bool
+    share_id: str
+    consumed_capacity: dict[str, str]
+
+
+@dataclass(slots=True)
+class ParsedClaim:
+    namespace: str
+    name: str
+    uid: str
+    api_version: str
+    resource_version: str
+    labels: dict[str, str]
+    annotations: dict[str, str]
+    owner_references: list[dict[str, Any]]
+    created_at: datetime | None
+    requests: list[ParsedRequest]
+    results: list[ParsedResult]
+    allocated_at: datetime | None
+    spec: dict[str, Any]
+    status: dict[str, Any]
+
+    @property
+    def key(self) -> str:
+        """The claim's identity: its uid, or namespace/name for objects written by hand."""
+        return self.uid or f"{self.namespace}/{self.name}"
+
+
+@dataclass(slots=True)
+class ParsedNode:
+    name: str
+    labels: dict[str, str]
+
+
+Parsed = ParsedSlice | ParsedDeviceClass | ParsedClaim | ParsedNode
+
+
+class _Reader:
+    """Typed access to one object's fields, with errors that name the object and field."""
+
+    def __init__(self, obj_ref: str) -> None:
+        self.obj_ref = obj_ref
+
+    def fail(self, path: str, problem: str) -> DRAObjectError:
+        return DRAObjectError(self.obj_ref, path, problem)
+
+    def mapping(self, parent: dict[str, Any], key: str, path: str) -> dict[str, Any]:
+        value = parent.get(key)
+        if value is None:
+            return {}
+        if not isinstance(value, dict):
+            raise self.fail(f"{path}.{key}", f"must be a mapping, not {_type_name(value)}")
+        return value
+
+    def listing(self, parent: dict[str, Any], key: str, path: str) -> list[Any]:
+        value = parent.get(key)
+        if value is None:
+            return []
+        if not isinstance(value, list):
+            raise self.fail(f"{path}.{key}", f"must be a list, not {_type_name(value)}")
+        return value
+
+    def string(self, parent: dict[str, Any], key: str, path: str, *, required: bool) -> str:
+        value = parent.get(key)
+        if value is None or value == "":
+            if required:
+                raise self.fail(f"{path}.{key}", "is required")
+            return ""
+        if not isinstance(value, str):
+            raise self.fail(f"{path}.{key}", f"must be a string, not {_type_name(value)}")
+        return value
+
+    def integer(self, parent: dict[str, Any], key: str, path: str, *, default: int | None) -> int:
+        value = parent.get(key)
+        if value is None:
+            if default is None:
+                raise self.fail(f"{path}.{key}", "is required")
+            return default
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise self.fail(f"{path}.{key}", f"must be an integer, not {_type_name(value)}")
+        return value
+
+    def quantity(self, value: Any, path: str) -> str:
+        if isinstance(value, bool) or not isinstance(value, str | int | float):
+            raise self.fail(path, f"must be a quantity, not {_type_name(value)}")
+        try:
+            parse_quantity(value)
+        except ValueError as exc:
+            raise self.fail(path, f"{value!r} is not a valid quantity") from exc
+        return str(value)
+
+    def timestamp(self, parent: dict[str, Any], key: str, path: str) -> datetime | None:
+        value = parent.get(key)
+        if value is None:
+            return None
+        if isinstance(value, datetime):  # YAML loaders turn unquoted timestamps into datetimes
+            return value
+        parsed = parse_datetime(value) if isinstance(value, str) else None
+        if parsed is None:
+            raise self.fail(f"{path}.{key}", f"{value!r} is not an RFC 3339 timestamp")
+        return parsed
+
+
+def _type_name(value: Any) -> str:
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def object_ref(obj: Any) -> str:
+    """`Kind namespace/name` for messages, as far as the object allows."""
+    if not isinstance(obj, dict):
+        return f"object of type {type(obj).__name__}"
+    metadata = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+    name = metadata.get("name") or metadata.get("generateName") or "<no name>"
+    namespace = metadata.get("namespace")
+    kind = obj.get("kind") or "<no kind>"
+    return f"{kind} {namespace}/{name}" if namespace else f"{kind} {name}"
+
+
+def object_identity(obj: Any) -> tuple[str, str] | None:
+    """(kind, identity) of an object, when it has enough to be known, even if malformed.
+
+    Used so that a malformed version of a known object is not taken for its disappearance.
+    """
+    if not isinstance(obj, dict) or not isinstance(obj.get("metadata"), dict):
+        return None
+    metadata = obj["metadata"]
+    kind = obj.get("kind")
+    name = metadata.get("name")
+    if not isinstance(kind, str) or not isinstance(name, str) or not name:
+        return None
+    if kind == "ResourceClaim":
+        uid = metadata.get("uid")
+        namespace = metadata.get("namespace") or "default"
+        return kind, uid if isinstance(uid, str) and uid else f"{namespace}/{name}"
+    return kind, name
+
+
+def parse_object(obj: Any) -> Parsed | None:
+    """Parse one Kubernetes object; None for kinds the inventory does not keep."""
+    ref = object_ref(obj)
+    reader = _Reader(ref)
+    if not isinstance(obj, dict):
+        raise reader.fail("<object>", "must be a mapping")
+    kind = obj.get("kind")
+    api_version = obj.get("apiVersion")
+    if not isinstance(kind, str) or not kind:
+        raise reader.fail("kind", "is required")
+    if kind not in _PARSERS:
+        return None
+    if not isinstance(api_version, str) or not api_version:
+        raise reader.fail("apiVersion", "is required")
+    group = api_version.rsplit("/", 1)[0] if "/" in api_version else ""
+    if kind != "Node" and group != GROUP:
+        raise reader.fail("apiVersion", f"{api_version!r} is not in the {GROUP} group")
+    metadata = reader.mapping(obj, "metadata", "")
+    return _PARSERS[kind](obj, api_version, metadata, reader)
+
+
+def _parse_slice(
+    obj: dict[str, Any], api_version: str, metadata: dict[str, Any], reader: _Reader
+) -> ParsedSlice:
+    name = reader.string(metadata, "name", "metadata", required=True)
+    spec = reader.mapping(obj, "spec", "")
+    if not spec:
+        raise reader.fail("spec", "is required")
+    pool = reader.mapping(spec, "pool", "spec")
+    if not pool:
+        raise reader.fail("spec.pool", "is required")
+    driver = reader.string(spec, "driver", "spec", required=True)
+    slice_node = reader.string(spec, "nodeName", "spec", required=False)
+    devices = [
+        _parse_device(entry, f"spec.devices[{index}]", reader, slice_node)
+        for index, entry in enumerate(reader.listing(spec, "devices", "spec"))
+    ]
+    shared = reader.listing(spec, "sharedCounters", "spec")
+    for index, counter_set in enumerate(shared):
+        if not isinstance(counter_set, dict):
+            raise reader.fail(f"spec.sharedCounters[{index}]", "must be a mapping")
+        reader.string(counter_set, "name", f"spec.sharedCounters[{index}]", required=True)
+        _quantities(reader, counter_set, "counters", f"spec.sharedCounters[{index}]")
+    slice_count = reader.integer(pool, "resourceSliceCount", "spec.pool", default=1)
+    if slice_count < 1:
+        raise reader.fail("spec.pool.resourceSliceCount", "must be at least 1")
+    return ParsedSlice(
+        name=name,
+        uid=reader.string(metadata, "uid", "metadata", required=False),
+        api_version=api_version,
+        resource_version=str(metadata.get("resourceVersion") or ""),
+        driver=driver,
+        pool=reader.string(pool, "name", "spec.pool", required=True),
+        generation=reader.integer(pool, "generation", "spec.pool", default=0),
+        resource_slice_count=slice_count,
+        node_name=slice_node,
+        devices=devices,
+        shared_counters=shared,
+        spec=spec,
+    )
+
+
+def _quantities(reader: _Reader, parent: dict[str, Any], key: str, path: str) -> None:
+    """Check a `{name: {value: quantity}}` mapping, as counters and capacities are."""
+    for counter, entry in reader.mapping(parent, key, path).items():
+        entry_path = f"{path}.{key}.{counter}"
+        if not isinstance(entry, dict) or "value" not in entry:
+            raise reader.fail(entry_path, "must be a mapping with a value")
+        reader.quantity(entry["value"], f"{entry_path}.value")
+
+
+def _parse_device(entry: Any, path: str, reader: _Reader, slice_node: str) -> ParsedDevice:
+    if not isinstance(entry, dict):
+        raise reader.fail(path, "must be a mapping")
+    fields = dict(entry)
+    basic = fields.pop("basic", None)  # v1beta1 and v1alpha3 wrap the device's fields
+    if basic is not None:
+        if not isinstance(basic, dict):
+            raise reader.fail(f"{path}.basic", "must be a mapping")
+        fields = {**basic, **fields}
+    name = reader.string(fields, "name", path, required=True)
+    attributes = reader.mapping(fields, "attributes", path)
+    for key, value in attributes.items():
+        if not isinstance(value, dict) or not any(t in value for t in ATTRIBUTE_TYPES):
+            raise reader.fail(
+                f"{path}.attributes.{key}", f"must set one of {', '.join(ATTRIBUTE_TYPES[:4])}"
+            )
+    capacity: dict[str, dict[str, Any]] = {}
+    for key, value in reader.mapping(fields, "capacity", path).items():
+        # v1alpha3 wrote a bare quantity; later versions a mapping with `value`.
+        entry_value = value if isinstance(value, dict) else {"value": value}
+        if "value" not in entry_value:
+            raise reader.fail(f"{path}.capacity.{key}", "must have a value")
+        reader.quantity(entry_value["value"], f"{path}.capacity.{key}.value")
+        capacity[key] = entry_value
+    consumes = reader.listing(fields, "consumesCounters", path)
+    for index, consumption in enumerate(consumes):
+        consumption_path = f"{path}.consumesCounters[{index}]"
+        if not isinstance(consumption, dict):
+            raise reader.fail(consumption_path, "must be a mapping")
+        reader.string(consumption, "counterSet", consumption_path, required=True)
+        _quantities(reader, consumption, "counters", consumption_path)
+    node_name = reader.string(fields, "nodeName", path, required=False) or slice_node
+    extra = {key: value for key, value in fields.items() if key not in DEVICE_COLUMNS}
+    return ParsedDevice(
+        name=name,
+        attributes=attributes,
+        capacity=capacity,
+        extra=extra,
+        consumes_counters=consumes,
+        node_name=node_name,
+    )
+
+
+def _parse_device_class(
+    obj: dict[str, Any], api_version: str, metadata: dict[str, Any], reader: _Reader
+) -> ParsedDeviceClass:
+    spec = reader.mapping(obj, "spec", "")
+    return ParsedDeviceClass(
+        name=reader.string(metadata, "name", "metadata", required=True),
+        uid=reader.string(metadata, "uid", "metadata", required=False),
+        api_version=api_version,
+        resource_version=str(metadata.get("resourceVersion") or ""),
+        selectors=_selectors(reader, spec, "spec"),
+        extended_resource_name=reader.string(spec, "extendedResourceName", "spec", required=False),
+        spec=spec,
+    )
+
+
+def _selectors(reader: _Reader, parent: dict[str, Any], path: str) -> list[str]:
+    expressions = []
+    for index, selector in enumerate(reader.listing(parent, "selectors", path)):
+        selector_path = f"{path}.selectors[{index}]"
+        if not isinstance(selector, dict):
+            raise reader.fail(selector_path, "must be a mapping")
+        cel = selector.get("cel")
+        if not isinstance(cel, dict):
+            problem = "is missing" if cel is None else f"must be a mapping, not {_type_name(cel)}"
+            raise reader.fail(f"{selector_path}.cel", problem)
+        expressions.append(reader.string(cel, "expression", f"{selector_path}.cel", required=True))
+    return expressions
+
+
+def _parse_request(fields: dict[str, Any], path: str, reader: _Reader) -> ParsedRequest:
+    capacity_requests = {}
+    capacity = reader.mapping(fields, "capacity", path)
+    for key, value in reader.mapping(capacity, "requests", f"{path}.capacity").items():
+        capacity_requests[key] = reader.quantity(value, f"{path}.capacity.requests.{key}")
+    mode = reader.string(fields, "allocationMode", path, required=False) or "ExactCount"
+    count = reader.integer(fields, "count", path, default=1)
+    if count < 0:
+        raise reader.fail(f"{path}.count", "must not be negative")
+    admin_access = fields.get("adminAccess") or False
+    if not isinstance(admin_access, bool):
+        raise reader.fail(f"{path}.adminAccess", "must be a boolean")
+    return ParsedRequest(
+        name=reader.string(fields, "name", path, required=True),
+        device_class_name=reader.string(fields, "deviceClassName", path, required=False),
+        selectors=_selectors(reader, fields, path),
+        allocation_mode=mode,
+        count=count,
+        admin_access=admin_access,
+        capacity_requests=capacity_requests,
+    )
+
+
+def parse_claim_requests(
+    spec: dict[str, Any], api_version: str, reader: _Reader | None = None
+) -> list[ParsedRequest]:
+    """The requests of a claim spec (or a template's inner spec), in the v1 shape."""
+    reader = reader or _Reader("ResourceClaim")
+    devices = reader.mapping(spec, "devices", "spec")
+    flat = api_version.endswith(("/v1beta1", "/v1alpha3"))
+    requests = []
+    for index, request in enumerate(reader.listing(devices, "requests", "spec.devices")):
+        path = f"spec.devices.requests[{index}]"
+        if not isinstance(request, dict):
+            raise reader.fail(path, "must be a mapping")
+        name = reader.string(request, "name", path, required=True)
+        alternatives = [
+            _parse_request(alternative, f"{path}.firstAvailable[{alt_index}]", reader)
+            for alt_index, alternative in enumerate(reader.listing(request, "firstAvailable", path))
+        ]
+        if alternatives:
+            parsed = ParsedRequest(
+                name=name,
+                device_class_name="",
+                selectors=[],
+                allocation_mode="",
+                count=0,
+                admin_access=False,
+                capacity_requests={},
+                first_available=alternatives,
+            )
+        elif flat:
+            parsed = _parse_request(request, path, reader)
+        else:
+            exactly = reader.mapping(request, "exactly", path)
+            if not exactly:
+                raise reader.fail(f"{path}.exactly", "is required when firstAvailable is empty")
+            parsed = _parse_request({**exactly, "name": name}, f"{path}.exactly", reader)
+        if not parsed.first_available and not parsed.device_class_name:
+            raise reader.fail(f"{path}.deviceClassName", "is required")
+        requests.append(parsed)
+    return requests
+
+
+def _parse_claim(
+    obj: dict[str, Any], api_version: str, metadata: dict[str, Any], reader: _Reader
+) -> ParsedClaim:
+    spec = reader.mapping(obj, "spec", "")
+    status = reader.mapping(obj, "status", "")
+    allocation = reader.mapping(status, "allocation", "status")
+    allocation_devices = reader.mapping(allocation, "devices", "status.allocation")
+    results = []
+    for index, result in enumerate(
+        reader.listing(allocation_devices, "results", "status.allocation.devices")
+    ):
+        path = f"status.allocation.devices.results[{index}]"
+        if not isinstance(result, dict):
+            raise reader.fail(path, "must be a mapping")
+        consumed = {
+            key: reader.quantity(value, f"{path}.consumedCapacity.{key}")
+            for key, value in reader.mapping(result, "consumedCapacity", path).items()
+        }
+        results.append(
+            ParsedResult(
+                request=reader.string(result, "request", path, required=True),
+                driver=reader.string(result, "driver", path, required=True),
+                pool=reader.string(result, "pool", path, required=True),
+                device=reader.string(result, "device", path, required=True),
+                admin_access=result.get("adminAccess") is True,
+                share_id=reader.string(result, "shareID", path, required=False),
+                consumed_capacity=consumed,
+            )
+        )
+    owners = reader.listing(metadata, "ownerReferences", "metadata")
+    return ParsedClaim(
+        namespace=reader.string(metadata, "namespace", "metadata", required=False) or "default",
+        name=reader.string(metadata, "name", "metadata", required=True),
+        uid=reader.string(metadata, "uid", "metadata", required=False),
+        api_version=api_version,
+        resource_version=str(metadata.get("resourceVersion") or ""),
+        labels=_string_map(reader, metadata, "labels"),
+        annotations=_string_map(reader, metadata, "annotations"),
+        owner_references=owners,
+        created_at=reader.timestamp(metadata, "creationTimestamp", "metadata"),
+        requests=parse_claim_requests(spec, api_version, reader),
+        results=results,
+        allocated_at=reader.timestamp(allocation, "allocationTimestamp", "status.allocation"),
+        spec=spec,
+        status=status,
+    )
+
+
+def _string_map(reader: _Reader, metadata: dict[str, Any], key: str) -> dict[str, str]:
+    values = reader.mapping(metadata, key, "metadata")
+    for label, value in values.items():
+        if not isinstance(value, str):
+            raise reader.fail(f"metadata.{key}.{label}", "must be a string")
+    return values
+
+
+def _parse_node(
+    obj: dict[str, Any], api_version: str, metadata: dict[str, Any], reader: _Reader
+) -> ParsedNode:
+    return ParsedNode(
+        name=reader.string(metadata, "name", "metadata", required=True),
+        labels=_string_map(reader, metadata, "labels"),
+    )
+
+
+_PARSERS = {
+    "ResourceSlice": _parse_slice,
+    "DeviceClass": _parse_device_class,
+    "ResourceClaim": _parse_claim,
+    "Node": _parse_node,
+}
+
+_MIG_PROFILE = re.compile(r"^(?P<slices>\d+)g\.")
+# Compute slices of a whole GPU, by product; MIG-capable GPUs not listed here have 7.
+_MIG_SLICES_BY_PRODUCT = {"A30": 4}
+_GPU_TYPES = {"gpu": "gpu", "vfio": "gpu", "mig": "mig"}
+
+
+@dataclass(slots=True)
+class CountedDevice:
+    """A device of a pool's counted generation, with what counting needs worked out."""
+
+    slice_name: str
+    device: ParsedDevice
+    kind: str  # one of inventory.models.DeviceKind
+    physical_gpu_key: str
+    gpu_share: Decimal
+    columns: dict[str, Any]
+
+
+def is_gpu_driver(driver: str, gpu_drivers: frozenset[str]) -> bool:
+    """Whether devices without a `type` attribute from `driver` are GPUs."""
+    return driver in gpu_drivers or "gpu" in driver.split(".", 1)[0]
+
+
+def count_pool(
+    *, driver: str, pool: str, slices: list[ParsedSlice], gpu_drivers: frozenset[str]
+) -> list[CountedDevice]:
+    """Classify the devices of one complete pool generation and tie each to its physical GPU.
+
+    A whole GPU, its MIG devices and its partitions get the same `physical_gpu_key`: the GPU's
+    UUID where the driver publishes one (`uuid`, or `parentUUID` on MIG devices), else the
+    shared counter set the devices consume (KEP-4815), else the device itself.
+    """
+    totals: dict[str, dict[str, Decimal]] = {}
+    for parsed_slice in slices:
+        for counter_set in parsed_slice.shared_counters:
+            totals[counter_set["name"]] = {
+                name: Decimal(parse_quantity(entry["value"]))
+                for name, entry in (counter_set.get("counters") or {}).items()
+            }
+    # A counter set consumed by a device that names its GPU identifies that GPU for the rest.
+    uuid_by_set: dict[str, str] = {}
+    for parsed_slice in slices:
+        for device in parsed_slice.devices:
+            gpu_uuid = _gpu_uuid(device, driver)
+            if gpu_uuid and device.consumes_counters:
+                uuid_by_set.setdefault(device.consumes_counters[0]["counterSet"], gpu_uuid)
+    counted = []
+    gpu_driver = is_gpu_driver(driver, gpu_drivers)
+    for parsed_slice in slices:
+        for device in parsed_slice.devices:
+            columns = _columns(device, driver)
+            kind = _kind(device, columns["device_type"], gpu_driver, totals)
+            counter_set = (
+                device.consumes_counters[0]["counterSet"] if device.consumes_counters else ""
+            )
+            key = ""
+            if kind != "other":
+                key = (
+                    _gpu_uuid(device, driver)
+                    or uuid_by_set.get(counter_set)
+                    or f"{driver}/{pool}/{counter_set or device.name}"
+                )
+            counted.append(
+                CountedDevice(
+                    slice_name=parsed_slice.name,
+                    device=device,
+                    kind=kind,
+                    physical_gpu_key=key,
+                    gpu_share=_share(device, kind, columns, totals),
+                    columns=columns,
+                )
+            )
+    return counted
+
+
+def _gpu_uuid(device: ParsedDevice, driver: str) -> str:
+    if device.attribute("type", driver) == "mig":
+        return str(device.attribute("parentUUID", driver) or "")
+    return str(device.attribute("uuid", driver) or "")
+
+
+def _kind(
+    device: ParsedDevice,
+    device_type: str,
+    gpu_driver: bool,
+    totals: dict[str, dict[str, Decimal]],
+) -> str:
+    if device_type:
+        return _GPU_TYPES.get(device_type, "other")
+    if not gpu_driver:
+        return "other"
+    fraction = _counter_fraction(device, totals)
+    return "partition" if fraction is not None and fraction < 1 else "gpu"
+
+
+def _counter_fraction(
+    device: ParsedDevice, totals: dict[str, dict[str, Decimal]]
+) -> Decimal | None:
+    """The share of its counter set a device consumes: memory where counted, else the first."""
+    if not device.consumes_counters:
+        return None
+    consumption = device.consumes_counters[0]
+    total = totals.get(consumption["counterSet"])
+    counters = consumption.get("counters") or {}
+    if not total or not counters:
+        return None
+    name = "memory" if "memory" in counters else next(iter(counters))
+    if not total.get(name):
+        return None
+    return min(Decimal(parse_quantity(counters[name]["value"])) / total[name], Decimal(1))
+
+
+def _share(
+    device: ParsedDevice,
+    kind: str,
+    columns: dict[str, Any],
+    totals: dict[str, dict[str, Decimal]],
+) -> Decimal:
+    if kind == "other":
+        return Decimal(0)
+    if kind == "gpu":
+        return Decimal(1)
+    if kind == "mig":
+        match = _MIG_PROFILE.match(columns["profile"])
+        if match:
+            product = columns["product_name"]
+            slices = next((n for name, n in _MIG_SLICES_BY_PRODUCT.items() if name in product), 7)
+            return (Decimal(int(match["slices"])) / slices).quantize(Decimal("0.000001"))
+    fraction = _counter_fraction(device, totals)
+    return (fraction if fraction is not None else Decimal(1)).quantize(Decimal("0.000001"))
+
+
+def _columns(device: ParsedDevice, driver: str) -> dict[str, Any]:
+    """The attributes promoted to indexed columns, as strings (versions as published)."""
+
+    def text(name: str) -> str:
+        value = device.attribute(name, driver)
+        return "" if value is None or isinstance(value, list) else str(value)
+
+    memory = device.capacity_value("memory", driver)
+    if memory is None:
+        memory = device.capacity_value("addressableMemory", driver)
+    return {
+        "product_name": text("productName") or text("model"),
+        "uuid": text("uuid"),
+        "parent_uuid": text("parentUUID"),
+        "device_type": text("type"),
+        "profile": text("profile"),
+        "memory_bytes": int(memory) if memory is not None else None,
+        "architecture": text("architecture"),
+        "driver_version": text("driverVersion"),
+        "cuda_driver_version": text("cudaDriverVersion"),
+        "cuda_compute_capability": text("cudaComputeCapability"),
+    }
