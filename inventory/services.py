@@ -231,7 +231,7 @@ class _Writer:
             row["name"]: row
             for row in ResourceSlice.objects.filter(
                 cluster=self.cluster, gone_at__isnull=True, name__in=by_name
-            ).values("id", "name", "driver", "pool", "resource_version", "spec", "api_version")
+            ).values("id", "name", "driver", "pool", "spec", "api_version")
         }
         new_rows, changed_rows = [], []
         for parsed in by_name.values():
@@ -255,12 +255,7 @@ class _Writer:
                 new_rows.append(row)
                 continue
             self.touched_pools.add((old["driver"], old["pool"]))
-            same_version = bool(old["resource_version"]) and (
-                old["resource_version"] == parsed.resource_version
-            )
-            unchanged = same_version or (
-                old["spec"] == parsed.spec and old["api_version"] == parsed.api_version
-            )
+            unchanged = old["spec"] == parsed.spec and old["api_version"] == parsed.api_version
             if not unchanged:
                 row.pk = old["id"]
                 changed_rows.append(row)
