@@ -87,16 +87,17 @@ def serve(argv: list[str]) -> int:
 
 def test(argv: list[str]) -> int:
     """Lint, format check, type check, then the whole pytest suite; non-zero when any fails."""
+    env = {**os.environ, "SECRET_KEY": os.environ.get("SECRET_KEY", "tests-only-not-secret")}
     for step in (
         [BIN / "ruff", "check", "."],
         [BIN / "ruff", "format", "--check", "."],
         [BIN / "mypy", "."],
     ):
         print("+", " ".join(map(str, step)), flush=True)
-        if subprocess.run([str(s) for s in step], cwd=ROOT).returncode:
+        if subprocess.run([str(s) for s in step], cwd=ROOT, env=env).returncode:
             return 1
     print("+ pytest", *argv, flush=True)
-    return subprocess.run([str(PYTHON), "-m", "pytest", *argv], cwd=ROOT).returncode
+    return subprocess.run([str(PYTHON), "-m", "pytest", *argv], cwd=ROOT, env=env).returncode
 
 
 def main() -> int:

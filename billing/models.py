@@ -1,0 +1,1 @@
+"""billing: see the issues; built on the inventory."""

@@ -1,0 +1,1 @@
+"""frontend: see the issues; built on the inventory."""

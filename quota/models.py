@@ -1,0 +1,1 @@
+"""quota: see the issues; built on the inventory."""
