@@ -285,8 +285,8 @@ class _Writer:
         self.touched_pools = set()
         for start in range(0, len(pools), _POOLS_PER_RECONCILE):
             self._reconcile_pools(pools[start : start + _POOLS_PER_RECONCILE])
-        if pools:
-            self._link_allocations({driver for driver, _ in pools})
+        for start in range(0, len(pools), _POOLS_PER_RECONCILE):
+            self._link_allocations(pools[start : start + _POOLS_PER_RECONCILE])
 
     def _reconcile_pools(self, pools: list[tuple[str, str]]) -> None:
         """Recount each pool from its stored slices: newest complete generation only."""
@@ -476,10 +476,13 @@ class _Writer:
                     )
             ended.extend(allocation.pk for allocation in current.values())
         self._end_allocations(ended)
+        device_ids = self._device_ids({(a.driver, a.pool, a.device_name) for a in new_allocations})
+        for allocation in new_allocations:
+            allocation.device_id = device_ids.get(
+                (allocation.driver, allocation.pool, allocation.device_name)
+            )
         Allocation.objects.bulk_create(new_allocations, batch_size=1000)
         self.report.created["Allocation"] += len(new_allocations)
-        if new_allocations:
-            self._link_allocations({a.driver for a in new_allocations})
 
     def _end_allocations(self, allocation_ids: list[int]) -> None:
         if allocation_ids:
@@ -488,29 +491,45 @@ class _Writer:
             )
             self.report.gone["Allocation"] += ended
 
-    def _link_allocations(self, drivers: set[str]) -> None:
-        """Tie allocations seen before their device to the device, once it is known."""
-        unlinked = list(
-            Allocation.objects.filter(
-                cluster=self.cluster, device__isnull=True, end__isnull=True, driver__in=drivers
-            ).values_list("pk", "driver", "pool", "device_name")
-        )
-        if not unlinked:
-            return
-        devices = {
+    def _device_ids(self, names: set[tuple[str, str, str]]) -> dict[tuple[str, str, str], int]:
+        """Present devices by (driver, pool, name)."""
+        if not names:
+            return {}
+        return {
             (driver, pool, name): pk
             for pk, driver, pool, name in Device.objects.filter(
                 cluster=self.cluster,
                 gone_at__isnull=True,
-                driver__in=drivers,
-                pool__in={pool for _, _, pool, _ in unlinked},
-                name__in={name for _, _, _, name in unlinked},
+                driver__in={driver for driver, _, _ in names},
+                pool__in={pool for _, pool, _ in names},
+                name__in={name for _, _, name in names},
             ).values_list("pk", "driver", "pool", "name")
+            if (driver, pool, name) in names
         }
-        for pk, driver, pool, name in unlinked:
-            device_id = devices.get((driver, pool, name))
-            if device_id is not None:
-                Allocation.objects.filter(pk=pk).update(device_id=device_id)
+
+    def _link_allocations(self, pools: list[tuple[str, str]]) -> None:
+        """Tie open allocations seen before their device to the device, once it is known."""
+        wanted = set(pools)
+        unlinked = [
+            allocation
+            for allocation in Allocation.objects.filter(
+                cluster=self.cluster,
+                device__isnull=True,
+                end__isnull=True,
+                driver__in={driver for driver, _ in pools},
+                pool__in={pool for _, pool in pools},
+            ).only("pk", "driver", "pool", "device_name")
+            if (allocation.driver, allocation.pool) in wanted
+        ]
+        device_ids = self._device_ids({(a.driver, a.pool, a.device_name) for a in unlinked})
+        linked = []
+        for allocation in unlinked:
+            allocation.device_id = device_ids.get(
+                (allocation.driver, allocation.pool, allocation.device_name)
+            )
+            if allocation.device_id is not None:
+                linked.append(allocation)
+        Allocation.objects.bulk_update(linked, ["device"], batch_size=1000)
 
     # Disappearance.
 
