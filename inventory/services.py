@@ -18,6 +18,7 @@ from django.db import transaction
 from django.db.models import Q
 
 from inventory import dra
+from inventory.bulk import bulk_insert
 from inventory.models import (
     Allocation,
     Cluster,
@@ -156,6 +157,7 @@ class _Writer:
         self.buffered_devices = 0
         self.claims: list[dra.ParsedClaim] = []
         self.touched_pools: set[tuple[str, str]] = set()
+        self.linkable_pools: set[tuple[str, str]] = set()
         self.node_ids: dict[str, int] = {}
         self.gpu_drivers: frozenset[str] = settings.TALLY_GPU_DRIVERS
 
@@ -259,7 +261,7 @@ class _Writer:
             if not unchanged:
                 row.pk = old["id"]
                 changed_rows.append(row)
-        ResourceSlice.objects.bulk_create(new_rows, batch_size=1000)
+        bulk_insert(ResourceSlice, new_rows)
         ResourceSlice.objects.bulk_update(
             changed_rows,
             [
@@ -277,24 +279,61 @@ class _Writer:
         )
         self.report.created["ResourceSlice"] += len(new_rows)
         self.report.updated["ResourceSlice"] += len(changed_rows)
+        self._reconcile_pools_in_hand(list(by_name.values()))
         self.slices = []
         self.buffered_devices = 0
 
+    def _reconcile_pools_in_hand(self, written: list[dra.ParsedSlice]) -> None:
+        """Recount now the pools whose every stored slice was just written.
+
+        That is the common case (a pool is one slice, or its slices arrive together) and saves
+        reading the slices back; other pools are recounted from storage at the end.
+        """
+        in_hand: dict[tuple[str, str], list[dra.ParsedSlice]] = defaultdict(list)
+        for parsed in written:
+            in_hand[(parsed.driver, parsed.pool)].append(parsed)
+        stored: dict[tuple[str, str], set[str]] = defaultdict(set)
+        for driver, pool, name in ResourceSlice.objects.filter(
+            cluster=self.cluster,
+            gone_at__isnull=True,
+            driver__in={driver for driver, _ in in_hand},
+            pool__in={pool for _, pool in in_hand},
+        ).values_list("driver", "pool", "name"):
+            stored[(driver, pool)].add(name)
+        ready = {
+            key: slices
+            for key, slices in in_hand.items()
+            if stored[key] == {parsed.name for parsed in slices} and key in self.touched_pools
+        }
+        pools = sorted(ready)
+        for start in range(0, len(pools), _POOLS_PER_RECONCILE):
+            batch = pools[start : start + _POOLS_PER_RECONCILE]
+            self._reconcile_pools(batch, {key: ready[key] for key in batch})
+        self.touched_pools -= ready.keys()
+        self.linkable_pools |= ready.keys()
+
     def reconcile_touched_pools(self) -> None:
+        """Recount the pools left to do from their stored slices, then link allocations."""
         pools = sorted(self.touched_pools)
         self.touched_pools = set()
         for start in range(0, len(pools), _POOLS_PER_RECONCILE):
-            self._reconcile_pools(pools[start : start + _POOLS_PER_RECONCILE])
-        for start in range(0, len(pools), _POOLS_PER_RECONCILE):
-            self._link_allocations(pools[start : start + _POOLS_PER_RECONCILE])
+            batch = pools[start : start + _POOLS_PER_RECONCILE]
+            self._reconcile_pools(batch, self._stored_slices(batch))
+        linkable = sorted(self.linkable_pools | set(pools))
+        self.linkable_pools = set()
+        for start in range(0, len(linkable), _POOLS_PER_RECONCILE):
+            self._link_allocations(linkable[start : start + _POOLS_PER_RECONCILE])
 
-    def _reconcile_pools(self, pools: list[tuple[str, str]]) -> None:
-        """Recount each pool from its stored slices: newest complete generation only."""
+    def _stored_slices(
+        self, pools: list[tuple[str, str]]
+    ) -> dict[tuple[str, str], list[dra.ParsedSlice]]:
         wanted = set(pools)
-        pool_filter = Q(driver__in={d for d, _ in pools}, pool__in={p for _, p in pools})
         slices: dict[tuple[str, str], list[dra.ParsedSlice]] = defaultdict(list)
         for row in ResourceSlice.objects.filter(
-            pool_filter, cluster=self.cluster, gone_at__isnull=True
+            cluster=self.cluster,
+            gone_at__isnull=True,
+            driver__in={d for d, _ in pools},
+            pool__in={p for _, p in pools},
         ).values("name", "api_version", "spec"):
             parsed = dra.parse_object(
                 {
@@ -307,6 +346,16 @@ class _Writer:
             assert isinstance(parsed, dra.ParsedSlice)
             if (parsed.driver, parsed.pool) in wanted:
                 slices[(parsed.driver, parsed.pool)].append(parsed)
+        return slices
+
+    def _reconcile_pools(
+        self,
+        pools: list[tuple[str, str]],
+        slices: dict[tuple[str, str], list[dra.ParsedSlice]],
+    ) -> None:
+        """Recount each pool from all its present slices: newest complete generation only."""
+        wanted = set(pools)
+        pool_filter = Q(driver__in={d for d, _ in pools}, pool__in={p for _, p in pools})
         existing: dict[tuple[str, str], dict[str, Device]] = defaultdict(dict)
         for device in Device.objects.filter(
             pool_filter, cluster=self.cluster, gone_at__isnull=True
@@ -324,40 +373,43 @@ class _Writer:
         new_devices: list[Device] = []
         changed_devices: list[Device] = []
         gone_ids: list[int] = []
+        counted_pools: list[tuple[Pool, dict[str, dra.CountedDevice]]] = []
         for key in pools:
             driver, pool_name = key
             pool_slices = slices.get(key, [])
             newest = max((s.generation for s in pool_slices), default=None)
             at_newest = [s for s in pool_slices if s.generation == newest]
-            expected = max((s.resource_slice_count for s in at_newest), default=0)
             pool_row = pool_rows.get(key) or Pool(
                 cluster=self.cluster, driver=driver, name=pool_name
             )
+            pool_rows[key] = pool_row
             pool_row.newest_generation = newest
-            pool_row.slices_expected = expected
+            pool_row.slices_expected = max((s.resource_slice_count for s in at_newest), default=0)
             pool_row.slices_seen = len(at_newest)
             pool_row.updated_at = self.at
-            desired: dict[str, dra.CountedDevice] | None = None
             if not pool_slices:
-                desired = {}
+                counted_pools.append((pool_row, {}))
             elif pool_row.complete:
                 pool_row.counted_generation = newest
-                desired = {}
-                for counted in dra.count_pool(
-                    driver=driver, pool=pool_name, slices=at_newest, gpu_drivers=self.gpu_drivers
-                ):
-                    if counted.device.name in desired:
-                        self.report.errors.append(
-                            f"ResourceSlice {counted.slice_name}: spec.devices: device "
-                            f"{counted.device.name!r} is published twice in pool {pool_name!r}"
-                        )
-                        continue
-                    desired[counted.device.name] = counted
-            pool_row.save()
-            if desired is None:
-                continue  # incomplete newest generation: keep counting the last complete one
-            node_ids = self._node_ids({c.device.node_name for c in desired.values()})
-            current = existing.get(key, {})
+                counted_pools.append((pool_row, self._count(driver, pool_name, at_newest)))
+            # else: the newest generation is incomplete; keep counting the last complete one.
+        known_pools = [row for row in pool_rows.values() if row.pk is not None]
+        Pool.objects.bulk_create([row for row in pool_rows.values() if row.pk is None])
+        Pool.objects.bulk_update(
+            known_pools,
+            [
+                "counted_generation",
+                "newest_generation",
+                "slices_expected",
+                "slices_seen",
+                "updated_at",
+            ],
+        )
+        node_ids = self._node_ids(
+            {c.device.node_name for _, desired in counted_pools for c in desired.values()}
+        )
+        for pool_row, desired in counted_pools:
+            current = existing.get((pool_row.driver, pool_row.name), {})
             for name, counted in desired.items():
                 fields = _device_fields(counted, node_ids, pool_row.counted_generation or 0)
                 device = current.pop(name, None)
@@ -365,8 +417,8 @@ class _Writer:
                     new_devices.append(
                         Device(
                             cluster=self.cluster,
-                            driver=driver,
-                            pool=pool_name,
+                            driver=pool_row.driver,
+                            pool=pool_row.name,
                             name=name,
                             first_seen=self.at,
                             **fields,
@@ -377,7 +429,7 @@ class _Writer:
                         setattr(device, attr, value)
                     changed_devices.append(device)
             gone_ids.extend(device.pk for device in current.values())
-        Device.objects.bulk_create(new_devices, batch_size=1000)
+        bulk_insert(Device, new_devices)
         if changed_devices:
             Device.objects.bulk_update(changed_devices, list(_DEVICE_FIELDS), batch_size=500)
         if gone_ids:
@@ -385,6 +437,23 @@ class _Writer:
         self.report.created["Device"] += len(new_devices)
         self.report.updated["Device"] += len(changed_devices)
         self.report.gone["Device"] += len(gone_ids)
+
+    def _count(
+        self, driver: str, pool: str, slices: list[dra.ParsedSlice]
+    ) -> dict[str, dra.CountedDevice]:
+        """The counted devices of one complete generation, by name; duplicates reported."""
+        desired: dict[str, dra.CountedDevice] = {}
+        for counted in dra.count_pool(
+            driver=driver, pool=pool, slices=slices, gpu_drivers=self.gpu_drivers
+        ):
+            if counted.device.name in desired:
+                self.report.errors.append(
+                    f"ResourceSlice {counted.slice_name}: spec.devices: device "
+                    f"{counted.device.name!r} is published twice in pool {pool!r}"
+                )
+                continue
+            desired[counted.device.name] = counted
+        return desired
 
     def _node_ids(self, names: set[str]) -> dict[str, int]:
         """Ids of the named nodes, created (without labels) when first seen through a slice."""
@@ -481,7 +550,7 @@ class _Writer:
             allocation.device_id = device_ids.get(
                 (allocation.driver, allocation.pool, allocation.device_name)
             )
-        Allocation.objects.bulk_create(new_allocations, batch_size=1000)
+        bulk_insert(Allocation, new_allocations)
         self.report.created["Allocation"] += len(new_allocations)
 
     def _end_allocations(self, allocation_ids: list[int]) -> None:

@@ -1,0 +1,35 @@
+"""Bulk inserts: one COPY on PostgreSQL, `bulk_create` elsewhere.
+
+Django's `bulk_create` on PostgreSQL sends each batch as arrays that psycopg escapes value by
+value; for rows carrying JSON (device attributes, slice specs) that dominated a large import.
+COPY streams the same rows in PostgreSQL's own format.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TypeVar
+
+from django.db import connection, models
+
+ModelT = TypeVar("ModelT", bound=models.Model)
+
+
+def bulk_insert(model: type[ModelT], rows: Sequence[ModelT]) -> None:
+    """Insert `rows` (unsaved instances, primary keys unset); their `pk` stays unset."""
+    if not rows:
+        return
+    if connection.vendor != "postgresql":
+        model.objects.bulk_create(rows, batch_size=1000)
+        return
+    fields = [field for field in model._meta.concrete_fields if not field.primary_key]
+    columns = ", ".join(connection.ops.quote_name(field.column) for field in fields)
+    table = connection.ops.quote_name(model._meta.db_table)
+    with connection.cursor() as cursor, cursor.copy(f"COPY {table} ({columns}) FROM STDIN") as copy:
+        for row in rows:
+            copy.write_row(
+                [
+                    field.get_db_prep_save(getattr(row, field.attname), connection)
+                    for field in fields
+                ]
+            )
