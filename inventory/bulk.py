@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TypeVar
 
-from django.db import connection, models
+from django.db import DEFAULT_DB_ALIAS, connections, models
 
 ModelT = TypeVar("ModelT", bound=models.Model)
 
@@ -19,6 +19,8 @@ def bulk_insert(model: type[ModelT], rows: Sequence[ModelT]) -> None:
     """Insert `rows` (unsaved instances, primary keys unset); their `pk` stays unset."""
     if not rows:
         return
+    # The connection itself, not the `django.db.connection` proxy: this loop runs per value.
+    connection = connections[DEFAULT_DB_ALIAS]
     if connection.vendor != "postgresql":
         model.objects.bulk_create(rows, batch_size=1000)
         return
