@@ -5,211 +5,373 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
-    dependencies = [
-    ]
+    dependencies = []
 
     operations = [
         migrations.CreateModel(
-            name='Cluster',
+            name="Cluster",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.SlugField(max_length=63, unique=True)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
-                ('baseline_driver_version', models.CharField(blank=True, max_length=64)),
-                ('baseline_cuda_driver_version', models.CharField(blank=True, max_length=64)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.SlugField(max_length=63, unique=True)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
+                ("baseline_driver_version", models.CharField(blank=True, max_length=64)),
+                ("baseline_cuda_driver_version", models.CharField(blank=True, max_length=64)),
             ],
         ),
         migrations.CreateModel(
-            name='Node',
+            name="Node",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=253)),
-                ('labels', models.JSONField(blank=True, default=dict)),
-                ('clique', models.CharField(blank=True, db_index=True, max_length=253)),
-                ('first_seen', models.DateTimeField()),
-                ('gone_at', models.DateTimeField(blank=True, null=True)),
-                ('cluster', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='nodes', to='inventory.cluster')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=253)),
+                ("labels", models.JSONField(blank=True, default=dict)),
+                ("clique", models.CharField(blank=True, db_index=True, max_length=253)),
+                ("first_seen", models.DateTimeField()),
+                ("gone_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "cluster",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="nodes",
+                        to="inventory.cluster",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='Device',
+            name="Device",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('driver', models.CharField(max_length=253)),
-                ('pool', models.CharField(max_length=253)),
-                ('name', models.CharField(max_length=253)),
-                ('slice_name', models.CharField(max_length=253)),
-                ('pool_generation', models.BigIntegerField()),
-                ('kind', models.CharField(choices=[('gpu', 'whole GPU'), ('mig', 'MIG device'), ('partition', 'partition of a GPU'), ('other', 'not a GPU')], db_index=True, max_length=16)),
-                ('physical_gpu_key', models.CharField(blank=True, db_index=True, max_length=512)),
-                ('gpu_share', models.DecimalField(decimal_places=6, default=0, max_digits=9)),
-                ('attributes', models.JSONField(blank=True, default=dict)),
-                ('capacity', models.JSONField(blank=True, default=dict)),
-                ('extra', models.JSONField(blank=True, default=dict)),
-                ('product_name', models.CharField(blank=True, db_index=True, max_length=253)),
-                ('uuid', models.CharField(blank=True, db_index=True, max_length=128)),
-                ('parent_uuid', models.CharField(blank=True, db_index=True, max_length=128)),
-                ('device_type', models.CharField(blank=True, db_index=True, max_length=64)),
-                ('profile', models.CharField(blank=True, db_index=True, max_length=64)),
-                ('memory_bytes', models.BigIntegerField(blank=True, db_index=True, null=True)),
-                ('architecture', models.CharField(blank=True, db_index=True, max_length=64)),
-                ('driver_version', models.CharField(blank=True, db_index=True, max_length=64)),
-                ('cuda_driver_version', models.CharField(blank=True, db_index=True, max_length=64)),
-                ('cuda_compute_capability', models.CharField(blank=True, db_index=True, max_length=64)),
-                ('first_seen', models.DateTimeField()),
-                ('gone_at', models.DateTimeField(blank=True, db_index=True, null=True)),
-                ('cluster', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='devices', to='inventory.cluster')),
-                ('node', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.PROTECT, related_name='devices', to='inventory.node')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("driver", models.CharField(max_length=253)),
+                ("pool", models.CharField(max_length=253)),
+                ("name", models.CharField(max_length=253)),
+                ("slice_name", models.CharField(max_length=253)),
+                ("pool_generation", models.BigIntegerField()),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[
+                            ("gpu", "whole GPU"),
+                            ("mig", "MIG device"),
+                            ("partition", "partition of a GPU"),
+                            ("other", "not a GPU"),
+                        ],
+                        db_index=True,
+                        max_length=16,
+                    ),
+                ),
+                ("physical_gpu_key", models.CharField(blank=True, db_index=True, max_length=512)),
+                ("gpu_share", models.DecimalField(decimal_places=6, default=0, max_digits=9)),
+                ("attributes", models.JSONField(blank=True, default=dict)),
+                ("capacity", models.JSONField(blank=True, default=dict)),
+                ("extra", models.JSONField(blank=True, default=dict)),
+                ("product_name", models.CharField(blank=True, db_index=True, max_length=253)),
+                ("uuid", models.CharField(blank=True, db_index=True, max_length=128)),
+                ("parent_uuid", models.CharField(blank=True, db_index=True, max_length=128)),
+                ("device_type", models.CharField(blank=True, db_index=True, max_length=64)),
+                ("profile", models.CharField(blank=True, db_index=True, max_length=64)),
+                ("memory_bytes", models.BigIntegerField(blank=True, db_index=True, null=True)),
+                ("architecture", models.CharField(blank=True, db_index=True, max_length=64)),
+                ("driver_version", models.CharField(blank=True, db_index=True, max_length=64)),
+                ("cuda_driver_version", models.CharField(blank=True, db_index=True, max_length=64)),
+                (
+                    "cuda_compute_capability",
+                    models.CharField(blank=True, db_index=True, max_length=64),
+                ),
+                ("first_seen", models.DateTimeField()),
+                ("gone_at", models.DateTimeField(blank=True, db_index=True, null=True)),
+                (
+                    "cluster",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="devices",
+                        to="inventory.cluster",
+                    ),
+                ),
+                (
+                    "node",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="devices",
+                        to="inventory.node",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='Pool',
+            name="Pool",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('driver', models.CharField(max_length=253)),
-                ('name', models.CharField(max_length=253)),
-                ('counted_generation', models.BigIntegerField(blank=True, null=True)),
-                ('newest_generation', models.BigIntegerField(blank=True, null=True)),
-                ('slices_expected', models.PositiveIntegerField(default=0)),
-                ('slices_seen', models.PositiveIntegerField(default=0)),
-                ('updated_at', models.DateTimeField()),
-                ('cluster', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='pools', to='inventory.cluster')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("driver", models.CharField(max_length=253)),
+                ("name", models.CharField(max_length=253)),
+                ("counted_generation", models.BigIntegerField(blank=True, null=True)),
+                ("newest_generation", models.BigIntegerField(blank=True, null=True)),
+                ("slices_expected", models.PositiveIntegerField(default=0)),
+                ("slices_seen", models.PositiveIntegerField(default=0)),
+                ("updated_at", models.DateTimeField()),
+                (
+                    "cluster",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="pools",
+                        to="inventory.cluster",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='ResourceClaim',
+            name="ResourceClaim",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('namespace', models.CharField(db_index=True, max_length=253)),
-                ('name', models.CharField(max_length=253)),
-                ('uid', models.CharField(max_length=64)),
-                ('api_version', models.CharField(max_length=64)),
-                ('labels', models.JSONField(blank=True, default=dict)),
-                ('annotations', models.JSONField(blank=True, default=dict)),
-                ('owner_references', models.JSONField(blank=True, default=list)),
-                ('spec', models.JSONField(default=dict)),
-                ('status', models.JSONField(blank=True, default=dict)),
-                ('resource_version', models.CharField(blank=True, max_length=64)),
-                ('created_at', models.DateTimeField(blank=True, null=True)),
-                ('first_seen', models.DateTimeField()),
-                ('released_at', models.DateTimeField(blank=True, db_index=True, null=True)),
-                ('cluster', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='claims', to='inventory.cluster')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("namespace", models.CharField(db_index=True, max_length=253)),
+                ("name", models.CharField(max_length=253)),
+                ("uid", models.CharField(max_length=64)),
+                ("api_version", models.CharField(max_length=64)),
+                ("labels", models.JSONField(blank=True, default=dict)),
+                ("annotations", models.JSONField(blank=True, default=dict)),
+                ("owner_references", models.JSONField(blank=True, default=list)),
+                ("spec", models.JSONField(default=dict)),
+                ("status", models.JSONField(blank=True, default=dict)),
+                ("resource_version", models.CharField(blank=True, max_length=64)),
+                ("created_at", models.DateTimeField(blank=True, null=True)),
+                ("first_seen", models.DateTimeField()),
+                ("released_at", models.DateTimeField(blank=True, db_index=True, null=True)),
+                (
+                    "cluster",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="claims",
+                        to="inventory.cluster",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='Allocation',
+            name="Allocation",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('request', models.CharField(max_length=253)),
-                ('driver', models.CharField(max_length=253)),
-                ('pool', models.CharField(max_length=253)),
-                ('device_name', models.CharField(max_length=253)),
-                ('share_id', models.CharField(blank=True, max_length=64)),
-                ('consumed_capacity', models.JSONField(blank=True, default=dict)),
-                ('start', models.DateTimeField(db_index=True)),
-                ('end', models.DateTimeField(blank=True, db_index=True, null=True)),
-                ('cluster', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='allocations', to='inventory.cluster')),
-                ('device', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.PROTECT, related_name='allocations', to='inventory.device')),
-                ('claim', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='allocations', to='inventory.resourceclaim')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("request", models.CharField(max_length=253)),
+                ("driver", models.CharField(max_length=253)),
+                ("pool", models.CharField(max_length=253)),
+                ("device_name", models.CharField(max_length=253)),
+                ("share_id", models.CharField(blank=True, max_length=64)),
+                ("consumed_capacity", models.JSONField(blank=True, default=dict)),
+                ("start", models.DateTimeField(db_index=True)),
+                ("end", models.DateTimeField(blank=True, db_index=True, null=True)),
+                (
+                    "cluster",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="allocations",
+                        to="inventory.cluster",
+                    ),
+                ),
+                (
+                    "device",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="allocations",
+                        to="inventory.device",
+                    ),
+                ),
+                (
+                    "claim",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="allocations",
+                        to="inventory.resourceclaim",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='ResourceSlice',
+            name="ResourceSlice",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=253)),
-                ('uid', models.CharField(blank=True, max_length=64)),
-                ('api_version', models.CharField(max_length=64)),
-                ('driver', models.CharField(max_length=253)),
-                ('pool', models.CharField(max_length=253)),
-                ('generation', models.BigIntegerField()),
-                ('resource_slice_count', models.PositiveIntegerField()),
-                ('node_name', models.CharField(blank=True, max_length=253)),
-                ('spec', models.JSONField(default=dict)),
-                ('resource_version', models.CharField(blank=True, max_length=64)),
-                ('first_seen', models.DateTimeField()),
-                ('gone_at', models.DateTimeField(blank=True, null=True)),
-                ('cluster', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='slices', to='inventory.cluster')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=253)),
+                ("uid", models.CharField(blank=True, max_length=64)),
+                ("api_version", models.CharField(max_length=64)),
+                ("driver", models.CharField(max_length=253)),
+                ("pool", models.CharField(max_length=253)),
+                ("generation", models.BigIntegerField()),
+                ("resource_slice_count", models.PositiveIntegerField()),
+                ("node_name", models.CharField(blank=True, max_length=253)),
+                ("spec", models.JSONField(default=dict)),
+                ("resource_version", models.CharField(blank=True, max_length=64)),
+                ("first_seen", models.DateTimeField()),
+                ("gone_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "cluster",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="slices",
+                        to="inventory.cluster",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='SyncState',
+            name="SyncState",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('kind', models.CharField(max_length=64)),
-                ('resource_version', models.CharField(blank=True, max_length=64)),
-                ('last_event_at', models.DateTimeField(blank=True, null=True)),
-                ('last_relist_at', models.DateTimeField(blank=True, null=True)),
-                ('relists', models.PositiveIntegerField(default=0)),
-                ('events_applied', models.PositiveBigIntegerField(default=0)),
-                ('cluster', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='sync_states', to='inventory.cluster')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("kind", models.CharField(max_length=64)),
+                ("resource_version", models.CharField(blank=True, max_length=64)),
+                ("last_event_at", models.DateTimeField(blank=True, null=True)),
+                ("last_relist_at", models.DateTimeField(blank=True, null=True)),
+                ("relists", models.PositiveIntegerField(default=0)),
+                ("events_applied", models.PositiveBigIntegerField(default=0)),
+                (
+                    "cluster",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="sync_states",
+                        to="inventory.cluster",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='DeviceClass',
+            name="DeviceClass",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.CharField(max_length=253)),
-                ('uid', models.CharField(blank=True, max_length=64)),
-                ('api_version', models.CharField(max_length=64)),
-                ('selectors', models.JSONField(blank=True, default=list)),
-                ('extended_resource_name', models.CharField(blank=True, max_length=253)),
-                ('spec', models.JSONField(blank=True, default=dict)),
-                ('resource_version', models.CharField(blank=True, max_length=64)),
-                ('first_seen', models.DateTimeField()),
-                ('gone_at', models.DateTimeField(blank=True, null=True)),
-                ('cluster', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='device_classes', to='inventory.cluster')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.CharField(max_length=253)),
+                ("uid", models.CharField(blank=True, max_length=64)),
+                ("api_version", models.CharField(max_length=64)),
+                ("selectors", models.JSONField(blank=True, default=list)),
+                ("extended_resource_name", models.CharField(blank=True, max_length=253)),
+                ("spec", models.JSONField(blank=True, default=dict)),
+                ("resource_version", models.CharField(blank=True, max_length=64)),
+                ("first_seen", models.DateTimeField()),
+                ("gone_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "cluster",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="device_classes",
+                        to="inventory.cluster",
+                    ),
+                ),
             ],
             options={
-                'verbose_name_plural': 'device classes',
-                'constraints': [models.UniqueConstraint(condition=models.Q(('gone_at__isnull', True)), fields=('cluster', 'name'), name='deviceclass_unique_present')],
+                "verbose_name_plural": "device classes",
+                "constraints": [
+                    models.UniqueConstraint(
+                        condition=models.Q(("gone_at__isnull", True)),
+                        fields=("cluster", "name"),
+                        name="deviceclass_unique_present",
+                    )
+                ],
             },
         ),
         migrations.AddConstraint(
-            model_name='node',
-            constraint=models.UniqueConstraint(fields=('cluster', 'name'), name='node_unique_name'),
+            model_name="node",
+            constraint=models.UniqueConstraint(fields=("cluster", "name"), name="node_unique_name"),
         ),
         migrations.AddIndex(
-            model_name='device',
-            index=models.Index(fields=['cluster', 'driver', 'pool'], name='device_pool'),
+            model_name="device",
+            index=models.Index(fields=["cluster", "driver", "pool"], name="device_pool"),
         ),
         migrations.AddConstraint(
-            model_name='device',
-            constraint=models.UniqueConstraint(condition=models.Q(('gone_at__isnull', True)), fields=('cluster', 'driver', 'pool', 'name'), name='device_unique_present'),
+            model_name="device",
+            constraint=models.UniqueConstraint(
+                condition=models.Q(("gone_at__isnull", True)),
+                fields=("cluster", "driver", "pool", "name"),
+                name="device_unique_present",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='pool',
-            constraint=models.UniqueConstraint(fields=('cluster', 'driver', 'name'), name='pool_unique'),
+            model_name="pool",
+            constraint=models.UniqueConstraint(
+                fields=("cluster", "driver", "name"), name="pool_unique"
+            ),
         ),
         migrations.AddIndex(
-            model_name='resourceclaim',
-            index=models.Index(fields=['cluster', 'namespace', 'name'], name='claim_ns_name'),
+            model_name="resourceclaim",
+            index=models.Index(fields=["cluster", "namespace", "name"], name="claim_ns_name"),
         ),
         migrations.AddConstraint(
-            model_name='resourceclaim',
-            constraint=models.UniqueConstraint(fields=('cluster', 'uid'), name='claim_unique_uid'),
+            model_name="resourceclaim",
+            constraint=models.UniqueConstraint(fields=("cluster", "uid"), name="claim_unique_uid"),
         ),
         migrations.AddIndex(
-            model_name='allocation',
-            index=models.Index(fields=['cluster', 'driver', 'pool', 'device_name'], name='inventory_a_cluster_2529c5_idx'),
+            model_name="allocation",
+            index=models.Index(
+                fields=["cluster", "driver", "pool", "device_name"],
+                name="inventory_a_cluster_2529c5_idx",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='allocation',
-            constraint=models.UniqueConstraint(condition=models.Q(('end__isnull', True)), fields=('claim', 'request', 'driver', 'pool', 'device_name', 'share_id'), name='allocation_unique_open'),
+            model_name="allocation",
+            constraint=models.UniqueConstraint(
+                condition=models.Q(("end__isnull", True)),
+                fields=("claim", "request", "driver", "pool", "device_name", "share_id"),
+                name="allocation_unique_open",
+            ),
         ),
         migrations.AddIndex(
-            model_name='resourceslice',
-            index=models.Index(fields=['cluster', 'driver', 'pool'], name='slice_pool'),
+            model_name="resourceslice",
+            index=models.Index(fields=["cluster", "driver", "pool"], name="slice_pool"),
         ),
         migrations.AddConstraint(
-            model_name='resourceslice',
-            constraint=models.UniqueConstraint(condition=models.Q(('gone_at__isnull', True)), fields=('cluster', 'name'), name='slice_unique_present'),
+            model_name="resourceslice",
+            constraint=models.UniqueConstraint(
+                condition=models.Q(("gone_at__isnull", True)),
+                fields=("cluster", "name"),
+                name="slice_unique_present",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='syncstate',
-            constraint=models.UniqueConstraint(fields=('cluster', 'kind'), name='syncstate_unique'),
+            model_name="syncstate",
+            constraint=models.UniqueConstraint(fields=("cluster", "kind"), name="syncstate_unique"),
         ),
     ]
