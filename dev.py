@@ -49,13 +49,22 @@ def serve(argv: list[str]) -> int:
     """Migrate, load the demo fleet and users, then run the web server and a Celery worker."""
     port = argv[0] if argv else os.environ.get("PORT", "8000")
     env = {**os.environ, "DEBUG": os.environ.get("DEBUG", "true")}
-    manage = [PYTHON, "manage.py"]
+    manage: list[str | Path] = [PYTHON, "manage.py"]
     run(*manage, "migrate", "--noinput", env=env)
     run(*manage, "load_demo", env=env)
     children = [
         subprocess.Popen(
-            [str(PYTHON), "-m", "celery", "-A", "config", "worker", "--beat", "--loglevel=INFO",
-             "--concurrency=1"],
+            [
+                str(PYTHON),
+                "-m",
+                "celery",
+                "-A",
+                "config",
+                "worker",
+                "--beat",
+                "--loglevel=INFO",
+                "--concurrency=1",
+            ],
             cwd=ROOT,
             env=env,
         ),

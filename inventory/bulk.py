@@ -22,7 +22,7 @@ def bulk_insert(model: type[ModelT], rows: Sequence[ModelT]) -> None:
     # The connection itself, not the `django.db.connection` proxy: this loop runs per value.
     connection = connections[DEFAULT_DB_ALIAS]
     if connection.vendor != "postgresql":
-        model.objects.bulk_create(rows, batch_size=1000)
+        model._default_manager.bulk_create(rows, batch_size=1000)
         return
     fields = [field for field in model._meta.concrete_fields if not field.primary_key]
     columns = ", ".join(connection.ops.quote_name(field.column) for field in fields)

@@ -11,6 +11,7 @@ A malformed object raises `DRAObjectError`, which names the object and the field
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
@@ -229,7 +230,7 @@ def object_ref(obj: Any) -> str:
     """`Kind namespace/name` for messages, as far as the object allows."""
     if not isinstance(obj, dict):
         return f"object of type {type(obj).__name__}"
-    metadata = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+    metadata: dict[str, Any] = obj["metadata"] if isinstance(obj.get("metadata"), dict) else {}
     name = metadata.get("name") or metadata.get("generateName") or "<no name>"
     namespace = metadata.get("namespace")
     kind = obj.get("kind") or "<no kind>"
@@ -527,7 +528,7 @@ def _parse_node(
     )
 
 
-_PARSERS = {
+_PARSERS: dict[str, Callable[[dict[str, Any], str, dict[str, Any], _Reader], Parsed]] = {
     "ResourceSlice": _parse_slice,
     "DeviceClass": _parse_device_class,
     "ResourceClaim": _parse_claim,
@@ -568,10 +569,10 @@ def count_pool(
     """
     totals: dict[str, dict[str, Decimal]] = {}
     for parsed_slice in slices:
-        for counter_set in parsed_slice.shared_counters:
-            totals[counter_set["name"]] = {
+        for shared in parsed_slice.shared_counters:
+            totals[shared["name"]] = {
                 name: Decimal(parse_quantity(entry["value"]))
-                for name, entry in (counter_set.get("counters") or {}).items()
+                for name, entry in (shared.get("counters") or {}).items()
             }
     # A counter set consumed by a device that names its GPU identifies that GPU for the rest.
     uuid_by_set: dict[str, str] = {}
@@ -586,7 +587,7 @@ def count_pool(
         for device in parsed_slice.devices:
             columns = _columns(device, driver)
             kind = _kind(device, columns["device_type"], gpu_driver, totals)
-            counter_set = (
+            counter_set: str = (
                 device.consumes_counters[0]["counterSet"] if device.consumes_counters else ""
             )
             key = ""

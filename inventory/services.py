@@ -412,8 +412,8 @@ class _Writer:
             current = existing.get((pool_row.driver, pool_row.name), {})
             for name, counted in desired.items():
                 fields = _device_fields(counted, node_ids, pool_row.counted_generation or 0)
-                device = current.pop(name, None)
-                if device is None:
+                known = current.pop(name) if name in current else None
+                if known is None:
                     new_devices.append(
                         Device(
                             cluster=self.cluster,
@@ -424,10 +424,10 @@ class _Writer:
                             **fields,
                         )
                     )
-                elif any(getattr(device, attr) != value for attr, value in fields.items()):
+                elif any(getattr(known, attr) != value for attr, value in fields.items()):
                     for attr, value in fields.items():
-                        setattr(device, attr, value)
-                    changed_devices.append(device)
+                        setattr(known, attr, value)
+                    changed_devices.append(known)
             gone_ids.extend(device.pk for device in current.values())
         bulk_insert(Device, new_devices)
         if changed_devices:
@@ -619,7 +619,7 @@ class _Writer:
                 self.report.gone[kind] += missing.update(gone_at=self.at)
             else:
                 model = {"Node": Node, "DeviceClass": DeviceClass}[kind]
-                missing_rows = model.objects.filter(
+                missing_rows = model._default_manager.filter(
                     cluster=self.cluster, gone_at__isnull=True
                 ).exclude(name__in=present)
                 self.report.gone[kind] += missing_rows.update(gone_at=self.at)
@@ -633,7 +633,9 @@ class _Writer:
             self._release_claims(list(ids))
             return
         model = {"Node": Node, "DeviceClass": DeviceClass, "ResourceSlice": ResourceSlice}[kind]
-        rows = model.objects.filter(cluster=self.cluster, name=identity, gone_at__isnull=True)
+        rows = model._default_manager.filter(
+            cluster=self.cluster, name=identity, gone_at__isnull=True
+        )
         if kind == "ResourceSlice":
             self.touched_pools |= set(rows.values_list("driver", "pool"))
         self.report.gone[kind] += rows.update(gone_at=self.at)

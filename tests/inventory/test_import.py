@@ -97,7 +97,7 @@ def claim(
     return body
 
 
-def snapshot(objects: list[dict], at: datetime = T0, **kwargs: Any) -> services.SyncReport:
+def snapshot(objects: list[Any], at: datetime = T0, **kwargs: Any) -> services.SyncReport:
     return services.import_snapshot(
         cluster=services.get_cluster("test"), objects=objects, at=at, **kwargs
     )
