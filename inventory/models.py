@@ -124,12 +124,12 @@ class Pool(models.Model):
             models.UniqueConstraint(fields=["cluster", "driver", "name"], name="pool_unique"),
         ]
 
+    def __str__(self) -> str:
+        return f"{self.driver}/{self.name}"
+
     @property
     def complete(self) -> bool:
         return self.slices_seen >= self.slices_expected > 0
-
-    def __str__(self) -> str:
-        return f"{self.driver}/{self.name}"
 
 
 class DeviceKind(models.TextChoices):

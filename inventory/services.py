@@ -64,6 +64,20 @@ def get_cluster(name: str) -> Cluster:
     return cluster
 
 
+def set_cluster_baseline(
+    *, cluster: Cluster, driver_version: str, cuda_driver_version: str
+) -> None:
+    """Record the driver/CUDA pair operators validated; the version matrix flags the rest.
+
+    Writes only the two baseline columns, so a sync writing the same row is never undone.
+    """
+    Cluster.objects.filter(pk=cluster.pk).update(
+        baseline_driver_version=driver_version, baseline_cuda_driver_version=cuda_driver_version
+    )
+    cluster.baseline_driver_version = driver_version
+    cluster.baseline_cuda_driver_version = cuda_driver_version
+
+
 def import_snapshot(
     *,
     cluster: Cluster,

@@ -19,6 +19,9 @@ from inventory.dumps import iter_objects
 from inventory.models import Allocation, Device, DeviceClass, Pool, ResourceClaim, ResourceSlice
 
 pytestmark = pytest.mark.django_db
+REFERENCE_ATTRIBUTES = (
+    "dra-driver-nvidia-gpu/site/content/docs/reference/resourceslice-attributes.devices.yaml"
+)
 AT = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 
 
@@ -58,12 +61,7 @@ def test_example_driver_kubectl_list(upstream: Path) -> None:
 
 
 def test_nvidia_reference_attributes_gpu_mig_and_vfio_count_one_gpu(upstream: Path) -> None:
-    entries = yaml.safe_load(
-        (
-            upstream
-            / "dra-driver-nvidia-gpu/site/content/docs/reference/resourceslice-attributes.devices.yaml"
-        ).read_text()
-    )
+    entries = yaml.safe_load((upstream / REFERENCE_ATTRIBUTES).read_text())
     gpu, mig, vfio = entries
     # The GPU driver publishes the GPU and its MIG devices; the VFIO device comes from a
     # separate pool when the GPU is bound to vfio-pci. All three are one physical GPU.

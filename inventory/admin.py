@@ -1,0 +1,277 @@
+"""The inventory in Django admin, for operators.
+
+Everything the sync writes is shown read-only, with no add or delete: Kubernetes is the source
+of truth and history is never deleted. The one thing operators set here is a cluster's
+baseline driver/CUDA pair. Big tables skip the full count and select their relations, so a
+changelist costs a fixed number of queries at any size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.contrib import admin, messages
+from django.db.models import QuerySet
+from django.http import HttpRequest
+from django.urls import reverse
+from django.utils.html import format_html
+
+from inventory.models import (
+    Allocation,
+    Cluster,
+    Device,
+    DeviceClass,
+    Node,
+    Pool,
+    ResourceClaim,
+    ResourceSlice,
+    SyncState,
+)
+from inventory.selectors import most_common_version_pair
+from inventory.services import set_cluster_baseline
+
+
+class _TimestampSetFilter(admin.SimpleListFilter):
+    """Yes/no on whether a nullable timestamp (`gone_at`, `released_at`, `end`) is set."""
+
+    field_name: str
+    set_label: str
+    unset_label: str
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        return [("no", self.unset_label), ("yes", self.set_label)]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        if self.value() in {"yes", "no"}:
+            return queryset.filter(**{f"{self.field_name}__isnull": self.value() == "no"})
+        return queryset
+
+
+class GoneFilter(_TimestampSetFilter):
+    title = "presence"
+    parameter_name = "gone"
+    field_name = "gone_at"
+    unset_label = "present"
+    set_label = "gone"
+
+
+class ReleasedFilter(_TimestampSetFilter):
+    title = "state"
+    parameter_name = "released"
+    field_name = "released_at"
+    unset_label = "live"
+    set_label = "released"
+
+
+class EndedFilter(_TimestampSetFilter):
+    title = "state"
+    parameter_name = "ended"
+    field_name = "end"
+    unset_label = "open"
+    set_label = "ended"
+
+
+class NodeFilter(admin.SimpleListFilter):
+    """Devices of one node (`?node=<id>`, linked from the node list).
+
+    The sidebar shows only the chosen node: listing thousands of nodes there would make the
+    page heavier than the table it filters.
+    """
+
+    title = "node"
+    parameter_name = "node"
+
+    def lookups(self, request: HttpRequest, model_admin: Any) -> list[tuple[str, str]]:
+        value = self.value()
+        if not value or not value.isdigit():
+            return []
+        return [
+            (str(pk), name) for pk, name in Node.objects.filter(pk=value).values_list("pk", "name")
+        ]
+
+    def queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        value = self.value()
+        if value and value.isdigit():
+            return queryset.filter(node_id=value)
+        return queryset
+
+
+class SyncedAdmin(admin.ModelAdmin):
+    """A model the sync owns: viewable, never added, changed or deleted by hand."""
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(Cluster)
+class ClusterAdmin(admin.ModelAdmin):
+    list_display = ("name", "baseline_driver_version", "baseline_cuda_driver_version", "created_at")
+    search_fields = ("name",)
+    fields = ("name", "created_at", "baseline_driver_version", "baseline_cuda_driver_version")
+    readonly_fields = ("name", "created_at")
+    actions = ("set_baseline_to_most_common",)
+
+    def has_add_permission(self, request: HttpRequest) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    @admin.action(description="Set baseline to the most common pair", permissions=["change"])
+    def set_baseline_to_most_common(
+        self, request: HttpRequest, queryset: QuerySet[Cluster]
+    ) -> None:
+        for cluster in queryset:
+            pair = most_common_version_pair(cluster=cluster)
+            if pair is None:
+                self.message_user(
+                    request, f"{cluster}: no GPU publishes a driver version", messages.WARNING
+                )
+                continue
+            set_cluster_baseline(
+                cluster=cluster,
+                driver_version=pair["driverVersion"],
+                cuda_driver_version=pair["cudaDriverVersion"],
+            )
+            self.message_user(
+                request,
+                f"{cluster}: baseline set to driver {pair['driverVersion']}, "
+                f"CUDA {pair['cudaDriverVersion'] or '(none)'}",
+                messages.SUCCESS,
+            )
+
+
+@admin.register(Node)
+class NodeAdmin(SyncedAdmin):
+    list_display = ("name", "cluster", "clique", "first_seen", "gone_at", "devices_link")
+    list_filter = ("cluster", GoneFilter)
+    search_fields = ("name", "clique")
+    list_select_related = ("cluster",)
+    show_full_result_count = False
+
+    @admin.display(description="devices")
+    def devices_link(self, node: Node) -> str:
+        url = reverse("admin:inventory_device_changelist")
+        return format_html('<a href="{}?node={}&gone=no">devices</a>', url, node.pk)
+
+
+@admin.register(DeviceClass)
+class DeviceClassAdmin(SyncedAdmin):
+    list_display = ("name", "cluster", "extended_resource_name", "api_version", "gone_at")
+    list_filter = ("cluster", GoneFilter)
+    search_fields = ("name", "extended_resource_name")
+    list_select_related = ("cluster",)
+
+
+@admin.register(ResourceSlice)
+class ResourceSliceAdmin(SyncedAdmin):
+    list_display = ("name", "cluster", "driver", "pool", "generation", "node_name", "gone_at")
+    list_filter = ("cluster", "driver", GoneFilter)
+    search_fields = ("name", "uid", "pool", "node_name")
+    list_select_related = ("cluster",)
+    show_full_result_count = False
+
+
+@admin.register(Pool)
+class PoolAdmin(SyncedAdmin):
+    list_display = (
+        "name",
+        "cluster",
+        "driver",
+        "counted_generation",
+        "newest_generation",
+        "slices_seen",
+        "slices_expected",
+        "is_complete",
+        "updated_at",
+    )
+    list_filter = ("cluster", "driver")
+    search_fields = ("name", "driver")
+    list_select_related = ("cluster",)
+    show_full_result_count = False
+
+    @admin.display(description="complete", boolean=True)
+    def is_complete(self, pool: Pool) -> bool:
+        return pool.complete
+
+
+@admin.register(Device)
+class DeviceAdmin(SyncedAdmin):
+    list_display = (
+        "name",
+        "cluster",
+        "node",
+        "kind",
+        "product_name",
+        "profile",
+        "uuid",
+        "driver_version",
+        "cuda_driver_version",
+        "gpu_share",
+        "gone_at",
+    )
+    list_filter = (
+        "kind",
+        "product_name",
+        "driver_version",
+        "cuda_driver_version",
+        NodeFilter,
+        GoneFilter,
+        "cluster",
+    )
+    search_fields = (
+        "name",
+        "uuid",
+        "parent_uuid",
+        "physical_gpu_key",
+        "product_name",
+        "node__name",
+    )
+    list_select_related = ("cluster", "node")
+    show_full_result_count = False
+
+
+@admin.register(ResourceClaim)
+class ResourceClaimAdmin(SyncedAdmin):
+    list_display = ("name", "namespace", "cluster", "uid", "created_at", "released_at")
+    list_filter = (ReleasedFilter, "cluster")
+    search_fields = ("name", "namespace", "uid")
+    list_select_related = ("cluster",)
+    show_full_result_count = False
+
+
+@admin.register(Allocation)
+class AllocationAdmin(SyncedAdmin):
+    list_display = ("claim", "request", "device_name", "device", "cluster", "start", "end")
+    list_filter = (EndedFilter, "cluster", "driver")
+    search_fields = (
+        "claim__name",
+        "claim__namespace",
+        "device_name",
+        "device__uuid",
+        "device__product_name",
+        "device__node__name",
+    )
+    list_select_related = ("claim", "device", "cluster")
+    show_full_result_count = False
+
+
+@admin.register(SyncState)
+class SyncStateAdmin(SyncedAdmin):
+    list_display = (
+        "cluster",
+        "kind",
+        "resource_version",
+        "last_event_at",
+        "last_relist_at",
+        "relists",
+        "events_applied",
+    )
+    list_filter = ("cluster", "kind")
+    list_select_related = ("cluster",)

@@ -1,0 +1,371 @@
+"""Reads of the GPU fleet: capacity by model, driver/CUDA versions and fragmentation.
+
+These are operator reads of the whole fleet (no tenant data), so they take a cluster, not a
+user. Every count is aggregated in SQL and only small per-node or per-model rows come back,
+so the reports stay fast at 100,000 devices.
+
+Counting rules, shared by every function here:
+
+- A device is present while `gone_at` is null.
+- A physical GPU is a distinct non-empty `physical_gpu_key` among present devices whose kind
+  is not `other`: a whole GPU, its MIG devices and its partitions share one key, so keys are
+  counted, never rows. Keys are counted per cluster and summed, so two clusters never merge.
+- A physical GPU is allocated while any present device with its key has an open allocation
+  (`end` is null), free otherwise. Its model is the `product_name` of its devices.
+- Devices without a node (multi-node pools) count towards capacity but not towards any node.
+
+When `cluster` is None a function covers all clusters; node names are then written
+`cluster/node`, since a node name is unique only within its cluster.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from typing import Any, TypedDict
+
+from django.db.models import Count, Q, QuerySet
+
+from inventory.models import Allocation, Cluster, Device, DeviceKind
+
+
+class VersionPair(TypedDict):
+    driverVersion: str
+    cudaDriverVersion: str
+
+
+class Baseline(VersionPair):
+    # "operator": the cluster's baseline fields; "most_common": the pair on the most nodes.
+    source: str
+
+
+class CapacityRow(TypedDict):
+    productName: str
+    gpus: int
+    allocated: int
+    free: int
+    mig_devices: int
+
+
+class VersionRow(TypedDict):
+    cluster: str
+    driverVersion: str
+    cudaDriverVersion: str
+    nodes: list[str]
+    gpus: int
+    baseline: bool
+
+
+class VersionMatrix(TypedDict):
+    rows: list[VersionRow]
+    # The baseline of the requested cluster; None when all clusters are covered or none is known.
+    baseline: Baseline | None
+    baselines: dict[str, Baseline | None]
+    outlier_nodes: list[str]
+
+
+class NodeFragmentation(TypedDict):
+    cluster: str
+    node: str
+    clique: str
+    gpus: int
+    allocated: int
+    free: int
+
+
+class FragmentationSummary(TypedDict):
+    nodes_free: int
+    nodes_partial: int
+    nodes_full: int
+    largest_free_block: int
+    largest_free_clique_block: int
+
+
+class Fragmentation(FragmentationSummary):
+    nodes: list[NodeFragmentation]
+
+
+def capacity_by_model(*, cluster: Cluster | None = None) -> list[CapacityRow]:
+    """Physical GPUs per `productName`: how many, how many allocated or free, and MIG devices.
+
+    Rows are sorted by product name; a model with only non-GPU devices does not appear.
+    """
+    counts = (
+        _present_devices(cluster)
+        .exclude(kind=DeviceKind.OTHER)
+        .values("cluster_id", "product_name")
+        .annotate(
+            gpus=_count_gpus(),
+            allocated=_count_gpus(allocated=True),
+            mig_devices=Count("pk", filter=Q(kind=DeviceKind.MIG)),
+        )
+        .order_by()
+    )
+    totals: dict[str, CapacityRow] = {}
+    for row in counts:
+        product = row["product_name"]
+        total = totals.setdefault(
+            product,
+            CapacityRow(productName=product, gpus=0, allocated=0, free=0, mig_devices=0),
+        )
+        total["gpus"] += row["gpus"]
+        total["allocated"] += row["allocated"]
+        total["free"] += row["gpus"] - row["allocated"]
+        total["mig_devices"] += row["mig_devices"]
+    return [totals[product] for product in sorted(totals)]
+
+
+def version_matrix(*, cluster: Cluster | None = None) -> VersionMatrix:
+    """Which driver/CUDA pairs run where, the baseline pair, and the nodes that stray from it.
+
+    One row per cluster and pair: the nodes with a GPU on that pair and the physical GPUs on
+    it. Devices that publish no driver version (VFIO passthrough) are left out. A cluster's
+    baseline is its `baseline_*` fields when an operator set either (an empty one matches any
+    value), else the pair found on the most nodes, ties going to the newest driver, then the
+    newest CUDA version. Every cluster covered gets its own baseline in `baselines`, and
+    `outlier_nodes` (sorted) are the nodes with any GPU on a pair that differs from the
+    baseline of their cluster.
+    """
+    qualify = cluster is None
+    per_node = (
+        _present_gpu_devices(cluster)
+        .exclude(driver_version="")
+        .values("cluster__name", "node__name", "driver_version", "cuda_driver_version")
+        .annotate(gpus=Count("physical_gpu_key", distinct=True))
+        .order_by()
+    )
+    rows: dict[tuple[str, str, str], VersionRow] = {}
+    for entry in per_node:
+        key = (entry["cluster__name"], entry["driver_version"], entry["cuda_driver_version"])
+        row = rows.setdefault(
+            key,
+            VersionRow(
+                cluster=key[0],
+                driverVersion=key[1],
+                cudaDriverVersion=key[2],
+                nodes=[],
+                gpus=0,
+                baseline=False,
+            ),
+        )
+        # A key lives on one node, so per-node distinct counts add up without double counting.
+        row["gpus"] += entry["gpus"]
+        if entry["node__name"] is not None:
+            row["nodes"].append(_node_label(key[0], entry["node__name"], qualify))
+
+    clusters = [cluster] if cluster is not None else list(Cluster.objects.order_by("name"))
+    baselines: dict[str, Baseline | None] = {}
+    outliers: set[str] = set()
+    for covered in clusters:
+        cluster_rows = [row for row in rows.values() if row["cluster"] == covered.name]
+        baseline = _baseline(covered, cluster_rows)
+        baselines[covered.name] = baseline
+        for row in cluster_rows:
+            row["nodes"].sort()
+            row["baseline"] = baseline is not None and _matches(row, baseline)
+            if not row["baseline"]:
+                outliers.update(row["nodes"])
+
+    # Newest pair first within each cluster: two stable sorts, the last one decides first.
+    ordered = sorted(
+        rows.values(),
+        key=lambda row: (
+            _version_key(row["driverVersion"]),
+            _version_key(row["cudaDriverVersion"]),
+        ),
+        reverse=True,
+    )
+    ordered.sort(key=lambda row: row["cluster"])
+    return VersionMatrix(
+        rows=ordered,
+        baseline=baselines[cluster.name] if cluster is not None else None,
+        baselines=baselines,
+        outlier_nodes=sorted(outliers),
+    )
+
+
+def most_common_version_pair(*, cluster: Cluster) -> VersionPair | None:
+    """The driver/CUDA pair on the most nodes of `cluster`, ignoring its operator baseline.
+
+    Ties go to the newest driver, then the newest CUDA version; None when no GPU publishes a
+    driver version.
+    """
+    pair = _most_common(version_matrix(cluster=cluster)["rows"])
+    if pair is None:
+        return None
+    return VersionPair(
+        driverVersion=pair["driverVersion"], cudaDriverVersion=pair["cudaDriverVersion"]
+    )
+
+
+def fragmentation(*, cluster: Cluster | None = None) -> Fragmentation:
+    """How the free GPUs are spread over nodes and NVLink cliques.
+
+    `nodes` has one row per node with a present GPU (sorted by name); a node is free when
+    none of its GPUs is allocated, full when all are, partial otherwise.
+    `largest_free_block` is the most free GPUs on one node; `largest_free_clique_block` the
+    most free GPUs within one NVLink clique, summing the nodes of a cluster that share a
+    non-empty `Node.clique`, a node without clique counting alone.
+    """
+    qualify = cluster is None
+    per_node = (
+        _present_gpu_devices(cluster)
+        .filter(node__isnull=False)
+        .values("cluster__name", "node_id", "node__name", "node__clique")
+        .annotate(gpus=_count_gpus(), allocated=_count_gpus(allocated=True))
+        .order_by()
+    )
+    nodes: list[NodeFragmentation] = []
+    free_by_clique: dict[tuple[str, object], int] = defaultdict(int)
+    for entry in per_node:
+        free = entry["gpus"] - entry["allocated"]
+        nodes.append(
+            NodeFragmentation(
+                cluster=entry["cluster__name"],
+                node=_node_label(entry["cluster__name"], entry["node__name"], qualify),
+                clique=entry["node__clique"],
+                gpus=entry["gpus"],
+                allocated=entry["allocated"],
+                free=free,
+            )
+        )
+        # Clique ids are only meaningful within a cluster; a node without one is its own group.
+        group = entry["node__clique"] or ("node", entry["node_id"])
+        free_by_clique[(entry["cluster__name"], group)] += free
+    nodes.sort(key=lambda row: row["node"])
+    return Fragmentation(
+        nodes=nodes,
+        nodes_free=sum(1 for row in nodes if row["allocated"] == 0),
+        nodes_partial=sum(1 for row in nodes if 0 < row["allocated"] < row["gpus"]),
+        nodes_full=sum(1 for row in nodes if row["allocated"] == row["gpus"]),
+        largest_free_block=max((row["free"] for row in nodes), default=0),
+        largest_free_clique_block=max(free_by_clique.values(), default=0),
+    )
+
+
+def fleet_report(*, cluster: Cluster | None = None) -> dict[str, Any]:
+    """The fleet at a glance, as JSON-ready data (what `manage.py fleet_report` prints).
+
+    Keys: `nodes` (nodes with a present GPU), `gpus_by_model` (productName → physical GPUs),
+    `mig_devices`, `capacity` (see `capacity_by_model`), `driver_matrix` (one row per
+    cluster and pair: `nodes` is the node count, `node_names` the names, plus `gpus` and
+    whether it is the `baseline`), `baseline` and `baselines` (see `version_matrix`),
+    `outlier_nodes` and `fragmentation` (the summary counts of `fragmentation`).
+    """
+    capacity = capacity_by_model(cluster=cluster)
+    versions = version_matrix(cluster=cluster)
+    spread = fragmentation(cluster=cluster)
+    return {
+        "cluster": cluster.name if cluster is not None else None,
+        "nodes": len(spread["nodes"]),
+        "gpus_by_model": {row["productName"]: row["gpus"] for row in capacity},
+        "mig_devices": sum(row["mig_devices"] for row in capacity),
+        "capacity": capacity,
+        "driver_matrix": [
+            {
+                "cluster": row["cluster"],
+                "driverVersion": row["driverVersion"],
+                "cudaDriverVersion": row["cudaDriverVersion"],
+                "nodes": len(row["nodes"]),
+                "node_names": row["nodes"],
+                "gpus": row["gpus"],
+                "baseline": row["baseline"],
+            }
+            for row in versions["rows"]
+        ],
+        "baseline": versions["baseline"],
+        "baselines": versions["baselines"],
+        "outlier_nodes": versions["outlier_nodes"],
+        "fragmentation": FragmentationSummary(
+            nodes_free=spread["nodes_free"],
+            nodes_partial=spread["nodes_partial"],
+            nodes_full=spread["nodes_full"],
+            largest_free_block=spread["largest_free_block"],
+            largest_free_clique_block=spread["largest_free_clique_block"],
+        ),
+    }
+
+
+def _present_devices(cluster: Cluster | None) -> QuerySet[Device]:
+    devices = Device.objects.filter(gone_at__isnull=True)
+    return devices if cluster is None else devices.filter(cluster=cluster)
+
+
+def _present_gpu_devices(cluster: Cluster | None) -> QuerySet[Device]:
+    """Present devices that belong to a physical GPU."""
+    return _present_devices(cluster).exclude(kind=DeviceKind.OTHER).exclude(physical_gpu_key="")
+
+
+def _count_gpus(*, allocated: bool = False) -> Count:
+    """Distinct physical GPUs in a group of devices; with `allocated`, only those held now.
+
+    A key counts as allocated when any of its devices in the group has an open allocation,
+    which is exactly "any present device with its key" as long as the group holds all of a
+    GPU's present devices (it does: they share cluster, node and product name).
+    """
+    condition = ~Q(physical_gpu_key="")
+    if allocated:
+        # `IN (open allocations)` rather than a correlated EXISTS: PostgreSQL hashes it once,
+        # and the EXISTS form's cost estimate is high enough to trigger slow JIT compilation.
+        held = Allocation.objects.filter(end__isnull=True).values("device_id")
+        condition &= Q(pk__in=held)
+    return Count("physical_gpu_key", distinct=True, filter=condition)
+
+
+def _node_label(cluster_name: str, node_name: str, qualify: bool) -> str:
+    return f"{cluster_name}/{node_name}" if qualify else node_name
+
+
+def _baseline(cluster: Cluster, rows: list[VersionRow]) -> Baseline | None:
+    if cluster.baseline_driver_version or cluster.baseline_cuda_driver_version:
+        return Baseline(
+            driverVersion=cluster.baseline_driver_version,
+            cudaDriverVersion=cluster.baseline_cuda_driver_version,
+            source="operator",
+        )
+    pair = _most_common(rows)
+    if pair is None:
+        return None
+    return Baseline(
+        driverVersion=pair["driverVersion"],
+        cudaDriverVersion=pair["cudaDriverVersion"],
+        source="most_common",
+    )
+
+
+def _most_common(rows: list[VersionRow]) -> VersionRow | None:
+    return max(
+        rows,
+        key=lambda row: (
+            len(row["nodes"]),
+            _version_key(row["driverVersion"]),
+            _version_key(row["cudaDriverVersion"]),
+            # Distinct strings can parse alike ("580.82.07" and "580.82.7"); keep the choice stable.
+            row["driverVersion"],
+            row["cudaDriverVersion"],
+        ),
+        default=None,
+    )
+
+
+def _matches(row: VersionRow, baseline: Baseline) -> bool:
+    # An operator may pin only one of the two versions; the other then matches anything.
+    pinned_only = baseline["source"] == "operator"
+
+    def same(value: str, wanted: str) -> bool:
+        return value == wanted or (pinned_only and not wanted)
+
+    return same(row["driverVersion"], baseline["driverVersion"]) and same(
+        row["cudaDriverVersion"], baseline["cudaDriverVersion"]
+    )
+
+
+_VERSION_PART = re.compile(r"\d+|[^\d.\-+]+")
+
+
+def _version_key(version: str) -> tuple[tuple[int, int, str], ...]:
+    """Sort key that orders versions numerically ("580.126.20" is newer than "580.82.07")."""
+    return tuple(
+        (1, int(part), "") if part.isdigit() else (0, 0, part)
+        for part in _VERSION_PART.findall(version)
+    )

@@ -1,0 +1,545 @@
+"""Fleet reports: the selectors' counting rules, `manage.py fleet_report` and the admin."""
+
+from __future__ import annotations
+
+import json
+import re
+from io import StringIO
+
+import pytest
+from django.contrib.admin.sites import site
+from django.core.management import CommandError, call_command
+from django.test import Client
+from django.urls import reverse
+from django.utils import timezone
+
+from inventory.models import (
+    Allocation,
+    Cluster,
+    Device,
+    DeviceClass,
+    Node,
+    Pool,
+    ResourceClaim,
+    ResourceSlice,
+    SyncState,
+)
+from inventory.selectors import capacity_by_model, fleet_report, fragmentation, version_matrix
+from tests.factories import (
+    AllocationFactory,
+    ClusterFactory,
+    DeviceFactory,
+    MigDeviceFactory,
+    NodeFactory,
+    OtherDeviceFactory,
+    PartitionDeviceFactory,
+    ResourceClaimFactory,
+)
+
+pytestmark = pytest.mark.django_db
+
+H100 = "NVIDIA H100 80GB HBM3"
+A100 = "NVIDIA A100-SXM4-40GB"
+CURRENT = ("580.82.07", "13.0.0")
+OLDER = ("570.172.08", "12.8.0")
+
+
+def gpus_on(
+    node: Node, count: int, versions: tuple[str, str] = CURRENT, **fields: object
+) -> list[Device]:
+    """`count` whole GPUs on `node` with the given driver/CUDA pair."""
+    driver, cuda = versions
+    return DeviceFactory.create_batch(
+        count, node=node, driver_version=driver, cuda_driver_version=cuda, **fields
+    )
+
+
+def capacity_of(product: str, cluster: Cluster | None = None) -> dict[str, object]:
+    rows = {row["productName"]: row for row in capacity_by_model(cluster=cluster)}
+    return dict(rows[product])
+
+
+# -- capacity_by_model ----------------------------------------------------------------------
+
+
+def test_a_gpu_split_into_mig_devices_counts_once() -> None:
+    node = NodeFactory.create()
+    # With MIG on, only the MIG devices are published: the whole GPU is not a device.
+    parent = DeviceFactory.build(node=node)
+    MigDeviceFactory.create_batch(7, parent=parent)
+
+    assert capacity_of(H100) == {
+        "productName": H100,
+        "gpus": 1,
+        "allocated": 0,
+        "free": 1,
+        "mig_devices": 7,
+    }
+
+
+def test_a_whole_gpu_published_beside_its_partitions_counts_once() -> None:
+    gpu = DeviceFactory.create()
+    PartitionDeviceFactory.create_batch(2, parent=gpu)
+    DeviceFactory.create(node=gpu.node)
+
+    assert capacity_of(H100)["gpus"] == 2
+    assert capacity_of(H100)["mig_devices"] == 0
+
+
+def test_gone_and_non_gpu_devices_do_not_count() -> None:
+    node = NodeFactory.create()
+    gone = DeviceFactory.create(node=node, gone_at=timezone.now())
+    MigDeviceFactory.create(parent=gone, gone_at=timezone.now())
+    # An open allocation of a gone device must not make anything allocated.
+    AllocationFactory.create(device=gone)
+    DeviceFactory.create(node=node)
+    OtherDeviceFactory.create(node=node)
+
+    assert capacity_by_model() == [
+        {"productName": H100, "gpus": 1, "allocated": 0, "free": 1, "mig_devices": 0}
+    ]
+
+
+def test_an_allocated_mig_slice_makes_its_gpu_allocated() -> None:
+    gpu = DeviceFactory.create(product_name=A100)
+    slices = MigDeviceFactory.create_batch(3, parent=gpu)
+    AllocationFactory.create(device=slices[0])
+    # An ended allocation holds nothing.
+    AllocationFactory.create(
+        device=DeviceFactory.create(node=gpu.node, product_name=A100), end=timezone.now()
+    )
+
+    assert capacity_of(A100) == {
+        "productName": A100,
+        "gpus": 2,
+        "allocated": 1,
+        "free": 1,
+        "mig_devices": 3,
+    }
+
+
+def test_capacity_is_per_model_and_per_cluster() -> None:
+    east, west = ClusterFactory.create(name="east"), ClusterFactory.create(name="west")
+    gpus_on(NodeFactory.create(cluster=east), 4)
+    gpus_on(NodeFactory.create(cluster=west), 2)
+    gpus_on(NodeFactory.create(cluster=west), 8, product_name=A100)
+
+    assert [(row["productName"], row["gpus"]) for row in capacity_by_model()] == [
+        (A100, 8),
+        (H100, 6),
+    ]
+    assert [(row["productName"], row["gpus"]) for row in capacity_by_model(cluster=east)] == [
+        (H100, 4)
+    ]
+
+
+# -- version_matrix -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def mixed_versions() -> Cluster:
+    """Three nodes on the current pair, one on the older pair, one with a single stray GPU."""
+    cluster = ClusterFactory.create(name="prod")
+    for name in ("node-a", "node-b", "node-c"):
+        gpus_on(NodeFactory.create(cluster=cluster, name=name), 2)
+    gpus_on(NodeFactory.create(cluster=cluster, name="node-old"), 2, OLDER)
+    mixed = NodeFactory.create(cluster=cluster, name="node-mixed")
+    gpus_on(mixed, 1)
+    stray = gpus_on(mixed, 1, OLDER)[0]
+    MigDeviceFactory.create_batch(2, parent=stray)
+    return cluster
+
+
+def test_outliers_against_the_most_common_pair(mixed_versions: Cluster) -> None:
+    matrix = version_matrix(cluster=mixed_versions)
+
+    assert matrix["baseline"] == {
+        "driverVersion": "580.82.07",
+        "cudaDriverVersion": "13.0.0",
+        "source": "most_common",
+    }
+    assert [
+        (row["driverVersion"], row["cudaDriverVersion"], row["nodes"], row["gpus"], row["baseline"])
+        for row in matrix["rows"]
+    ] == [
+        ("580.82.07", "13.0.0", ["node-a", "node-b", "node-c", "node-mixed"], 7, True),
+        ("570.172.08", "12.8.0", ["node-mixed", "node-old"], 3, False),
+    ]
+    assert matrix["outlier_nodes"] == ["node-mixed", "node-old"]
+
+
+def test_outliers_against_an_operator_baseline(mixed_versions: Cluster) -> None:
+    mixed_versions.baseline_driver_version, mixed_versions.baseline_cuda_driver_version = OLDER
+    mixed_versions.save()
+
+    matrix = version_matrix(cluster=mixed_versions)
+
+    assert matrix["baseline"] == {
+        "driverVersion": "570.172.08",
+        "cudaDriverVersion": "12.8.0",
+        "source": "operator",
+    }
+    assert matrix["outlier_nodes"] == ["node-a", "node-b", "node-c", "node-mixed"]
+
+
+def test_an_operator_may_pin_the_driver_only(mixed_versions: Cluster) -> None:
+    gpus_on(
+        NodeFactory.create(cluster=mixed_versions, name="node-new-cuda"), 1, ("580.82.07", "13.1.0")
+    )
+    mixed_versions.baseline_driver_version = "580.82.07"
+    mixed_versions.save()
+
+    assert version_matrix(cluster=mixed_versions)["outlier_nodes"] == ["node-mixed", "node-old"]
+
+
+def test_a_tie_goes_to_the_newest_driver() -> None:
+    cluster = ClusterFactory.create()
+    gpus_on(NodeFactory.create(cluster=cluster, name="n1"), 1, ("580.9.1", "13.0.0"))
+    # Numerically newer though it sorts lower as text.
+    gpus_on(NodeFactory.create(cluster=cluster, name="n2"), 1, ("580.126.20", "13.0.0"))
+
+    matrix = version_matrix(cluster=cluster)
+
+    assert matrix["baseline"] is not None
+    assert matrix["baseline"]["driverVersion"] == "580.126.20"
+    assert matrix["outlier_nodes"] == ["n1"]
+
+
+def test_all_clusters_get_their_own_baseline() -> None:
+    east, west = ClusterFactory.create(name="east"), ClusterFactory.create(name="west")
+    gpus_on(NodeFactory.create(cluster=east, name="gpu-1"), 1, CURRENT)
+    gpus_on(NodeFactory.create(cluster=west, name="gpu-1"), 1, OLDER)
+    gpus_on(NodeFactory.create(cluster=west, name="gpu-2"), 1, OLDER)
+    gpus_on(NodeFactory.create(cluster=west, name="gpu-3"), 1, CURRENT)
+    ClusterFactory.create(name="empty")
+
+    matrix = version_matrix()
+
+    assert matrix["baseline"] is None
+    assert {name: b and b["driverVersion"] for name, b in matrix["baselines"].items()} == {
+        "east": "580.82.07",
+        "empty": None,
+        "west": "570.172.08",
+    }
+    # Node names are unique only within a cluster, so they carry it.
+    assert matrix["outlier_nodes"] == ["west/gpu-3"]
+
+
+def test_devices_without_versions_or_node_are_handled() -> None:
+    cluster = ClusterFactory.create()
+    gpus_on(NodeFactory.create(cluster=cluster, name="n1"), 1)
+    # VFIO passthrough publishes no driver version; a multi-node pool device has no node.
+    gpus_on(NodeFactory.create(cluster=cluster, name="vfio"), 1, ("", ""))
+    DeviceFactory.create(node=None, cluster=cluster, driver_version=OLDER[0])
+
+    matrix = version_matrix(cluster=cluster)
+
+    assert [(row["driverVersion"], row["nodes"], row["gpus"]) for row in matrix["rows"]] == [
+        ("580.82.07", ["n1"], 1),
+        ("570.172.08", [], 1),
+    ]
+    assert matrix["outlier_nodes"] == []
+
+
+# -- fragmentation --------------------------------------------------------------------------
+
+
+@pytest.fixture
+def busy_cluster() -> Cluster:
+    """a: 8 free; b: 5 of 8 free; c: full; a and b share a clique, d is alone with 6 free."""
+    cluster = ClusterFactory.create(name="busy")
+    gpus_on(NodeFactory.create(cluster=cluster, name="a", clique="fabric-1.0"), 8)
+    b = gpus_on(NodeFactory.create(cluster=cluster, name="b", clique="fabric-1.0"), 8)
+    c = gpus_on(NodeFactory.create(cluster=cluster, name="c", clique="fabric-1.1"), 2)
+    gpus_on(NodeFactory.create(cluster=cluster, name="d"), 6)
+    for gpu in b[:2] + c:
+        AllocationFactory.create(device=gpu)
+    # A MIG slice of a third GPU on b: allocated once, however many slices are held.
+    for mig in MigDeviceFactory.create_batch(2, parent=b[2]):
+        AllocationFactory.create(device=mig)
+    DeviceFactory.create(node=None, cluster=cluster)  # multi-node pool: no node, no fragmentation
+    return cluster
+
+
+def test_fragmentation_per_node_and_clique(busy_cluster: Cluster) -> None:
+    spread = fragmentation(cluster=busy_cluster)
+
+    assert [
+        (row["node"], row["gpus"], row["allocated"], row["free"]) for row in spread["nodes"]
+    ] == [
+        ("a", 8, 0, 8),
+        ("b", 8, 3, 5),
+        ("c", 2, 2, 0),
+        ("d", 6, 0, 6),
+    ]
+    assert (spread["nodes_free"], spread["nodes_partial"], spread["nodes_full"]) == (2, 1, 1)
+    assert spread["largest_free_block"] == 8
+    assert spread["largest_free_clique_block"] == 13
+
+
+def test_cliques_do_not_span_clusters(busy_cluster: Cluster) -> None:
+    other = ClusterFactory.create(name="other")
+    gpus_on(NodeFactory.create(cluster=other, name="x", clique="fabric-1.0"), 8)
+
+    spread = fragmentation()
+
+    assert spread["largest_free_clique_block"] == 13
+    assert [row["node"] for row in spread["nodes"]][-1] == "other/x"
+
+
+# -- fleet_report ---------------------------------------------------------------------------
+
+
+def test_fleet_report(busy_cluster: Cluster, django_assert_max_num_queries) -> None:
+    busy_cluster.baseline_driver_version, busy_cluster.baseline_cuda_driver_version = OLDER
+    busy_cluster.save()
+    OtherDeviceFactory.create(node=Node.objects.get(name="d"))
+
+    with django_assert_max_num_queries(3):
+        report = fleet_report(cluster=busy_cluster)
+
+    assert report["nodes"] == 4
+    assert report["gpus_by_model"] == {H100: 25}
+    assert report["mig_devices"] == 2
+    assert report["capacity"] == [
+        {"productName": H100, "gpus": 25, "allocated": 5, "free": 20, "mig_devices": 2}
+    ]
+    assert report["driver_matrix"] == [
+        {
+            "cluster": "busy",
+            "driverVersion": "580.82.07",
+            "cudaDriverVersion": "13.0.0",
+            "nodes": 4,
+            "node_names": ["a", "b", "c", "d"],
+            "gpus": 25,
+            "baseline": False,
+        }
+    ]
+    assert report["baseline"]["source"] == "operator"
+    assert report["outlier_nodes"] == ["a", "b", "c", "d"]
+    assert report["fragmentation"] == {
+        "nodes_free": 2,
+        "nodes_partial": 1,
+        "nodes_full": 1,
+        "largest_free_block": 8,
+        "largest_free_clique_block": 13,
+    }
+    assert json.loads(json.dumps(report)) == report
+
+
+# -- manage.py fleet_report -----------------------------------------------------------------
+
+
+def run_report(*args: str) -> str:
+    out = StringIO()
+    call_command("fleet_report", *args, stdout=out)
+    return out.getvalue()
+
+
+def test_command_json(busy_cluster: Cluster, mixed_versions: Cluster) -> None:
+    report = json.loads(run_report("--format", "json", "--cluster", "prod"))
+
+    assert report["cluster"] == "prod"
+    assert report["nodes"] == 5
+    assert report["gpus_by_model"] == {H100: 10}
+    assert report["outlier_nodes"] == ["node-mixed", "node-old"]
+    assert report["fragmentation"]["largest_free_block"] == 2
+
+    everything = json.loads(run_report("--format", "json"))
+    assert everything["gpus_by_model"] == {H100: 35}
+    assert "busy/a" in everything["driver_matrix"][0]["node_names"]
+
+
+def test_command_table(mixed_versions: Cluster) -> None:
+    text = run_report("--cluster", "prod")
+
+    cells = {line.split("  ")[0]: re.split(r"\s{2,}", line) for line in text.splitlines()}
+    assert cells[H100] == [H100, "10", "0", "10", "2"]
+    assert cells["*"] == ["*", "prod", "580.82.07", "13.0.0", "4", "7"]
+    assert "Baseline of prod: driver 580.82.07, CUDA 13.0.0 (most common)" in text
+    assert "Outlier nodes (2)\n  node-mixed\n  node-old" in text
+    assert "Fragmentation" in text
+
+
+def test_command_table_on_an_empty_inventory() -> None:
+    assert "Outlier nodes (0)\n  none" in run_report()
+
+
+def test_command_rejects_an_unknown_cluster() -> None:
+    with pytest.raises(CommandError, match="nowhere"):
+        run_report("--cluster", "nowhere")
+
+
+# -- admin ----------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def operator(client: Client, django_user_model) -> Client:
+    user = django_user_model.objects.create_superuser("operator", "op@example.com", None)
+    client.force_login(user)
+    return client
+
+
+@pytest.fixture
+def full_inventory(busy_cluster: Cluster) -> Cluster:
+    """One row of every model besides the devices, nodes and allocations of `busy_cluster`."""
+    now = timezone.now()
+    DeviceClass.objects.create(
+        cluster=busy_cluster,
+        name="gpu.nvidia.com",
+        api_version="resource.k8s.io/v1",
+        selectors=["device.driver == 'gpu.nvidia.com'"],
+        first_seen=now,
+    )
+    ResourceSlice.objects.create(
+        cluster=busy_cluster,
+        name="a-gpu.nvidia.com-x7k2p",
+        api_version="resource.k8s.io/v1",
+        driver="gpu.nvidia.com",
+        pool="a",
+        generation=1,
+        resource_slice_count=1,
+        node_name="a",
+        first_seen=now,
+    )
+    Pool.objects.create(
+        cluster=busy_cluster, driver="gpu.nvidia.com", name="a", slices_expected=1, updated_at=now
+    )
+    SyncState.objects.create(cluster=busy_cluster, kind="ResourceSlice", resource_version="42")
+    ResourceClaimFactory.create(cluster=busy_cluster, released_at=now)
+    return busy_cluster
+
+
+ADMIN_MODELS = [
+    Cluster,
+    Node,
+    DeviceClass,
+    ResourceSlice,
+    Pool,
+    Device,
+    ResourceClaim,
+    Allocation,
+    SyncState,
+]
+
+
+@pytest.mark.parametrize("model", ADMIN_MODELS, ids=lambda model: model.__name__)
+def test_admin_changelist_and_change_page(operator: Client, full_inventory: Cluster, model) -> None:
+    info = (model._meta.app_label, model._meta.model_name)
+    assert operator.get(reverse("admin:{}_{}_changelist".format(*info))).status_code == 200
+    obj = model.objects.order_by("pk").first()
+    page = operator.get(reverse("admin:{}_{}_change".format(*info), args=[obj.pk]))
+    assert page.status_code == 200
+
+
+@pytest.mark.parametrize(
+    "query",
+    [
+        "kind__exact=mig",
+        f"product_name={H100}",
+        "driver_version=580.82.07&cuda_driver_version=13.0.0",
+        "gone=no",
+        "gone=yes",
+        "q=GPU-",
+        "q=node-a",
+    ],
+)
+def test_admin_device_filters_and_search(
+    operator: Client, full_inventory: Cluster, query: str
+) -> None:
+    response = operator.get(reverse("admin:inventory_device_changelist") + "?" + query)
+    # An unknown lookup would redirect to `?e=1` instead.
+    assert response.status_code == 200
+
+
+def test_admin_device_node_filter(operator: Client, full_inventory: Cluster) -> None:
+    node = Node.objects.get(name="c")
+    response = operator.get(reverse("admin:inventory_device_changelist"), {"node": node.pk})
+    assert response.status_code == 200
+    assert response.context["cl"].result_count == 2
+
+
+@pytest.mark.parametrize(
+    ("query", "count"), [({"ended": "no"}, 6), ({"ended": "yes"}, 0), ({"q": "team-a"}, 6)]
+)
+def test_admin_allocation_filters(operator: Client, full_inventory: Cluster, query, count) -> None:
+    response = operator.get(reverse("admin:inventory_allocation_changelist"), query)
+    assert response.status_code == 200
+    assert response.context["cl"].result_count == count
+
+
+def test_admin_synced_models_are_read_only(operator: Client, full_inventory: Cluster) -> None:
+    assert operator.get(reverse("admin:inventory_device_add")).status_code == 403
+    device_admin = site._registry[Device]
+    request = operator.get(reverse("admin:inventory_device_changelist")).wsgi_request
+    assert not device_admin.has_add_permission(request)
+    assert not device_admin.has_delete_permission(request)
+    device = Device.objects.first()
+    assert device is not None
+    before = device.product_name
+    operator.post(
+        reverse("admin:inventory_device_change", args=[device.pk]), {"product_name": "hacked"}
+    )
+    device.refresh_from_db()
+    assert device.product_name == before
+
+
+def test_admin_cluster_baseline_is_the_one_editable_field(
+    operator: Client, full_inventory: Cluster
+) -> None:
+    url = reverse("admin:inventory_cluster_change", args=[full_inventory.pk])
+    response = operator.post(
+        url,
+        {
+            "name": "renamed",
+            "baseline_driver_version": "580.82.07",
+            "baseline_cuda_driver_version": "13.0.0",
+        },
+    )
+    assert response.status_code == 302
+    full_inventory.refresh_from_db()
+    assert (full_inventory.name, full_inventory.baseline_driver_version) == ("busy", "580.82.07")
+    assert operator.get(reverse("admin:inventory_cluster_add")).status_code == 403
+
+
+def test_admin_action_sets_the_most_common_baseline(
+    operator: Client, full_inventory: Cluster
+) -> None:
+    empty = ClusterFactory.create(name="empty")
+    response = operator.post(
+        reverse("admin:inventory_cluster_changelist"),
+        {
+            "action": "set_baseline_to_most_common",
+            "_selected_action": [full_inventory.pk, empty.pk],
+        },
+        follow=True,
+    )
+    assert response.status_code == 200
+    full_inventory.refresh_from_db()
+    empty.refresh_from_db()
+    assert (
+        full_inventory.baseline_driver_version,
+        full_inventory.baseline_cuda_driver_version,
+    ) == CURRENT
+    assert empty.baseline_driver_version == ""
+    assert [str(message) for message in response.context["messages"]] == [
+        "empty: no GPU publishes a driver version",
+        "busy: baseline set to driver 580.82.07, CUDA 13.0.0",
+    ]
+
+
+def test_admin_device_changelist_query_count_is_fixed(
+    operator: Client, full_inventory: Cluster, django_assert_max_num_queries
+) -> None:
+    url = reverse("admin:inventory_device_changelist")
+    # Session, user, cluster filter, page count, page rows, three distinct-value filters;
+    # the chosen node adds one. More devices or nodes add none.
+    with django_assert_max_num_queries(8):
+        assert operator.get(url).status_code == 200
+    for node in Node.objects.all():
+        gpus_on(node, 5)
+    with django_assert_max_num_queries(8):
+        assert operator.get(url).status_code == 200
+    node = Node.objects.get(name="b")
+    with django_assert_max_num_queries(9):
+        assert operator.get(url, {"node": str(node.pk), "q": "gpu"}).status_code == 200
