@@ -1,0 +1,490 @@
+"""The one module that talks to the Kubernetes API: list + watch DRA objects into the inventory.
+
+Each kind (Node, DeviceClass, ResourceSlice, ResourceClaim) has its own loop: a paged LIST
+imported whole with `services.import_snapshot`, then a WATCH from the list's resourceVersion
+whose events go to `services.apply_watch_event` one by one. The resourceVersion reached is
+kept in `SyncState`, so a restarted process resumes its watches without listing again.
+
+Objects stay raw JSON (camelCase, unknown fields kept), never the client's generated models:
+the services read fields the client may not know yet, and keep what they do not read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import urllib3
+from django.conf import settings
+from django.db import (
+    InterfaceError,
+    OperationalError,
+    close_old_connections,
+    connection,
+    transaction,
+)
+from django.db.models import F
+from django.utils import timezone
+from kubernetes import client as k8s
+from kubernetes import config as k8s_config
+from kubernetes.client.exceptions import ApiException
+from kubernetes.config.config_exception import ConfigException
+
+from inventory import services
+from inventory.models import Cluster, SyncState
+
+log = logging.getLogger(__name__)
+
+HTTP_GONE = 410
+CONNECT_TIMEOUT_SECONDS = 10
+LIST_READ_TIMEOUT_SECONDS = 60
+# A watch may stay silent for its whole timeoutSeconds; only a read stalled well past that
+# means the connection died without the server closing it.
+WATCH_READ_GRACE_SECONDS = 30
+# How often a paged LIST starts over when its continue token expired between pages.
+LIST_ATTEMPTS = 3
+JOIN_TIMEOUT_SECONDS = 10
+
+
+@dataclass(frozen=True)
+class Resource:
+    """A kind the sync follows, and the client call that lists (and watches) it."""
+
+    kind: str
+    api_version: str
+    api: Callable[[k8s.ApiClient], Any]
+    list_method: str
+
+    def list_call(self, api_client: k8s.ApiClient) -> Callable[..., Any]:
+        return getattr(self.api(api_client), self.list_method)
+
+
+# In dependency order: a `--once` run imports nodes before the slices whose devices they host,
+# and slices before the claims allocated from them.
+RESOURCES: dict[str, Resource] = {
+    resource.kind: resource
+    for resource in (
+        Resource("Node", "v1", k8s.CoreV1Api, "list_node"),
+        Resource("DeviceClass", "resource.k8s.io/v1", k8s.ResourceV1Api, "list_device_class"),
+        Resource("ResourceSlice", "resource.k8s.io/v1", k8s.ResourceV1Api, "list_resource_slice"),
+        Resource(
+            "ResourceClaim",
+            "resource.k8s.io/v1",
+            k8s.ResourceV1Api,
+            "list_resource_claim_for_all_namespaces",
+        ),
+    )
+}
+
+
+class KubeError(Exception):
+    """The sync cannot do what it was asked (bad kubeconfig, a kind that could not be listed)."""
+
+
+class ResourceExpired(Exception):
+    """410 Gone: the server no longer holds the resourceVersion or continue token asked for."""
+
+
+class StreamError(Exception):
+    """The API answered something the sync cannot use (an ERROR event, a line that is no JSON)."""
+
+
+# Failures worth retrying after a pause: the network, the API server, the database.
+TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
+    urllib3.exceptions.HTTPError,
+    ApiException,
+    OSError,
+    StreamError,
+    OperationalError,
+    InterfaceError,
+)
+
+
+@dataclass(frozen=True)
+class Backoff:
+    """Exponential backoff with jitter: the n-th failure in a row waits about initial * 2^(n-1)."""
+
+    initial_seconds: float = 0.5
+    maximum_seconds: float = 30.0
+
+    def delay(self, failures: int) -> float:
+        ceiling = min(self.maximum_seconds, self.initial_seconds * 2 ** min(failures - 1, 32))
+        # Half fixed, half random: loops that failed together do not retry together.
+        return random.uniform(ceiling / 2, ceiling)
+
+
+def api_client(*, kubeconfig: str | None = None, context: str | None = None) -> k8s.ApiClient:
+    """A client for the cluster: the pod's service account when running in one, else kubeconfig.
+
+    An explicit `kubeconfig` or `context` wins over the in-cluster config; without them the
+    kubeconfig is found the usual way (`$KUBECONFIG`, then `~/.kube/config`).
+    """
+    try:
+        if kubeconfig is None and context is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+            configuration = k8s.Configuration()
+            k8s_config.load_incluster_config(client_configuration=configuration)
+            return k8s.ApiClient(configuration)
+        # persist_config=False: refreshing a token must not rewrite the operator's kubeconfig.
+        return k8s_config.new_client_from_config(
+            config_file=kubeconfig, context=context, persist_config=False
+        )
+    except (ConfigException, OSError) as exc:
+        where = kubeconfig or "the default kubeconfig"
+        raise KubeError(f"cannot load the Kubernetes configuration from {where}: {exc}") from exc
+
+
+def sync(
+    *,
+    api_client: k8s.ApiClient,
+    cluster: Cluster,
+    kinds: Iterable[str] = RESOURCES,
+    once: bool = False,
+    stop: threading.Event | None = None,
+    backoff: Backoff | None = None,
+) -> dict[str, services.SyncReport]:
+    """Sync `kinds` of `cluster` and return the report of each kind's last full list.
+
+    With `once`, list and import each kind in turn and return; a kind that cannot be listed is
+    logged and the others still run, then `KubeError` names the failed kinds. Otherwise run one
+    list + watch loop per kind, each in its own thread, until `stop` is set; a loop never
+    ends on a failure, it logs it and retries.
+    """
+    wanted = set(kinds)
+    unknown = wanted - RESOURCES.keys()
+    if unknown:
+        raise KubeError(
+            f"unknown kind(s) {', '.join(sorted(unknown))}; known: {', '.join(RESOURCES)}"
+        )
+    loops = [
+        KindSync(api_client=api_client, cluster=cluster, resource=resource, backoff=backoff)
+        for kind, resource in RESOURCES.items()
+        if kind in wanted
+    ]
+    if once:
+        failed = [loop.kind for loop in loops if not loop.relist_once()]
+        if failed:
+            raise KubeError(f"could not list {', '.join(failed)} (see the log)")
+    else:
+        _run_concurrently(loops, stop or threading.Event())
+    return {loop.kind: loop.last_report for loop in loops if loop.last_report is not None}
+
+
+def _run_concurrently(loops: list[KindSync], stop: threading.Event) -> None:
+    threads = [
+        threading.Thread(target=loop.run, args=(stop,), name=f"sync-{loop.kind}", daemon=True)
+        for loop in loops
+    ]
+    for thread in threads:
+        thread.start()
+    try:
+        stop.wait()
+    finally:
+        stop.set()
+        for loop in loops:
+            loop.interrupt()
+        for thread in threads:
+            thread.join(JOIN_TIMEOUT_SECONDS)
+            if thread.is_alive():
+                log.error("%s did not stop within %ss", thread.name, JOIN_TIMEOUT_SECONDS)
+
+
+class KindSync:
+    """The list + watch loop of one kind in one cluster, recording progress in `SyncState`."""
+
+    def __init__(
+        self,
+        *,
+        api_client: k8s.ApiClient,
+        cluster: Cluster,
+        resource: Resource,
+        backoff: Backoff | None = None,
+    ) -> None:
+        self.kind = resource.kind
+        self.resource = resource
+        self.cluster = cluster
+        self.backoff = backoff or Backoff()
+        self.last_report: services.SyncReport | None = None
+        self.resource_version = ""
+        # Whether the current attempt got anywhere: a failure after progress is a first failure.
+        self._progressed = False
+        self._list = resource.list_call(api_client)
+        self._state_id: int | None = None
+        self._response: urllib3.BaseHTTPResponse | None = None
+        self._response_lock = threading.Lock()
+
+    # The loop -----------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event) -> None:
+        """List if needed, then watch, until `stop` is set. Never raises."""
+        failures = 0
+        resumed = False
+        try:
+            while not stop.is_set():
+                self._progressed = False
+                listed = False
+                try:
+                    if not resumed:
+                        # A restart picks the watch up where the last process left it.
+                        self.resource_version = self._stored_resource_version()
+                        resumed = True
+                    if not self.resource_version:
+                        self.relist()
+                        listed = True
+                    self.watch(stop)
+                    failures = 0
+                    continue
+                except ResourceExpired as exc:
+                    log.info("%s: %s; listing again", self.kind, exc)
+                    self.resource_version = ""
+                    if self._progressed or not listed:
+                        continue
+                    # Expired at once after a fresh list: pause rather than list in a loop.
+                    error: Exception = exc
+                except Exception as exc:
+                    error = exc
+                if stop.is_set():
+                    break
+                failures = 1 if self._progressed else failures + 1
+                delay = self.backoff.delay(failures)
+                self._log_failure(error, delay)
+                close_old_connections()
+                stop.wait(delay)
+        finally:
+            # Each thread has its own database connection; do not leave it to the server.
+            connection.close()
+
+    def _log_failure(self, exc: Exception, delay: float) -> None:
+        resume = (
+            f"resuming the watch from resourceVersion {self.resource_version}"
+            if self.resource_version
+            else "listing again"
+        )
+        if isinstance(exc, (*TRANSIENT_ERRORS, ResourceExpired)):
+            log.warning(
+                "%s: %s: %s; %s in %.2fs", self.kind, type(exc).__name__, exc, resume, delay
+            )
+        else:
+            log.error("%s: unexpected failure; %s in %.2fs", self.kind, resume, delay, exc_info=exc)
+
+    def relist_once(self) -> bool:
+        """One list + import for `--once`; False (and logged) when it failed."""
+        try:
+            self.relist()
+        except Exception as exc:
+            log.error("%s: cannot list: %s: %s", self.kind, type(exc).__name__, exc, exc_info=exc)
+            return False
+        return True
+
+    def interrupt(self) -> None:
+        """Cut the current watch short, from another thread, so that `stop` is seen at once."""
+        with self._response_lock:
+            if self._response is not None:
+                # ValueError/OSError: already closed, so the loop is not reading from it.
+                with contextlib.suppress(ValueError, OSError):
+                    self._response.shutdown()
+
+    # LIST ---------------------------------------------------------------------------------
+
+    def relist(self) -> None:
+        """List every object of the kind and import them as a full snapshot."""
+        items, resource_version = self._list_all()
+        at = timezone.now()
+        with transaction.atomic():
+            report = services.import_snapshot(
+                cluster=self.cluster, objects=items, at=at, kinds=[self.kind]
+            )
+            SyncState.objects.filter(pk=self._state()).update(
+                resource_version=resource_version,
+                last_relist_at=at,
+                relists=F("relists") + 1,
+            )
+        self.resource_version = resource_version
+        self.last_report = report
+        log.info(
+            "%s: listed %d at resourceVersion %s (created %d, updated %d, gone %d, rejected %d)",
+            self.kind,
+            len(items),
+            resource_version,
+            report.created.get(self.kind, 0),
+            report.updated.get(self.kind, 0),
+            report.gone.get(self.kind, 0),
+            len(report.errors),
+        )
+        self._log_rejected(report)
+
+    def _list_all(self) -> tuple[list[dict[str, Any]], str]:
+        for attempt in range(1, LIST_ATTEMPTS + 1):
+            try:
+                return self._list_pages()
+            except ResourceExpired as exc:
+                # The continue token outlived the server's history: a consistent list has to
+                # start over from the first page.
+                log.info("%s: %s; list attempt %d of %d", self.kind, exc, attempt, LIST_ATTEMPTS)
+        raise StreamError(f"the list expired between pages {LIST_ATTEMPTS} times in a row")
+
+    def _list_pages(self) -> tuple[list[dict[str, Any]], str]:
+        items: list[dict[str, Any]] = []
+        continue_token: str | None = None
+        while True:
+            response = self._call(
+                limit=settings.TALLY_SYNC_PAGE_SIZE,
+                _continue=continue_token,
+                _request_timeout=(CONNECT_TIMEOUT_SECONDS, LIST_READ_TIMEOUT_SECONDS),
+            )
+            try:
+                page = json.loads(response.data)
+            except ValueError as exc:
+                raise StreamError(f"the list answer is not JSON: {exc}") from exc
+            finally:
+                response.release_conn()
+            items.extend(self._with_kind(item) for item in page.get("items") or ())
+            metadata = page.get("metadata") or {}
+            continue_token = metadata.get("continue")
+            if not continue_token:
+                return items, str(metadata.get("resourceVersion") or "")
+
+    # WATCH --------------------------------------------------------------------------------
+
+    def watch(self, stop: threading.Event) -> None:
+        """Apply the events of one watch from `resource_version`, until the server ends it."""
+        timeout = settings.TALLY_SYNC_WATCH_TIMEOUT_SECONDS
+        response = self._call(
+            watch=True,
+            resource_version=self.resource_version,
+            allow_watch_bookmarks=True,
+            timeout_seconds=timeout,
+            _request_timeout=(CONNECT_TIMEOUT_SECONDS, timeout + WATCH_READ_GRACE_SECONDS),
+        )
+        with self._response_lock:
+            self._response = response
+        try:
+            if stop.is_set():
+                return  # stopped while connecting: `interrupt` found nothing to cut
+            for line in _lines(response):
+                if stop.is_set():
+                    break
+                try:
+                    event = json.loads(line)
+                except ValueError as exc:
+                    raise StreamError(f"a watch event is not JSON: {line[:200]!r}") from exc
+                self._handle(event)
+                self._progressed = True
+        finally:
+            with self._response_lock:
+                self._response = None
+            response.close()
+            response.release_conn()
+
+    def _handle(self, event: dict[str, Any]) -> None:
+        event_type = event.get("type")
+        obj = event.get("object")
+        if not isinstance(obj, dict):
+            log.warning("%s: %s event without an object; skipped", self.kind, event_type)
+            return
+        if event_type == "ERROR":
+            message = f"{obj.get('reason', '')}: {obj.get('message', '')}"
+            if obj.get("code") == HTTP_GONE:
+                raise ResourceExpired(f"watch expired ({message})")
+            raise StreamError(f"ERROR event {obj.get('code')} ({message})")
+        resource_version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+        if not resource_version:
+            log.warning("%s: %s event without a resourceVersion; skipped", self.kind, event_type)
+        elif event_type == "BOOKMARK":
+            SyncState.objects.filter(pk=self._state()).update(resource_version=resource_version)
+            self.resource_version = resource_version
+        elif event_type in ("ADDED", "MODIFIED", "DELETED"):
+            self._apply(event_type, self._with_kind(obj), resource_version)
+        else:
+            log.warning("%s: unknown watch event type %r; skipped", self.kind, event_type)
+
+    def _apply(self, event_type: str, obj: dict[str, Any], resource_version: str) -> None:
+        at = timezone.now()
+        # The event and the resourceVersion it brings commit together: after a crash the
+        # watch resumes exactly after the last event applied.
+        with transaction.atomic():
+            try:
+                with transaction.atomic():
+                    report = services.apply_watch_event(
+                        cluster=self.cluster, event_type=event_type, obj=obj, at=at
+                    )
+            except (OperationalError, InterfaceError):
+                raise  # the database, not the object: retry the event after a pause
+            except Exception:
+                # One object the services choke on must not stop the kind for good.
+                log.exception(
+                    "%s: %s %s could not be applied; skipped", self.kind, event_type, _name(obj)
+                )
+            else:
+                self._log_rejected(report)
+            SyncState.objects.filter(pk=self._state()).update(
+                resource_version=resource_version,
+                last_event_at=at,
+                events_applied=F("events_applied") + 1,
+            )
+        self.resource_version = resource_version
+
+    # Helpers ------------------------------------------------------------------------------
+
+    def _call(self, **kwargs: Any) -> urllib3.BaseHTTPResponse:
+        try:
+            return self._list(_preload_content=False, **kwargs)
+        except ApiException as exc:
+            if exc.status == HTTP_GONE:
+                raise ResourceExpired(f"410 Gone ({_status_message(exc)})") from exc
+            raise
+
+    def _with_kind(self, obj: dict[str, Any]) -> dict[str, Any]:
+        # Items of a list (and events of some servers) leave out kind and apiVersion.
+        obj["kind"] = self.kind
+        obj.setdefault("apiVersion", self.resource.api_version)
+        return obj
+
+    def _state(self) -> int:
+        if self._state_id is None:
+            state, _ = SyncState.objects.get_or_create(cluster=self.cluster, kind=self.kind)
+            self._state_id = state.pk
+        return self._state_id
+
+    def _stored_resource_version(self) -> str:
+        return (
+            SyncState.objects.filter(pk=self._state())
+            .values_list("resource_version", flat=True)
+            .get()
+        )
+
+    def _log_rejected(self, report: services.SyncReport) -> None:
+        for error in report.errors:
+            log.warning("%s: rejected: %s", self.kind, error)
+
+
+def _lines(response: urllib3.BaseHTTPResponse) -> Iterator[bytes]:
+    """The non-empty lines of a streamed response, as they arrive."""
+    pending = b""
+    for chunk in response.stream(amt=None, decode_content=True):
+        pending += chunk
+        *lines, pending = pending.split(b"\n")
+        yield from (line for line in lines if line.strip())
+    if pending.strip():
+        yield pending
+
+
+def _name(obj: dict[str, Any]) -> str:
+    metadata = obj.get("metadata") or {}
+    namespace = metadata.get("namespace")
+    name = metadata.get("name", "<no name>")
+    return f"{namespace}/{name}" if namespace else str(name)
+
+
+def _status_message(exc: ApiException) -> str:
+    try:
+        status = json.loads(exc.body)
+    except (TypeError, ValueError):
+        return str(exc.reason)
+    return str(status.get("message") or exc.reason)

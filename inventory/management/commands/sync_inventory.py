@@ -1,0 +1,159 @@
+"""`manage.py sync_inventory`: keep the inventory in step with a cluster, or load a dump file.
+
+Live (the default): list and watch every kind until stopped (SIGTERM or Ctrl-C).
+`--once`: one list + import per kind, for a cron job. `--from-file`: import a dump (what
+`kubectl get -o yaml|json` prints) as a full snapshot of the kinds it contains.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from django.conf import settings
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.utils import timezone
+
+from inventory import kube, services
+from inventory.models import Cluster
+
+
+class Command(BaseCommand):
+    help = "Sync the GPU inventory from Kubernetes DRA objects, live, once, or from a dump file."
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument(
+            "--cluster",
+            default=settings.TALLY_CLUSTER_NAME,
+            help="the cluster's name in Tally (default: TALLY_CLUSTER_NAME, %(default)s)",
+        )
+        parser.add_argument("--kubeconfig", help="kubeconfig file (default: in-cluster, else ~)")
+        parser.add_argument("--context", help="kubeconfig context (default: the current one)")
+        parser.add_argument(
+            "--once", action="store_true", help="list and import each kind once, then exit"
+        )
+        parser.add_argument(
+            "--kinds",
+            nargs="+",
+            metavar="KIND",
+            help=f"only these kinds, space or comma separated (of {' '.join(services.KINDS)})",
+        )
+        parser.add_argument(
+            "--from-file",
+            type=Path,
+            metavar="PATH",
+            help="import this dump (YAML or JSON) as a full snapshot instead of asking the API",
+        )
+        parser.add_argument(
+            "--at",
+            metavar="ISO8601",
+            help="with --from-file: when the dump was taken (default: now; no offset means UTC)",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        # Every option is checked before anything is written.
+        if options["from_file"] is not None:
+            for option in ("once", "kinds", "kubeconfig", "context"):
+                if options[option]:
+                    raise CommandError(f"--{option} does not apply to --from-file")
+            at = _parse_at(options["at"])
+            self._import_file(services.get_cluster(options["cluster"]), options["from_file"], at)
+            return
+        if options["at"] is not None:
+            raise CommandError("--at only applies to --from-file")
+        kinds = _parse_kinds(options["kinds"])
+        self._sync(services.get_cluster(options["cluster"]), kinds, options)
+
+    def _import_file(self, cluster: Cluster, path: Path, at: datetime) -> None:
+        # Imported here: the live sync has no use for the dump reader.
+        from inventory.dumps import DumpError, iter_objects
+
+        try:
+            report = services.import_snapshot(cluster=cluster, objects=iter_objects(path), at=at)
+        except DumpError as exc:
+            raise CommandError(f"nothing imported: {exc}") from exc
+        self._summarise(report)
+        for error in report.errors:
+            self.stderr.write(f"rejected: {error}")
+        if report.errors:
+            raise CommandError(
+                f"{len(report.errors)} object(s) in {path} rejected; the rest was imported"
+            )
+
+    def _sync(self, cluster: Cluster, kinds: list[str], options: dict[str, Any]) -> None:
+        try:
+            api_client = kube.api_client(
+                kubeconfig=options["kubeconfig"], context=options["context"]
+            )
+        except kube.KubeError as exc:
+            raise CommandError(str(exc)) from exc
+        try:
+            if options["once"]:
+                reports = kube.sync(api_client=api_client, cluster=cluster, kinds=kinds, once=True)
+            else:
+                reports = self._run_live(api_client, cluster, kinds, options["verbosity"])
+        except kube.KubeError as exc:
+            raise CommandError(str(exc)) from exc
+        finally:
+            api_client.close()
+        for report in reports.values():
+            self._summarise(report)
+        rejected = sum(len(report.errors) for report in reports.values())
+        if rejected:
+            # Each one was logged as it happened.
+            raise CommandError(f"{rejected} object(s) rejected; the rest was imported")
+
+    def _run_live(
+        self, api_client: Any, cluster: Cluster, kinds: list[str], verbosity: int
+    ) -> dict[str, services.SyncReport]:
+        if not logging.getLogger().handlers:
+            # A long-running process: say what it does unless the deployment set up logging.
+            logging.basicConfig(
+                level=logging.DEBUG if verbosity > 1 else logging.INFO,
+                format="%(asctime)s %(levelname)s %(name)s %(threadName)s: %(message)s",
+            )
+        stop = threading.Event()
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(signum, lambda *_: stop.set())
+        self.stdout.write(
+            f"Syncing {', '.join(kinds)} of cluster {cluster.name}; stop with SIGTERM"
+        )
+        return kube.sync(api_client=api_client, cluster=cluster, kinds=kinds, stop=stop)
+
+    def _summarise(self, report: services.SyncReport) -> None:
+        kinds = sorted({*report.created, *report.updated, *report.gone, *report.skipped})
+        for kind in kinds:
+            self.stdout.write(
+                f"{kind}: {report.created.get(kind, 0)} created, "
+                f"{report.updated.get(kind, 0)} updated, {report.gone.get(kind, 0)} gone, "
+                f"{report.skipped.get(kind, 0)} skipped"
+            )
+
+
+def _parse_at(value: str | None) -> datetime:
+    if value is None:
+        return timezone.now()
+    try:
+        at = datetime.fromisoformat(value)
+    except ValueError as exc:
+        raise CommandError(
+            f"--at {value!r} is not an ISO 8601 time (e.g. 2025-06-01T12:00:00Z)"
+        ) from exc
+    return at if timezone.is_aware(at) else at.replace(tzinfo=UTC)
+
+
+def _parse_kinds(values: list[str] | None) -> list[str]:
+    if not values:
+        return list(services.KINDS)
+    kinds = [kind for value in values for kind in value.split(",") if kind]
+    unknown = sorted(set(kinds) - set(services.KINDS))
+    if unknown:
+        raise CommandError(
+            f"--kinds: unknown kind(s) {', '.join(unknown)}; known: {', '.join(services.KINDS)}"
+        )
+    return kinds
