@@ -1,0 +1,365 @@
+"""The simulated fleet: the real API shape, consistent allocations, determinism; and the demo."""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.conf import settings
+from django.contrib.auth import get_user_model
+from django.core.management import call_command
+
+from inventory import simulate
+from inventory.dumps import iter_objects
+from inventory.models import Allocation, Device, ResourceClaim
+
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+VALUE_TYPES = {"int", "bool", "string", "version"}
+COMMON_ATTRIBUTES = {
+    "architecture",
+    "brand",
+    "cudaComputeCapability",
+    "cudaDriverVersion",
+    "driverVersion",
+    "productName",
+    "resource.kubernetes.io/pciBusID",
+    "resource.kubernetes.io/pcieRoot",
+    "type",
+}
+
+
+def fleet(nodes: int, seed: int = 0, **options: Any) -> list[dict[str, Any]]:
+    return list(simulate.generate(nodes=nodes, seed=seed, **options))
+
+
+def of_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [obj for obj in objects if obj["kind"] == kind]
+
+
+def devices_by_pool(objects: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    """`(pool, device name)` → the device entry, over every slice."""
+    return {
+        (item["spec"]["pool"]["name"], device["name"]): device
+        for item in of_kind(objects, "ResourceSlice")
+        for device in item["spec"].get("devices", [])
+    }
+
+
+def allocations(objects: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [
+        result
+        for claim in of_kind(objects, "ResourceClaim")
+        for result in claim.get("status", {})
+        .get("allocation", {})
+        .get("devices", {})
+        .get("results", [])
+    ]
+
+
+@pytest.fixture(scope="module")
+def objects() -> list[dict[str, Any]]:
+    """A fleet large enough to have every layout, outliers and pending claims."""
+    return fleet(120, seed=7)
+
+
+# --- shape ---------------------------------------------------------------------------------
+
+
+def test_objects_come_one_kind_after_the_other(objects: list[dict[str, Any]]) -> None:
+    kinds = [obj["kind"] for obj in objects]
+
+    assert list(dict.fromkeys(kinds)) == ["DeviceClass", "Node", "ResourceSlice", "ResourceClaim"]
+    assert {obj["apiVersion"] for obj in objects if obj["kind"] != "Node"} == {"resource.k8s.io/v1"}
+
+
+def test_device_classes_select_by_driver_and_type(objects: list[dict[str, Any]]) -> None:
+    classes = {item["metadata"]["name"]: item["spec"] for item in of_kind(objects, "DeviceClass")}
+
+    assert set(classes) == {"gpu.nvidia.com", "mig.nvidia.com", "vfio.gpu.nvidia.com"}
+    assert classes["gpu.nvidia.com"]["selectors"] == [
+        {
+            "cel": {
+                "expression": "device.driver == 'gpu.nvidia.com' && "
+                "device.attributes['gpu.nvidia.com'].type == 'gpu'"
+            }
+        }
+    ]
+    assert "type == 'mig'" in classes["mig.nvidia.com"]["selectors"][0]["cel"]["expression"]
+    assert "type == 'vfio'" in classes["vfio.gpu.nvidia.com"]["selectors"][0]["cel"]["expression"]
+
+
+def test_nodes_carry_the_topology_labels(objects: list[dict[str, Any]]) -> None:
+    nodes = of_kind(objects, "Node")
+
+    assert len(nodes) == 120
+    for node in nodes:
+        labels = node["metadata"]["labels"]
+        assert labels["kubernetes.io/hostname"] == node["metadata"]["name"]
+        assert labels["nvidia.com/gpu.product"].startswith("NVIDIA-")
+        assert labels["node.kubernetes.io/instance-type"]
+    cliques = [n["metadata"]["labels"].get("nvidia.com/gpu.clique") for n in nodes]
+    assert any(cliques) and not all(cliques)
+    for clique in filter(None, cliques):
+        cluster_uuid, _, clique_id = clique.rpartition(".")
+        assert re.fullmatch(r"[0-9a-f-]{36}", cluster_uuid) and clique_id.isdigit()
+
+
+def test_every_device_has_the_driver_attributes(objects: list[dict[str, Any]]) -> None:
+    seen_types: Counter[str] = Counter()
+    for device in devices_by_pool(objects).values():
+        attributes = device["attributes"]
+        assert DNS_LABEL.match(device["name"]), device["name"]
+        assert set(attributes) >= COMMON_ATTRIBUTES, device["name"]
+        for value in attributes.values():
+            assert len(value) == 1 and set(value) <= VALUE_TYPES, value
+        assert "memory" in device["capacity"]
+        device_type = attributes["type"]["string"]
+        seen_types[device_type] += 1
+        if device_type == "gpu":
+            assert attributes["uuid"]["string"].startswith("GPU-")
+        else:
+            assert device_type == "mig"
+            assert attributes["parentUUID"]["string"].startswith("GPU-")
+            assert {"multiprocessors", "copyEngines"} <= set(device["capacity"])
+            profile = attributes["profile"]["string"]
+            assert re.fullmatch(rf"gpu-\d-mig-{profile.replace('.', '')}-\d+-\d", device["name"]), (
+                device["name"]
+            )
+    assert seen_types["gpu"] and seen_types["mig"]
+
+
+def test_static_mig_gpus_publish_only_their_mig_devices(objects: list[dict[str, Any]]) -> None:
+    for item in of_kind(objects, "ResourceSlice"):
+        devices = item["spec"].get("devices", [])
+        if devices and devices[0]["attributes"]["productName"]["string"].startswith("NVIDIA A100"):
+            assert {d["attributes"]["type"]["string"] for d in devices} == {"mig"}
+            assert all(d["attributes"]["uuid"]["string"].startswith("MIG-") for d in devices)
+            assert len({d["attributes"]["parentUUID"]["string"] for d in devices}) == 8
+
+
+def test_pools_declare_their_slice_count(objects: list[dict[str, Any]]) -> None:
+    slices_per_pool = Counter(
+        item["spec"]["pool"]["name"] for item in of_kind(objects, "ResourceSlice")
+    )
+    for item in of_kind(objects, "ResourceSlice"):
+        spec = item["spec"]
+        assert spec["driver"] == "gpu.nvidia.com"
+        assert spec["pool"]["resourceSliceCount"] == slices_per_pool[spec["pool"]["name"]]
+        assert item["metadata"]["ownerReferences"][0]["kind"] == "Node"
+        assert item["metadata"]["name"].startswith(f"{spec['pool']['name']}-gpu.nvidia.com-")
+    assert set(slices_per_pool.values()) == {1, 2}
+
+
+def test_partitionable_pools_keep_counters_in_a_slice_of_their_own(
+    objects: list[dict[str, Any]],
+) -> None:
+    counter_sets: dict[str, dict[str, Any]] = {}
+    for item in of_kind(objects, "ResourceSlice"):
+        spec = item["spec"]
+        if "sharedCounters" in spec:
+            # Since v1 (1.35): no devices and no node selection beside the counters.
+            assert not {"devices", "nodeName", "nodeSelector", "allNodes"} & set(spec)
+            for counter_set in spec["sharedCounters"]:
+                counter_sets[f"{spec['pool']['name']}/{counter_set['name']}"] = counter_set
+    assert counter_sets
+    for (pool, _), device in devices_by_pool(objects).items():
+        for consumed in device.get("consumesCounters", []):
+            available = counter_sets[f"{pool}/{consumed['counterSet']}"]["counters"]
+            assert set(consumed["counters"]) <= set(available)
+
+
+# --- claims --------------------------------------------------------------------------------
+
+
+def test_claims_are_created_by_pods(objects: list[dict[str, Any]]) -> None:
+    claims = of_kind(objects, "ResourceClaim")
+
+    assert {claim["metadata"]["namespace"] for claim in claims} == set(simulate.NAMESPACES)
+    for claim in claims:
+        metadata = claim["metadata"]
+        (owner,) = metadata["ownerReferences"]
+        assert owner["kind"] == "Pod" and owner["controller"] is True
+        (request,) = claim["spec"]["devices"]["requests"]
+        assert metadata["annotations"]["resource.kubernetes.io/pod-claim-name"] == request["name"]
+        assert metadata["name"].startswith(f"{owner['name']}-{request['name']}-")
+        assert request["exactly"]["deviceClassName"] in {"gpu.nvidia.com", "mig.nvidia.com"}
+        if "status" in claim:
+            allocation = claim["status"]["allocation"]
+            assert allocation["allocationTimestamp"] >= metadata["creationTimestamp"]
+            results = allocation["devices"]["results"]
+            assert len(results) == request["exactly"]["count"]
+            assert claim["status"]["reservedFor"] == [
+                {"name": owner["name"], "resource": "pods", "uid": owner["uid"]}
+            ]
+    assert any("status" not in claim for claim in claims), "no pending claim"
+
+
+def test_allocated_devices_exist_and_are_held_once(objects: list[dict[str, Any]]) -> None:
+    published = devices_by_pool(objects)
+    held = [(result["pool"], result["device"]) for result in allocations(objects)]
+
+    assert held
+    assert len(held) == len(set(held))
+    for key in held:
+        assert key in published, key
+    for result in allocations(objects):
+        assert result["driver"] == "gpu.nvidia.com"
+
+
+def test_allocated_partitions_never_share_counters(objects: list[dict[str, Any]]) -> None:
+    published = devices_by_pool(objects)
+    consumed: defaultdict[tuple[str, str], Counter[str]] = defaultdict(Counter)
+    for result in allocations(objects):
+        device = published[(result["pool"], result["device"])]
+        for use in device.get("consumesCounters", []):
+            for counter in use["counters"]:
+                if counter.startswith("memory-slice-"):
+                    consumed[(result["pool"], use["counterSet"])][counter] += 1
+    assert consumed
+    for counters in consumed.values():
+        assert max(counters.values()) == 1, counters
+
+
+def test_about_sixty_percent_of_gpus_are_allocated(objects: list[dict[str, Any]]) -> None:
+    published = devices_by_pool(objects)
+    taken_gpus: defaultdict[str, set[str]] = defaultdict(set)
+    for result in allocations(objects):
+        attributes = published[(result["pool"], result["device"])]["attributes"]
+        gpu = attributes.get("parentUUID", attributes.get("uuid"))["string"]
+        taken_gpus[result["pool"]].add(gpu)
+    nodes = [n["metadata"]["name"] for n in of_kind(objects, "Node")]
+    per_node = [len(taken_gpus[node]) for node in nodes]
+
+    assert 0.45 <= sum(per_node) / (8 * len(nodes)) <= 0.75
+    assert 8 in per_node and 0 in per_node and any(0 < n < 8 for n in per_node)
+
+
+def test_a_few_nodes_run_an_outlier_driver() -> None:
+    versions = Counter(
+        node["metadata"]["labels"]["nvidia.com/cuda.driver-version.full"]
+        for node in of_kind(fleet(400, seed=3), "Node")
+    )
+
+    assert versions.most_common(1)[0][0] == simulate.BASELINE_DRIVER[0]
+    assert 0.01 <= 1 - versions[simulate.BASELINE_DRIVER[0]] / 400 <= 0.12
+
+
+# --- counts and determinism ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nodes", [0, 1, 13])
+def test_whole_gpu_fleet_has_eight_devices_and_one_slice_per_node(nodes: int) -> None:
+    objects = fleet(nodes, mix=simulate.WHOLE_GPU_MIX)
+
+    assert len(of_kind(objects, "Node")) == nodes
+    assert len(of_kind(objects, "ResourceSlice")) == nodes
+    assert len(devices_by_pool(objects)) == 8 * nodes
+    assert len(of_kind(objects, "DeviceClass")) == 3
+
+
+def test_every_node_has_eight_physical_gpus(objects: list[dict[str, Any]]) -> None:
+    gpus: defaultdict[str, set[str]] = defaultdict(set)
+    for (pool, _), device in devices_by_pool(objects).items():
+        attributes = device["attributes"]
+        gpus[pool].add(attributes.get("parentUUID", attributes.get("uuid"))["string"])
+
+    assert len(gpus) == 120
+    assert {len(uuids) for uuids in gpus.values()} == {8}
+
+
+def test_same_seed_same_fleet_other_seed_other_fleet() -> None:
+    assert fleet(6, seed=11) == fleet(6, seed=11)
+    assert fleet(6, seed=11) != fleet(6, seed=12)
+
+
+def test_a_node_does_not_depend_on_the_fleet_size() -> None:
+    small, large = fleet(3, seed=4), fleet(9, seed=4)
+
+    assert of_kind(small, "Node") == of_kind(large, "Node")[:3]
+
+
+def test_unknown_layout_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown layouts"):
+        fleet(1, mix={"tpu": 1.0})
+
+
+# --- simulate_fleet ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmt", ["json", "yaml"])
+def test_simulate_fleet_writes_a_dump_the_reader_reads_back(tmp_path: Path, fmt: str) -> None:
+    path = tmp_path / f"fleet.{fmt}"
+    call_command("simulate_fleet", nodes=5, seed=9, output=path, format=fmt, stderr=StringIO())
+
+    assert list(iter_objects(path)) == fleet(5, seed=9)
+
+
+def test_simulate_fleet_writes_json_to_stdout(tmp_path: Path) -> None:
+    out = StringIO()
+    call_command("simulate_fleet", nodes=2, seed=1, stdout=out)
+    path = tmp_path / "stdout.json"
+    path.write_text(out.getvalue())
+
+    assert out.getvalue().startswith('{"apiVersion": "v1", "items": [')
+    assert list(iter_objects(path)) == fleet(2, seed=1)
+
+
+# --- importing it --------------------------------------------------------------------------
+
+
+@pytest.mark.django_db
+def test_load_demo_creates_the_operator_and_imports_once() -> None:
+    out = StringIO()
+    call_command("load_demo", nodes=4, stdout=out)
+
+    operator = get_user_model().objects.get(username="operator")
+    assert operator.is_superuser and operator.is_staff and operator.check_password("operator")
+    assert "operator / operator" in out.getvalue()
+    devices, claims, held = (
+        Device.objects.count(),
+        ResourceClaim.objects.count(),
+        Allocation.objects.count(),
+    )
+    expected = fleet(4)
+    assert devices == len(devices_by_pool(expected))
+    assert claims == len(of_kind(expected, "ResourceClaim"))
+    assert held == len(allocations(expected))
+    assert Device.objects.filter(cluster__name=settings.TALLY_CLUSTER_NAME).count() == devices
+
+    operator.set_password("changed")
+    operator.save()
+    again = StringIO()
+    call_command("load_demo", nodes=4, stdout=again)
+
+    assert (Device.objects.count(), ResourceClaim.objects.count()) == (devices, claims)
+    assert get_user_model().objects.get(username="operator").check_password("changed")
+    assert "no import" in again.getvalue()
+
+
+@pytest.mark.django_db
+def test_the_simulated_fleet_imports_without_errors_and_counts_each_gpu_once() -> None:
+    from django.utils import timezone
+
+    from inventory import services
+
+    cluster = services.get_cluster("simulated")
+    report = services.import_snapshot(
+        cluster=cluster, objects=simulate.generate(nodes=12, seed=5), at=timezone.now()
+    )
+
+    assert report.errors == []
+    objects = fleet(12, seed=5)
+    assert Device.objects.filter(cluster=cluster).count() == len(devices_by_pool(objects))
+    physical = (
+        Device.objects.filter(cluster=cluster)
+        .exclude(physical_gpu_key="")
+        .values("physical_gpu_key")
+        .distinct()
+        .count()
+    )
+    assert physical == 8 * 12
+    assert Allocation.objects.filter(cluster=cluster).count() == len(allocations(objects))
