@@ -17,7 +17,7 @@ SECRET_KEY = env.get_str("SECRET_KEY") or ""
 if not SECRET_KEY:
     if not DEBUG:
         raise ImproperlyConfigured("SECRET_KEY (or SECRET_KEY_FILE) must be set when DEBUG is off")
-    SECRET_KEY = "insecure-development-key-only-for-DEBUG"  # noqa: S105 - never used in production
+    SECRET_KEY = "insecure-development-key-only-for-DEBUG"
 ALLOWED_HOSTS = env.get_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 
 INSTALLED_APPS = [
@@ -98,7 +98,7 @@ STATIC_ROOT = VAR_DIR / "static"
 # server and still lets the web process and a separate worker exchange tasks.
 REDIS_URL = env.get_str("REDIS_URL")
 CELERY_BROKER_URL = env.get_str("CELERY_BROKER_URL") or REDIS_URL or "filesystem://"
-if not CELERY_BROKER_URL.split("://", 1)[0] in {"redis", "rediss", "filesystem", "memory", "amqp"}:
+if CELERY_BROKER_URL.split("://", 1)[0] not in {"redis", "rediss", "filesystem", "memory", "amqp"}:
     raise ImproperlyConfigured(
         f"CELERY_BROKER_URL has an unsupported scheme: {CELERY_BROKER_URL.split('://', 1)[0]!r}"
     )
