@@ -158,6 +158,7 @@ def _parse_stream(
 _DEVICES_PER_FLUSH = 5000
 _CLAIMS_PER_FLUSH = 2000
 _POOLS_PER_RECONCILE = 500
+_NODES_PER_FLUSH = 1000
 
 
 class _Writer:
@@ -170,6 +171,7 @@ class _Writer:
         self.slices: list[dra.ParsedSlice] = []
         self.buffered_devices = 0
         self.claims: list[dra.ParsedClaim] = []
+        self.nodes: list[dra.ParsedNode] = []
         self.touched_pools: set[tuple[str, str]] = set()
         self.linkable_pools: set[tuple[str, str]] = set()
         self.node_ids: dict[str, int] = {}
@@ -180,40 +182,59 @@ class _Writer:
             self.slices.append(parsed)
             self.buffered_devices += len(parsed.devices) + 1
             if self.buffered_devices >= _DEVICES_PER_FLUSH:
+                self._write_nodes()
                 self._write_slices()
         elif isinstance(parsed, dra.ParsedClaim):
             self.claims.append(parsed)
             if len(self.claims) >= _CLAIMS_PER_FLUSH:
-                self._write_claims()
+                self.flush()
         elif isinstance(parsed, dra.ParsedDeviceClass):
             self._write_device_class(parsed)
         else:
-            self._write_node(parsed)
+            self.nodes.append(parsed)
+            if len(self.nodes) >= _NODES_PER_FLUSH:
+                self._write_nodes()
 
     def flush(self) -> None:
+        """Write what is buffered: nodes before the devices on them, devices before claims."""
+        self._write_nodes()
         self._write_slices()
         self._write_claims()
 
-    # Nodes and device classes: few, written one by one.
+    # Nodes and device classes.
 
-    def _write_node(self, parsed: dra.ParsedNode) -> None:
-        clique = parsed.labels.get("nvidia.com/gpu.clique", "")
-        node = Node.objects.filter(cluster=self.cluster, name=parsed.name).first()
-        if node is None:
-            node = Node.objects.create(
-                cluster=self.cluster,
-                name=parsed.name,
-                labels=parsed.labels,
-                clique=clique,
-                first_seen=self.at,
+    def _write_nodes(self) -> None:
+        if not self.nodes:
+            return
+        by_name = {parsed.name: parsed for parsed in self.nodes}
+        self.nodes = []
+        existing = {
+            node.name: node
+            for node in Node.objects.filter(cluster=self.cluster, name__in=by_name).only(
+                "pk", "name", "labels", "clique", "gone_at"
             )
-            self.report.created["Node"] += 1
-        elif node.labels != parsed.labels or node.clique != clique or node.gone_at:
-            Node.objects.filter(pk=node.pk).update(
-                labels=parsed.labels, clique=clique, gone_at=None
-            )
-            self.report.updated["Node"] += 1
-        self.node_ids[parsed.name] = node.pk
+        }
+        new_nodes = []
+        for name, parsed in by_name.items():
+            clique = parsed.labels.get("nvidia.com/gpu.clique", "")
+            node = existing.get(name)
+            if node is None:
+                new_nodes.append(
+                    Node(
+                        cluster=self.cluster,
+                        name=name,
+                        labels=parsed.labels,
+                        clique=clique,
+                        first_seen=self.at,
+                    )
+                )
+            elif node.labels != parsed.labels or node.clique != clique or node.gone_at:
+                Node.objects.filter(pk=node.pk).update(
+                    labels=parsed.labels, clique=clique, gone_at=None
+                )
+                self.report.updated["Node"] += 1
+        bulk_insert(Node, new_nodes)
+        self.report.created["Node"] += len(new_nodes)
 
     def _write_device_class(self, parsed: dra.ParsedDeviceClass) -> None:
         values = {
@@ -483,7 +504,7 @@ class _Writer:
                 for name in sorted(missing - self.node_ids.keys())
             ]
             if new_nodes:
-                Node.objects.bulk_create(new_nodes, batch_size=1000)
+                bulk_insert(Node, new_nodes)
                 self.report.created["Node"] += len(new_nodes)
                 for row in Node.objects.filter(
                     cluster=self.cluster, name__in=[n.name for n in new_nodes]
@@ -520,7 +541,7 @@ class _Writer:
             ):
                 ResourceClaim.objects.filter(pk=claim.pk).update(released_at=None, **fields)
                 self.report.updated["ResourceClaim"] += 1
-        ResourceClaim.objects.bulk_create(claims_to_create, batch_size=1000)
+        bulk_insert(ResourceClaim, claims_to_create)
         self.report.created["ResourceClaim"] += len(claims_to_create)
         claim_ids = dict(
             ResourceClaim.objects.filter(cluster=self.cluster, uid__in=by_key).values_list(
