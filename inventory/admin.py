@@ -21,6 +21,7 @@ from inventory.models import (
     Cluster,
     Device,
     DeviceClass,
+    DeviceShape,
     Node,
     Pool,
     ResourceClaim,
@@ -199,6 +200,14 @@ class PoolAdmin(SyncedAdmin):
     @admin.display(description="complete", boolean=True)
     def is_complete(self, pool: Pool) -> bool:
         return pool.complete
+
+
+@admin.register(DeviceShape)
+class DeviceShapeAdmin(SyncedAdmin):
+    list_display = ("key", "cluster", "driver", "kind", "gpu_share")
+    list_filter = ("kind", "driver")
+    search_fields = ("key", "driver")
+    list_select_related = ("cluster",)
 
 
 @admin.register(Device)

@@ -10,6 +10,8 @@ A malformed object raises `DRAObjectError`, which names the object and the field
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,6 +27,10 @@ GROUP = "resource.k8s.io"
 ATTRIBUTE_TYPES = ("int", "bool", "string", "version", "ints", "bools", "strings", "versions")
 # Device fields that become their own columns; the rest of a device entry is kept in `extra`.
 DEVICE_COLUMNS = ("name", "attributes", "capacity")
+# Attributes that identify one device rather than describe it; left out of device shapes.
+IDENTITY_ATTRIBUTES = frozenset(
+    {"uuid", "parentUUID", "pciBusID", "pcieRoot", "index", "minor", "serialNumber"}
+)
 # NVIDIA's attribute domain: qualified names under it are read like unqualified ones.
 NVIDIA_DOMAIN = "gpu.nvidia.com"
 
@@ -551,6 +557,31 @@ class CountedDevice:
     physical_gpu_key: str
     gpu_share: Decimal
     columns: dict[str, Any]
+    driver: str = ""
+    shape: dict[str, Any] = field(default_factory=dict)
+    shape_key: str = ""
+
+
+def device_shape(device: ParsedDevice, kind: str, gpu_share: Decimal) -> dict[str, Any]:
+    """What selectors can tell apart, less what only identifies one device (its UUID, PCI
+    address, index): thousands of GPUs of one model share a handful of shapes."""
+    return {
+        "kind": kind,
+        "gpu_share": str(gpu_share),
+        "attributes": {
+            name: value
+            for name, value in device.attributes.items()
+            if name.rsplit("/", 1)[-1] not in IDENTITY_ATTRIBUTES
+        },
+        "capacity": device.capacity,
+        "allow_multiple_allocations": device.extra.get("allowMultipleAllocations") is True,
+    }
+
+
+def shape_key(driver: str, shape: dict[str, Any]) -> str:
+    """A stable digest of a device shape, for storing each distinct shape once."""
+    text = json.dumps([driver, shape], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
 
 
 def is_gpu_driver(driver: str, gpu_drivers: frozenset[str]) -> bool:
@@ -597,14 +628,19 @@ def count_pool(
                     or uuid_by_set.get(counter_set)
                     or f"{driver}/{pool}/{counter_set or device.name}"
                 )
+            share = _share(device, kind, columns, totals)
+            shape = device_shape(device, kind, share)
             counted.append(
                 CountedDevice(
                     slice_name=parsed_slice.name,
                     device=device,
                     kind=kind,
                     physical_gpu_key=key,
-                    gpu_share=_share(device, kind, columns, totals),
+                    gpu_share=share,
                     columns=columns,
+                    driver=driver,
+                    shape=shape,
+                    shape_key=shape_key(driver, shape),
                 )
             )
     return counted

@@ -139,6 +139,31 @@ class DeviceKind(models.TextChoices):
     OTHER = "other", "not a GPU"
 
 
+class DeviceShape(models.Model):
+    """What a group of devices look like to a CEL selector: attributes less identity, capacity.
+
+    The quota webhook evaluates selectors once per shape instead of once per device, so its
+    cost does not grow with the fleet. Rows are written once per distinct shape and kept.
+    """
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.PROTECT, related_name="shapes")
+    key = models.CharField(max_length=40)
+    driver = models.CharField(max_length=253)
+    kind = models.CharField(max_length=16, choices=DeviceKind.choices)
+    gpu_share = models.DecimalField(max_digits=9, decimal_places=6, default=0)
+    attributes = models.JSONField(default=dict, blank=True)
+    capacity = models.JSONField(default=dict, blank=True)
+    allow_multiple_allocations = models.BooleanField(default=False)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["cluster", "key"], name="deviceshape_unique_key"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.driver} {self.key[:10]}"
+
+
 class Device(models.Model):
     """One device of a pool's counted generation, with its attributes kept as published.
 
@@ -149,6 +174,9 @@ class Device(models.Model):
     cluster = models.ForeignKey(Cluster, on_delete=models.PROTECT, related_name="devices")
     node = models.ForeignKey(
         Node, on_delete=models.PROTECT, null=True, blank=True, related_name="devices"
+    )
+    shape = models.ForeignKey(
+        DeviceShape, on_delete=models.PROTECT, null=True, blank=True, related_name="devices"
     )
     driver = models.CharField(max_length=253)
     pool = models.CharField(max_length=253)

@@ -24,6 +24,7 @@ from inventory.models import (
     Cluster,
     Device,
     DeviceClass,
+    DeviceShape,
     Node,
     Pool,
     ResourceClaim,
@@ -175,6 +176,7 @@ class _Writer:
         self.touched_pools: set[tuple[str, str]] = set()
         self.linkable_pools: set[tuple[str, str]] = set()
         self.node_ids: dict[str, int] = {}
+        self.shape_ids: dict[str, int] = {}
         self.gpu_drivers: frozenset[str] = settings.TALLY_GPU_DRIVERS
 
     def add(self, parsed: dra.Parsed) -> None:
@@ -443,10 +445,15 @@ class _Writer:
         node_ids = self._node_ids(
             {c.device.node_name for _, desired in counted_pools for c in desired.values()}
         )
+        shape_ids = self._shape_ids(
+            [counted for _, desired in counted_pools for counted in desired.values()]
+        )
         for pool_row, desired in counted_pools:
             current = existing.get((pool_row.driver, pool_row.name), {})
             for name, counted in desired.items():
-                fields = _device_fields(counted, node_ids, pool_row.counted_generation or 0)
+                fields = _device_fields(
+                    counted, node_ids, shape_ids, pool_row.counted_generation or 0
+                )
                 known = current.pop(name) if name in current else None
                 if known is None:
                     new_devices.append(
@@ -489,6 +496,45 @@ class _Writer:
                 continue
             desired[counted.device.name] = counted
         return desired
+
+    def _shape_ids(self, counted: list[dra.CountedDevice]) -> dict[str, int]:
+        """Ids of the devices' shapes by key, each distinct shape stored once."""
+        shapes = {}
+        for device in counted:
+            shapes.setdefault(device.shape_key, device)
+        known = self.shape_ids.keys()
+        missing = [key for key in shapes if key not in known]
+        if missing:
+            self.shape_ids.update(
+                DeviceShape.objects.filter(cluster=self.cluster, key__in=missing).values_list(
+                    "key", "pk"
+                )
+            )
+            new_shapes = []
+            for key in missing:
+                if key in self.shape_ids:
+                    continue
+                shape = shapes[key].shape
+                new_shapes.append(
+                    DeviceShape(
+                        cluster=self.cluster,
+                        key=key,
+                        driver=shapes[key].driver,
+                        kind=shape["kind"],
+                        gpu_share=shapes[key].gpu_share,
+                        attributes=shape["attributes"],
+                        capacity=shape["capacity"],
+                        allow_multiple_allocations=shape["allow_multiple_allocations"],
+                    )
+                )
+            if new_shapes:
+                DeviceShape.objects.bulk_create(new_shapes)
+                self.shape_ids.update(
+                    DeviceShape.objects.filter(
+                        cluster=self.cluster, key__in=[s.key for s in new_shapes]
+                    ).values_list("key", "pk")
+                )
+        return self.shape_ids
 
     def _node_ids(self, names: set[str]) -> dict[str, int]:
         """Ids of the named nodes, created (without labels) when first seen through a slice."""
@@ -692,6 +738,7 @@ class _Writer:
 
 _DEVICE_FIELDS = (
     "node_id",
+    "shape_id",
     "slice_name",
     "pool_generation",
     "kind",
@@ -714,11 +761,15 @@ _DEVICE_FIELDS = (
 
 
 def _device_fields(
-    counted: dra.CountedDevice, node_ids: dict[str, int], generation: int
+    counted: dra.CountedDevice,
+    node_ids: dict[str, int],
+    shape_ids: dict[str, int],
+    generation: int,
 ) -> dict[str, Any]:
     device = counted.device
     return {
         "node_id": node_ids.get(device.node_name),
+        "shape_id": shape_ids[counted.shape_key],
         "slice_name": counted.slice_name,
         "pool_generation": generation,
         "kind": counted.kind,

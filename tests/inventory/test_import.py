@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from inventory import services
-from inventory.models import Allocation, Device, Node, ResourceClaim, ResourceSlice
+from inventory.models import Allocation, Device, DeviceShape, Node, ResourceClaim, ResourceSlice
 
 pytestmark = pytest.mark.django_db
 T0 = datetime(2026, 11, 2, 8, 0, tzinfo=UTC)
@@ -341,3 +341,27 @@ def test_watch_events() -> None:
     assert Device.objects.filter(gone_at=T2).count() == 2
     with pytest.raises(ValueError, match="BOOKMARK"):
         services.apply_watch_event(cluster=cluster, event_type="BOOKMARK", obj=s, at=T2)
+
+
+def test_devices_that_differ_only_in_identity_share_a_shape() -> None:
+    devices = [gpu(f"gpu-{i}", f"GPU-{i}") for i in range(8)]
+    for i, device in enumerate(devices):
+        device["attributes"]["resource.kubernetes.io/pciBusID"] = {"string": f"0000:{i:02x}:00.0"}
+    devices.append(gpu("gpu-8", "GPU-8", product="NVIDIA H200"))
+    devices += [
+        mig("gpu-9-mig-a", "GPU-9", "1g.10gb", "MIG-a"),
+        mig("gpu-9-mig-b", "GPU-9", "1g.10gb", "MIG-b"),
+    ]
+    snapshot([slice_("s", devices)])
+    shapes = DeviceShape.objects.all()
+    assert shapes.count() == 3  # H100, H200, the 1g.10gb MIG profile
+    h100 = Device.objects.get(name="gpu-0").shape
+    assert h100 is not None
+    assert Device.objects.filter(shape=h100).count() == 8
+    assert "uuid" not in h100.attributes and "productName" in h100.attributes
+    assert h100.kind == "gpu" and h100.gpu_share == 1
+    # A second pool with the same model reuses the shape.
+    snapshot(
+        [slice_("s", devices), slice_("t", [gpu("gpu-0", "GPU-X")], pool="node-b", node="node-b")]
+    )
+    assert DeviceShape.objects.count() == 3
