@@ -72,6 +72,11 @@ def _database() -> dict[str, object]:
         raise ImproperlyConfigured(f"DATABASE_URL is not a usable database URL: {exc}") from exc
     if not config.get("ENGINE"):
         raise ImproperlyConfigured(f"DATABASE_URL has an unknown scheme: {url.split(':', 1)[0]!r}")
+    if config["ENGINE"] == "django.db.backends.postgresql":
+        # Fail fast when the server is unreachable: the webhook must answer within seconds.
+        config.setdefault("OPTIONS", {})["connect_timeout"] = env.get_int(
+            "DATABASE_CONNECT_TIMEOUT", 2, minimum=1
+        )
     if config["ENGINE"] == "django.db.backends.sqlite3":
         # SQLite is the zero-set-up default; wait for the worker's writes instead of failing.
         config.setdefault("OPTIONS", {})["timeout"] = 20
@@ -145,3 +150,10 @@ LOGGING = {
 TALLY_GPU_DRIVERS = frozenset(
     env.get_list("TALLY_GPU_DRIVERS", ["gpu.nvidia.com", "gpu.example.com", "gpu.amd.com"])
 )
+
+# Quota webhook.
+TALLY_UNOWNED_NAMESPACES = env.get_choice("TALLY_UNOWNED_NAMESPACES", "allow", ("allow", "deny"))
+TALLY_WEBHOOK_FAIL_OPEN = env.get_bool("TALLY_WEBHOOK_FAIL_OPEN", False)
+TALLY_WEBHOOK_DB_TIMEOUT_MS = env.get_int("TALLY_WEBHOOK_DB_TIMEOUT_MS", 1500, minimum=100)
+TALLY_RESERVATION_TTL_SECONDS = env.get_int("TALLY_RESERVATION_TTL_SECONDS", 600, minimum=1)
+TALLY_SHAPE_CACHE_SECONDS = env.get_int("TALLY_SHAPE_CACHE_SECONDS", 10, minimum=0)

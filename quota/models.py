@@ -1,1 +1,195 @@
-"""quota: see the issues; built on the inventory."""
+"""Teams, the namespaces they own, their quota rules, and what admitted claims reserve.
+
+A rule's `in_use` is the sum of the live reservation lines on it, kept in the same
+transaction as the lines, so one conditional UPDATE decides an admission under any
+concurrency: `in_use + amount <= limit`.
+"""
+
+from __future__ import annotations
+
+from django.conf import settings
+from django.db import models
+from django.db.models import Q
+
+
+class Team(models.Model):
+    """A tenant: the unit quotas, budgets and statements are kept for."""
+
+    slug = models.SlugField(max_length=63, unique=True)
+    name = models.CharField(max_length=200)
+    cost_centre = models.CharField(max_length=100, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return self.slug
+
+
+class Role(models.TextChoices):
+    LEAD = "lead", "team lead"
+    MEMBER = "member", "member"
+
+
+class Membership(models.Model):
+    """A user's role in a team."""
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="memberships")
+    user = models.ForeignKey(
+        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships"
+    )
+    role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["team", "user"], name="membership_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.user} ({self.role} of {self.team})"
+
+
+class TeamNamespace(models.Model):
+    """A Kubernetes namespace and the team that owns it; a namespace has one owner."""
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="namespaces")
+    namespace = models.CharField(max_length=63, unique=True)
+
+    def __str__(self) -> str:
+        return self.namespace
+
+
+class Mode(models.TextChoices):
+    ENFORCE = "enforce", "enforce (deny past the limit)"
+    WARN = "warn", "warn (admit with a warning)"
+
+
+class Unit(models.TextChoices):
+    GPUS = "gpus", "GPU-equivalents"
+    MEMORY = "memory", "bytes of GPU memory"
+
+
+class QuotaRule(models.Model):
+    """A limit on what a team's claims may hold of one device class.
+
+    A request is limited by the rule when its class is the rule's `device_class` and the rule's
+    CEL `selector` (empty: every device) matches a device the request could be given.
+    """
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="rules")
+    name = models.SlugField(max_length=63)
+    device_class = models.CharField(max_length=253)
+    selector = models.TextField(blank=True)
+    unit = models.CharField(max_length=16, choices=Unit.choices, default=Unit.GPUS)
+    # GPU-equivalents (a MIG device counts its share of its GPU) or bytes, per `unit`.
+    limit = models.DecimalField(max_digits=24, decimal_places=6)
+    mode = models.CharField(max_length=16, choices=Mode.choices, default=Mode.ENFORCE)
+    # Sum of the live reservation lines on this rule; only quota.services writes it.
+    in_use = models.DecimalField(max_digits=24, decimal_places=6, default=0)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["team", "name"], name="quotarule_unique_name"),
+            models.CheckConstraint(condition=Q(limit__gte=0), name="quotarule_limit_positive"),
+            models.CheckConstraint(condition=Q(in_use__gte=0), name="quotarule_in_use_positive"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.team}/{self.name}"
+
+
+class ReservationState(models.TextChoices):
+    RESERVED = "reserved", "reserved at admission"
+    ALLOCATED = "allocated", "allocated by the scheduler"
+    RELEASED = "released", "released"
+
+
+class Reservation(models.Model):
+    """What one admitted claim holds against its team's rules, from admission to deletion.
+
+    A claim is identified by cluster, namespace and name: a create the API server retries
+    carries a new request uid but is the same claim, and reserves once.
+    """
+
+    cluster = models.CharField(max_length=63)
+    namespace = models.CharField(max_length=253)
+    name = models.CharField(max_length=253)
+    claim_uid = models.CharField(max_length=64, blank=True)
+    team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="reservations")
+    state = models.CharField(
+        max_length=16, choices=ReservationState.choices, default=ReservationState.RESERVED
+    )
+    # Who made the claim, and the object it serves (a Pod, a Job): for usage per user and job.
+    username = models.CharField(max_length=253, blank=True)
+    owner_kind = models.CharField(max_length=63, blank=True)
+    owner_name = models.CharField(max_length=253, blank=True)
+    owner_references = models.JSONField(default=list, blank=True)
+    # Which alternative of each firstAvailable request fit, by request name.
+    chosen = models.JSONField(default=dict, blank=True)
+    admission_uid = models.CharField(max_length=64, blank=True)
+    created_at = models.DateTimeField()
+    expires_at = models.DateTimeField(null=True, blank=True)
+    released_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["cluster", "namespace", "name"],
+                condition=~Q(state="released"),
+                name="reservation_unique_live_claim",
+            ),
+        ]
+        indexes = [models.Index(fields=["state", "expires_at"], name="reservation_expiry")]
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name} ({self.state})"
+
+
+class ReservationLine(models.Model):
+    """The amount one reservation holds on one rule, in the rule's unit."""
+
+    reservation = models.ForeignKey(Reservation, on_delete=models.CASCADE, related_name="lines")
+    rule = models.ForeignKey(QuotaRule, on_delete=models.CASCADE, related_name="lines")
+    amount = models.DecimalField(max_digits=24, decimal_places=6)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["reservation", "rule"], name="reservationline_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.reservation}: {self.amount} on {self.rule}"
+
+
+class AdmissionDecision(models.Model):
+    """One answer of the webhook, for operators to see what was decided and why."""
+
+    at = models.DateTimeField(db_index=True)
+    uid = models.CharField(max_length=64)
+    namespace = models.CharField(max_length=253)
+    name = models.CharField(max_length=253)
+    username = models.CharField(max_length=253, blank=True)
+    team = models.ForeignKey(Team, on_delete=models.SET_NULL, null=True, blank=True)
+    allowed = models.BooleanField()
+    dry_run = models.BooleanField(default=False)
+    message = models.TextField(blank=True)
+    warnings = models.JSONField(default=list, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.name}: {'allowed' if self.allowed else 'denied'}"
+
+
+class AuditEntry(models.Model):
+    """A change to a team, membership, namespace or rule: who, when, before and after."""
+
+    at = models.DateTimeField(db_index=True)
+    actor = models.CharField(max_length=253)
+    action = models.CharField(max_length=16)  # create, update, delete
+    object_type = models.CharField(max_length=63)
+    object_repr = models.CharField(max_length=253)
+    before = models.JSONField(null=True, blank=True)
+    after = models.JSONField(null=True, blank=True)
+
+    class Meta:
+        verbose_name_plural = "audit entries"
+
+    def __str__(self) -> str:
+        return f"{self.at:%Y-%m-%d %H:%M} {self.actor} {self.action} {self.object_repr}"

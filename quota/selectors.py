@@ -1,0 +1,117 @@
+"""Reads for quota decisions: the fleet as device shapes, and teams' rules and usage."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from decimal import Decimal
+
+from django.conf import settings
+from django.db.models import Count
+
+from inventory.models import Cluster, Device, DeviceClass, DeviceShape
+from quota import cel
+from quota.models import QuotaRule, Team, TeamNamespace
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One distinct device shape of the fleet, as selectors and quota amounts see it."""
+
+    id: int
+    driver: str
+    kind: str
+    gpu_share: Decimal
+    memory_bytes: int | None
+    view: cel.DeviceShape
+
+
+@dataclass
+class FleetShapes:
+    """The shapes present in a cluster, and how many devices of each sit on each node."""
+
+    shapes: dict[int, Shape] = field(default_factory=dict)
+    # node id -> shape id -> present devices; for `allocationMode: All`.
+    per_node: dict[int, dict[int, int]] = field(default_factory=dict)
+    class_selectors: dict[str, list[str]] = field(default_factory=dict)
+    loaded_at: float = 0.0
+
+
+_cache: dict[int, FleetShapes] = {}
+_cache_lock = threading.Lock()
+
+
+def fleet_shapes(*, cluster: Cluster) -> FleetShapes:
+    """The cluster's present device shapes, reloaded at most every TALLY_SHAPE_CACHE_SECONDS.
+
+    Three small queries whatever the fleet's size: the shapes (dozens), devices counted per
+    node and shape, and the device classes. A webhook worker serves from memory between loads.
+    """
+    now = time.monotonic()
+    cached = _cache.get(cluster.pk)
+    if cached is not None and now - cached.loaded_at < settings.TALLY_SHAPE_CACHE_SECONDS:
+        return cached
+    with _cache_lock:
+        cached = _cache.get(cluster.pk)
+        if cached is not None and now - cached.loaded_at < settings.TALLY_SHAPE_CACHE_SECONDS:
+            return cached
+        fleet = FleetShapes(loaded_at=now)
+        per_node: dict[int, dict[int, int]] = defaultdict(dict)
+        present_shapes: set[int] = set()
+        for node_id, shape_id, devices in (
+            Device.objects.filter(cluster=cluster, gone_at__isnull=True, shape__isnull=False)
+            .values_list("node_id", "shape_id")
+            .annotate(devices=Count("id"))
+            .order_by()
+        ):
+            present_shapes.add(shape_id)
+            if node_id is not None:
+                per_node[node_id][shape_id] = devices
+        for row in DeviceShape.objects.filter(pk__in=present_shapes):
+            fleet.shapes[row.pk] = Shape(
+                id=row.pk,
+                driver=row.driver,
+                kind=row.kind,
+                gpu_share=row.gpu_share,
+                memory_bytes=_memory(row.capacity),
+                view=cel.DeviceShape.from_device(
+                    driver=row.driver,
+                    attributes=row.attributes,
+                    capacity=row.capacity,
+                    allow_multiple_allocations=row.allow_multiple_allocations,
+                ),
+            )
+        fleet.per_node = dict(per_node)
+        fleet.class_selectors = dict(
+            DeviceClass.objects.filter(cluster=cluster, gone_at__isnull=True).values_list(
+                "name", "selectors"
+            )
+        )
+        _cache[cluster.pk] = fleet
+        return fleet
+
+
+def forget_fleet_shapes() -> None:
+    """Drop the cache (tests, and after an import that changed the fleet in this process)."""
+    with _cache_lock:
+        _cache.clear()
+
+
+def _memory(capacity: dict[str, dict[str, str]]) -> int | None:
+    from kubernetes.utils import parse_quantity
+
+    for name, entry in capacity.items():
+        if name.rsplit("/", 1)[-1] in ("memory", "addressableMemory") and "value" in entry:
+            return int(parse_quantity(entry["value"]))
+    return None
+
+
+def team_for_namespace(*, namespace: str) -> Team | None:
+    owner = TeamNamespace.objects.select_related("team").filter(namespace=namespace).first()
+    return owner.team if owner else None
+
+
+def team_rules(*, team: Team) -> list[QuotaRule]:
+    return list(QuotaRule.objects.filter(team=team).order_by("pk"))

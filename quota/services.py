@@ -1,0 +1,481 @@
+"""Quota decisions and reservations.
+
+`review_claim` decides an admission and reserves what the claim can take, atomically;
+`fit_alternatives` says which `firstAvailable` alternatives fit (the mutating webhook drops
+the others); `sync_reservations` turns a reservation into the exact allocated devices once the
+scheduler has allocated, and releases it when the claim goes; `expire_reservations` frees what
+was reserved for claims that never appeared.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+from django.conf import settings
+from django.db import IntegrityError, transaction
+from django.db.models import F
+from kubernetes.utils import parse_quantity
+
+from inventory import dra
+from inventory.models import Allocation, Cluster, ResourceClaim
+from quota import cel
+from quota.models import (
+    AdmissionDecision,
+    Mode,
+    QuotaRule,
+    Reservation,
+    ReservationLine,
+    ReservationState,
+    Team,
+    Unit,
+)
+from quota.selectors import FleetShapes, Shape, fleet_shapes, team_for_namespace, team_rules
+
+log = logging.getLogger(__name__)
+NEAR_LIMIT = Decimal("0.8")
+# The resource-claim controller creates claims from ResourceClaimTemplates for Pods.
+CONTROLLER_USERS = ("system:serviceaccount:kube-system:", "system:kube-controller-manager")
+
+
+@dataclass
+class Demand:
+    """What one request (or one of its alternatives) can take, per rule that limits it."""
+
+    name: str
+    amounts: dict[int, Decimal]
+    devices: int
+
+
+@dataclass
+class Decision:
+    allowed: bool
+    message: str = ""
+    reason: str = ""
+    warnings: list[str] = field(default_factory=list)
+    team: Team | None = None
+    # firstAvailable requests: alternatives that do not fit, by request name.
+    removed: dict[str, list[str]] = field(default_factory=dict)
+
+
+class _Exceeded(Exception):
+    def __init__(self, rule_id: int, asked: Decimal) -> None:
+        self.rule_id = rule_id
+        self.asked = asked
+
+
+@dataclass
+class _Plan:
+    team: Team | None
+    rules: dict[int, QuotaRule]
+    reserve: dict[int, Decimal]
+    chosen: dict[str, list[str]]
+    removed: dict[str, list[str]]
+    warnings: list[str]
+    denial: str = ""
+    reason: str = ""
+
+
+def review_claim(
+    *,
+    cluster: Cluster,
+    claim: dict[str, Any],
+    username: str = "",
+    dry_run: bool = False,
+    admission_uid: str = "",
+    at: datetime,
+) -> Decision:
+    """Decide the CREATE of `claim` and, unless `dry_run`, reserve what it can take.
+
+    Guarantees: for every enforce rule, reservations plus allocations never exceed the limit,
+    under any concurrency (one conditional UPDATE per rule in one transaction); the same claim
+    (cluster, namespace, name) admitted twice reserves once; a dry run writes nothing.
+    """
+    namespace, name = _claim_name(claim)
+    plan = _plan(cluster=cluster, claim=claim, namespace=namespace)
+    if plan.denial:
+        decision = Decision(False, plan.denial, plan.reason, plan.warnings, plan.team)
+    elif dry_run or plan.team is None:
+        decision = Decision(True, "", "", plan.warnings, plan.team, plan.removed)
+    else:
+        decision = _reserve(
+            cluster=cluster,
+            claim=claim,
+            plan=plan,
+            username=username,
+            admission_uid=admission_uid,
+            at=at,
+        )
+    AdmissionDecision.objects.create(
+        at=at,
+        uid=admission_uid,
+        namespace=namespace,
+        name=name,
+        username=username,
+        team=decision.team,
+        allowed=decision.allowed,
+        dry_run=dry_run,
+        message=decision.message,
+        warnings=decision.warnings,
+    )
+    return decision
+
+
+def fit_alternatives(*, cluster: Cluster, claim: dict[str, Any]) -> Decision:
+    """Which firstAvailable alternatives fit the team's quota now; nothing is written."""
+    namespace, _ = _claim_name(claim)
+    plan = _plan(cluster=cluster, claim=claim, namespace=namespace)
+    if plan.denial:
+        return Decision(False, plan.denial, plan.reason, plan.warnings, plan.team)
+    return Decision(True, "", "", plan.warnings, plan.team, plan.removed)
+
+
+def _claim_name(claim: dict[str, Any]) -> tuple[str, str]:
+    metadata = claim.get("metadata") if isinstance(claim.get("metadata"), dict) else {}
+    assert isinstance(metadata, dict)
+    return str(metadata.get("namespace") or "default"), str(
+        metadata.get("name") or metadata.get("generateName") or ""
+    )
+
+
+def _plan(*, cluster: Cluster, claim: dict[str, Any], namespace: str) -> _Plan:
+    plan = _Plan(team=None, rules={}, reserve={}, chosen={}, removed={}, warnings=[])
+    try:
+        spec = claim.get("spec")
+        if not isinstance(spec, dict):
+            raise dra.DRAObjectError(dra.object_ref(claim), "spec", "is required")
+        requests = dra.parse_claim_requests(spec, str(claim.get("apiVersion") or ""))
+    except dra.DRAObjectError as exc:
+        plan.denial, plan.reason = f"cannot read the claim: {exc.field_path}: {exc.problem}", "Invalid"
+        return plan
+    plan.team = team_for_namespace(namespace=namespace)
+    if plan.team is None:
+        if settings.TALLY_UNOWNED_NAMESPACES == "deny":
+            plan.denial = f"namespace {namespace!r} is not owned by any team"
+            plan.reason = "Forbidden"
+        else:
+            plan.warnings.append(f"namespace {namespace!r} is not owned by any team; no quota applies")
+        return plan
+    rules = team_rules(team=plan.team)
+    plan.rules = {rule.pk: rule for rule in rules}
+    if not rules:
+        return plan
+    fleet = fleet_shapes(cluster=cluster)
+    for request in requests:
+        alternatives = request.first_available or [request]
+        demands = [
+            _demand(alternative, rules, fleet, plan.warnings) for alternative in alternatives
+        ]
+        fitting = [demand for demand in demands if _exceeded(plan, demand) is None]
+        if not fitting:
+            rule, asked = _exceeded(plan, demands[0]) or (rules[0], Decimal(0))
+            plan.denial = _over_limit(plan.team, rule, asked)
+            if len(demands) > 1:
+                plan.denial += f" (none of the {len(demands)} alternatives of request {request.name!r} fits)"
+            plan.reason = "QuotaExceeded"
+            return plan
+        if request.first_available:
+            plan.chosen[request.name] = [demand.name for demand in fitting]
+            skipped = [d.name for d in demands if d not in fitting]
+            if skipped:
+                plan.removed[request.name] = skipped
+        # Reserve the most any kept alternative can take on each rule.
+        for rule_id in {rule_id for demand in fitting for rule_id in demand.amounts}:
+            plan.reserve[rule_id] = plan.reserve.get(rule_id, Decimal(0)) + max(
+                demand.amounts.get(rule_id, Decimal(0)) for demand in fitting
+            )
+    for rule_id, amount in plan.reserve.items():
+        rule = plan.rules[rule_id]
+        total = rule.in_use + amount
+        if rule.mode == Mode.WARN and total > rule.limit:
+            plan.warnings.append(_over_limit(plan.team, rule, amount) + " (warn only)")
+        elif rule.limit and total >= NEAR_LIMIT * rule.limit:
+            plan.warnings.append(
+                f'team "{plan.team.slug}": quota rule "{rule.name}" is at '
+                f"{_fmt(total, rule)} of {_fmt(rule.limit, rule)} with this claim"
+            )
+    return plan
+
+
+def _exceeded(plan: _Plan, demand: Demand) -> tuple[QuotaRule, Decimal] | None:
+    """The first enforce rule this demand would take past its limit, with what it asks."""
+    for rule_id, amount in demand.amounts.items():
+        rule = plan.rules[rule_id]
+        if rule.mode != Mode.ENFORCE:
+            continue
+        if rule.in_use + plan.reserve.get(rule_id, Decimal(0)) + amount > rule.limit:
+            return rule, amount
+    return None
+
+
+def _over_limit(team: Team, rule: QuotaRule, asked: Decimal) -> str:
+    return (
+        f'team "{team.slug}": quota rule "{rule.name}" ({rule.mode}) would be exceeded: '
+        f"{_fmt(rule.in_use, rule)} in use, {_fmt(asked, rule)} requested, "
+        f"limit {_fmt(rule.limit, rule)}"
+    )
+
+
+def _fmt(value: Decimal, rule: QuotaRule) -> str:
+    if rule.unit == Unit.MEMORY:
+        return f"{(value / 2**30).quantize(Decimal('0.01')).normalize():f}Gi"
+    rounded = value.quantize(Decimal("0.001")).normalize()
+    return f"{rounded:f} GPU" + ("" if rounded == 1 else "s")
+
+
+def _demand(
+    request: dra.ParsedRequest, rules: list[QuotaRule], fleet: FleetShapes, warnings: list[str]
+) -> Demand:
+    demand = Demand(name=request.name, amounts={}, devices=0)
+    if request.admin_access:
+        return demand  # admin access observes devices; it holds nothing
+    limiting = [rule for rule in rules if rule.device_class == request.device_class_name]
+    if not limiting:
+        return demand
+    class_selectors = fleet.class_selectors.get(request.device_class_name)
+    candidates = []
+    if class_selectors is not None:
+        expressions = [*class_selectors, *request.selectors]
+        candidates = [shape for shape in fleet.shapes.values() if _all_match(expressions, shape)]
+    if request.allocation_mode == "All":
+        ids = {shape.id for shape in candidates}
+        devices = max(
+            (sum(n for shape_id, n in shapes.items() if shape_id in ids) for shapes in fleet.per_node.values()),
+            default=0,
+        )
+    else:
+        devices = request.count
+    demand.devices = devices
+    requested_memory = request.capacity_requests.get("memory")
+    for rule in limiting:
+        shapes = candidates
+        if rule.selector:
+            try:
+                shapes = [s for s in candidates if cel.compile_selector(rule.selector).matches(s.view)]
+            except cel.CELError as exc:  # validated on apply; kept safe if stored otherwise
+                warnings.append(f'quota rule "{rule.name}" has a bad selector, applied to all: {exc}')
+            if not shapes and candidates:
+                continue  # the rule's selector matches nothing this request could be given
+        per_device = max(
+            (_per_device(shape, rule, requested_memory) for shape in shapes),
+            default=Decimal(1) if rule.unit == Unit.GPUS else Decimal(0),
+        )
+        demand.amounts[rule.pk] = per_device * devices
+    return demand
+
+
+def _all_match(expressions: list[str], shape: Shape) -> bool:
+    try:
+        return all(cel.compile_selector(e).matches(shape.view) for e in expressions)
+    except cel.CELError:
+        return False  # a selector the API server would reject matches nothing
+
+
+def _per_device(shape: Shape, rule: QuotaRule, requested_memory: str | None) -> Decimal:
+    """What one device of `shape` counts on `rule`; a consumable share counts its fraction."""
+    memory = Decimal(shape.memory_bytes) if shape.memory_bytes else None
+    shared = requested_memory is not None and shape.view.allow_multiple_allocations
+    if rule.unit == Unit.MEMORY:
+        if shared:
+            return Decimal(parse_quantity(requested_memory))
+        return memory or Decimal(0)
+    share = shape.gpu_share if shape.kind != "other" else Decimal(1)
+    if shared and memory:
+        return (share * Decimal(parse_quantity(requested_memory)) / memory).quantize(
+            Decimal("0.000001")
+        )
+    return share
+
+
+def _reserve(
+    *,
+    cluster: Cluster,
+    claim: dict[str, Any],
+    plan: _Plan,
+    username: str,
+    admission_uid: str,
+    at: datetime,
+) -> Decision:
+    assert plan.team is not None
+    namespace, name = _claim_name(claim)
+    metadata = claim.get("metadata") or {}
+    owners = metadata.get("ownerReferences") if isinstance(metadata, dict) else None
+    owners = owners if isinstance(owners, list) else []
+    controller = next((o for o in owners if isinstance(o, dict) and o.get("controller")), None)
+    made_by_controller = username.startswith(CONTROLLER_USERS) and controller is not None
+    try:
+        with transaction.atomic():
+            reservation = Reservation.objects.create(
+                cluster=cluster.name,
+                namespace=namespace,
+                name=name,
+                team=plan.team,
+                # A claim made from a template is the Pod's: attribute it to the Pod's
+                # controller, not to the resource-claim controller's service account.
+                username="" if made_by_controller else username,
+                owner_kind=str(controller.get("kind", "")) if controller else "",
+                owner_name=str(controller.get("name", "")) if controller else "",
+                owner_references=owners,
+                chosen=plan.chosen,
+                admission_uid=admission_uid,
+                created_at=at,
+                expires_at=at + timedelta(seconds=settings.TALLY_RESERVATION_TTL_SECONDS),
+            )
+            for rule_id in sorted(plan.reserve):  # one order everywhere: no deadlocks
+                amount = plan.reserve[rule_id]
+                rows = QuotaRule.objects.filter(pk=rule_id)
+                if plan.rules[rule_id].mode == Mode.ENFORCE:
+                    rows = rows.filter(in_use__lte=F("limit") - amount)
+                if rows.update(in_use=F("in_use") + amount) != 1:
+                    raise _Exceeded(rule_id, amount)
+            ReservationLine.objects.bulk_create(
+                ReservationLine(reservation=reservation, rule_id=rule_id, amount=amount)
+                for rule_id, amount in plan.reserve.items()
+            )
+    except IntegrityError:
+        # The same claim is already admitted (a retried create): it reserves once.
+        return Decision(True, "", "", plan.warnings, plan.team, plan.removed)
+    except _Exceeded as exceeded:
+        rule = QuotaRule.objects.get(pk=exceeded.rule_id)
+        return Decision(False, _over_limit(plan.team, rule, exceeded.asked), "QuotaExceeded", plan.warnings, plan.team)
+    return Decision(True, "", "", plan.warnings, plan.team, plan.removed)
+
+
+def _change_lines(reservation: Reservation, amounts: dict[int, Decimal]) -> None:
+    """Make the reservation's lines `amounts`, moving each rule's `in_use` by the difference."""
+    current = {line.rule_id: line for line in reservation.lines.all()}
+    deltas: dict[int, Decimal] = defaultdict(Decimal)
+    for rule_id, line in current.items():
+        if rule_id not in amounts:
+            deltas[rule_id] -= line.amount
+            line.delete()
+    for rule_id, amount in amounts.items():
+        line = current.get(rule_id)
+        if line is None:
+            ReservationLine.objects.create(reservation=reservation, rule_id=rule_id, amount=amount)
+            deltas[rule_id] += amount
+        elif line.amount != amount:
+            deltas[rule_id] += amount - line.amount
+            ReservationLine.objects.filter(pk=line.pk).update(amount=amount)
+    for rule_id in sorted(deltas):
+        if deltas[rule_id]:
+            QuotaRule.objects.filter(pk=rule_id).update(in_use=F("in_use") + deltas[rule_id])
+
+
+def _release(reservation: Reservation, at: datetime) -> None:
+    if Reservation.objects.filter(pk=reservation.pk).exclude(state=ReservationState.RELEASED).update(
+        state=ReservationState.RELEASED, released_at=at
+    ):
+        _change_lines(reservation, {})
+
+
+def sync_reservations(*, cluster: Cluster, claim_ids: list[int], at: datetime) -> None:
+    """Bring reservations in line with what the sync saw of these claims.
+
+    A released claim frees its reservation. An allocated claim holds exactly its allocated
+    devices: its lines are recomputed from them (what was reserved for alternatives the
+    scheduler did not take is freed), and a claim allocated without passing the webhook (made
+    before Tally, or while it was off) is adopted so that usage stays true.
+    """
+    claims = ResourceClaim.objects.filter(pk__in=claim_ids, cluster=cluster)
+    for claim in claims:
+        with transaction.atomic():
+            reservation = (
+                Reservation.objects.select_for_update()
+                .filter(cluster=cluster.name, namespace=claim.namespace, name=claim.name)
+                .exclude(state=ReservationState.RELEASED)
+                .first()
+            )
+            if claim.released_at is not None:
+                if reservation is not None and reservation.claim_uid in ("", claim.uid):
+                    _release(reservation, claim.released_at)
+                continue
+            allocations = list(
+                Allocation.objects.filter(claim=claim, end__isnull=True).select_related(
+                    "device", "device__shape"
+                )
+            )
+            if reservation is None:
+                if not allocations:
+                    continue
+                team = team_for_namespace(namespace=claim.namespace)
+                if team is None:
+                    continue
+                reservation = Reservation.objects.create(
+                    cluster=cluster.name,
+                    namespace=claim.namespace,
+                    name=claim.name,
+                    claim_uid=claim.uid,
+                    team=team,
+                    state=ReservationState.ALLOCATED,
+                    owner_references=claim.owner_references,
+                    created_at=at,
+                )
+            fields: dict[str, Any] = {"claim_uid": claim.uid, "expires_at": None}
+            if allocations:
+                fields["state"] = ReservationState.ALLOCATED
+                _change_lines(reservation, _allocated_amounts(claim, allocations, reservation.team))
+            Reservation.objects.filter(pk=reservation.pk).update(**fields)
+
+
+def _allocated_amounts(
+    claim: ResourceClaim, allocations: list[Allocation], team: Team
+) -> dict[int, Decimal]:
+    try:
+        requests = dra.parse_claim_requests(claim.spec, claim.api_version)
+    except dra.DRAObjectError:
+        requests = []
+    classes: dict[str, dra.ParsedRequest] = {}
+    for request in requests:
+        classes[request.name] = request
+        for alternative in request.first_available:
+            classes[f"{request.name}/{alternative.name}"] = alternative
+    rules = team_rules(team=team)
+    amounts: dict[int, Decimal] = defaultdict(Decimal)
+    for allocation in allocations:
+        request = classes.get(allocation.request)
+        device = allocation.device
+        if request is None or device is None or device.shape is None:
+            continue
+        shape = device.shape
+        view = cel.DeviceShape.from_device(
+            driver=shape.driver,
+            attributes=shape.attributes,
+            capacity=shape.capacity,
+            allow_multiple_allocations=shape.allow_multiple_allocations,
+        )
+        fleet_shape = Shape(
+            id=shape.pk,
+            driver=shape.driver,
+            kind=shape.kind,
+            gpu_share=shape.gpu_share,
+            memory_bytes=device.memory_bytes,
+            view=view,
+        )
+        consumed = allocation.consumed_capacity.get("memory") if allocation.share_id else None
+        for rule in rules:
+            if rule.device_class != request.device_class_name:
+                continue
+            try:
+                if rule.selector and not cel.compile_selector(rule.selector).matches(view):
+                    continue
+            except cel.CELError:
+                pass
+            amounts[rule.pk] += _per_device(fleet_shape, rule, consumed)
+    return dict(amounts)
+
+
+def expire_reservations(*, now: datetime) -> int:
+    """Release reservations whose claim never appeared (a later admission step rejected it)."""
+    expired = 0
+    for reservation in Reservation.objects.filter(
+        state=ReservationState.RESERVED, claim_uid="", expires_at__lt=now
+    ):
+        with transaction.atomic():
+            _release(reservation, now)
+        expired += 1
+    return expired
