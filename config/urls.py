@@ -2,6 +2,8 @@ from django.contrib import admin
 from django.http import HttpRequest, HttpResponse
 from django.urls import path
 
+from quota import admission
+
 
 def healthz(request: HttpRequest) -> HttpResponse:
     return HttpResponse("ok", content_type="text/plain")
@@ -10,4 +12,6 @@ def healthz(request: HttpRequest) -> HttpResponse:
 urlpatterns = [
     path("admin/", admin.site.urls),
     path("healthz", healthz),
+    path("admission/resourceclaims", admission.validate, name="admission-validate"),
+    path("admission/resourceclaims/mutate", admission.mutate, name="admission-mutate"),
 ]

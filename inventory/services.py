@@ -30,6 +30,7 @@ from inventory.models import (
     ResourceClaim,
     ResourceSlice,
 )
+from inventory.signals import claims_changed
 
 log = logging.getLogger(__name__)
 
@@ -633,6 +634,12 @@ class _Writer:
             )
         bulk_insert(Allocation, new_allocations)
         self.report.created["Allocation"] += len(new_allocations)
+        claims_changed.send(
+            sender=ResourceClaim,
+            cluster=self.cluster,
+            claim_ids=list(claim_ids.values()),
+            at=self.at,
+        )
 
     def _end_allocations(self, allocation_ids: list[int]) -> None:
         if allocation_ids:
@@ -734,6 +741,9 @@ class _Writer:
         self.report.gone["ResourceClaim"] += ResourceClaim.objects.filter(
             pk__in=claim_ids, released_at__isnull=True
         ).update(released_at=self.at)
+        claims_changed.send(
+            sender=ResourceClaim, cluster=self.cluster, claim_ids=claim_ids, at=self.at
+        )
 
 
 _DEVICE_FIELDS = (

@@ -32,8 +32,8 @@ NAMESPACES = ("vision", "nlp", "speech", "recsys", "research")
 EPOCH = datetime(2026, 3, 2, 9, 0, tzinfo=UTC)
 GPUS_PER_NODE = 8
 
-BASELINE_DRIVER = ("580.82.07", "13.0.0")
-OUTLIER_DRIVERS = (("570.172.08", "12.8.0"), ("580.65.06", "13.0.0"))
+BASELINE_DRIVER = ("580.82.7", "13.0.0")
+OUTLIER_DRIVERS = (("570.172.8", "12.8.0"), ("580.65.6", "13.0.0"))
 OUTLIER_SHARE = 0.05
 
 _ALPHANUMS = "bcdfghjklmnpqrstvwxz2456789"  # the alphabet of Kubernetes' generated names

@@ -1,5 +1,22 @@
+from typing import Any
+
 from django.apps import AppConfig
 
 
 class QuotaConfig(AppConfig):
     name = "quota"
+    verbose_name = "Quotas"
+
+    def ready(self) -> None:
+        from inventory.signals import claims_changed
+
+        claims_changed.connect(_sync_reservations, dispatch_uid="quota.sync_reservations")
+
+
+def _sync_reservations(
+    sender: Any, *, cluster: Any, claim_ids: list[int], at: Any, **_: Any
+) -> None:
+    """Reservations follow the claims the sync saw: allocated exactly, or released."""
+    from quota.services import sync_reservations
+
+    sync_reservations(cluster=cluster, claim_ids=claim_ids, at=at)

@@ -418,6 +418,11 @@ def _position(expression: str, line: int | None, column: int | None) -> str:
 
 def _check_names(expression: str, tree: lark.Tree) -> None:
     """Reject unknown functions and variables at compile time, as the Kubernetes checker does."""
+    if any(
+        node.data == "member_dot_arg" and str(node.children[1]) == "bind"
+        for node in tree.iter_subtrees()
+    ):
+        raise CELError(f"cel.bind is not supported, in CEL selector {expression!r}")
     bound: set[str] = set(_TYPE_NAMES) | {_VARIABLE}
     for node in tree.iter_subtrees():
         if node.data == "member_dot_arg" and str(node.children[1]) in _MACROS:
@@ -435,9 +440,8 @@ def _check_names(expression: str, tree: lark.Tree) -> None:
         else:
             continue
         if isinstance(token, lark.Token) and str(token) not in known:
-            hint = " (cel.bind is not supported)" if str(token) == "cel" else ""
             raise CELError(
-                f"undeclared {kind} {str(token)!r}{hint} in CEL selector {expression!r}"
+                f"undeclared {kind} {str(token)!r} in CEL selector {expression!r}"
                 + _position(expression, token.line, token.column)
             )
 

@@ -25,6 +25,8 @@ class Shape:
     kind: str
     gpu_share: Decimal
     memory_bytes: int | None
+    # Consumable capacity (KEP-5075): several claims may each take a share of one device.
+    shareable: bool
     view: cel.DeviceShape
 
 
@@ -76,6 +78,7 @@ def fleet_shapes(*, cluster: Cluster) -> FleetShapes:
                 kind=row.kind,
                 gpu_share=row.gpu_share,
                 memory_bytes=_memory(row.capacity),
+                shareable=row.allow_multiple_allocations,
                 view=cel.DeviceShape.from_device(
                     driver=row.driver,
                     attributes=row.attributes,

@@ -32,6 +32,7 @@ from quota.models import (
     ReservationLine,
     ReservationState,
     Team,
+    TeamNamespace,
     Unit,
 )
 from quota.selectors import FleetShapes, Shape, fleet_shapes, team_for_namespace, team_rules
@@ -96,6 +97,16 @@ def review_claim(
     (cluster, namespace, name) admitted twice reserves once; a dry run writes nothing.
     """
     namespace, name = _claim_name(claim)
+    admitted = (
+        Reservation.objects.filter(cluster=cluster.name, namespace=namespace, name=name)
+        .exclude(state=ReservationState.RELEASED)
+        .select_related("team")
+        .first()
+    )
+    if admitted is not None:
+        # The API server may call again for the same claim (with a new uid): same answer,
+        # nothing reserved twice.
+        return Decision(True, "", "", [], admitted.team)
     plan = _plan(cluster=cluster, claim=claim, namespace=namespace)
     if plan.denial:
         decision = Decision(False, plan.denial, plan.reason, plan.warnings, plan.team)
@@ -110,6 +121,8 @@ def review_claim(
             admission_uid=admission_uid,
             at=at,
         )
+    if dry_run:
+        return decision  # a dry run leaves nothing behind, not even its decision
     AdmissionDecision.objects.create(
         at=at,
         uid=admission_uid,
@@ -150,7 +163,10 @@ def _plan(*, cluster: Cluster, claim: dict[str, Any], namespace: str) -> _Plan:
             raise dra.DRAObjectError(dra.object_ref(claim), "spec", "is required")
         requests = dra.parse_claim_requests(spec, str(claim.get("apiVersion") or ""))
     except dra.DRAObjectError as exc:
-        plan.denial, plan.reason = f"cannot read the claim: {exc.field_path}: {exc.problem}", "Invalid"
+        plan.denial, plan.reason = (
+            f"cannot read the claim: {exc.field_path}: {exc.problem}",
+            "Invalid",
+        )
         return plan
     plan.team = team_for_namespace(namespace=namespace)
     if plan.team is None:
@@ -158,7 +174,9 @@ def _plan(*, cluster: Cluster, claim: dict[str, Any], namespace: str) -> _Plan:
             plan.denial = f"namespace {namespace!r} is not owned by any team"
             plan.reason = "Forbidden"
         else:
-            plan.warnings.append(f"namespace {namespace!r} is not owned by any team; no quota applies")
+            plan.warnings.append(
+                f"namespace {namespace!r} is not owned by any team; no quota applies"
+            )
         return plan
     rules = team_rules(team=plan.team)
     plan.rules = {rule.pk: rule for rule in rules}
@@ -175,7 +193,9 @@ def _plan(*, cluster: Cluster, claim: dict[str, Any], namespace: str) -> _Plan:
             rule, asked = _exceeded(plan, demands[0]) or (rules[0], Decimal(0))
             plan.denial = _over_limit(plan.team, rule, asked)
             if len(demands) > 1:
-                plan.denial += f" (none of the {len(demands)} alternatives of request {request.name!r} fits)"
+                plan.denial += (
+                    f" (none of the {len(demands)} alternatives of request {request.name!r} fits)"
+                )
             plan.reason = "QuotaExceeded"
             return plan
         if request.first_available:
@@ -244,7 +264,10 @@ def _demand(
     if request.allocation_mode == "All":
         ids = {shape.id for shape in candidates}
         devices = max(
-            (sum(n for shape_id, n in shapes.items() if shape_id in ids) for shapes in fleet.per_node.values()),
+            (
+                sum(n for shape_id, n in shapes.items() if shape_id in ids)
+                for shapes in fleet.per_node.values()
+            ),
             default=0,
         )
     else:
@@ -255,9 +278,13 @@ def _demand(
         shapes = candidates
         if rule.selector:
             try:
-                shapes = [s for s in candidates if cel.compile_selector(rule.selector).matches(s.view)]
+                shapes = [
+                    s for s in candidates if cel.compile_selector(rule.selector).matches(s.view)
+                ]
             except cel.CELError as exc:  # validated on apply; kept safe if stored otherwise
-                warnings.append(f'quota rule "{rule.name}" has a bad selector, applied to all: {exc}')
+                warnings.append(
+                    f'quota rule "{rule.name}" has a bad selector, applied to all: {exc}'
+                )
             if not shapes and candidates:
                 continue  # the rule's selector matches nothing this request could be given
         per_device = max(
@@ -278,7 +305,7 @@ def _all_match(expressions: list[str], shape: Shape) -> bool:
 def _per_device(shape: Shape, rule: QuotaRule, requested_memory: str | None) -> Decimal:
     """What one device of `shape` counts on `rule`; a consumable share counts its fraction."""
     memory = Decimal(shape.memory_bytes) if shape.memory_bytes else None
-    shared = requested_memory is not None and shape.view.allow_multiple_allocations
+    shared = requested_memory is not None and shape.shareable
     if rule.unit == Unit.MEMORY:
         if shared:
             return Decimal(parse_quantity(requested_memory))
@@ -341,7 +368,13 @@ def _reserve(
         return Decision(True, "", "", plan.warnings, plan.team, plan.removed)
     except _Exceeded as exceeded:
         rule = QuotaRule.objects.get(pk=exceeded.rule_id)
-        return Decision(False, _over_limit(plan.team, rule, exceeded.asked), "QuotaExceeded", plan.warnings, plan.team)
+        return Decision(
+            False,
+            _over_limit(plan.team, rule, exceeded.asked),
+            "QuotaExceeded",
+            plan.warnings,
+            plan.team,
+        )
     return Decision(True, "", "", plan.warnings, plan.team, plan.removed)
 
 
@@ -367,8 +400,10 @@ def _change_lines(reservation: Reservation, amounts: dict[int, Decimal]) -> None
 
 
 def _release(reservation: Reservation, at: datetime) -> None:
-    if Reservation.objects.filter(pk=reservation.pk).exclude(state=ReservationState.RELEASED).update(
-        state=ReservationState.RELEASED, released_at=at
+    if (
+        Reservation.objects.filter(pk=reservation.pk)
+        .exclude(state=ReservationState.RELEASED)
+        .update(state=ReservationState.RELEASED, released_at=at)
     ):
         _change_lines(reservation, {})
 
@@ -381,8 +416,32 @@ def sync_reservations(*, cluster: Cluster, claim_ids: list[int], at: datetime) -
     scheduler did not take is freed), and a claim allocated without passing the webhook (made
     before Tally, or while it was off) is adopted so that usage stays true.
     """
-    claims = ResourceClaim.objects.filter(pk__in=claim_ids, cluster=cluster)
+    claims = list(
+        ResourceClaim.objects.filter(pk__in=claim_ids, cluster=cluster).only(
+            "pk",
+            "namespace",
+            "name",
+            "uid",
+            "released_at",
+            "spec",
+            "api_version",
+            "owner_references",
+        )
+    )
+    owned = set(
+        TeamNamespace.objects.filter(namespace__in={c.namespace for c in claims}).values_list(
+            "namespace", flat=True
+        )
+    )
+    reserved = set(
+        Reservation.objects.filter(cluster=cluster.name, name__in={c.name for c in claims})
+        .exclude(state=ReservationState.RELEASED)
+        .values_list("namespace", "name")
+    )
+    # Most claims of a large import concern no team: skip them without a query each.
     for claim in claims:
+        if claim.namespace not in owned and (claim.namespace, claim.name) not in reserved:
+            continue
         with transaction.atomic():
             reservation = (
                 Reservation.objects.select_for_update()
@@ -454,6 +513,7 @@ def _allocated_amounts(
             kind=shape.kind,
             gpu_share=shape.gpu_share,
             memory_bytes=device.memory_bytes,
+            shareable=shape.allow_multiple_allocations,
             view=view,
         )
         consumed = allocation.consumed_capacity.get("memory") if allocation.share_id else None

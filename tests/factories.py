@@ -1,6 +1,6 @@
 """factory_boy factories for the inventory, with values as NVIDIA's DRA driver publishes them.
 
-The defaults describe an H100 node running driver 580.82.07 / CUDA 13.0.0:
+The defaults describe an H100 node running driver 580.82.7 / CUDA 13.0.0:
 
     gpu = DeviceFactory.create()                   # a whole GPU on a new node
     MigDeviceFactory.create_batch(7, parent=gpu)   # seven 1g.10gb MIG devices of that GPU
@@ -96,7 +96,7 @@ class DeviceFactory(factory.django.DjangoModelFactory[Device]):
     gpu_share = Decimal(1)
     product_name = "NVIDIA H100 80GB HBM3"
     architecture = "Hopper"
-    driver_version = "580.82.07"
+    driver_version = "580.82.7"
     cuda_driver_version = "13.0.0"
     cuda_compute_capability = "9.0.0"
     memory_bytes = 80 * GIB

@@ -5,33 +5,63 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     dependencies = [
-        ('inventory', '0001_initial'),
+        ("inventory", "0001_initial"),
     ]
 
     operations = [
         migrations.CreateModel(
-            name='DeviceShape',
+            name="DeviceShape",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('key', models.CharField(max_length=40)),
-                ('driver', models.CharField(max_length=253)),
-                ('kind', models.CharField(choices=[('gpu', 'whole GPU'), ('mig', 'MIG device'), ('partition', 'partition of a GPU'), ('other', 'not a GPU')], max_length=16)),
-                ('gpu_share', models.DecimalField(decimal_places=6, default=0, max_digits=9)),
-                ('attributes', models.JSONField(blank=True, default=dict)),
-                ('capacity', models.JSONField(blank=True, default=dict)),
-                ('allow_multiple_allocations', models.BooleanField(default=False)),
-                ('cluster', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='shapes', to='inventory.cluster')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("key", models.CharField(max_length=40)),
+                ("driver", models.CharField(max_length=253)),
+                (
+                    "kind",
+                    models.CharField(
+                        choices=[
+                            ("gpu", "whole GPU"),
+                            ("mig", "MIG device"),
+                            ("partition", "partition of a GPU"),
+                            ("other", "not a GPU"),
+                        ],
+                        max_length=16,
+                    ),
+                ),
+                ("gpu_share", models.DecimalField(decimal_places=6, default=0, max_digits=9)),
+                ("attributes", models.JSONField(blank=True, default=dict)),
+                ("capacity", models.JSONField(blank=True, default=dict)),
+                ("allow_multiple_allocations", models.BooleanField(default=False)),
+                (
+                    "cluster",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="shapes",
+                        to="inventory.cluster",
+                    ),
+                ),
             ],
         ),
         migrations.AddField(
-            model_name='device',
-            name='shape',
-            field=models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.PROTECT, related_name='devices', to='inventory.deviceshape'),
+            model_name="device",
+            name="shape",
+            field=models.ForeignKey(
+                blank=True,
+                null=True,
+                on_delete=django.db.models.deletion.PROTECT,
+                related_name="devices",
+                to="inventory.deviceshape",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='deviceshape',
-            constraint=models.UniqueConstraint(fields=('cluster', 'key'), name='deviceshape_unique_key'),
+            model_name="deviceshape",
+            constraint=models.UniqueConstraint(
+                fields=("cluster", "key"), name="deviceshape_unique_key"
+            ),
         ),
     ]

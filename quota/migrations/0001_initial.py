@@ -6,7 +6,6 @@ from django.db import migrations, models
 
 
 class Migration(migrations.Migration):
-
     initial = True
 
     dependencies = [
@@ -15,133 +14,279 @@ class Migration(migrations.Migration):
 
     operations = [
         migrations.CreateModel(
-            name='AuditEntry',
+            name="AuditEntry",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('at', models.DateTimeField(db_index=True)),
-                ('actor', models.CharField(max_length=253)),
-                ('action', models.CharField(max_length=16)),
-                ('object_type', models.CharField(max_length=63)),
-                ('object_repr', models.CharField(max_length=253)),
-                ('before', models.JSONField(blank=True, null=True)),
-                ('after', models.JSONField(blank=True, null=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("at", models.DateTimeField(db_index=True)),
+                ("actor", models.CharField(max_length=253)),
+                ("action", models.CharField(max_length=16)),
+                ("object_type", models.CharField(max_length=63)),
+                ("object_repr", models.CharField(max_length=253)),
+                ("before", models.JSONField(blank=True, null=True)),
+                ("after", models.JSONField(blank=True, null=True)),
             ],
             options={
-                'verbose_name_plural': 'audit entries',
+                "verbose_name_plural": "audit entries",
             },
         ),
         migrations.CreateModel(
-            name='Team',
+            name="Team",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('slug', models.SlugField(max_length=63, unique=True)),
-                ('name', models.CharField(max_length=200)),
-                ('cost_centre', models.CharField(blank=True, max_length=100)),
-                ('created_at', models.DateTimeField(auto_now_add=True)),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("slug", models.SlugField(max_length=63, unique=True)),
+                ("name", models.CharField(max_length=200)),
+                ("cost_centre", models.CharField(blank=True, max_length=100)),
+                ("created_at", models.DateTimeField(auto_now_add=True)),
             ],
         ),
         migrations.CreateModel(
-            name='Reservation',
+            name="Reservation",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('cluster', models.CharField(max_length=63)),
-                ('namespace', models.CharField(max_length=253)),
-                ('name', models.CharField(max_length=253)),
-                ('claim_uid', models.CharField(blank=True, max_length=64)),
-                ('state', models.CharField(choices=[('reserved', 'reserved at admission'), ('allocated', 'allocated by the scheduler'), ('released', 'released')], default='reserved', max_length=16)),
-                ('username', models.CharField(blank=True, max_length=253)),
-                ('owner_kind', models.CharField(blank=True, max_length=63)),
-                ('owner_name', models.CharField(blank=True, max_length=253)),
-                ('owner_references', models.JSONField(blank=True, default=list)),
-                ('chosen', models.JSONField(blank=True, default=dict)),
-                ('admission_uid', models.CharField(blank=True, max_length=64)),
-                ('created_at', models.DateTimeField()),
-                ('expires_at', models.DateTimeField(blank=True, null=True)),
-                ('released_at', models.DateTimeField(blank=True, null=True)),
-                ('team', models.ForeignKey(on_delete=django.db.models.deletion.PROTECT, related_name='reservations', to='quota.team')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("cluster", models.CharField(max_length=63)),
+                ("namespace", models.CharField(max_length=253)),
+                ("name", models.CharField(max_length=253)),
+                ("claim_uid", models.CharField(blank=True, max_length=64)),
+                (
+                    "state",
+                    models.CharField(
+                        choices=[
+                            ("reserved", "reserved at admission"),
+                            ("allocated", "allocated by the scheduler"),
+                            ("released", "released"),
+                        ],
+                        default="reserved",
+                        max_length=16,
+                    ),
+                ),
+                ("username", models.CharField(blank=True, max_length=253)),
+                ("owner_kind", models.CharField(blank=True, max_length=63)),
+                ("owner_name", models.CharField(blank=True, max_length=253)),
+                ("owner_references", models.JSONField(blank=True, default=list)),
+                ("chosen", models.JSONField(blank=True, default=dict)),
+                ("admission_uid", models.CharField(blank=True, max_length=64)),
+                ("created_at", models.DateTimeField()),
+                ("expires_at", models.DateTimeField(blank=True, null=True)),
+                ("released_at", models.DateTimeField(blank=True, null=True)),
+                (
+                    "team",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.PROTECT,
+                        related_name="reservations",
+                        to="quota.team",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='QuotaRule',
+            name="QuotaRule",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('name', models.SlugField(max_length=63)),
-                ('device_class', models.CharField(max_length=253)),
-                ('selector', models.TextField(blank=True)),
-                ('unit', models.CharField(choices=[('gpus', 'GPU-equivalents'), ('memory', 'bytes of GPU memory')], default='gpus', max_length=16)),
-                ('limit', models.DecimalField(decimal_places=6, max_digits=24)),
-                ('mode', models.CharField(choices=[('enforce', 'enforce (deny past the limit)'), ('warn', 'warn (admit with a warning)')], default='enforce', max_length=16)),
-                ('in_use', models.DecimalField(decimal_places=6, default=0, max_digits=24)),
-                ('team', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='rules', to='quota.team')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("name", models.SlugField(max_length=63)),
+                ("device_class", models.CharField(max_length=253)),
+                ("selector", models.TextField(blank=True)),
+                (
+                    "unit",
+                    models.CharField(
+                        choices=[("gpus", "GPU-equivalents"), ("memory", "bytes of GPU memory")],
+                        default="gpus",
+                        max_length=16,
+                    ),
+                ),
+                ("limit", models.DecimalField(decimal_places=6, max_digits=24)),
+                (
+                    "mode",
+                    models.CharField(
+                        choices=[
+                            ("enforce", "enforce (deny past the limit)"),
+                            ("warn", "warn (admit with a warning)"),
+                        ],
+                        default="enforce",
+                        max_length=16,
+                    ),
+                ),
+                ("in_use", models.DecimalField(decimal_places=6, default=0, max_digits=24)),
+                (
+                    "team",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="rules",
+                        to="quota.team",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='Membership',
+            name="Membership",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('role', models.CharField(choices=[('lead', 'team lead'), ('member', 'member')], default='member', max_length=16)),
-                ('user', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='memberships', to=settings.AUTH_USER_MODEL)),
-                ('team', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='memberships', to='quota.team')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                (
+                    "role",
+                    models.CharField(
+                        choices=[("lead", "team lead"), ("member", "member")],
+                        default="member",
+                        max_length=16,
+                    ),
+                ),
+                (
+                    "user",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="memberships",
+                        to=settings.AUTH_USER_MODEL,
+                    ),
+                ),
+                (
+                    "team",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="memberships",
+                        to="quota.team",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='AdmissionDecision',
+            name="AdmissionDecision",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('at', models.DateTimeField(db_index=True)),
-                ('uid', models.CharField(max_length=64)),
-                ('namespace', models.CharField(max_length=253)),
-                ('name', models.CharField(max_length=253)),
-                ('username', models.CharField(blank=True, max_length=253)),
-                ('allowed', models.BooleanField()),
-                ('dry_run', models.BooleanField(default=False)),
-                ('message', models.TextField(blank=True)),
-                ('warnings', models.JSONField(blank=True, default=list)),
-                ('team', models.ForeignKey(blank=True, null=True, on_delete=django.db.models.deletion.SET_NULL, to='quota.team')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("at", models.DateTimeField(db_index=True)),
+                ("uid", models.CharField(max_length=64)),
+                ("namespace", models.CharField(max_length=253)),
+                ("name", models.CharField(max_length=253)),
+                ("username", models.CharField(blank=True, max_length=253)),
+                ("allowed", models.BooleanField()),
+                ("dry_run", models.BooleanField(default=False)),
+                ("message", models.TextField(blank=True)),
+                ("warnings", models.JSONField(blank=True, default=list)),
+                (
+                    "team",
+                    models.ForeignKey(
+                        blank=True,
+                        null=True,
+                        on_delete=django.db.models.deletion.SET_NULL,
+                        to="quota.team",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='TeamNamespace',
+            name="TeamNamespace",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('namespace', models.CharField(max_length=63, unique=True)),
-                ('team', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='namespaces', to='quota.team')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("namespace", models.CharField(max_length=63, unique=True)),
+                (
+                    "team",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="namespaces",
+                        to="quota.team",
+                    ),
+                ),
             ],
         ),
         migrations.CreateModel(
-            name='ReservationLine',
+            name="ReservationLine",
             fields=[
-                ('id', models.BigAutoField(auto_created=True, primary_key=True, serialize=False, verbose_name='ID')),
-                ('amount', models.DecimalField(decimal_places=6, max_digits=24)),
-                ('reservation', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='lines', to='quota.reservation')),
-                ('rule', models.ForeignKey(on_delete=django.db.models.deletion.CASCADE, related_name='lines', to='quota.quotarule')),
+                (
+                    "id",
+                    models.BigAutoField(
+                        auto_created=True, primary_key=True, serialize=False, verbose_name="ID"
+                    ),
+                ),
+                ("amount", models.DecimalField(decimal_places=6, max_digits=24)),
+                (
+                    "reservation",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="lines",
+                        to="quota.reservation",
+                    ),
+                ),
+                (
+                    "rule",
+                    models.ForeignKey(
+                        on_delete=django.db.models.deletion.CASCADE,
+                        related_name="lines",
+                        to="quota.quotarule",
+                    ),
+                ),
             ],
             options={
-                'constraints': [models.UniqueConstraint(fields=('reservation', 'rule'), name='reservationline_unique')],
+                "constraints": [
+                    models.UniqueConstraint(
+                        fields=("reservation", "rule"), name="reservationline_unique"
+                    )
+                ],
             },
         ),
         migrations.AddIndex(
-            model_name='reservation',
-            index=models.Index(fields=['state', 'expires_at'], name='reservation_expiry'),
+            model_name="reservation",
+            index=models.Index(fields=["state", "expires_at"], name="reservation_expiry"),
         ),
         migrations.AddConstraint(
-            model_name='reservation',
-            constraint=models.UniqueConstraint(condition=models.Q(('state', 'released'), _negated=True), fields=('cluster', 'namespace', 'name'), name='reservation_unique_live_claim'),
+            model_name="reservation",
+            constraint=models.UniqueConstraint(
+                condition=models.Q(("state", "released"), _negated=True),
+                fields=("cluster", "namespace", "name"),
+                name="reservation_unique_live_claim",
+            ),
         ),
         migrations.AddConstraint(
-            model_name='quotarule',
-            constraint=models.UniqueConstraint(fields=('team', 'name'), name='quotarule_unique_name'),
+            model_name="quotarule",
+            constraint=models.UniqueConstraint(
+                fields=("team", "name"), name="quotarule_unique_name"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='quotarule',
-            constraint=models.CheckConstraint(condition=models.Q(('limit__gte', 0)), name='quotarule_limit_positive'),
+            model_name="quotarule",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("limit__gte", 0)), name="quotarule_limit_positive"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='quotarule',
-            constraint=models.CheckConstraint(condition=models.Q(('in_use__gte', 0)), name='quotarule_in_use_positive'),
+            model_name="quotarule",
+            constraint=models.CheckConstraint(
+                condition=models.Q(("in_use__gte", 0)), name="quotarule_in_use_positive"
+            ),
         ),
         migrations.AddConstraint(
-            model_name='membership',
-            constraint=models.UniqueConstraint(fields=('team', 'user'), name='membership_unique'),
+            model_name="membership",
+            constraint=models.UniqueConstraint(fields=("team", "user"), name="membership_unique"),
         ),
     ]

@@ -24,7 +24,7 @@ def gpu(name: str, uuid: str, product: str = "NVIDIA H100 80GB HBM3", **extra: A
             "type": {"string": "gpu"},
             "uuid": {"string": uuid},
             "productName": {"string": product},
-            "driverVersion": {"version": "580.82.07"},
+            "driverVersion": {"version": "580.82.7"},
             "cudaDriverVersion": {"version": "13.0.0"},
         },
         "capacity": {"memory": {"value": "80Gi"}},

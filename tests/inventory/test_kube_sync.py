@@ -57,7 +57,7 @@ def gpu(name: str, node: str) -> dict[str, Any]:
             "type": {"string": "gpu"},
             "uuid": {"string": f"GPU-{uuid.uuid5(uuid.NAMESPACE_DNS, f'{node}/{name}')}"},
             "productName": {"string": "NVIDIA H100 80GB HBM3"},
-            "driverVersion": {"version": "580.82.07"},
+            "driverVersion": {"version": "580.82.7"},
             "cudaDriverVersion": {"version": "13.0.0"},
         },
         "capacity": {"memory": {"value": "80Gi"}},

@@ -40,8 +40,8 @@ pytestmark = pytest.mark.django_db
 
 H100 = "NVIDIA H100 80GB HBM3"
 A100 = "NVIDIA A100-SXM4-40GB"
-CURRENT = ("580.82.07", "13.0.0")
-OLDER = ("570.172.08", "12.8.0")
+CURRENT = ("580.82.7", "13.0.0")
+OLDER = ("570.172.8", "12.8.0")
 
 
 def gpus_on(
@@ -154,7 +154,7 @@ def test_outliers_against_the_most_common_pair(mixed_versions: Cluster) -> None:
     matrix = version_matrix(cluster=mixed_versions)
 
     assert matrix["baseline"] == {
-        "driverVersion": "580.82.07",
+        "driverVersion": "580.82.7",
         "cudaDriverVersion": "13.0.0",
         "source": "most_common",
     }
@@ -162,8 +162,8 @@ def test_outliers_against_the_most_common_pair(mixed_versions: Cluster) -> None:
         (row["driverVersion"], row["cudaDriverVersion"], row["nodes"], row["gpus"], row["baseline"])
         for row in matrix["rows"]
     ] == [
-        ("580.82.07", "13.0.0", ["node-a", "node-b", "node-c", "node-mixed"], 7, True),
-        ("570.172.08", "12.8.0", ["node-mixed", "node-old"], 3, False),
+        ("580.82.7", "13.0.0", ["node-a", "node-b", "node-c", "node-mixed"], 7, True),
+        ("570.172.8", "12.8.0", ["node-mixed", "node-old"], 3, False),
     ]
     assert matrix["outlier_nodes"] == ["node-mixed", "node-old"]
 
@@ -175,7 +175,7 @@ def test_outliers_against_an_operator_baseline(mixed_versions: Cluster) -> None:
     matrix = version_matrix(cluster=mixed_versions)
 
     assert matrix["baseline"] == {
-        "driverVersion": "570.172.08",
+        "driverVersion": "570.172.8",
         "cudaDriverVersion": "12.8.0",
         "source": "operator",
     }
@@ -184,9 +184,9 @@ def test_outliers_against_an_operator_baseline(mixed_versions: Cluster) -> None:
 
 def test_an_operator_may_pin_the_driver_only(mixed_versions: Cluster) -> None:
     gpus_on(
-        NodeFactory.create(cluster=mixed_versions, name="node-new-cuda"), 1, ("580.82.07", "13.1.0")
+        NodeFactory.create(cluster=mixed_versions, name="node-new-cuda"), 1, ("580.82.7", "13.1.0")
     )
-    mixed_versions.baseline_driver_version = "580.82.07"
+    mixed_versions.baseline_driver_version = "580.82.7"
     mixed_versions.save()
 
     assert version_matrix(cluster=mixed_versions)["outlier_nodes"] == ["node-mixed", "node-old"]
@@ -217,9 +217,9 @@ def test_all_clusters_get_their_own_baseline() -> None:
 
     assert matrix["baseline"] is None
     assert {name: b and b["driverVersion"] for name, b in matrix["baselines"].items()} == {
-        "east": "580.82.07",
+        "east": "580.82.7",
         "empty": None,
-        "west": "570.172.08",
+        "west": "570.172.8",
     }
     # Node names are unique only within a cluster, so they carry it.
     assert matrix["outlier_nodes"] == ["west/gpu-3"]
@@ -235,8 +235,8 @@ def test_devices_without_versions_or_node_are_handled() -> None:
     matrix = version_matrix(cluster=cluster)
 
     assert [(row["driverVersion"], row["nodes"], row["gpus"]) for row in matrix["rows"]] == [
-        ("580.82.07", ["n1"], 1),
-        ("570.172.08", [], 1),
+        ("580.82.7", ["n1"], 1),
+        ("570.172.8", [], 1),
     ]
     assert matrix["outlier_nodes"] == []
 
@@ -307,7 +307,7 @@ def test_fleet_report(busy_cluster: Cluster, django_assert_max_num_queries) -> N
     assert report["driver_matrix"] == [
         {
             "cluster": "busy",
-            "driverVersion": "580.82.07",
+            "driverVersion": "580.82.7",
             "cudaDriverVersion": "13.0.0",
             "nodes": 4,
             "node_names": ["a", "b", "c", "d"],
@@ -355,8 +355,8 @@ def test_command_table(mixed_versions: Cluster) -> None:
 
     cells = {line.split("  ")[0]: re.split(r"\s{2,}", line) for line in text.splitlines()}
     assert cells[H100] == [H100, "10", "0", "10", "2"]
-    assert cells["*"] == ["*", "prod", "580.82.07", "13.0.0", "4", "7"]
-    assert "Baseline of prod: driver 580.82.07, CUDA 13.0.0 (most common)" in text
+    assert cells["*"] == ["*", "prod", "580.82.7", "13.0.0", "4", "7"]
+    assert "Baseline of prod: driver 580.82.7, CUDA 13.0.0 (most common)" in text
     assert "Outlier nodes (2)\n  node-mixed\n  node-old" in text
     assert "Fragmentation" in text
 
@@ -437,7 +437,7 @@ def test_admin_changelist_and_change_page(operator: Client, full_inventory: Clus
     [
         "kind__exact=mig",
         f"product_name={H100}",
-        "driver_version=580.82.07&cuda_driver_version=13.0.0",
+        "driver_version=580.82.7&cuda_driver_version=13.0.0",
         "gone=no",
         "gone=yes",
         "q=GPU-",
@@ -492,13 +492,13 @@ def test_admin_cluster_baseline_is_the_one_editable_field(
         url,
         {
             "name": "renamed",
-            "baseline_driver_version": "580.82.07",
+            "baseline_driver_version": "580.82.7",
             "baseline_cuda_driver_version": "13.0.0",
         },
     )
     assert response.status_code == 302
     full_inventory.refresh_from_db()
-    assert (full_inventory.name, full_inventory.baseline_driver_version) == ("busy", "580.82.07")
+    assert (full_inventory.name, full_inventory.baseline_driver_version) == ("busy", "580.82.7")
     assert operator.get(reverse("admin:inventory_cluster_add")).status_code == 403
 
 
@@ -524,7 +524,7 @@ def test_admin_action_sets_the_most_common_baseline(
     assert empty.baseline_driver_version == ""
     assert [str(message) for message in response.context["messages"]] == [
         "empty: no GPU publishes a driver version",
-        "busy: baseline set to driver 580.82.07, CUDA 13.0.0",
+        "busy: baseline set to driver 580.82.7, CUDA 13.0.0",
     ]
 
 

@@ -1,0 +1,213 @@
+"""The admission webhooks the Kubernetes API server calls on every ResourceClaim CREATE.
+
+Thin edges: parse the AdmissionReview, call one service, answer. Every well-formed review gets
+a well-formed answer that echoes its uid; a body that is no AdmissionReview gets HTTP 400 with
+the reason. Nothing here answers 500: a database that cannot be reached is a clear denial (or
+an admission, when `TALLY_WEBHOOK_FAIL_OPEN` is set) within the configured timeout.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from typing import Any
+
+from django.conf import settings
+from django.db import DatabaseError, connection, transaction
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_POST
+
+from inventory.services import get_cluster
+from quota import services
+
+log = logging.getLogger(__name__)
+API_VERSION = "admission.k8s.io/v1"
+REMOVED_ANNOTATION = "tally.dev/removed-alternatives"
+
+
+class BadReview(ValueError):
+    """The body is not an AdmissionReview; the message says what is wrong."""
+
+
+def parse_review(body: bytes) -> dict[str, Any]:
+    """The review's `request`, checked for the fields the answer depends on."""
+    try:
+        review = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadReview(f"body is not JSON: {exc}") from exc
+    if not isinstance(review, dict):
+        raise BadReview("body must be a JSON object (an AdmissionReview)")
+    if review.get("kind") != "AdmissionReview":
+        raise BadReview(f"kind must be AdmissionReview, not {review.get('kind')!r}")
+    if review.get("apiVersion") != API_VERSION:
+        raise BadReview(f"apiVersion must be {API_VERSION}, not {review.get('apiVersion')!r}")
+    request = review.get("request")
+    if not isinstance(request, dict):
+        raise BadReview("request is missing or not an object")
+    if not isinstance(request.get("uid"), str) or not request["uid"]:
+        raise BadReview("request.uid is missing or not a string")
+    return request
+
+
+def answer(
+    uid: str,
+    *,
+    allowed: bool,
+    message: str = "",
+    reason: str = "",
+    warnings: list[str] | None = None,
+    patch: list[dict[str, Any]] | None = None,
+) -> JsonResponse:
+    response: dict[str, Any] = {"uid": uid, "allowed": allowed}
+    if not allowed:
+        response["status"] = {"code": 403, "reason": reason or "Forbidden", "message": message}
+    if warnings:
+        # The API server caps a warning at 256 characters.
+        response["warnings"] = [w if len(w) <= 256 else w[:253] + "..." for w in warnings]
+    if patch:
+        response["patchType"] = "JSONPatch"
+        response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
+    return JsonResponse(
+        {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
+    )
+
+
+def _is_claim_create(request: dict[str, Any]) -> bool:
+    resource = request.get("resource") if isinstance(request.get("resource"), dict) else {}
+    assert isinstance(resource, dict)
+    return (
+        request.get("operation") == "CREATE"
+        and resource.get("group") == "resource.k8s.io"
+        and resource.get("resource") == "resourceclaims"
+        and not request.get("subResource")
+    )
+
+
+def _review(http_request: HttpRequest, *, mutate: bool) -> HttpResponse:
+    try:
+        request = parse_review(http_request.body)
+    except BadReview as exc:
+        return HttpResponse(f"bad AdmissionReview: {exc}\n", status=400, content_type="text/plain")
+    uid = request["uid"]
+    if not _is_claim_create(request):
+        return answer(uid, allowed=True)
+    claim = request.get("object")
+    if not isinstance(claim, dict):
+        return answer(
+            uid, allowed=False, reason="Invalid", message="request.object is not a ResourceClaim"
+        )
+    if not isinstance(claim.get("metadata"), dict):
+        claim = {**claim, "metadata": {}}
+    claim["metadata"].setdefault("namespace", request.get("namespace") or "default")
+    claim["metadata"].setdefault("name", request.get("name") or "")
+    user_info = request.get("userInfo") if isinstance(request.get("userInfo"), dict) else {}
+    assert isinstance(user_info, dict)
+    try:
+        with transaction.atomic():
+            if connection.vendor == "postgresql":
+                # The API server waits timeoutSeconds (3 s); never hang on a lock past that.
+                timeout = settings.TALLY_WEBHOOK_DB_TIMEOUT_MS
+                with connection.cursor() as cursor:
+                    cursor.execute(f"SET LOCAL statement_timeout = {int(timeout)}")
+                    cursor.execute(f"SET LOCAL lock_timeout = {int(timeout)}")
+            cluster = get_cluster(settings.TALLY_CLUSTER_NAME)
+            if mutate:
+                decision = services.fit_alternatives(cluster=cluster, claim=claim)
+            else:
+                decision = services.review_claim(
+                    cluster=cluster,
+                    claim=claim,
+                    username=str(user_info.get("username") or ""),
+                    dry_run=request.get("dryRun") is True,
+                    admission_uid=uid,
+                    at=timezone.now(),
+                )
+    except DatabaseError as exc:
+        log.error("admission %s: database unavailable: %s", uid, exc)
+        if settings.TALLY_WEBHOOK_FAIL_OPEN:
+            return answer(
+                uid, allowed=True, warnings=["Tally could not check quota (database unavailable)"]
+            )
+        return answer(
+            uid,
+            allowed=False,
+            reason="ServiceUnavailable",
+            message="Tally cannot check quota right now (its database is unavailable); try again",
+        )
+    except Exception:
+        log.exception("admission %s: unexpected error", uid)
+        return answer(
+            uid,
+            allowed=False,
+            reason="InternalError",
+            message="Tally failed to check quota; see its logs",
+        )
+    if mutate:
+        return _mutation(uid, claim, decision)
+    return answer(
+        uid,
+        allowed=decision.allowed,
+        message=decision.message,
+        reason=decision.reason,
+        warnings=decision.warnings,
+    )
+
+
+def _mutation(uid: str, claim: dict[str, Any], decision: services.Decision) -> JsonResponse:
+    if not decision.allowed:
+        return answer(
+            uid,
+            allowed=False,
+            message=decision.message,
+            reason=decision.reason,
+            warnings=decision.warnings,
+        )
+    if not decision.removed:
+        return answer(uid, allowed=True, warnings=decision.warnings)
+    patch: list[dict[str, Any]] = []
+    requests = claim.get("spec", {}).get("devices", {}).get("requests", [])
+    for index, request in enumerate(requests):
+        removed = set(decision.removed.get(request.get("name"), []))
+        alternatives = request.get("firstAvailable") or []
+        for alt_index in reversed(range(len(alternatives))):
+            if alternatives[alt_index].get("name") in removed:
+                patch.append(
+                    {
+                        "op": "remove",
+                        "path": f"/spec/devices/requests/{index}/firstAvailable/{alt_index}",
+                    }
+                )
+    annotations = claim["metadata"].get("annotations")
+    value = json.dumps(decision.removed, sort_keys=True)
+    if isinstance(annotations, dict):
+        key = REMOVED_ANNOTATION.replace("~", "~0").replace("/", "~1")
+        patch.append({"op": "add", "path": f"/metadata/annotations/{key}", "value": value})
+    else:
+        patch.append(
+            {"op": "add", "path": "/metadata/annotations", "value": {REMOVED_ANNOTATION: value}}
+        )
+    warnings = [
+        *decision.warnings,
+        *(
+            f"request {name!r}: alternatives {', '.join(alts)} removed: over the team's quota"
+            for name, alts in decision.removed.items()
+        ),
+    ]
+    return answer(uid, allowed=True, warnings=warnings, patch=patch)
+
+
+@csrf_exempt
+@require_POST
+def validate(request: HttpRequest) -> HttpResponse:
+    """`POST /admission/resourceclaims`: deny claims past their team's quota; reserve the rest."""
+    return _review(request, mutate=False)
+
+
+@csrf_exempt
+@require_POST
+def mutate(request: HttpRequest) -> HttpResponse:
+    """`POST /admission/resourceclaims/mutate`: drop firstAvailable alternatives over quota."""
+    return _review(request, mutate=True)

@@ -1,0 +1,3 @@
+from tests.quota.fixtures import fleet
+
+__all__ = ["fleet"]

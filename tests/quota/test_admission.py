@@ -1,0 +1,372 @@
+"""The validating and mutating webhooks, end to end through Django's test client."""
+
+from __future__ import annotations
+
+import base64
+import json
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from quota.models import AdmissionDecision, QuotaRule, Reservation, ReservationLine
+from tests.quota.fixtures import (
+    claim,
+    decide,
+    gpu_request,
+    load_yaml_objects,
+    make_team,
+    post,
+    review,
+)
+
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("fleet")]
+
+H100_EXPRESSION = "device.attributes['gpu.nvidia.com'].productName == 'NVIDIA H100 80GB HBM3'"
+A100_EXPRESSION = "device.attributes['gpu.nvidia.com'].productName.contains('A100')"
+RULES = [
+    {"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 2},
+    {
+        "name": "h100",
+        "device_class": "gpu.nvidia.com",
+        "selector": 'device.attributes["gpu.nvidia.com"].productName.startsWith("NVIDIA H100")',
+        "limit": 1,
+    },
+    {"name": "mig", "device_class": "mig.nvidia.com", "limit": 1},
+    {"name": "example", "device_class": "gpu.example.com", "limit": 1},
+    {"name": "vfio", "device_class": "vfio.gpu.nvidia.com", "limit": 1},
+]
+
+# Every ResourceClaim and ResourceClaimTemplate upstream, with the decision for a team whose
+# rules are RULES and which holds nothing yet (each sent as a dry run, so each stands alone).
+UPSTREAM = {
+    ("dra-driver-nvidia-gpu/demo/specs/quickstart/v1/gpu-test1.yaml", "single-gpu"): "",
+    ("dra-driver-nvidia-gpu/demo/specs/quickstart/v1/gpu-test4.yaml", "mig-devices"): "",
+    ("dra-driver-nvidia-gpu/demo/specs/quickstart/v1beta1/gpu-test4.yaml", "mig-devices"): "",
+    ("dra-driver-nvidia-gpu/demo/specs/quickstart/v1/gpu-test6.yaml", "a100"): "",
+    ("dra-driver-nvidia-gpu/demo/specs/consumable-shares/memory-sharing.yaml", "gpu-4gi"): "",
+    ("dra-driver-nvidia-gpu/tests/bats/specs/gpu-simple-mig.yaml", "rct-mig1g"): "",
+    ("dra-driver-nvidia-gpu/tests/bats/specs/rc-shared-gpu.yaml", "rc-shared-gpu"): "",
+    (
+        "dra-driver-nvidia-gpu/demo/specs/fabric-manager-partitioning/resourceClaimTemplates.yaml",
+        "fm-partition-2gpu",
+    ): (
+        'quota rule "vfio" (enforce) would be exceeded: '
+        "0 GPUs in use, 2 GPUs requested, limit 1 GPU"
+    ),
+    ("dra-example-driver/demo/examples/cel-selector/cel-selector.yaml", "single-gpu-cel"): "",
+    ("dra-example-driver/demo/examples/admin-access/admin-access.yaml", "multiple-gpus-admin"): "",
+    (
+        "dra-example-driver/demo/examples/prioritized-alternatives/prioritized-alternatives.yaml",
+        "prioritized-gpu",
+    ): "",
+    (
+        "dra-example-driver/demo/examples/prioritized-alternatives/prioritized-alternatives.yaml",
+        "preferred-gpu",
+    ): "",
+    (
+        "kubernetes/test/e2e/dra/test-driver/deploy/example/pod-inline-multiple.yaml",
+        "pause-template",
+    ): "",
+    (
+        "website/content/en/examples/dra/resourceclaimtemplate.yaml",
+        "example-resource-claim-template",
+    ): "",
+    ("website/content/en/examples/dra/resourceclaim.yaml", "example-resource-claim"): (
+        "cannot read the claim: spec.devices.requests[0].exactly.selectors[0].cel: is missing"
+    ),
+    ("kubernetes-api/testdata/HEAD/resource.k8s.io.v1.ResourceClaim.yaml", "nameValue"): "",
+    ("kubernetes-api/testdata/HEAD/resource.k8s.io.v1beta1.ResourceClaim.yaml", "nameValue"): "",
+}
+
+
+def upstream_claim(upstream: Path, relative: str, name: str) -> dict[str, Any]:
+    for obj in load_yaml_objects(upstream / relative):
+        if obj["metadata"]["name"] != name:
+            continue
+        if obj["kind"] == "ResourceClaimTemplate":
+            # What the resource-claim controller creates from the template for a Pod.
+            return {
+                "apiVersion": obj["apiVersion"],
+                "kind": "ResourceClaim",
+                "metadata": {
+                    "name": f"pod-{name}",
+                    "namespace": obj["metadata"].get("namespace", "default"),
+                    "ownerReferences": [
+                        {
+                            "apiVersion": "v1",
+                            "kind": "Pod",
+                            "name": "pod",
+                            "uid": "u",
+                            "controller": True,
+                        }
+                    ],
+                },
+                "spec": obj["spec"]["spec"],
+            }
+        if obj["metadata"].get("namespace") == "namespaceValue":
+            obj["metadata"]["namespace"] = "research"
+        return obj
+    raise AssertionError(f"{name} not in {relative}")
+
+
+@pytest.mark.parametrize(("relative", "name"), sorted(UPSTREAM))
+def test_upstream_claims(client: Client, upstream: Path, relative: str, name: str) -> None:
+    make_team(RULES)
+    expected_denial = UPSTREAM[(relative, name)]
+    body = review(upstream_claim(upstream, relative, name), dry_run=True, uid="uid-1")
+    response = post(client, body)
+    assert response.status_code == 200
+    answer = response.json()
+    assert answer["apiVersion"] == "admission.k8s.io/v1" and answer["kind"] == "AdmissionReview"
+    decision = answer["response"]
+    assert decision["uid"] == "uid-1"
+    assert decision["allowed"] is (not expected_denial), decision
+    if expected_denial:
+        assert expected_denial in decision["status"]["message"]
+        assert decision["status"]["code"] == 403
+    assert Reservation.objects.count() == 0  # dry run
+
+
+def test_denial_names_team_rule_usage_request_and_limit(client: Client) -> None:
+    make_team(RULES)
+    a100 = [{"cel": {"expression": A100_EXPRESSION}}]
+    assert decide(client, claim("a", [gpu_request(1, selectors=a100)]))["allowed"]
+    assert decide(client, claim("b", [gpu_request(1, selectors=a100)]))["allowed"]
+    denied = decide(client, claim("c", [gpu_request(1, selectors=a100)]))
+    assert denied["allowed"] is False
+    assert denied["status"]["message"] == (
+        'team "research": quota rule "all-gpus" (enforce) would be exceeded: '
+        "2 GPUs in use, 1 GPU requested, limit 2 GPUs"
+    )
+    assert QuotaRule.objects.get(name="all-gpus").in_use == 2
+    assert AdmissionDecision.objects.filter(allowed=False).count() == 1
+
+
+def test_selector_rule_limits_only_requests_that_can_get_matching_devices(client: Client) -> None:
+    make_team([*RULES[:2]])
+    h100 = {"cel": {"expression": H100_EXPRESSION}}
+    a100 = {
+        "cel": {"expression": "device.attributes['gpu.nvidia.com'].productName.contains('A100')"}
+    }
+    assert decide(client, claim("h1", [gpu_request(1, selectors=[h100])]))["allowed"]
+    assert not decide(client, claim("h2", [gpu_request(1, selectors=[h100])]))["allowed"]
+    # An A100 request is outside the h100 rule; only all-gpus (1 of 2 used) limits it.
+    assert decide(client, claim("a1", [gpu_request(1, selectors=[a100])]))["allowed"]
+    assert QuotaRule.objects.get(name="h100").in_use == 1
+    assert QuotaRule.objects.get(name="all-gpus").in_use == 2
+
+
+def test_all_mode_counts_the_most_matching_devices_on_one_node(client: Client) -> None:
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 5}])
+    all_request = {
+        "name": "gpu",
+        "exactly": {"deviceClassName": "gpu.nvidia.com", "allocationMode": "All"},
+    }
+    assert decide(client, claim("all", [all_request]))["allowed"]
+    assert QuotaRule.objects.get().in_use == 4  # the H100 node has 4, the A100 node 2; not 32
+
+
+def test_mig_devices_count_their_share(client: Client) -> None:
+    make_team([{"name": "mig", "device_class": "mig.nvidia.com", "limit": 1}])
+    three_g = {"cel": {"expression": "device.attributes['gpu.nvidia.com'].profile == '3g.20gb'"}}
+    assert decide(client, claim("m1", [gpu_request(2, "mig.nvidia.com", selectors=[three_g])]))[
+        "allowed"
+    ]
+    assert QuotaRule.objects.get().in_use == Decimal("0.857142")
+    assert not decide(client, claim("m2", [gpu_request(1, "mig.nvidia.com", selectors=[three_g])]))[
+        "allowed"
+    ]
+
+
+def test_memory_rules_and_consumable_shares(client: Client) -> None:
+    make_team(
+        [{"name": "mem", "device_class": "gpu.nvidia.com", "unit": "memory", "limit": 100 * 2**30}]
+    )
+    share = gpu_request(1, capacity={"requests": {"memory": "40Gi"}})
+    h100 = {
+        "cel": {"expression": "device.attributes['gpu.nvidia.com'].productName.contains('H100')"}
+    }
+    share["exactly"]["selectors"] = [h100]
+    assert decide(client, claim("s1", [share]))["allowed"]
+    assert decide(client, claim("s2", [share]))["allowed"]
+    denied = decide(client, claim("s3", [share]))
+    assert "80Gi in use, 40Gi requested, limit 100Gi" in denied["status"]["message"]
+
+
+def test_warn_rules_admit_with_a_warning_and_near_limit_warns(client: Client) -> None:
+    make_team(
+        [
+            {"name": "soft", "device_class": "gpu.nvidia.com", "limit": 1, "mode": "warn"},
+            {"name": "example", "device_class": "gpu.example.com", "limit": 5},
+        ]
+    )
+    over = decide(client, claim("w", [gpu_request(2)]))
+    assert over["allowed"]
+    assert any('quota rule "soft" (warn) would be exceeded' in w for w in over["warnings"])
+    near = decide(client, claim("e", [gpu_request(4, "gpu.example.com")]))
+    assert near["allowed"]
+    assert any('"example" is at 4 GPUs of 5 GPUs' in w for w in near["warnings"])
+
+
+def test_the_same_claim_admitted_twice_reserves_once(client: Client) -> None:
+    make_team(RULES[:1])
+    body = claim("again", [gpu_request(1)])
+    assert decide(client, body, uid="first")["allowed"]
+    assert decide(client, body, uid="retry")["allowed"]
+    assert Reservation.objects.count() == 1
+    assert QuotaRule.objects.get(name="all-gpus").in_use == 1
+
+
+def test_dry_run_leaves_nothing_behind(client: Client) -> None:
+    make_team(RULES[:1])
+    assert decide(client, claim("dry", [gpu_request(2)]), dry_run=True)["allowed"]
+    assert Reservation.objects.count() == ReservationLine.objects.count() == 0
+    assert AdmissionDecision.objects.count() == 0
+    assert QuotaRule.objects.get(name="all-gpus").in_use == 0
+
+
+def test_unowned_namespace_is_allowed_with_a_warning_or_denied(
+    client: Client, settings: Any
+) -> None:
+    answer = decide(client, claim("x", [gpu_request(1)], namespace="nobody"))
+    assert answer["allowed"] and "not owned by any team" in answer["warnings"][0]
+    settings.TALLY_UNOWNED_NAMESPACES = "deny"
+    answer = decide(client, claim("x", [gpu_request(1)], namespace="nobody"))
+    assert not answer["allowed"]
+    assert answer["status"]["message"] == "namespace 'nobody' is not owned by any team"
+
+
+def test_template_claims_are_attributed_to_the_pods_controller(client: Client) -> None:
+    make_team(RULES[:1])
+    body = claim("pod-gpu", [gpu_request(1)])
+    body["metadata"]["ownerReferences"] = [
+        {"apiVersion": "v1", "kind": "Pod", "name": "train-0", "uid": "p", "controller": True}
+    ]
+    controller = "system:serviceaccount:kube-system:resource-claim-controller"
+    assert decide(client, body, username=controller)["allowed"]
+    assert decide(client, claim("mine", [gpu_request(1)]), username="alice")["allowed"]
+    from_template = Reservation.objects.get(name="pod-gpu")
+    assert (from_template.username, from_template.owner_kind, from_template.owner_name) == (
+        "",
+        "Pod",
+        "train-0",
+    )
+    assert Reservation.objects.get(name="mine").username == "alice"
+
+
+def first_available(*names_and_selectors: tuple[str, str, str]) -> dict[str, Any]:
+    return {
+        "name": "gpu",
+        "firstAvailable": [
+            {
+                "name": name,
+                "deviceClassName": device_class,
+                "selectors": [{"cel": {"expression": expression}}],
+            }
+            for name, device_class, expression in names_and_selectors
+        ],
+    }
+
+
+H100_OR_A100 = (
+    ("h100", "gpu.nvidia.com", "device.attributes['gpu.nvidia.com'].productName.contains('H100')"),
+    ("a100", "gpu.nvidia.com", "device.attributes['gpu.nvidia.com'].productName.contains('A100')"),
+)
+
+
+def test_first_available_falls_back_when_the_preferred_model_is_over_quota(client: Client) -> None:
+    make_team(
+        [
+            *RULES[:2],
+            {
+                "name": "a100",
+                "device_class": "gpu.nvidia.com",
+                "limit": 1,
+                "selector": "device.attributes['gpu.nvidia.com'].productName.contains('A100')",
+            },
+        ]
+    )
+    QuotaRule.objects.filter(name="h100").update(in_use=1)  # the team's H100 is taken
+    body = claim("fallback", [first_available(*H100_OR_A100)])
+    response = post(client, review(body), "/admission/resourceclaims/mutate")
+    mutation = response.json()["response"]
+    assert mutation["allowed"] and mutation["patchType"] == "JSONPatch"
+    patch = json.loads(base64.b64decode(mutation["patch"]))
+    assert patch[0] == {"op": "remove", "path": "/spec/devices/requests/0/firstAvailable/0"}
+    assert patch[1]["path"] == "/metadata/annotations"
+    assert json.loads(patch[1]["value"]["tally.dev/removed-alternatives"]) == {"gpu": ["h100"]}
+    assert Reservation.objects.count() == 0  # mutation only reads
+    # The validating webhook admits: one alternative fits, and reserves on the A100 rule.
+    assert decide(client, body)["allowed"]
+    assert QuotaRule.objects.get(name="a100").in_use == 1
+    assert QuotaRule.objects.get(name="h100").in_use == 1
+    assert Reservation.objects.get().chosen == {"gpu": ["a100"]}
+
+
+def test_first_available_is_denied_when_no_alternative_fits(client: Client) -> None:
+    make_team(RULES[:2])
+    QuotaRule.objects.filter(name="all-gpus").update(in_use=2)
+    body = claim("none", [first_available(*H100_OR_A100)])
+    for path in ("/admission/resourceclaims/mutate", "/admission/resourceclaims"):
+        answer = post(client, review(body), path).json()["response"]
+        assert not answer["allowed"]
+        assert "none of the 2 alternatives of request 'gpu' fits" in answer["status"]["message"]
+
+
+def test_malformed_bodies_get_400_with_the_reason(client: Client) -> None:
+    cases = {
+        b"{not json": "body is not JSON",
+        b"[]": "body must be a JSON object",
+        json.dumps({"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1"}).encode(): (
+            "request is missing"
+        ),
+        json.dumps({"kind": "Pod", "apiVersion": "v1"}).encode(): "kind must be AdmissionReview",
+        json.dumps(
+            {"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1", "request": {"uid": 5}}
+        ).encode(): "request.uid is missing or not a string",
+    }
+    for body, reason in cases.items():
+        response = post(client, body)
+        assert response.status_code == 400
+        assert reason in response.content.decode()
+
+
+def test_a_review_of_something_unreadable_is_denied_with_the_reason(client: Client) -> None:
+    make_team(RULES)
+    not_a_claim = review(None, uid="u")
+    answer = post(client, not_a_claim).json()["response"]
+    assert answer == {
+        "uid": "u",
+        "allowed": False,
+        "status": {
+            "code": 403,
+            "reason": "Invalid",
+            "message": "request.object is not a ResourceClaim",
+        },
+    }
+    bad_requests = claim("bad", [{"name": "gpu", "exactly": {"count": 1}}])
+    answer = decide(client, bad_requests)
+    assert answer["status"]["message"] == (
+        "cannot read the claim: spec.devices.requests[0].deviceClassName: is required"
+    )
+
+
+def test_other_operations_pass(client: Client) -> None:
+    make_team(RULES)
+    answer = decide(client, claim("c", [gpu_request(5)]), operation="UPDATE")
+    assert answer == {"uid": answer["uid"], "allowed": True}
+    assert client.get("/admission/resourceclaims").status_code == 405
+
+
+def test_upstream_admission_review_fixture_is_answered(client: Client, upstream: Path) -> None:
+    fixture = json.loads(
+        (
+            upstream / "kubernetes-api/testdata/HEAD/admission.k8s.io.v1.AdmissionReview.json"
+        ).read_text()
+    )
+    response = post(client, fixture)
+    assert response.status_code == 200
+    assert response.json()["response"]["uid"] == fixture["request"]["uid"]
