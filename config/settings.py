@@ -157,3 +157,10 @@ TALLY_WEBHOOK_FAIL_OPEN = env.get_bool("TALLY_WEBHOOK_FAIL_OPEN", False)
 TALLY_WEBHOOK_DB_TIMEOUT_MS = env.get_int("TALLY_WEBHOOK_DB_TIMEOUT_MS", 1500, minimum=100)
 TALLY_RESERVATION_TTL_SECONDS = env.get_int("TALLY_RESERVATION_TTL_SECONDS", 600, minimum=1)
 TALLY_SHAPE_CACHE_SECONDS = env.get_int("TALLY_SHAPE_CACHE_SECONDS", 10, minimum=0)
+
+CELERY_BEAT_SCHEDULE = {
+    "quota-expire-reservations": {
+        "task": "quota.tasks.expire_reservations",
+        "schedule": env.get_int("TALLY_EXPIRE_RESERVATIONS_EVERY_SECONDS", 60, minimum=1),
+    },
+}

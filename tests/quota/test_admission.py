@@ -370,3 +370,64 @@ def test_upstream_admission_review_fixture_is_answered(client: Client, upstream:
     response = post(client, fixture)
     assert response.status_code == 200
     assert response.json()["response"]["uid"] == fixture["request"]["uid"]
+
+
+def test_admission_reviews_of_any_shape_get_a_well_formed_answer(client: Client) -> None:
+    """Property: random bodies never get a 500; a 200 always echoes the uid."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    make_team(RULES[:1])
+    json_values = st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+        lambda inner: st.lists(inner, max_size=3)
+        | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+        max_leaves=12,
+    )
+    request_field = st.dictionaries(
+        st.sampled_from(
+            ["uid", "operation", "resource", "object", "namespace", "name", "dryRun", "userInfo"]
+        ),
+        json_values,
+    )
+    claims = st.fixed_dictionaries(
+        {
+            "apiVersion": st.sampled_from(["resource.k8s.io/v1", "resource.k8s.io/v1beta1", "x"]),
+            "kind": st.just("ResourceClaim"),
+            "metadata": st.fixed_dictionaries(
+                {"name": st.text(max_size=5), "namespace": st.just("research")}
+            ),
+            "spec": st.fixed_dictionaries(
+                {"devices": st.fixed_dictionaries({"requests": st.lists(json_values, max_size=2)})}
+            ),
+        }
+    )
+
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(
+        body=st.one_of(
+            json_values,
+            st.builds(
+                lambda request: {
+                    "apiVersion": "admission.k8s.io/v1",
+                    "kind": "AdmissionReview",
+                    "request": request,
+                },
+                request_field,
+            ),
+            st.builds(
+                lambda obj, uid: review(obj, uid=uid), claims, st.text(min_size=1, max_size=10)
+            ),
+        )
+    )
+    def check(body: Any) -> None:
+        response = post(client, json.dumps(body))
+        assert response.status_code in (200, 400)
+        if response.status_code == 200:
+            answer = response.json()["response"]
+            assert answer["uid"] == body["request"]["uid"]
+            assert isinstance(answer["allowed"], bool)
+            # A crash caught by the view's last resort would hide a bug: none may happen.
+            assert answer.get("status", {}).get("reason") != "InternalError", answer
+
+    check()

@@ -1,0 +1,14 @@
+"""Periodic quota jobs. Each task calls one service and owns its retry policy."""
+
+from __future__ import annotations
+
+from celery import shared_task
+from django.utils import timezone
+
+from quota import services
+
+
+@shared_task(autoretry_for=(Exception,), retry_backoff=True, max_retries=5, acks_late=True)
+def expire_reservations() -> int:
+    """Release reservations for claims that never appeared; safe to run twice."""
+    return services.expire_reservations(now=timezone.now())

@@ -1,0 +1,89 @@
+"""The reservation invariant under concurrency, on the real PostgreSQL.
+
+For every enforce rule, reservations plus allocations never exceed the limit; a claim
+admitted twice reserves once; a dry run reserves nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from django.db import connection
+from django.test import Client
+
+from quota.models import QuotaRule, Reservation, ReservationLine
+from tests.quota.fixtures import claim, gpu_request, make_team, post, review
+
+pytestmark = [
+    pytest.mark.postgres,
+    pytest.mark.django_db(transaction=True),
+    pytest.mark.usefixtures("fleet"),
+]
+A100 = [{"cel": {"expression": "device.attributes['gpu.nvidia.com'].productName.contains('A100')"}}]
+
+
+def race(calls: list[Callable[[], Any]], workers: int = 40) -> list[Any]:
+    def run(call: Callable[[], Any]) -> Any:
+        try:
+            return call()
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(run, calls))
+
+
+def admit(body: dict[str, Any], **kwargs: Any) -> Callable[[], bool]:
+    def call() -> bool:
+        response = post(Client(), review(body, **kwargs))
+        assert response.status_code == 200, response.content
+        allowed: bool = response.json()["response"]["allowed"]
+        return allowed
+
+    return call
+
+
+def test_200_admissions_racing_for_the_last_10_gpus_admit_exactly_10() -> None:
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 100}])
+    QuotaRule.objects.update(in_use=90)
+    results = race([admit(claim(f"c{i}", [gpu_request(1, selectors=A100)])) for i in range(200)])
+    assert results.count(True) == 10
+    assert QuotaRule.objects.get().in_use == 100
+    assert Reservation.objects.count() == ReservationLine.objects.count() == 10
+
+
+def test_a_request_denied_by_one_rule_leaves_the_other_untouched() -> None:
+    make_team(
+        [
+            {"name": "tight", "device_class": "gpu.nvidia.com", "limit": 5},
+            {"name": "loose", "device_class": "gpu.nvidia.com", "limit": 100},
+        ]
+    )
+    results = race([admit(claim(f"c{i}", [gpu_request(1, selectors=A100)])) for i in range(60)])
+    assert results.count(True) == 5
+    in_use = dict(QuotaRule.objects.values_list("name", "in_use"))
+    assert in_use == {"tight": Decimal(5), "loose": Decimal(5)}
+    assert ReservationLine.objects.filter(rule__name="loose").count() == 5
+
+
+def test_a_claim_replayed_concurrently_reserves_once() -> None:
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 100}])
+    body = claim("replayed", [gpu_request(2, selectors=A100)])
+    results = race([admit(body, uid=f"uid-{i}") for i in range(30)])
+    assert all(results)
+    assert Reservation.objects.count() == 1
+    assert QuotaRule.objects.get().in_use == 2
+
+
+def test_concurrent_dry_runs_leave_nothing_behind() -> None:
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 3}])
+    results = race(
+        [admit(claim(f"d{i}", [gpu_request(1, selectors=A100)]), dry_run=True) for i in range(40)]
+    )
+    assert all(results)
+    assert Reservation.objects.count() == 0
+    assert QuotaRule.objects.get().in_use == 0
