@@ -1,1 +1,221 @@
-"""billing: see the issues; built on the inventory."""
+"""Utilisation samples, hourly usage, rate cards, periods and statements.
+
+GPU time is kept as integer GPU-milliseconds (a MIG device's milliseconds times its share of
+its GPU) so that sums are exact; money is Decimal, rounded once per statement line.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+from django.db.models import Q
+
+from inventory.models import Allocation, Cluster
+from quota.models import Team
+
+
+class AgentToken(models.Model):
+    """A node agent's bearer token; only its SHA-256 is stored."""
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE, related_name="agent_tokens")
+    node = models.CharField(max_length=253)
+    token_sha256 = models.CharField(max_length=64, unique=True)
+    created_at = models.DateTimeField()
+    revoked_at = models.DateTimeField(null=True, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.cluster}/{self.node}"
+
+
+class Sample(models.Model):
+    """One utilisation reading of one device (GPU or MIG device, by UUID) at one instant.
+
+    `ts_ms` is milliseconds since the epoch (UTC): integer arithmetic on both databases.
+    A device and instant are stored once, however often they are sent.
+    """
+
+    device_uuid = models.CharField(max_length=128)
+    ts_ms = models.BigIntegerField()
+    gpu_util = models.FloatField(null=True, blank=True)  # percent, 0-100; null: not measured
+    mem_used_bytes = models.BigIntegerField(null=True, blank=True)
+    processes = models.JSONField(null=True, blank=True)
+    node = models.CharField(max_length=253, blank=True)
+    received_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["device_uuid", "ts_ms"], name="sample_unique"),
+        ]
+        indexes = [models.Index(fields=["ts_ms"], name="sample_ts")]
+
+    def __str__(self) -> str:
+        return f"{self.device_uuid}@{self.ts_ms}"
+
+
+class UnknownDeviceSample(models.Model):
+    """A sample for a UUID the inventory does not know yet, kept aside, not dropped.
+
+    Moved into `Sample` once the device is known (the sync can lag the agents).
+    """
+
+    device_uuid = models.CharField(max_length=128, db_index=True)
+    ts_ms = models.BigIntegerField()
+    gpu_util = models.FloatField(null=True, blank=True)
+    mem_used_bytes = models.BigIntegerField(null=True, blank=True)
+    processes = models.JSONField(null=True, blank=True)
+    node = models.CharField(max_length=253, blank=True)
+    received_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["device_uuid", "ts_ms"], name="unknownsample_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.device_uuid}@{self.ts_ms} (unknown device)"
+
+
+class DirtyHour(models.Model):
+    """An hour whose usage must be rolled up again: late samples or allocations touched it."""
+
+    hour = models.DateTimeField(unique=True)
+    marked_at = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"{self.hour:%Y-%m-%d %H:00}"
+
+
+class UsageHour(models.Model):
+    """One allocation's usage within one hour: the fact every usage report groups.
+
+    allocated = utilised + idle + unmeasured, all in GPU-milliseconds.
+    """
+
+    hour = models.DateTimeField(db_index=True)
+    allocation = models.ForeignKey(Allocation, on_delete=models.PROTECT, related_name="usage")
+    cluster = models.ForeignKey(Cluster, on_delete=models.PROTECT, related_name="usage")
+    device_uuid = models.CharField(max_length=128)
+    product_name = models.CharField(max_length=253, blank=True)
+    profile = models.CharField(max_length=64, blank=True)
+    gpu_share = models.DecimalField(max_digits=9, decimal_places=6)
+    namespace = models.CharField(max_length=253)
+    claim_name = models.CharField(max_length=253)
+    team = models.ForeignKey(Team, on_delete=models.PROTECT, null=True, blank=True)
+    job = models.CharField(max_length=320, blank=True)  # "Kind/name" of the claim's owner
+    username = models.CharField(max_length=253, blank=True)
+    allocated_gpu_ms = models.BigIntegerField()
+    utilised_gpu_ms = models.BigIntegerField()
+    unmeasured_gpu_ms = models.BigIntegerField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["hour", "allocation"], name="usagehour_unique"),
+        ]
+        indexes = [models.Index(fields=["team", "hour"], name="usagehour_team")]
+
+    def __str__(self) -> str:
+        return f"{self.hour:%Y-%m-%d %H:00} {self.namespace}/{self.claim_name}"
+
+    @property
+    def idle_gpu_ms(self) -> int:
+        return self.allocated_gpu_ms - self.utilised_gpu_ms - self.unmeasured_gpu_ms
+
+
+class RateCard(models.Model):
+    """A price per GPU-hour for a model (or a MIG profile of it) from a date on."""
+
+    product_name = models.CharField(max_length=253)
+    profile = models.CharField(max_length=64, blank=True)  # empty: whole GPUs, and MIG by share
+    per_gpu_hour = models.DecimalField(max_digits=12, decimal_places=4)
+    idle_factor = models.DecimalField(max_digits=5, decimal_places=4, default=1)
+    currency = models.CharField(max_length=3)
+    valid_from = models.DateField()
+    valid_until = models.DateField(null=True, blank=True)  # exclusive
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["product_name", "profile", "currency", "valid_from"], name="ratecard_unique"
+            ),
+            models.CheckConstraint(
+                condition=Q(idle_factor__gte=0) & Q(idle_factor__lte=1), name="ratecard_idle_factor"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        model = f"{self.product_name} {self.profile}".strip()
+        return f"{model}: {self.per_gpu_hour} {self.currency}/GPU-h from {self.valid_from}"
+
+
+class Period(models.Model):
+    """A billing period `[start, end)`; closing it freezes its statements."""
+
+    start = models.DateTimeField(unique=True)
+    end = models.DateTimeField()
+    closed_at = models.DateTimeField(null=True, blank=True)
+    closed_by = models.CharField(max_length=253, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.start:%Y-%m-%d}..{self.end:%Y-%m-%d}"
+
+    @property
+    def is_closed(self) -> bool:
+        return self.closed_at is not None
+
+
+class Budget(models.Model):
+    """A team's GPU-hour budget per period; `hard` denies new claims past it."""
+
+    team = models.OneToOneField(Team, on_delete=models.CASCADE, related_name="budget")
+    gpu_hours = models.DecimalField(max_digits=14, decimal_places=3)
+    mode = models.CharField(max_length=8, choices=[("hard", "hard"), ("soft", "soft")])
+
+    def __str__(self) -> str:
+        return f"{self.team}: {self.gpu_hours} GPU-h ({self.mode})"
+
+
+class Statement(models.Model):
+    """What a team owes for a period, per currency. Frozen once the period is closed."""
+
+    team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="statements")
+    period = models.ForeignKey(Period, on_delete=models.PROTECT, related_name="statements")
+    currency = models.CharField(max_length=3)
+    total = models.DecimalField(max_digits=16, decimal_places=2, default=0)
+    computed_at = models.DateTimeField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["team", "period", "currency"], name="statement_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.team} {self.period}: {self.total} {self.currency}"
+
+
+class LineKind(models.TextChoices):
+    USAGE = "usage", "usage"
+    ADJUSTMENT = "adjustment", "adjustment"
+
+
+class StatementLine(models.Model):
+    """One model's usage and charge; or an adjustment (late data, or added by finance)."""
+
+    statement = models.ForeignKey(Statement, on_delete=models.CASCADE, related_name="lines")
+    kind = models.CharField(max_length=16, choices=LineKind.choices, default=LineKind.USAGE)
+    product_name = models.CharField(max_length=253)
+    profile = models.CharField(max_length=64, blank=True)
+    allocated_gpu_hours = models.DecimalField(max_digits=16, decimal_places=6)
+    utilised_gpu_hours = models.DecimalField(max_digits=16, decimal_places=6)
+    idle_gpu_hours = models.DecimalField(max_digits=16, decimal_places=6)
+    unmeasured_gpu_hours = models.DecimalField(max_digits=16, decimal_places=6)
+    rate = models.DecimalField(max_digits=12, decimal_places=4, null=True, blank=True)
+    idle_factor = models.DecimalField(max_digits=5, decimal_places=4, null=True, blank=True)
+    amount = models.DecimalField(max_digits=16, decimal_places=2)
+    # Adjustments: the closed period they correct (or none, for finance's own), and why.
+    corrects_period = models.ForeignKey(
+        Period, on_delete=models.PROTECT, null=True, blank=True, related_name="corrections"
+    )
+    reason = models.TextField(blank=True)
+    created_by = models.CharField(max_length=253, blank=True)
+
+    def __str__(self) -> str:
+        return f"{self.statement}: {self.kind} {self.product_name} {self.amount}"

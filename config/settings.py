@@ -164,3 +164,11 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": env.get_int("TALLY_EXPIRE_RESERVATIONS_EVERY_SECONDS", 60, minimum=1),
     },
 }
+
+# Metering.
+TALLY_SAMPLE_HOLD_SECONDS = env.get_int("TALLY_SAMPLE_HOLD_SECONDS", 120, minimum=1)
+TALLY_ROLLUP_EVERY_SECONDS = env.get_int("TALLY_ROLLUP_EVERY_SECONDS", 300, minimum=10)
+CELERY_BEAT_SCHEDULE["billing-rollup-pending"] = {
+    "task": "billing.tasks.rollup_pending",
+    "schedule": TALLY_ROLLUP_EVERY_SECONDS,
+}

@@ -1,0 +1,315 @@
+"""Statements: usage priced by rate card, per team and period, frozen when the period closes.
+
+amount = rate * (allocated - (1 - idleFactor) * idle), in GPU-hours, rounded half-up to the
+currency's minor unit once per line. Data that arrives for a closed period never edits it:
+the difference becomes adjustment lines in the next open period.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime
+from decimal import ROUND_HALF_UP, Decimal
+
+from django.db import transaction
+from django.db.models import Q, Sum
+from django.db.models.functions import TruncDate
+from django.utils import timezone
+
+from billing.models import LineKind, Period, RateCard, Statement, StatementLine, UsageHour
+from quota.models import Team
+
+MS_PER_HOUR = Decimal(3_600_000)
+# ISO 4217 currencies whose minor unit is not the cent.
+MINOR_UNITS = {"JPY": 0, "KRW": 0, "ISK": 0, "CLP": 0, "BHD": 3, "KWD": 3, "JOD": 3, "OMR": 3}
+
+
+class PricingError(ValueError):
+    """A pricing step that cannot be done; the message says why."""
+
+
+def period_bounds(moment: datetime) -> tuple[datetime, datetime]:
+    """The calendar month in UTC that holds `moment`."""
+    start = moment.astimezone(UTC).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    end = (
+        start.replace(year=start.year + 1, month=1)
+        if start.month == 12
+        else start.replace(month=start.month + 1)
+    )
+    return start, end
+
+
+def period_for(moment: datetime) -> Period:
+    """The period holding `moment`, created when first needed."""
+    start, end = period_bounds(moment)
+    period, _ = Period.objects.get_or_create(start=start, defaults={"end": end})
+    return period
+
+
+def round_money(amount: Decimal, currency: str) -> Decimal:
+    exponent = Decimal(1).scaleb(-MINOR_UNITS.get(currency.upper(), 2))
+    return amount.quantize(exponent, rounding=ROUND_HALF_UP)
+
+
+def rate_for(product_name: str, profile: str, on: date) -> tuple[RateCard, Decimal] | None:
+    """The rate card for a model (MIG: its profile's card, else the parent's) on a day, and
+    the factor to apply: 1, since GPU-hours of MIG devices are already their share."""
+    cards = RateCard.objects.filter(product_name=product_name, valid_from__lte=on).exclude(
+        valid_until__lte=on
+    )
+    if profile:
+        card = cards.filter(profile=profile).order_by("-valid_from").first()
+        if card is not None:
+            return card, Decimal(1)
+    card = cards.filter(profile="").order_by("-valid_from").first()
+    return (card, Decimal(1)) if card else None
+
+
+@dataclass
+class _Usage:
+    allocated_ms: int = 0
+    utilised_ms: int = 0
+    unmeasured_ms: int = 0
+
+
+@dataclass
+class LineFigures:
+    """One priced line before it is stored."""
+
+    product_name: str
+    profile: str
+    currency: str
+    rate: Decimal | None
+    idle_factor: Decimal | None
+    allocated: Decimal
+    utilised: Decimal
+    unmeasured: Decimal
+    amount: Decimal
+    days: list[date] = field(default_factory=list)
+
+    @property
+    def idle(self) -> Decimal:
+        return self.allocated - self.utilised - self.unmeasured
+
+
+def usage_lines(*, team: Team | None, period: Period) -> list[LineFigures]:
+    """The team's usage in the period priced per model and rate card (`team=None`: usage of no
+    team). MIG devices are priced by their profile's card when there is one."""
+    usage: dict[tuple[str, str, date], _Usage] = defaultdict(_Usage)
+    rows = (
+        UsageHour.objects.filter(team=team, hour__gte=period.start, hour__lt=period.end)
+        .annotate(day=TruncDate("hour", tzinfo=UTC))
+        .values("product_name", "profile", "day")
+        .annotate(
+            allocated=Sum("allocated_gpu_ms"),
+            utilised=Sum("utilised_gpu_ms"),
+            unmeasured=Sum("unmeasured_gpu_ms"),
+        )
+        .order_by()
+    )
+    for row in rows:
+        entry = usage[(row["product_name"], row["profile"], row["day"])]
+        entry.allocated_ms += row["allocated"]
+        entry.utilised_ms += row["utilised"]
+        entry.unmeasured_ms += row["unmeasured"]
+    lines: dict[tuple[str, str, int | None], LineFigures] = {}
+    totals: dict[tuple[str, str, int | None], _Usage] = defaultdict(_Usage)
+    for (product, profile, day), entry in sorted(usage.items()):
+        priced = rate_for(product, profile, day)
+        card = priced[0] if priced else None
+        line_profile = profile if card is not None and card.profile else ""
+        key = (product, line_profile, card.pk if card else None)
+        if key not in lines:
+            lines[key] = LineFigures(
+                product_name=product,
+                profile=line_profile,
+                currency=card.currency if card else "",
+                rate=card.per_gpu_hour if card else None,
+                idle_factor=card.idle_factor if card else None,
+                allocated=Decimal(0),
+                utilised=Decimal(0),
+                unmeasured=Decimal(0),
+                amount=Decimal(0),
+            )
+        total = totals[key]
+        total.allocated_ms += entry.allocated_ms
+        total.utilised_ms += entry.utilised_ms
+        total.unmeasured_ms += entry.unmeasured_ms
+        lines[key].days.append(day)
+    for key, line in lines.items():
+        total = totals[key]
+        line.allocated = Decimal(total.allocated_ms) / MS_PER_HOUR
+        line.utilised = Decimal(total.utilised_ms) / MS_PER_HOUR
+        line.unmeasured = Decimal(total.unmeasured_ms) / MS_PER_HOUR
+        if line.rate is not None and line.idle_factor is not None:
+            billable = line.allocated - (1 - line.idle_factor) * line.idle
+            line.amount = round_money(line.rate * billable, line.currency)
+    return list(lines.values())
+
+
+def _hours(value: Decimal) -> Decimal:
+    return value.quantize(Decimal("0.000001"), rounding=ROUND_HALF_UP)
+
+
+def refresh_statements(*, period: Period, teams: list[Team] | None = None) -> list[Statement]:
+    """Recompute the usage lines of an open period's statements, and the adjustments for data
+    that arrived late for closed periods. Rerunning it changes nothing; a closed period's
+    statements are never touched."""
+    if period.is_closed:
+        raise PricingError(f"period {period} is closed; its statements are frozen")
+    statements = []
+    with transaction.atomic():
+        Period.objects.select_for_update().get(pk=period.pk)
+        for team in teams if teams is not None else list(Team.objects.order_by("slug")):
+            statements += _refresh_team(team, period)
+    return statements
+
+
+def _refresh_team(team: Team, period: Period) -> list[Statement]:
+    now = timezone.now()
+    lines = usage_lines(team=team, period=period)
+    adjustments = _late_data_adjustments(team, period)
+    by_currency: dict[str, list[tuple[LineFigures, str, Period | None]]] = defaultdict(list)
+    for line in lines:
+        by_currency[line.currency or "USD"].append((line, LineKind.USAGE, None))
+    for line, corrected in adjustments:
+        by_currency[line.currency or "USD"].append((line, LineKind.ADJUSTMENT, corrected))
+    # Lines finance added by hand stay; everything computed is replaced.
+    kept_currencies = set(
+        StatementLine.objects.filter(
+            statement__team=team,
+            statement__period=period,
+            kind=LineKind.ADJUSTMENT,
+            corrects_period__isnull=True,
+        ).values_list("statement__currency", flat=True)
+    )
+    statements = []
+    for currency in sorted(set(by_currency) | kept_currencies):
+        statement, _ = Statement.objects.get_or_create(
+            team=team, period=period, currency=currency, defaults={"computed_at": now}
+        )
+        statement.lines.exclude(kind=LineKind.ADJUSTMENT, corrects_period__isnull=True).delete()
+        StatementLine.objects.bulk_create(
+            StatementLine(
+                statement=statement,
+                kind=kind,
+                product_name=line.product_name,
+                profile=line.profile,
+                allocated_gpu_hours=_hours(line.allocated),
+                utilised_gpu_hours=_hours(line.utilised),
+                idle_gpu_hours=_hours(line.idle),
+                unmeasured_gpu_hours=_hours(line.unmeasured),
+                rate=line.rate,
+                idle_factor=line.idle_factor,
+                amount=line.amount,
+                corrects_period=corrected,
+                reason=(
+                    f"late data for {corrected}"
+                    if corrected
+                    else ("" if line.rate is not None else "no rate card for this model")
+                ),
+            )
+            for line, kind, corrected in by_currency.get(currency, [])
+        )
+        statement.total = sum((line.amount for line in statement.lines.all()), Decimal(0))
+        statement.computed_at = now
+        statement.save(update_fields=["total", "computed_at"])
+        statements.append(statement)
+    return statements
+
+
+def _late_data_adjustments(team: Team, period: Period) -> list[tuple[LineFigures, Period]]:
+    """For each closed period before this one: what its usage is now, less what it was billed
+    (its frozen lines and the adjustments already issued for it), per model."""
+    adjustments = []
+    for closed in Period.objects.filter(closed_at__isnull=False, start__lt=period.start).order_by(
+        "start"
+    ):
+        billed: dict[tuple[str, str, str], list[Decimal]] = defaultdict(lambda: [Decimal(0)] * 4)
+        billed_lines = (
+            StatementLine.objects.filter(statement__team=team)
+            .filter(
+                Q(statement__period=closed, kind=LineKind.USAGE)
+                | (Q(corrects_period=closed) & ~Q(statement__period=period))
+            )
+            .select_related("statement")
+        )
+        for line in billed_lines:
+            figures = billed[(line.product_name, line.profile, line.statement.currency)]
+            figures[0] += line.allocated_gpu_hours
+            figures[1] += line.utilised_gpu_hours
+            figures[2] += line.unmeasured_gpu_hours
+            figures[3] += line.amount
+        for line in usage_lines(team=team, period=closed):
+            key = (line.product_name, line.profile, line.currency or "USD")
+            allocated, utilised, unmeasured, amount = billed.pop(key, [Decimal(0)] * 4)
+            delta = LineFigures(
+                product_name=line.product_name,
+                profile=line.profile,
+                currency=line.currency,
+                rate=line.rate,
+                idle_factor=line.idle_factor,
+                allocated=_hours(line.allocated) - allocated,
+                utilised=_hours(line.utilised) - utilised,
+                unmeasured=_hours(line.unmeasured) - unmeasured,
+                amount=line.amount - amount,
+            )
+            if delta.allocated or delta.utilised or delta.unmeasured or delta.amount:
+                adjustments.append((delta, closed))
+    return adjustments
+
+
+def close_period(*, period: Period, actor: str) -> list[Statement]:
+    """Compute the period's statements one last time and freeze them. Closing twice is an error;
+    a period can close only once it has ended."""
+    with transaction.atomic():
+        locked = Period.objects.select_for_update().get(pk=period.pk)
+        if locked.is_closed:
+            raise PricingError(f"period {period} is already closed")
+        if locked.end > timezone.now():
+            raise PricingError(f"period {period} has not ended yet")
+        statements = refresh_statements(period=locked)
+        Period.objects.filter(pk=period.pk).update(closed_at=timezone.now(), closed_by=actor)
+    period.refresh_from_db()
+    return statements
+
+
+def add_adjustment(
+    *,
+    team: Team,
+    period: Period,
+    currency: str,
+    amount: Decimal,
+    reason: str,
+    actor: str,
+    product_name: str = "",
+) -> StatementLine:
+    """A correction finance makes by hand, with its reason, in an open period."""
+    if period.is_closed:
+        raise PricingError(f"period {period} is closed; add the adjustment to an open period")
+    if not reason.strip():
+        raise PricingError("an adjustment needs a reason")
+    with transaction.atomic():
+        statement, _ = Statement.objects.get_or_create(
+            team=team,
+            period=period,
+            currency=currency.upper(),
+            defaults={"computed_at": timezone.now()},
+        )
+        line = StatementLine.objects.create(
+            statement=statement,
+            kind=LineKind.ADJUSTMENT,
+            product_name=product_name,
+            allocated_gpu_hours=0,
+            utilised_gpu_hours=0,
+            idle_gpu_hours=0,
+            unmeasured_gpu_hours=0,
+            amount=round_money(amount, currency),
+            reason=reason,
+            created_by=actor,
+        )
+        Statement.objects.filter(pk=statement.pk).update(
+            total=sum((line.amount for line in statement.lines.all()), Decimal(0))
+        )
+    return line

@@ -1,0 +1,244 @@
+"""Hourly usage: allocation intervals split into utilised, idle and unmeasured GPU time.
+
+Allocated time comes from the allocation history, exactly. Samples only split it: each
+sample's utilisation holds from its timestamp until the device's next sample, for at most
+`TALLY_SAMPLE_HOLD_SECONDS`; allocated time that no sample covers is unmeasured. Rolling up
+an hour replaces that hour's rows, so reruns and duplicate deliveries give the same rows.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from decimal import ROUND_HALF_EVEN, Decimal
+
+from django.conf import settings
+from django.db import connection, transaction
+from django.db.models import Q
+from django.utils import timezone
+from kubernetes.utils import parse_quantity
+
+from billing.models import DirtyHour, UsageHour
+from inventory.models import Allocation
+from quota.models import Reservation, ReservationState, TeamNamespace
+
+log = logging.getLogger(__name__)
+HOUR = timedelta(hours=1)
+HOUR_MS = 3_600_000
+
+
+def epoch_ms(moment: datetime) -> int:
+    return int(moment.timestamp() * 1000)
+
+
+def hour_start(moment: datetime) -> datetime:
+    return moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
+
+
+@dataclass(frozen=True)
+class _Interval:
+    allocation: Allocation
+    start_ms: int
+    end_ms: int
+    share: Decimal
+
+
+# Per allocation: the time its device's samples cover within the allocation's part of the
+# hour, and that time weighted by utilisation (percent). Written with CASE rather than
+# GREATEST/LEAST or MAX/MIN so that the same statement runs on PostgreSQL and SQLite.
+_COVERAGE_SQL = """
+WITH a(allocation_id, uuid, a0, a1) AS (VALUES {values}),
+s AS (
+    SELECT device_uuid, ts_ms, gpu_util,
+           LEAD(ts_ms) OVER (PARTITION BY device_uuid ORDER BY ts_ms) AS next_ms
+    FROM billing_sample
+    WHERE ts_ms >= %s AND ts_ms < %s AND device_uuid IN (SELECT uuid FROM a)
+),
+spans AS (
+    SELECT device_uuid, gpu_util, ts_ms AS s0,
+           CASE WHEN next_ms IS NOT NULL AND next_ms < ts_ms + %s THEN next_ms
+                ELSE ts_ms + %s END AS s1
+    FROM s
+    WHERE gpu_util IS NOT NULL
+),
+overlap AS (
+    SELECT a.allocation_id, spans.gpu_util,
+           (CASE WHEN spans.s1 < a.a1 THEN spans.s1 ELSE a.a1 END)
+           - (CASE WHEN spans.s0 > a.a0 THEN spans.s0 ELSE a.a0 END) AS covered_ms
+    FROM a JOIN spans ON spans.device_uuid = a.uuid AND spans.s1 > a.a0 AND spans.s0 < a.a1
+)
+SELECT allocation_id, SUM(covered_ms), SUM(covered_ms * gpu_util)
+FROM overlap GROUP BY allocation_id
+"""
+
+
+def rollup_hour(*, hour: datetime, now: datetime | None = None) -> int:
+    """Recompute the usage rows of `[hour, hour + 1h)`; returns how many rows it wrote.
+
+    Idempotent: the hour's rows are replaced in one transaction, under a lock per hour so two
+    workers rolling up the same hour one after the other give the same rows. An hour still
+    in progress is rolled up to `now`.
+    """
+    hour = hour_start(hour)
+    now = now or timezone.now()
+    window_start, window_end = epoch_ms(hour), min(epoch_ms(hour + HOUR), epoch_ms(now))
+    with transaction.atomic():
+        if connection.vendor == "postgresql":
+            with connection.cursor() as cursor:
+                cursor.execute(
+                    "SELECT pg_advisory_xact_lock(%s, %s)", [7_411, window_start // HOUR_MS]
+                )
+        intervals = _intervals(hour, window_start, window_end)
+        coverage = _coverage(intervals, window_start, window_end)
+        rows = _usage_rows(hour, intervals, coverage)
+        UsageHour.objects.filter(hour=hour).delete()
+        UsageHour.objects.bulk_create(rows, batch_size=2000)
+    return len(rows)
+
+
+def _intervals(hour: datetime, window_start: int, window_end: int) -> list[_Interval]:
+    allocations = (
+        Allocation.objects.filter(
+            Q(end__isnull=True) | Q(end__gt=hour), start__lt=hour + HOUR, device__isnull=False
+        )
+        .select_related("device", "claim")
+        .order_by("pk")
+    )
+    intervals = []
+    for allocation in allocations:
+        assert allocation.device is not None
+        start = max(epoch_ms(allocation.start), window_start)
+        end = min(epoch_ms(allocation.end), window_end) if allocation.end else window_end
+        if end > start and allocation.device.uuid:
+            intervals.append(_Interval(allocation, start, end, _share(allocation)))
+    return intervals
+
+
+def _share(allocation: Allocation) -> Decimal:
+    """GPU-equivalents held: the device's share of its GPU, times the consumed fraction of a
+    shared device (KEP-5075 consumable capacity)."""
+    device = allocation.device
+    assert device is not None
+    share = device.gpu_share if device.kind != "other" else Decimal(0)
+    consumed = allocation.consumed_capacity.get("memory")
+    if consumed and device.memory_bytes:
+        share *= min(Decimal(parse_quantity(consumed)) / device.memory_bytes, Decimal(1))
+    return share
+
+
+def _coverage(
+    intervals: list[_Interval], window_start: int, window_end: int
+) -> dict[int, tuple[int, float]]:
+    if not intervals:
+        return {}
+    hold_ms = settings.TALLY_SAMPLE_HOLD_SECONDS * 1000
+    values = ", ".join(["(%s, %s, %s, %s)"] * len(intervals))
+    params: list[object] = []
+    for interval in intervals:
+        assert interval.allocation.device is not None
+        params += [
+            interval.allocation.pk,
+            interval.allocation.device.uuid,
+            interval.start_ms,
+            interval.end_ms,
+        ]
+    params += [window_start - hold_ms, window_end, hold_ms, hold_ms]
+    with connection.cursor() as cursor:
+        cursor.execute(_COVERAGE_SQL.format(values=values), params)
+        return {row[0]: (int(row[1]), float(row[2])) for row in cursor.fetchall()}
+
+
+def _usage_rows(
+    hour: datetime, intervals: list[_Interval], coverage: dict[int, tuple[int, float]]
+) -> list[UsageHour]:
+    claims = {interval.allocation.claim for interval in intervals}
+    teams = dict(
+        TeamNamespace.objects.filter(namespace__in={c.namespace for c in claims}).values_list(
+            "namespace", "team_id"
+        )
+    )
+    attribution = {
+        (r.namespace, r.name): r
+        for r in Reservation.objects.filter(name__in={c.name for c in claims}).exclude(
+            state=ReservationState.RELEASED
+        )
+    }
+    rows = []
+    for interval in intervals:
+        allocation, device = interval.allocation, interval.allocation.device
+        assert device is not None
+        claim = allocation.claim
+        covered_ms, weighted = coverage.get(allocation.pk, (0, 0.0))
+        length = interval.end_ms - interval.start_ms
+        reservation = attribution.get((claim.namespace, claim.name))
+        owner = next((o for o in claim.owner_references if o.get("controller")), None)
+        job = f"{owner.get('kind')}/{owner.get('name')}" if owner else ""
+        if reservation is not None and reservation.owner_kind and not job:
+            job = f"{reservation.owner_kind}/{reservation.owner_name}"
+        rows.append(
+            UsageHour(
+                hour=hour,
+                allocation=allocation,
+                cluster_id=allocation.cluster_id,
+                device_uuid=device.uuid,
+                product_name=device.product_name,
+                profile=device.profile,
+                gpu_share=interval.share,
+                namespace=claim.namespace,
+                claim_name=claim.name,
+                team_id=teams.get(claim.namespace),
+                job=job,
+                username=reservation.username if reservation else "",
+                allocated_gpu_ms=_gpu_ms(length, interval.share),
+                # `weighted` is covered milliseconds times percent utilisation.
+                utilised_gpu_ms=_gpu_ms(Decimal(weighted) / 100, interval.share),
+                unmeasured_gpu_ms=_gpu_ms(length - covered_ms, interval.share),
+            )
+        )
+    return rows
+
+
+def _gpu_ms(milliseconds: int | Decimal, share: Decimal) -> int:
+    return int((Decimal(milliseconds) * share).to_integral_value(ROUND_HALF_EVEN))
+
+
+def mark_dirty(*, hours: set[datetime], at: datetime) -> None:
+    """Mark hours to roll up again (late samples, allocations seen late)."""
+    hours = {hour_start(hour) for hour in hours}
+    if not hours:
+        return
+    DirtyHour.objects.filter(hour__in=hours).update(marked_at=at)
+    DirtyHour.objects.bulk_create(
+        [DirtyHour(hour=hour, marked_at=at) for hour in hours], ignore_conflicts=True
+    )
+
+
+def mark_claims_dirty(*, claim_ids: list[int], at: datetime) -> None:
+    """Mark every hour the claims' allocations span, so usage follows what the sync saw."""
+    hours: set[datetime] = set()
+    for start, end in Allocation.objects.filter(claim_id__in=claim_ids).values_list("start", "end"):
+        hours |= hours_between(start, min(end or at, at) + timedelta(milliseconds=1))
+    mark_dirty(hours=hours, at=at)
+
+
+def hours_between(start: datetime, end: datetime) -> set[datetime]:
+    hours, hour = set(), hour_start(start)
+    while hour < end:
+        hours.add(hour)
+        hour += HOUR
+    return hours
+
+
+def rollup_pending(*, now: datetime) -> list[datetime]:
+    """Roll up the hours marked dirty and the hour just ended; returns the hours done."""
+    started = timezone.now()
+    due = set(DirtyHour.objects.filter(hour__lt=now).values_list("hour", flat=True))
+    due.add(hour_start(now) - HOUR)
+    done = []
+    for hour in sorted(due):
+        rollup_hour(hour=hour, now=now)
+        # A mark made while this ran stays, so the newer data is not missed.
+        DirtyHour.objects.filter(hour=hour, marked_at__lte=started).delete()
+        done.append(hour)
+    return done

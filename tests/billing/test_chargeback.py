@@ -1,0 +1,258 @@
+"""Allocated versus utilised GPU-hours, priced: a scenario worked out by hand, to the cent."""
+
+from __future__ import annotations
+
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+import pytest
+
+from billing import pricing, rollup
+from billing.models import RateCard, Sample, StatementLine, UsageHour
+from inventory import services as inventory_services
+from quota.models import Team, TeamNamespace
+
+pytestmark = pytest.mark.django_db
+T10 = datetime(2026, 10, 15, 10, 0, tzinfo=UTC)
+MINUTE = timedelta(minutes=1)
+
+
+def device(name: str, attributes: dict[str, Any], memory: str = "80Gi") -> dict[str, Any]:
+    return {
+        "name": name,
+        "attributes": {key: {"string": value} for key, value in attributes.items()},
+        "capacity": {"memory": {"value": memory}},
+    }
+
+
+SLICE = {
+    "apiVersion": "resource.k8s.io/v1",
+    "kind": "ResourceSlice",
+    "metadata": {"name": "node-a-gpus"},
+    "spec": {
+        "driver": "gpu.nvidia.com",
+        "nodeName": "node-a",
+        "pool": {"name": "node-a", "generation": 1, "resourceSliceCount": 1},
+        "devices": [
+            device(
+                "gpu-0", {"type": "gpu", "uuid": "GPU-H", "productName": "NVIDIA H100 80GB HBM3"}
+            ),
+            device(
+                "gpu-1-mig-3g40gb-0",
+                {
+                    "type": "mig",
+                    "uuid": "MIG-A",
+                    "parentUUID": "GPU-A",
+                    "profile": "3g.40gb",
+                    "productName": "NVIDIA A100-SXM4-80GB",
+                },
+                "40Gi",
+            ),
+        ],
+    },
+}
+
+
+def claim(name: str, device_name: str, at: datetime) -> dict[str, Any]:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaim",
+        "metadata": {
+            "name": name,
+            "namespace": "vision",
+            "uid": f"uid-{name}",
+            "ownerReferences": [{"kind": "Job", "name": f"job-{name}", "controller": True}],
+        },
+        "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "x"}}]}},
+        "status": {
+            "allocation": {
+                "allocationTimestamp": at.isoformat(),
+                "devices": {
+                    "results": [
+                        {
+                            "request": "gpu",
+                            "driver": "gpu.nvidia.com",
+                            "pool": "node-a",
+                            "device": device_name,
+                        }
+                    ]
+                },
+            }
+        },
+    }
+
+
+def snapshot(objects: list[dict[str, Any]], at: datetime, kinds: list[str] | None = None) -> None:
+    report = inventory_services.import_snapshot(
+        cluster=inventory_services.get_cluster("default"), objects=objects, at=at, kinds=kinds
+    )
+    assert report.errors == []
+
+
+def samples(uuid: str, start: datetime, minutes: int, util: float) -> list[Sample]:
+    return [
+        Sample(
+            device_uuid=uuid,
+            ts_ms=rollup.epoch_ms(start + i * MINUTE),
+            gpu_util=util,
+            received_at=start,
+        )
+        for i in range(minutes)
+    ]
+
+
+@pytest.fixture
+def scenario() -> Team:
+    """An H100 held 10:00-12:30 and measured 50% for an hour, unmeasured for half an hour, then
+    100%; a 3g.40gb MIG device (3/7 of an A100) held 10:00-11:00 and never measured."""
+    team = Team.objects.create(slug="vision", name="Vision")
+    TeamNamespace.objects.create(team=team, namespace="vision")
+    RateCard.objects.create(
+        product_name="NVIDIA H100 80GB HBM3",
+        per_gpu_hour=Decimal("2.50"),
+        idle_factor=Decimal("0.4"),
+        currency="USD",
+        valid_from=date(2026, 1, 1),
+    )
+    RateCard.objects.create(
+        product_name="NVIDIA A100-SXM4-80GB",
+        per_gpu_hour=Decimal("1.20"),
+        idle_factor=Decimal("0.4"),
+        currency="USD",
+        valid_from=date(2026, 1, 1),
+    )
+    snapshot([SLICE, claim("train", "gpu-0", T10), claim("tune", "gpu-1-mig-3g40gb-0", T10)], T10)
+    snapshot([claim("train", "gpu-0", T10)], T10 + timedelta(hours=1), kinds=["ResourceClaim"])
+    snapshot([], T10 + timedelta(hours=2, minutes=30), kinds=["ResourceClaim"])
+    Sample.objects.bulk_create(
+        samples("GPU-H", T10, 60, 50.0) + samples("GPU-H", T10 + timedelta(minutes=90), 60, 100.0)
+    )
+    for hour in range(10, 13):
+        rollup.rollup_hour(hour=T10.replace(hour=hour), now=T10 + timedelta(days=1))
+    return team
+
+
+def seconds(gpu_ms: int) -> Decimal:
+    return Decimal(gpu_ms) / 1000
+
+
+def test_hourly_usage_splits_allocated_time(scenario: Team) -> None:
+    h100 = {
+        row.hour.hour: (
+            seconds(row.allocated_gpu_ms),
+            seconds(row.utilised_gpu_ms),
+            seconds(row.unmeasured_gpu_ms),
+        )
+        for row in UsageHour.objects.filter(device_uuid="GPU-H")
+    }
+    # 10:00-11:00: 60 samples at 50%, each holding its minute.
+    # 11:00-12:00: the 10:59 sample holds 2 min (to 11:01) at 50%; nothing until 11:30;
+    #              then 30 samples at 100%.
+    # 12:00-12:30: 30 samples at 100%; the allocation ends at 12:30.
+    assert h100 == {
+        10: (Decimal(3600), Decimal(1800), Decimal(0)),
+        11: (Decimal(3600), Decimal(1830), Decimal(1740)),
+        12: (Decimal(1800), Decimal(1800), Decimal(0)),
+    }
+    mig = UsageHour.objects.get(device_uuid="MIG-A")
+    assert mig.gpu_share == Decimal("0.428571")
+    assert mig.allocated_gpu_ms == mig.unmeasured_gpu_ms == 1_542_856  # 3,600,000 ms x 3/7
+    assert mig.team == scenario and mig.job == "Job/job-tune"
+
+
+def test_statement_to_the_cent(scenario: Team) -> None:
+    (statement,) = pricing.refresh_statements(period=pricing.period_for(T10))
+    lines = {line.product_name: line for line in statement.lines.all()}
+    h100 = lines["NVIDIA H100 80GB HBM3"]
+    # allocated 9000 s = 2.5 h; utilised 5430 s; unmeasured 1740 s; idle 1830 s = 0.508333 h.
+    assert (h100.allocated_gpu_hours, h100.utilised_gpu_hours) == (
+        Decimal("2.5"),
+        Decimal("1.508333"),
+    )
+    assert (h100.unmeasured_gpu_hours, h100.idle_gpu_hours) == (
+        Decimal("0.483333"),
+        Decimal("0.508333"),
+    )
+    # 2.50 x (2.5 - 0.6 x 1830/3600) = 2.50 x 2.195 = 5.4875, half-up to 5.49.
+    assert h100.amount == Decimal("5.49")
+    mig = lines["NVIDIA A100-SXM4-80GB"]
+    # 1.20 x 1542.856 s / 3600 = 0.514285..., all of it unmeasured (not idle): 0.51.
+    assert mig.amount == Decimal("0.51")
+    assert statement.total == Decimal("6.00")
+
+
+def test_rerunning_rollups_and_pricing_changes_nothing(scenario: Team) -> None:
+    before = sorted(
+        UsageHour.objects.values_list(
+            "hour", "device_uuid", "allocated_gpu_ms", "utilised_gpu_ms", "unmeasured_gpu_ms"
+        )
+    )
+    for hour in range(9, 14):
+        rollup.rollup_hour(hour=T10.replace(hour=hour), now=T10 + timedelta(days=1))
+    after = sorted(
+        UsageHour.objects.values_list(
+            "hour", "device_uuid", "allocated_gpu_ms", "utilised_gpu_ms", "unmeasured_gpu_ms"
+        )
+    )
+    assert before == after
+    period = pricing.period_for(T10)
+    first = [(s.total, s.lines.count()) for s in pricing.refresh_statements(period=period)]
+    second = [(s.total, s.lines.count()) for s in pricing.refresh_statements(period=period)]
+    assert first == second == [(Decimal("6.00"), 2)]
+
+
+def test_late_data_for_a_closed_period_becomes_an_adjustment(scenario: Team) -> None:
+    october = pricing.period_for(T10)
+    pricing.close_period(period=october, actor="finance")
+    frozen = list(
+        StatementLine.objects.filter(statement__period=october).values_list("amount", flat=True)
+    )
+    with pytest.raises(pricing.PricingError, match="closed"):
+        pricing.refresh_statements(period=october)
+    # Late samples fill the H100's unmeasured half hour (11:01-11:30): it was idle.
+    Sample.objects.bulk_create(samples("GPU-H", T10 + timedelta(minutes=61), 29, 0.0))
+    rollup.rollup_hour(hour=T10.replace(hour=11), now=T10 + timedelta(days=1))
+    november = pricing.period_for(datetime(2026, 11, 10, tzinfo=UTC))
+    (statement,) = pricing.refresh_statements(period=november)
+    assert (
+        list(
+            StatementLine.objects.filter(statement__period=october).values_list("amount", flat=True)
+        )
+        == frozen
+    )
+    (adjustment,) = statement.lines.filter(kind="adjustment")
+    assert adjustment.corrects_period == october
+    assert adjustment.product_name == "NVIDIA H100 80GB HBM3"
+    # 1740 s moved from unmeasured to idle: idle is now 3570 s, and the H100 line would be
+    # 2.50 x (2.5 - 0.6 x 3570/3600) = 4.7625 -> 4.76 instead of the 5.49 billed.
+    assert adjustment.unmeasured_gpu_hours == Decimal("-0.483333")
+    assert adjustment.utilised_gpu_hours == Decimal(0)
+    assert adjustment.allocated_gpu_hours == Decimal(0)
+    assert adjustment.amount == Decimal("-0.73")
+    assert statement.total == adjustment.amount
+    # Refreshing again issues no second adjustment.
+    (again,) = pricing.refresh_statements(period=november)
+    assert again.lines.filter(kind="adjustment").count() == 1
+
+
+def test_team_totals_add_up_to_the_fleet_total(scenario: Team) -> None:
+    other = Team.objects.create(slug="nlp", name="NLP")
+    TeamNamespace.objects.create(team=other, namespace="nlp")
+    period = pricing.period_for(T10)
+    statements = pricing.refresh_statements(period=period)
+    fleet_ms = sum(UsageHour.objects.values_list("allocated_gpu_ms", flat=True))
+    team_ms = sum(
+        UsageHour.objects.filter(team__in=[s.team for s in statements]).values_list(
+            "allocated_gpu_ms", flat=True
+        )
+    )
+    unattributed = sum(
+        UsageHour.objects.filter(team__isnull=True).values_list("allocated_gpu_ms", flat=True)
+    )
+    assert team_ms + unattributed == fleet_ms
+    assert sum(s.total for s in statements) == sum(
+        line.amount
+        for team in (None, scenario, other)
+        for line in pricing.usage_lines(team=team, period=period)
+    )
