@@ -235,12 +235,12 @@ def _late_data_adjustments(team: Team, period: Period) -> list[tuple[LineFigures
             )
             .select_related("statement")
         )
-        for line in billed_lines:
-            figures = billed[(line.product_name, line.profile, line.statement.currency)]
-            figures[0] += line.allocated_gpu_hours
-            figures[1] += line.utilised_gpu_hours
-            figures[2] += line.unmeasured_gpu_hours
-            figures[3] += line.amount
+        for stored in billed_lines:
+            figures = billed[(stored.product_name, stored.profile, stored.statement.currency)]
+            figures[0] += stored.allocated_gpu_hours
+            figures[1] += stored.utilised_gpu_hours
+            figures[2] += stored.unmeasured_gpu_hours
+            figures[3] += stored.amount
         for line in usage_lines(team=team, period=closed):
             key = (line.product_name, line.profile, line.currency or "USD")
             allocated, utilised, unmeasured, amount = billed.pop(key, [Decimal(0)] * 4)

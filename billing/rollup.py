@@ -134,7 +134,7 @@ def _coverage(
         return {}
     hold_ms = settings.TALLY_SAMPLE_HOLD_SECONDS * 1000
     values = ", ".join(["(%s, %s, %s, %s)"] * len(intervals))
-    params: list[object] = []
+    params: list[int | str] = []
     for interval in intervals:
         assert interval.allocation.device is not None
         params += [

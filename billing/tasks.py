@@ -12,16 +12,14 @@ from django.utils import timezone
 
 from billing import ingest, pricing, rollup
 
-RETRY = {"autoretry_for": (Exception,), "retry_backoff": True, "max_retries": 5, "acks_late": True}
 
-
-@shared_task(**RETRY)
+@shared_task(autoretry_for=(Exception,), retry_backoff=True, max_retries=5, acks_late=True)
 def rollup_hour(hour: str) -> int:
     """Recompute one hour's usage rows (`hour`: ISO 8601)."""
     return rollup.rollup_hour(hour=datetime.fromisoformat(hour))
 
 
-@shared_task(**RETRY)
+@shared_task(autoretry_for=(Exception,), retry_backoff=True, max_retries=5, acks_late=True)
 def rollup_pending() -> list[str]:
     """Roll up the hours marked dirty and the hour just ended, then refresh open statements."""
     now = timezone.now()
@@ -31,7 +29,7 @@ def rollup_pending() -> list[str]:
     return [hour.isoformat() for hour in hours]
 
 
-@shared_task(**RETRY)
+@shared_task(autoretry_for=(Exception,), retry_backoff=True, max_retries=5, acks_late=True)
 def refresh_statements(period_start: str) -> int:
     """Recompute an open period's statements (`period_start`: ISO 8601)."""
     period = pricing.period_for(datetime.fromisoformat(period_start))

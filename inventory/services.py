@@ -500,7 +500,7 @@ class _Writer:
 
     def _shape_ids(self, counted: list[dra.CountedDevice]) -> dict[str, int]:
         """Ids of the devices' shapes by key, each distinct shape stored once."""
-        shapes = {}
+        shapes: dict[str, dra.CountedDevice] = {}
         for device in counted:
             shapes.setdefault(device.shape_key, device)
         known = self.shape_ids.keys()

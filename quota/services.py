@@ -387,13 +387,13 @@ def _change_lines(reservation: Reservation, amounts: dict[int, Decimal]) -> None
             deltas[rule_id] -= line.amount
             line.delete()
     for rule_id, amount in amounts.items():
-        line = current.get(rule_id)
-        if line is None:
+        held = current.get(rule_id)
+        if held is None:
             ReservationLine.objects.create(reservation=reservation, rule_id=rule_id, amount=amount)
             deltas[rule_id] += amount
-        elif line.amount != amount:
-            deltas[rule_id] += amount - line.amount
-            ReservationLine.objects.filter(pk=line.pk).update(amount=amount)
+        elif held.amount != amount:
+            deltas[rule_id] += amount - held.amount
+            ReservationLine.objects.filter(pk=held.pk).update(amount=amount)
     for rule_id in sorted(deltas):
         if deltas[rule_id]:
             QuotaRule.objects.filter(pk=rule_id).update(in_use=F("in_use") + deltas[rule_id])
@@ -496,9 +496,9 @@ def _allocated_amounts(
     rules = team_rules(team=team)
     amounts: dict[int, Decimal] = defaultdict(Decimal)
     for allocation in allocations:
-        request = classes.get(allocation.request)
+        allocated_for = classes.get(allocation.request)
         device = allocation.device
-        if request is None or device is None or device.shape is None:
+        if allocated_for is None or device is None or device.shape is None:
             continue
         shape = device.shape
         view = cel.DeviceShape.from_device(
@@ -518,7 +518,7 @@ def _allocated_amounts(
         )
         consumed = allocation.consumed_capacity.get("memory") if allocation.share_id else None
         for rule in rules:
-            if rule.device_class != request.device_class_name:
+            if rule.device_class != allocated_for.device_class_name:
                 continue
             try:
                 if rule.selector and not cel.compile_selector(rule.selector).matches(view):
