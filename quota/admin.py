@@ -1,0 +1,199 @@
+"""Quota in Django admin: teams and their rules for operators, everything else read-only.
+
+Edits of teams, memberships, namespaces and rules go through `quota.audit`, so each writes an
+audit entry naming the admin user, and a rule's `in_use` is never saved from here (it is
+read-only, and an update saves only the fields that changed). Reservations, their lines,
+admission decisions and the audit trail are written by services only and shown read-only.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django import forms
+from django.contrib import admin
+from django.db import models
+from django.db.models import QuerySet
+from django.forms import BaseFormSet
+from django.http import HttpRequest
+
+from quota import audit
+from quota.models import (
+    AdmissionDecision,
+    AuditEntry,
+    Membership,
+    QuotaRule,
+    Reservation,
+    ReservationLine,
+    Team,
+    TeamNamespace,
+)
+
+
+class QuotaRuleForm(forms.ModelForm):
+    """A rule whose selector must compile, and whose unit stays while capacity is in use."""
+
+    class Meta:
+        model = QuotaRule
+        fields = ("team", "name", "device_class", "selector", "unit", "limit", "mode")
+
+    def clean_selector(self) -> str:
+        from quota.cel import CELError, compile_selector
+
+        selector = str(self.cleaned_data.get("selector") or "").strip()
+        if selector:
+            try:
+                compile_selector(selector)
+            except CELError as exc:
+                raise forms.ValidationError(f"bad CEL: {exc}") from exc
+        return selector
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        rule = self.instance
+        if rule.pk and "unit" in self.changed_data and rule.in_use > 0:
+            self.add_error(
+                "unit", f"cannot change the unit while {rule.in_use} {rule.unit} is in use"
+            )
+        return cleaned
+
+
+def _stored(obj: models.Model) -> dict[str, Any]:
+    """The snapshot of `obj` as the database holds it, before the form's changes are saved."""
+    return audit.snapshot(type(obj)._default_manager.get(pk=obj.pk))
+
+
+class AuditedAdmin(admin.ModelAdmin):
+    """Saves, deletes and inline formsets go through `quota.audit`, as the admin user."""
+
+    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
+        actor = request.user.get_username()
+        if change:
+            audit.update(actor=actor, obj=obj, before=_stored(obj))
+        else:
+            audit.create(actor=actor, obj=obj)
+
+    def delete_model(self, request: HttpRequest, obj: Any) -> None:
+        audit.delete(actor=request.user.get_username(), obj=obj)
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        for obj in queryset:
+            self.delete_model(request, obj)
+
+    def save_formset(
+        self, request: HttpRequest, form: Any, formset: BaseFormSet, change: bool
+    ) -> None:
+        actor = request.user.get_username()
+        formset.save(commit=False)  # type: ignore[attr-defined]
+        for obj in formset.deleted_objects:  # type: ignore[attr-defined]
+            audit.delete(actor=actor, obj=obj)
+        for obj in formset.new_objects:  # type: ignore[attr-defined]
+            audit.create(actor=actor, obj=obj)
+        for obj, _ in formset.changed_objects:  # type: ignore[attr-defined]
+            audit.update(actor=actor, obj=obj, before=_stored(obj))
+        formset.save_m2m()  # type: ignore[attr-defined]
+
+
+class ReadOnlyAdmin(admin.ModelAdmin):
+    """Written by services only: viewable, never added, changed or deleted by hand."""
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+class TeamNamespaceInline(admin.TabularInline):
+    model = TeamNamespace
+    extra = 0
+
+
+class MembershipInline(admin.TabularInline):
+    model = Membership
+    extra = 0
+    autocomplete_fields = ("user",)
+
+
+class QuotaRuleInline(admin.TabularInline):
+    model = QuotaRule
+    form = QuotaRuleForm
+    extra = 0
+    fields = ("name", "device_class", "selector", "unit", "limit", "mode", "in_use")
+    readonly_fields = ("in_use",)
+
+
+@admin.register(Team)
+class TeamAdmin(AuditedAdmin):
+    list_display = ("slug", "name", "cost_centre", "created_at")
+    search_fields = ("slug", "name", "cost_centre", "namespaces__namespace")
+    inlines = (TeamNamespaceInline, MembershipInline, QuotaRuleInline)
+
+
+@admin.register(QuotaRule)
+class QuotaRuleAdmin(AuditedAdmin):
+    form = QuotaRuleForm
+    list_display = ("team", "name", "device_class", "unit", "limit", "in_use", "mode")
+    list_filter = ("unit", "mode", "device_class", "team")
+    search_fields = ("name", "team__slug", "device_class", "selector")
+    list_select_related = ("team",)
+    readonly_fields = ("in_use",)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        # Moving a rule would move its reservation lines to another team.
+        return ("team", "in_use") if obj is not None else ("in_use",)
+
+
+class ReservationLineInline(admin.TabularInline):
+    model = ReservationLine
+    fields = ("rule", "amount")
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(Reservation)
+class ReservationAdmin(ReadOnlyAdmin):
+    list_display = ("name", "namespace", "cluster", "team", "state", "username", "created_at")
+    list_filter = ("state", "cluster", "team")
+    search_fields = ("name", "namespace", "claim_uid", "username", "owner_name")
+    list_select_related = ("team",)
+    ordering = ("-created_at",)
+    inlines = (ReservationLineInline,)
+    show_full_result_count = False
+
+
+@admin.register(ReservationLine)
+class ReservationLineAdmin(ReadOnlyAdmin):
+    list_display = ("reservation", "rule", "amount")
+    list_filter = ("rule__team",)
+    search_fields = ("reservation__name", "reservation__namespace", "rule__name")
+    list_select_related = ("reservation", "rule", "rule__team")
+    show_full_result_count = False
+
+
+@admin.register(AdmissionDecision)
+class AdmissionDecisionAdmin(ReadOnlyAdmin):
+    list_display = ("at", "namespace", "name", "username", "team", "allowed", "dry_run")
+    list_filter = ("allowed", "team", "dry_run")
+    search_fields = ("name", "namespace", "username", "uid", "message")
+    list_select_related = ("team",)
+    ordering = ("-at",)
+    date_hierarchy = "at"
+    show_full_result_count = False
+
+
+@admin.register(AuditEntry)
+class AuditEntryAdmin(ReadOnlyAdmin):
+    list_display = ("at", "actor", "action", "object_type", "object_repr")
+    list_filter = ("action", "object_type")
+    search_fields = ("actor", "object_repr")
+    ordering = ("-at",)
+    date_hierarchy = "at"
+    show_full_result_count = False

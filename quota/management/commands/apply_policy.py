@@ -1,0 +1,65 @@
+"""`manage.py apply_policy PATH`: make teams, namespaces, members and quota rules match a file."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from django.core.management.base import BaseCommand, CommandError, CommandParser
+
+from quota.policy import PolicyError, apply_policy, load_policy
+
+
+class Command(BaseCommand):
+    help = (
+        "Apply a quota policy file (YAML; see docs/policy.example.yaml): create and update the "
+        "teams, namespaces, memberships and quota rules it declares, in one audited "
+        "transaction. Nothing is deleted without --prune."
+    )
+
+    def add_arguments(self, parser: CommandParser) -> None:
+        parser.add_argument("path", help="The policy file, or - for standard input.")
+        parser.add_argument(
+            "--prune",
+            action="store_true",
+            help="Also delete the teams, namespaces, memberships and rules the file does not "
+            "declare.",
+        )
+        parser.add_argument(
+            "--dry-run", action="store_true", help="Report what would change; write nothing."
+        )
+        parser.add_argument(
+            "--actor",
+            default="apply_policy",
+            help="Who the audit trail names for these changes (default: apply_policy).",
+        )
+
+    def handle(self, *args: Any, **options: Any) -> None:
+        path = options["path"]
+        try:
+            if path == "-":
+                text = sys.stdin.read()
+            else:
+                with open(path, encoding="utf-8") as file:
+                    text = file.read()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CommandError(f"cannot read {path}: {exc}") from exc
+        try:
+            policy = load_policy(text)
+            report = apply_policy(
+                policy=policy,
+                prune=options["prune"],
+                actor=options["actor"],
+                dry_run=options["dry_run"],
+            )
+        except PolicyError as exc:
+            raise CommandError(
+                f"{path}: {len(exc.errors)} error(s), nothing applied:\n"
+                + "\n".join(f"  {error}" for error in exc.errors)
+            ) from exc
+        for note in report.notes:
+            self.stdout.write(note)
+        for change in report.changes:
+            self.stdout.write(change)
+        prefix = "dry run, nothing written: " if report.dry_run else ""
+        self.stdout.write(self.style.SUCCESS(f"{prefix}{report.summary()}"))

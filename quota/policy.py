@@ -1,0 +1,715 @@
+"""Quota as code: teams, their namespaces, members and quota rules declared in a YAML file.
+
+`load_policy` reads and checks a file and writes nothing: every problem is reported at once,
+named by its path in the file (`teams[0].quotas[1].selector: bad CEL: ...`). `apply_policy`
+then makes the database match the file in one transaction, every change audited; applying the
+same file again changes nothing. Without `prune` nothing is ever removed.
+
+The format (see docs/policy.example.yaml)::
+
+    teams:
+    - slug: vision
+      name: Vision Research
+      costCentre: CC-1234          # optional
+      namespaces: [vision, vision-dev]
+      leads: [lead-vision]         # usernames; missing users are created, password unusable
+      members: [alice, bob]
+      quotas:
+      - name: h100
+        deviceClass: gpu.nvidia.com
+        selector: device.attributes["gpu.nvidia.com"].productName.startsWith("NVIDIA H100")
+        gpus: 8                    # or `memory: 640Gi`: exactly one of the two
+        mode: enforce              # enforce (default) | warn
+
+Top-level `rates` (a list) and a team's `budget` (a mapping) are accepted and not applied yet.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from collections import Counter, defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+import yaml
+from django.contrib.auth import get_user_model
+from django.core.exceptions import ValidationError
+from django.core.validators import validate_slug
+from django.db import models, transaction
+from django.db.models import ProtectedError, RestrictedError
+from kubernetes.utils import parse_quantity
+
+from inventory.models import DeviceClass
+from quota import audit
+from quota.models import (
+    AuditEntry,
+    Membership,
+    Mode,
+    QuotaRule,
+    Reservation,
+    ReservationState,
+    Role,
+    Team,
+    TeamNamespace,
+    Unit,
+)
+
+_TOP_KEYS = ("teams", "rates")
+_TEAM_KEYS = ("slug", "name", "costCentre", "namespaces", "leads", "members", "quotas", "budget")
+_RULE_KEYS = ("name", "deviceClass", "selector", "gpus", "memory", "mode")
+# A Kubernetes namespace name: a DNS-1123 label.
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")
+# QuotaRule.limit is NUMERIC(24, 6).
+_LIMIT_PLACES = 6
+_LIMIT_MAX = Decimal(10) ** (24 - _LIMIT_PLACES)
+
+
+class PolicyError(Exception):
+    """The policy cannot be applied; `errors` says why, each prefixed by its path in the file."""
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = errors
+        super().__init__("\n".join(errors))
+
+
+@dataclass(frozen=True)
+class RuleSpec:
+    """One quota rule as declared; `limit` is in the rule's unit (GPU-equivalents or bytes)."""
+
+    path: str
+    name: str
+    device_class: str
+    selector: str
+    unit: Unit
+    limit: Decimal
+    mode: Mode
+
+
+@dataclass(frozen=True)
+class TeamSpec:
+    """One team as declared."""
+
+    path: str
+    slug: str
+    name: str
+    cost_centre: str
+    namespaces: tuple[str, ...]
+    leads: tuple[str, ...]
+    members: tuple[str, ...]
+    rules: tuple[RuleSpec, ...]
+
+    def roles(self) -> dict[str, Role]:
+        return {
+            **{username: Role.MEMBER for username in self.members},
+            **{username: Role.LEAD for username in self.leads},
+        }
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A checked policy file. `notes` are warnings and what was accepted but not applied."""
+
+    teams: tuple[TeamSpec, ...]
+    notes: tuple[str, ...] = ()
+
+
+@dataclass
+class ApplyReport:
+    """What `apply_policy` changed (or, in a dry run, would change)."""
+
+    dry_run: bool
+    notes: list[str] = field(default_factory=list)
+    # One line per change: "created team vision", "updated quota rule vision/h100: limit ...".
+    changes: list[str] = field(default_factory=list)
+    # object type -> action ("created", "updated", "deleted") -> count.
+    counts: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.changes)
+
+    def add(self, *, action: str, object_type: str, line: str) -> None:
+        self.counts[object_type][action] += 1
+        self.changes.append(line)
+
+    def add_entry(self, entry: AuditEntry) -> None:
+        action = f"{entry.action}d"
+        line = f"{action} {entry.object_type} {entry.object_repr}"
+        if entry.action == "update" and entry.before is not None and entry.after is not None:
+            line += ": " + ", ".join(
+                f"{name} {entry.before.get(name)!r} → {value!r}"
+                for name, value in entry.after.items()
+                if entry.before.get(name) != value
+            )
+        self.add(action=action, object_type=entry.object_type, line=line)
+
+    def summary(self) -> str:
+        """One line: what changed per object type, or "no changes"."""
+        if not self.changed:
+            return "no changes"
+        return "; ".join(
+            f"{object_type}: "
+            + ", ".join(f"{count} {action}" for action, count in sorted(actions.items()))
+            for object_type, actions in self.counts.items()
+        )
+
+
+# --- Loading ----------------------------------------------------------------------------------
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe loader that rejects a key given twice in one mapping instead of keeping the last."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: set[Any] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"found duplicate key {key!r}",
+                    key_node.start_mark,
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+class _Checker:
+    """Collects every error of a file, each named by its path."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def error(self, path: str, message: str) -> None:
+        self.errors.append(f"{path}: {message}")
+
+    def mapping(
+        self, value: Any, path: str, *, keys: tuple[str, ...], required: tuple[str, ...]
+    ) -> dict[str, Any] | None:
+        if not isinstance(value, dict):
+            self.error(path or "(top level)", f"must be a mapping, got {_kind(value)}")
+            return None
+        for key in value:
+            if key not in keys:
+                self.error(path or "(top level)", f"unknown key {key!r}")
+        for key in required:
+            if key not in value:
+                self.error(f"{path}.{key}" if path else key, "required")
+        return value
+
+    def string(
+        self,
+        mapping: dict[str, Any],
+        key: str,
+        path: str,
+        *,
+        max_length: int,
+        default: str = "",
+    ) -> str:
+        value = mapping.get(key, default)
+        if not isinstance(value, str):
+            self.error(f"{path}.{key}", f"must be a string, got {_kind(value)}")
+            return default
+        if len(value) > max_length:
+            self.error(f"{path}.{key}", f"longer than {max_length} characters")
+        return value
+
+    def string_list(self, mapping: dict[str, Any], key: str, path: str) -> list[tuple[str, str]]:
+        """(path, value) of each string of an optional list."""
+        value = mapping.get(key, [])
+        if not isinstance(value, list):
+            self.error(f"{path}.{key}", f"must be a list, got {_kind(value)}")
+            return []
+        items = []
+        for index, item in enumerate(value):
+            if isinstance(item, str):
+                items.append((f"{path}.{key}[{index}]", item))
+            else:
+                self.error(f"{path}.{key}[{index}]", f"must be a string, got {_kind(item)}")
+        return items
+
+
+def _kind(value: Any) -> str:
+    return "nothing" if value is None else type(value).__name__
+
+
+def load_policy(text: str) -> Policy:
+    """Parse and check a policy file; raise `PolicyError` listing every problem.
+
+    Checks the shape and every value (slugs, namespace names, usernames, CEL selectors,
+    quantities), duplicates within the file, and device classes against the inventory's
+    present DeviceClasses (any name is accepted, with a note, while the inventory has none).
+    Conflicts with the database (a namespace another team owns, what pruning would delete) are
+    `apply_policy`'s to report. Reads the database; writes nothing.
+    """
+    try:
+        document = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
+    except yaml.YAMLError as exc:
+        raise PolicyError([f"not valid YAML: {exc}"]) from exc
+    if document is None:
+        raise PolicyError(["the file is empty: declare `teams:` (a list)"])
+    checker = _Checker()
+    notes: list[str] = []
+    top = checker.mapping(document, "", keys=_TOP_KEYS, required=("teams",))
+    if top is None:
+        raise PolicyError(checker.errors)
+    if "rates" in top:
+        if isinstance(top["rates"], list):
+            notes.append("rates: not applied yet")
+        else:
+            checker.error("rates", f"must be a list, got {_kind(top['rates'])}")
+    teams_value = top.get("teams", [])
+    if not isinstance(teams_value, list):
+        checker.error("teams", f"must be a list, got {_kind(teams_value)}")
+        teams_value = []
+    device_classes = _present_device_classes()
+    if device_classes is None:
+        notes.append("deviceClass: the inventory holds no device classes yet; names not checked")
+    teams = [
+        team
+        for index, value in enumerate(teams_value)
+        if (team := _team(checker, value, f"teams[{index}]", device_classes, notes)) is not None
+    ]
+    _check_unique(checker, teams)
+    if checker.errors:
+        raise PolicyError(checker.errors)
+    return Policy(teams=tuple(teams), notes=tuple(notes))
+
+
+def _present_device_classes() -> set[str] | None:
+    """Names of the present DeviceClasses of every cluster; None if the inventory has none."""
+    if not DeviceClass.objects.exists():
+        return None
+    return set(DeviceClass.objects.filter(gone_at__isnull=True).values_list("name", flat=True))
+
+
+def _team(
+    checker: _Checker,
+    value: Any,
+    path: str,
+    device_classes: set[str] | None,
+    notes: list[str],
+) -> TeamSpec | None:
+    mapping = checker.mapping(value, path, keys=_TEAM_KEYS, required=("slug", "name"))
+    if mapping is None:
+        return None
+    slug = checker.string(mapping, "slug", path, max_length=63)
+    if slug and not _is_slug(slug):
+        checker.error(f"{path}.slug", f"{slug!r} is not a slug (letters, digits, - and _)")
+    name = checker.string(mapping, "name", path, max_length=200)
+    cost_centre = checker.string(mapping, "costCentre", path, max_length=100)
+    namespaces = checker.string_list(mapping, "namespaces", path)
+    for item_path, namespace in namespaces:
+        if len(namespace) > 63 or not _DNS_LABEL.match(namespace):
+            checker.error(item_path, f"{namespace!r} is not a Kubernetes namespace name")
+    leads = checker.string_list(mapping, "leads", path)
+    members = checker.string_list(mapping, "members", path)
+    _check_usernames(checker, [*leads, *members])
+    if "budget" in mapping:
+        if isinstance(mapping["budget"], dict):
+            notes.append(f"{path}.budget: not applied yet")
+        else:
+            checker.error(f"{path}.budget", f"must be a mapping, got {_kind(mapping['budget'])}")
+    quotas = mapping.get("quotas", [])
+    if not isinstance(quotas, list):
+        checker.error(f"{path}.quotas", f"must be a list, got {_kind(quotas)}")
+        quotas = []
+    rules = [
+        rule
+        for index, item in enumerate(quotas)
+        if (rule := _rule(checker, item, f"{path}.quotas[{index}]", device_classes)) is not None
+    ]
+    return TeamSpec(
+        path=path,
+        slug=slug,
+        name=name,
+        cost_centre=cost_centre,
+        namespaces=tuple(namespace for _, namespace in namespaces),
+        leads=tuple(username for _, username in leads),
+        members=tuple(username for _, username in members),
+        rules=tuple(rules),
+    )
+
+
+def _is_slug(value: str) -> bool:
+    try:
+        validate_slug(value)
+    except ValidationError:
+        return False
+    return True
+
+
+def _check_usernames(checker: _Checker, usernames: list[tuple[str, str]]) -> None:
+    user_model = get_user_model()
+    username_field = user_model._meta.get_field(user_model.USERNAME_FIELD)
+    assert isinstance(username_field, models.Field)
+    seen: dict[str, str] = {}
+    for path, username in usernames:
+        try:
+            username_field.run_validators(username)
+        except ValidationError as exc:
+            checker.error(path, f"{username!r} is not a valid username: {' '.join(exc.messages)}")
+        if username in seen:
+            checker.error(path, f"{username!r} is already listed at {seen[username]}")
+        seen.setdefault(username, path)
+
+
+def _rule(
+    checker: _Checker, value: Any, path: str, device_classes: set[str] | None
+) -> RuleSpec | None:
+    mapping = checker.mapping(value, path, keys=_RULE_KEYS, required=("name", "deviceClass"))
+    if mapping is None:
+        return None
+    name = checker.string(mapping, "name", path, max_length=63)
+    if name and not _is_slug(name):
+        checker.error(f"{path}.name", f"{name!r} is not a slug (letters, digits, - and _)")
+    device_class = checker.string(mapping, "deviceClass", path, max_length=253)
+    if device_class and device_classes is not None and device_class not in device_classes:
+        close = difflib.get_close_matches(device_class, sorted(device_classes), n=1, cutoff=0.9)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        checker.error(f"{path}.deviceClass", f"unknown device class {device_class!r}{hint}")
+    selector = checker.string(mapping, "selector", path, max_length=100_000)
+    if selector.strip():
+        from quota.cel import CELError, compile_selector
+
+        try:
+            compile_selector(selector)
+        except CELError as exc:
+            checker.error(f"{path}.selector", f"bad CEL: {exc}")
+    mode_value = mapping.get("mode", Mode.ENFORCE.value)
+    if mode_value not in Mode.values:
+        checker.error(
+            f"{path}.mode", f"must be one of {', '.join(Mode.values)}, got {mode_value!r}"
+        )
+    if ("gpus" in mapping) == ("memory" in mapping):
+        checker.error(path, "set exactly one of gpus or memory")
+        return None
+    unit = Unit.GPUS if "gpus" in mapping else Unit.MEMORY
+    limit = _limit(checker, mapping[unit.value], f"{path}.{unit.value}", unit)
+    if limit is None:
+        return None
+    return RuleSpec(
+        path=path,
+        name=name,
+        device_class=device_class,
+        selector=selector.strip(),
+        unit=unit,
+        limit=limit,
+        mode=Mode(mode_value) if mode_value in Mode.values else Mode.ENFORCE,
+    )
+
+
+def _limit(checker: _Checker, value: Any, path: str, unit: Unit) -> Decimal | None:
+    """A positive limit in the unit: a number of GPUs, or a Kubernetes quantity of bytes."""
+    if unit == Unit.GPUS:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            checker.error(path, f"must be a positive number, got {value!r}")
+            return None
+        limit = Decimal(str(value))
+    else:
+        if isinstance(value, bool) or not isinstance(value, int | float | str):
+            checker.error(path, f"must be a quantity such as 640Gi, got {value!r}")
+            return None
+        try:
+            limit = parse_quantity(value)
+        except (ValueError, InvalidOperation):
+            checker.error(path, f"{value!r} is not a Kubernetes quantity (such as 640Gi)")
+            return None
+        if limit != limit.to_integral_value():
+            checker.error(path, f"{value!r} is not a whole number of bytes")
+            return None
+    if not limit.is_finite() or limit <= 0:
+        checker.error(path, f"must be positive, got {value!r}")
+        return None
+    if limit >= _LIMIT_MAX:
+        checker.error(path, f"{value!r} is too large")
+        return None
+    if limit != limit.quantize(Decimal(1).scaleb(-_LIMIT_PLACES), rounding="ROUND_DOWN"):
+        checker.error(path, f"{value!r} has more than {_LIMIT_PLACES} decimal places")
+        return None
+    return limit
+
+
+def _check_unique(checker: _Checker, teams: list[TeamSpec]) -> None:
+    """Slugs and namespaces once in the file; rule names once per team."""
+    slugs: dict[str, str] = {}
+    namespaces: dict[str, str] = {}
+    for team in teams:
+        if team.slug in slugs:
+            checker.error(
+                f"{team.path}.slug", f"duplicate slug {team.slug!r} (also {slugs[team.slug]})"
+            )
+        slugs.setdefault(team.slug, team.path)
+        for index, namespace in enumerate(team.namespaces):
+            path = f"{team.path}.namespaces[{index}]"
+            if namespace in namespaces:
+                checker.error(
+                    path, f"namespace {namespace!r} is also claimed by {namespaces[namespace]}"
+                )
+            namespaces.setdefault(namespace, path)
+        rule_names: dict[str, str] = {}
+        for rule in team.rules:
+            if rule.name in rule_names:
+                checker.error(
+                    f"{rule.path}.name",
+                    f"duplicate rule name {rule.name!r} (also {rule_names[rule.name]})",
+                )
+            rule_names.setdefault(rule.name, rule.path)
+
+
+# --- Applying ---------------------------------------------------------------------------------
+
+
+@dataclass
+class _State:
+    """The teams, namespaces, memberships and rules as stored, rules locked for this transaction."""
+
+    teams: dict[str, Team]
+    namespaces: dict[str, TeamNamespace]
+    memberships: dict[int, dict[str, Membership]]
+    rules: dict[int, dict[str, QuotaRule]]
+
+    @classmethod
+    def load(cls) -> _State:
+        teams = {team.slug: team for team in Team.objects.all()}
+        by_id = {team.pk: team for team in teams.values()}
+        namespaces = {}
+        for namespace in TeamNamespace.objects.all():
+            namespace.team = by_id[namespace.team_id]
+            namespaces[namespace.namespace] = namespace
+        memberships: dict[int, dict[str, Membership]] = defaultdict(dict)
+        for membership in Membership.objects.select_related("user"):
+            membership.team = by_id[membership.team_id]
+            memberships[membership.team_id][membership.user.get_username()] = membership
+        rules: dict[int, dict[str, QuotaRule]] = defaultdict(dict)
+        # Locked so that the checks on `in_use` hold until the deletes and unit changes commit.
+        for rule in QuotaRule.objects.select_for_update(of=("self",)).order_by("pk"):
+            rule.team = by_id[rule.team_id]
+            rules[rule.team_id][rule.name] = rule
+        return cls(teams=teams, namespaces=namespaces, memberships=memberships, rules=rules)
+
+    def undeclared_teams(self, policy: Policy) -> list[Team]:
+        declared = {spec.slug for spec in policy.teams}
+        return [team for slug, team in sorted(self.teams.items()) if slug not in declared]
+
+
+def apply_policy(*, policy: Policy, prune: bool, actor: str, dry_run: bool = False) -> ApplyReport:
+    """Make the teams, namespaces, memberships and rules in the database match `policy`.
+
+    Guarantees: all or nothing, in one transaction; every create, update and delete is audited
+    as `actor`; applying the same policy again changes nothing; without `prune` nothing is
+    deleted, with it whatever the file does not declare is, except a team with reservations
+    or a rule with capacity in use, which are reported as errors (`PolicyError`, nothing
+    applied); `QuotaRule.in_use` is never written. A dry run reports the same changes and
+    rolls them back.
+    """
+    report = ApplyReport(dry_run=dry_run, notes=list(policy.notes))
+    with transaction.atomic():
+        state = _State.load()
+        errors = _conflicts(policy=policy, state=state, prune=prune)
+        if errors:
+            raise PolicyError(errors)
+        try:
+            _Applier(state=state, actor=actor, report=report).apply(policy=policy, prune=prune)
+        except (ProtectedError, RestrictedError) as exc:
+            # Held further down a cascade than `_undeletable_teams` looks.
+            raise PolicyError([f"not deleted: {exc.args[0]}"]) from exc
+        if dry_run:
+            transaction.set_rollback(True)
+    return report
+
+
+def _conflicts(*, policy: Policy, state: _State, prune: bool) -> list[str]:
+    """What in the database stops the policy from being applied as asked."""
+    errors = []
+    declared = {spec.slug for spec in policy.teams}
+    for spec in policy.teams:
+        for index, namespace in enumerate(spec.namespaces):
+            owner = state.namespaces.get(namespace)
+            if owner is not None and owner.team.slug not in declared and not prune:
+                errors.append(
+                    f"{spec.path}.namespaces[{index}]: namespace {namespace!r} is owned by team "
+                    f"{owner.team.slug!r}, which the file does not declare "
+                    "(declare that team, or remove it with --prune)"
+                )
+        team = state.teams.get(spec.slug)
+        rules = state.rules.get(team.pk, {}) if team is not None else {}
+        for rule_spec in spec.rules:
+            rule = rules.get(rule_spec.name)
+            if rule is not None and rule.unit != rule_spec.unit and rule.in_use > 0:
+                errors.append(
+                    f"{rule_spec.path}: cannot change the unit of rule {rule_spec.name!r} "
+                    f"from {rule.unit} to {rule_spec.unit} while {rule.in_use} is in use"
+                )
+        if prune:
+            declared_rules = {rule_spec.name for rule_spec in spec.rules}
+            for name, rule in sorted(rules.items()):
+                if name not in declared_rules and rule.in_use > 0:
+                    errors.append(
+                        f"{spec.path}.quotas: rule {name!r} is not declared but has "
+                        f"{rule.in_use} in use; a rule in use is never deleted"
+                    )
+    if prune:
+        errors.extend(_undeletable_teams(state.undeclared_teams(policy)))
+    return errors
+
+
+def _undeletable_teams(teams: list[Team]) -> list[str]:
+    """Teams that rows elsewhere keep (PROTECT or RESTRICT): reservations, statements, usage."""
+    errors = []
+    for team in teams:
+        held = []
+        for relation in Team._meta.related_objects:
+            if relation.on_delete not in (models.PROTECT, models.RESTRICT):
+                continue
+            model = relation.related_model
+            assert not isinstance(model, str)  # resolved once apps are loaded
+            rows = model._default_manager.filter(**{relation.field.name: team})
+            count = rows.count()
+            if not count:
+                continue
+            meta = model._meta
+            label = f"{count} {meta.verbose_name if count == 1 else meta.verbose_name_plural}"
+            if model is Reservation:
+                label += f" ({rows.exclude(state=ReservationState.RELEASED).count()} live)"
+            held.append(label)
+        if held:
+            errors.append(
+                f"teams: team {team.slug!r} is not declared but has {', '.join(held)}, "
+                "which keep their team; it is not deleted"
+            )
+    return errors
+
+
+class _Applier:
+    """The writes of one `apply_policy`, each audited and reported."""
+
+    def __init__(self, *, state: _State, actor: str, report: ApplyReport) -> None:
+        self.state = state
+        self.actor = actor
+        self.report = report
+
+    def apply(self, *, policy: Policy, prune: bool) -> None:
+        users = self._users(policy.teams)
+        teams = [(spec, self._team(spec)) for spec in policy.teams]
+        for spec, team in teams:
+            for namespace in spec.namespaces:
+                self._namespace(team, namespace)
+            self._memberships(spec, team, users)
+            self._rules(spec, team)
+        for obj in self._undeclared(policy, teams):
+            if prune:
+                self._delete(obj)
+            else:
+                self.report.notes.append(
+                    f"kept {obj._meta.verbose_name} {obj}: not declared (--prune deletes it)"
+                )
+
+    def _undeclared(self, policy: Policy, teams: list[tuple[TeamSpec, Team]]) -> list[models.Model]:
+        """What the database holds and the file does not declare; teams last."""
+        undeclared: list[models.Model] = []
+        for spec, team in teams:
+            roles = spec.roles()
+            rule_names = {rule_spec.name for rule_spec in spec.rules}
+            memberships = self.state.memberships.get(team.pk, {})
+            undeclared += [m for name, m in memberships.items() if name not in roles]
+            rules = self.state.rules.get(team.pk, {})
+            undeclared += [rule for name, rule in rules.items() if name not in rule_names]
+        declared_slugs = {spec.slug for spec in policy.teams}
+        declared_namespaces = {name for spec in policy.teams for name in spec.namespaces}
+        undeclared += [
+            namespace
+            for name, namespace in sorted(self.state.namespaces.items())
+            if name not in declared_namespaces and namespace.team.slug in declared_slugs
+        ]
+        return undeclared + list(self.state.undeclared_teams(policy))
+
+    def _users(self, teams: Iterable[TeamSpec]) -> dict[str, Any]:
+        """The users the teams name, by username; missing ones created, password unusable."""
+        user_model = get_user_model()
+        usernames = sorted({username for spec in teams for username in spec.roles()})
+        users = {
+            user.get_username(): user
+            for user in user_model._default_manager.filter(
+                **{f"{user_model.USERNAME_FIELD}__in": usernames}
+            )
+        }
+        for username in usernames:
+            if username not in users:
+                user = user_model(**{user_model.USERNAME_FIELD: username})
+                user.set_unusable_password()
+                user.save()
+                users[username] = user
+                self.report.add(
+                    action="created", object_type="user", line=f"created user {username}"
+                )
+        return users
+
+    def _team(self, spec: TeamSpec) -> Team:
+        team = self.state.teams.get(spec.slug)
+        if team is None:
+            team = Team(slug=spec.slug, name=spec.name, cost_centre=spec.cost_centre)
+            self.report.add_entry(audit.create(actor=self.actor, obj=team))
+            self.state.teams[spec.slug] = team
+            return team
+        before = audit.snapshot(team)
+        team.name, team.cost_centre = spec.name, spec.cost_centre
+        self._update(team, before)
+        return team
+
+    def _namespace(self, team: Team, name: str) -> None:
+        namespace = self.state.namespaces.get(name)
+        if namespace is None:
+            namespace = TeamNamespace(team=team, namespace=name)
+            self.report.add_entry(audit.create(actor=self.actor, obj=namespace))
+            self.state.namespaces[name] = namespace
+        elif namespace.team_id != team.pk:
+            # Moved from another team: one row changes owner, so the namespace is never unowned.
+            before = audit.snapshot(namespace)
+            namespace.team = team
+            self._update(namespace, before)
+
+    def _memberships(self, spec: TeamSpec, team: Team, users: dict[str, Any]) -> None:
+        current = self.state.memberships.get(team.pk, {})
+        for username, role in spec.roles().items():
+            membership = current.get(username)
+            if membership is None:
+                membership = Membership(team=team, user=users[username], role=role)
+                self.report.add_entry(audit.create(actor=self.actor, obj=membership))
+            else:
+                before = audit.snapshot(membership)
+                membership.role = role
+                self._update(membership, before)
+
+    def _rules(self, spec: TeamSpec, team: Team) -> None:
+        current = self.state.rules.get(team.pk, {})
+        for rule_spec in spec.rules:
+            rule = current.get(rule_spec.name)
+            values = {
+                "device_class": rule_spec.device_class,
+                "selector": rule_spec.selector,
+                "unit": rule_spec.unit,
+                "limit": rule_spec.limit,
+                "mode": rule_spec.mode,
+            }
+            if rule is None:
+                rule = QuotaRule(team=team, name=rule_spec.name, **values)
+                self.report.add_entry(audit.create(actor=self.actor, obj=rule))
+                continue
+            before = audit.snapshot(rule)
+            for name, value in values.items():
+                setattr(rule, name, value)
+            self._update(rule, before)
+
+    def _update(self, obj: models.Model, before: dict[str, Any]) -> None:
+        entry = audit.update(actor=self.actor, obj=obj, before=before)
+        if entry is not None:
+            self.report.add_entry(entry)
+
+    def _delete(self, obj: models.Model) -> None:
+        for entry in audit.delete(actor=self.actor, obj=obj):
+            self.report.add_entry(entry)

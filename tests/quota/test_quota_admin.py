@@ -1,0 +1,212 @@
+"""Quota admin: edits are audited as the admin user, selectors checked, services' rows read-only."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from django.contrib.auth import get_user_model
+from django.test import Client
+from django.urls import reverse
+
+from quota.models import AuditEntry, QuotaRule, Team, TeamNamespace
+from tests.quota.factories import (
+    MembershipFactory,
+    QuotaRuleFactory,
+    TeamFactory,
+    TeamNamespaceFactory,
+)
+
+pytestmark = pytest.mark.django_db
+
+SELECTOR = 'device.attributes["gpu.nvidia.com"].productName.startsWith("NVIDIA H100")'
+
+
+@pytest.fixture
+def ops_client() -> Client:
+    user = get_user_model().objects.create_superuser("ops-admin", "ops@example.com", "x")
+    client = Client()
+    client.force_login(user)
+    return client
+
+
+def rule_form(rule: QuotaRule, **changes: Any) -> dict[str, Any]:
+    return {
+        "name": rule.name,
+        "device_class": rule.device_class,
+        "selector": rule.selector,
+        "unit": rule.unit,
+        "limit": str(rule.limit),
+        "mode": rule.mode,
+        **changes,
+    }
+
+
+def inline_management(prefix: str, total: int = 0, initial: int = 0) -> dict[str, Any]:
+    return {
+        f"{prefix}-TOTAL_FORMS": total,
+        f"{prefix}-INITIAL_FORMS": initial,
+        f"{prefix}-MIN_NUM_FORMS": 0,
+        f"{prefix}-MAX_NUM_FORMS": 1000,
+    }
+
+
+def test_editing_a_rule_limit_is_audited(ops_client: Client) -> None:
+    rule = QuotaRuleFactory.create(team__slug="vision", name="h100", selector=SELECTOR)
+    QuotaRule.objects.filter(pk=rule.pk).update(in_use=3)
+    url = reverse("admin:quota_quotarule_change", args=[rule.pk])
+    assert ops_client.get(url).status_code == 200
+
+    response = ops_client.post(url, rule_form(rule, limit="16"))
+
+    assert response.status_code == 302, response.content
+    rule.refresh_from_db()
+    assert (rule.limit, rule.in_use) == (16, 3)
+    entry = AuditEntry.objects.get()
+    assert (entry.actor, entry.action, entry.object_type, entry.object_repr) == (
+        "ops-admin",
+        "update",
+        "quota rule",
+        "vision/h100",
+    )
+    assert entry.before is not None
+    assert entry.after is not None
+    assert (entry.before["limit"], entry.after["limit"]) == ("8.000000", "16.000000")
+    assert entry.before["selector"] == SELECTOR
+
+
+def test_saving_an_unchanged_rule_writes_no_entry(ops_client: Client) -> None:
+    rule = QuotaRuleFactory.create()
+    url = reverse("admin:quota_quotarule_change", args=[rule.pk])
+
+    assert ops_client.post(url, rule_form(rule)).status_code == 302
+
+    assert not AuditEntry.objects.exists()
+
+
+def test_a_bad_selector_is_a_form_error(ops_client: Client) -> None:
+    rule = QuotaRuleFactory.create()
+    url = reverse("admin:quota_quotarule_change", args=[rule.pk])
+
+    response = ops_client.post(url, rule_form(rule, selector="device.driver =="))
+
+    assert response.status_code == 200
+    errors = response.context["adminform"].form.errors
+    assert errors["selector"][0].startswith("bad CEL: syntax error in CEL selector")
+    assert "bad CEL" in response.content.decode()
+    rule.refresh_from_db()
+    assert rule.selector == ""
+    assert not AuditEntry.objects.exists()
+
+
+def test_the_unit_stays_while_in_use(ops_client: Client) -> None:
+    rule = QuotaRuleFactory.create()
+    QuotaRule.objects.filter(pk=rule.pk).update(in_use=1)
+    url = reverse("admin:quota_quotarule_change", args=[rule.pk])
+
+    response = ops_client.post(url, rule_form(rule, unit="memory"))
+
+    assert response.status_code == 200
+    assert "unit" in response.context["adminform"].form.errors
+
+
+def test_adding_a_rule_is_audited(ops_client: Client) -> None:
+    team = TeamFactory.create(slug="vision")
+    url = reverse("admin:quota_quotarule_add")
+    form = {"team": team.pk, "name": "h100", "device_class": "gpu.nvidia.com"}
+
+    response = ops_client.post(
+        url, {**form, "selector": SELECTOR, "unit": "gpus", "limit": "4", "mode": "warn"}
+    )
+
+    assert response.status_code == 302, response.content
+    entry = AuditEntry.objects.get()
+    assert (entry.action, entry.object_repr, entry.before) == ("create", "vision/h100", None)
+    assert entry.after is not None
+    assert entry.after["mode"] == "warn"
+
+
+def test_team_inlines_are_audited(ops_client: Client) -> None:
+    team = TeamFactory.create(slug="vision", name="Vision")
+    namespace = TeamNamespaceFactory.create(team=team, namespace="vision")
+    membership = MembershipFactory.create(team=team, user__username="alice")
+    url = reverse("admin:quota_team_change", args=[team.pk])
+    data = {
+        "slug": "vision",
+        "name": "Vision Research",
+        "cost_centre": "",
+        **inline_management("namespaces", total=2, initial=1),
+        "namespaces-0-id": namespace.pk,
+        "namespaces-0-team": team.pk,
+        "namespaces-0-namespace": "vision",
+        "namespaces-0-DELETE": "on",
+        "namespaces-1-team": team.pk,
+        "namespaces-1-namespace": "vision-dev",
+        **inline_management("memberships", total=1, initial=1),
+        "memberships-0-id": membership.pk,
+        "memberships-0-team": team.pk,
+        "memberships-0-user": membership.user.pk,
+        "memberships-0-role": "lead",
+        **inline_management("rules"),
+    }
+
+    response = ops_client.post(url, data)
+
+    assert response.status_code == 302, response.context and response.context["errors"]
+    assert list(TeamNamespace.objects.values_list("namespace", flat=True)) == ["vision-dev"]
+    entries = set(AuditEntry.objects.values_list("actor", "action", "object_type", "object_repr"))
+    assert entries == {
+        ("ops-admin", "update", "team", "vision"),
+        ("ops-admin", "delete", "team namespace", "vision"),
+        ("ops-admin", "create", "team namespace", "vision-dev"),
+        ("ops-admin", "update", "membership", "alice (lead of vision)"),
+    }
+
+
+def test_deleting_a_team_audits_what_goes_with_it(ops_client: Client) -> None:
+    rule = QuotaRuleFactory.create(team__slug="vision", name="h100")
+    TeamNamespaceFactory.create(team=rule.team, namespace="vision")
+    url = reverse("admin:quota_team_delete", args=[rule.team.pk])
+
+    response = ops_client.post(url, {"post": "yes"})
+
+    assert response.status_code == 302
+    assert not Team.objects.exists()
+    assert list(AuditEntry.objects.order_by("pk").values_list("action", "object_repr")) == [
+        ("delete", "vision"),  # the namespace
+        ("delete", "vision/h100"),
+        ("delete", "vision"),  # the team, last
+    ]
+
+
+def test_in_use_is_read_only(ops_client: Client) -> None:
+    rule = QuotaRuleFactory.create()
+    QuotaRule.objects.filter(pk=rule.pk).update(in_use=Decimal(2))
+    url = reverse("admin:quota_quotarule_change", args=[rule.pk])
+
+    response = ops_client.post(url, rule_form(rule, in_use="0", limit="9"))
+
+    assert response.status_code == 302
+    rule.refresh_from_db()
+    assert (rule.limit, rule.in_use) == (9, 2)
+    form = ops_client.get(url).context["adminform"].form
+    assert "in_use" not in form.fields
+    assert "team" not in form.fields
+
+
+@pytest.mark.parametrize(
+    "model", ["auditentry", "admissiondecision", "reservation", "reservationline"]
+)
+def test_services_rows_are_read_only(ops_client: Client, model: str) -> None:
+    assert ops_client.get(reverse(f"admin:quota_{model}_changelist")).status_code == 200
+    assert ops_client.get(reverse(f"admin:quota_{model}_add")).status_code == 403
+
+
+def test_changelists_render(ops_client: Client) -> None:
+    QuotaRuleFactory.create(team__slug="vision")
+    for model in ("team", "quotarule"):
+        response = ops_client.get(reverse(f"admin:quota_{model}_changelist"))
+        assert response.status_code == 200
+    response = ops_client.get(reverse("admin:quota_quotarule_changelist"), {"q": "vision"})
+    assert response.context["cl"].result_count == 1
