@@ -19,6 +19,7 @@ from typing import Any
 from django.conf import settings
 from django.db import IntegrityError, transaction
 from django.db.models import F
+from django.utils import timezone
 from kubernetes.utils import parse_quantity
 
 from inventory import dra
@@ -178,6 +179,8 @@ def _plan(*, cluster: Cluster, claim: dict[str, Any], namespace: str) -> _Plan:
                 f"namespace {namespace!r} is not owned by any team; no quota applies"
             )
         return plan
+    if _budget_denies(plan, requests):
+        return plan
     rules = team_rules(team=plan.team)
     plan.rules = {rule.pk: rule for rule in rules}
     if not rules:
@@ -219,6 +222,33 @@ def _plan(*, cluster: Cluster, claim: dict[str, Any], namespace: str) -> _Plan:
                 f"{_fmt(total, rule)} of {_fmt(rule.limit, rule)} with this claim"
             )
     return plan
+
+
+def _budget_denies(plan: _Plan, requests: list[dra.ParsedRequest]) -> bool:
+    """Past a hard GPU-hour budget new claims are denied; past 80% or a soft one, warned."""
+    from billing.models import Budget
+    from billing.pricing import period_for
+    from billing.selectors import team_gpu_hours
+
+    assert plan.team is not None
+    budget = Budget.objects.filter(team=plan.team).first()
+    if budget is None or all(r.admin_access for r in requests if not r.first_available):
+        return False
+    now = timezone.now()
+    period = period_for(now)
+    used = team_gpu_hours(team=plan.team, period=period, now=now)
+    figures = (
+        f'team "{plan.team.slug}" has used {used.quantize(Decimal("0.1"))} of its '
+        f"{budget.gpu_hours.normalize():f} GPU-hour {budget.mode} budget for {period.start:%Y-%m}"
+    )
+    if used >= budget.gpu_hours and budget.mode == "hard":
+        plan.denial, plan.reason = figures, "BudgetExceeded"
+        return True
+    if used >= budget.gpu_hours:
+        plan.warnings.append(figures + " (past the soft budget)")
+    elif used >= NEAR_LIMIT * budget.gpu_hours:
+        plan.warnings.append(figures)
+    return False
 
 
 def _exceeded(plan: _Plan, demand: Demand) -> tuple[QuotaRule, Decimal] | None:

@@ -31,3 +31,9 @@ def upstream() -> Path:
     if not UPSTREAM.is_dir():
         pytest.fail(f"{UPSTREAM} is missing: the tests read the shared upstream objects in place")
     return UPSTREAM
+
+
+# A small GPU fleet and device classes, for quota and billing tests.
+from tests.quota.fixtures import fleet  # noqa: E402
+
+__all__ = ["fleet", "upstream"]

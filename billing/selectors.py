@@ -1,0 +1,40 @@
+"""Reads of usage and money, for the webhook (budgets), the portal and the API."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from decimal import Decimal
+
+from django.db.models import Sum
+
+from billing.models import Period, UsageHour
+from billing.rollup import HOUR, epoch_ms, hour_start
+from inventory.models import Allocation
+from quota.models import Team, TeamNamespace
+
+MS_PER_HOUR = Decimal(3_600_000)
+
+
+def team_gpu_hours(*, team: Team, period: Period, now: datetime) -> Decimal:
+    """GPU-hours the team has held in the period so far: the rolled-up hours, plus what its
+    open allocations have held since the last whole hour (not rolled up yet)."""
+    current_hour = hour_start(now)
+    rolled = (
+        UsageHour.objects.filter(
+            team=team, hour__gte=period.start, hour__lt=min(period.end, current_hour)
+        ).aggregate(total=Sum("allocated_gpu_ms"))["total"]
+        or 0
+    )
+    namespaces = TeamNamespace.objects.filter(team=team).values("namespace")
+    live = Decimal(0)
+    since = max(current_hour, period.start)
+    for start, share in Allocation.objects.filter(
+        end__isnull=True, claim__namespace__in=namespaces, device__isnull=False
+    ).values_list("start", "device__gpu_share"):
+        held_from = max(start, since)
+        if held_from < now:
+            live += Decimal(epoch_ms(now) - epoch_ms(held_from)) * share
+    return (Decimal(rolled) + live) / MS_PER_HOUR
+
+
+__all__ = ["HOUR", "team_gpu_hours"]

@@ -1,0 +1,88 @@
+"""GPU-hour budgets in the admission webhook: hard denies, soft and 80% warn."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from decimal import Decimal
+
+import pytest
+from django.test import Client
+from django.utils import timezone
+
+from billing.models import Budget, UsageHour
+from billing.pricing import period_for
+from billing.rollup import hour_start
+from billing.selectors import team_gpu_hours
+from quota.models import Team
+from tests.factories import AllocationFactory, DeviceFactory, ResourceClaimFactory
+from tests.quota.fixtures import claim, decide, gpu_request, make_team
+
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("fleet")]
+HOUR_MS = 3_600_000
+
+
+def used(team_hours: int, *, live_minutes: int = 0) -> None:
+    """The team held `team_hours` GPU-hours in earlier hours of this period, and one GPU since
+    `live_minutes` ago (not rolled up yet)."""
+    now = timezone.now()
+    device = DeviceFactory.create()
+    claim_row = ResourceClaimFactory.create(cluster=device.cluster, namespace="research")
+    allocation = AllocationFactory.create(
+        cluster=device.cluster,
+        claim=claim_row,
+        device=device,
+        start=now - timedelta(minutes=live_minutes),
+        end=None if live_minutes else now,
+    )
+    period = period_for(now)
+    earlier = max(period.start, hour_start(now) - timedelta(hours=1))
+    if team_hours:
+        UsageHour.objects.create(
+            hour=earlier,
+            allocation=allocation,
+            cluster=device.cluster,
+            device_uuid=device.uuid,
+            gpu_share=1,
+            namespace="research",
+            claim_name=claim_row.name,
+            team_id=Team.objects.get(slug="research").pk,
+            allocated_gpu_ms=team_hours * HOUR_MS,
+            utilised_gpu_ms=0,
+            unmeasured_gpu_ms=0,
+        )
+
+
+def test_hard_budget_denies_new_claims(client: Client) -> None:
+    team = make_team([])
+    Budget.objects.create(team=team, gpu_hours=Decimal(10), mode="hard")
+    used(9)
+    warned = decide(client, claim("a", [gpu_request(1)]))
+    assert (
+        warned["allowed"] and "has used 9.0 of its 10 GPU-hour hard budget" in warned["warnings"][0]
+    )
+    used(1)
+    denied = decide(client, claim("b", [gpu_request(1)]))
+    assert not denied["allowed"]
+    assert denied["status"]["reason"] == "BudgetExceeded"
+    assert (
+        'team "research" has used 10.0 of its 10 GPU-hour hard budget'
+        in denied["status"]["message"]
+    )
+
+
+def test_soft_budget_warns_past_it(client: Client) -> None:
+    team = make_team([])
+    Budget.objects.create(team=team, gpu_hours=Decimal(5), mode="soft")
+    used(6)
+    answer = decide(client, claim("a", [gpu_request(1)]))
+    assert answer["allowed"]
+    assert answer["warnings"][0].endswith("(past the soft budget)")
+
+
+def test_usage_counts_open_allocations_not_yet_rolled_up() -> None:
+    team = make_team([])
+    used(0, live_minutes=30)
+    now = timezone.now()
+    hours = team_gpu_hours(team=team, period=period_for(now), now=now)
+    expected = Decimal(min(30, now.minute + now.second / 60)) / 60
+    assert abs(hours - expected) < Decimal("0.01")

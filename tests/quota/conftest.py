@@ -1,3 +1,0 @@
-from tests.quota.fixtures import fleet
-
-__all__ = ["fleet"]
