@@ -7,13 +7,14 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from decimal import Decimal
+from typing import Any
 
 from django.conf import settings
-from django.db.models import Count
+from django.db.models import Count, QuerySet
 
 from inventory.models import Cluster, Device, DeviceClass, DeviceShape
 from quota import cel
-from quota.models import QuotaRule, Team, TeamNamespace
+from quota.models import Membership, QuotaRule, Role, Team, TeamNamespace
 
 
 @dataclass(frozen=True)
@@ -118,3 +119,35 @@ def team_for_namespace(*, namespace: str) -> Team | None:
 
 def team_rules(*, team: Team) -> list[QuotaRule]:
     return list(QuotaRule.objects.filter(team=team).order_by("pk"))
+
+
+# Tenancy: the one place that decides who sees which team.
+
+OPERATORS_GROUP = "operators"
+FINANCE_GROUP = "finance"
+
+
+def user_role(user: Any) -> str | None:
+    """`operator` (superusers and the operators group), `finance`, `lead`, or None.
+
+    Members who lead no team have no role: they see nothing in the portal or the API.
+    """
+    if not getattr(user, "is_authenticated", False) or not user.is_active:
+        return None
+    if user.is_superuser or user.groups.filter(name=OPERATORS_GROUP).exists():
+        return "operator"
+    if user.groups.filter(name=FINANCE_GROUP).exists():
+        return "finance"
+    if Membership.objects.filter(user=user, role=Role.LEAD).exists():
+        return "lead"
+    return None
+
+
+def visible_teams(*, user: Any) -> QuerySet[Team]:
+    """The teams whose usage, quotas and statements `user` may read."""
+    role = user_role(user)
+    if role in ("operator", "finance"):
+        return Team.objects.all()
+    if role == "lead":
+        return Team.objects.filter(memberships__user=user, memberships__role=Role.LEAD).distinct()
+    return Team.objects.none()
