@@ -102,13 +102,17 @@ USE_TZ = True
 
 STATIC_URL = "static/"
 STATIC_ROOT = VAR_DIR / "static"
+# Hashed, compressed static files once `collectstatic` has run (the container image does it
+# at build time); plain files before that, as in development and tests.
+STATIC_ROOT = Path(env.get_str("STATIC_ROOT") or STATIC_ROOT)
+_COLLECTED = (STATIC_ROOT / "staticfiles.json").exists()
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {
         "BACKEND": (
-            "django.contrib.staticfiles.storage.StaticFilesStorage"
-            if DEBUG
-            else "whitenoise.storage.CompressedManifestStaticFilesStorage"
+            "whitenoise.storage.CompressedManifestStaticFilesStorage"
+            if _COLLECTED
+            else "django.contrib.staticfiles.storage.StaticFilesStorage"
         )
     },
 }
