@@ -23,7 +23,7 @@ def rollup_hour(hour: str) -> int:
 def rollup_pending() -> list[str]:
     """Roll up the hours marked dirty and the hour just ended, then refresh open statements."""
     now = timezone.now()
-    ingest.adopt_unknown_samples(now=now)
+    ingest.adopt_unknown_samples(now=now)  # devices the sync has learnt since
     hours = rollup.rollup_pending(now=now)
     pricing.refresh_statements(period=pricing.period_for(now))
     return [hour.isoformat() for hour in hours]

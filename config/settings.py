@@ -106,6 +106,11 @@ STATIC_ROOT = VAR_DIR / "static"
 # at build time); plain files before that, as in development and tests.
 STATIC_ROOT = Path(env.get_str("STATIC_ROOT") or STATIC_ROOT)
 _COLLECTED = (STATIC_ROOT / "staticfiles.json").exists()
+if not _COLLECTED:
+    # Serve straight from the apps' static folders until collectstatic has run.
+    WHITENOISE_USE_FINDERS = True
+    WHITENOISE_AUTOREFRESH = DEBUG
+    STATIC_ROOT.mkdir(parents=True, exist_ok=True)
 STORAGES = {
     "default": {"BACKEND": "django.core.files.storage.FileSystemStorage"},
     "staticfiles": {

@@ -1,0 +1,390 @@
+"""Utilisation samples from the node agents: tokens, validation, and storage with dedup.
+
+The hot path (`validate_samples` then `ingest`) handles plain tuples, never model instances:
+on PostgreSQL a batch is COPYed into a temporary table and moved into `billing_sample` by one
+`INSERT ... SELECT ... ON CONFLICT DO NOTHING`, so a device and instant are stored once however
+often (and however concurrently) they are sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, NamedTuple, TypedDict
+
+from django.conf import settings
+from django.db import connection, models, transaction
+from django.db.backends.utils import CursorWrapper
+from django.db.models import Exists, OuterRef
+from django.utils import timezone
+
+from billing.models import AgentToken, DirtyHour, Sample, UnknownDeviceSample
+from inventory.models import Cluster, Device
+
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+ONE_MS = timedelta(milliseconds=1)
+HOUR_MS = 3_600_000
+MAX_FUTURE_MS = 5 * 60 * 1000
+MAX_UUID_LENGTH = 128
+MAX_BIGINT = 2**63 - 1
+ADOPT_CHUNK = 10_000
+# Per session, emptied at every commit (a truncate: temporary tables are never vacuumed).
+BATCH_TABLE = "tally_ingest_batch"
+# Columns of `billing_sample` and `billing_unknowndevicesample` alike, in this order.
+COLUMNS = "device_uuid, ts_ms, gpu_util, mem_used_bytes, processes, node, received_at"
+# A NUL escaped in JSON text (an odd run of backslashes before u0000): jsonb refuses it.
+_ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
+
+
+class SampleRow(NamedTuple):
+    """One valid sample, as stored: `processes` is JSON text (or None)."""
+
+    device_uuid: str
+    ts_ms: int
+    gpu_util: float | None
+    mem_used_bytes: int | None
+    processes: str | None
+
+
+class Rejection(TypedDict):
+    """A sample left out of a batch: its position and why, naming the field."""
+
+    index: int
+    reason: str
+
+
+@dataclass
+class IngestReport:
+    """What one `ingest` stored.
+
+    `accepted` counts samples newly stored (known devices and ones set aside alike);
+    `duplicates` the ones already stored or sent twice, so accepted + duplicates = samples given.
+    """
+
+    accepted: int = 0
+    duplicates: int = 0
+    unknown_devices: list[str] = field(default_factory=list)
+    hours: set[datetime] = field(default_factory=set)
+
+
+class InvalidSample(ValueError):
+    """One sample is not acceptable; `str()` names the field, e.g. `gpu_util: 140 is not ...`."""
+
+    def __init__(self, field_name: str, message: str) -> None:
+        super().__init__(f"{field_name}: {message}" if field_name else message)
+        self.field_name = field_name
+
+
+# Tokens
+
+
+def _token_hash(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+def issue_token(*, cluster: Cluster, node: str) -> str:
+    """Create an agent token for `node` and return it; only its SHA-256 is stored."""
+    token = secrets.token_urlsafe(32)
+    AgentToken.objects.create(
+        cluster=cluster, node=node, token_sha256=_token_hash(token), created_at=timezone.now()
+    )
+    return token
+
+
+def authenticate(token: str) -> AgentToken | None:
+    """The unrevoked token `token` is, or None.
+
+    The lookup is by the token's SHA-256, so how long it takes says nothing about the token.
+    """
+    if not token:
+        return None
+    return (
+        AgentToken.objects.select_related("cluster")
+        .filter(token_sha256=_token_hash(token), revoked_at__isnull=True)
+        .first()
+    )
+
+
+# Validation
+
+
+def _show(value: object) -> str:
+    """A value for an error message, cut short: the message goes back to the sender."""
+    text = json.dumps(value) if isinstance(value, str | int | float) else type(value).__name__
+    return text if len(text) <= 64 else text[:61] + "..."
+
+
+def latest_allowed_ms(now: datetime | None = None) -> int:
+    """The newest sample time accepted at `now`: clocks may run up to 5 minutes ahead."""
+    return ((now or timezone.now()) - EPOCH) // ONE_MS + MAX_FUTURE_MS
+
+
+def check_sample(sample: object, *, latest_ms: int) -> SampleRow:
+    """The stored form of one sample, or `InvalidSample` naming the first bad field.
+
+    Unknown keys are ignored. Every value that reaches the database is checked here, so a
+    stored batch never fails on a value (NUL characters, lone surrogates, numbers too large).
+    """
+    if type(sample) is not dict:
+        raise InvalidSample("", f"must be an object, not {_show(sample)}")
+    uuid = sample.get("uuid")
+    if type(uuid) is not str or not uuid:
+        raise InvalidSample("uuid", "must be a non-empty string")
+    if len(uuid) > MAX_UUID_LENGTH or not (uuid.isascii() and uuid.isprintable()):
+        raise InvalidSample(
+            "uuid", f"{_show(uuid)} is not printable ASCII of at most {MAX_UUID_LENGTH} characters"
+        )
+    ts = sample.get("ts")
+    if type(ts) is not str:
+        raise InvalidSample("ts", "must be an ISO 8601 string with a timezone")
+    try:
+        at = datetime.fromisoformat(ts)
+    except ValueError:
+        raise InvalidSample("ts", f"{_show(ts)} is not an ISO 8601 timestamp") from None
+    if at.utcoffset() is None:
+        raise InvalidSample("ts", f"{_show(ts)} has no timezone")
+    ts_ms = (at - EPOCH) // ONE_MS
+    if ts_ms > latest_ms:
+        raise InvalidSample("ts", f"{_show(ts)} is more than 5 minutes in the future")
+    gpu_util = sample.get("gpu_util")
+    if gpu_util is not None:
+        if type(gpu_util) is not float and type(gpu_util) is not int:
+            raise InvalidSample("gpu_util", f"must be a number or null, not {_show(gpu_util)}")
+        if not 0 <= gpu_util <= 100:  # also false for NaN
+            raise InvalidSample("gpu_util", f"{_show(gpu_util)} is not between 0 and 100")
+        gpu_util = float(gpu_util)
+    mem_used_bytes = sample.get("mem_used_bytes")
+    if mem_used_bytes is not None and (
+        type(mem_used_bytes) is not int or not 0 <= mem_used_bytes <= MAX_BIGINT
+    ):
+        raise InvalidSample(
+            "mem_used_bytes", f"must be an integer from 0 to 2^63-1, not {_show(mem_used_bytes)}"
+        )
+    processes = sample.get("processes")
+    processes_json = None
+    if processes is not None:
+        if type(processes) is not list or any(type(p) is not dict for p in processes):
+            raise InvalidSample("processes", "must be a list of objects")
+        processes_json = _processes_json(processes)
+    return SampleRow(uuid, ts_ms, gpu_util, mem_used_bytes, processes_json)
+
+
+def _processes_json(processes: list[Any]) -> str:
+    try:
+        text = json.dumps(processes, ensure_ascii=False, allow_nan=False)
+        text.encode()
+    except ValueError:  # UnicodeEncodeError is one: a lone surrogate
+        raise InvalidSample(
+            "processes", "holds a value JSON cannot carry (NaN, Infinity, a lone surrogate)"
+        ) from None
+    if "\\u0000" in text and _ESCAPED_NUL.search(text):
+        raise InvalidSample("processes", "holds a NUL character")
+    return text
+
+
+def validate_samples(
+    raw: Sequence[object], *, now: datetime | None = None
+) -> tuple[list[SampleRow], list[Rejection]]:
+    """Split `raw` into the samples to store and the rejected ones (`samples[i].field: why`).
+
+    A bad sample never rejects the batch. `now` (default: the current time) bounds how far in
+    the future a timestamp may be.
+    """
+    latest_ms = latest_allowed_ms(now)
+    valid: list[SampleRow] = []
+    rejected: list[Rejection] = []
+    for index, sample in enumerate(raw):
+        try:
+            valid.append(check_sample(sample, latest_ms=latest_ms))
+        except InvalidSample as exc:
+            where = f"samples[{index}]"
+            reason = f"{where}.{exc}" if exc.field_name else f"{where}: {exc}"
+            rejected.append({"index": index, "reason": reason})
+    return valid, rejected
+
+
+# Storage
+
+
+def _hold_ms() -> int:
+    return int(getattr(settings, "TALLY_SAMPLE_HOLD_SECONDS", 120)) * 1000
+
+
+def touched_hours(timestamps_ms: Sequence[int]) -> set[datetime]:
+    """The UTC hour starts that samples at these instants count in.
+
+    A sample holds forward only, over `[ts, ts + TALLY_SAMPLE_HOLD_SECONDS)`: its own hour,
+    and the next one too when it reaches past the hour's end.
+    """
+    last_ms = max(_hold_ms(), 1) - 1
+    hours: set[int] = set()
+    for ts_ms in timestamps_ms:
+        hours.update(range(ts_ms // HOUR_MS, (ts_ms + last_ms) // HOUR_MS + 1))
+    return {EPOCH + timedelta(hours=hour) for hour in hours}
+
+
+def _table(model: type[models.Model]) -> str:
+    return connection.ops.quote_name(model._meta.db_table)
+
+
+def _insert_new(
+    cursor: CursorWrapper,
+    target: type[models.Model],
+    *,
+    select: str,
+    source: str,
+    where: str,
+    params: Sequence[Any],
+) -> tuple[int, list[int]]:
+    """`INSERT INTO target SELECT ...` skipping rows already stored.
+
+    Returns how many rows were inserted, and instants whose `touched_hours` are those of all
+    inserted rows: on PostgreSQL the latest per hour (every sample of an hour starts in it,
+    and the latest reaches furthest), so a large batch sends back a row per hour, not per row.
+    """
+    # `WHERE` before `ON CONFLICT` is required by SQLite's parser, and harmless elsewhere.
+    # Key order: two writers of overlapping batches then wait on each other, never deadlock.
+    sql = (
+        f"INSERT INTO {_table(target)} ({COLUMNS}) SELECT {select} FROM {source} "
+        f"WHERE {where} ORDER BY device_uuid, ts_ms "
+        "ON CONFLICT (device_uuid, ts_ms) DO NOTHING RETURNING ts_ms"
+    )
+    if connection.vendor == "postgresql":
+        cursor.execute(
+            f"WITH inserted AS ({sql}) SELECT count(*), max(ts_ms) FROM inserted "
+            f"GROUP BY floor(ts_ms / {HOUR_MS}.0)",
+            params,
+        )
+        per_hour = cursor.fetchall()
+        return sum(count for count, _ in per_hour), [latest for _, latest in per_hour]
+    cursor.execute(sql, params)
+    inserted = [ts_ms for (ts_ms,) in cursor.fetchall()]
+    return len(inserted), inserted
+
+
+def _store(
+    cursor: CursorWrapper,
+    target: type[models.Model],
+    rows: list[SampleRow],
+    *,
+    node: str,
+    received_at: datetime,
+) -> tuple[int, list[int]]:
+    """Store `rows` (distinct keys) in `target` unless already there; as `_insert_new`."""
+    if not rows:
+        return 0, []
+    if connection.vendor == "postgresql":
+        cursor.execute(
+            f"CREATE TEMP TABLE IF NOT EXISTS {BATCH_TABLE} (device_uuid text, ts_ms bigint, "
+            "gpu_util double precision, mem_used_bytes bigint, processes jsonb) "
+            "ON COMMIT DELETE ROWS"
+        )
+        # Left over only when an outer transaction called `ingest` before.
+        cursor.execute(f"DELETE FROM {BATCH_TABLE}")
+        with cursor.copy(f"COPY {BATCH_TABLE} FROM STDIN") as copy:
+            for row in rows:
+                copy.write_row(row)
+    else:
+        cursor.execute(
+            f"CREATE TEMP TABLE IF NOT EXISTS {BATCH_TABLE} (device_uuid text, ts_ms bigint, "
+            "gpu_util real, mem_used_bytes bigint, processes text)"
+        )
+        cursor.execute(f"DELETE FROM {BATCH_TABLE}")
+        cursor.executemany(f"INSERT INTO {BATCH_TABLE} VALUES (%s, %s, %s, %s, %s)", rows)
+    return _insert_new(
+        cursor,
+        target,
+        select="device_uuid, ts_ms, gpu_util, mem_used_bytes, processes, %s, %s",
+        source=BATCH_TABLE,
+        where="true",
+        params=[node, connection.ops.adapt_datetimefield_value(received_at)],
+    )
+
+
+def _mark_dirty(hours: set[datetime], *, at: datetime) -> None:
+    """Mark `hours` for a new rollup; in hour order, so concurrent upserts cannot deadlock."""
+    if hours:
+        DirtyHour.objects.bulk_create(
+            [DirtyHour(hour=hour, marked_at=at) for hour in sorted(hours)],
+            update_conflicts=True,
+            unique_fields=["hour"],
+            update_fields=["marked_at"],
+        )
+
+
+def _known_uuids(uuids: set[str]) -> set[str]:
+    """Those of `uuids` any device, present or gone, has carried."""
+    return set(Device.objects.filter(uuid__in=uuids).values_list("uuid", flat=True).distinct())
+
+
+@transaction.atomic
+def ingest(*, node: str, samples: Sequence[SampleRow], received_at: datetime) -> IngestReport:
+    """Store validated `samples` sent by `node`, in one transaction.
+
+    Samples of known devices go to `Sample`, the others aside to `UnknownDeviceSample`. A
+    device and instant already stored, or sent twice in this batch, is kept as first stored and
+    counted as a duplicate. Every hour that newly stored samples count in is marked dirty.
+    """
+    firsts: dict[tuple[str, int], SampleRow] = {}
+    for row in samples:
+        firsts.setdefault((row[0], row[1]), row)
+    uuids = {device_uuid for device_uuid, _ in firsts}
+    known = _known_uuids(uuids) if uuids else set()
+    known_rows: list[SampleRow] = []
+    unknown_rows: list[SampleRow] = []
+    for row in firsts.values():
+        (known_rows if row[0] in known else unknown_rows).append(row)
+    with connection.cursor() as cursor:
+        stored, instants = _store(cursor, Sample, known_rows, node=node, received_at=received_at)
+        set_aside, _ = _store(
+            cursor, UnknownDeviceSample, unknown_rows, node=node, received_at=received_at
+        )
+    hours = touched_hours(instants)
+    _mark_dirty(hours, at=received_at)
+    accepted = stored + set_aside
+    return IngestReport(
+        accepted=accepted,
+        duplicates=len(samples) - accepted,
+        unknown_devices=sorted(uuids - known),
+        hours=hours,
+    )
+
+
+def adopt_unknown_samples(*, now: datetime) -> int:
+    """Move the samples set aside whose device has become known into `Sample`; how many.
+
+    A sample already in `Sample` for the same device and instant wins; the one set aside is
+    dropped. Hours the moved samples count in are marked dirty. Each chunk is its own
+    transaction; rows another run holds are skipped, not waited for.
+    """
+    moved = 0
+    while True:
+        with transaction.atomic():
+            ids = list(
+                UnknownDeviceSample.objects.filter(
+                    Exists(Device.objects.filter(uuid=OuterRef("device_uuid")))
+                )
+                .select_for_update(skip_locked=True)
+                .order_by("id")
+                .values_list("id", flat=True)[:ADOPT_CHUNK]
+            )
+            if not ids:
+                return moved
+            placeholders = ", ".join(["%s"] * len(ids))
+            with connection.cursor() as cursor:
+                stored, instants = _insert_new(
+                    cursor,
+                    Sample,
+                    select=COLUMNS,
+                    source=_table(UnknownDeviceSample),
+                    where=f"id IN ({placeholders})",
+                    params=ids,
+                )
+            UnknownDeviceSample.objects.filter(id__in=ids).delete()
+            _mark_dirty(touched_hours(instants), at=now)
+            moved += stored

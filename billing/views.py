@@ -1,0 +1,120 @@
+"""`POST /ingest/samples`: the node agents' utilisation samples.
+
+A thin edge: authenticate the bearer token, parse the body, call `billing.ingest`, answer
+JSON. Bad input gets a 4xx with `{"error": ...}`, never a 500; a bad sample is reported in
+`rejected` and the rest of the batch is stored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any
+
+from django.conf import settings
+from django.db import OperationalError
+from django.http import HttpRequest, JsonResponse
+from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
+
+from billing import ingest
+
+log = logging.getLogger(__name__)
+
+
+def _error(status: int, message: str, **headers: str) -> JsonResponse:
+    return JsonResponse({"error": message}, status=status, headers=headers)
+
+
+def _max_samples() -> int:
+    return int(getattr(settings, "TALLY_INGEST_MAX_SAMPLES", 5000))
+
+
+def _max_body_bytes() -> int:
+    return int(getattr(settings, "TALLY_INGEST_MAX_BODY_BYTES", 16 * 2**20))
+
+
+def _bearer_token(request: HttpRequest) -> str:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return token.strip() if scheme.lower() == "bearer" else ""
+
+
+def _read_body(request: HttpRequest) -> bytes | None:
+    """The body, or None when it is larger than the limit.
+
+    Read here rather than through `request.body`, whose limit (`DATA_UPLOAD_MAX_MEMORY_SIZE`)
+    suits forms, not a batch of samples with their process lists.
+    """
+    limit = _max_body_bytes()
+    try:
+        declared = int(request.headers.get("Content-Length") or 0)
+    except ValueError:
+        declared = 0
+    if declared > limit:
+        return None
+    body = request.read(limit + 1)
+    return body if len(body) <= limit else None
+
+
+@csrf_exempt
+def ingest_samples(request: HttpRequest) -> JsonResponse:
+    """Store a batch `{"node": ..., "samples": [...]}` sent with the node's agent token.
+
+    Answers `{"accepted", "duplicates", "rejected": [{"index", "reason"}], "unknown_devices"}`.
+    """
+    if request.method != "POST":
+        return _error(405, "use POST", Allow="POST")
+    try:
+        return _ingest(request)
+    except OperationalError as exc:
+        log.error("ingest: database unavailable: %s", exc)
+        return _error(
+            503, "the database is unavailable; send the batch again", **{"Retry-After": "5"}
+        )
+
+
+def _ingest(request: HttpRequest) -> JsonResponse:
+    token = _bearer_token(request)
+    if not token:
+        return _error(
+            401, "missing Authorization: Bearer <agent token>", **{"WWW-Authenticate": "Bearer"}
+        )
+    agent = ingest.authenticate(token)
+    if agent is None:
+        return _error(401, "unknown or revoked agent token", **{"WWW-Authenticate": "Bearer"})
+    body = _read_body(request)
+    if body is None:
+        return _error(413, f"body larger than {_max_body_bytes()} bytes; send smaller batches")
+    try:
+        payload: Any = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return _error(400, f"body is not JSON: {exc}")
+    except RecursionError:
+        return _error(400, "body is not JSON this service accepts: nested too deeply")
+    if not isinstance(payload, dict):
+        return _error(400, 'body must be a JSON object {"node": ..., "samples": [...]}')
+    node = payload.get("node")
+    if not isinstance(node, str) or not node:
+        return _error(400, "node is missing or not a non-empty string")
+    # A token issued for the whole cluster (node "*": a DCGM-reading agent that reports for
+    # every node) may send for any node; a node's own token only for its node.
+    if agent.node != "*" and node != agent.node:
+        return _error(403, f"this token belongs to node {agent.node!r}, not {node[:253]!r}")
+    samples = payload.get("samples")
+    if not isinstance(samples, list):
+        return _error(400, "samples is missing or not a list")
+    if len(samples) > _max_samples():
+        return _error(
+            413, f"{len(samples)} samples in one batch; send at most {_max_samples()} at a time"
+        )
+    received_at = timezone.now()
+    valid, rejected = ingest.validate_samples(samples, now=received_at)
+    report = ingest.ingest(node=node, samples=valid, received_at=received_at)
+    return JsonResponse(
+        {
+            "accepted": report.accepted,
+            "duplicates": report.duplicates,
+            "rejected": rejected,
+            "unknown_devices": report.unknown_devices,
+        }
+    )

@@ -1,0 +1,475 @@
+"""Sample ingest: agent tokens, validation, dedup, devices not yet known, dirty hours.
+
+The HTTP tests go through the Django test client at the real path, `/ingest/samples`, with
+this module as the URLconf.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from datetime import UTC, datetime, timedelta
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core.management import CommandError, call_command
+from django.test import Client, override_settings
+from django.urls import path
+from django.utils import timezone
+
+from billing import views
+from billing.ingest import (
+    EPOCH,
+    adopt_unknown_samples,
+    authenticate,
+    ingest,
+    issue_token,
+    validate_samples,
+)
+from billing.models import AgentToken, DirtyHour, Sample, UnknownDeviceSample
+from inventory.models import Device
+from tests.factories import DeviceFactory
+
+urlpatterns = [path("ingest/samples", views.ingest_samples)]
+
+pytestmark = [pytest.mark.django_db, pytest.mark.urls(__name__)]
+
+T0 = datetime(2025, 3, 1, 10, 0, tzinfo=UTC)
+
+
+def ms(at: datetime) -> int:
+    return (at - EPOCH) // timedelta(milliseconds=1)
+
+
+def sample(uuid: str, at: datetime, **fields: Any) -> dict[str, Any]:
+    return {"uuid": uuid, "ts": at.isoformat(), "gpu_util": 50.0, **fields}
+
+
+@pytest.fixture
+def gpu() -> Device:
+    return DeviceFactory.create()
+
+
+@pytest.fixture
+def token(gpu: Device) -> str:
+    assert gpu.node is not None
+    return issue_token(cluster=gpu.cluster, node=gpu.node.name)
+
+
+def post(body: Any, token: str | None, *, raw: bytes | None = None) -> Any:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    data = raw if raw is not None else json.dumps(body)
+    return Client().post(
+        "/ingest/samples", data=data, content_type="application/json", headers=headers
+    )
+
+
+def batch(gpu: Device, samples: list[Any]) -> dict[str, Any]:
+    assert gpu.node is not None
+    return {"node": gpu.node.name, "samples": samples}
+
+
+# Tokens
+
+
+def test_a_token_is_stored_only_as_its_hash(gpu: Device, token: str) -> None:
+    stored = AgentToken.objects.get()
+    assert stored.token_sha256 == hashlib.sha256(token.encode()).hexdigest()
+    assert token not in stored.token_sha256
+    assert authenticate(token) == stored
+    assert authenticate("not-" + token) is None
+    assert authenticate("") is None
+
+
+def test_missing_or_wrong_token_is_401(gpu: Device, token: str) -> None:
+    body = batch(gpu, [sample(gpu.uuid, T0)])
+    for bad in (None, "wrong-token"):
+        response = post(body, bad)
+        assert response.status_code == 401
+        assert response["WWW-Authenticate"] == "Bearer"
+        assert "token" in response.json()["error"]
+    response = Client().post(
+        "/ingest/samples",
+        data=json.dumps(body),
+        content_type="application/json",
+        headers={"Authorization": f"Basic {token}"},
+    )
+    assert response.status_code == 401
+    assert not Sample.objects.exists()
+
+
+def test_a_revoked_token_is_401(gpu: Device, token: str) -> None:
+    AgentToken.objects.update(revoked_at=timezone.now())
+    response = post(batch(gpu, [sample(gpu.uuid, T0)]), token)
+    assert response.status_code == 401
+    assert response.json() == {"error": "unknown or revoked agent token"}
+
+
+def test_another_nodes_token_is_403(gpu: Device) -> None:
+    other_token = issue_token(cluster=gpu.cluster, node="some-other-node")
+    response = post(batch(gpu, [sample(gpu.uuid, T0)]), other_token)
+    assert response.status_code == 403
+    assert "some-other-node" in response.json()["error"]
+    assert not Sample.objects.exists()
+
+
+# Malformed requests
+
+
+@pytest.mark.parametrize(
+    ("raw", "message"),
+    [
+        (b"this is not json", "body is not JSON"),
+        (b"\xff\xfe", "body is not JSON"),
+        (b"[" * 100_000, "nested too deeply"),
+        (b"[1, 2]", "body must be a JSON object"),
+        (b'{"samples": []}', "node is missing"),
+        (b'{"node": 7, "samples": []}', "node is missing"),
+    ],
+)
+def test_a_malformed_body_is_400(token: str, raw: bytes, message: str) -> None:
+    response = post(None, token, raw=raw)
+    assert response.status_code == 400
+    assert message in response.json()["error"]
+
+
+@pytest.mark.parametrize("samples", [None, {"uuid": "x"}, "[]"])
+def test_samples_must_be_a_list(gpu: Device, token: str, samples: Any) -> None:
+    response = post(batch(gpu, samples), token)
+    assert response.status_code == 400
+    assert response.json() == {"error": "samples is missing or not a list"}
+
+
+def test_only_post(token: str) -> None:
+    response = Client().get("/ingest/samples", headers={"Authorization": f"Bearer {token}"})
+    assert response.status_code == 405
+    assert response["Allow"] == "POST"
+
+
+@override_settings(TALLY_INGEST_MAX_SAMPLES=10)
+def test_too_many_samples_is_413(gpu: Device, token: str) -> None:
+    samples = [sample(gpu.uuid, T0 + timedelta(seconds=i)) for i in range(11)]
+    response = post(batch(gpu, samples), token)
+    assert response.status_code == 413
+    assert "at most 10" in response.json()["error"]
+    assert post(batch(gpu, samples[:10]), token).json()["accepted"] == 10
+
+
+@override_settings(TALLY_INGEST_MAX_BODY_BYTES=1000)
+def test_too_large_a_body_is_413(gpu: Device, token: str) -> None:
+    samples = [sample(gpu.uuid, T0, processes=[{"pid": 1, "name": "x" * 2000}])]
+    response = post(batch(gpu, samples), token)
+    assert response.status_code == 413
+    assert "larger than 1000 bytes" in response.json()["error"]
+
+
+# Validation
+
+
+@pytest.mark.parametrize(
+    ("bad", "reason"),
+    [
+        ("not an object", "samples[0]: must be an object"),
+        ({"ts": "2025-03-01T10:00:00Z"}, "samples[0].uuid: must be a non-empty string"),
+        ({"uuid": "", "ts": "2025-03-01T10:00:00Z"}, "samples[0].uuid: must be a non-empty"),
+        ({"uuid": "G" * 129, "ts": "2025-03-01T10:00:00Z"}, "at most 128 characters"),
+        ({"uuid": "GPU-\x00", "ts": "2025-03-01T10:00:00Z"}, "samples[0].uuid: "),
+        ({"uuid": "GPU-1"}, "samples[0].ts: must be an ISO 8601 string"),
+        ({"uuid": "GPU-1", "ts": 1740823200}, "samples[0].ts: must be an ISO 8601 string"),
+        ({"uuid": "GPU-1", "ts": "yesterday"}, 'samples[0].ts: "yesterday" is not an ISO 8601'),
+        ({"uuid": "GPU-1", "ts": "2025-03-01T10:00:00"}, "samples[0].ts: "),
+        ({"uuid": "GPU-1", "ts": "2999-01-01T00:00:00Z"}, "more than 5 minutes in the future"),
+        (
+            {"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "gpu_util": 140},
+            "samples[0].gpu_util: 140 is not between 0 and 100",
+        ),
+        ({"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "gpu_util": -1}, "not between 0 and"),
+        ({"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "gpu_util": "50"}, "must be a number"),
+        ({"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "gpu_util": True}, "must be a number"),
+        ({"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "gpu_util": float("nan")}, "between"),
+        (
+            {"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "mem_used_bytes": -1},
+            "samples[0].mem_used_bytes: must be an integer",
+        ),
+        ({"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "mem_used_bytes": 1.5}, "an integer"),
+        ({"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "mem_used_bytes": 2**63}, "an integer"),
+        (
+            {"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "processes": {"pid": 1}},
+            "samples[0].processes: must be a list of objects",
+        ),
+        ({"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "processes": [1]}, "list of objects"),
+        (
+            {"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "processes": [{"name": "a\x00"}]},
+            "samples[0].processes: holds a NUL character",
+        ),
+        (
+            {"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "processes": [{"x": "\ud800"}]},
+            "samples[0].processes: holds a value JSON cannot carry",
+        ),
+        (
+            {"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "processes": [{"x": float("inf")}]},
+            "samples[0].processes: holds a value JSON cannot carry",
+        ),
+    ],
+)
+def test_validation_names_the_field(bad: Any, reason: str) -> None:
+    valid, rejected = validate_samples([bad])
+    assert valid == []
+    assert len(rejected) == 1
+    assert rejected[0]["index"] == 0
+    assert rejected[0]["reason"].startswith(reason) or reason in rejected[0]["reason"]
+
+
+def test_validation_keeps_what_is_stored_and_drops_unknown_keys() -> None:
+    raw: list[dict[str, Any]] = [
+        {
+            "uuid": "GPU-1",
+            "ts": "2025-03-01T11:00:00.1239+01:00",
+            "gpu_util": 7,
+            "mem_used_bytes": 1024,
+            "processes": [{"pid": 42, "name": "python", "note": "a\\u0000b"}],
+            "temperature_c": 61,
+        },
+        {"uuid": "GPU-1", "ts": "2025-03-01T10:00:01Z", "gpu_util": None, "processes": None},
+    ]
+    valid, rejected = validate_samples(raw)
+    assert rejected == []
+    first, second = valid
+    assert first.ts_ms == ms(T0) + 123  # sub-millisecond digits cut, never rounded up
+    assert first.gpu_util == 7.0
+    assert first.mem_used_bytes == 1024
+    assert first.processes is not None
+    assert json.loads(first.processes) == raw[0]["processes"]
+    assert second == ("GPU-1", ms(T0) + 1000, None, None, None)
+
+
+def test_a_clock_up_to_five_minutes_ahead_is_accepted() -> None:
+    now = T0
+    ahead = [{"uuid": "GPU-1", "ts": (now + timedelta(minutes=5)).isoformat()}]
+    too_far = [{"uuid": "GPU-1", "ts": (now + timedelta(minutes=5, seconds=1)).isoformat()}]
+    assert validate_samples(ahead, now=now)[1] == []
+    assert "future" in validate_samples(too_far, now=now)[1][0]["reason"]
+
+
+def test_a_mixed_batch_keeps_the_good_samples(gpu: Device, token: str) -> None:
+    samples = [
+        sample(gpu.uuid, T0),
+        sample(gpu.uuid, T0 + timedelta(seconds=10), gpu_util=140),
+        sample(gpu.uuid, T0 + timedelta(seconds=20), mem_used_bytes=2**40),
+        {"uuid": gpu.uuid, "ts": "2025-03-01T10:00:30"},
+        "junk",
+        sample(gpu.uuid, T0 + timedelta(seconds=40), processes=[{"pid": 7, "name": "train"}]),
+    ]
+    response = post(batch(gpu, samples), token)
+    assert response.status_code == 200
+    assert response.json() == {
+        "accepted": 3,
+        "duplicates": 0,
+        "rejected": [
+            {"index": 1, "reason": "samples[1].gpu_util: 140 is not between 0 and 100"},
+            {"index": 3, "reason": 'samples[3].ts: "2025-03-01T10:00:30" has no timezone'},
+            {"index": 4, "reason": 'samples[4]: must be an object, not "junk"'},
+        ],
+        "unknown_devices": [],
+    }
+    stored = list(Sample.objects.order_by("ts_ms"))
+    assert [s.ts_ms - ms(T0) for s in stored] == [0, 20_000, 40_000]
+    assert stored[1].mem_used_bytes == 2**40
+    assert stored[2].processes == [{"pid": 7, "name": "train"}]
+    assert {s.node for s in stored} == {gpu.node.name if gpu.node else ""}
+
+
+# Duplicates
+
+
+def test_duplicates_are_stored_once_and_counted(gpu: Device, token: str) -> None:
+    first = [
+        sample(gpu.uuid, T0, gpu_util=10.0),
+        sample(gpu.uuid, T0 + timedelta(seconds=1)),
+        # The same instant written another way, sent twice in one batch: the first wins.
+        {"uuid": gpu.uuid, "ts": "2025-03-01T11:00:00+01:00", "gpu_util": 99.0},
+    ]
+    assert post(batch(gpu, first), token).json()["duplicates"] == 1
+    again = [sample(gpu.uuid, T0, gpu_util=20.0), sample(gpu.uuid, T0 + timedelta(seconds=2))]
+    answer = post(batch(gpu, again), token).json()
+    assert (answer["accepted"], answer["duplicates"]) == (1, 1)
+    assert Sample.objects.count() == 3
+    assert Sample.objects.get(ts_ms=ms(T0)).gpu_util == 10.0
+
+
+def test_ingest_twice_in_one_transaction(gpu: Device) -> None:
+    rows, _ = validate_samples([sample(gpu.uuid, T0), sample("GPU-unknown", T0)])
+    first = ingest(node="n1", samples=rows, received_at=T0)
+    second = ingest(node="n1", samples=rows, received_at=T0)
+    assert (first.accepted, first.duplicates) == (2, 0)
+    assert (second.accepted, second.duplicates) == (0, 2)
+    assert second.hours == set()
+
+
+# Devices not known yet
+
+
+def test_unknown_devices_are_kept_aside_then_adopted(gpu: Device, token: str) -> None:
+    newcomer, departed = "GPU-not-synced-yet", "GPU-gone-but-known"
+    DeviceFactory.create(uuid=departed, gone_at=timezone.now())
+    samples = [
+        sample(newcomer, T0),
+        sample(newcomer, T0 + timedelta(seconds=1)),
+        sample(departed, T0),
+        sample(gpu.uuid, T0),
+    ]
+    answer = post(batch(gpu, samples), token).json()
+    assert answer == {
+        "accepted": 4,
+        "duplicates": 0,
+        "rejected": [],
+        "unknown_devices": [newcomer],
+    }
+    assert set(Sample.objects.values_list("device_uuid", flat=True)) == {gpu.uuid, departed}
+    assert UnknownDeviceSample.objects.filter(device_uuid=newcomer).count() == 2
+    # Sent again while still unknown: a duplicate, not a second row.
+    assert post(batch(gpu, samples[:1]), token).json()["duplicates"] == 1
+    assert adopt_unknown_samples(now=timezone.now()) == 0
+
+    DeviceFactory.create(uuid=newcomer)
+    # One of them reached `Sample` another way meanwhile: the stored one wins.
+    Sample.objects.create(device_uuid=newcomer, ts_ms=ms(T0), gpu_util=1.0, received_at=T0)
+    DirtyHour.objects.all().delete()
+    assert adopt_unknown_samples(now=timezone.now()) == 1
+    assert not UnknownDeviceSample.objects.exists()
+    assert Sample.objects.filter(device_uuid=newcomer).count() == 2
+    assert Sample.objects.get(device_uuid=newcomer, ts_ms=ms(T0)).gpu_util == 1.0
+    adopted = Sample.objects.get(device_uuid=newcomer, ts_ms=ms(T0) + 1000)
+    assert adopted.node == (gpu.node.name if gpu.node else "")
+    assert set(DirtyHour.objects.values_list("hour", flat=True)) == {T0}
+
+
+# Dirty hours
+
+
+def test_touched_hours_are_marked_dirty_with_the_spill(gpu: Device) -> None:
+    rows, _ = validate_samples(
+        [
+            sample(gpu.uuid, T0 + timedelta(minutes=5)),  # 10:05: hour 10 only
+            sample(gpu.uuid, T0 + timedelta(minutes=58)),  # holds until 11:00 exactly: hour 10
+            sample(gpu.uuid, T0 + timedelta(hours=2, minutes=59)),  # 12:59: hours 12 and 13
+            sample("GPU-unknown", T0 + timedelta(hours=5)),  # not counted yet: no hour
+        ]
+    )
+    received = T0 + timedelta(days=1)
+    report = ingest(node="n1", samples=rows, received_at=received)
+    expected = {T0, T0 + timedelta(hours=2), T0 + timedelta(hours=3)}
+    assert report.hours == expected
+    assert {d.hour: d.marked_at for d in DirtyHour.objects.all()} == dict.fromkeys(
+        expected, received
+    )
+    # Marked again when new samples arrive; duplicates alone mark nothing.
+    later = received + timedelta(hours=1)
+    more, _ = validate_samples([sample(gpu.uuid, T0 + timedelta(minutes=6))])
+    ingest(node="n1", samples=rows + more, received_at=later)
+    assert DirtyHour.objects.get(hour=T0).marked_at == later
+    assert DirtyHour.objects.get(hour=T0 + timedelta(hours=2)).marked_at == received
+
+
+@override_settings(TALLY_SAMPLE_HOLD_SECONDS=600)
+def test_the_spill_follows_the_hold_setting(gpu: Device) -> None:
+    rows, _ = validate_samples([sample(gpu.uuid, T0 + timedelta(minutes=55))])
+    report = ingest(node="n1", samples=rows, received_at=T0)
+    assert report.hours == {T0, T0 + timedelta(hours=1)}
+
+
+# Commands
+
+
+def test_create_agent_token_prints_it_once(gpu: Device) -> None:
+    out = StringIO()
+    call_command("create_agent_token", "--node", "gpu-node-x", "--cluster", "east", stdout=out)
+    token = out.getvalue().strip()
+    stored = authenticate(token)
+    assert stored is not None
+    assert (stored.node, stored.cluster.name) == ("gpu-node-x", "east")
+    assert stored.token_sha256 != token
+
+
+def test_ingest_samples_command_loads_the_rest_and_lists_bad_lines(
+    gpu: Device, tmp_path: Path
+) -> None:
+    lines = [
+        json.dumps(sample(gpu.uuid, T0)),
+        json.dumps(sample(gpu.uuid, T0 + timedelta(seconds=1), gpu_util=140)),
+        "",
+        "{not json",
+        json.dumps({**sample(gpu.uuid, T0 + timedelta(seconds=2)), "node": "node-b"}),
+        json.dumps(sample(gpu.uuid, T0)),
+        json.dumps(sample("GPU-unknown", T0)),
+    ]
+    file = tmp_path / "samples.jsonl"
+    file.write_text("\n".join(lines) + "\n")
+    out, err = StringIO(), StringIO()
+    with pytest.raises(CommandError, match="2 lines rejected"):
+        call_command("ingest_samples", str(file), "--node", "node-a", stdout=out, stderr=err)
+    assert err.getvalue().splitlines() == [
+        "line 2: gpu_util: 140 is not between 0 and 100",
+        "line 4: not JSON: Expecting property name enclosed in double quotes: "
+        "line 1 column 2 (char 1)",
+    ]
+    assert "3 accepted, 1 duplicates, 2 rejected" in out.getvalue()
+    assert "GPU-unknown" in out.getvalue()
+    assert dict(Sample.objects.values_list("ts_ms", "node")) == {
+        ms(T0): "node-a",
+        ms(T0) + 2000: "node-b",
+    }
+
+
+def test_ingest_samples_command_needs_a_node(gpu: Device, tmp_path: Path) -> None:
+    file = tmp_path / "samples.jsonl"
+    file.write_text(json.dumps(sample(gpu.uuid, T0)) + "\n")
+    err = StringIO()
+    with pytest.raises(CommandError, match="1 lines rejected"):
+        call_command("ingest_samples", str(file), stdout=StringIO(), stderr=err)
+    assert err.getvalue().strip() == "line 1: node: missing (give it on the line or with --node)"
+    call_command("ingest_samples", str(file), "--node", "n1", stdout=StringIO())
+    assert Sample.objects.count() == 1
+
+
+# PostgreSQL: the COPY path at size
+
+
+@pytest.mark.postgres
+def test_copy_path_stores_a_large_batch_once(gpu: Device) -> None:
+    other = DeviceFactory.create()
+    raw = [
+        sample(uuid, T0 + timedelta(seconds=second), processes=[{"pid": second}])
+        for second in range(5_000)
+        for uuid in (gpu.uuid, other.uuid, "GPU-unknown-a", "GPU-unknown-b")
+    ]
+    rows, rejected = validate_samples(raw)
+    assert (len(rows), rejected) == (20_000, [])
+    report = ingest(node="n1", samples=rows, received_at=T0)
+    assert (report.accepted, report.duplicates) == (20_000, 0)
+    assert report.unknown_devices == ["GPU-unknown-a", "GPU-unknown-b"]
+    assert report.hours == {T0, T0 + timedelta(hours=1)}
+    assert Sample.objects.count() == 10_000
+    assert UnknownDeviceSample.objects.count() == 10_000
+    assert Sample.objects.get(device_uuid=other.uuid, ts_ms=ms(T0) + 7000).processes == [{"pid": 7}]
+    # Half of it again, each sample twice, after the rest: only the new half is stored.
+    shifted, _ = validate_samples(
+        [sample(s["uuid"], T0 + timedelta(seconds=2_500 + i // 4)) for i, s in enumerate(raw)]
+    )
+    again = ingest(node="n1", samples=shifted + shifted, received_at=T0)
+    assert (again.accepted, again.duplicates) == (10_000, 30_000)
+    assert Sample.objects.count() + UnknownDeviceSample.objects.count() == 30_000
+
+
+def test_a_cluster_wide_token_may_send_for_any_node(client: Client, gpu: Device) -> None:
+    token = issue_token(cluster=gpu.cluster, node="*")
+    response = client.post(
+        "/ingest/samples",
+        data=json.dumps({"node": "any-node", "samples": [sample(gpu.uuid, T0)]}),
+        content_type="application/json",
+        HTTP_AUTHORIZATION=f"Bearer {token}",
+    )
+    assert response.status_code == 200, response.content
+    assert response.json()["accepted"] == 1
