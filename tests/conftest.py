@@ -7,6 +7,8 @@ no PostgreSQL is configured.
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -33,7 +35,22 @@ def upstream() -> Path:
     return UPSTREAM
 
 
+@pytest.fixture
+def worker() -> Iterator[None]:
+    """A real Celery worker on the real Redis broker, in a thread (needs REDIS_URL)."""
+    from celery.contrib.testing.worker import start_worker
+
+    from config.celery import app
+
+    redis_url = os.environ.get("REDIS_URL", "")
+    if not redis_url.startswith("redis"):
+        pytest.skip("needs Redis: set REDIS_URL=redis://...")
+    app.conf.update(broker_url=redis_url, result_backend=redis_url, task_always_eager=False)
+    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+        yield
+
+
 # A small GPU fleet and device classes, for quota and billing tests.
 from tests.quota.fixtures import fleet  # noqa: E402
 
-__all__ = ["fleet", "upstream"]
+__all__ = ["fleet", "upstream", "worker"]

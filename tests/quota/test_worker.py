@@ -2,33 +2,18 @@
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
-
 import pytest
-from celery.contrib.testing.worker import start_worker
 from django.test import Client
 
-from config.celery import app
 from quota.models import QuotaRule, Reservation
 from quota.tasks import expire_reservations
 from tests.quota.fixtures import AT, claim, decide, gpu_request, make_team
 
-REDIS_URL = os.environ.get("REDIS_URL", "")
 pytestmark = [
     pytest.mark.redis,
     pytest.mark.django_db(transaction=True),
     pytest.mark.usefixtures("fleet"),
 ]
-
-
-@pytest.fixture
-def worker() -> Iterator[None]:
-    if not REDIS_URL.startswith("redis"):
-        pytest.skip("needs Redis: set REDIS_URL=redis://...")
-    app.conf.update(broker_url=REDIS_URL, result_backend=REDIS_URL, task_always_eager=False)
-    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
-        yield
 
 
 def test_expiry_runs_in_a_worker_through_redis(client: Client, worker: None) -> None:
