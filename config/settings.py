@@ -205,6 +205,8 @@ CELERY_BEAT_SCHEDULE = {
 
 # Metering.
 TALLY_SAMPLE_HOLD_SECONDS = env.get_int("TALLY_SAMPLE_HOLD_SECONDS", 120, minimum=1)
+TALLY_INGEST_MAX_SAMPLES = env.get_int("TALLY_INGEST_MAX_SAMPLES", 5000, minimum=1)
+TALLY_INGEST_MAX_BODY_BYTES = env.get_int("TALLY_INGEST_MAX_BODY_BYTES", 16 * 2**20, minimum=1024)
 TALLY_ROLLUP_EVERY_SECONDS = env.get_int("TALLY_ROLLUP_EVERY_SECONDS", 300, minimum=10)
 CELERY_BEAT_SCHEDULE["billing-rollup-pending"] = {
     "task": "billing.tasks.rollup_pending",
