@@ -73,7 +73,10 @@ def serve(argv: list[str]) -> int:
     time.sleep(2)
     print(
         f"\nTally is running at http://127.0.0.1:{port}/\n"
-        f"  admin:  http://127.0.0.1:{port}/admin/   login: operator / operator\n"
+        "  team lead:  lead-vision / lead-vision   (also lead-nlp, lead-speech, lead-recsys,\n"
+        "              lead-research; the password is the username)\n"
+        "  finance:    finance / finance            API: /api/v1/  docs: /api/docs/\n"
+        f"  operator:   operator / operator          admin: http://127.0.0.1:{port}/admin/\n"
         "  Ctrl-C stops the web server and the worker.\n",
         flush=True,
     )
