@@ -38,7 +38,10 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "config.logging.RequestIdMiddleware",
     "django.middleware.security.SecurityMiddleware",
+    # Each listener serves only its paths (webhook, ingest, metrics): see deploy/README.md.
+    "config.listeners.ListenerMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -183,6 +186,27 @@ LOGGING = {
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
     "loggers": {"kubernetes": {"level": "WARNING"}, "urllib3": {"level": "WARNING"}},
 }
+if env.get_choice("LOG_FORMAT", "plain", ("plain", "json")) == "json":
+    from config.logging import logging_config
+
+    LOGGING = logging_config(LOG_LEVEL)
+CELERY_WORKER_HIJACK_ROOT_LOGGER = False  # keep the worker's logs in the chosen format
+
+# HTTPS and cookies; the deploy overlays turn these on (see deploy/).
+SECURE_SSL_REDIRECT = env.get_bool("SECURE_SSL_REDIRECT", False)
+SECURE_HSTS_SECONDS = env.get_int("SECURE_HSTS_SECONDS", 0, minimum=0)
+SECURE_HSTS_INCLUDE_SUBDOMAINS = env.get_bool("SECURE_HSTS_INCLUDE_SUBDOMAINS", False)
+SECURE_HSTS_PRELOAD = env.get_bool("SECURE_HSTS_PRELOAD", False)
+SESSION_COOKIE_SECURE = env.get_bool("SESSION_COOKIE_SECURE", False)
+CSRF_COOKIE_SECURE = env.get_bool("CSRF_COOKIE_SECURE", False)
+CSRF_TRUSTED_ORIGINS = env.get_list("CSRF_TRUSTED_ORIGINS", [])
+if env.get_bool("SECURE_PROXY_SSL_HEADER", False):
+    SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
+
+# Operations.
+TALLY_METRICS_TOKEN = env.get_str("TALLY_METRICS_TOKEN")
+# "port=/path/prefix" pairs: a listener that serves only those paths (e.g. 8443=/admission/).
+TALLY_LISTENERS = env.get_list("TALLY_LISTENERS", [])
 
 # Drivers whose devices without a `type` attribute are GPUs (besides any driver named gpu.*).
 TALLY_GPU_DRIVERS = frozenset(

@@ -488,3 +488,157 @@ def _status_message(exc: ApiException) -> str:
     except (TypeError, ValueError):
         return str(exc.reason)
     return str(status.get("message") or exc.reason)
+
+
+# Leases (leader election, see inventory.leader) ------------------------------------------
+#
+# Raw JSON in and out, like the sync: a Lease's MicroTime fields stay the strings the API
+# server wrote. A write that loses a race answers None instead of raising: 409 is the
+# normal outcome of two candidates trying at once, not an error.
+
+HTTP_NOT_FOUND = 404
+HTTP_CONFLICT = 409
+WRITE_TIMEOUT_SECONDS = (CONNECT_TIMEOUT_SECONDS, 10)
+
+
+def _json(response: urllib3.BaseHTTPResponse) -> dict[str, Any]:
+    try:
+        data = json.loads(response.data)
+    except ValueError as exc:
+        raise StreamError(f"the answer is not JSON: {exc}") from exc
+    finally:
+        response.release_conn()
+    if not isinstance(data, dict):
+        raise StreamError("the answer is not a JSON object")
+    return data
+
+
+def _unless_status(
+    status: int, call: Callable[[], urllib3.BaseHTTPResponse]
+) -> dict[str, Any] | None:
+    """`call`'s object, or None when the API answered `status`."""
+    try:
+        return _json(call())
+    except ApiException as exc:
+        if exc.status == status:
+            return None
+        raise
+
+
+def read_lease(*, api_client: k8s.ApiClient, namespace: str, name: str) -> dict[str, Any] | None:
+    """The Lease `namespace/name` as JSON, or None when there is none."""
+    api = k8s.CoordinationV1Api(api_client)
+    return _unless_status(
+        HTTP_NOT_FOUND,
+        lambda: api.read_namespaced_lease(
+            name, namespace, _preload_content=False, _request_timeout=WRITE_TIMEOUT_SECONDS
+        ),
+    )
+
+
+def create_lease(
+    *, api_client: k8s.ApiClient, namespace: str, body: dict[str, Any]
+) -> dict[str, Any] | None:
+    """Create the Lease `body`; None when one of that name exists already (409)."""
+    api = k8s.CoordinationV1Api(api_client)
+    return _unless_status(
+        HTTP_CONFLICT,
+        lambda: api.create_namespaced_lease(
+            namespace, body, _preload_content=False, _request_timeout=WRITE_TIMEOUT_SECONDS
+        ),
+    )
+
+
+def replace_lease(
+    *, api_client: k8s.ApiClient, namespace: str, body: dict[str, Any]
+) -> dict[str, Any] | None:
+    """Replace the Lease if it is still at `body`'s `metadata.resourceVersion`; None on 409."""
+    api = k8s.CoordinationV1Api(api_client)
+    return _unless_status(
+        HTTP_CONFLICT,
+        lambda: api.replace_namespaced_lease(
+            body["metadata"]["name"],
+            namespace,
+            body,
+            _preload_content=False,
+            _request_timeout=WRITE_TIMEOUT_SECONDS,
+        ),
+    )
+
+
+# DeviceTaintRules (the version matrix's action, see inventory.taints) ---------------------
+#
+# DeviceTaintRule is served as resource.k8s.io/v1alpha3 in Kubernetes 1.33 and 1.34 (feature
+# gate DRADeviceTaints, and the v1alpha3 version enabled with --runtime-config).
+
+DEVICE_TAINT_RULE_API_VERSION = "resource.k8s.io/v1alpha3"
+
+
+def list_device_taint_rules(
+    *, api_client: k8s.ApiClient, label_selector: str
+) -> list[dict[str, Any]]:
+    """Every DeviceTaintRule matching `label_selector`, as JSON (all pages)."""
+    api = k8s.ResourceV1alpha3Api(api_client)
+    rules: list[dict[str, Any]] = []
+    continue_token: str | None = None
+    while True:
+        page = _json(
+            api.list_device_taint_rule(
+                label_selector=label_selector,
+                limit=settings.TALLY_SYNC_PAGE_SIZE,
+                _continue=continue_token,
+                _preload_content=False,
+                _request_timeout=(CONNECT_TIMEOUT_SECONDS, LIST_READ_TIMEOUT_SECONDS),
+            )
+        )
+        for rule in page.get("items") or ():
+            rule.setdefault("kind", "DeviceTaintRule")
+            rule.setdefault("apiVersion", DEVICE_TAINT_RULE_API_VERSION)
+            rules.append(rule)
+        continue_token = (page.get("metadata") or {}).get("continue")
+        if not continue_token:
+            return rules
+
+
+def create_device_taint_rule(*, api_client: k8s.ApiClient, body: dict[str, Any]) -> dict[str, Any]:
+    api = k8s.ResourceV1alpha3Api(api_client)
+    return _json(
+        api.create_device_taint_rule(
+            body, _preload_content=False, _request_timeout=WRITE_TIMEOUT_SECONDS
+        )
+    )
+
+
+def replace_device_taint_rule(
+    *, api_client: k8s.ApiClient, body: dict[str, Any]
+) -> dict[str, Any] | None:
+    """Replace the rule if it is still at `body`'s resourceVersion; None on 409."""
+    api = k8s.ResourceV1alpha3Api(api_client)
+    return _unless_status(
+        HTTP_CONFLICT,
+        lambda: api.replace_device_taint_rule(
+            body["metadata"]["name"],
+            body,
+            _preload_content=False,
+            _request_timeout=WRITE_TIMEOUT_SECONDS,
+        ),
+    )
+
+
+def delete_device_taint_rule(
+    *, api_client: k8s.ApiClient, name: str, resource_version: str
+) -> bool:
+    """Delete the rule if it is still at `resource_version`; False when it changed or is gone."""
+    api = k8s.ResourceV1alpha3Api(api_client)
+    try:
+        api.delete_device_taint_rule(
+            name,
+            body={"preconditions": {"resourceVersion": resource_version}},
+            _preload_content=False,
+            _request_timeout=WRITE_TIMEOUT_SECONDS,
+        ).release_conn()
+    except ApiException as exc:
+        if exc.status in (HTTP_NOT_FOUND, HTTP_CONFLICT):
+            return False
+        raise
+    return True

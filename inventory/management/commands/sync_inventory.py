@@ -18,7 +18,8 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
-from inventory import kube, services
+from config.metrics import start_metrics_server
+from inventory import kube, leader, services
 from inventory.models import Cluster
 
 
@@ -35,6 +36,17 @@ class Command(BaseCommand):
         parser.add_argument("--context", help="kubeconfig context (default: the current one)")
         parser.add_argument(
             "--once", action="store_true", help="list and import each kind once, then exit"
+        )
+        parser.add_argument(
+            "--leader-elect",
+            action="store_true",
+            help="sync only while holding the Lease tally-sync-<cluster> in POD_NAMESPACE, so "
+            "that of several replicas one writes",
+        )
+        parser.add_argument(
+            "--metrics-port",
+            type=int,
+            help="serve Prometheus metrics of this process on this port (e.g. 9090)",
         )
         parser.add_argument(
             "--kinds",
@@ -57,7 +69,7 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         # Every option is checked before anything is written.
         if options["from_file"] is not None:
-            for option in ("once", "kinds", "kubeconfig", "context"):
+            for option in ("once", "kinds", "kubeconfig", "context", "leader_elect"):
                 if options[option]:
                     raise CommandError(f"--{option} does not apply to --from-file")
             at = _parse_at(options["at"])
@@ -65,6 +77,8 @@ class Command(BaseCommand):
             return
         if options["at"] is not None:
             raise CommandError("--at only applies to --from-file")
+        if options["once"] and options["leader_elect"]:
+            raise CommandError("--leader-elect does not apply to --once")
         kinds = _parse_kinds(options["kinds"])
         self._sync(services.get_cluster(options["cluster"]), kinds, options)
 
@@ -95,7 +109,7 @@ class Command(BaseCommand):
             if options["once"]:
                 reports = kube.sync(api_client=api_client, cluster=cluster, kinds=kinds, once=True)
             else:
-                reports = self._run_live(api_client, cluster, kinds, options["verbosity"])
+                reports = self._run_live(api_client, cluster, kinds, options)
         except kube.KubeError as exc:
             raise CommandError(str(exc)) from exc
         finally:
@@ -108,8 +122,9 @@ class Command(BaseCommand):
             raise CommandError(f"{rejected} object(s) rejected; the rest was imported")
 
     def _run_live(
-        self, api_client: Any, cluster: Cluster, kinds: list[str], verbosity: int
+        self, api_client: Any, cluster: Cluster, kinds: list[str], options: dict[str, Any]
     ) -> dict[str, services.SyncReport]:
+        verbosity = options["verbosity"]
         if not logging.getLogger().handlers:
             # A long-running process: say what it does unless the deployment set up logging.
             logging.basicConfig(
@@ -123,7 +138,19 @@ class Command(BaseCommand):
         self.stdout.write(
             f"Syncing {', '.join(kinds)} of cluster {cluster.name}; stop with SIGTERM"
         )
-        return kube.sync(api_client=api_client, cluster=cluster, kinds=kinds, stop=stop)
+        if options["metrics_port"]:
+            start_metrics_server(options["metrics_port"])
+
+        def work(stop_working: threading.Event) -> dict[str, services.SyncReport]:
+            return kube.sync(api_client=api_client, cluster=cluster, kinds=kinds, stop=stop_working)
+
+        if not options["leader_elect"]:
+            return work(stop)
+        # Lost leadership raises (a KubeError): the process exits and restarts as a standby.
+        reports = leader.lead(
+            api_client=api_client, name=f"tally-sync-{cluster.name}", stop=stop, work=work
+        )
+        return reports or {}
 
     def _summarise(self, report: services.SyncReport) -> None:
         kinds = sorted({*report.created, *report.updated, *report.gone, *report.skipped})
