@@ -1,0 +1,854 @@
+"""Benchmark: the quota admission webhook under gunicorn, against a no-op floor on the same stack.
+
+    DEBUG=false SECRET_KEY=x .venv/bin/python -m bench.webhook [--requests 6000] [--clients 50]
+        [--rate 300] [--workers 4]
+
+Creates a fresh PostgreSQL database (`BENCH_DATABASE_URL`, default
+postgres://postgres@127.0.0.1:5432/tally_bench_webhook), migrates it, imports a simulated
+10,000-GPU fleet (`inventory.simulate`, default mix: whole H100/H200, static-MIG A100s and
+partitionable H100s) and 100 teams with quota rules, then serves the project with gunicorn
+(sync workers, `bench.settings`: the project's settings plus a no-op endpoint) and drives it
+from one asyncio process with `--clients` concurrent connections:
+
+1. the no-op endpoint, closed loop at full speed (the floor's throughput) and paced at `--rate`
+   (the floor's latency);
+2. the webhook (`POST /admission/resourceclaims`) with distinct, realistic CREATE reviews,
+   paced at `--rate` (open loop: request i is due at start + i/rate, latency counted from when
+   it was due), then closed loop at full speed (its throughput).
+
+Quota state is checked after each webhook run and reset before the next. See README.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+from bench.inventory import REPO, _database_name, _drop_database, _recreate_database
+
+DEFAULT_URL = "postgres://postgres@127.0.0.1:5432/tally_bench_webhook"
+TARGET_P99_MS = 50.0
+TARGET_RATIO = 1 / 3
+NODES = 1250  # x 8 = 10,000 GPUs
+TEAMS = 100
+TIGHT_TEAMS = 10  # the last ten teams sit at a small quota: most of what they ask is denied
+ENVIRONMENTS = ("prod", "dev", "batch")
+WEBHOOK_PATH = "/admission/resourceclaims"
+NOOP_PATH = "/admission/noop"
+CONTROLLER = "system:serviceaccount:kube-system:resource-claim-controller"
+REQUEST_TIMEOUT_S = 10.0
+
+NVIDIA = "gpu.nvidia.com"
+H100 = f'device.attributes["{NVIDIA}"].productName.startsWith("NVIDIA H100")'
+A100 = f'device.attributes["{NVIDIA}"].productName.startsWith("NVIDIA A100")'
+# What each claim asks for, by weight; any of them may also be a dry run (DRY_RUN_SHARE).
+KINDS = {
+    "one-gpu": 27,
+    "gpus": 15,  # 2-4 whole GPUs
+    "mig": 15,  # one MIG slice by profile
+    "h100": 12,  # 1-2 H100s by productName
+    "first-available": 10,  # one H100, else two A100 3g.40gb MIG slices
+    "template": 11,  # one GPU, made by the resource-claim controller for a Pod
+    "over-quota": 10,  # 16 GPUs of a tight team: always denied
+}
+DRY_RUN_SHARE = 0.08
+MIG_PROFILES = ("1g.10gb", "2g.20gb", "3g.40gb")
+
+
+def _profile_selector(profile: str) -> str:
+    return f'device.attributes["{NVIDIA}"].profile == "{profile}"'
+
+
+# --- the workload ------------------------------------------------------------------------------
+
+
+@dataclass
+class Review:
+    """One AdmissionReview to send, and what the checks need to know about it."""
+
+    uid: str
+    name: str
+    team: int
+    kind: str
+    dry_run: bool
+    gpus: int  # whole GPUs asked of gpu.nvidia.com
+    mig: int  # MIG slices asked of mig.nvidia.com
+    body: bytes
+
+
+def _namespace(team: int, env: str) -> str:
+    return f"team-{team:03d}-{env}"
+
+
+def _exactly(name: str, device_class: str, count: int, *selectors: str) -> dict[str, Any]:
+    exactly: dict[str, Any] = {"deviceClassName": device_class, "count": count}
+    if selectors:
+        exactly["selectors"] = [{"cel": {"expression": s}} for s in selectors]
+    return {"name": name, "exactly": exactly}
+
+
+def workload(count: int, *, seed: int, prefix: str) -> list[Review]:
+    """`count` CREATE reviews of distinct claims; the same seed gives the same mix and teams."""
+    rng = random.Random(f"{seed}/workload")
+    kinds, weights = zip(*KINDS.items(), strict=True)
+    reviews = []
+    for index in range(count):
+        kind = rng.choices(kinds, weights)[0]
+        team = (
+            rng.randrange(TEAMS - TIGHT_TEAMS, TEAMS)
+            if kind == "over-quota"
+            else rng.randrange(TEAMS)
+        )
+        namespace = _namespace(team, rng.choice(ENVIRONMENTS))
+        name = f"{prefix}-{index:06d}-{kind}"
+        dry_run = rng.random() < DRY_RUN_SHARE
+        uid = str(uuid.UUID(int=rng.getrandbits(128), version=4))
+        gpus = mig = 0
+        username = f"user-{team:03d}-{rng.randrange(5)}"
+        metadata: dict[str, Any] = {"name": name, "namespace": namespace}
+        if kind == "one-gpu":
+            requests, gpus = [_exactly("gpu", NVIDIA, 1)], 1
+        elif kind == "gpus":
+            gpus = rng.randint(2, 4)
+            requests = [_exactly("gpus", NVIDIA, gpus)]
+        elif kind == "mig":
+            profile = rng.choice(MIG_PROFILES)
+            requests, mig = [_exactly("mig", "mig.nvidia.com", 1, _profile_selector(profile))], 1
+        elif kind == "h100":
+            gpus = rng.randint(1, 2)
+            requests = [_exactly("gpu", NVIDIA, gpus, H100)]
+        elif kind == "first-available":
+            requests = [
+                {
+                    "name": "gpu",
+                    "firstAvailable": [
+                        {"name": "h100", "deviceClassName": NVIDIA, "count": 1,
+                         "selectors": [{"cel": {"expression": H100}}]},
+                        {"name": "a100-mig", "deviceClassName": "mig.nvidia.com", "count": 2,
+                         "selectors": [{"cel": {"expression": f"{A100} && "
+                                                + _profile_selector("3g.40gb")}}]},
+                    ],
+                }
+            ]  # fmt: skip
+            gpus, mig = 1, 2
+        elif kind == "template":
+            requests, gpus = [_exactly("gpu", NVIDIA, 1)], 1
+            username = CONTROLLER
+            pod = f"job-{index:06d}-0-{rng.randrange(36**5):05x}"
+            metadata["ownerReferences"] = [
+                {"apiVersion": "v1", "kind": "Pod", "name": pod, "controller": True,
+                 "uid": str(uuid.UUID(int=rng.getrandbits(128), version=4))}
+            ]  # fmt: skip
+        else:  # over-quota
+            requests, gpus = [_exactly("gpus", NVIDIA, 16)], 16
+        claim = {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceClaim",
+            "metadata": metadata,
+            "spec": {"devices": {"requests": requests}},
+        }
+        body = {
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "request": {
+                "uid": uid,
+                "kind": {"group": "resource.k8s.io", "version": "v1", "kind": "ResourceClaim"},
+                "resource": {
+                    "group": "resource.k8s.io",
+                    "version": "v1",
+                    "resource": "resourceclaims",
+                },
+                "requestKind": {
+                    "group": "resource.k8s.io",
+                    "version": "v1",
+                    "kind": "ResourceClaim",
+                },
+                "requestResource": {
+                    "group": "resource.k8s.io",
+                    "version": "v1",
+                    "resource": "resourceclaims",
+                },
+                "name": name,
+                "namespace": namespace,
+                "operation": "CREATE",
+                "userInfo": {
+                    "username": username,
+                    "uid": str(uuid.UUID(int=rng.getrandbits(128), version=4)),
+                    "groups": ["system:authenticated"],
+                },
+                "object": claim,
+                "oldObject": None,
+                "dryRun": dry_run,
+                "options": {"apiVersion": "meta.k8s.io/v1", "kind": "CreateOptions"},
+            },
+        }
+        reviews.append(Review(uid, name, team, kind, dry_run, gpus, mig, json.dumps(body).encode()))
+    return reviews
+
+
+def _limits(reviews: list[Review]) -> dict[int, dict[str, Decimal]]:
+    """Per team, limits sized to what the workload asks, so the denial share does not depend
+    on `--requests`: every whole GPU fits the team's `gpus` rule, the H100 rule (which every
+    gpu.nvidia.com request counts on, since it could be given an H100) binds at ~85% of it,
+    and the MIG rule at roughly a quarter of the slices asked (GPU-equivalents)."""
+    gpus: Counter[int] = Counter()
+    mig: Counter[int] = Counter()
+    for review in reviews:
+        if not review.dry_run and review.kind != "over-quota":
+            gpus[review.team] += review.gpus
+            mig[review.team] += review.mig
+    limits = {}
+    for team in range(TEAMS):
+        if team >= TEAMS - TIGHT_TEAMS:
+            whole, h100, slices = Decimal(8), Decimal(4), Decimal(1)
+        else:
+            whole = Decimal(max(8, gpus[team]))
+            h100 = Decimal(max(4, round(gpus[team] * 0.85)))
+            slices = Decimal(max(1, round(mig[team] * 0.25)))
+        limits[team] = {"gpus": whole, "h100": h100, "mig": slices, "memory": whole * 48 * 2**30}
+    return limits
+
+
+# --- setting the database up -------------------------------------------------------------------
+
+
+def _load_fleet(seed: int) -> None:
+    from inventory import services as inventory_services
+    from inventory import simulate
+    from inventory.models import Device
+
+    started = time.perf_counter()
+    report = inventory_services.import_snapshot(
+        cluster=inventory_services.get_cluster("default"),
+        objects=simulate.generate(nodes=NODES, seed=seed),
+        at=datetime.now(UTC),
+    )
+    if report.errors:
+        raise SystemExit(f"the fleet import reported errors: {report.errors[:5]}")
+    devices = Device.objects.filter(gone_at__isnull=True).count()
+    print(
+        f"fleet: {NODES} nodes ({NODES * 8:,} GPUs, {devices:,} published devices) "
+        f"imported in {time.perf_counter() - started:.1f} s",
+        flush=True,
+    )
+
+
+def _load_teams(limits: dict[int, dict[str, Decimal]]) -> None:
+    from quota.models import Mode, QuotaRule, Team, TeamNamespace, Unit
+
+    teams = Team.objects.bulk_create(
+        Team(slug=f"team-{team:03d}", name=f"Team {team:03d}") for team in range(TEAMS)
+    )
+    TeamNamespace.objects.bulk_create(
+        TeamNamespace(team=teams[team], namespace=_namespace(team, env))
+        for team in range(TEAMS)
+        for env in ENVIRONMENTS
+    )
+    rules = []
+    for team, limit in limits.items():
+        rules += [
+            QuotaRule(team=teams[team], name="gpus", device_class=NVIDIA, limit=limit["gpus"]),
+            QuotaRule(
+                team=teams[team], name="h100", device_class=NVIDIA, selector=H100,
+                limit=limit["h100"],
+            ),
+            QuotaRule(team=teams[team], name="mig", device_class="mig.nvidia.com",
+                      limit=limit["mig"]),
+        ]  # fmt: skip
+        if team % 2 == 0:
+            rules.append(
+                QuotaRule(
+                    team=teams[team], name="memory", device_class=NVIDIA, unit=Unit.MEMORY,
+                    mode=Mode.WARN, limit=limit["memory"],
+                )
+            )  # fmt: skip
+    QuotaRule.objects.bulk_create(rules)
+    print(f"quota: {TEAMS} teams, {TEAMS * len(ENVIRONMENTS)} namespaces, {len(rules)} rules")
+
+
+def _wait_until_idle(limit_s: float = 120.0) -> None:
+    """Wait until no other session on the bench database is inside a statement or transaction
+    (requests a phase gave up on may still be running in the workers)."""
+    from django.db import connection
+
+    deadline = time.monotonic() + limit_s
+    with connection.cursor() as cursor:
+        while True:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid() AND state <> 'idle'"
+            )
+            row = cursor.fetchone()
+            if not row or not row[0] or time.monotonic() > deadline:
+                return
+            time.sleep(0.2)
+
+
+def _reset_quota_state() -> None:
+    """Forget every reservation and decision, as if no claim had been admitted yet."""
+    from django.db import connection
+
+    from quota.models import AdmissionDecision, QuotaRule, Reservation, ReservationLine
+
+    _wait_until_idle()
+    tables = [m._meta.db_table for m in (ReservationLine, Reservation, AdmissionDecision)]
+    with connection.cursor() as cursor:
+        cursor.execute(f"TRUNCATE {', '.join(tables)}")
+        cursor.execute(f"UPDATE {QuotaRule._meta.db_table} SET in_use = 0")
+        cursor.execute("ANALYZE")
+
+
+# --- gunicorn ----------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+def _start_gunicorn(url: str, *, workers: int, port: int, app: str) -> subprocess.Popen[bytes]:
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "bench.settings",
+        "DATABASE_URL": url,
+        "DEBUG": "false",
+        "ALLOWED_HOSTS": "127.0.0.1",
+        "SECRET_KEY": os.environ.get("SECRET_KEY") or "bench-only-secret-key",
+    }
+    command = [
+        sys.executable, "-m", "gunicorn", app,
+        "--bind", f"127.0.0.1:{port}", "--workers", str(workers), "--worker-class", "sync",
+        "--backlog", "2048", "--timeout", "60", "--graceful-timeout", "5",
+        "--worker-tmp-dir", "/dev/shm", "--log-level", "warning",
+    ]  # fmt: skip
+    print(f"gunicorn: {workers} sync workers on 127.0.0.1:{port}", flush=True)
+    # Its own process group, so that the master and its workers can be stopped together.
+    process = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise SystemExit(f"gunicorn exited with status {process.returncode}")
+        try:
+            if _get(port, "/healthz") == 200:
+                return process
+        except OSError:
+            pass
+        time.sleep(0.2)
+    _stop(process)
+    raise SystemExit("gunicorn did not answer /healthz within 60 s")
+
+
+def _get(port: int, path: str) -> int:
+    with socket.create_connection(("127.0.0.1", port), timeout=2) as conn:
+        conn.sendall(
+            f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n".encode()
+        )
+        head = conn.recv(64)
+    return int(head.split(b" ", 2)[1])
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is not None:
+        return
+    os.killpg(process.pid, signal.SIGTERM)
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _cpu_seconds(pids: list[int]) -> dict[int, float]:
+    """User + system CPU seconds of each of `pids` still running."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    seconds = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as stat:
+                fields = stat.read().rsplit(b")", 1)[1].split()
+        except OSError:
+            continue
+        seconds[pid] = (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return seconds
+
+
+def _processes(*, parent: int | None = None, cmdline: bytes | None = None) -> list[int]:
+    """Children of `parent`, or processes whose command line contains `cmdline`."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            if parent is not None:
+                with open(f"/proc/{entry}/stat", "rb") as stat:
+                    if int(stat.read().rsplit(b")", 1)[1].split()[1]) == parent:
+                        found.append(int(entry))
+            elif cmdline is not None:
+                with open(f"/proc/{entry}/cmdline", "rb") as command:
+                    if cmdline in command.read():
+                        found.append(int(entry))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+class _CpuMeter:
+    """CPU the client, the gunicorn workers and the bench database's backends use meanwhile."""
+
+    def __init__(self, master: int, database: str) -> None:
+        self.master = master
+        self.marker = f" {database} ".encode()  # "postgres: 15/main: user DATABASE host ..."
+
+    def sample(self) -> dict[str, dict[int, float]]:
+        return {
+            "client": {0: time.process_time()},
+            "gunicorn": _cpu_seconds(_processes(parent=self.master)),
+            "postgres": _cpu_seconds(_processes(cmdline=self.marker)),
+        }
+
+    @staticmethod
+    def spent(before: dict[str, dict[int, float]], after: dict[str, dict[int, float]]) -> dict:
+        # A process that started meanwhile counts whole; one that ended is lost (rare: workers
+        # live through the run and keep their database connections).
+        return {
+            name: sum(value - before[name].get(pid, 0.0) for pid, value in now.items())
+            for name, now in after.items()
+        }
+
+
+# --- the load generator ------------------------------------------------------------------------
+
+
+class _Exchange(asyncio.Protocol):
+    """One request on its own connection (`Connection: close`), read until the server closes.
+
+    gunicorn's sync workers close every connection after one response anyway; a protocol
+    rather than streams keeps the client's CPU per request low on a 2-core machine.
+    """
+
+    def __init__(self, payload: bytes, done: asyncio.Future[bytes]) -> None:
+        self.payload = payload
+        self.done = done
+        self.chunks: list[bytes] = []
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        transport.write(self.payload)
+
+    def data_received(self, data: bytes) -> None:
+        self.chunks.append(data)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            if exc is not None:
+                self.done.set_exception(exc)
+            else:
+                self.done.set_result(b"".join(self.chunks))
+
+
+@dataclass
+class Run:
+    """What one driven phase measured."""
+
+    label: str
+    requests: int
+    rate: float | None  # None: closed loop at full speed
+    latencies: list[float] = field(default_factory=list)  # seconds, completed requests only
+    responses: list[bytes | None] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    wall: float = 0.0
+    cpu: dict[str, float] = field(default_factory=dict)  # client, gunicorn, postgres seconds
+    others: float = 0.0  # share of the machine's CPU other processes used meanwhile
+    unfinished: int = 0  # requests the time limit cut off
+
+    @property
+    def completed(self) -> int:
+        return len(self.latencies)
+
+    @property
+    def throughput(self) -> float:
+        return self.completed / self.wall if self.wall else 0.0
+
+    def percentile(self, share: float) -> float:
+        """Milliseconds, nearest rank."""
+        if not self.latencies:
+            return math.inf
+        ordered = sorted(self.latencies)
+        return 1000 * ordered[max(0, math.ceil(share * len(ordered)) - 1)]
+
+
+def _payload(path: str, body: bytes) -> bytes:
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Accept: application/json\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+async def _drive(
+    port: int, payloads: list[bytes], *, clients: int, rate: float | None, limit_s: float, run: Run
+) -> None:
+    loop = asyncio.get_running_loop()
+    run.responses = [None] * len(payloads)
+    indexes: Iterator[int] = iter(range(len(payloads)))
+    start = loop.time() + 0.05
+    finished = start
+
+    async def client() -> None:
+        nonlocal finished
+        for index in indexes:  # shared: each index goes to the next free client
+            if rate:
+                due = start + index / rate
+                delay = due - loop.time()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                began = due  # open loop: a request that waits for a free client counts it
+            else:
+                began = loop.time()
+            done: asyncio.Future[bytes] = loop.create_future()
+            try:
+                transport, _ = await loop.create_connection(
+                    functools.partial(_Exchange, payloads[index], done),
+                    "127.0.0.1",
+                    port,
+                )
+                try:
+                    raw = await asyncio.wait_for(done, REQUEST_TIMEOUT_S)
+                finally:
+                    transport.close()
+            except (OSError, TimeoutError) as exc:
+                run.errors[type(exc).__name__] += 1
+                continue
+            now = loop.time()
+            finished = max(finished, now)
+            run.latencies.append(now - began)
+            run.responses[index] = raw
+
+    tasks = [asyncio.ensure_future(client()) for _ in range(clients)]
+    _, pending = await asyncio.wait(tasks, timeout=limit_s)
+    for task in pending:
+        task.cancel()
+    if pending:
+        run.unfinished = len(payloads) - run.completed - sum(run.errors.values())
+        await asyncio.gather(*pending, return_exceptions=True)
+    run.wall = finished - start
+
+
+def _machine_cpu() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine so far, all cores, from /proc/stat."""
+    with open("/proc/stat") as stat:
+        values = [int(v) for v in stat.readline().split()[1:8]]
+    ticks = os.sysconf("SC_CLK_TCK")
+    idle = values[3] + values[4]  # idle, iowait
+    return (sum(values) - idle) / ticks, sum(values) / ticks
+
+
+def drive(
+    label: str,
+    port: int,
+    path: str,
+    bodies: list[bytes],
+    *,
+    clients: int,
+    rate: float | None,
+    meter: _CpuMeter,
+    limit_s: float,
+) -> Run:
+    payloads = [_payload(path, body) for body in bodies]
+    run = Run(label, len(payloads), rate)
+    if rate:
+        limit_s = min(limit_s, len(payloads) / rate * 1.5 + 30)
+    before = meter.sample()
+    machine_before = _machine_cpu()
+    asyncio.run(_drive(port, payloads, clients=clients, rate=rate, limit_s=limit_s, run=run))
+    machine_after = _machine_cpu()
+    run.cpu = meter.spent(before, meter.sample())
+    cores = os.cpu_count() or 1
+    elapsed = (machine_after[1] - machine_before[1]) / cores
+    busy = (machine_after[0] - machine_before[0]) / cores / elapsed if elapsed else 0.0
+    ours = sum(run.cpu.values()) / cores / elapsed if elapsed else 0.0
+    run.others = max(0.0, busy - ours)
+    how = f"paced at {rate:g}/s" if rate else "closed loop, full speed"
+    cpu = ", ".join(
+        f"{name} {1000 * seconds / max(run.completed, 1):.2f}" for name, seconds in run.cpu.items()
+    )
+    print(
+        f"  {label:<8} {how:<24} {run.completed:>6}/{run.requests} ok  "
+        f"p50 {run.percentile(0.5):7.1f} ms  p99 {run.percentile(0.99):7.1f} ms  "
+        f"max {run.percentile(1.0):7.1f} ms  {run.throughput:7.0f} req/s\n"
+        f"           CPU ms/request: {cpu}; the {cores} cores {100 * busy:.0f}% busy, "
+        f"{100 * run.others:.0f}% by other processes; load average {os.getloadavg()[0]:.1f}"
+        + (f"; errors {dict(run.errors)}" if run.errors else "")
+        + (
+            f"; {run.unfinished} not sent or unanswered at the time limit" if run.unfinished else ""
+        ),
+        flush=True,
+    )
+    return run
+
+
+# --- checks ------------------------------------------------------------------------------------
+
+
+def _answers(run: Run, reviews: list[Review]) -> tuple[list[tuple[str, bool, str]], Counter[str]]:
+    """Every review answered 200 with its uid; tallies of what was decided."""
+    tally: Counter[str] = Counter()
+    bad = 0
+    for review, raw in zip(reviews, run.responses, strict=True):
+        if raw is None:
+            continue
+        head, _, body = raw.partition(b"\r\n\r\n")
+        try:
+            response = json.loads(body)["response"]
+            ok = head.startswith(b"HTTP/1.1 200") and response["uid"] == review.uid
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            bad += 1
+            continue
+        allowed = response["allowed"] is True
+        if review.dry_run:
+            tally["dry run " + ("allowed" if allowed else "denied")] += 1
+        elif allowed:
+            tally["admitted"] += 1
+        else:
+            tally["denied " + response.get("status", {}).get("reason", "?")] += 1
+        if response.get("warnings"):
+            tally["with warnings"] += 1
+    answered = run.completed - bad
+    how = f"paced {run.rate:g}/s" if run.rate else "full speed"
+    checks = [
+        (f"{run.label} {how}: well-formed answers {answered} of {run.completed} received",
+         answered == run.completed, "all: 200, uid echoed"),
+    ]  # fmt: skip
+    return checks, tally
+
+
+def _verify(run: Run, reviews: list[Review]) -> list[tuple[str, bool, str]]:
+    from django.db.models import F, Q, Sum
+
+    from quota.models import (
+        AdmissionDecision,
+        Mode,
+        QuotaRule,
+        Reservation,
+        ReservationLine,
+        ReservationState,
+    )
+
+    _wait_until_idle()
+    checks, tally = _answers(run, reviews)
+    print(f"  {run.label} decisions: " + ", ".join(f"{k} {v}" for k, v in sorted(tally.items())))
+    over = QuotaRule.objects.filter(mode=Mode.ENFORCE, in_use__gt=F("limit")).count()
+    lines = dict(
+        ReservationLine.objects.filter(~Q(reservation__state=ReservationState.RELEASED))
+        .values_list("rule_id")
+        .annotate(total=Sum("amount"))
+        .order_by()
+    )
+    drift = sum(
+        1 for pk, in_use in QuotaRule.objects.values_list("pk", "in_use")
+        if in_use != lines.get(pk, Decimal(0))
+    )  # fmt: skip
+    live = Reservation.objects.exclude(state=ReservationState.RELEASED).count()
+    dry_names = [review.name for review in reviews if review.dry_run]
+    dry_reserved = Reservation.objects.filter(name__in=dry_names).count()
+    decisions = AdmissionDecision.objects.count()
+    label = f"{run.label} {'paced' if run.rate else 'full speed'}"
+    checks += [
+        (f"{label}: enforce rules over their limit {over}", over == 0, "0"),
+        (f"{label}: rules whose in_use != their live lines {drift}", drift == 0, "0"),
+        (f"{label}: reservations of dry runs {dry_reserved}", dry_reserved == 0, "0"),
+    ]
+    if run.completed == len(reviews):
+        not_dry = sum(1 for review in reviews if not review.dry_run)
+        admitted = tally["admitted"]
+        checks += [
+            (f"{label}: reservations {live}", live == admitted,
+             f"== admitted non-dry-run requests {admitted}"),
+            (f"{label}: decisions recorded {decisions}", decisions == not_dry,
+             f"== non-dry-run requests {not_dry}"),
+        ]  # fmt: skip
+    else:
+        # Some answers never came back: compare with what the webhook recorded instead.
+        recorded = AdmissionDecision.objects.filter(allowed=True, dry_run=False).count()
+        checks.append(
+            (f"{label}: reservations {live} ({len(reviews) - run.completed} unanswered)",
+             live == recorded, f"== admissions recorded {recorded}"),
+        )  # fmt: skip
+    return checks
+
+
+# --- main --------------------------------------------------------------------------------------
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.webhook", description=__doc__)
+    parser.add_argument("--requests", type=int, default=6000, help="per run (default 6000)")
+    parser.add_argument("--clients", type=int, default=50, help="concurrent connections")
+    parser.add_argument("--rate", type=float, default=300.0, help="offered req/s, paced runs")
+    parser.add_argument("--workers", type=int, default=4, help="gunicorn sync workers")
+    parser.add_argument(
+        "--time-limit", type=float, default=90.0, help="seconds per measured run at most"
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--app",
+        default="config.wsgi:application",
+        help="the WSGI application gunicorn serves (to try a patched one; default %(default)s)",
+    )
+    parser.add_argument("--keep", action="store_true", help="keep the database")
+    parser.add_argument(
+        "--py-spy",
+        metavar="FILE",
+        help="record the workers with py-spy during the paced webhook run (speedscope JSON)",
+    )
+    args = parser.parse_args(argv)
+    if args.requests < 100 or args.clients < 1 or args.rate <= 0 or args.workers < 1:
+        parser.error("--requests >= 100, --clients >= 1, --rate > 0 and --workers >= 1")
+
+    url = os.environ.get("BENCH_DATABASE_URL", DEFAULT_URL)
+    database = _database_name(url)
+    if "bench" not in database:
+        parser.error(f"BENCH_DATABASE_URL names {database!r}; its name must contain 'bench'")
+    os.environ["DATABASE_URL"] = url
+    os.environ["DJANGO_SETTINGS_MODULE"] = "config.settings"
+    os.environ.setdefault("SECRET_KEY", "bench-only-secret-key")
+    sys.path.insert(0, str(REPO))
+
+    print(f"database {database}: creating and migrating", flush=True)
+    _recreate_database(url)
+    import django
+
+    django.setup()
+    from django.core.management import call_command
+    from django.db import connection
+
+    call_command("migrate", verbosity=0)
+    _load_fleet(args.seed)
+    paced = workload(args.requests, seed=args.seed, prefix="paced")
+    full = workload(args.requests, seed=args.seed, prefix="full")  # same mix, other names
+    warm = workload(min(args.requests, 300), seed=args.seed + 1, prefix="warm")
+    _load_teams(_limits(paced))
+    _reset_quota_state()
+    connection.close()  # the bench's own connection stays idle from here on
+
+    port = _free_port()
+    process = _start_gunicorn(url, workers=args.workers, port=port, app=args.app)
+    checks: list[tuple[str, bool, str]] = []
+    try:
+        master = process.pid
+        kw: dict[str, Any] = {
+            "clients": args.clients,
+            "meter": _CpuMeter(master, database),
+            "limit_s": args.time_limit,
+        }
+        print("warm-up (not measured):", flush=True)
+        drive("noop", port, NOOP_PATH, [r.body for r in warm], rate=None, **kw)
+        drive("webhook", port, WEBHOOK_PATH, [r.body for r in warm], rate=None, **kw)
+        _reset_quota_state()
+        print("measured:", flush=True)
+        noop_bodies = [r.body for r in paced]
+        floor = drive("noop", port, NOOP_PATH, noop_bodies, rate=None, **kw)
+        floor_paced = drive("noop", port, NOOP_PATH, noop_bodies, rate=args.rate, **kw)
+        checks += _answers(floor, paced)[0] + _answers(floor_paced, paced)[0]
+        spy = _start_py_spy(master, args.py_spy, args.requests / args.rate) if args.py_spy else None
+        hook_paced = drive("webhook", port, WEBHOOK_PATH, [r.body for r in paced],
+                           rate=args.rate, **kw)  # fmt: skip
+        if spy is not None:
+            spy.wait(timeout=60)
+        checks += _verify(hook_paced, paced)
+        _reset_quota_state()
+        hook_full = drive("webhook", port, WEBHOOK_PATH, [r.body for r in full], rate=None, **kw)
+        checks += _verify(hook_full, full)
+        connection.close()
+    finally:
+        _stop(process)
+        print("gunicorn stopped", flush=True)
+        if not args.keep:
+            connection.close()
+            _drop_database(url)
+    return _report(args, checks, floor=floor, floor_paced=floor_paced, paced=hook_paced,
+                   full=hook_full)  # fmt: skip
+
+
+def _start_py_spy(master: int, output: str, seconds: float) -> subprocess.Popen[bytes]:
+    command = [
+        str(Path(sys.executable).parent / "py-spy"), "record", "--pid", str(master),
+        "--subprocesses", "--nonblocking", "--rate", "100", "--format", "speedscope",
+        "--duration", str(math.ceil(seconds)), "--output", output,
+    ]  # fmt: skip
+    spy = subprocess.Popen(command, stdout=subprocess.DEVNULL)
+    time.sleep(1.0)  # let it attach
+    return spy
+
+
+def _report(
+    args: argparse.Namespace,
+    checks: list[tuple[str, bool, str]],
+    *,
+    floor: Run,
+    floor_paced: Run,
+    paced: Run,
+    full: Run,
+) -> int:
+    ratio = full.throughput / floor.throughput if floor.throughput else 0.0
+    print()
+    print(f"  {'':<34} {'p50 ms':>8} {'p99 ms':>8} {'req/s':>8}")
+    for text, run in (
+        (f"no-op, paced {args.rate:g}/s", floor_paced),
+        ("no-op, full speed (floor)", floor),
+        (f"webhook, paced {args.rate:g}/s", paced),
+        ("webhook, full speed", full),
+    ):
+        print(
+            f"  {text:<34} {run.percentile(0.5):8.1f} {run.percentile(0.99):8.1f} "
+            f"{run.throughput:8.0f}"
+        )
+    # Steadier than wall-clock figures on a busy machine: what one request costs in CPU.
+    cores = os.cpu_count() or 1
+    for text, run in (("no-op", floor), ("webhook", full)):
+        per_request = 1000 * sum(run.cpu.values()) / max(run.completed, 1)
+        print(
+            f"  {text} at full speed: {per_request:.2f} ms CPU per request (client, gunicorn and "
+            f"its database backends), so at most ~{cores * 1000 / per_request:.0f} req/s on "
+            f"{cores} cores; other processes took {100 * run.others:.0f}% of the machine"
+        )
+    achieved = paced.throughput >= 0.95 * args.rate
+    checks = [
+        (f"webhook p99 {paced.percentile(0.99):.1f} ms at {args.rate:g} req/s offered",
+         paced.percentile(0.99) < TARGET_P99_MS, f"< {TARGET_P99_MS:.0f} ms"),
+        (f"webhook achieved {paced.throughput:.0f} req/s of {args.rate:g} offered", achieved,
+         ">= 95% of offered"),
+        (f"webhook full speed {full.throughput:.0f} req/s, floor {floor.throughput:.0f} req/s, "
+         f"ratio {ratio:.2f}", ratio >= TARGET_RATIO, f">= {TARGET_RATIO:.2f}"),
+        *checks,
+    ]  # fmt: skip
+    print()
+    for text, passed, target in checks:
+        print(f"{'PASS' if passed else 'FAIL'}  {text}  (target {target})")
+    return 0 if all(passed for _, passed, _ in checks) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
