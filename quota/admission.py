@@ -20,6 +20,7 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
+from inventory.models import Cluster
 from inventory.services import get_cluster
 from quota import services
 
@@ -75,6 +76,21 @@ def answer(
     )
 
 
+_clusters: dict[str, Cluster] = {}
+
+
+def forget_caches() -> None:
+    _clusters.clear()
+
+
+def _cluster() -> Cluster:
+    """This deployment's cluster, looked up once per process (it is never renamed)."""
+    name = settings.TALLY_CLUSTER_NAME
+    if name not in _clusters:
+        _clusters[name] = get_cluster(name)
+    return _clusters[name]
+
+
 def _is_claim_create(request: dict[str, Any]) -> bool:
     resource = request.get("resource") if isinstance(request.get("resource"), dict) else {}
     assert isinstance(resource, dict)
@@ -109,11 +125,14 @@ def _review(http_request: HttpRequest, *, mutate: bool) -> HttpResponse:
         with transaction.atomic():
             if connection.vendor == "postgresql":
                 # The API server waits timeoutSeconds (3 s); never hang on a lock past that.
-                timeout = settings.TALLY_WEBHOOK_DB_TIMEOUT_MS
+                timeout = f"{int(settings.TALLY_WEBHOOK_DB_TIMEOUT_MS)}ms"
                 with connection.cursor() as cursor:
-                    cursor.execute(f"SET LOCAL statement_timeout = {int(timeout)}")
-                    cursor.execute(f"SET LOCAL lock_timeout = {int(timeout)}")
-            cluster = get_cluster(settings.TALLY_CLUSTER_NAME)
+                    cursor.execute(
+                        "SELECT set_config('statement_timeout', %s, true), "
+                        "set_config('lock_timeout', %s, true)",
+                        [timeout, timeout],
+                    )
+            cluster = _cluster()
             if mutate:
                 decision = services.fit_alternatives(cluster=cluster, claim=claim)
             else:

@@ -40,6 +40,33 @@ class FleetShapes:
     per_node: dict[int, dict[int, int]] = field(default_factory=dict)
     class_selectors: dict[str, list[str]] = field(default_factory=dict)
     loaded_at: float = 0.0
+    # Selector results per (expression, shape id): a selector is evaluated once per shape
+    # while this snapshot of the fleet is in use, however many requests ask.
+    _matches: dict[tuple[str, int], bool] = field(default_factory=dict, repr=False)
+
+    def match(self, expression: str, shape: Shape) -> bool:
+        """Whether `expression` selects devices of `shape`; a bad expression selects none."""
+        key = (expression, shape.id)
+        result = self._matches.get(key)
+        if result is None:
+            try:
+                result = cel.compile_selector(expression).matches(shape.view)
+            except cel.CELError:
+                result = False
+            self._matches[key] = result
+        return result
+
+    def candidates(self, device_class: str, selectors: tuple[str, ...]) -> list[Shape]:
+        """The shapes a request of `device_class` with `selectors` could be given."""
+        class_selectors = self.class_selectors.get(device_class)
+        if class_selectors is None:
+            return []  # a class the inventory does not know selects nothing
+        expressions = [*class_selectors, *selectors]
+        return [
+            shape
+            for shape in self.shapes.values()
+            if all(self.match(expression, shape) for expression in expressions)
+        ]
 
 
 _cache: dict[int, FleetShapes] = {}

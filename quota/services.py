@@ -10,6 +10,7 @@ was reserved for claims that never appeared.
 from __future__ import annotations
 
 import logging
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -224,6 +225,14 @@ def _plan(*, cluster: Cluster, claim: dict[str, Any], namespace: str) -> _Plan:
     return plan
 
 
+_budget_cache: dict[int, tuple[float, Any, Any, Decimal]] = {}
+
+
+def forget_caches() -> None:
+    """Drop what this process remembers of budgets (tests; a changed budget)."""
+    _budget_cache.clear()
+
+
 def _budget_denies(plan: _Plan, requests: list[dra.ParsedRequest]) -> bool:
     """Past a hard GPU-hour budget new claims are denied; past 80% or a soft one, warned."""
     from billing.models import Budget
@@ -231,12 +240,20 @@ def _budget_denies(plan: _Plan, requests: list[dra.ParsedRequest]) -> bool:
     from billing.selectors import team_gpu_hours
 
     assert plan.team is not None
-    budget = Budget.objects.filter(team=plan.team).first()
-    if budget is None or all(r.admin_access for r in requests if not r.first_available):
+    if all(r.admin_access for r in requests if not r.first_available):
         return False
     now = timezone.now()
-    period = period_for(now)
-    used = team_gpu_hours(team=plan.team, period=period, now=now)
+    cached = _budget_cache.get(plan.team.pk)
+    if cached is None or cached[0] < time.monotonic():
+        budget = Budget.objects.filter(team=plan.team).first()
+        period = period_for(now)
+        used = team_gpu_hours(team=plan.team, period=period, now=now) if budget else Decimal(0)
+        # GPU-hours move slowly: a worker reads them at most every TALLY_BUDGET_CACHE_SECONDS.
+        cached = (time.monotonic() + settings.TALLY_BUDGET_CACHE_SECONDS, budget, period, used)
+        _budget_cache[plan.team.pk] = cached
+    _, budget, period, used = cached
+    if budget is None:
+        return False
     figures = (
         f'team "{plan.team.slug}" has used {used.quantize(Decimal("0.1"))} of its '
         f"{budget.gpu_hours.normalize():f} GPU-hour {budget.mode} budget for {period.start:%Y-%m}"
@@ -286,11 +303,7 @@ def _demand(
     limiting = [rule for rule in rules if rule.device_class == request.device_class_name]
     if not limiting:
         return demand
-    class_selectors = fleet.class_selectors.get(request.device_class_name)
-    candidates = []
-    if class_selectors is not None:
-        expressions = [*class_selectors, *request.selectors]
-        candidates = [shape for shape in fleet.shapes.values() if _all_match(expressions, shape)]
+    candidates = fleet.candidates(request.device_class_name, tuple(request.selectors))
     if request.allocation_mode == "All":
         ids = {shape.id for shape in candidates}
         devices = max(
@@ -308,9 +321,8 @@ def _demand(
         shapes = candidates
         if rule.selector:
             try:
-                shapes = [
-                    s for s in candidates if cel.compile_selector(rule.selector).matches(s.view)
-                ]
+                cel.compile_selector(rule.selector)
+                shapes = [s for s in candidates if fleet.match(rule.selector, s)]
             except cel.CELError as exc:  # validated on apply; kept safe if stored otherwise
                 warnings.append(
                     f'quota rule "{rule.name}" has a bad selector, applied to all: {exc}'
@@ -323,13 +335,6 @@ def _demand(
         )
         demand.amounts[rule.pk] = per_device * devices
     return demand
-
-
-def _all_match(expressions: list[str], shape: Shape) -> bool:
-    try:
-        return all(cel.compile_selector(e).matches(shape.view) for e in expressions)
-    except cel.CELError:
-        return False  # a selector the API server would reject matches nothing
 
 
 def _per_device(shape: Shape, rule: QuotaRule, requested_memory: str | None) -> Decimal:

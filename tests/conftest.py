@@ -27,6 +27,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _fresh_process_caches() -> Iterator[None]:
+    """Per-process caches (the fleet's shapes, budgets, the cluster) hold rows of the test
+    database; each test starts and ends without them."""
+    from quota import admission, selectors, services
+
+    def forget() -> None:
+        selectors.forget_fleet_shapes()
+        services.forget_caches()
+        admission.forget_caches()
+
+    forget()
+    yield
+    forget()
+
+
 @pytest.fixture
 def upstream() -> Path:
     """The folder of real DRA objects beside the repo (`../shared/upstream`)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 from decimal import Decimal
+from typing import Any
 
 import pytest
 from django.test import Client
@@ -52,7 +53,8 @@ def used(team_hours: int, *, live_minutes: int = 0) -> None:
         )
 
 
-def test_hard_budget_denies_new_claims(client: Client) -> None:
+def test_hard_budget_denies_new_claims(client: Client, settings: Any) -> None:
+    settings.TALLY_BUDGET_CACHE_SECONDS = 0  # read the budget's use on every admission
     team = make_team([])
     Budget.objects.create(team=team, gpu_hours=Decimal(10), mode="hard")
     used(9)
