@@ -1,4 +1,5 @@
-"""Quota as code: teams, their namespaces, members and quota rules declared in a YAML file.
+"""Quota as code: teams, their namespaces, members, quota rules and budgets, and the rate
+cards, declared in a YAML file.
 
 `load_policy` reads and checks a file and writes nothing: every problem is reported at once,
 named by its path in the file (`teams[0].quotas[1].selector: bad CEL: ...`). `apply_policy`
@@ -20,8 +21,20 @@ The format (see docs/policy.example.yaml)::
         selector: device.attributes["gpu.nvidia.com"].productName.startsWith("NVIDIA H100")
         gpus: 8                    # or `memory: 640Gi`: exactly one of the two
         mode: enforce              # enforce (default) | warn
+      budget: {gpuHours: 2000, mode: hard}   # optional; per period; hard | soft
+    rates:                         # optional; absent: the rate cards are left as they are
+    - productName: NVIDIA H100 80GB HBM3
+      profile: 3g.40gb             # optional: a MIG profile's own price
+      perGpuHour: "2.50"
+      idleFactor: "0.4"            # 0..1, default 1
+      currency: USD
+      from: 2026-01-01
+      until: 2027-01-01            # optional, exclusive
 
-Top-level `rates` (a list) and a team's `budget` (a mapping) are accepted and not applied yet.
+A rate card is identified by productName, profile, currency and `from`. Money already billed
+stays as it was: a rate card whose validity reaches into a closed billing period is never
+changed or deleted so that the period would be priced differently, and no new one may reach
+into it.
 """
 
 from __future__ import annotations
@@ -31,8 +44,9 @@ import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from decimal import Decimal, InvalidOperation
-from typing import Any
+from datetime import UTC, date, datetime
+from decimal import ROUND_DOWN, Decimal, InvalidOperation
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import yaml
 from django.contrib.auth import get_user_model
@@ -42,6 +56,8 @@ from django.db import models, transaction
 from django.db.models import ProtectedError, RestrictedError
 from kubernetes.utils import parse_quantity
 
+from billing.models import Budget, Period, RateCard
+from billing.pricing import period_bounds
 from inventory.models import DeviceClass
 from quota import audit
 from quota.models import (
@@ -60,11 +76,18 @@ from quota.models import (
 _TOP_KEYS = ("teams", "rates")
 _TEAM_KEYS = ("slug", "name", "costCentre", "namespaces", "leads", "members", "quotas", "budget")
 _RULE_KEYS = ("name", "deviceClass", "selector", "gpus", "memory", "mode")
+_BUDGET_KEYS = ("gpuHours", "mode")
+_BUDGET_MODES = ("hard", "soft")
+_RATE_KEYS = ("productName", "profile", "perGpuHour", "idleFactor", "currency", "from", "until")
+_CURRENCY = re.compile(r"[A-Z]{3}\Z")  # ISO 4217
 # A Kubernetes namespace name: a DNS-1123 label.
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")
 # QuotaRule.limit is NUMERIC(24, 6).
-_LIMIT_PLACES = 6
-_LIMIT_MAX = Decimal(10) ** (24 - _LIMIT_PLACES)
+_LIMIT_DIGITS, _LIMIT_PLACES = 24, 6
+
+_Model = TypeVar("_Model", bound=models.Model)
+# A rate card's identity: product name, profile, currency, first day.
+RateKey = tuple[str, str, str, date]
 
 
 class PolicyError(Exception):
@@ -89,6 +112,37 @@ class RuleSpec:
 
 
 @dataclass(frozen=True)
+class BudgetSpec:
+    """A team's GPU-hour budget per period as declared."""
+
+    path: str
+    gpu_hours: Decimal
+    mode: str
+
+
+@dataclass(frozen=True)
+class RateSpec:
+    """One rate card as declared: a price per GPU-hour over `[valid_from, valid_until)`."""
+
+    path: str
+    product_name: str
+    profile: str
+    currency: str
+    valid_from: date
+    valid_until: date | None
+    per_gpu_hour: Decimal
+    idle_factor: Decimal
+
+    @property
+    def key(self) -> RateKey:
+        return (self.product_name, self.profile, self.currency, self.valid_from)
+
+    def validity(self) -> str:
+        until = f" until {self.valid_until}" if self.valid_until else " on"
+        return f"from {self.valid_from}{until}"
+
+
+@dataclass(frozen=True)
 class TeamSpec:
     """One team as declared."""
 
@@ -100,6 +154,7 @@ class TeamSpec:
     leads: tuple[str, ...]
     members: tuple[str, ...]
     rules: tuple[RuleSpec, ...]
+    budget: BudgetSpec | None = None
 
     def roles(self) -> dict[str, Role]:
         return {
@@ -110,9 +165,11 @@ class TeamSpec:
 
 @dataclass(frozen=True)
 class Policy:
-    """A checked policy file. `notes` are warnings and what was accepted but not applied."""
+    """A checked policy file. `notes` are warnings. `rates` is None when the file has no
+    `rates` key: the rate cards are then not the file's to manage."""
 
     teams: tuple[TeamSpec, ...]
+    rates: tuple[RateSpec, ...] | None = None
     notes: tuple[str, ...] = ()
 
 
@@ -176,6 +233,19 @@ class _UniqueKeyLoader(yaml.SafeLoader):
                 )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+    def construct_timestamp(self, node: yaml.ScalarNode) -> Any:
+        """A date or time, or the text as written when it is none (2026-13-01): reported with
+        its path where a date is expected, not as a parse error of the whole file."""
+        try:
+            return self.construct_yaml_timestamp(node)
+        except ValueError:
+            return self.construct_scalar(node)
+
+
+_UniqueKeyLoader.add_constructor(
+    "tag:yaml.org,2002:timestamp", _UniqueKeyLoader.construct_timestamp
+)
 
 
 class _Checker:
@@ -257,9 +327,15 @@ def load_policy(text: str) -> Policy:
     top = checker.mapping(document, "", keys=_TOP_KEYS, required=("teams",))
     if top is None:
         raise PolicyError(checker.errors)
+    rates = None
     if "rates" in top:
         if isinstance(top["rates"], list):
-            notes.append("rates: not applied yet")
+            rates = tuple(
+                rate
+                for index, value in enumerate(top["rates"])
+                if (rate := _rate(checker, value, f"rates[{index}]")) is not None
+            )
+            _check_overlaps(checker, rates)
         else:
             checker.error("rates", f"must be a list, got {_kind(top['rates'])}")
     teams_value = top.get("teams", [])
@@ -272,12 +348,12 @@ def load_policy(text: str) -> Policy:
     teams = [
         team
         for index, value in enumerate(teams_value)
-        if (team := _team(checker, value, f"teams[{index}]", device_classes, notes)) is not None
+        if (team := _team(checker, value, f"teams[{index}]", device_classes)) is not None
     ]
     _check_unique(checker, teams)
     if checker.errors:
         raise PolicyError(checker.errors)
-    return Policy(teams=tuple(teams), notes=tuple(notes))
+    return Policy(teams=tuple(teams), rates=rates, notes=tuple(notes))
 
 
 def _present_device_classes() -> set[str] | None:
@@ -292,7 +368,6 @@ def _team(
     value: Any,
     path: str,
     device_classes: set[str] | None,
-    notes: list[str],
 ) -> TeamSpec | None:
     mapping = checker.mapping(value, path, keys=_TEAM_KEYS, required=("slug", "name"))
     if mapping is None:
@@ -309,11 +384,7 @@ def _team(
     leads = checker.string_list(mapping, "leads", path)
     members = checker.string_list(mapping, "members", path)
     _check_usernames(checker, [*leads, *members])
-    if "budget" in mapping:
-        if isinstance(mapping["budget"], dict):
-            notes.append(f"{path}.budget: not applied yet")
-        else:
-            checker.error(f"{path}.budget", f"must be a mapping, got {_kind(mapping['budget'])}")
+    budget = _budget(checker, mapping["budget"], f"{path}.budget") if "budget" in mapping else None
     quotas = mapping.get("quotas", [])
     if not isinstance(quotas, list):
         checker.error(f"{path}.quotas", f"must be a list, got {_kind(quotas)}")
@@ -332,6 +403,7 @@ def _team(
         leads=tuple(username for _, username in leads),
         members=tuple(username for _, username in members),
         rules=tuple(rules),
+        budget=budget,
     )
 
 
@@ -406,32 +478,174 @@ def _rule(
 def _limit(checker: _Checker, value: Any, path: str, unit: Unit) -> Decimal | None:
     """A positive limit in the unit: a number of GPUs, or a Kubernetes quantity of bytes."""
     if unit == Unit.GPUS:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            checker.error(path, f"must be a positive number, got {value!r}")
-            return None
-        limit = Decimal(str(value))
+        limit = _decimal(
+            checker,
+            value,
+            path,
+            digits=_LIMIT_DIGITS,
+            places=_LIMIT_PLACES,
+            expected="a positive number",
+            strings=False,
+        )
     else:
         if isinstance(value, bool) or not isinstance(value, int | float | str):
             checker.error(path, f"must be a quantity such as 640Gi, got {value!r}")
             return None
         try:
-            limit = parse_quantity(value)
+            quantity = parse_quantity(value)
         except (ValueError, InvalidOperation):
             checker.error(path, f"{value!r} is not a Kubernetes quantity (such as 640Gi)")
             return None
-        if limit != limit.to_integral_value():
+        if quantity.is_finite() and quantity != quantity.to_integral_value():
             checker.error(path, f"{value!r} is not a whole number of bytes")
             return None
-    if not limit.is_finite() or limit <= 0:
-        checker.error(path, f"must be positive, got {value!r}")
+        limit = _fitting(checker, quantity, value, path, digits=_LIMIT_DIGITS, places=_LIMIT_PLACES)
+    return _positive(checker, limit, value, path)
+
+
+def _decimal(
+    checker: _Checker,
+    value: Any,
+    path: str,
+    *,
+    digits: int,
+    places: int,
+    expected: str = "a number",
+    strings: bool = True,
+) -> Decimal | None:
+    """A YAML number (or, with `strings`, a string such as "2.50") that fits NUMERIC(digits,
+    places) exactly; decimals from strings keep every digit a float would round away."""
+    if isinstance(value, bool) or not isinstance(
+        value, (int, float, str) if strings else int | float
+    ):
+        checker.error(path, f"must be {expected}, got {value!r}")
         return None
-    if limit >= _LIMIT_MAX:
+    try:
+        number = Decimal(str(value).strip())
+    except InvalidOperation:
+        checker.error(path, f"{value!r} is not a number")
+        return None
+    return _fitting(checker, number, value, path, digits=digits, places=places)
+
+
+def _fitting(
+    checker: _Checker, number: Decimal, value: Any, path: str, *, digits: int, places: int
+) -> Decimal | None:
+    """`number` if it is finite and fits NUMERIC(digits, places) without rounding."""
+    if not number.is_finite():
+        checker.error(path, f"must be a finite number, got {value!r}")
+        return None
+    if abs(number) >= Decimal(10) ** (digits - places):
         checker.error(path, f"{value!r} is too large")
         return None
-    if limit != limit.quantize(Decimal(1).scaleb(-_LIMIT_PLACES), rounding="ROUND_DOWN"):
-        checker.error(path, f"{value!r} has more than {_LIMIT_PLACES} decimal places")
+    if number != number.quantize(Decimal(1).scaleb(-places), rounding=ROUND_DOWN):
+        checker.error(path, f"{value!r} has more than {places} decimal places")
         return None
-    return limit
+    return number
+
+
+def _positive(checker: _Checker, number: Decimal | None, value: Any, path: str) -> Decimal | None:
+    if number is not None and number <= 0:
+        checker.error(path, f"must be positive, got {value!r}")
+        return None
+    return number
+
+
+def _budget(checker: _Checker, value: Any, path: str) -> BudgetSpec | None:
+    mapping = checker.mapping(value, path, keys=_BUDGET_KEYS, required=_BUDGET_KEYS)
+    if mapping is None:
+        return None
+    mode = mapping.get("mode")
+    if "mode" in mapping and mode not in _BUDGET_MODES:
+        checker.error(f"{path}.mode", f"must be hard or soft, got {mode!r}")
+    gpu_hours = None
+    if "gpuHours" in mapping:
+        value = mapping["gpuHours"]
+        # Budget.gpu_hours is NUMERIC(14, 3).
+        number = _decimal(checker, value, f"{path}.gpuHours", digits=14, places=3)
+        gpu_hours = _positive(checker, number, value, f"{path}.gpuHours")
+    if gpu_hours is None or mode not in _BUDGET_MODES:
+        return None
+    return BudgetSpec(path=path, gpu_hours=gpu_hours, mode=mode)
+
+
+def _rate(checker: _Checker, value: Any, path: str) -> RateSpec | None:
+    errors = len(checker.errors)
+    mapping = checker.mapping(
+        value, path, keys=_RATE_KEYS, required=("productName", "perGpuHour", "currency", "from")
+    )
+    if mapping is None:
+        return None
+    product_name = checker.string(mapping, "productName", path, max_length=253)
+    if isinstance(mapping.get("productName"), str) and not product_name:
+        checker.error(f"{path}.productName", "must not be empty")
+    profile = checker.string(mapping, "profile", path, max_length=64)
+    currency = checker.string(mapping, "currency", path, max_length=64)
+    if isinstance(mapping.get("currency"), str) and not _CURRENCY.match(currency):
+        checker.error(f"{path}.currency", f"{currency!r} is not an ISO 4217 code such as USD")
+    per_gpu_hour = None
+    if "perGpuHour" in mapping:
+        # RateCard.per_gpu_hour is NUMERIC(12, 4).
+        value = mapping["perGpuHour"]
+        number = _decimal(checker, value, f"{path}.perGpuHour", digits=12, places=4)
+        per_gpu_hour = _positive(checker, number, value, f"{path}.perGpuHour")
+    idle_factor = _decimal(
+        checker, mapping.get("idleFactor", 1), f"{path}.idleFactor", digits=6, places=4
+    )
+    if idle_factor is not None and not 0 <= idle_factor <= 1:
+        checker.error(f"{path}.idleFactor", f"{idle_factor} is not between 0 and 1")
+    valid_from = _date(checker, mapping, "from", path) if "from" in mapping else None
+    valid_until = _date(checker, mapping, "until", path) if "until" in mapping else None
+    if valid_from and valid_until and valid_until <= valid_from:
+        checker.error(f"{path}.until", f"{valid_until} is not after from ({valid_from})")
+    if len(checker.errors) > errors:
+        return None
+    assert per_gpu_hour is not None and idle_factor is not None and valid_from is not None
+    return RateSpec(
+        path=path,
+        product_name=product_name,
+        profile=profile,
+        currency=currency,
+        valid_from=valid_from,
+        valid_until=valid_until,
+        per_gpu_hour=per_gpu_hour,
+        idle_factor=idle_factor,
+    )
+
+
+def _date(checker: _Checker, mapping: dict[str, Any], key: str, path: str) -> date | None:
+    """A YAML date (2026-01-01) or an ISO 8601 date string; not a timestamp."""
+    value = mapping[key]
+    if isinstance(value, str):
+        try:
+            return date.fromisoformat(value)
+        except ValueError:
+            checker.error(f"{path}.{key}", f"{value!r} is not a date (YYYY-MM-DD)")
+            return None
+    if isinstance(value, date) and not isinstance(value, datetime):
+        return value
+    checker.error(f"{path}.{key}", f"must be a date (YYYY-MM-DD), got {value!r}")
+    return None
+
+
+def _check_overlaps(checker: _Checker, rates: tuple[RateSpec, ...]) -> None:
+    """One price per product, profile and currency on any day."""
+    declared: dict[tuple[str, str, str], list[RateSpec]] = defaultdict(list)
+    for rate in rates:
+        same = declared[rate.key[:3]]
+        for other in same:
+            if _overlap(rate.valid_from, rate.valid_until, other.valid_from, other.valid_until):
+                checker.error(
+                    rate.path,
+                    f"valid {rate.validity()}, which overlaps {other.path} (valid "
+                    f"{other.validity()}) for the same productName, profile and currency",
+                )
+        same.append(rate)
+
+
+def _overlap(start: date, end: date | None, other_start: date, other_end: date | None) -> bool:
+    """Whether `[start, end)` and `[other_start, other_end)` share a day; None: open-ended."""
+    return start < (other_end or date.max) and other_start < (end or date.max)
 
 
 def _check_unique(checker: _Checker, teams: list[TeamSpec]) -> None:
@@ -464,17 +678,35 @@ def _check_unique(checker: _Checker, teams: list[TeamSpec]) -> None:
 # --- Applying ---------------------------------------------------------------------------------
 
 
+class _ClosedPeriod(NamedTuple):
+    """A closed billing period as days: `[start, end)`, UTC."""
+
+    name: str
+    start: date
+    end: date
+
+    @classmethod
+    def of(cls, period: Period) -> _ClosedPeriod:
+        start, end = period.start.astimezone(UTC), period.end.astimezone(UTC)
+        monthly = (start, end) == period_bounds(start)
+        return cls(f"{start:%Y-%m}" if monthly else str(period), start.date(), end.date())
+
+
 @dataclass
 class _State:
-    """The teams, namespaces, memberships and rules as stored, rules locked for this transaction."""
+    """The teams, namespaces, memberships, rules, budgets and rate cards as stored; rules and
+    rate cards locked for this transaction, and the billing periods while rates are applied."""
 
     teams: dict[str, Team]
     namespaces: dict[str, TeamNamespace]
     memberships: dict[int, dict[str, Membership]]
     rules: dict[int, dict[str, QuotaRule]]
+    budgets: dict[int, Budget]
+    rate_cards: dict[RateKey, RateCard]
+    closed_periods: list[_ClosedPeriod]
 
     @classmethod
-    def load(cls) -> _State:
+    def load(cls, *, lock_periods: bool) -> _State:
         teams = {team.slug: team for team in Team.objects.all()}
         by_id = {team.pk: team for team in teams.values()}
         namespaces = {}
@@ -490,7 +722,21 @@ class _State:
         for rule in QuotaRule.objects.select_for_update(of=("self",)).order_by("pk"):
             rule.team = by_id[rule.team_id]
             rules[rule.team_id][rule.name] = rule
-        return cls(teams=teams, namespaces=namespaces, memberships=memberships, rules=rules)
+        budgets = {}
+        for budget in Budget.objects.all():
+            budget.team = by_id[budget.team_id]
+            budgets[budget.team_id] = budget
+        rate_cards = {_rate_key(card): card for card in RateCard.objects.select_for_update()}
+        closed = closed_periods(lock=lock_periods)
+        return cls(
+            teams=teams,
+            namespaces=namespaces,
+            memberships=memberships,
+            rules=rules,
+            budgets=budgets,
+            rate_cards=rate_cards,
+            closed_periods=closed,
+        )
 
     def undeclared_teams(self, policy: Policy) -> list[Team]:
         declared = {spec.slug for spec in policy.teams}
@@ -498,18 +744,21 @@ class _State:
 
 
 def apply_policy(*, policy: Policy, prune: bool, actor: str, dry_run: bool = False) -> ApplyReport:
-    """Make the teams, namespaces, memberships and rules in the database match `policy`.
+    """Make the teams, namespaces, memberships, rules, budgets and (when the file has `rates`)
+    rate cards in the database match `policy`.
 
     Guarantees: all or nothing, in one transaction; every create, update and delete is audited
     as `actor`; applying the same policy again changes nothing; without `prune` nothing is
     deleted, with it whatever the file does not declare is, except a team with reservations
     or a rule with capacity in use, which are reported as errors (`PolicyError`, nothing
-    applied); `QuotaRule.in_use` is never written. A dry run reports the same changes and
-    rolls them back.
+    applied); `QuotaRule.in_use` is never written. No closed billing period would be priced
+    differently afterwards: a rate card that reaches into one keeps its price, idle factor
+    and days there, and is not deleted; a new one may not reach into one (errors again). A
+    dry run reports the same changes and rolls them back.
     """
     report = ApplyReport(dry_run=dry_run, notes=list(policy.notes))
     with transaction.atomic():
-        state = _State.load()
+        state = _State.load(lock_periods=policy.rates is not None)
         errors = _conflicts(policy=policy, state=state, prune=prune)
         if errors:
             raise PolicyError(errors)
@@ -555,7 +804,115 @@ def _conflicts(*, policy: Policy, state: _State, prune: bool) -> list[str]:
                     )
     if prune:
         errors.extend(_undeletable_teams(state.undeclared_teams(policy)))
+    return errors + _closed_period_conflicts(policy=policy, state=state, prune=prune)
+
+
+def _closed_period_conflicts(*, policy: Policy, state: _State, prune: bool) -> list[str]:
+    """Rate cards whose change, creation or deletion would price a closed period differently."""
+    if policy.rates is None or not state.closed_periods:
+        return []
+    errors = []
+    for spec in policy.rates:
+        error = rate_change_error(
+            before=state.rate_cards.get(spec.key), after=spec, periods=state.closed_periods
+        )
+        if error:
+            errors.append(f"{spec.path}: {error}")
+    if prune:
+        declared = {spec.key for spec in policy.rates}
+        for key, card in sorted(state.rate_cards.items()):
+            if key not in declared:
+                error = rate_change_error(before=card, after=None, periods=state.closed_periods)
+                if error:
+                    errors.append(f"rates: not declared, but {error}")
     return errors
+
+
+class RateLike(Protocol):
+    """What prices usage: a stored `RateCard` or a declared `RateSpec`."""
+
+    @property
+    def product_name(self) -> str: ...
+    @property
+    def profile(self) -> str: ...
+    @property
+    def currency(self) -> str: ...
+    @property
+    def valid_from(self) -> date: ...
+    @property
+    def valid_until(self) -> date | None: ...
+    @property
+    def per_gpu_hour(self) -> Decimal: ...
+    @property
+    def idle_factor(self) -> Decimal: ...
+
+
+class _Pricing(NamedTuple):
+    """How a rate card priced one closed period: the days it covered there, at what price."""
+
+    period: _ClosedPeriod
+    start: date
+    end: date
+    per_gpu_hour: Decimal
+    idle_factor: Decimal
+
+
+def closed_periods(*, lock: bool = False) -> list[_ClosedPeriod]:
+    """The closed billing periods, oldest first; with `lock`, every period is locked so that
+    none closes, priced with a rate card about to change, before this transaction commits
+    (`close_period` locks its period first)."""
+    periods = Period.objects.select_for_update() if lock else Period.objects.all()
+    return [_ClosedPeriod.of(period) for period in periods.order_by("start") if period.is_closed]
+
+
+def rate_change_error(
+    *, before: RateLike | None, after: RateLike | None, periods: list[_ClosedPeriod]
+) -> str | None:
+    """Why changing a rate card from `before` to `after` (None: no card) would price one of the
+    closed `periods` differently, or None when it would not: the days the card covers in each
+    closed period, and its price and idle factor there, must stay as they are."""
+    stored, wanted = _pricing(before, periods), _pricing(after, periods)
+    if stored == wanted:
+        return None
+    card = before or after
+    assert card is not None  # None twice prices nothing: equal
+    label = (
+        f"the rate for {f'{card.product_name} {card.profile}'.strip()} ({card.currency}) "
+        f"from {card.valid_from}"
+    )
+    if not stored:
+        latest = max(entry.period.end for entry in wanted)
+        return f"{label} would price {_periods_phrase(wanted)}; start it on {latest} or later"
+    if after is None:
+        return f"{label} was used by {_periods_phrase(stored)}; it is never deleted"
+    return (
+        f"{label} was used by {_periods_phrase(stored)}; add a new entry from a later date instead"
+    )
+
+
+def _pricing(card: RateLike | None, periods: list[_ClosedPeriod]) -> tuple[_Pricing, ...]:
+    if card is None:
+        return ()
+    return tuple(
+        _Pricing(
+            period=period,
+            start=max(card.valid_from, period.start),
+            end=min(card.valid_until or date.max, period.end),
+            per_gpu_hour=card.per_gpu_hour,
+            idle_factor=card.idle_factor,
+        )
+        for period in periods
+        if _overlap(card.valid_from, card.valid_until, period.start, period.end)
+    )
+
+
+def _periods_phrase(pricing: tuple[_Pricing, ...]) -> str:
+    names = [entry.period.name for entry in pricing]
+    return f"the closed period{'s' if len(names) > 1 else ''} {', '.join(names)}"
+
+
+def _rate_key(card: RateCard) -> RateKey:
+    return (card.product_name, card.profile, card.currency, card.valid_from)
 
 
 def _undeletable_teams(teams: list[Team]) -> list[str]:
@@ -601,6 +958,14 @@ class _Applier:
                 self._namespace(team, namespace)
             self._memberships(spec, team, users)
             self._rules(spec, team)
+            if spec.budget is not None:
+                self._budget(spec.budget, team)
+        for rate_spec in policy.rates or ():
+            self._rate(rate_spec)
+        if policy.rates is None and prune and self.state.rate_cards:
+            self.report.notes.append(
+                "rates: not declared, so the rate cards are not this file's: --prune keeps them"
+            )
         for obj in self._undeclared(policy, teams):
             if prune:
                 self._delete(obj)
@@ -619,6 +984,9 @@ class _Applier:
             undeclared += [m for name, m in memberships.items() if name not in roles]
             rules = self.state.rules.get(team.pk, {})
             undeclared += [rule for name, rule in rules.items() if name not in rule_names]
+            budget = self.state.budgets.get(team.pk)
+            if spec.budget is None and budget is not None:
+                undeclared.append(budget)
         declared_slugs = {spec.slug for spec in policy.teams}
         declared_namespaces = {name for spec in policy.teams for name in spec.namespaces}
         undeclared += [
@@ -626,6 +994,13 @@ class _Applier:
             for name, namespace in sorted(self.state.namespaces.items())
             if name not in declared_namespaces and namespace.team.slug in declared_slugs
         ]
+        if policy.rates is not None:
+            declared_rates = {rate_spec.key for rate_spec in policy.rates}
+            undeclared += [
+                card
+                for key, card in sorted(self.state.rate_cards.items())
+                if key not in declared_rates
+            ]
         return undeclared + list(self.state.undeclared_teams(policy))
 
     def _users(self, teams: Iterable[TeamSpec]) -> dict[str, Any]:
@@ -650,15 +1025,13 @@ class _Applier:
         return users
 
     def _team(self, spec: TeamSpec) -> Team:
-        team = self.state.teams.get(spec.slug)
-        if team is None:
-            team = Team(slug=spec.slug, name=spec.name, cost_centre=spec.cost_centre)
-            self.report.add_entry(audit.create(actor=self.actor, obj=team))
-            self.state.teams[spec.slug] = team
-            return team
-        before = audit.snapshot(team)
-        team.name, team.cost_centre = spec.name, spec.cost_centre
-        self._update(team, before)
+        team = self._put(
+            self.state.teams.get(spec.slug),
+            Team,
+            identity={"slug": spec.slug},
+            values={"name": spec.name, "cost_centre": spec.cost_centre},
+        )
+        self.state.teams[spec.slug] = team
         return team
 
     def _namespace(self, team: Team, name: str) -> None:
@@ -676,34 +1049,74 @@ class _Applier:
     def _memberships(self, spec: TeamSpec, team: Team, users: dict[str, Any]) -> None:
         current = self.state.memberships.get(team.pk, {})
         for username, role in spec.roles().items():
-            membership = current.get(username)
-            if membership is None:
-                membership = Membership(team=team, user=users[username], role=role)
-                self.report.add_entry(audit.create(actor=self.actor, obj=membership))
-            else:
-                before = audit.snapshot(membership)
-                membership.role = role
-                self._update(membership, before)
+            self._put(
+                current.get(username),
+                Membership,
+                identity={"team": team, "user": users[username]},
+                values={"role": role},
+            )
 
     def _rules(self, spec: TeamSpec, team: Team) -> None:
         current = self.state.rules.get(team.pk, {})
         for rule_spec in spec.rules:
-            rule = current.get(rule_spec.name)
-            values = {
-                "device_class": rule_spec.device_class,
-                "selector": rule_spec.selector,
-                "unit": rule_spec.unit,
-                "limit": rule_spec.limit,
-                "mode": rule_spec.mode,
-            }
-            if rule is None:
-                rule = QuotaRule(team=team, name=rule_spec.name, **values)
-                self.report.add_entry(audit.create(actor=self.actor, obj=rule))
-                continue
-            before = audit.snapshot(rule)
-            for name, value in values.items():
-                setattr(rule, name, value)
-            self._update(rule, before)
+            self._put(
+                current.get(rule_spec.name),
+                QuotaRule,
+                identity={"team": team, "name": rule_spec.name},
+                values={
+                    "device_class": rule_spec.device_class,
+                    "selector": rule_spec.selector,
+                    "unit": rule_spec.unit,
+                    "limit": rule_spec.limit,
+                    "mode": rule_spec.mode,
+                },
+            )
+
+    def _budget(self, spec: BudgetSpec, team: Team) -> None:
+        self._put(
+            self.state.budgets.get(team.pk),
+            Budget,
+            identity={"team": team},
+            values={"gpu_hours": spec.gpu_hours, "mode": spec.mode},
+        )
+
+    def _rate(self, spec: RateSpec) -> None:
+        product_name, profile, currency, valid_from = spec.key
+        self.state.rate_cards[spec.key] = self._put(
+            self.state.rate_cards.get(spec.key),
+            RateCard,
+            identity={
+                "product_name": product_name,
+                "profile": profile,
+                "currency": currency,
+                "valid_from": valid_from,
+            },
+            values={
+                "valid_until": spec.valid_until,
+                "per_gpu_hour": spec.per_gpu_hour,
+                "idle_factor": spec.idle_factor,
+            },
+        )
+
+    def _put(
+        self,
+        obj: _Model | None,
+        model: type[_Model],
+        *,
+        identity: dict[str, Any],
+        values: dict[str, Any],
+    ) -> _Model:
+        """Create `model(**identity, **values)` when `obj` (the stored one) is None, else set
+        `values` on it and save what changed; audited either way."""
+        if obj is None:
+            obj = model(**identity, **values)
+            self.report.add_entry(audit.create(actor=self.actor, obj=obj))
+            return obj
+        before = audit.snapshot(obj)
+        for name, value in values.items():
+            setattr(obj, name, value)
+        self._update(obj, before)
+        return obj
 
     def _update(self, obj: models.Model, before: dict[str, Any]) -> None:
         entry = audit.update(actor=self.actor, obj=obj, before=before)
@@ -711,5 +1124,10 @@ class _Applier:
             self.report.add_entry(entry)
 
     def _delete(self, obj: models.Model) -> None:
-        for entry in audit.delete(actor=self.actor, obj=obj):
+        entries = []
+        # The cascade would delete a team's budget unaudited.
+        if isinstance(obj, Team) and (budget := self.state.budgets.get(obj.pk)) is not None:
+            entries += audit.delete(actor=self.actor, obj=budget)
+        entries += audit.delete(actor=self.actor, obj=obj)
+        for entry in entries:
             self.report.add_entry(entry)

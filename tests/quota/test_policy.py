@@ -14,6 +14,7 @@ from django.core.management import CommandError, call_command
 from django.db.models import F
 from django.utils import timezone
 
+from billing.models import Budget, RateCard
 from quota import audit
 from quota.models import (
     AuditEntry,
@@ -77,6 +78,8 @@ def database() -> dict[str, list[tuple[Any, ...]]]:
         "namespaces": list(TeamNamespace.objects.order_by("pk").values_list()),
         "memberships": list(Membership.objects.order_by("pk").values_list()),
         "rules": list(QuotaRule.objects.order_by("pk").values_list()),
+        "budgets": list(Budget.objects.order_by("pk").values_list()),
+        "rate cards": list(RateCard.objects.order_by("pk").values_list()),
         "audit": list(AuditEntry.objects.order_by("pk").values_list("pk")),
         "users": list(get_user_model().objects.order_by("pk").values_list("username")),
     }
@@ -121,6 +124,12 @@ def test_example_file_applies() -> None:
     assert "created user alice" in output
     assert "team: 2 created" in output
     assert "quota rule: 4 created" in output
+    assert dict(Budget.objects.values_list("team__slug", "mode")) == {
+        "vision": "hard",
+        "nlp": "soft",
+    }
+    assert RateCard.objects.count() == 4
+    assert "rate card: 4 created" in output
 
 
 def test_applying_twice_changes_nothing() -> None:
@@ -215,6 +224,9 @@ def test_prune_removes_what_the_file_no_longer_declares(tmp_path: Path) -> None:
         ("quota rule", "nlp/gpu-memory"),
         ("quota rule", "nlp/h100"),
         ("quota rule", "vision/mig-small"),
+        # Not in VISION: vision's budget goes; nlp's is deleted before its team, not cascaded.
+        ("budget", "vision: 2000.000 GPU-h (hard)"),
+        ("budget", "nlp: 1500.000 GPU-h (soft)"),
     }
     assert (
         AuditEntry.objects.get(object_repr="nlp", object_type="team", action="delete").after is None
@@ -453,17 +465,6 @@ def test_gone_device_classes_are_unknown() -> None:
     assert caught.value.errors == [
         "teams[0].quotas[0].deviceClass: unknown device class 'mig.nvidia.com'"
     ]
-
-
-def test_rates_and_budget_are_accepted_and_not_applied(tmp_path: Path) -> None:
-    text = VISION.replace(
-        "  name: Vision Research\n", "  name: Vision Research\n  budget: {monthly: 1000}\n"
-    )
-    output = run(write(tmp_path, "rates:\n- deviceClass: gpu.nvidia.com\n" + text))
-
-    assert "rates: not applied yet" in output
-    assert "teams[0].budget: not applied yet" in output
-    assert Team.objects.filter(slug="vision").exists()
 
 
 def test_quantities() -> None:

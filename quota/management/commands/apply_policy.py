@@ -1,4 +1,5 @@
-"""`manage.py apply_policy PATH`: make teams, namespaces, members and quota rules match a file."""
+"""`manage.py apply_policy PATH`: make teams, namespaces, members, quota rules, budgets and rate
+cards match a file."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from quota.policy import PolicyError, apply_policy, load_policy
 class Command(BaseCommand):
     help = (
         "Apply a quota policy file (YAML; see docs/policy.example.yaml): create and update the "
-        "teams, namespaces, memberships and quota rules it declares, in one audited "
-        "transaction. Nothing is deleted without --prune."
+        "teams, namespaces, memberships, quota rules, budgets and rate cards it declares, in "
+        "one audited transaction. Nothing is deleted without --prune, and no closed billing "
+        "period is priced differently."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -22,8 +24,8 @@ class Command(BaseCommand):
         parser.add_argument(
             "--prune",
             action="store_true",
-            help="Also delete the teams, namespaces, memberships and rules the file does not "
-            "declare.",
+            help="Also delete the teams, namespaces, memberships, rules and budgets the file "
+            "does not declare, and the rate cards when it has a `rates:` list.",
         )
         parser.add_argument(
             "--dry-run", action="store_true", help="Report what would change; write nothing."
