@@ -174,9 +174,13 @@ def check_sample(sample: object, *, latest_ms: int) -> SampleRow:
     return SampleRow(uuid, ts_ms, gpu_util, mem_used_bytes, processes_json)
 
 
+# Built once: json.dumps with options builds an encoder per call, per sample.
+_PROCESSES_ENCODER = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+
+
 def _processes_json(processes: list[Any]) -> str:
     try:
-        text = json.dumps(processes, ensure_ascii=False, allow_nan=False)
+        text = _PROCESSES_ENCODER.encode(processes)
         text.encode()
     except ValueError:  # UnicodeEncodeError is one: a lone surrogate
         raise InvalidSample(

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_EVEN, Decimal
+from typing import Any
 
 from django.conf import settings
 from django.db import connection, transaction
@@ -20,6 +21,7 @@ from django.utils import timezone
 from kubernetes.utils import parse_quantity
 
 from billing.models import DirtyHour, UsageHour
+from inventory.bulk import insert_rows
 from inventory.models import Allocation
 from quota.models import Reservation, ReservationState, TeamNamespace
 
@@ -38,7 +40,17 @@ def hour_start(moment: datetime) -> datetime:
 
 @dataclass(frozen=True)
 class _Interval:
-    allocation: Allocation
+    """One allocation's part of the hour, with what its usage row needs (no model instances:
+    an hour of a large fleet is thousands of these)."""
+
+    allocation_id: int
+    cluster_id: int
+    claim_namespace: str
+    claim_name: str
+    owner_references: list[dict[str, Any]]
+    device_uuid: str
+    product_name: str
+    profile: str
     start_ms: int
     end_ms: int
     share: Decimal
@@ -93,38 +105,57 @@ def rollup_hour(*, hour: datetime, now: datetime | None = None) -> int:
         coverage = _coverage(intervals, window_start, window_end)
         rows = _usage_rows(hour, intervals, coverage)
         UsageHour.objects.filter(hour=hour).delete()
-        UsageHour.objects.bulk_create(rows, batch_size=2000)
+        insert_rows(UsageHour, _USAGE_COLUMNS, rows)
     return len(rows)
 
 
+_INTERVAL_FIELDS = (
+    "pk",
+    "cluster_id",
+    "claim__namespace",
+    "claim__name",
+    "claim__owner_references",
+    "device__uuid",
+    "device__product_name",
+    "device__profile",
+    "device__kind",
+    "device__gpu_share",
+    "device__memory_bytes",
+    "consumed_capacity",
+    "start",
+    "end",
+)
+
+
 def _intervals(hour: datetime, window_start: int, window_end: int) -> list[_Interval]:
-    allocations = (
+    rows = (
         Allocation.objects.filter(
             Q(end__isnull=True) | Q(end__gt=hour), start__lt=hour + HOUR, device__isnull=False
         )
-        .select_related("device", "claim")
+        .exclude(device__uuid="")
         .order_by("pk")
+        .values_list(*_INTERVAL_FIELDS)
     )
     intervals = []
-    for allocation in allocations:
-        assert allocation.device is not None
-        start = max(epoch_ms(allocation.start), window_start)
-        end = min(epoch_ms(allocation.end), window_end) if allocation.end else window_end
-        if end > start and allocation.device.uuid:
-            intervals.append(_Interval(allocation, start, end, _share(allocation)))
+    for (
+        pk, cluster_id, namespace, name, owners, uuid, product, profile, kind, gpu_share,
+        memory_bytes, consumed, start_at, end_at,
+    ) in rows:  # fmt: skip
+        start = max(epoch_ms(start_at), window_start)
+        end = min(epoch_ms(end_at), window_end) if end_at else window_end
+        if end <= start:
+            continue
+        share = gpu_share if kind != "other" else Decimal(0)
+        # A consumable share of a device (KEP-5075) holds the fraction it consumed.
+        if consumed.get("memory") and memory_bytes:
+            fraction = Decimal(parse_quantity(consumed["memory"])) / memory_bytes
+            share *= min(fraction, Decimal(1))
+        intervals.append(
+            _Interval(
+                pk, cluster_id, namespace, name, owners, uuid, product, profile, start, end, share
+            )
+        )
     return intervals
-
-
-def _share(allocation: Allocation) -> Decimal:
-    """GPU-equivalents held: the device's share of its GPU, times the consumed fraction of a
-    shared device (KEP-5075 consumable capacity)."""
-    device = allocation.device
-    assert device is not None
-    share = device.gpu_share if device.kind != "other" else Decimal(0)
-    consumed = allocation.consumed_capacity.get("memory")
-    if consumed and device.memory_bytes:
-        share *= min(Decimal(parse_quantity(consumed)) / device.memory_bytes, Decimal(1))
-    return share
 
 
 def _coverage(
@@ -136,64 +167,76 @@ def _coverage(
     values = ", ".join(["(%s, %s, %s, %s)"] * len(intervals))
     params: list[int | str] = []
     for interval in intervals:
-        assert interval.allocation.device is not None
-        params += [
-            interval.allocation.pk,
-            interval.allocation.device.uuid,
-            interval.start_ms,
-            interval.end_ms,
-        ]
+        params += [interval.allocation_id, interval.device_uuid, interval.start_ms, interval.end_ms]
     params += [window_start - hold_ms, window_end, hold_ms, hold_ms]
     with connection.cursor() as cursor:
         cursor.execute(_COVERAGE_SQL.format(values=values), params)
         return {row[0]: (int(row[1]), float(row[2])) for row in cursor.fetchall()}
 
 
+_USAGE_COLUMNS = (
+    "hour",
+    "allocation_id",
+    "cluster_id",
+    "device_uuid",
+    "product_name",
+    "profile",
+    "gpu_share",
+    "namespace",
+    "claim_name",
+    "team_id",
+    "job",
+    "username",
+    "allocated_gpu_ms",
+    "utilised_gpu_ms",
+    "unmeasured_gpu_ms",
+)
+
+
 def _usage_rows(
     hour: datetime, intervals: list[_Interval], coverage: dict[int, tuple[int, float]]
-) -> list[UsageHour]:
-    claims = {interval.allocation.claim for interval in intervals}
+) -> list[tuple[Any, ...]]:
+    namespaces = {interval.claim_namespace for interval in intervals}
     teams = dict(
-        TeamNamespace.objects.filter(namespace__in={c.namespace for c in claims}).values_list(
-            "namespace", "team_id"
-        )
+        TeamNamespace.objects.filter(namespace__in=namespaces).values_list("namespace", "team_id")
     )
     attribution = {
-        (r.namespace, r.name): r
-        for r in Reservation.objects.filter(name__in={c.name for c in claims}).exclude(
-            state=ReservationState.RELEASED
+        (namespace, name): (username, owner_kind, owner_name)
+        for namespace, name, username, owner_kind, owner_name in Reservation.objects.filter(
+            namespace__in=namespaces
         )
+        .exclude(state=ReservationState.RELEASED)
+        .values_list("namespace", "name", "username", "owner_kind", "owner_name")
     }
     rows = []
     for interval in intervals:
-        allocation, device = interval.allocation, interval.allocation.device
-        assert device is not None
-        claim = allocation.claim
-        covered_ms, weighted = coverage.get(allocation.pk, (0, 0.0))
+        covered_ms, weighted = coverage.get(interval.allocation_id, (0, 0.0))
         length = interval.end_ms - interval.start_ms
-        reservation = attribution.get((claim.namespace, claim.name))
-        owner = next((o for o in claim.owner_references if o.get("controller")), None)
+        username, owner_kind, owner_name = attribution.get(
+            (interval.claim_namespace, interval.claim_name), ("", "", "")
+        )
+        owner = next((o for o in interval.owner_references if o.get("controller")), None)
         job = f"{owner.get('kind')}/{owner.get('name')}" if owner else ""
-        if reservation is not None and reservation.owner_kind and not job:
-            job = f"{reservation.owner_kind}/{reservation.owner_name}"
+        if not job and owner_kind:
+            job = f"{owner_kind}/{owner_name}"
         rows.append(
-            UsageHour(
-                hour=hour,
-                allocation=allocation,
-                cluster_id=allocation.cluster_id,
-                device_uuid=device.uuid,
-                product_name=device.product_name,
-                profile=device.profile,
-                gpu_share=interval.share,
-                namespace=claim.namespace,
-                claim_name=claim.name,
-                team_id=teams.get(claim.namespace),
-                job=job,
-                username=reservation.username if reservation else "",
-                allocated_gpu_ms=_gpu_ms(length, interval.share),
+            (
+                hour,
+                interval.allocation_id,
+                interval.cluster_id,
+                interval.device_uuid,
+                interval.product_name,
+                interval.profile,
+                interval.share,
+                interval.claim_namespace,
+                interval.claim_name,
+                teams.get(interval.claim_namespace),
+                job,
+                username,
+                _gpu_ms(length, interval.share),
                 # `weighted` is covered milliseconds times percent utilisation.
-                utilised_gpu_ms=_gpu_ms(Decimal(weighted) / 100, interval.share),
-                unmeasured_gpu_ms=_gpu_ms(length - covered_ms, interval.share),
+                _gpu_ms(Decimal(weighted) / 100, interval.share),
+                _gpu_ms(length - covered_ms, interval.share),
             )
         )
     return rows
