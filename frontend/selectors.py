@@ -1,0 +1,417 @@
+"""Reads for the portal's pages. Each takes the user, or a team that came from `visible_team`,
+so tenancy is decided once, by `quota.selectors.visible_teams`.
+
+Usage is aggregated in SQL (per day, per model, per claim) and only small rows come back, so
+a page costs the same few queries however many hours of usage a team has.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+from django.db.models import F, OuterRef, QuerySet, Subquery, Sum
+from django.db.models.functions import TruncDate
+
+from billing.models import Budget, Period, Sample, Statement, StatementLine, UsageHour
+from billing.pricing import period_bounds, rate_for, round_money
+from billing.selectors import team_gpu_hours
+from inventory.models import Allocation, Cluster
+from quota.models import AdmissionDecision, QuotaRule, Team, TeamNamespace
+from quota.selectors import user_role, visible_teams
+
+MS_PER_HOUR = Decimal(3_600_000)
+HOURS = Decimal("0.01")
+# Live claims shown on a team page; a team holding more sees the first ones and the count.
+LIVE_CLAIMS_SHOWN = 200
+TOP_WASTERS_SHOWN = 10
+
+
+def portal_role(user: Any) -> str | None:
+    """`quota.selectors.user_role`, remembered on the user object for the rest of the
+    request: the page and its navigation both ask."""
+    try:
+        return user._tally_role
+    except AttributeError:
+        user._tally_role = user_role(user)
+        return user._tally_role
+
+
+def is_operator(user: Any) -> bool:
+    return portal_role(user) == "operator"
+
+
+def fleet_scope() -> Cluster | None:
+    """The cluster the fleet pages report on: the only one when there is one (node names
+    then need no cluster prefix), else None for all clusters."""
+    clusters = list(Cluster.objects.order_by("pk")[:2])
+    return clusters[0] if len(clusters) == 1 else None
+
+
+def visible_team(*, user: Any, slug: str) -> Team | None:
+    """The team `slug` if `user` may see it; None otherwise (the page answers 404)."""
+    return visible_teams(user=user).filter(slug=slug).first()
+
+
+def team_list(*, user: Any) -> list[Team]:
+    return list(visible_teams(user=user).order_by("name", "slug"))
+
+
+def usage_window(*, now: datetime, days: int) -> tuple[datetime, datetime]:
+    """`[since, now)` where `since` is midnight UTC `days - 1` days before today: `days` UTC
+    days, today's so far included."""
+    today = now.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
+    return today - timedelta(days=days - 1), now
+
+
+def _hours(milliseconds: int | Decimal | None) -> Decimal:
+    return (Decimal(milliseconds or 0) / MS_PER_HOUR).quantize(HOURS)
+
+
+def _idle_ms() -> Any:
+    return Sum(F("allocated_gpu_ms") - F("utilised_gpu_ms") - F("unmeasured_gpu_ms"))
+
+
+@dataclass(frozen=True)
+class RuleUsage:
+    """One quota rule as the team page shows it."""
+
+    name: str
+    device_class: str
+    unit: str
+    in_use: Decimal
+    limit: Decimal
+    percent: Decimal | None
+    mode: str
+
+
+def quota_usage(*, team: Team) -> list[RuleUsage]:
+    rows = []
+    for rule in QuotaRule.objects.filter(team=team).order_by("name"):
+        percent = (rule.in_use * 100 / rule.limit).quantize(Decimal(1)) if rule.limit else None
+        rows.append(
+            RuleUsage(
+                name=rule.name,
+                device_class=rule.device_class,
+                unit=rule.get_unit_display(),
+                in_use=rule.in_use.normalize(),
+                limit=rule.limit.normalize(),
+                percent=percent,
+                mode=rule.mode,
+            )
+        )
+    return rows
+
+
+@dataclass(frozen=True)
+class DayUsage:
+    day: date
+    allocated: Decimal
+    utilised: Decimal
+    idle: Decimal
+    unmeasured: Decimal
+
+
+def daily_usage(*, team: Team, since: datetime, until: datetime) -> list[DayUsage]:
+    """GPU-hours per UTC day in `[since, until)`, one row per day (days without usage too)."""
+    totals = {
+        row["day"]: row
+        for row in UsageHour.objects.filter(team=team, hour__gte=since, hour__lt=until)
+        .annotate(day=TruncDate("hour", tzinfo=UTC))
+        .values("day")
+        .annotate(
+            allocated=Sum("allocated_gpu_ms"),
+            utilised=Sum("utilised_gpu_ms"),
+            unmeasured=Sum("unmeasured_gpu_ms"),
+        )
+        .order_by()
+    }
+    days = []
+    day = since.astimezone(UTC).date()
+    last_day = (until - timedelta(microseconds=1)).astimezone(UTC).date()
+    while day <= last_day:
+        row = totals.get(day, {"allocated": 0, "utilised": 0, "unmeasured": 0})
+        idle_ms = row["allocated"] - row["utilised"] - row["unmeasured"]
+        days.append(
+            DayUsage(
+                day=day,
+                allocated=_hours(row["allocated"]),
+                utilised=_hours(row["utilised"]),
+                idle=_hours(idle_ms),
+                unmeasured=_hours(row["unmeasured"]),
+            )
+        )
+        day += timedelta(days=1)
+    return days
+
+
+@dataclass(frozen=True)
+class BurnDay:
+    day: date
+    used: Decimal | None  # GPU-hours that day; None for days still to come
+    remaining: Decimal | None
+    ideal: Decimal  # the straight line from the budget to zero at the period's end
+
+
+@dataclass(frozen=True)
+class BudgetBurn:
+    """The current period's budget against the GPU-hours used so far."""
+
+    period_start: datetime
+    period_end: datetime
+    budget: Decimal
+    mode: str
+    used: Decimal
+    percent: Decimal
+    days: list[BurnDay]
+
+
+def budget_burn(*, team: Team, now: datetime) -> BudgetBurn | None:
+    """None when the team has no budget. `used` includes what open allocations have held
+    since the last rolled-up hour; the per-day line is the rolled-up hours."""
+    budget = Budget.objects.filter(team=team).first()
+    if budget is None:
+        return None
+    start, end = period_bounds(now)
+    # An unsaved period: reading a page must not create billing periods.
+    used = team_gpu_hours(team=team, period=Period(start=start, end=end), now=now)
+    per_day = daily_usage(team=team, since=start, until=now)
+    period_days = (end - start).days
+    days = []
+    cumulative = Decimal(0)
+    for index in range(period_days):
+        day = (start + timedelta(days=index)).date()
+        ideal = (budget.gpu_hours * (period_days - index - 1) / period_days).quantize(HOURS)
+        if index < len(per_day):
+            cumulative += per_day[index].allocated
+            days.append(
+                BurnDay(day, per_day[index].allocated, budget.gpu_hours - cumulative, ideal)
+            )
+        else:
+            days.append(BurnDay(day, None, None, ideal))
+    percent = (
+        (used * 100 / budget.gpu_hours).quantize(Decimal(1)) if budget.gpu_hours else Decimal(0)
+    )
+    return BudgetBurn(
+        period_start=start,
+        period_end=end,
+        budget=budget.gpu_hours.normalize(),
+        mode=budget.mode,
+        used=used.quantize(HOURS),
+        percent=percent,
+        days=days,
+    )
+
+
+@dataclass
+class IdleCost:
+    """Idle GPU-hours of one model (or MIG profile) and what they are worth at its rate."""
+
+    product_name: str
+    profile: str
+    idle: Decimal
+    rate: Decimal | None
+    currency: str
+    cost: Decimal | None
+
+
+@dataclass
+class IdleSummary:
+    rows: list[IdleCost] = field(default_factory=list)
+    total_hours: Decimal = Decimal(0)
+    # currency -> cost; models without a rate card are left out of the totals.
+    totals: dict[str, Decimal] = field(default_factory=dict)
+
+
+def idle_cost(*, team: Team, since: datetime, until: datetime) -> IdleSummary:
+    """Idle GPU-hours per model in `[since, until)`, priced at each model's rate card of the
+    last day of the window (idle hours x rate: what the unused allocation is worth)."""
+    summary = IdleSummary()
+    totals: dict[str, Decimal] = defaultdict(Decimal)
+    on = (until - timedelta(microseconds=1)).astimezone(UTC).date()
+    for row in (
+        UsageHour.objects.filter(team=team, hour__gte=since, hour__lt=until)
+        .values("product_name", "profile")
+        .annotate(idle_ms=_idle_ms())
+        .order_by("product_name", "profile")
+    ):
+        idle = _hours(row["idle_ms"])
+        priced = rate_for(row["product_name"], row["profile"], on)
+        card = priced[0] if priced else None
+        cost = round_money(idle * card.per_gpu_hour, card.currency) if card else None
+        if card is not None and cost is not None:
+            totals[card.currency] += cost
+        summary.rows.append(
+            IdleCost(
+                product_name=row["product_name"],
+                profile=row["profile"],
+                idle=idle,
+                rate=card.per_gpu_hour if card else None,
+                currency=card.currency if card else "",
+                cost=cost,
+            )
+        )
+        summary.total_hours += idle
+    summary.totals = dict(sorted(totals.items()))
+    return summary
+
+
+@dataclass(frozen=True)
+class Waster:
+    namespace: str
+    claim_name: str
+    owner: str
+    allocated: Decimal
+    idle: Decimal
+
+
+def top_wasters(
+    *, team: Team, since: datetime, until: datetime, limit: int = TOP_WASTERS_SHOWN
+) -> list[Waster]:
+    """The claims with the most idle GPU-hours in the window; owner is the user, else the job."""
+    rows = (
+        UsageHour.objects.filter(team=team, hour__gte=since, hour__lt=until)
+        .values("namespace", "claim_name", "username", "job")
+        .annotate(idle_ms=_idle_ms(), allocated_ms=Sum("allocated_gpu_ms"))
+        .filter(idle_ms__gt=0)
+        .order_by("-idle_ms", "namespace", "claim_name")[:limit]
+    )
+    return [
+        Waster(
+            namespace=row["namespace"],
+            claim_name=row["claim_name"],
+            owner=row["username"] or row["job"],
+            allocated=_hours(row["allocated_ms"]),
+            idle=_hours(row["idle_ms"]),
+        )
+        for row in rows
+    ]
+
+
+@dataclass(frozen=True)
+class LiveClaim:
+    namespace: str
+    claim_name: str
+    device: str
+    product_name: str
+    node: str
+    since: datetime
+    gpu_util: float | None
+    sampled_at: datetime | None
+
+
+def live_claims(*, team: Team, limit: int = LIVE_CLAIMS_SHOWN) -> tuple[list[LiveClaim], int]:
+    """Open allocations of claims in the team's namespaces, with the device's node and its
+    latest utilisation sample; and how many there are in all."""
+    latest = Sample.objects.filter(device_uuid=OuterRef("device__uuid")).order_by("-ts_ms")
+    allocations = (
+        Allocation.objects.filter(
+            end__isnull=True,
+            claim__namespace__in=TeamNamespace.objects.filter(team=team).values("namespace"),
+        )
+        .annotate(
+            gpu_util=Subquery(latest.values("gpu_util")[:1]),
+            sampled_ms=Subquery(latest.values("ts_ms")[:1]),
+        )
+        .values(
+            "claim__namespace",
+            "claim__name",
+            "device_name",
+            "device__product_name",
+            "device__profile",
+            "device__node__name",
+            "start",
+            "gpu_util",
+            "sampled_ms",
+        )
+        .order_by("claim__namespace", "claim__name", "device_name")
+    )
+    total = allocations.count()
+    claims = [
+        LiveClaim(
+            namespace=row["claim__namespace"],
+            claim_name=row["claim__name"],
+            device=row["device_name"],
+            product_name=" ".join(
+                part for part in (row["device__product_name"], row["device__profile"]) if part
+            ),
+            node=row["device__node__name"] or "",
+            since=row["start"],
+            gpu_util=row["gpu_util"],
+            sampled_at=(
+                datetime.fromtimestamp(row["sampled_ms"] / 1000, tz=UTC)
+                if row["sampled_ms"] is not None
+                else None
+            ),
+        )
+        for row in allocations[:limit]
+    ]
+    return claims, total
+
+
+def team_statements(*, team: Team) -> list[Statement]:
+    return list(
+        Statement.objects.filter(team=team)
+        .select_related("period")
+        .order_by("-period__start", "currency")
+    )
+
+
+CSV_COLUMNS = (
+    "period_start",
+    "currency",
+    "kind",
+    "product_name",
+    "profile",
+    "allocated_gpu_hours",
+    "utilised_gpu_hours",
+    "idle_gpu_hours",
+    "unmeasured_gpu_hours",
+    "rate",
+    "idle_factor",
+    "amount",
+    "reason",
+)
+
+
+def statement_rows(*, team: Team, period_id: int) -> tuple[Period, list[list[str]]] | None:
+    """The period and the CSV rows (in `CSV_COLUMNS` order) of the team's statements for it;
+    None when the team has no statement for that period."""
+    lines = list(
+        StatementLine.objects.filter(statement__team=team, statement__period_id=period_id)
+        .select_related("statement__period")
+        .order_by("statement__currency", "kind", "product_name", "profile", "pk")
+    )
+    if not lines:
+        period = Period.objects.filter(pk=period_id, statements__team=team).first()
+        return (period, []) if period is not None else None
+    period = lines[0].statement.period
+    rows = [
+        [
+            period.start.date().isoformat(),
+            line.statement.currency,
+            line.kind,
+            line.product_name,
+            line.profile,
+            str(line.allocated_gpu_hours),
+            str(line.utilised_gpu_hours),
+            str(line.idle_gpu_hours),
+            str(line.unmeasured_gpu_hours),
+            "" if line.rate is None else str(line.rate),
+            "" if line.idle_factor is None else str(line.idle_factor),
+            str(line.amount),
+            line.reason,
+        ]
+        for line in lines
+    ]
+    return period, rows
+
+
+def admission_decisions(*, user: Any) -> QuerySet[AdmissionDecision]:
+    """The webhook's decisions, newest first; operators only (others get none)."""
+    if not is_operator(user):
+        return AdmissionDecision.objects.none()
+    return AdmissionDecision.objects.select_related("team").order_by("-at", "-pk")

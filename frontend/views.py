@@ -1,0 +1,142 @@
+"""The portal's pages: thin views over `frontend.selectors` and the inventory's reports.
+
+Every page needs a login. Team pages answer 404 to anyone `visible_teams` does not show the
+team to (so a team's existence is not revealed); fleet pages answer 403 to non-operators.
+"""
+
+from __future__ import annotations
+
+import csv
+from functools import wraps
+from typing import Any, Protocol
+
+from django.contrib.auth.decorators import login_required
+from django.core.exceptions import PermissionDenied
+from django.core.paginator import Paginator
+from django.http import Http404, HttpRequest, HttpResponse
+from django.shortcuts import redirect, render
+from django.utils import timezone
+
+from frontend import selectors
+from inventory import selectors as fleet
+from quota.models import Team
+
+USAGE_WINDOWS = (7, 30)
+DECISIONS_PER_PAGE = 50
+
+
+class _View(Protocol):
+    def __call__(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse: ...
+
+
+def operator_required(view: _View) -> _View:
+    """Login first (anonymous users go to the login page), then operators only (403)."""
+
+    @wraps(view)
+    def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        if not selectors.is_operator(request.user):
+            raise PermissionDenied("Only operators can see the fleet.")
+        return view(request, *args, **kwargs)
+
+    return login_required(wrapper)
+
+
+def _team_or_404(request: HttpRequest, slug: str) -> Team:
+    team = selectors.visible_team(user=request.user, slug=slug)
+    if team is None:
+        raise Http404("No such team.")
+    return team
+
+
+@login_required
+def home(request: HttpRequest) -> HttpResponse:
+    role = selectors.portal_role(request.user)
+    teams = selectors.team_list(user=request.user)
+    if role is None:
+        return render(request, "frontend/no_team.html", status=403)
+    if role == "lead" and len(teams) == 1:
+        return redirect("team", slug=teams[0].slug)
+    return render(request, "frontend/home.html", {"teams": teams, "role": role})
+
+
+@login_required
+def team(request: HttpRequest, slug: str) -> HttpResponse:
+    team = _team_or_404(request, slug)
+    days = 30 if request.GET.get("days") == "30" else 7
+    now = timezone.now()
+    since, until = selectors.usage_window(now=now, days=days)
+    claims, claims_total = selectors.live_claims(team=team)
+    usage = selectors.daily_usage(team=team, since=since, until=until)
+    burn = selectors.budget_burn(team=team, now=now)
+    chart_data: dict[str, Any] = {
+        "usage": {
+            "labels": [day.day.isoformat() for day in usage],
+            "allocated": [float(day.allocated) for day in usage],
+            "utilised": [float(day.utilised) for day in usage],
+        },
+    }
+    if burn is not None:
+        chart_data["burn"] = {
+            "labels": [day.day.isoformat() for day in burn.days],
+            "remaining": [None if d.remaining is None else float(d.remaining) for d in burn.days],
+            "ideal": [float(day.ideal) for day in burn.days],
+        }
+    context = {
+        "team": team,
+        "days": days,
+        "windows": USAGE_WINDOWS,
+        "since": since,
+        "rules": selectors.quota_usage(team=team),
+        "burn": burn,
+        "usage": usage,
+        "usage_totals": {
+            "allocated": sum(day.allocated for day in usage),
+            "utilised": sum(day.utilised for day in usage),
+        },
+        "idle": selectors.idle_cost(team=team, since=since, until=until),
+        "wasters": selectors.top_wasters(team=team, since=since, until=until),
+        "claims": claims,
+        "claims_total": claims_total,
+        "statements": selectors.team_statements(team=team),
+        "chart_data": chart_data,
+    }
+    return render(request, "frontend/team.html", context)
+
+
+@login_required
+def statement_csv(request: HttpRequest, slug: str, period_id: int) -> HttpResponse:
+    team = _team_or_404(request, slug)
+    found = selectors.statement_rows(team=team, period_id=period_id)
+    if found is None:
+        raise Http404("No statement for this period.")
+    period, rows = found
+    response = HttpResponse(content_type="text/csv; charset=utf-8")
+    filename = f"tally-{team.slug}-{period.start:%Y-%m}.csv"
+    response["Content-Disposition"] = f'attachment; filename="{filename}"'
+    writer = csv.writer(response)
+    writer.writerow(selectors.CSV_COLUMNS)
+    writer.writerows(rows)
+    return response
+
+
+@operator_required
+def fleet_overview(request: HttpRequest) -> HttpResponse:
+    cluster = selectors.fleet_scope()
+    versions = fleet.version_matrix(cluster=cluster)
+    outliers = set(versions["outlier_nodes"])
+    spread = fleet.fragmentation(cluster=cluster)
+    nodes = [{**node, "outlier": node["node"] in outliers} for node in spread["nodes"]]
+    context = {
+        "versions": versions,
+        "spread": spread,
+        "nodes": nodes,
+        "capacity": fleet.capacity_by_model(cluster=cluster),
+    }
+    return render(request, "frontend/fleet.html", context)
+
+
+@operator_required
+def decisions(request: HttpRequest) -> HttpResponse:
+    paginator = Paginator(selectors.admission_decisions(user=request.user), DECISIONS_PER_PAGE)
+    page = paginator.get_page(request.GET.get("page"))
+    return render(request, "frontend/decisions.html", {"page": page})

@@ -1,0 +1,212 @@
+"""The portal's pages through Django's test client: tenancy for the standard cast, content,
+the statement CSV, and the team page's query count."""
+
+from __future__ import annotations
+
+import csv
+import io
+from datetime import timedelta
+from decimal import Decimal
+from typing import Any
+
+import pytest
+from django.test import Client
+from django.urls import reverse
+
+from billing.models import UsageHour
+from frontend import selectors
+from quota.models import Membership, Role
+from tests.frontend.seed import DECISIONS, OUTLIER_NODE, PASSWORD, Portal
+
+CAST = ("lead_a", "member_a", "lead_b", "finance", "operator")
+# A lead's team page: session and user (2), the role and the team (4), rules, budget, GPU-hours
+# so far (2), the burn-down and usage aggregates (2), idle per model and its rate cards (1 + 4
+# for the three models seen: a MIG profile without its own card takes two lookups), wasters,
+# live claims (count and rows), statements; the nav asks the role again and lists the lead's
+# teams (3 + 4). The same however much usage there is.
+MAX_TEAM_PAGE_QUERIES = 28
+
+
+def _client(portal: Portal, who: str | None) -> Client:
+    client = Client()
+    if who is not None:
+        client.force_login(portal.users[who])
+    return client
+
+
+def _pages(portal: Portal) -> dict[str, str]:
+    return {
+        "home": reverse("home"),
+        "team_a": reverse("team", args=[portal.team_a.slug]),
+        "csv_a": reverse("statement-csv", args=[portal.team_a.slug, portal.closed_period.pk]),
+        "fleet": reverse("fleet"),
+        "decisions": reverse("decisions"),
+    }
+
+
+# Expected status per page and member of the cast; home's 302 is a lead's redirect to the team.
+EXPECTED = {
+    "home": {"lead_a": 302, "member_a": 403, "lead_b": 302, "finance": 200, "operator": 200},
+    "team_a": {"lead_a": 200, "member_a": 404, "lead_b": 404, "finance": 200, "operator": 200},
+    "csv_a": {"lead_a": 200, "member_a": 404, "lead_b": 404, "finance": 200, "operator": 200},
+    "fleet": {"lead_a": 403, "member_a": 403, "lead_b": 403, "finance": 403, "operator": 200},
+    "decisions": {"lead_a": 403, "member_a": 403, "lead_b": 403, "finance": 403, "operator": 200},
+}
+
+
+@pytest.mark.parametrize("page", sorted(EXPECTED))
+def test_tenancy(portal: Portal, page: str) -> None:
+    """Every member of the cast gets the page's expected status; anonymous users log in."""
+    url = _pages(portal)[page]
+    got = {who: _client(portal, who).get(url).status_code for who in CAST}
+    assert got == EXPECTED[page]
+    response = _client(portal, None).get(url)
+    assert response.status_code == 302
+    assert response["Location"] == f"{reverse('login')}?next={url}"
+
+
+def test_a_lead_of_one_team_lands_on_it(portal: Portal) -> None:
+    response = _client(portal, "lead_b").get(reverse("home"))
+    assert response["Location"] == reverse("team", args=["nlp"])
+
+
+def test_a_lead_of_several_teams_gets_a_list(portal: Portal) -> None:
+    Membership.objects.create(team=portal.team_b, user=portal.users["lead_a"], role=Role.LEAD)
+    response = _client(portal, "lead_a").get(reverse("home"))
+    assert response.status_code == 200
+    assert [team.slug for team in response.context["teams"]] == ["nlp", "vision"]
+
+
+def test_a_member_without_a_role_is_told_politely(portal: Portal) -> None:
+    response = _client(portal, "member_a").get(reverse("home"))
+    assert b"No team to show" in response.content
+    assert b"Vision" not in response.content
+
+
+def test_the_other_teams_csv_is_not_found_even_for_a_real_period(portal: Portal) -> None:
+    url = reverse("statement-csv", args=[portal.team_b.slug, portal.closed_period.pk])
+    assert _client(portal, "lead_a").get(url).status_code == 404
+    assert _client(portal, "lead_b").get(url).status_code == 200
+
+
+def test_an_unknown_team_and_period_are_not_found(portal: Portal) -> None:
+    client = _client(portal, "operator")
+    assert client.get(reverse("team", args=["nope"])).status_code == 404
+    url = reverse("statement-csv", args=[portal.team_a.slug, 999_999])
+    assert client.get(url).status_code == 404
+
+
+def test_nav_shows_what_the_user_may_open(portal: Portal) -> None:
+    lead = _client(portal, "lead_a").get(reverse("team", args=["vision"])).content.decode()
+    assert 'href="/fleet/"' not in lead and "/admin/" not in lead
+    operator = _client(portal, "operator").get(reverse("home")).content.decode()
+    assert 'href="/fleet/"' in operator and 'href="/admin/"' in operator
+
+
+def test_team_page_shows_quota_budget_usage_and_statements(portal: Portal) -> None:
+    response = _client(portal, "lead_a").get(reverse("team", args=["vision"]) + "?days=30")
+    context = response.context
+    rules = {rule.name: rule for rule in context["rules"]}
+    assert rules["gpus"].percent == Decimal(38) and rules["gpus"].mode == "enforce"
+    assert rules["mig"].percent == Decimal(88) and rules["mig"].mode == "warn"
+    usage = {day.day: (day.allocated, day.utilised) for day in context["usage"]}
+    assert len(usage) == 30
+    for day, (allocated, utilised) in portal.daily.items():
+        if day in usage:
+            assert usage[day] == (
+                allocated.quantize(Decimal("0.01")),
+                utilised.quantize(Decimal("0.01")),
+            )
+    burn = context["burn"]
+    assert burn.budget == Decimal(2000) and burn.mode == "soft"
+    assert burn.days[-1].ideal == 0
+    # The idle hours are priced at each model's rate card.
+    for row in context["idle"].rows:
+        assert row.cost == (row.idle * row.rate).quantize(Decimal("0.01"))
+    assert context["idle"].totals["USD"] > 0
+    # The first allocation of each day idles most: its claim tops the list.
+    assert context["wasters"][0].idle >= context["wasters"][-1].idle
+    assert context["wasters"][0].owner == "ana"
+    assert context["claims_total"] == portal.live_devices
+    assert any(claim.gpu_util is not None and claim.gpu_util < 99 for claim in context["claims"])
+    assert all(claim.node for claim in context["claims"])
+    periods = {statement.period_id for statement in context["statements"]}
+    assert portal.closed_period.pk in periods
+    content = response.content.decode()
+    assert '<canvas id="usage-chart"' in content and 'id="chart-data"' in content
+    assert "vendor/chart.umd.min.js" in content
+
+
+def test_live_claims_show_the_latest_sample(portal: Portal) -> None:
+    claims, _ = selectors.live_claims(team=portal.team_a)
+    assert claims and all(claim.gpu_util != 99.0 for claim in claims)
+
+
+def test_statement_csv(portal: Portal) -> None:
+    url = reverse("statement-csv", args=["vision", portal.closed_period.pk])
+    response = _client(portal, "finance").get(url)
+    assert response["Content-Type"] == "text/csv; charset=utf-8"
+    assert response["Content-Disposition"] == (
+        f'attachment; filename="tally-vision-{portal.closed_period.start:%Y-%m}.csv"'
+    )
+    rows = list(csv.DictReader(io.StringIO(response.content.decode())))
+    assert list(rows[0]) == list(selectors.CSV_COLUMNS)
+    assert {row["period_start"] for row in rows} == {f"{portal.closed_period.start:%Y-%m-%d}"}
+    assert {row["currency"] for row in rows} == {"USD"}
+    assert all(Decimal(row["amount"]) > 0 and row["kind"] == "usage" for row in rows)
+
+
+def test_fleet_page_highlights_the_outlier_node(portal: Portal) -> None:
+    response = _client(portal, "operator").get(reverse("fleet"))
+    assert response.context["versions"]["outlier_nodes"] == [OUTLIER_NODE]
+    outliers = [node["node"] for node in response.context["nodes"] if node["outlier"]]
+    assert outliers == [OUTLIER_NODE]
+    assert b"outlier driver" in response.content
+    assert len(response.context["capacity"]) == 3
+
+
+def test_decisions_are_paginated_newest_first(portal: Portal) -> None:
+    client = _client(portal, "operator")
+    first = client.get(reverse("decisions")).context["page"]
+    assert first.paginator.count == DECISIONS and first.has_next()
+    ats = [decision.at for decision in first]
+    assert ats == sorted(ats, reverse=True) and ats[0] == portal.now
+    last = client.get(reverse("decisions") + "?page=2").context["page"]
+    assert len(last) == DECISIONS - len(first)
+
+
+def test_login_and_logout(portal: Portal) -> None:
+    client = Client()
+    page = client.get(reverse("login"))
+    assert b'<label for="id_username">' in page.content
+    response = client.post(reverse("login"), {"username": "lead_a", "password": "wrong"})
+    assert response.status_code == 200 and b"didn't match" in response.content
+    response = client.post(reverse("login"), {"username": "lead_a", "password": PASSWORD})
+    assert response["Location"] == reverse("home")
+    assert client.post(reverse("logout"))["Location"] == reverse("login")
+    assert client.get(reverse("home")).status_code == 302
+
+
+def _more_usage(portal: Portal) -> None:
+    """Triple team A's usage: the same claims and models, at later hours of the same days."""
+    rows = list(UsageHour.objects.filter(team=portal.team_a))
+    for _ in range(2):
+        for row in rows:
+            row.pk = None
+            row.hour += timedelta(hours=3)
+        UsageHour.objects.bulk_create(rows)
+
+
+@pytest.mark.parametrize("who", ["lead_a", "operator"])
+def test_team_page_queries_do_not_grow_with_usage(
+    portal: Portal,
+    who: str,
+    django_assert_max_num_queries: Any,
+) -> None:
+    client = _client(portal, who)
+    url = reverse("team", args=["vision"]) + "?days=30"
+    with django_assert_max_num_queries(MAX_TEAM_PAGE_QUERIES):
+        assert client.get(url).status_code == 200
+    _more_usage(portal)
+    with django_assert_max_num_queries(MAX_TEAM_PAGE_QUERIES):
+        assert client.get(url).status_code == 200
