@@ -21,6 +21,7 @@ from django.utils import timezone
 from kubernetes.utils import parse_quantity
 
 from billing.models import DirtyHour, UsageHour
+from config import metrics
 from inventory.bulk import insert_rows
 from inventory.models import Allocation
 from quota.models import Reservation, ReservationState, TeamNamespace
@@ -92,8 +93,11 @@ def rollup_hour(*, hour: datetime, now: datetime | None = None) -> int:
     workers rolling up the same hour one after the other give the same rows. An hour still
     in progress is rolled up to `now`.
     """
-    hour = hour_start(hour)
-    now = now or timezone.now()
+    with metrics.ROLLUP_DURATION.time():
+        return _rollup_hour(hour_start(hour), now or timezone.now())
+
+
+def _rollup_hour(hour: datetime, now: datetime) -> int:
     window_start, window_end = epoch_ms(hour), min(epoch_ms(hour + HOUR), epoch_ms(now))
     with transaction.atomic():
         if connection.vendor == "postgresql":

@@ -5,12 +5,14 @@ All are idempotent: rerunning any of them, or Celery delivering one twice, chang
 
 from __future__ import annotations
 
+import time
 from datetime import datetime
 
 from celery import shared_task
 from django.utils import timezone
 
 from billing import ingest, pricing, rollup
+from config import metrics
 
 
 @shared_task(autoretry_for=(Exception,), retry_backoff=True, max_retries=5, acks_late=True)
@@ -26,6 +28,7 @@ def rollup_pending() -> list[str]:
     ingest.adopt_unknown_samples(now=now)  # devices the sync has learnt since
     hours = rollup.rollup_pending(now=now)
     pricing.refresh_statements(period=pricing.period_for(now))
+    metrics.BILLING_LAST_SUCCESS.set(time.time())
     return [hour.isoformat() for hour in hours]
 
 

@@ -18,6 +18,7 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
 from billing import ingest
+from config import metrics
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +111,11 @@ def _ingest(request: HttpRequest) -> JsonResponse:
     received_at = timezone.now()
     valid, rejected = ingest.validate_samples(samples, now=received_at)
     report = ingest.ingest(node=node, samples=valid, received_at=received_at)
+    metrics.INGEST_SAMPLES.inc(report.accepted)
+    for rejection in rejected:
+        # "samples[3].gpu_util: ..." is counted by field, so the label stays small.
+        field_name = rejection["reason"].split(":", 1)[0].split(".", 1)[-1]
+        metrics.INGEST_REJECTED.labels(reason=field_name[:40]).inc()
     return JsonResponse(
         {
             "accepted": report.accepted,

@@ -19,6 +19,7 @@ import random
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 import urllib3
@@ -32,11 +33,13 @@ from django.db import (
 )
 from django.db.models import F
 from django.utils import timezone
+from django.utils.dateparse import parse_datetime
 from kubernetes import client as k8s
 from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
+from config import metrics
 from inventory import services
 from inventory.models import Cluster, SyncState
 
@@ -307,6 +310,7 @@ class KindSync:
             )
         self.resource_version = resource_version
         self.last_report = report
+        metrics.SYNC_RELISTS.labels(kind=self.kind).inc()
         log.info(
             "%s: listed %d at resourceVersion %s (created %d, updated %d, gone %d, rejected %d)",
             self.kind,
@@ -429,6 +433,10 @@ class KindSync:
                 events_applied=F("events_applied") + 1,
             )
         self.resource_version = resource_version
+        metrics.SYNC_EVENTS_APPLIED.labels(kind=self.kind).inc()
+        changed_at = _changed_at(obj)
+        if changed_at is not None:
+            metrics.SYNC_LAG.labels(kind=self.kind).set((at - changed_at).total_seconds())
 
     # Helpers ------------------------------------------------------------------------------
 
@@ -642,3 +650,13 @@ def delete_device_taint_rule(
             return False
         raise
     return True
+
+
+def _changed_at(obj: dict[str, Any]) -> datetime | None:
+    """When the API server last changed the object, as far as its managedFields say."""
+    metadata = obj.get("metadata") or {}
+    times = [
+        entry.get("time") for entry in metadata.get("managedFields") or [] if entry.get("time")
+    ]
+    stamp = max(times, default=None) or metadata.get("creationTimestamp")
+    return parse_datetime(stamp) if isinstance(stamp, str) else None

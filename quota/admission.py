@@ -20,6 +20,7 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
+from config import metrics
 from inventory.models import Cluster
 from inventory.services import get_cluster
 from quota import services
@@ -103,6 +104,18 @@ def _is_claim_create(request: dict[str, Any]) -> bool:
 
 
 def _review(http_request: HttpRequest, *, mutate: bool) -> HttpResponse:
+    webhook = "mutate" if mutate else "validate"
+    with metrics.WEBHOOK_LATENCY.labels(webhook=webhook).time():
+        response = _answer_review(http_request, mutate=mutate)
+    return response
+
+
+def _count(webhook: str, result: str, rule: str = "") -> None:
+    metrics.WEBHOOK_DECISIONS.labels(webhook=webhook, result=result, rule=rule).inc()
+
+
+def _answer_review(http_request: HttpRequest, *, mutate: bool) -> HttpResponse:
+    webhook = "mutate" if mutate else "validate"
     try:
         request = parse_review(http_request.body)
     except BadReview as exc:
@@ -146,6 +159,7 @@ def _review(http_request: HttpRequest, *, mutate: bool) -> HttpResponse:
                 )
     except DatabaseError as exc:
         log.error("admission %s: database unavailable: %s", uid, exc)
+        _count(webhook, "error")
         if settings.TALLY_WEBHOOK_FAIL_OPEN:
             return answer(
                 uid, allowed=True, warnings=["Tally could not check quota (database unavailable)"]
@@ -158,12 +172,14 @@ def _review(http_request: HttpRequest, *, mutate: bool) -> HttpResponse:
         )
     except Exception:
         log.exception("admission %s: unexpected error", uid)
+        _count(webhook, "error")
         return answer(
             uid,
             allowed=False,
             reason="InternalError",
             message="Tally failed to check quota; see its logs",
         )
+    _count(webhook, "allowed" if decision.allowed else "denied", decision.rule)
     if mutate:
         return _mutation(uid, claim, decision)
     return answer(

@@ -63,6 +63,8 @@ class Decision:
     team: Team | None = None
     # firstAvailable requests: alternatives that do not fit, by request name.
     removed: dict[str, list[str]] = field(default_factory=dict)
+    # The quota rule that denied, for metrics.
+    rule: str = ""
 
 
 class _Exceeded(Exception):
@@ -81,6 +83,7 @@ class _Plan:
     warnings: list[str]
     denial: str = ""
     reason: str = ""
+    rule: str = ""
 
 
 def review_claim(
@@ -111,7 +114,9 @@ def review_claim(
         return Decision(True, "", "", [], admitted.team)
     plan = _plan(cluster=cluster, claim=claim, namespace=namespace)
     if plan.denial:
-        decision = Decision(False, plan.denial, plan.reason, plan.warnings, plan.team)
+        decision = Decision(
+            False, plan.denial, plan.reason, plan.warnings, plan.team, rule=plan.rule
+        )
     elif dry_run or plan.team is None:
         decision = Decision(True, "", "", plan.warnings, plan.team, plan.removed)
     else:
@@ -145,7 +150,7 @@ def fit_alternatives(*, cluster: Cluster, claim: dict[str, Any]) -> Decision:
     namespace, _ = _claim_name(claim)
     plan = _plan(cluster=cluster, claim=claim, namespace=namespace)
     if plan.denial:
-        return Decision(False, plan.denial, plan.reason, plan.warnings, plan.team)
+        return Decision(False, plan.denial, plan.reason, plan.warnings, plan.team, rule=plan.rule)
     return Decision(True, "", "", plan.warnings, plan.team, plan.removed)
 
 
@@ -195,7 +200,7 @@ def _plan(*, cluster: Cluster, claim: dict[str, Any], namespace: str) -> _Plan:
         fitting = [demand for demand in demands if _exceeded(plan, demand) is None]
         if not fitting:
             rule, asked = _exceeded(plan, demands[0]) or (rules[0], Decimal(0))
-            plan.denial = _over_limit(plan.team, rule, asked)
+            plan.denial, plan.rule = _over_limit(plan.team, rule, asked), rule.name
             if len(demands) > 1:
                 plan.denial += (
                     f" (none of the {len(demands)} alternatives of request {request.name!r} fits)"
@@ -409,6 +414,7 @@ def _reserve(
             "QuotaExceeded",
             plan.warnings,
             plan.team,
+            rule=rule.name,
         )
     return Decision(True, "", "", plan.warnings, plan.team, plan.removed)
 

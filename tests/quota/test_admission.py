@@ -431,3 +431,19 @@ def test_admission_reviews_of_any_shape_get_a_well_formed_answer(client: Client)
             assert answer.get("status", {}).get("reason") != "InternalError", answer
 
     check()
+
+
+def test_decisions_are_counted_by_result_and_rule(client: Client) -> None:
+    from prometheus_client import REGISTRY
+
+    def count(result: str, rule: str) -> float:
+        labels = {"webhook": "validate", "result": result, "rule": rule}
+        return REGISTRY.get_sample_value("tally_webhook_decisions_total", labels) or 0.0
+
+    make_team(RULES)
+    denied_before, allowed_before = count("denied", "vfio"), count("allowed", "")
+    vfio = gpu_request(2, "vfio.gpu.nvidia.com")
+    assert not decide(client, claim("v", [vfio]))["allowed"]
+    assert decide(client, claim("a", [gpu_request(1, "gpu.example.com")]))["allowed"]
+    assert count("denied", "vfio") == denied_before + 1
+    assert count("allowed", "") == allowed_before + 1
