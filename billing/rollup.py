@@ -105,6 +105,8 @@ def _rollup_hour(hour: datetime, now: datetime) -> int:
                 cursor.execute(
                     "SELECT pg_advisory_xact_lock(%s, %s)", [7_411, window_start // HOUR_MS]
                 )
+                # An hour of a large fleet's samples sorts in memory instead of on disk.
+                cursor.execute("SELECT set_config('work_mem', '64MB', true)")
         intervals = _intervals(hour, window_start, window_end)
         coverage = _coverage(intervals, window_start, window_end)
         rows = _usage_rows(hour, intervals, coverage)
