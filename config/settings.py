@@ -124,6 +124,10 @@ STORAGES = {
         )
     },
 }
+# Sessions in signed cookies: no database read per request, and no way for a malformed
+# cookie (a NUL byte) to reach the database.
+SESSION_ENGINE = "django.contrib.sessions.backends.signed_cookies"
+SESSION_COOKIE_HTTPONLY = True
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "home"
 LOGOUT_REDIRECT_URL = "login"
