@@ -16,7 +16,7 @@ from decimal import Decimal
 from typing import Any, ClassVar
 
 import django_filters
-from django.db.models import QuerySet
+from django.db.models import F, QuerySet
 from django_filters.rest_framework import DjangoFilterBackend
 from rest_framework import filters, serializers, viewsets
 from rest_framework.exceptions import ValidationError
@@ -100,16 +100,20 @@ class Pagination(PageNumberPagination):
 
 class OrderingFilter(filters.OrderingFilter):
     """DRF's `?ordering=`, where a view's `ordering_aliases` give lookups public names (the
-    `team` column orders by `team__slug`), so the names match the response's fields."""
+    `team` column orders by `team__slug`), so the names match the response's fields. Nulls
+    sort last either way, on SQLite and PostgreSQL alike."""
 
     def get_ordering(self, request: Request, queryset: QuerySet[Any], view: APIView) -> Any:
         ordering = super().get_ordering(request, queryset, view)
-        aliases: Mapping[str, str] = getattr(view, "ordering_aliases", {})
-        if not ordering or not aliases:
+        if not ordering:
             return ordering
+        aliases: Mapping[str, str] = getattr(view, "ordering_aliases", {})
         return [
-            ("-" if term.startswith("-") else "") + aliases.get(term.lstrip("-"), term.lstrip("-"))
+            F(aliases.get(name, name)).desc(nulls_last=True)
+            if term.startswith("-")
+            else F(aliases.get(name, name)).asc(nulls_last=True)
             for term in ordering
+            for name in [term.lstrip("-")]
         ]
 
 

@@ -21,10 +21,10 @@ router.register("usage/claims", billing.ClaimUsageViewSet, basename="usage-claim
 router.register("usage/jobs", billing.JobUsageViewSet, basename="usage-jobs")
 router.register("usage/users", billing.UserUsageViewSet, basename="usage-users")
 router.register("usage", billing.UsageViewSet, basename="usage")
-router.register("inventory/summary", inventory.FleetSummaryViewSet, basename="inventory-summary")
 router.register("inventory/capacity", inventory.CapacityViewSet, basename="inventory-capacity")
 
 urlpatterns: list[URLPattern | URLResolver] = [
+    path("v1/inventory/summary/", inventory.FleetSummaryView.as_view(), name="inventory-summary"),
     path("v1/", include(router.urls)),
     path("schema/", SpectacularAPIView.as_view(), name="api-schema"),
     path("docs/", SpectacularRedocView.as_view(url_name="api-schema"), name="api-docs"),

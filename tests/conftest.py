@@ -63,8 +63,8 @@ def worker() -> Iterator[None]:
         pytest.skip("needs Redis: set REDIS_URL=redis://...")
     app.conf.update(broker_url=redis_url, result_backend=redis_url, task_always_eager=False)
     # An earlier test may have made the app pick its (disabled) result backend already.
-    app._backend_cache = None
-    app._local.__dict__.pop("backend", None)
+    app._backend_cache = None  # type: ignore[attr-defined]
+    app._local.__dict__.pop("backend", None)  # type: ignore[attr-defined]
     with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
         yield
 

@@ -107,4 +107,5 @@ def test_allocated_time_is_the_allocation_interval(held: None) -> None:
     roll(range(8, 14))
     allocated, utilised, unmeasured = totals()
     assert (allocated, utilised, unmeasured) == (9_000_000 + 3_857_140, 0, 9_000_000 + 3_857_140)
-    assert inventory_services.get_cluster("default").usage.count() == 6
+    cluster = inventory_services.get_cluster("default")
+    assert UsageHour.objects.filter(cluster=cluster).count() == 6

@@ -1,0 +1,127 @@
+"""Query filters for rate cards, periods, statements, their lines and usage."""
+
+from __future__ import annotations
+
+from datetime import date
+from typing import Any
+
+import django_filters
+from django.db.models import Q, QuerySet
+from rest_framework.exceptions import ValidationError
+
+from billing.models import Period, RateCard, Statement, StatementLine, UsageHour
+from config.api import DateRangeFilterSet, TeamSlugFilter, next_day, start_of_day
+
+PERIOD_HELP = "A billing period: its id, or its start as a UTC date (2026-10-01)."
+
+
+def period_lookups(value: str) -> dict[str, Any]:
+    """Lookups on Period for `?period=`: an id, or a start date (the period starting that day)."""
+    if value.isascii() and value.isdigit():
+        return {"pk": int(value)}
+    try:
+        day = start_of_day(date.fromisoformat(value))
+    except ValueError:
+        raise ValidationError({"period": [PERIOD_HELP]}) from None
+    after = next_day(day)
+    return {"start__gte": day, **({"start__lt": after} if after else {})}
+
+
+class PeriodFilter(django_filters.CharFilter):
+    """Rows of one period, through the relation `field_name` (`period`, `statement__period`)."""
+
+    def __init__(self, field_name: str, **kwargs: Any) -> None:
+        super().__init__(field_name=field_name, label=PERIOD_HELP, **kwargs)
+
+    def filter(self, qs: QuerySet[Any], value: str) -> QuerySet[Any]:
+        if not value:
+            return qs
+        return qs.filter(
+            **{f"{self.field_name}__{lookup}": v for lookup, v in period_lookups(value).items()}
+        )
+
+
+class UsagePeriodFilter(django_filters.CharFilter):
+    """Usage hours within one period `[start, end)`."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(label=PERIOD_HELP, **kwargs)
+
+    def filter(self, qs: QuerySet[Any], value: str) -> QuerySet[Any]:
+        if not value:
+            return qs
+        period = Period.objects.filter(**period_lookups(value)).first()
+        if period is None:
+            return qs.none()
+        return qs.filter(hour__gte=period.start, hour__lt=period.end)
+
+
+class RateCardFilterSet(django_filters.FilterSet):
+    model = django_filters.CharFilter(field_name="product_name", label="GPU model (productName)")
+    valid_on = django_filters.DateFilter(method="filter_valid_on", label="Cards in force that day")
+
+    class Meta:
+        model = RateCard
+        fields = ("profile", "currency")
+
+    def filter_valid_on(self, queryset: QuerySet[RateCard], name: str, value: date) -> Any:
+        return queryset.filter(valid_from__lte=value).filter(
+            Q(valid_until__isnull=True) | Q(valid_until__gt=value)
+        )
+
+
+class PeriodFilterSet(DateRangeFilterSet):
+    date_field = "start"
+    closed = django_filters.BooleanFilter(
+        field_name="closed_at", lookup_expr="isnull", exclude=True, label="Closed or open"
+    )
+
+    class Meta:
+        model = Period
+        fields: tuple[str, ...] = ()
+
+
+class StatementFilterSet(DateRangeFilterSet):
+    date_field = "period__start"
+    team = TeamSlugFilter()
+    period = PeriodFilter("period")
+
+    class Meta:
+        model = Statement
+        fields = ("currency",)
+
+
+class StatementLineFilterSet(DateRangeFilterSet):
+    date_field = "statement__period__start"
+    team = TeamSlugFilter("statement__team__slug")
+    period = PeriodFilter("statement__period")
+    currency = django_filters.CharFilter(field_name="statement__currency")
+    model = django_filters.CharFilter(field_name="product_name", label="GPU model (productName)")
+
+    class Meta:
+        model = StatementLine
+        fields = ("kind", "profile")
+
+
+class UsageFilterSet(DateRangeFilterSet):
+    date_field = "hour"
+    team = TeamSlugFilter()
+    period = UsagePeriodFilter()
+    model = django_filters.CharFilter(field_name="product_name", label="GPU model (productName)")
+    cluster = django_filters.CharFilter(field_name="cluster__name")
+
+    class Meta:
+        model = UsageHour
+        fields = ("namespace", "username", "job", "profile")
+
+
+class UsageSeriesFilterSet(UsageFilterSet):
+    # Read by the view to group rows, not a filter on them.
+    granularity = django_filters.ChoiceFilter(
+        choices=(("day", "day"), ("hour", "hour")),
+        method="group_only",
+        label="Rows per day (default) or per hour",
+    )
+
+    def group_only(self, queryset: QuerySet[UsageHour], name: str, value: str) -> Any:
+        return queryset

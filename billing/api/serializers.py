@@ -1,0 +1,222 @@
+"""Rate cards, periods, statements and usage as the API shows them, and the one write input
+(an adjustment). Money and GPU-hours are decimal strings, never floats."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from decimal import Decimal
+from typing import Any
+
+from rest_framework import serializers
+
+from billing.models import Period, RateCard, Statement, StatementLine
+from billing.pricing import MS_PER_HOUR
+from config.api import ReadOnlyModelSerializer
+from quota.api.serializers import VisibleTeamField
+from quota.models import Team
+
+
+class EfficiencyField(serializers.DecimalField):
+    """utilised / (allocated - unmeasured): how busy the GPUs were while measured; null when
+    nothing was measured. Reads the three figures from the object by the names given."""
+
+    def __init__(self, *, utilised: str, allocated: str, unmeasured: str, **kwargs: Any) -> None:
+        self.figure_names = (utilised, allocated, unmeasured)
+        kwargs.setdefault("help_text", "utilised / (allocated - unmeasured); null if unmeasured.")
+        super().__init__(
+            max_digits=16, decimal_places=6, source="*", read_only=True, allow_null=True, **kwargs
+        )
+
+    def to_representation(self, value: Any) -> Any:
+        utilised, allocated, unmeasured = (
+            value[name] if isinstance(value, Mapping) else getattr(value, name)
+            for name in self.figure_names
+        )
+        measured = Decimal(allocated) - Decimal(unmeasured)
+        if measured <= 0:
+            return None
+        return super().to_representation(Decimal(utilised) / measured)
+
+
+class GpuHoursField(serializers.DecimalField):
+    """Integer GPU-milliseconds (as UsageHour keeps them) shown as GPU-hours."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(max_digits=24, decimal_places=6, read_only=True, **kwargs)
+
+    def to_representation(self, value: Any) -> Any:
+        return super().to_representation(Decimal(value) / MS_PER_HOUR)
+
+
+class RateCardSerializer(ReadOnlyModelSerializer):
+    class Meta:
+        model = RateCard
+        fields = (
+            "id",
+            "product_name",
+            "profile",
+            "per_gpu_hour",
+            "idle_factor",
+            "currency",
+            "valid_from",
+            "valid_until",
+        )
+
+
+class PeriodSerializer(ReadOnlyModelSerializer):
+    is_closed = serializers.BooleanField(read_only=True)
+
+    class Meta:
+        model = Period
+        fields = ("id", "start", "end", "is_closed", "closed_at", "closed_by")
+
+
+class StatementSerializer(ReadOnlyModelSerializer):
+    team: serializers.SlugRelatedField[Team] = serializers.SlugRelatedField(
+        slug_field="slug", read_only=True
+    )
+    period_start = serializers.DateTimeField(source="period.start", read_only=True)
+
+    class Meta:
+        model = Statement
+        fields: tuple[str, ...] = (
+            "id",
+            "team",
+            "period",
+            "period_start",
+            "currency",
+            "total",
+            "computed_at",
+        )
+
+
+class StatementLineSerializer(ReadOnlyModelSerializer):
+    """A line within its statement."""
+
+    efficiency = EfficiencyField(
+        utilised="utilised_gpu_hours",
+        allocated="allocated_gpu_hours",
+        unmeasured="unmeasured_gpu_hours",
+    )
+    corrects_period_start = serializers.DateTimeField(
+        source="corrects_period.start", read_only=True, allow_null=True
+    )
+
+    class Meta:
+        model = StatementLine
+        fields: tuple[str, ...] = (
+            "id",
+            "kind",
+            "product_name",
+            "profile",
+            "allocated_gpu_hours",
+            "utilised_gpu_hours",
+            "idle_gpu_hours",
+            "unmeasured_gpu_hours",
+            "efficiency",
+            "rate",
+            "idle_factor",
+            "amount",
+            "corrects_period",
+            "corrects_period_start",
+            "reason",
+            "created_by",
+        )
+
+
+class FlatStatementLineSerializer(StatementLineSerializer):
+    """A line on its own (lists, CSV): with its statement's team, period and currency."""
+
+    team = serializers.CharField(source="statement.team.slug", read_only=True)
+    period = serializers.IntegerField(source="statement.period_id", read_only=True)
+    period_start = serializers.DateTimeField(source="statement.period.start", read_only=True)
+    currency = serializers.CharField(source="statement.currency", read_only=True)
+
+    class Meta(StatementLineSerializer.Meta):
+        fields = (
+            "id",
+            "team",
+            "period",
+            "period_start",
+            "currency",
+            *StatementLineSerializer.Meta.fields[1:],
+        )
+
+
+class StatementDetailSerializer(StatementSerializer):
+    lines = StatementLineSerializer(many=True, read_only=True)
+
+    class Meta(StatementSerializer.Meta):
+        fields = (*StatementSerializer.Meta.fields, "lines")
+
+
+class AdjustmentInputSerializer(serializers.Serializer[Any]):
+    """What finance sends to add an adjustment line to a team's statement of an open period."""
+
+    team = VisibleTeamField()
+    period = serializers.PrimaryKeyRelatedField(queryset=Period.objects.all())
+    currency = serializers.RegexField(r"^[A-Za-z]{3}\Z", help_text="ISO 4217 code, e.g. EUR.")
+    amount = serializers.DecimalField(
+        max_digits=16,
+        decimal_places=4,
+        help_text="Negative for a credit; rounded to the currency's minor unit.",
+    )
+    reason = serializers.CharField(max_length=2000)
+    product_name = serializers.CharField(
+        max_length=253, required=False, default="", allow_blank=True
+    )
+
+    def validate_currency(self, value: str) -> str:
+        return value.upper()
+
+    def validate_amount(self, value: Decimal) -> Decimal:
+        if not value:
+            raise serializers.ValidationError("An adjustment of zero changes nothing.")
+        return value
+
+
+USAGE_FIGURES = (
+    "allocated_gpu_hours",
+    "utilised_gpu_hours",
+    "idle_gpu_hours",
+    "unmeasured_gpu_hours",
+    "efficiency",
+)
+
+
+class UsageSerializer(serializers.Serializer[Any]):
+    """GPU-hours of one group of UsageHour rows; subclasses add what the group is (its keys),
+    which come first, the figures last."""
+
+    team = serializers.CharField(source="team__slug", read_only=True)
+    allocated_gpu_hours = GpuHoursField(source="allocated_ms")
+    utilised_gpu_hours = GpuHoursField(source="utilised_ms")
+    idle_gpu_hours = GpuHoursField(source="idle_ms")
+    unmeasured_gpu_hours = GpuHoursField(source="unmeasured_ms")
+    efficiency = EfficiencyField(
+        utilised="utilised_ms", allocated="allocated_ms", unmeasured="unmeasured_ms"
+    )
+
+    def get_fields(self) -> dict[str, serializers.Field[Any, Any, Any, Any]]:
+        fields = super().get_fields()
+        keys = {name: field for name, field in fields.items() if name not in USAGE_FIGURES}
+        return keys | {name: fields[name] for name in USAGE_FIGURES}
+
+
+class UsageSeriesSerializer(UsageSerializer):
+    start = serializers.DateTimeField(read_only=True, help_text="Start of the day or hour (UTC).")
+    product_name = serializers.CharField(read_only=True)
+
+
+class ClaimUsageSerializer(UsageSerializer):
+    namespace = serializers.CharField(read_only=True)
+    claim_name = serializers.CharField(read_only=True)
+
+
+class JobUsageSerializer(UsageSerializer):
+    namespace = serializers.CharField(read_only=True)
+    job = serializers.CharField(read_only=True, help_text="Kind/name of the claim's owner.")
+
+
+class UserUsageSerializer(UsageSerializer):
+    username = serializers.CharField(read_only=True)

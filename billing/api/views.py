@@ -1,0 +1,244 @@
+"""Rate cards, periods, statements, adjustments and usage.
+
+Reads are scoped to the user's teams (`TeamScopedViewSet`); the two writes, closing a period
+and adding an adjustment, are for finance and operators, call one `billing.pricing` service
+each and are audited in the same transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import UTC
+from typing import Any, ClassVar
+
+from django.db import transaction
+from django.db.models import F, Prefetch, QuerySet, Sum
+from django.db.models.functions import Trunc
+from django_filters.rest_framework import DjangoFilterBackend
+from django_filters.utils import translate_validation
+from drf_spectacular.utils import extend_schema
+from rest_framework import mixins, status
+from rest_framework.decorators import action
+from rest_framework.parsers import JSONParser
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from billing.api.filtersets import (
+    PeriodFilterSet,
+    RateCardFilterSet,
+    StatementFilterSet,
+    StatementLineFilterSet,
+    UsageFilterSet,
+    UsageSeriesFilterSet,
+)
+from billing.api.serializers import (
+    AdjustmentInputSerializer,
+    ClaimUsageSerializer,
+    FlatStatementLineSerializer,
+    JobUsageSerializer,
+    PeriodSerializer,
+    RateCardSerializer,
+    StatementDetailSerializer,
+    StatementSerializer,
+    UsageSerializer,
+    UsageSeriesSerializer,
+    UserUsageSerializer,
+)
+from billing.models import LineKind, Period, RateCard, Statement, StatementLine, UsageHour
+from billing.pricing import PricingError, add_adjustment, close_period
+from config.api import (
+    FinanceOrOperator,
+    OrderingFilter,
+    TallyViewSet,
+    TeamScopedViewSet,
+    bad_request,
+)
+from quota import audit
+from quota.models import Team
+
+LINE_ORDER = ("kind", "product_name", "profile", "id")
+
+
+class RateCardViewSet(mixins.ListModelMixin, TallyViewSet):
+    """Prices per GPU-hour. Not secret: leads read them too, to check their statements."""
+
+    serializer_class = RateCardSerializer
+    filterset_class = RateCardFilterSet
+    queryset = RateCard.objects.all()
+    ordering_fields = ("product_name", "profile", "currency", "valid_from")
+    ordering = ("product_name", "profile", "currency", "valid_from")
+
+
+class PeriodViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TallyViewSet):
+    """Billing periods (the same for every team), and closing one."""
+
+    serializer_class = PeriodSerializer
+    filterset_class = PeriodFilterSet
+    queryset = Period.objects.all()
+    lookup_value_regex = r"\d+"
+    ordering_fields = ("start",)
+    ordering = ("-start",)
+
+    @extend_schema(request=None, responses={200: PeriodSerializer})
+    @action(detail=True, methods=["post"], permission_classes=[FinanceOrOperator])
+    def close(self, request: Request, pk: str | None = None) -> Response:
+        """Compute the period's statements a last time and freeze them (finance, operators).
+        400 when the period has not ended or is already closed."""
+        period = self.get_object()
+        actor = request.user.get_username()
+        before = audit.snapshot(period)
+        with transaction.atomic():
+            try:
+                close_period(period=period, actor=actor)
+            except PricingError as exc:
+                raise bad_request(str(exc)) from exc
+            after = audit.snapshot(period)
+            audit.record(actor=actor, action="update", obj=period, before=before, after=after)
+        return Response(PeriodSerializer(period, context=self.get_serializer_context()).data)
+
+
+class StatementViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamScopedViewSet):
+    """What each of your teams owes per period and currency; the detail has the lines."""
+
+    filterset_class = StatementFilterSet
+    lookup_value_regex = r"\d+"
+    ordering_fields = ("team", "period_start", "currency", "total")
+    ordering = ("-period_start", "team", "currency")
+    ordering_aliases = {"team": "team__slug", "period_start": "period__start"}
+
+    def get_serializer_class(self) -> type[StatementSerializer]:
+        return StatementDetailSerializer if self.action == "retrieve" else StatementSerializer
+
+    def scope(self, teams: QuerySet[Team]) -> QuerySet[Statement]:
+        statements = Statement.objects.filter(team__in=teams).select_related("team", "period")
+        if self.action == "retrieve":
+            lines = StatementLine.objects.select_related("corrects_period").order_by(*LINE_ORDER)
+            statements = statements.prefetch_related(Prefetch("lines", queryset=lines))
+        return statements
+
+
+class StatementLineViewSet(mixins.ListModelMixin, TeamScopedViewSet):
+    """Statement lines one per row, with their team, period and currency: made for CSV."""
+
+    serializer_class = FlatStatementLineSerializer
+    filterset_class = StatementLineFilterSet
+    ordering_fields = ("team", "period_start", "currency", "kind", "product_name", "amount")
+    ordering = ("-period_start", "team", "currency", *LINE_ORDER)
+    ordering_aliases = {
+        "team": "statement__team__slug",
+        "period_start": "statement__period__start",
+        "currency": "statement__currency",
+    }
+
+    def scope(self, teams: QuerySet[Team]) -> QuerySet[StatementLine]:
+        return StatementLine.objects.filter(statement__team__in=teams).select_related(
+            "statement__team", "statement__period", "corrects_period"
+        )
+
+
+class AdjustmentViewSet(StatementLineViewSet):
+    """Adjustment lines (late data, and finance's own); finance and operators add them."""
+
+    parser_classes = [JSONParser]
+
+    def get_permissions(self) -> Sequence[Any]:
+        if self.action == "create":
+            return [FinanceOrOperator()]
+        return super().get_permissions()
+
+    def scope(self, teams: QuerySet[Team]) -> QuerySet[StatementLine]:
+        return super().scope(teams).filter(kind=LineKind.ADJUSTMENT)
+
+    @extend_schema(request=AdjustmentInputSerializer, responses={201: FlatStatementLineSerializer})
+    def create(self, request: Request) -> Response:
+        """Add an adjustment to a team's statement of an open period; the reason is required."""
+        given = AdjustmentInputSerializer(data=request.data, context=self.get_serializer_context())
+        given.is_valid(raise_exception=True)
+        actor = request.user.get_username()
+        with transaction.atomic():
+            try:
+                line = add_adjustment(actor=actor, **given.validated_data)
+            except PricingError as exc:
+                raise bad_request(str(exc)) from exc
+            audit.record(
+                actor=actor, action="create", obj=line, before=None, after=audit.snapshot(line)
+            )
+        shown = self.get_serializer(self.get_queryset().get(pk=line.pk))
+        return Response(shown.data, status=status.HTTP_201_CREATED)
+
+
+FIGURE_ORDERING = {
+    "allocated_gpu_hours": "allocated_ms",
+    "utilised_gpu_hours": "utilised_ms",
+    "idle_gpu_hours": "idle_ms",
+    "unmeasured_gpu_hours": "unmeasured_ms",
+}
+
+
+class UsageViewSet(mixins.ListModelMixin, TeamScopedViewSet):
+    """Usage per team, day (or hour, `?granularity=hour`) and GPU model. Filters select the
+    hourly rows that are summed; ordering sorts the sums."""
+
+    # Subclasses sum over other keys (`group_by`); the sums are made in SQL.
+
+    serializer_class: type[UsageSerializer] = UsageSeriesSerializer
+    filterset_class = UsageSeriesFilterSet
+    group_by: ClassVar[tuple[str, ...]] = ("team__slug", "start", "product_name")
+    ordering_aliases = {"team": "team__slug", **FIGURE_ORDERING}
+
+    @property
+    def ordering_fields(self) -> tuple[str, ...]:
+        keys = tuple("team" if key == "team__slug" else key for key in self.group_by)
+        return keys + tuple(FIGURE_ORDERING)
+
+    @property
+    def ordering(self) -> tuple[str, ...]:
+        return tuple(key for key in self.ordering_fields if key not in FIGURE_ORDERING)
+
+    def scope(self, teams: QuerySet[Team]) -> QuerySet[UsageHour]:
+        return UsageHour.objects.filter(team__in=teams)
+
+    def filter_queryset(self, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        filterset = DjangoFilterBackend().get_filterset(self.request, queryset, self)
+        assert filterset is not None
+        if not filterset.is_valid():
+            raise translate_validation(filterset.errors)
+        hours = filterset.qs
+        if "start" in self.group_by:
+            granularity = filterset.form.cleaned_data.get("granularity") or "day"
+            hours = hours.annotate(start=Trunc("hour", granularity, tzinfo=UTC))
+        groups = (
+            hours.values(*self.group_by)
+            .annotate(
+                allocated_ms=Sum("allocated_gpu_ms"),
+                utilised_ms=Sum("utilised_gpu_ms"),
+                unmeasured_ms=Sum("unmeasured_gpu_ms"),
+            )
+            .annotate(idle_ms=F("allocated_ms") - F("utilised_ms") - F("unmeasured_ms"))
+            .order_by()
+        )
+        return OrderingFilter().filter_queryset(self.request, groups, self)
+
+
+class ClaimUsageViewSet(UsageViewSet):
+    """Usage per claim (namespace and name) over the chosen dates."""
+
+    serializer_class = ClaimUsageSerializer
+    filterset_class = UsageFilterSet
+    group_by = ("team__slug", "namespace", "claim_name")
+
+
+class JobUsageViewSet(UsageViewSet):
+    """Usage per job: the claim's owner (`Kind/name`) in its namespace."""
+
+    serializer_class = JobUsageSerializer
+    filterset_class = UsageFilterSet
+    group_by = ("team__slug", "namespace", "job")
+
+
+class UserUsageViewSet(UsageViewSet):
+    """Usage per user who made the claims."""
+
+    serializer_class = UserUsageSerializer
+    filterset_class = UsageFilterSet
+    group_by = ("team__slug", "username")

@@ -1,0 +1,65 @@
+"""The fleet as finance and operators see it: capacity, driver versions, fragmentation.
+
+Fleet-wide figures say nothing about one team, and reveal the whole fleet, so team leads are
+not let in (403).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.shortcuts import get_object_or_404
+from drf_spectacular.utils import OpenApiParameter, extend_schema
+from rest_framework import mixins
+from rest_framework.exceptions import NotFound
+from rest_framework.generics import GenericAPIView
+from rest_framework.renderers import BrowsableAPIRenderer, JSONRenderer
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from config.api import FinanceOrOperator, TallyViewSet
+from inventory.api.serializers import CapacitySerializer, FleetReportSerializer
+from inventory.models import Cluster
+from inventory.selectors import capacity_by_model, fleet_report
+
+CLUSTER_PARAMETER = OpenApiParameter(
+    "cluster", str, description="One cluster by name; all clusters when absent."
+)
+
+
+def requested_cluster(request: Request) -> Cluster | None:
+    """`?cluster=NAME` (404 when there is none by that name), or None for all clusters."""
+    name = request.query_params.get("cluster")
+    if not name:
+        return None
+    if "\x00" in name:  # no such name; PostgreSQL would refuse the query
+        raise NotFound("No cluster by that name.")
+    return get_object_or_404(Cluster, name=name)
+
+
+class FleetSummaryView(GenericAPIView[Any]):
+    """The fleet report: capacity by model, the driver/CUDA matrix and its outlier nodes, and
+    how the free GPUs are fragmented."""
+
+    permission_classes = [FinanceOrOperator]
+    serializer_class = FleetReportSerializer
+    renderer_classes = [JSONRenderer, BrowsableAPIRenderer]
+
+    @extend_schema(parameters=[CLUSTER_PARAMETER])
+    def get(self, request: Request) -> Response:
+        return Response(self.get_serializer(fleet_report(cluster=requested_cluster(request))).data)
+
+
+class CapacityViewSet(mixins.ListModelMixin, TallyViewSet):
+    """Physical GPUs per model: how many, allocated, free, and MIG devices."""
+
+    permission_classes = [FinanceOrOperator]
+    serializer_class = CapacitySerializer
+    filter_backends: list[Any] = []
+
+    @extend_schema(parameters=[CLUSTER_PARAMETER])
+    def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        return super().list(request, *args, **kwargs)
+
+    def get_queryset(self) -> Any:
+        return capacity_by_model(cluster=requested_cluster(self.request))

@@ -1,0 +1,83 @@
+"""Teams, quota rules and the webhook's decisions: read-only, scoped to the user's teams."""
+
+from __future__ import annotations
+
+from django.db.models import Case, FloatField, Prefetch, QuerySet, Value, When
+from django.db.models.functions import Cast
+from rest_framework import mixins
+
+from config.api import OPERATOR, OperatorOrLead, TallyViewSet, TeamScopedViewSet, request_role
+from quota.api.filtersets import AdmissionDecisionFilterSet, QuotaRuleFilterSet, TeamFilterSet
+from quota.api.serializers import (
+    AdmissionDecisionSerializer,
+    QuotaRuleSerializer,
+    TeamSerializer,
+)
+from quota.models import AdmissionDecision, Membership, QuotaRule, Role, Team, TeamNamespace
+from quota.selectors import visible_teams
+
+
+class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamScopedViewSet):
+    """The teams you may see, with their namespaces and leads."""
+
+    serializer_class = TeamSerializer
+    filterset_class = TeamFilterSet
+    lookup_field = "slug"
+    lookup_value_regex = r"[-a-zA-Z0-9_]+"
+    ordering_fields = ("slug", "name", "cost_centre")
+    ordering = ("slug",)
+
+    def scope(self, teams: QuerySet[Team]) -> QuerySet[Team]:
+        return teams.prefetch_related(
+            Prefetch("namespaces", queryset=TeamNamespace.objects.order_by("namespace")),
+            Prefetch(
+                "memberships",
+                queryset=Membership.objects.filter(role=Role.LEAD)
+                .select_related("user")
+                .order_by("user__username"),
+                to_attr="lead_memberships",
+            ),
+        )
+
+
+class QuotaRuleViewSet(mixins.ListModelMixin, TeamScopedViewSet):
+    """Quota rules of your teams: the limit, what live claims hold, and the fraction used."""
+
+    serializer_class = QuotaRuleSerializer
+    filterset_class = QuotaRuleFilterSet
+    ordering_fields = ("team", "name", "device_class", "limit", "in_use", "usage_fraction")
+    ordering = ("team", "name")
+    ordering_aliases = {"team": "team__slug"}
+
+    def scope(self, teams: QuerySet[Team]) -> QuerySet[QuotaRule]:
+        # A float quotient: SQLite divides whole decimals as integers; six places are shown.
+        fraction: FloatField[float, float] = FloatField()
+        return (
+            QuotaRule.objects.filter(team__in=teams)
+            .select_related("team")
+            .annotate(
+                usage_fraction=Case(
+                    When(limit=0, then=Value(None, output_field=fraction)),
+                    default=Cast("in_use", fraction) / Cast("limit", fraction),
+                    output_field=fraction,
+                )
+            )
+        )
+
+
+class AdmissionDecisionViewSet(mixins.ListModelMixin, TallyViewSet):
+    """The webhook's decisions, newest first: operators see all (namespaces of no team too),
+    leads those of their teams."""
+
+    serializer_class = AdmissionDecisionSerializer
+    filterset_class = AdmissionDecisionFilterSet
+    permission_classes = [OperatorOrLead]
+    ordering_fields = ("at", "namespace", "name", "team", "allowed")
+    ordering = ("-at", "-id")
+    ordering_aliases = {"team": "team__slug"}
+
+    def get_queryset(self) -> QuerySet[AdmissionDecision]:
+        decisions = AdmissionDecision.objects.select_related("team")
+        if request_role(self.request) == OPERATOR:
+            return decisions
+        return decisions.filter(team__in=visible_teams(user=self.request.user))

@@ -1,0 +1,141 @@
+"""Every endpoint tried by each of the cast: the wrong one gets 401, 403 or 404, the right one
+200 with only the rows of its teams."""
+
+from __future__ import annotations
+
+import pytest
+from django.core.management import call_command
+from rest_framework.authtoken.models import Token
+from rest_framework.test import APIClient
+
+from billing.models import Statement
+from tests.api.cast import Seeded
+
+pytestmark = pytest.mark.django_db
+
+# Lists of team data: the column that names the team.
+TEAM_LISTS = {
+    "/api/v1/teams/": "slug",
+    "/api/v1/quotas/": "team",
+    "/api/v1/statements/": "team",
+    "/api/v1/statement-lines/": "team",
+    "/api/v1/adjustments/": "team",
+    "/api/v1/usage/": "team",
+    "/api/v1/usage/claims/": "team",
+    "/api/v1/usage/jobs/": "team",
+    "/api/v1/usage/users/": "team",
+}
+SHARED_LISTS = ["/api/v1/rate-cards/", "/api/v1/periods/"]
+FLEET = ["/api/v1/inventory/summary/", "/api/v1/inventory/capacity/"]
+DECISIONS = "/api/v1/decisions/"
+EVERY_GET = [*TEAM_LISTS, *SHARED_LISTS, *FLEET, DECISIONS]
+
+
+def teams_in(response_json: dict, column: str) -> set[str]:
+    return {row[column] for row in response_json["results"]}
+
+
+@pytest.mark.parametrize("url", EVERY_GET)
+def test_anonymous_must_authenticate(seeded: Seeded, url: str) -> None:
+    response = seeded.cast.client(None).get(url)
+    assert response.status_code == 401
+    assert response["WWW-Authenticate"] == "Token"
+
+
+@pytest.mark.parametrize("url", EVERY_GET)
+def test_member_without_role_sees_nothing(seeded: Seeded, url: str) -> None:
+    assert seeded.cast.client("member_a").get(url).status_code == 403
+
+
+@pytest.mark.parametrize(("url", "column"), TEAM_LISTS.items())
+@pytest.mark.parametrize(("who", "expected"), [("lead_a", {"alpha"}), ("lead_b", {"beta"})])
+def test_lead_sees_only_own_teams(
+    seeded: Seeded, url: str, column: str, who: str, expected: set[str]
+) -> None:
+    response = seeded.cast.client(who).get(url)
+    assert response.status_code == 200, response.content
+    if url == "/api/v1/adjustments/":
+        expected = expected & {"beta"}  # only beta has an adjustment
+    assert teams_in(response.json(), column) == expected
+
+
+@pytest.mark.parametrize(("url", "column"), TEAM_LISTS.items())
+@pytest.mark.parametrize("who", ["finance", "operator"])
+def test_finance_and_operators_see_every_team(
+    seeded: Seeded, url: str, column: str, who: str
+) -> None:
+    response = seeded.cast.client(who).get(url)
+    assert response.status_code == 200, response.content
+    expected = {"beta"} if url == "/api/v1/adjustments/" else {"alpha", "beta"}
+    assert teams_in(response.json(), column) == expected
+
+
+@pytest.mark.parametrize("url", SHARED_LISTS)
+@pytest.mark.parametrize("who", ["lead_a", "finance", "operator"])
+def test_rate_cards_and_periods_are_read_by_every_role(seeded: Seeded, url: str, who: str) -> None:
+    response = seeded.cast.client(who).get(url)
+    assert response.status_code == 200
+    assert response.json()["count"] >= 1
+
+
+@pytest.mark.parametrize("url", FLEET)
+def test_fleet_is_for_finance_and_operators(seeded: Seeded, url: str) -> None:
+    for who in ("lead_a", "lead_b"):
+        assert seeded.cast.client(who).get(url).status_code == 403
+    for who in ("finance", "operator"):
+        assert seeded.cast.client(who).get(url).status_code == 200
+
+
+def test_fleet_summary(seeded: Seeded) -> None:
+    report = seeded.cast.client("operator").get("/api/v1/inventory/summary/").json()
+    assert report["gpus_by_model"] == {"NVIDIA H100 80GB HBM3": 2}
+    assert report["fragmentation"]["nodes_full"] == 2
+    assert (
+        seeded.cast.client("operator")
+        .get("/api/v1/inventory/summary/", {"cluster": "nope"})
+        .status_code
+        == 404
+    )
+
+
+def test_decisions_operators_all_leads_their_teams_finance_none(seeded: Seeded) -> None:
+    operator = seeded.cast.client("operator").get(DECISIONS).json()
+    assert {row["team"] for row in operator["results"]} == {"alpha", "beta", None}
+    lead = seeded.cast.client("lead_b").get(DECISIONS).json()
+    assert [(row["team"], row["allowed"]) for row in lead["results"]] == [("beta", False)]
+    assert seeded.cast.client("finance").get(DECISIONS).status_code == 403
+
+
+def test_other_teams_objects_are_not_found(seeded: Seeded) -> None:
+    beta_statement = Statement.objects.get(team=seeded.cast.beta)
+    lead_a = seeded.cast.client("lead_a")
+    assert lead_a.get("/api/v1/teams/beta/").status_code == 404
+    assert lead_a.get(f"/api/v1/statements/{beta_statement.pk}/").status_code == 404
+    lead_b = seeded.cast.client("lead_b")
+    assert lead_b.get("/api/v1/teams/beta/").json()["leads"] == ["lb"]
+    detail = lead_b.get(f"/api/v1/statements/{beta_statement.pk}/").json()
+    assert {line["kind"] for line in detail["lines"]} == {"usage", "adjustment"}
+    member = seeded.cast.client("member_a")
+    assert member.get("/api/v1/teams/alpha/").status_code == 403
+
+
+def test_team_detail(seeded: Seeded) -> None:
+    team = seeded.cast.client("lead_a").get("/api/v1/teams/alpha/").json()
+    assert team == {
+        "slug": "alpha",
+        "name": "Alpha",
+        "cost_centre": "CC-1",
+        "namespaces": ["alpha-ns"],
+        "leads": ["la"],
+    }
+
+
+def test_token_authentication(seeded: Seeded) -> None:
+    call_command("drf_create_token", "la")
+    token = Token.objects.get(user__username="la").key
+    client = APIClient()
+    response = client.get("/api/v1/teams/", HTTP_AUTHORIZATION=f"Token {token}")
+    assert response.status_code == 200
+    assert teams_in(response.json(), "slug") == {"alpha"}
+    wrong = client.get("/api/v1/teams/", HTTP_AUTHORIZATION="Token not-a-token")
+    assert wrong.status_code == 401
