@@ -31,6 +31,7 @@ INSTALLED_APPS = [
     "rest_framework.authtoken",
     "django_filters",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "inventory",
     "quota",
     "billing",
@@ -172,6 +173,10 @@ SPECTACULAR_SETTINGS = {
     "DESCRIPTION": "GPU quota, usage and chargeback for finance and platform teams.",
     "VERSION": "1",
     "SERVE_INCLUDE_SCHEMA": False,
+    # The docs page's JavaScript comes from this deployment's static files, not a CDN.
+    "REDOC_DIST": "SIDECAR",
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
 }
 
 # Inventory sync.

@@ -33,6 +33,8 @@ def test_schema_and_docs_are_served(db: None) -> None:
     docs = client.get("/api/docs/")
     assert docs.status_code == 200
     assert b"/api/schema/" in docs.content
+    assert b"/static/drf_spectacular_sidecar/" in docs.content  # served here, not from a CDN
+    assert b"cdn." not in docs.content
 
 
 @pytest.fixture
