@@ -16,8 +16,9 @@ from django.db import models
 from django.db.models import QuerySet
 from django.forms import BaseFormSet
 from django.http import HttpRequest
+from django.utils import timezone
 
-from quota import audit
+from quota import audit, services
 from quota.models import (
     AdmissionDecision,
     AuditEntry,
@@ -167,6 +168,12 @@ class ReservationAdmin(ReadOnlyAdmin):
     ordering = ("-created_at",)
     inlines = (ReservationLineInline,)
     show_full_result_count = False
+    actions = ("expire_stale",)
+
+    @admin.action(description="Release reservations whose claim never appeared (expired)")
+    def expire_stale(self, request: HttpRequest, queryset: QuerySet[Reservation]) -> None:
+        released = services.expire_reservations(now=timezone.now())
+        self.message_user(request, f"{released} expired reservation(s) released")
 
 
 @admin.register(ReservationLine)

@@ -210,3 +210,40 @@ def test_changelists_render(ops_client: Client) -> None:
         assert response.status_code == 200
     response = ops_client.get(reverse("admin:quota_quotarule_changelist"), {"q": "vision"})
     assert response.context["cl"].result_count == 1
+
+
+def test_operators_release_expired_reservations_from_the_admin(ops_client: Client) -> None:
+    from datetime import timedelta
+
+    from django.utils import timezone
+
+    from quota.models import Reservation, Team
+
+    team = Team.objects.create(slug="ops-team", name="Ops")
+    now = timezone.now()
+    stale = Reservation.objects.create(
+        cluster="default",
+        namespace="ns",
+        name="ghost",
+        team=team,
+        created_at=now,
+        expires_at=now - timedelta(minutes=1),
+    )
+    fresh = Reservation.objects.create(
+        cluster="default",
+        namespace="ns",
+        name="coming",
+        team=team,
+        created_at=now,
+        expires_at=now + timedelta(minutes=10),
+    )
+    response = ops_client.post(
+        "/admin/quota/reservation/",
+        {"action": "expire_stale", "_selected_action": [stale.pk, fresh.pk]},
+        follow=True,
+    )
+    assert response.status_code == 200
+    assert "1 expired reservation(s) released" in response.content.decode()
+    stale.refresh_from_db()
+    fresh.refresh_from_db()
+    assert (stale.state, fresh.state) == ("released", "reserved")
