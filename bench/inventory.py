@@ -124,7 +124,7 @@ def _floor(url: str, rows: dict[str, int], workdir: Path) -> float:
             ):
                 for block in copy:
                     out.write(block)
-        cursor.execute(_sql("TRUNCATE {}", *rows))
+        cursor.execute(_sql("TRUNCATE {} CASCADE", *rows))
         connection.commit()
         started = time.perf_counter()
         for table in tables:
@@ -139,7 +139,7 @@ def _floor(url: str, rows: dict[str, int], workdir: Path) -> float:
 
 
 def _row_counts(url: str) -> dict[str, int]:
-    """Rows per inventory table, parents before children."""
+    """Rows per project table, parents before children."""
     import psycopg
     from django.apps import apps
 
@@ -154,7 +154,13 @@ def _row_counts(url: str) -> dict[str, int]:
 
 
 def _models_in_dependency_order(apps: Any) -> list[Any]:
-    models = list(apps.get_app_config("inventory").get_models())
+    # Every table of the project: the import also writes what other apps keep of the
+    # inventory (billing's hours to roll up again, quota's reservations of adopted claims).
+    models = [
+        model
+        for label in ("inventory", "quota", "billing")
+        for model in apps.get_app_config(label).get_models()
+    ]
     ordered: list[Any] = []
     while models:
         for model in models:

@@ -265,9 +265,26 @@ def mark_dirty(*, hours: set[datetime], at: datetime) -> None:
 
 def mark_claims_dirty(*, claim_ids: list[int], at: datetime) -> None:
     """Mark every hour the claims' allocations span, so usage follows what the sync saw."""
+    # Merge the intervals first: a large import holds thousands of allocations over the same
+    # weeks, and each hour is to be marked once.
+    intervals = sorted(
+        (start, min(end or at, at) + timedelta(milliseconds=1))
+        for start, end in Allocation.objects.filter(claim_id__in=claim_ids).values_list(
+            "start", "end"
+        )
+    )
     hours: set[datetime] = set()
-    for start, end in Allocation.objects.filter(claim_id__in=claim_ids).values_list("start", "end"):
-        hours |= hours_between(start, min(end or at, at) + timedelta(milliseconds=1))
+    merged_start: datetime | None = None
+    merged_end: datetime | None = None
+    for start, end in intervals:
+        if merged_end is not None and start <= merged_end:
+            merged_end = max(merged_end, end)
+            continue
+        if merged_start is not None and merged_end is not None:
+            hours |= hours_between(merged_start, merged_end)
+        merged_start, merged_end = start, end
+    if merged_start is not None and merged_end is not None:
+        hours |= hours_between(merged_start, merged_end)
     mark_dirty(hours=hours, at=at)
 
 
