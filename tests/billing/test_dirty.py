@@ -1,0 +1,33 @@
+"""Hours to roll up again follow what the sync saw of claims and their allocations."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from billing import rollup
+from billing.models import DirtyHour, UsageHour
+from tests.billing.test_chargeback import SLICE, T10, claim, snapshot
+
+pytestmark = pytest.mark.django_db
+
+
+def test_claims_seen_mark_the_hours_their_allocations_span_once() -> None:
+    # Two claims allocated at 10:00 and 10:30; the first ends at 12:10, the other at 11:20.
+    snapshot([SLICE, claim("a", "gpu-0", T10)], T10)
+    snapshot(
+        [claim("a", "gpu-0", T10), claim("b", "gpu-1-mig-3g40gb-0", T10 + timedelta(minutes=30))],
+        T10 + timedelta(minutes=30),
+        kinds=["ResourceClaim"],
+    )
+    snapshot(
+        [claim("a", "gpu-0", T10)], T10 + timedelta(hours=1, minutes=20), kinds=["ResourceClaim"]
+    )
+    snapshot([], T10 + timedelta(hours=2, minutes=10), kinds=["ResourceClaim"])
+    hours = sorted(dirty.hour.hour for dirty in DirtyHour.objects.all())
+    assert hours == [10, 11, 12]
+    done = rollup.rollup_pending(now=T10 + timedelta(days=1))
+    assert T10 in done and T10.replace(hour=12) in done
+    assert not DirtyHour.objects.filter(hour__lt=T10 + timedelta(days=1)).exists()
+    assert UsageHour.objects.filter(hour=T10.replace(hour=11)).count() == 2
