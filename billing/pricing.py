@@ -52,18 +52,17 @@ def round_money(amount: Decimal, currency: str) -> Decimal:
     return amount.quantize(exponent, rounding=ROUND_HALF_UP)
 
 
-def rate_for(product_name: str, profile: str, on: date) -> tuple[RateCard, Decimal] | None:
-    """The rate card for a model (MIG: its profile's card, else the parent's) on a day, and
-    the factor to apply: 1, since GPU-hours of MIG devices are already their share."""
+def rate_for(product_name: str, profile: str, on: date) -> RateCard | None:
+    """The rate card for a model on a day. A MIG device takes its profile's card, else the
+    parent's: its GPU-hours are already its share of the GPU."""
     cards = RateCard.objects.filter(product_name=product_name, valid_from__lte=on).exclude(
         valid_until__lte=on
     )
     if profile:
         card = cards.filter(profile=profile).order_by("-valid_from").first()
         if card is not None:
-            return card, Decimal(1)
-    card = cards.filter(profile="").order_by("-valid_from").first()
-    return (card, Decimal(1)) if card else None
+            return card
+    return cards.filter(profile="").order_by("-valid_from").first()
 
 
 @dataclass
@@ -116,8 +115,7 @@ def usage_lines(*, team: Team | None, period: Period) -> list[LineFigures]:
     lines: dict[tuple[str, str, int | None], LineFigures] = {}
     totals: dict[tuple[str, str, int | None], _Usage] = defaultdict(_Usage)
     for (product, profile, day), entry in sorted(usage.items()):
-        priced = rate_for(product, profile, day)
-        card = priced[0] if priced else None
+        card = rate_for(product, profile, day)
         line_profile = profile if card is not None and card.profile else ""
         key = (product, line_profile, card.pk if card else None)
         if key not in lines:

@@ -239,8 +239,7 @@ def idle_cost(*, team: Team, since: datetime, until: datetime) -> IdleSummary:
         .order_by("product_name", "profile")
     ):
         idle = _hours(row["idle_ms"])
-        priced = rate_for(row["product_name"], row["profile"], on)
-        card = priced[0] if priced else None
+        card = rate_for(row["product_name"], row["profile"], on)
         cost = round_money(idle * card.per_gpu_hour, card.currency) if card else None
         if card is not None and cost is not None:
             totals[card.currency] += cost

@@ -30,6 +30,24 @@ class Shape:
     shareable: bool
     view: cel.DeviceShape
 
+    @classmethod
+    def from_row(cls, row: DeviceShape, *, memory_bytes: int | None) -> Shape:
+        """The shape as selectors see it, from its stored row."""
+        return cls(
+            id=row.pk,
+            driver=row.driver,
+            kind=row.kind,
+            gpu_share=row.gpu_share,
+            memory_bytes=memory_bytes,
+            shareable=row.allow_multiple_allocations,
+            view=cel.DeviceShape.from_device(
+                driver=row.driver,
+                attributes=row.attributes,
+                capacity=row.capacity,
+                allow_multiple_allocations=row.allow_multiple_allocations,
+            ),
+        )
+
 
 @dataclass
 class FleetShapes:
@@ -100,20 +118,7 @@ def fleet_shapes(*, cluster: Cluster) -> FleetShapes:
             if node_id is not None:
                 per_node[node_id][shape_id] = devices
         for row in DeviceShape.objects.filter(pk__in=present_shapes):
-            fleet.shapes[row.pk] = Shape(
-                id=row.pk,
-                driver=row.driver,
-                kind=row.kind,
-                gpu_share=row.gpu_share,
-                memory_bytes=_memory(row.capacity),
-                shareable=row.allow_multiple_allocations,
-                view=cel.DeviceShape.from_device(
-                    driver=row.driver,
-                    attributes=row.attributes,
-                    capacity=row.capacity,
-                    allow_multiple_allocations=row.allow_multiple_allocations,
-                ),
-            )
+            fleet.shapes[row.pk] = Shape.from_row(row, memory_bytes=_memory(row.capacity))
         fleet.per_node = dict(per_node)
         fleet.class_selectors = dict(
             DeviceClass.objects.filter(cluster=cluster, gone_at__isnull=True).values_list(

@@ -541,22 +541,8 @@ def _allocated_amounts(
         device = allocation.device
         if allocated_for is None or device is None or device.shape is None:
             continue
-        shape = device.shape
-        view = cel.DeviceShape.from_device(
-            driver=shape.driver,
-            attributes=shape.attributes,
-            capacity=shape.capacity,
-            allow_multiple_allocations=shape.allow_multiple_allocations,
-        )
-        fleet_shape = Shape(
-            id=shape.pk,
-            driver=shape.driver,
-            kind=shape.kind,
-            gpu_share=shape.gpu_share,
-            memory_bytes=device.memory_bytes,
-            shareable=shape.allow_multiple_allocations,
-            view=view,
-        )
+        fleet_shape = Shape.from_row(device.shape, memory_bytes=device.memory_bytes)
+        view = fleet_shape.view
         consumed = allocation.consumed_capacity.get("memory") if allocation.share_id else None
         for rule in rules:
             if rule.device_class != allocated_for.device_class_name:
