@@ -91,7 +91,16 @@ def _database() -> dict[str, object]:
     return dict(config)
 
 
+# The webhook's statements are prepared once per connection (PostgreSQL); turn this off behind
+# a pooler that cannot keep prepared statements (PgBouncer in transaction mode before 1.21).
+DATABASE_PREPARED_STATEMENTS = env.get_bool("DATABASE_PREPARED_STATEMENTS", True)
 DATABASES = {"default": _database()}
+if DATABASES["default"]["ENGINE"] == "django.db.backends.postgresql":
+    # Django turns psycopg's prepared statements off (threshold None); a threshold no query
+    # reaches keeps them off for the ORM and lets the webhook ask for them explicitly.
+    DATABASES["default"]["OPTIONS"]["prepare_threshold"] = (  # type: ignore[index]
+        2**31 - 1 if DATABASE_PREPARED_STATEMENTS else None
+    )
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [

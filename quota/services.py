@@ -9,6 +9,7 @@ was reserved for claims that never appeared.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections import defaultdict
@@ -18,7 +19,7 @@ from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
-from django.db import IntegrityError, transaction
+from django.db import IntegrityError, connection, transaction
 from django.db.models import F
 from django.utils import timezone
 from kubernetes.utils import parse_quantity
@@ -37,9 +38,21 @@ from quota.models import (
     TeamNamespace,
     Unit,
 )
-from quota.selectors import FleetShapes, Shape, fleet_shapes, team_for_namespace, team_rules
+from quota.selectors import (
+    AdmissionState,
+    FleetShapes,
+    RuleUsage,
+    Shape,
+    admission_state,
+    fetch_prepared,
+    fleet_shapes,
+    team_for_namespace,
+    team_rules,
+)
 
 log = logging.getLogger(__name__)
+# A rule as the admission read it, or as stored (reports, the sync's exact allocations).
+Rule = RuleUsage | QuotaRule
 NEAR_LIMIT = Decimal("0.8")
 # The resource-claim controller creates claims from ResourceClaimTemplates for Pods.
 CONTROLLER_USERS = ("system:serviceaccount:kube-system:", "system:kube-controller-manager")
@@ -67,6 +80,10 @@ class Decision:
     rule: str = ""
 
 
+class _RulesChanged(Exception):
+    pass
+
+
 class _Exceeded(Exception):
     def __init__(self, rule_id: int, asked: Decimal) -> None:
         self.rule_id = rule_id
@@ -76,7 +93,7 @@ class _Exceeded(Exception):
 @dataclass
 class _Plan:
     team: Team | None
-    rules: dict[int, QuotaRule]
+    rules: dict[int, Rule]
     reserve: dict[int, Decimal]
     chosen: dict[str, list[str]]
     removed: dict[str, list[str]]
@@ -102,17 +119,16 @@ def review_claim(
     (cluster, namespace, name) admitted twice reserves once; a dry run writes nothing.
     """
     namespace, name = _claim_name(claim)
-    admitted = (
-        Reservation.objects.filter(cluster=cluster.name, namespace=namespace, name=name)
-        .exclude(state=ReservationState.RELEASED)
-        .select_related("team")
-        .first()
-    )
-    if admitted is not None:
+    state = admission_state(cluster=cluster.name, namespace=namespace, name=name)
+    if state.replayed_team_id is not None:
         # The API server may call again for the same claim (with a new uid): same answer,
         # nothing reserved twice.
-        return Decision(True, "", "", [], admitted.team)
-    plan = _plan(cluster=cluster, claim=claim, namespace=namespace)
+        team = state.team
+        if team is None or team.pk != state.replayed_team_id:
+            team = Team.objects.filter(pk=state.replayed_team_id).first()
+        return Decision(True, "", "", [], team)
+    plan = _plan(cluster=cluster, claim=claim, state=state)
+    recorded = False
     if plan.denial:
         decision = Decision(
             False, plan.denial, plan.reason, plan.warnings, plan.team, rule=plan.rule
@@ -120,7 +136,7 @@ def review_claim(
     elif dry_run or plan.team is None:
         decision = Decision(True, "", "", plan.warnings, plan.team, plan.removed)
     else:
-        decision = _reserve(
+        decision, recorded = _reserve(
             cluster=cluster,
             claim=claim,
             plan=plan,
@@ -128,7 +144,7 @@ def review_claim(
             admission_uid=admission_uid,
             at=at,
         )
-    if dry_run:
+    if dry_run or recorded:
         return decision  # a dry run leaves nothing behind, not even its decision
     AdmissionDecision.objects.create(
         at=at,
@@ -147,8 +163,9 @@ def review_claim(
 
 def fit_alternatives(*, cluster: Cluster, claim: dict[str, Any]) -> Decision:
     """Which firstAvailable alternatives fit the team's quota now; nothing is written."""
-    namespace, _ = _claim_name(claim)
-    plan = _plan(cluster=cluster, claim=claim, namespace=namespace)
+    namespace, name = _claim_name(claim)
+    state = admission_state(cluster=cluster.name, namespace=namespace, name=name)
+    plan = _plan(cluster=cluster, claim=claim, state=state)
     if plan.denial:
         return Decision(False, plan.denial, plan.reason, plan.warnings, plan.team, rule=plan.rule)
     return Decision(True, "", "", plan.warnings, plan.team, plan.removed)
@@ -162,7 +179,7 @@ def _claim_name(claim: dict[str, Any]) -> tuple[str, str]:
     )
 
 
-def _plan(*, cluster: Cluster, claim: dict[str, Any], namespace: str) -> _Plan:
+def _plan(*, cluster: Cluster, claim: dict[str, Any], state: AdmissionState) -> _Plan:
     plan = _Plan(team=None, rules={}, reserve={}, chosen={}, removed={}, warnings=[])
     try:
         spec = claim.get("spec")
@@ -175,7 +192,8 @@ def _plan(*, cluster: Cluster, claim: dict[str, Any], namespace: str) -> _Plan:
             "Invalid",
         )
         return plan
-    plan.team = team_for_namespace(namespace=namespace)
+    namespace, _ = _claim_name(claim)
+    plan.team = state.team
     if plan.team is None:
         if settings.TALLY_UNOWNED_NAMESPACES == "deny":
             plan.denial = f"namespace {namespace!r} is not owned by any team"
@@ -187,7 +205,7 @@ def _plan(*, cluster: Cluster, claim: dict[str, Any], namespace: str) -> _Plan:
         return plan
     if _budget_denies(plan, requests):
         return plan
-    rules = team_rules(team=plan.team)
+    rules = state.rules
     plan.rules = {rule.pk: rule for rule in rules}
     if not rules:
         return plan
@@ -273,7 +291,7 @@ def _budget_denies(plan: _Plan, requests: list[dra.ParsedRequest]) -> bool:
     return False
 
 
-def _exceeded(plan: _Plan, demand: Demand) -> tuple[QuotaRule, Decimal] | None:
+def _exceeded(plan: _Plan, demand: Demand) -> tuple[Rule, Decimal] | None:
     """The first enforce rule this demand would take past its limit, with what it asks."""
     for rule_id, amount in demand.amounts.items():
         rule = plan.rules[rule_id]
@@ -284,7 +302,7 @@ def _exceeded(plan: _Plan, demand: Demand) -> tuple[QuotaRule, Decimal] | None:
     return None
 
 
-def _over_limit(team: Team, rule: QuotaRule, asked: Decimal) -> str:
+def _over_limit(team: Team, rule: Rule, asked: Decimal) -> str:
     return (
         f'team "{team.slug}": quota rule "{rule.name}" ({rule.mode}) would be exceeded: '
         f"{_fmt(rule.in_use, rule)} in use, {_fmt(asked, rule)} requested, "
@@ -292,7 +310,7 @@ def _over_limit(team: Team, rule: QuotaRule, asked: Decimal) -> str:
     )
 
 
-def _fmt(value: Decimal, rule: QuotaRule) -> str:
+def _fmt(value: Decimal, rule: Rule) -> str:
     if rule.unit == Unit.MEMORY:
         return f"{(value / 2**30).quantize(Decimal('0.01')).normalize():f}Gi"
     rounded = value.quantize(Decimal("0.001")).normalize()
@@ -300,7 +318,7 @@ def _fmt(value: Decimal, rule: QuotaRule) -> str:
 
 
 def _demand(
-    request: dra.ParsedRequest, rules: list[QuotaRule], fleet: FleetShapes, warnings: list[str]
+    request: dra.ParsedRequest, rules: list[RuleUsage], fleet: FleetShapes, warnings: list[str]
 ) -> Demand:
     demand = Demand(name=request.name, amounts={}, devices=0)
     if request.admin_access:
@@ -342,7 +360,7 @@ def _demand(
     return demand
 
 
-def _per_device(shape: Shape, rule: QuotaRule, requested_memory: str | None) -> Decimal:
+def _per_device(shape: Shape, rule: Rule, requested_memory: str | None) -> Decimal:
     """What one device of `shape` counts on `rule`; a consumable share counts its fraction."""
     memory = Decimal(shape.memory_bytes) if shape.memory_bytes else None
     shared = requested_memory is not None and shape.shareable
@@ -366,7 +384,11 @@ def _reserve(
     username: str,
     admission_uid: str,
     at: datetime,
-) -> Decision:
+) -> tuple[Decision, bool]:
+    """Reserve `plan.reserve` for the claim, or deny if a rule's limit no longer allows it.
+
+    Returns the decision and whether it was recorded already (an `AdmissionDecision`).
+    """
     assert plan.team is not None
     namespace, name = _claim_name(claim)
     metadata = claim.get("metadata") or {}
@@ -374,24 +396,51 @@ def _reserve(
     owners = owners if isinstance(owners, list) else []
     controller = next((o for o in owners if isinstance(o, dict) and o.get("controller")), None)
     made_by_controller = username.startswith(CONTROLLER_USERS) and controller is not None
+    # The reservation's fields (a dict: the one-statement path needs no model instance).
+    reservation: dict[str, Any] = {
+        "cluster": cluster.name,
+        "namespace": namespace,
+        "name": name,
+        "team_id": plan.team.pk,
+        "state": ReservationState.RESERVED.value,
+        # A claim made from a template is the Pod's: attribute it to the Pod's controller,
+        # not to the resource-claim controller's service account.
+        "username": "" if made_by_controller else username,
+        "owner_kind": str(controller.get("kind", "")) if controller else "",
+        "owner_name": str(controller.get("name", "")) if controller else "",
+        "owner_references": owners,
+        "chosen": plan.chosen,
+        "admission_uid": admission_uid,
+        "created_at": at,
+        "expires_at": at + timedelta(seconds=settings.TALLY_RESERVATION_TTL_SECONDS),
+    }
+    admitted = Decision(True, "", "", plan.warnings, plan.team, plan.removed)
+    if connection.vendor == "postgresql" and plan.reserve:
+        try:
+            exceeded = _reserve_in_one_statement(reservation, plan, username=username)
+        except _RulesChanged:
+            message = f'team "{plan.team.slug}": its quota rules changed during this admission'
+            return Decision(
+                False, message + "; create the claim again", "Conflict", team=plan.team
+            ), False
+        if exceeded is None:
+            return admitted, True
+    else:
+        exceeded = _reserve_step_by_step(reservation, plan)
+        if exceeded is None:
+            return admitted, False
+    rule, asked = exceeded
+    message = _over_limit(plan.team, rule, asked)
+    return Decision(
+        False, message, "QuotaExceeded", plan.warnings, plan.team, rule=rule.name
+    ), False
+
+
+def _reserve_step_by_step(fields: dict[str, Any], plan: _Plan) -> tuple[Rule, Decimal] | None:
+    """The portable way (SQLite): one conditional UPDATE per rule in one transaction."""
     try:
         with transaction.atomic():
-            reservation = Reservation.objects.create(
-                cluster=cluster.name,
-                namespace=namespace,
-                name=name,
-                team=plan.team,
-                # A claim made from a template is the Pod's: attribute it to the Pod's
-                # controller, not to the resource-claim controller's service account.
-                username="" if made_by_controller else username,
-                owner_kind=str(controller.get("kind", "")) if controller else "",
-                owner_name=str(controller.get("name", "")) if controller else "",
-                owner_references=owners,
-                chosen=plan.chosen,
-                admission_uid=admission_uid,
-                created_at=at,
-                expires_at=at + timedelta(seconds=settings.TALLY_RESERVATION_TTL_SECONDS),
-            )
+            reservation = Reservation.objects.create(**fields)
             for rule_id in sorted(plan.reserve):  # one order everywhere: no deadlocks
                 amount = plan.reserve[rule_id]
                 rows = QuotaRule.objects.filter(pk=rule_id)
@@ -405,18 +454,117 @@ def _reserve(
             )
     except IntegrityError:
         # The same claim is already admitted (a retried create): it reserves once.
-        return Decision(True, "", "", plan.warnings, plan.team, plan.removed)
+        return None
     except _Exceeded as exceeded:
-        rule = QuotaRule.objects.get(pk=exceeded.rule_id)
-        return Decision(
-            False,
-            _over_limit(plan.team, rule, exceeded.asked),
-            "QuotaExceeded",
-            plan.warnings,
-            plan.team,
-            rule=rule.name,
-        )
-    return Decision(True, "", "", plan.warnings, plan.team, plan.removed)
+        return QuotaRule.objects.get(pk=exceeded.rule_id), exceeded.asked
+    return None
+
+
+_RESERVATION_COLUMNS = (
+    "cluster",
+    "namespace",
+    "name",
+    "team_id",
+    "state",
+    "username",
+    "owner_kind",
+    "owner_name",
+    "owner_references",
+    "chosen",
+    "admission_uid",
+    "created_at",
+    "expires_at",
+)
+
+
+def _reserve_sql() -> str:
+    quote = connection.ops.quote_name
+    rule, reservation, line, decision = (
+        quote(model._meta.db_table)
+        for model in (QuotaRule, Reservation, ReservationLine, AdmissionDecision)
+    )
+    limit = quote("limit")
+    return f"""
+WITH asked(rule_id, amount, enforce) AS (VALUES {{values}}),
+locked AS (
+    SELECT r.id, r.name, r.in_use, r.{limit} FROM {rule} r
+    WHERE r.id IN (SELECT rule_id FROM asked) ORDER BY r.id FOR UPDATE
+),
+over AS (
+    SELECT l.id, l.name, l.in_use, l.{limit}, a.amount
+    FROM asked a JOIN locked l ON l.id = a.rule_id
+    WHERE a.enforce AND l.in_use + a.amount > l.{limit} ORDER BY l.id LIMIT 1
+),
+verdict AS (
+    SELECT NOT EXISTS (SELECT 1 FROM over)
+           AND (SELECT count(*) FROM locked) = (SELECT count(*) FROM asked) AS fits
+),
+kept AS (
+    INSERT INTO {reservation} ({", ".join(_RESERVATION_COLUMNS)}, claim_uid, released_at)
+    SELECT %s, %s, %s, %s, %s, %s, %s, %s, %s::jsonb, %s::jsonb, %s, %s, %s, '', NULL
+    FROM verdict WHERE verdict.fits
+    ON CONFLICT (cluster, namespace, name) WHERE NOT (state = 'released') DO NOTHING
+    RETURNING id
+),
+counted AS (
+    UPDATE {rule} r SET in_use = r.in_use + a.amount FROM asked a, kept
+    WHERE r.id = a.rule_id RETURNING r.id
+),
+lines AS (
+    INSERT INTO {line} (reservation_id, rule_id, amount)
+    SELECT kept.id, a.rule_id, a.amount FROM kept, asked a RETURNING id
+),
+recorded AS (
+    INSERT INTO {decision} (at, uid, namespace, name, username, team_id, allowed, dry_run,
+        message, warnings)
+    SELECT %s, %s, %s, %s, %s, %s, true, false, '', %s::jsonb FROM verdict WHERE verdict.fits
+    RETURNING id
+)
+SELECT verdict.fits, over.id, over.in_use, over.amount,
+       (SELECT count(*) FROM counted), (SELECT count(*) FROM lines),
+       (SELECT count(*) FROM recorded)
+FROM verdict LEFT JOIN over ON true
+"""
+
+
+def _reserve_in_one_statement(
+    reservation: dict[str, Any], plan: _Plan, *, username: str
+) -> tuple[Rule, Decimal] | None:
+    """PostgreSQL: lock the rules (in id order), check every enforce limit against their
+    current usage, insert the reservation (once per claim), add its amounts to the rules,
+    insert its lines and record the decision, all in one statement: one round trip.
+
+    A claim admitted meanwhile by another call (the same create sent again) makes the insert
+    do nothing, and with it the rest: it reserves once and the answer is the same.
+    """
+    values: list[str] = []
+    params: list[Any] = []
+    for rule_id in sorted(plan.reserve):
+        values.append("(%s::bigint, %s::numeric, %s::boolean)")
+        params += [rule_id, plan.reserve[rule_id], plan.rules[rule_id].mode == Mode.ENFORCE]
+    params += [
+        *(reservation[column] for column in _RESERVATION_COLUMNS[:8]),
+        json.dumps(reservation["owner_references"]),
+        json.dumps(reservation["chosen"]),
+        *(reservation[column] for column in _RESERVATION_COLUMNS[10:]),
+        reservation["created_at"],
+        reservation["admission_uid"],
+        reservation["namespace"],
+        reservation["name"],
+        username,
+        reservation["team_id"],
+        json.dumps(plan.warnings),
+    ]
+    [(fits, over_id, in_use, amount, *_)] = fetch_prepared(
+        _reserve_sql().format(values=", ".join(values)), params
+    )
+    if fits:
+        return None
+    if over_id is None:
+        raise _RulesChanged  # a rule was deleted while this claim was being admitted
+    rule = plan.rules[over_id]
+    rule.in_use = in_use
+    return rule, amount
 
 
 def _change_lines(reservation: Reservation, amounts: dict[int, Decimal]) -> None:

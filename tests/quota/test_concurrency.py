@@ -87,3 +87,72 @@ def test_concurrent_dry_runs_leave_nothing_behind() -> None:
     assert all(results)
     assert Reservation.objects.count() == 0
     assert QuotaRule.objects.get().in_use == 0
+
+
+def _planned(name: str, count: int) -> tuple[Any, Any, dict[str, Any]]:
+    """A claim's plan as the webhook makes it before reserving (usage read at that moment)."""
+    from inventory.services import get_cluster
+    from quota import selectors, services
+
+    cluster = get_cluster("default")
+    body = claim(name, [gpu_request(count, selectors=A100)])
+    state = selectors.admission_state(cluster=cluster.name, namespace="research", name=name)
+    return cluster, services._plan(cluster=cluster, claim=body, state=state), body
+
+
+def test_a_claim_planned_before_another_took_the_last_gpus_is_denied_with_usage_as_it_is() -> None:
+    from django.utils import timezone
+
+    from quota import services
+
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 10}])
+    cluster, plan, body = _planned("late", 2)
+    assert plan.denial == ""  # 0 of 10 in use when it was planned
+    QuotaRule.objects.update(in_use=9)  # meanwhile another admission took 9
+    decision, recorded = services._reserve(
+        cluster=cluster,
+        claim=body,
+        plan=plan,
+        username="alice",
+        admission_uid="u",
+        at=timezone.now(),
+    )
+    assert not decision.allowed and not recorded
+    assert "9 GPUs in use, 2 GPUs requested, limit 10 GPUs" in decision.message
+    assert QuotaRule.objects.get().in_use == 9
+    assert Reservation.objects.count() == ReservationLine.objects.count() == 0
+
+
+def test_a_rule_deleted_while_a_claim_is_admitted_denies_it_asking_to_create_it_again() -> None:
+    from django.utils import timezone
+
+    from quota import services
+
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 10}])
+    cluster, plan, body = _planned("orphan", 1)
+    QuotaRule.objects.all().delete()
+    decision, _ = services._reserve(
+        cluster=cluster,
+        claim=body,
+        plan=plan,
+        username="alice",
+        admission_uid="u",
+        at=timezone.now(),
+    )
+    assert not decision.allowed and decision.reason == "Conflict"
+    assert "quota rules changed" in decision.message
+    assert Reservation.objects.count() == 0
+
+
+def test_the_webhook_statements_are_prepared_once_per_connection() -> None:
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 100}])
+    for index in range(6):
+        assert admit(claim(f"p{index}", [gpu_request(1, selectors=A100)]))()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT count(*), sum(generic_plans + custom_plans) FROM pg_prepared_statements"
+        )
+        statements, executions = cursor.fetchone()
+    # The usage read and the reservation: prepared once each, run for every admission.
+    assert statements == 2
+    assert executions == 12
