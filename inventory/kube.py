@@ -7,6 +7,9 @@ kept in `SyncState`, so a restarted process resumes its watches without listing 
 
 Objects stay raw JSON (camelCase, unknown fields kept), never the client's generated models:
 the services read fields the client may not know yet, and keep what they do not read.
+
+A claim's job is found by reading its owners (a Pod, its ReplicaSet or Job, see
+`inventory.owners`) with `OwnerReader`, before the transaction that writes the claim.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
 from config import metrics
-from inventory import services
+from inventory import owners, services
 from inventory.models import Cluster, SyncState
 
 log = logging.getLogger(__name__)
@@ -218,6 +221,9 @@ class KindSync:
         # Whether the current attempt got anywhere: a failure after progress is a first failure.
         self._progressed = False
         self._list = resource.list_call(api_client)
+        self._api_client = api_client
+        # Owners read during the current watch request; a list reads its own afresh.
+        self._owner_reader = OwnerReader(api_client)
         self._state_id: int | None = None
         self._response: urllib3.BaseHTTPResponse | None = None
         self._response_lock = threading.Lock()
@@ -298,10 +304,11 @@ class KindSync:
     def relist(self) -> None:
         """List every object of the kind and import them as a full snapshot."""
         items, resource_version = self._list_all()
+        jobs = self._follow_owners(items, OwnerReader(self._api_client))
         at = timezone.now()
         with transaction.atomic():
             report = services.import_snapshot(
-                cluster=self.cluster, objects=items, at=at, kinds=[self.kind]
+                cluster=self.cluster, objects=items, at=at, kinds=[self.kind], jobs=jobs
             )
             SyncState.objects.filter(pk=self._state()).update(
                 resource_version=resource_version,
@@ -368,6 +375,7 @@ class KindSync:
         )
         with self._response_lock:
             self._response = response
+        self._owner_reader = OwnerReader(self._api_client)
         try:
             if stop.is_set():
                 return  # stopped while connecting: `interrupt` found nothing to cut
@@ -409,6 +417,7 @@ class KindSync:
             log.warning("%s: unknown watch event type %r; skipped", self.kind, event_type)
 
     def _apply(self, event_type: str, obj: dict[str, Any], resource_version: str) -> None:
+        jobs = self._follow_owners([obj], self._owner_reader) if event_type != "DELETED" else {}
         at = timezone.now()
         # The event and the resourceVersion it brings commit together: after a crash the
         # watch resumes exactly after the last event applied.
@@ -416,7 +425,7 @@ class KindSync:
             try:
                 with transaction.atomic():
                     report = services.apply_watch_event(
-                        cluster=self.cluster, event_type=event_type, obj=obj, at=at
+                        cluster=self.cluster, event_type=event_type, obj=obj, at=at, jobs=jobs
                     )
             except (OperationalError, InterfaceError):
                 raise  # the database, not the object: retry the event after a pause
@@ -439,6 +448,21 @@ class KindSync:
             metrics.SYNC_LAG.labels(kind=self.kind).set((at - changed_at).total_seconds())
 
     # Helpers ------------------------------------------------------------------------------
+
+    def _follow_owners(
+        self, objects: list[dict[str, Any]], reader: OwnerReader
+    ) -> dict[str, owners.Resolution]:
+        """The claims' jobs, read from their owners; none for other kinds."""
+        if self.kind != "ResourceClaim":
+            return {}
+        try:
+            return services.resolve_claim_jobs(cluster=self.cluster, objects=objects, lookup=reader)
+        except (OperationalError, InterfaceError):
+            raise  # the database: retried after a pause like the write it precedes
+        except Exception:
+            # Attribution must never hold the inventory up: the claims keep the owners known.
+            log.exception("%s: could not follow the claims' owners; skipped", self.kind)
+            return {}
 
     def _call(self, **kwargs: Any) -> urllib3.BaseHTTPResponse:
         try:
@@ -470,6 +494,83 @@ class KindSync:
     def _log_rejected(self, report: services.SyncReport) -> None:
         for error in report.errors:
             log.warning("%s: rejected: %s", self.kind, error)
+
+
+# Owners of claims (see inventory.owners) ---------------------------------------------------
+
+HTTP_FORBIDDEN = 403
+OWNER_READ_TIMEOUT_SECONDS = (CONNECT_TIMEOUT_SECONDS, 10)
+# Failed reads (not 403/404) after which one list's or watch's reader stops asking: an API
+# server in trouble is not sent a GET per claim, each waiting for its timeout.
+OWNER_READ_FAILURES = 3
+# (API group, kind) → the resource RBAC names, the API class and its read method.
+OWNER_READS: dict[tuple[str, str], tuple[str, Callable[[k8s.ApiClient], Any], str]] = {
+    ("", "Pod"): ("pods", k8s.CoreV1Api, "read_namespaced_pod"),
+    ("apps", "ReplicaSet"): ("replicasets.apps", k8s.AppsV1Api, "read_namespaced_replica_set"),
+    ("batch", "Job"): ("jobs.batch", k8s.BatchV1Api, "read_namespaced_job"),
+}
+
+
+class OwnerReader:
+    """Reads the owners of claims (`owners.OwnerLookup`) for one list or one watch request.
+
+    Each object is read once, by uid, however many claims it owns; a kind the API forbids is
+    not asked again, nor anything after `OWNER_READ_FAILURES` other failures. Never raises:
+    what it cannot read (logged) leaves a claim's job at the last owner known.
+    """
+
+    def __init__(self, api_client: k8s.ApiClient) -> None:
+        self._api_client = api_client
+        self._owners: dict[tuple[str, ...], owners.Owner | None] = {}
+        self._forbidden: set[tuple[str, str]] = set()
+        self._failures = 0
+
+    def owner(self, namespace: str, reference: owners.OwnerReference) -> owners.Owner | None:
+        kind = (owners.api_group(reference.get("apiVersion")), str(reference["kind"]))
+        name = str(reference["name"])
+        key = (str(reference.get("uid") or ""), *kind, namespace, name)
+        if key not in self._owners:
+            if kind in self._forbidden or self._failures >= OWNER_READ_FAILURES:
+                return None
+            self._owners[key] = self._read(kind, namespace, name)
+        return self._owners[key]
+
+    def _read(self, kind: tuple[str, str], namespace: str, name: str) -> owners.Owner | None:
+        resource, api, method = OWNER_READS[kind]
+        what = f"{kind[1]} {namespace}/{name}"
+        try:
+            response = getattr(api(self._api_client), method)(
+                name,
+                namespace,
+                _preload_content=False,
+                _request_timeout=OWNER_READ_TIMEOUT_SECONDS,
+            )
+            return owners.Owner.of(_json(response))
+        except ApiException as exc:
+            if exc.status == HTTP_NOT_FOUND:
+                log.info("%s is gone: the jobs of its claims stay at it", what)
+                return None
+            if exc.status == HTTP_FORBIDDEN:
+                self._forbidden.add(kind)
+                log.warning(
+                    "cannot read %s (403: %s): jobs stop at their %ss until the syncer may get %s",
+                    what,
+                    _status_message(exc),
+                    kind[1],
+                    resource,
+                )
+                return None
+            error: Exception = exc
+        except (urllib3.exceptions.HTTPError, OSError, StreamError) as exc:
+            error = exc
+        self._failures += 1
+        log.warning(
+            "cannot read %s: %s: %s: the jobs of its claims stay at it",
+            what,
+            type(error).__name__,
+            error,
+        )
+        return None
 
 
 def _lines(response: urllib3.BaseHTTPResponse) -> Iterator[bytes]:

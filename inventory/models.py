@@ -223,7 +223,11 @@ class Device(models.Model):
 
 
 class ResourceClaim(models.Model):
-    """A ResourceClaim as last seen. `released_at` is set when it disappears."""
+    """A ResourceClaim as last seen. `released_at` is set when it disappears.
+
+    `job` ("Kind/name") is what usage is reported per: the claim's controller owner, followed
+    through its Pod, ReplicaSet or Job to the workload behind it (see `inventory.owners`).
+    """
 
     cluster = models.ForeignKey(Cluster, on_delete=models.PROTECT, related_name="claims")
     namespace = models.CharField(max_length=253, db_index=True)
@@ -233,6 +237,8 @@ class ResourceClaim(models.Model):
     labels = models.JSONField(default=dict, blank=True)
     annotations = models.JSONField(default=dict, blank=True)
     owner_references = models.JSONField(default=list, blank=True)
+    # "" when the claim has no controller owner (billing then asks the webhook's reservation).
+    job = models.CharField(max_length=320, blank=True)
     spec = models.JSONField(default=dict)
     status = models.JSONField(default=dict, blank=True)
     resource_version = models.CharField(max_length=64, blank=True)

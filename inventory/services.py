@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -17,7 +17,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import Q
 
-from inventory import dra
+from inventory import dra, owners
 from inventory.bulk import bulk_insert
 from inventory.models import (
     Allocation,
@@ -86,6 +86,7 @@ def import_snapshot(
     objects: Iterable[dict[str, Any]],
     at: datetime,
     kinds: Iterable[str] | None = None,
+    jobs: Mapping[str, owners.Resolution] | None = None,
 ) -> SyncReport:
     """Apply a full snapshot of `kinds` (default: the kinds that occur in `objects`) taken at `at`.
 
@@ -95,31 +96,44 @@ def import_snapshot(
     a malformed object that was known before is left as it was, not marked gone.
     `objects` is consumed once, as a stream, so a large dump need not fit in memory. The whole
     snapshot is applied in one transaction: readers see it before or after, never half.
+
+    A claim's job comes from `jobs[uid]` where the caller followed its owners (see
+    `resolve_claim_jobs`), else it is the one recorded for the same owner references, else its
+    own controller. Pods, ReplicaSets and Jobs among `objects` (a dump of them) then take the
+    present claims of their namespaces further, whatever the order of the objects.
     """
     report = SyncReport()
     scope = set(kinds) if kinds is not None else set()
     seen: dict[str, set[str]] = defaultdict(set)
-    writer = _Writer(cluster=cluster, at=at, report=report)
+    owner_index = owners.OwnerIndex()
+    writer = _Writer(cluster=cluster, at=at, report=report, jobs=jobs)
     with transaction.atomic():
-        for parsed in _parse_stream(objects, report, seen):
+        for parsed in _parse_stream(objects, report, seen, owner_index):
             writer.add(parsed)
         writer.flush()
         scope |= {kind for kind in seen if kind in KINDS}
         writer.mark_missing(scope, seen)
         writer.reconcile_touched_pools()
+        writer.attribute_claims(owner_index)
     return report
 
 
 def apply_watch_event(
-    *, cluster: Cluster, event_type: str, obj: dict[str, Any], at: datetime
+    *,
+    cluster: Cluster,
+    event_type: str,
+    obj: dict[str, Any],
+    at: datetime,
+    jobs: Mapping[str, owners.Resolution] | None = None,
 ) -> SyncReport:
     """Apply one watch event (`ADDED`, `MODIFIED` or `DELETED`) observed at `at`.
 
     `obj` must carry `kind` (the sync sets it, since watch events from typed lists may not).
-    BOOKMARK and ERROR events are the caller's business and are not passed here.
+    BOOKMARK and ERROR events are the caller's business and are not passed here. `jobs` is
+    as for `import_snapshot`.
     """
     report = SyncReport()
-    writer = _Writer(cluster=cluster, at=at, report=report)
+    writer = _Writer(cluster=cluster, at=at, report=report, jobs=jobs)
     with transaction.atomic():
         if event_type == "DELETED":
             identity = dra.object_identity(obj)
@@ -137,8 +151,44 @@ def apply_watch_event(
     return report
 
 
+def resolve_claim_jobs(
+    *, cluster: Cluster, objects: Iterable[dict[str, Any]], lookup: owners.OwnerLookup
+) -> dict[str, owners.Resolution]:
+    """Follow the owners of the claims among `objects` (raw JSON) through `lookup`, by claim
+    uid, for `import_snapshot` and `apply_watch_event`.
+
+    Only claims whose controller is a Pod, ReplicaSet or Job are followed, and not those
+    already recorded beyond it for the same owner references: their owners are not read
+    again. Writes nothing; the caller runs it before its transaction, so that no database
+    transaction waits on the API server.
+    """
+    candidates: dict[str, tuple[str, Any]] = {}
+    for obj in objects:
+        identity = dra.object_identity(obj)
+        if identity is None or identity[0] != "ResourceClaim":
+            continue
+        metadata = obj["metadata"]
+        references = metadata.get("ownerReferences")
+        if owners.needs_lookup(references):
+            candidates[identity[1]] = (metadata.get("namespace") or "default", references)
+    keys = list(candidates)
+    for start in range(0, len(keys), _CLAIMS_PER_FLUSH):
+        for uid, references, job in ResourceClaim.objects.filter(
+            cluster=cluster, uid__in=keys[start : start + _CLAIMS_PER_FLUSH]
+        ).values_list("uid", "owner_references", "job"):
+            if references == candidates[uid][1] and job not in ("", owners.own_job(references)):
+                del candidates[uid]
+    return {
+        uid: owners.resolve_job(namespace=namespace, owner_references=references, lookup=lookup)
+        for uid, (namespace, references) in candidates.items()
+    }
+
+
 def _parse_stream(
-    objects: Iterable[Any], report: SyncReport, seen: dict[str, set[str]]
+    objects: Iterable[Any],
+    report: SyncReport,
+    seen: dict[str, set[str]],
+    owner_index: owners.OwnerIndex | None = None,
 ) -> Iterator[dra.Parsed]:
     for obj in objects:
         identity = dra.object_identity(obj)
@@ -151,6 +201,9 @@ def _parse_stream(
             log.warning("rejected %s", exc)
             continue
         if parsed is None:
+            # Not kept, but a dump's Pods, ReplicaSets and Jobs say whose its claims are.
+            if owner_index is not None:
+                owner_index.add(obj)
             report.skipped[obj.get("kind") or "<no kind>"] += 1
             continue
         yield parsed
@@ -166,10 +219,19 @@ _NODES_PER_FLUSH = 1000
 class _Writer:
     """Writes parsed objects in batches; pools are reconciled from the stored slices at the end."""
 
-    def __init__(self, *, cluster: Cluster, at: datetime, report: SyncReport) -> None:
+    def __init__(
+        self,
+        *,
+        cluster: Cluster,
+        at: datetime,
+        report: SyncReport,
+        jobs: Mapping[str, owners.Resolution] | None = None,
+    ) -> None:
         self.cluster = cluster
         self.at = at
         self.report = report
+        self.jobs: Mapping[str, owners.Resolution] = jobs or {}
+        self.claims_written: set[int] = set()
         self.slices: list[dra.ParsedSlice] = []
         self.buffered_devices = 0
         self.claims: list[dra.ParsedClaim] = []
@@ -577,8 +639,8 @@ class _Writer:
             open_allocations[allocation.claim_id][_allocation_key(allocation)] = allocation
         claims_to_create = []
         for key, parsed in by_key.items():
-            fields = _claim_fields(parsed)
             claim = existing.get(key)
+            fields = _claim_fields(parsed, job=self._job(parsed, claim))
             if claim is None:
                 claims_to_create.append(
                     ResourceClaim(cluster=self.cluster, uid=key, first_seen=self.at, **fields)
@@ -595,6 +657,7 @@ class _Writer:
                 "uid", "pk"
             )
         )
+        self.claims_written.update(claim_ids.values())
         new_allocations: list[Allocation] = []
         ended: list[int] = []
         for key, parsed in by_key.items():
@@ -640,6 +703,41 @@ class _Writer:
             claim_ids=list(claim_ids.values()),
             at=self.at,
         )
+
+    def _job(self, parsed: dra.ParsedClaim, stored: ResourceClaim | None) -> str:
+        """The claim's job: as the caller followed its owners, else as recorded before for the
+        same owner references (the sync does not follow those again), else its controller."""
+        same_owners = stored is not None and stored.owner_references == parsed.owner_references
+        recorded = stored.job if stored is not None and same_owners else ""
+        resolution = self.jobs.get(parsed.key)
+        if resolution is not None:
+            return resolution.over(recorded)
+        return recorded or owners.own_job(parsed.owner_references)
+
+    def attribute_claims(self, owner_index: owners.OwnerIndex) -> None:
+        """Take the present claims in the index's namespaces as far as its owners lead."""
+        if not owner_index:
+            return
+        changed = []
+        for claim in ResourceClaim.objects.filter(
+            cluster=self.cluster, released_at__isnull=True, namespace__in=owner_index.namespaces
+        ).only("pk", "namespace", "owner_references", "job"):
+            job = owners.resolve_job(
+                namespace=claim.namespace,
+                owner_references=claim.owner_references,
+                lookup=owner_index,
+            ).over(claim.job)
+            if job != claim.job:
+                claim.job = job
+                changed.append(claim)
+        ResourceClaim.objects.bulk_update(changed, ["job"], batch_size=1000)
+        # Claims written by this snapshot were counted and signalled already.
+        others = [claim.pk for claim in changed if claim.pk not in self.claims_written]
+        self.report.updated["ResourceClaim"] += len(others)
+        if others:
+            claims_changed.send(
+                sender=ResourceClaim, cluster=self.cluster, claim_ids=others, at=self.at
+            )
 
     def _end_allocations(self, allocation_ids: list[int]) -> None:
         if allocation_ids:
@@ -792,7 +890,7 @@ def _device_fields(
     }
 
 
-def _claim_fields(parsed: dra.ParsedClaim) -> dict[str, Any]:
+def _claim_fields(parsed: dra.ParsedClaim, *, job: str) -> dict[str, Any]:
     return {
         "namespace": parsed.namespace,
         "name": parsed.name,
@@ -800,6 +898,7 @@ def _claim_fields(parsed: dra.ParsedClaim) -> dict[str, Any]:
         "labels": parsed.labels,
         "annotations": parsed.annotations,
         "owner_references": parsed.owner_references,
+        "job": job,
         "spec": parsed.spec,
         "status": parsed.status,
         "resource_version": parsed.resource_version,

@@ -5,12 +5,14 @@ It serves nodes, device classes, resource slices and resource claims over plain 
 (a token older than the compaction point answers 410), watches that stream newline-delimited
 JSON events from a resourceVersion (BOOKMARK events on request; a resourceVersion older than
 the compaction point gets an ERROR event with a 410 Status, or an HTTP 410), and list items
-without `kind`/`apiVersion`, as the real server sends them.
+without `kind`/`apiVersion`, as the real server sends them. It also answers GET of one Pod,
+ReplicaSet or Job by namespace and name (the owners of claims), 404 for one it does not hold.
 
 The test drives it: `add`/`modify`/`delete` objects (each bumps the one global
 resourceVersion and reaches the watchers), `compact` the history, `drop_streams` abruptly,
-`send_bookmarks`, make it `unavailable`, and read back `requests`. It stops itself when the
-`with` block ends, and after `max_lifetime_seconds` in any case.
+`send_bookmarks`, make it `unavailable` or some kinds `forbidden`, and read back `requests`
+(`reads` for the GETs of one object). It stops itself when the `with` block ends, and after
+`max_lifetime_seconds` in any case.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import json
+import re
 import socket
 import threading
 import time
@@ -36,7 +39,13 @@ COLLECTIONS: dict[str, tuple[str, str]] = {
     "/apis/resource.k8s.io/v1/resourceslices": ("ResourceSlice", "resource.k8s.io/v1"),
     "/apis/resource.k8s.io/v1/resourceclaims": ("ResourceClaim", "resource.k8s.io/v1"),
 }
-KINDS = {kind for kind, _ in COLLECTIONS.values()}
+# The kinds served one object at a time, by namespace and name (no list, no watch).
+OBJECT_PATHS: dict[str, re.Pattern[str]] = {
+    "Pod": re.compile(r"/api/v1/namespaces/([^/]+)/pods/([^/]+)"),
+    "ReplicaSet": re.compile(r"/apis/apps/v1/namespaces/([^/]+)/replicasets/([^/]+)"),
+    "Job": re.compile(r"/apis/batch/v1/namespaces/([^/]+)/jobs/([^/]+)"),
+}
+KINDS = {kind for kind, _ in COLLECTIONS.values()} | OBJECT_PATHS.keys()
 FIRST_RESOURCE_VERSION = 1000
 DEFAULT_WATCH_SECONDS = 1800.0
 
@@ -59,6 +68,14 @@ class RecordedRequest:
     def kind(self) -> str | None:
         collection = COLLECTIONS.get(self.path)
         return collection[0] if collection else None
+
+    @property
+    def read(self) -> tuple[str, str, str] | None:
+        """(kind, namespace, name) of a GET of one object; None for anything else."""
+        for kind, pattern in OBJECT_PATHS.items():
+            if found := pattern.fullmatch(self.path):
+                return kind, found[1], found[2]
+        return None
 
 
 @dataclass(frozen=True)
@@ -133,6 +150,8 @@ class FakeKube:
         self.gone_as_http = False
         # Answer every request with 503, as an API server does while it starts or is overloaded.
         self.unavailable = False
+        # Kinds whose objects are answered 403, as for a service account without `get` on them.
+        self.forbidden: set[str] = set()
         # Called with each request before it is served (to change the state between pages).
         self.on_request: Callable[[RecordedRequest], None] | None = None
         self._server = _Server(self)
@@ -262,6 +281,11 @@ class FakeKube:
         with self._cond:
             return [r for r in self.requests if not r.watch and r.kind == kind]
 
+    def reads(self, kind: str) -> list[RecordedRequest]:
+        """The GETs of single objects of `kind`, in the order received."""
+        with self._cond:
+            return [r for r in self.requests if r.read is not None and r.read[0] == kind]
+
     # State, under the lock ----------------------------------------------------------------
 
     def _change(self, event_type: str, obj: dict[str, Any], *, must_exist: bool) -> str:
@@ -387,6 +411,16 @@ class FakeKube:
             "items": page,
         }
 
+    def _read(self, kind: str, namespace: str, name: str) -> tuple[int, dict[str, Any]]:
+        if kind in self.forbidden:
+            message = f"cannot get resource {kind.lower()}s in the namespace {namespace!r}"
+            return 403, _status(403, "Forbidden", message)
+        with self._cond:
+            obj = self._objects[kind].get((namespace, name))
+            if obj is None:
+                return 404, _status(404, "NotFound", f"{kind.lower()}s {name!r} not found")
+            return 200, copy.deepcopy(obj)
+
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
@@ -426,6 +460,8 @@ class _Handler(BaseHTTPRequestHandler):
         collection = COLLECTIONS.get(url.path)
         if fake.unavailable:
             self._send_json(request, 503, _status(503, "ServiceUnavailable", "try again later"))
+        elif request.read is not None:
+            self._send_json(request, *fake._read(*request.read))
         elif collection is None:
             self._send_json(request, 404, _status(404, "NotFound", f"{url.path} is not served"))
         elif request.watch:

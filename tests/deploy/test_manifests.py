@@ -25,6 +25,8 @@ import pytest
 import yaml
 from django.urls import Resolver404, resolve
 
+from inventory.kube import OWNER_READS
+
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
 OVERLAYS = ["default", "production"]
@@ -382,14 +384,27 @@ def test_rbac_writes_nothing_cluster_wide_but_device_taint_rules(
                 assert rule["resources"] == ["devicetaintrules"]
             assert "*" not in rule["resources"] and "secrets" not in rule["resources"]
     reads = find(objects, "ClusterRole", "tally-inventory")["rules"]
-    assert {r for rule in reads for r in rule["resources"]} == {
-        "resourceslices",
-        "deviceclasses",
-        "resourceclaims",
-        "namespaces",
-        "pods",
-        "nodes",
+    granted = {
+        (group, resource): set(rule["verbs"])
+        for rule in reads
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
     }
+    watched = {"get", "list", "watch"}
+    assert granted == {
+        ("resource.k8s.io", "resourceslices"): watched,
+        ("resource.k8s.io", "deviceclasses"): watched,
+        ("resource.k8s.io", "resourceclaims"): watched,
+        ("", "namespaces"): watched,
+        ("", "pods"): watched,
+        ("", "nodes"): watched,
+        ("apps", "replicasets"): {"get"},
+        ("batch", "jobs"): {"get"},
+    }
+    # Every owner the sync reads to find a claim's job may be read.
+    for resource, _, _ in OWNER_READS.values():
+        name, _, group = resource.partition(".")
+        assert "get" in granted[(group, name)], resource
     # The syncer's Lease, named after the cluster (see inventory.leader and sync_inventory).
     cluster = config_map_data(objects)["TALLY_CLUSTER_NAME"]
     lease_rules = find(objects, "Role", "tally-leader-election")["rules"]

@@ -129,29 +129,6 @@ def sync_settings(settings: Any) -> None:
     settings.TALLY_SYNC_WATCH_TIMEOUT_SECONDS = 30
 
 
-@pytest.fixture
-def fake() -> Iterator[FakeKube]:
-    with FakeKube(max_lifetime_seconds=60) as server:
-        yield server
-
-
-@pytest.fixture
-def kubeconfig(fake: FakeKube, tmp_path: Path) -> Path:
-    return fake.write_kubeconfig(tmp_path / "kubeconfig")
-
-
-@pytest.fixture
-def api_client(kubeconfig: Path) -> Iterator[Any]:
-    client = kube.api_client(kubeconfig=str(kubeconfig))
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def cluster() -> Cluster:
-    return services.get_cluster("lab")
-
-
 @contextmanager
 def running_sync(api_client: Any, cluster: Cluster, *kinds: str) -> Iterator[None]:
     """The live sync in a background thread, stopped (and checked stopped) on exit."""

@@ -1,0 +1,168 @@
+"""The job a claim belongs to: its controller owner, followed up to the workload behind it.
+
+A claim made from a ResourceClaimTemplate is created by the resource-claim controller and
+owned by its Pod, and a Pod is rarely what anyone asks usage for: its own controller is
+followed (a ReplicaSet to its Deployment, a Job to its CronJob or JobSet) as far as the owners
+can be read. Where they cannot (no API server, a Pod already gone, no permission), the job
+stays at the last owner known, never less than the claim's own controller.
+
+The owners come from an `OwnerLookup`: the API server (`inventory.kube.OwnerReader`) or the
+objects of a dump (`OwnerIndex`). A job is written "Kind/name", as usage rows hold it; owner
+references are namespace-local, so it is the claim's namespace that places it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+OwnerReference = dict[str, Any]
+
+# Kinds whose controller is followed, as (API group, kind): the Pod a template's claim belongs
+# to, and the objects built-in workloads put between a Pod and what a user wrote. Anything
+# else (Deployment, StatefulSet, CronJob, a custom resource) is the job.
+FOLLOWED_KINDS = frozenset({("", "Pod"), ("apps", "ReplicaSet"), ("batch", "Job")})
+# Owners read for one claim at most: Pod → ReplicaSet → Deployment reads two, as does
+# Pod → Job → CronJob; the bound only stops a loop of owner references (nothing forbids one).
+MAX_STEPS = 4
+# As `billing.UsageHour.job`: a kind (63) and a name (253).
+JOB_MAX_LENGTH = 320
+
+
+@dataclass(frozen=True)
+class Owner:
+    """What the job needs of an owning object: its uid and its own controller reference."""
+
+    uid: str
+    controller: OwnerReference | None
+
+    @classmethod
+    def of(cls, obj: dict[str, Any]) -> Owner:
+        metadata = obj.get("metadata")
+        metadata = metadata if isinstance(metadata, dict) else {}
+        uid = metadata.get("uid")
+        return cls(
+            uid=uid if isinstance(uid, str) else "",
+            controller=controller_reference(metadata.get("ownerReferences")),
+        )
+
+
+class OwnerLookup(Protocol):
+    """Where the owners of claims are read from."""
+
+    def owner(self, namespace: str, reference: OwnerReference) -> Owner | None:
+        """The object `reference` names in `namespace`; None when it cannot be read."""
+        ...
+
+
+@dataclass(frozen=True)
+class Resolution:
+    """How far a claim's owners were followed: the jobs met, the claim's own controller first,
+    and whether the last is as far as they lead (False: an owner could not be read)."""
+
+    chain: tuple[str, ...]
+    complete: bool
+
+    @property
+    def job(self) -> str:
+        return self.chain[-1] if self.chain else ""
+
+    def over(self, recorded: str) -> str:
+        """The job to record, given the one `recorded` for the same owner references: an
+        owner that could not be read now (a Pod since deleted) does not undo one read before.
+        """
+        if self.complete or not recorded or recorded in self.chain[:-1]:
+            return self.job
+        return recorded
+
+
+def api_group(api_version: Any) -> str:
+    """The group of an apiVersion: "apps" for "apps/v1", "" for the core "v1"."""
+    if not isinstance(api_version, str) or "/" not in api_version:
+        return ""
+    return api_version.rsplit("/", 1)[0]
+
+
+def controller_reference(owner_references: Any) -> OwnerReference | None:
+    """The owner reference marked `controller` (the API allows one), if it names an object."""
+    for reference in owner_references if isinstance(owner_references, list) else ():
+        if (
+            isinstance(reference, dict)
+            and reference.get("controller") is True
+            and isinstance(reference.get("kind"), str)
+            and isinstance(reference.get("name"), str)
+            and reference["kind"]
+            and reference["name"]
+        ):
+            return reference
+    return None
+
+
+def job_of(reference: OwnerReference | None) -> str:
+    """The job an owner reference names, "Kind/name"; "" for none."""
+    if reference is None:
+        return ""
+    return f"{reference['kind']}/{reference['name']}"[:JOB_MAX_LENGTH]
+
+
+def own_job(owner_references: Any) -> str:
+    """The job a claim's own owner references give, before any owner is read."""
+    return job_of(controller_reference(owner_references))
+
+
+def is_followed(reference: OwnerReference) -> bool:
+    return (api_group(reference.get("apiVersion")), reference.get("kind")) in FOLLOWED_KINDS
+
+
+def needs_lookup(owner_references: Any) -> bool:
+    """Whether reading owners could take a claim's job beyond its own controller."""
+    reference = controller_reference(owner_references)
+    return reference is not None and is_followed(reference)
+
+
+def resolve_job(*, namespace: str, owner_references: Any, lookup: OwnerLookup) -> Resolution:
+    """Follow a claim's controller in `namespace` through `FOLLOWED_KINDS` as `lookup` allows."""
+    reference = controller_reference(owner_references)
+    chain = [job_of(reference)] if reference is not None else []
+    for _ in range(MAX_STEPS):
+        if reference is None or not is_followed(reference):
+            return Resolution(tuple(chain), complete=True)
+        owner = lookup.owner(namespace, reference)
+        if owner is None or (owner.uid and reference.get("uid") not in (None, "", owner.uid)):
+            # Gone, unreadable, or a namesake made after the claim's owner was deleted.
+            return Resolution(tuple(chain), complete=False)
+        if owner.controller is None:
+            return Resolution(tuple(chain), complete=True)
+        reference = owner.controller
+        chain.append(job_of(reference))
+    return Resolution(tuple(chain), complete=reference is None or not is_followed(reference))
+
+
+class OwnerIndex:
+    """The Pods, ReplicaSets and Jobs among a dump's objects, so its claims resolve offline."""
+
+    def __init__(self) -> None:
+        self._owners: dict[tuple[str, str, str, str], Owner] = {}
+
+    def __len__(self) -> int:
+        return len(self._owners)
+
+    @property
+    def namespaces(self) -> set[str]:
+        return {namespace for _, _, namespace, _ in self._owners}
+
+    def add(self, obj: Any) -> bool:
+        """Keep `obj` if it is of a followed kind; whether it was."""
+        if not isinstance(obj, dict) or not isinstance(obj.get("metadata"), dict):
+            return False
+        group, kind = api_group(obj.get("apiVersion")), obj.get("kind")
+        name = obj["metadata"].get("name")
+        if (group, kind) not in FOLLOWED_KINDS or not isinstance(name, str) or not name:
+            return False
+        namespace = obj["metadata"].get("namespace") or "default"
+        self._owners[(group, str(kind), namespace, name)] = Owner.of(obj)
+        return True
+
+    def owner(self, namespace: str, reference: OwnerReference) -> Owner | None:
+        group = api_group(reference.get("apiVersion"))
+        return self._owners.get((group, reference["kind"], namespace, reference["name"]))
