@@ -18,6 +18,9 @@ class Cluster(models.Model):
     # The driver/CUDA pair operators have validated; empty means "the most common pair".
     baseline_driver_version = models.CharField(max_length=64, blank=True)
     baseline_cuda_driver_version = models.CharField(max_length=64, blank=True)
+    # Bumped by every sync that changes devices, device classes or nodes: the webhook's
+    # workers reload their view of the fleet only when it moves.
+    fleet_version = models.PositiveBigIntegerField(default=0)
 
     def __str__(self) -> str:
         return self.name

@@ -15,7 +15,7 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import F, Q
 
 from inventory import dra, owners
 from inventory.bulk import bulk_insert
@@ -115,6 +115,7 @@ def import_snapshot(
         writer.mark_missing(scope, seen)
         writer.reconcile_touched_pools()
         writer.attribute_claims(owner_index)
+        writer.note_fleet_change()
     return report
 
 
@@ -148,6 +149,7 @@ def apply_watch_event(
         else:
             raise ValueError(f"unknown watch event type {event_type!r}")
         writer.reconcile_touched_pools()
+        writer.note_fleet_change()
     return report
 
 
@@ -411,6 +413,15 @@ class _Writer:
             self._reconcile_pools(batch, {key: ready[key] for key in batch})
         self.touched_pools -= ready.keys()
         self.linkable_pools |= ready.keys()
+
+    def note_fleet_change(self) -> None:
+        """Bump the cluster's fleet version when devices, classes or nodes changed."""
+        report = self.report
+        if any(
+            report.created[kind] or report.updated[kind] or report.gone[kind]
+            for kind in ("Device", "DeviceClass", "Node")
+        ):
+            Cluster.objects.filter(pk=self.cluster.pk).update(fleet_version=F("fleet_version") + 1)
 
     def reconcile_touched_pools(self) -> None:
         """Recount the pools left to do from their stored slices, then link allocations."""

@@ -24,6 +24,7 @@ from config import metrics
 from inventory.models import Cluster
 from inventory.services import get_cluster
 from quota import services
+from quota.selectors import fetch_prepared
 
 log = logging.getLogger(__name__)
 API_VERSION = "admission.k8s.io/v1"
@@ -139,12 +140,11 @@ def _answer_review(http_request: HttpRequest, *, mutate: bool) -> HttpResponse:
             if connection.vendor == "postgresql":
                 # The API server waits timeoutSeconds (3 s); never hang on a lock past that.
                 timeout = f"{int(settings.TALLY_WEBHOOK_DB_TIMEOUT_MS)}ms"
-                with connection.cursor() as cursor:
-                    cursor.execute(
-                        "SELECT set_config('statement_timeout', %s, true), "
-                        "set_config('lock_timeout', %s, true)",
-                        [timeout, timeout],
-                    )
+                fetch_prepared(
+                    "SELECT set_config('statement_timeout', %s, true), "
+                    "set_config('lock_timeout', %s, true)",
+                    [timeout, timeout],
+                )
             cluster = _cluster()
             if mutate:
                 decision = services.fit_alternatives(cluster=cluster, claim=claim)

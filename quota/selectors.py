@@ -59,9 +59,11 @@ class FleetShapes:
     per_node: dict[int, dict[int, int]] = field(default_factory=dict)
     class_selectors: dict[str, list[str]] = field(default_factory=dict)
     loaded_at: float = 0.0
-    # Selector results per (expression, shape id): a selector is evaluated once per shape
-    # while this snapshot of the fleet is in use, however many requests ask.
-    _matches: dict[tuple[str, int], bool] = field(default_factory=dict, repr=False)
+    version: int | None = None  # the cluster's fleet version this was loaded at
+    # Selector results per (expression, shape id), shared by every snapshot of this process:
+    # a shape row never changes once written, so a selector is evaluated once per shape,
+    # however many requests ask and however often the fleet is reloaded.
+    _matches: dict[tuple[str, int], bool] = field(default_factory=lambda: _matches, repr=False)
     _candidates: dict[tuple[str, tuple[str, ...]], list[Shape]] = field(
         default_factory=dict, repr=False
     )
@@ -100,13 +102,19 @@ class FleetShapes:
 
 _cache: dict[int, FleetShapes] = {}
 _cache_lock = threading.Lock()
+_matches: dict[tuple[str, int], bool] = {}
+# Expressions x shapes stays small (rules and request selectors repeat); a process that has
+# seen this many distinct pairs starts afresh rather than grow without bound.
+MAX_REMEMBERED_MATCHES = 200_000
 
 
 def fleet_shapes(*, cluster: Cluster) -> FleetShapes:
-    """The cluster's present device shapes, reloaded at most every TALLY_SHAPE_CACHE_SECONDS.
+    """The cluster's present device shapes, as of at most TALLY_SHAPE_CACHE_SECONDS ago.
 
-    Three small queries whatever the fleet's size: the shapes (dozens), devices counted per
-    node and shape, and the device classes. A webhook worker serves from memory between loads.
+    A webhook worker serves from memory. Every TALLY_SHAPE_CACHE_SECONDS it reads the
+    cluster's fleet version (one row), and only when a sync has changed the fleet since does
+    it load it again: the shapes (dozens), devices counted per node and shape, and the device
+    classes.
     """
     now = time.monotonic()
     cached = _cache.get(cluster.pk)
@@ -116,7 +124,13 @@ def fleet_shapes(*, cluster: Cluster) -> FleetShapes:
         cached = _cache.get(cluster.pk)
         if cached is not None and now - cached.loaded_at < settings.TALLY_SHAPE_CACHE_SECONDS:
             return cached
-        fleet = FleetShapes(loaded_at=now)
+        version = (
+            Cluster.objects.filter(pk=cluster.pk).values_list("fleet_version", flat=True).first()
+        )
+        if cached is not None and cached.version == version:
+            cached.loaded_at = now
+            return cached
+        fleet = FleetShapes(loaded_at=now, version=version)
         per_node: dict[int, dict[int, int]] = defaultdict(dict)
         present_shapes: set[int] = set()
         for node_id, shape_id, devices in (
@@ -136,6 +150,8 @@ def fleet_shapes(*, cluster: Cluster) -> FleetShapes:
                 "name", "selectors"
             )
         )
+        if len(_matches) > MAX_REMEMBERED_MATCHES:
+            _matches.clear()
         _cache[cluster.pk] = fleet
         return fleet
 
@@ -144,6 +160,7 @@ def forget_fleet_shapes() -> None:
     """Drop the cache (tests, and after an import that changed the fleet in this process)."""
     with _cache_lock:
         _cache.clear()
+        _matches.clear()
 
 
 def _memory(capacity: dict[str, dict[str, str]]) -> int | None:

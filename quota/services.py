@@ -146,19 +146,37 @@ def review_claim(
         )
     if dry_run or recorded:
         return decision  # a dry run leaves nothing behind, not even its decision
+    _record(decision, namespace=namespace, name=name, username=username, uid=admission_uid, at=at)
+    return decision
+
+
+def _record(
+    decision: Decision, *, namespace: str, name: str, username: str, uid: str, at: datetime
+) -> None:
+    """Keep the webhook's answer for operators (a prepared INSERT on PostgreSQL)."""
+    team_id = decision.team.pk if decision.team is not None else None
+    if connection.vendor == "postgresql":
+        table = connection.ops.quote_name(AdmissionDecision._meta.db_table)
+        fetch_prepared(
+            f"INSERT INTO {table} (at, uid, namespace, name, username, team_id, allowed, "
+            "dry_run, message, warnings) "
+            "VALUES (%s, %s, %s, %s, %s, %s, %s, false, %s, %s::jsonb) RETURNING id",
+            [at, uid, namespace, name, username, team_id, decision.allowed, decision.message,
+             json.dumps(decision.warnings)],
+        )  # fmt: skip
+        return
     AdmissionDecision.objects.create(
         at=at,
-        uid=admission_uid,
+        uid=uid,
         namespace=namespace,
         name=name,
         username=username,
-        team=decision.team,
+        team_id=team_id,
         allowed=decision.allowed,
-        dry_run=dry_run,
+        dry_run=False,
         message=decision.message,
         warnings=decision.warnings,
     )
-    return decision
 
 
 def fit_alternatives(*, cluster: Cluster, claim: dict[str, Any]) -> Decision:

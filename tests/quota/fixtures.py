@@ -87,10 +87,8 @@ def nvidia_slice(node: str, devices: list[dict[str, Any]], driver: str = "gpu.nv
     }
 
 
-@pytest.fixture
-def fleet(upstream: Path) -> None:
+def fleet_objects(upstream: Path) -> list[dict[str, Any]]:
     """H100s (shareable), A100s, one A100 split into MIG devices, and the example driver."""
-    forget_fleet_shapes()
     example = list(iter_objects(upstream / "dra-example-driver/README.resourceslice-list.yaml"))
     classes = [
         device_class("gpu.nvidia.com", NVIDIA_TYPE.format("gpu")),
@@ -109,16 +107,21 @@ def fleet(upstream: Path) -> None:
         mig_device("gpu-0-mig-2g10gb-14-2", "GPU-mig-0", "2g.10gb", "9856Mi", 28),
         mig_device("gpu-0-mig-3g20gb-9-4", "GPU-mig-0", "3g.20gb", "19968Mi", 42),
     ]
+    return [
+        *classes,
+        *example,
+        nvidia_slice("h100-a", h100),
+        nvidia_slice("a100-a", a100),
+        nvidia_slice("mig-a", migs),
+    ]
+
+
+@pytest.fixture
+def fleet(upstream: Path) -> None:
+    """The objects of `fleet_objects`, imported."""
+    forget_fleet_shapes()
     report = inventory_services.import_snapshot(
-        cluster=inventory_services.get_cluster("default"),
-        objects=[
-            *classes,
-            *example,
-            nvidia_slice("h100-a", h100),
-            nvidia_slice("a100-a", a100),
-            nvidia_slice("mig-a", migs),
-        ],
-        at=AT,
+        cluster=inventory_services.get_cluster("default"), objects=fleet_objects(upstream), at=AT
     )
     assert report.errors == []
 
