@@ -29,6 +29,8 @@ ADMISSION_PREFIX = "/admission/"
 _VALID_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Larger bodies are not parsed for their uid (an AdmissionReview is a few kilobytes).
 _ADMISSION_BODY_LIMIT = 1 << 20
+# The request attribute that holds an AdmissionReview body once parsed.
+PARSED_REVIEW = "tally_parsed_review"
 
 _log_context: ContextVar[dict[str, str] | None] = ContextVar("tally_log_context", default=None)
 request_log = logging.getLogger("tally.request")
@@ -71,6 +73,8 @@ def admission_uid(request: HttpRequest) -> str | None:
         review = json.loads(request.body)
     except (ValueError, UnicodeDecodeError):
         return None  # the view answers 400 with the reason
+    # Parsed once: the webhook's view reads it from here.
+    setattr(request, PARSED_REVIEW, review)
     review_request = review.get("request") if isinstance(review, dict) else None
     uid = review_request.get("uid") if isinstance(review_request, dict) else None
     return uid if isinstance(uid, str) and uid else None

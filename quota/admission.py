@@ -21,6 +21,7 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
 from config import metrics
+from config.logging import PARSED_REVIEW
 from inventory.models import Cluster
 from inventory.services import get_cluster
 from quota import services
@@ -35,10 +36,16 @@ class BadReview(ValueError):
     """The body is not an AdmissionReview; the message says what is wrong."""
 
 
-def parse_review(body: bytes) -> dict[str, Any]:
-    """The review's `request`, checked for the fields the answer depends on."""
+_UNPARSED = object()
+
+
+def parse_review(body: bytes, parsed: Any = _UNPARSED) -> dict[str, Any]:
+    """The review's `request`, checked for the fields the answer depends on.
+
+    `parsed` is the body already parsed as JSON (the request-id middleware reads the uid).
+    """
     try:
-        review = json.loads(body)
+        review = json.loads(body) if parsed is _UNPARSED else parsed
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise BadReview(f"body is not JSON: {exc}") from exc
     if not isinstance(review, dict):
@@ -118,7 +125,7 @@ def _count(webhook: str, result: str, rule: str = "") -> None:
 def _answer_review(http_request: HttpRequest, *, mutate: bool) -> HttpResponse:
     webhook = "mutate" if mutate else "validate"
     try:
-        request = parse_review(http_request.body)
+        request = parse_review(http_request.body, getattr(http_request, PARSED_REVIEW, _UNPARSED))
     except BadReview as exc:
         return HttpResponse(f"bad AdmissionReview: {exc}\n", status=400, content_type="text/plain")
     uid = request["uid"]
