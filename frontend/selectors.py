@@ -31,13 +31,8 @@ TOP_WASTERS_SHOWN = 10
 
 
 def portal_role(user: Any) -> str | None:
-    """`quota.selectors.user_role`, remembered on the user object for the rest of the
-    request: the page and its navigation both ask."""
-    try:
-        return user._tally_role
-    except AttributeError:
-        user._tally_role = user_role(user)
-        return user._tally_role
+    """`quota.selectors.user_role` (remembered on the user object for the request)."""
+    return user_role(user)
 
 
 def is_operator(user: Any) -> bool:

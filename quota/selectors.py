@@ -297,8 +297,23 @@ FINANCE_GROUP = "finance"
 def user_role(user: Any) -> str | None:
     """`operator` (superusers and the operators group), `finance`, `lead`, or None.
 
-    Members who lead no team have no role: they see nothing in the portal or the API.
+    Members who lead no team have no role: they see nothing in the portal or the API. The
+    answer is remembered on the user object, which lives for one request.
     """
+    try:
+        role: str | None = user._tally_role
+        return role
+    except AttributeError:
+        pass
+    role = _role(user)
+    try:
+        user._tally_role = role
+    except AttributeError:  # an object that takes no attributes is asked again next time
+        pass
+    return role
+
+
+def _role(user: Any) -> str | None:
     if not getattr(user, "is_authenticated", False) or not user.is_active:
         return None
     if user.is_superuser or user.groups.filter(name=OPERATORS_GROUP).exists():
