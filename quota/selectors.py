@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import defaultdict
@@ -306,10 +307,9 @@ def user_role(user: Any) -> str | None:
     except AttributeError:
         pass
     role = _role(user)
-    try:
+    # An object that takes no attributes is simply asked again next time.
+    with contextlib.suppress(AttributeError):
         user._tally_role = role
-    except AttributeError:  # an object that takes no attributes is asked again next time
-        pass
     return role
 
 

@@ -266,16 +266,29 @@ def _plan(*, cluster: Cluster, claim: dict[str, Any], state: AdmissionState) -> 
     return plan
 
 
-_budget_cache: dict[int, tuple[float, Any, Any, Decimal]] = {}
+@dataclass
+class _Budgets:
+    """Every team's budget, read in one query, and the GPU-hours of those asked about."""
+
+    expires: float
+    budgets: dict[int, Any]
+    used: dict[int, tuple[Any, Decimal]] = field(default_factory=dict)
+
+
+_budgets: list[_Budgets] = []
 
 
 def forget_caches() -> None:
     """Drop what this process remembers of budgets (tests; a changed budget)."""
-    _budget_cache.clear()
+    _budgets.clear()
 
 
 def _budget_denies(plan: _Plan, requests: list[dra.ParsedRequest]) -> bool:
-    """Past a hard GPU-hour budget new claims are denied; past 80% or a soft one, warned."""
+    """Past a hard GPU-hour budget new claims are denied; past 80% or a soft one, warned.
+
+    GPU-hours move slowly: a worker reads the budgets (one query for all teams) and a team's
+    hours at most every TALLY_BUDGET_CACHE_SECONDS; a team without a budget costs nothing.
+    """
     from billing.models import Budget
     from billing.pricing import period_for
     from billing.selectors import team_gpu_hours
@@ -283,18 +296,22 @@ def _budget_denies(plan: _Plan, requests: list[dra.ParsedRequest]) -> bool:
     assert plan.team is not None
     if all(r.admin_access for r in requests if not r.first_available):
         return False
-    now = timezone.now()
-    cached = _budget_cache.get(plan.team.pk)
-    if cached is None or cached[0] < time.monotonic():
-        budget = Budget.objects.filter(team=plan.team).first()
-        period = period_for(now)
-        used = team_gpu_hours(team=plan.team, period=period, now=now) if budget else Decimal(0)
-        # GPU-hours move slowly: a worker reads them at most every TALLY_BUDGET_CACHE_SECONDS.
-        cached = (time.monotonic() + settings.TALLY_BUDGET_CACHE_SECONDS, budget, period, used)
-        _budget_cache[plan.team.pk] = cached
-    _, budget, period, used = cached
+    if not _budgets or _budgets[0].expires < time.monotonic():
+        budgets = {budget.team_id: budget for budget in Budget.objects.all()}
+        expires = time.monotonic() + settings.TALLY_BUDGET_CACHE_SECONDS
+        _budgets[:] = [_Budgets(expires=expires, budgets=budgets)]
+    cache = _budgets[0]
+    budget = cache.budgets.get(plan.team.pk)
     if budget is None:
         return False
+    if plan.team.pk not in cache.used:
+        now = timezone.now()
+        period = period_for(now)
+        cache.used[plan.team.pk] = (
+            period,
+            team_gpu_hours(team=plan.team, period=period, now=now),
+        )
+    period, used = cache.used[plan.team.pk]
     figures = (
         f'team "{plan.team.slug}" has used {used.quantize(Decimal("0.1"))} of its '
         f"{budget.gpu_hours.normalize():f} GPU-hour {budget.mode} budget for {period.start:%Y-%m}"
