@@ -266,13 +266,28 @@ def fetch_prepared(sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
             return list(cursor.fetchall())
-    import psycopg
-
     connection.ensure_connection()
-    # A server-side-binding cursor: Django's own (client-side binding) cannot prepare.
-    with connection.wrap_database_errors, psycopg.Cursor(connection.connection) as cursor:
+    with connection.wrap_database_errors:
+        cursor = _prepared_cursor(connection.connection)
         cursor.execute(sql, params, prepare=True)
         return cursor.fetchall()
+
+
+_prepared_cursors: dict[int, Any] = {}
+
+
+def _prepared_cursor(raw: Any) -> Any:
+    """A server-side-binding cursor of the psycopg connection `raw`, one per connection (Django's
+    own cursors bind client-side and cannot prepare; making one each time costs more than the
+    statement)."""
+    import psycopg
+
+    cursor = _prepared_cursors.get(id(raw))
+    if cursor is None or cursor.connection is not raw or cursor.closed:
+        if len(_prepared_cursors) > 64:  # connections come and go; keep this small
+            _prepared_cursors.clear()
+        cursor = _prepared_cursors[id(raw)] = psycopg.Cursor(raw)
+    return cursor
 
 
 def _decimal(value: Any) -> Decimal:
