@@ -147,10 +147,13 @@ def _answer_review(http_request: HttpRequest, *, mutate: bool) -> HttpResponse:
             if connection.vendor == "postgresql":
                 # The API server waits timeoutSeconds (3 s); never hang on a lock past that.
                 timeout = f"{int(settings.TALLY_WEBHOOK_DB_TIMEOUT_MS)}ms"
+                # Durability of the reservation's commit: see TALLY_WEBHOOK_SYNCHRONOUS_COMMIT.
+                durable = "on" if settings.TALLY_WEBHOOK_SYNCHRONOUS_COMMIT else "off"
                 fetch_prepared(
                     "SELECT set_config('statement_timeout', %s, true), "
-                    "set_config('lock_timeout', %s, true)",
-                    [timeout, timeout],
+                    "set_config('lock_timeout', %s, true), "
+                    "set_config('synchronous_commit', %s, true)",
+                    [timeout, timeout, durable],
                 )
             cluster = _cluster()
             if mutate:
