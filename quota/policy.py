@@ -629,16 +629,18 @@ def _date(checker: _Checker, mapping: dict[str, Any], key: str, path: str) -> da
 
 
 def _check_overlaps(checker: _Checker, rates: tuple[RateSpec, ...]) -> None:
-    """One price per product, profile and currency on any day."""
-    declared: dict[tuple[str, str, str], list[RateSpec]] = defaultdict(list)
+    """One price per product and profile on any day, whatever its currency: a GPU-hour is
+    priced by the one card valid that day (two would make the statement's currency a toss)."""
+    declared: dict[tuple[str, str], list[RateSpec]] = defaultdict(list)
     for rate in rates:
-        same = declared[rate.key[:3]]
+        same = declared[rate.key[:2]]
         for other in same:
             if _overlap(rate.valid_from, rate.valid_until, other.valid_from, other.valid_until):
                 checker.error(
                     rate.path,
                     f"valid {rate.validity()}, which overlaps {other.path} (valid "
-                    f"{other.validity()}) for the same productName, profile and currency",
+                    f"{other.validity()}) for the same productName and profile (one price a "
+                    "day, in any currency)",
                 )
         same.append(rate)
 

@@ -194,7 +194,11 @@ def test_overlapping_entries_name_both() -> None:
 
     assert errors == [
         "rates[2]: valid from 2026-07-01 on, which overlaps rates[0] (valid from 2026-01-01 on) "
-        "for the same productName, profile and currency"
+        "for the same productName and profile (one price a day, in any currency)",
+        "rates[3]: valid from 2026-01-01 on, which overlaps rates[0] (valid from 2026-01-01 on) "
+        "for the same productName and profile (one price a day, in any currency)",
+        "rates[3]: valid from 2026-01-01 on, which overlaps rates[2] (valid from 2026-07-01 on) "
+        "for the same productName and profile (one price a day, in any currency)",
     ]
     # Ending the first where the second begins is a change of price, not an overlap.
     apply_text(
@@ -212,7 +216,9 @@ def test_a_closed_period_keeps_its_rates() -> None:
 
     errors = errors_of(
         POLICY.replace('"2.50"', '"3.00"').replace("until: 2027-01-01", "until: 2026-10-15")
-        + H100.replace("2026-01-01", "2026-10-20").replace("USD", "CHF")
+        + H100.replace("2026-01-01", "2026-10-20")
+        .replace("USD", "CHF")
+        .replace("H100 80GB HBM3", "H200")
     )
 
     assert errors == [
@@ -220,7 +226,7 @@ def test_a_closed_period_keeps_its_rates() -> None:
         "closed periods 2026-09, 2026-10; add a new entry from a later date instead",
         "rates[1]: the rate for NVIDIA A100-SXM4-80GB 3g.40gb (EUR) from 2026-01-01 was used "
         "by the closed periods 2026-09, 2026-10; add a new entry from a later date instead",
-        "rates[2]: the rate for NVIDIA H100 80GB HBM3 (CHF) from 2026-10-20 would price the "
+        "rates[2]: the rate for NVIDIA H200 (CHF) from 2026-10-20 would price the "
         "closed period 2026-10; start it on 2026-11-01 or later",
     ]
     assert money() == before
