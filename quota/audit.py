@@ -24,8 +24,17 @@ ACTIONS = ("create", "update", "delete")
 UNAUDITED_FIELDS = frozenset({"in_use"})
 # Deleted with their parent: audited one by one before it, not left to the cascade.
 AUDITED_CHILDREN: dict[type[models.Model], tuple[str, ...]] = {
-    Team: ("namespaces", "memberships", "rules"),
+    Team: ("namespaces", "memberships", "rules", "budget"),
 }
+
+
+def _children(obj: models.Model, relation: str) -> list[models.Model]:
+    """The objects of a reverse relation: a manager's rows, or a one-to-one's one (or none)."""
+    try:
+        related = getattr(obj, relation)
+    except models.ObjectDoesNotExist:
+        return []
+    return list(related.all()) if hasattr(related, "all") else [related]
 
 
 def snapshot(obj: models.Model) -> dict[str, Any]:
@@ -113,7 +122,7 @@ def delete(*, actor: str, obj: models.Model) -> list[AuditEntry]:
     entries: list[AuditEntry] = []
     with transaction.atomic(savepoint=False):
         for relation in AUDITED_CHILDREN.get(type(obj), ()):
-            for child in getattr(obj, relation).all():
+            for child in _children(obj, relation):
                 entries.extend(delete(actor=actor, obj=child))
         before = snapshot(obj)
         entry = record(actor=actor, action="delete", obj=obj, before=before, after=None)

@@ -165,18 +165,24 @@ def test_team_inlines_are_audited(ops_client: Client) -> None:
 
 
 def test_deleting_a_team_audits_what_goes_with_it(ops_client: Client) -> None:
+    from billing.models import Budget
+
     rule = QuotaRuleFactory.create(team__slug="vision", name="h100")
     TeamNamespaceFactory.create(team=rule.team, namespace="vision")
+    Budget.objects.create(team=rule.team, gpu_hours=100, mode="hard")
     url = reverse("admin:quota_team_delete", args=[rule.team.pk])
 
     response = ops_client.post(url, {"post": "yes"})
 
     assert response.status_code == 302
-    assert not Team.objects.exists()
-    assert list(AuditEntry.objects.order_by("pk").values_list("action", "object_repr")) == [
-        ("delete", "vision"),  # the namespace
-        ("delete", "vision/h100"),
-        ("delete", "vision"),  # the team, last
+    assert not Team.objects.exists() and not Budget.objects.exists()
+    assert list(
+        AuditEntry.objects.order_by("pk").values_list("action", "object_type", "object_repr")
+    ) == [
+        ("delete", "team namespace", "vision"),
+        ("delete", "quota rule", "vision/h100"),
+        ("delete", "budget", "vision: 100.000 GPU-h (hard)"),
+        ("delete", "team", "vision"),  # the team, last
     ]
 
 
