@@ -34,7 +34,8 @@ def _children(obj: models.Model, relation: str) -> list[models.Model]:
         related = getattr(obj, relation)
     except models.ObjectDoesNotExist:
         return []
-    return list(related.all()) if hasattr(related, "all") else [related]
+    children = list(related.all()) if hasattr(related, "all") else [related]
+    return [child for child in children if child.pk is not None]  # not one deleted already
 
 
 def snapshot(obj: models.Model) -> dict[str, Any]:
