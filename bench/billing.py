@@ -22,7 +22,7 @@ every GPU is allocated all week. Then:
    every row fetched (run twice, the faster counted). The rollup's rows are checked: allocated
    GPU-hours == GPUs x hours, measured coverage ~100%.
 4. Prints figures, ratios and PASS/FAIL per target; exits 1 if any fails, after a diagnosis
-   (time per kind of statement, EXPLAIN ANALYZE of one hour's coverage query).
+   (time per kind of statement and per COPY, EXPLAIN ANALYZE of one hour's coverage query).
 
 The database is dropped at the end unless `--keep`. See README.md.
 """
@@ -40,6 +40,7 @@ import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -52,7 +53,7 @@ GPUS_PER_NODE = 8
 TARGET_SAMPLES_PER_S = 50_000.0
 TARGET_ROLLUP_RATIO = 2.0
 COVERAGE_MIN = 0.999
-BYTES_PER_SAMPLE = 600  # heap, both indexes and WAL headroom, measured ~450
+BYTES_PER_SAMPLE = 600  # heap and indexes measured ~560 (5.2 GiB for 10M), plus WAL headroom
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 NAMESPACES = ("vision", "nlp", "speech", "recsys", "research")
 
@@ -76,7 +77,8 @@ class Cpu:
 
 @dataclass
 class Timings:
-    """Wall seconds per kind of SQL statement, collected by a Django execute wrapper."""
+    """Wall seconds per kind of SQL statement, collected by a Django execute wrapper, and of
+    COPY blocks (`timing_copies`), which include this process writing the rows."""
 
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     calls: dict[str, int] = field(default_factory=lambda: defaultdict(int))
@@ -94,6 +96,32 @@ class Timings:
             self.seconds[kind] += time.perf_counter() - started
             self.calls[kind] += 1
 
+    @contextmanager
+    def timing_copies(self) -> Iterator[None]:
+        """Also time every `cursor.copy(...)` block (COPY bypasses the execute wrappers)."""
+        import psycopg
+
+        original = psycopg.Cursor.copy
+        timings = self
+
+        @contextmanager
+        def copy(self: psycopg.Cursor[Any], statement: Any, *args: Any, **kwargs: Any) -> Any:
+            match = re.match(r"COPY (\S+)", str(statement))
+            kind = f"COPY {match.group(1).strip(chr(34)) if match else '?'} (rows written too)"
+            started = time.perf_counter()
+            try:
+                with original(self, statement, *args, **kwargs) as block:
+                    yield block
+            finally:
+                timings.seconds[kind] += time.perf_counter() - started
+                timings.calls[kind] += 1
+
+        psycopg.Cursor.copy = copy  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            psycopg.Cursor.copy = original  # type: ignore[method-assign]
+
     def print(self, total: float, indent: str = "    ") -> None:
         sql = sum(self.seconds.values())
         for kind, seconds in sorted(self.seconds.items(), key=lambda item: -item[1]):
@@ -101,20 +129,26 @@ class Timings:
                 f"{indent}{kind:<44} {seconds:7.2f} s {100 * seconds / total:5.1f}%"
                 f"  ({self.calls[kind]:,} calls)"
             )
-        print(f"{indent}{'Python (outside SQL execute)':<44} {total - sql:7.2f} s "
+        print(f"{indent}{'Python (outside SQL and COPY)':<44} {total - sql:7.2f} s "
               f"{100 * (total - sql) / total:5.1f}%")  # fmt: skip
 
 
 def _statement_kind(sql: str) -> str:
     text = " ".join(sql.split())
+    if "pg_advisory_xact_lock" in text:
+        return "rollup: lock the hour, settings"
     if "LEAD(ts_ms)" in text:
-        return "rollup: coverage (window functions)"
+        per = "allocation (part of the hour)" if "JOIN spans" in text else "device (whole hour)"
+        return f"rollup: coverage per {per}"
     if text.startswith("WITH inserted AS"):
         return "ingest: INSERT ... SELECT ON CONFLICT"
     if text.startswith("CREATE TEMP TABLE"):
         return "ingest: CREATE TEMP TABLE IF NOT EXISTS"
     if text.startswith("DELETE FROM tally_ingest_batch"):
         return "ingest: DELETE FROM batch table"
+    savepoint = re.match(r"(SAVEPOINT|RELEASE SAVEPOINT|ROLLBACK TO SAVEPOINT) ", text)
+    if savepoint:
+        return savepoint.group(1)
     match = re.match(r'(SELECT|INSERT INTO|DELETE FROM|UPDATE)\b.*?(?:FROM )?"?(\w+)"?', text)
     if match:
         verb = match.group(1).split()[0]
@@ -376,7 +410,7 @@ def _run(gpus: list[Gpu], *, steps: int, interval: int, batch: int, days: int) -
     accepted = calls = 0
     cpu_start = _cpu(backend_pid)
     wall_start = last_report = time.perf_counter()
-    with connection.execute_wrapper(timings):
+    with connection.execute_wrapper(timings), timings.timing_copies():
         batches = _batches(gpus, steps=steps, interval=interval, batch=batch)
         while True:
             t0 = time.perf_counter()
@@ -441,7 +475,7 @@ def _run(gpus: list[Gpu], *, steps: int, interval: int, batch: int, days: int) -
     per_hour = []
     cpu_start = _cpu(backend_pid)
     started = time.perf_counter()
-    with connection.execute_wrapper(rollup_timings):
+    with connection.execute_wrapper(rollup_timings), rollup_timings.timing_copies():
         for hour in hours:
             t0 = time.perf_counter()
             rollup.rollup_hour(hour=hour, now=now)
@@ -507,19 +541,21 @@ def _check_usage() -> tuple[float, float, int]:
 
 def _explain_coverage(timings: Timings, hour: datetime, now: datetime) -> None:
     """EXPLAIN ANALYZE of the coverage statement as `rollup_hour` sends it for `hour`."""
-    from django.db import connection
+    from django.db import connection, transaction
 
     from billing import rollup
 
     captured = Timings()
     with connection.execute_wrapper(captured):
         rollup.rollup_hour(hour=hour, now=now)
-    found = captured.captured.get("rollup: coverage (window functions)")
+    found = captured.captured.get("rollup: coverage per device (whole hour)")
     if not found:
         print("diagnosis: no coverage statement seen")
         return
     sql, params = found
-    with connection.cursor() as cursor:
+    # In a transaction with the rollup's own settings (work_mem, jit), as it ran.
+    with transaction.atomic(), connection.cursor() as cursor:
+        cursor.execute(*captured.captured["rollup: lock the hour, settings"])
         cursor.execute("EXPLAIN (ANALYZE, BUFFERS) " + sql, params)
         plan = [row[0] for row in cursor.fetchall()]
     print(f"\ndiagnosis: EXPLAIN (ANALYZE, BUFFERS) of the coverage statement for {hour:%H:00}:")

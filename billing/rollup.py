@@ -8,15 +8,16 @@ an hour replaces that hour's rows, so reruns and duplicate deliveries give the s
 
 from __future__ import annotations
 
+import json
 import logging
-from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_EVEN, Decimal
-from typing import Any
+from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.db import connection, transaction
 from django.db.models import Q
+from django.db.models.fields.json import KeyTextTransform
 from django.utils import timezone
 from kubernetes.utils import parse_quantity
 
@@ -39,8 +40,7 @@ def hour_start(moment: datetime) -> datetime:
     return moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
 
 
-@dataclass(frozen=True)
-class _Interval:
+class _Interval(NamedTuple):
     """One allocation's part of the hour, with what its usage row needs (no model instances:
     an hour of a large fleet is thousands of these)."""
 
@@ -48,7 +48,7 @@ class _Interval:
     cluster_id: int
     claim_namespace: str
     claim_name: str
-    owner_references: list[dict[str, Any]]
+    job: str  # the claim's job as the sync resolved it (ResourceClaim.job)
     device_uuid: str
     product_name: str
     profile: str
@@ -57,16 +57,33 @@ class _Interval:
     share: Decimal
 
 
-# Per allocation: the time its device's samples cover within the allocation's part of the
-# hour, and that time weighted by utilisation (percent). Written with CASE rather than
-# GREATEST/LEAST or MAX/MIN so that the same statement runs on PostgreSQL and SQLite.
-_COVERAGE_SQL = """
-WITH a(allocation_id, uuid, a0, a1) AS (VALUES {values}),
+# The rows of one JSON parameter, an array of arrays: a single parameter rather than several per
+# allocation, which the driver would splice into the statement one by one (for a thousand
+# allocations that took longer than the query).
+_JSON_ROWS = {
+    "postgresql": "SELECT {columns} FROM json_array_elements(%s::json) AS item(value)",
+    "sqlite": "SELECT {columns} FROM json_each(%s)",
+}
+_JSON_ITEM = {
+    "postgresql": "CAST(value ->> {index} AS {type})",
+    "sqlite": "CAST(json_extract(value, '$[{index}]') AS {type})",
+}
+# The devices' samples are read in (device_uuid, ts_ms) order, which the window needs: on
+# PostgreSQL `= ANY(array)` lets it come from an index-only scan of the unique index, with no
+# sort (`IN (subquery)` would join, then sort).
+_IN_DEVICES = {
+    "postgresql": "= ANY(ARRAY(SELECT uuid FROM {devices}))",
+    "sqlite": "IN (SELECT uuid FROM {devices})",
+}
+# Each sample's span: from its timestamp until the device's next sample, for at most the hold.
+# Written with CASE rather than GREATEST/LEAST or MAX/MIN, so that the same statements run on
+# PostgreSQL and SQLite. Samples from a hold before the window count into it.
+_SPANS_SQL = """
 s AS (
     SELECT device_uuid, ts_ms, gpu_util,
            LEAD(ts_ms) OVER (PARTITION BY device_uuid ORDER BY ts_ms) AS next_ms
     FROM billing_sample
-    WHERE ts_ms >= %s AND ts_ms < %s AND device_uuid IN (SELECT uuid FROM a)
+    WHERE device_uuid {in_devices} AND ts_ms >= %s AND ts_ms < %s
 ),
 spans AS (
     SELECT device_uuid, gpu_util, ts_ms AS s0,
@@ -74,7 +91,28 @@ spans AS (
                 ELSE ts_ms + %s END AS s1
     FROM s
     WHERE gpu_util IS NOT NULL
-),
+)"""
+# Per device: the time its samples cover within the whole window, and that time weighted by
+# utilisation (percent). The allocations that hold a device for the whole window, nearly all
+# of them, take these: the samples are aggregated in the order they are read, not joined.
+_DEVICE_COVERAGE_SQL = """
+WITH d(uuid) AS ({devices}),
+{spans}
+SELECT device_uuid, SUM(c1 - c0), SUM((c1 - c0) * gpu_util)
+FROM (
+    SELECT device_uuid, gpu_util,
+           CASE WHEN s0 > %s THEN s0 ELSE %s END AS c0,
+           CASE WHEN s1 < %s THEN s1 ELSE %s END AS c1
+    FROM spans
+    WHERE s1 > %s
+) AS clipped
+GROUP BY device_uuid
+"""
+# Per allocation: the same within the allocation's part of the window, for allocations that
+# start or end inside it.
+_ALLOCATION_COVERAGE_SQL = """
+WITH a(allocation_id, uuid, a0, a1) AS ({allocations}),
+{spans},
 overlap AS (
     SELECT a.allocation_id, spans.gpu_util,
            (CASE WHEN spans.s1 < a.a1 THEN spans.s1 ELSE a.a1 END)
@@ -84,6 +122,17 @@ overlap AS (
 SELECT allocation_id, SUM(covered_ms), SUM(covered_ms * gpu_util)
 FROM overlap GROUP BY allocation_id
 """
+
+
+def _json_rows(*types: str) -> str:
+    """A SELECT of the rows of one JSON parameter (arrays of `types`), for this database."""
+    item = _JSON_ITEM[connection.vendor]
+    columns = ", ".join(item.format(index=index, type=type_) for index, type_ in enumerate(types))
+    return _JSON_ROWS[connection.vendor].format(columns=columns)
+
+
+def _spans_sql(devices: str) -> str:
+    return _SPANS_SQL.format(in_devices=_IN_DEVICES[connection.vendor].format(devices=devices))
 
 
 def rollup_hour(*, hour: datetime, now: datetime | None = None) -> int:
@@ -102,11 +151,13 @@ def _rollup_hour(hour: datetime, now: datetime) -> int:
     with transaction.atomic():
         if connection.vendor == "postgresql":
             with connection.cursor() as cursor:
+                # An hour of a large fleet's samples sorts (if it must) in memory rather than on
+                # disk; JIT compilation would cost more than it saves on statements this size.
                 cursor.execute(
-                    "SELECT pg_advisory_xact_lock(%s, %s)", [7_411, window_start // HOUR_MS]
+                    "SELECT pg_advisory_xact_lock(%s, %s), set_config('work_mem', '64MB', true), "
+                    "set_config('jit', 'off', true)",
+                    [7_411, window_start // HOUR_MS],
                 )
-                # An hour of a large fleet's samples sorts in memory instead of on disk.
-                cursor.execute("SELECT set_config('work_mem', '64MB', true)")
         intervals = _intervals(hour, window_start, window_end)
         coverage = _coverage(intervals, window_start, window_end)
         rows = _usage_rows(hour, intervals, coverage)
@@ -120,14 +171,14 @@ _INTERVAL_FIELDS = (
     "cluster_id",
     "claim__namespace",
     "claim__name",
-    "claim__owner_references",
+    "claim__job",
     "device__uuid",
     "device__product_name",
     "device__profile",
     "device__kind",
     "device__gpu_share",
     "device__memory_bytes",
-    "consumed_capacity",
+    "consumed_memory",
     "start",
     "end",
 )
@@ -139,13 +190,15 @@ def _intervals(hour: datetime, window_start: int, window_end: int) -> list[_Inte
             Q(end__isnull=True) | Q(end__gt=hour), start__lt=hour + HOUR, device__isnull=False
         )
         .exclude(device__uuid="")
+        # The one key read, rather than every allocation's JSON parsed in Python.
+        .annotate(consumed_memory=KeyTextTransform("memory", "consumed_capacity"))
         .order_by("pk")
         .values_list(*_INTERVAL_FIELDS)
     )
     intervals = []
     for (
-        pk, cluster_id, namespace, name, owners, uuid, product, profile, kind, gpu_share,
-        memory_bytes, consumed, start_at, end_at,
+        pk, cluster_id, namespace, name, job, uuid, product, profile, kind, gpu_share,
+        memory_bytes, consumed_memory, start_at, end_at,
     ) in rows:  # fmt: skip
         start = max(epoch_ms(start_at), window_start)
         end = min(epoch_ms(end_at), window_end) if end_at else window_end
@@ -153,12 +206,12 @@ def _intervals(hour: datetime, window_start: int, window_end: int) -> list[_Inte
             continue
         share = gpu_share if kind != "other" else Decimal(0)
         # A consumable share of a device (KEP-5075) holds the fraction it consumed.
-        if consumed.get("memory") and memory_bytes:
-            fraction = Decimal(parse_quantity(consumed["memory"])) / memory_bytes
+        if consumed_memory and memory_bytes:
+            fraction = Decimal(parse_quantity(consumed_memory)) / memory_bytes
             share *= min(fraction, Decimal(1))
         intervals.append(
             _Interval(
-                pk, cluster_id, namespace, name, owners, uuid, product, profile, start, end, share
+                pk, cluster_id, namespace, name, job, uuid, product, profile, start, end, share
             )
         )
     return intervals
@@ -167,17 +220,40 @@ def _intervals(hour: datetime, window_start: int, window_end: int) -> list[_Inte
 def _coverage(
     intervals: list[_Interval], window_start: int, window_end: int
 ) -> dict[int, tuple[int, float]]:
-    if not intervals:
-        return {}
+    """Per allocation: milliseconds its device's samples cover within its part of the window,
+    and those milliseconds times utilisation (percent). Allocations none of whose part any
+    sample covers are left out."""
     hold_ms = settings.TALLY_SAMPLE_HOLD_SECONDS * 1000
-    values = ", ".join(["(%s, %s, %s, %s)"] * len(intervals))
-    params: list[int | str] = []
-    for interval in intervals:
-        params += [interval.allocation_id, interval.device_uuid, interval.start_ms, interval.end_ms]
-    params += [window_start - hold_ms, window_end, hold_ms, hold_ms]
+    spans_params: list[int | str] = [window_start - hold_ms, window_end, hold_ms, hold_ms]
+    whole = [i for i in intervals if (i.start_ms, i.end_ms) == (window_start, window_end)]
+    partial = [i for i in intervals if (i.start_ms, i.end_ms) != (window_start, window_end)]
+    coverage: dict[int, tuple[int, float]] = {}
     with connection.cursor() as cursor:
-        cursor.execute(_COVERAGE_SQL.format(values=values), params)
-        return {row[0]: (int(row[1]), float(row[2])) for row in cursor.fetchall()}
+        if whole:
+            devices = sorted({interval.device_uuid for interval in whole})
+            cursor.execute(
+                _DEVICE_COVERAGE_SQL.format(devices=_json_rows("text"), spans=_spans_sql("d")),
+                [
+                    json.dumps([[uuid] for uuid in devices]),
+                    *spans_params,
+                    *(window_start, window_start, window_end, window_end, window_start),
+                ],
+            )
+            per_device = {uuid: (int(ms), float(weighted)) for uuid, ms, weighted in cursor}
+            for interval in whole:
+                if interval.device_uuid in per_device:
+                    coverage[interval.allocation_id] = per_device[interval.device_uuid]
+        if partial:
+            allocations = [[i.allocation_id, i.device_uuid, i.start_ms, i.end_ms] for i in partial]
+            cursor.execute(
+                _ALLOCATION_COVERAGE_SQL.format(
+                    allocations=_json_rows("bigint", "text", "bigint", "bigint"),
+                    spans=_spans_sql("a"),
+                ),
+                [json.dumps(allocations), *spans_params],
+            )
+            coverage.update((row[0], (int(row[1]), float(row[2]))) for row in cursor)
+    return coverage
 
 
 _USAGE_COLUMNS = (
@@ -221,8 +297,7 @@ def _usage_rows(
         username, owner_kind, owner_name = attribution.get(
             (interval.claim_namespace, interval.claim_name), ("", "", "")
         )
-        owner = next((o for o in interval.owner_references if o.get("controller")), None)
-        job = f"{owner.get('kind')}/{owner.get('name')}" if owner else ""
+        job = interval.job
         if not job and owner_kind:
             job = f"{owner_kind}/{owner_name}"
         rows.append(

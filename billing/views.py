@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 from django.conf import settings
@@ -21,6 +22,11 @@ from billing import ingest
 from config import metrics
 
 log = logging.getLogger(__name__)
+
+# A Kubernetes node name: a DNS subdomain (RFC 1123), at most 253 characters.
+_NODE_NAME = re.compile(
+    r"(?=.{1,253}\Z)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+)
 
 
 def _error(status: int, message: str, **headers: str) -> JsonResponse:
@@ -97,6 +103,10 @@ def _ingest(request: HttpRequest) -> JsonResponse:
     node = payload.get("node")
     if not isinstance(node, str) or not node:
         return _error(400, "node is missing or not a non-empty string")
+    if not _NODE_NAME.fullmatch(node):
+        return _error(
+            400, f"node {node[:64]!r} is not a Kubernetes node name (a DNS subdomain, <= 253)"
+        )
     # A token issued for the whole cluster (node "*": a DCGM-reading agent that reports for
     # every node) may send for any node; a node's own token only for its node.
     if agent.node != "*" and node != agent.node:

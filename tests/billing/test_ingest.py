@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime, timedelta
 from io import StringIO
 from pathlib import Path
@@ -15,9 +17,13 @@ from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
+from django.db import connection, transaction
+from django.db.models import Count
 from django.test import Client, override_settings
 from django.urls import path
 from django.utils import timezone
+from hypothesis import given
+from hypothesis import strategies as st
 
 from billing import views
 from billing.ingest import (
@@ -26,6 +32,8 @@ from billing.ingest import (
     authenticate,
     ingest,
     issue_token,
+    latest_per_hour,
+    touched_hours,
     validate_samples,
 )
 from billing.models import AgentToken, DirtyHour, Sample, UnknownDeviceSample
@@ -245,6 +253,44 @@ def test_validation_keeps_what_is_stored_and_drops_unknown_keys() -> None:
     assert second == ("GPU-1", ms(T0) + 1000, None, None, None)
 
 
+def test_each_repeat_of_a_bad_uuid_or_timestamp_is_rejected() -> None:
+    # A batch checks each distinct UUID and timestamp text once; bad ones are never remembered.
+    good = {"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z"}
+    raw = [
+        good,
+        {"uuid": "GPU-\x00", "ts": "2025-03-01T10:00:00Z"},
+        {"uuid": "GPU-\x00", "ts": "2025-03-01T10:00:00Z"},
+        {"uuid": "GPU-1", "ts": "2025-03-01T10:00:00"},
+        {"uuid": "GPU-1", "ts": "2025-03-01T10:00:00"},
+        {"uuid": ["GPU-1"], "ts": "2025-03-01T10:00:00Z"},
+        {"uuid": "GPU-1", "ts": 7},
+        good,
+    ]
+    valid, rejected = validate_samples(raw, now=T0)
+    assert [r["index"] for r in rejected] == [1, 2, 3, 4, 5, 6]
+    assert [r["reason"].split(":")[0] for r in rejected] == [
+        "samples[1].uuid",
+        "samples[2].uuid",
+        "samples[3].ts",
+        "samples[4].ts",
+        "samples[5].uuid",
+        "samples[6].ts",
+    ]
+    assert valid == [("GPU-1", ms(T0), None, None, None)] * 2
+    # Accepted at one instant, the same text is too far ahead at an earlier one.
+    ahead = [{"uuid": "GPU-1", "ts": (T0 + timedelta(minutes=4)).isoformat()}]
+    assert validate_samples(ahead, now=T0)[1] == []
+    assert "future" in validate_samples(ahead, now=T0 - timedelta(minutes=2))[1][0]["reason"]
+
+
+def test_a_process_list_that_contains_itself_is_rejected() -> None:
+    process: dict[str, Any] = {"pid": 1}
+    process["children"] = [process]
+    valid, rejected = validate_samples([sample("GPU-1", T0, processes=[process])])
+    assert valid == []
+    assert "processes: holds a value JSON cannot carry" in rejected[0]["reason"]
+
+
 def test_a_clock_up_to_five_minutes_ahead_is_accepted() -> None:
     now = T0
     ahead = [{"uuid": "GPU-1", "ts": (now + timedelta(minutes=5)).isoformat()}]
@@ -373,6 +419,11 @@ def test_touched_hours_are_marked_dirty_with_the_spill(gpu: Device) -> None:
     assert DirtyHour.objects.get(hour=T0 + timedelta(hours=2)).marked_at == received
 
 
+@given(st.lists(st.integers(min_value=-(10**13), max_value=10**13), max_size=50))
+def test_the_latest_instant_of_each_hour_touches_the_hours_of_all(timestamps: list[int]) -> None:
+    assert touched_hours(latest_per_hour(timestamps)) == touched_hours(timestamps)
+
+
 @override_settings(TALLY_SAMPLE_HOLD_SECONDS=600)
 def test_the_spill_follows_the_hold_setting(gpu: Device) -> None:
     rows, _ = validate_samples([sample(gpu.uuid, T0 + timedelta(minutes=55))])
@@ -463,6 +514,81 @@ def test_copy_path_stores_a_large_batch_once(gpu: Device) -> None:
     assert Sample.objects.count() + UnknownDeviceSample.objects.count() == 30_000
 
 
+def test_a_batch_that_meets_a_stored_sample_at_its_end_stores_the_rest_once(gpu: Device) -> None:
+    # On PostgreSQL the batch is first COPYed and fails at its last row: none of it may stay.
+    rows, _ = validate_samples(
+        [sample(gpu.uuid, T0 + timedelta(seconds=second)) for second in range(3_000)]
+        + [sample("GPU-unknown", T0 + timedelta(seconds=second)) for second in range(2)]
+    )
+    first = ingest(node="n1", samples=[rows[2_999], rows[-1]], received_at=T0)
+    assert (first.accepted, first.duplicates) == (2, 0)
+    report = ingest(node="n1", samples=rows, received_at=T0)
+    assert (report.accepted, report.duplicates) == (3_000, 2)
+    assert report.hours == {T0}
+    assert Sample.objects.count() == 3_000
+    assert UnknownDeviceSample.objects.count() == 2
+    assert sorted(Sample.objects.values_list("ts_ms", flat=True)) == [
+        ms(T0) + 1_000 * second for second in range(3_000)
+    ]
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_overlapping_batches_sent_at_once_are_stored_once(gpu: Device) -> None:
+    # The second batch's COPY waits for the first's transaction, then meets its samples and
+    # takes the general way; neither deadlocks, whatever order the samples came in.
+    first_rows, _ = validate_samples(
+        [sample(gpu.uuid, T0 + timedelta(seconds=s)) for s in range(0, 2_000)]
+    )
+    second_rows, _ = validate_samples(
+        [sample(gpu.uuid, T0 + timedelta(seconds=s)) for s in reversed(range(1_000, 3_000))]
+    )
+    first_copied = threading.Event()
+    release_first = threading.Event()
+
+    def send_first() -> Any:
+        try:
+            with transaction.atomic():
+                report = ingest(node="n1", samples=first_rows, received_at=T0)
+                first_copied.set()
+                assert release_first.wait(10)
+            return report
+        finally:
+            connection.close()
+
+    def send_second() -> Any:
+        try:
+            assert first_copied.wait(10)
+            return ingest(node="n2", samples=second_rows, received_at=T0)
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        first = pool.submit(send_first)
+        second = pool.submit(send_second)
+        assert first_copied.wait(10)
+        waited = False
+        with connection.cursor() as cursor:  # the second batch waits on the first's rows
+            for _ in range(200):
+                cursor.execute(
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE wait_event_type = 'Lock' AND datname = current_database()"
+                )
+                waited = bool(cursor.fetchone()[0])
+                if waited:
+                    break
+                threading.Event().wait(0.05)
+        release_first.set()
+        reports = first.result(timeout=20), second.result(timeout=20)
+    assert waited
+    assert [(r.accepted, r.duplicates) for r in reports] == [(2_000, 0), (1_000, 1_000)]
+    assert Sample.objects.count() == 3_000
+    assert dict(Sample.objects.values_list("node").annotate(n=Count("id"))) == {
+        "n1": 2_000,
+        "n2": 1_000,
+    }
+
+
 def test_a_cluster_wide_token_may_send_for_any_node(client: Client, gpu: Device) -> None:
     token = issue_token(cluster=gpu.cluster, node="*")
     response = client.post(
@@ -473,3 +599,19 @@ def test_a_cluster_wide_token_may_send_for_any_node(client: Client, gpu: Device)
     )
     assert response.status_code == 200, response.content
     assert response.json()["accepted"] == 1
+
+
+@pytest.mark.parametrize("node", ["x" * 254, "gpu\x00node", "GPU-Node", "node_1", "-node"])
+def test_a_node_name_kubernetes_would_not_accept_is_a_400(
+    client: Client, gpu: Device, node: str
+) -> None:
+    token = issue_token(cluster=gpu.cluster, node="*")
+    response = client.post(
+        "/ingest/samples",
+        data=json.dumps({"node": node, "samples": [sample(gpu.uuid, T0)]}),
+        content_type="application/json",
+        HTTP_AUTHORIZATION=f"Bearer {token}",
+    )
+    assert response.status_code == 400
+    assert "is not a Kubernetes node name" in response.json()["error"]
+    assert Sample.objects.count() == 0
