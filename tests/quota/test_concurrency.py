@@ -100,16 +100,13 @@ def _planned(name: str, count: int) -> tuple[Any, Any, dict[str, Any]]:
     return cluster, services._plan(cluster=cluster, claim=body, state=state), body
 
 
-def test_a_claim_planned_before_another_took_the_last_gpus_is_denied_with_usage_as_it_is() -> None:
+def _reserve(cluster: Any, plan: Any, body: dict[str, Any]) -> tuple[Any, bool]:
+    """Reserve what `plan` says, as the webhook does after planning."""
     from django.utils import timezone
 
     from quota import services
 
-    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 10}])
-    cluster, plan, body = _planned("late", 2)
-    assert plan.denial == ""  # 0 of 10 in use when it was planned
-    QuotaRule.objects.update(in_use=9)  # meanwhile another admission took 9
-    decision, recorded = services._reserve(
+    return services._reserve(
         cluster=cluster,
         claim=body,
         plan=plan,
@@ -117,6 +114,14 @@ def test_a_claim_planned_before_another_took_the_last_gpus_is_denied_with_usage_
         admission_uid="u",
         at=timezone.now(),
     )
+
+
+def test_a_claim_planned_before_another_took_the_last_gpus_is_denied_with_usage_as_it_is() -> None:
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 10}])
+    cluster, plan, body = _planned("late", 2)
+    assert plan.denial == ""  # 0 of 10 in use when it was planned
+    QuotaRule.objects.update(in_use=9)  # meanwhile another admission took 9
+    decision, recorded = _reserve(cluster, plan, body)
     assert not decision.allowed and not recorded
     assert "9 GPUs in use, 2 GPUs requested, limit 10 GPUs" in decision.message
     assert QuotaRule.objects.get().in_use == 9
@@ -124,21 +129,10 @@ def test_a_claim_planned_before_another_took_the_last_gpus_is_denied_with_usage_
 
 
 def test_a_rule_deleted_while_a_claim_is_admitted_denies_it_asking_to_create_it_again() -> None:
-    from django.utils import timezone
-
-    from quota import services
-
     make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 10}])
     cluster, plan, body = _planned("orphan", 1)
     QuotaRule.objects.all().delete()
-    decision, _ = services._reserve(
-        cluster=cluster,
-        claim=body,
-        plan=plan,
-        username="alice",
-        admission_uid="u",
-        at=timezone.now(),
-    )
+    decision, _ = _reserve(cluster, plan, body)
     assert not decision.allowed and decision.reason == "Conflict"
     assert "quota rules changed" in decision.message
     assert Reservation.objects.count() == 0
