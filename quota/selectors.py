@@ -6,9 +6,10 @@ import contextlib
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any
+from typing import Any, TypeVar
 
 from django.conf import settings
 from django.db import connection
@@ -17,6 +18,8 @@ from django.db.models import Count, QuerySet
 from inventory.models import Cluster, Device, DeviceClass, DeviceShape
 from quota import cel
 from quota.models import Membership, QuotaRule, Reservation, Role, Team, TeamNamespace
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -68,6 +71,16 @@ class FleetShapes:
     _candidates: dict[tuple[str, tuple[str, ...]], list[Shape]] = field(
         default_factory=dict, repr=False
     )
+    _derived: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
+
+    def derived(self, key: tuple[Any, ...], compute: Callable[[], T]) -> T:
+        """`compute()`, once per `key` while this snapshot of the fleet is in use (what a
+        request's devices count on a rule, the most of them on one node)."""
+        try:
+            value: T = self._derived[key]
+        except KeyError:
+            value = self._derived[key] = compute()
+        return value
 
     def match(self, expression: str, shape: Shape) -> bool:
         """Whether `expression` selects devices of `shape`; a bad expression selects none."""

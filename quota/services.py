@@ -9,6 +9,7 @@ was reserved for claims that never appeared.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import time
@@ -361,38 +362,64 @@ def _demand(
     limiting = [rule for rule in rules if rule.device_class == request.device_class_name]
     if not limiting:
         return demand
-    candidates = fleet.candidates(request.device_class_name, tuple(request.selectors))
+    selectors = tuple(request.selectors)
+    candidates = fleet.candidates(request.device_class_name, selectors)
     if request.allocation_mode == "All":
-        ids = {shape.id for shape in candidates}
-        devices = max(
-            (
-                sum(n for shape_id, n in shapes.items() if shape_id in ids)
-                for shapes in fleet.per_node.values()
-            ),
-            default=0,
+        devices = fleet.derived(
+            ("all", request.device_class_name, selectors),
+            lambda: _most_on_a_node(fleet, candidates),
         )
     else:
         devices = request.count
     demand.devices = devices
     requested_memory = request.capacity_requests.get("memory")
     for rule in limiting:
-        shapes = candidates
-        if rule.selector:
-            try:
-                cel.compile_selector(rule.selector)
-                shapes = [s for s in candidates if fleet.match(rule.selector, s)]
-            except cel.CELError as exc:  # validated on apply; kept safe if stored otherwise
-                warnings.append(
-                    f'quota rule "{rule.name}" has a bad selector, applied to all: {exc}'
-                )
-            if not shapes and candidates:
-                continue  # the rule's selector matches nothing this request could be given
-        per_device = max(
-            (_per_device(shape, rule, requested_memory) for shape in shapes),
-            default=Decimal(1) if rule.unit == Unit.GPUS else Decimal(0),
-        )
-        demand.amounts[rule.pk] = per_device * devices
+        # What one device counts on this rule: the same for every request that asks alike, so
+        # worked out once per fleet snapshot (None: the rule's selector matches none of them).
+        key = (request.device_class_name, selectors, rule.selector, rule.unit, requested_memory)
+        try:
+            per_device = fleet.derived(
+                key, functools.partial(_per_device_on, rule, candidates, fleet, requested_memory)
+            )
+        except cel.CELError as exc:  # validated on apply; kept safe if stored otherwise
+            warnings.append(f'quota rule "{rule.name}" has a bad selector, applied to all: {exc}')
+            per_device = _most_per_device(rule, candidates, requested_memory)
+        if per_device is not None:
+            demand.amounts[rule.pk] = per_device * devices
     return demand
+
+
+def _most_on_a_node(fleet: FleetShapes, candidates: list[Shape]) -> int:
+    """`allocationMode: All`: the most devices of these shapes on any one node."""
+    ids = {shape.id for shape in candidates}
+    return max(
+        (
+            sum(n for shape_id, n in shapes.items() if shape_id in ids)
+            for shapes in fleet.per_node.values()
+        ),
+        default=0,
+    )
+
+
+def _per_device_on(
+    rule: Rule, candidates: list[Shape], fleet: FleetShapes, requested_memory: str | None
+) -> Decimal | None:
+    """The most one device of `candidates` that `rule` selects counts on it; None when the
+    rule's selector selects none of them (it does not limit the request)."""
+    shapes = candidates
+    if rule.selector:
+        cel.compile_selector(rule.selector)  # raises CELError for a bad one
+        shapes = [shape for shape in candidates if fleet.match(rule.selector, shape)]
+        if not shapes and candidates:
+            return None
+    return _most_per_device(rule, shapes, requested_memory)
+
+
+def _most_per_device(rule: Rule, shapes: list[Shape], requested_memory: str | None) -> Decimal:
+    return max(
+        (_per_device(shape, rule, requested_memory) for shape in shapes),
+        default=Decimal(1) if rule.unit == Unit.GPUS else Decimal(0),
+    )
 
 
 def _per_device(shape: Shape, rule: Rule, requested_memory: str | None) -> Decimal:
