@@ -371,13 +371,21 @@ def hours_between(start: datetime, end: datetime) -> set[datetime]:
     return hours
 
 
-def rollup_pending(*, now: datetime) -> list[datetime]:
-    """Roll up the hours marked dirty and the hour just ended; returns the hours done."""
+def rollup_pending(*, now: datetime, limit: int | None = None) -> list[datetime]:
+    """Roll up the hour just ended and the hours marked dirty, newest first, at most `limit`
+    of them (default TALLY_ROLLUP_HOURS_PER_RUN); returns the hours done.
+
+    A first sync of a cluster whose claims began months ago marks thousands of hours: they
+    are worked off over the next runs, recent hours first, each run bounded. What is left
+    stays marked.
+    """
+    limit = settings.TALLY_ROLLUP_HOURS_PER_RUN if limit is None else limit
     started = timezone.now()
-    due = set(DirtyHour.objects.filter(hour__lt=now).values_list("hour", flat=True))
-    due.add(hour_start(now) - HOUR)
+    just_ended = hour_start(now) - HOUR
+    marked = DirtyHour.objects.filter(hour__lt=now).exclude(hour=just_ended).order_by("-hour")
+    due = [just_ended, *marked.values_list("hour", flat=True)[: max(limit - 1, 0)]]
     done = []
-    for hour in sorted(due):
+    for hour in due:
         rollup_hour(hour=hour, now=now)
         # A mark made while this ran stays, so the newer data is not missed.
         DirtyHour.objects.filter(hour=hour, marked_at__lte=started).delete()

@@ -31,3 +31,20 @@ def test_claims_seen_mark_the_hours_their_allocations_span_once() -> None:
     assert T10 in done and T10.replace(hour=12) in done
     assert not DirtyHour.objects.filter(hour__lt=T10 + timedelta(days=1)).exists()
     assert UsageHour.objects.filter(hour=T10.replace(hour=11)).count() == 2
+
+
+def test_a_backlog_of_marked_hours_is_worked_off_newest_first_a_bounded_number_a_run() -> None:
+    now = T10 + timedelta(days=1)
+    marked = [T10 + timedelta(hours=index) for index in range(5)]
+    rollup.mark_dirty(hours=set(marked), at=T10)
+    just_ended = rollup.hour_start(now) - timedelta(hours=1)
+
+    first = rollup.rollup_pending(now=now, limit=3)
+    assert first == [just_ended, marked[4], marked[3]]
+    assert sorted(DirtyHour.objects.values_list("hour", flat=True)) == marked[:3]
+
+    second = rollup.rollup_pending(now=now, limit=3)
+    assert second == [just_ended, marked[2], marked[1]]
+    third = rollup.rollup_pending(now=now, limit=3)
+    assert third == [just_ended, marked[0]]
+    assert not DirtyHour.objects.exists()
