@@ -146,7 +146,10 @@ class Reservation(models.Model):
 class ReservationLine(models.Model):
     """The amount one reservation holds on one rule, in the rule's unit."""
 
-    reservation = models.ForeignKey(Reservation, on_delete=models.CASCADE, related_name="lines")
+    # No index of its own: the unique (reservation, rule) index leads with it.
+    reservation = models.ForeignKey(
+        Reservation, on_delete=models.CASCADE, related_name="lines", db_index=False
+    )
     rule = models.ForeignKey(QuotaRule, on_delete=models.CASCADE, related_name="lines")
     amount = models.DecimalField(max_digits=24, decimal_places=6)
 
