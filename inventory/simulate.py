@@ -212,11 +212,14 @@ def generate(
     seed: int = 0,
     now: datetime = EPOCH,
     mix: Mapping[str, float] = DEFAULT_MIX,
+    owners: bool = False,
 ) -> Iterator[dict[str, Any]]:
     """Yield the objects of a simulated fleet of `nodes` GPU nodes, one kind after the other.
 
     Order: DeviceClasses, Nodes, ResourceSlices, ResourceClaims (as `kubectl get` lists them).
     The same arguments always give the same objects. `mix` weighs the layouts of `LAYOUTS`.
+    With `owners`, the claims' Pods follow, and what owns them (ReplicaSets of the serving
+    workloads' Deployments, Jobs of the training ones), so that usage is charged per job.
     """
     unknown = set(mix) - set(LAYOUTS)
     if unknown:
@@ -231,6 +234,63 @@ def generate(
                 yield from slice_objects(plan)
             else:
                 yield from plan.claims
+                if owners:
+                    yield from owner_objects(plan.claims)
+
+
+# Workloads run as Jobs (training, evaluation, sweeps); the others as Deployments.
+_BATCH_WORDS = ("train", "sft", "finetune", "eval", "sweep", "exp")
+
+
+def owner_objects(claims: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """The Pods of `claims` and their controllers, derived from the claims alone (uids from
+    names), so the random streams, and with them every other object, stay as they are."""
+    for claim in claims:
+        metadata = claim["metadata"]
+        namespace, workload = metadata["namespace"], metadata["labels"]["app.kubernetes.io/name"]
+        pod = metadata["ownerReferences"][0]
+        # `<workload>-<ReplicaSet hash or Job suffix>-<suffix>`
+        middle = pod["name"][len(workload) + 1 :].split("-")[0]
+        controller_name = f"{workload}-{middle}"
+        batch = any(word in workload for word in _BATCH_WORDS)
+        controller = {
+            "apiVersion": "batch/v1" if batch else "apps/v1",
+            "kind": "Job" if batch else "ReplicaSet",
+            "name": controller_name,
+            "uid": _name_uid(namespace, controller_name),
+            "controller": True,
+        }
+        yield {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": pod["name"],
+                "namespace": namespace,
+                "uid": pod["uid"],
+                "ownerReferences": [controller],
+            },
+        }
+        owned: dict[str, Any] = {"name": controller_name, "namespace": namespace}
+        owned["uid"] = controller["uid"]
+        if not batch:
+            owned["ownerReferences"] = [
+                {
+                    "apiVersion": "apps/v1",
+                    "kind": "Deployment",
+                    "name": workload,
+                    "uid": _name_uid(namespace, workload),
+                    "controller": True,
+                }
+            ]
+        yield {
+            "apiVersion": controller["apiVersion"],
+            "kind": controller["kind"],
+            "metadata": owned,
+        }
+
+
+def _name_uid(namespace: str, name: str) -> str:
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"simulate/{namespace}/{name}"))
 
 
 def device_classes(now: datetime) -> list[dict[str, Any]]:

@@ -338,6 +338,23 @@ def test_load_demo_creates_the_operator_and_imports_once() -> None:
     assert (Device.objects.count(), ResourceClaim.objects.count()) == (devices, claims)
     assert get_user_model().objects.get(username="operator").check_password("changed")
     assert "no import" in again.getvalue()
+    # The demo's claims are charged to their workloads: Deployments serve, Jobs train.
+    jobs = set(ResourceClaim.objects.values_list("job", flat=True))
+    assert jobs and all(job.startswith(("Deployment/", "Job/")) for job in jobs), jobs
+    assert any(job.startswith("Deployment/") for job in jobs)
+    assert any(job.startswith("Job/") for job in jobs)
+
+
+def test_owners_leave_every_other_object_as_it_was() -> None:
+    plain, with_owners = fleet(6), fleet(6, owners=True)
+    assert [o for o in with_owners if o["kind"] not in ("Pod", "ReplicaSet", "Job")] == plain
+    pods = {pod["metadata"]["uid"]: pod for pod in of_kind(with_owners, "Pod")}
+    for claim in of_kind(plain, "ResourceClaim"):
+        owner = claim["metadata"]["ownerReferences"][0]
+        assert pods[owner["uid"]]["metadata"]["name"] == owner["name"]
+    replica_sets = of_kind(with_owners, "ReplicaSet")
+    assert replica_sets
+    assert all(rs["metadata"]["ownerReferences"][0]["kind"] == "Deployment" for rs in replica_sets)
 
 
 @pytest.mark.django_db

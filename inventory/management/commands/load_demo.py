@@ -49,7 +49,9 @@ class Command(BaseCommand):
         else:
             report = services.import_snapshot(
                 cluster=cluster,
-                objects=simulate.generate(nodes=options["nodes"], seed=options["seed"], now=now),
+                objects=simulate.generate(
+                    nodes=options["nodes"], seed=options["seed"], now=now, owners=True
+                ),
                 at=now,
             )
             if report.errors:
