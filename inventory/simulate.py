@@ -270,8 +270,11 @@ def owner_objects(claims: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
                 "ownerReferences": [controller],
             },
         }
-        owned: dict[str, Any] = {"name": controller_name, "namespace": namespace}
-        owned["uid"] = controller["uid"]
+        owned: dict[str, Any] = {
+            "name": controller_name,
+            "namespace": namespace,
+            "uid": controller["uid"],
+        }
         if not batch:
             owned["ownerReferences"] = [
                 {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from collections import defaultdict
@@ -64,18 +65,11 @@ class FleetShapes:
     class_selectors: dict[str, list[str]] = field(default_factory=dict)
     loaded_at: float = 0.0
     version: int | None = None  # the cluster's fleet version this was loaded at
-    # Selector results per (expression, shape id), shared by every snapshot of this process:
-    # a shape row never changes once written, so a selector is evaluated once per shape,
-    # however many requests ask and however often the fleet is reloaded.
-    _matches: dict[tuple[str, int], bool] = field(default_factory=lambda: _matches, repr=False)
-    _candidates: dict[tuple[str, tuple[str, ...]], list[Shape]] = field(
-        default_factory=dict, repr=False
-    )
     _derived: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
 
     def derived(self, key: tuple[Any, ...], compute: Callable[[], T]) -> T:
-        """`compute()`, once per `key` while this snapshot of the fleet is in use (what a
-        request's devices count on a rule, the most of them on one node)."""
+        """`compute()`, once per `key` while this snapshot of the fleet is in use (the shapes a
+        request could be given, what its devices count on a rule, the most on one node)."""
         try:
             value: T = self._derived[key]
         except KeyError:
@@ -83,24 +77,28 @@ class FleetShapes:
         return value
 
     def match(self, expression: str, shape: Shape) -> bool:
-        """Whether `expression` selects devices of `shape`; a bad expression selects none."""
+        """Whether `expression` selects devices of `shape`; a bad expression selects none.
+
+        Remembered per (expression, shape id) by the process, across snapshots: a shape row
+        never changes once written, so a selector is evaluated once per shape, however many
+        requests ask and however often the fleet is reloaded.
+        """
         key = (expression, shape.id)
-        result = self._matches.get(key)
+        result = _matches.get(key)
         if result is None:
             try:
                 result = cel.compile_selector(expression).matches(shape.view)
             except cel.CELError:
                 result = False
-            self._matches[key] = result
+            _matches[key] = result
         return result
 
     def candidates(self, device_class: str, selectors: tuple[str, ...]) -> list[Shape]:
         """The shapes a request of `device_class` with `selectors` could be given."""
-        key = (device_class, selectors)
-        found = self._candidates.get(key)
-        if found is None:
-            found = self._candidates[key] = self._select(device_class, selectors)
-        return found
+        return self.derived(
+            ("candidates", device_class, selectors),
+            functools.partial(self._select, device_class, selectors),
+        )
 
     def _select(self, device_class: str, selectors: tuple[str, ...]) -> list[Shape]:
         class_selectors = self.class_selectors.get(device_class)
@@ -279,28 +277,20 @@ def fetch_prepared(sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
         with connection.cursor() as cursor:
             cursor.execute(sql, params)
             return list(cursor.fetchall())
-    connection.ensure_connection()
-    with connection.wrap_database_errors:
-        cursor = _prepared_cursor(connection.connection)
-        cursor.execute(sql, params, prepare=True)
-        return cursor.fetchall()
-
-
-_prepared_cursors: dict[int, Any] = {}
-
-
-def _prepared_cursor(raw: Any) -> Any:
-    """A server-side-binding cursor of the psycopg connection `raw`, one per connection (Django's
-    own cursors bind client-side and cannot prepare; making one each time costs more than the
-    statement)."""
     import psycopg
 
-    cursor = _prepared_cursors.get(id(raw))
-    if cursor is None or cursor.connection is not raw or cursor.closed:
-        if len(_prepared_cursors) > 64:  # connections come and go; keep this small
-            _prepared_cursors.clear()
-        cursor = _prepared_cursors[id(raw)] = psycopg.Cursor(raw)
-    return cursor
+    connection.ensure_connection()
+    with connection.wrap_database_errors:
+        # One server-side-binding cursor per psycopg connection, kept on Django's wrapper and
+        # replaced when Django reconnects (its own cursors bind client-side and cannot
+        # prepare; making one each time costs more than the statement).
+        prepared: Any = getattr(connection, "_tally_prepared_cursor", None)
+        if prepared is None or prepared.connection is not connection.connection or prepared.closed:
+            prepared = psycopg.Cursor(connection.connection)
+            connection._tally_prepared_cursor = prepared  # type: ignore[attr-defined]
+        prepared.execute(sql, params, prepare=True)
+        rows: list[tuple[Any, ...]] = prepared.fetchall()
+        return rows
 
 
 def _decimal(value: Any) -> Decimal:

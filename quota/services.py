@@ -151,6 +151,12 @@ def review_claim(
     return decision
 
 
+# The columns of `AdmissionDecision` both of the webhook's inserts write, in this order.
+_DECISION_COLUMNS = (
+    "at, uid, namespace, name, username, team_id, allowed, dry_run, message, warnings"
+)
+
+
 def _record(
     decision: Decision, *, namespace: str, name: str, username: str, uid: str, at: datetime
 ) -> None:
@@ -159,8 +165,7 @@ def _record(
     if connection.vendor == "postgresql":
         table = connection.ops.quote_name(AdmissionDecision._meta.db_table)
         fetch_prepared(
-            f"INSERT INTO {table} (at, uid, namespace, name, username, team_id, allowed, "
-            "dry_run, message, warnings) "
+            f"INSERT INTO {table} ({_DECISION_COLUMNS}) "
             "VALUES (%s, %s, %s, %s, %s, %s, %s, false, %s, %s::jsonb) RETURNING id",
             [at, uid, namespace, name, username, team_id, decision.allowed, decision.message,
              json.dumps(decision.warnings)],
@@ -577,8 +582,7 @@ lines AS (
     SELECT kept.id, a.rule_id, a.amount FROM kept, asked a RETURNING id
 ),
 recorded AS (
-    INSERT INTO {decision} (at, uid, namespace, name, username, team_id, allowed, dry_run,
-        message, warnings)
+    INSERT INTO {decision} ({_DECISION_COLUMNS})
     SELECT %s, %s, %s, %s, %s, %s, true, false, '', %s::jsonb FROM verdict WHERE verdict.fits
     RETURNING id
 )
