@@ -7,7 +7,7 @@ import math
 import random
 from datetime import datetime, timedelta
 
-from billing import pricing, rollup
+from billing import ingest, pricing, rollup
 from billing.models import Sample
 from inventory.bulk import bulk_insert
 from inventory.models import Allocation, Cluster
@@ -58,8 +58,8 @@ def load_demo_usage(*, cluster: Cluster, now: datetime, days: int = 7, seed: int
             moment += STEP
         bulk_insert(Sample, rows)
         written += len(rows)
-    for hour in sorted(rollup.hours_between(since, now)):
-        rollup.rollup_hour(hour=hour, now=now)
+    ingest.fill_gaps({uuid for uuid, _ in sampled})
+    rollup.rollup_hours(hours=rollup.hours_between(since, now), now=now)
     for start in {pricing.period_bounds(since)[0], pricing.period_bounds(now)[0]}:
         pricing.refresh_statements(period=pricing.period_for(start))
     return written

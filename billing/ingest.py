@@ -13,6 +13,7 @@ import hashlib
 import json
 import re
 import secrets
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -30,6 +31,7 @@ from psycopg.errors import UniqueViolation
 from psycopg.pq import Format
 
 from billing.models import AgentToken, DirtyHour, Sample, UnknownDeviceSample
+from inventory.bulk import json_rows
 from inventory.models import Cluster, Device
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
@@ -43,6 +45,9 @@ ADOPT_CHUNK = 10_000
 BATCH_TABLE = "tally_ingest_batch"
 # Columns of `billing_sample` and `billing_unknowndevicesample` alike, in this order.
 COLUMNS = "device_uuid, ts_ms, gpu_util, mem_used_bytes, processes, node, received_at"
+# Advisory locks (PostgreSQL) of one device's samples while their gaps are worked out; the
+# second key is a hash of the UUID (a collision only makes two devices wait on each other).
+DEVICE_LOCK = 7_412
 # A NUL escaped in JSON text (an odd run of backslashes before u0000): jsonb refuses it.
 _ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
@@ -314,6 +319,7 @@ def _insert_new(
     where: str,
     params: Sequence[Any],
     first: str,
+    columns: str = COLUMNS,
 ) -> tuple[int, list[int]]:
     """`INSERT INTO target SELECT ...` skipping rows already stored; of rows of the same
     device and instant in `source`, the one that sorts first by `first` is kept.
@@ -325,7 +331,7 @@ def _insert_new(
     # `WHERE` before `ON CONFLICT` is required by SQLite's parser, and harmless elsewhere.
     # Key order: two writers of overlapping batches then wait on each other, never deadlock.
     sql = (
-        f"INSERT INTO {_table(target)} ({COLUMNS}) SELECT {select} FROM {source} "
+        f"INSERT INTO {_table(target)} ({columns}) SELECT {select} FROM {source} "
         f"WHERE {where} ORDER BY device_uuid, ts_ms, {first} "
         "ON CONFLICT (device_uuid, ts_ms) DO NOTHING RETURNING ts_ms"
     )
@@ -379,66 +385,227 @@ def _store(
     *,
     node: str,
     received_at: datetime,
+    gaps: Sequence[int | None] | None = None,
 ) -> tuple[int, list[int]]:
-    """Store `rows` in `target` unless already there; as `_insert_new`, the first of rows of
-    the same device and instant is kept.
-
-    On PostgreSQL the rows are COPYed straight into `target`, in key order (so concurrent
-    writers of overlapping batches never deadlock), under a savepoint: a batch of new samples,
-    the usual case, is stored at COPY's speed. When a device and instant is already stored
-    or sent twice, the COPY fails at once and is undone, and the batch takes the general way:
-    into a temporary table, then `INSERT ... SELECT ... ON CONFLICT DO NOTHING`.
+    """Store `rows` in `target` unless already there, the general way: into a temporary
+    table, then `INSERT ... SELECT ... ON CONFLICT DO NOTHING`. As `_insert_new`, the first of
+    rows of the same device and instant is kept. `gaps` (one per row) go to `gap_ms`.
     """
     if not rows:
         return 0, []
+    columns, select = COLUMNS, "device_uuid, ts_ms, gpu_util, mem_used_bytes, processes, %s, %s"
+    with_gaps: Iterable[tuple[Any, ...]] = rows
+    if gaps is not None:
+        columns, select = f"{columns}, gap_ms", f"{select}, gap_ms"
+        with_gaps = ((*row, gap) for row, gap in zip(rows, gaps, strict=True))
     if connection.vendor == "postgresql":
-        ordered = sorted(rows, key=_KEY)
-        tail = (node, received_at)
-        try:
-            with transaction.atomic():
-                _copy(
-                    cursor,
-                    f"{_table(target)} ({COLUMNS})",
-                    # Made as written, not held: thousands of live tuples would wake the
-                    # garbage collector, over and over, to walk everything the batch holds.
-                    (row + tail for row in ordered),
-                    _COPY_TYPES,
-                )
-        except UniqueViolation:
-            pass
-        else:
-            return len(rows), latest_per_hour(row[1] for row in rows)
         # The DELETE empties what an outer transaction's earlier `ingest` left.
         cursor.execute(
             f"CREATE TEMP TABLE IF NOT EXISTS {BATCH_TABLE} (device_uuid text, ts_ms bigint, "
-            "gpu_util double precision, mem_used_bytes bigint, processes jsonb, position int) "
-            f"ON COMMIT DELETE ROWS; DELETE FROM {BATCH_TABLE}"
+            "gpu_util double precision, mem_used_bytes bigint, processes jsonb, position int, "
+            f"gap_ms bigint) ON COMMIT DELETE ROWS; DELETE FROM {BATCH_TABLE}"
         )
         _copy(
             cursor,
-            BATCH_TABLE,
-            ((*row, position) for position, row in enumerate(rows)),
-            (*_COPY_TYPES[:5], "int4"),
+            f"{BATCH_TABLE} (device_uuid, ts_ms, gpu_util, mem_used_bytes, processes, position"
+            f"{', gap_ms' if gaps is not None else ''})",
+            ((*row[:5], position, *row[5:]) for position, row in enumerate(with_gaps)),
+            (*_COPY_TYPES[:5], "int4", *(("int8",) if gaps is not None else ())),
         )
     else:
         cursor.execute(
             f"CREATE TEMP TABLE IF NOT EXISTS {BATCH_TABLE} (device_uuid text, ts_ms bigint, "
-            "gpu_util real, mem_used_bytes bigint, processes text, position int)"
+            "gpu_util real, mem_used_bytes bigint, processes text, position int, gap_ms bigint)"
         )
         cursor.execute(f"DELETE FROM {BATCH_TABLE}")
         cursor.executemany(
-            f"INSERT INTO {BATCH_TABLE} VALUES (%s, %s, %s, %s, %s, %s)",
-            [(*row, position) for position, row in enumerate(rows)],
+            f"INSERT INTO {BATCH_TABLE} VALUES (%s, %s, %s, %s, %s, %s, %s)",
+            [
+                (*row[:5], position, row[5] if gaps is not None else None)
+                for position, row in enumerate(with_gaps)
+            ],
         )
     return _insert_new(
         cursor,
         target,
-        select="device_uuid, ts_ms, gpu_util, mem_used_bytes, processes, %s, %s",
+        select=select,
         source=BATCH_TABLE,
         where="true",
         params=[node, connection.ops.adapt_datetimefield_value(received_at)],
         first="position",
+        columns=columns,
     )
+
+
+# Gaps
+
+
+class _Bounds(NamedTuple):
+    """One device's samples in a batch: its first and last instants."""
+
+    first_ms: int
+    last_ms: int
+
+
+def _batch_gaps(ordered: Sequence[SampleRow]) -> tuple[list[int | None], dict[str, _Bounds], bool]:
+    """For rows in (device, instant) order: each row's gap to the next row of its device
+    (None for a device's last), each device's bounds, and whether a device and instant
+    repeats."""
+    gaps: list[int | None] = []
+    bounds: dict[str, _Bounds] = {}
+    repeats = False
+    count = len(ordered)
+    for index, (uuid, ts_ms, *_) in enumerate(ordered):
+        following = ordered[index + 1] if index + 1 < count else None
+        if following is not None and following[0] == uuid:
+            gap = following[1] - ts_ms
+            repeats = repeats or gap == 0
+            gaps.append(gap)
+        else:
+            gaps.append(None)
+        first = bounds.get(uuid)
+        bounds[uuid] = _Bounds(ts_ms if first is None else first.first_ms, ts_ms)
+    return gaps, bounds, repeats
+
+
+def _lock_devices(cursor: CursorWrapper, uuids: Iterable[str]) -> None:
+    """Hold the devices' advisory locks to the end of the transaction (PostgreSQL), taken in
+    key order so that two writers never wait on each other in a cycle."""
+    if connection.vendor != "postgresql":
+        return  # SQLite runs one writing transaction at a time
+    keys = sorted({zlib.crc32(uuid.encode()) - 2**31 for uuid in uuids})
+    cursor.execute(
+        "SELECT count(pg_advisory_xact_lock(%s, key)) FROM unnest(%s::int4[]) AS key",
+        [DEVICE_LOCK, keys],
+    )
+
+
+# Per device in `r`: its samples from the one before `lo` to the one after `hi`, their gaps
+# worked out again; the rows whose gap changed are updated. The sample after `hi` keeps its
+# own (its next sample is not read).
+_REFRESH_GAPS_SQL = """
+WITH r(uuid, lo, hi) AS ({bounds}),
+near AS (
+    SELECT s.id, s.device_uuid, s.ts_ms, s.gap_ms
+    FROM r JOIN billing_sample AS s ON s.device_uuid = r.uuid
+    WHERE s.ts_ms >= COALESCE((SELECT MAX(p.ts_ms) FROM billing_sample AS p
+                               WHERE p.device_uuid = r.uuid AND p.ts_ms < r.lo), r.lo)
+      AND s.ts_ms <= COALESCE((SELECT MIN(n.ts_ms) FROM billing_sample AS n
+                               WHERE n.device_uuid = r.uuid AND n.ts_ms > r.hi), r.hi)
+),
+following AS (
+    SELECT id, gap_ms AS stored,
+           LEAD(ts_ms) OVER (PARTITION BY device_uuid ORDER BY ts_ms) - ts_ms AS gap
+    FROM near
+)
+UPDATE billing_sample SET gap_ms = following.gap
+FROM following
+WHERE billing_sample.id = following.id AND following.gap IS NOT NULL
+  AND (following.stored IS NULL OR following.stored <> following.gap)
+"""
+
+
+def refresh_gaps(cursor: CursorWrapper, bounds: dict[str, _Bounds]) -> None:
+    """Work out again the gaps of the devices' samples from the one before `first_ms` to
+    `last_ms`: after samples were stored between them, in any order."""
+    if bounds:
+        cursor.execute(
+            _REFRESH_GAPS_SQL.format(bounds=json_rows("text", "bigint", "bigint")),
+            [json.dumps([[uuid, *bound] for uuid, bound in sorted(bounds.items())])],
+        )
+
+
+def fill_gaps(uuids: Iterable[str]) -> None:
+    """Work out the gaps of every sample of these devices: for samples written other than by
+    `ingest` (the demo's, a test's)."""
+    uuids = sorted(set(uuids))
+    if not uuids:
+        return
+    bounds = {
+        uuid: _Bounds(first, last)
+        for uuid, first, last in Sample.objects.filter(device_uuid__in=uuids)
+        .values("device_uuid")
+        .annotate(first=models.Min("ts_ms"), last=models.Max("ts_ms"))
+        .values_list("device_uuid", "first", "last")
+    }
+    with transaction.atomic(), connection.cursor() as cursor:
+        _lock_devices(cursor, bounds)
+        refresh_gaps(cursor, bounds)
+
+
+# Per device of the batch: the sample just before its first instant (and that one's gap), and
+# the first sample at or after it.
+_NEIGHBOURS_SQL = """
+SELECT r.uuid, before.ts_ms, before.gap_ms,
+       (SELECT MIN(s.ts_ms) FROM billing_sample AS s
+        WHERE s.device_uuid = r.uuid AND s.ts_ms >= r.lo)
+FROM unnest(%s::text[], %s::bigint[]) AS r(uuid, lo)
+LEFT JOIN LATERAL (
+    SELECT p.ts_ms, p.gap_ms FROM billing_sample AS p
+    WHERE p.device_uuid = r.uuid AND p.ts_ms < r.lo ORDER BY p.ts_ms DESC LIMIT 1
+) AS before ON true
+"""
+
+
+def _store_samples(
+    cursor: CursorWrapper, rows: Sequence[SampleRow], *, node: str, received_at: datetime
+) -> tuple[int, list[int]]:
+    """Store samples of known devices unless already there, with their gaps.
+
+    The devices are locked first, so their gaps are worked out against every sample stored
+    before. On PostgreSQL a batch that repeats nothing and falls after (or between) what is
+    stored, the usual case, is COPYed straight into `billing_sample` with its gaps, and the
+    gap of each device's sample just before it is set; the COPY runs under a savepoint, and
+    should it meet a stored sample after all it is undone. Otherwise the batch takes the
+    general way (`_store`), then its devices' gaps are worked out again over its span.
+    """
+    if not rows:
+        return 0, []
+    ordered = sorted(rows, key=_KEY)
+    gaps, bounds, repeats = _batch_gaps(ordered)
+    _lock_devices(cursor, bounds)
+    if connection.vendor == "postgresql" and not repeats:
+        uuids = sorted(bounds)
+        cursor.execute(_NEIGHBOURS_SQL, [uuids, [bounds[uuid].first_ms for uuid in uuids]])
+        neighbours = cursor.fetchall()
+        if all(after is None or after > bounds[uuid].last_ms for uuid, _, _, after in neighbours):
+            following = {uuid: after for uuid, _, _, after in neighbours}
+            for index, (row, gap) in enumerate(zip(ordered, gaps, strict=True)):
+                if gap is None and following[row[0]] is not None:
+                    gaps[index] = following[row[0]] - row[1]
+            tail = (node, received_at)
+            try:
+                with transaction.atomic():
+                    _copy(
+                        cursor,
+                        f"{_table(Sample)} ({COLUMNS}, gap_ms)",
+                        # Made as written, not held: thousands of live tuples would wake the
+                        # garbage collector, over and over, to walk everything the batch holds.
+                        (row + tail + (gap,) for row, gap in zip(ordered, gaps, strict=True)),
+                        (*_COPY_TYPES, "int8"),
+                    )
+            except UniqueViolation:
+                pass
+            else:
+                before = [
+                    (uuid, ts_ms, bounds[uuid].first_ms - ts_ms)
+                    for uuid, ts_ms, gap, _ in neighbours
+                    if ts_ms is not None and gap != bounds[uuid].first_ms - ts_ms
+                ]
+                if before:
+                    cursor.execute(
+                        "UPDATE billing_sample AS s SET gap_ms = r.gap "
+                        "FROM unnest(%s::text[], %s::bigint[], %s::bigint[]) AS r(uuid, ts, gap) "
+                        "WHERE s.device_uuid = r.uuid AND s.ts_ms = r.ts",
+                        [list(column) for column in zip(*before, strict=True)],
+                    )
+                return len(rows), latest_per_hour(row[1] for row in rows)
+    stored, instants = _store(
+        cursor, Sample, ordered, node=node, received_at=received_at, gaps=gaps
+    )
+    if stored:
+        refresh_gaps(cursor, bounds)
+    return stored, instants
 
 
 def _mark_dirty(hours: set[datetime], *, at: datetime) -> None:
@@ -473,7 +640,7 @@ def ingest(*, node: str, samples: Sequence[SampleRow], received_at: datetime) ->
         known_rows = [row for row in samples if row[0] in known]
         unknown_rows = [row for row in samples if row[0] not in known]
     with connection.cursor() as cursor:
-        stored, instants = _store(cursor, Sample, known_rows, node=node, received_at=received_at)
+        stored, instants = _store_samples(cursor, known_rows, node=node, received_at=received_at)
         set_aside, _ = _store(
             cursor, UnknownDeviceSample, unknown_rows, node=node, received_at=received_at
         )
@@ -510,6 +677,14 @@ def adopt_unknown_samples(*, now: datetime) -> int:
                 return moved
             placeholders = ", ".join(["%s"] * len(ids))
             with connection.cursor() as cursor:
+                cursor.execute(
+                    f"SELECT device_uuid, MIN(ts_ms), MAX(ts_ms) FROM "
+                    f"{_table(UnknownDeviceSample)} WHERE id IN ({placeholders}) "
+                    "GROUP BY device_uuid",
+                    ids,
+                )
+                bounds = {uuid: _Bounds(first, last) for uuid, first, last in cursor.fetchall()}
+                _lock_devices(cursor, bounds)
                 stored, instants = _insert_new(
                     cursor,
                     Sample,
@@ -519,6 +694,8 @@ def adopt_unknown_samples(*, now: datetime) -> int:
                     params=ids,
                     first="id",
                 )
+                if stored:
+                    refresh_gaps(cursor, bounds)
             UnknownDeviceSample.objects.filter(id__in=ids).delete()
             _mark_dirty(touched_hours(instants), at=now)
             moved += stored

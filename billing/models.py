@@ -119,10 +119,13 @@ class Sample(models.Model):
     """One utilisation reading of one device (GPU or MIG device, by UUID) at one instant.
 
     `ts_ms` is milliseconds since the epoch (UTC): integer arithmetic on both databases.
-    A device and instant are stored once, however often they are sent. The rollup reads an
-    hour of samples per device from the unique (device_uuid, ts_ms) index alone, in that
-    order (on PostgreSQL the index carries `gpu_util`); samples arrive roughly in time order,
-    so the index on `ts_ms` alone is a BRIN one, which costs an insert next to nothing.
+    A device and instant are stored once, however often they are sent. Samples arrive roughly
+    in time order, so the index on `ts_ms` alone is a BRIN one, which costs an insert next to
+    nothing; the rollup reads hours of samples through it.
+
+    `gap_ms` is the time to the device's next sample (null: none yet), kept by `ingest` as
+    samples arrive, in any order: a sample's utilisation holds for `min(gap_ms, hold)`, so
+    the rollup sums spans without ordering the samples again.
     """
 
     device_uuid = BytewiseCharField(max_length=128)
@@ -132,6 +135,7 @@ class Sample(models.Model):
     processes = models.JSONField(null=True, blank=True)
     node = models.CharField(max_length=253, blank=True)
     received_at = models.DateTimeField()
+    gap_ms = models.BigIntegerField(null=True, blank=True)
 
     class Meta:
         constraints = [
@@ -182,18 +186,38 @@ class UsageHour(models.Model):
     """One allocation's usage within one hour: the fact every usage report groups.
 
     allocated = utilised + idle + unmeasured, all in GPU-milliseconds.
+
+    Derived rows, rewritten by the hour by the rollup (a week of a 1,000-GPU fleet is 168,000
+    of them), so they are cheap to write: the references are kept by Django (PROTECT), not
+    by foreign-key constraints, each of which would cost a trigger and a lookup per row; and
+    the only indexes are the ones reads use: (hour, allocation) and (team, hour).
     """
 
-    hour = models.DateTimeField(db_index=True)
-    allocation = models.ForeignKey(Allocation, on_delete=models.PROTECT, related_name="usage")
-    cluster = models.ForeignKey(Cluster, on_delete=models.PROTECT, related_name="usage")
+    hour = models.DateTimeField()
+    allocation = models.ForeignKey(
+        Allocation,
+        on_delete=models.PROTECT,
+        related_name="usage",
+        db_constraint=False,
+        db_index=False,
+    )
+    cluster = models.ForeignKey(
+        Cluster, on_delete=models.PROTECT, related_name="usage", db_constraint=False, db_index=False
+    )
     device_uuid = models.CharField(max_length=128)
     product_name = models.CharField(max_length=253, blank=True)
     profile = models.CharField(max_length=64, blank=True)
     gpu_share = models.DecimalField(max_digits=9, decimal_places=6)
     namespace = models.CharField(max_length=253)
     claim_name = models.CharField(max_length=253)
-    team = models.ForeignKey(Team, on_delete=models.PROTECT, null=True, blank=True)
+    team = models.ForeignKey(
+        Team,
+        on_delete=models.PROTECT,
+        null=True,
+        blank=True,
+        db_constraint=False,
+        db_index=False,
+    )
     job = models.CharField(max_length=320, blank=True)  # "Kind/name" of the claim's owner
     username = models.CharField(max_length=253, blank=True)
     allocated_gpu_ms = models.BigIntegerField()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_EVEN, Decimal
 from typing import Any, NamedTuple
@@ -23,13 +24,16 @@ from kubernetes.utils import parse_quantity
 
 from billing.models import DirtyHour, UsageHour
 from config import metrics
-from inventory.bulk import insert_rows
+from inventory.bulk import insert_rows, json_rows
 from inventory.models import Allocation
 from quota.models import Reservation, ReservationState, TeamNamespace
 
 log = logging.getLogger(__name__)
 HOUR = timedelta(hours=1)
 HOUR_MS = 3_600_000
+
+
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def epoch_ms(moment: datetime) -> int:
@@ -57,112 +61,121 @@ class _Interval(NamedTuple):
     share: Decimal
 
 
-# The rows of one JSON parameter, an array of arrays: a single parameter rather than several per
-# allocation, which the driver would splice into the statement one by one (for a thousand
-# allocations that took longer than the query).
-_JSON_ROWS = {
-    "postgresql": "SELECT {columns} FROM json_array_elements(%s::json) AS item(value)",
-    "sqlite": "SELECT {columns} FROM json_each(%s)",
-}
-_JSON_ITEM = {
-    "postgresql": "CAST(value ->> {index} AS {type})",
-    "sqlite": "CAST(json_extract(value, '$[{index}]') AS {type})",
-}
-# The devices' samples are read in (device_uuid, ts_ms) order, which the window needs: on
-# PostgreSQL `= ANY(array)` lets it come from an index-only scan of the unique index, with no
-# sort (`IN (subquery)` would join, then sort).
-_IN_DEVICES = {
-    "postgresql": "= ANY(ARRAY(SELECT uuid FROM {devices}))",
-    "sqlite": "IN (SELECT uuid FROM {devices})",
-}
-# Each sample's span: from its timestamp until the device's next sample, for at most the hold.
-# Written with CASE rather than GREATEST/LEAST or MAX/MIN, so that the same statements run on
-# PostgreSQL and SQLite. Samples from a hold before the window count into it.
-_SPANS_SQL = """
-s AS (
-    SELECT device_uuid, ts_ms, gpu_util,
-           LEAD(ts_ms) OVER (PARTITION BY device_uuid ORDER BY ts_ms) AS next_ms
-    FROM billing_sample
-    WHERE device_uuid {in_devices} AND ts_ms >= %s AND ts_ms < %s
-),
-spans AS (
-    SELECT device_uuid, gpu_util, ts_ms AS s0,
-           CASE WHEN next_ms IS NOT NULL AND next_ms < ts_ms + %s THEN next_ms
-                ELSE ts_ms + %s END AS s1
-    FROM s
-    WHERE gpu_util IS NOT NULL
-)"""
-# Per device: the time its samples cover within the whole window, and that time weighted by
-# utilisation (percent). The allocations that hold a device for the whole window, nearly all
-# of them, take these: the samples are aggregated in the order they are read, not joined.
-_DEVICE_COVERAGE_SQL = """
-WITH d(uuid) AS ({devices}),
-{spans}
-SELECT device_uuid, SUM(c1 - c0), SUM((c1 - c0) * gpu_util)
+# Dialects: PostgreSQL's GREATEST/LEAST are SQLite's multi-argument MAX/MIN (no argument is
+# ever null here).
+_GREATEST = {"postgresql": "GREATEST", "sqlite": "MAX"}
+_LEAST = {"postgresql": "LEAST", "sqlite": "MIN"}
+
+# Each sample's utilisation holds from its timestamp for its gap to the device's next sample,
+# at most the hold: `e` is where that ends. A span (at most an hour long) lies in the sample's
+# own hour `h` and perhaps the next; per device and hour, the parts in each (`a`: in hour h,
+# `b`: in hour h + 1), clipped to the window, and those weighted by utilisation (percent).
+# One pass over the window's samples in any order, grouped as they come: no sort, no join,
+# and on PostgreSQL parallel workers when the window is large.
+_DEVICE_HOURS_SQL = """
+SELECT device_uuid, h, SUM(a), SUM(a * gpu_util), SUM(b), SUM(b * gpu_util)
 FROM (
-    SELECT device_uuid, gpu_util,
-           CASE WHEN s0 > %s THEN s0 ELSE %s END AS c0,
-           CASE WHEN s1 < %s THEN s1 ELSE %s END AS c1
-    FROM spans
-    WHERE s1 > %s
-) AS clipped
-GROUP BY device_uuid
+    SELECT device_uuid, gpu_util, h,
+           {greatest}({least}(e, %(end)s, (h + 1) * {hour}) - {greatest}(ts_ms, %(start)s), 0) AS a,
+           {greatest}({least}(e, %(end)s) - {greatest}((h + 1) * {hour}, %(start)s), 0) AS b
+    FROM (
+        SELECT device_uuid, gpu_util, ts_ms, ts_ms / {hour} AS h,
+               ts_ms + {least}(COALESCE(gap_ms, %(hold)s), %(hold)s) AS e
+        FROM billing_sample
+        WHERE ts_ms >= %(start)s - %(hold)s AND ts_ms < %(end)s AND gpu_util IS NOT NULL
+    ) AS spans
+) AS parts
+GROUP BY device_uuid, h
 """
-# Per allocation: the same within the allocation's part of the window, for allocations that
-# start or end inside it.
-_ALLOCATION_COVERAGE_SQL = """
-WITH a(allocation_id, uuid, a0, a1) AS ({allocations}),
-{spans},
-overlap AS (
-    SELECT a.allocation_id, spans.gpu_util,
-           (CASE WHEN spans.s1 < a.a1 THEN spans.s1 ELSE a.a1 END)
-           - (CASE WHEN spans.s0 > a.a0 THEN spans.s0 ELSE a.a0 END) AS covered_ms
-    FROM a JOIN spans ON spans.device_uuid = a.uuid AND spans.s1 > a.a0 AND spans.s0 < a.a1
-)
-SELECT allocation_id, SUM(covered_ms), SUM(covered_ms * gpu_util)
-FROM overlap GROUP BY allocation_id
+# Per piece of an allocation that starts or ends inside an hour (or shares its device's hour
+# with another): the time its device's samples cover within `[a0, a1)`, and that time
+# weighted by utilisation.
+_PIECE_COVERAGE_SQL = """
+WITH pieces(piece, uuid, a0, a1) AS ({pieces})
+SELECT piece, SUM(covered), SUM(covered * gpu_util)
+FROM (
+    SELECT pieces.piece, s.gpu_util,
+           {least}(s.ts_ms + {least}(COALESCE(s.gap_ms, %(hold)s), %(hold)s), pieces.a1)
+           - {greatest}(s.ts_ms, pieces.a0) AS covered
+    FROM pieces JOIN billing_sample AS s
+      ON s.device_uuid = pieces.uuid AND s.ts_ms >= pieces.a0 - %(hold)s AND s.ts_ms < pieces.a1
+    WHERE s.gpu_util IS NOT NULL
+) AS covering
+WHERE covered > 0
+GROUP BY piece
 """
 
 
-def _json_rows(*types: str) -> str:
-    """A SELECT of the rows of one JSON parameter (arrays of `types`), for this database."""
-    item = _JSON_ITEM[connection.vendor]
-    columns = ", ".join(item.format(index=index, type=type_) for index, type_ in enumerate(types))
-    return _JSON_ROWS[connection.vendor].format(columns=columns)
-
-
-def _spans_sql(devices: str) -> str:
-    return _SPANS_SQL.format(in_devices=_IN_DEVICES[connection.vendor].format(devices=devices))
+def _sql(template: str, **parts: str) -> str:
+    vendor = connection.vendor
+    return template.format(greatest=_GREATEST[vendor], least=_LEAST[vendor], hour=HOUR_MS, **parts)
 
 
 def rollup_hour(*, hour: datetime, now: datetime | None = None) -> int:
     """Recompute the usage rows of `[hour, hour + 1h)`; returns how many rows it wrote.
 
-    Idempotent: the hour's rows are replaced in one transaction, under a lock per hour so two
-    workers rolling up the same hour one after the other give the same rows. An hour still
-    in progress is rolled up to `now`.
+    As `rollup_hours` for one hour.
     """
-    with metrics.ROLLUP_DURATION.time():
-        return _rollup_hour(hour_start(hour), now or timezone.now())
+    return rollup_hours(hours=[hour], now=now)
 
 
-def _rollup_hour(hour: datetime, now: datetime) -> int:
-    window_start, window_end = epoch_ms(hour), min(epoch_ms(hour + HOUR), epoch_ms(now))
+def rollup_hours(*, hours: Iterable[datetime], now: datetime | None = None) -> int:
+    """Recompute the usage rows of `hours`; returns how many rows it wrote.
+
+    Idempotent: each run of consecutive hours (at most `TALLY_ROLLUP_DEVICE_HOURS` device-hours
+    at a time) has its rows replaced in one transaction, under a lock per hour, so two workers
+    rolling up the same hours one after the other give the same rows. An hour still in
+    progress is rolled up to `now`. The samples of a run of hours are read in one pass.
+    """
+    now = now or timezone.now()
+    starts = sorted({hour_start(hour) for hour in hours})
+    if not starts:
+        return 0
+    held = Allocation.objects.filter(
+        Q(end__isnull=True) | Q(end__gt=starts[0]), start__lt=starts[-1] + HOUR
+    ).exclude(device=None)
+    per_chunk = max(1, settings.TALLY_ROLLUP_DEVICE_HOURS // max(1, held.count()))
+    written = 0
+    for first, count in _runs(starts, per_chunk):
+        with metrics.ROLLUP_DURATION.time():
+            written += _rollup_run(first, count, now)
+    return written
+
+
+def _runs(starts: list[datetime], most: int) -> Iterator[tuple[datetime, int]]:
+    """Sorted hour starts as runs of consecutive hours, each at most `most` long."""
+    first, count = starts[0], 1
+    for start in starts[1:]:
+        if start == first + count * HOUR and count < most:
+            count += 1
+            continue
+        yield first, count
+        first, count = start, 1
+    yield first, count
+
+
+def _rollup_run(first: datetime, count: int, now: datetime) -> int:
+    window_start = epoch_ms(first)
+    window_end = min(epoch_ms(first + count * HOUR), epoch_ms(now))
     with transaction.atomic():
         if connection.vendor == "postgresql":
             with connection.cursor() as cursor:
-                # An hour of a large fleet's samples sorts (if it must) in memory rather than on
+                # The hours' locks in order, so two runs over overlapping hours never wait on
+                # each other in a cycle. An hour's samples aggregate in memory rather than on
                 # disk; JIT compilation would cost more than it saves on statements this size.
                 cursor.execute(
-                    "SELECT pg_advisory_xact_lock(%s, %s), set_config('work_mem', '64MB', true), "
+                    "SELECT count(pg_advisory_xact_lock(%s, hour)) FROM generate_series(%s, %s) "
+                    "AS hour; SELECT set_config('work_mem', '64MB', true), "
                     "set_config('jit', 'off', true)",
-                    [7_411, window_start // HOUR_MS],
+                    [7_411, window_start // HOUR_MS, window_start // HOUR_MS + count - 1],
                 )
-        intervals = _intervals(hour, window_start, window_end)
-        coverage = _coverage(intervals, window_start, window_end)
-        rows = _usage_rows(hour, intervals, coverage)
-        UsageHour.objects.filter(hour=hour).delete()
-        insert_rows(UsageHour, _USAGE_COLUMNS, rows)
+        if window_end <= window_start:
+            intervals: list[_Interval] = []
+        else:
+            intervals = _intervals(first, count, window_start, window_end)
+        rows = _usage_rows(first, intervals, window_start, window_end)
+        UsageHour.objects.filter(hour__gte=first, hour__lt=first + count * HOUR).delete()
+        insert_rows(UsageHour, _USAGE_COLUMNS, rows, types=_USAGE_TYPES)
     return len(rows)
 
 
@@ -184,10 +197,12 @@ _INTERVAL_FIELDS = (
 )
 
 
-def _intervals(hour: datetime, window_start: int, window_end: int) -> list[_Interval]:
+def _intervals(first: datetime, count: int, window_start: int, window_end: int) -> list[_Interval]:
     rows = (
         Allocation.objects.filter(
-            Q(end__isnull=True) | Q(end__gt=hour), start__lt=hour + HOUR, device__isnull=False
+            Q(end__isnull=True) | Q(end__gt=first),
+            start__lt=first + count * HOUR,
+            device__isnull=False,
         )
         .exclude(device__uuid="")
         # The one key read, rather than every allocation's JSON parsed in Python.
@@ -217,43 +232,70 @@ def _intervals(hour: datetime, window_start: int, window_end: int) -> list[_Inte
     return intervals
 
 
-def _coverage(
-    intervals: list[_Interval], window_start: int, window_end: int
-) -> dict[int, tuple[int, float]]:
-    """Per allocation: milliseconds its device's samples cover within its part of the window,
-    and those milliseconds times utilisation (percent). Allocations none of whose part any
-    sample covers are left out."""
+class _Piece(NamedTuple):
+    """An allocation's part of one hour of the window."""
+
+    interval: _Interval
+    hour: int  # hours since the epoch
+    start_ms: int
+    end_ms: int
+
+
+def _pieces(intervals: list[_Interval]) -> Iterator[_Piece]:
+    for interval in intervals:
+        hour = interval.start_ms // HOUR_MS
+        while hour * HOUR_MS < interval.end_ms:
+            start = max(interval.start_ms, hour * HOUR_MS)
+            end = min(interval.end_ms, (hour + 1) * HOUR_MS)
+            yield _Piece(interval, hour, start, end)
+            hour += 1
+
+
+def _device_hours(window_start: int, window_end: int) -> dict[tuple[str, int], list[float]]:
+    """Per device and hour (since the epoch) of the window: milliseconds its samples cover
+    and those milliseconds times utilisation (percent)."""
     hold_ms = settings.TALLY_SAMPLE_HOLD_SECONDS * 1000
-    spans_params: list[int | str] = [window_start - hold_ms, window_end, hold_ms, hold_ms]
-    whole = [i for i in intervals if (i.start_ms, i.end_ms) == (window_start, window_end)]
-    partial = [i for i in intervals if (i.start_ms, i.end_ms) != (window_start, window_end)]
-    coverage: dict[int, tuple[int, float]] = {}
+    coverage: dict[tuple[str, int], list[float]] = {}
     with connection.cursor() as cursor:
-        if whole:
-            devices = sorted({interval.device_uuid for interval in whole})
-            cursor.execute(
-                _DEVICE_COVERAGE_SQL.format(devices=_json_rows("text"), spans=_spans_sql("d")),
-                [
-                    json.dumps([[uuid] for uuid in devices]),
-                    *spans_params,
-                    *(window_start, window_start, window_end, window_end, window_start),
-                ],
-            )
-            per_device = {uuid: (int(ms), float(weighted)) for uuid, ms, weighted in cursor}
-            for interval in whole:
-                if interval.device_uuid in per_device:
-                    coverage[interval.allocation_id] = per_device[interval.device_uuid]
-        if partial:
-            allocations = [[i.allocation_id, i.device_uuid, i.start_ms, i.end_ms] for i in partial]
-            cursor.execute(
-                _ALLOCATION_COVERAGE_SQL.format(
-                    allocations=_json_rows("bigint", "text", "bigint", "bigint"),
-                    spans=_spans_sql("a"),
-                ),
-                [json.dumps(allocations), *spans_params],
-            )
-            coverage.update((row[0], (int(row[1]), float(row[2]))) for row in cursor)
+        cursor.execute(
+            _sql(_DEVICE_HOURS_SQL),
+            {"start": window_start, "end": window_end, "hold": hold_ms},
+        )
+        spills = []
+        for uuid, hour, inside, weighted, spill, spill_weighted in cursor.fetchall():
+            if inside:
+                coverage[uuid, hour] = [inside, weighted]
+            if spill:
+                spills.append(((uuid, hour + 1), spill, spill_weighted))
+    for key, spill, spill_weighted in spills:
+        entry = coverage.setdefault(key, [0, 0.0])
+        entry[0] += spill
+        entry[1] += spill_weighted
     return coverage
+
+
+def _piece_coverage(pieces: list[_Piece]) -> dict[int, tuple[int, float]]:
+    """Per piece (by position in `pieces`): as `_device_hours`, within the piece."""
+    if not pieces:
+        return {}
+    hold_ms = settings.TALLY_SAMPLE_HOLD_SECONDS * 1000
+    with connection.cursor() as cursor:
+        cursor.execute(
+            _sql(
+                _PIECE_COVERAGE_SQL,
+                pieces=json_rows("bigint", "text", "bigint", "bigint", placeholder="%(pieces)s"),
+            ),
+            {
+                "pieces": json.dumps(
+                    [
+                        [index, piece.interval.device_uuid, piece.start_ms, piece.end_ms]
+                        for index, piece in enumerate(pieces)
+                    ]
+                ),
+                "hold": hold_ms,
+            },
+        )
+        return {index: (int(covered), float(weighted)) for index, covered, weighted in cursor}
 
 
 _USAGE_COLUMNS = (
@@ -275,9 +317,35 @@ _USAGE_COLUMNS = (
 )
 
 
+# Binary COPY types of `_USAGE_COLUMNS`.
+_USAGE_TYPES = (
+    "timestamptz", "int8", "int8", "text", "text", "text", "numeric", "text", "text", "int8",
+    "text", "text", "int8", "int8", "int8",
+)  # fmt: skip
+_ONE = Decimal(1)
+
+
 def _usage_rows(
-    hour: datetime, intervals: list[_Interval], coverage: dict[int, tuple[int, float]]
+    first: datetime, intervals: list[_Interval], window_start: int, window_end: int
 ) -> list[tuple[Any, ...]]:
+    """A usage row per allocation and hour of the window.
+
+    Pieces that take all of their hour's part of the window (nearly all) take their device's
+    coverage of that hour; the others are measured one by one.
+    """
+    pieces = list(_pieces(intervals))
+    whole: list[_Piece] = []
+    partial: list[_Piece] = []
+    for piece in pieces:
+        hour_start_ms = piece.hour * HOUR_MS
+        if piece.start_ms == max(hour_start_ms, window_start) and piece.end_ms == min(
+            hour_start_ms + HOUR_MS, window_end
+        ):
+            whole.append(piece)
+        else:
+            partial.append(piece)
+    device_hours = _device_hours(window_start, window_end) if whole else {}
+    piece_coverage = _piece_coverage(partial)
     namespaces = {interval.claim_namespace for interval in intervals}
     teams = dict(
         TeamNamespace.objects.filter(namespace__in=namespaces).values_list("namespace", "team_id")
@@ -290,37 +358,65 @@ def _usage_rows(
         .exclude(state=ReservationState.RELEASED)
         .values_list("namespace", "name", "username", "owner_kind", "owner_name")
     }
-    rows = []
+    # What each interval's rows share, made once per interval rather than per hour.
+    fixed: dict[int, tuple[Any, ...]] = {}
     for interval in intervals:
-        covered_ms, weighted = coverage.get(interval.allocation_id, (0, 0.0))
-        length = interval.end_ms - interval.start_ms
         username, owner_kind, owner_name = attribution.get(
             (interval.claim_namespace, interval.claim_name), ("", "", "")
         )
         job = interval.job
         if not job and owner_kind:
             job = f"{owner_kind}/{owner_name}"
+        fixed[interval.allocation_id] = (
+            interval.allocation_id,
+            interval.cluster_id,
+            interval.device_uuid,
+            interval.product_name,
+            interval.profile,
+            interval.share,
+            interval.claim_namespace,
+            interval.claim_name,
+            teams.get(interval.claim_namespace),
+            job,
+            username,
+        )
+    hours = {hour: EPOCH + timedelta(hours=hour) for hour in {piece.hour for piece in pieces}}
+    nothing = (0, 0.0)
+    rows = []
+    for piece in whole:
+        interval = piece.interval
+        covered_ms, weighted = device_hours.get((interval.device_uuid, piece.hour), nothing)
         rows.append(
             (
-                hour,
-                interval.allocation_id,
-                interval.cluster_id,
-                interval.device_uuid,
-                interval.product_name,
-                interval.profile,
-                interval.share,
-                interval.claim_namespace,
-                interval.claim_name,
-                teams.get(interval.claim_namespace),
-                job,
-                username,
-                _gpu_ms(length, interval.share),
-                # `weighted` is covered milliseconds times percent utilisation.
-                _gpu_ms(Decimal(weighted) / 100, interval.share),
-                _gpu_ms(length - covered_ms, interval.share),
+                hours[piece.hour],
+                *fixed[interval.allocation_id],
+                *_usage(piece.end_ms - piece.start_ms, int(covered_ms), weighted, interval.share),
+            )
+        )
+    for index, piece in enumerate(partial):
+        covered_ms, weighted = piece_coverage.get(index, nothing)
+        rows.append(
+            (
+                hours[piece.hour],
+                *fixed[piece.interval.allocation_id],
+                *_usage(piece.end_ms - piece.start_ms, covered_ms, weighted, piece.interval.share),
             )
         )
     return rows
+
+
+def _usage(length: int, covered_ms: int, weighted: float, share: Decimal) -> tuple[int, int, int]:
+    """Allocated, utilised and unmeasured GPU-milliseconds of `length` milliseconds held, of
+    which samples covered `covered_ms`; `weighted` is covered milliseconds times percent
+    utilisation."""
+    utilised = Decimal(weighted) / 100
+    if share == _ONE:  # a whole GPU, the usual case: integers need no Decimal
+        return length, _gpu_ms(utilised, share), length - covered_ms
+    return (
+        _gpu_ms(length, share),
+        _gpu_ms(utilised, share),
+        _gpu_ms(length - covered_ms, share),
+    )
 
 
 def _gpu_ms(milliseconds: int | Decimal, share: Decimal) -> int:
@@ -384,10 +480,7 @@ def rollup_pending(*, now: datetime, limit: int | None = None) -> list[datetime]
     just_ended = hour_start(now) - HOUR
     marked = DirtyHour.objects.filter(hour__lt=now).exclude(hour=just_ended).order_by("-hour")
     due = [just_ended, *marked.values_list("hour", flat=True)[: max(limit - 1, 0)]]
-    done = []
-    for hour in due:
-        rollup_hour(hour=hour, now=now)
-        # A mark made while this ran stays, so the newer data is not missed.
-        DirtyHour.objects.filter(hour=hour, marked_at__lte=started).delete()
-        done.append(hour)
-    return done
+    rollup_hours(hours=due, now=now)
+    # A mark made while this ran stays, so the newer data is not missed.
+    DirtyHour.objects.filter(hour__in=due, marked_at__lte=started).delete()
+    return due

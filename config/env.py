@@ -46,7 +46,9 @@ def get_bool(name: str, default: bool) -> bool:
     raise ImproperlyConfigured(f"{name}={value!r} is not a boolean (use true or false)")
 
 
-def get_int(name: str, default: int, *, minimum: int | None = None) -> int:
+def get_int(
+    name: str, default: int, *, minimum: int | None = None, maximum: int | None = None
+) -> int:
     value = get_str(name)
     if value is None:
         return default
@@ -56,6 +58,8 @@ def get_int(name: str, default: int, *, minimum: int | None = None) -> int:
         raise ImproperlyConfigured(f"{name}={value!r} is not an integer") from exc
     if minimum is not None and number < minimum:
         raise ImproperlyConfigured(f"{name}={number} must be at least {minimum}")
+    if maximum is not None and number > maximum:
+        raise ImproperlyConfigured(f"{name}={number} must be at most {maximum}")
     return number
 
 

@@ -38,11 +38,18 @@ def bulk_insert(model: type[ModelT], rows: Sequence[ModelT]) -> None:
 
 
 def insert_rows(
-    model: type[models.Model], columns: Sequence[str], rows: Sequence[Sequence[object]]
+    model: type[models.Model],
+    columns: Sequence[str],
+    rows: Sequence[Sequence[object]],
+    *,
+    types: Sequence[str] | None = None,
 ) -> None:
     """Insert plain tuples of already-prepared values (in `columns` order) into `model`'s
     table: COPY on PostgreSQL, one executemany elsewhere. For hot paths that never need model
-    instances; values must be what the driver adapts itself (str, int, Decimal, datetime)."""
+    instances; values must be what the driver adapts itself (str, int, Decimal, datetime).
+
+    With `types` (PostgreSQL type names, one per column) the COPY is in the binary format,
+    which costs this process about a third of the text format per row."""
     if not rows:
         return
     connection = connections[DEFAULT_DB_ALIAS]
@@ -50,7 +57,10 @@ def insert_rows(
     quoted = ", ".join(connection.ops.quote_name(column) for column in columns)
     with connection.cursor() as cursor:
         if connection.vendor == "postgresql":
-            with cursor.copy(f"COPY {table} ({quoted}) FROM STDIN") as copy:
+            binary = " (FORMAT BINARY)" if types else ""
+            with cursor.copy(f"COPY {table} ({quoted}) FROM STDIN{binary}") as copy:
+                if types:
+                    copy.set_types(types)
                 for row in rows:
                     copy.write_row(row)
         else:
@@ -66,3 +76,26 @@ def insert_rows(
             ]
             marks = ", ".join(["%s"] * len(columns))
             cursor.executemany(f"INSERT INTO {table} ({quoted}) VALUES ({marks})", prepared)
+
+
+# The rows of one JSON parameter, an array of arrays: a single parameter rather than several per
+# row, which the driver would splice into the statement one by one (for a thousand rows that
+# took longer than the query).
+_JSON_ROWS = {
+    "postgresql": "SELECT {columns} FROM json_array_elements({placeholder}::json) AS item(value)",
+    "sqlite": "SELECT {columns} FROM json_each({placeholder})",
+}
+_JSON_ITEM = {
+    "postgresql": "CAST(value ->> {index} AS {type})",
+    "sqlite": "CAST(json_extract(value, '$[{index}]') AS {type})",
+}
+
+
+def json_rows(*types: str, placeholder: str = "%s") -> str:
+    """A SELECT of the rows of one JSON parameter (arrays of values of `types`, SQL type names
+    both databases know: bigint, text, double precision), for the default database; the
+    parameter is `placeholder` in the statement (`%(name)s` among named ones)."""
+    vendor = connections[DEFAULT_DB_ALIAS].vendor
+    item = _JSON_ITEM[vendor]
+    columns = ", ".join(item.format(index=index, type=type_) for index, type_ in enumerate(types))
+    return _JSON_ROWS[vendor].format(columns=columns, placeholder=placeholder)

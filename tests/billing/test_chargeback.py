@@ -8,8 +8,9 @@ from typing import Any
 
 import pytest
 
-from billing import pricing, rollup
-from billing.models import RateCard, Sample, StatementLine, UsageHour
+from billing import ingest, pricing, rollup
+from billing.ingest import SampleRow
+from billing.models import RateCard, StatementLine, UsageHour
 from inventory import services as inventory_services
 from quota.models import Team, TeamNamespace
 
@@ -90,16 +91,14 @@ def snapshot(objects: list[dict[str, Any]], at: datetime, kinds: list[str] | Non
     assert report.errors == []
 
 
-def samples(uuid: str, start: datetime, minutes: int, util: float) -> list[Sample]:
-    return [
-        Sample(
-            device_uuid=uuid,
-            ts_ms=rollup.epoch_ms(start + i * MINUTE),
-            gpu_util=util,
-            received_at=start,
-        )
+def send_samples(uuid: str, start: datetime, minutes: int, util: float) -> None:
+    """A sample a minute from `start`, ingested as the node agent's would be."""
+    rows = [
+        SampleRow(uuid, rollup.epoch_ms(start + i * MINUTE), util, None, None)
         for i in range(minutes)
     ]
+    report = ingest.ingest(node="node-a", samples=rows, received_at=start)
+    assert report.accepted == minutes
 
 
 @pytest.fixture
@@ -125,9 +124,8 @@ def scenario() -> Team:
     snapshot([SLICE, claim("train", "gpu-0", T10), claim("tune", "gpu-1-mig-3g40gb-0", T10)], T10)
     snapshot([claim("train", "gpu-0", T10)], T10 + timedelta(hours=1), kinds=["ResourceClaim"])
     snapshot([], T10 + timedelta(hours=2, minutes=30), kinds=["ResourceClaim"])
-    Sample.objects.bulk_create(
-        samples("GPU-H", T10, 60, 50.0) + samples("GPU-H", T10 + timedelta(minutes=90), 60, 100.0)
-    )
+    send_samples("GPU-H", T10, 60, 50.0)
+    send_samples("GPU-H", T10 + timedelta(minutes=90), 60, 100.0)
     for hour in range(10, 13):
         rollup.rollup_hour(hour=T10.replace(hour=hour), now=T10 + timedelta(days=1))
     return team
@@ -211,7 +209,7 @@ def test_late_data_for_a_closed_period_becomes_an_adjustment(scenario: Team) -> 
     with pytest.raises(pricing.PricingError, match="closed"):
         pricing.refresh_statements(period=october)
     # Late samples fill the H100's unmeasured half hour (11:01-11:30): it was idle.
-    Sample.objects.bulk_create(samples("GPU-H", T10 + timedelta(minutes=61), 29, 0.0))
+    send_samples("GPU-H", T10 + timedelta(minutes=61), 29, 0.0)
     rollup.rollup_hour(hour=T10.replace(hour=11), now=T10 + timedelta(days=1))
     november = pricing.period_for(datetime(2026, 11, 10, tzinfo=UTC))
     (statement,) = pricing.refresh_statements(period=november)

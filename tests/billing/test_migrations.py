@@ -14,7 +14,7 @@ from billing.models import Sample
 from tests.factories import DeviceFactory
 
 BEFORE = [("billing", "0001_initial")]
-AFTER = [("billing", "0002_sample_bytewise_uuid_brin_ts")]
+AFTER = [("billing", "0003_sample_gap_usage_cheaper_writes")]
 T0 = datetime(2025, 3, 1, 10, 0, tzinfo=UTC)
 
 
@@ -34,7 +34,8 @@ def migrated_back() -> Iterator[MigrationExecutor]:
 def test_samples_survive_the_migration(migrated_back: MigrationExecutor) -> None:
     old_apps = migrated_back.loader.project_state(BEFORE).apps
     OldSample = old_apps.get_model("billing", "Sample")
-    for uuid, ts_ms, util in [("GPU-b", 2, 10.0), ("GPU-a", 1, None), ("GPU-B", 3, 99.5)]:
+    old_rows = [("GPU-b", 2, 10.0), ("GPU-a", 1, None), ("GPU-B", 3, 99.5), ("GPU-b", 9, 5.0)]
+    for uuid, ts_ms, util in old_rows:
         OldSample.objects.create(
             device_uuid=uuid, ts_ms=ts_ms, gpu_util=util, node="n1", received_at=T0
         )
@@ -42,10 +43,15 @@ def test_samples_survive_the_migration(migrated_back: MigrationExecutor) -> None
     executor = MigrationExecutor(connection)
     executor.migrate(AFTER)
 
-    assert list(Sample.objects.order_by("device_uuid").values_list("device_uuid", "ts_ms")) == [
-        ("GPU-B", 3),  # byte order: upper case first
-        ("GPU-a", 1),
-        ("GPU-b", 2),
+    assert list(
+        Sample.objects.order_by("device_uuid", "ts_ms").values_list(
+            "device_uuid", "ts_ms", "gap_ms"
+        )
+    ) == [
+        ("GPU-B", 3, None),  # byte order: upper case first
+        ("GPU-a", 1, None),
+        ("GPU-b", 2, 7),  # the time to the device's next sample, filled in
+        ("GPU-b", 9, None),
     ]
     assert Sample.objects.get(device_uuid="GPU-B").gpu_util == 99.5
     # Still unique by device and instant: a sample sent again is a duplicate.
@@ -58,6 +64,9 @@ def test_samples_survive_the_migration(migrated_back: MigrationExecutor) -> None
     )
     report = ingest(node="n1", samples=rows, received_at=T0)
     assert (report.accepted, report.duplicates) == (1, 1)
+    # The newest migrated sample now reaches the new one.
+    t0_ms = int(T0.timestamp() * 1000)
+    assert Sample.objects.get(device_uuid="GPU-b", ts_ms=9).gap_ms == t0_ms - 9
 
 
 @pytest.mark.postgres

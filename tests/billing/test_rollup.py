@@ -20,8 +20,9 @@ from django.test import override_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from billing import rollup
-from billing.models import Sample, UsageHour
+from billing import ingest, rollup
+from billing.ingest import SampleRow
+from billing.models import UsageHour
 from inventory.models import Allocation, Device
 from tests.factories import AllocationFactory, DeviceFactory, MigDeviceFactory
 
@@ -83,10 +84,9 @@ def rolled_up() -> dict[int, Expected]:
 
 
 def store(device: Device, samples: list[tuple[int, float | None]]) -> None:
-    Sample.objects.bulk_create(
-        Sample(device_uuid=device.uuid, ts_ms=ts, gpu_util=util, received_at=T10)
-        for ts, util in samples
-    )
+    """The samples, ingested as an agent's batch (in the order given)."""
+    rows = [SampleRow(device.uuid, ts, util, None, None) for ts, util in samples]
+    ingest.ingest(node="node-a", samples=rows, received_at=T10)
 
 
 def hold(device: Device, start: datetime, end: datetime | None) -> Allocation:

@@ -8,8 +8,8 @@ import pytest
 from django.db.models import Sum
 
 from billing import tasks
-from billing.models import Sample, UsageHour
-from tests.billing.test_chargeback import SLICE, T10, claim, samples, snapshot
+from billing.models import UsageHour
+from tests.billing.test_chargeback import SLICE, T10, claim, send_samples, snapshot
 
 pytestmark = [pytest.mark.redis, pytest.mark.django_db(transaction=True)]
 
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.redis, pytest.mark.django_db(transaction=True)]
 def test_rollup_tasks_run_in_a_worker_and_twice_changes_nothing(worker: None) -> None:
     snapshot([SLICE, claim("train", "gpu-0", T10)], T10)
     snapshot([], T10 + timedelta(hours=1), kinds=["ResourceClaim"])
-    Sample.objects.bulk_create(samples("GPU-H", T10, 60, 25.0))
+    send_samples("GPU-H", T10, 60, 25.0)
     hour = T10.isoformat()
     assert tasks.rollup_hour.delay(hour).get(timeout=30) == 1
     first = UsageHour.objects.aggregate(Sum("utilised_gpu_ms"))

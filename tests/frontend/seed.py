@@ -15,7 +15,7 @@ from decimal import Decimal
 from django.contrib.auth.models import Group, User
 from django.utils import timezone
 
-from billing import pricing
+from billing import ingest, pricing
 from billing.models import Budget, Period, RateCard, Sample, UsageHour
 from inventory import services as inventory_services
 from inventory import simulate
@@ -206,6 +206,7 @@ def seed_portal(now: datetime | None = None) -> Portal:
         # An older busy reading, then the current one: the page shows the latest.
         for minutes, util in ((10, 99.0), (1, float(10 + 7 * index % 90)))
     )
+    ingest.fill_gaps(allocation.device.uuid for allocation in live)
     AdmissionDecision.objects.bulk_create(
         AdmissionDecision(
             at=now - timedelta(minutes=n),
