@@ -206,7 +206,7 @@ def seed_portal(now: datetime | None = None) -> Portal:
         # An older busy reading, then the current one: the page shows the latest.
         for minutes, util in ((10, 99.0), (1, float(10 + 7 * index % 90)))
     )
-    ingest.fill_gaps(allocation.device.uuid for allocation in live)
+    ingest.fill_gaps(allocation.device.uuid for allocation in live if allocation.device)
     AdmissionDecision.objects.bulk_create(
         AdmissionDecision(
             at=now - timedelta(minutes=n),
