@@ -448,23 +448,25 @@ class _Bounds(NamedTuple):
 
 
 def _batch_gaps(ordered: Sequence[SampleRow]) -> tuple[list[int | None], dict[str, _Bounds], bool]:
-    """For rows in (device, instant) order: each row's gap to the next row of its device
-    (None for a device's last), each device's bounds, and whether a device and instant
-    repeats."""
-    gaps: list[int | None] = []
+    """For rows in (device, instant) order: each row's gap to the next later row of its
+    device (None for a device's latest), each device's bounds, and whether a device and
+    instant repeats."""
+    gaps: list[int | None] = [None] * len(ordered)
     bounds: dict[str, _Bounds] = {}
     repeats = False
-    count = len(ordered)
-    for index, (uuid, ts_ms, *_) in enumerate(ordered):
-        following = ordered[index + 1] if index + 1 < count else None
-        if following is not None and following[0] == uuid:
-            gap = following[1] - ts_ms
-            repeats = repeats or gap == 0
-            gaps.append(gap)
+    following_uuid, following_ms = None, 0  # the nearest later row seen (walking backwards)
+    for index in range(len(ordered) - 1, -1, -1):
+        uuid, ts_ms = ordered[index][0], ordered[index][1]
+        if uuid == following_uuid:
+            if following_ms == ts_ms:
+                repeats = True
+                gaps[index] = gaps[index + 1]  # the same instant: the same next one
+            else:
+                gaps[index] = following_ms - ts_ms
+            bounds[uuid] = _Bounds(ts_ms, bounds[uuid].last_ms)
         else:
-            gaps.append(None)
-        first = bounds.get(uuid)
-        bounds[uuid] = _Bounds(ts_ms if first is None else first.first_ms, ts_ms)
+            bounds[uuid] = _Bounds(ts_ms, ts_ms)
+        following_uuid, following_ms = uuid, ts_ms
     return gaps, bounds, repeats
 
 

@@ -3,13 +3,20 @@
 Allocated time comes from the allocation history, exactly. Samples only split it: each
 sample's utilisation holds from its timestamp until the device's next sample, for at most
 `TALLY_SAMPLE_HOLD_SECONDS`; allocated time that no sample covers is unmeasured. Rolling up
-an hour replaces that hour's rows, so reruns and duplicate deliveries give the same rows.
+hours replaces their rows, so reruns and duplicate deliveries give the same rows.
+
+The work is in the database. Each sample carries its gap to the device's next one (kept by
+`billing.ingest`), so a run of consecutive hours is rolled up from one unordered pass over its
+samples, summed per device and hour, then joined to the allocations that hold those hours
+whole and written by one INSERT ... SELECT. Only the hours an allocation starts or ends in
+are measured piece by piece, and their rows made here.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Iterable, Iterator
 from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_EVEN, Decimal
@@ -34,6 +41,7 @@ HOUR_MS = 3_600_000
 
 
 EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MILLIONTH = Decimal("0.000001")
 
 
 def epoch_ms(moment: datetime) -> int:
@@ -58,28 +66,45 @@ class _Interval(NamedTuple):
     profile: str
     start_ms: int
     end_ms: int
-    share: Decimal
+    share: Decimal  # of a GPU, to the millionth
+
+    @property
+    def share_micro(self) -> int:
+        return int(self.share * MICRO)
 
 
-# Dialects: PostgreSQL's GREATEST/LEAST are SQLite's multi-argument MAX/MIN (no argument is
-# ever null here).
+# Dialects. PostgreSQL's GREATEST/LEAST are SQLite's multi-argument MAX/MIN (no argument is
+# ever null here). A non-negative double rounded half up to an integer: PostgreSQL's round()
+# of a double breaks ties to even and its cast to bigint rounds; SQLite's cast truncates.
 _GREATEST = {"postgresql": "GREATEST", "sqlite": "MAX"}
 _LEAST = {"postgresql": "LEAST", "sqlite": "MIN"}
+_ROUND_HALF_UP = {
+    "postgresql": "CAST(FLOOR({x} + 0.5) AS bigint)",
+    "sqlite": "CAST({x} + 0.5 AS INTEGER)",
+}
+_HOUR_TIMESTAMP = {
+    "postgresql": "to_timestamp({h} * 3600)",
+    "sqlite": "datetime({h} * 3600, 'unixepoch')",  # Django's text form of a UTC datetime
+}
+MICRO = 1_000_000  # shares of a GPU are kept to the millionth
 
-# Each sample's utilisation holds from its timestamp for its gap to the device's next sample,
-# at most the hold: `e` is where that ends. A span (at most an hour long) lies in the sample's
-# own hour `h` and perhaps the next; per device and hour, the parts in each (`a`: in hour h,
-# `b`: in hour h + 1), clipped to the window, and those weighted by utilisation (percent).
-# One pass over the window's samples in any order, grouped as they come: no sort, no join,
-# and on PostgreSQL parallel workers when the window is large.
-_DEVICE_HOURS_SQL = """
-SELECT device_uuid, h, SUM(a), SUM(a * gpu_util), SUM(b), SUM(b * gpu_util)
+# Per device and hour of the window: the time its samples cover, and that time weighted by
+# utilisation (percent). Each sample's utilisation holds from its timestamp for its gap to
+# the device's next sample, at most the hold: `e` is where that ends. A span (at most an
+# hour long) lies in the sample's own hour `h` and, past the hour's end, in the next: `a` is
+# the part in hour h (cut at the window's end), the FILTERed sums the part that spills into
+# h + 1. Samples from a hold before the window count only by their spill (their own hour is
+# outside it). One pass over the window's samples in any order, grouped as they come: no
+# sort, no join, parallel workers on PostgreSQL; as few operations a row as will do.
+_PER_HOUR_SQL = """
+SELECT device_uuid, h, CAST(SUM(a) AS bigint) AS covered, SUM(a * gpu_util) AS weighted,
+       CAST(SUM({least}(e, %(end)s) - next_h) FILTER (WHERE e > next_h) AS bigint) AS spill,
+       SUM(({least}(e, %(end)s) - next_h) * gpu_util) FILTER (WHERE e > next_h) AS spill_weighted
 FROM (
-    SELECT device_uuid, gpu_util, h,
-           {greatest}({least}(e, %(end)s, (h + 1) * {hour}) - {greatest}(ts_ms, %(start)s), 0) AS a,
-           {greatest}({least}(e, %(end)s) - {greatest}((h + 1) * {hour}, %(start)s), 0) AS b
+    SELECT device_uuid, gpu_util, h, e, next_h, {least}(e, next_h, %(end)s) - ts_ms AS a
     FROM (
         SELECT device_uuid, gpu_util, ts_ms, ts_ms / {hour} AS h,
+               (ts_ms / {hour} + 1) * {hour} AS next_h,
                ts_ms + {least}(COALESCE(gap_ms, %(hold)s), %(hold)s) AS e
         FROM billing_sample
         WHERE ts_ms >= %(start)s - %(hold)s AND ts_ms < %(end)s AND gpu_util IS NOT NULL
@@ -87,9 +112,47 @@ FROM (
 ) AS parts
 GROUP BY device_uuid, h
 """
-# Per piece of an allocation that starts or ends inside an hour (or shares its device's hour
-# with another): the time its device's samples cover within `[a0, a1)`, and that time
-# weighted by utilisation.
+# The usage rows of allocations over the hours they hold whole (their part of the window's
+# hour, all of it): nearly every row. `iv` is the allocations, each with its first and last
+# such hour; `held` one row per allocation and hour; `coverage` the device's hour, its spill
+# from the hour before added. GPU-milliseconds are rounded half up: exactly, in integers, for
+# held and unmeasured time (shares are millionths); utilised time is a measurement (double).
+_WHOLE_HOURS_SQL = """
+WITH RECURSIVE
+iv(allocation_id, cluster_id, device_uuid, product_name, profile, gpu_share, namespace,
+   claim_name, team_id, job, username, share_micro, h0, h1) AS ({intervals}),
+held(allocation_id, h, h1) AS (
+    SELECT allocation_id, h0, h1 FROM iv
+    UNION ALL
+    SELECT allocation_id, h + 1, h1 FROM held WHERE h < h1
+),
+per_hour AS ({per_hour}),
+coverage AS (
+    SELECT device_uuid, h, CAST(SUM(covered) AS bigint) AS covered, SUM(weighted) AS weighted
+    FROM (
+        SELECT device_uuid, h, covered, weighted FROM per_hour
+        UNION ALL
+        SELECT device_uuid, h + 1, spill, spill_weighted FROM per_hour WHERE spill IS NOT NULL
+    ) AS parts
+    GROUP BY device_uuid, h
+),
+usage AS (
+    SELECT held.h, iv.*, coverage.covered, coverage.weighted,
+           {least}((held.h + 1) * {hour}, %(end)s) - {greatest}(held.h * {hour}, %(start)s)
+           AS length
+    FROM held JOIN iv ON iv.allocation_id = held.allocation_id
+    LEFT JOIN coverage ON coverage.device_uuid = iv.device_uuid AND coverage.h = held.h
+)
+INSERT INTO billing_usagehour ({columns})
+SELECT {hour_timestamp}, allocation_id, cluster_id, device_uuid, product_name, profile,
+       gpu_share, namespace, claim_name, team_id, job, username,
+       (length * share_micro + 500000) / 1000000,
+       {utilised},
+       ((length - COALESCE(covered, 0)) * share_micro + 500000) / 1000000
+FROM usage
+"""
+# Per piece of an allocation that starts or ends inside an hour (or inside the window): the
+# time its device's samples cover within `[a0, a1)`, and that time weighted by utilisation.
 _PIECE_COVERAGE_SQL = """
 WITH pieces(piece, uuid, a0, a1) AS ({pieces})
 SELECT piece, SUM(covered), SUM(covered * gpu_util)
@@ -104,6 +167,14 @@ FROM (
 WHERE covered > 0
 GROUP BY piece
 """
+# The columns of `iv` above, as `json_rows` types.
+_INTERVAL_TYPES = (
+    "bigint", "bigint", "text", "text", "text", "numeric", "text", "text", "bigint", "text",
+    "text", "bigint", "bigint", "bigint",
+)  # fmt: skip
+# On PostgreSQL the per-hour sums are made first into a temporary table: a statement that
+# writes (the INSERT) never gets parallel workers, a CREATE TABLE ... AS may.
+_PER_HOUR_TABLE = "tally_rollup_per_hour"
 
 
 def _sql(template: str, **parts: str) -> str:
@@ -122,10 +193,10 @@ def rollup_hour(*, hour: datetime, now: datetime | None = None) -> int:
 def rollup_hours(*, hours: Iterable[datetime], now: datetime | None = None) -> int:
     """Recompute the usage rows of `hours`; returns how many rows it wrote.
 
-    Idempotent: each run of consecutive hours (at most `TALLY_ROLLUP_DEVICE_HOURS` device-hours
-    at a time) has its rows replaced in one transaction, under a lock per hour, so two workers
-    rolling up the same hours one after the other give the same rows. An hour still in
-    progress is rolled up to `now`. The samples of a run of hours are read in one pass.
+    Idempotent: each run of consecutive hours (at most `TALLY_ROLLUP_DEVICE_HOURS`
+    allocation-hours at a time) has its rows replaced in one transaction, under a lock per
+    hour, so two workers rolling up the same hours one after the other give the same rows.
+    An hour still in progress is rolled up to `now`. A run's samples are read in one pass.
     """
     now = now or timezone.now()
     starts = sorted({hour_start(hour) for hour in hours})
@@ -134,9 +205,9 @@ def rollup_hours(*, hours: Iterable[datetime], now: datetime | None = None) -> i
     held = Allocation.objects.filter(
         Q(end__isnull=True) | Q(end__gt=starts[0]), start__lt=starts[-1] + HOUR
     ).exclude(device=None)
-    per_chunk = max(1, settings.TALLY_ROLLUP_DEVICE_HOURS // max(1, held.count()))
+    per_run = max(1, settings.TALLY_ROLLUP_DEVICE_HOURS // max(1, held.count()))
     written = 0
-    for first, count in _runs(starts, per_chunk):
+    for first, count in _runs(starts, per_run):
         with metrics.ROLLUP_DURATION.time():
             written += _rollup_run(first, count, now)
     return written
@@ -161,22 +232,23 @@ def _rollup_run(first: datetime, count: int, now: datetime) -> int:
         if connection.vendor == "postgresql":
             with connection.cursor() as cursor:
                 # The hours' locks in order, so two runs over overlapping hours never wait on
-                # each other in a cycle. An hour's samples aggregate in memory rather than on
-                # disk; JIT compilation would cost more than it saves on statements this size.
+                # each other in a cycle. The sums aggregate in memory rather than on disk;
+                # JIT compilation would cost more than it saves on statements this size.
                 cursor.execute(
                     "SELECT count(pg_advisory_xact_lock(%s, hour)) FROM generate_series(%s, %s) "
                     "AS hour; SELECT set_config('work_mem', '64MB', true), "
                     "set_config('jit', 'off', true)",
                     [7_411, window_start // HOUR_MS, window_start // HOUR_MS + count - 1],
                 )
-        if window_end <= window_start:
-            intervals: list[_Interval] = []
-        else:
-            intervals = _intervals(first, count, window_start, window_end)
-        rows = _usage_rows(first, intervals, window_start, window_end)
         UsageHour.objects.filter(hour__gte=first, hour__lt=first + count * HOUR).delete()
+        if window_end <= window_start:
+            return 0
+        intervals = _intervals(first, count, window_start, window_end)
+        whole, partial = _split(intervals, window_start, window_end)
+        written = _insert_whole_hours(whole, intervals, window_start, window_end)
+        rows = _partial_rows(partial, intervals)
         insert_rows(UsageHour, _USAGE_COLUMNS, rows, types=_USAGE_TYPES)
-    return len(rows)
+    return written + len(rows)
 
 
 _INTERVAL_FIELDS = (
@@ -223,7 +295,7 @@ def _intervals(first: datetime, count: int, window_start: int, window_end: int) 
         # A consumable share of a device (KEP-5075) holds the fraction it consumed.
         if consumed_memory and memory_bytes:
             fraction = Decimal(parse_quantity(consumed_memory)) / memory_bytes
-            share *= min(fraction, Decimal(1))
+            share = (share * min(fraction, Decimal(1))).quantize(_MILLIONTH, ROUND_HALF_EVEN)
         intervals.append(
             _Interval(
                 pk, cluster_id, namespace, name, job, uuid, product, profile, start, end, share
@@ -233,7 +305,7 @@ def _intervals(first: datetime, count: int, window_start: int, window_end: int) 
 
 
 class _Piece(NamedTuple):
-    """An allocation's part of one hour of the window."""
+    """An allocation's part of one hour of the window, less than that hour's part."""
 
     interval: _Interval
     hour: int  # hours since the epoch
@@ -241,44 +313,137 @@ class _Piece(NamedTuple):
     end_ms: int
 
 
-def _pieces(intervals: list[_Interval]) -> Iterator[_Piece]:
+class _Attribution(NamedTuple):
+    """What an allocation's usage rows say besides figures: its team, job and user."""
+
+    team_id: int | None
+    job: str
+    username: str
+
+
+def _split(
+    intervals: list[_Interval], window_start: int, window_end: int
+) -> tuple[list[tuple[_Interval, int, int]], list[_Piece]]:
+    """Each interval's run of hours it holds whole (first and last hour since the epoch; at
+    most one run), and the pieces of the hours it holds in part (at most two)."""
+    whole: list[tuple[_Interval, int, int]] = []
+    partial: list[_Piece] = []
     for interval in intervals:
-        hour = interval.start_ms // HOUR_MS
-        while hour * HOUR_MS < interval.end_ms:
-            start = max(interval.start_ms, hour * HOUR_MS)
-            end = min(interval.end_ms, (hour + 1) * HOUR_MS)
-            yield _Piece(interval, hour, start, end)
-            hour += 1
+        first = interval.start_ms // HOUR_MS
+        last = (interval.end_ms - 1) // HOUR_MS
+        run_first, run_last = first, last
+        if interval.start_ms != max(first * HOUR_MS, window_start):
+            partial.append(
+                _Piece(
+                    interval, first, interval.start_ms, min(interval.end_ms, (first + 1) * HOUR_MS)
+                )
+            )
+            run_first = first + 1
+        if interval.end_ms != min((last + 1) * HOUR_MS, window_end) and run_first <= last:
+            partial.append(
+                _Piece(interval, last, max(interval.start_ms, last * HOUR_MS), interval.end_ms)
+            )
+            run_last = last - 1
+        if run_first <= run_last:
+            whole.append((interval, run_first, run_last))
+    return whole, partial
 
 
-def _device_hours(window_start: int, window_end: int) -> dict[tuple[str, int], list[float]]:
-    """Per device and hour (since the epoch) of the window: milliseconds its samples cover
-    and those milliseconds times utilisation (percent)."""
-    hold_ms = settings.TALLY_SAMPLE_HOLD_SECONDS * 1000
-    coverage: dict[tuple[str, int], list[float]] = {}
-    with connection.cursor() as cursor:
-        cursor.execute(
-            _sql(_DEVICE_HOURS_SQL),
-            {"start": window_start, "end": window_end, "hold": hold_ms},
+def _attribution(intervals: list[_Interval]) -> dict[int, _Attribution]:
+    """Per allocation: the team owning its namespace, its job (as the sync resolved it, else
+    the owner the webhook recorded) and the user who created its claim."""
+    namespaces = {interval.claim_namespace for interval in intervals}
+    teams = dict(
+        TeamNamespace.objects.filter(namespace__in=namespaces).values_list("namespace", "team_id")
+    )
+    recorded = {
+        (namespace, name): (username, owner_kind, owner_name)
+        for namespace, name, username, owner_kind, owner_name in Reservation.objects.filter(
+            namespace__in=namespaces
         )
-        spills = []
-        for uuid, hour, inside, weighted, spill, spill_weighted in cursor.fetchall():
-            if inside:
-                coverage[uuid, hour] = [inside, weighted]
-            if spill:
-                spills.append(((uuid, hour + 1), spill, spill_weighted))
-    for key, spill, spill_weighted in spills:
-        entry = coverage.setdefault(key, [0, 0.0])
-        entry[0] += spill
-        entry[1] += spill_weighted
-    return coverage
+        .exclude(state=ReservationState.RELEASED)
+        .values_list("namespace", "name", "username", "owner_kind", "owner_name")
+    }
+    attribution = {}
+    for interval in intervals:
+        username, owner_kind, owner_name = recorded.get(
+            (interval.claim_namespace, interval.claim_name), ("", "", "")
+        )
+        job = interval.job
+        if not job and owner_kind:
+            job = f"{owner_kind}/{owner_name}"
+        attribution[interval.allocation_id] = _Attribution(
+            teams.get(interval.claim_namespace), job, username
+        )
+    return attribution
+
+
+def _insert_whole_hours(
+    whole: list[tuple[_Interval, int, int]],
+    intervals: list[_Interval],
+    window_start: int,
+    window_end: int,
+) -> int:
+    """Write the usage rows of the hours allocations hold whole, in the database; how many."""
+    if not whole:
+        return 0
+    vendor = connection.vendor
+    attribution = _attribution([interval for interval, _, _ in whole])
+    params: dict[str, int | str] = {
+        "start": window_start,
+        "end": window_end,
+        "hold": settings.TALLY_SAMPLE_HOLD_SECONDS * 1000,
+        "intervals": json.dumps(
+            [
+                [
+                    interval.allocation_id,
+                    interval.cluster_id,
+                    interval.device_uuid,
+                    interval.product_name,
+                    interval.profile,
+                    str(interval.share),
+                    interval.claim_namespace,
+                    interval.claim_name,
+                    *attribution[interval.allocation_id],
+                    interval.share_micro,
+                    first,
+                    last,
+                ]
+                for interval, first, last in whole
+            ]
+        ),
+    }
+    with connection.cursor() as cursor:
+        per_hour = _sql(_PER_HOUR_SQL)
+        if vendor == "postgresql":
+            cursor.execute(
+                f"CREATE TEMP TABLE {_PER_HOUR_TABLE} ON COMMIT DROP AS {per_hour}", params
+            )
+            per_hour = f"SELECT * FROM {_PER_HOUR_TABLE}"
+        cursor.execute(
+            _sql(
+                _WHOLE_HOURS_SQL,
+                intervals=json_rows(*_INTERVAL_TYPES, placeholder="%(intervals)s"),
+                per_hour=per_hour,
+                columns=", ".join(_USAGE_COLUMNS),
+                hour_timestamp=_HOUR_TIMESTAMP[vendor].format(h="h"),
+                utilised=_ROUND_HALF_UP[vendor].format(
+                    x="COALESCE(weighted, 0) * share_micro / 100000000.0"
+                ),
+            ),
+            params,
+        )
+        written = cursor.rowcount
+        if vendor == "postgresql":
+            cursor.execute(f"DROP TABLE {_PER_HOUR_TABLE}")
+    return written
 
 
 def _piece_coverage(pieces: list[_Piece]) -> dict[int, tuple[int, float]]:
-    """Per piece (by position in `pieces`): as `_device_hours`, within the piece."""
+    """Per piece (by position in `pieces`): milliseconds its device's samples cover within
+    it, and those milliseconds times utilisation (percent)."""
     if not pieces:
         return {}
-    hold_ms = settings.TALLY_SAMPLE_HOLD_SECONDS * 1000
     with connection.cursor() as cursor:
         cursor.execute(
             _sql(
@@ -292,7 +457,7 @@ def _piece_coverage(pieces: list[_Piece]) -> dict[int, tuple[int, float]]:
                         for index, piece in enumerate(pieces)
                     ]
                 ),
-                "hold": hold_ms,
+                "hold": settings.TALLY_SAMPLE_HOLD_SECONDS * 1000,
             },
         )
         return {index: (int(covered), float(weighted)) for index, covered, weighted in cursor}
@@ -315,112 +480,55 @@ _USAGE_COLUMNS = (
     "utilised_gpu_ms",
     "unmeasured_gpu_ms",
 )
-
-
 # Binary COPY types of `_USAGE_COLUMNS`.
 _USAGE_TYPES = (
     "timestamptz", "int8", "int8", "text", "text", "text", "numeric", "text", "text", "int8",
     "text", "text", "int8", "int8", "int8",
 )  # fmt: skip
-_ONE = Decimal(1)
 
 
-def _usage_rows(
-    first: datetime, intervals: list[_Interval], window_start: int, window_end: int
-) -> list[tuple[Any, ...]]:
-    """A usage row per allocation and hour of the window.
-
-    Pieces that take all of their hour's part of the window (nearly all) take their device's
-    coverage of that hour; the others are measured one by one.
-    """
-    pieces = list(_pieces(intervals))
-    whole: list[_Piece] = []
-    partial: list[_Piece] = []
-    for piece in pieces:
-        hour_start_ms = piece.hour * HOUR_MS
-        if piece.start_ms == max(hour_start_ms, window_start) and piece.end_ms == min(
-            hour_start_ms + HOUR_MS, window_end
-        ):
-            whole.append(piece)
-        else:
-            partial.append(piece)
-    device_hours = _device_hours(window_start, window_end) if whole else {}
-    piece_coverage = _piece_coverage(partial)
-    namespaces = {interval.claim_namespace for interval in intervals}
-    teams = dict(
-        TeamNamespace.objects.filter(namespace__in=namespaces).values_list("namespace", "team_id")
-    )
-    attribution = {
-        (namespace, name): (username, owner_kind, owner_name)
-        for namespace, name, username, owner_kind, owner_name in Reservation.objects.filter(
-            namespace__in=namespaces
-        )
-        .exclude(state=ReservationState.RELEASED)
-        .values_list("namespace", "name", "username", "owner_kind", "owner_name")
-    }
-    # What each interval's rows share, made once per interval rather than per hour.
-    fixed: dict[int, tuple[Any, ...]] = {}
-    for interval in intervals:
-        username, owner_kind, owner_name = attribution.get(
-            (interval.claim_namespace, interval.claim_name), ("", "", "")
-        )
-        job = interval.job
-        if not job and owner_kind:
-            job = f"{owner_kind}/{owner_name}"
-        fixed[interval.allocation_id] = (
-            interval.allocation_id,
-            interval.cluster_id,
-            interval.device_uuid,
-            interval.product_name,
-            interval.profile,
-            interval.share,
-            interval.claim_namespace,
-            interval.claim_name,
-            teams.get(interval.claim_namespace),
-            job,
-            username,
-        )
-    hours = {hour: EPOCH + timedelta(hours=hour) for hour in {piece.hour for piece in pieces}}
-    nothing = (0, 0.0)
+def _partial_rows(pieces: list[_Piece], intervals: list[_Interval]) -> list[tuple[Any, ...]]:
+    """The usage rows of the hours allocations hold in part, made here: they are few."""
+    coverage = _piece_coverage(pieces)
+    attribution = _attribution([piece.interval for piece in pieces])
     rows = []
-    for piece in whole:
+    for index, piece in enumerate(pieces):
         interval = piece.interval
-        covered_ms, weighted = device_hours.get((interval.device_uuid, piece.hour), nothing)
+        covered_ms, weighted = coverage.get(index, (0, 0.0))
+        length = piece.end_ms - piece.start_ms
+        team_id, job, username = attribution[interval.allocation_id]
         rows.append(
             (
-                hours[piece.hour],
-                *fixed[interval.allocation_id],
-                *_usage(piece.end_ms - piece.start_ms, int(covered_ms), weighted, interval.share),
-            )
-        )
-    for index, piece in enumerate(partial):
-        covered_ms, weighted = piece_coverage.get(index, nothing)
-        rows.append(
-            (
-                hours[piece.hour],
-                *fixed[piece.interval.allocation_id],
-                *_usage(piece.end_ms - piece.start_ms, covered_ms, weighted, piece.interval.share),
+                EPOCH + timedelta(hours=piece.hour),
+                interval.allocation_id,
+                interval.cluster_id,
+                interval.device_uuid,
+                interval.product_name,
+                interval.profile,
+                interval.share,
+                interval.claim_namespace,
+                interval.claim_name,
+                team_id,
+                job,
+                username,
+                gpu_ms(length, interval.share_micro),
+                utilised_gpu_ms(weighted, interval.share_micro),
+                gpu_ms(length - covered_ms, interval.share_micro),
             )
         )
     return rows
 
 
-def _usage(length: int, covered_ms: int, weighted: float, share: Decimal) -> tuple[int, int, int]:
-    """Allocated, utilised and unmeasured GPU-milliseconds of `length` milliseconds held, of
-    which samples covered `covered_ms`; `weighted` is covered milliseconds times percent
-    utilisation."""
-    utilised = Decimal(weighted) / 100
-    if share == _ONE:  # a whole GPU, the usual case: integers need no Decimal
-        return length, _gpu_ms(utilised, share), length - covered_ms
-    return (
-        _gpu_ms(length, share),
-        _gpu_ms(utilised, share),
-        _gpu_ms(length - covered_ms, share),
-    )
+def gpu_ms(milliseconds: int, share_micro: int) -> int:
+    """Milliseconds of a device that is `share_micro` millionths of a GPU, in GPU-milliseconds,
+    rounded half up (as the rollup's SQL does)."""
+    return (milliseconds * share_micro + MICRO // 2) // MICRO
 
 
-def _gpu_ms(milliseconds: int | Decimal, share: Decimal) -> int:
-    return int((Decimal(milliseconds) * share).to_integral_value(ROUND_HALF_EVEN))
+def utilised_gpu_ms(weighted: float, share_micro: int) -> int:
+    """Utilised GPU-milliseconds of `weighted` (covered milliseconds times percent), rounded
+    half up, computed as the rollup's SQL does."""
+    return math.floor(weighted * share_micro / 100000000.0 + 0.5)
 
 
 def mark_dirty(*, hours: set[datetime], at: datetime) -> None:

@@ -22,7 +22,7 @@ from django.db.models import Count
 from django.test import Client, override_settings
 from django.urls import path
 from django.utils import timezone
-from hypothesis import given
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from billing import views
@@ -615,3 +615,95 @@ def test_a_node_name_kubernetes_would_not_accept_is_a_400(
     assert response.status_code == 400
     assert "is not a Kubernetes node name" in response.json()["error"]
     assert Sample.objects.count() == 0
+
+
+# Gaps: each sample's time to its device's next one, kept whatever order samples arrive in
+
+
+def stored_gaps() -> dict[tuple[str, int], int | None]:
+    return {
+        (uuid, ts_ms): gap
+        for uuid, ts_ms, gap in Sample.objects.values_list("device_uuid", "ts_ms", "gap_ms")
+    }
+
+
+def expected_gaps(keys: set[tuple[str, int]]) -> dict[tuple[str, int], int | None]:
+    gaps: dict[tuple[str, int], int | None] = {}
+    ordered = sorted(keys)
+    for (uuid, ts_ms), following in zip(ordered, [*ordered[1:], None], strict=True):
+        gaps[uuid, ts_ms] = following[1] - ts_ms if following and following[0] == uuid else None
+    return gaps
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    readings=st.lists(
+        st.tuples(st.sampled_from([0, 1]), st.integers(min_value=0, max_value=60)),
+        min_size=1,
+        max_size=50,
+    ),
+    order=st.randoms(use_true_random=False),
+    batch_size=st.integers(min_value=1, max_value=15),
+    resend=st.booleans(),
+)
+def test_gaps_are_right_whatever_order_samples_arrive_in(
+    readings: list[tuple[int, int]], order: Any, batch_size: int, resend: bool
+) -> None:
+    with transaction.atomic():
+        devices = [DeviceFactory.create().uuid, DeviceFactory.create().uuid]
+        raw = [sample(devices[d], T0 + timedelta(seconds=second)) for d, second in readings]
+        order.shuffle(raw)
+        for start in range(0, len(raw), batch_size):
+            rows, rejected = validate_samples(raw[start : start + batch_size])
+            assert rejected == []
+            ingest(node="n1", samples=rows, received_at=T0)
+            if resend:  # an agent's retry: duplicates, which must not disturb the gaps
+                ingest(node="n1", samples=rows, received_at=T0)
+        keys = {(devices[d], ms(T0) + 1000 * second) for d, second in readings}
+        assert stored_gaps() == expected_gaps(keys)
+        transaction.set_rollback(True)
+
+
+def test_samples_adopted_from_the_side_table_get_their_gaps(gpu: Device) -> None:
+    newcomer = "GPU-newcomer"
+    rows, _ = validate_samples([sample(gpu.uuid, T0 + timedelta(seconds=s)) for s in (0, 30)])
+    ingest(node="n1", samples=rows, received_at=T0)
+    early, _ = validate_samples([sample(newcomer, T0 + timedelta(seconds=s)) for s in (10, 40)])
+    ingest(node="n1", samples=early, received_at=T0)
+    DeviceFactory.create(uuid=newcomer)
+    known, _ = validate_samples([sample(newcomer, T0 + timedelta(seconds=s)) for s in (0, 20)])
+    ingest(node="n1", samples=known, received_at=T0)
+    assert adopt_unknown_samples(now=timezone.now()) == 2
+    start = ms(T0)
+    assert stored_gaps() == {
+        (gpu.uuid, start): 30_000,
+        (gpu.uuid, start + 30_000): None,
+        (newcomer, start): 10_000,
+        (newcomer, start + 10_000): 10_000,
+        (newcomer, start + 20_000): 20_000,
+        (newcomer, start + 40_000): None,
+    }
+
+
+@pytest.mark.postgres
+@pytest.mark.django_db(transaction=True)
+def test_gaps_stay_right_when_one_device_is_sent_from_two_places_at_once(gpu: Device) -> None:
+    # Two senders interleave one device's samples (even and odd seconds), batch after batch, at
+    # the same time: each batch's gaps are worked out under the device's lock, so none is
+    # computed against a neighbour the other sender has not committed yet.
+    def send(parity: int) -> None:
+        try:
+            for round_ in range(30):
+                seconds = [10 * round_ + s for s in range(parity, 10, 2)]
+                rows, _ = validate_samples(
+                    [sample(gpu.uuid, T0 + timedelta(seconds=s)) for s in seconds]
+                )
+                ingest(node=f"n{parity}", samples=rows, received_at=T0)
+        finally:
+            connection.close()
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        for future in [pool.submit(send, 0), pool.submit(send, 1)]:
+            future.result(timeout=60)
+    keys = {(gpu.uuid, ms(T0) + 1000 * second) for second in range(300)}
+    assert stored_gaps() == expected_gaps(keys)

@@ -10,9 +10,10 @@ per allocation for the others, so both of its statements are checked here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from decimal import ROUND_HALF_EVEN, Decimal
+from decimal import ROUND_HALF_UP, Decimal
 
 import pytest
 from django.db import transaction
@@ -37,8 +38,8 @@ def ms(at: datetime) -> int:
     return rollup.epoch_ms(at)
 
 
-def round_even(value: Decimal) -> int:
-    return int(value.to_integral_value(ROUND_HALF_EVEN))
+def round_half_up(value: Decimal) -> int:
+    return int(value.to_integral_value(ROUND_HALF_UP))
 
 
 @dataclass(frozen=True)
@@ -68,9 +69,11 @@ def reference(
             weighted += overlap * Decimal(str(util))
     share = allocation.device.gpu_share
     return Expected(
-        allocated_gpu_ms=round_even((end - start) * share),
-        utilised_gpu_ms=round_even(weighted / 100 * share),
-        unmeasured_gpu_ms=round_even((end - start - covered) * share),
+        allocated_gpu_ms=round_half_up((end - start) * share),
+        # A measurement, summed in doubles (exactly here: whole and half percents), then
+        # taken to GPU-milliseconds as the rollup does.
+        utilised_gpu_ms=math.floor(float(weighted) * int(share * 1_000_000) / 1e8 + 0.5),
+        unmeasured_gpu_ms=round_half_up((end - start - covered) * share),
     )
 
 
@@ -192,7 +195,7 @@ def test_coverage_follows_the_hold_setting() -> None:
     expected = check(allocations, {mig.uuid: samples}, hold_ms=600_000)
     # 100 s of the early sample reach into the hour, then 600 s from 10:30.
     share = mig.gpu_share
-    assert expected[allocations[0].pk].unmeasured_gpu_ms == round_even(
+    assert expected[allocations[0].pk].unmeasured_gpu_ms == round_half_up(
         (3_600_000 - 700_000) * share
     )
 
