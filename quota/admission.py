@@ -70,7 +70,8 @@ def answer(
     reason: str = "",
     warnings: list[str] | None = None,
     patch: list[dict[str, Any]] | None = None,
-) -> JsonResponse:
+) -> dict[str, Any]:
+    """The AdmissionReview that answers the request `uid`."""
     response: dict[str, Any] = {"uid": uid, "allowed": allowed}
     if not allowed:
         response["status"] = {"code": 403, "reason": reason or "Forbidden", "message": message}
@@ -80,9 +81,7 @@ def answer(
     if patch:
         response["patchType"] = "JSONPatch"
         response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
-    return JsonResponse(
-        {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
-    )
+    return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
 
 
 _clusters: dict[str, Cluster] = {}
@@ -114,20 +113,29 @@ def _is_claim_create(request: dict[str, Any]) -> bool:
 def _review(http_request: HttpRequest, *, mutate: bool) -> HttpResponse:
     webhook = "mutate" if mutate else "validate"
     with metrics.WEBHOOK_LATENCY.labels(webhook=webhook).time():
-        response = _answer_review(http_request, mutate=mutate)
-    return response
+        try:
+            request = parse_review(
+                http_request.body, getattr(http_request, PARSED_REVIEW, _UNPARSED)
+            )
+        except BadReview as exc:
+            return HttpResponse(
+                f"bad AdmissionReview: {exc}\n", status=400, content_type="text/plain"
+            )
+        return JsonResponse(respond(request, mutate=mutate))
 
 
 def _count(webhook: str, result: str, rule: str = "") -> None:
     metrics.WEBHOOK_DECISIONS.labels(webhook=webhook, result=result, rule=rule).inc()
 
 
-def _answer_review(http_request: HttpRequest, *, mutate: bool) -> HttpResponse:
+def respond(request: dict[str, Any], *, mutate: bool = False) -> dict[str, Any]:
+    """The AdmissionReview answering `request` (a review's request, as `parse_review` gives it).
+
+    What the validating (or, with `mutate`, the mutating) webhook answers; `manage.py
+    review_claims` calls it in-process. Never raises: a database that cannot be reached is a
+    denial (an admission with a warning when `TALLY_WEBHOOK_FAIL_OPEN` is set).
+    """
     webhook = "mutate" if mutate else "validate"
-    try:
-        request = parse_review(http_request.body, getattr(http_request, PARSED_REVIEW, _UNPARSED))
-    except BadReview as exc:
-        return HttpResponse(f"bad AdmissionReview: {exc}\n", status=400, content_type="text/plain")
     uid = request["uid"]
     if not _is_claim_create(request):
         return answer(uid, allowed=True)
@@ -191,7 +199,7 @@ def _answer_review(http_request: HttpRequest, *, mutate: bool) -> HttpResponse:
         )
     _count(webhook, "allowed" if decision.allowed else "denied", decision.rule)
     if mutate:
-        return _mutation(uid, claim, decision)
+        return _mutation(uid, request["object"], decision)
     return answer(
         uid,
         allowed=decision.allowed,
@@ -201,7 +209,7 @@ def _answer_review(http_request: HttpRequest, *, mutate: bool) -> HttpResponse:
     )
 
 
-def _mutation(uid: str, claim: dict[str, Any], decision: services.Decision) -> JsonResponse:
+def _mutation(uid: str, claim: dict[str, Any], decision: services.Decision) -> dict[str, Any]:
     if not decision.allowed:
         return answer(
             uid,
@@ -225,15 +233,7 @@ def _mutation(uid: str, claim: dict[str, Any], decision: services.Decision) -> J
                         "path": f"/spec/devices/requests/{index}/firstAvailable/{alt_index}",
                     }
                 )
-    annotations = claim["metadata"].get("annotations")
-    value = json.dumps(decision.removed, sort_keys=True)
-    if isinstance(annotations, dict):
-        key = REMOVED_ANNOTATION.replace("~", "~0").replace("/", "~1")
-        patch.append({"op": "add", "path": f"/metadata/annotations/{key}", "value": value})
-    else:
-        patch.append(
-            {"op": "add", "path": "/metadata/annotations", "value": {REMOVED_ANNOTATION: value}}
-        )
+    patch.append(_annotate(claim, json.dumps(decision.removed, sort_keys=True)))
     warnings = [
         *decision.warnings,
         *(
@@ -242,6 +242,22 @@ def _mutation(uid: str, claim: dict[str, Any], decision: services.Decision) -> J
         ),
     ]
     return answer(uid, allowed=True, warnings=warnings, patch=patch)
+
+
+def _annotate(claim: dict[str, Any], value: str) -> dict[str, Any]:
+    """The patch operation that sets the removed-alternatives annotation on `claim`: it must
+    apply to the object as sent, whichever of its metadata and annotations it has."""
+    metadata = claim.get("metadata")
+    if not isinstance(metadata, dict):
+        return {
+            "op": "add",
+            "path": "/metadata",
+            "value": {"annotations": {REMOVED_ANNOTATION: value}},
+        }
+    if not isinstance(metadata.get("annotations"), dict):
+        return {"op": "add", "path": "/metadata/annotations", "value": {REMOVED_ANNOTATION: value}}
+    key = REMOVED_ANNOTATION.replace("~", "~0").replace("/", "~1")
+    return {"op": "add", "path": f"/metadata/annotations/{key}", "value": value}
 
 
 @csrf_exempt

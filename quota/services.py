@@ -186,13 +186,47 @@ def _record(
 
 
 def fit_alternatives(*, cluster: Cluster, claim: dict[str, Any]) -> Decision:
-    """Which firstAvailable alternatives fit the team's quota now; nothing is written."""
+    """Which firstAvailable alternatives fit the team's quota now; nothing is written.
+
+    A claim already admitted (the API server sends a retried create to this webhook first)
+    keeps the alternatives its reservation chose: planned again, it would be counted beside
+    its own reservation and not fit.
+    """
     namespace, name = _claim_name(claim)
     state = admission_state(cluster=cluster.name, namespace=namespace, name=name)
+    if state.replayed_team_id is not None:
+        removed = _not_chosen(cluster=cluster, claim=claim, namespace=namespace, name=name)
+        return Decision(True, "", "", [], state.team, removed)
     plan = _plan(cluster=cluster, claim=claim, state=state)
     if plan.denial:
         return Decision(False, plan.denial, plan.reason, plan.warnings, plan.team, rule=plan.rule)
     return Decision(True, "", "", plan.warnings, plan.team, plan.removed)
+
+
+def _not_chosen(
+    *, cluster: Cluster, claim: dict[str, Any], namespace: str, name: str
+) -> dict[str, list[str]]:
+    """The alternatives of `claim` that its live reservation did not choose, by request."""
+    chosen = (
+        Reservation.objects.filter(cluster=cluster.name, namespace=namespace, name=name)
+        .exclude(state=ReservationState.RELEASED)
+        .values_list("chosen", flat=True)
+        .first()
+    )
+    spec = claim.get("spec")
+    if not isinstance(chosen, dict) or not isinstance(spec, dict):
+        return {}
+    try:
+        requests = dra.parse_claim_requests(spec, str(claim.get("apiVersion") or ""))
+    except dra.DRAObjectError:
+        return {}  # it was readable when admitted; a body sent differently keeps them all
+    removed = {}
+    for request in requests:
+        kept = chosen.get(request.name)
+        skipped = [alt.name for alt in request.first_available if kept and alt.name not in kept]
+        if skipped:
+            removed[request.name] = skipped
+    return removed
 
 
 def _claim_name(claim: dict[str, Any]) -> tuple[str, str]:
@@ -333,13 +367,15 @@ def _budget_denies(plan: _Plan, requests: list[dra.ParsedRequest]) -> bool:
 
 
 def _exceeded(plan: _Plan, demand: Demand) -> tuple[Rule, Decimal] | None:
-    """The first enforce rule this demand would take past its limit, with what it asks."""
+    """The first enforce rule this demand would take past its limit, with what the claim asks
+    of it (this demand and the claim's requests before it, as the reservation would)."""
     for rule_id, amount in demand.amounts.items():
         rule = plan.rules[rule_id]
         if rule.mode != Mode.ENFORCE:
             continue
-        if rule.in_use + plan.reserve.get(rule_id, Decimal(0)) + amount > rule.limit:
-            return rule, amount
+        asked = plan.reserve.get(rule_id, Decimal(0)) + amount
+        if rule.in_use + asked > rule.limit:
+            return rule, asked
     return None
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import copy
 import json
 from decimal import Decimal
 from pathlib import Path
@@ -10,7 +11,14 @@ from typing import Any
 
 import pytest
 from django.test import Client
+from hypothesis import HealthCheck, given
+from hypothesis import settings as hypothesis_settings
+from hypothesis import strategies as st
 
+from inventory.dumps import iter_objects
+from quota.admission import REMOVED_ANNOTATION, BadReview, parse_review
+from quota.jsonpatch import apply_patch
+from quota.management.commands.review_claims import CLAIM_KINDS, OBJECT_FILES
 from quota.models import AdmissionDecision, QuotaRule, Reservation, ReservationLine
 from tests.quota.fixtures import (
     claim,
@@ -130,6 +138,21 @@ def test_upstream_claims(client: Client, upstream: Path, relative: str, name: st
     assert Reservation.objects.count() == 0  # dry run
 
 
+def test_every_upstream_claim_is_in_the_list(upstream: Path) -> None:
+    """UPSTREAM cannot go stale: a claim or template added upstream (or renamed, or moved)
+    fails here until it is listed with its expected decision."""
+    found = {
+        (path.relative_to(upstream).as_posix(), obj["metadata"]["name"])
+        for path in sorted(upstream.rglob("*"))
+        if path.suffix in OBJECT_FILES and path.is_file()
+        for obj in iter_objects(path)
+        if obj.get("kind") in CLAIM_KINDS
+    }
+    assert len(found) >= len(UPSTREAM) // 2, f"the walk found too little: {sorted(found)}"
+    assert sorted(found - UPSTREAM.keys()) == [], "upstream claims missing from UPSTREAM"
+    assert sorted(UPSTREAM.keys() - found) == [], "UPSTREAM entries no longer upstream"
+
+
 def test_denial_names_team_rule_usage_request_and_limit(client: Client) -> None:
     make_team(RULES)
     a100 = [{"cel": {"expression": A100_EXPRESSION}}]
@@ -143,6 +166,18 @@ def test_denial_names_team_rule_usage_request_and_limit(client: Client) -> None:
     )
     assert QuotaRule.objects.get(name="all-gpus").in_use == 2
     assert AdmissionDecision.objects.filter(allowed=False).count() == 1
+
+
+def test_a_denial_counts_what_the_whole_claim_asks_of_the_rule(client: Client) -> None:
+    make_team(RULES[:1])
+    assert decide(client, claim("one", [gpu_request(1)]))["allowed"]
+    two_requests = [gpu_request(1), {**gpu_request(1), "name": "second"}]
+    denied = decide(client, claim("two", two_requests))
+    # Not "1 GPU requested": the claim's requests together take the rule past its limit.
+    assert denied["status"]["message"] == (
+        'team "research": quota rule "all-gpus" (enforce) would be exceeded: '
+        "1 GPU in use, 2 GPUs requested, limit 2 GPUs"
+    )
 
 
 def test_selector_rule_limits_only_requests_that_can_get_matching_devices(client: Client) -> None:
@@ -306,6 +341,30 @@ def test_first_available_falls_back_when_the_preferred_model_is_over_quota(clien
     assert Reservation.objects.get().chosen == {"gpu": ["a100"]}
 
 
+def test_a_create_sent_again_gets_the_same_mutation_however_full_the_team_is(
+    client: Client,
+) -> None:
+    """The API server calls the mutating webhook before the validating one, for a retried
+    create too: the claim's own reservation must not count against it there either."""
+    make_team(
+        [
+            {"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 1},
+            {"name": "h100", "device_class": "gpu.nvidia.com", "limit": 0,
+             "selector": H100_OR_A100[0][2]},
+        ]
+    )  # fmt: skip
+    body = claim("retried", [first_available(*H100_OR_A100)])
+    answers = []
+    for uid in ("first", "retry"):
+        answers.append(post(client, review(body, uid=uid), "/admission/resourceclaims/mutate"))
+        assert decide(client, body, uid=uid)["allowed"]
+    first, retry = (answer.json()["response"] for answer in answers)
+    assert first["allowed"] and retry["allowed"], retry
+    assert retry["patch"] == first["patch"]  # the H100 alternative removed both times
+    assert Reservation.objects.get().chosen == {"gpu": ["a100"]}
+    assert QuotaRule.objects.get(name="all-gpus").in_use == 1
+
+
 def test_first_available_is_denied_when_no_alternative_fits(client: Client) -> None:
     make_team(RULES[:2])
     QuotaRule.objects.filter(name="all-gpus").update(in_use=2)
@@ -372,65 +431,144 @@ def test_upstream_admission_review_fixture_is_answered(client: Client, upstream:
     assert response.json()["response"]["uid"] == fixture["request"]["uid"]
 
 
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=12,
+)
+REQUEST_FIELDS = st.dictionaries(
+    st.sampled_from(
+        ["uid", "operation", "resource", "object", "namespace", "name", "dryRun", "userInfo"]
+    ),
+    JSON_VALUES,
+)
+RANDOM_CLAIMS = st.fixed_dictionaries(
+    {
+        "apiVersion": st.sampled_from(["resource.k8s.io/v1", "resource.k8s.io/v1beta1", "x"]),
+        "kind": st.just("ResourceClaim"),
+        "metadata": st.fixed_dictionaries(
+            {"name": st.text(max_size=5), "namespace": st.just("research")}
+        ),
+        "spec": st.fixed_dictionaries(
+            {"devices": st.fixed_dictionaries({"requests": st.lists(JSON_VALUES, max_size=2)})}
+        ),
+    }
+)
+# firstAvailable claims whose alternatives the fleet has, some over the team's quota (the
+# mutating webhook removes those), with the metadata shapes a patch has to cope with.
+ALTERNATIVES = st.sampled_from(
+    [
+        *H100_OR_A100,
+        ("example", "gpu.example.com", "device.driver == 'gpu.example.com'"),
+        ("mig", "mig.nvidia.com", "device.attributes['gpu.nvidia.com'].profile == '1g.5gb'"),
+    ]
+)
+FIRST_AVAILABLE_REQUESTS = st.builds(
+    lambda name, alternatives: {**first_available(*alternatives), "name": name},
+    st.sampled_from(["gpu", "gpu", "second"]),
+    st.lists(ALTERNATIVES, min_size=1, max_size=3),
+)
+METADATA: st.SearchStrategy[dict[str, Any]] = st.fixed_dictionaries(
+    {"namespace": st.just("research")},
+    optional={
+        "name": st.text(max_size=5),
+        "annotations": st.none()
+        | st.dictionaries(
+            st.sampled_from(["a", "tally.dev/removed-alternatives", "x~y/z"]),
+            st.text(max_size=3),
+            max_size=2,
+        ),
+    },
+)
+FIRST_AVAILABLE_CLAIMS: st.SearchStrategy[dict[str, Any]] = st.fixed_dictionaries(
+    {
+        "apiVersion": st.sampled_from(["resource.k8s.io/v1", "resource.k8s.io/v1beta1"]),
+        "kind": st.just("ResourceClaim"),
+        "spec": st.builds(
+            lambda requests: {"devices": {"requests": requests}},
+            st.lists(FIRST_AVAILABLE_REQUESTS, min_size=1, max_size=2),
+        ),
+    },
+    optional={"metadata": METADATA},
+)
+
+
+def review_bodies(claims: st.SearchStrategy[Any]) -> st.SearchStrategy[Any]:
+    """Any JSON, AdmissionReviews of random requests, and reviews of `claims`."""
+    return st.one_of(
+        JSON_VALUES,
+        st.builds(
+            lambda request: {
+                "apiVersion": "admission.k8s.io/v1",
+                "kind": "AdmissionReview",
+                "request": request,
+            },
+            REQUEST_FIELDS,
+        ),
+        st.builds(lambda obj, uid: review(obj, uid=uid), claims, st.text(min_size=1, max_size=10)),
+    )
+
+
+def well_formed_answer(client: Client, body: Any, path: str) -> dict[str, Any] | None:
+    """The review's answer (None for a 400, which only a body that is no review gets)."""
+    response = post(client, json.dumps(body), path)
+    is_review = True
+    try:
+        parse_review(json.dumps(body).encode())
+    except BadReview:
+        is_review = False
+    assert response.status_code == (200 if is_review else 400), response.content
+    if response.status_code == 400:
+        return None
+    answer = response.json()
+    assert answer["apiVersion"] == "admission.k8s.io/v1" and answer["kind"] == "AdmissionReview"
+    decision: dict[str, Any] = answer["response"]
+    assert decision["uid"] == body["request"]["uid"]
+    assert isinstance(decision["allowed"], bool)
+    # A crash caught by the view's last resort would hide a bug: none may happen.
+    assert decision.get("status", {}).get("reason") != "InternalError", decision
+    return decision
+
+
 def test_admission_reviews_of_any_shape_get_a_well_formed_answer(client: Client) -> None:
     """Property: random bodies never get a 500; a 200 always echoes the uid."""
-    from hypothesis import HealthCheck, given, settings
-    from hypothesis import strategies as st
-
     make_team(RULES[:1])
-    json_values = st.recursive(
-        st.none() | st.booleans() | st.integers() | st.text(max_size=8),
-        lambda inner: st.lists(inner, max_size=3)
-        | st.dictionaries(st.text(max_size=8), inner, max_size=3),
-        max_leaves=12,
-    )
-    request_field = st.dictionaries(
-        st.sampled_from(
-            ["uid", "operation", "resource", "object", "namespace", "name", "dryRun", "userInfo"]
-        ),
-        json_values,
-    )
-    claims = st.fixed_dictionaries(
-        {
-            "apiVersion": st.sampled_from(["resource.k8s.io/v1", "resource.k8s.io/v1beta1", "x"]),
-            "kind": st.just("ResourceClaim"),
-            "metadata": st.fixed_dictionaries(
-                {"name": st.text(max_size=5), "namespace": st.just("research")}
-            ),
-            "spec": st.fixed_dictionaries(
-                {"devices": st.fixed_dictionaries({"requests": st.lists(json_values, max_size=2)})}
-            ),
-        }
-    )
 
-    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
-    @given(
-        body=st.one_of(
-            json_values,
-            st.builds(
-                lambda request: {
-                    "apiVersion": "admission.k8s.io/v1",
-                    "kind": "AdmissionReview",
-                    "request": request,
-                },
-                request_field,
-            ),
-            st.builds(
-                lambda obj, uid: review(obj, uid=uid), claims, st.text(min_size=1, max_size=10)
-            ),
-        )
-    )
+    @hypothesis_settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=review_bodies(RANDOM_CLAIMS))
     def check(body: Any) -> None:
-        response = post(client, json.dumps(body))
-        assert response.status_code in (200, 400)
-        if response.status_code == 200:
-            answer = response.json()["response"]
-            assert answer["uid"] == body["request"]["uid"]
-            assert isinstance(answer["allowed"], bool)
-            # A crash caught by the view's last resort would hide a bug: none may happen.
-            assert answer.get("status", {}).get("reason") != "InternalError", answer
+        well_formed_answer(client, body, "/admission/resourceclaims")
 
     check()
+
+
+def test_mutations_of_any_shape_are_well_formed_and_their_patches_apply(client: Client) -> None:
+    """Property: the mutating webhook always answers a review, echoing its uid, and a patch
+    is base64 of a JSON Patch that applies to the object it was asked about."""
+    make_team(RULES[:2])
+    QuotaRule.objects.filter(name="h100").update(in_use=1)  # the team's H100 is taken
+
+    @hypothesis_settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(body=review_bodies(st.one_of(RANDOM_CLAIMS, FIRST_AVAILABLE_CLAIMS)))
+    def check(body: Any) -> None:
+        original = copy.deepcopy(body)
+        decision = well_formed_answer(client, body, "/admission/resourceclaims/mutate")
+        if decision is None or "patch" not in decision:
+            assert decision is None or "patchType" not in decision
+            return
+        assert decision["allowed"] is True
+        assert decision["patchType"] == "JSONPatch"
+        patch = json.loads(base64.b64decode(decision["patch"], validate=True))
+        mutated = apply_patch(original["request"]["object"], patch)
+        removed = json.loads(mutated["metadata"]["annotations"][REMOVED_ANNOTATION])
+        assert removed and all(removed.values()), removed
+        for request in mutated["spec"]["devices"]["requests"]:
+            kept = {alternative["name"] for alternative in request["firstAvailable"]}
+            assert kept and not kept & set(removed.get(request["name"], [])), (request, removed)
+
+    check()
+    assert not Reservation.objects.exists()  # the mutating webhook only reads
 
 
 def test_decisions_are_counted_by_result_and_rule(client: Client) -> None:
