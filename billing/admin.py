@@ -1,7 +1,9 @@
 """Billing in Django admin: rate cards and budgets editable and audited, the rest read-only.
 
 Samples, usage, periods and statements are written by services only. A period is closed
-through its "Close period" action, which calls `billing.pricing.close_period`. A rate card
+through its "Close period" action, which calls `billing.pricing.close_period` (or by
+`run_billing --close`, or on TALLY_CLOSE_PERIOD_DAY by Celery beat, whose schedule is edited
+under "Periodic tasks": django-celery-beat's own admin). A rate card
 that a closed period was priced with keeps its price, idle factor and days there (the same
 rule `apply_policy` follows), and is not deleted. Agent tokens show their hash: the token
 itself is never stored.
@@ -28,7 +30,7 @@ from billing.models import (
     UnknownDeviceSample,
     UsageHour,
 )
-from billing.pricing import PricingError, close_period
+from billing.pricing import PricingError, close_period, period_label
 from quota.admin import AuditedAdmin, ReadOnlyAdmin
 from quota.policy import closed_periods, rate_change_error
 
@@ -141,9 +143,14 @@ class BudgetAdmin(AuditedAdmin):
 
 @admin.register(Period)
 class PeriodAdmin(ReadOnlyAdmin):
-    list_display = ("start", "end", "closed_at", "closed_by")
+    list_display = ("name", "start", "end", "closed_at", "closed_by")
     ordering = ("-start",)
     actions = ("close",)
+
+    @admin.display(description="period", ordering="start")
+    def name(self, period: Period) -> str:
+        """As `run_billing --period` and `statement --period` take it: 2026-11, 2026-W47."""
+        return period_label(period.start, period.end)
 
     @admin.action(description="Close period", permissions=["close"])
     def close(self, request: HttpRequest, queryset: QuerySet[Period]) -> None:

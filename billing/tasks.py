@@ -37,3 +37,23 @@ def refresh_statements(period_start: str) -> int:
     """Recompute an open period's statements (`period_start`: ISO 8601)."""
     period = pricing.period_for(datetime.fromisoformat(period_start))
     return len(pricing.refresh_statements(period=period))
+
+
+@shared_task(
+    autoretry_for=(Exception,),
+    dont_autoretry_for=(pricing.PricingError,),
+    retry_backoff=True,
+    max_retries=5,
+    acks_late=True,
+)
+def close_previous_period(now: str | None = None) -> str | None:
+    """Close the previous period once TALLY_CLOSE_PERIOD_DAY of the new one has come, after a
+    final rollup and statement refresh; the period's name, or None when nothing was due.
+
+    Beat runs it every hour: all but the first run on or after the day find nothing to do.
+    `now` (ISO 8601) stands in for the clock. A `PricingError` (a period length changed
+    under stored periods) is not retried: it needs a person.
+    """
+    moment = datetime.fromisoformat(now) if now else timezone.now()
+    run = pricing.close_due_period(now=moment, actor="celery beat (TALLY_CLOSE_PERIOD_DAY)")
+    return None if run is None else pricing.period_label(run.period.start, run.period.end)

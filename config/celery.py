@@ -1,6 +1,8 @@
 """The Celery app; tasks live in each app's `tasks.py`."""
 
 import os
+from functools import cache
+from typing import Any
 
 from celery import Celery, signals
 
@@ -20,3 +22,39 @@ def _serve_metrics(**_: object) -> None:
         from config.metrics import start_metrics_server
 
         start_metrics_server(int(port))
+
+
+@cache
+def _seeding_database_scheduler() -> type:
+    # django-celery-beat's models load only once Django is set up, which is after this module
+    # is imported (config/__init__.py imports it): so the class is made on first use.
+    from django_celery_beat.models import PeriodicTask
+    from django_celery_beat.schedulers import DatabaseScheduler
+
+    class SeedingDatabaseScheduler(DatabaseScheduler):
+        """django-celery-beat's scheduler, with the schedule in settings as seed only.
+
+        The stock scheduler writes every CELERY_BEAT_SCHEDULE entry over the database row of
+        the same name whenever beat starts, so an interval changed in the admin would last
+        until the next deploy. Here an entry is written only when no row of its name exists:
+        the admin's edits (interval, crontab, enabled) stay, and deleting a row there brings
+        the entry back from the settings at beat's next start.
+        """
+
+        def update_from_dict(self, mapping: dict[str, Any]) -> None:
+            stored = set(
+                PeriodicTask.objects.filter(name__in=list(mapping)).values_list("name", flat=True)
+            )
+            missing = {name: entry for name, entry in mapping.items() if name not in stored}
+            super().update_from_dict(missing)
+
+    SeedingDatabaseScheduler.__module__ = __name__
+    SeedingDatabaseScheduler.__qualname__ = "SeedingDatabaseScheduler"
+    return SeedingDatabaseScheduler
+
+
+def __getattr__(name: str) -> Any:
+    """`SeedingDatabaseScheduler` (CELERY_BEAT_SCHEDULER names it), made on first use."""
+    if name == "SeedingDatabaseScheduler":
+        return _seeding_database_scheduler()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

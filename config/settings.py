@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import dj_database_url
+from celery.schedules import crontab
 from django.core.exceptions import ImproperlyConfigured
 
 from config import env
@@ -32,6 +33,7 @@ INSTALLED_APPS = [
     "django_filters",
     "drf_spectacular",
     "drf_spectacular_sidecar",
+    "django_celery_beat",
     "inventory",
     "quota",
     "billing",
@@ -164,6 +166,10 @@ CELERY_TASK_ALWAYS_EAGER = env.get_bool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_TIMEZONE = "UTC"
+# Beat keeps its schedule in the database, editable in the admin (Periodic tasks).
+# CELERY_BEAT_SCHEDULE below seeds the entries that are missing when beat starts; an entry
+# already there keeps what the admin made of it (see config/celery.py).
+CELERY_BEAT_SCHEDULER = "config.celery:SeedingDatabaseScheduler"
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
@@ -264,4 +270,22 @@ TALLY_ROLLUP_DEVICE_HOURS = env.get_int("TALLY_ROLLUP_DEVICE_HOURS", 250_000, mi
 CELERY_BEAT_SCHEDULE["billing-rollup-pending"] = {
     "task": "billing.tasks.rollup_pending",
     "schedule": TALLY_ROLLUP_EVERY_SECONDS,
+}
+
+# Billing periods: calendar months in UTC, or ISO weeks (Monday 00:00 UTC). Choose before the
+# first statements: periods cannot change length once they are stored.
+TALLY_BILLING_PERIOD = env.get_choice("TALLY_BILLING_PERIOD", "month", ("month", "week"))
+# The day of a new period on or after which the previous one is closed, once its statements
+# are final (1: the day the period starts, so 3 is the 3rd of a month, or Wednesday of a
+# week); 0: never, finance closes periods by hand.
+TALLY_CLOSE_PERIOD_DAY = env.get_int("TALLY_CLOSE_PERIOD_DAY", 3, minimum=0, maximum=28)
+if TALLY_BILLING_PERIOD == "week" and TALLY_CLOSE_PERIOD_DAY > 7:
+    raise ImproperlyConfigured(
+        f"TALLY_CLOSE_PERIOD_DAY={TALLY_CLOSE_PERIOD_DAY} must be at most 7 when "
+        "TALLY_BILLING_PERIOD=week (1 is Monday)"
+    )
+CELERY_BEAT_SCHEDULE["billing-close-period"] = {
+    "task": "billing.tasks.close_previous_period",
+    # Hourly: the task itself decides whether the day has come, so a missed run is made up.
+    "schedule": crontab(minute="20"),
 }

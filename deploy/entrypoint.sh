@@ -11,8 +11,8 @@ role="${1:-web}"
 case "$role" in
   web)     exec gunicorn --config /opt/tally/etc/gunicorn.conf.py config.wsgi "$@" ;;
   worker)  exec celery --app config worker --loglevel "${LOG_LEVEL:-info}" "$@" ;;
-  beat)    exec celery --app config beat --loglevel "${LOG_LEVEL:-info}" \
-             --schedule /tmp/celerybeat-schedule "$@" ;;
+  # The schedule is in the database (CELERY_BEAT_SCHEDULER), edited in the admin: no file.
+  beat)    exec celery --app config beat --loglevel "${LOG_LEVEL:-info}" "$@" ;;
   sync)    exec django-admin sync_inventory "$@" ;;
   agent)   exec python -m inventory.agent "$@" ;;
   migrate) exec django-admin migrate --noinput "$@" ;;

@@ -1,12 +1,21 @@
-"""Allocated versus utilised GPU-hours, priced: a scenario worked out by hand, to the cent."""
+"""Allocated versus utilised GPU-hours, priced: a scenario worked out by hand, to the cent.
+
+The fleet and its claims come from dump files loaded with `sync_inventory --from-file --at`,
+as an operator replays a cluster's history; the samples go through `billing.ingest`, as the
+node agents' do.
+"""
 
 from __future__ import annotations
 
+import json
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
+from io import StringIO
+from pathlib import Path
 from typing import Any
 
 import pytest
+from django.core.management import call_command
 
 from billing import ingest, pricing, rollup
 from billing.ingest import SampleRow
@@ -55,7 +64,21 @@ SLICE = {
 }
 
 
-def claim(name: str, device_name: str, at: datetime) -> dict[str, Any]:
+def claim(name: str, device_name: str, at: datetime, *, allocated: bool = True) -> dict[str, Any]:
+    """A claim of one device from `at`; `allocated=False`: the same claim once deallocated."""
+    allocation = {
+        "allocationTimestamp": at.isoformat(),
+        "devices": {
+            "results": [
+                {
+                    "request": "gpu",
+                    "driver": "gpu.nvidia.com",
+                    "pool": "node-a",
+                    "device": device_name,
+                }
+            ]
+        },
+    }
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",
@@ -66,25 +89,23 @@ def claim(name: str, device_name: str, at: datetime) -> dict[str, Any]:
             "ownerReferences": [{"kind": "Job", "name": f"job-{name}", "controller": True}],
         },
         "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "x"}}]}},
-        "status": {
-            "allocation": {
-                "allocationTimestamp": at.isoformat(),
-                "devices": {
-                    "results": [
-                        {
-                            "request": "gpu",
-                            "driver": "gpu.nvidia.com",
-                            "pool": "node-a",
-                            "device": device_name,
-                        }
-                    ]
-                },
-            }
-        },
+        "status": {"allocation": allocation} if allocated else {},
     }
 
 
+def load_dump(folder: Path, objects: list[dict[str, Any]], at: datetime) -> None:
+    """Load `objects` as `sync_inventory --from-file DUMP --at ISO` does: a dump (what
+    `kubectl get ... -o json` prints) applied as a full snapshot of the kinds in it, at `at`."""
+    dump = folder / f"dump-{at:%Y%m%dT%H%M%S}.json"
+    dump.write_text(json.dumps({"apiVersion": "v1", "kind": "List", "items": objects}))
+    out = StringIO()
+    call_command("sync_inventory", "--from-file", str(dump), "--at", at.isoformat(), stdout=out)
+    assert "rejected" not in out.getvalue()
+
+
 def snapshot(objects: list[dict[str, Any]], at: datetime, kinds: list[str] | None = None) -> None:
+    """Apply a snapshot through the service, for tests that need a kind in scope with no
+    objects of it (a dump file cannot say "no claims": an empty list names no kind)."""
     report = inventory_services.import_snapshot(
         cluster=inventory_services.get_cluster("default"), objects=objects, at=at, kinds=kinds
     )
@@ -102,9 +123,12 @@ def send_samples(uuid: str, start: datetime, minutes: int, util: float) -> None:
 
 
 @pytest.fixture
-def scenario() -> Team:
+def scenario(tmp_path: Path) -> Team:
     """An H100 held 10:00-12:30 and measured 50% for an hour, unmeasured for half an hour, then
-    100%; a 3g.40gb MIG device (3/7 of an A100) held 10:00-11:00 and never measured."""
+    100%; a 3g.40gb MIG device (3/7 of an A100) held 10:00-11:00 and never measured.
+
+    Three dumps: the node's slice and both claims allocated at 10:00; at 11:00 only the
+    H100's claim (so the MIG device's claim is gone); at 12:30 that claim deallocated."""
     team = Team.objects.create(slug="vision", name="Vision")
     TeamNamespace.objects.create(team=team, namespace="vision")
     RateCard.objects.create(
@@ -121,9 +145,17 @@ def scenario() -> Team:
         currency="USD",
         valid_from=date(2026, 1, 1),
     )
-    snapshot([SLICE, claim("train", "gpu-0", T10), claim("tune", "gpu-1-mig-3g40gb-0", T10)], T10)
-    snapshot([claim("train", "gpu-0", T10)], T10 + timedelta(hours=1), kinds=["ResourceClaim"])
-    snapshot([], T10 + timedelta(hours=2, minutes=30), kinds=["ResourceClaim"])
+    load_dump(
+        tmp_path,
+        [SLICE, claim("train", "gpu-0", T10), claim("tune", "gpu-1-mig-3g40gb-0", T10)],
+        T10,
+    )
+    load_dump(tmp_path, [claim("train", "gpu-0", T10)], T10 + timedelta(hours=1))
+    load_dump(
+        tmp_path,
+        [claim("train", "gpu-0", T10, allocated=False)],
+        T10 + timedelta(hours=2, minutes=30),
+    )
     send_samples("GPU-H", T10, 60, 50.0)
     send_samples("GPU-H", T10 + timedelta(minutes=90), 60, 100.0)
     for hour in range(10, 13):
@@ -254,3 +286,34 @@ def test_team_totals_add_up_to_the_fleet_total(scenario: Team) -> None:
         for team in (None, scenario, other)
         for line in pricing.usage_lines(team=team, period=period)
     )
+
+
+def test_a_mig_profile_card_prices_its_devices_instead_of_the_parents_rate(scenario: Team) -> None:
+    """A rate card for the 3g.40gb profile takes precedence over the A100's own card: the MIG
+    device's GPU-hours (its 3/7 share of the GPU) are priced at the profile's rate and idle
+    factor, on a line of their own."""
+    RateCard.objects.create(
+        product_name="NVIDIA A100-SXM4-80GB",
+        profile="3g.40gb",
+        per_gpu_hour=Decimal("0.90"),
+        idle_factor=Decimal("0.5"),
+        currency="USD",
+        valid_from=date(2026, 1, 1),
+    )
+    # The MIG device measured idle (0%) all its hour: every minute's sample holds its minute.
+    send_samples("MIG-A", T10, 60, 0.0)
+    rollup.rollup_hour(hour=T10, now=T10 + timedelta(days=1))
+    (statement,) = pricing.refresh_statements(period=pricing.period_for(T10))
+    lines = {(line.product_name, line.profile): line for line in statement.lines.all()}
+    assert set(lines) == {("NVIDIA H100 80GB HBM3", ""), ("NVIDIA A100-SXM4-80GB", "3g.40gb")}
+    mig = lines["NVIDIA A100-SXM4-80GB", "3g.40gb"]
+    # 3,600,000 ms x 0.428571 = 1,542,856 GPU-ms = 0.428571 GPU-h, all of it idle.
+    assert (mig.allocated_gpu_hours, mig.idle_gpu_hours) == (Decimal("0.428571"),) * 2
+    assert (mig.utilised_gpu_hours, mig.unmeasured_gpu_hours) == (Decimal(0), Decimal(0))
+    assert (mig.rate, mig.idle_factor) == (Decimal("0.90"), Decimal("0.5"))
+    # 0.90 x (1542856/3600000 - (1 - 0.5) x 1542856/3600000) = 0.90 x 0.2142855...
+    # = 0.19285... -> 0.19. The A100's own card would have charged
+    # 1.20 x (0.4285711 - 0.6 x 0.4285711) = 0.20571... -> 0.21.
+    assert mig.amount == Decimal("0.19")
+    assert lines["NVIDIA H100 80GB HBM3", ""].amount == Decimal("5.49")
+    assert statement.total == Decimal("5.68")
