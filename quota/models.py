@@ -113,7 +113,14 @@ class Reservation(models.Model):
     namespace = models.CharField(max_length=253)
     name = models.CharField(max_length=253)
     claim_uid = models.CharField(max_length=64, blank=True)
-    team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="reservations")
+    # The webhook writes reservations, their lines and decisions on every admission; their
+    # references are kept by Django (PROTECT, CASCADE, SET_NULL), not by foreign-key
+    # constraints, whose checks at commit would key-share-lock the team's row from every
+    # concurrent admission of the team (a multixact per row) for rows the same statement
+    # has just read or locked.
+    team = models.ForeignKey(
+        Team, on_delete=models.PROTECT, related_name="reservations", db_constraint=False
+    )
     state = models.CharField(
         max_length=16, choices=ReservationState.choices, default=ReservationState.RESERVED
     )
@@ -148,9 +155,15 @@ class ReservationLine(models.Model):
 
     # No index of its own: the unique (reservation, rule) index leads with it.
     reservation = models.ForeignKey(
-        Reservation, on_delete=models.CASCADE, related_name="lines", db_index=False
+        Reservation,
+        on_delete=models.CASCADE,
+        related_name="lines",
+        db_index=False,
+        db_constraint=False,  # see Reservation.team
     )
-    rule = models.ForeignKey(QuotaRule, on_delete=models.CASCADE, related_name="lines")
+    rule = models.ForeignKey(
+        QuotaRule, on_delete=models.CASCADE, related_name="lines", db_constraint=False
+    )
     amount = models.DecimalField(max_digits=24, decimal_places=6)
 
     class Meta:
@@ -170,7 +183,13 @@ class AdmissionDecision(models.Model):
     namespace = models.CharField(max_length=253)
     name = models.CharField(max_length=253)
     username = models.CharField(max_length=253, blank=True)
-    team = models.ForeignKey(Team, on_delete=models.SET_NULL, null=True, blank=True)
+    team = models.ForeignKey(
+        Team,
+        on_delete=models.SET_NULL,
+        null=True,
+        blank=True,
+        db_constraint=False,  # see Reservation.team
+    )
     allowed = models.BooleanField()
     dry_run = models.BooleanField(default=False)
     message = models.TextField(blank=True)

@@ -214,18 +214,7 @@ def test_failing_open_admits_with_a_warning(
 # The hanging case waits for psycopg's connect timeout, and psycopg (like libpq) never waits
 # less than 2 s whatever DATABASE_CONNECT_TIMEOUT says (psycopg/conninfo.py,
 # timeout_from_conninfo: "elif timeout < 2: timeout = 2"), so that answer comes after 2.0x s.
-# Meeting the bound takes a shorter deadline for the webhook's connection, which lives in
-# config/ (the database settings); until then this documents the target and fails loudly
-# (strict) once it is met, so that the mark is removed.
-HANGING_TAKES_THE_CONNECT_TIMEOUT = pytest.mark.xfail(
-    strict=True,
-    reason="psycopg's connect timeout is at least 2 s; needs a shorter one in config/",
-)
-
-
-@pytest.mark.parametrize(
-    "outage", ["refused", pytest.param("hanging", marks=HANGING_TAKES_THE_CONNECT_TIMEOUT)]
-)
+@pytest.mark.parametrize("outage", OUTAGES)
 @pytest.mark.parametrize("fail_open", [False, True], ids=["fail-closed", "fail-open"])
 def test_the_answer_comes_within_2_seconds(
     answers: dict[tuple[str, bool], list[Answer]], outage: str, fail_open: bool

@@ -1,0 +1,1 @@
+"""Django's PostgreSQL backend, with connect timeouts under two seconds honoured."""
