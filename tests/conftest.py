@@ -55,6 +55,7 @@ def upstream() -> Path:
 def worker() -> Iterator[None]:
     """A real Celery worker on the real Redis broker, in a thread (needs REDIS_URL)."""
     from celery.contrib.testing.worker import start_worker
+    from celery.signals import task_postrun
 
     from config.celery import app
 
@@ -65,8 +66,20 @@ def worker() -> Iterator[None]:
     # An earlier test may have made the app pick its (disabled) result backend already.
     app._backend_cache = None  # type: ignore[attr-defined]
     app._local.__dict__.pop("backend", None)  # type: ignore[attr-defined]
-    with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
-        yield
+    # Each task's database connection is the worker thread's own: closed after the task, so
+    # none is left open on the test database when it is dropped.
+    task_postrun.connect(_close_connections, weak=False)
+    try:
+        with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
+            yield
+    finally:
+        task_postrun.disconnect(_close_connections)  # type: ignore[attr-defined]  # celery-types lacks it
+
+
+def _close_connections(**_: object) -> None:
+    from django.db import connections
+
+    connections.close_all()
 
 
 # A small GPU fleet and device classes, for quota and billing tests.
