@@ -238,8 +238,13 @@ class UsageHour(models.Model):
         return self.allocated_gpu_ms - self.utilised_gpu_ms - self.unmeasured_gpu_ms
 
 
+# What a rate is the price of: a GPU-hour, or an hour of one MIG slice (a profile's own card).
+GPU_HOUR, SLICE_HOUR = "GPU-hour", "slice-hour"
+
+
 class RateCard(models.Model):
-    """A price per GPU-hour for a model (or a MIG profile of it) from a date on."""
+    """A price per GPU-hour for a model from a date on; or, with a MIG profile, the price of an
+    hour of one slice of that profile (without one, a slice pays its share of its GPU's)."""
 
     product_name = models.CharField(max_length=253)
     profile = models.CharField(max_length=64, blank=True)  # empty: whole GPUs, and MIG by share
@@ -261,7 +266,14 @@ class RateCard(models.Model):
 
     def __str__(self) -> str:
         model = f"{self.product_name} {self.profile}".strip()
-        return f"{model}: {self.per_gpu_hour} {self.currency}/GPU-h from {self.valid_from}"
+        price = f"{self.per_gpu_hour} {self.currency}/{self.rate_unit}"
+        return f"{model}: {price} from {self.valid_from}"
+
+    @property
+    def rate_unit(self) -> str:
+        """An hour of one slice for a MIG profile's card; else a GPU-hour (a MIG device without
+        its profile's card pays its share of its GPU's price)."""
+        return SLICE_HOUR if self.profile else GPU_HOUR
 
 
 class Period(models.Model):
@@ -279,6 +291,13 @@ class Period(models.Model):
     def is_closed(self) -> bool:
         return self.closed_at is not None
 
+    @property
+    def label(self) -> str:
+        """How people and the commands name it: `2026-11`, `2026-W47` (`period_label`)."""
+        from billing.pricing import period_label  # pricing reads these models
+
+        return period_label(self.start, self.end)
+
 
 class Budget(models.Model):
     """A team's GPU-hour budget per period; `hard` denies new claims past it."""
@@ -291,13 +310,18 @@ class Budget(models.Model):
         return f"{self.team}: {self.gpu_hours} GPU-h ({self.mode})"
 
 
+# Money as stored: three digits after the point hold every currency's minor unit (the dinars'
+# fils are thousandths; most are cents, the yen none), amounts being rounded to it first.
+MONEY_DIGITS, MONEY_PLACES = 17, 3
+
+
 class Statement(models.Model):
     """What a team owes for a period, per currency. Frozen once the period is closed."""
 
     team = models.ForeignKey(Team, on_delete=models.PROTECT, related_name="statements")
     period = models.ForeignKey(Period, on_delete=models.PROTECT, related_name="statements")
     currency = models.CharField(max_length=3)
-    total = models.DecimalField(max_digits=16, decimal_places=2, default=0)
+    total = models.DecimalField(max_digits=MONEY_DIGITS, decimal_places=MONEY_PLACES, default=0)
     computed_at = models.DateTimeField()
 
     class Meta:
@@ -315,7 +339,12 @@ class LineKind(models.TextChoices):
 
 
 class StatementLine(models.Model):
-    """One model's usage and charge; or an adjustment (late data, or added by finance)."""
+    """One model's usage and charge; or an adjustment (late data, or added by finance).
+
+    Hours are GPU-hours. `gpu_share` is set on a line priced by a MIG profile's own rate card,
+    whose rate is the price of an hour of one slice: the slice's share of its GPU, so that
+    amount = rate x (allocated - (1 - idle_factor) x idle) / gpu_share.
+    """
 
     statement = models.ForeignKey(Statement, on_delete=models.CASCADE, related_name="lines")
     kind = models.CharField(max_length=16, choices=LineKind.choices, default=LineKind.USAGE)
@@ -327,7 +356,8 @@ class StatementLine(models.Model):
     unmeasured_gpu_hours = models.DecimalField(max_digits=16, decimal_places=6)
     rate = models.DecimalField(max_digits=12, decimal_places=4, null=True, blank=True)
     idle_factor = models.DecimalField(max_digits=5, decimal_places=4, null=True, blank=True)
-    amount = models.DecimalField(max_digits=16, decimal_places=2)
+    gpu_share = models.DecimalField(max_digits=9, decimal_places=6, null=True, blank=True)
+    amount = models.DecimalField(max_digits=MONEY_DIGITS, decimal_places=MONEY_PLACES)
     # Adjustments: the closed period they correct (or none, for finance's own), and why.
     corrects_period = models.ForeignKey(
         Period, on_delete=models.PROTECT, null=True, blank=True, related_name="corrections"
@@ -337,3 +367,9 @@ class StatementLine(models.Model):
 
     def __str__(self) -> str:
         return f"{self.statement}: {self.kind} {self.product_name} {self.amount}"
+
+    @property
+    def rate_unit(self) -> str:
+        """What `rate` is the price of: an hour of one slice when `gpu_share` is set, else a
+        GPU-hour."""
+        return SLICE_HOUR if self.gpu_share else GPU_HOUR

@@ -1,8 +1,13 @@
 """Statements: usage priced by rate card, per team and period, frozen when the period closes.
 
-amount = rate * (allocated - (1 - idleFactor) * idle), in GPU-hours, rounded half-up to the
-currency's minor unit once per line. Data that arrives for a closed period never edits it:
-the difference becomes adjustment lines in the next open period.
+amount = rate * (allocated - (1 - idleFactor) * idle), rounded half-up to the currency's minor
+unit once per line, computed exactly (fractions of integer milliseconds, never a float). The
+hours are GPU-hours, except on a line priced by a MIG profile's own card: that card is the
+price of an hour of one slice, so the line's GPU-hours are divided by the slice's share of its
+GPU (a 3g.40gb slice of an A100 is 3/7 of it). A MIG device without its profile's card pays
+its GPU's price for its GPU-hours, which is that price times its share. Data that arrives for
+a closed period never edits it: the difference becomes adjustment lines in the next open
+period.
 
 Periods are calendar months in UTC, or ISO weeks (Monday 00:00 UTC) with
 `TALLY_BILLING_PERIOD=week`; `2026-11` names a month, `2026-W47` a week.
@@ -10,20 +15,23 @@ Periods are calendar months in UTC, or ISO weeks (Monday 00:00 UTC) with
 
 from __future__ import annotations
 
+import math
 import re
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from datetime import UTC, date, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
+from fractions import Fraction
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Q, Sum
+from django.db.models import F, Q, Sum
 from django.db.models.functions import TruncDate
 from django.utils import timezone
 
 from billing import ingest, rollup
 from billing.models import (
+    SLICE_HOUR,
     DirtyHour,
     LineKind,
     Period,
@@ -35,6 +43,7 @@ from billing.models import (
 from quota.models import Team
 
 MS_PER_HOUR = Decimal(3_600_000)
+ZERO = Decimal(0)
 # ISO 4217 currencies whose minor unit is not the cent.
 MINOR_UNITS = {"JPY": 0, "KRW": 0, "ISK": 0, "CLP": 0, "BHD": 3, "KWD": 3, "JOD": 3, "OMR": 3}
 MONTH, WEEK = "month", "week"
@@ -138,14 +147,43 @@ def period_for(moment: datetime) -> Period:
     return period
 
 
-def round_money(amount: Decimal, currency: str) -> Decimal:
+def period_holding(moment: datetime) -> Period:
+    """The period that holds `moment`, to count a budget in: the stored period holding it,
+    whatever its length; else the configured period, unsaved, less what stored periods hold
+    (so that no hour counts twice after TALLY_BILLING_PERIOD changed).
+
+    Unlike `period_for` it neither writes nor raises: the admission webhook asks it, and
+    stored periods of another length must not make admission fail.
+    """
+    start, end = period_bounds(moment)
+    overlapping = list(Period.objects.filter(start__lt=end, end__gt=start))
+    for period in overlapping:
+        if period.start <= moment < period.end:
+            return period
+    start = max([start, *(period.end for period in overlapping if period.end <= moment)])
+    end = min([end, *(period.start for period in overlapping if period.start > moment)])
+    return Period(start=start, end=end)
+
+
+def round_money(amount: Decimal | Fraction, currency: str) -> Decimal:
+    """`amount`, exact, rounded half-up (half away from zero) to the currency's minor unit."""
     exponent = Decimal(1).scaleb(-MINOR_UNITS.get(currency.upper(), 2))
-    return amount.quantize(exponent, rounding=ROUND_HALF_UP)
+    units = Fraction(amount) / Fraction(exponent)
+    rounded = math.floor(abs(units) + Fraction(1, 2))
+    return (Decimal(rounded if units >= 0 else -rounded) * exponent).quantize(exponent)
+
+
+def rate_hours(gpu_ms: int, slice_share: Decimal | None) -> Fraction:
+    """`gpu_ms` GPU-milliseconds in the hours a rate card prices, exactly: GPU-hours, or hours
+    of one MIG slice for a profile's own card (`slice_share`: the slice's share of its GPU)."""
+    hours = Fraction(gpu_ms, 3_600_000)
+    return hours / Fraction(slice_share) if slice_share else hours
 
 
 def rate_for(product_name: str, profile: str, on: date) -> RateCard | None:
-    """The rate card for a model on a day. A MIG device takes its profile's card, else the
-    parent's: its GPU-hours are already its share of the GPU."""
+    """The rate card for a model on a day. A MIG device takes its profile's card (a price per
+    hour of the slice), else its GPU's (a price per GPU-hour: its GPU-hours are already its
+    share of the GPU)."""
     cards = RateCard.objects.filter(product_name=product_name, valid_from__lte=on).exclude(
         valid_until__lte=on
     )
@@ -162,10 +200,19 @@ class _Usage:
     utilised_ms: int = 0
     unmeasured_ms: int = 0
 
+    @property
+    def idle_ms(self) -> int:
+        return self.allocated_ms - self.utilised_ms - self.unmeasured_ms
+
+
+LineKey = tuple[str, str, str, Decimal | None, Decimal | None, Decimal | None]
+
 
 @dataclass
 class LineFigures:
-    """One priced line before it is stored."""
+    """One priced line before it is stored. Its hours are GPU-hours; `gpu_share` is set on a
+    line priced per slice-hour (a MIG profile's own card): the slice's share of its GPU, which
+    turns the line's GPU-hours into hours of the slice."""
 
     product_name: str
     profile: str
@@ -176,21 +223,40 @@ class LineFigures:
     utilised: Decimal
     unmeasured: Decimal
     amount: Decimal
-    days: list[date] = field(default_factory=list)
+    gpu_share: Decimal | None = None
 
     @property
     def idle(self) -> Decimal:
         return self.allocated - self.utilised - self.unmeasured
 
+    @property
+    def key(self) -> LineKey:
+        """What a line of a period's statements is for: a model, at a price (its currency,
+        rate and idle factor), for GPU-hours or hours of a slice of a share."""
+        return (
+            self.product_name,
+            self.profile,
+            self.currency or "USD",
+            self.rate,
+            self.idle_factor,
+            self.gpu_share,
+        )
+
 
 def usage_lines(*, team: Team | None, period: Period) -> list[LineFigures]:
     """The team's usage in the period priced per model and rate card (`team=None`: usage of no
-    team). MIG devices are priced by their profile's card when there is one."""
-    usage: dict[tuple[str, str, date], _Usage] = defaultdict(_Usage)
+    team), one line per model and price. A MIG device whose profile has a card of its own is
+    priced per hour of the slice, on a line per profile (and share of the GPU); without one its
+    GPU-hours go on its GPU's line, at its GPU's price per GPU-hour.
+
+    The amount is exact before its one rounding: integer GPU-milliseconds, and the decimal
+    rate, idle factor and share as fractions."""
     rows = (
         UsageHour.objects.filter(team=team, hour__gte=period.start, hour__lt=period.end)
         .annotate(day=TruncDate("hour", tzinfo=UTC))
-        .values("product_name", "profile", "day")
+        # The device's share of its GPU, not the row's: a consumable share of a slice
+        # (KEP-5075) holds part of the slice, and pays that part of the slice's price.
+        .values("product_name", "profile", "day", device_share=F("allocation__device__gpu_share"))
         .annotate(
             allocated=Sum("allocated_gpu_ms"),
             utilised=Sum("utilised_gpu_ms"),
@@ -198,42 +264,45 @@ def usage_lines(*, team: Team | None, period: Period) -> list[LineFigures]:
         )
         .order_by()
     )
-    for row in rows:
-        entry = usage[(row["product_name"], row["profile"], row["day"])]
-        entry.allocated_ms += row["allocated"]
-        entry.utilised_ms += row["utilised"]
-        entry.unmeasured_ms += row["unmeasured"]
-    lines: dict[tuple[str, str, int | None], LineFigures] = {}
-    totals: dict[tuple[str, str, int | None], _Usage] = defaultdict(_Usage)
-    for (product, profile, day), entry in sorted(usage.items()):
-        card = rate_for(product, profile, day)
-        line_profile = profile if card is not None and card.profile else ""
-        key = (product, line_profile, card.pk if card else None)
-        if key not in lines:
-            lines[key] = LineFigures(
-                product_name=product,
-                profile=line_profile,
-                currency=card.currency if card else "",
-                rate=card.per_gpu_hour if card else None,
-                idle_factor=card.idle_factor if card else None,
-                allocated=Decimal(0),
-                utilised=Decimal(0),
-                unmeasured=Decimal(0),
-                amount=Decimal(0),
-            )
-        total = totals[key]
-        total.allocated_ms += entry.allocated_ms
-        total.utilised_ms += entry.utilised_ms
-        total.unmeasured_ms += entry.unmeasured_ms
-        lines[key].days.append(day)
+    cards: dict[tuple[str, str, date], RateCard | None] = {}
+    lines: dict[LineKey, LineFigures] = {}
+    totals: dict[LineKey, _Usage] = defaultdict(_Usage)
+    for row in sorted(
+        rows,
+        key=lambda row: (row["product_name"], row["profile"], row["day"], row["device_share"] or 0),
+    ):
+        product, profile, day = row["product_name"], row["profile"], row["day"]
+        if (product, profile, day) not in cards:
+            cards[product, profile, day] = rate_for(product, profile, day)
+        card = cards[product, profile, day]
+        per_slice = card is not None and card.rate_unit == SLICE_HOUR
+        figures = LineFigures(
+            product_name=product,
+            profile=profile if per_slice else "",
+            currency=card.currency if card else "",
+            rate=card.per_gpu_hour if card else None,
+            idle_factor=card.idle_factor if card else None,
+            allocated=Decimal(0),
+            utilised=Decimal(0),
+            unmeasured=Decimal(0),
+            amount=Decimal(0),
+            gpu_share=row["device_share"] if per_slice else None,
+        )
+        lines.setdefault(figures.key, figures)
+        total = totals[figures.key]
+        total.allocated_ms += row["allocated"]
+        total.utilised_ms += row["utilised"]
+        total.unmeasured_ms += row["unmeasured"]
     for key, line in lines.items():
         total = totals[key]
         line.allocated = Decimal(total.allocated_ms) / MS_PER_HOUR
         line.utilised = Decimal(total.utilised_ms) / MS_PER_HOUR
         line.unmeasured = Decimal(total.unmeasured_ms) / MS_PER_HOUR
         if line.rate is not None and line.idle_factor is not None:
-            billable = line.allocated - (1 - line.idle_factor) * line.idle
-            line.amount = round_money(line.rate * billable, line.currency)
+            billable = rate_hours(total.allocated_ms, line.gpu_share) - (
+                1 - Fraction(line.idle_factor)
+            ) * rate_hours(total.idle_ms, line.gpu_share)
+            line.amount = round_money(Fraction(line.rate) * billable, line.currency)
     return list(lines.values())
 
 
@@ -291,6 +360,7 @@ def _refresh_team(team: Team, period: Period) -> list[Statement]:
                 unmeasured_gpu_hours=_hours(line.unmeasured),
                 rate=line.rate,
                 idle_factor=line.idle_factor,
+                gpu_share=line.gpu_share,
                 amount=line.amount,
                 corrects_period=corrected,
                 reason=(
@@ -310,43 +380,68 @@ def _refresh_team(team: Team, period: Period) -> list[Statement]:
 
 def _late_data_adjustments(team: Team, period: Period) -> list[tuple[LineFigures, Period]]:
     """For each closed period before this one: what its usage is now, less what it was billed
-    (its frozen lines and the adjustments already issued for it), per model."""
+    (its frozen lines and the adjustments already issued for it), per model and price. What
+    was billed for a line its usage no longer has is taken back whole."""
     adjustments = []
     for closed in Period.objects.filter(closed_at__isnull=False, start__lt=period.start).order_by(
         "start"
     ):
-        billed: dict[tuple[str, str, str], list[Decimal]] = defaultdict(lambda: [Decimal(0)] * 4)
-        billed_lines = (
+        billed: dict[LineKey, LineFigures] = {}
+        for stored in (
             StatementLine.objects.filter(statement__team=team)
             .filter(
                 Q(statement__period=closed, kind=LineKind.USAGE)
                 | (Q(corrects_period=closed) & ~Q(statement__period=period))
             )
             .select_related("statement")
-        )
-        for stored in billed_lines:
-            figures = billed[(stored.product_name, stored.profile, stored.statement.currency)]
-            figures[0] += stored.allocated_gpu_hours
-            figures[1] += stored.utilised_gpu_hours
-            figures[2] += stored.unmeasured_gpu_hours
-            figures[3] += stored.amount
-        for line in usage_lines(team=team, period=closed):
-            key = (line.product_name, line.profile, line.currency or "USD")
-            allocated, utilised, unmeasured, amount = billed.pop(key, [Decimal(0)] * 4)
-            delta = LineFigures(
-                product_name=line.product_name,
-                profile=line.profile,
-                currency=line.currency,
-                rate=line.rate,
-                idle_factor=line.idle_factor,
-                allocated=_hours(line.allocated) - allocated,
-                utilised=_hours(line.utilised) - utilised,
-                unmeasured=_hours(line.unmeasured) - unmeasured,
-                amount=line.amount - amount,
+        ):
+            figures = _stored_figures(stored)
+            if figures.key in billed:
+                figures = _plus(billed[figures.key], figures)
+            billed[figures.key] = figures
+        usage = {
+            line.key: replace(
+                line,
+                allocated=_hours(line.allocated),
+                utilised=_hours(line.utilised),
+                unmeasured=_hours(line.unmeasured),
             )
+            for line in usage_lines(team=team, period=closed)
+        }
+        for key in [*usage, *(key for key in billed if key not in usage)]:
+            now = usage.get(key) or replace(
+                billed[key], allocated=ZERO, utilised=ZERO, unmeasured=ZERO, amount=ZERO
+            )
+            delta = _plus(now, billed[key], sign=-1) if key in billed else now
             if delta.allocated or delta.utilised or delta.unmeasured or delta.amount:
                 adjustments.append((delta, closed))
     return adjustments
+
+
+def _stored_figures(stored: StatementLine) -> LineFigures:
+    return LineFigures(
+        product_name=stored.product_name,
+        profile=stored.profile,
+        currency=stored.statement.currency,
+        rate=stored.rate,
+        idle_factor=stored.idle_factor,
+        allocated=stored.allocated_gpu_hours,
+        utilised=stored.utilised_gpu_hours,
+        unmeasured=stored.unmeasured_gpu_hours,
+        amount=stored.amount,
+        gpu_share=stored.gpu_share,
+    )
+
+
+def _plus(line: LineFigures, other: LineFigures, *, sign: int = 1) -> LineFigures:
+    """`line` with `other`'s hours and amount added (`sign=-1`: taken away)."""
+    return replace(
+        line,
+        allocated=line.allocated + sign * other.allocated,
+        utilised=line.utilised + sign * other.utilised,
+        unmeasured=line.unmeasured + sign * other.unmeasured,
+        amount=line.amount + sign * other.amount,
+    )
 
 
 def close_period(*, period: Period, actor: str) -> list[Statement]:

@@ -11,13 +11,23 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
+from fractions import Fraction
 from typing import Any
 
 from django.db.models import F, OuterRef, QuerySet, Subquery, Sum
 from django.db.models.functions import TruncDate
 
-from billing.models import Budget, Period, Sample, Statement, StatementLine, UsageHour
-from billing.pricing import period_bounds, rate_for, round_money
+from billing.models import (
+    GPU_HOUR,
+    SLICE_HOUR,
+    Budget,
+    Period,
+    Sample,
+    Statement,
+    StatementLine,
+    UsageHour,
+)
+from billing.pricing import period_holding, rate_for, rate_hours, round_money
 from billing.selectors import team_gpu_hours
 from inventory.models import Allocation, Cluster
 from quota.models import AdmissionDecision, QuotaRule, Team, TeamNamespace
@@ -64,6 +74,10 @@ def usage_window(*, now: datetime, days: int) -> tuple[datetime, datetime]:
 
 def _hours(milliseconds: int | Decimal | None) -> Decimal:
     return (Decimal(milliseconds or 0) / MS_PER_HOUR).quantize(HOURS)
+
+
+def _hours_of(hours: Fraction) -> Decimal:
+    return (Decimal(hours.numerator) / hours.denominator).quantize(HOURS)
 
 
 def _idle_ms() -> Any:
@@ -157,6 +171,7 @@ class BudgetBurn:
 
     period_start: datetime
     period_end: datetime
+    period_label: str  # as the commands name it: 2026-11, 2026-W47
     budget: Decimal
     mode: str
     used: Decimal
@@ -170,9 +185,11 @@ def budget_burn(*, team: Team, now: datetime) -> BudgetBurn | None:
     budget = Budget.objects.filter(team=team).first()
     if budget is None:
         return None
-    start, end = period_bounds(now)
-    # An unsaved period: reading a page must not create billing periods.
-    used = team_gpu_hours(team=team, period=Period(start=start, end=end), now=now)
+    # The period the webhook counts the budget in; unsaved when not stored yet: reading a
+    # page must not create billing periods.
+    period = period_holding(now)
+    start, end = period.start, period.end
+    used = team_gpu_hours(team=team, period=period, now=now)
     per_day = daily_usage(team=team, since=start, until=now)
     period_days = (end - start).days
     days = []
@@ -193,6 +210,7 @@ def budget_burn(*, team: Team, now: datetime) -> BudgetBurn | None:
     return BudgetBurn(
         period_start=start,
         period_end=end,
+        period_label=period.label,
         budget=budget.gpu_hours.normalize(),
         mode=budget.mode,
         used=used.quantize(HOURS),
@@ -203,7 +221,9 @@ def budget_burn(*, team: Team, now: datetime) -> BudgetBurn | None:
 
 @dataclass
 class IdleCost:
-    """Idle GPU-hours of one model (or MIG profile) and what they are worth at its rate."""
+    """Idle GPU-hours of one model (or MIG profile) and what they are worth at its rate: per
+    GPU-hour, or for a profile's own card per hour of one slice (`idle_rate_hours`: the idle
+    time in the rate's `unit`)."""
 
     product_name: str
     profile: str
@@ -211,6 +231,8 @@ class IdleCost:
     rate: Decimal | None
     currency: str
     cost: Decimal | None
+    unit: str = GPU_HOUR
+    idle_rate_hours: Decimal | None = None
 
 
 @dataclass
@@ -223,31 +245,39 @@ class IdleSummary:
 
 def idle_cost(*, team: Team, since: datetime, until: datetime) -> IdleSummary:
     """Idle GPU-hours per model in `[since, until)`, priced at each model's rate card of the
-    last day of the window (idle hours x rate: what the unused allocation is worth)."""
+    last day of the window (idle hours x rate: what the unused allocation is worth; a MIG
+    profile's own card prices the idle hours of its slices, a GPU's card GPU-hours)."""
     summary = IdleSummary()
     totals: dict[str, Decimal] = defaultdict(Decimal)
     on = (until - timedelta(microseconds=1)).astimezone(UTC).date()
+    idle_ms: dict[tuple[str, str], int] = defaultdict(int)
+    # Idle time in slice-hours, exact, for a MIG profile's own card: per device share.
+    idle_slice_hours: dict[tuple[str, str], Fraction] = defaultdict(Fraction)
     for row in (
         UsageHour.objects.filter(team=team, hour__gte=since, hour__lt=until)
-        .values("product_name", "profile")
+        .values("product_name", "profile", device_share=F("allocation__device__gpu_share"))
         .annotate(idle_ms=_idle_ms())
-        .order_by("product_name", "profile")
+        .order_by()
     ):
-        idle = _hours(row["idle_ms"])
-        card = rate_for(row["product_name"], row["profile"], on)
-        cost = round_money(idle * card.per_gpu_hour, card.currency) if card else None
-        if card is not None and cost is not None:
-            totals[card.currency] += cost
-        summary.rows.append(
-            IdleCost(
-                product_name=row["product_name"],
-                profile=row["profile"],
-                idle=idle,
-                rate=card.per_gpu_hour if card else None,
-                currency=card.currency if card else "",
-                cost=cost,
+        model = (row["product_name"], row["profile"])
+        idle_ms[model] += row["idle_ms"]
+        if row["profile"]:
+            idle_slice_hours[model] += rate_hours(row["idle_ms"], row["device_share"])
+    for (product_name, profile), milliseconds in sorted(idle_ms.items()):
+        idle = _hours(milliseconds)
+        card = rate_for(product_name, profile, on)
+        entry = IdleCost(product_name, profile, idle, rate=None, currency="", cost=None)
+        if card is not None:
+            entry.rate, entry.currency = card.per_gpu_hour, card.currency
+            entry.unit = card.rate_unit
+            entry.idle_rate_hours = (
+                _hours_of(idle_slice_hours[product_name, profile])
+                if entry.unit == SLICE_HOUR
+                else idle
             )
-        )
+            entry.cost = round_money(entry.idle_rate_hours * card.per_gpu_hour, card.currency)
+            totals[card.currency] += entry.cost
+        summary.rows.append(entry)
         summary.total_hours += idle
     summary.totals = dict(sorted(totals.items()))
     return summary
@@ -347,11 +377,16 @@ def live_claims(*, team: Team, limit: int = LIVE_CLAIMS_SHOWN) -> tuple[list[Liv
 
 
 def team_statements(*, team: Team) -> list[Statement]:
-    return list(
+    """The team's statements, newest first; totals to the currency's minor unit (they are
+    stored to the thousandth, which only some currencies use)."""
+    statements = list(
         Statement.objects.filter(team=team)
         .select_related("period")
         .order_by("-period__start", "currency")
     )
+    for statement in statements:
+        statement.total = round_money(statement.total, statement.currency)
+    return statements
 
 
 CSV_COLUMNS = (
@@ -368,6 +403,8 @@ CSV_COLUMNS = (
     "idle_factor",
     "amount",
     "reason",
+    "rate_unit",  # what `rate` is the price of: a GPU-hour, or an hour of one MIG slice
+    "gpu_share",  # for a price per slice-hour: the slice's share of its GPU
 )
 
 
@@ -396,8 +433,10 @@ def statement_rows(*, team: Team, period_id: int) -> tuple[Period, list[list[str
             str(line.unmeasured_gpu_hours),
             "" if line.rate is None else str(line.rate),
             "" if line.idle_factor is None else str(line.idle_factor),
-            str(line.amount),
+            f"{round_money(line.amount, line.statement.currency):f}",
             line.reason,
+            "" if line.rate is None else line.rate_unit,
+            "" if line.gpu_share is None else str(line.gpu_share),
         ]
         for line in lines
     ]

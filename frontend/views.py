@@ -111,7 +111,7 @@ def statement_csv(request: HttpRequest, slug: str, period_id: int) -> HttpRespon
         raise Http404("No statement for this period.")
     period, rows = found
     response = HttpResponse(content_type="text/csv; charset=utf-8")
-    filename = f"tally-{team.slug}-{period.start:%Y-%m}.csv"
+    filename = f"tally-{team.slug}-{period.label}.csv"
     response["Content-Disposition"] = f'attachment; filename="{filename}"'
     writer = csv.writer(response)
     writer.writerow(selectors.CSV_COLUMNS)

@@ -21,11 +21,11 @@ The format (see docs/policy.example.yaml)::
         selector: device.attributes["gpu.nvidia.com"].productName.startsWith("NVIDIA H100")
         gpus: 8                    # or `memory: 640Gi`: exactly one of the two
         mode: enforce              # enforce (default) | warn
-      budget: {gpuHours: 2000, mode: hard}   # optional; per period; hard | soft
+      budget: {gpuHours: 2000, mode: hard}   # optional; per billing period; hard | soft
     rates:                         # optional; absent: the rate cards are left as they are
     - productName: NVIDIA H100 80GB HBM3
-      profile: 3g.40gb             # optional: a MIG profile's own price
-      perGpuHour: "2.50"
+      profile: 3g.40gb             # optional: the price of an hour of one slice of this
+      perGpuHour: "2.50"           # profile (without: a slice pays its share of the GPU's)
       idleFactor: "0.4"            # 0..1, default 1
       currency: USD
       from: 2026-01-01
@@ -57,7 +57,6 @@ from django.db.models import ProtectedError, RestrictedError
 from kubernetes.utils import parse_quantity
 
 from billing.models import Budget, Period, RateCard
-from billing.pricing import period_bounds
 from inventory.models import DeviceClass
 from quota import audit
 from quota.models import (
@@ -690,8 +689,7 @@ class _ClosedPeriod(NamedTuple):
     @classmethod
     def of(cls, period: Period) -> _ClosedPeriod:
         start, end = period.start.astimezone(UTC), period.end.astimezone(UTC)
-        monthly = (start, end) == period_bounds(start)
-        return cls(f"{start:%Y-%m}" if monthly else str(period), start.date(), end.date())
+        return cls(period.label, start.date(), end.date())
 
 
 @dataclass

@@ -312,7 +312,7 @@ class _Budgets:
 
     expires: float
     budgets: dict[int, Any]
-    used: dict[int, tuple[Any, Decimal]] = field(default_factory=dict)
+    used: dict[int, tuple[str, Decimal]] = field(default_factory=dict)  # period's name, hours
 
 
 _budgets: list[_Budgets] = []
@@ -328,9 +328,12 @@ def _budget_denies(plan: _Plan, requests: list[dra.ParsedRequest]) -> bool:
 
     GPU-hours move slowly: a worker reads the budgets (one query for all teams) and a team's
     hours at most every TALLY_BUDGET_CACHE_SECONDS; a team without a budget costs nothing.
+    The period is the stored one holding now, else the configured one (`period_holding`):
+    stored periods of another length, after TALLY_BILLING_PERIOD changed, never make
+    admission fail, and admission never creates a period.
     """
     from billing.models import Budget
-    from billing.pricing import period_for
+    from billing.pricing import period_holding
     from billing.selectors import team_gpu_hours
 
     assert plan.team is not None
@@ -346,15 +349,15 @@ def _budget_denies(plan: _Plan, requests: list[dra.ParsedRequest]) -> bool:
         return False
     if plan.team.pk not in cache.used:
         now = timezone.now()
-        period = period_for(now)
+        period = period_holding(now)
         cache.used[plan.team.pk] = (
-            period,
+            period.label,
             team_gpu_hours(team=plan.team, period=period, now=now),
         )
-    period, used = cache.used[plan.team.pk]
+    label, used = cache.used[plan.team.pk]
     figures = (
         f'team "{plan.team.slug}" has used {used.quantize(Decimal("0.1"))} of its '
-        f"{budget.gpu_hours.normalize():f} GPU-hour {budget.mode} budget for {period.start:%Y-%m}"
+        f"{budget.gpu_hours.normalize():f} GPU-hour {budget.mode} budget for {label}"
     )
     if used >= budget.gpu_hours and budget.mode == "hard":
         plan.denial, plan.reason = figures, "BudgetExceeded"

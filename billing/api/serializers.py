@@ -5,12 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from decimal import Decimal
+from operator import attrgetter
 from typing import Any
 
 from rest_framework import serializers
 
 from billing.models import Period, RateCard, Statement, StatementLine
-from billing.pricing import MS_PER_HOUR
+from billing.pricing import MS_PER_HOUR, round_money
 from config.api import ReadOnlyModelSerializer
 from quota.api.serializers import VisibleTeamField
 from quota.models import Team
@@ -48,6 +49,20 @@ class GpuHoursField(serializers.DecimalField):
         return super().to_representation(Decimal(value) / MS_PER_HOUR)
 
 
+class MoneyField(serializers.DecimalField):
+    """Money as stored (to the thousandth, which only some currencies use) shown to its
+    currency's minor unit: `5.49` USD, `1.235` KWD, `500` JPY. Reads the amount and the
+    currency from the object by the dotted names given."""
+
+    def __init__(self, *, amount: str, currency: str, **kwargs: Any) -> None:
+        self.names = (amount, currency)
+        super().__init__(max_digits=17, decimal_places=3, source="*", read_only=True, **kwargs)
+
+    def to_representation(self, value: Any) -> Any:
+        amount, currency = (attrgetter(name)(value) for name in self.names)
+        return f"{round_money(amount, currency):f}"
+
+
 class RateCardSerializer(ReadOnlyModelSerializer):
     class Meta:
         model = RateCard
@@ -76,6 +91,7 @@ class StatementSerializer(ReadOnlyModelSerializer):
         slug_field="slug", read_only=True
     )
     period_start = serializers.DateTimeField(source="period.start", read_only=True)
+    total = MoneyField(amount="total", currency="currency")
 
     class Meta:
         model = Statement
@@ -101,6 +117,7 @@ class StatementLineSerializer(ReadOnlyModelSerializer):
     corrects_period_start = serializers.DateTimeField(
         source="corrects_period.start", read_only=True, allow_null=True
     )
+    amount = MoneyField(amount="amount", currency="statement.currency")
 
     class Meta:
         model = StatementLine

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 from django.test import Client
 from django.utils import timezone
+from pytest_django.fixtures import SettingsWrapper
 
-from billing.models import Budget, UsageHour
-from billing.pricing import period_for
+from billing.models import Budget, Period, UsageHour
+from billing.pricing import PricingError, period_bounds, period_for, period_label
 from billing.rollup import hour_start
 from billing.selectors import team_gpu_hours
 from quota.models import Team
@@ -88,3 +89,48 @@ def test_usage_counts_open_allocations_not_yet_rolled_up() -> None:
     hours = team_gpu_hours(team=team, period=period_for(now), now=now)
     expected = Decimal(min(30, now.minute + now.second / 60)) / 60
     assert abs(hours - expected) < Decimal("0.01")
+
+
+def budget_warning(client: Client) -> str:
+    """The warning an admission of the research team gets: its budget is 10 GPU-hours, of
+    which it has used 9 (so every admission warns, naming the period)."""
+    answer = decide(client, claim(f"c-{Period.objects.count()}", [gpu_request(1)]))
+    assert answer["allowed"], answer
+    (warning,) = [text for text in answer["warnings"] if "budget" in text]
+    return str(warning)
+
+
+@pytest.mark.parametrize(("stored", "configured"), [("month", "week"), ("week", "month")])
+def test_stored_periods_of_another_length_never_fail_admission(
+    client: Client, settings: SettingsWrapper, stored: str, configured: str
+) -> None:
+    """After TALLY_BILLING_PERIOD changed, `period_for` refuses the configured period over the
+    stored ones; the webhook counts the budget in the stored period holding now instead."""
+    settings.TALLY_BUDGET_CACHE_SECONDS = 0
+    settings.TALLY_BILLING_PERIOD = stored
+    Budget.objects.create(team=make_team([]), gpu_hours=Decimal(10), mode="hard")
+    used(9)  # stores the period holding now, of the stored length
+    now = timezone.now()
+    settings.TALLY_BILLING_PERIOD = configured
+    with pytest.raises(PricingError, match="the period length cannot change"):
+        period_for(now)
+    start, end = period_bounds(now, length=stored)
+    assert f"has used 9.0 of its 10 GPU-hour hard budget for {period_label(start, end)}" in (
+        budget_warning(client)
+    )
+    assert Period.objects.count() == 1
+
+
+def test_the_budget_warning_names_a_week_as_the_commands_do(
+    client: Client, settings: SettingsWrapper
+) -> None:
+    settings.TALLY_BUDGET_CACHE_SECONDS = 0
+    settings.TALLY_BILLING_PERIOD = "week"
+    Budget.objects.create(team=make_team([]), gpu_hours=Decimal(10), mode="hard")
+    used(9)
+    Period.objects.all().delete()  # admission counts the budget without creating a period
+    now = timezone.now()
+    week = period_label(*period_bounds(now))
+    assert week.startswith(f"{now.isocalendar().year}-W")
+    assert f"10 GPU-hour hard budget for {week}" in budget_warning(client)
+    assert not Period.objects.exists()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
+from fractions import Fraction
 from io import StringIO
 from pathlib import Path
 from typing import Any
@@ -288,10 +289,11 @@ def test_team_totals_add_up_to_the_fleet_total(scenario: Team) -> None:
     )
 
 
-def test_a_mig_profile_card_prices_its_devices_instead_of_the_parents_rate(scenario: Team) -> None:
-    """A rate card for the 3g.40gb profile takes precedence over the A100's own card: the MIG
-    device's GPU-hours (its 3/7 share of the GPU) are priced at the profile's rate and idle
-    factor, on a line of their own."""
+def test_a_mig_profile_card_prices_an_hour_of_the_slice(scenario: Team) -> None:
+    """A rate card for the 3g.40gb profile takes precedence over the A100's own card, and its
+    rate is the price of an hour of one slice, not of a GPU-hour: the MIG device's line keeps
+    GPU-hours (its 3/7 share of the GPU), but is charged for slice-hours, at the profile's rate
+    and idle factor, on a line of its own."""
     RateCard.objects.create(
         product_name="NVIDIA A100-SXM4-80GB",
         profile="3g.40gb",
@@ -311,9 +313,172 @@ def test_a_mig_profile_card_prices_its_devices_instead_of_the_parents_rate(scena
     assert (mig.allocated_gpu_hours, mig.idle_gpu_hours) == (Decimal("0.428571"),) * 2
     assert (mig.utilised_gpu_hours, mig.unmeasured_gpu_hours) == (Decimal(0), Decimal(0))
     assert (mig.rate, mig.idle_factor) == (Decimal("0.90"), Decimal("0.5"))
-    # 0.90 x (1542856/3600000 - (1 - 0.5) x 1542856/3600000) = 0.90 x 0.2142855...
-    # = 0.19285... -> 0.19. The A100's own card would have charged
-    # 1.20 x (0.4285711 - 0.6 x 0.4285711) = 0.20571... -> 0.21.
-    assert mig.amount == Decimal("0.19")
+    assert (mig.gpu_share, mig.rate_unit) == (Decimal("0.428571"), "slice-hour")
+    # In slice-hours: 1,542,856 / 0.428571 = 3,600,000.93 ms = 1.00000026 h held, all idle.
+    # 0.90 x (1.00000026 - (1 - 0.5) x 1.00000026) = 0.90 x 0.50000013 = 0.45000012 -> 0.45.
+    # (Priced per GPU-hour, the same card would charge 0.90 x 0.2142855 = 0.19; the A100's
+    # own card, 1.20 x (0.428571 - 0.6 x 0.428571) = 0.21.)
+    assert mig.amount == Decimal("0.45")
     assert lines["NVIDIA H100 80GB HBM3", ""].amount == Decimal("5.49")
-    assert statement.total == Decimal("5.68")
+    assert lines["NVIDIA H100 80GB HBM3", ""].gpu_share is None
+    assert statement.total == Decimal("5.94")
+
+
+def test_without_its_profiles_card_a_slice_pays_its_share_of_the_gpus_price(
+    scenario: Team,
+) -> None:
+    """A card for another profile changes nothing: the 3g.40gb slice is on the A100's line,
+    priced per GPU-hour at the A100's rate, which is that rate times its share per slice-hour."""
+    RateCard.objects.create(
+        product_name="NVIDIA A100-SXM4-80GB",
+        profile="1g.10gb",
+        per_gpu_hour=Decimal("0.30"),
+        currency="USD",
+        valid_from=date(2026, 1, 1),
+    )
+    (statement,) = pricing.refresh_statements(period=pricing.period_for(T10))
+    (mig,) = statement.lines.filter(product_name="NVIDIA A100-SXM4-80GB")
+    assert (mig.profile, mig.gpu_share, mig.rate_unit) == ("", None, "GPU-hour")
+    # 1.20 x 1,542,856 / 3,600,000 = 1.20 x 3/7 x 1.00000026 = 0.514285... -> 0.51.
+    assert (mig.rate, mig.amount) == (Decimal("1.20"), Decimal("0.51"))
+
+
+@pytest.mark.parametrize(
+    ("currency", "rate", "amount"),
+    [
+        # 0.7651 x (2.5 - 0.6 x 1830/3600) = 0.7651 x 2.195 = 1.6793945 -> 1.679 (fils).
+        ("KWD", "0.7651", "1.679"),
+        # 375 x 2.195 = 823.125 -> 823 (no minor unit).
+        ("JPY", "375", "823"),
+    ],
+)
+def test_amounts_are_stored_to_the_currencys_minor_unit(
+    scenario: Team, currency: str, rate: str, amount: str
+) -> None:
+    RateCard.objects.filter(product_name="NVIDIA H100 80GB HBM3").update(
+        currency=currency, per_gpu_hour=Decimal(rate)
+    )
+    period = pricing.period_for(T10)
+    pricing.refresh_statements(period=period)
+    line = StatementLine.objects.get(statement__currency=currency)
+    assert (line.amount, line.statement.total) == (Decimal(amount), Decimal(amount))
+    assert f"{pricing.round_money(line.amount, currency):f}" == amount
+    # Every minor unit round_money knows fits what is stored.
+    assert (
+        max(pricing.MINOR_UNITS.values()) <= StatementLine._meta.get_field("amount").decimal_places
+    )
+
+
+@pytest.mark.parametrize(
+    ("amount", "currency", "rounded"),
+    [
+        (Decimal("2.675"), "USD", "2.68"),
+        (Decimal("-2.675"), "USD", "-2.68"),  # half away from zero
+        (Fraction(1, 3), "USD", "0.33"),
+        (Fraction(2469, 2000), "KWD", "1.235"),  # 1.2345
+        (Fraction(-2469, 2000), "KWD", "-1.235"),
+        (Fraction(1, 2), "JPY", "1"),
+        (Decimal(0), "BHD", "0.000"),
+    ],
+)
+def test_money_is_rounded_half_up_once_from_the_exact_amount(
+    amount: Decimal | Fraction, currency: str, rounded: str
+) -> None:
+    assert str(pricing.round_money(amount, currency)) == rounded
+
+
+def test_a_consumable_share_of_a_slice_pays_that_share_of_the_slices_price(
+    scenario: Team, tmp_path: Path
+) -> None:
+    """A claim that consumed half the 3g.40gb slice's memory (KEP-5075) holds half the slice:
+    an hour of it is half a slice-hour at the profile's price, not a whole one."""
+    RateCard.objects.create(
+        product_name="NVIDIA A100-SXM4-80GB",
+        profile="3g.40gb",
+        per_gpu_hour=Decimal("0.90"),
+        currency="USD",
+        valid_from=date(2026, 1, 1),
+    )
+    half = claim("half", "gpu-1-mig-3g40gb-0", T10 + timedelta(hours=3))
+    half["status"]["allocation"]["devices"]["results"][0]["consumedCapacity"] = {"memory": "20Gi"}
+    gone = claim("train", "gpu-0", T10, allocated=False)
+    load_dump(tmp_path, [gone, half], T10 + timedelta(hours=3))
+    load_dump(tmp_path, [gone], T10 + timedelta(hours=4))
+    rollup.rollup_hour(hour=T10.replace(hour=13), now=T10 + timedelta(days=1))
+    row = UsageHour.objects.get(claim_name="half")
+    # 3,600,000 ms x 0.214286 (half of 3/7) = 771,430 GPU-ms, never measured.
+    assert (row.gpu_share, row.allocated_gpu_ms) == (Decimal("0.214286"), 771_430)
+    (statement,) = pricing.refresh_statements(period=pricing.period_for(T10))
+    mig = statement.lines.get(profile="3g.40gb")
+    # The tune claim's whole slice for an hour, 1,542,856 GPU-ms, and this half: 2,314,286
+    # GPU-ms / 0.428571 = 5,400,006.07 ms = 1.50000169 slice-hours, all unmeasured (billed
+    # whole): 0.90 x 1.50000169 = 1.35000152 -> 1.35. (Half a slice counted as a whole one
+    # would be 0.90 x 2 = 1.80.)
+    assert (mig.allocated_gpu_hours, mig.gpu_share) == (Decimal("0.642857"), Decimal("0.428571"))
+    assert mig.amount == Decimal("1.35")
+
+
+def test_a_price_change_within_a_closed_period_is_no_late_data(scenario: Team) -> None:
+    """A month priced by two cards of one model has a line per price; once it is closed, the
+    next period's statement has no adjustment for it until data for it arrives late."""
+    h100_row = UsageHour.objects.filter(device_uuid="GPU-H").order_by("hour").first()
+    assert h100_row is not None
+    h100_row.pk, h100_row.hour = None, T10 - timedelta(days=1)  # an hour on 14 October too
+    h100_row.save()
+    RateCard.objects.filter(product_name="NVIDIA H100 80GB HBM3").update(
+        valid_until=date(2026, 10, 15)
+    )
+    RateCard.objects.create(
+        product_name="NVIDIA H100 80GB HBM3",
+        per_gpu_hour=Decimal("3.00"),
+        idle_factor=Decimal("0.4"),
+        currency="USD",
+        valid_from=date(2026, 10, 15),
+    )
+    october = pricing.period_for(T10)
+    pricing.close_period(period=october, actor="finance")
+    h100 = StatementLine.objects.filter(product_name="NVIDIA H100 80GB HBM3").order_by("rate")
+    # 14 Oct: 1 h at 50% (0.5 h idle): 2.50 x (1 - 0.6 x 0.5) = 1.75. 15 Oct as before, at
+    # 3.00: 3.00 x 2.195 = 6.585 -> 6.59.
+    assert [(line.rate, line.amount) for line in h100] == [
+        (Decimal("2.50"), Decimal("1.75")),
+        (Decimal("3.00"), Decimal("6.59")),
+    ]
+    november = pricing.period_for(datetime(2026, 11, 10, tzinfo=UTC))
+    assert pricing.refresh_statements(period=november) == []
+    # Late data for the 14th is adjusted at that day's price.
+    UsageHour.objects.filter(hour=T10 - timedelta(days=1)).update(utilised_gpu_ms=3_600_000)
+    (statement,) = pricing.refresh_statements(period=november)
+    (adjustment,) = statement.lines.all()
+    # 2.50 x 1 = 2.50 instead of 1.75.
+    assert (adjustment.rate, adjustment.amount) == (Decimal("2.50"), Decimal("0.75"))
+
+
+def test_the_statement_says_a_rate_is_per_slice_hour(scenario: Team) -> None:
+    RateCard.objects.create(
+        product_name="NVIDIA A100-SXM4-80GB",
+        profile="3g.40gb",
+        per_gpu_hour=Decimal("0.90"),
+        currency="USD",
+        valid_from=date(2026, 1, 1),
+    )
+    call_command("run_billing", "--period", "2026-10", stdout=StringIO())
+    out = StringIO()
+    call_command(
+        "statement", "--team", "vision", "--period", "2026-10", "--format", "json", stdout=out
+    )
+    lines = {line["product"]: line for line in json.loads(out.getvalue())["lines"]}
+    mig, h100 = lines["NVIDIA A100-SXM4-80GB"], lines["NVIDIA H100 80GB HBM3"]
+    # 1,542,856 GPU-ms / 0.428571 = 1.00000026 slice-hours, never measured: 0.90 -> 0.90.
+    assert (mig["profile"], mig["unit"], mig["gpu_share"]) == ("3g.40gb", "slice-hour", "0.428571")
+    assert (mig["allocated_gpu_hours"], mig["rate"], mig["amount"]) == (
+        "0.428571",
+        "0.9000",
+        "0.90",
+    )
+    assert (h100["unit"], h100["gpu_share"]) == ("GPU-hour", None)
+    out = StringIO()
+    call_command("statement", "--team", "vision", "--period", "2026-10", stdout=out)
+    text = out.getvalue()
+    assert "0.9000/slice-h" in text
+    assert "x idle) / the slice's share of its GPU (3g.40gb: 0.428571)" in text

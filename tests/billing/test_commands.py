@@ -32,6 +32,8 @@ H100 = {
     # 2.50 x (2.5 - 0.6 x 1830/3600) = 5.4875 -> 5.49
     "amount": "5.49",
     "idle_factor": "0.4000",
+    "unit": "GPU-hour",
+    "gpu_share": None,
     "kind": "usage",
     "profile": "",
     "corrects_period": None,
@@ -48,6 +50,8 @@ MIG = {
     # 1.20 x 1542856/3600000 = 0.514285... -> 0.51
     "amount": "0.51",
     "idle_factor": "0.4000",
+    "unit": "GPU-hour",
+    "gpu_share": None,
     "kind": "usage",
     "profile": "",
     "corrects_period": None,

@@ -207,3 +207,29 @@ def test_the_admin_lists_periods_by_the_name_the_commands_take(
     listing = admin_client.get("/admin/billing/period/")
     assert listing.status_code == 200
     assert "2026-W47" in listing.content.decode()
+
+
+def test_period_holding_takes_the_stored_period_whatever_its_length(
+    weekly: SettingsWrapper,
+) -> None:
+    """What a budget counts in: the stored period holding the moment, else the configured
+    one less what stored periods hold, never written and never refused."""
+    # Nothing stored: the configured week, unsaved.
+    week = pricing.period_holding(utc(2026, 11, 19, 12))
+    assert (week.pk, week.start, week.end) == (None, utc(2026, 11, 16), utc(2026, 11, 23))
+    assert not Period.objects.exists()
+    # November stored as a month before billing turned weekly: it holds its days.
+    weekly.TALLY_BILLING_PERIOD = "month"
+    november = pricing.period_for(utc(2026, 11, 5))
+    weekly.TALLY_BILLING_PERIOD = "week"
+    assert pricing.period_holding(utc(2026, 11, 19, 12)) == november
+    # The week of Monday 2026-11-30 overlaps November: it counts from December on.
+    december = pricing.period_holding(utc(2026, 12, 2))
+    assert (december.pk, december.start, december.end) == (None, utc(2026, 12, 1), utc(2026, 12, 7))
+    assert december.label == "2026-12-01..2026-12-07"
+    assert Period.objects.count() == 1
+
+
+def test_a_period_is_labelled_as_the_commands_name_it() -> None:
+    assert Period(start=utc(2026, 11, 1), end=utc(2026, 12, 1)).label == "2026-11"
+    assert Period(start=utc(2026, 11, 16), end=utc(2026, 11, 23)).label == "2026-W47"

@@ -300,3 +300,17 @@ def test_budgets_are_removed_only_with_prune() -> None:
     entry = AuditEntry.objects.get(object_type="budget", action="delete")
     assert entry.before is not None
     assert entry.before["gpu_hours"] == "2000.000"
+
+
+def test_closed_periods_are_named_as_the_commands_name_them(settings: Any) -> None:
+    """A closed week is `2026-W42` and a closed month `2026-09`, whatever the period length
+    configured now (a month stored before billing turned weekly keeps its name)."""
+    settings.TALLY_BILLING_PERIOD = "week"
+    apply_text(POLICY)
+    close(datetime(2026, 9, 1, tzinfo=UTC), datetime(2026, 10, 1, tzinfo=UTC))
+    close(datetime(2026, 10, 12, tzinfo=UTC), datetime(2026, 10, 19, tzinfo=UTC))
+
+    assert errors_of(POLICY.replace('"2.50"', '"3.00"')) == [
+        "rates[0]: the rate for NVIDIA H100 80GB HBM3 (USD) from 2026-01-01 was used by the "
+        "closed periods 2026-09, 2026-W42; add a new entry from a later date instead",
+    ]

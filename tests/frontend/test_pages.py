@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
-from datetime import timedelta
+from datetime import date, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -13,7 +13,7 @@ import pytest
 from django.test import Client
 from django.urls import reverse
 
-from billing.models import UsageHour
+from billing.models import RateCard, UsageHour
 from frontend import selectors
 from quota.models import Membership, Role
 from tests.frontend.seed import DECISIONS, OUTLIER_NODE, PASSWORD, Portal
@@ -119,6 +119,7 @@ def test_team_page_shows_quota_budget_usage_and_statements(portal: Portal) -> No
             )
     burn = context["burn"]
     assert burn.budget == Decimal(2000) and burn.mode == "soft"
+    assert burn.period_label == f"{burn.period_start:%Y-%m}"  # monthly billing
     assert burn.days[-1].ideal == 0
     # The idle hours are priced at each model's rate card.
     for row in context["idle"].rows:
@@ -210,3 +211,35 @@ def test_team_page_queries_do_not_grow_with_usage(
     _more_usage(portal)
     with django_assert_max_num_queries(MAX_TEAM_PAGE_QUERIES):
         assert client.get(url).status_code == 200
+
+
+def test_idle_slices_are_priced_per_slice_hour_by_their_profiles_card(portal: Portal) -> None:
+    """A MIG profile's own card is the price of an hour of one slice: the idle GPU-hours of
+    its slices are divided by their share of the GPU before they are priced."""
+    since, until = portal.now - timedelta(days=30), portal.now
+    usage = UsageHour.objects.filter(team=portal.team_a, hour__gte=since, hour__lt=until)
+    mig = usage.exclude(profile="").select_related("allocation__device").first()
+    assert mig is not None and mig.allocation.device is not None
+    share = mig.allocation.device.gpu_share
+    assert 0 < share < 1
+    RateCard.objects.create(
+        product_name=mig.product_name,
+        profile=mig.profile,
+        per_gpu_hour=Decimal("0.50"),
+        currency="USD",
+        valid_from=date(2020, 1, 1),
+    )
+    (row,) = [
+        row
+        for row in selectors.idle_cost(team=portal.team_a, since=since, until=until).rows
+        if (row.product_name, row.profile) == (mig.product_name, mig.profile)
+    ]
+    idle_ms = sum(
+        hour.idle_gpu_ms
+        for hour in usage.filter(product_name=mig.product_name, profile=mig.profile)
+    )
+    assert row.idle == (Decimal(idle_ms) / 3_600_000).quantize(Decimal("0.01"))
+    slice_hours = (Decimal(idle_ms) / share / 3_600_000).quantize(Decimal("0.01"))
+    assert (row.unit, row.rate, row.idle_rate_hours) == ("slice-hour", Decimal("0.50"), slice_hours)
+    assert row.cost == (slice_hours * Decimal("0.50")).quantize(Decimal("0.01"))
+    assert slice_hours > row.idle

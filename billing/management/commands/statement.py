@@ -19,11 +19,12 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
 from billing import pricing
-from billing.models import LineKind, Period, Statement, StatementLine
+from billing.models import SLICE_HOUR, LineKind, Period, Statement, StatementLine
 from quota.models import Team
 
 HOURS = Decimal("0.000001")
 RATE = Decimal("0.0001")
+SHARE = Decimal("0.000001")
 TEAMS_NAMED = 20
 
 
@@ -149,7 +150,10 @@ def statement_json(statement: Statement) -> dict[str, Any]:
     each line carries its `idle_factor` (so `amount = rate x (allocated - (1 - idle_factor) x
     idle)` can be checked), `kind` (`usage`, or `adjustment`: late data for the closed period
     named in `corrects_period`, or a correction finance made), the MIG `profile` priced by
-    its own rate card (empty otherwise) and the `reason` for an adjustment or an unpriced
+    its own rate card (empty otherwise), `unit`, what the rate is the price of (`GPU-hour`,
+    or for a profile's card `slice-hour`, an hour of one slice, whose `gpu_share` of its GPU
+    turns the line's GPU-hours into slice-hours: amount = rate x (allocated - (1 -
+    idle_factor) x idle) / gpu_share), and the `reason` for an adjustment or an unpriced
     model."""
     period = statement.period
     return {
@@ -166,6 +170,8 @@ def statement_json(statement: Statement) -> dict[str, Any]:
                 "rate": _decimal(line.rate, RATE),
                 "amount": _money(line.amount, statement.currency),
                 "idle_factor": _decimal(line.idle_factor, RATE),
+                "unit": None if line.rate is None else line.rate_unit,
+                "gpu_share": _decimal(line.gpu_share, SHARE),
                 "kind": line.kind,
                 "profile": line.profile,
                 "corrects_period": (
@@ -219,7 +225,8 @@ def statement_text(statement: Statement) -> str:
             "note",
         )
     ]
-    for line in _lines(statement):
+    lines = _lines(statement)
+    for line in lines:
         row = (
             line.kind,
             line.product_name or "-",
@@ -229,7 +236,7 @@ def statement_text(statement: Statement) -> str:
             _decimal(line.idle_gpu_hours, HOURS) or "",
             _decimal(line.unmeasured_gpu_hours, HOURS) or "",
             _efficiency(line),
-            _decimal(line.rate, RATE) or "-",
+            _rate(line),
             _decimal(line.idle_factor, RATE) or "",
             _money(line.amount, statement.currency),
             line.reason,
@@ -247,4 +254,19 @@ def statement_text(statement: Statement) -> str:
         ]
         table.append("  ".join([*cells, row[-1]]).rstrip())
     footer = ["", "GPU-hours; amount = rate x (allocated - (1 - idle factor) x idle)"]
+    slices = sorted({(line.profile, line.gpu_share) for line in lines if line.gpu_share})
+    if slices:
+        shares = ", ".join(f"{profile}: {share:f}" for profile, share in slices)
+        footer.append(
+            "rate/slice-h: the price of an hour of one MIG slice; amount = rate x (allocated - "
+            f"(1 - idle factor) x idle) / the slice's share of its GPU ({shares})"
+        )
     return "\n".join(header + table + footer)
+
+
+def _rate(line: StatementLine) -> str:
+    """The rate, marked `/slice-h` when it is the price of an hour of one MIG slice."""
+    if line.rate is None:
+        return "-"
+    rate = _decimal(line.rate, RATE)
+    return f"{rate}/slice-h" if line.rate_unit == SLICE_HOUR else str(rate)
