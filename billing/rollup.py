@@ -114,9 +114,11 @@ GROUP BY device_uuid, h
 """
 # The usage rows of allocations over the hours they hold whole (their part of the window's
 # hour, all of it): nearly every row. `iv` is the allocations, each with its first and last
-# such hour; `held` one row per allocation and hour; `coverage` the device's hour, its spill
-# from the hour before added. GPU-milliseconds are rounded half up: exactly, in integers, for
-# held and unmeasured time (shares are millionths); utilised time is a measurement (double).
+# such hour, and `{held}` one row per allocation and hour (PostgreSQL: generate_series; SQLite,
+# which has none: the recursive `held`); each takes its device's hour from `per_hour` and the
+# part of the hour before's spans that spills into it. GPU-milliseconds are rounded half up:
+# exactly, in integers, for held and unmeasured time (shares are millionths); utilised time
+# is a measurement (a double). Rows go in in (hour, allocation) order, the unique index's.
 _WHOLE_HOURS_SQL = """
 WITH RECURSIVE
 iv(allocation_id, cluster_id, device_uuid, product_name, profile, gpu_share, namespace,
@@ -127,30 +129,32 @@ held(allocation_id, h, h1) AS (
     SELECT allocation_id, h + 1, h1 FROM held WHERE h < h1
 ),
 per_hour AS ({per_hour}),
-coverage AS (
-    SELECT device_uuid, h, CAST(SUM(covered) AS bigint) AS covered, SUM(weighted) AS weighted
-    FROM (
-        SELECT device_uuid, h, covered, weighted FROM per_hour
-        UNION ALL
-        SELECT device_uuid, h + 1, spill, spill_weighted FROM per_hour WHERE spill IS NOT NULL
-    ) AS parts
-    GROUP BY device_uuid, h
+spills AS (
+    SELECT device_uuid, h + 1 AS h, spill, spill_weighted FROM per_hour WHERE spill IS NOT NULL
 ),
 usage AS (
-    SELECT held.h, iv.*, coverage.covered, coverage.weighted,
+    SELECT held.h, iv.*,
+           COALESCE(own.covered, 0) + COALESCE(spills.spill, 0) AS covered,
+           COALESCE(own.weighted, 0) + COALESCE(spills.spill_weighted, 0) AS weighted,
            {least}((held.h + 1) * {hour}, %(end)s) - {greatest}(held.h * {hour}, %(start)s)
            AS length
-    FROM held JOIN iv ON iv.allocation_id = held.allocation_id
-    LEFT JOIN coverage ON coverage.device_uuid = iv.device_uuid AND coverage.h = held.h
+    FROM {held}
+    LEFT JOIN per_hour AS own ON own.device_uuid = iv.device_uuid AND own.h = held.h
+    LEFT JOIN spills ON spills.device_uuid = iv.device_uuid AND spills.h = held.h
 )
 INSERT INTO billing_usagehour ({columns})
 SELECT {hour_timestamp}, allocation_id, cluster_id, device_uuid, product_name, profile,
        gpu_share, namespace, claim_name, team_id, job, username,
        (length * share_micro + 500000) / 1000000,
        {utilised},
-       ((length - COALESCE(covered, 0)) * share_micro + 500000) / 1000000
+       ((length - covered) * share_micro + 500000) / 1000000
 FROM usage
+ORDER BY h, allocation_id
 """
+_HELD = {
+    "postgresql": "iv CROSS JOIN LATERAL generate_series(iv.h0, iv.h1) AS held(h)",
+    "sqlite": "held JOIN iv ON iv.allocation_id = held.allocation_id",
+}
 # Per piece of an allocation that starts or ends inside an hour (or inside the window): the
 # time its device's samples cover within `[a0, a1)`, and that time weighted by utilisation.
 _PIECE_COVERAGE_SQL = """
@@ -425,11 +429,10 @@ def _insert_whole_hours(
                 _WHOLE_HOURS_SQL,
                 intervals=json_rows(*_INTERVAL_TYPES, placeholder="%(intervals)s"),
                 per_hour=per_hour,
+                held=_HELD[vendor],
                 columns=", ".join(_USAGE_COLUMNS),
                 hour_timestamp=_HOUR_TIMESTAMP[vendor].format(h="h"),
-                utilised=_ROUND_HALF_UP[vendor].format(
-                    x="COALESCE(weighted, 0) * share_micro / 100000000.0"
-                ),
+                utilised=_ROUND_HALF_UP[vendor].format(x="weighted * share_micro / 100000000.0"),
             ),
             params,
         )
