@@ -14,7 +14,7 @@ import logging
 from typing import Any
 
 from django.conf import settings
-from django.db import DatabaseError, connection, transaction
+from django.db import DatabaseError, transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
@@ -25,7 +25,7 @@ from config.logging import PARSED_REVIEW
 from inventory.models import Cluster
 from inventory.services import get_cluster
 from quota import services
-from quota.selectors import fetch_prepared
+from quota.selectors import admission_session
 
 log = logging.getLogger(__name__)
 API_VERSION = "admission.k8s.io/v1"
@@ -151,18 +151,16 @@ def respond(request: dict[str, Any], *, mutate: bool = False) -> dict[str, Any]:
     user_info = request.get("userInfo") if isinstance(request.get("userInfo"), dict) else {}
     assert isinstance(user_info, dict)
     try:
-        with transaction.atomic():
-            if connection.vendor == "postgresql":
-                # The API server waits timeoutSeconds (3 s); never hang on a lock past that.
-                timeout = f"{int(settings.TALLY_WEBHOOK_DB_TIMEOUT_MS)}ms"
-                # Durability of the reservation's commit: see TALLY_WEBHOOK_SYNCHRONOUS_COMMIT.
-                durable = "on" if settings.TALLY_WEBHOOK_SYNCHRONOUS_COMMIT else "off"
-                fetch_prepared(
-                    "SELECT set_config('statement_timeout', %s, true), "
-                    "set_config('lock_timeout', %s, true), "
-                    "set_config('synchronous_commit', %s, true)",
-                    [timeout, timeout, durable],
-                )
+        # The API server waits timeoutSeconds (3 s): no statement after the admission's first
+        # read, and no wait for a lock, may run past the timeout. The commit's durability:
+        # see TALLY_WEBHOOK_SYNCHRONOUS_COMMIT. Both are set by that first read.
+        with (
+            transaction.atomic(),
+            admission_session(
+                timeout=f"{int(settings.TALLY_WEBHOOK_DB_TIMEOUT_MS)}ms",
+                synchronous_commit="on" if settings.TALLY_WEBHOOK_SYNCHRONOUS_COMMIT else "off",
+            ),
+        ):
             cluster = _cluster()
             if mutate:
                 decision = services.fit_alternatives(cluster=cluster, claim=claim)

@@ -147,6 +147,7 @@ def test_the_webhook_statements_are_prepared_once_per_connection() -> None:
             "SELECT count(*), sum(generic_plans + custom_plans) FROM pg_prepared_statements"
         )
         statements, executions = cursor.fetchone()
-    # The timeouts, the usage read and the reservation: prepared once each, run every time.
-    assert statements == 3
-    assert executions == 18
+    # The usage read (which also sets the timeouts) and the reservation: prepared once each,
+    # run every time.
+    assert statements == 2
+    assert executions == 12
