@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Q
+from django.db.models import Q, QuerySet
 from django.db.models.fields.json import KeyTextTransform
 from django.utils import timezone
 from kubernetes.utils import parse_quantity
@@ -105,7 +105,7 @@ FROM (
     FROM (
         SELECT device_uuid, gpu_util, ts_ms, ts_ms / {hour} AS h,
                (ts_ms / {hour} + 1) * {hour} AS next_h,
-               ts_ms + {least}(COALESCE(gap_ms, %(hold)s), %(hold)s) AS e
+               {span_end} AS e
         FROM billing_sample
         WHERE ts_ms >= %(start)s - %(hold)s AND ts_ms < %(end)s AND gpu_util IS NOT NULL
     ) AS spans
@@ -162,7 +162,7 @@ WITH pieces(piece, uuid, a0, a1) AS ({pieces})
 SELECT piece, SUM(covered), SUM(covered * gpu_util)
 FROM (
     SELECT pieces.piece, s.gpu_util,
-           {least}(s.ts_ms + {least}(COALESCE(s.gap_ms, %(hold)s), %(hold)s), pieces.a1)
+           {least}({span_end}, pieces.a1)
            - {greatest}(s.ts_ms, pieces.a0) AS covered
     FROM pieces JOIN billing_sample AS s
       ON s.device_uuid = pieces.uuid AND s.ts_ms >= pieces.a0 - %(hold)s AND s.ts_ms < pieces.a1
@@ -181,9 +181,23 @@ _INTERVAL_TYPES = (
 _PER_HOUR_TABLE = "tally_rollup_per_hour"
 
 
-def _sql(template: str, **parts: str) -> str:
+# Where a sample's utilisation stops holding: its gap to the device's next sample, at most
+# the hold (a gap not yet known: the hold). `{s}` is the sample table's name with a dot, or
+# nothing.
+_SPAN_END = "{s}ts_ms + {least}(COALESCE({s}gap_ms, %(hold)s), %(hold)s)"
+
+
+def _sql(template: str, *, sample: str = "", **parts: str) -> str:
+    """`template` for this database; `sample` names the sample table in `{span_end}`."""
     vendor = connection.vendor
-    return template.format(greatest=_GREATEST[vendor], least=_LEAST[vendor], hour=HOUR_MS, **parts)
+    least = _LEAST[vendor]
+    return template.format(
+        greatest=_GREATEST[vendor],
+        least=least,
+        hour=HOUR_MS,
+        span_end=_SPAN_END.format(s=f"{sample}." if sample else "", least=least),
+        **parts,
+    )
 
 
 def rollup_hour(*, hour: datetime, now: datetime | None = None) -> int:
@@ -206,10 +220,8 @@ def rollup_hours(*, hours: Iterable[datetime], now: datetime | None = None) -> i
     starts = sorted({hour_start(hour) for hour in hours})
     if not starts:
         return 0
-    held = Allocation.objects.filter(
-        Q(end__isnull=True) | Q(end__gt=starts[0]), start__lt=starts[-1] + HOUR
-    ).exclude(device=None)
-    per_run = max(1, settings.TALLY_ROLLUP_DEVICE_HOURS // max(1, held.count()))
+    held = _held(starts[0], starts[-1] + HOUR).count()
+    per_run = max(1, settings.TALLY_ROLLUP_DEVICE_HOURS // max(1, held))
     written = 0
     for first, count in _runs(starts, per_run):
         with metrics.ROLLUP_DURATION.time():
@@ -252,8 +264,9 @@ def _rollup_run(first: datetime, count: int, now: datetime) -> int:
             return 0
         intervals = _intervals(first, count, window_start, window_end)
         whole, partial = _split(intervals, window_start, window_end)
-        written = _insert_whole_hours(whole, intervals, window_start, window_end)
-        rows = _partial_rows(partial, intervals)
+        attribution = _attribution(intervals)
+        written = _insert_whole_hours(whole, attribution, window_start, window_end)
+        rows = _partial_rows(partial, attribution)
         insert_rows(UsageHour, _USAGE_COLUMNS, rows, types=_USAGE_TYPES)
     return written + len(rows)
 
@@ -276,14 +289,17 @@ _INTERVAL_FIELDS = (
 )
 
 
+def _held(start: datetime, end: datetime) -> QuerySet[Allocation]:
+    """Allocations of a device with a UUID (which samples name) held at some time in
+    `[start, end)`."""
+    return Allocation.objects.filter(
+        Q(end__isnull=True) | Q(end__gt=start), start__lt=end, device__isnull=False
+    ).exclude(device__uuid="")
+
+
 def _intervals(first: datetime, count: int, window_start: int, window_end: int) -> list[_Interval]:
     rows = (
-        Allocation.objects.filter(
-            Q(end__isnull=True) | Q(end__gt=first),
-            start__lt=first + count * HOUR,
-            device__isnull=False,
-        )
-        .exclude(device__uuid="")
+        _held(first, first + count * HOUR)
         # The one key read, rather than every allocation's JSON parsed in Python.
         .annotate(consumed_memory=KeyTextTransform("memory", "consumed_capacity"))
         .order_by("pk")
@@ -387,7 +403,7 @@ def _attribution(intervals: list[_Interval]) -> dict[int, _Attribution]:
 
 def _insert_whole_hours(
     whole: list[tuple[_Interval, int, int]],
-    intervals: list[_Interval],
+    attribution: dict[int, _Attribution],
     window_start: int,
     window_end: int,
 ) -> int:
@@ -395,7 +411,6 @@ def _insert_whole_hours(
     if not whole:
         return 0
     vendor = connection.vendor
-    attribution = _attribution([interval for interval, _, _ in whole])
     params: dict[str, int | str] = {
         "start": window_start,
         "end": window_end,
@@ -454,6 +469,7 @@ def _piece_coverage(pieces: list[_Piece]) -> dict[int, tuple[int, float]]:
         cursor.execute(
             _sql(
                 _PIECE_COVERAGE_SQL,
+                sample="s",
                 pieces=json_rows("bigint", "text", "bigint", "bigint", placeholder="%(pieces)s"),
             ),
             {
@@ -493,10 +509,11 @@ _USAGE_TYPES = (
 )  # fmt: skip
 
 
-def _partial_rows(pieces: list[_Piece], intervals: list[_Interval]) -> list[tuple[Any, ...]]:
+def _partial_rows(
+    pieces: list[_Piece], attribution: dict[int, _Attribution]
+) -> list[tuple[Any, ...]]:
     """The usage rows of the hours allocations hold in part, made here: they are few."""
     coverage = _piece_coverage(pieces)
-    attribution = _attribution([piece.interval for piece in pieces])
     rows = []
     for index, piece in enumerate(pieces):
         interval = piece.interval
