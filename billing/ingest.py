@@ -4,7 +4,8 @@ The hot path (`validate_samples` then `ingest`) handles plain tuples, never mode
 on PostgreSQL a batch is COPYed (binary) straight into `billing_sample`, under a savepoint;
 a batch that meets a stored sample, or repeats one, takes the general way instead: a temporary
 table and one `INSERT ... SELECT ... ON CONFLICT DO NOTHING`. Either way a device and instant
-are stored once however often (and however concurrently) they are sent.
+are stored once however often (and however concurrently) they are sent, and each sample's gap
+to its device's next one is kept right (`refresh_gaps`), under the device's lock.
 """
 
 from __future__ import annotations
@@ -483,37 +484,56 @@ def _lock_devices(cursor: CursorWrapper, uuids: Iterable[str]) -> None:
 
 
 # Per device in `r`: its samples from the one before `lo` to the one after `hi`, their gaps
-# worked out again; the rows whose gap changed are updated. The sample after `hi` keeps its
-# own (its next sample is not read).
+# worked out again; the rows whose gap changed, with their new gap. The sample after `hi`
+# keeps its own (its next sample is not read).
 _REFRESH_GAPS_SQL = """
 WITH r(uuid, lo, hi) AS ({bounds}),
+span AS (
+    SELECT r.uuid,
+           COALESCE((SELECT MAX(p.ts_ms) FROM billing_sample AS p
+                     WHERE p.device_uuid = r.uuid AND p.ts_ms < r.lo), r.lo) AS lo,
+           COALESCE((SELECT MIN(n.ts_ms) FROM billing_sample AS n
+                     WHERE n.device_uuid = r.uuid AND n.ts_ms > r.hi), r.hi) AS hi
+    FROM r
+),
 near AS (
+    -- The ends worked out first, so each device's samples are one index range.
     SELECT s.id, s.device_uuid, s.ts_ms, s.gap_ms
-    FROM r JOIN billing_sample AS s ON s.device_uuid = r.uuid
-    WHERE s.ts_ms >= COALESCE((SELECT MAX(p.ts_ms) FROM billing_sample AS p
-                               WHERE p.device_uuid = r.uuid AND p.ts_ms < r.lo), r.lo)
-      AND s.ts_ms <= COALESCE((SELECT MIN(n.ts_ms) FROM billing_sample AS n
-                               WHERE n.device_uuid = r.uuid AND n.ts_ms > r.hi), r.hi)
+    FROM span JOIN billing_sample AS s
+      ON s.device_uuid = span.uuid AND s.ts_ms >= span.lo AND s.ts_ms <= span.hi
 ),
 following AS (
     SELECT id, gap_ms AS stored,
            LEAD(ts_ms) OVER (PARTITION BY device_uuid ORDER BY ts_ms) - ts_ms AS gap
     FROM near
 )
-UPDATE billing_sample SET gap_ms = following.gap
-FROM following
-WHERE billing_sample.id = following.id AND following.gap IS NOT NULL
-  AND (following.stored IS NULL OR following.stored <> following.gap)
+SELECT id, gap FROM following
+WHERE gap IS NOT NULL AND (stored IS NULL OR stored <> gap)
+"""
+# The changed gaps, by primary key. A separate statement: joined to the samples within one
+# UPDATE, the planner expects many rows from the window and hashes the whole table.
+_SET_GAPS_SQL = """
+WITH changed(id, gap) AS ({changed})
+UPDATE billing_sample SET gap_ms = changed.gap
+FROM changed
+WHERE billing_sample.id = changed.id
 """
 
 
 def refresh_gaps(cursor: CursorWrapper, bounds: dict[str, _Bounds]) -> None:
     """Work out again the gaps of the devices' samples from the one before `first_ms` to
     `last_ms`: after samples were stored between them, in any order."""
-    if bounds:
+    if not bounds:
+        return
+    cursor.execute(
+        _REFRESH_GAPS_SQL.format(bounds=json_rows("text", "bigint", "bigint")),
+        [json.dumps([[uuid, *bound] for uuid, bound in sorted(bounds.items())])],
+    )
+    changed = cursor.fetchall()
+    if changed:
         cursor.execute(
-            _REFRESH_GAPS_SQL.format(bounds=json_rows("text", "bigint", "bigint")),
-            [json.dumps([[uuid, *bound] for uuid, bound in sorted(bounds.items())])],
+            _SET_GAPS_SQL.format(changed=json_rows("bigint", "bigint")),
+            [json.dumps([list(row) for row in changed])],
         )
 
 
@@ -535,17 +555,11 @@ def fill_gaps(uuids: Iterable[str]) -> None:
         refresh_gaps(cursor, bounds)
 
 
-# Per device of the batch: the sample just before its first instant (and that one's gap), and
-# the first sample at or after it.
-_NEIGHBOURS_SQL = """
-SELECT r.uuid, before.ts_ms, before.gap_ms,
-       (SELECT MIN(s.ts_ms) FROM billing_sample AS s
-        WHERE s.device_uuid = r.uuid AND s.ts_ms >= r.lo)
+# Per device of the batch: the first sample stored at or after its first instant.
+_FOLLOWING_SQL = """
+SELECT r.uuid, (SELECT MIN(s.ts_ms) FROM billing_sample AS s
+                WHERE s.device_uuid = r.uuid AND s.ts_ms >= r.lo)
 FROM unnest(%s::text[], %s::bigint[]) AS r(uuid, lo)
-LEFT JOIN LATERAL (
-    SELECT p.ts_ms, p.gap_ms FROM billing_sample AS p
-    WHERE p.device_uuid = r.uuid AND p.ts_ms < r.lo ORDER BY p.ts_ms DESC LIMIT 1
-) AS before ON true
 """
 
 
@@ -556,10 +570,11 @@ def _store_samples(
 
     The devices are locked first, so their gaps are worked out against every sample stored
     before. On PostgreSQL a batch that repeats nothing and falls after (or between) what is
-    stored, the usual case, is COPYed straight into `billing_sample` with its gaps, and the
-    gap of each device's sample just before it is set; the COPY runs under a savepoint, and
-    should it meet a stored sample after all it is undone. Otherwise the batch takes the
-    general way (`_store`), then its devices' gaps are worked out again over its span.
+    stored, the usual case, is COPYed straight into `billing_sample` with its gaps, then the
+    gap of each device's sample just before it is worked out again; the COPY runs under a
+    savepoint, and should it meet a stored sample after all it is undone. Otherwise the batch
+    takes the general way (`_store`), then its devices' gaps are worked out again over its
+    span.
     """
     if not rows:
         return 0, []
@@ -568,10 +583,9 @@ def _store_samples(
     _lock_devices(cursor, bounds)
     if connection.vendor == "postgresql" and not repeats:
         uuids = sorted(bounds)
-        cursor.execute(_NEIGHBOURS_SQL, [uuids, [bounds[uuid].first_ms for uuid in uuids]])
-        neighbours = cursor.fetchall()
-        if all(after is None or after > bounds[uuid].last_ms for uuid, _, _, after in neighbours):
-            following = {uuid: after for uuid, _, _, after in neighbours}
+        cursor.execute(_FOLLOWING_SQL, [uuids, [bounds[uuid].first_ms for uuid in uuids]])
+        following = dict(cursor.fetchall())
+        if all(after is None or after > bounds[uuid].last_ms for uuid, after in following.items()):
             for index, (row, gap) in enumerate(zip(ordered, gaps, strict=True)):
                 if gap is None and following[row[0]] is not None:
                     gaps[index] = following[row[0]] - row[1]
@@ -589,18 +603,10 @@ def _store_samples(
             except UniqueViolation:
                 pass
             else:
-                before = [
-                    (uuid, ts_ms, bounds[uuid].first_ms - ts_ms)
-                    for uuid, ts_ms, gap, _ in neighbours
-                    if ts_ms is not None and gap != bounds[uuid].first_ms - ts_ms
-                ]
-                if before:
-                    cursor.execute(
-                        "UPDATE billing_sample AS s SET gap_ms = r.gap "
-                        "FROM unnest(%s::text[], %s::bigint[], %s::bigint[]) AS r(uuid, ts, gap) "
-                        "WHERE s.device_uuid = r.uuid AND s.ts_ms = r.ts",
-                        [list(column) for column in zip(*before, strict=True)],
-                    )
+                # Only each device's sample just before the batch has a gap to set now.
+                refresh_gaps(
+                    cursor, {uuid: _Bounds(b.first_ms, b.first_ms) for uuid, b in bounds.items()}
+                )
                 return len(rows), latest_per_hour(row[1] for row in rows)
     stored, instants = _store(
         cursor, Sample, ordered, node=node, received_at=received_at, gaps=gaps
