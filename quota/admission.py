@@ -9,12 +9,13 @@ an admission, when `TALLY_WEBHOOK_FAIL_OPEN` is set) within the configured timeo
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import logging
 from typing import Any
 
 from django.conf import settings
-from django.db import DatabaseError, transaction
+from django.db import DatabaseError, connection, transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
@@ -99,6 +100,16 @@ def _cluster() -> Cluster:
     return _clusters[name]
 
 
+def _admission_transaction() -> contextlib.AbstractContextManager[Any]:
+    """On PostgreSQL an admission needs no transaction of its own: its read and the one
+    statement that reserves (checking every limit against the usage at that moment) are each
+    atomic, so it runs in autocommit, two round trips (BEGIN, COMMIT) fewer. Elsewhere (SQLite)
+    the reservation is written step by step, in one transaction."""
+    if connection.vendor == "postgresql":
+        return contextlib.nullcontext()
+    return transaction.atomic()
+
+
 def _is_claim_create(request: dict[str, Any]) -> bool:
     resource = request.get("resource") if isinstance(request.get("resource"), dict) else {}
     assert isinstance(resource, dict)
@@ -155,7 +166,7 @@ def respond(request: dict[str, Any], *, mutate: bool = False) -> dict[str, Any]:
         # read, and no wait for a lock, may run past the timeout. The commit's durability:
         # see TALLY_WEBHOOK_SYNCHRONOUS_COMMIT. Both are set by that first read.
         with (
-            transaction.atomic(),
+            _admission_transaction(),
             admission_session(
                 timeout=f"{int(settings.TALLY_WEBHOOK_DB_TIMEOUT_MS)}ms",
                 synchronous_commit="on" if settings.TALLY_WEBHOOK_SYNCHRONOUS_COMMIT else "off",

@@ -15,7 +15,7 @@ from decimal import Decimal
 from typing import Any, TypeVar
 
 from django.conf import settings
-from django.db import connection
+from django.db import DEFAULT_DB_ALIAS, connection, connections
 from django.db.models import Count, QuerySet
 
 from inventory.models import Cluster, Device, DeviceClass, DeviceShape
@@ -215,17 +215,26 @@ class RuleUsage:
     in_use: Decimal
 
 
-# The settings of the admission's transaction (statement_timeout, lock_timeout,
-# synchronous_commit), when the webhook has some to apply: `admission_state`, the first
-# statement of every admission, sets them as it reads (one round trip fewer). Set by
+# The webhook's settings for its statements (statement_timeout, lock_timeout,
+# synchronous_commit), when it has some to apply: `admission_state`, the first statement of
+# every admission, sets them as it reads (no round trip of their own). Set by
 # `admission_session` around an admission.
 _SESSION: ContextVar[tuple[str, str, str] | None] = ContextVar("tally_session", default=None)
+# The attribute of Django's connection wrapper that names the psycopg connection on which an
+# admission left the webhook's settings.
+_SESSION_MARK = "_tally_admission_session"
 
 
 @contextmanager
 def admission_session(*, timeout: str, synchronous_commit: str) -> Iterator[None]:
-    """Within it, the next `admission_state` also sets the transaction's statement and lock
-    timeouts and its commit durability (PostgreSQL), for the statements after it."""
+    """Within it, the next `admission_state` also sets the statement and lock timeouts and the
+    commit durability (PostgreSQL) of the statements after it.
+
+    The admission runs in autocommit, each of its statements atomic on its own, so the settings
+    are the session's, not a transaction's: they stay on the connection after the admission,
+    for the next one, until `end_admission_session` gives the connection its own back (before
+    any request that is no admission; see `quota.apps`).
+    """
     token = _SESSION.set((timeout, timeout, synchronous_commit))
     try:
         yield
@@ -233,16 +242,34 @@ def admission_session(*, timeout: str, synchronous_commit: str) -> Iterator[None
         _SESSION.reset(token)
 
 
-def _admission_state_sql(*, with_settings: bool) -> str:
+def end_admission_session() -> None:
+    """Give the connection back its own timeouts and commit durability if an admission set the
+    webhook's on it (one round trip, only then)."""
+    marked = getattr(connection, _SESSION_MARK, None)
+    if marked is None:
+        return
+    setattr(connection, _SESSION_MARK, None)
+    if marked is not connection.connection or connection.connection.closed:
+        return  # Django reconnected since: a new session has its own settings
+    with connection.wrap_database_errors:
+        connection.connection.execute(
+            "RESET statement_timeout; RESET lock_timeout; RESET synchronous_commit"
+        )
+
+
+@functools.cache
+def _admission_state_sql(vendor: str, *, with_settings: bool) -> str:
+    """The admission's read, for the database `vendor` (made once)."""
     quote = connection.ops.quote_name
     team, owner, rule, reservation = (
         quote(model._meta.db_table) for model in (Team, TeamNamespace, QuotaRule, Reservation)
     )
     # One row to hang the rest on, made once per statement (a subquery with volatile functions
-    # is not flattened): the transaction's settings, when there are some.
+    # is not flattened): the session's settings for the admission's next statements, when
+    # there are some.
     driver = (
-        "SELECT set_config('statement_timeout', %s, true), set_config('lock_timeout', %s, true), "
-        "set_config('synchronous_commit', %s, true)"
+        "SELECT set_config('statement_timeout', %s, false), "
+        "set_config('lock_timeout', %s, false), set_config('synchronous_commit', %s, false)"
         if with_settings
         else "SELECT 1 AS one"
     )
@@ -266,13 +293,15 @@ def admission_state(*, cluster: str, namespace: str, name: str) -> AdmissionStat
 
     One round trip with no ORM on the webhook's path.
     """
-    session = _SESSION.get() if connection.vendor == "postgresql" else None
+    db = connections[DEFAULT_DB_ALIAS]
+    session = _SESSION.get() if db.vendor == "postgresql" else None
     rows = fetch_prepared(
-        _admission_state_sql(with_settings=session is not None),
+        _admission_state_sql(db.vendor, with_settings=session is not None),
         [cluster, namespace, name, *(session or ()), namespace],
     )
     if session is not None:
-        _SESSION.set(None)  # set for this transaction now
+        _SESSION.set(None)  # set on the session now
+        setattr(db, _SESSION_MARK, db.connection)
     team: Team | None = None
     rules: list[RuleUsage] = []
     replayed: int | None = rows[0][11] if rows else None
@@ -280,8 +309,7 @@ def admission_state(*, cluster: str, namespace: str, name: str) -> AdmissionStat
         if row[0] is None:
             continue
         if team is None:
-            team = Team(pk=row[0], slug=row[1], name=row[2])
-            team._state.adding, team._state.db = False, connection.alias
+            team = _team(row[0], row[1], row[2])
         if row[3] is not None:
             rules.append(
                 RuleUsage(
@@ -298,6 +326,22 @@ def admission_state(*, cluster: str, namespace: str, name: str) -> AdmissionStat
     return AdmissionState(team=team, rules=rules, replayed_team_id=replayed)
 
 
+_teams: dict[tuple[int, str, str], Team] = {}
+
+
+def _team(pk: int, slug: str, name: str) -> Team:
+    """The team as read, one instance per (id, slug, name) in the process: a model instance
+    costs more to make than the rest of the read (teams are few; a renamed one is a new key)."""
+    key = (pk, slug, name)
+    team = _teams.get(key)
+    if team is None:
+        if len(_teams) > 10_000:
+            _teams.clear()
+        team = _teams[key] = Team(pk=pk, slug=slug, name=name)
+        team._state.adding, team._state.db = False, DEFAULT_DB_ALIAS
+    return team
+
+
 def fetch_prepared(sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
     """Run one statement of the webhook's path and fetch its rows.
 
@@ -307,21 +351,25 @@ def fetch_prepared(sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
     `DATABASE_PREPARED_STATEMENTS=false` behind a pooler that cannot keep them (PgBouncer in
     transaction mode before 1.21).
     """
-    if connection.vendor != "postgresql" or not settings.DATABASE_PREPARED_STATEMENTS:
-        with connection.cursor() as cursor:
+    # The connection wrapper itself, looked up once: each attribute read through Django's
+    # `connection` proxy is a thread-local lookup.
+    db = connections[DEFAULT_DB_ALIAS]
+    if db.vendor != "postgresql" or not settings.DATABASE_PREPARED_STATEMENTS:
+        with db.cursor() as cursor:
             cursor.execute(sql, params)
             return list(cursor.fetchall())
     import psycopg
 
-    connection.ensure_connection()
-    with connection.wrap_database_errors:
+    db.ensure_connection()
+    with db.wrap_database_errors:
         # One server-side-binding cursor per psycopg connection, kept on Django's wrapper and
         # replaced when Django reconnects (its own cursors bind client-side and cannot
         # prepare; making one each time costs more than the statement).
-        prepared: Any = getattr(connection, "_tally_prepared_cursor", None)
-        if prepared is None or prepared.connection is not connection.connection or prepared.closed:
-            prepared = psycopg.Cursor(connection.connection)
-            connection._tally_prepared_cursor = prepared  # type: ignore[attr-defined]
+        raw = db.connection
+        prepared: Any = getattr(db, "_tally_prepared_cursor", None)
+        if prepared is None or prepared.connection is not raw or prepared.closed:
+            prepared = psycopg.Cursor(raw)
+            db._tally_prepared_cursor = prepared  # type: ignore[attr-defined]
         prepared.execute(sql, params, prepare=True)
         rows: list[tuple[Any, ...]] = prepared.fetchall()
         return rows

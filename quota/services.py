@@ -583,15 +583,18 @@ _RESERVATION_COLUMNS = (
 )
 
 
-def _reserve_sql() -> str:
+@functools.cache
+def _reserve_sql(vendor: str, rules: int) -> str:
+    """The reserving statement for `rules` rules, for the database `vendor` (made once)."""
     quote = connection.ops.quote_name
     rule, reservation, line, decision = (
         quote(model._meta.db_table)
         for model in (QuotaRule, Reservation, ReservationLine, AdmissionDecision)
     )
     limit = quote("limit")
+    values = ", ".join(["(%s::bigint, %s::numeric, %s::boolean)"] * rules)
     return f"""
-WITH asked(rule_id, amount, enforce) AS (VALUES {{values}}),
+WITH asked(rule_id, amount, enforce) AS (VALUES {values}),
 locked AS (
     SELECT r.id, r.name, r.in_use, r.{limit} FROM {rule} r
     WHERE r.id IN (SELECT rule_id FROM asked) ORDER BY r.id FOR UPDATE
@@ -642,10 +645,8 @@ def _reserve_in_one_statement(
     A claim admitted meanwhile by another call (the same create sent again) makes the insert
     do nothing, and with it the rest: it reserves once and the answer is the same.
     """
-    values: list[str] = []
     params: list[Any] = []
     for rule_id in sorted(plan.reserve):
-        values.append("(%s::bigint, %s::numeric, %s::boolean)")
         params += [rule_id, plan.reserve[rule_id], plan.rules[rule_id].mode == Mode.ENFORCE]
     params += [
         *(reservation[column] for column in _RESERVATION_COLUMNS[:8]),
@@ -661,7 +662,7 @@ def _reserve_in_one_statement(
         json.dumps(plan.warnings),
     ]
     [(fits, over_id, in_use, amount, *_)] = fetch_prepared(
-        _reserve_sql().format(values=", ".join(values)), params
+        _reserve_sql(connection.vendor, len(plan.reserve)), params
     )
     if fits:
         return None
