@@ -98,6 +98,10 @@ def _database() -> dict[str, object]:
 # The webhook's statements are prepared once per connection (PostgreSQL); turn this off behind
 # a pooler that cannot keep prepared statements (PgBouncer in transaction mode before 1.21).
 DATABASE_PREPARED_STATEMENTS = env.get_bool("DATABASE_PREPARED_STATEMENTS", True)
+# Behind a pooler that lends a server connection per transaction (PgBouncer in transaction
+# mode), nothing may be set on the session: the webhook then runs each admission in a
+# transaction of its own, with its timeouts local to it (two round trips more an admission).
+DATABASE_TRANSACTION_POOLING = env.get_bool("DATABASE_TRANSACTION_POOLING", False)
 DATABASES = {"default": _database()}
 if DATABASES["default"]["ENGINE"] == "config.postgresql":
     # Django turns psycopg's prepared statements off (threshold None); a threshold no query

@@ -5,11 +5,12 @@ from billing import views as billing_views
 from quota import admission
 
 urlpatterns = [
-    path("admin/", admin.site.urls),
-    path("api/", include("config.api_urls")),
-    path("", include("config.ops_urls")),
+    # The API server's calls first: every ResourceClaim CREATE resolves these.
     path("admission/resourceclaims", admission.validate, name="admission-validate"),
     path("admission/resourceclaims/mutate", admission.mutate, name="admission-mutate"),
     path("ingest/samples", billing_views.ingest_samples, name="ingest-samples"),
+    path("admin/", admin.site.urls),
+    path("api/", include("config.api_urls")),
+    path("", include("config.ops_urls")),
     path("", include("frontend.urls")),
 ]

@@ -103,9 +103,16 @@ def _cluster() -> Cluster:
 def _admission_transaction() -> contextlib.AbstractContextManager[Any]:
     """On PostgreSQL an admission needs no transaction of its own: its read and the one
     statement that reserves (checking every limit against the usage at that moment) are each
-    atomic, so it runs in autocommit, two round trips (BEGIN, COMMIT) fewer. Elsewhere (SQLite)
-    the reservation is written step by step, in one transaction."""
-    if connection.vendor == "postgresql":
+    atomic, so it runs in autocommit, two round trips (BEGIN, COMMIT) fewer. It takes one
+    behind a pooler that lends connections per transaction (its timeouts must stay in a
+    transaction), within a caller's transaction (a savepoint, so that a failed statement
+    leaves the caller's transaction usable), and on SQLite, where the reservation is written
+    step by step."""
+    if (
+        connection.vendor == "postgresql"
+        and not settings.DATABASE_TRANSACTION_POOLING
+        and not connection.in_atomic_block
+    ):
         return contextlib.nullcontext()
     return transaction.atomic()
 
@@ -161,16 +168,20 @@ def respond(request: dict[str, Any], *, mutate: bool = False) -> dict[str, Any]:
     claim["metadata"].setdefault("name", request.get("name") or "")
     user_info = request.get("userInfo") if isinstance(request.get("userInfo"), dict) else {}
     assert isinstance(user_info, dict)
+    dry_run = request.get("dryRun") is True
     try:
         # The API server waits timeoutSeconds (3 s): no statement after the admission's first
         # read, and no wait for a lock, may run past the timeout. The commit's durability:
-        # see TALLY_WEBHOOK_SYNCHRONOUS_COMMIT. Both are set by that first read.
+        # see TALLY_WEBHOOK_SYNCHRONOUS_COMMIT. Both are set by that first read, for an
+        # admission that may write (the mutating webhook and dry runs only read).
         with (
-            _admission_transaction(),
-            admission_session(
+            contextlib.nullcontext()
+            if mutate or dry_run
+            else admission_session(
                 timeout=f"{int(settings.TALLY_WEBHOOK_DB_TIMEOUT_MS)}ms",
                 synchronous_commit="on" if settings.TALLY_WEBHOOK_SYNCHRONOUS_COMMIT else "off",
             ),
+            _admission_transaction(),
         ):
             cluster = _cluster()
             if mutate:
@@ -180,7 +191,7 @@ def respond(request: dict[str, Any], *, mutate: bool = False) -> dict[str, Any]:
                     cluster=cluster,
                     claim=claim,
                     username=str(user_info.get("username") or ""),
-                    dry_run=request.get("dryRun") is True,
+                    dry_run=dry_run,
                     admission_uid=uid,
                     at=timezone.now(),
                 )

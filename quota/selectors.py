@@ -15,7 +15,7 @@ from decimal import Decimal
 from typing import Any, TypeVar
 
 from django.conf import settings
-from django.db import DEFAULT_DB_ALIAS, connection, connections
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connection, connections
 from django.db.models import Count, QuerySet
 
 from inventory.models import Cluster, Device, DeviceClass, DeviceShape
@@ -215,51 +215,85 @@ class RuleUsage:
     in_use: Decimal
 
 
-# The webhook's settings for its statements (statement_timeout, lock_timeout,
-# synchronous_commit), when it has some to apply: `admission_state`, the first statement of
-# every admission, sets them as it reads (no round trip of their own). Set by
-# `admission_session` around an admission.
-_SESSION: ContextVar[tuple[str, str, str] | None] = ContextVar("tally_session", default=None)
-# The attribute of Django's connection wrapper that names the psycopg connection on which an
-# admission left the webhook's settings.
-_SESSION_MARK = "_tally_admission_session"
+# The settings an admission's statements run with (statement_timeout, lock_timeout,
+# synchronous_commit), in this order.
+SESSION_SETTINGS = ("statement_timeout", "lock_timeout", "synchronous_commit")
+
+
+@dataclass
+class _Session:
+    """The webhook's settings for one admission, and what the session had before them."""
+
+    wanted: tuple[str, str, str]
+    local: bool  # for the transaction (behind a transaction pooler), not the session
+    # The session's own values while the webhook's are set on it: the admission's last
+    # statement (or, failing that, `admission_session` on its way out) sets them back.
+    own: tuple[str, str, str] | None = None
+
+
+_SESSION: ContextVar[_Session | None] = ContextVar("tally_session", default=None)
 
 
 @contextmanager
 def admission_session(*, timeout: str, synchronous_commit: str) -> Iterator[None]:
-    """Within it, the next `admission_state` also sets the statement and lock timeouts and the
-    commit durability (PostgreSQL) of the statements after it.
+    """Within it, `admission_state` (the admission's first statement) also sets the statement
+    and lock timeouts and the commit durability (PostgreSQL) of the statements after it.
 
-    The admission runs in autocommit, each of its statements atomic on its own, so the settings
-    are the session's, not a transaction's: they stay on the connection after the admission,
-    for the next one, until `end_admission_session` gives the connection its own back (before
-    any request that is no admission; see `quota.apps`).
+    The admission runs in autocommit, each statement atomic on its own, so the settings are
+    set on the session, with no round trip of their own, and the admission's last statement
+    sets the session's own values back (`restore_session`). Whatever way the admission ends,
+    the connection never keeps the webhook's settings: if they are still set here, they are
+    set back (a round trip), or the connection is closed. With DATABASE_TRANSACTION_POOLING
+    the admission has a transaction, and they are its own.
     """
-    token = _SESSION.set((timeout, timeout, synchronous_commit))
+    session = _Session(
+        wanted=(timeout, timeout, synchronous_commit),
+        local=settings.DATABASE_TRANSACTION_POOLING,
+    )
+    token = _SESSION.set(session)
     try:
         yield
     finally:
         _SESSION.reset(token)
+        if session.own is not None:
+            _set_back(session.own)
 
 
-def end_admission_session() -> None:
-    """Give the connection back its own timeouts and commit durability if an admission set the
-    webhook's on it (one round trip, only then)."""
-    marked = getattr(connection, _SESSION_MARK, None)
-    if marked is None:
-        return
-    setattr(connection, _SESSION_MARK, None)
-    if marked is not connection.connection or connection.connection.closed:
-        return  # Django reconnected since: a new session has its own settings
-    with connection.wrap_database_errors:
-        connection.connection.execute(
-            "RESET statement_timeout; RESET lock_timeout; RESET synchronous_commit"
-        )
+def restore_session() -> tuple[str, str, str] | None:
+    """For the statement that may end the admission: the session's own settings, to set back
+    as it ends (`restored` once it has), or None when there is nothing to set back."""
+    session = _SESSION.get()
+    return session.own if session is not None else None
+
+
+def restored() -> None:
+    """The session's own settings are back (a statement from `restore_session` ran)."""
+    session = _SESSION.get()
+    if session is not None:
+        session.own = None
+
+
+def restore_columns() -> str:
+    """The SQL that sets the session's own settings back, from three parameters."""
+    return ", ".join(f"set_config('{name}', %s, false)" for name in SESSION_SETTINGS)
+
+
+def _set_back(own: tuple[str, str, str]) -> None:
+    db = connections[DEFAULT_DB_ALIAS]
+    try:
+        with db.wrap_database_errors:
+            db.connection.execute(f"SELECT {restore_columns()}", list(own))
+    except DatabaseError:
+        # The connection is no use now (the database went away, or the caller's transaction
+        # failed): it goes, and with it the settings.
+        db.close()
 
 
 @functools.cache
-def _admission_state_sql(vendor: str, *, with_settings: bool) -> str:
-    """The admission's read, for the database `vendor` (made once)."""
+def _admission_state_sql(vendor: str, *, with_settings: bool, local: bool = False) -> str:
+    """The admission's read, for the database `vendor` (made once); with the webhook's
+    settings: set on the session, the session's own values read first (columns 12-14), or
+    (`local`) set for the transaction."""
     quote = connection.ops.quote_name
     team, owner, rule, reservation = (
         quote(model._meta.db_table) for model in (Team, TeamNamespace, QuotaRule, Reservation)
@@ -267,18 +301,21 @@ def _admission_state_sql(vendor: str, *, with_settings: bool) -> str:
     # One row to hang the rest on, made once per statement (a subquery with volatile functions
     # is not flattened): the session's settings for the admission's next statements, when
     # there are some.
-    driver = (
-        "SELECT set_config('statement_timeout', %s, false), "
-        "set_config('lock_timeout', %s, false), set_config('synchronous_commit', %s, false)"
-        if with_settings
-        else "SELECT 1 AS one"
+    own = ", ".join(
+        f"current_setting('{name}') AS {name}" if vendor == "postgresql" else f"NULL AS {name}"
+        for name in SESSION_SETTINGS
     )
+    scope = "true" if local else "false"
+    sets = ", ".join(f"set_config('{name}', %s, {scope})" for name in SESSION_SETTINGS)
+    # Read before they are set: the select list is evaluated in order.
+    driver = f"SELECT {own}, {sets}" if with_settings else f"SELECT {own}"
     return f"""
 SELECT t.id, t.slug, t.name,
        r.id, r.name, r.device_class, r.selector, r.unit, r.{quote("limit")}, r.mode, r.in_use,
        (SELECT v.team_id FROM {reservation} v
         WHERE v.cluster = %s AND v.namespace = %s AND v.name = %s AND NOT (v.state = 'released')
-        LIMIT 1)
+        LIMIT 1),
+       {", ".join(f"o.{name}" for name in SESSION_SETTINGS)}
 FROM ({driver}) o
 LEFT JOIN {owner} n ON n.namespace = %s
 LEFT JOIN {team} t ON t.id = n.team_id
@@ -295,13 +332,18 @@ def admission_state(*, cluster: str, namespace: str, name: str) -> AdmissionStat
     """
     db = connections[DEFAULT_DB_ALIAS]
     session = _SESSION.get() if db.vendor == "postgresql" else None
+    if session is not None and session.own is not None:
+        session = None  # set already (an admission reads once; this is a second read)
     rows = fetch_prepared(
-        _admission_state_sql(db.vendor, with_settings=session is not None),
-        [cluster, namespace, name, *(session or ()), namespace],
+        _admission_state_sql(
+            db.vendor,
+            with_settings=session is not None,
+            local=session is not None and session.local,
+        ),
+        [cluster, namespace, name, *(session.wanted if session else ()), namespace],
     )
-    if session is not None:
-        _SESSION.set(None)  # set on the session now
-        setattr(db, _SESSION_MARK, db.connection)
+    if session is not None and not session.local:
+        session.own = (rows[0][12], rows[0][13], rows[0][14])
     team: Team | None = None
     rules: list[RuleUsage] = []
     replayed: int | None = rows[0][11] if rows else None

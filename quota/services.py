@@ -47,6 +47,9 @@ from quota.selectors import (
     admission_state,
     fetch_prepared,
     fleet_shapes,
+    restore_columns,
+    restore_session,
+    restored,
     team_for_namespace,
     team_rules,
 )
@@ -163,13 +166,14 @@ def _record(
     """Keep the webhook's answer for operators (a prepared INSERT on PostgreSQL)."""
     team_id = decision.team.pk if decision.team is not None else None
     if connection.vendor == "postgresql":
-        table = connection.ops.quote_name(AdmissionDecision._meta.db_table)
+        own = restore_session()  # the admission's last statement sets the session's own back
         fetch_prepared(
-            f"INSERT INTO {table} ({_DECISION_COLUMNS}) "
-            "VALUES (%s, %s, %s, %s, %s, %s, %s, false, %s, %s::jsonb) RETURNING id",
+            _record_sql(connection.vendor, restore=own is not None),
             [at, uid, namespace, name, username, team_id, decision.allowed, decision.message,
-             json.dumps(decision.warnings)],
+             json.dumps(decision.warnings), *(own or ())],
         )  # fmt: skip
+        if own is not None:
+            restored()
         return
     AdmissionDecision.objects.create(
         at=at,
@@ -182,6 +186,18 @@ def _record(
         dry_run=False,
         message=decision.message,
         warnings=decision.warnings,
+    )
+
+
+@functools.cache
+def _record_sql(vendor: str, *, restore: bool) -> str:
+    """The decision's insert (made once), setting the session's own settings back after it
+    (`restore`, from three more parameters)."""
+    table = connection.ops.quote_name(AdmissionDecision._meta.db_table)
+    return (
+        f"INSERT INTO {table} ({_DECISION_COLUMNS}) "
+        "VALUES (%s, %s, %s, %s, %s, %s, %s, false, %s, %s::jsonb) "
+        f"RETURNING id{', ' + restore_columns() if restore else ''}"
     )
 
 
@@ -584,8 +600,10 @@ _RESERVATION_COLUMNS = (
 
 
 @functools.cache
-def _reserve_sql(vendor: str, rules: int) -> str:
-    """The reserving statement for `rules` rules, for the database `vendor` (made once)."""
+def _reserve_sql(vendor: str, rules: int, *, restore: bool) -> str:
+    """The reserving statement for `rules` rules, for the database `vendor` (made once); with
+    `restore`, it sets the session's own settings back (three more parameters) when it admits,
+    as the last thing it evaluates, after every lock it takes."""
     quote = connection.ops.quote_name
     rule, reservation, line, decision = (
         quote(model._meta.db_table)
@@ -593,6 +611,12 @@ def _reserve_sql(vendor: str, rules: int) -> str:
     )
     limit = quote("limit")
     values = ", ".join(["(%s::bigint, %s::numeric, %s::boolean)"] * rules)
+    # A denied claim's decision is recorded by the next statement, which sets them back then.
+    restores = (
+        ",\n       CASE WHEN verdict.fits THEN ARRAY[" + restore_columns() + "] END"
+        if restore
+        else ""
+    )
     return f"""
 WITH asked(rule_id, amount, enforce) AS (VALUES {values}),
 locked AS (
@@ -630,7 +654,7 @@ recorded AS (
 )
 SELECT verdict.fits, over.id, over.in_use, over.amount,
        (SELECT count(*) FROM counted), (SELECT count(*) FROM lines),
-       (SELECT count(*) FROM recorded)
+       (SELECT count(*) FROM recorded){restores}
 FROM verdict LEFT JOIN over ON true
 """
 
@@ -661,10 +685,14 @@ def _reserve_in_one_statement(
         reservation["team_id"],
         json.dumps(plan.warnings),
     ]
+    own = restore_session()  # set back when it admits: then it is the admission's last
     [(fits, over_id, in_use, amount, *_)] = fetch_prepared(
-        _reserve_sql(connection.vendor, len(plan.reserve)), params
+        _reserve_sql(connection.vendor, len(plan.reserve), restore=own is not None),
+        [*params, *(own or ())],
     )
     if fits:
+        if own is not None:
+            restored()
         return None
     if over_id is None:
         raise _RulesChanged  # a rule was deleted while this claim was being admitted

@@ -147,7 +147,7 @@ def test_the_webhook_statements_are_prepared_once_per_connection() -> None:
             "SELECT count(*), sum(generic_plans + custom_plans) FROM pg_prepared_statements"
         )
         statements, executions = cursor.fetchone()
-    # The usage read (which also sets the timeouts) and the reservation: prepared once each,
-    # run every time.
+    # The usage read (which also sets the webhook's timeouts on the session) and the
+    # reservation (which sets the session's own back): prepared once each, run every time.
     assert statements == 2
     assert executions == 12

@@ -1,14 +1,15 @@
 """What an admission sets on its PostgreSQL session: timeouts and commit durability.
 
-An admission runs in autocommit (its read and its reserving statement are each atomic), with
-the webhook's timeouts set on the session by its first read; a request that is no admission
-gets the connection's own settings back.
+An admission runs in autocommit (its read and its reserving statement are each atomic): its
+first read sets the webhook's timeouts on the session for the statements after it, and its
+last statement sets the session's own back. However it ends, the connection keeps none of them.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import psycopg
@@ -16,10 +17,12 @@ import pytest
 from django.db import connection
 from django.test import Client
 
+from quota import services
 from quota.models import QuotaRule, Reservation
-from tests.quota.fixtures import claim, decide, gpu_request, make_team
+from tests.quota.fixtures import claim, decide, gpu_request, make_team, post, review
 
 pytestmark = [pytest.mark.postgres, pytest.mark.usefixtures("fleet")]
+NAMES = ("statement_timeout", "lock_timeout", "synchronous_commit")
 
 
 def _show(name: str) -> str:
@@ -29,58 +32,137 @@ def _show(name: str) -> str:
         return value
 
 
-@pytest.mark.django_db
+@pytest.fixture
+def seen(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, str]]]:
+    """The settings in effect as each of the admission's writing statements starts."""
+    seen: list[dict[str, str]] = []
+    fetch = services.fetch_prepared
+
+    def spying(sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
+        if sql.lstrip().startswith(("WITH asked", "INSERT")):
+            raw = connection.connection
+            seen.append({name: raw.execute(f"SHOW {name}").fetchone()[0] for name in NAMES})
+        return fetch(sql, params)
+
+    monkeypatch.setattr(services, "fetch_prepared", spying)
+    yield seen
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("pooling", [False, True])
 @pytest.mark.parametrize(("durable", "expected"), [(True, "on"), (False, "off")])
 def test_an_admission_bounds_its_waits_and_commits_as_configured(
-    client: Client, settings: Any, durable: bool, expected: str
+    client: Client,
+    settings: Any,
+    seen: list[dict[str, str]],
+    pooling: bool,
+    durable: bool,
+    expected: str,
 ) -> None:
     settings.TALLY_WEBHOOK_DB_TIMEOUT_MS = 1234
     settings.TALLY_WEBHOOK_SYNCHRONOUS_COMMIT = durable
-    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 10}])
-    assert decide(client, claim("c", [gpu_request(1)]))["allowed"] is True
-    assert _show("statement_timeout") == "1234ms"
-    assert _show("lock_timeout") == "1234ms"
-    assert _show("synchronous_commit") == expected
+    settings.DATABASE_TRANSACTION_POOLING = pooling
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 2}])
+    own = {name: _show(name) for name in NAMES}
+    assert own["lock_timeout"] != "1234ms"
+    assert decide(client, claim("fits", [gpu_request(2)]))["allowed"] is True
+    assert decide(client, claim("over", [gpu_request(1)]))["allowed"] is False
+    wanted = {"statement_timeout": "1234ms", "lock_timeout": "1234ms"}
+    assert seen == [{**wanted, "synchronous_commit": expected}] * 2  # reserved; recorded
+    assert {name: _show(name) for name in NAMES} == own
+    assert connection.connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
 
 
-@pytest.mark.django_db
-def test_a_request_that_is_no_admission_gets_the_connections_own_settings_back(
+@pytest.mark.django_db(transaction=True)
+def test_however_an_admission_ends_the_connection_keeps_its_own_settings(
+    client: Client, settings: Any, seen: list[dict[str, str]]
+) -> None:
+    settings.TALLY_WEBHOOK_DB_TIMEOUT_MS = 1234
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 4}])
+    own = {name: _show(name) for name in NAMES}
+    endings = {
+        "admitted": lambda: decide(client, claim("c", [gpu_request(2)])),
+        "replayed": lambda: decide(client, claim("c", [gpu_request(2)])),
+        "dry run": lambda: decide(client, claim("d", [gpu_request(1)]), dry_run=True),
+        "denied when planned": lambda: decide(client, claim("e", [gpu_request(3)])),
+        "unowned namespace": lambda: decide(client, claim("f", [gpu_request(1)], "nobody")),
+        "mutating webhook": lambda: post(
+            client, review(claim("g", [gpu_request(1)])), "/admission/resourceclaims/mutate"
+        ).json()["response"],
+    }
+    for ending, admit in endings.items():
+        answer = admit()
+        assert {name: _show(name) for name in NAMES} == own, ending
+        assert answer["allowed"] is (ending not in ("denied when planned",)), ending
+    # Only the statements that write ran with the webhook's settings, every one of them.
+    assert len(seen) == 3
+    assert all(s["lock_timeout"] == "1234ms" for s in seen)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_behind_a_transaction_pooler_the_settings_stay_in_the_admissions_transaction(
     client: Client, settings: Any
 ) -> None:
     settings.TALLY_WEBHOOK_DB_TIMEOUT_MS = 1234
-    settings.TALLY_WEBHOOK_SYNCHRONOUS_COMMIT = False
+    settings.DATABASE_TRANSACTION_POOLING = True
     make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 10}])
-    own = {name: _show(name) for name in ("statement_timeout", "lock_timeout")}
-    decide(client, claim("c1", [gpu_request(1)]))
-    decide(client, claim("c2", [gpu_request(1)]))  # the next admission keeps them
-    assert _show("lock_timeout") == "1234ms"
-    assert client.get("/healthz").status_code == 200
-    assert {name: _show(name) for name in own} == own
-    assert _show("synchronous_commit") == "on"
+    own = _show("lock_timeout")
+    assert decide(client, claim("c", [gpu_request(1)]))["allowed"] is True
+    assert _show("lock_timeout") == own != "1234ms"
+    assert Reservation.objects.filter(name="c").exists()
 
 
-@pytest.mark.django_db(transaction=True)
-def test_an_admission_runs_in_autocommit_and_its_reservation_is_visible_at_once(
-    client: Client, settings: Any
+def _a_slow_reservation_is_cut_short(
+    client: Client, settings: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    settings.TALLY_WEBHOOK_DB_TIMEOUT_MS = 100
     make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 10}])
-    assert decide(client, claim("c", [gpu_request(2)]))["allowed"] is True
-    assert connection.connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
-    with psycopg.connect(_conninfo()) as other:
-        [(state, in_use)] = other.execute(
-            "SELECT v.state, r.in_use FROM quota_reservation v, quota_quotarule r "
-            "WHERE v.name = 'c' AND r.name = 'all-gpus'"
-        ).fetchall()
-    assert (state, in_use) == ("reserved", 2)
+    own = {name: _show(name) for name in NAMES}
+    fetch = services.fetch_prepared
+
+    def slow(sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
+        if sql.lstrip().startswith("WITH asked"):
+            with connection.cursor() as cursor:  # as a statement that stalls
+                cursor.execute("SELECT pg_sleep(2)")
+        return fetch(sql, params)
+
+    monkeypatch.setattr(services, "fetch_prepared", slow)
+    started = time.monotonic()
+    answer = decide(client, claim("c", [gpu_request(1)]))
+    assert time.monotonic() - started < 1.0
+    assert answer["allowed"] is False
+    assert answer["status"]["reason"] == "ServiceUnavailable"
+    assert {name: _show(name) for name in NAMES} == own
+    assert not Reservation.objects.exists()
+    assert QuotaRule.objects.get(name="all-gpus").in_use == 0
 
 
 @pytest.mark.django_db(transaction=True)
+def test_a_stalled_statement_is_cut_short_by_the_statement_timeout(
+    client: Client, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _a_slow_reservation_is_cut_short(client, settings, monkeypatch)
+
+
+@pytest.mark.django_db
+def test_within_a_callers_transaction_a_failed_admission_leaves_it_usable(
+    client: Client, settings: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inside a transaction (here the test's) the admission takes a savepoint: the statement
+    that failed is rolled back alone, and the caller's transaction goes on."""
+    _a_slow_reservation_is_cut_short(client, settings, monkeypatch)
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("pooling", [False, True])
 def test_a_rule_locked_elsewhere_is_a_clear_denial_within_the_lock_timeout(
-    client: Client, settings: Any
+    client: Client, settings: Any, pooling: bool
 ) -> None:
-    """The reserving statement runs in autocommit too: the webhook's lock timeout bounds its
-    wait for the rule's row, and nothing is reserved."""
+    """The webhook's lock timeout bounds the reserving statement's wait for the rule's row
+    (in autocommit, or in the admission's transaction behind a pooler), and nothing is
+    reserved."""
     settings.TALLY_WEBHOOK_DB_TIMEOUT_MS = 300
+    settings.DATABASE_TRANSACTION_POOLING = pooling
     make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 10}])
     rule = QuotaRule.objects.get(name="all-gpus")
     locked, release = threading.Event(), threading.Event()
