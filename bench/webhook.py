@@ -313,6 +313,9 @@ def _reset_quota_state() -> None:
     with connection.cursor() as cursor:
         cursor.execute(f"TRUNCATE {', '.join(tables)}")
         cursor.execute(f"UPDATE {QuotaRule._meta.db_table} SET in_use = 0")
+        # The rules' row versions left by the run before (each admission updates its rules)
+        # go, so that every run starts from the same tables.
+        cursor.execute(f"VACUUM {QuotaRule._meta.db_table}")
         cursor.execute("ANALYZE")
 
 
@@ -574,6 +577,56 @@ def drive(
     meter: _CpuMeter,
     limit_s: float,
 ) -> Run:
+    run = _measure(label, port, path, bodies, clients=clients, rate=rate, meter=meter,
+                   limit_s=limit_s)  # fmt: skip
+    _print(run)
+    return run
+
+
+def drive_alternately(
+    runs: list[tuple[str, str, list[bytes]]],
+    *,
+    rounds: int,
+    port: int,
+    clients: int,
+    meter: _CpuMeter,
+    limit_s: float,
+) -> list[Run]:
+    """Each of `runs` (label, path, bodies) at full speed, in `rounds` turns: a slice of the
+    first, then of the second, and so on, each run's slices added up. Drift in the machine's
+    speed (other tenants, frequency) then weighs on every run alike, and their ratio holds."""
+    merged = [Run(label, len(bodies), None) for label, _, bodies in runs]
+    for turn in range(rounds):
+        for total, (label, path, bodies) in zip(merged, runs, strict=True):
+            part = bodies[turn * len(bodies) // rounds : (turn + 1) * len(bodies) // rounds]
+            run = _measure(label, port, path, part, clients=clients, rate=None, meter=meter,
+                           limit_s=limit_s)  # fmt: skip
+            total.latencies += run.latencies
+            total.responses += run.responses
+            total.errors += run.errors
+            total.others = (total.others * total.wall + run.others * run.wall) / (
+                (total.wall + run.wall) or 1
+            )
+            total.wall += run.wall
+            total.unfinished += run.unfinished
+            for name, seconds in run.cpu.items():
+                total.cpu[name] = total.cpu.get(name, 0.0) + seconds
+    for total in merged:
+        _print(total, f"full speed, {rounds} turns")
+    return merged
+
+
+def _measure(
+    label: str,
+    port: int,
+    path: str,
+    bodies: list[bytes],
+    *,
+    clients: int,
+    rate: float | None,
+    meter: _CpuMeter,
+    limit_s: float,
+) -> Run:
     payloads = [_payload(path, body) for body in bodies]
     run = Run(label, len(payloads), rate)
     if rate:
@@ -588,23 +641,28 @@ def drive(
     busy = (machine_after[0] - machine_before[0]) / cores / elapsed if elapsed else 0.0
     ours = sum(run.cpu.values()) / cores / elapsed if elapsed else 0.0
     run.others = max(0.0, busy - ours)
-    how = f"paced at {rate:g}/s" if rate else "closed loop, full speed"
+    return run
+
+
+def _print(run: Run, how: str = "") -> None:
+    cores = os.cpu_count() or 1
+    how = how or (f"paced at {run.rate:g}/s" if run.rate else "closed loop, full speed")
     cpu = ", ".join(
         f"{name} {1000 * seconds / max(run.completed, 1):.2f}" for name, seconds in run.cpu.items()
     )
     print(
-        f"  {label:<8} {how:<24} {run.completed:>6}/{run.requests} ok  "
+        f"  {run.label:<8} {how:<24} {run.completed:>6}/{run.requests} ok  "
         f"p50 {run.percentile(0.5):7.1f} ms  p99 {run.percentile(0.99):7.1f} ms  "
         f"max {run.percentile(1.0):7.1f} ms  {run.throughput:7.0f} req/s\n"
-        f"           CPU ms/request: {cpu}; the {cores} cores {100 * busy:.0f}% busy, "
-        f"{100 * run.others:.0f}% by other processes; load average {os.getloadavg()[0]:.1f}"
+        f"           CPU ms/request: {cpu}; "
+        f"{100 * run.others:.0f}% of the {cores} cores used by other processes; "
+        f"load average {os.getloadavg()[0]:.1f}"
         + (f"; errors {dict(run.errors)}" if run.errors else "")
         + (
             f"; {run.unfinished} not sent or unanswered at the time limit" if run.unfinished else ""
         ),
         flush=True,
     )
-    return run
 
 
 # --- checks ------------------------------------------------------------------------------------
@@ -711,6 +769,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--time-limit", type=float, default=90.0, help="seconds per measured run at most"
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=6,
+        help="turns the full-speed no-op and webhook runs take, alternately (default 6)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--app",
@@ -726,6 +790,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.requests < 100 or args.clients < 1 or args.rate <= 0 or args.workers < 1:
         parser.error("--requests >= 100, --clients >= 1, --rate > 0 and --workers >= 1")
+    if not 1 <= args.rounds <= args.requests // 50:
+        parser.error("--rounds between 1 and --requests / 50")
 
     url = os.environ.get("BENCH_DATABASE_URL", DEFAULT_URL)
     database = _database_name(url)
@@ -769,9 +835,8 @@ def main(argv: list[str] | None = None) -> int:
         _reset_quota_state()
         print("measured:", flush=True)
         noop_bodies = [r.body for r in paced]
-        floor = drive("noop", port, NOOP_PATH, noop_bodies, rate=None, **kw)
         floor_paced = drive("noop", port, NOOP_PATH, noop_bodies, rate=args.rate, **kw)
-        checks += _answers(floor, paced)[0] + _answers(floor_paced, paced)[0]
+        checks += _answers(floor_paced, paced)[0]
         spy = _start_py_spy(master, args.py_spy, args.requests / args.rate) if args.py_spy else None
         hook_paced = drive("webhook", port, WEBHOOK_PATH, [r.body for r in paced],
                            rate=args.rate, **kw)  # fmt: skip
@@ -779,8 +844,13 @@ def main(argv: list[str] | None = None) -> int:
             spy.wait(timeout=60)
         checks += _verify(hook_paced, paced)
         _reset_quota_state()
-        hook_full = drive("webhook", port, WEBHOOK_PATH, [r.body for r in full], rate=None, **kw)
-        checks += _verify(hook_full, full)
+        floor, hook_full = drive_alternately(
+            [("noop", NOOP_PATH, noop_bodies), ("webhook", WEBHOOK_PATH, [r.body for r in full])],
+            rounds=args.rounds,
+            port=port,
+            **kw,
+        )
+        checks += _answers(floor, paced)[0] + _verify(hook_full, full)
         connection.close()
     finally:
         _stop(process)
