@@ -280,13 +280,16 @@ def restore_columns() -> str:
 
 def _set_back(own: tuple[str, str, str]) -> None:
     db = connections[DEFAULT_DB_ALIAS]
+    if db.connection is None:
+        return  # closed already, and the settings with it
     try:
         with db.wrap_database_errors:
             db.connection.execute(f"SELECT {restore_columns()}", list(own))
     except DatabaseError:
         # The connection is no use now (the database went away, or the caller's transaction
         # failed): it goes, and with it the settings.
-        db.close()
+        with contextlib.suppress(DatabaseError):
+            db.close()
 
 
 @functools.cache

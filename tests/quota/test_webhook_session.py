@@ -196,3 +196,27 @@ def _conninfo() -> str:
     return psycopg.conninfo.make_conninfo(
         **{k: v for k, v in params.items() if k in ("host", "port", "user", "dbname", "password")}
     )
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_connection_lost_mid_admission_is_closed_and_the_next_admission_reconnects(
+    client: Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 10}])
+    fetch = services.fetch_prepared
+
+    def lost(sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
+        if sql.lstrip().startswith("WITH asked"):
+            backend = connection.connection.info.backend_pid
+            with psycopg.connect(_conninfo(), autocommit=True) as other:
+                other.execute("SELECT pg_terminate_backend(%s)", [backend])
+        return fetch(sql, params)
+
+    monkeypatch.setattr(services, "fetch_prepared", lost)
+    answer = decide(client, claim("c1", [gpu_request(1)]))
+    assert answer["allowed"] is False
+    assert answer["status"]["reason"] == "ServiceUnavailable"
+    assert connection.connection is None  # closed: it kept nothing of the admission's
+    monkeypatch.setattr(services, "fetch_prepared", fetch)
+    assert decide(client, claim("c2", [gpu_request(1)]))["allowed"] is True
+    assert list(Reservation.objects.values_list("name", flat=True)) == ["c2"]
