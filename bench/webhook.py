@@ -566,23 +566,6 @@ def _machine_cpu() -> tuple[float, float]:
     return (sum(values) - idle) / ticks, sum(values) / ticks
 
 
-def drive(
-    label: str,
-    port: int,
-    path: str,
-    bodies: list[bytes],
-    *,
-    clients: int,
-    rate: float | None,
-    meter: _CpuMeter,
-    limit_s: float,
-) -> Run:
-    run = _measure(label, port, path, bodies, clients=clients, rate=rate, meter=meter,
-                   limit_s=limit_s)  # fmt: skip
-    _print(run)
-    return run
-
-
 def drive_alternately(
     runs: list[tuple[str, str, list[bytes]]],
     *,
@@ -599,8 +582,8 @@ def drive_alternately(
     for turn in range(rounds):
         for total, (label, path, bodies) in zip(merged, runs, strict=True):
             part = bodies[turn * len(bodies) // rounds : (turn + 1) * len(bodies) // rounds]
-            run = _measure(label, port, path, part, clients=clients, rate=None, meter=meter,
-                           limit_s=limit_s)  # fmt: skip
+            run = drive(label, port, path, part, clients=clients, rate=None, meter=meter,
+                        limit_s=limit_s, quiet=True)  # fmt: skip
             total.latencies += run.latencies
             total.responses += run.responses
             total.errors += run.errors
@@ -616,7 +599,7 @@ def drive_alternately(
     return merged
 
 
-def _measure(
+def drive(
     label: str,
     port: int,
     path: str,
@@ -626,7 +609,10 @@ def _measure(
     rate: float | None,
     meter: _CpuMeter,
     limit_s: float,
+    quiet: bool = False,
 ) -> Run:
+    """Send `bodies` to `path` (paced at `rate`, else at full speed) and measure; print what
+    was measured unless `quiet`."""
     payloads = [_payload(path, body) for body in bodies]
     run = Run(label, len(payloads), rate)
     if rate:
@@ -641,6 +627,8 @@ def _measure(
     busy = (machine_after[0] - machine_before[0]) / cores / elapsed if elapsed else 0.0
     ours = sum(run.cpu.values()) / cores / elapsed if elapsed else 0.0
     run.others = max(0.0, busy - ours)
+    if not quiet:
+        _print(run)
     return run
 
 
