@@ -15,7 +15,7 @@ import logging
 from typing import Any
 
 from django.conf import settings
-from django.db import DatabaseError, connection, transaction
+from django.db import DEFAULT_DB_ALIAS, DatabaseError, connections, transaction
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
@@ -26,7 +26,7 @@ from config.logging import PARSED_REVIEW
 from inventory.models import Cluster
 from inventory.services import get_cluster
 from quota import services
-from quota.selectors import admission_session
+from quota.selectors import admission_session, on_postgresql
 
 log = logging.getLogger(__name__)
 API_VERSION = "admission.k8s.io/v1"
@@ -109,9 +109,9 @@ def _admission_transaction() -> contextlib.AbstractContextManager[Any]:
     leaves the caller's transaction usable), and on SQLite, where the reservation is written
     step by step."""
     if (
-        connection.vendor == "postgresql"
+        on_postgresql()
         and not settings.DATABASE_TRANSACTION_POOLING
-        and not connection.in_atomic_block
+        and not connections[DEFAULT_DB_ALIAS].in_atomic_block
     ):
         return contextlib.nullcontext()
     return transaction.atomic()
@@ -130,7 +130,7 @@ def _is_claim_create(request: dict[str, Any]) -> bool:
 
 def _review(http_request: HttpRequest, *, mutate: bool) -> HttpResponse:
     webhook = "mutate" if mutate else "validate"
-    with metrics.WEBHOOK_LATENCY.labels(webhook=webhook).time():
+    with _child(metrics.WEBHOOK_LATENCY, webhook).time():
         try:
             request = parse_review(
                 http_request.body, getattr(http_request, PARSED_REVIEW, _UNPARSED)
@@ -143,7 +143,19 @@ def _review(http_request: HttpRequest, *, mutate: bool) -> HttpResponse:
 
 
 def _count(webhook: str, result: str, rule: str = "") -> None:
-    metrics.WEBHOOK_DECISIONS.labels(webhook=webhook, result=result, rule=rule).inc()
+    _child(metrics.WEBHOOK_DECISIONS, webhook, result, rule).inc()
+
+
+_children: dict[tuple[Any, ...], Any] = {}
+
+
+def _child(metric: Any, *labels: str) -> Any:
+    """`metric.labels(*labels)`, looked up once per process (every admission counts itself)."""
+    key = (metric, *labels)
+    child = _children.get(key)
+    if child is None:
+        child = _children[key] = metric.labels(*labels)
+    return child
 
 
 def respond(request: dict[str, Any], *, mutate: bool = False) -> dict[str, Any]:

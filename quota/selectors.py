@@ -334,7 +334,7 @@ def admission_state(*, cluster: str, namespace: str, name: str) -> AdmissionStat
     One round trip with no ORM on the webhook's path.
     """
     db = connections[DEFAULT_DB_ALIAS]
-    session = _SESSION.get() if db.vendor == "postgresql" else None
+    session = _SESSION.get() if on_postgresql() else None
     if session is not None and session.own is not None:
         session = None  # set already (an admission reads once; this is a second read)
     rows = fetch_prepared(
@@ -387,6 +387,13 @@ def _team(pk: int, slug: str, name: str) -> Team:
     return team
 
 
+@functools.cache
+def on_postgresql() -> bool:
+    """Whether the database is PostgreSQL: fixed for the process, read once (each read of
+    `connection.vendor` goes through Django's thread-local connection proxy)."""
+    return bool(connections[DEFAULT_DB_ALIAS].vendor == "postgresql")
+
+
 def fetch_prepared(sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
     """Run one statement of the webhook's path and fetch its rows.
 
@@ -399,7 +406,7 @@ def fetch_prepared(sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
     # The connection wrapper itself, looked up once: each attribute read through Django's
     # `connection` proxy is a thread-local lookup.
     db = connections[DEFAULT_DB_ALIAS]
-    if db.vendor != "postgresql" or not settings.DATABASE_PREPARED_STATEMENTS:
+    if not on_postgresql() or not settings.DATABASE_PREPARED_STATEMENTS:
         with db.cursor() as cursor:
             cursor.execute(sql, params)
             return list(cursor.fetchall())

@@ -47,6 +47,7 @@ from quota.selectors import (
     admission_state,
     fetch_prepared,
     fleet_shapes,
+    on_postgresql,
     restore_columns,
     restore_session,
     restored,
@@ -165,7 +166,7 @@ def _record(
 ) -> None:
     """Keep the webhook's answer for operators (a prepared INSERT on PostgreSQL)."""
     team_id = decision.team.pk if decision.team is not None else None
-    if connection.vendor == "postgresql":
+    if on_postgresql():
         own = restore_session()  # the admission's last statement sets the session's own back
         fetch_prepared(
             _record_sql(connection.vendor, restore=own is not None),
@@ -537,7 +538,7 @@ def _reserve(
         "expires_at": at + timedelta(seconds=settings.TALLY_RESERVATION_TTL_SECONDS),
     }
     admitted = Decision(True, "", "", plan.warnings, plan.team, plan.removed)
-    if connection.vendor == "postgresql" and plan.reserve:
+    if on_postgresql() and plan.reserve:
         try:
             exceeded = _reserve_in_one_statement(reservation, plan, username=username)
         except _RulesChanged:
