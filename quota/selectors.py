@@ -293,8 +293,8 @@ def _set_back(own: tuple[str, str, str]) -> None:
 
 
 @functools.cache
-def _admission_state_sql(vendor: str, *, with_settings: bool, local: bool = False) -> str:
-    """The admission's read, for the database `vendor` (made once); with the webhook's
+def _admission_state_sql(*, with_settings: bool, local: bool = False) -> str:
+    """The admission's read (made once per process and kind); with the webhook's
     settings: set on the session, the session's own values read first (columns 12-14), or
     (`local`) set for the transaction."""
     quote = connection.ops.quote_name
@@ -305,7 +305,7 @@ def _admission_state_sql(vendor: str, *, with_settings: bool, local: bool = Fals
     # is not flattened): the session's settings for the admission's next statements, when
     # there are some.
     own = ", ".join(
-        f"current_setting('{name}') AS {name}" if vendor == "postgresql" else f"NULL AS {name}"
+        f"current_setting('{name}') AS {name}" if on_postgresql() else f"NULL AS {name}"
         for name in SESSION_SETTINGS
     )
     scope = "true" if local else "false"
@@ -333,13 +333,11 @@ def admission_state(*, cluster: str, namespace: str, name: str) -> AdmissionStat
 
     One round trip with no ORM on the webhook's path.
     """
-    db = connections[DEFAULT_DB_ALIAS]
     session = _SESSION.get() if on_postgresql() else None
     if session is not None and session.own is not None:
         session = None  # set already (an admission reads once; this is a second read)
     rows = fetch_prepared(
         _admission_state_sql(
-            db.vendor,
             with_settings=session is not None,
             local=session is not None and session.local,
         ),

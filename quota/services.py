@@ -169,7 +169,7 @@ def _record(
     if on_postgresql():
         own = restore_session()  # the admission's last statement sets the session's own back
         fetch_prepared(
-            _record_sql(connection.vendor, restore=own is not None),
+            _record_sql(restore=own is not None),
             [at, uid, namespace, name, username, team_id, decision.allowed, decision.message,
              json.dumps(decision.warnings), *(own or ())],
         )  # fmt: skip
@@ -191,9 +191,9 @@ def _record(
 
 
 @functools.cache
-def _record_sql(vendor: str, *, restore: bool) -> str:
-    """The decision's insert (made once), setting the session's own settings back after it
-    (`restore`, from three more parameters)."""
+def _record_sql(*, restore: bool) -> str:
+    """The decision's insert on PostgreSQL (made once), setting the session's own settings
+    back after it (`restore`, from three more parameters)."""
     table = connection.ops.quote_name(AdmissionDecision._meta.db_table)
     return (
         f"INSERT INTO {table} ({_DECISION_COLUMNS}) "
@@ -601,8 +601,8 @@ _RESERVATION_COLUMNS = (
 
 
 @functools.cache
-def _reserve_sql(vendor: str, rules: int, *, restore: bool) -> str:
-    """The reserving statement for `rules` rules, for the database `vendor` (made once); with
+def _reserve_sql(rules: int, *, restore: bool) -> str:
+    """The reserving statement on PostgreSQL for `rules` rules (made once per shape); with
     `restore`, it sets the session's own settings back (three more parameters) when it admits,
     as the last thing it evaluates, after every lock it takes."""
     quote = connection.ops.quote_name
@@ -688,7 +688,7 @@ def _reserve_in_one_statement(
     ]
     own = restore_session()  # set back when it admits: then it is the admission's last
     [(fits, over_id, in_use, amount, *_)] = fetch_prepared(
-        _reserve_sql(connection.vendor, len(plan.reserve), restore=own is not None),
+        _reserve_sql(len(plan.reserve), restore=own is not None),
         [*params, *(own or ())],
     )
     if fits:
