@@ -215,20 +215,23 @@ class RuleUsage:
     in_use: Decimal
 
 
-# The settings an admission's statements run with (statement_timeout, lock_timeout,
-# synchronous_commit), in this order.
-SESSION_SETTINGS = ("statement_timeout", "lock_timeout", "synchronous_commit")
+# The timeouts an admission's statements run with, in this order. Its commit durability
+# (synchronous_commit) is no session setting: see `commit_durability`.
+SESSION_SETTINGS = ("statement_timeout", "lock_timeout")
 
 
 @dataclass
 class _Session:
     """The webhook's settings for one admission, and what the session had before them."""
 
-    wanted: tuple[str, str, str]
+    wanted: tuple[str, str]
     local: bool  # for the transaction (behind a transaction pooler), not the session
+    # synchronous_commit for the commit of each statement that writes; None within a
+    # caller's transaction, whose commit is not the admission's to make less durable.
+    durability: str | None
     # The session's own values while the webhook's are set on it: the admission's last
     # statement (or, failing that, `admission_session` on its way out) sets them back.
-    own: tuple[str, str, str] | None = None
+    own: tuple[str, str] | None = None
 
 
 _SESSION: ContextVar[_Session | None] = ContextVar("tally_session", default=None)
@@ -237,7 +240,8 @@ _SESSION: ContextVar[_Session | None] = ContextVar("tally_session", default=None
 @contextmanager
 def admission_session(*, timeout: str, synchronous_commit: str) -> Iterator[None]:
     """Within it, `admission_state` (the admission's first statement) also sets the statement
-    and lock timeouts and the commit durability (PostgreSQL) of the statements after it.
+    and lock timeouts of the statements after it, and each statement that writes sets the
+    durability of its own commit (PostgreSQL; `commit_durability`).
 
     The admission runs in autocommit, each statement atomic on its own, so the settings are
     set on the session, with no round trip of their own, and the admission's last statement
@@ -247,8 +251,9 @@ def admission_session(*, timeout: str, synchronous_commit: str) -> Iterator[None
     the admission has a transaction, and they are its own.
     """
     session = _Session(
-        wanted=(timeout, timeout, synchronous_commit),
+        wanted=(timeout, timeout),
         local=settings.DATABASE_TRANSACTION_POOLING,
+        durability=(None if connections[DEFAULT_DB_ALIAS].in_atomic_block else synchronous_commit),
     )
     token = _SESSION.set(session)
     try:
@@ -259,7 +264,24 @@ def admission_session(*, timeout: str, synchronous_commit: str) -> Iterator[None
             _set_back(session.own)
 
 
-def restore_session() -> tuple[str, str, str] | None:
+def commit_durability() -> str | None:
+    """For a statement that writes: the synchronous_commit its commit should have, or None.
+
+    It is set for the statement's own transaction (`set_config(..., true)`), so it holds until
+    that transaction commits, which in autocommit is right after the statement, and goes with
+    it. A session setting would not do: the admission's last statement sets the session's own
+    back as it ends, before its commit.
+    """
+    session = _SESSION.get()
+    return session.durability if session is not None else None
+
+
+def durability_column() -> str:
+    """The SQL that sets the commit durability of the statement's transaction (one parameter)."""
+    return "set_config('synchronous_commit', %s, true)"
+
+
+def restore_session() -> tuple[str, str] | None:
     """For the statement that may end the admission: the session's own settings, to set back
     as it ends (`restored` once it has), or None when there is nothing to set back."""
     session = _SESSION.get()
@@ -278,7 +300,7 @@ def restore_columns() -> str:
     return ", ".join(f"set_config('{name}', %s, false)" for name in SESSION_SETTINGS)
 
 
-def _set_back(own: tuple[str, str, str]) -> None:
+def _set_back(own: tuple[str, str]) -> None:
     db = connections[DEFAULT_DB_ALIAS]
     if db.connection is None:
         return  # closed already, and the settings with it
@@ -295,7 +317,7 @@ def _set_back(own: tuple[str, str, str]) -> None:
 @functools.cache
 def _admission_state_sql(*, with_settings: bool, local: bool = False) -> str:
     """The admission's read (made once per process and kind); with the webhook's
-    settings: set on the session, the session's own values read first (columns 12-14), or
+    settings: set on the session, the session's own values read first (columns 12-13), or
     (`local`) set for the transaction."""
     quote = connection.ops.quote_name
     team, owner, rule, reservation = (
@@ -344,7 +366,7 @@ def admission_state(*, cluster: str, namespace: str, name: str) -> AdmissionStat
         [cluster, namespace, name, *(session.wanted if session else ()), namespace],
     )
     if session is not None and not session.local:
-        session.own = (rows[0][12], rows[0][13], rows[0][14])
+        session.own = (rows[0][12], rows[0][13])
     team: Team | None = None
     rules: list[RuleUsage] = []
     replayed: int | None = rows[0][11] if rows else None

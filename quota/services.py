@@ -45,6 +45,8 @@ from quota.selectors import (
     RuleUsage,
     Shape,
     admission_state,
+    commit_durability,
+    durability_column,
     fetch_prepared,
     fleet_shapes,
     on_postgresql,
@@ -168,10 +170,12 @@ def _record(
     team_id = decision.team.pk if decision.team is not None else None
     if on_postgresql():
         own = restore_session()  # the admission's last statement sets the session's own back
+        durability = commit_durability()
         fetch_prepared(
-            _record_sql(restore=own is not None),
+            _record_sql(restore=own is not None, durability=durability is not None),
             [at, uid, namespace, name, username, team_id, decision.allowed, decision.message,
-             json.dumps(decision.warnings), *(own or ())],
+             json.dumps(decision.warnings), *(own or ()),
+             *(() if durability is None else (durability,))],
         )  # fmt: skip
         if own is not None:
             restored()
@@ -191,14 +195,20 @@ def _record(
 
 
 @functools.cache
-def _record_sql(*, restore: bool) -> str:
-    """The decision's insert on PostgreSQL (made once), setting the session's own settings
-    back after it (`restore`, from three more parameters)."""
+def _record_sql(*, restore: bool, durability: bool) -> str:
+    """The decision's insert on PostgreSQL (made once per kind), setting the session's own
+    settings back after it (`restore`, from two more parameters) and the durability of its
+    commit (`durability`, one more)."""
     table = connection.ops.quote_name(AdmissionDecision._meta.db_table)
+    returning = [
+        "id",
+        *([restore_columns()] if restore else []),
+        *([durability_column()] if durability else []),
+    ]
     return (
         f"INSERT INTO {table} ({_DECISION_COLUMNS}) "
         "VALUES (%s, %s, %s, %s, %s, %s, %s, false, %s, %s::jsonb) "
-        f"RETURNING id{', ' + restore_columns() if restore else ''}"
+        f"RETURNING {', '.join(returning)}"
     )
 
 
@@ -601,10 +611,11 @@ _RESERVATION_COLUMNS = (
 
 
 @functools.cache
-def _reserve_sql(rules: int, *, restore: bool) -> str:
+def _reserve_sql(rules: int, *, restore: bool, durability: bool) -> str:
     """The reserving statement on PostgreSQL for `rules` rules (made once per shape); with
-    `restore`, it sets the session's own settings back (three more parameters) when it admits,
-    as the last thing it evaluates, after every lock it takes."""
+    `restore`, it sets the session's own settings back (two more parameters) when it admits,
+    as the last thing it evaluates, after every lock it takes; with `durability`, it sets the
+    durability of its commit (one more)."""
     quote = connection.ops.quote_name
     rule, reservation, line, decision = (
         quote(model._meta.db_table)
@@ -617,7 +628,7 @@ def _reserve_sql(rules: int, *, restore: bool) -> str:
         ",\n       CASE WHEN verdict.fits THEN ARRAY[" + restore_columns() + "] END"
         if restore
         else ""
-    )
+    ) + (f",\n       {durability_column()}" if durability else "")
     return f"""
 WITH asked(rule_id, amount, enforce) AS (VALUES {values}),
 locked AS (
@@ -687,9 +698,10 @@ def _reserve_in_one_statement(
         json.dumps(plan.warnings),
     ]
     own = restore_session()  # set back when it admits: then it is the admission's last
+    durability = commit_durability()
     [(fits, over_id, in_use, amount, *_)] = fetch_prepared(
-        _reserve_sql(len(plan.reserve), restore=own is not None),
-        [*params, *(own or ())],
+        _reserve_sql(len(plan.reserve), restore=own is not None, durability=durability is not None),
+        [*params, *(own or ()), *(() if durability is None else (durability,))],
     )
     if fits:
         if own is not None:

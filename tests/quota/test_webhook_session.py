@@ -2,7 +2,8 @@
 
 An admission runs in autocommit (its read and its reserving statement are each atomic): its
 first read sets the webhook's timeouts on the session for the statements after it, and its
-last statement sets the session's own back. However it ends, the connection keeps none of them.
+last statement sets the session's own back. Each statement that writes sets the durability of
+its own commit, for its transaction only. However it ends, the connection keeps none of them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tests.quota.fixtures import claim, decide, gpu_request, make_team, post, re
 
 pytestmark = [pytest.mark.postgres, pytest.mark.usefixtures("fleet")]
 NAMES = ("statement_timeout", "lock_timeout", "synchronous_commit")
+WRITING = ("WITH asked", "INSERT")
 
 
 def _show(name: str) -> str:
@@ -34,15 +36,32 @@ def _show(name: str) -> str:
 
 @pytest.fixture
 def seen(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, str]]]:
-    """The settings in effect as each of the admission's writing statements starts."""
+    """For each of the admission's writing statements: the timeouts in effect as it starts,
+    and the commit durability in effect when its transaction commits.
+
+    In autocommit a statement's transaction commits as it ends, with nothing in between to
+    look; here it runs in a transaction block that commits just after the look, the same
+    statement in the same session otherwise.
+    """
     seen: list[dict[str, str]] = []
     fetch = services.fetch_prepared
 
     def spying(sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
-        if sql.lstrip().startswith(("WITH asked", "INSERT")):
-            raw = connection.connection
-            seen.append({name: raw.execute(f"SHOW {name}").fetchone()[0] for name in NAMES})
-        return fetch(sql, params)
+        if not sql.lstrip().startswith(WRITING):
+            return fetch(sql, params)
+        raw = connection.connection
+        at_start = {name: raw.execute(f"SHOW {name}").fetchone()[0] for name in NAMES}
+        own_block = raw.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        if own_block:
+            raw.execute("BEGIN")
+        try:
+            rows = fetch(sql, params)
+            at_commit = raw.execute("SHOW synchronous_commit").fetchone()[0]
+        finally:
+            if own_block:
+                raw.execute("COMMIT")
+        seen.append({**at_start, "synchronous_commit": at_commit})
+        return rows
 
     monkeypatch.setattr(services, "fetch_prepared", spying)
     yield seen
@@ -71,6 +90,22 @@ def test_an_admission_bounds_its_waits_and_commits_as_configured(
     assert seen == [{**wanted, "synchronous_commit": expected}] * 2  # reserved; recorded
     assert {name: _show(name) for name in NAMES} == own
     assert connection.connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+@pytest.mark.django_db
+def test_within_a_callers_transaction_its_commit_keeps_the_callers_durability(
+    client: Client, settings: Any, seen: list[dict[str, str]]
+) -> None:
+    """In a caller's transaction (here the test's) the commit is the caller's: an admission
+    does not make it less durable."""
+    settings.TALLY_WEBHOOK_DB_TIMEOUT_MS = 1234
+    settings.TALLY_WEBHOOK_SYNCHRONOUS_COMMIT = False
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 2}])
+    own = _show("synchronous_commit")
+    assert decide(client, claim("fits", [gpu_request(2)]))["allowed"] is True
+    assert [s["synchronous_commit"] for s in seen] == [own]
+    assert seen[0]["lock_timeout"] == "1234ms"
+    assert _show("synchronous_commit") == own
 
 
 @pytest.mark.django_db(transaction=True)
