@@ -329,7 +329,9 @@ def _free_port() -> int:
         return port
 
 
-def _start_gunicorn(url: str, *, workers: int, port: int, app: str) -> subprocess.Popen[bytes]:
+def _start_gunicorn(
+    url: str, *, workers: int, threads: int, port: int, app: str
+) -> subprocess.Popen[bytes]:
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "bench.settings",
@@ -340,11 +342,13 @@ def _start_gunicorn(url: str, *, workers: int, port: int, app: str) -> subproces
     }
     command = [
         sys.executable, "-m", "gunicorn", app,
-        "--bind", f"127.0.0.1:{port}", "--workers", str(workers), "--worker-class", "sync",
+        "--bind", f"127.0.0.1:{port}", "--workers", str(workers),
+        "--worker-class", "gthread" if threads > 1 else "sync", "--threads", str(threads),
         "--backlog", "2048", "--timeout", "60", "--graceful-timeout", "5",
         "--worker-tmp-dir", "/dev/shm", "--log-level", "warning",
     ]  # fmt: skip
-    print(f"gunicorn: {workers} sync workers on 127.0.0.1:{port}", flush=True)
+    kind = f"gthread workers of {threads} threads" if threads > 1 else "sync workers"
+    print(f"gunicorn: {workers} {kind} on 127.0.0.1:{port}", flush=True)
     # Its own process group, so that the master and its workers can be stopped together.
     process = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True)
     deadline = time.monotonic() + 60
@@ -753,7 +757,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--requests", type=int, default=6000, help="per run (default 6000)")
     parser.add_argument("--clients", type=int, default=50, help="concurrent connections")
     parser.add_argument("--rate", type=float, default=300.0, help="offered req/s, paced runs")
-    parser.add_argument("--workers", type=int, default=4, help="gunicorn sync workers")
+    parser.add_argument("--workers", type=int, default=4, help="gunicorn workers (default 4)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="threads per worker: 1 serves with sync workers (default), more with gthread "
+        "workers, as deploy/gunicorn.conf.py does",
+    )
     parser.add_argument(
         "--time-limit", type=float, default=90.0, help="seconds per measured run at most"
     )
@@ -776,8 +787,16 @@ def main(argv: list[str] | None = None) -> int:
         help="record the workers with py-spy during the paced webhook run (speedscope JSON)",
     )
     args = parser.parse_args(argv)
-    if args.requests < 100 or args.clients < 1 or args.rate <= 0 or args.workers < 1:
-        parser.error("--requests >= 100, --clients >= 1, --rate > 0 and --workers >= 1")
+    if (
+        args.requests < 100
+        or args.clients < 1
+        or args.rate <= 0
+        or args.workers < 1
+        or args.threads < 1
+    ):
+        parser.error(
+            "--requests >= 100, --clients >= 1, --rate > 0, --workers >= 1 and --threads >= 1"
+        )
     if not 1 <= args.rounds <= args.requests // 50:
         parser.error("--rounds between 1 and --requests / 50")
 
@@ -808,7 +827,9 @@ def main(argv: list[str] | None = None) -> int:
     connection.close()  # the bench's own connection stays idle from here on
 
     port = _free_port()
-    process = _start_gunicorn(url, workers=args.workers, port=port, app=args.app)
+    process = _start_gunicorn(
+        url, workers=args.workers, threads=args.threads, port=port, app=args.app
+    )
     checks: list[tuple[str, bool, str]] = []
     try:
         master = process.pid
