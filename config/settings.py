@@ -254,6 +254,8 @@ TALLY_WEBHOOK_SYNCHRONOUS_COMMIT = env.get_bool("TALLY_WEBHOOK_SYNCHRONOUS_COMMI
 TALLY_RESERVATION_TTL_SECONDS = env.get_int("TALLY_RESERVATION_TTL_SECONDS", 600, minimum=1)
 TALLY_BUDGET_CACHE_SECONDS = env.get_int("TALLY_BUDGET_CACHE_SECONDS", 30, minimum=0)
 TALLY_SHAPE_CACHE_SECONDS = env.get_int("TALLY_SHAPE_CACHE_SECONDS", 10, minimum=0)
+# How long a new web worker may spend evaluating selectors before it serves (0: none).
+TALLY_WARM_UP_SECONDS = env.get_int("TALLY_WARM_UP_SECONDS", 10, minimum=0)
 
 CELERY_BEAT_SCHEDULE = {
     "quota-expire-reservations": {

@@ -51,6 +51,14 @@ def on_starting(server: Any) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)
 
 
+def post_worker_init(worker: Any) -> None:
+    # Before it serves: the fleet's shapes loaded and the quota rules' selectors evaluated,
+    # so that a new worker's (or a recycled one's) first admission is not the slow one.
+    from quota.admission import warm_up_worker
+
+    warm_up_worker()
+
+
 def child_exit(server: Any, worker: Any) -> None:
     if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
         from prometheus_client import multiprocess
