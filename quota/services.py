@@ -435,6 +435,14 @@ def _demand(
         return demand
     selectors = tuple(request.selectors)
     candidates = fleet.candidates(request.device_class_name, selectors)
+    if not candidates:
+        # Nothing to weigh it by: it counts as whole GPUs on every rule of its class, the
+        # most it could take, until the sync sees what it was given.
+        warnings.append(
+            f'request "{request.name}": no device of class "{request.device_class_name}" in '
+            "the inventory matches it; until it is allocated, each device it asks for counts "
+            "as one whole GPU (and no memory) on every quota rule of its class"
+        )
     if request.allocation_mode == "All":
         devices = fleet.derived(
             ("all", request.device_class_name, selectors),

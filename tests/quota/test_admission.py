@@ -194,6 +194,25 @@ def test_selector_rule_limits_only_requests_that_can_get_matching_devices(client
     assert QuotaRule.objects.get(name="all-gpus").in_use == 2
 
 
+def test_a_request_no_inventory_device_matches_is_counted_whole_and_says_so(
+    client: Client,
+) -> None:
+    make_team([*RULES[:2]])
+    b200 = {"cel": {"expression": H100_EXPRESSION.replace("H100", "B200")}}
+    answer = decide(client, claim("b", [gpu_request(1, selectors=[b200])]))
+    assert answer["allowed"]
+    assert answer["warnings"] == [
+        'request "gpu": no device of class "gpu.nvidia.com" in the inventory matches it; '
+        "until it is allocated, each device it asks for counts as one whole GPU (and no "
+        "memory) on every quota rule of its class",
+        'team "research": quota rule "h100" is at 1 GPU of 1 GPU with this claim',
+    ]
+    # The most it could take: a whole GPU on each rule, the H100 one included.
+    assert QuotaRule.objects.get(name="h100").in_use == 1
+    assert QuotaRule.objects.get(name="all-gpus").in_use == 1
+    assert "no device" not in str(decide(client, claim("a", [gpu_request(1)])).get("warnings"))
+
+
 def test_all_mode_counts_the_most_matching_devices_on_one_node(client: Client) -> None:
     make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 5}])
     all_request = {
