@@ -241,7 +241,7 @@ class RuleUsage:
 
 
 # The timeouts an admission's statements run with, in this order. Its commit durability
-# (synchronous_commit) is no session setting: see `commit_durability`.
+# (synchronous_commit) is no session setting: see `Ending`.
 SESSION_SETTINGS = ("statement_timeout", "lock_timeout")
 
 
@@ -266,11 +266,11 @@ _SESSION: ContextVar[_Session | None] = ContextVar("tally_session", default=None
 def admission_session(*, timeout: str, synchronous_commit: str) -> Iterator[None]:
     """Within it, `admission_state` (the admission's first statement) also sets the statement
     and lock timeouts of the statements after it, and each statement that writes sets the
-    durability of its own commit (PostgreSQL; `commit_durability`).
+    durability of its own commit (PostgreSQL; `statement_ending`).
 
     The admission runs in autocommit, each statement atomic on its own, so the settings are
     set on the session, with no round trip of their own, and the admission's last statement
-    sets the session's own values back (`restore_session`). Whatever way the admission ends,
+    sets the session's own values back (`statement_ending`). Whatever way the admission ends,
     the connection never keeps the webhook's settings: if they are still set here, they are
     set back (a round trip), or the connection is closed. With DATABASE_TRANSACTION_POOLING
     the admission has a transaction, and they are its own.
@@ -289,16 +289,35 @@ def admission_session(*, timeout: str, synchronous_commit: str) -> Iterator[None
             _set_back(session.own)
 
 
-def commit_durability() -> str | None:
-    """For a statement that writes: the synchronous_commit its commit should have, or None.
+@dataclass(frozen=True)
+class Ending:
+    """What a statement that writes sets as it ends, and the parameters for it, in order:
 
-    It is set for the statement's own transaction (`set_config(..., true)`), so it holds until
-    that transaction commits, which in autocommit is right after the statement, and goes with
-    it. A session setting would not do: the admission's last statement sets the session's own
-    back as it ends, before its commit.
+    - `restore`: the session's own settings, set back (`restore_columns`, two parameters;
+      call `restored` once the statement ran), when this statement may end the admission and
+      they are still to set back;
+    - `durable`: the synchronous_commit of its own commit (`durability_column`, one
+      parameter). It is set for the statement's own transaction (`set_config(..., true)`), so
+      it holds until that transaction commits, which in autocommit is right after the
+      statement, and goes with it. A session setting would not do: the admission's last
+      statement sets the session's own back as it ends, before its commit.
     """
+
+    restore: bool
+    durable: bool
+    params: tuple[str, ...]
+
+
+def statement_ending() -> Ending:
+    """What the next statement that writes sets as it ends (nothing outside an admission)."""
     session = _SESSION.get()
-    return session.durability if session is not None else None
+    own = session.own if session is not None else None
+    durability = session.durability if session is not None else None
+    return Ending(
+        restore=own is not None,
+        durable=durability is not None,
+        params=(*(own or ()), *(() if durability is None else (durability,))),
+    )
 
 
 def durability_column() -> str:
@@ -306,22 +325,15 @@ def durability_column() -> str:
     return "set_config('synchronous_commit', %s, true)"
 
 
-def restore_session() -> tuple[str, str] | None:
-    """For the statement that may end the admission: the session's own settings, to set back
-    as it ends (`restored` once it has), or None when there is nothing to set back."""
-    session = _SESSION.get()
-    return session.own if session is not None else None
-
-
 def restored() -> None:
-    """The session's own settings are back (a statement from `restore_session` ran)."""
+    """The session's own settings are back (a statement `statement_ending` set up ran)."""
     session = _SESSION.get()
     if session is not None:
         session.own = None
 
 
 def restore_columns() -> str:
-    """The SQL that sets the session's own settings back, from three parameters."""
+    """The SQL that sets the session's own settings back, from two parameters."""
     return ", ".join(f"set_config('{name}', %s, false)" for name in SESSION_SETTINGS)
 
 

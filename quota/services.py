@@ -45,14 +45,13 @@ from quota.selectors import (
     RuleUsage,
     Shape,
     admission_state,
-    commit_durability,
     durability_column,
     fetch_prepared,
     fleet_shapes,
     on_postgresql,
     restore_columns,
-    restore_session,
     restored,
+    statement_ending,
     team_for_namespace,
     team_rules,
 )
@@ -169,15 +168,13 @@ def _record(
     """Keep the webhook's answer for operators (a prepared INSERT on PostgreSQL)."""
     team_id = decision.team.pk if decision.team is not None else None
     if on_postgresql():
-        own = restore_session()  # the admission's last statement sets the session's own back
-        durability = commit_durability()
+        ending = statement_ending()  # the admission's last: it sets the session's own back
         fetch_prepared(
-            _record_sql(restore=own is not None, durability=durability is not None),
+            _record_sql(restore=ending.restore, durability=ending.durable),
             [at, uid, namespace, name, username, team_id, decision.allowed, decision.message,
-             json.dumps(decision.warnings), *(own or ()),
-             *(() if durability is None else (durability,))],
+             json.dumps(decision.warnings), *ending.params],
         )  # fmt: skip
-        if own is not None:
+        if ending.restore:
             restored()
         return
     AdmissionDecision.objects.create(
@@ -705,14 +702,13 @@ def _reserve_in_one_statement(
         reservation["team_id"],
         json.dumps(plan.warnings),
     ]
-    own = restore_session()  # set back when it admits: then it is the admission's last
-    durability = commit_durability()
+    ending = statement_ending()  # set back when it admits: then it is the admission's last
     [(fits, over_id, in_use, amount, *_)] = fetch_prepared(
-        _reserve_sql(len(plan.reserve), restore=own is not None, durability=durability is not None),
-        [*params, *(own or ()), *(() if durability is None else (durability,))],
+        _reserve_sql(len(plan.reserve), restore=ending.restore, durability=ending.durable),
+        [*params, *ending.params],
     )
     if fits:
-        if own is not None:
+        if ending.restore:
             restored()
         return None
     if over_id is None:
