@@ -316,8 +316,11 @@ def _reset_quota_state() -> None:
         cursor.execute(f"UPDATE {QuotaRule._meta.db_table} SET in_use = 0")
         # The rules' row versions left by the run before (each admission updates its rules)
         # go, so that every run starts from the same tables.
-        cursor.execute(f"VACUUM {QuotaRule._meta.db_table}")
-        cursor.execute("ANALYZE")
+        cursor.execute(f"VACUUM ANALYZE {QuotaRule._meta.db_table}")
+        # Not the emptied tables: statistics that say "no rows" make the workers plan their
+        # prepared lookups of reservations as scans of the whole table, kept for the run as
+        # the table grows to thousands of rows (a server in service has its tables analyzed
+        # with rows in them). Truncated, their size is unknown, as on a new installation.
 
 
 # --- gunicorn ----------------------------------------------------------------------------------
