@@ -313,7 +313,7 @@ def _plan(*, cluster: Cluster, claim: dict[str, Any], state: AdmissionState) -> 
             if skipped:
                 plan.removed[request.name] = skipped
         # Reserve the most any kept alternative can take on each rule.
-        for rule_id in {rule_id for demand in fitting for rule_id in demand.amounts}:
+        for rule_id in sorted({rule_id for demand in fitting for rule_id in demand.amounts}):
             plan.reserve[rule_id] = plan.reserve.get(rule_id, Decimal(0)) + max(
                 demand.amounts.get(rule_id, Decimal(0)) for demand in fitting
             )

@@ -265,6 +265,18 @@ def test_warn_rules_admit_with_a_warning_and_near_limit_warns(client: Client) ->
     assert any('"example" is at 4 GPUs of 5 GPUs' in w for w in near["warnings"])
 
 
+def test_warnings_of_several_rules_come_in_the_rules_order(client: Client) -> None:
+    """Ids 7 and 8: a set of them iterates 8 first (8 hashes to the set's slot 0)."""
+    team = make_team([])
+    for pk, name in ((8, "later"), (7, "earlier")):
+        QuotaRule.objects.create(
+            pk=pk, team=team, name=name, device_class="gpu.nvidia.com", limit=Decimal(2)
+        )
+    warnings = decide(client, claim("both", [gpu_request(2)]))["warnings"]
+    assert [w.split('"')[3] for w in warnings] == ["earlier", "later"]
+    assert AdmissionDecision.objects.get(name="both").warnings == warnings
+
+
 def test_the_same_claim_admitted_twice_reserves_once(client: Client) -> None:
     make_team(RULES[:1])
     body = claim("again", [gpu_request(1)])
