@@ -250,6 +250,7 @@ TALLY_WEBHOOK_DB_TIMEOUT_MS = env.get_int("TALLY_WEBHOOK_DB_TIMEOUT_MS", 1500, m
 # Off: an admission's commit does not wait for its WAL to reach disk (PostgreSQL flushes it
 # within ~0.6 s). A database crash may then forget the last admissions' reservations until
 # the sync sees those claims allocated; a Tally crash loses nothing. Cheaper per admission.
+# Either way a decision that reserved nothing (a denial) is recorded without waiting.
 TALLY_WEBHOOK_SYNCHRONOUS_COMMIT = env.get_bool("TALLY_WEBHOOK_SYNCHRONOUS_COMMIT", True)
 TALLY_RESERVATION_TTL_SECONDS = env.get_int("TALLY_RESERVATION_TTL_SECONDS", 600, minimum=1)
 TALLY_BUDGET_CACHE_SECONDS = env.get_int("TALLY_BUDGET_CACHE_SECONDS", 30, minimum=0)

@@ -165,14 +165,21 @@ _DECISION_COLUMNS = (
 def _record(
     decision: Decision, *, namespace: str, name: str, username: str, uid: str, at: datetime
 ) -> None:
-    """Keep the webhook's answer for operators (a prepared INSERT on PostgreSQL)."""
+    """Keep the webhook's answer for operators (a prepared INSERT on PostgreSQL).
+
+    On PostgreSQL it records only decisions that reserved nothing (a reservation records its
+    decision in its own statement): a denial, a namespace no team owns, a claim no rule
+    limits. Its commit does not wait for the disk: a database crash may lose the last such
+    rows, never state that quota depends on.
+    """
     team_id = decision.team.pk if decision.team is not None else None
     if on_postgresql():
         ending = statement_ending()  # the admission's last: it sets the session's own back
+        params = [*ending.params[:-1], "off"] if ending.durable else list(ending.params)
         fetch_prepared(
             _record_sql(restore=ending.restore, durability=ending.durable),
             [at, uid, namespace, name, username, team_id, decision.allowed, decision.message,
-             json.dumps(decision.warnings), *ending.params],
+             json.dumps(decision.warnings), *params],
         )  # fmt: skip
         if ending.restore:
             restored()

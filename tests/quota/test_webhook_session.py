@@ -3,7 +3,8 @@
 An admission runs in autocommit (its read and its reserving statement are each atomic): its
 first read sets the webhook's timeouts on the session for the statements after it, and its
 last statement sets the session's own back. Each statement that writes sets the durability of
-its own commit, for its transaction only. However it ends, the connection keeps none of them.
+its own commit, for its transaction only: as configured for a reservation, not waiting for the
+disk for a decision that reserved nothing. However it ends, the connection keeps none of them.
 """
 
 from __future__ import annotations
@@ -87,7 +88,12 @@ def test_an_admission_bounds_its_waits_and_commits_as_configured(
     assert decide(client, claim("fits", [gpu_request(2)]))["allowed"] is True
     assert decide(client, claim("over", [gpu_request(1)]))["allowed"] is False
     wanted = {"statement_timeout": "1234ms", "lock_timeout": "1234ms"}
-    assert seen == [{**wanted, "synchronous_commit": expected}] * 2  # reserved; recorded
+    # The reservation commits as configured; the denial, which reserved nothing, is recorded
+    # without waiting for the disk.
+    assert seen == [
+        {**wanted, "synchronous_commit": expected},
+        {**wanted, "synchronous_commit": "off"},
+    ]
     assert {name: _show(name) for name in NAMES} == own
     assert connection.connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
 
