@@ -308,11 +308,17 @@ class Ending:
     params: tuple[str, ...]
 
 
-def statement_ending() -> Ending:
-    """What the next statement that writes sets as it ends (nothing outside an admission)."""
+def statement_ending(*, wait_for_disk: bool = True) -> Ending:
+    """What the next statement that writes sets as it ends (nothing outside an admission).
+
+    Without `wait_for_disk` (a statement whose loss in a database crash costs no quota state)
+    its commit does not wait for the disk, whatever the admission's durability.
+    """
     session = _SESSION.get()
     own = session.own if session is not None else None
     durability = session.durability if session is not None else None
+    if durability is not None and not wait_for_disk:
+        durability = "off"
     return Ending(
         restore=own is not None,
         durable=durability is not None,

@@ -167,19 +167,19 @@ def _record(
 ) -> None:
     """Keep the webhook's answer for operators (a prepared INSERT on PostgreSQL).
 
-    On PostgreSQL it records only decisions that reserved nothing (a reservation records its
-    decision in its own statement): a denial, a namespace no team owns, a claim no rule
-    limits. Its commit does not wait for the disk: a database crash may lose the last such
-    rows, never state that quota depends on.
+    On PostgreSQL it records only decisions whose claim holds no quota (one that does is
+    recorded by the statement that reserves it): a denial, a namespace no team owns, a claim
+    no rule limits. Its commit does not wait for the disk: a database crash may lose the last
+    such rows, never state that quota depends on.
     """
     team_id = decision.team.pk if decision.team is not None else None
     if on_postgresql():
-        ending = statement_ending()  # the admission's last: it sets the session's own back
-        params = [*ending.params[:-1], "off"] if ending.durable else list(ending.params)
+        # The admission's last statement: it sets the session's own settings back.
+        ending = statement_ending(wait_for_disk=False)
         fetch_prepared(
             _record_sql(restore=ending.restore, durability=ending.durable),
             [at, uid, namespace, name, username, team_id, decision.allowed, decision.message,
-             json.dumps(decision.warnings), *params],
+             json.dumps(decision.warnings), *ending.params],
         )  # fmt: skip
         if ending.restore:
             restored()
