@@ -24,10 +24,14 @@ print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependenc
 PY
 RUN pip install -r /tmp/requirements.txt
 COPY config ./config
+COPY db ./db
+COPY teams ./teams
 COPY inventory ./inventory
-COPY quota ./quota
 COPY billing ./billing
+COPY quota ./quota
 COPY frontend ./frontend
+COPY demo ./demo
+COPY agent ./agent
 RUN pip install --no-deps . \
  && python - <<'PY'
 # Fail the build, not the pod, when package data (templates, static files) did not install.
@@ -38,6 +42,7 @@ assert not missing, f"frontend/{missing} not in the installed package: see pypro
 PY
 # Static files are collected at build time; whitenoise serves them from the image.
 RUN DEBUG=false SECRET_KEY=build-only CELERY_BROKER_URL=memory:// \
+    DATABASE_URL=postgres://build-only@127.0.0.1:1/unused \
     DJANGO_SETTINGS_MODULE=config.settings django-admin collectstatic --noinput \
  && python -m compileall -q /opt/tally
 COPY deploy/gunicorn.conf.py deploy/entrypoint.sh /opt/tally/etc/

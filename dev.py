@@ -5,7 +5,9 @@
     python3 dev.py test    # venv + install + lint, types and the whole test suite
 
 Each creates `.venv/` and installs the project into it when that has not happened yet (or
-`pyproject.toml` changed since), so either can be run first. Only the standard library is
+`pyproject.toml` changed since), so either can be run first. Unless `DATABASE_URL` names a
+PostgreSQL server, each starts the embedded one (data in `var/postgres/`, see
+`db/embedded.py`) for its children and stops it on the way out. Only the standard library is
 used here, because this file runs before anything is installed.
 """
 
@@ -17,6 +19,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -43,6 +47,39 @@ def ensure_venv() -> None:
     run(PYTHON, "-m", "pip", "install", "--quiet", "--upgrade", "pip")
     run(PYTHON, "-m", "pip", "install", "--quiet", "-e", ".[dev]")
     STAMP.write_text(wanted)
+
+
+@contextmanager
+def embedded_postgres() -> Iterator[None]:
+    """Unless `DATABASE_URL` names a server, start the embedded PostgreSQL server (or find it
+    running), name it in `DATABASE_URL` for every child, and stop it at the end if started here."""
+    if os.environ.get("DATABASE_URL") or os.environ.get("DATABASE_URL_FILE"):
+        yield
+        return
+    helper = [str(PYTHON), "-m", "db.embedded"]
+    running = subprocess.run([*helper, "url"], cwd=ROOT, capture_output=True, text=True)
+    if running.returncode == 0:
+        os.environ["DATABASE_URL"] = running.stdout.strip()
+        print("+ using the embedded PostgreSQL server already running in var/postgres", flush=True)
+        yield
+        return
+    print("+ starting the embedded PostgreSQL 18 server in var/postgres ...", end=" ", flush=True)
+    began = time.monotonic()
+    try:
+        started = subprocess.run(
+            [*helper, "start"], cwd=ROOT, stdout=subprocess.PIPE, text=True, check=True
+        )
+        os.environ["DATABASE_URL"] = started.stdout.strip()
+        print(f"ready in {time.monotonic() - began:.1f} s", flush=True)
+        yield
+    finally:
+        print("+ stopping the embedded PostgreSQL server", flush=True)
+        subprocess.run([*helper, "stop"], cwd=ROOT, check=False)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    # SIGTERM and SIGHUP end dev.py as Ctrl-C does: children and the database stopped first.
+    raise SystemExit(128 + signum)
 
 
 def serve(argv: list[str]) -> int:
@@ -118,7 +155,11 @@ def main() -> int:
         print(__doc__)
         return 2
     ensure_venv()
-    return commands[sys.argv[1]](sys.argv[2:])
+    for name in ("SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), _exit_on_signal)
+    with embedded_postgres():
+        return commands[sys.argv[1]](sys.argv[2:])
 
 
 if __name__ == "__main__":

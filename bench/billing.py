@@ -18,7 +18,7 @@ every GPU is allocated all week. Then:
 2. `VACUUM (ANALYZE)`: what autovacuum would have done after such a load (it is off on the
    development server), then a `CHECKPOINT` (the ingest's pages written out, so the rollup
    does not wait on them); timed, not counted.
-3. **Rollup**: `billing.rollup.rollup_pending`, as the Celery task runs it, over every hour
+3. **Rollup**: `billing.rollup.rollup_pending`, the Celery task's rollup, over every hour
    the ingest marked (the whole period), timed; then the **floor**, one `GROUP BY device,
    hour` over the same samples, every row fetched (run twice, the faster counted). The
    rollup's rows are checked: allocated GPU-hours == GPUs x hours, measured coverage ~100%.
@@ -46,6 +46,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from bench.inventory import REPO, _database_name, _drop_database, _recreate_database
+from billing.hours import MS_PER_HOUR
 
 DEFAULT_URL = "postgres://postgres@127.0.0.1:5432/tally_bench_billing"
 WEEK_START = datetime(2026, 3, 2, tzinfo=UTC)  # a Monday, long past
@@ -136,21 +137,22 @@ class Timings:
 def _statement_kind(sql: str) -> str:
     text = " ".join(sql.split())
     if "pg_advisory_xact_lock" in text:
+        # The rollup sends its settings with its hours' locks (`db.locks.xact_lock_sql`).
         return (
             "rollup: lock the hours, settings"
-            if "generate_series" in text
-            else ("ingest: lock the devices")
+            if "set_config" in text
+            else "ingest: lock the devices"
         )
     if text.startswith("CREATE TEMP TABLE tally_rollup_per_hour"):
         return "rollup: coverage per device and hour"
-    if text.startswith("WITH RECURSIVE"):
+    if text.startswith("WITH iv("):
         return "rollup: rows of whole hours (INSERT ... SELECT)"
     if text.startswith("WITH pieces"):
         return "rollup: coverage per part-hour allocation"
-    if text.startswith("SELECT r.uuid, before.ts_ms"):
-        return "ingest: the samples around the batch"
-    if text.startswith("UPDATE billing_sample AS s SET gap_ms"):
-        return "ingest: gap of the sample before the batch"
+    if text.startswith("SELECT r.uuid, (SELECT MIN(s.ts_ms)"):
+        return "ingest: the sample after each device's first"
+    if text.startswith("WITH changed(id, gap)"):
+        return "ingest: changed gaps written"
     if text.startswith("WITH r(uuid, lo, hi)"):
         return "ingest: gaps worked out again"
     if text.startswith("WITH inserted AS"):
@@ -503,7 +505,7 @@ def _run(gpus: list[Gpu], *, steps: int, interval: int, batch: int, days: int) -
     rollup_timings.print(rollup_s)
 
     floor_sql = (
-        "SELECT device_uuid, ts_ms / 3600000 AS hour, count(*), sum(gpu_util) "
+        f"SELECT device_uuid, ts_ms / {MS_PER_HOUR} AS hour, count(*), sum(gpu_util) "
         "FROM billing_sample GROUP BY 1, 2"
     )
     floors = []
@@ -551,7 +553,7 @@ def _check_usage() -> tuple[float, float, int]:
     )
     allocated = totals["allocated"] or 0
     coverage = 1 - (totals["unmeasured"] or 0) / allocated if allocated else 0.0
-    return allocated / 3_600_000, coverage, totals["rows"]
+    return allocated / MS_PER_HOUR, coverage, totals["rows"]
 
 
 def _explain_coverage(timings: Timings) -> None:

@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.nvml_check [--seconds 60] [--interval 1] [--proc-root /proc]
 
-Runs `inventory.nvml.NvmlSource` for `--seconds` at `--interval` and prints one JSON summary
+Runs `agent.nvml.NvmlSource` for `--seconds` at `--interval` and prints one JSON summary
 on stdout: the driver version, how long a read took, and per device (GPUs and MIG devices)
 its UUID, parent, where its utilisation came from, min/mean/max utilisation, how many reads
 had none, memory in use, and every process seen with its pod. Needs no Django and no Tally
@@ -19,8 +19,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from inventory.nvml import NvmlSource
-from inventory.readings import GpuReading, format_ts
+from agent.nvml import NvmlSource
+from agent.readings import GpuReading, format_ts
 
 
 @dataclass

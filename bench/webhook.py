@@ -253,7 +253,8 @@ def _load_fleet(seed: int) -> None:
 
 
 def _load_teams(limits: dict[int, dict[str, Decimal]]) -> None:
-    from quota.models import Mode, QuotaRule, Team, TeamNamespace, Unit
+    from quota.models import Mode, QuotaRule, Unit
+    from teams.models import Team, TeamNamespace
 
     teams = Team.objects.bulk_create(
         Team(slug=f"team-{team:03d}", name=f"Team {team:03d}") for team in range(TEAMS)

@@ -1,12 +1,13 @@
-"""Billing in Django admin: rate cards and budgets editable and audited, the rest read-only.
+"""Billing in Django admin: rate cards editable, the rest read-only; every write is a
+`billing.services` call, which audits it.
 
 Samples, usage, periods and statements are written by services only. A period is closed
-through its "Close period" action, which calls `billing.pricing.close_period` (or by
-`run_billing --close`, or on TALLY_CLOSE_PERIOD_DAY by Celery beat, whose schedule is edited
-under "Periodic tasks": django-celery-beat's own admin). A rate card
-that a closed period was priced with keeps its price, idle factor and days there (the same
-rule `apply_policy` follows), and is not deleted. Agent tokens show their hash: the token
-itself is never stored.
+through its "Close period" action, which calls `billing.services.close_period` (as do
+`run_billing --close` and, on TALLY_CLOSE_PERIOD_DAY, Celery beat, whose schedule is edited
+under "Periodic tasks": django-celery-beat's own admin). Rate cards are saved and deleted by
+`billing.services`: one that a closed period was priced with keeps its price, idle factor and
+days there (the same rule `apply_policy` follows), and is not deleted; the form says so
+before the save does. Agent tokens show their hash: the token itself is never stored.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from django.http import HttpRequest
 
 from billing.models import (
     AgentToken,
-    Budget,
     DirtyHour,
     Period,
     RateCard,
@@ -30,19 +30,10 @@ from billing.models import (
     UnknownDeviceSample,
     UsageHour,
 )
-from billing.pricing import PricingError, close_period, period_label
-from quota.admin import AuditedAdmin, ReadOnlyAdmin
-from quota.policy import closed_periods, rate_change_error
-
-_RATE_FIELDS = (
-    "product_name",
-    "profile",
-    "currency",
-    "valid_from",
-    "valid_until",
-    "per_gpu_hour",
-    "idle_factor",
-)
+from billing.periods import PricingError
+from billing.rates import closed_periods, rate_change_error
+from billing.services import RATE_CARD_FIELDS, close_period, delete_rate_card, save_rate_card
+from teams.admin import ReadOnlyAdmin
 
 
 @admin.register(AgentToken)
@@ -92,18 +83,19 @@ class UsageHourAdmin(ReadOnlyAdmin):
 
 
 class RateCardForm(forms.ModelForm):
-    """A rate card that prices no closed period differently than it was billed."""
+    """A rate card that prices no closed period differently than it was billed: checked here
+    to show the reason on the form, and again, under lock, by the service that saves it."""
 
     class Meta:
         model = RateCard
-        fields = _RATE_FIELDS
+        fields = RATE_CARD_FIELDS
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean() or {}
         if self.errors:
             return cleaned
         stored = RateCard.objects.get(pk=self.instance.pk) if self.instance.pk else None
-        wanted = RateCard(**{name: cleaned.get(name) for name in _RATE_FIELDS})
+        wanted = RateCard(**{name: cleaned.get(name) for name in RATE_CARD_FIELDS})
         error = rate_change_error(before=stored, after=wanted, periods=closed_periods())
         if error:
             raise forms.ValidationError(error)
@@ -111,34 +103,35 @@ class RateCardForm(forms.ModelForm):
 
 
 @admin.register(RateCard)
-class RateCardAdmin(AuditedAdmin):
+class RateCardAdmin(admin.ModelAdmin):
     form = RateCardForm
-    list_display = _RATE_FIELDS
+    list_display = RATE_CARD_FIELDS
     list_filter = ("currency", "product_name")
     search_fields = ("product_name", "profile")
     ordering = ("product_name", "profile", "currency", "valid_from")
+
+    def save_model(self, request: HttpRequest, obj: RateCard, form: Any, change: bool) -> None:
+        saved = save_rate_card(
+            card=obj if change else None,
+            values={name: getattr(obj, name) for name in RATE_CARD_FIELDS},
+            actor=request.user.get_username(),
+        )
+        obj.pk = saved.card.pk  # the admin's messages and redirect name the saved card
 
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         if obj is not None and rate_change_error(before=obj, after=None, periods=closed_periods()):
             return False
         return super().has_delete_permission(request, obj)
 
-    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
-        periods = closed_periods()
+    def delete_model(self, request: HttpRequest, obj: RateCard) -> None:
+        delete_rate_card(card=obj, actor=request.user.get_username())
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[RateCard]) -> None:
         for card in queryset:
-            error = rate_change_error(before=card, after=None, periods=periods)
-            if error:
-                self.message_user(request, f"Not deleted: {error}", messages.ERROR)
-            else:
+            try:
                 self.delete_model(request, card)
-
-
-@admin.register(Budget)
-class BudgetAdmin(AuditedAdmin):
-    list_display = ("team", "gpu_hours", "mode")
-    list_filter = ("mode",)
-    search_fields = ("team__slug", "team__name")
-    list_select_related = ("team",)
+            except PricingError as exc:
+                self.message_user(request, f"Not deleted: {exc}", messages.ERROR)
 
 
 @admin.register(Period)
@@ -150,7 +143,7 @@ class PeriodAdmin(ReadOnlyAdmin):
     @admin.display(description="period", ordering="start")
     def name(self, period: Period) -> str:
         """As `run_billing --period` and `statement --period` take it: 2026-11, 2026-W47."""
-        return period_label(period.start, period.end)
+        return period.label
 
     @admin.action(description="Close period", permissions=["close"])
     def close(self, request: HttpRequest, queryset: QuerySet[Period]) -> None:

@@ -1,5 +1,3 @@
-from typing import Any
-
 from django.apps import AppConfig
 
 
@@ -8,13 +6,8 @@ class BillingConfig(AppConfig):
     verbose_name = "Metering and chargeback"
 
     def ready(self) -> None:
+        # At ready(), as Django has it: the receiver's module imports models.
+        from billing.dirty import on_claims_changed
         from inventory.signals import claims_changed
 
-        claims_changed.connect(_mark_dirty, dispatch_uid="billing.mark_dirty")
-
-
-def _mark_dirty(sender: Any, *, cluster: Any, claim_ids: list[int], at: Any, **_: Any) -> None:
-    """Hours that claims' allocations touch are rolled up again."""
-    from billing.rollup import mark_claims_dirty
-
-    mark_claims_dirty(claim_ids=claim_ids, at=at)
+        claims_changed.connect(on_claims_changed, dispatch_uid="billing.mark_dirty")

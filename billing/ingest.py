@@ -1,9 +1,9 @@
 """Utilisation samples from the node agents: tokens, validation, and storage with dedup.
 
 The hot path (`validate_samples` then `ingest`) handles plain tuples, never model instances:
-on PostgreSQL a batch is COPYed (binary) straight into `billing_sample`, under a savepoint;
-a batch that meets a stored sample, or repeats one, takes the general way instead: a temporary
-table and one `INSERT ... SELECT ... ON CONFLICT DO NOTHING`. Either way a device and instant
+a batch is COPYed (binary) straight into `billing_sample`, under a savepoint; a batch that
+meets a stored sample, or repeats one, takes the general way instead: a temporary table and
+one `INSERT ... SELECT ... ON CONFLICT DO NOTHING`. Either way a device and instant
 are stored once however often (and however concurrently) they are sent, and each sample's gap
 to its device's next one is kept right (`refresh_gaps`), under the device's lock.
 """
@@ -13,31 +13,26 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import secrets
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from operator import itemgetter
 from typing import Any, NamedTuple, TypedDict
 
-from django.conf import settings
 from django.db import connection, models, transaction
 from django.db.backends.utils import CursorWrapper
 from django.db.models import Exists, OuterRef
 from django.utils import timezone
-from psycopg import postgres
-from psycopg.abc import Dumper
 from psycopg.errors import UniqueViolation
-from psycopg.pq import Format
 
-from billing.models import AgentToken, DirtyHour, Sample, UnknownDeviceSample
-from inventory.bulk import json_rows
-from inventory.models import Cluster, Device
+from billing.dirty import mark_dirty
+from billing.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
+from billing.models import AgentToken, Sample, UnknownDeviceSample
+from db.copy import copy_rows, json_rows
+from db.locks import advisory_xact_lock
+from inventory.models import Device
 
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
-ONE_MS = timedelta(milliseconds=1)
-HOUR_MS = 3_600_000
 MAX_FUTURE_MS = 5 * 60 * 1000
 MAX_UUID_LENGTH = 128
 MAX_BIGINT = 2**63 - 1
@@ -46,9 +41,6 @@ ADOPT_CHUNK = 10_000
 BATCH_TABLE = "tally_ingest_batch"
 # Columns of `billing_sample` and `billing_unknowndevicesample` alike, in this order.
 COLUMNS = "device_uuid, ts_ms, gpu_util, mem_used_bytes, processes, node, received_at"
-# Advisory locks (PostgreSQL) of one device's samples while their gaps are worked out; the
-# second key is a hash of the UUID (a collision only makes two devices wait on each other).
-DEVICE_LOCK = 7_412
 # A NUL escaped in JSON text (an odd run of backslashes before u0000): jsonb refuses it.
 _ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
@@ -95,17 +87,9 @@ class InvalidSample(ValueError):
 # Tokens
 
 
-def _token_hash(token: str) -> str:
+def token_sha256(token: str) -> str:
+    """How an agent token is stored and looked up: its SHA-256, never the token."""
     return hashlib.sha256(token.encode()).hexdigest()
-
-
-def issue_token(*, cluster: Cluster, node: str) -> str:
-    """Create an agent token for `node` and return it; only its SHA-256 is stored."""
-    token = secrets.token_urlsafe(32)
-    AgentToken.objects.create(
-        cluster=cluster, node=node, token_sha256=_token_hash(token), created_at=timezone.now()
-    )
-    return token
 
 
 def authenticate(token: str) -> AgentToken | None:
@@ -117,7 +101,7 @@ def authenticate(token: str) -> AgentToken | None:
         return None
     return (
         AgentToken.objects.select_related("cluster")
-        .filter(token_sha256=_token_hash(token), revoked_at__isnull=True)
+        .filter(token_sha256=token_sha256(token), revoked_at__isnull=True)
         .first()
     )
 
@@ -133,7 +117,7 @@ def _show(value: object) -> str:
 
 def latest_allowed_ms(now: datetime | None = None) -> int:
     """The newest sample time accepted at `now`: clocks may run up to 5 minutes ahead."""
-    return ((now or timezone.now()) - EPOCH) // ONE_MS + MAX_FUTURE_MS
+    return epoch_ms(now or timezone.now()) + MAX_FUTURE_MS
 
 
 def check_sample(sample: object, *, latest_ms: int) -> SampleRow:
@@ -213,7 +197,7 @@ def _checked_ms(ts: str, *, latest_ms: int) -> int:
         raise InvalidSample("ts", f"{_show(ts)} is not an ISO 8601 timestamp") from None
     if at.utcoffset() is None:
         raise InvalidSample("ts", f"{_show(ts)} has no timezone")
-    ts_ms = (at - EPOCH) // ONE_MS
+    ts_ms = epoch_ms(at)
     if ts_ms > latest_ms:
         raise InvalidSample("ts", f"{_show(ts)} is more than 5 minutes in the future")
     return ts_ms
@@ -282,21 +266,17 @@ def validate_samples(
 # Storage
 
 
-def _hold_ms() -> int:
-    return int(getattr(settings, "TALLY_SAMPLE_HOLD_SECONDS", 120)) * 1000
-
-
 def touched_hours(timestamps_ms: Sequence[int]) -> set[datetime]:
     """The UTC hour starts that samples at these instants count in.
 
     A sample holds forward only, over `[ts, ts + TALLY_SAMPLE_HOLD_SECONDS)`: its own hour,
     and the next one too when it reaches past the hour's end.
     """
-    last_ms = max(_hold_ms(), 1) - 1
+    last_ms = max(sample_hold_ms(), 1) - 1
     hours: set[int] = set()
     for ts_ms in timestamps_ms:
-        hours.update(range(ts_ms // HOUR_MS, (ts_ms + last_ms) // HOUR_MS + 1))
-    return {EPOCH + timedelta(hours=hour) for hour in hours}
+        hours.update(range(ts_ms // MS_PER_HOUR, (ts_ms + last_ms) // MS_PER_HOUR + 1))
+    return {hour_at(hour) for hour in hours}
 
 
 def latest_per_hour(timestamps_ms: Iterable[int]) -> list[int]:
@@ -304,7 +284,9 @@ def latest_per_hour(timestamps_ms: Iterable[int]) -> list[int]:
     of them (every instant of an hour starts in it, and the latest reaches furthest)."""
     ordered = sorted(timestamps_ms)
     # A dict keeps the last value given for a key: in ascending order, each hour's latest.
-    return list(dict(zip([ts_ms // HOUR_MS for ts_ms in ordered], ordered, strict=True)).values())
+    return list(
+        dict(zip([ts_ms // MS_PER_HOUR for ts_ms in ordered], ordered, strict=True)).values()
+    )
 
 
 def _table(model: type[models.Model]) -> str:
@@ -326,54 +308,24 @@ def _insert_new(
     device and instant in `source`, the one that sorts first by `first` is kept.
 
     Returns how many rows were inserted, and instants whose `touched_hours` are those of all
-    inserted rows: on PostgreSQL the latest per hour, so a large batch sends back a row per
-    hour, not per row.
+    inserted rows: the latest per hour, so a large batch sends back a row per hour, not per
+    row.
     """
-    # `WHERE` before `ON CONFLICT` is required by SQLite's parser, and harmless elsewhere.
     # Key order: two writers of overlapping batches then wait on each other, never deadlock.
-    sql = (
-        f"INSERT INTO {_table(target)} ({columns}) SELECT {select} FROM {source} "
-        f"WHERE {where} ORDER BY device_uuid, ts_ms, {first} "
-        "ON CONFLICT (device_uuid, ts_ms) DO NOTHING RETURNING ts_ms"
+    cursor.execute(
+        f"WITH inserted AS (INSERT INTO {_table(target)} ({columns}) SELECT {select} "
+        f"FROM {source} WHERE {where} ORDER BY device_uuid, ts_ms, {first} "
+        "ON CONFLICT (device_uuid, ts_ms) DO NOTHING RETURNING ts_ms) "
+        f"SELECT count(*), max(ts_ms) FROM inserted GROUP BY floor(ts_ms / {MS_PER_HOUR}.0)",
+        params,
     )
-    if connection.vendor == "postgresql":
-        cursor.execute(
-            f"WITH inserted AS ({sql}) SELECT count(*), max(ts_ms) FROM inserted "
-            f"GROUP BY floor(ts_ms / {HOUR_MS}.0)",
-            params,
-        )
-        per_hour = cursor.fetchall()
-        return sum(count for count, _ in per_hour), [latest for _, latest in per_hour]
-    cursor.execute(sql, params)
-    inserted = [ts_ms for (ts_ms,) in cursor.fetchall()]
-    return len(inserted), inserted
+    per_hour = cursor.fetchall()
+    return sum(count for count, _ in per_hour), [latest for _, latest in per_hour]
 
 
-class _JsonTextBinaryDumper(Dumper):
-    """jsonb in COPY's binary format from JSON text `check_sample` made (psycopg's own jsonb
-    dumper would encode the text again, as a JSON string)."""
-
-    format = Format.BINARY
-    oid = postgres.types["jsonb"].oid
-
-    def dump(self, obj: Any) -> bytes:
-        return b"\x01" + obj.encode()  # jsonb's binary format: version 1, then the text
-
-
-# The column types of a sample row then `node, received_at`, for a binary COPY.
+# The column types of a sample row then `node, received_at`, for a binary COPY (`processes`
+# is the JSON text `check_sample` made).
 _COPY_TYPES = ("text", "int8", "float8", "int8", "jsonb", "text", "timestamptz")
-
-
-def _copy(
-    cursor: CursorWrapper, into: str, rows: Iterable[Sequence[Any]], types: Sequence[str]
-) -> None:
-    """COPY `rows` into `into` (a table and its columns) in PostgreSQL's binary format, which
-    costs this process a third of the text format's per row."""
-    cursor.adapters.register_dumper(None, _JsonTextBinaryDumper)  # for this cursor only
-    with cursor.copy(f"COPY {into} FROM STDIN (FORMAT BINARY)") as copy:
-        copy.set_types(types)
-        for row in rows:
-            copy.write_row(row)
 
 
 _KEY = itemgetter(0, 1)  # device_uuid, ts_ms
@@ -399,40 +351,26 @@ def _store(
     if gaps is not None:
         columns, select = f"{columns}, gap_ms", f"{select}, gap_ms"
         with_gaps = ((*row, gap) for row, gap in zip(rows, gaps, strict=True))
-    if connection.vendor == "postgresql":
-        # The DELETE empties what an outer transaction's earlier `ingest` left.
-        cursor.execute(
-            f"CREATE TEMP TABLE IF NOT EXISTS {BATCH_TABLE} (device_uuid text, ts_ms bigint, "
-            "gpu_util double precision, mem_used_bytes bigint, processes jsonb, position int, "
-            f"gap_ms bigint) ON COMMIT DELETE ROWS; DELETE FROM {BATCH_TABLE}"
-        )
-        _copy(
-            cursor,
-            f"{BATCH_TABLE} (device_uuid, ts_ms, gpu_util, mem_used_bytes, processes, position"
-            f"{', gap_ms' if gaps is not None else ''})",
-            ((*row[:5], position, *row[5:]) for position, row in enumerate(with_gaps)),
-            (*_COPY_TYPES[:5], "int4", *(("int8",) if gaps is not None else ())),
-        )
-    else:
-        cursor.execute(
-            f"CREATE TEMP TABLE IF NOT EXISTS {BATCH_TABLE} (device_uuid text, ts_ms bigint, "
-            "gpu_util real, mem_used_bytes bigint, processes text, position int, gap_ms bigint)"
-        )
-        cursor.execute(f"DELETE FROM {BATCH_TABLE}")
-        cursor.executemany(
-            f"INSERT INTO {BATCH_TABLE} VALUES (%s, %s, %s, %s, %s, %s, %s)",
-            [
-                (*row[:5], position, row[5] if gaps is not None else None)
-                for position, row in enumerate(with_gaps)
-            ],
-        )
+    # The DELETE empties what an outer transaction's earlier `ingest` left.
+    cursor.execute(
+        f"CREATE TEMP TABLE IF NOT EXISTS {BATCH_TABLE} (device_uuid text, ts_ms bigint, "
+        "gpu_util double precision, mem_used_bytes bigint, processes jsonb, position int, "
+        f"gap_ms bigint) ON COMMIT DELETE ROWS; DELETE FROM {BATCH_TABLE}"
+    )
+    copy_rows(
+        cursor,
+        f"{BATCH_TABLE} (device_uuid, ts_ms, gpu_util, mem_used_bytes, processes, position"
+        f"{', gap_ms' if gaps is not None else ''})",
+        ((*row[:5], position, *row[5:]) for position, row in enumerate(with_gaps)),
+        (*_COPY_TYPES[:5], "int4", *(("int8",) if gaps is not None else ())),
+    )
     return _insert_new(
         cursor,
         target,
         select=select,
         source=BATCH_TABLE,
         where="true",
-        params=[node, connection.ops.adapt_datetimefield_value(received_at)],
+        params=[node, received_at],
         first="position",
         columns=columns,
     )
@@ -472,14 +410,13 @@ def _batch_gaps(ordered: Sequence[SampleRow]) -> tuple[list[int | None], dict[st
 
 
 def _lock_devices(cursor: CursorWrapper, uuids: Iterable[str]) -> None:
-    """Hold the devices' advisory locks to the end of the transaction (PostgreSQL), taken in
-    key order so that two writers never wait on each other in a cycle."""
-    if connection.vendor != "postgresql":
-        return  # SQLite runs one writing transaction at a time
-    keys = sorted({zlib.crc32(uuid.encode()) - 2**31 for uuid in uuids})
-    cursor.execute(
-        "SELECT count(pg_advisory_xact_lock(%s, key)) FROM unnest(%s::int4[]) AS key",
-        [DEVICE_LOCK, keys],
+    """Hold the devices' advisory locks to the end of the transaction, taken in key order so
+    that two writers never wait on each other in a cycle; the key is a hash of the UUID (a
+    collision only makes two devices wait on each other)."""
+    advisory_xact_lock(
+        "billing.ingest.device",
+        {zlib.crc32(uuid.encode()) - 2**31 for uuid in uuids},
+        cursor=cursor,
     )
 
 
@@ -569,7 +506,7 @@ def _store_samples(
     """Store samples of known devices unless already there, with their gaps.
 
     The devices are locked first, so their gaps are worked out against every sample stored
-    before. On PostgreSQL a batch that repeats nothing and falls after (or between) what is
+    before. A batch that repeats nothing and falls after (or between) what is
     stored, the usual case, is COPYed straight into `billing_sample` with its gaps, then the
     gap of each device's sample just before it is worked out again; the COPY runs under a
     savepoint, and should it meet a stored sample after all it is undone. Otherwise the batch
@@ -581,7 +518,7 @@ def _store_samples(
     ordered = sorted(rows, key=_KEY)
     gaps, bounds, repeats = _batch_gaps(ordered)
     _lock_devices(cursor, bounds)
-    if connection.vendor == "postgresql" and not repeats:
+    if not repeats:
         uuids = sorted(bounds)
         cursor.execute(_FOLLOWING_SQL, [uuids, [bounds[uuid].first_ms for uuid in uuids]])
         following = dict(cursor.fetchall())
@@ -592,7 +529,7 @@ def _store_samples(
             tail = (node, received_at)
             try:
                 with transaction.atomic():
-                    _copy(
+                    copy_rows(
                         cursor,
                         f"{_table(Sample)} ({COLUMNS}, gap_ms)",
                         # Made as written, not held: thousands of live tuples would wake the
@@ -614,17 +551,6 @@ def _store_samples(
     if stored:
         refresh_gaps(cursor, bounds)
     return stored, instants
-
-
-def _mark_dirty(hours: set[datetime], *, at: datetime) -> None:
-    """Mark `hours` for a new rollup; in hour order, so concurrent upserts cannot deadlock."""
-    if hours:
-        DirtyHour.objects.bulk_create(
-            [DirtyHour(hour=hour, marked_at=at) for hour in sorted(hours)],
-            update_conflicts=True,
-            unique_fields=["hour"],
-            update_fields=["marked_at"],
-        )
 
 
 def _known_uuids(uuids: set[str]) -> set[str]:
@@ -653,7 +579,7 @@ def ingest(*, node: str, samples: Sequence[SampleRow], received_at: datetime) ->
             cursor, UnknownDeviceSample, unknown_rows, node=node, received_at=received_at
         )
     hours = touched_hours(instants)
-    _mark_dirty(hours, at=received_at)
+    mark_dirty(hours=hours, at=received_at)
     accepted = stored + set_aside
     return IngestReport(
         accepted=accepted,
@@ -705,5 +631,5 @@ def adopt_unknown_samples(*, now: datetime) -> int:
                 if stored:
                     refresh_gaps(cursor, bounds)
             UnknownDeviceSample.objects.filter(id__in=ids).delete()
-            _mark_dirty(touched_hours(instants), at=now)
+            mark_dirty(hours=touched_hours(instants), at=now)
             moved += stored

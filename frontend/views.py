@@ -6,7 +6,6 @@ team to (so a team's existence is not revealed); fleet pages answer 403 to non-o
 
 from __future__ import annotations
 
-import csv
 from functools import wraps
 from typing import Any, Protocol
 
@@ -19,7 +18,8 @@ from django.utils import timezone
 
 from frontend import selectors
 from inventory import selectors as fleet
-from quota.models import Team
+from teams.api import write_csv
+from teams.models import Team
 
 USAGE_WINDOWS = (7, 30)
 DECISIONS_PER_PAGE = 50
@@ -113,9 +113,7 @@ def statement_csv(request: HttpRequest, slug: str, period_id: int) -> HttpRespon
     response = HttpResponse(content_type="text/csv; charset=utf-8")
     filename = f"tally-{team.slug}-{period.label}.csv"
     response["Content-Disposition"] = f'attachment; filename="{filename}"'
-    writer = csv.writer(response)
-    writer.writerow(selectors.CSV_COLUMNS)
-    writer.writerows(rows)
+    write_csv(response, columns=selectors.CSV_COLUMNS, rows=rows)
     return response
 
 

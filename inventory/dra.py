@@ -578,7 +578,7 @@ def device_shape(device: ParsedDevice, kind: str, gpu_share: Decimal) -> dict[st
     }
 
 
-def shape_key(driver: str, shape: dict[str, Any]) -> str:
+def shape_digest(driver: str, shape: dict[str, Any]) -> str:
     """A stable digest of a device shape, for storing each distinct shape once."""
     text = json.dumps([driver, shape], sort_keys=True, separators=(",", ":"))
     return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()
@@ -640,7 +640,7 @@ def count_pool(
                     columns=columns,
                     driver=driver,
                     shape=shape,
-                    shape_key=shape_key(driver, shape),
+                    shape_key=shape_digest(driver, shape),
                 )
             )
     return counted

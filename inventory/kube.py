@@ -18,13 +18,13 @@ import contextlib
 import json
 import logging
 import os
-import random
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+import tenacity
 import urllib3
 from django.conf import settings
 from django.db import (
@@ -115,15 +115,20 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
 
 @dataclass(frozen=True)
 class Backoff:
-    """Exponential backoff with jitter: the n-th failure in a row waits about initial * 2^(n-1)."""
+    """How long a loop pauses after failures in a row: about initial * 2^(n-1) after the n-th,
+    at most `maximum_seconds`."""
 
     initial_seconds: float = 0.5
     maximum_seconds: float = 30.0
 
-    def delay(self, failures: int) -> float:
-        ceiling = min(self.maximum_seconds, self.initial_seconds * 2 ** min(failures - 1, 32))
-        # Half fixed, half random: loops that failed together do not retry together.
-        return random.uniform(ceiling / 2, ceiling)
+    def wait(self) -> tenacity.wait_combine:
+        # Equal jitter, half fixed and half random: loops that failed together do not retry
+        # together, and none retries at once.
+        half = self.initial_seconds / 2
+        ceiling = self.maximum_seconds / 2
+        return tenacity.wait_exponential(multiplier=half, max=ceiling) + (
+            tenacity.wait_random_exponential(multiplier=half, max=ceiling)
+        )
 
 
 def api_client(*, kubeconfig: str | None = None, context: str | None = None) -> k8s.ApiClient:
@@ -218,7 +223,9 @@ class KindSync:
         self.backoff = backoff or Backoff()
         self.last_report: services.SyncReport | None = None
         self.resource_version = ""
-        # Whether the current attempt got anywhere: a failure after progress is a first failure.
+        # Whether `resource_version` was read from `SyncState` (once, when the loop starts).
+        self._resumed = False
+        # Whether the current attempt applied an event: a failure after one is resumed at once.
         self._progressed = False
         self._list = resource.list_call(api_client)
         self._api_client = api_client
@@ -232,44 +239,57 @@ class KindSync:
 
     def run(self, stop: threading.Event) -> None:
         """List if needed, then watch, until `stop` is set. Never raises."""
-        failures = 0
-        resumed = False
+        retrying = tenacity.Retrying(
+            wait=self.backoff.wait(),
+            stop=tenacity.stop_when_event_set(stop),
+            sleep=tenacity.sleep_using_event(stop),
+            before_sleep=self._before_retry,
+            retry_error_callback=lambda _: None,  # stopped: give up quietly
+        )
         try:
             while not stop.is_set():
-                self._progressed = False
-                listed = False
-                try:
-                    if not resumed:
-                        # A restart picks the watch up where the last process left it.
-                        self.resource_version = self._stored_resource_version()
-                        resumed = True
-                    if not self.resource_version:
-                        self.relist()
-                        listed = True
-                    self.watch(stop)
-                    failures = 0
-                    continue
-                except ResourceExpired as exc:
-                    log.info("%s: %s; listing again", self.kind, exc)
-                    self.resource_version = ""
-                    if self._progressed or not listed:
-                        continue
-                    # Expired at once after a fresh list: pause rather than list in a loop.
-                    error: Exception = exc
-                except Exception as exc:
-                    error = exc
-                if stop.is_set():
-                    break
-                failures = 1 if self._progressed else failures + 1
-                delay = self.backoff.delay(failures)
-                self._log_failure(error, delay)
-                close_old_connections()
-                stop.wait(delay)
+                # One call per streak of failures: it returns once an attempt got somewhere,
+                # so the backoff starts again from its first step after each success.
+                retrying(self._follow, stop)
         finally:
             # Each thread has its own database connection; do not leave it to the server.
             connection.close()
 
-    def _log_failure(self, exc: Exception, delay: float) -> None:
+    def _follow(self, stop: threading.Event) -> None:
+        """One attempt: list when there is no resourceVersion to watch from, then watch until
+        the server ends the watch. Raises what failed before anything was applied."""
+        if stop.is_set():
+            return  # stopped during the pause before this attempt
+        self._progressed = False
+        listed = False
+        try:
+            if not self._resumed:
+                # A restart picks the watch up where the last process left it.
+                self.resource_version = self._stored_resource_version()
+                self._resumed = True
+            if not self.resource_version:
+                self.relist()
+                listed = True
+            self.watch(stop)
+        except ResourceExpired as exc:
+            log.info("%s: %s; listing again", self.kind, exc)
+            self.resource_version = ""
+            if listed and not self._progressed:
+                raise  # expired at once after a fresh list: pause rather than list in a loop
+        except Exception as exc:
+            if stop.is_set() or not self._progressed:
+                raise
+            # The watch got somewhere before it failed: resume at once; the backoff is for
+            # failures in a row.
+            self._after_failure(exc, 0.0)
+
+    def _before_retry(self, retry_state: tenacity.RetryCallState) -> None:
+        assert retry_state.outcome is not None
+        error = retry_state.outcome.exception()
+        assert error is not None
+        self._after_failure(error, retry_state.upcoming_sleep)
+
+    def _after_failure(self, exc: BaseException, delay: float) -> None:
         resume = (
             f"resuming the watch from resourceVersion {self.resource_version}"
             if self.resource_version
@@ -281,6 +301,8 @@ class KindSync:
             )
         else:
             log.error("%s: unexpected failure; %s in %.2fs", self.kind, resume, delay, exc_info=exc)
+        # A connection the failure broke is replaced before the next attempt.
+        close_old_connections()
 
     def relist_once(self) -> bool:
         """One list + import for `--once`; False (and logged) when it failed."""

@@ -240,8 +240,12 @@ class ResourceClaim(models.Model):
     labels = models.JSONField(default=dict, blank=True)
     annotations = models.JSONField(default=dict, blank=True)
     owner_references = models.JSONField(default=list, blank=True)
-    # "" when the claim has no controller owner (billing then asks the webhook's reservation).
+    # "" when the claim has no controller owner (billing then uses `admitted_job`).
     job = models.CharField(max_length=320, blank=True)
+    # Who created the claim and the object it was made for ("Kind/name"), as the admission
+    # webhook saw them: written by `quota` when the sync first sees the claim, read by billing.
+    created_by = models.TextField(blank=True)
+    admitted_job = models.TextField(blank=True)
     spec = models.JSONField(default=dict)
     status = models.JSONField(default=dict, blank=True)
     resource_version = models.CharField(max_length=64, blank=True)

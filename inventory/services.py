@@ -17,8 +17,8 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import F, Q
 
+from db.copy import bulk_insert
 from inventory import dra, owners
-from inventory.bulk import bulk_insert
 from inventory.models import (
     Allocation,
     Cluster,

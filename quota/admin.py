@@ -1,9 +1,11 @@
-"""Quota in Django admin: teams and their rules for operators, everything else read-only.
+"""Quota in Django admin: teams, their rules and budgets for operators, everything else
+read-only.
 
-Edits of teams, memberships, namespaces and rules go through `quota.audit`, so each writes an
+Edits of teams, memberships, namespaces and rules go through `teams.audit`, so each writes an
 audit entry naming the admin user, and a rule's `in_use` is never saved from here (it is
-read-only, and an update saves only the fields that changed). Reservations, their lines,
-admission decisions and the audit trail are written by services only and shown read-only.
+read-only, and an update saves only the fields that changed). A budget is set through
+`quota.services.set_budget`, as `apply_policy` sets it. Reservations, their lines, admission
+decisions and the audit trail are written by services only and shown read-only.
 """
 
 from __future__ import annotations
@@ -12,23 +14,15 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin
-from django.db import models
 from django.db.models import QuerySet
-from django.forms import BaseFormSet
 from django.http import HttpRequest
 from django.utils import timezone
 
-from quota import audit, services
-from quota.models import (
-    AdmissionDecision,
-    AuditEntry,
-    Membership,
-    QuotaRule,
-    Reservation,
-    ReservationLine,
-    Team,
-    TeamNamespace,
-)
+from quota import services
+from quota.cel import CELError, compile_selector
+from quota.models import AdmissionDecision, Budget, QuotaRule, Reservation, ReservationLine
+from teams.admin import AuditedAdmin, ReadOnlyAdmin
+from teams.models import Membership, Team, TeamNamespace
 
 
 class QuotaRuleForm(forms.ModelForm):
@@ -39,8 +33,6 @@ class QuotaRuleForm(forms.ModelForm):
         fields = ("team", "name", "device_class", "selector", "unit", "limit", "mode")
 
     def clean_selector(self) -> str:
-        from quota.cel import CELError, compile_selector
-
         selector = str(self.cleaned_data.get("selector") or "").strip()
         if selector:
             try:
@@ -57,55 +49,6 @@ class QuotaRuleForm(forms.ModelForm):
                 "unit", f"cannot change the unit while {rule.in_use} {rule.unit} is in use"
             )
         return cleaned
-
-
-def _stored(obj: models.Model) -> dict[str, Any]:
-    """The snapshot of `obj` as the database holds it, before the form's changes are saved."""
-    return audit.snapshot(type(obj)._default_manager.get(pk=obj.pk))
-
-
-class AuditedAdmin(admin.ModelAdmin):
-    """Saves, deletes and inline formsets go through `quota.audit`, as the admin user."""
-
-    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
-        actor = request.user.get_username()
-        if change:
-            audit.update(actor=actor, obj=obj, before=_stored(obj))
-        else:
-            audit.create(actor=actor, obj=obj)
-
-    def delete_model(self, request: HttpRequest, obj: Any) -> None:
-        audit.delete(actor=request.user.get_username(), obj=obj)
-
-    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
-        for obj in queryset:
-            self.delete_model(request, obj)
-
-    def save_formset(
-        self, request: HttpRequest, form: Any, formset: BaseFormSet, change: bool
-    ) -> None:
-        actor = request.user.get_username()
-        formset.save(commit=False)  # type: ignore[attr-defined]
-        for obj in formset.deleted_objects:  # type: ignore[attr-defined]
-            audit.delete(actor=actor, obj=obj)
-        for obj in formset.new_objects:  # type: ignore[attr-defined]
-            audit.create(actor=actor, obj=obj)
-        for obj, _ in formset.changed_objects:  # type: ignore[attr-defined]
-            audit.update(actor=actor, obj=obj, before=_stored(obj))
-        formset.save_m2m()  # type: ignore[attr-defined]
-
-
-class ReadOnlyAdmin(admin.ModelAdmin):
-    """Written by services only: viewable, never added, changed or deleted by hand."""
-
-    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
-
-    def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
-        return False
 
 
 class TeamNamespaceInline(admin.TabularInline):
@@ -196,11 +139,22 @@ class AdmissionDecisionAdmin(ReadOnlyAdmin):
     show_full_result_count = False
 
 
-@admin.register(AuditEntry)
-class AuditEntryAdmin(ReadOnlyAdmin):
-    list_display = ("at", "actor", "action", "object_type", "object_repr")
-    list_filter = ("action", "object_type")
-    search_fields = ("actor", "object_repr")
-    ordering = ("-at",)
-    date_hierarchy = "at"
-    show_full_result_count = False
+@admin.register(Budget)
+class BudgetAdmin(AuditedAdmin):
+    list_display = ("team", "gpu_hours", "mode")
+    list_filter = ("mode",)
+    search_fields = ("team__slug", "team__name")
+    list_select_related = ("team",)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        # A budget is its team's: another team's is set on that team.
+        return ("team",) if obj is not None else ()
+
+    def save_model(self, request: HttpRequest, obj: Budget, form: Any, change: bool) -> None:
+        budget, _ = services.set_budget(
+            team=obj.team,
+            gpu_hours=obj.gpu_hours,
+            mode=obj.mode,
+            actor=request.user.get_username(),
+        )
+        obj.pk = budget.pk  # the admin's messages and links name the saved budget

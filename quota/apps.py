@@ -8,8 +8,11 @@ class QuotaConfig(AppConfig):
     verbose_name = "Quotas"
 
     def ready(self) -> None:
+        from config.metrics import DATABASE_COLLECTORS
         from inventory.signals import claims_changed
+        from quota.metrics import ReservationCollector
 
+        DATABASE_COLLECTORS.append(ReservationCollector())
         claims_changed.connect(_sync_reservations, dispatch_uid="quota.sync_reservations")
 
 

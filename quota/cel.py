@@ -15,12 +15,11 @@ gives them (k8s.io/dynamic-resource-allocation/cel):
   extension's `lowerAscii()`/`upperAscii()` beside CEL's own `startsWith`, `endsWith`,
   `contains` and `matches` (RE2).
 
-An evaluation error makes the device not match, as it makes the scheduler skip it; the error
-is kept on the `CompiledSelector` for diagnostics and never raised.
+An evaluation error makes the device not match, as it makes the scheduler skip it; it is
+never raised (`CompiledSelector.evaluate` says what it was).
 
-Evaluation is per device *shape*: `match_devices` projects every device onto the attribute and
-capacity names its expressions reference (`referenced_names`), so thousands of GPUs that only
-differ by uuid or PCI address are evaluated once.
+Evaluation is per device *shape* (`quota.admission.shapes`): thousands of GPUs that only differ
+by uuid or PCI address are evaluated once.
 """
 
 from __future__ import annotations
@@ -28,10 +27,10 @@ from __future__ import annotations
 import functools
 import operator
 import re
-from collections.abc import Callable, Collection, Hashable, Iterable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal, InvalidOperation
-from typing import Any, Final, TypeVar
+from typing import Any, Final
 
 import celpy
 import lark
@@ -47,18 +46,12 @@ __all__ = [
     "Quantity",
     "Semver",
     "compile_selector",
-    "match_devices",
-    "referenced_names",
-    "shape_key",
 ]
-
-T = TypeVar("T")
 
 # Published attribute data: `{qualified name: {"int"|"bool"|"string"|"version"|...: value}}`.
 AttributeData = Mapping[str, Mapping[str, Any]]
 # Published capacity data: `{qualified name: {"value": "40Gi", ...}}`.
 CapacityData = Mapping[str, Mapping[str, Any]]
-ShapeKey = tuple[Hashable, ...]
 
 INT64_MIN: Final = -(2**63)
 INT64_MAX: Final = 2**63 - 1
@@ -321,10 +314,6 @@ def _split_name(name: str, driver: str) -> tuple[str, str]:
     return (domain, identifier) if sep else (driver, name)
 
 
-def _qualify(name: str, driver: str) -> str:
-    return "/".join(_split_name(name, driver))
-
-
 def _scalar(kind: str, value: Any) -> Any:
     if kind == "int":
         return celtypes.IntType(int(value))
@@ -454,13 +443,12 @@ def _is_ident(value: Any) -> bool:
 class CompiledSelector:
     """One compiled selector, shared by every caller of `compile_selector` with the same text.
 
-    `matches()` never raises. `last_error` keeps the most recent evaluation error for
-    diagnostics; use `evaluate()` where the error must belong to one particular device.
+    Neither `matches()` nor `evaluate()` raises; `evaluate()` also says why a device did not
+    match.
     """
 
     expression: str
     _program: celpy.Runner = field(repr=False)
-    last_error: str | None = None
 
     def evaluate(self, device: DeviceShape) -> tuple[bool, str | None]:
         """`(matched, error)`: an evaluation error, or a result that is not a bool, is no match."""
@@ -477,9 +465,8 @@ class CompiledSelector:
         return bool(result), None
 
     def matches(self, device: DeviceShape) -> bool:
-        """True when the expression is `true` for the device; records any error."""
-        matched, self.last_error = self.evaluate(device)
-        return matched
+        """True when the expression is `true` for the device."""
+        return self.evaluate(device)[0]
 
 
 def _describe(exc: Exception) -> str:
@@ -505,111 +492,3 @@ def compile_selector(expression: str) -> CompiledSelector:
     _check_names(expression, tree)
     program = _ENVIRONMENT.program(tree, functions=FUNCTIONS)
     return CompiledSelector(expression=expression, _program=program)
-
-
-# --- Shapes -----------------------------------------------------------------------------------
-
-_QUOTED = r"""(?:"(?P<{0}d>[^"\\]*)"|'(?P<{0}s>[^'\\]*)')"""
-# `.attributes["domain"]` followed by `.name` or `["name"]`; nothing else is understood.
-_ACCESS = re.compile(
-    r"\.\s*(?:attributes|capacity)\s*\[\s*"
-    + _QUOTED.format("domain")
-    + r"\s*\]\s*(?:\.\s*(?P<ident>[A-Za-z_][A-Za-z0-9_]*)\b(?!\s*\()|\[\s*"
-    + _QUOTED.format("name")
-    + r"\s*\])"
-)
-_MENTION = re.compile(r"\b(?:attributes|capacity)\b")
-
-
-@functools.lru_cache(maxsize=4096)
-def referenced_names(expression: str) -> frozenset[str] | None:
-    """The qualified names (`domain/name`) of the attributes and capacities an expression reads.
-
-    None means "could read any": the expression uses `attributes`/`capacity` in a way other
-    than `.attributes["domain"].name` or `["domain"]["name"]` (a computed domain, a whole map
-    passed to a macro, `in`, `size`, `cel.bind`, or the words inside a string).
-    """
-    found = list(_ACCESS.finditer(expression))
-    if len(found) != len(_MENTION.findall(expression)):
-        return None
-    return frozenset(
-        f"{match['domaind'] or match['domains']}/"
-        f"{match['ident'] or match['named'] or match['names']}"
-        for match in found
-    )
-
-
-def _names_of(expressions: Iterable[str]) -> frozenset[str] | None:
-    names: set[str] = set()
-    for expression in expressions:
-        referenced = referenced_names(expression)
-        if referenced is None:
-            return None
-        names |= referenced
-    return frozenset(names)
-
-
-def _project(published: Mapping[str, Any], driver: str, names: frozenset[str] | None) -> dict:
-    if names is None:
-        return dict(published)
-    return {name: value for name, value in published.items() if _qualify(name, driver) in names}
-
-
-def _freeze(value: Any) -> Hashable:
-    if isinstance(value, Mapping):
-        return tuple(sorted((str(key), _freeze(item)) for key, item in value.items()))
-    if isinstance(value, list | tuple):
-        return tuple(_freeze(item) for item in value)
-    return value
-
-
-def shape_key(
-    driver: str,
-    attributes: AttributeData,
-    capacity: CapacityData,
-    *,
-    names: frozenset[str] | None,
-) -> ShapeKey:
-    """A hashable key of the device as the expressions see it.
-
-    `names` (from `referenced_names`) keeps only those attributes and capacities; None keeps
-    all of them. Devices with equal keys get equal results from every expression that
-    `names` was computed from.
-    """
-    return (
-        driver,
-        _freeze(_project(attributes, driver, names)),
-        _freeze(_project(capacity, driver, names)),
-    )
-
-
-def match_devices(
-    expressions: list[str],
-    devices: Iterable[T],
-    key: Callable[[T], tuple[str, AttributeData, CapacityData]],
-) -> list[T]:
-    """The devices for which every expression is true (DRA ANDs a request's selectors).
-
-    Each expression is evaluated at most once per distinct projected shape, so the cost grows
-    with the number of shapes, not of devices. Raises `CELError` if an expression does not
-    compile.
-    """
-    selectors = [compile_selector(expression) for expression in expressions]
-    names = _names_of(expressions)
-    results: dict[ShapeKey, bool] = {}
-    matched = []
-    for device in devices:
-        driver, attributes, capacity = key(device)
-        shape = shape_key(driver, attributes, capacity, names=names)
-        result = results.get(shape)
-        if result is None:
-            # Built from the projection, so the result depends on nothing outside the key.
-            view = DeviceShape.from_device(
-                driver=driver,
-                attributes=_project(attributes, driver, names),
-                capacity=_project(capacity, driver, names),
-            )
-            result = results[shape] = all(selector.matches(view) for selector in selectors)
-        if result:
-            matched.append(device)
-    return matched

@@ -1,60 +1,16 @@
-"""Teams, the namespaces they own, their quota rules, and what admitted claims reserve.
+"""Quota rules and GPU-hour budgets of teams, and what admitted claims reserve.
 
 A rule's `in_use` is the sum of the live reservation lines on it, kept in the same
-transaction as the lines, so one conditional UPDATE decides an admission under any
-concurrency: `in_use + amount <= limit`.
+transaction as the lines, so one statement that locks the team's rules decides an admission
+under any concurrency: `in_use + amount <= limit`.
 """
 
 from __future__ import annotations
 
-from django.conf import settings
 from django.db import models
 from django.db.models import Q
 
-
-class Team(models.Model):
-    """A tenant: the unit quotas, budgets and statements are kept for."""
-
-    slug = models.SlugField(max_length=63, unique=True)
-    name = models.CharField(max_length=200)
-    cost_centre = models.CharField(max_length=100, blank=True)
-    created_at = models.DateTimeField(auto_now_add=True)
-
-    def __str__(self) -> str:
-        return self.slug
-
-
-class Role(models.TextChoices):
-    LEAD = "lead", "team lead"
-    MEMBER = "member", "member"
-
-
-class Membership(models.Model):
-    """A user's role in a team."""
-
-    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="memberships")
-    user = models.ForeignKey(
-        settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships"
-    )
-    role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
-
-    class Meta:
-        constraints = [
-            models.UniqueConstraint(fields=["team", "user"], name="membership_unique"),
-        ]
-
-    def __str__(self) -> str:
-        return f"{self.user} ({self.role} of {self.team})"
-
-
-class TeamNamespace(models.Model):
-    """A Kubernetes namespace and the team that owns it; a namespace has one owner."""
-
-    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="namespaces")
-    namespace = models.CharField(max_length=63, unique=True)
-
-    def __str__(self) -> str:
-        return self.namespace
+from teams.models import Team
 
 
 class Mode(models.TextChoices):
@@ -82,7 +38,8 @@ class QuotaRule(models.Model):
     # GPU-equivalents (a MIG device counts its share of its GPU) or bytes, per `unit`.
     limit = models.DecimalField(max_digits=24, decimal_places=6)
     mode = models.CharField(max_length=16, choices=Mode.choices, default=Mode.ENFORCE)
-    # Sum of the live reservation lines on this rule; only quota.services writes it.
+    # Sum of the live reservation lines on this rule; only quota.services and the webhook's
+    # quota.admission.store write it.
     in_use = models.DecimalField(max_digits=24, decimal_places=6, default=0)
 
     class Meta:
@@ -199,19 +156,12 @@ class AdmissionDecision(models.Model):
         return f"{self.namespace}/{self.name}: {'allowed' if self.allowed else 'denied'}"
 
 
-class AuditEntry(models.Model):
-    """A change to a team, membership, namespace or rule: who, when, before and after."""
+class Budget(models.Model):
+    """A team's GPU-hour budget per period; `hard` denies new claims past it."""
 
-    at = models.DateTimeField(db_index=True)
-    actor = models.CharField(max_length=253)
-    action = models.CharField(max_length=16)  # create, update, delete
-    object_type = models.CharField(max_length=63)
-    object_repr = models.CharField(max_length=253)
-    before = models.JSONField(null=True, blank=True)
-    after = models.JSONField(null=True, blank=True)
-
-    class Meta:
-        verbose_name_plural = "audit entries"
+    team = models.OneToOneField(Team, on_delete=models.CASCADE, related_name="budget")
+    gpu_hours = models.DecimalField(max_digits=14, decimal_places=3)
+    mode = models.CharField(max_length=8, choices=[("hard", "hard"), ("soft", "soft")])
 
     def __str__(self) -> str:
-        return f"{self.at:%Y-%m-%d %H:%M} {self.actor} {self.action} {self.object_repr}"
+        return f"{self.team}: {self.gpu_hours} GPU-h ({self.mode})"

@@ -44,9 +44,9 @@ import re
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime
+from datetime import date, datetime
 from decimal import ROUND_DOWN, Decimal, InvalidOperation
-from typing import Any, NamedTuple, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import yaml
 from django.contrib.auth import get_user_model
@@ -56,21 +56,15 @@ from django.db import models, transaction
 from django.db.models import ProtectedError, RestrictedError
 from kubernetes.utils import parse_quantity
 
-from billing.models import Budget, Period, RateCard
+from billing.models import RateCard
+from billing.rates import ClosedPeriod, closed_periods, overlap, rate_change_error
+from billing.services import delete_rate_card, save_rate_card
 from inventory.models import DeviceClass
-from quota import audit
-from quota.models import (
-    AuditEntry,
-    Membership,
-    Mode,
-    QuotaRule,
-    Reservation,
-    ReservationState,
-    Role,
-    Team,
-    TeamNamespace,
-    Unit,
-)
+from quota.cel import CELError, compile_selector
+from quota.models import Budget, Mode, QuotaRule, Reservation, ReservationState, Unit
+from quota.services import set_budget
+from teams import audit
+from teams.models import AuditEntry, Membership, Role, Team, TeamNamespace
 
 _TOP_KEYS = ("teams", "rates")
 _TEAM_KEYS = ("slug", "name", "costCentre", "namespaces", "leads", "members", "quotas", "budget")
@@ -445,8 +439,6 @@ def _rule(
         checker.error(f"{path}.deviceClass", f"unknown device class {device_class!r}{hint}")
     selector = checker.string(mapping, "selector", path, max_length=100_000)
     if selector.strip():
-        from quota.cel import CELError, compile_selector
-
         try:
             compile_selector(selector)
         except CELError as exc:
@@ -634,7 +626,7 @@ def _check_overlaps(checker: _Checker, rates: tuple[RateSpec, ...]) -> None:
     for rate in rates:
         same = declared[rate.key[:2]]
         for other in same:
-            if _overlap(rate.valid_from, rate.valid_until, other.valid_from, other.valid_until):
+            if overlap(rate.valid_from, rate.valid_until, other.valid_from, other.valid_until):
                 checker.error(
                     rate.path,
                     f"valid {rate.validity()}, which overlaps {other.path} (valid "
@@ -642,11 +634,6 @@ def _check_overlaps(checker: _Checker, rates: tuple[RateSpec, ...]) -> None:
                     "day, in any currency)",
                 )
         same.append(rate)
-
-
-def _overlap(start: date, end: date | None, other_start: date, other_end: date | None) -> bool:
-    """Whether `[start, end)` and `[other_start, other_end)` share a day; None: open-ended."""
-    return start < (other_end or date.max) and other_start < (end or date.max)
 
 
 def _check_unique(checker: _Checker, teams: list[TeamSpec]) -> None:
@@ -679,19 +666,6 @@ def _check_unique(checker: _Checker, teams: list[TeamSpec]) -> None:
 # --- Applying ---------------------------------------------------------------------------------
 
 
-class _ClosedPeriod(NamedTuple):
-    """A closed billing period as days: `[start, end)`, UTC."""
-
-    name: str
-    start: date
-    end: date
-
-    @classmethod
-    def of(cls, period: Period) -> _ClosedPeriod:
-        start, end = period.start.astimezone(UTC), period.end.astimezone(UTC)
-        return cls(period.label, start.date(), end.date())
-
-
 @dataclass
 class _State:
     """The teams, namespaces, memberships, rules, budgets and rate cards as stored; rules and
@@ -703,7 +677,7 @@ class _State:
     rules: dict[int, dict[str, QuotaRule]]
     budgets: dict[int, Budget]
     rate_cards: dict[RateKey, RateCard]
-    closed_periods: list[_ClosedPeriod]
+    closed_periods: list[ClosedPeriod]
 
     @classmethod
     def load(cls, *, lock_periods: bool) -> _State:
@@ -826,89 +800,6 @@ def _closed_period_conflicts(*, policy: Policy, state: _State, prune: bool) -> l
                 if error:
                     errors.append(f"rates: not declared, but {error}")
     return errors
-
-
-class RateLike(Protocol):
-    """What prices usage: a stored `RateCard` or a declared `RateSpec`."""
-
-    @property
-    def product_name(self) -> str: ...
-    @property
-    def profile(self) -> str: ...
-    @property
-    def currency(self) -> str: ...
-    @property
-    def valid_from(self) -> date: ...
-    @property
-    def valid_until(self) -> date | None: ...
-    @property
-    def per_gpu_hour(self) -> Decimal: ...
-    @property
-    def idle_factor(self) -> Decimal: ...
-
-
-class _Pricing(NamedTuple):
-    """How a rate card priced one closed period: the days it covered there, at what price."""
-
-    period: _ClosedPeriod
-    start: date
-    end: date
-    per_gpu_hour: Decimal
-    idle_factor: Decimal
-
-
-def closed_periods(*, lock: bool = False) -> list[_ClosedPeriod]:
-    """The closed billing periods, oldest first; with `lock`, every period is locked so that
-    none closes, priced with a rate card about to change, before this transaction commits
-    (`close_period` locks its period first)."""
-    periods = Period.objects.select_for_update() if lock else Period.objects.all()
-    return [_ClosedPeriod.of(period) for period in periods.order_by("start") if period.is_closed]
-
-
-def rate_change_error(
-    *, before: RateLike | None, after: RateLike | None, periods: list[_ClosedPeriod]
-) -> str | None:
-    """Why changing a rate card from `before` to `after` (None: no card) would price one of the
-    closed `periods` differently, or None when it would not: the days the card covers in each
-    closed period, and its price and idle factor there, must stay as they are."""
-    stored, wanted = _pricing(before, periods), _pricing(after, periods)
-    if stored == wanted:
-        return None
-    card = before or after
-    assert card is not None  # None twice prices nothing: equal
-    label = (
-        f"the rate for {f'{card.product_name} {card.profile}'.strip()} ({card.currency}) "
-        f"from {card.valid_from}"
-    )
-    if not stored:
-        latest = max(entry.period.end for entry in wanted)
-        return f"{label} would price {_periods_phrase(wanted)}; start it on {latest} or later"
-    if after is None:
-        return f"{label} was used by {_periods_phrase(stored)}; it is never deleted"
-    return (
-        f"{label} was used by {_periods_phrase(stored)}; add a new entry from a later date instead"
-    )
-
-
-def _pricing(card: RateLike | None, periods: list[_ClosedPeriod]) -> tuple[_Pricing, ...]:
-    if card is None:
-        return ()
-    return tuple(
-        _Pricing(
-            period=period,
-            start=max(card.valid_from, period.start),
-            end=min(card.valid_until or date.max, period.end),
-            per_gpu_hour=card.per_gpu_hour,
-            idle_factor=card.idle_factor,
-        )
-        for period in periods
-        if _overlap(card.valid_from, card.valid_until, period.start, period.end)
-    )
-
-
-def _periods_phrase(pricing: tuple[_Pricing, ...]) -> str:
-    names = [entry.period.name for entry in pricing]
-    return f"the closed period{'s' if len(names) > 1 else ''} {', '.join(names)}"
 
 
 def _rate_key(card: RateCard) -> RateKey:
@@ -1073,30 +964,29 @@ class _Applier:
             )
 
     def _budget(self, spec: BudgetSpec, team: Team) -> None:
-        self._put(
-            self.state.budgets.get(team.pk),
-            Budget,
-            identity={"team": team},
-            values={"gpu_hours": spec.gpu_hours, "mode": spec.mode},
-        )
+        _, entry = set_budget(team=team, gpu_hours=spec.gpu_hours, mode=spec.mode, actor=self.actor)
+        if entry is not None:
+            self.report.add_entry(entry)
 
     def _rate(self, spec: RateSpec) -> None:
         product_name, profile, currency, valid_from = spec.key
-        self.state.rate_cards[spec.key] = self._put(
-            self.state.rate_cards.get(spec.key),
-            RateCard,
-            identity={
+        saved = save_rate_card(
+            card=self.state.rate_cards.get(spec.key),
+            values={
                 "product_name": product_name,
                 "profile": profile,
                 "currency": currency,
                 "valid_from": valid_from,
-            },
-            values={
                 "valid_until": spec.valid_until,
                 "per_gpu_hour": spec.per_gpu_hour,
                 "idle_factor": spec.idle_factor,
             },
+            actor=self.actor,
+            closed=self.state.closed_periods,
         )
+        if saved.entry is not None:
+            self.report.add_entry(saved.entry)
+        self.state.rate_cards[spec.key] = saved.card
 
     def _put(
         self,
@@ -1128,6 +1018,11 @@ class _Applier:
         # The cascade would delete a team's budget unaudited.
         if isinstance(obj, Team) and (budget := self.state.budgets.get(obj.pk)) is not None:
             entries += audit.delete(actor=self.actor, obj=budget)
-        entries += audit.delete(actor=self.actor, obj=obj)
+        if isinstance(obj, RateCard):
+            entries.append(
+                delete_rate_card(card=obj, actor=self.actor, closed=self.state.closed_periods)
+            )
+        else:
+            entries += audit.delete(actor=self.actor, obj=obj)
         for entry in entries:
             self.report.add_entry(entry)

@@ -1,8 +1,8 @@
 """Shared test set-up.
 
-`DATABASE_URL` decides the database: SQLite by default, PostgreSQL when it names one (as
-`.ci/run` always does). Tests marked `postgres` need the real server and are skipped only when
-no PostgreSQL is configured.
+The suite runs on PostgreSQL: the server `DATABASE_URL` names (as `.ci/run` always does), else
+the embedded one in `var/postgres` (`python3 dev.py test` starts and stops it; see
+`db/embedded.py`). pytest-django creates and drops its `test_<name>` database there.
 """
 
 from __future__ import annotations
@@ -12,43 +12,22 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from django.db import connection
 
 REPO = Path(__file__).resolve().parent.parent
-UPSTREAM = REPO.parent / "shared" / "upstream"
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if connection.vendor == "postgresql":
-        return
-    skip = pytest.mark.skip(reason="needs PostgreSQL: set DATABASE_URL=postgres://...")
-    for item in items:
-        if "postgres" in item.keywords:
-            item.add_marker(skip)
 
 
 @pytest.fixture(autouse=True)
 def _fresh_process_caches() -> Iterator[None]:
     """Per-process caches (the fleet's shapes, budgets, the cluster) hold rows of the test
     database; each test starts and ends without them."""
-    from quota import admission, selectors, services
+    from quota.admission import service
 
     def forget() -> None:
-        selectors.forget_fleet_shapes()
-        services.forget_caches()
-        admission.forget_caches()
+        service.forget_caches()
 
     forget()
     yield
     forget()
-
-
-@pytest.fixture
-def upstream() -> Path:
-    """The folder of real DRA objects beside the repo (`../shared/upstream`)."""
-    if not UPSTREAM.is_dir():
-        pytest.fail(f"{UPSTREAM} is missing: the tests read the shared upstream objects in place")
-    return UPSTREAM
 
 
 @pytest.fixture
@@ -85,4 +64,4 @@ def _close_connections(**_: object) -> None:
 # A small GPU fleet and device classes, for quota and billing tests.
 from tests.quota.fixtures import fleet  # noqa: E402
 
-__all__ = ["fleet", "upstream", "worker"]
+__all__ = ["fleet", "worker"]

@@ -10,7 +10,7 @@ from django.db.models import Q, QuerySet
 from rest_framework.exceptions import ValidationError
 
 from billing.models import Period, RateCard, Statement, StatementLine, UsageHour
-from config.api import DateRangeFilterSet, TeamSlugFilter, next_day, start_of_day
+from teams.api import DateRangeFilterSet, TeamSlugFilter, next_day, start_of_day
 
 PERIOD_HELP = "A billing period: its id, or its start as a UTC date (2026-10-01)."
 

@@ -10,11 +10,11 @@ from typing import Any
 
 from rest_framework import serializers
 
+from billing.hours import MS_PER_HOUR
 from billing.models import Period, RateCard, Statement, StatementLine
-from billing.pricing import MS_PER_HOUR, round_money
-from config.api import ReadOnlyModelSerializer
-from quota.api.serializers import VisibleTeamField
-from quota.models import Team
+from billing.pricing import round_money
+from teams.api import ReadOnlyModelSerializer, VisibleTeamField
+from teams.models import Team
 
 
 class EfficiencyField(serializers.DecimalField):

@@ -1,8 +1,8 @@
 """Rate cards, periods, statements, adjustments and usage.
 
 Reads are scoped to the user's teams (`TeamScopedViewSet`); the two writes, closing a period
-and adding an adjustment, are for finance and operators, call one `billing.pricing` service
-each and are audited in the same transaction.
+and adding an adjustment, are for finance and operators and call one `billing.services`
+service each, which audits it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from datetime import UTC
 from typing import Any, ClassVar
 
-from django.db import transaction
 from django.db.models import F, Prefetch, QuerySet, Sum
 from django.db.models.functions import Trunc
 from django_filters.rest_framework import DjangoFilterBackend
@@ -45,16 +44,16 @@ from billing.api.serializers import (
     UserUsageSerializer,
 )
 from billing.models import LineKind, Period, RateCard, Statement, StatementLine, UsageHour
-from billing.pricing import PricingError, add_adjustment, close_period
-from config.api import (
+from billing.periods import PricingError
+from billing.services import add_adjustment, close_period
+from teams.api import (
     FinanceOrOperator,
     OrderingFilter,
     TallyViewSet,
     TeamScopedViewSet,
     bad_request,
 )
-from quota import audit
-from quota.models import Team
+from teams.models import Team
 
 LINE_ORDER = ("kind", "product_name", "profile", "id")
 
@@ -85,15 +84,10 @@ class PeriodViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TallyViewS
         """Compute the period's statements a last time and freeze them (finance, operators).
         400 when the period has not ended or is already closed."""
         period = self.get_object()
-        actor = request.user.get_username()
-        before = audit.snapshot(period)
-        with transaction.atomic():
-            try:
-                close_period(period=period, actor=actor)
-            except PricingError as exc:
-                raise bad_request(str(exc)) from exc
-            after = audit.snapshot(period)
-            audit.record(actor=actor, action="update", obj=period, before=before, after=after)
+        try:
+            close_period(period=period, actor=request.user.get_username())
+        except PricingError as exc:
+            raise bad_request(str(exc)) from exc
         return Response(PeriodSerializer(period, context=self.get_serializer_context()).data)
 
 
@@ -154,15 +148,10 @@ class AdjustmentViewSet(StatementLineViewSet):
         """Add an adjustment to a team's statement of an open period; the reason is required."""
         given = AdjustmentInputSerializer(data=request.data, context=self.get_serializer_context())
         given.is_valid(raise_exception=True)
-        actor = request.user.get_username()
-        with transaction.atomic():
-            try:
-                line = add_adjustment(actor=actor, **given.validated_data)
-            except PricingError as exc:
-                raise bad_request(str(exc)) from exc
-            audit.record(
-                actor=actor, action="create", obj=line, before=None, after=audit.snapshot(line)
-            )
+        try:
+            line = add_adjustment(actor=request.user.get_username(), **given.validated_data)
+        except PricingError as exc:
+            raise bad_request(str(exc)) from exc
         shown = self.get_serializer(self.get_queryset().get(pk=line.pk))
         return Response(shown.data, status=status.HTTP_201_CREATED)
 

@@ -17,10 +17,10 @@ from rest_framework.renderers import BrowsableAPIRenderer, JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from config.api import FinanceOrOperator, TallyViewSet
 from inventory.api.serializers import CapacitySerializer, FleetReportSerializer
 from inventory.models import Cluster
 from inventory.selectors import capacity_by_model, fleet_report
+from teams.api import FinanceOrOperator, TallyViewSet
 
 CLUSTER_PARAMETER = OpenApiParameter(
     "cluster", str, description="One cluster by name; all clusters when absent."

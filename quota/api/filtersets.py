@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import django_filters
 
-from config.api import DateRangeFilterSet, TeamSlugFilter
-from quota.models import AdmissionDecision, QuotaRule, Team
+from quota.models import AdmissionDecision, QuotaRule
+from teams.api import DateRangeFilterSet, TeamSlugFilter
+from teams.models import Team
 
 
 class TeamFilterSet(django_filters.FilterSet):

@@ -2,33 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from django.db.models import QuerySet
-from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from config.api import ReadOnlyModelSerializer
-from quota.models import AdmissionDecision, QuotaRule, Team
-from quota.selectors import visible_teams
-
-
-@extend_schema_field(OpenApiTypes.STR)
-class VisibleTeamField(serializers.SlugRelatedField[Team]):
-    """A team named by slug, among the teams the requesting user may see (others: invalid)."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(slug_field="slug", **kwargs)
-
-    def get_queryset(self) -> QuerySet[Team]:
-        return visible_teams(user=self.context["request"].user)
-
-    def to_internal_value(self, data: Any) -> Team:
-        # PostgreSQL refuses NUL in text: answer "no such team" rather than a database error.
-        if isinstance(data, str) and "\x00" in data:
-            self.fail("does_not_exist", slug_name=self.slug_field, value=data)
-        return super().to_internal_value(data)
+from quota.models import AdmissionDecision, QuotaRule
+from teams.api import ReadOnlyModelSerializer
+from teams.models import Team
 
 
 class TeamSerializer(ReadOnlyModelSerializer):

@@ -2,19 +2,21 @@
 
 from __future__ import annotations
 
-from django.db.models import Case, FloatField, Prefetch, QuerySet, Value, When
-from django.db.models.functions import Cast
+from decimal import Decimal
+
+from django.db.models import Case, DecimalField, F, Prefetch, QuerySet, Value, When
 from rest_framework import mixins
 
-from config.api import OPERATOR, OperatorOrLead, TallyViewSet, TeamScopedViewSet, request_role
 from quota.api.filtersets import AdmissionDecisionFilterSet, QuotaRuleFilterSet, TeamFilterSet
 from quota.api.serializers import (
     AdmissionDecisionSerializer,
     QuotaRuleSerializer,
     TeamSerializer,
 )
-from quota.models import AdmissionDecision, Membership, QuotaRule, Role, Team, TeamNamespace
-from quota.selectors import visible_teams
+from quota.models import AdmissionDecision, QuotaRule
+from teams.api import OPERATOR, OperatorOrLead, TallyViewSet, TeamScopedViewSet, request_role
+from teams.models import Membership, Role, Team, TeamNamespace
+from teams.selectors import visible_teams
 
 
 class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamScopedViewSet):
@@ -50,15 +52,16 @@ class QuotaRuleViewSet(mixins.ListModelMixin, TeamScopedViewSet):
     ordering_aliases = {"team": "team__slug"}
 
     def scope(self, teams: QuerySet[Team]) -> QuerySet[QuotaRule]:
-        # A float quotient: SQLite divides whole decimals as integers; six places are shown.
-        fraction: FloatField[float, float] = FloatField()
+        # PostgreSQL divides numerics exactly to 16 significant digits or more; the serializer
+        # shows six places.
+        fraction: DecimalField[Decimal, Decimal] = DecimalField()
         return (
             QuotaRule.objects.filter(team__in=teams)
             .select_related("team")
             .annotate(
                 usage_fraction=Case(
                     When(limit=0, then=Value(None, output_field=fraction)),
-                    default=Cast("in_use", fraction) / Cast("limit", fraction),
+                    default=F("in_use") / F("limit"),
                     output_field=fraction,
                 )
             )

@@ -17,15 +17,16 @@ from django.contrib.auth.models import Group, User
 from django.utils import timezone
 from rest_framework.test import APIClient
 
-from billing import pricing
+from billing import pricing, services
+from billing.hours import MS_PER_HOUR
 from billing.models import Period, RateCard, UsageHour
 from inventory.models import Allocation
-from quota.models import AdmissionDecision, Membership, QuotaRule, Role, Team, TeamNamespace
-from quota.selectors import FINANCE_GROUP, OPERATORS_GROUP
+from quota.models import AdmissionDecision, QuotaRule
+from teams.models import Membership, Role, Team, TeamNamespace
+from teams.selectors import FINANCE_GROUP, OPERATORS_GROUP
 from tests.factories import AllocationFactory, ClusterFactory, DeviceFactory, ResourceClaimFactory
 from tests.quota.factories import UserFactory
 
-MS_PER_HOUR = 3_600_000
 H100 = "NVIDIA H100 80GB HBM3"
 
 
@@ -123,7 +124,7 @@ def seeded(cast: Cast) -> Seeded:
     seed_usage(cast.alpha, "alpha-ns", last.start + timedelta(days=2), hours=3)
     seed_usage(cast.beta, "beta-ns", last.start + timedelta(days=3), hours=1)
     pricing.refresh_statements(period=last)
-    pricing.add_adjustment(
+    services.add_adjustment(
         team=cast.beta,
         period=last,
         currency="EUR",

@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from billing import pricing
-from billing.pricing import add_adjustment
-from config.api import Pagination
+from billing.services import add_adjustment
+from teams.api import Pagination, csv_cell
 from tests.api.cast import Seeded, seed_usage
 
 pytestmark = pytest.mark.django_db
@@ -158,6 +158,26 @@ def test_csv_cells_are_not_formulas(seeded: Seeded) -> None:
     reason = lines[0].index("reason")
     assert lines[1][reason] == "'=HYPERLINK(1)"
     assert lines[1][lines[0].index("amount")] == "-1.00"
+
+
+@pytest.mark.parametrize(
+    ("value", "cell"),
+    [
+        ("=1+2", "'=1+2"),
+        ("@SUM(A1)", "'@SUM(A1)"),
+        ("+cmd", "'+cmd"),
+        ("-1.50", "-1.50"),  # a number, not a formula
+        (Decimal("-3"), "-3"),
+        (" -1", " -1"),
+        ("- 1", "'- 1"),
+        (None, ""),
+        (True, "true"),
+        (["a", "=b"], "a;'=b"),
+        ([{"k": 1}], '[{"k": 1}]'),
+    ],
+)
+def test_csv_cell(value: Any, cell: str) -> None:
+    assert csv_cell(value) == cell
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,6 @@ from django.utils import timezone
 
 from billing.models import (
     AgentToken,
-    Budget,
     Period,
     RateCard,
     Sample,
@@ -25,8 +24,9 @@ from billing.models import (
     UnknownDeviceSample,
     UsageHour,
 )
-from billing.pricing import period_bounds
-from quota.models import AuditEntry
+from billing.periods import period_bounds
+from quota.models import Budget
+from teams.models import AuditEntry
 from tests.quota.factories import TeamFactory
 
 pytestmark = pytest.mark.django_db
@@ -39,7 +39,6 @@ MODELS = (
     "usagehour",
     "ratecard",
     "period",
-    "budget",
     "statement",
 )
 
@@ -169,7 +168,7 @@ def test_budget_edit_is_audited(ops_client: Client) -> None:
     team = TeamFactory.create(slug="vision")
 
     response = ops_client.post(
-        reverse("admin:billing_budget_add"), {"team": team.pk, "gpu_hours": "100", "mode": "hard"}
+        reverse("admin:quota_budget_add"), {"team": team.pk, "gpu_hours": "100", "mode": "hard"}
     )
 
     assert response.status_code == 302, response.content

@@ -11,16 +11,17 @@ from django.test import Client
 from django.utils import timezone
 from pytest_django.fixtures import SettingsWrapper
 
-from billing.models import Budget, Period, UsageHour
-from billing.pricing import PricingError, period_bounds, period_for, period_label
-from billing.rollup import hour_start
+from billing.hours import MS_PER_HOUR, hour_start
+from billing.models import Period, UsageHour
+from billing.periods import PricingError, period_bounds, period_label
+from billing.pricing import period_for
 from billing.selectors import team_gpu_hours
-from quota.models import Team
+from quota.models import Budget
+from teams.models import Team
 from tests.factories import AllocationFactory, DeviceFactory, ResourceClaimFactory
 from tests.quota.fixtures import claim, decide, gpu_request, make_team
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("fleet")]
-HOUR_MS = 3_600_000
 
 
 def used(team_hours: int, *, live_minutes: int = 0) -> None:
@@ -48,7 +49,7 @@ def used(team_hours: int, *, live_minutes: int = 0) -> None:
             namespace="research",
             claim_name=claim_row.name,
             team_id=Team.objects.get(slug="research").pk,
-            allocated_gpu_ms=team_hours * HOUR_MS,
+            allocated_gpu_ms=team_hours * MS_PER_HOUR,
             utilised_gpu_ms=0,
             unmeasured_gpu_ms=0,
         )

@@ -18,11 +18,13 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 
-from billing import ingest, pricing, rollup
+from billing import ingest, pricing, rollup, services
+from billing.hours import epoch_ms
 from billing.ingest import SampleRow
 from billing.models import RateCard, StatementLine, UsageHour
+from billing.periods import PricingError
 from inventory import services as inventory_services
-from quota.models import Team, TeamNamespace
+from teams.models import Team, TeamNamespace
 
 pytestmark = pytest.mark.django_db
 T10 = datetime(2026, 10, 15, 10, 0, tzinfo=UTC)
@@ -115,10 +117,7 @@ def snapshot(objects: list[dict[str, Any]], at: datetime, kinds: list[str] | Non
 
 def send_samples(uuid: str, start: datetime, minutes: int, util: float) -> None:
     """A sample a minute from `start`, ingested as the node agent's would be."""
-    rows = [
-        SampleRow(uuid, rollup.epoch_ms(start + i * MINUTE), util, None, None)
-        for i in range(minutes)
-    ]
+    rows = [SampleRow(uuid, epoch_ms(start + i * MINUTE), util, None, None) for i in range(minutes)]
     report = ingest.ingest(node="node-a", samples=rows, received_at=start)
     assert report.accepted == minutes
 
@@ -160,7 +159,7 @@ def scenario(tmp_path: Path) -> Team:
     send_samples("GPU-H", T10, 60, 50.0)
     send_samples("GPU-H", T10 + timedelta(minutes=90), 60, 100.0)
     for hour in range(10, 13):
-        rollup.rollup_hour(hour=T10.replace(hour=hour), now=T10 + timedelta(days=1))
+        rollup.rollup_hours(hours=[T10.replace(hour=hour)], now=T10 + timedelta(days=1))
     return team
 
 
@@ -220,7 +219,7 @@ def test_rerunning_rollups_and_pricing_changes_nothing(scenario: Team) -> None:
         )
     )
     for hour in range(9, 14):
-        rollup.rollup_hour(hour=T10.replace(hour=hour), now=T10 + timedelta(days=1))
+        rollup.rollup_hours(hours=[T10.replace(hour=hour)], now=T10 + timedelta(days=1))
     after = sorted(
         UsageHour.objects.values_list(
             "hour", "device_uuid", "allocated_gpu_ms", "utilised_gpu_ms", "unmeasured_gpu_ms"
@@ -235,15 +234,15 @@ def test_rerunning_rollups_and_pricing_changes_nothing(scenario: Team) -> None:
 
 def test_late_data_for_a_closed_period_becomes_an_adjustment(scenario: Team) -> None:
     october = pricing.period_for(T10)
-    pricing.close_period(period=october, actor="finance")
+    services.close_period(period=october, actor="finance")
     frozen = list(
         StatementLine.objects.filter(statement__period=october).values_list("amount", flat=True)
     )
-    with pytest.raises(pricing.PricingError, match="closed"):
+    with pytest.raises(PricingError, match="closed"):
         pricing.refresh_statements(period=october)
     # Late samples fill the H100's unmeasured half hour (11:01-11:30): it was idle.
     send_samples("GPU-H", T10 + timedelta(minutes=61), 29, 0.0)
-    rollup.rollup_hour(hour=T10.replace(hour=11), now=T10 + timedelta(days=1))
+    rollup.rollup_hours(hours=[T10.replace(hour=11)], now=T10 + timedelta(days=1))
     november = pricing.period_for(datetime(2026, 11, 10, tzinfo=UTC))
     (statement,) = pricing.refresh_statements(period=november)
     assert (
@@ -304,7 +303,7 @@ def test_a_mig_profile_card_prices_an_hour_of_the_slice(scenario: Team) -> None:
     )
     # The MIG device measured idle (0%) all its hour: every minute's sample holds its minute.
     send_samples("MIG-A", T10, 60, 0.0)
-    rollup.rollup_hour(hour=T10, now=T10 + timedelta(days=1))
+    rollup.rollup_hours(hours=[T10], now=T10 + timedelta(days=1))
     (statement,) = pricing.refresh_statements(period=pricing.period_for(T10))
     lines = {(line.product_name, line.profile): line for line in statement.lines.all()}
     assert set(lines) == {("NVIDIA H100 80GB HBM3", ""), ("NVIDIA A100-SXM4-80GB", "3g.40gb")}
@@ -404,7 +403,7 @@ def test_a_consumable_share_of_a_slice_pays_that_share_of_the_slices_price(
     gone = claim("train", "gpu-0", T10, allocated=False)
     load_dump(tmp_path, [gone, half], T10 + timedelta(hours=3))
     load_dump(tmp_path, [gone], T10 + timedelta(hours=4))
-    rollup.rollup_hour(hour=T10.replace(hour=13), now=T10 + timedelta(days=1))
+    rollup.rollup_hours(hours=[T10.replace(hour=13)], now=T10 + timedelta(days=1))
     row = UsageHour.objects.get(claim_name="half")
     # 3,600,000 ms x 0.214286 (half of 3/7) = 771,430 GPU-ms, never measured.
     assert (row.gpu_share, row.allocated_gpu_ms) == (Decimal("0.214286"), 771_430)
@@ -436,7 +435,7 @@ def test_a_price_change_within_a_closed_period_is_no_late_data(scenario: Team) -
         valid_from=date(2026, 10, 15),
     )
     october = pricing.period_for(T10)
-    pricing.close_period(period=october, actor="finance")
+    services.close_period(period=october, actor="finance")
     h100 = StatementLine.objects.filter(product_name="NVIDIA H100 80GB HBM3").order_by("rate")
     # 14 Oct: 1 h at 50% (0.5 h idle): 2.50 x (1 - 0.6 x 0.5) = 1.75. 15 Oct as before, at
     # 3.00: 3.00 x 2.195 = 6.585 -> 6.59.

@@ -13,9 +13,9 @@ from django.core.management import CommandError, call_command
 from django.utils import timezone
 from pytest_django.fixtures import SettingsWrapper
 
-from billing import pricing, rollup
+from billing import periods, rollup
 from billing.models import Period, RateCard, UsageHour
-from quota.models import Team
+from teams.models import Team
 from tests.billing.test_chargeback import T10, scenario, send_samples
 
 pytestmark = pytest.mark.django_db
@@ -235,9 +235,9 @@ def test_run_billing_refuses_bad_period_text(args: list[str], message: str) -> N
 
 def test_run_billing_refuses_a_future_period_and_closing_an_open_one() -> None:
     now = timezone.now()
-    current = pricing.period_label(*pricing.period_bounds(now))
-    following_start, following_end = pricing.period_bounds(pricing.period_bounds(now)[1])
-    following = pricing.period_label(following_start, following_end)
+    current = periods.period_label(*periods.period_bounds(now))
+    following_start, following_end = periods.period_bounds(periods.period_bounds(now)[1])
+    following = periods.period_label(following_start, following_end)
     with pytest.raises(CommandError) as raised:
         run("run_billing", "--period", following)
     assert str(raised.value) == (
@@ -276,6 +276,6 @@ def test_run_billing_rolls_up_hours_marked_for_earlier_periods(scenario: Team) -
     adjustment is there without waiting for beat."""
     run("run_billing", "--period", "2026-10", "--close")
     send_samples("GPU-H", T10 + timedelta(minutes=61), 29, 0.0)  # marks 11:00 of October
-    rollup.rollup_hour(hour=T10.replace(hour=12), now=T10 + timedelta(days=1))  # unrelated
+    rollup.rollup_hours(hours=[T10.replace(hour=12)], now=T10 + timedelta(days=1))  # unrelated
     output = run("run_billing", "--period", "2026-11", "--verbosity", "2")
     assert "  vision: -0.73 USD" in output

@@ -6,7 +6,8 @@ from datetime import timedelta
 
 import pytest
 
-from billing import rollup
+from billing import dirty, rollup
+from billing.hours import hour_start
 from billing.models import DirtyHour, UsageHour
 from tests.billing.test_chargeback import SLICE, T10, claim, snapshot
 
@@ -36,8 +37,8 @@ def test_claims_seen_mark_the_hours_their_allocations_span_once() -> None:
 def test_a_backlog_of_marked_hours_is_worked_off_newest_first_a_bounded_number_a_run() -> None:
     now = T10 + timedelta(days=1)
     marked = [T10 + timedelta(hours=index) for index in range(5)]
-    rollup.mark_dirty(hours=set(marked), at=T10)
-    just_ended = rollup.hour_start(now) - timedelta(hours=1)
+    dirty.mark_dirty(hours=set(marked), at=T10)
+    just_ended = hour_start(now) - timedelta(hours=1)
 
     first = rollup.rollup_pending(now=now, limit=3)
     assert first == [just_ended, marked[4], marked[3]]

@@ -26,18 +26,19 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from billing import views
+from billing.hours import epoch_ms
 from billing.ingest import (
-    EPOCH,
     adopt_unknown_samples,
     authenticate,
     ingest,
-    issue_token,
     latest_per_hour,
     touched_hours,
     validate_samples,
 )
 from billing.models import AgentToken, DirtyHour, Sample, UnknownDeviceSample
-from inventory.models import Device
+from billing.services import issue_agent_token
+from inventory.models import Cluster, Device
+from teams.models import AuditEntry
 from tests.factories import DeviceFactory
 
 urlpatterns = [path("ingest/samples", views.ingest_samples)]
@@ -48,7 +49,11 @@ T0 = datetime(2025, 3, 1, 10, 0, tzinfo=UTC)
 
 
 def ms(at: datetime) -> int:
-    return (at - EPOCH) // timedelta(milliseconds=1)
+    return epoch_ms(at)
+
+
+def issue_token(*, cluster: Cluster, node: str) -> str:
+    return issue_agent_token(cluster=cluster, node=node, actor="ops")
 
 
 def sample(uuid: str, at: datetime, **fields: Any) -> dict[str, Any]:
@@ -89,6 +94,10 @@ def test_a_token_is_stored_only_as_its_hash(gpu: Device, token: str) -> None:
     assert authenticate(token) == stored
     assert authenticate("not-" + token) is None
     assert authenticate("") is None
+    entry = AuditEntry.objects.get()
+    assert (entry.actor, entry.action, entry.object_type) == ("ops", "create", "agent token")
+    assert entry.after is not None
+    assert token not in str(entry.after)
 
 
 def test_missing_or_wrong_token_is_401(gpu: Device, token: str) -> None:
@@ -442,6 +451,7 @@ def test_create_agent_token_prints_it_once(gpu: Device) -> None:
     assert stored is not None
     assert (stored.node, stored.cluster.name) == ("gpu-node-x", "east")
     assert stored.token_sha256 != token
+    assert AuditEntry.objects.get().actor == "create_agent_token"
 
 
 def test_ingest_samples_command_loads_the_rest_and_lists_bad_lines(
@@ -488,7 +498,6 @@ def test_ingest_samples_command_needs_a_node(gpu: Device, tmp_path: Path) -> Non
 # PostgreSQL: the COPY path at size
 
 
-@pytest.mark.postgres
 def test_copy_path_stores_a_large_batch_once(gpu: Device) -> None:
     other = DeviceFactory.create()
     raw = [
@@ -532,7 +541,6 @@ def test_a_batch_that_meets_a_stored_sample_at_its_end_stores_the_rest_once(gpu:
     ]
 
 
-@pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_overlapping_batches_sent_at_once_are_stored_once(gpu: Device) -> None:
     # The second batch's COPY waits for the first's transaction, then meets its samples and
@@ -685,7 +693,6 @@ def test_samples_adopted_from_the_side_table_get_their_gaps(gpu: Device) -> None
     }
 
 
-@pytest.mark.postgres
 @pytest.mark.django_db(transaction=True)
 def test_gaps_stay_right_when_one_device_is_sent_from_two_places_at_once(gpu: Device) -> None:
     # Two senders interleave one device's samples (even and odd seconds), batch after batch, at

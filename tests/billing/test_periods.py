@@ -14,9 +14,9 @@ from django.test import Client
 from django.utils import timezone
 from pytest_django.fixtures import SettingsWrapper
 
-from billing import pricing
+from billing import periods, pricing, services
 from billing.models import Period, Statement
-from quota.models import Team
+from teams.models import AuditEntry, Team
 from tests.billing.test_chargeback import T10, scenario
 
 pytestmark = pytest.mark.django_db
@@ -35,31 +35,31 @@ def weekly(settings: SettingsWrapper) -> SettingsWrapper:
 
 def test_a_month_is_the_calendar_month_in_utc() -> None:
     moment = datetime.fromisoformat("2026-12-31T23:30:00-02:00")  # 2027-01-01 01:30 UTC
-    assert pricing.period_bounds(moment) == (utc(2027, 1, 1), utc(2027, 2, 1))
-    assert pricing.period_bounds(utc(2026, 12, 31, 23)) == (utc(2026, 12, 1), utc(2027, 1, 1))
-    assert pricing.period_label(utc(2026, 11, 1), utc(2026, 12, 1)) == "2026-11"
+    assert periods.period_bounds(moment) == (utc(2027, 1, 1), utc(2027, 2, 1))
+    assert periods.period_bounds(utc(2026, 12, 31, 23)) == (utc(2026, 12, 1), utc(2027, 1, 1))
+    assert periods.period_label(utc(2026, 11, 1), utc(2026, 12, 1)) == "2026-11"
 
 
 def test_a_week_starts_monday_0000_utc(weekly: SettingsWrapper) -> None:
     # Thursday 2026-11-19 and Sunday 23:59 are in the week of Monday 2026-11-16 (ISO week 47).
     for moment in (utc(2026, 11, 19, 12), utc(2026, 11, 22, 23, 59), utc(2026, 11, 16)):
-        assert pricing.period_bounds(moment) == (utc(2026, 11, 16), utc(2026, 11, 23))
-    assert pricing.period_label(utc(2026, 11, 16), utc(2026, 11, 23)) == "2026-W47"
+        assert periods.period_bounds(moment) == (utc(2026, 11, 16), utc(2026, 11, 23))
+    assert periods.period_label(utc(2026, 11, 16), utc(2026, 11, 23)) == "2026-W47"
     # The ISO week of 2027-01-01 (a Friday) is 2026's 53rd.
-    assert pricing.period_bounds(utc(2027, 1, 1)) == (utc(2026, 12, 28), utc(2027, 1, 4))
-    assert pricing.period_label(utc(2026, 12, 28), utc(2027, 1, 4)) == "2026-W53"
+    assert periods.period_bounds(utc(2027, 1, 1)) == (utc(2026, 12, 28), utc(2027, 1, 4))
+    assert periods.period_label(utc(2026, 12, 28), utc(2027, 1, 4)) == "2026-W53"
 
 
 def test_period_text_names_a_period_of_the_configured_length(settings: SettingsWrapper) -> None:
-    assert pricing.parse_period("2026-11") == (utc(2026, 11, 1), utc(2026, 12, 1))
-    assert pricing.parse_period(" 2026-12 ") == (utc(2026, 12, 1), utc(2027, 1, 1))
-    with pytest.raises(pricing.PricingError, match=r"'2026-W47' names a week, but billing"):
-        pricing.parse_period("2026-W47")
+    assert periods.parse_period("2026-11") == (utc(2026, 11, 1), utc(2026, 12, 1))
+    assert periods.parse_period(" 2026-12 ") == (utc(2026, 12, 1), utc(2027, 1, 1))
+    with pytest.raises(periods.PricingError, match=r"'2026-W47' names a week, but billing"):
+        periods.parse_period("2026-W47")
     settings.TALLY_BILLING_PERIOD = "week"
-    assert pricing.parse_period("2026-W47") == (utc(2026, 11, 16), utc(2026, 11, 23))
-    assert pricing.parse_period("2026-w01") == (utc(2025, 12, 29), utc(2026, 1, 5))
-    with pytest.raises(pricing.PricingError) as raised:
-        pricing.parse_period("2026-11")
+    assert periods.parse_period("2026-W47") == (utc(2026, 11, 16), utc(2026, 11, 23))
+    assert periods.parse_period("2026-w01") == (utc(2025, 12, 29), utc(2026, 1, 5))
+    with pytest.raises(periods.PricingError) as raised:
+        periods.parse_period("2026-11")
     assert str(raised.value) == (
         "'2026-11' names a month, but billing periods are weeks (TALLY_BILLING_PERIOD=week): "
         "give the period as 2026-W47"
@@ -81,8 +81,8 @@ def test_bad_period_text_is_refused_with_the_form_wanted(
     settings: SettingsWrapper, length: str, text: str, message: str
 ) -> None:
     settings.TALLY_BILLING_PERIOD = length
-    with pytest.raises(pricing.PricingError) as raised:
-        pricing.parse_period(text)
+    with pytest.raises(periods.PricingError) as raised:
+        periods.parse_period(text)
     assert str(raised.value).startswith(message)
 
 
@@ -97,7 +97,7 @@ def test_changing_the_period_length_over_stored_periods_is_an_error(
 ) -> None:
     pricing.period_for(utc(2026, 11, 5))  # November, a month
     settings.TALLY_BILLING_PERIOD = "week"
-    with pytest.raises(pricing.PricingError) as raised:
+    with pytest.raises(periods.PricingError) as raised:
         pricing.period_for(utc(2026, 11, 19))
     assert str(raised.value) == (
         "TALLY_BILLING_PERIOD=week makes 2026-W47 the period 2026-11-16..2026-11-23, but the "
@@ -108,7 +108,7 @@ def test_changing_the_period_length_over_stored_periods_is_an_error(
     settings.TALLY_BILLING_PERIOD = "month"
     pricing.period_for(utc(2027, 3, 10))
     settings.TALLY_BILLING_PERIOD = "week"
-    with pytest.raises(pricing.PricingError, match=r"2027-W09 the period 2027-03-01\.\.2027-03-08"):
+    with pytest.raises(periods.PricingError, match=r"2027-W09 the period 2027-03-01\.\.2027-03-08"):
         pricing.period_for(utc(2027, 3, 2))
     assert Period.objects.count() == 2
 
@@ -118,18 +118,20 @@ def test_the_previous_month_closes_on_the_configured_day(
 ) -> None:
     settings.TALLY_CLOSE_PERIOD_DAY = 3
     # Before the 3rd of November, October stays open.
-    assert pricing.close_due_period(now=utc(2026, 11, 2, 23, 59), actor="beat") is None
+    assert services.close_due_period(now=utc(2026, 11, 2, 23, 59), actor="beat") is None
     assert not Period.objects.filter(closed_at__isnull=False).exists()
-    run = pricing.close_due_period(now=utc(2026, 11, 3, 0, 20), actor="beat")
+    run = services.close_due_period(now=utc(2026, 11, 3, 0, 20), actor="beat")
     assert run is not None and run.closed
     october = Period.objects.get(start=utc(2026, 10, 1))
     assert (october.closed_by, october.closed_at is not None) == ("beat", True)
+    entry = AuditEntry.objects.get(object_type="period")
+    assert (entry.actor, entry.action, entry.object_repr) == ("beat", "update", str(october))
     assert run.period_hours == 31 * 24
     (statement,) = Statement.objects.filter(period=october)
     assert statement.total == Decimal("6.00")
     # Every later run that month finds nothing to do, and changes nothing.
     closed_at = october.closed_at
-    assert pricing.close_due_period(now=utc(2026, 11, 20), actor="beat") is None
+    assert services.close_due_period(now=utc(2026, 11, 20), actor="beat") is None
     october.refresh_from_db()
     assert (october.closed_at, october.closed_by) == (closed_at, "beat")
 
@@ -139,15 +141,15 @@ def test_a_period_finance_closed_first_is_left_alone(
 ) -> None:
     settings.TALLY_CLOSE_PERIOD_DAY = 1
     october = pricing.period_for(T10)
-    pricing.close_period(period=october, actor="finance")
-    assert pricing.close_due_period(now=utc(2026, 11, 1, 0, 20), actor="beat") is None
+    services.close_period(period=october, actor="finance")
+    assert services.close_due_period(now=utc(2026, 11, 1, 0, 20), actor="beat") is None
     october.refresh_from_db()
     assert october.closed_by == "finance"
 
 
 def test_closing_can_be_turned_off(scenario: Team, settings: SettingsWrapper) -> None:
     settings.TALLY_CLOSE_PERIOD_DAY = 0
-    assert pricing.close_due_period(now=utc(2026, 11, 25), actor="beat") is None
+    assert services.close_due_period(now=utc(2026, 11, 25), actor="beat") is None
     assert not Period.objects.exists()
 
 
@@ -156,21 +158,21 @@ def test_the_previous_week_closes_on_the_configured_weekday(
 ) -> None:
     weekly.TALLY_CLOSE_PERIOD_DAY = 3  # Wednesday
     # T10 (Thursday 2026-10-15) is in ISO week 42, 2026-10-12..2026-10-19.
-    assert pricing.close_due_period(now=utc(2026, 10, 20, 23), actor="beat") is None  # Tuesday
-    run = pricing.close_due_period(now=utc(2026, 10, 21, 1), actor="beat")  # Wednesday
+    assert services.close_due_period(now=utc(2026, 10, 20, 23), actor="beat") is None  # Tuesday
+    run = services.close_due_period(now=utc(2026, 10, 21, 1), actor="beat")  # Wednesday
     assert run is not None
-    assert pricing.period_label(run.period.start, run.period.end) == "2026-W42"
+    assert periods.period_label(run.period.start, run.period.end) == "2026-W42"
     assert run.totals == {"USD": Decimal("6.00")}
     assert run.period.is_closed
 
 
 def test_bill_period_refuses_before_writing(scenario: Team) -> None:
     now = timezone.now()
-    next_month = pricing.period_bounds(pricing.period_bounds(now)[1])[0]
-    with pytest.raises(pricing.PricingError, match="has not started yet"):
-        pricing.bill_period(period_start=next_month, now=now)
-    with pytest.raises(pricing.PricingError, match="cannot be closed before it ends"):
-        pricing.bill_period(period_start=now, now=now, close=True, actor="x")
+    next_month = periods.period_bounds(periods.period_bounds(now)[1])[0]
+    with pytest.raises(periods.PricingError, match="has not started yet"):
+        services.bill_period(period_start=next_month, now=now)
+    with pytest.raises(periods.PricingError, match="cannot be closed before it ends"):
+        services.bill_period(period_start=now, now=now, close=True, actor="x")
     assert not Period.objects.exists()
 
 

@@ -10,9 +10,10 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from billing.models import Budget, Period, RateCard
-from quota.models import AuditEntry
+from billing.models import Period, RateCard
+from quota.models import Budget
 from quota.policy import ApplyReport, PolicyError, apply_policy, load_policy
+from teams.models import AuditEntry
 from tests.quota.factories import DeviceClassFactory
 
 pytestmark = pytest.mark.django_db

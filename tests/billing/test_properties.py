@@ -56,7 +56,7 @@ def send(batch: list[dict[str, Any]]) -> None:
 
 def roll(hours: range) -> None:
     for hour in hours:
-        rollup.rollup_hour(hour=T10.replace(hour=hour), now=NOW)
+        rollup.rollup_hours(hours=[T10.replace(hour=hour)], now=NOW)
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))

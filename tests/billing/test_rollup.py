@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from billing import ingest, rollup
+from billing.hours import epoch_ms
 from billing.ingest import SampleRow
 from billing.models import UsageHour
 from inventory.models import Allocation, Device
@@ -35,7 +36,7 @@ MS = timedelta(milliseconds=1)
 
 
 def ms(at: datetime) -> int:
-    return rollup.epoch_ms(at)
+    return epoch_ms(at)
 
 
 def round_half_up(value: Decimal) -> int:
@@ -103,7 +104,7 @@ def check(
     now: datetime = LATER,
     hold_ms: int = 120_000,
 ) -> dict[int, Expected]:
-    rollup.rollup_hour(hour=T10, now=now)
+    rollup.rollup_hours(hours=[T10], now=now)
     expected = {}
     for allocation in allocations:
         assert allocation.device is not None
@@ -218,7 +219,7 @@ def test_a_consumable_share_counts_the_memory_it_consumed() -> None:
     half = AllocationFactory.create(device=gpu, start=since, consumed_capacity={"memory": "40Gi"})
     whole = AllocationFactory.create(device=gpu, start=since)
     store(gpu, [(ms(T10) + minute * 60_000, 50.0) for minute in range(60)])
-    rollup.rollup_hour(hour=T10, now=LATER)
+    rollup.rollup_hours(hours=[T10], now=LATER)
     assert rolled_up() == {
         half.pk: Expected(1_800_000, 900_000, 0),
         whole.pk: Expected(3_600_000, 1_800_000, 0),
@@ -232,5 +233,5 @@ def test_usage_is_charged_to_the_job_the_sync_resolved() -> None:
     allocation.claim.owner_references = [{"kind": "Pod", "name": "web-5d9f-x", "controller": True}]
     allocation.claim.job = "Deployment/web"
     allocation.claim.save()
-    rollup.rollup_hour(hour=T10, now=T10 + timedelta(hours=2))
+    rollup.rollup_hours(hours=[T10], now=T10 + timedelta(hours=2))
     assert UsageHour.objects.get(allocation=allocation).job == "Deployment/web"

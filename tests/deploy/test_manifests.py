@@ -23,8 +23,10 @@ from urllib.parse import urlsplit
 import kubernetes_validate
 import pytest
 import yaml
+from django.db import connection
 from django.urls import Resolver404, resolve
 
+from db.embedded import postgres_url
 from inventory.kube import OWNER_READS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -430,7 +432,7 @@ def test_production_runs_several_web_pods_with_a_budget() -> None:
 # -- Django's deployment checks under the production environment ---------------------------
 
 
-def test_check_deploy_is_clean_with_the_production_environment(tmp_path: Path) -> None:
+def test_check_deploy_is_clean_with_the_production_environment() -> None:
     objects = render("production")
     environment = resolved_env(objects, web_container(objects), pod_ip="10.1.2.3")
     # The mounted files and directories exist only in the pod.
@@ -449,7 +451,8 @@ def test_check_deploy_is_clean_with_the_production_environment(tmp_path: Path) -
             "DJANGO_SETTINGS_MODULE": os.environ.get("DJANGO_SETTINGS_MODULE", "config.settings"),
             "DEBUG": "false",
             "SECRET_KEY": secrets.token_urlsafe(50),
-            "DATABASE_URL": f"sqlite:///{tmp_path / 'check.sqlite3'}",
+            # The test run's server: `check` connects to no database.
+            "DATABASE_URL": postgres_url(connection.settings_dict),
             "CELERY_BROKER_URL": "memory://",
         }
     )

@@ -15,13 +15,15 @@ from decimal import Decimal
 from django.contrib.auth.models import Group, User
 from django.utils import timezone
 
-from billing import ingest, pricing
-from billing.models import Budget, Period, RateCard, Sample, UsageHour
+from billing import ingest, periods, pricing, services
+from billing.models import Period, RateCard, Sample, UsageHour
 from inventory import services as inventory_services
 from inventory import simulate
 from inventory.models import Allocation, Cluster, Device
-from quota.models import AdmissionDecision, Membership, QuotaRule, Role, Team, TeamNamespace
-from quota.selectors import FINANCE_GROUP, OPERATORS_GROUP, forget_fleet_shapes
+from quota.admission.shapes import forget_fleet_shapes
+from quota.models import AdmissionDecision, Budget, QuotaRule
+from teams.models import Membership, Role, Team, TeamNamespace
+from teams.selectors import FINANCE_GROUP, OPERATORS_GROUP
 
 HOUR_MS = 3_600_000
 PASSWORD = "correct-horse-battery"
@@ -168,8 +170,8 @@ def seed_portal(now: datetime | None = None) -> Portal:
         )
 
     today = now.astimezone(UTC).replace(hour=0, minute=0, second=0, microsecond=0)
-    period_start, _ = pricing.period_bounds(now)
-    previous_start, _ = pricing.period_bounds(period_start - timedelta(days=1))
+    period_start, _ = periods.period_bounds(now)
+    previous_start, _ = periods.period_bounds(period_start - timedelta(days=1))
     # The 29 days before today, and one day mid-way through last month so that the closed
     # period always has usage whatever today's date.
     hours = sorted(
@@ -189,7 +191,7 @@ def seed_portal(now: datetime | None = None) -> Portal:
         daily[row.hour.date()][1] += row.utilised_gpu_ms
 
     closed_period = pricing.period_for(previous_start)
-    pricing.close_period(period=closed_period, actor="finance")
+    services.close_period(period=closed_period, actor="finance")
     pricing.refresh_statements(period=pricing.period_for(now))
 
     live = _open_allocations(["vision", "research"])

@@ -15,7 +15,7 @@ from django.urls import reverse
 
 from billing.models import RateCard, UsageHour
 from frontend import selectors
-from quota.models import Membership, Role
+from teams.models import Membership, Role
 from tests.frontend.seed import DECISIONS, OUTLIER_NODE, PASSWORD, Portal
 
 CAST = ("lead_a", "member_a", "lead_b", "finance", "operator")

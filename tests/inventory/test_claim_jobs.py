@@ -8,7 +8,6 @@ Pods, the Deployment and CronJob controllers their ReplicaSets and Jobs.
 
 from __future__ import annotations
 
-import importlib
 import io
 import json
 import logging
@@ -18,11 +17,10 @@ from typing import Any
 
 import pytest
 import yaml
-from django.apps import apps as django_apps
 from django.core.management import call_command
 
 from inventory import kube, owners, services
-from inventory.models import Cluster, ResourceClaim, SyncState
+from inventory.models import Cluster, ResourceClaim
 from tests.fake_kube import FakeKube
 from tests.inventory.test_kube_sync import (
     claim,
@@ -399,29 +397,3 @@ def test_a_resolution_replaces_what_was_recorded_only_when_it_gets_further(
     chain: tuple[str, ...], complete: bool, recorded: str, expected: str
 ) -> None:
     assert owners.Resolution(chain, complete).over(recorded) == expected
-
-
-@pytest.mark.django_db
-def test_the_migration_gives_known_claims_their_own_controller_and_relists_claims(
-    cluster: Cluster,
-) -> None:
-    migration = importlib.import_module("inventory.migrations.0003_resourceclaim_job")
-    services.import_snapshot(
-        cluster=cluster,
-        objects=[
-            template_claim(reference("Pod", "web-1", "v1"), name="web-gpu"),
-            template_claim(None, name="by-hand"),
-        ],
-        at=AT,
-    )
-    ResourceClaim.objects.update(job="")  # as the column is added
-    SyncState.objects.create(cluster=cluster, kind="ResourceClaim", resource_version="1234")
-    SyncState.objects.create(cluster=cluster, kind="ResourceSlice", resource_version="1234")
-
-    migration.backfill_own_jobs(django_apps, None)
-
-    assert jobs() == {"web-gpu": "Pod/web-1", "by-hand": ""}
-    assert dict(SyncState.objects.values_list("kind", "resource_version")) == {
-        "ResourceClaim": "",
-        "ResourceSlice": "1234",
-    }

@@ -12,14 +12,12 @@ import yaml
 
 from inventory import simulate
 from inventory.dumps import DumpError, iter_objects
+from tests.fixtures import CLAIMS, DRA
 
-EXAMPLE_LIST = "dra-example-driver/README.resourceslice-list.yaml"
-COUNTER_SLICES = (
-    "enhancements/keps/sig-scheduling/4815-dra-partitionable-devices/"
-    "README.counter-slice-example.yaml"
-)
-DEVICE_CLASS = "website/content/en/examples/dra/driver-install/deviceclass.yaml"
-CLAIM = "kubernetes-api/testdata/HEAD/resource.k8s.io.v1.ResourceClaim.yaml"
+EXAMPLE_LIST = DRA / "example-driver-slices.yaml"
+COUNTER_SLICES = DRA / "partitionable-slices.yaml"
+DEVICE_CLASS = DRA / "deviceclass-example.yaml"
+CLAIM = CLAIMS / "allocated.yaml"
 
 
 def write(tmp_path: Path, name: str, text: str) -> Path:
@@ -35,64 +33,62 @@ def names(objects: list[dict[str, Any]]) -> list[tuple[str, str]]:
 # --- formats -------------------------------------------------------------------------------
 
 
-def test_kubectl_yaml_list_gives_its_items(upstream: Path) -> None:
-    objects = list(iter_objects(upstream / EXAMPLE_LIST))
+def test_kubectl_yaml_list_gives_its_items() -> None:
+    objects = list(iter_objects(EXAMPLE_LIST))
 
-    assert names(objects) == [
-        ("ResourceSlice", "dra-example-driver-cluster-worker-gpu.example.com-rf2f7")
-    ]
+    assert names(objects) == [("ResourceSlice", "kind-worker-gpu.example.com-k7x2q")]
     assert objects[0]["apiVersion"] == "resource.k8s.io/v1"
     assert len(objects[0]["spec"]["devices"]) == 8
     # Quoted timestamps stay strings, as in the API's JSON.
-    assert objects[0]["metadata"]["creationTimestamp"] == "2024-12-09T16:17:09Z"
+    assert objects[0]["metadata"]["creationTimestamp"] == "2026-03-02T09:41:27Z"
 
 
-def test_kubectl_json_list_gives_the_same_items_as_the_yaml(upstream: Path, tmp_path: Path) -> None:
-    listed = yaml.safe_load((upstream / EXAMPLE_LIST).read_text())
+def test_kubectl_json_list_gives_the_same_items_as_the_yaml(tmp_path: Path) -> None:
+    listed = yaml.safe_load(EXAMPLE_LIST.read_text())
     path = write(tmp_path, "list.json", json.dumps(listed, indent=4))
 
-    assert list(iter_objects(path)) == list(iter_objects(upstream / EXAMPLE_LIST))
+    assert list(iter_objects(path)) == list(iter_objects(EXAMPLE_LIST))
 
 
-def test_multi_document_yaml_gives_each_document(upstream: Path) -> None:
-    objects = list(iter_objects(upstream / COUNTER_SLICES))
+def test_multi_document_yaml_gives_each_document() -> None:
+    objects = list(iter_objects(COUNTER_SLICES))
 
     assert names(objects) == [
-        ("ResourceSlice", "counter-slice"),
-        ("ResourceSlice", "device-slice"),
+        ("ResourceSlice", "node-p1-counters"),
+        ("ResourceSlice", "node-p1-devices"),
     ]
-    assert objects[0]["spec"]["sharedCounters"][0]["counters"]["memory"] == {"value": "40Gi"}
+    assert objects[0]["spec"]["sharedCounters"][0]["counters"]["memory"] == {"value": "80Gi"}
 
 
-def test_single_yaml_object_without_trailing_newline(upstream: Path) -> None:
-    assert names(list(iter_objects(upstream / DEVICE_CLASS))) == [
+def test_single_yaml_object_without_trailing_newline(tmp_path: Path) -> None:
+    text = DEVICE_CLASS.read_text().rstrip("\n")
+    assert names(list(iter_objects(write(tmp_path, "class.yaml", text)))) == [
         ("DeviceClass", "gpu.example.com")
     ]
 
 
-def test_single_json_object(upstream: Path, tmp_path: Path) -> None:
-    claim = yaml.safe_load((upstream / CLAIM).read_text())
-    claim["metadata"]["creationTimestamp"] = str(claim["metadata"]["creationTimestamp"])
+def test_single_json_object(tmp_path: Path) -> None:
+    claim = yaml.safe_load(CLAIM.read_text())
     path = write(tmp_path, "claim.json", json.dumps(claim))
 
     assert list(iter_objects(path)) == [claim]
 
 
-def test_yaml_documents_mixing_lists_and_objects(upstream: Path, tmp_path: Path) -> None:
+def test_yaml_documents_mixing_lists_and_objects(tmp_path: Path) -> None:
     text = (
-        (upstream / DEVICE_CLASS).read_text()
+        DEVICE_CLASS.read_text()
         + "\n---\n"
-        + (upstream / EXAMPLE_LIST).read_text()
+        + EXAMPLE_LIST.read_text()
         + "---\n"
-        + (upstream / COUNTER_SLICES).read_text()
+        + COUNTER_SLICES.read_text()
     )
     path = write(tmp_path, "mixed.yaml", text)
 
     assert [name for _, name in names(list(iter_objects(path)))] == [
         "gpu.example.com",
-        "dra-example-driver-cluster-worker-gpu.example.com-rf2f7",
-        "counter-slice",
-        "device-slice",
+        "kind-worker-gpu.example.com-k7x2q",
+        "node-p1-counters",
+        "node-p1-devices",
     ]
 
 
@@ -143,9 +139,9 @@ def test_typed_list_items_take_kind_and_api_version_from_the_list(tmp_path: Path
         ]
 
 
-def test_item_fields_win_over_a_plain_lists_fields(upstream: Path) -> None:
+def test_item_fields_win_over_a_plain_lists_fields() -> None:
     # A kubectl List is `apiVersion: v1`; its items keep their own apiVersion.
-    (item,) = iter_objects(upstream / EXAMPLE_LIST)
+    (item,) = iter_objects(EXAMPLE_LIST)
 
     assert item["apiVersion"] == "resource.k8s.io/v1"
 

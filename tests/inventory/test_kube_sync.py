@@ -12,22 +12,22 @@ import json
 import logging
 import os
 import signal
-import sqlite3
 import subprocess
 import sys
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
-from django.db import OperationalError
+from django.db import OperationalError, connection
 
+from db.embedded import postgres_url
 from inventory import kube, services
 from inventory.models import (
     Allocation,
@@ -41,6 +41,7 @@ from inventory.models import (
 )
 from tests.conftest import REPO
 from tests.fake_kube import FakeKube, RecordedRequest
+from tests.fixtures import DRA
 
 DRIVER = "gpu.nvidia.com"
 QUICK_BACKOFF = kube.Backoff(initial_seconds=0.01, maximum_seconds=0.05)
@@ -480,12 +481,11 @@ def test_command_once_imports_every_kind(fake: FakeKube, kubeconfig: Path) -> No
         assert sync_state(cluster, kind).resource_version == fake.resource_version
 
 
-def test_command_syncs_live_until_sigterm(fake: FakeKube, kubeconfig: Path, tmp_path: Path) -> None:
-    # A process of its own, as deployed: its own database file, a real signal to stop it.
-    database = tmp_path / "tally.sqlite3"
-    env = {**os.environ, "DATABASE_URL": f"sqlite:///{database}", "DEBUG": "true"}
+@pytest.mark.django_db(transaction=True)
+def test_command_syncs_live_until_sigterm(fake: FakeKube, kubeconfig: Path) -> None:
+    # A process of its own, as deployed, on the test database; a real signal to stop it.
+    env = {**os.environ, "DATABASE_URL": postgres_url(connection.settings_dict), "DEBUG": "true"}
     manage = [sys.executable, str(REPO / "manage.py")]
-    subprocess.run([*manage, "migrate", "-v0"], env=env, check=True, timeout=60)
     fake.add(resource_slice("node-a"))
     command = [
         *manage,
@@ -501,9 +501,7 @@ def test_command_syncs_live_until_sigterm(fake: FakeKube, kubeconfig: Path, tmp_
         applied = fake.add(resource_slice("node-b"))
 
         def stored_resource_version() -> str | None:
-            with closing(sqlite3.connect(database, timeout=1)) as db:
-                row = db.execute("SELECT resource_version FROM inventory_syncstate").fetchone()
-            return row[0] if row else None
+            return SyncState.objects.values_list("resource_version", flat=True).first()
 
         wait_until(lambda: stored_resource_version() == applied, "node-b's event applied")
         process.send_signal(signal.SIGTERM)
@@ -536,8 +534,8 @@ def test_command_rejects_an_unknown_context(kubeconfig: Path) -> None:
 
 
 @pytest.mark.django_db
-def test_command_imports_a_dump_file_as_a_snapshot_at_the_given_time(upstream: Path) -> None:
-    dump = upstream / "dra-example-driver" / "README.resourceslice-list.yaml"
+def test_command_imports_a_dump_file_as_a_snapshot_at_the_given_time() -> None:
+    dump = DRA / "example-driver-slices.yaml"
     out = io.StringIO()
 
     call_command(
@@ -551,8 +549,8 @@ def test_command_imports_a_dump_file_as_a_snapshot_at_the_given_time(upstream: P
 
 
 @pytest.mark.django_db
-def test_command_rejects_a_bad_at(upstream: Path) -> None:
-    dump = upstream / "dra-example-driver" / "README.resourceslice-list.yaml"
+def test_command_rejects_a_bad_at() -> None:
+    dump = DRA / "example-driver-slices.yaml"
     with pytest.raises(CommandError, match="--at"):
         call_command("sync_inventory", "--from-file", str(dump), "--at", "yesterday")
     assert not Cluster.objects.exists()

@@ -1,11 +1,16 @@
-"""Every upstream file that holds ResourceSlices, DeviceClasses or ResourceClaims, loaded.
+"""The upstream corpus: the drivers' and Kubernetes' own DRA files, loaded, admitted, selected.
 
-The files are read in place from `../shared/upstream/`; see its SOURCES.md for what each shows.
+The files are read in place from `../shared/upstream/` (see its SOURCES.md for what each
+shows), an extra corpus beside the repository that `.ci/run` requires: without it these tests
+are skipped, unless TALLY_UPSTREAM_TESTS=required, which makes them fail. Everything else
+tests against the project's own fixtures (`tests/fixtures/dra/`).
 """
 
 from __future__ import annotations
 
 import copy
+import json
+import os
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
@@ -13,16 +18,40 @@ from typing import Any
 
 import pytest
 import yaml
+from django.test import Client
 
 from inventory import dra, services
 from inventory.dumps import iter_objects
 from inventory.models import Allocation, Device, DeviceClass, Pool, ResourceClaim, ResourceSlice
+from quota.cel import CELError, compile_selector
+from quota.management.commands.review_claims import CLAIM_KINDS, OBJECT_FILES
+from quota.models import AdmissionDecision, QuotaRule, Reservation
+from tests.conftest import REPO
+from tests.fixtures import DRA
+from tests.quota.fixtures import make_team, post, review
+from tests.quota.test_admission import RULES, claim_to_admit
+from tests.quota.test_cel import Device as DeviceView
+from tests.quota.test_cel import matching, normalized, selector_expressions
+from tests.quota.test_review_claims import review_claims
 
 pytestmark = pytest.mark.django_db
+UPSTREAM = REPO.parent / "shared" / "upstream"
 REFERENCE_ATTRIBUTES = (
     "dra-driver-nvidia-gpu/site/content/docs/reference/resourceslice-attributes.devices.yaml"
 )
+EXAMPLE_SLICES = "dra-example-driver/README.resourceslice-list.yaml"
 AT = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
+
+
+@pytest.fixture(scope="session")
+def upstream() -> Path:
+    """`../shared/upstream`, or a skip (a failure with TALLY_UPSTREAM_TESTS=required)."""
+    if not UPSTREAM.is_dir():
+        reason = f"{UPSTREAM} is missing: the upstream corpus tests read the drivers' own files"
+        if os.environ.get("TALLY_UPSTREAM_TESTS") == "required":
+            pytest.fail(reason, pytrace=False)
+        pytest.skip(reason)
+    return UPSTREAM
 
 
 def load(path: Path, cluster: str = "up") -> services.SyncReport:
@@ -312,3 +341,236 @@ def test_every_upstream_dra_file_is_covered(upstream: Path) -> None:
         or "attributes" in path.read_text()
     }
     assert dra_files <= covered, sorted(dra_files - covered)
+
+
+# --- the webhook's decisions --------------------------------------------------------------
+
+# Every ResourceClaim and ResourceClaimTemplate upstream, with the decision for a team whose
+# rules are tests.quota.test_admission.RULES and which holds nothing yet (each sent as a dry
+# run, so each stands alone): "" admits, else a part of the denial's message.
+UPSTREAM_CLAIMS = {
+    ("dra-driver-nvidia-gpu/demo/specs/quickstart/v1/gpu-test1.yaml", "single-gpu"): "",
+    ("dra-driver-nvidia-gpu/demo/specs/quickstart/v1/gpu-test4.yaml", "mig-devices"): "",
+    ("dra-driver-nvidia-gpu/demo/specs/quickstart/v1beta1/gpu-test4.yaml", "mig-devices"): "",
+    ("dra-driver-nvidia-gpu/demo/specs/quickstart/v1/gpu-test6.yaml", "a100"): "",
+    ("dra-driver-nvidia-gpu/demo/specs/consumable-shares/memory-sharing.yaml", "gpu-4gi"): "",
+    ("dra-driver-nvidia-gpu/tests/bats/specs/gpu-simple-mig.yaml", "rct-mig1g"): "",
+    ("dra-driver-nvidia-gpu/tests/bats/specs/rc-shared-gpu.yaml", "rc-shared-gpu"): "",
+    (
+        "dra-driver-nvidia-gpu/demo/specs/fabric-manager-partitioning/resourceClaimTemplates.yaml",
+        "fm-partition-2gpu",
+    ): (
+        'quota rule "vfio" (enforce) would be exceeded: '
+        "0 GPUs in use, 2 GPUs requested, limit 1 GPU"
+    ),
+    ("dra-example-driver/demo/examples/cel-selector/cel-selector.yaml", "single-gpu-cel"): "",
+    ("dra-example-driver/demo/examples/admin-access/admin-access.yaml", "multiple-gpus-admin"): "",
+    (
+        "dra-example-driver/demo/examples/prioritized-alternatives/prioritized-alternatives.yaml",
+        "prioritized-gpu",
+    ): "",
+    (
+        "dra-example-driver/demo/examples/prioritized-alternatives/prioritized-alternatives.yaml",
+        "preferred-gpu",
+    ): "",
+    (
+        "kubernetes/test/e2e/dra/test-driver/deploy/example/pod-inline-multiple.yaml",
+        "pause-template",
+    ): "",
+    (
+        "website/content/en/examples/dra/resourceclaimtemplate.yaml",
+        "example-resource-claim-template",
+    ): "",
+    ("website/content/en/examples/dra/resourceclaim.yaml", "example-resource-claim"): (
+        "cannot read the claim: spec.devices.requests[0].exactly.selectors[0].cel: is missing"
+    ),
+    ("kubernetes-api/testdata/HEAD/resource.k8s.io.v1.ResourceClaim.yaml", "nameValue"): "",
+    ("kubernetes-api/testdata/HEAD/resource.k8s.io.v1beta1.ResourceClaim.yaml", "nameValue"): "",
+}
+
+
+@pytest.mark.usefixtures("fleet")
+@pytest.mark.parametrize(("relative", "name"), sorted(UPSTREAM_CLAIMS))
+def test_upstream_claims(client: Client, upstream: Path, relative: str, name: str) -> None:
+    make_team(RULES)
+    expected_denial = UPSTREAM_CLAIMS[(relative, name)]
+    claim = claim_to_admit(upstream / relative, name)
+    if claim["metadata"].get("namespace") == "namespaceValue":  # the API round-trip fixtures
+        claim["metadata"]["namespace"] = "research"
+    response = post(client, review(claim, dry_run=True, uid="uid-1"))
+    assert response.status_code == 200
+    decision = response.json()["response"]
+    assert decision["uid"] == "uid-1"
+    assert decision["allowed"] is (not expected_denial), decision
+    if expected_denial:
+        assert expected_denial in decision["status"]["message"]
+        assert decision["status"]["code"] == 403
+    assert Reservation.objects.count() == 0  # dry run
+
+
+def test_every_upstream_claim_is_in_the_list(upstream: Path) -> None:
+    """UPSTREAM_CLAIMS cannot go stale: a claim or template added upstream (or renamed, or
+    moved) fails here until it is listed with its expected decision."""
+    found = {
+        (path.relative_to(upstream).as_posix(), obj["metadata"]["name"])
+        for path in sorted(upstream.rglob("*"))
+        if path.suffix in OBJECT_FILES and path.is_file()
+        for obj in iter_objects(path)
+        if obj.get("kind") in CLAIM_KINDS
+    }
+    assert sorted(found - UPSTREAM_CLAIMS.keys()) == [], "upstream claims missing from the list"
+    assert sorted(UPSTREAM_CLAIMS.keys() - found) == [], "listed claims no longer upstream"
+
+
+@pytest.mark.usefixtures("fleet")
+def test_review_claims_gives_the_upstream_claims_the_webhooks_decisions(upstream: Path) -> None:
+    make_team(RULES)
+    lines, summary, errors = review_claims(str(upstream), "--namespace", "research")
+    decisions = {
+        (Path(line["file"]).relative_to(upstream).as_posix(), line["name"]): line for line in lines
+    }
+    assert decisions.keys() == UPSTREAM_CLAIMS.keys()
+    for key, expected_denial in UPSTREAM_CLAIMS.items():
+        line = decisions[key]
+        assert line["namespace"] == "research"
+        assert line["decision"] == ("DENIED" if expected_denial else "ALLOWED"), line
+        assert expected_denial in line["message"]
+    template_key = (
+        "website/content/en/examples/dra/resourceclaimtemplate.yaml",
+        "example-resource-claim-template",
+    )
+    claim_key = ("website/content/en/examples/dra/resourceclaim.yaml", "example-resource-claim")
+    assert decisions[template_key]["template"] and not decisions[claim_key]["template"]
+    denied = sum(bool(denial) for denial in UPSTREAM_CLAIMS.values())
+    assert summary == (
+        f"{len(UPSTREAM_CLAIMS)} claims: {len(UPSTREAM_CLAIMS) - denied} allowed, "
+        f"{denied} denied (dry run, nothing reserved)"
+    )
+    assert errors == ""
+    assert not Reservation.objects.exists() and not AdmissionDecision.objects.exists()
+    assert not QuotaRule.objects.exclude(in_use=0).exists()
+
+
+@pytest.mark.usefixtures("fleet")
+def test_the_api_round_trip_admission_review_is_answered(client: Client, upstream: Path) -> None:
+    path = upstream / "kubernetes-api/testdata/HEAD/admission.k8s.io.v1.AdmissionReview.json"
+    fixture = json.loads(path.read_text())
+    response = post(client, fixture)
+    assert response.status_code == 200
+    assert response.json()["response"]["uid"] == fixture["request"]["uid"]
+
+
+# --- CEL selectors -------------------------------------------------------------------------
+
+API_FIXTURES = "kubernetes-api/testdata"
+
+
+def _upstream_expressions(upstream: Path, *, api_fixtures: bool) -> set[str]:
+    found: set[str] = set()
+    for path in sorted(upstream.rglob("*.yaml")):
+        if path.relative_to(upstream).as_posix().startswith(API_FIXTURES) != api_fixtures:
+            continue
+        for document in yaml.safe_load_all(path.read_text()):
+            found.update(selector_expressions(document))
+    return found
+
+
+@pytest.fixture
+def upstream_devices(upstream: Path) -> dict[str, DeviceView]:
+    """The NVIDIA reference entries and variants of them, the example driver's GPUs, and the
+    GPUs the website's examples assume."""
+    gpu, mig, vfio = yaml.safe_load((upstream / REFERENCE_ATTRIBUTES).read_text())
+    nvidia = "gpu.nvidia.com"
+    found: dict[str, DeviceView] = {
+        "nvidia-gpu": (nvidia, gpu["attributes"], gpu["capacity"]),
+        "nvidia-mig-1g.5gb": (nvidia, mig["attributes"], mig["capacity"]),
+        "nvidia-vfio": (nvidia, vfio["attributes"], vfio["capacity"]),
+    }
+    # The same A100 as published by driver releases up to v25.3, which still had `index`.
+    for index in (0, 1):
+        attributes = {**gpu["attributes"], "index": {"int": index}}
+        found[f"nvidia-gpu-index-{index}"] = (nvidia, attributes, gpu["capacity"])
+    # A bigger MIG slice of the same GPU: 3g.20gb has 42 SMs and 19968Mi usable memory.
+    big = copy.deepcopy(mig)
+    big["attributes"]["profile"] = {"string": "3g.20gb"}
+    big["capacity"].update({"memory": {"value": "19968Mi"}, "multiprocessors": {"value": "42"}})
+    found["nvidia-mig-3g.20gb"] = (nvidia, big["attributes"], big["capacity"])
+    (example_slice,) = yaml.safe_load((upstream / EXAMPLE_SLICES).read_text())["items"]
+    for entry in example_slice["spec"]["devices"]:
+        found[f"example-{entry['name']}"] = (
+            example_slice["spec"]["driver"],
+            entry["attributes"],
+            entry["capacity"],
+        )
+    # The website's example device class assumes a driver.example.com GPU with 64Gi.
+    website = {"type": {"string": "gpu"}}
+    found["website-64Gi"] = ("driver.example.com", website, {"memory": {"value": "64Gi"}})
+    found["website-65536Mi"] = ("driver.example.com", website, {"memory": {"value": "65536Mi"}})
+    found["website-80Gi"] = ("driver.example.com", website, {"memory": {"value": "80Gi"}})
+    return found
+
+
+EXAMPLE_GPUS = {f"example-gpu-{i}" for i in range(8)}
+# Expected result per upstream selector (whitespace-normalized); devices not listed: no match.
+EXPECTED_MATCHES: dict[str, set[str]] = {
+    "device.attributes['gpu.example.com'].model == 'BLEEDING-EDGE-GPU'": set(),
+    "device.capacity['gpu.example.com'].memory.compareTo(quantity('1Ti')) >= 0": set(),
+    "device.attributes['gpu.example.com'].model == 'LATEST-GPU-MODEL'": EXAMPLE_GPUS,
+    "device.capacity['gpu.example.com'].memory.compareTo(quantity('4Gi')) >= 0": EXAMPLE_GPUS,
+    "device.attributes['gpu.nvidia.com'].profile == '1g.5gb'": {"nvidia-mig-1g.5gb"},
+    "device.attributes['gpu.nvidia.com'].profile == '2g.10gb'": set(),
+    "device.attributes['gpu.nvidia.com'].profile == '3g.20gb'": {"nvidia-mig-3g.20gb"},
+    (
+        "device.attributes['gpu.nvidia.com'].productName.lowerAscii().matches('^.*a100.*$') && "
+        "(device.attributes['gpu.nvidia.com'].index == 0 || "
+        "device.attributes['gpu.nvidia.com'].index == 2 || "
+        "device.attributes['gpu.nvidia.com'].index == 4 || "
+        "device.attributes['gpu.nvidia.com'].index == 6)"
+    ): {"nvidia-gpu-index-0"},
+    (
+        "device.capacity['gpu.nvidia.com'].multiprocessors.isGreaterThan(quantity(\"10\")) && "
+        "device.capacity['gpu.nvidia.com'].memory.isGreaterThan(quantity(\"10Gi\"))"
+    ): {"nvidia-mig-3g.20gb"},
+    "device.driver == 'gpu.example.com'": EXAMPLE_GPUS,
+    (
+        'device.attributes["driver.example.com"].type == "gpu" && '
+        'device.capacity["driver.example.com"].memory == quantity("64Gi")'
+    ): {"website-64Gi", "website-65536Mi"},
+}
+
+
+def test_every_upstream_selector_has_an_expectation(upstream: Path) -> None:
+    found = {normalized(e) for e in _upstream_expressions(upstream, api_fixtures=False)}
+    assert found == set(EXPECTED_MATCHES)
+
+
+def test_upstream_selectors_match_the_expected_devices(
+    upstream: Path, upstream_devices: dict[str, DeviceView]
+) -> None:
+    for expression in _upstream_expressions(upstream, api_fixtures=False):
+        expected = EXPECTED_MATCHES[normalized(expression)]
+        assert matching(expression, upstream_devices) == expected, expression
+
+
+def test_the_nvidia_fixtures_publish_what_the_drivers_reference_lists(upstream: Path) -> None:
+    """Each attribute and capacity of the project's NVIDIA fixture devices is one the driver's
+    reference page lists for that device type, with the same value type."""
+    reference = {
+        entry["attributes"]["type"]["string"]: entry
+        for entry in yaml.safe_load((upstream / REFERENCE_ATTRIBUTES).read_text())
+    }
+    for resource_slice in iter_objects(DRA / "nvidia-slices.yaml"):
+        for device in resource_slice["spec"]["devices"]:
+            listed = reference[device["attributes"]["type"]["string"]]
+            for name, value in device["attributes"].items():
+                assert listed["attributes"].get(name, {}).keys() == value.keys(), (device, name)
+            # The driver adds one `memorySliceN` per memory slice a MIG device holds; the page
+            # does not list them.
+            capacities = {name for name in device["capacity"] if not name.startswith("memorySlice")}
+            assert capacities <= listed["capacity"].keys(), device["name"]
+
+
+def test_api_fixture_placeholder_is_not_a_valid_selector(upstream: Path) -> None:
+    (placeholder,) = _upstream_expressions(upstream, api_fixtures=True)
+    with pytest.raises(CELError, match="undeclared reference 'expressionValue'"):
+        compile_selector(placeholder)

@@ -15,16 +15,8 @@ from django.contrib.auth import get_user_model
 from django.utils import timezone
 
 from inventory.models import DeviceClass
-from quota.models import (
-    Membership,
-    Mode,
-    QuotaRule,
-    Reservation,
-    Role,
-    Team,
-    TeamNamespace,
-    Unit,
-)
+from quota.models import Mode, QuotaRule, Reservation, Unit
+from teams.models import Membership, Role, Team, TeamNamespace
 from tests.factories import GPU_DRIVER, ClusterFactory
 
 

@@ -15,12 +15,11 @@ from django.test import Client
 
 from inventory import services as inventory_services
 from inventory.dumps import iter_objects
-from quota.models import QuotaRule, Team, TeamNamespace
-from quota.selectors import forget_fleet_shapes
+from quota.admission.shapes import forget_fleet_shapes
+from quota.models import QuotaRule
+from teams.models import Team, TeamNamespace
+from tests.fixtures import DRA
 
-NVIDIA_TYPE = (
-    "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == '{}'"
-)
 AT = datetime(2026, 11, 30, 12, 0, tzinfo=UTC)
 NAMESPACES = [
     "gpu-test1",
@@ -33,15 +32,6 @@ NAMESPACES = [
     "default",
     "research",
 ]
-
-
-def device_class(name: str, expression: str) -> dict[str, Any]:
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "DeviceClass",
-        "metadata": {"name": name},
-        "spec": {"selectors": [{"cel": {"expression": expression}}]},
-    }
 
 
 def nvidia_gpu(index: int, node: str, product: str, memory: str, **extra: Any) -> dict[str, Any]:
@@ -87,14 +77,12 @@ def nvidia_slice(node: str, devices: list[dict[str, Any]], driver: str = "gpu.nv
     }
 
 
-def fleet_objects(upstream: Path) -> list[dict[str, Any]]:
+def fleet_objects() -> list[dict[str, Any]]:
     """H100s (shareable), A100s, one A100 split into MIG devices, and the example driver."""
-    example = list(iter_objects(upstream / "dra-example-driver/README.resourceslice-list.yaml"))
+    example = list(iter_objects(DRA / "example-driver-slices.yaml"))
     classes = [
-        device_class("gpu.nvidia.com", NVIDIA_TYPE.format("gpu")),
-        device_class("mig.nvidia.com", NVIDIA_TYPE.format("mig")),
-        device_class("vfio.gpu.nvidia.com", NVIDIA_TYPE.format("vfio")),
-        *iter_objects(upstream / "website/content/en/examples/dra/driver-install/deviceclass.yaml"),
+        *iter_objects(DRA / "deviceclasses-nvidia.yaml"),
+        *iter_objects(DRA / "deviceclass-example.yaml"),
     ]
     h100 = [
         nvidia_gpu(i, "h100-a", "NVIDIA H100 80GB HBM3", "80Gi", allowMultipleAllocations=True)
@@ -117,11 +105,11 @@ def fleet_objects(upstream: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture
-def fleet(upstream: Path) -> None:
+def fleet() -> None:
     """The objects of `fleet_objects`, imported."""
     forget_fleet_shapes()
     report = inventory_services.import_snapshot(
-        cluster=inventory_services.get_cluster("default"), objects=fleet_objects(upstream), at=AT
+        cluster=inventory_services.get_cluster("default"), objects=fleet_objects(), at=AT
     )
     assert report.errors == []
 

@@ -9,6 +9,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import jsonpatch
 import pytest
 from django.test import Client
 from hypothesis import HealthCheck, given
@@ -16,10 +17,10 @@ from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
 from inventory.dumps import iter_objects
-from quota.admission import REMOVED_ANNOTATION, BadReview, parse_review
-from quota.jsonpatch import apply_patch
+from quota.admission.views import REMOVED_ANNOTATION, BadReview, parse_review
 from quota.management.commands.review_claims import CLAIM_KINDS, OBJECT_FILES
 from quota.models import AdmissionDecision, QuotaRule, Reservation, ReservationLine
+from tests.fixtures import CLAIMS, DRA
 from tests.quota.fixtures import (
     claim,
     decide,
@@ -47,55 +48,45 @@ RULES = [
     {"name": "vfio", "device_class": "vfio.gpu.nvidia.com", "limit": 1},
 ]
 
-# Every ResourceClaim and ResourceClaimTemplate upstream, with the decision for a team whose
-# rules are RULES and which holds nothing yet (each sent as a dry run, so each stands alone).
-UPSTREAM = {
-    ("dra-driver-nvidia-gpu/demo/specs/quickstart/v1/gpu-test1.yaml", "single-gpu"): "",
-    ("dra-driver-nvidia-gpu/demo/specs/quickstart/v1/gpu-test4.yaml", "mig-devices"): "",
-    ("dra-driver-nvidia-gpu/demo/specs/quickstart/v1beta1/gpu-test4.yaml", "mig-devices"): "",
-    ("dra-driver-nvidia-gpu/demo/specs/quickstart/v1/gpu-test6.yaml", "a100"): "",
-    ("dra-driver-nvidia-gpu/demo/specs/consumable-shares/memory-sharing.yaml", "gpu-4gi"): "",
-    ("dra-driver-nvidia-gpu/tests/bats/specs/gpu-simple-mig.yaml", "rct-mig1g"): "",
-    ("dra-driver-nvidia-gpu/tests/bats/specs/rc-shared-gpu.yaml", "rc-shared-gpu"): "",
-    (
-        "dra-driver-nvidia-gpu/demo/specs/fabric-manager-partitioning/resourceClaimTemplates.yaml",
-        "fm-partition-2gpu",
-    ): (
+# Every ResourceClaim and ResourceClaimTemplate of the project's fixtures (file under
+# tests/fixtures/dra/claims, name) with the decision for a team whose rules are RULES and which
+# holds nothing yet: a denial (part of its message), or what admitting it reserves on each rule.
+FIXTURE_CLAIMS: dict[tuple[str, str], str | dict[str, str]] = {
+    ("one-gpu.yaml", "single-gpu"): {"all-gpus": "1", "h100": "1"},  # could get an H100
+    ("one-gpu.yaml", "one-gpu-per-pod"): {"all-gpus": "1", "h100": "1"},
+    ("allocated.yaml", "trainer-0-gpu-4xk9w"): {"all-gpus": "1", "h100": "1"},
+    ("a100-time-sliced.yaml", "a100-time-sliced"): {"all-gpus": "1"},  # never an H100
+    ("first-available-v1beta1.yaml", "h100-else-a100"): {"all-gpus": "1", "h100": "1"},
+    # 8Gi of an 80Gi H100 counts 0.1; an A100 cannot be shared, so all-gpus counts it whole.
+    ("memory-share.yaml", "gpu-8gi"): {"all-gpus": "1", "h100": "0.1"},
+    ("mig.yaml", "mig-pair"): {"mig": "0.428571"},  # 1/7 + 2/7 of an A100
+    ("mig.yaml", "mig-pair-v1beta1"): {"mig": "0.428571"},
+    ("mig.yaml", "mig-at-least-28-sms"): {"mig": "0.428571"},  # a 2g or a 3g: the most, 3/7
+    ("example-driver.yaml", "two-selectors"): {"example": "1"},
+    ("example-driver.yaml", "admin-all-gpus"): {},  # admin access holds nothing
+    ("example-driver.yaml", "fallback-gpu"): {"example": "1"},
+    ("example-driver.yaml", "preferred-gpu"): {"example": "1"},
+    ("whole-node.yaml", "all-h100-on-a-node"): (  # the H100 node has 4
+        'quota rule "all-gpus" (enforce) would be exceeded: '
+        "0 GPUs in use, 4 GPUs requested, limit 2 GPUs"
+    ),
+    ("vfio-pair.yaml", "vm-two-gpus"): (
         'quota rule "vfio" (enforce) would be exceeded: '
         "0 GPUs in use, 2 GPUs requested, limit 1 GPU"
     ),
-    ("dra-example-driver/demo/examples/cel-selector/cel-selector.yaml", "single-gpu-cel"): "",
-    ("dra-example-driver/demo/examples/admin-access/admin-access.yaml", "multiple-gpus-admin"): "",
-    (
-        "dra-example-driver/demo/examples/prioritized-alternatives/prioritized-alternatives.yaml",
-        "prioritized-gpu",
-    ): "",
-    (
-        "dra-example-driver/demo/examples/prioritized-alternatives/prioritized-alternatives.yaml",
-        "preferred-gpu",
-    ): "",
-    (
-        "kubernetes/test/e2e/dra/test-driver/deploy/example/pod-inline-multiple.yaml",
-        "pause-template",
-    ): "",
-    (
-        "website/content/en/examples/dra/resourceclaimtemplate.yaml",
-        "example-resource-claim-template",
-    ): "",
-    ("website/content/en/examples/dra/resourceclaim.yaml", "example-resource-claim"): (
+    ("malformed-selector.yaml", "misindented-selector"): (
         "cannot read the claim: spec.devices.requests[0].exactly.selectors[0].cel: is missing"
     ),
-    ("kubernetes-api/testdata/HEAD/resource.k8s.io.v1.ResourceClaim.yaml", "nameValue"): "",
-    ("kubernetes-api/testdata/HEAD/resource.k8s.io.v1beta1.ResourceClaim.yaml", "nameValue"): "",
 }
 
 
-def upstream_claim(upstream: Path, relative: str, name: str) -> dict[str, Any]:
-    for obj in load_yaml_objects(upstream / relative):
+def claim_to_admit(path: Path, name: str) -> dict[str, Any]:
+    """The ResourceClaim `name` in `path`; for a template, the claim the resource-claim
+    controller makes from it for a Pod."""
+    for obj in load_yaml_objects(path):
         if obj["metadata"]["name"] != name:
             continue
         if obj["kind"] == "ResourceClaimTemplate":
-            # What the resource-claim controller creates from the template for a Pod.
             return {
                 "apiVersion": obj["apiVersion"],
                 "kind": "ResourceClaim",
@@ -114,43 +105,42 @@ def upstream_claim(upstream: Path, relative: str, name: str) -> dict[str, Any]:
                 },
                 "spec": obj["spec"]["spec"],
             }
-        if obj["metadata"].get("namespace") == "namespaceValue":
-            obj["metadata"]["namespace"] = "research"
         return obj
-    raise AssertionError(f"{name} not in {relative}")
+    raise AssertionError(f"{name} not in {path}")
 
 
-@pytest.mark.parametrize(("relative", "name"), sorted(UPSTREAM))
-def test_upstream_claims(client: Client, upstream: Path, relative: str, name: str) -> None:
+@pytest.mark.parametrize(("file", "name"), sorted(FIXTURE_CLAIMS))
+def test_fixture_claims(client: Client, file: str, name: str) -> None:
     make_team(RULES)
-    expected_denial = UPSTREAM[(relative, name)]
-    body = review(upstream_claim(upstream, relative, name), dry_run=True, uid="uid-1")
+    expected = FIXTURE_CLAIMS[(file, name)]
+    body = review(claim_to_admit(CLAIMS / file, name), uid="uid-1")
     response = post(client, body)
     assert response.status_code == 200
     answer = response.json()
     assert answer["apiVersion"] == "admission.k8s.io/v1" and answer["kind"] == "AdmissionReview"
     decision = answer["response"]
     assert decision["uid"] == "uid-1"
-    assert decision["allowed"] is (not expected_denial), decision
-    if expected_denial:
-        assert expected_denial in decision["status"]["message"]
+    assert decision["allowed"] is not isinstance(expected, str), decision
+    if isinstance(expected, str):
+        assert expected in decision["status"]["message"]
         assert decision["status"]["code"] == 403
-    assert Reservation.objects.count() == 0  # dry run
+        expected = {}
+    reserved = {rule.name: rule.in_use for rule in QuotaRule.objects.exclude(in_use=0)}
+    assert reserved == {rule: Decimal(amount) for rule, amount in expected.items()}
 
 
-def test_every_upstream_claim_is_in_the_list(upstream: Path) -> None:
-    """UPSTREAM cannot go stale: a claim or template added upstream (or renamed, or moved)
+def test_every_fixture_claim_is_in_the_list() -> None:
+    """FIXTURE_CLAIMS cannot go stale: a claim or template added to the fixtures (or renamed)
     fails here until it is listed with its expected decision."""
     found = {
-        (path.relative_to(upstream).as_posix(), obj["metadata"]["name"])
-        for path in sorted(upstream.rglob("*"))
+        (path.relative_to(CLAIMS).as_posix(), obj["metadata"]["name"])
+        for path in sorted(CLAIMS.rglob("*"))
         if path.suffix in OBJECT_FILES and path.is_file()
         for obj in iter_objects(path)
         if obj.get("kind") in CLAIM_KINDS
     }
-    assert len(found) >= len(UPSTREAM) // 2, f"the walk found too little: {sorted(found)}"
-    assert sorted(found - UPSTREAM.keys()) == [], "upstream claims missing from UPSTREAM"
-    assert sorted(UPSTREAM.keys() - found) == [], "UPSTREAM entries no longer upstream"
+    assert sorted(found - FIXTURE_CLAIMS.keys()) == [], "fixture claims missing from the list"
+    assert sorted(FIXTURE_CLAIMS.keys() - found) == [], "listed claims no longer in the fixtures"
 
 
 def test_denial_names_team_rule_usage_request_and_limit(client: Client) -> None:
@@ -451,15 +441,20 @@ def test_other_operations_pass(client: Client) -> None:
     assert client.get("/admission/resourceclaims").status_code == 405
 
 
-def test_upstream_admission_review_fixture_is_answered(client: Client, upstream: Path) -> None:
-    fixture = json.loads(
-        (
-            upstream / "kubernetes-api/testdata/HEAD/admission.k8s.io.v1.AdmissionReview.json"
-        ).read_text()
-    )
+def test_the_api_servers_admission_review_is_answered(client: Client) -> None:
+    """A review with every field the API server sends (options, requestKind, a user's groups)."""
+    make_team(RULES)
+    fixture = json.loads((DRA / "admission-review.json").read_text())
     response = post(client, fixture)
     assert response.status_code == 200
-    assert response.json()["response"]["uid"] == fixture["request"]["uid"]
+    decision = response.json()["response"]
+    assert decision["uid"] == fixture["request"]["uid"]
+    assert decision["allowed"] is True
+    reservation = Reservation.objects.get()
+    assert (reservation.namespace, reservation.name) == ("research", "a100-notebook")
+    assert reservation.username == "alice@example.com"
+    assert QuotaRule.objects.get(name="all-gpus").in_use == 1  # an A100: not the h100 rule
+    assert QuotaRule.objects.get(name="h100").in_use == 0
 
 
 JSON_VALUES = st.recursive(
@@ -591,7 +586,7 @@ def test_mutations_of_any_shape_are_well_formed_and_their_patches_apply(client: 
         assert decision["allowed"] is True
         assert decision["patchType"] == "JSONPatch"
         patch = json.loads(base64.b64decode(decision["patch"], validate=True))
-        mutated = apply_patch(original["request"]["object"], patch)
+        mutated = jsonpatch.apply_patch(original["request"]["object"], patch)
         removed = json.loads(mutated["metadata"]["annotations"][REMOVED_ANNOTATION])
         assert removed and all(removed.values()), removed
         for request in mutated["spec"]["devices"]["requests"]:

@@ -10,8 +10,9 @@ from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
-from billing.models import Budget, UsageHour
-from quota.models import Team, TeamNamespace
+from billing.models import UsageHour
+from quota.models import Budget
+from teams.models import Team, TeamNamespace
 from tests.quota.fixtures import claim, decide, gpu_request, make_team
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("fleet")]

@@ -1,35 +1,24 @@
-"""The CEL selector evaluator against the selectors and devices that upstream DRA publishes."""
+"""The CEL selector evaluator against the selectors and devices of the DRA drivers' fixtures."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from quota.cel import (
-    CELError,
-    CompiledSelector,
-    DeviceShape,
-    compile_selector,
-    match_devices,
-    referenced_names,
-    shape_key,
-)
+from inventory.dumps import iter_objects
+from quota.cel import CELError, DeviceShape, compile_selector
+from tests.fixtures import DRA
 
-NVIDIA_DEVICES = (
-    "dra-driver-nvidia-gpu/site/content/docs/reference/resourceslice-attributes.devices.yaml"
-)
-EXAMPLE_SLICES = "dra-example-driver/README.resourceslice-list.yaml"
-API_FIXTURES = "kubernetes-api/testdata"
+WHOLE_GPU = "nvidia-gpu-1"  # an A100-PCIE-40GB
+MIG_1G = "nvidia-gpu-0-mig-1g5gb-19-2"
 
 Device = tuple[str, dict[str, Any], dict[str, Any]]
 
 
-def _selector_expressions(node: Any) -> Iterator[str]:
+def selector_expressions(node: Any) -> Iterator[str]:
     """Every `selectors[]` expression, including the website's mis-indented sibling of `cel:`."""
     if isinstance(node, dict):
         for key, value in node.items():
@@ -40,115 +29,104 @@ def _selector_expressions(node: Any) -> Iterator[str]:
                     if expression:
                         yield expression
             else:
-                yield from _selector_expressions(value)
+                yield from selector_expressions(value)
     elif isinstance(node, list):
         for item in node:
-            yield from _selector_expressions(item)
+            yield from selector_expressions(item)
 
 
-def _upstream_expressions(upstream: Path, *, fixtures: bool) -> set[str]:
+def _fixture_expressions() -> set[str]:
     found: set[str] = set()
-    for path in sorted(upstream.rglob("*.yaml")):
-        if path.relative_to(upstream).as_posix().startswith(API_FIXTURES) != fixtures:
-            continue
+    for path in sorted(DRA.rglob("*.yaml")):
         for document in yaml.safe_load_all(path.read_text()):
-            found.update(_selector_expressions(document))
+            found.update(selector_expressions(document))
     return found
 
 
-def _normalized(expression: str) -> str:
+def normalized(expression: str) -> str:
     return " ".join(expression.split())
 
 
 @pytest.fixture
-def devices(upstream: Path) -> dict[str, Device]:
-    """Realistic devices by name: the NVIDIA reference entries, derived variants, example GPUs."""
-    gpu, mig, vfio = yaml.safe_load((upstream / NVIDIA_DEVICES).read_text())
-    nvidia = "gpu.nvidia.com"
-    found: dict[str, Device] = {
-        "nvidia-gpu": (nvidia, gpu["attributes"], gpu["capacity"]),
-        "nvidia-mig-1g.5gb": (nvidia, mig["attributes"], mig["capacity"]),
-        "nvidia-vfio": (nvidia, vfio["attributes"], vfio["capacity"]),
-    }
-    # The same A100 as published by driver releases up to v25.3, which still had `index`.
-    for index in (0, 1):
-        attributes = {**gpu["attributes"], "index": {"int": index}}
-        found[f"nvidia-gpu-index-{index}"] = (nvidia, attributes, gpu["capacity"])
-    # A bigger MIG slice of the same GPU: 3g.20gb has 42 SMs and 19968Mi usable memory.
-    big = copy.deepcopy(mig)
-    big["attributes"]["profile"] = {"string": "3g.20gb"}
-    big["capacity"].update({"memory": {"value": "19968Mi"}, "multiprocessors": {"value": "42"}})
-    found["nvidia-mig-3g.20gb"] = (nvidia, big["attributes"], big["capacity"])
-
-    (example_slice,) = yaml.safe_load((upstream / EXAMPLE_SLICES).read_text())["items"]
-    for entry in example_slice["spec"]["devices"]:
-        found[f"example-{entry['name']}"] = (
-            example_slice["spec"]["driver"],
-            entry["attributes"],
-            entry["capacity"],
-        )
-    # The website's example device class assumes a driver.example.com GPU with 64Gi.
-    website = {"type": {"string": "gpu"}}
-    found["website-64Gi"] = ("driver.example.com", website, {"memory": {"value": "64Gi"}})
-    found["website-65536Mi"] = ("driver.example.com", website, {"memory": {"value": "65536Mi"}})
-    found["website-80Gi"] = ("driver.example.com", website, {"memory": {"value": "80Gi"}})
+def devices() -> dict[str, Device]:
+    """Every device of the driver fixtures by driver and name: `nvidia-gpu-1`, `example-gpu-0`."""
+    found: dict[str, Device] = {}
+    files = {"nvidia": "nvidia-slices.yaml", "example": "example-driver-slices.yaml"}
+    for prefix, file in files.items():
+        for resource_slice in iter_objects(DRA / file):
+            for entry in resource_slice["spec"]["devices"]:
+                found[f"{prefix}-{entry['name']}"] = (
+                    resource_slice["spec"]["driver"],
+                    entry["attributes"],
+                    entry["capacity"],
+                )
     return found
 
 
-# Expected result per upstream selector (whitespace-normalized); devices not listed: no match.
+MIGS = {
+    "nvidia-gpu-0-mig-1g5gb-19-2",
+    "nvidia-gpu-0-mig-1g5gb-19-3",
+    "nvidia-gpu-0-mig-2g10gb-14-0",
+    "nvidia-gpu-0-mig-3g20gb-9-4",
+}
+EXAMPLE_GPUS = {f"example-gpu-{i}" for i in range(8)}
+H100_VFIO = {"nvidia-gpu-vfio-0", "nvidia-gpu-vfio-1"}
+# Expected result per fixture selector (whitespace-normalized); devices not listed: no match.
 EXPECTED_MATCHES: dict[str, set[str]] = {
-    "device.attributes['gpu.example.com'].model == 'BLEEDING-EDGE-GPU'": set(),
-    "device.capacity['gpu.example.com'].memory.compareTo(quantity('1Ti')) >= 0": set(),
-    "device.attributes['gpu.example.com'].model == 'LATEST-GPU-MODEL'": {
-        f"example-gpu-{i}" for i in range(8)
+    # The DeviceClasses: the NVIDIA ones by `type`, the example driver's by driver.
+    "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'": {
+        WHOLE_GPU
     },
-    "device.capacity['gpu.example.com'].memory.compareTo(quantity('4Gi')) >= 0": {
-        f"example-gpu-{i}" for i in range(8)
+    "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'mig'": MIGS,
+    "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'vfio'": (
+        H100_VFIO
+    ),
+    "device.driver == 'gpu.example.com'": EXAMPLE_GPUS,
+    "device.attributes['gpu.nvidia.com'].profile == '1g.5gb'": {
+        "nvidia-gpu-0-mig-1g5gb-19-2",
+        "nvidia-gpu-0-mig-1g5gb-19-3",
     },
-    "device.attributes['gpu.nvidia.com'].profile == '1g.5gb'": {"nvidia-mig-1g.5gb"},
-    "device.attributes['gpu.nvidia.com'].profile == '2g.10gb'": set(),
-    "device.attributes['gpu.nvidia.com'].profile == '3g.20gb'": {"nvidia-mig-3g.20gb"},
+    "device.attributes['gpu.nvidia.com'].profile == '2g.10gb'": {"nvidia-gpu-0-mig-2g10gb-14-0"},
+    # 28 SMs and 9856Mi, 42 SMs and 19968Mi; a whole GPU publishes no `multiprocessors`.
     (
-        "device.attributes['gpu.nvidia.com'].productName.lowerAscii().matches('^.*a100.*$') && "
-        "(device.attributes['gpu.nvidia.com'].index == 0 || "
-        "device.attributes['gpu.nvidia.com'].index == 2 || "
-        "device.attributes['gpu.nvidia.com'].index == 4 || "
-        "device.attributes['gpu.nvidia.com'].index == 6)"
-    ): {"nvidia-gpu-index-0"},
-    (
-        "device.capacity['gpu.nvidia.com'].multiprocessors.isGreaterThan(quantity(\"10\")) && "
-        "device.capacity['gpu.nvidia.com'].memory.isGreaterThan(quantity(\"10Gi\"))"
-    ): {"nvidia-mig-3g.20gb"},
-    "device.driver == 'gpu.example.com'": {f"example-gpu-{i}" for i in range(8)},
-    (
-        'device.attributes["driver.example.com"].type == "gpu" && '
-        'device.capacity["driver.example.com"].memory == quantity("64Gi")'
-    ): {"website-64Gi", "website-65536Mi"},
+        "device.capacity['gpu.nvidia.com'].multiprocessors.compareTo(quantity(\"28\")) >= 0 && "
+        "device.capacity['gpu.nvidia.com'].memory.isGreaterThan(quantity(\"9Gi\"))"
+    ): {"nvidia-gpu-0-mig-2g10gb-14-0", "nvidia-gpu-0-mig-3g20gb-9-4"},
+    # MIG devices carry their parent's productName: only the class keeps them apart.
+    "device.attributes['gpu.nvidia.com'].productName.lowerAscii().contains('a100')": {
+        WHOLE_GPU,
+        *MIGS,
+    },
+    "device.attributes['gpu.nvidia.com'].productName == 'NVIDIA A100-PCIE-40GB'": {
+        WHOLE_GPU,
+        *MIGS,
+    },
+    "device.attributes['gpu.nvidia.com'].productName.startsWith('NVIDIA H100')": H100_VFIO,
+    "device.attributes['gpu.example.com'].model == 'LATEST-GPU-MODEL'": EXAMPLE_GPUS,
+    "device.capacity['gpu.example.com'].memory.compareTo(quantity('40Gi')) >= 0": EXAMPLE_GPUS,
+    "device.attributes['gpu.example.com'].model == 'NEXT-GPU-MODEL'": set(),
+    "device.capacity['gpu.example.com'].memory.compareTo(quantity('2Ti')) >= 0": set(),
 }
 
 
-def test_every_upstream_selector_has_an_expectation(upstream: Path) -> None:
-    found = {_normalized(e) for e in _upstream_expressions(upstream, fixtures=False)}
-    assert found == set(EXPECTED_MATCHES)
+def test_every_fixture_selector_has_an_expectation() -> None:
+    assert {normalized(e) for e in _fixture_expressions()} == set(EXPECTED_MATCHES)
 
 
-def test_upstream_selectors_match_the_expected_devices(
-    upstream: Path, devices: dict[str, Device]
-) -> None:
-    for expression in _upstream_expressions(upstream, fixtures=False):
-        selector = compile_selector(expression)
-        matched = set()
-        for name, (driver, attributes, capacity) in devices.items():
-            view = DeviceShape.from_device(driver=driver, attributes=attributes, capacity=capacity)
-            if selector.matches(view):
-                matched.add(name)
-        assert matched == EXPECTED_MATCHES[_normalized(expression)], expression
+def test_fixture_selectors_match_the_expected_devices(devices: dict[str, Device]) -> None:
+    for expression in _fixture_expressions():
+        assert matching(expression, devices) == EXPECTED_MATCHES[normalized(expression)], expression
 
 
-def test_api_fixture_placeholder_is_not_a_valid_selector(upstream: Path) -> None:
-    (placeholder,) = _upstream_expressions(upstream, fixtures=True)
-    with pytest.raises(CELError, match="undeclared reference 'expressionValue'"):
-        compile_selector(placeholder)
+def matching(expression: str, devices: dict[str, Device]) -> set[str]:
+    """The names of the devices `expression` selects."""
+    selector = compile_selector(expression)
+    matched = set()
+    for name, (driver, attributes, capacity) in devices.items():
+        view = DeviceShape.from_device(driver=driver, attributes=attributes, capacity=capacity)
+        if selector.matches(view):
+            matched.add(name)
+    return matched
 
 
 def _evaluate(expression: str, device: Device) -> tuple[bool, str | None]:
@@ -174,10 +152,10 @@ def _is_true(expression: str, device: Device) -> bool:
         "device.attributes['gpu.nvidia.com'].productName.upperAscii() == 'NVIDIA A100-PCIE-40GB'",
         "device.attributes['gpu.nvidia.com'].architecture.lowerAscii() == 'ampere'",
         "device.attributes['resource.kubernetes.io'].pciBusID.matches('^0000:[0-9a-f]{2}:00\\\\.0$')",
-        "device.attributes['resource.kubernetes.io']['pcieRoot'] == 'pci0000:64'",
+        "device.attributes['resource.kubernetes.io']['pcieRoot'] == 'pci0000:ae'",
         "device.attributes['gpu.nvidia.com'].driverVersion.isGreaterThan(semver('550.54.15'))",
         "device.attributes['gpu.nvidia.com'].driverVersion.isLessThan(semver('1000.0.0'))",
-        "device.attributes['gpu.nvidia.com'].driverVersion == semver('580.126.20')",
+        "device.attributes['gpu.nvidia.com'].driverVersion == semver('580.95.5')",
         "device.attributes['gpu.nvidia.com'].cudaComputeCapability.compareTo(semver('8.0.0')) == 0",
         "device.attributes['gpu.nvidia.com'].cudaDriverVersion.major() == 13",
         "device.capacity['gpu.nvidia.com'].memory == quantity('40960Mi')",
@@ -191,7 +169,7 @@ def _is_true(expression: str, device: Device) -> bool:
     ],
 )
 def test_functions_on_a_real_nvidia_gpu(expression: str, devices: dict[str, Device]) -> None:
-    assert _is_true(expression, devices["nvidia-gpu"])
+    assert _is_true(expression, devices[WHOLE_GPU])
 
 
 @pytest.mark.parametrize(
@@ -218,7 +196,7 @@ def test_functions_on_a_real_nvidia_gpu(expression: str, devices: dict[str, Devi
     ],
 )
 def test_quantity_and_semver_functions(expression: str, devices: dict[str, Device]) -> None:
-    assert _is_true(expression, devices["nvidia-gpu"])
+    assert _is_true(expression, devices[WHOLE_GPU])
 
 
 @pytest.mark.parametrize(
@@ -237,18 +215,19 @@ def test_evaluation_errors_are_no_match_and_never_raise(
     expression: str, error: str, devices: dict[str, Device]
 ) -> None:
     selector = compile_selector(expression)
-    driver, attributes, capacity = devices["nvidia-gpu"]
+    driver, attributes, capacity = devices[WHOLE_GPU]
     view = DeviceShape.from_device(driver=driver, attributes=attributes, capacity=capacity)
     assert selector.matches(view) is False
-    assert selector.last_error is not None
-    assert error in selector.last_error
+    matched, reason = selector.evaluate(view)
+    assert not matched and reason is not None
+    assert error in reason
 
 
 def test_errors_are_ignored_where_cel_logic_allows(devices: dict[str, Device]) -> None:
     # CEL's && and || are commutative over errors, as in cel-go.
     missing = "device.attributes['gpu.nvidia.com'].index == 0"
-    assert _is_true(f"{missing} || device.driver == 'gpu.nvidia.com'", devices["nvidia-gpu"])
-    assert not _is_true(f"{missing} && device.driver == 'nope'", devices["nvidia-gpu"])
+    assert _is_true(f"{missing} || device.driver == 'gpu.nvidia.com'", devices[WHOLE_GPU])
+    assert not _is_true(f"{missing} && device.driver == 'nope'", devices[WHOLE_GPU])
 
 
 def test_an_invalid_published_value_fails_every_selector() -> None:
@@ -299,81 +278,3 @@ def test_compiled_selectors_are_cached() -> None:
 
 def test_macro_variables_are_declared() -> None:
     compile_selector("[1, 2].all(x, x > 0) && ['a'].exists(name, name == 'a')")
-
-
-@pytest.mark.parametrize(
-    ("expression", "names"),
-    [
-        (
-            "device.attributes['gpu.nvidia.com'].productName.lowerAscii().matches('a100') && "
-            'device.capacity["gpu.nvidia.com"]["memory"].isGreaterThan(quantity("10Gi"))',
-            {"gpu.nvidia.com/productName", "gpu.nvidia.com/memory"},
-        ),
-        (
-            "device.attributes['resource.kubernetes.io'].pciBusID != ''",
-            {"resource.kubernetes.io/pciBusID"},
-        ),
-        ("device.driver == 'gpu.nvidia.com'", set()),
-        ("device.attributes[device.driver].model == 'x'", None),
-        ("'model' in device.attributes['gpu.example.com']", None),
-        ("device.attributes['gpu.example.com'].exists(k, k == 'uuid')", None),
-        ("device.attributes['gpu.example.com'].model == 'capacity'", None),
-    ],
-)
-def test_referenced_names(expression: str, names: set[str] | None) -> None:
-    expected = None if names is None else frozenset(names)
-    assert referenced_names(expression) == expected
-
-
-def test_shape_key_ignores_unreferenced_attributes(devices: dict[str, Device]) -> None:
-    names = referenced_names("device.attributes['gpu.example.com'].model == 'LATEST-GPU-MODEL'")
-    keys = {
-        shape_key(*devices[f"example-gpu-{i}"], names=names)  # uuid and index differ
-        for i in range(8)
-    }
-    assert len(keys) == 1
-    assert len({shape_key(*devices[f"example-gpu-{i}"], names=None) for i in range(8)}) == 8
-
-
-def test_ten_thousand_gpus_that_differ_by_uuid_are_evaluated_once(
-    devices: dict[str, Device], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    driver, attributes, capacity = devices["nvidia-gpu"]
-    fleet = []
-    for number in range(10_000):
-        published = {
-            **attributes,
-            "uuid": {"string": f"GPU-{number:08x}-5a5f-aa66-7660-471eed407181"},
-            "resource.kubernetes.io/pciBusID": {"string": f"0000:{number % 256:02x}:00.0"},
-        }
-        fleet.append((driver, published, capacity))
-    fleet.append(devices["nvidia-mig-1g.5gb"])
-
-    evaluations = 0
-    real_matches = CompiledSelector.matches
-
-    def counting(self: CompiledSelector, device: DeviceShape) -> bool:
-        nonlocal evaluations
-        evaluations += 1
-        return real_matches(self, device)
-
-    monkeypatch.setattr(CompiledSelector, "matches", counting)
-    expressions = [
-        "device.attributes['gpu.nvidia.com'].type == 'gpu'",
-        "device.capacity['gpu.nvidia.com'].memory.compareTo(quantity('40Gi')) >= 0",
-    ]
-    matched = match_devices(expressions, fleet, key=lambda device: device)
-
-    assert len(matched) == 10_000
-    assert devices["nvidia-mig-1g.5gb"] not in matched
-    # Two shapes (the whole GPU, the MIG slice); the MIG fails the first selector already.
-    assert evaluations == 3
-
-
-def test_match_devices_ands_the_selectors(devices: dict[str, Device]) -> None:
-    expressions = [
-        "device.attributes['gpu.example.com'].model == 'LATEST-GPU-MODEL'",
-        "device.attributes['gpu.example.com'].index < 2",
-    ]
-    matched = match_devices(expressions, list(devices), key=lambda name: devices[name])
-    assert matched == ["example-gpu-0", "example-gpu-1"]

@@ -14,12 +14,14 @@ from typing import Any
 import pytest
 from django.db import connection
 from django.test import Client
+from django.utils import timezone
 
+from inventory.services import get_cluster
+from quota.admission import service, store
 from quota.models import QuotaRule, Reservation, ReservationLine
 from tests.quota.fixtures import claim, gpu_request, make_team, post, review
 
 pytestmark = [
-    pytest.mark.postgres,
     pytest.mark.django_db(transaction=True),
     pytest.mark.usefixtures("fleet"),
 ]
@@ -91,22 +93,15 @@ def test_concurrent_dry_runs_leave_nothing_behind() -> None:
 
 def _planned(name: str, count: int) -> tuple[Any, Any, dict[str, Any]]:
     """A claim's plan as the webhook makes it before reserving (usage read at that moment)."""
-    from inventory.services import get_cluster
-    from quota import selectors, services
-
     cluster = get_cluster("default")
     body = claim(name, [gpu_request(count, selectors=A100)])
-    state = selectors.admission_state(cluster=cluster.name, namespace="research", name=name)
-    return cluster, services._plan(cluster=cluster, claim=body, state=state), body
+    state = store.admission_state(cluster=cluster.name, namespace="research", name=name)
+    return cluster, service._plan(cluster=cluster, claim=body, state=state), body
 
 
 def _reserve(cluster: Any, plan: Any, body: dict[str, Any]) -> tuple[Any, bool]:
     """Reserve what `plan` says, as the webhook does after planning."""
-    from django.utils import timezone
-
-    from quota import services
-
-    return services._reserve(
+    return service._reserve(
         cluster=cluster,
         claim=body,
         plan=plan,

@@ -14,19 +14,11 @@ from django.core.management import CommandError, call_command
 from django.db.models import F
 from django.utils import timezone
 
-from billing.models import Budget, RateCard
-from quota import audit
-from quota.models import (
-    AuditEntry,
-    Membership,
-    QuotaRule,
-    ReservationState,
-    Role,
-    Team,
-    TeamNamespace,
-    Unit,
-)
+from billing.models import RateCard
+from quota.models import Budget, QuotaRule, ReservationState, Unit
 from quota.policy import PolicyError, apply_policy, load_policy
+from teams import audit
+from teams.models import AuditEntry, Membership, Role, Team, TeamNamespace
 from tests.quota.factories import (
     DeviceClassFactory,
     QuotaRuleFactory,

@@ -10,7 +10,8 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 from django.urls import reverse
 
-from quota.models import AuditEntry, QuotaRule, Team, TeamNamespace
+from quota.models import Budget, QuotaRule
+from teams.models import AuditEntry, Team, TeamNamespace
 from tests.quota.factories import (
     MembershipFactory,
     QuotaRuleFactory,
@@ -131,7 +132,7 @@ def test_team_inlines_are_audited(ops_client: Client) -> None:
     team = TeamFactory.create(slug="vision", name="Vision")
     namespace = TeamNamespaceFactory.create(team=team, namespace="vision")
     membership = MembershipFactory.create(team=team, user__username="alice")
-    url = reverse("admin:quota_team_change", args=[team.pk])
+    url = reverse("admin:teams_team_change", args=[team.pk])
     data = {
         "slug": "vision",
         "name": "Vision Research",
@@ -165,12 +166,10 @@ def test_team_inlines_are_audited(ops_client: Client) -> None:
 
 
 def test_deleting_a_team_audits_what_goes_with_it(ops_client: Client) -> None:
-    from billing.models import Budget
-
     rule = QuotaRuleFactory.create(team__slug="vision", name="h100")
     TeamNamespaceFactory.create(team=rule.team, namespace="vision")
     Budget.objects.create(team=rule.team, gpu_hours=100, mode="hard")
-    url = reverse("admin:quota_team_delete", args=[rule.team.pk])
+    url = reverse("admin:teams_team_delete", args=[rule.team.pk])
 
     response = ops_client.post(url, {"post": "yes"})
 
@@ -184,6 +183,31 @@ def test_deleting_a_team_audits_what_goes_with_it(ops_client: Client) -> None:
         ("delete", "budget", "vision: 100.000 GPU-h (hard)"),
         ("delete", "team", "vision"),  # the team, last
     ]
+
+
+def test_a_budget_is_set_through_the_service_and_audited(ops_client: Client) -> None:
+    """The admin sets a budget through `quota.services.set_budget`, as `apply_policy` does:
+    created, changed and saved unchanged, each change audited once as the admin user."""
+    team = TeamFactory.create(slug="vision")
+    add = reverse("admin:quota_budget_add")
+    response = ops_client.post(add, {"team": team.pk, "gpu_hours": "100", "mode": "hard"})
+    assert response.status_code == 302, response.content
+    budget = Budget.objects.get()
+    change = reverse("admin:quota_budget_change", args=[budget.pk])
+    assert response["Location"].startswith(reverse("admin:quota_budget_changelist"))
+
+    assert ops_client.post(change, {"gpu_hours": "250.5", "mode": "soft"}).status_code == 302
+    assert ops_client.post(change, {"gpu_hours": "250.5", "mode": "soft"}).status_code == 302
+
+    budget.refresh_from_db()
+    assert (budget.team, budget.gpu_hours, budget.mode) == (team, Decimal("250.5"), "soft")
+    entries = AuditEntry.objects.order_by("pk")
+    assert [(e.actor, e.action, e.object_type) for e in entries] == [
+        ("ops-admin", "create", "budget"),
+        ("ops-admin", "update", "budget"),
+    ]
+    assert (entries[1].before or {})["gpu_hours"] == "100.000"
+    assert (entries[1].after or {})["mode"] == "soft"
 
 
 def test_in_use_is_read_only(ops_client: Client) -> None:
@@ -202,17 +226,18 @@ def test_in_use_is_read_only(ops_client: Client) -> None:
 
 
 @pytest.mark.parametrize(
-    "model", ["auditentry", "admissiondecision", "reservation", "reservationline"]
+    "model",
+    ["teams_auditentry", "quota_admissiondecision", "quota_reservation", "quota_reservationline"],
 )
 def test_services_rows_are_read_only(ops_client: Client, model: str) -> None:
-    assert ops_client.get(reverse(f"admin:quota_{model}_changelist")).status_code == 200
-    assert ops_client.get(reverse(f"admin:quota_{model}_add")).status_code == 403
+    assert ops_client.get(reverse(f"admin:{model}_changelist")).status_code == 200
+    assert ops_client.get(reverse(f"admin:{model}_add")).status_code == 403
 
 
 def test_changelists_render(ops_client: Client) -> None:
     QuotaRuleFactory.create(team__slug="vision")
-    for model in ("team", "quotarule"):
-        response = ops_client.get(reverse(f"admin:quota_{model}_changelist"))
+    for model in ("teams_team", "quota_quotarule", "quota_budget"):
+        response = ops_client.get(reverse(f"admin:{model}_changelist"))
         assert response.status_code == 200
     response = ops_client.get(reverse("admin:quota_quotarule_changelist"), {"q": "vision"})
     assert response.context["cl"].result_count == 1
@@ -223,7 +248,8 @@ def test_operators_release_expired_reservations_from_the_admin(ops_client: Clien
 
     from django.utils import timezone
 
-    from quota.models import Reservation, Team
+    from quota.models import Reservation
+    from teams.models import Team
 
     team = Team.objects.create(slug="ops-team", name="Ops")
     now = timezone.now()

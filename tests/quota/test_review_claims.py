@@ -14,8 +14,9 @@ from django.core.management import CommandError, call_command
 from pytest_django.live_server_helper import LiveServer
 
 from quota.models import AdmissionDecision, QuotaRule, Reservation
+from tests.fixtures import CLAIMS
 from tests.quota.fixtures import claim, gpu_request, make_team
-from tests.quota.test_admission import H100_OR_A100, RULES, UPSTREAM, first_available
+from tests.quota.test_admission import FIXTURE_CLAIMS, H100_OR_A100, RULES, first_available
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("fleet")]
 
@@ -80,28 +81,26 @@ def template(name: str, requests: list[dict[str, Any]], namespace: str) -> dict[
     }
 
 
-def test_the_upstream_claims_get_the_webhooks_decisions(upstream: Path) -> None:
-    """Every upstream claim, with the decisions and reasons the webhook tests expect."""
+def test_the_fixture_claims_get_the_webhooks_decisions() -> None:
+    """Every fixture claim, with the decisions and reasons the webhook tests expect."""
     make_team(RULES)
-    lines, summary, errors = review_claims(str(upstream), "--namespace", "research")
+    lines, summary, errors = review_claims(str(CLAIMS), "--namespace", "research")
     decisions = {
-        (Path(line["file"]).relative_to(upstream).as_posix(), line["name"]): line for line in lines
+        (Path(line["file"]).relative_to(CLAIMS).as_posix(), line["name"]): line for line in lines
     }
-    assert decisions.keys() == UPSTREAM.keys()
-    for key, expected_denial in UPSTREAM.items():
+    assert decisions.keys() == FIXTURE_CLAIMS.keys()
+    for key, expected in FIXTURE_CLAIMS.items():
         line = decisions[key]
+        expected_denial = expected if isinstance(expected, str) else ""
         assert line["namespace"] == "research"
         assert line["decision"] == ("DENIED" if expected_denial else "ALLOWED"), line
         assert expected_denial in line["message"]
-    template_key = (
-        "website/content/en/examples/dra/resourceclaimtemplate.yaml",
-        "example-resource-claim-template",
-    )
-    claim_key = ("website/content/en/examples/dra/resourceclaim.yaml", "example-resource-claim")
+    template_key = ("one-gpu.yaml", "one-gpu-per-pod")
+    claim_key = ("one-gpu.yaml", "single-gpu")
     assert decisions[template_key]["template"] and not decisions[claim_key]["template"]
-    denied = sum(bool(denial) for denial in UPSTREAM.values())
+    denied = sum(isinstance(expected, str) for expected in FIXTURE_CLAIMS.values())
     assert summary == (
-        f"{len(UPSTREAM)} claims: {len(UPSTREAM) - denied} allowed, {denied} denied "
+        f"{len(FIXTURE_CLAIMS)} claims: {len(FIXTURE_CLAIMS) - denied} allowed, {denied} denied "
         "(dry run, nothing reserved)"
     )
     assert errors == ""

@@ -13,7 +13,7 @@ from django.db import connection
 from django.test import Client
 
 from inventory.models import Cluster
-from quota import admission, selectors
+from quota.admission import service, shapes
 from tests.quota.fixtures import claim, decide, gpu_request, make_team
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("fleet")]
@@ -25,8 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(autouse=True)
 def cold() -> None:
     """As in a process that has just started."""
-    selectors.forget_fleet_shapes()
-    admission.forget_caches()
+    service.forget_caches()
 
 
 def _rules() -> None:
@@ -40,7 +39,7 @@ def _rules() -> None:
 
 
 def _expected_pairs() -> set[tuple[str, int]]:
-    fleet = selectors.fleet_shapes(cluster=Cluster.objects.get(name="default"))
+    fleet = shapes.fleet_shapes(cluster=Cluster.objects.get(name="default"))
     expressions = {H100, MIG_1G} | {
         expression for exprs in fleet.class_selectors.values() for expression in exprs
     }
@@ -52,37 +51,37 @@ def test_a_warmed_worker_knows_every_rule_and_class_selector_on_every_shape(
 ) -> None:
     settings.TALLY_WARM_UP_SECONDS = 10
     _rules()
-    assert not selectors._matches
-    admission.warm_up_worker()
+    assert not shapes._matches
+    service.warm_up_worker()
     expected = _expected_pairs()
     assert len(expected) > 20
-    assert expected <= set(selectors._matches)
+    assert expected <= set(shapes._matches)
 
     # The first admission then evaluates nothing new: its class's and its rules' selectors
     # are all known on every shape.
-    known = dict(selectors._matches)
+    known = dict(shapes._matches)
     assert decide(client, claim("c", [gpu_request(1)]))["allowed"] is True
-    assert selectors._matches == known
+    assert shapes._matches == known
 
 
 def test_without_it_the_first_admission_evaluates_them(settings: Any, client: Client) -> None:
     _rules()
     assert decide(client, claim("c", [gpu_request(1)]))["allowed"] is True
-    assert len(selectors._matches) > 0
+    assert len(shapes._matches) > 0
 
 
 def test_no_warm_up_when_it_is_given_no_time(settings: Any) -> None:
     settings.TALLY_WARM_UP_SECONDS = 0
     _rules()
-    admission.warm_up_worker()
-    assert not selectors._matches
+    service.warm_up_worker()
+    assert not shapes._matches
 
 
 def test_the_warm_up_stops_at_its_deadline() -> None:
     _rules()
     cluster = Cluster.objects.get(name="default")
-    assert selectors.warm_up(cluster=cluster, seconds=-1) == 0
-    assert selectors.warm_up(cluster=cluster, seconds=10) == len(_expected_pairs())
+    assert shapes.warm_up(cluster=cluster, seconds=-1) == 0
+    assert shapes.warm_up(cluster=cluster, seconds=10) == len(_expected_pairs())
 
 
 def test_a_database_it_cannot_reach_leaves_the_worker_serving(
@@ -97,10 +96,10 @@ def test_a_database_it_cannot_reach_leaves_the_worker_serving(
         raise OperationalError("connection refused")
 
     monkeypatch.setattr(connection, "ensure_connection", unreachable)
-    with caplog.at_level(logging.WARNING, logger="quota.admission"):
-        admission.warm_up_worker()  # does not raise
+    with caplog.at_level(logging.WARNING, logger="quota.admission.service"):
+        service.warm_up_worker()  # does not raise
     assert "warm-up skipped: database unavailable" in caplog.text
-    assert not selectors._matches
+    assert not shapes._matches
 
 
 def test_gunicorn_warms_each_worker_it_starts(settings: Any) -> None:
@@ -109,4 +108,4 @@ def test_gunicorn_warms_each_worker_it_starts(settings: Any) -> None:
     _rules()
     conf = runpy.run_path(str(REPO / "deploy" / "gunicorn.conf.py"))
     conf["post_worker_init"](None)
-    assert _expected_pairs() <= set(selectors._matches)
+    assert _expected_pairs() <= set(shapes._matches)

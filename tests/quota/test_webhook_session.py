@@ -19,11 +19,11 @@ import pytest
 from django.db import connection
 from django.test import Client
 
-from quota import services
+from quota.admission import store
 from quota.models import QuotaRule, Reservation
 from tests.quota.fixtures import claim, decide, gpu_request, make_team, post, review
 
-pytestmark = [pytest.mark.postgres, pytest.mark.usefixtures("fleet")]
+pytestmark = [pytest.mark.usefixtures("fleet")]
 NAMES = ("statement_timeout", "lock_timeout", "synchronous_commit")
 WRITING = ("WITH asked", "INSERT")
 
@@ -45,7 +45,7 @@ def seen(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, str]]]:
     statement in the same session otherwise.
     """
     seen: list[dict[str, str]] = []
-    fetch = services.fetch_prepared
+    fetch = store.fetch_prepared
 
     def spying(sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
         if not sql.lstrip().startswith(WRITING):
@@ -64,7 +64,7 @@ def seen(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[dict[str, str]]]:
         seen.append({**at_start, "synchronous_commit": at_commit})
         return rows
 
-    monkeypatch.setattr(services, "fetch_prepared", spying)
+    monkeypatch.setattr(store, "fetch_prepared", spying)
     yield seen
 
 
@@ -159,7 +159,7 @@ def _a_slow_reservation_is_cut_short(
     settings.TALLY_WEBHOOK_DB_TIMEOUT_MS = 100
     make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 10}])
     own = {name: _show(name) for name in NAMES}
-    fetch = services.fetch_prepared
+    fetch = store.fetch_prepared
 
     def slow(sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
         if sql.lstrip().startswith("WITH asked"):
@@ -167,7 +167,7 @@ def _a_slow_reservation_is_cut_short(
                 cursor.execute("SELECT pg_sleep(2)")
         return fetch(sql, params)
 
-    monkeypatch.setattr(services, "fetch_prepared", slow)
+    monkeypatch.setattr(store, "fetch_prepared", slow)
     started = time.monotonic()
     answer = decide(client, claim("c", [gpu_request(1)]))
     assert time.monotonic() - started < 1.0
@@ -244,7 +244,7 @@ def test_a_connection_lost_mid_admission_is_closed_and_the_next_admission_reconn
     client: Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 10}])
-    fetch = services.fetch_prepared
+    fetch = store.fetch_prepared
 
     def lost(sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
         if sql.lstrip().startswith("WITH asked"):
@@ -253,11 +253,11 @@ def test_a_connection_lost_mid_admission_is_closed_and_the_next_admission_reconn
                 other.execute("SELECT pg_terminate_backend(%s)", [backend])
         return fetch(sql, params)
 
-    monkeypatch.setattr(services, "fetch_prepared", lost)
+    monkeypatch.setattr(store, "fetch_prepared", lost)
     answer = decide(client, claim("c1", [gpu_request(1)]))
     assert answer["allowed"] is False
     assert answer["status"]["reason"] == "ServiceUnavailable"
     assert connection.connection is None  # closed: it kept nothing of the admission's
-    monkeypatch.setattr(services, "fetch_prepared", fetch)
+    monkeypatch.setattr(store, "fetch_prepared", fetch)
     assert decide(client, claim("c2", [gpu_request(1)]))["allowed"] is True
     assert list(Reservation.objects.values_list("name", flat=True)) == ["c2"]

@@ -7,7 +7,7 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandParser
 
-from billing.ingest import issue_token
+from billing.services import issue_agent_token
 from inventory.services import get_cluster
 
 
@@ -29,7 +29,13 @@ class Command(BaseCommand):
             default=None,
             help="The cluster the node belongs to (default: TALLY_CLUSTER_NAME).",
         )
+        parser.add_argument(
+            "--actor",
+            default="create_agent_token",
+            help="Who the audit trail names for the new token (default: create_agent_token).",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         cluster = get_cluster(options["cluster"] or settings.TALLY_CLUSTER_NAME)
-        self.stdout.write(issue_token(cluster=cluster, node=options["node"]))
+        token = issue_agent_token(cluster=cluster, node=options["node"], actor=options["actor"])
+        self.stdout.write(token)

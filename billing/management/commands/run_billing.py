@@ -13,7 +13,7 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
-from billing import pricing
+from billing import periods, pricing, services
 
 
 def default_actor() -> str:
@@ -53,20 +53,20 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         now = timezone.now()
         try:
-            start, _ = pricing.parse_period(options["period"])
-            run = pricing.bill_period(
+            start, _ = periods.parse_period(options["period"])
+            run = services.bill_period(
                 period_start=start,
                 now=now,
                 close=options["close"],
                 actor=options["actor"] or default_actor(),
             )
-        except pricing.PricingError as exc:
+        except periods.PricingError as exc:
             raise CommandError(str(exc)) from exc
         self._summarise(run, verbosity=options["verbosity"])
 
-    def _summarise(self, run: pricing.BillingRun, *, verbosity: int) -> None:
+    def _summarise(self, run: services.BillingRun, *, verbosity: int) -> None:
         period = run.period
-        label = pricing.period_label(period.start, period.end)
+        label = period.label
         self.stdout.write(
             f"Period {label} ({period.start:%Y-%m-%d %H:%M}..{period.end:%Y-%m-%d %H:%M} UTC): "
             f"{run.period_hours} hours rolled up ({run.usage_rows} usage rows), "

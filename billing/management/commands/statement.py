@@ -18,9 +18,9 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
-from billing import pricing
+from billing import periods, pricing
 from billing.models import SLICE_HOUR, LineKind, Period, Statement, StatementLine
-from quota.models import Team
+from teams.models import Team
 
 HOURS = Decimal("0.000001")
 RATE = Decimal("0.0001")
@@ -56,10 +56,10 @@ class Command(BaseCommand):
 
     def handle(self, *args: Any, **options: Any) -> None:
         try:
-            start, end = pricing.parse_period(options["period"])
-        except pricing.PricingError as exc:
+            start, end = periods.parse_period(options["period"])
+        except periods.PricingError as exc:
             raise CommandError(str(exc)) from exc
-        label = pricing.period_label(start, end)
+        label = periods.period_label(start, end)
         team = Team.objects.filter(slug=options["team"]).first()
         if team is None:
             raise CommandError(f"no team {options['team']!r}; {_known_teams()}")
@@ -158,7 +158,7 @@ def statement_json(statement: Statement) -> dict[str, Any]:
     period = statement.period
     return {
         "team": statement.team.slug,
-        "period": pricing.period_label(period.start, period.end),
+        "period": period.label,
         "currency": statement.currency,
         "lines": [
             {
@@ -174,11 +174,7 @@ def statement_json(statement: Statement) -> dict[str, Any]:
                 "gpu_share": _decimal(line.gpu_share, SHARE),
                 "kind": line.kind,
                 "profile": line.profile,
-                "corrects_period": (
-                    pricing.period_label(line.corrects_period.start, line.corrects_period.end)
-                    if line.corrects_period
-                    else None
-                ),
+                "corrects_period": line.corrects_period.label if line.corrects_period else None,
                 "reason": line.reason,
             }
             for line in _lines(statement)
@@ -198,7 +194,7 @@ def _efficiency(line: StatementLine) -> str:
 def statement_text(statement: Statement) -> str:
     """The statement as a table to read, GPU-hours per model."""
     period = statement.period
-    label = pricing.period_label(period.start, period.end)
+    label = period.label
     if period.closed_at is not None:
         state = f"closed {period.closed_at:%Y-%m-%d %H:%M} UTC by {period.closed_by}: final"
     else:

@@ -17,11 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import jsonpatch
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from inventory.dumps import DumpError, iter_objects
-from quota import admission
-from quota.jsonpatch import apply_patch
+from quota.admission import views as webhook
 
 CLAIM_KINDS = ("ResourceClaim", "ResourceClaimTemplate")
 OBJECT_FILES = (".yaml", ".yml", ".json")
@@ -155,7 +155,7 @@ def admission_review(
     kind = {"group": "resource.k8s.io", "version": version, "kind": "ResourceClaim"}
     resource = {"group": "resource.k8s.io", "version": version, "resource": "resourceclaims"}
     return {
-        "apiVersion": admission.API_VERSION,
+        "apiVersion": webhook.API_VERSION,
         "kind": "AdmissionReview",
         "request": {
             "uid": uid,
@@ -185,8 +185,13 @@ def review(send: Send, claim: dict[str, Any], *, username: str, dry_run: bool) -
         if answer.get("patch"):
             try:
                 patch = base64.b64decode(answer["patch"], validate=True)
-                claim = apply_patch(claim, json.loads(patch))
-            except ValueError as exc:  # not base64, not JSON, or a JSON Patch that fails
+                claim = jsonpatch.apply_patch(claim, json.loads(patch))
+            except (  # not base64, not JSON, or a JSON Patch that fails
+                ValueError,
+                TypeError,
+                jsonpatch.JsonPatchException,
+                jsonpatch.JsonPointerException,
+            ) as exc:
                 message = f"the mutating webhook's patch does not apply: {exc}"
                 return Verdict(False, message, warnings)
         validation = admission_review(claim, uid=uid, username=username, dry_run=dry_run)
@@ -198,13 +203,13 @@ def review(send: Send, claim: dict[str, Any], *, username: str, dry_run: bool) -
 
 
 def _sender(url: str | None) -> Send:
-    """Send reviews in this process (through `quota.admission.respond`, as the views do), or
+    """Send reviews in this process (through `quota.admission.views.respond`, as the views do), or
     over HTTP to a running service at `url`."""
     if not url:
 
         def in_process(path: str, body: dict[str, Any]) -> dict[str, Any]:
-            request = admission.parse_review(b"", body)
-            answer: dict[str, Any] = admission.respond(request, mutate=path == MUTATE_PATH)
+            request = webhook.parse_review(b"", body)
+            answer: dict[str, Any] = webhook.respond(request, mutate=path == MUTATE_PATH)
             return dict(answer["response"])
 
         return in_process

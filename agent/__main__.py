@@ -1,0 +1,5 @@
+import sys
+
+from agent.runner import main
+
+sys.exit(main())

@@ -1,0 +1,77 @@
+"""What a GPU source reports: one reading per device, the same shape from NVML and from DCGM.
+
+Plain data with no imports beyond the standard library, so the node agent, the DCGM source
+and the tests can share it without loading `pynvml` (only `agent.nvml` does that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessReading:
+    """One process using a device, and the pod it belongs to when it runs in one."""
+
+    pid: int
+    pod_uid: str | None
+    container_id: str | None
+    gpu_util: float | None  # SM utilisation %, None when the source gives none for the pid
+    mem_used_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReading:
+    """One device (a whole GPU or a MIG device) at one instant.
+
+    `gpu_util` is a percentage 0-100, or None when the device could not be measured;
+    `util_source` names what it came from (e.g. "utilization_rates", "samples",
+    "gr_engine_active"), so an unmeasured device can be told from an idle one in logs.
+    """
+
+    uuid: str
+    ts: datetime
+    gpu_util: float | None
+    mem_used_bytes: int | None
+    processes: tuple[ProcessReading, ...] = ()
+    parent_uuid: str | None = None  # set on MIG devices: the physical GPU
+    gpu_instance_id: int | None = None  # MIG GPU instance id on the parent
+    mig_profile: str | None = None
+    util_source: str | None = None
+    node: str | None = None  # set by sources that see several nodes (Prometheus)
+
+    def as_sample(self) -> dict[str, Any]:
+        """The JSON object the agent posts to `/ingest/samples` for this reading."""
+        return {
+            "uuid": self.uuid,
+            "ts": format_ts(self.ts),
+            "gpu_util": self.gpu_util,
+            "mem_used_bytes": self.mem_used_bytes,
+            "processes": [
+                {
+                    "pid": process.pid,
+                    "pod_uid": process.pod_uid,
+                    "container_id": process.container_id,
+                    "gpu_util": process.gpu_util,
+                    "mem_used_bytes": process.mem_used_bytes,
+                }
+                for process in self.processes
+            ],
+        }
+
+
+class Source(Protocol):
+    """Anything that can be asked for the current readings of the devices it sees."""
+
+    def read(self) -> list[GpuReading]: ...
+
+    def close(self) -> None: ...
+
+
+def format_ts(ts: datetime) -> str:
+    """ISO 8601 in UTC with a `Z`, to the millisecond: `2025-01-31T12:00:00.000Z`."""
+    if ts.tzinfo is None:
+        raise ValueError("naive datetime: readings carry aware UTC timestamps")
+    return ts.astimezone(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")

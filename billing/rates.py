@@ -1,0 +1,114 @@
+"""Rate-card rules: a card may change only where it prices no closed period the same way.
+
+Every entry point that changes rate cards (the policy file, the admin) asks `rate_change_error`
+with the closed periods it read (locked, when the change is about to be written).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, date
+from decimal import Decimal
+from typing import NamedTuple, Protocol
+
+from billing.models import Period
+
+
+def overlap(start: date, end: date | None, other_start: date, other_end: date | None) -> bool:
+    """Whether `[start, end)` and `[other_start, other_end)` share a day; None: open-ended."""
+    return start < (other_end or date.max) and other_start < (end or date.max)
+
+
+class ClosedPeriod(NamedTuple):
+    """A closed billing period as days: `[start, end)`, UTC."""
+
+    name: str
+    start: date
+    end: date
+
+    @classmethod
+    def of(cls, period: Period) -> ClosedPeriod:
+        start, end = period.start.astimezone(UTC), period.end.astimezone(UTC)
+        return cls(period.label, start.date(), end.date())
+
+
+class RateLike(Protocol):
+    """What prices usage: a stored `RateCard` or a declared `RateSpec`."""
+
+    @property
+    def product_name(self) -> str: ...
+    @property
+    def profile(self) -> str: ...
+    @property
+    def currency(self) -> str: ...
+    @property
+    def valid_from(self) -> date: ...
+    @property
+    def valid_until(self) -> date | None: ...
+    @property
+    def per_gpu_hour(self) -> Decimal: ...
+    @property
+    def idle_factor(self) -> Decimal: ...
+
+
+class _Pricing(NamedTuple):
+    """How a rate card priced one closed period: the days it covered there, at what price."""
+
+    period: ClosedPeriod
+    start: date
+    end: date
+    per_gpu_hour: Decimal
+    idle_factor: Decimal
+
+
+def closed_periods(*, lock: bool = False) -> list[ClosedPeriod]:
+    """The closed billing periods, oldest first; with `lock`, every period is locked so that
+    none closes, priced with a rate card about to change, before this transaction commits
+    (`close_period` locks its period first)."""
+    periods = Period.objects.select_for_update() if lock else Period.objects.all()
+    return [ClosedPeriod.of(period) for period in periods.order_by("start") if period.is_closed]
+
+
+def rate_change_error(
+    *, before: RateLike | None, after: RateLike | None, periods: list[ClosedPeriod]
+) -> str | None:
+    """Why changing a rate card from `before` to `after` (None: no card) would price one of the
+    closed `periods` differently, or None when it would not: the days the card covers in each
+    closed period, and its price and idle factor there, must stay as they are."""
+    stored, wanted = _pricing(before, periods), _pricing(after, periods)
+    if stored == wanted:
+        return None
+    card = before or after
+    assert card is not None  # None twice prices nothing: equal
+    label = (
+        f"the rate for {f'{card.product_name} {card.profile}'.strip()} ({card.currency}) "
+        f"from {card.valid_from}"
+    )
+    if not stored:
+        latest = max(entry.period.end for entry in wanted)
+        return f"{label} would price {_periods_phrase(wanted)}; start it on {latest} or later"
+    if after is None:
+        return f"{label} was used by {_periods_phrase(stored)}; it is never deleted"
+    return (
+        f"{label} was used by {_periods_phrase(stored)}; add a new entry from a later date instead"
+    )
+
+
+def _pricing(card: RateLike | None, periods: list[ClosedPeriod]) -> tuple[_Pricing, ...]:
+    if card is None:
+        return ()
+    return tuple(
+        _Pricing(
+            period=period,
+            start=max(card.valid_from, period.start),
+            end=min(card.valid_until or date.max, period.end),
+            per_gpu_hour=card.per_gpu_hour,
+            idle_factor=card.idle_factor,
+        )
+        for period in periods
+        if overlap(card.valid_from, card.valid_until, period.start, period.end)
+    )
+
+
+def _periods_phrase(pricing: tuple[_Pricing, ...]) -> str:
+    names = [entry.period.name for entry in pricing]
+    return f"the closed period{'s' if len(names) > 1 else ''} {', '.join(names)}"

@@ -1,0 +1,334 @@
+"""Billing's writes: closing periods, adjustments, rate cards and agent tokens, which people
+make and which are audited; and the runs that bring usage and statements up to date.
+
+Each is one transaction that takes its own locks and, for a person's or a schedule's change,
+writes its own audit entry (`teams.audit`) in the same transaction: the API, the admin, the
+commands, the Celery tasks and `apply_policy` all call these, so none of them can skip a
+check, a lock or the audit.
+"""
+
+from __future__ import annotations
+
+import secrets
+from collections import defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from decimal import Decimal
+from typing import Any, NamedTuple
+
+from django.conf import settings
+from django.db import transaction
+from django.utils import timezone
+
+from billing import ingest, rollup
+from billing.hours import hours_between
+from billing.models import (
+    AgentToken,
+    DirtyHour,
+    LineKind,
+    Period,
+    RateCard,
+    Statement,
+    StatementLine,
+    UsageHour,
+)
+from billing.periods import PricingError, period_bounds, period_label
+from billing.pricing import already_closed, period_for, refresh_statements, round_money
+from billing.rates import ClosedPeriod, closed_periods, rate_change_error
+from inventory.models import Cluster
+from teams import audit
+from teams.models import AuditEntry, Team
+
+# What a rate card says, as the admin's form and `apply_policy` give it.
+RATE_CARD_FIELDS = (
+    "product_name",
+    "profile",
+    "currency",
+    "valid_from",
+    "valid_until",
+    "per_gpu_hour",
+    "idle_factor",
+)
+
+
+# --- Periods and statements -------------------------------------------------------------------
+
+
+def close_period(*, period: Period, actor: str) -> list[Statement]:
+    """Compute the period's statements one last time and freeze them; `period` is refreshed.
+
+    Guarantees: the period's row is locked first, so no rate card that prices it changes and
+    no adjustment lands in it meanwhile (both lock it too); a period closes once, and only
+    once it has ended (else `PricingError`, nothing written); the close is audited as `actor`
+    (the period before and after) in the same transaction.
+    """
+    with transaction.atomic():
+        locked = Period.objects.select_for_update().get(pk=period.pk)
+        if locked.is_closed:
+            raise PricingError(already_closed(locked))
+        if locked.end > timezone.now():
+            raise PricingError(f"period {period} has not ended yet")
+        before = audit.snapshot(locked)
+        statements = refresh_statements(period=locked)
+        locked.closed_at = timezone.now()
+        locked.closed_by = actor
+        audit.update(actor=actor, obj=locked, before=before)
+    period.refresh_from_db()
+    return statements
+
+
+def add_adjustment(
+    *,
+    team: Team,
+    period: Period,
+    currency: str,
+    amount: Decimal,
+    reason: str,
+    actor: str,
+    product_name: str = "",
+) -> StatementLine:
+    """A correction finance makes by hand, with its reason, on the team's statement of an open
+    period (created if needed).
+
+    Guarantees: the amount is rounded to the currency's minor unit; the period's row is locked,
+    so it cannot close (nor its statements be recomputed) while the line is added; a closed
+    period or an empty reason is refused (`PricingError`, nothing written); the statement's
+    total includes the line; the line is audited as `actor` in the same transaction.
+    """
+    if not reason.strip():
+        raise PricingError("an adjustment needs a reason")
+    with transaction.atomic():
+        locked = Period.objects.select_for_update().get(pk=period.pk)
+        if locked.is_closed:
+            raise PricingError(f"period {period} is closed; add the adjustment to an open period")
+        statement, _ = Statement.objects.get_or_create(
+            team=team,
+            period=locked,
+            currency=currency.upper(),
+            defaults={"computed_at": timezone.now()},
+        )
+        line = StatementLine(
+            statement=statement,
+            kind=LineKind.ADJUSTMENT,
+            product_name=product_name,
+            allocated_gpu_hours=0,
+            utilised_gpu_hours=0,
+            idle_gpu_hours=0,
+            unmeasured_gpu_hours=0,
+            amount=round_money(amount, currency),
+            reason=reason,
+            created_by=actor,
+        )
+        audit.create(actor=actor, obj=line)
+        Statement.objects.filter(pk=statement.pk).update(
+            total=sum((line.amount for line in statement.lines.all()), Decimal(0))
+        )
+    return line
+
+
+@dataclass
+class BillingRun:
+    """What `bill_period` did, for its caller to report."""
+
+    period: Period
+    adopted_samples: int
+    period_hours: int
+    usage_rows: int  # the period's, after the rollup
+    marked_hours: int  # rolled up because late data or the sync marked them
+    statements: list[Statement]
+    closed: bool
+
+    @property
+    def totals(self) -> dict[str, Decimal]:
+        """The statements' totals per currency."""
+        totals: dict[str, Decimal] = defaultdict(Decimal)
+        for statement in self.statements:
+            totals[statement.currency] += statement.total
+        return dict(sorted(totals.items()))
+
+
+def bill_period(
+    *, period_start: datetime, now: datetime, close: bool = False, actor: str = ""
+) -> BillingRun:
+    """Bring the statements of the period holding `period_start` up to date with everything
+    known at `now`, and with `close` freeze them (`close_period`, audited as `actor`).
+
+    In order: samples set aside whose devices the sync has learnt since are adopted; every
+    hour of the period up to `now` is rolled up again (so hours a missed rollup skipped are
+    counted too); the hours marked for rollup elsewhere are rolled up (late data for closed
+    periods, which this period's adjustment lines are computed from); then the statements are
+    recomputed, or with `close` computed a last time and frozen.
+
+    Idempotent: a second run writes the same rows. Refused before anything is written: a
+    period that has not started (no period row is created for it), a closed period (its
+    statements are frozen), and closing a period that has not ended.
+    """
+    start, end = period_bounds(period_start)
+    label = period_label(start, end)
+    if start > now:
+        raise PricingError(
+            f"period {label} has not started yet: it starts {start:%Y-%m-%d %H:%M} UTC"
+        )
+    if close and end > now:
+        raise PricingError(
+            f"period {label} cannot be closed before it ends, at {end:%Y-%m-%d %H:%M} UTC"
+        )
+    period = period_for(start)
+    if period.is_closed:
+        raise PricingError(already_closed(period))
+    adopted = ingest.adopt_unknown_samples(now=now)
+    hours = hours_between(period.start, min(period.end, now))
+    rollup.rollup_hours(hours=hours, now=now)
+    # Every hour marked before `now`, however many: a bounded beat run may have left a backlog.
+    marked = DirtyHour.objects.filter(hour__lt=now).count()
+    if marked:
+        rollup.rollup_pending(now=now, limit=marked + 1)  # + the hour just ended, as beat's
+    if close:
+        statements = close_period(period=period, actor=actor)
+    else:
+        statements = refresh_statements(period=period)
+    return BillingRun(
+        period=period,
+        adopted_samples=adopted,
+        period_hours=len(hours),
+        usage_rows=UsageHour.objects.filter(hour__gte=period.start, hour__lt=period.end).count(),
+        marked_hours=marked,
+        statements=statements,
+        closed=close,
+    )
+
+
+def close_due_period(*, now: datetime, actor: str) -> BillingRun | None:
+    """Close the period before the one holding `now` once TALLY_CLOSE_PERIOD_DAY of the new
+    period has come (1: the day it starts; for weeks 1 is Monday), after a final rollup and
+    statement refresh (`bill_period`). None when there is nothing to do: closing is turned
+    off (0), the day has not come, or the period is closed already (by finance, or a run
+    that was quicker). Run it as often as you like: the first run on or after the day closes.
+    """
+    day = int(settings.TALLY_CLOSE_PERIOD_DAY)
+    current_start, _ = period_bounds(now)
+    if not day or now < current_start + timedelta(days=day - 1):
+        return None
+    previous_start, _ = period_bounds(current_start - timedelta(microseconds=1))
+    if Period.objects.filter(start=previous_start, closed_at__isnull=False).exists():
+        return None
+    try:
+        return bill_period(period_start=previous_start, now=now, close=True, actor=actor)
+    except PricingError:
+        if Period.objects.filter(start=previous_start, closed_at__isnull=False).exists():
+            return None  # closed while this ran
+        raise
+
+
+def refresh_usage(*, now: datetime) -> list[datetime]:
+    """What Celery beat runs every few minutes: adopt the samples set aside whose devices the
+    sync has learnt since, roll up the hour just ended and the hours marked for rollup (at
+    most TALLY_ROLLUP_HOURS_PER_RUN, newest first), then recompute the statements of the
+    period holding `now`. Returns the hours rolled up. Idempotent, as each step is.
+    """
+    ingest.adopt_unknown_samples(now=now)
+    hours = rollup.rollup_pending(now=now)
+    refresh_statements(period=period_for(now))
+    return hours
+
+
+# --- Rate cards -------------------------------------------------------------------------------
+
+
+class SavedRateCard(NamedTuple):
+    """A rate card as `save_rate_card` left it, and its audit entry (None: nothing changed)."""
+
+    card: RateCard
+    entry: AuditEntry | None
+
+
+def save_rate_card(
+    *,
+    card: RateCard | None,
+    values: Mapping[str, Any],
+    actor: str,
+    closed: list[ClosedPeriod] | None = None,
+) -> SavedRateCard:
+    """Create a rate card (`card` None) from `values` (`RATE_CARD_FIELDS`), or change `card`
+    to them; audited as `actor`.
+
+    Guarantees: no closed billing period is priced differently afterwards: the days the card
+    covers in each, its price and idle factor there stay as they were (`rate_change_error`;
+    else `PricingError`, nothing written), checked while every period row is locked, so none
+    closes meanwhile; only the fields that change are written, and nothing (no audit entry)
+    when none does.
+
+    `closed`: the closed periods the caller read in this transaction with their rows locked
+    (`closed_periods(lock=True)`), and `card` as the caller read it then, locked
+    (`apply_policy` reads them once for all its cards); without it both are read, locked,
+    here.
+    """
+    with transaction.atomic():
+        card, closed = _locked(card, closed)
+        stored = _rate_values(card) if card is not None else {}
+        wanted = RateCard(**{**stored, **values})
+        error = rate_change_error(before=card, after=wanted, periods=closed)
+        if error:
+            raise PricingError(error)
+        if card is None:
+            return SavedRateCard(wanted, audit.create(actor=actor, obj=wanted))
+        before = audit.snapshot(card)
+        for name, value in values.items():
+            setattr(card, name, value)
+        return SavedRateCard(card, audit.update(actor=actor, obj=card, before=before))
+
+
+def delete_rate_card(
+    *, card: RateCard, actor: str, closed: list[ClosedPeriod] | None = None
+) -> AuditEntry:
+    """Delete `card`, audited as `actor`; its audit entry.
+
+    Guarantees: a card that priced a closed period is never deleted (`PricingError`, nothing
+    written), checked while every period row is locked. `closed` as for `save_rate_card`.
+    """
+    with transaction.atomic():
+        locked, closed = _locked(card, closed)
+        assert locked is not None
+        error = rate_change_error(before=locked, after=None, periods=closed)
+        if error:
+            raise PricingError(error)
+        (entry,) = audit.delete(actor=actor, obj=locked)
+    return entry
+
+
+def _locked(
+    card: RateCard | None, closed: list[ClosedPeriod] | None
+) -> tuple[RateCard | None, list[ClosedPeriod]]:
+    """`card` and the closed periods as the caller read them under lock, or read here with
+    every period row, and the card's, locked."""
+    if closed is not None:
+        return card, closed
+    closed = closed_periods(lock=True)
+    if card is not None:
+        card = RateCard.objects.select_for_update().get(pk=card.pk)
+    return card, closed
+
+
+def _rate_values(card: RateCard) -> dict[str, Any]:
+    return {name: getattr(card, name) for name in RATE_CARD_FIELDS}
+
+
+# --- Agent tokens -----------------------------------------------------------------------------
+
+
+def issue_agent_token(*, cluster: Cluster, node: str, actor: str) -> str:
+    """Create a bearer token for the agent on `node` ("*": an agent that reports for every
+    node) and return it. Only its SHA-256 is stored, so it cannot be shown again; the token's
+    creation is audited as `actor` (the hash, never the token)."""
+    token = secrets.token_urlsafe(32)
+    audit.create(
+        actor=actor,
+        obj=AgentToken(
+            cluster=cluster,
+            node=node,
+            token_sha256=ingest.token_sha256(token),
+            created_at=timezone.now(),
+        ),
+    )
+    return token

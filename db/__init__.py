@@ -1,0 +1,1 @@
+"""PostgreSQL-specific helpers."""

@@ -1,0 +1,93 @@
+"""Named PostgreSQL advisory locks, held to the end of the transaction.
+
+A lock is named by what it guards (`billing.ingest.device`) and keyed by an int4 (a device's
+hash, an hour since the epoch). PostgreSQL's two-key form takes the name's class id as its
+first key: a stable hash of the name (the same in every process and release), so callers
+never write a bare number and two kinds of lock never share keys by accident. Every name is
+declared in `LockName`; two names whose ids would collide are refused when this module loads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable
+from typing import Any, Literal, get_args
+
+from django.db import connection
+from django.db.backends.utils import CursorWrapper
+from django.db.transaction import TransactionManagementError
+
+LockName = Literal[
+    # One device's samples while their gaps are worked out (`billing.ingest`); the key is a
+    # hash of the device's UUID (a collision only makes two devices wait on each other).
+    "billing.ingest.device",
+    # One hour's usage rows while they are rolled up (`billing.rollup`); the key is the hour
+    # since the epoch.
+    "billing.rollup.hour",
+]
+
+INT4_MIN, INT4_MAX = -(2**31), 2**31 - 1
+
+
+def _class_id(name: str) -> int:
+    """The first four bytes of the name's SHA-256, as a signed int4."""
+    return int.from_bytes(hashlib.sha256(name.encode()).digest()[:4], "big", signed=True)
+
+
+def _class_ids(names: Iterable[str]) -> dict[str, int]:
+    ids: dict[str, int] = {}
+    for name in names:
+        class_id = _class_id(name)
+        clash = next((other for other, taken in ids.items() if taken == class_id), None)
+        if clash is not None:
+            raise ValueError(
+                f"advisory lock names {clash!r} and {name!r} hash to the same class id "
+                f"{class_id}; rename one"
+            )
+        ids[name] = class_id
+    return ids
+
+
+_CLASS_IDS = _class_ids(get_args(LockName))
+
+
+def class_id(name: LockName) -> int:
+    """The class id (the first key of PostgreSQL's two-key form) of the locks named `name`."""
+    try:
+        return _CLASS_IDS[name]
+    except KeyError:
+        raise ValueError(f"undeclared advisory lock name {name!r}; add it to LockName") from None
+
+
+def xact_lock_sql(name: LockName, keys: Iterable[int]) -> tuple[str, list[Any]]:
+    """One statement, and its parameters, that takes the locks `(name, key)` for each of
+    `keys` in ascending order (so two transactions that lock overlapping keys never wait on
+    each other in a cycle), held to the end of the transaction. For a caller that sends it
+    with other statements in one round trip; else `advisory_xact_lock`."""
+    ordered = sorted(set(keys))
+    if ordered and (ordered[0] < INT4_MIN or ordered[-1] > INT4_MAX):
+        raise ValueError(
+            f"advisory lock keys of {name!r} must be int4: {ordered[0]}..{ordered[-1]}"
+        )
+    return (
+        "SELECT count(pg_advisory_xact_lock(%s, key)) FROM unnest(%s::int4[]) AS key",
+        [class_id(name), ordered],
+    )
+
+
+def advisory_xact_lock(
+    name: LockName, keys: Iterable[int], *, cursor: CursorWrapper | None = None
+) -> None:
+    """Take the locks `(name, key)` for each of `keys`, in ascending order, in one round trip
+    (on `cursor`, else a new one), held until the transaction ends. Outside a transaction
+    they would be let go at once: that is an error."""
+    if not connection.in_atomic_block:
+        raise TransactionManagementError(
+            f"advisory locks {name!r} are held to the end of a transaction: take them in one"
+        )
+    sql, params = xact_lock_sql(name, keys)
+    if cursor is not None:
+        cursor.execute(sql, params)
+        return
+    with connection.cursor() as own:
+        own.execute(sql, params)

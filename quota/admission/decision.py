@@ -1,0 +1,445 @@
+"""What an admission decides, from what it read: no database, no connection.
+
+`plan_claim` weighs a claim against its team's rules (as `store.admission_state` read them,
+usage as of that moment), its budget and the fleet's shapes: what each request can take on
+each rule, which `firstAvailable` alternatives fit, and the denial or warnings. The store then
+reserves the plan (or does not); everything here is plain Python on plain data.
+
+A claim is counted by what it can really take: `ExactCount` its count, `All` the most
+matching devices on one node, a MIG device its share of its GPU, a consumable share its
+fraction of the device's memory, `adminAccess` nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from decimal import Decimal
+from typing import Any
+
+from django.conf import settings
+from kubernetes.utils import parse_quantity
+
+from inventory import dra
+from quota import cel
+from quota.admission.shapes import FleetShapes, Shape
+from quota.models import Mode, QuotaRule, ReservationState, Unit
+from teams.models import Team
+
+NEAR_LIMIT = Decimal("0.8")
+# The resource-claim controller creates claims from ResourceClaimTemplates for Pods.
+CONTROLLER_USERS = ("system:serviceaccount:kube-system:", "system:kube-controller-manager")
+
+
+@dataclass(slots=True)
+class RuleSnapshot:
+    """A quota rule as one admission reads it: its definition and its usage at that moment.
+
+    A plain record rather than a `QuotaRule` instance: the webhook builds a few for every
+    request, and a model instance costs several times more to make.
+    """
+
+    pk: int
+    name: str
+    device_class: str
+    selector: str
+    unit: str
+    limit: Decimal
+    mode: str
+    in_use: Decimal
+
+
+# A rule as an admission read it, or as stored (the sync's exact allocations).
+Rule = RuleSnapshot | QuotaRule
+
+
+@dataclass
+class AdmissionState:
+    """What one admission reads from the database, in one query: the namespace's team with its
+    rules and their current usage, and the team of a live reservation already made for the
+    same claim (a create the API server sent again)."""
+
+    team: Team | None
+    rules: list[RuleSnapshot]
+    replayed_team_id: int | None
+
+
+@dataclass(frozen=True)
+class BudgetUse:
+    """A team's GPU-hour budget, and the hours it has used in the period holding now."""
+
+    gpu_hours: Decimal
+    mode: str  # "hard" denies new claims past it; "soft" warns
+    used: Decimal
+    period: str  # the period's name, as the commands print it
+
+
+@dataclass
+class Demand:
+    """What one request (or one of its alternatives) can take, per rule that limits it."""
+
+    name: str
+    amounts: dict[int, Decimal]
+    devices: int
+
+
+@dataclass
+class Decision:
+    """The webhook's answer to one claim."""
+
+    allowed: bool
+    message: str = ""
+    reason: str = ""
+    warnings: list[str] = field(default_factory=list)
+    team: Team | None = None
+    # firstAvailable requests: alternatives that do not fit, by request name.
+    removed: dict[str, list[str]] = field(default_factory=dict)
+    # The quota rule that denied, for metrics.
+    rule: str = ""
+
+
+@dataclass
+class Plan:
+    """A claim weighed against its team's quota: what to reserve on each rule, or why not."""
+
+    team: Team | None
+    rules: dict[int, Rule]
+    reserve: dict[int, Decimal]
+    chosen: dict[str, list[str]]
+    removed: dict[str, list[str]]
+    warnings: list[str]
+    denial: str = ""
+    reason: str = ""
+    rule: str = ""
+
+    def decision(self) -> Decision:
+        """The answer this plan gives before anything is reserved."""
+        if self.denial:
+            return Decision(
+                allowed=False,
+                message=self.denial,
+                reason=self.reason,
+                warnings=self.warnings,
+                team=self.team,
+                rule=self.rule,
+            )
+        return Decision(allowed=True, warnings=self.warnings, team=self.team, removed=self.removed)
+
+
+def claim_name(claim: dict[str, Any]) -> tuple[str, str]:
+    """The claim's namespace and name (its generateName when it has no name yet)."""
+    metadata = claim.get("metadata") if isinstance(claim.get("metadata"), dict) else {}
+    assert isinstance(metadata, dict)
+    return str(metadata.get("namespace") or "default"), str(
+        metadata.get("name") or metadata.get("generateName") or ""
+    )
+
+
+def plan_claim(
+    *,
+    claim: dict[str, Any],
+    state: AdmissionState,
+    fleet: Callable[[], FleetShapes],
+    budget: Callable[[Team], BudgetUse | None],
+) -> Plan:
+    """Weigh `claim` against its team's rules and budget as `state` read them.
+
+    `fleet` and `budget` give the fleet's shapes and a team's budget use; each is asked only
+    when the plan needs it (a claim of no team, or past its budget, needs neither).
+    """
+    plan = Plan(team=None, rules={}, reserve={}, chosen={}, removed={}, warnings=[])
+    try:
+        spec = claim.get("spec")
+        if not isinstance(spec, dict):
+            raise dra.DRAObjectError(dra.object_ref(claim), "spec", "is required")
+        requests = dra.parse_claim_requests(spec, str(claim.get("apiVersion") or ""))
+    except dra.DRAObjectError as exc:
+        plan.denial, plan.reason = (
+            f"cannot read the claim: {exc.field_path}: {exc.problem}",
+            "Invalid",
+        )
+        return plan
+    namespace, _ = claim_name(claim)
+    plan.team = state.team
+    if plan.team is None:
+        if settings.TALLY_UNOWNED_NAMESPACES == "deny":
+            plan.denial = f"namespace {namespace!r} is not owned by any team"
+            plan.reason = "Forbidden"
+        else:
+            plan.warnings.append(
+                f"namespace {namespace!r} is not owned by any team; no quota applies"
+            )
+        return plan
+    if _budget_denies(plan, requests, budget):
+        return plan
+    rules = state.rules
+    plan.rules = {rule.pk: rule for rule in rules}
+    if not rules:
+        return plan
+    shapes = fleet()
+    for request in requests:
+        alternatives = request.first_available or [request]
+        demands = [
+            demand(alternative, rules, shapes, plan.warnings) for alternative in alternatives
+        ]
+        fitting = [d for d in demands if exceeded(plan, d) is None]
+        if not fitting:
+            rule, asked = exceeded(plan, demands[0]) or (rules[0], Decimal(0))
+            plan.denial, plan.rule = over_limit(plan.team, rule, asked), rule.name
+            if len(demands) > 1:
+                plan.denial += (
+                    f" (none of the {len(demands)} alternatives of request {request.name!r} fits)"
+                )
+            plan.reason = "QuotaExceeded"
+            return plan
+        if request.first_available:
+            plan.chosen[request.name] = [d.name for d in fitting]
+            skipped = [d.name for d in demands if d not in fitting]
+            if skipped:
+                plan.removed[request.name] = skipped
+        # Reserve the most any kept alternative can take on each rule.
+        for rule_id in sorted({rule_id for d in fitting for rule_id in d.amounts}):
+            plan.reserve[rule_id] = plan.reserve.get(rule_id, Decimal(0)) + max(
+                d.amounts.get(rule_id, Decimal(0)) for d in fitting
+            )
+    for rule_id, amount in plan.reserve.items():
+        rule = plan.rules[rule_id]
+        total = rule.in_use + amount
+        if rule.mode == Mode.WARN and total > rule.limit:
+            plan.warnings.append(over_limit(plan.team, rule, amount) + " (warn only)")
+        elif rule.limit and total >= NEAR_LIMIT * rule.limit:
+            plan.warnings.append(
+                f'team "{plan.team.slug}": quota rule "{rule.name}" is at '
+                f"{_fmt(total, rule)} of {_fmt(rule.limit, rule)} with this claim"
+            )
+    return plan
+
+
+def _budget_denies(
+    plan: Plan, requests: list[dra.ParsedRequest], budget: Callable[[Team], BudgetUse | None]
+) -> bool:
+    """Past a hard GPU-hour budget new claims are denied; past 80% or a soft one, warned. A
+    claim that only observes devices (admin access) is never weighed against it."""
+    assert plan.team is not None
+    if all(r.admin_access for r in requests if not r.first_available):
+        return False
+    use = budget(plan.team)
+    if use is None:
+        return False
+    figures = (
+        f'team "{plan.team.slug}" has used {use.used.quantize(Decimal("0.1"))} of its '
+        f"{use.gpu_hours.normalize():f} GPU-hour {use.mode} budget for {use.period}"
+    )
+    if use.used >= use.gpu_hours and use.mode == "hard":
+        plan.denial, plan.reason = figures, "BudgetExceeded"
+        return True
+    if use.used >= use.gpu_hours:
+        plan.warnings.append(figures + " (past the soft budget)")
+    elif use.used >= NEAR_LIMIT * use.gpu_hours:
+        plan.warnings.append(figures)
+    return False
+
+
+def exceeded(plan: Plan, demand: Demand) -> tuple[Rule, Decimal] | None:
+    """The first enforce rule this demand would take past its limit, with what the claim asks
+    of it (this demand and the claim's requests before it, as the reservation would)."""
+    for rule_id, amount in demand.amounts.items():
+        rule = plan.rules[rule_id]
+        if rule.mode != Mode.ENFORCE:
+            continue
+        asked = plan.reserve.get(rule_id, Decimal(0)) + amount
+        if rule.in_use + asked > rule.limit:
+            return rule, asked
+    return None
+
+
+def over_limit(team: Team, rule: Rule, asked: Decimal) -> str:
+    """The denial naming the team, the rule, what is in use, what was asked and the limit."""
+    return (
+        f'team "{team.slug}": quota rule "{rule.name}" ({rule.mode}) would be exceeded: '
+        f"{_fmt(rule.in_use, rule)} in use, {_fmt(asked, rule)} requested, "
+        f"limit {_fmt(rule.limit, rule)}"
+    )
+
+
+def over_quota(plan: Plan, rule: Rule, asked: Decimal) -> Decision:
+    """The denial of a planned claim that a rule's usage, as the reservation found it, no
+    longer allows."""
+    assert plan.team is not None
+    return Decision(
+        allowed=False,
+        message=over_limit(plan.team, rule, asked),
+        reason="QuotaExceeded",
+        warnings=plan.warnings,
+        team=plan.team,
+        rule=rule.name,
+    )
+
+
+def rules_changed(team: Team) -> Decision:
+    """The denial of a claim whose team's rules changed while it was being admitted."""
+    message = f'team "{team.slug}": its quota rules changed during this admission'
+    return Decision(
+        allowed=False, message=message + "; create the claim again", reason="Conflict", team=team
+    )
+
+
+def _fmt(value: Decimal, rule: Rule) -> str:
+    if rule.unit == Unit.MEMORY:
+        return f"{(value / 2**30).quantize(Decimal('0.01')).normalize():f}Gi"
+    rounded = value.quantize(Decimal("0.001")).normalize()
+    return f"{rounded:f} GPU" + ("" if rounded == 1 else "s")
+
+
+def demand(
+    request: dra.ParsedRequest,
+    rules: list[RuleSnapshot],
+    fleet: FleetShapes,
+    warnings: list[str],
+) -> Demand:
+    """What `request` can take on each of `rules` that limits it."""
+    result = Demand(name=request.name, amounts={}, devices=0)
+    if request.admin_access:
+        return result  # admin access observes devices; it holds nothing
+    limiting = [rule for rule in rules if rule.device_class == request.device_class_name]
+    if not limiting:
+        return result
+    selectors = tuple(request.selectors)
+    candidates = fleet.candidates(request.device_class_name, selectors)
+    if not candidates:
+        # Nothing to weigh it by: it counts as whole GPUs on every rule of its class, the
+        # most it could take, until the sync sees what it was given.
+        warnings.append(
+            f'request "{request.name}": no device of class "{request.device_class_name}" in '
+            "the inventory matches it; until it is allocated, each device it asks for counts "
+            "as one whole GPU (and no memory) on every quota rule of its class"
+        )
+    if request.allocation_mode == "All":
+        devices = fleet.derived(
+            ("all", request.device_class_name, selectors),
+            lambda: _most_on_a_node(fleet, candidates),
+        )
+    else:
+        devices = request.count
+    result.devices = devices
+    requested_memory = request.capacity_requests.get("memory")
+    for rule in limiting:
+        # What one device counts on this rule: the same for every request that asks alike, so
+        # worked out once per fleet snapshot (None: the rule's selector matches none of them).
+        key = (request.device_class_name, selectors, rule.selector, rule.unit, requested_memory)
+        try:
+            each = fleet.derived(
+                key, functools.partial(_per_device_on, rule, candidates, fleet, requested_memory)
+            )
+        except cel.CELError as exc:  # validated on apply; kept safe if stored otherwise
+            warnings.append(f'quota rule "{rule.name}" has a bad selector, applied to all: {exc}')
+            each = _most_per_device(rule, candidates, requested_memory)
+        if each is not None:
+            result.amounts[rule.pk] = each * devices
+    return result
+
+
+def _most_on_a_node(fleet: FleetShapes, candidates: list[Shape]) -> int:
+    """`allocationMode: All`: the most devices of these shapes on any one node."""
+    ids = {shape.id for shape in candidates}
+    return max(
+        (
+            sum(n for shape_id, n in shapes.items() if shape_id in ids)
+            for shapes in fleet.per_node.values()
+        ),
+        default=0,
+    )
+
+
+def _per_device_on(
+    rule: Rule, candidates: list[Shape], fleet: FleetShapes, requested_memory: str | None
+) -> Decimal | None:
+    """The most one device of `candidates` that `rule` selects counts on it; None when the
+    rule's selector selects none of them (it does not limit the request)."""
+    shapes = candidates
+    if rule.selector:
+        cel.compile_selector(rule.selector)  # raises CELError for a bad one
+        shapes = [shape for shape in candidates if fleet.match(rule.selector, shape)]
+        if not shapes and candidates:
+            return None
+    return _most_per_device(rule, shapes, requested_memory)
+
+
+def _most_per_device(rule: Rule, shapes: list[Shape], requested_memory: str | None) -> Decimal:
+    return max(
+        (per_device(shape, rule, requested_memory) for shape in shapes),
+        default=Decimal(1) if rule.unit == Unit.GPUS else Decimal(0),
+    )
+
+
+def per_device(shape: Shape, rule: Rule, requested_memory: str | None) -> Decimal:
+    """What one device of `shape` counts on `rule`; a consumable share counts its fraction."""
+    memory = Decimal(shape.memory_bytes) if shape.memory_bytes else None
+    shared = requested_memory is not None and shape.shareable
+    if rule.unit == Unit.MEMORY:
+        if shared:
+            return Decimal(parse_quantity(requested_memory))
+        return memory or Decimal(0)
+    share = shape.gpu_share if shape.kind != "other" else Decimal(1)
+    if shared and memory:
+        return (share * Decimal(parse_quantity(requested_memory)) / memory).quantize(
+            Decimal("0.000001")
+        )
+    return share
+
+
+def reservation_fields(
+    *,
+    cluster: str,
+    claim: dict[str, Any],
+    plan: Plan,
+    username: str,
+    admission_uid: str,
+    at: datetime,
+) -> dict[str, Any]:
+    """The reservation that admitting `claim` by `plan` makes, as its columns' values."""
+    assert plan.team is not None
+    namespace, name = claim_name(claim)
+    metadata = claim.get("metadata") or {}
+    owners = metadata.get("ownerReferences") if isinstance(metadata, dict) else None
+    owners = owners if isinstance(owners, list) else []
+    controller = next((o for o in owners if isinstance(o, dict) and o.get("controller")), None)
+    made_by_controller = username.startswith(CONTROLLER_USERS) and controller is not None
+    return {
+        "cluster": cluster,
+        "namespace": namespace,
+        "name": name,
+        "team_id": plan.team.pk,
+        "state": ReservationState.RESERVED.value,
+        # A claim made from a template is the Pod's: attribute it to the Pod's controller,
+        # not to the resource-claim controller's service account.
+        "username": "" if made_by_controller else username,
+        "owner_kind": str(controller.get("kind", "")) if controller else "",
+        "owner_name": str(controller.get("name", "")) if controller else "",
+        "owner_references": owners,
+        "chosen": plan.chosen,
+        "admission_uid": admission_uid,
+        "created_at": at,
+        "expires_at": at + timedelta(seconds=settings.TALLY_RESERVATION_TTL_SECONDS),
+    }
+
+
+def not_chosen(claim: dict[str, Any], chosen: Any) -> dict[str, list[str]]:
+    """The alternatives of `claim` that its live reservation did not choose (`chosen`, as
+    stored: the kept alternatives by request), by request."""
+    spec = claim.get("spec")
+    if not isinstance(chosen, dict) or not isinstance(spec, dict):
+        return {}
+    try:
+        requests = dra.parse_claim_requests(spec, str(claim.get("apiVersion") or ""))
+    except dra.DRAObjectError:
+        return {}  # it was readable when admitted; a body sent differently keeps them all
+    removed = {}
+    for request in requests:
+        kept = chosen.get(request.name)
+        skipped = [alt.name for alt in request.first_available if kept and alt.name not in kept]
+        if skipped:
+            removed[request.name] = skipped
+    return removed

@@ -1,0 +1,211 @@
+"""The fleet as the webhook weighs claims by it: its distinct device shapes, cached per process.
+
+Thousands of devices come in a few dozen shapes (what selectors can tell apart), so a selector
+is evaluated once per shape, not per device, and a webhook worker reads the fleet again only
+when a sync has changed it.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from decimal import Decimal
+from typing import Any, TypeVar
+
+from django.conf import settings
+from django.db.models import Count
+from kubernetes.utils import parse_quantity
+
+from inventory.models import Cluster, Device, DeviceClass, DeviceShape
+from quota import cel
+from quota.models import QuotaRule
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One distinct device shape of the fleet, as selectors and quota amounts see it."""
+
+    id: int
+    driver: str
+    kind: str
+    gpu_share: Decimal
+    memory_bytes: int | None
+    # Consumable capacity (KEP-5075): several claims may each take a share of one device.
+    shareable: bool
+    view: cel.DeviceShape
+
+    @classmethod
+    def from_row(cls, row: DeviceShape, *, memory_bytes: int | None) -> Shape:
+        """The shape as selectors see it, from its stored row."""
+        return cls(
+            id=row.pk,
+            driver=row.driver,
+            kind=row.kind,
+            gpu_share=row.gpu_share,
+            memory_bytes=memory_bytes,
+            shareable=row.allow_multiple_allocations,
+            view=cel.DeviceShape.from_device(
+                driver=row.driver,
+                attributes=row.attributes,
+                capacity=row.capacity,
+                allow_multiple_allocations=row.allow_multiple_allocations,
+            ),
+        )
+
+
+@dataclass
+class FleetShapes:
+    """The shapes present in a cluster, and how many devices of each sit on each node."""
+
+    shapes: dict[int, Shape] = field(default_factory=dict)
+    # node id -> shape id -> present devices; for `allocationMode: All`.
+    per_node: dict[int, dict[int, int]] = field(default_factory=dict)
+    class_selectors: dict[str, list[str]] = field(default_factory=dict)
+    loaded_at: float = 0.0
+    version: int | None = None  # the cluster's fleet version this was loaded at
+    _derived: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
+
+    def derived(self, key: tuple[Any, ...], compute: Callable[[], T]) -> T:
+        """`compute()`, once per `key` while this snapshot of the fleet is in use (the shapes a
+        request could be given, what its devices count on a rule, the most on one node)."""
+        try:
+            value: T = self._derived[key]
+        except KeyError:
+            value = self._derived[key] = compute()
+        return value
+
+    def match(self, expression: str, shape: Shape) -> bool:
+        """Whether `expression` selects devices of `shape`; a bad expression selects none.
+
+        Remembered per (expression, shape id) by the process, across snapshots: a shape row
+        never changes once written, so a selector is evaluated once per shape, however many
+        requests ask and however often the fleet is reloaded.
+        """
+        key = (expression, shape.id)
+        result = _matches.get(key)
+        if result is None:
+            try:
+                result = cel.compile_selector(expression).matches(shape.view)
+            except cel.CELError:
+                result = False
+            _matches[key] = result
+        return result
+
+    def candidates(self, device_class: str, selectors: tuple[str, ...]) -> list[Shape]:
+        """The shapes a request of `device_class` with `selectors` could be given."""
+        return self.derived(
+            ("candidates", device_class, selectors),
+            functools.partial(self._select, device_class, selectors),
+        )
+
+    def _select(self, device_class: str, selectors: tuple[str, ...]) -> list[Shape]:
+        class_selectors = self.class_selectors.get(device_class)
+        if class_selectors is None:
+            return []  # a class the inventory does not know selects nothing
+        expressions = [*class_selectors, *selectors]
+        return [
+            shape
+            for shape in self.shapes.values()
+            if all(self.match(expression, shape) for expression in expressions)
+        ]
+
+
+_cache: dict[int, FleetShapes] = {}
+_cache_lock = threading.Lock()
+_matches: dict[tuple[str, int], bool] = {}
+# Expressions x shapes stays small (rules and request selectors repeat); a process that has
+# seen this many distinct pairs starts afresh rather than grow without bound.
+MAX_REMEMBERED_MATCHES = 200_000
+
+
+def fleet_shapes(*, cluster: Cluster) -> FleetShapes:
+    """The cluster's present device shapes, as of at most TALLY_SHAPE_CACHE_SECONDS ago.
+
+    A webhook worker serves from memory. Every TALLY_SHAPE_CACHE_SECONDS it reads the
+    cluster's fleet version (one row), and only when a sync has changed the fleet since does
+    it load it again: the shapes (dozens), devices counted per node and shape, and the device
+    classes.
+    """
+    now = time.monotonic()
+    cached = _cache.get(cluster.pk)
+    if cached is not None and now - cached.loaded_at < settings.TALLY_SHAPE_CACHE_SECONDS:
+        return cached
+    with _cache_lock:
+        cached = _cache.get(cluster.pk)
+        if cached is not None and now - cached.loaded_at < settings.TALLY_SHAPE_CACHE_SECONDS:
+            return cached
+        version = (
+            Cluster.objects.filter(pk=cluster.pk).values_list("fleet_version", flat=True).first()
+        )
+        if cached is not None and cached.version == version:
+            cached.loaded_at = now
+            return cached
+        fleet = FleetShapes(loaded_at=now, version=version)
+        per_node: dict[int, dict[int, int]] = defaultdict(dict)
+        present_shapes: set[int] = set()
+        for node_id, shape_id, devices in (
+            Device.objects.filter(cluster=cluster, gone_at__isnull=True, shape__isnull=False)
+            .values_list("node_id", "shape_id")
+            .annotate(devices=Count("id"))
+            .order_by()
+        ):
+            present_shapes.add(shape_id)
+            if node_id is not None:
+                per_node[node_id][shape_id] = devices
+        for row in DeviceShape.objects.filter(pk__in=present_shapes):
+            fleet.shapes[row.pk] = Shape.from_row(row, memory_bytes=_memory(row.capacity))
+        fleet.per_node = dict(per_node)
+        fleet.class_selectors = dict(
+            DeviceClass.objects.filter(cluster=cluster, gone_at__isnull=True).values_list(
+                "name", "selectors"
+            )
+        )
+        if len(_matches) > MAX_REMEMBERED_MATCHES:
+            _matches.clear()
+        _cache[cluster.pk] = fleet
+        return fleet
+
+
+def warm_up(*, cluster: Cluster, seconds: float) -> int:
+    """Load the cluster's fleet shapes and evaluate every device class's and quota rule's
+    selector against each shape, at most `seconds` long: what a new process's first
+    admissions would otherwise pay (hundreds of milliseconds for the first one). Returns how
+    many (selector, shape) pairs it evaluated.
+
+    Selectors that claims themselves carry are not known beforehand; each costs its first
+    claim one evaluation per shape, as before.
+    """
+    deadline = time.monotonic() + seconds
+    fleet = fleet_shapes(cluster=cluster)
+    expressions = {e for selectors in fleet.class_selectors.values() for e in selectors}
+    expressions.update(
+        QuotaRule.objects.exclude(selector="").values_list("selector", flat=True).distinct()
+    )
+    evaluated = 0
+    for expression in sorted(expressions):
+        for shape in fleet.shapes.values():
+            if time.monotonic() > deadline:
+                return evaluated
+            fleet.match(expression, shape)
+            evaluated += 1
+    return evaluated
+
+
+def forget_fleet_shapes() -> None:
+    """Drop the cache (tests, and after an import that changed the fleet in this process)."""
+    with _cache_lock:
+        _cache.clear()
+        _matches.clear()
+
+
+def _memory(capacity: dict[str, dict[str, str]]) -> int | None:
+    for name, entry in capacity.items():
+        if name.rsplit("/", 1)[-1] in ("memory", "addressableMemory") and "value" in entry:
+            return int(parse_quantity(entry["value"]))
+    return None

@@ -1,0 +1,473 @@
+"""The admission's database work: its read, its reservation and its record, and the session
+settings they run with. The only module of the webhook that writes SQL or touches the
+PostgreSQL session (its statements run prepared, through `db.prepared`).
+
+An admission is two statements in autocommit, each atomic on its own: `admission_state` reads
+the team's rules and usage (and, within `admission_session`, sets the webhook's timeouts on
+the session for the statements after it), then `reserve` (one statement that locks the rules
+in id order, checks every enforce limit and inserts the reservation, its lines and the
+decision) or `record` (the decision alone). The last of them sets the session's own values
+back as it ends, so no other request ever runs with the webhook's. Behind a pooler that lends
+connections per transaction (DATABASE_TRANSACTION_POOLING) an admission is one transaction,
+and the settings are local to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from datetime import datetime
+from decimal import Decimal
+from typing import Any
+
+from django.conf import settings
+from django.db import (
+    DEFAULT_DB_ALIAS,
+    DatabaseError,
+    IntegrityError,
+    connection,
+    connections,
+    transaction,
+)
+
+from db.prepared import fetch_prepared
+from quota.admission.decision import AdmissionState, Decision, Plan, Rule, RuleSnapshot
+from quota.models import (
+    AdmissionDecision,
+    Mode,
+    QuotaRule,
+    Reservation,
+    ReservationLine,
+    ReservationState,
+)
+from teams.models import Team, TeamNamespace
+
+# The timeouts an admission's statements run with, in this order. Its commit durability
+# (synchronous_commit) is no session setting: see `Ending`.
+SESSION_SETTINGS = ("statement_timeout", "lock_timeout")
+
+
+class RulesChanged(Exception):
+    """A rule the plan counted on was deleted while the claim was being admitted."""
+
+
+@dataclass
+class _Session:
+    """The webhook's settings for one admission, and what the session had before them."""
+
+    wanted: tuple[str, str]
+    local: bool  # for the transaction (behind a transaction pooler), not the session
+    # synchronous_commit for the commit of each statement that writes; None within a
+    # caller's transaction, whose commit is not the admission's to make less durable.
+    durability: str | None
+    # The session's own values while the webhook's are set on it: the admission's last
+    # statement (or, failing that, `admission_session` on its way out) sets them back.
+    own: tuple[str, str] | None = None
+
+
+_SESSION: ContextVar[_Session | None] = ContextVar("tally_session", default=None)
+
+
+@contextmanager
+def admission_session() -> Iterator[None]:
+    """Within it, `admission_state` (the admission's first statement) also sets the statement
+    and lock timeouts (TALLY_WEBHOOK_DB_TIMEOUT_MS) of the statements after it, and each
+    statement that writes sets the durability of its own commit
+    (TALLY_WEBHOOK_SYNCHRONOUS_COMMIT; `statement_ending`). For an admission that may write:
+    the mutating webhook and dry runs only read.
+
+    The admission runs in autocommit, each statement atomic on its own, so the settings are
+    set on the session, with no round trip of their own, and the admission's last statement
+    sets the session's own values back (`statement_ending`). Whatever way the admission ends,
+    the connection never keeps the webhook's settings: if they are still set here, they are
+    set back (a round trip), or the connection is closed. With DATABASE_TRANSACTION_POOLING
+    the admission has a transaction, and they are its own.
+    """
+    timeout = f"{int(settings.TALLY_WEBHOOK_DB_TIMEOUT_MS)}ms"
+    synchronous_commit = "on" if settings.TALLY_WEBHOOK_SYNCHRONOUS_COMMIT else "off"
+    session = _Session(
+        wanted=(timeout, timeout),
+        local=settings.DATABASE_TRANSACTION_POOLING,
+        durability=(None if connections[DEFAULT_DB_ALIAS].in_atomic_block else synchronous_commit),
+    )
+    token = _SESSION.set(session)
+    try:
+        yield
+    finally:
+        _SESSION.reset(token)
+        if session.own is not None:
+            _set_back(session.own)
+
+
+def admission_transaction() -> contextlib.AbstractContextManager[Any]:
+    """An admission needs no transaction of its own: its read and the one statement that
+    reserves (checking every limit against the usage at that moment) are each atomic, so it
+    runs in autocommit, two round trips (BEGIN, COMMIT) fewer. It takes one behind a pooler
+    that lends connections per transaction (its timeouts must stay in a transaction), and
+    within a caller's transaction (a savepoint, so that a failed statement leaves the
+    caller's transaction usable)."""
+    if (
+        not settings.DATABASE_TRANSACTION_POOLING
+        and not connections[DEFAULT_DB_ALIAS].in_atomic_block
+    ):
+        return contextlib.nullcontext()
+    return transaction.atomic()
+
+
+@dataclass(frozen=True)
+class Ending:
+    """What a statement that writes sets as it ends, and the parameters for it, in order:
+
+    - `restore`: the session's own settings, set back (`restore_columns`, two parameters;
+      call `restored` once the statement ran), when this statement may end the admission and
+      they are still to set back;
+    - `durable`: the synchronous_commit of its own commit (`durability_column`, one
+      parameter). It is set for the statement's own transaction (`set_config(..., true)`), so
+      it holds until that transaction commits, which in autocommit is right after the
+      statement, and goes with it. A session setting would not do: the admission's last
+      statement sets the session's own back as it ends, before its commit.
+    """
+
+    restore: bool
+    durable: bool
+    params: tuple[str, ...]
+
+
+def statement_ending(*, wait_for_disk: bool = True) -> Ending:
+    """What the next statement that writes sets as it ends (nothing outside an admission).
+
+    Without `wait_for_disk` (a statement whose loss in a database crash costs no quota state)
+    its commit does not wait for the disk, whatever the admission's durability.
+    """
+    session = _SESSION.get()
+    own = session.own if session is not None else None
+    durability = session.durability if session is not None else None
+    if durability is not None and not wait_for_disk:
+        durability = "off"
+    return Ending(
+        restore=own is not None,
+        durable=durability is not None,
+        params=(*(own or ()), *(() if durability is None else (durability,))),
+    )
+
+
+def durability_column() -> str:
+    """The SQL that sets the commit durability of the statement's transaction (one parameter)."""
+    return "set_config('synchronous_commit', %s, true)"
+
+
+def restored() -> None:
+    """The session's own settings are back (a statement `statement_ending` set up ran)."""
+    session = _SESSION.get()
+    if session is not None:
+        session.own = None
+
+
+def restore_columns() -> str:
+    """The SQL that sets the session's own settings back, from two parameters."""
+    return ", ".join(f"set_config('{name}', %s, false)" for name in SESSION_SETTINGS)
+
+
+def _set_back(own: tuple[str, str]) -> None:
+    db = connections[DEFAULT_DB_ALIAS]
+    if db.connection is None:
+        return  # closed already, and the settings with it
+    try:
+        with db.wrap_database_errors:
+            db.connection.execute(f"SELECT {restore_columns()}", list(own))
+    except DatabaseError:
+        # The connection is no use now (the database went away, or the caller's transaction
+        # failed): it goes, and with it the settings.
+        with contextlib.suppress(DatabaseError):
+            db.close()
+
+
+# --- The read -------------------------------------------------------------------------------
+
+
+@functools.cache
+def _admission_state_sql(*, with_settings: bool, local: bool = False) -> str:
+    """The admission's read (made once per process and kind); with the webhook's
+    settings: set on the session, the session's own values read first (columns 12-13), or
+    (`local`) set for the transaction."""
+    quote = connection.ops.quote_name
+    team, owner, rule, reservation = (
+        quote(model._meta.db_table) for model in (Team, TeamNamespace, QuotaRule, Reservation)
+    )
+    # One row to hang the rest on, made once per statement (a subquery with volatile functions
+    # is not flattened): the session's settings for the admission's next statements, when
+    # there are some.
+    own = ", ".join(f"current_setting('{name}') AS {name}" for name in SESSION_SETTINGS)
+    scope = "true" if local else "false"
+    sets = ", ".join(f"set_config('{name}', %s, {scope})" for name in SESSION_SETTINGS)
+    # Read before they are set: the select list is evaluated in order.
+    driver = f"SELECT {own}, {sets}" if with_settings else f"SELECT {own}"
+    return f"""
+SELECT t.id, t.slug, t.name,
+       r.id, r.name, r.device_class, r.selector, r.unit, r.{quote("limit")}, r.mode, r.in_use,
+       (SELECT v.team_id FROM {reservation} v
+        WHERE v.cluster = %s AND v.namespace = %s AND v.name = %s AND NOT (v.state = 'released')
+        LIMIT 1),
+       {", ".join(f"o.{name}" for name in SESSION_SETTINGS)}
+FROM ({driver}) o
+LEFT JOIN {owner} n ON n.namespace = %s
+LEFT JOIN {team} t ON t.id = n.team_id
+LEFT JOIN {rule} r ON r.team_id = t.id
+ORDER BY r.id
+"""
+
+
+def admission_state(*, cluster: str, namespace: str, name: str) -> AdmissionState:
+    """The team owning `namespace`, its rules (ordered by id, usage as of now) and, when the
+    claim `namespace/name` of `cluster` is already admitted, that reservation's team id.
+
+    One round trip with no ORM on the webhook's path.
+    """
+    session = _SESSION.get()
+    if session is not None and session.own is not None:
+        session = None  # set already (an admission reads once; this is a second read)
+    rows = fetch_prepared(
+        _admission_state_sql(
+            with_settings=session is not None,
+            local=session is not None and session.local,
+        ),
+        [cluster, namespace, name, *(session.wanted if session else ()), namespace],
+    )
+    if session is not None and not session.local:
+        session.own = (rows[0][12], rows[0][13])
+    team: Team | None = None
+    rules: list[RuleSnapshot] = []
+    replayed: int | None = rows[0][11] if rows else None
+    for row in rows:
+        if row[0] is None:
+            continue
+        if team is None:
+            team = _team(row[0], row[1], row[2])
+        if row[3] is not None:
+            rules.append(
+                RuleSnapshot(
+                    pk=row[3],
+                    name=row[4],
+                    device_class=row[5],
+                    selector=row[6],
+                    unit=row[7],
+                    limit=row[8],
+                    mode=row[9],
+                    in_use=row[10],
+                )
+            )
+    return AdmissionState(team=team, rules=rules, replayed_team_id=replayed)
+
+
+_teams: dict[tuple[int, str, str], Team] = {}
+
+
+def _team(pk: int, slug: str, name: str) -> Team:
+    """The team as read, one instance per (id, slug, name) in the process: a model instance
+    costs more to make than the rest of the read (teams are few; a renamed one is a new key)."""
+    key = (pk, slug, name)
+    team = _teams.get(key)
+    if team is None:
+        if len(_teams) > 10_000:
+            _teams.clear()
+        team = _teams[key] = Team(pk=pk, slug=slug, name=name)
+        team._state.adding, team._state.db = False, DEFAULT_DB_ALIAS
+    return team
+
+
+def team_by_id(pk: int) -> Team | None:
+    """The team of a reservation made earlier (a replayed claim's), as stored now."""
+    return Team.objects.filter(pk=pk).first()
+
+
+def chosen_alternatives(*, cluster: str, namespace: str, name: str) -> Any:
+    """The alternatives the claim's live reservation kept, by request (as stored), or None."""
+    return (
+        Reservation.objects.filter(cluster=cluster, namespace=namespace, name=name)
+        .exclude(state=ReservationState.RELEASED)
+        .values_list("chosen", flat=True)
+        .first()
+    )
+
+
+# --- The writes -----------------------------------------------------------------------------
+
+# The columns of `AdmissionDecision` both of the webhook's inserts write, in this order.
+_DECISION_COLUMNS = (
+    "at, uid, namespace, name, username, team_id, allowed, dry_run, message, warnings"
+)
+
+
+def record(
+    decision: Decision, *, namespace: str, name: str, username: str, uid: str, at: datetime
+) -> None:
+    """Keep the webhook's answer for operators, for a decision whose claim holds no quota (one
+    that does is recorded by the statement that reserves it): a denial, a namespace no team
+    owns, a claim no rule limits. A prepared INSERT, the admission's last statement. Its
+    commit does not wait for the disk: a database crash may lose the last such rows, never
+    state that quota depends on.
+    """
+    team_id = decision.team.pk if decision.team is not None else None
+    # The admission's last statement: it sets the session's own settings back.
+    ending = statement_ending(wait_for_disk=False)
+    fetch_prepared(
+        _record_sql(restore=ending.restore, durability=ending.durable),
+        [at, uid, namespace, name, username, team_id, decision.allowed, decision.message,
+         json.dumps(decision.warnings), *ending.params],
+    )  # fmt: skip
+    if ending.restore:
+        restored()
+
+
+@functools.cache
+def _record_sql(*, restore: bool, durability: bool) -> str:
+    """The decision's insert (made once per kind), setting the session's own settings back
+    after it (`restore`, from two more parameters) and the durability of its commit
+    (`durability`, one more)."""
+    table = connection.ops.quote_name(AdmissionDecision._meta.db_table)
+    returning = [
+        "id",
+        *([restore_columns()] if restore else []),
+        *([durability_column()] if durability else []),
+    ]
+    return (
+        f"INSERT INTO {table} ({_DECISION_COLUMNS}) "
+        "VALUES (%s, %s, %s, %s, %s, %s, %s, false, %s, %s::jsonb) "
+        f"RETURNING {', '.join(returning)}"
+    )
+
+
+def reserve_uncounted(fields: dict[str, Any]) -> None:
+    """The reservation of an admitted claim that no rule limits: nothing to count, but the
+    sync follows the claim from it. A claim admitted before (a retried create) keeps the
+    reservation it has."""
+    try:
+        with transaction.atomic():
+            Reservation.objects.create(**fields)
+    except IntegrityError:
+        pass
+
+
+_RESERVATION_COLUMNS = (
+    "cluster",
+    "namespace",
+    "name",
+    "team_id",
+    "state",
+    "username",
+    "owner_kind",
+    "owner_name",
+    "owner_references",
+    "chosen",
+    "admission_uid",
+    "created_at",
+    "expires_at",
+)
+
+
+@functools.cache
+def _reserve_sql(rules: int, *, restore: bool, durability: bool) -> str:
+    """The reserving statement for `rules` rules (made once per shape); with `restore`, it
+    sets the session's own settings back (two more parameters) when it admits, as the last
+    thing it evaluates, after every lock it takes; with `durability`, it sets the durability
+    of its commit (one more)."""
+    quote = connection.ops.quote_name
+    rule, reservation, line, decision = (
+        quote(model._meta.db_table)
+        for model in (QuotaRule, Reservation, ReservationLine, AdmissionDecision)
+    )
+    limit = quote("limit")
+    values = ", ".join(["(%s::bigint, %s::numeric, %s::boolean)"] * rules)
+    # A denied claim's decision is recorded by the next statement, which sets them back then.
+    restores = (
+        ",\n       CASE WHEN verdict.fits THEN ARRAY[" + restore_columns() + "] END"
+        if restore
+        else ""
+    ) + (f",\n       {durability_column()}" if durability else "")
+    return f"""
+WITH asked(rule_id, amount, enforce) AS (VALUES {values}),
+locked AS (
+    SELECT r.id, r.name, r.in_use, r.{limit} FROM {rule} r
+    WHERE r.id IN (SELECT rule_id FROM asked) ORDER BY r.id FOR UPDATE
+),
+over AS (
+    SELECT l.id, l.name, l.in_use, l.{limit}, a.amount
+    FROM asked a JOIN locked l ON l.id = a.rule_id
+    WHERE a.enforce AND l.in_use + a.amount > l.{limit} ORDER BY l.id LIMIT 1
+),
+verdict AS (
+    SELECT NOT EXISTS (SELECT 1 FROM over)
+           AND (SELECT count(*) FROM locked) = (SELECT count(*) FROM asked) AS fits
+),
+kept AS (
+    INSERT INTO {reservation} ({", ".join(_RESERVATION_COLUMNS)}, claim_uid, released_at)
+    SELECT %s, %s, %s, %s, %s, %s, %s, %s, %s::jsonb, %s::jsonb, %s, %s, %s, '', NULL
+    FROM verdict WHERE verdict.fits
+    ON CONFLICT (cluster, namespace, name) WHERE NOT (state = 'released') DO NOTHING
+    RETURNING id
+),
+counted AS (
+    UPDATE {rule} r SET in_use = r.in_use + a.amount FROM asked a, kept
+    WHERE r.id = a.rule_id RETURNING r.id
+),
+lines AS (
+    INSERT INTO {line} (reservation_id, rule_id, amount)
+    SELECT kept.id, a.rule_id, a.amount FROM kept, asked a RETURNING id
+),
+recorded AS (
+    INSERT INTO {decision} ({_DECISION_COLUMNS})
+    SELECT %s, %s, %s, %s, %s, %s, true, false, '', %s::jsonb FROM verdict WHERE verdict.fits
+    RETURNING id
+)
+SELECT verdict.fits, over.id, over.in_use, over.amount,
+       (SELECT count(*) FROM counted), (SELECT count(*) FROM lines),
+       (SELECT count(*) FROM recorded){restores}
+FROM verdict LEFT JOIN over ON true
+"""
+
+
+def reserve(fields: dict[str, Any], plan: Plan, *, username: str) -> tuple[Rule, Decimal] | None:
+    """Lock the plan's rules (in id order), check every enforce limit against their current
+    usage, insert the reservation `fields` (once per claim), add its amounts to the rules,
+    insert its lines and record the decision, all in one statement: one round trip. Returns
+    None when it fits, else the first rule it would take past its limit (its usage as found)
+    and what the claim asks of it; raises `RulesChanged` when a rule has gone.
+
+    A claim admitted meanwhile by another call (the same create sent again) makes the insert
+    do nothing, and with it the rest: it reserves once and the answer is the same.
+    """
+    params: list[Any] = []
+    for rule_id in sorted(plan.reserve):
+        params += [rule_id, plan.reserve[rule_id], plan.rules[rule_id].mode == Mode.ENFORCE]
+    params += [
+        *(fields[column] for column in _RESERVATION_COLUMNS[:8]),
+        json.dumps(fields["owner_references"]),
+        json.dumps(fields["chosen"]),
+        *(fields[column] for column in _RESERVATION_COLUMNS[10:]),
+        fields["created_at"],
+        fields["admission_uid"],
+        fields["namespace"],
+        fields["name"],
+        username,
+        fields["team_id"],
+        json.dumps(plan.warnings),
+    ]
+    ending = statement_ending()  # set back when it admits: then it is the admission's last
+    [(fits, over_id, in_use, amount, *_)] = fetch_prepared(
+        _reserve_sql(len(plan.reserve), restore=ending.restore, durability=ending.durable),
+        [*params, *ending.params],
+    )
+    if fits:
+        if ending.restore:
+            restored()
+        return None
+    if over_id is None:
+        raise RulesChanged
+    rule = plan.rules[over_id]
+    rule.in_use = in_use
+    return rule, amount

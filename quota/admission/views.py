@@ -1,0 +1,262 @@
+"""The admission webhooks the Kubernetes API server calls on every ResourceClaim CREATE.
+
+Thin edges: parse the AdmissionReview, call one service (`service.review_claim`, or
+`service.fit_alternatives` for the mutating webhook), answer. Every well-formed review gets
+a well-formed answer that echoes its uid; a body that is no AdmissionReview gets HTTP 400 with
+the reason. Nothing here answers 500: a database that cannot be reached is a clear denial (or
+an admission, when `TALLY_WEBHOOK_FAIL_OPEN` is set) within the configured timeout.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from typing import Any
+
+from django.conf import settings
+from django.db import DatabaseError
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.utils import timezone
+from django.views.decorators.csrf import csrf_exempt
+from django.views.decorators.http import require_POST
+from jsonpatch import JsonPointer
+
+from config import metrics
+from config.logging import PARSED_REVIEW
+from quota.admission import service
+from quota.admission.decision import Decision
+
+log = logging.getLogger(__name__)
+API_VERSION = "admission.k8s.io/v1"
+REMOVED_ANNOTATION = "tally.dev/removed-alternatives"
+# The annotation's JSON Pointer (RFC 6901 escapes its "/"), made once.
+_REMOVED_ANNOTATION_PATH = JsonPointer.from_parts(
+    ["metadata", "annotations", REMOVED_ANNOTATION]
+).path
+
+
+class BadReview(ValueError):
+    """The body is not an AdmissionReview; the message says what is wrong."""
+
+
+_UNPARSED = object()
+
+
+def parse_review(body: bytes, parsed: Any = _UNPARSED) -> dict[str, Any]:
+    """The review's `request`, checked for the fields the answer depends on.
+
+    `parsed` is the body already parsed as JSON (the request-id middleware reads the uid).
+    """
+    try:
+        review = json.loads(body) if parsed is _UNPARSED else parsed
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadReview(f"body is not JSON: {exc}") from exc
+    if not isinstance(review, dict):
+        raise BadReview("body must be a JSON object (an AdmissionReview)")
+    if review.get("kind") != "AdmissionReview":
+        raise BadReview(f"kind must be AdmissionReview, not {review.get('kind')!r}")
+    if review.get("apiVersion") != API_VERSION:
+        raise BadReview(f"apiVersion must be {API_VERSION}, not {review.get('apiVersion')!r}")
+    request = review.get("request")
+    if not isinstance(request, dict):
+        raise BadReview("request is missing or not an object")
+    if not isinstance(request.get("uid"), str) or not request["uid"]:
+        raise BadReview("request.uid is missing or not a string")
+    return request
+
+
+def answer(
+    uid: str,
+    *,
+    allowed: bool,
+    message: str = "",
+    reason: str = "",
+    warnings: list[str] | None = None,
+    patch: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The AdmissionReview that answers the request `uid` (a mutation: with `patch`, the
+    operations of a JSON Patch, RFC 6902)."""
+    response: dict[str, Any] = {"uid": uid, "allowed": allowed}
+    if not allowed:
+        response["status"] = {"code": 403, "reason": reason or "Forbidden", "message": message}
+    if warnings:
+        # The API server caps a warning at 256 characters.
+        response["warnings"] = [w if len(w) <= 256 else w[:253] + "..." for w in warnings]
+    if patch:
+        response["patchType"] = "JSONPatch"
+        response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
+    return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
+
+
+def _is_claim_create(request: dict[str, Any]) -> bool:
+    resource = request.get("resource") if isinstance(request.get("resource"), dict) else {}
+    assert isinstance(resource, dict)
+    return (
+        request.get("operation") == "CREATE"
+        and resource.get("group") == "resource.k8s.io"
+        and resource.get("resource") == "resourceclaims"
+        and not request.get("subResource")
+    )
+
+
+def _review(http_request: HttpRequest, *, mutate: bool) -> HttpResponse:
+    webhook = "mutate" if mutate else "validate"
+    with _child(metrics.WEBHOOK_LATENCY, webhook).time():
+        try:
+            request = parse_review(
+                http_request.body, getattr(http_request, PARSED_REVIEW, _UNPARSED)
+            )
+        except BadReview as exc:
+            return HttpResponse(
+                f"bad AdmissionReview: {exc}\n", status=400, content_type="text/plain"
+            )
+        return JsonResponse(respond(request, mutate=mutate))
+
+
+def _count(webhook: str, result: str, rule: str = "") -> None:
+    _child(metrics.WEBHOOK_DECISIONS, webhook, result, rule).inc()
+
+
+_children: dict[tuple[Any, ...], Any] = {}
+
+
+def _child(metric: Any, *labels: str) -> Any:
+    """`metric.labels(*labels)`, looked up once per process (every admission counts itself)."""
+    key = (metric, *labels)
+    child = _children.get(key)
+    if child is None:
+        child = _children[key] = metric.labels(*labels)
+    return child
+
+
+def respond(request: dict[str, Any], *, mutate: bool = False) -> dict[str, Any]:
+    """The AdmissionReview answering `request` (a review's request, as `parse_review` gives it).
+
+    What the validating (or, with `mutate`, the mutating) webhook answers; `manage.py
+    review_claims` calls it in-process. Never raises: a database that cannot be reached is a
+    denial (an admission with a warning when `TALLY_WEBHOOK_FAIL_OPEN` is set).
+    """
+    webhook = "mutate" if mutate else "validate"
+    uid = request["uid"]
+    if not _is_claim_create(request):
+        return answer(uid, allowed=True)
+    claim = request.get("object")
+    if not isinstance(claim, dict):
+        return answer(
+            uid, allowed=False, reason="Invalid", message="request.object is not a ResourceClaim"
+        )
+    if not isinstance(claim.get("metadata"), dict):
+        claim = {**claim, "metadata": {}}
+    claim["metadata"].setdefault("namespace", request.get("namespace") or "default")
+    claim["metadata"].setdefault("name", request.get("name") or "")
+    user_info = request.get("userInfo") if isinstance(request.get("userInfo"), dict) else {}
+    assert isinstance(user_info, dict)
+    try:
+        if mutate:
+            decision = service.fit_alternatives(claim=claim)
+        else:
+            decision = service.review_claim(
+                claim=claim,
+                username=str(user_info.get("username") or ""),
+                dry_run=request.get("dryRun") is True,
+                admission_uid=uid,
+                at=timezone.now(),
+            )
+    except DatabaseError as exc:
+        log.error("admission %s: database unavailable: %s", uid, exc)
+        _count(webhook, "error")
+        if settings.TALLY_WEBHOOK_FAIL_OPEN:
+            return answer(
+                uid, allowed=True, warnings=["Tally could not check quota (database unavailable)"]
+            )
+        return answer(
+            uid,
+            allowed=False,
+            reason="ServiceUnavailable",
+            message="Tally cannot check quota right now (its database is unavailable); try again",
+        )
+    except Exception:
+        log.exception("admission %s: unexpected error", uid)
+        _count(webhook, "error")
+        return answer(
+            uid,
+            allowed=False,
+            reason="InternalError",
+            message="Tally failed to check quota; see its logs",
+        )
+    _count(webhook, "allowed" if decision.allowed else "denied", decision.rule)
+    if mutate:
+        return _mutation(uid, request["object"], decision)
+    return answer(
+        uid,
+        allowed=decision.allowed,
+        message=decision.message,
+        reason=decision.reason,
+        warnings=decision.warnings,
+    )
+
+
+def _mutation(uid: str, claim: dict[str, Any], decision: Decision) -> dict[str, Any]:
+    if not decision.allowed:
+        return answer(
+            uid,
+            allowed=False,
+            message=decision.message,
+            reason=decision.reason,
+            warnings=decision.warnings,
+        )
+    if not decision.removed:
+        return answer(uid, allowed=True, warnings=decision.warnings)
+    operations: list[dict[str, Any]] = []
+    requests = claim.get("spec", {}).get("devices", {}).get("requests", [])
+    for index, request in enumerate(requests):
+        removed = set(decision.removed.get(request.get("name"), []))
+        alternatives = request.get("firstAvailable") or []
+        # From the last: each removal leaves the indexes before it as they were.
+        for alt_index in reversed(range(len(alternatives))):
+            if alternatives[alt_index].get("name") in removed:
+                operations.append(
+                    {
+                        "op": "remove",
+                        "path": f"/spec/devices/requests/{index}/firstAvailable/{alt_index}",
+                    }
+                )
+    operations.append(_annotate(claim, json.dumps(decision.removed, sort_keys=True)))
+    warnings = [
+        *decision.warnings,
+        *(
+            f"request {name!r}: alternatives {', '.join(alts)} removed: over the team's quota"
+            for name, alts in decision.removed.items()
+        ),
+    ]
+    return answer(uid, allowed=True, warnings=warnings, patch=operations)
+
+
+def _annotate(claim: dict[str, Any], value: str) -> dict[str, Any]:
+    """The patch operation that sets the removed-alternatives annotation on `claim`: it must
+    apply to the object as sent, whichever of its metadata and annotations it has."""
+    metadata = claim.get("metadata")
+    if not isinstance(metadata, dict):
+        return {
+            "op": "add",
+            "path": "/metadata",
+            "value": {"annotations": {REMOVED_ANNOTATION: value}},
+        }
+    if not isinstance(metadata.get("annotations"), dict):
+        return {"op": "add", "path": "/metadata/annotations", "value": {REMOVED_ANNOTATION: value}}
+    return {"op": "add", "path": _REMOVED_ANNOTATION_PATH, "value": value}
+
+
+@csrf_exempt
+@require_POST
+def validate(request: HttpRequest) -> HttpResponse:
+    """`POST /admission/resourceclaims`: deny claims past their team's quota; reserve the rest."""
+    return _review(request, mutate=False)
+
+
+@csrf_exempt
+@require_POST
+def mutate(request: HttpRequest) -> HttpResponse:
+    """`POST /admission/resourceclaims/mutate`: drop firstAvailable alternatives over quota."""
+    return _review(request, mutate=True)

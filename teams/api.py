@@ -1,0 +1,324 @@
+"""What every v1 endpoint shares: roles as permissions, pagination, ordering, CSV, base viewsets.
+
+Tenancy is decided once, by `teams.selectors`: a viewset for team data is a `TeamScopedViewSet`,
+whose queryset starts from `visible_teams(user=...)`, so another team's object is simply not
+found (404). Roles come from `user_role`, read once per request.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import UTC, date, datetime, time, timedelta
+from decimal import Decimal
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import django_filters
+from django.db.models import F, QuerySet
+from django_filters.rest_framework import DjangoFilterBackend
+from drf_spectacular.types import OpenApiTypes
+from drf_spectacular.utils import extend_schema_field
+from rest_framework import filters, serializers, viewsets
+from rest_framework.exceptions import ValidationError
+from rest_framework.pagination import PageNumberPagination
+from rest_framework.permissions import BasePermission
+from rest_framework.renderers import BaseRenderer, BrowsableAPIRenderer, JSONRenderer
+from rest_framework.request import Request
+from rest_framework.response import Response
+from rest_framework.views import APIView
+
+from teams.models import Team
+from teams.selectors import user_role, visible_teams
+
+if TYPE_CHECKING:
+    from _typeshed import SupportsWrite
+
+OPERATOR, FINANCE, LEAD = "operator", "finance", "lead"
+
+# --- Roles ------------------------------------------------------------------------------------
+
+_ROLE_ATTRIBUTE = "_tally_role"
+
+
+def request_role(request: Request) -> str | None:
+    """The user's role (`quota.selectors.user_role`), looked up once per request."""
+    if not hasattr(request, _ROLE_ATTRIBUTE):
+        setattr(request, _ROLE_ATTRIBUTE, user_role(request.user))
+    role: str | None = getattr(request, _ROLE_ATTRIBUTE)
+    return role
+
+
+class RolePermission(BasePermission):
+    """Lets in users whose role is one of `roles`; anonymous users get 401, others 403."""
+
+    roles: ClassVar[frozenset[str]] = frozenset()
+    message = "Your role in Tally does not allow this."
+
+    def has_permission(self, request: Request, view: APIView) -> bool:
+        return request_role(request) in self.roles
+
+
+class AnyRole(RolePermission):
+    """Operators, finance and team leads: everyone who may read something. Members who lead
+    no team have no role and see nothing."""
+
+    roles = frozenset({OPERATOR, FINANCE, LEAD})
+    message = "You have no role in Tally (operator, finance or team lead)."
+
+
+class FinanceOrOperator(RolePermission):
+    roles = frozenset({OPERATOR, FINANCE})
+    message = "Only finance and operators may do this."
+
+
+class OperatorOrLead(RolePermission):
+    roles = frozenset({OPERATOR, LEAD})
+    message = "Only operators and team leads may see this."
+
+
+# --- Pagination and ordering ------------------------------------------------------------------
+
+
+class Pagination(PageNumberPagination):
+    """`?page=` and `?page_size=` (default 100, at most 1000). The total and the next/previous
+    pages also travel as headers (`X-Total-Count`, `Link`), so a CSV download can page too."""
+
+    page_size = 100
+    page_size_query_param = "page_size"
+    max_page_size = 1000
+
+    def get_paginated_response(self, data: Any) -> Response:
+        response = super().get_paginated_response(data)
+        assert self.page is not None
+        response["X-Total-Count"] = str(self.page.paginator.count)
+        links = [
+            f'<{url}>; rel="{rel}"'
+            for url, rel in ((self.get_next_link(), "next"), (self.get_previous_link(), "prev"))
+            if url
+        ]
+        if links:
+            response["Link"] = ", ".join(links)
+        return response
+
+
+class OrderingFilter(filters.OrderingFilter):
+    """DRF's `?ordering=`, where a view's `ordering_aliases` give lookups public names (the
+    `team` column orders by `team__slug`), so the names match the response's fields. Nulls
+    sort last either way, on SQLite and PostgreSQL alike."""
+
+    def get_ordering(self, request: Request, queryset: QuerySet[Any], view: APIView) -> Any:
+        ordering = super().get_ordering(request, queryset, view)
+        if not ordering:
+            return ordering
+        aliases: Mapping[str, str] = getattr(view, "ordering_aliases", {})
+        return [
+            F(aliases.get(name, name)).desc(nulls_last=True)
+            if term.startswith("-")
+            else F(aliases.get(name, name)).asc(nulls_last=True)
+            for term in ordering
+            for name in [term.lstrip("-")]
+        ]
+
+
+# --- Filters ----------------------------------------------------------------------------------
+
+
+def start_of_day(day: date) -> datetime:
+    return datetime.combine(day, time.min, tzinfo=UTC)
+
+
+class DayBoundFilter(django_filters.DateFilter):
+    """A date compared with a datetime field as midnight UTC (aware, so no naive warnings)."""
+
+    def filter(self, qs: QuerySet[Any], value: date | None) -> QuerySet[Any]:
+        return super().filter(qs, start_of_day(value) if value else value)
+
+
+class DateRangeFilterSet(django_filters.FilterSet):
+    """Adds `from` (inclusive) and `to` (exclusive) UTC dates on `date_field`: the half-open
+    interval `[from, to)`. (`from` is a Python keyword, hence not a class attribute.)"""
+
+    date_field: ClassVar[str] = ""
+
+    @classmethod
+    def get_filters(cls) -> dict[str, django_filters.Filter]:
+        found = super().get_filters()
+        if cls.date_field:
+            found["from"] = DayBoundFilter(
+                field_name=cls.date_field, lookup_expr="gte", label="From this UTC date, inclusive"
+            )
+            found["to"] = DayBoundFilter(
+                field_name=cls.date_field, lookup_expr="lt", label="Up to this UTC date, exclusive"
+            )
+        return found
+
+
+class TeamSlugFilter(django_filters.CharFilter):
+    """A team by slug, on the lookup path to the team (`team__slug`, `statement__team__slug`)."""
+
+    def __init__(self, field_name: str = "team__slug", **kwargs: Any) -> None:
+        super().__init__(field_name=field_name, label="Team slug", **kwargs)
+
+
+# --- CSV --------------------------------------------------------------------------------------
+
+# Cells a spreadsheet would run as a formula (OWASP "CSV injection"); numbers are left alone.
+_FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def serializer_columns(serializer: serializers.BaseSerializer[Any], prefix: str = "") -> list[str]:
+    """The serializer's field names in order; a nested serializer's as `parent.child`."""
+    columns: list[str] = []
+    fields = getattr(serializer, "fields", {})
+    for name, field in fields.items():
+        if isinstance(field, serializers.Serializer):
+            columns += serializer_columns(field, f"{prefix}{name}.")
+        else:
+            columns.append(f"{prefix}{name}")
+    return columns
+
+
+def flatten(row: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """One JSON object as one level: nested objects' values under dotted names."""
+    flat: dict[str, Any] = {}
+    for name, value in row.items():
+        if isinstance(value, Mapping):
+            flat.update(flatten(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
+
+
+def csv_cell(value: Any) -> str:
+    """A value as a CSV cell that no spreadsheet runs as a formula: None empty, booleans
+    `true`/`false`, lists of plain values joined with `;`, other lists as JSON."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list | tuple):
+        if all(not isinstance(item, Mapping | list | tuple) for item in value):
+            return ";".join(csv_cell(item) for item in value)
+        return json.dumps(value, sort_keys=True, default=str)
+    text = str(value)
+    if text.startswith(_FORMULA_STARTS) and not _is_number(text):
+        return "'" + text
+    return text
+
+
+def _is_number(text: str) -> bool:
+    try:
+        Decimal(text)
+    except ArithmeticError:
+        return False
+    return text.strip() == text
+
+
+def write_csv(
+    out: SupportsWrite[str], *, columns: Sequence[str], rows: Iterable[Sequence[Any]]
+) -> None:
+    """The CSV writer of every export (the API's `?format=csv`, the portal's statements): a
+    header of `columns`, then each row's values through `csv_cell`."""
+    writer = csv.writer(out)
+    writer.writerow(columns)
+    writer.writerows([csv_cell(value) for value in row] for row in rows)
+
+
+class CSVRenderer(BaseRenderer):
+    """`?format=csv`: one row per object, with a header that depends only on the endpoint (its
+    serializer's fields in order), so an empty page has the same columns as a full one."""
+
+    media_type = "text/csv"
+    format = "csv"
+    charset = "utf-8"
+
+    def render(
+        self,
+        data: Any,
+        accepted_media_type: str | None = None,
+        renderer_context: Mapping[str, Any] | None = None,
+    ) -> bytes:
+        context = renderer_context or {}
+        response = context.get("response")
+        rows: Any = data.get("results", data) if isinstance(data, Mapping) else data
+        if isinstance(rows, Mapping):
+            rows = [rows]
+        flat = [flatten(row) for row in rows or [] if isinstance(row, Mapping)]
+        columns = None
+        view = context.get("view")
+        if (response is None or response.status_code < 400) and hasattr(view, "get_serializer"):
+            columns = serializer_columns(view.get_serializer())  # type: ignore[union-attr]
+        if not columns:
+            columns = list(dict.fromkeys(name for row in flat for name in row))
+        buffer = io.StringIO()
+        write_csv(
+            buffer,
+            columns=columns,
+            rows=([row.get(column) for column in columns] for row in flat),
+        )
+        return buffer.getvalue().encode(self.charset)
+
+
+# --- Serializers and viewsets -----------------------------------------------------------------
+
+
+class ReadOnlyModelSerializer(serializers.ModelSerializer[Any]):
+    """A model serializer no client can write through: every field is read-only."""
+
+    def get_fields(self) -> dict[str, serializers.Field[Any, Any, Any, Any]]:
+        fields = super().get_fields()
+        for field in fields.values():
+            field.read_only = True
+        return fields
+
+
+class TallyViewSet(viewsets.GenericViewSet[Any]):
+    """Paginated, filtered and ordered, in JSON or CSV; readable by anyone with a role."""
+
+    permission_classes = [AnyRole]
+    pagination_class = Pagination
+    renderer_classes = [JSONRenderer, BrowsableAPIRenderer, CSVRenderer]
+    filter_backends = [DjangoFilterBackend, OrderingFilter]
+    ordering_aliases: ClassVar[dict[str, str]] = {}
+
+
+class TeamScopedViewSet(TallyViewSet):
+    """A viewset over team data: its queryset is `scope()` of the teams the user may see."""
+
+    def get_queryset(self) -> QuerySet[Any]:
+        return self.scope(visible_teams(user=self.request.user))
+
+    def scope(self, teams: QuerySet[Team]) -> QuerySet[Any]:
+        raise NotImplementedError
+
+
+def bad_request(message: str) -> ValidationError:
+    """A 400 whose body is `{"detail": message}`, like DRF's other errors."""
+    return ValidationError({"detail": message})
+
+
+def next_day(day: datetime) -> datetime | None:
+    """`day` plus one day, or None past the last representable day."""
+    try:
+        return day + timedelta(days=1)
+    except OverflowError:
+        return None
+
+
+@extend_schema_field(OpenApiTypes.STR)
+class VisibleTeamField(serializers.SlugRelatedField[Team]):
+    """A team named by slug, among the teams the requesting user may see (others: invalid)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(slug_field="slug", **kwargs)
+
+    def get_queryset(self) -> QuerySet[Team]:
+        return visible_teams(user=self.context["request"].user)
+
+    def to_internal_value(self, data: Any) -> Team:
+        # PostgreSQL refuses NUL in text: answer "no such team" rather than a database error.
+        if isinstance(data, str) and "\x00" in data:
+            self.fail("does_not_exist", slug_name=self.slug_field, value=data)
+        return super().to_internal_value(data)

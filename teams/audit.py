@@ -1,0 +1,132 @@
+"""The audit trail of teams, memberships, namespaces and quota rules.
+
+Every create, update and delete of those made by `apply_policy` or the admin goes through
+`create`, `update` or `delete` here, which write the change and its `AuditEntry` in one
+transaction. A rule's `in_use` is not audited: it is not in a snapshot, and `update` saves only
+the fields whose snapshot changed, so it never overwrites the count `quota.services` keeps.
+"""
+
+from __future__ import annotations
+
+import datetime
+import enum
+import uuid
+from decimal import Decimal
+from typing import Any
+
+from django.db import models, transaction
+from django.utils import timezone
+
+from teams.models import AuditEntry, Team
+
+ACTIONS = ("create", "update", "delete")
+# Kept by quota.services under concurrency; never part of a snapshot, never saved from here.
+UNAUDITED_FIELDS = frozenset({"in_use"})
+# Deleted with their parent: audited one by one before it, not left to the cascade.
+AUDITED_CHILDREN: dict[type[models.Model], tuple[str, ...]] = {
+    Team: ("namespaces", "memberships", "rules", "budget"),
+}
+
+
+def _children(obj: models.Model, relation: str) -> list[models.Model]:
+    """The objects of a reverse relation: a manager's rows, or a one-to-one's one (or none)."""
+    try:
+        related = getattr(obj, relation)
+    except models.ObjectDoesNotExist:
+        return []
+    children = list(related.all()) if hasattr(related, "all") else [related]
+    return [child for child in children if child.pk is not None]  # not one deleted already
+
+
+def snapshot(obj: models.Model) -> dict[str, Any]:
+    """The object's audited field values, JSON-safe.
+
+    Foreign keys are shown by the related object's name (a team's slug, a user's username),
+    decimals as strings with the field's decimal places, dates in ISO 8601.
+    """
+    values: dict[str, Any] = {}
+    for field in obj._meta.concrete_fields:
+        if field.name in UNAUDITED_FIELDS:
+            continue
+        if field.is_relation:
+            related = getattr(obj, field.name)
+            values[field.name] = None if related is None else str(related)
+            continue
+        values[field.name] = _json_safe(field, getattr(obj, field.attname))
+    return values
+
+
+def _json_safe(field: models.Field, value: Any) -> Any:
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, Decimal):
+        places = getattr(field, "decimal_places", None)
+        if places is not None:
+            value = value.quantize(Decimal(1).scaleb(-places))
+        return format(value, "f")
+    if isinstance(value, datetime.date | datetime.time):
+        return value.isoformat()
+    if isinstance(value, uuid.UUID):
+        return str(value)
+    return value
+
+
+def record(
+    *,
+    actor: str,
+    action: str,
+    obj: models.Model,
+    before: dict[str, Any] | None,
+    after: dict[str, Any] | None,
+) -> AuditEntry:
+    """Write one audit entry for a change already made (or about to be, in this transaction)."""
+    if action not in ACTIONS:
+        raise ValueError(f"unknown audit action {action!r}; expected one of {ACTIONS}")
+    return AuditEntry.objects.create(
+        at=timezone.now(),
+        actor=actor,
+        action=action,
+        object_type=str(obj._meta.verbose_name),
+        object_repr=str(obj)[:253],
+        before=before,
+        after=after,
+    )
+
+
+def create(*, actor: str, obj: models.Model) -> AuditEntry:
+    """Insert `obj` and audit it."""
+    with transaction.atomic(savepoint=False):
+        obj.save()
+        return record(actor=actor, action="create", obj=obj, before=None, after=snapshot(obj))
+
+
+def update(*, actor: str, obj: models.Model, before: dict[str, Any]) -> AuditEntry | None:
+    """Save the fields of `obj` that differ from `before` (its snapshot as stored) and audit it.
+
+    Only those fields are written, never a full row. Nothing is written, and None returned,
+    when nothing differs.
+    """
+    after = snapshot(obj)
+    changed = [name for name, value in after.items() if before.get(name) != value]
+    if not changed:
+        return None
+    with transaction.atomic(savepoint=False):
+        obj.save(update_fields=changed)
+        return record(actor=actor, action="update", obj=obj, before=before, after=after)
+
+
+def delete(*, actor: str, obj: models.Model) -> list[AuditEntry]:
+    """Delete `obj`, and first its audited children (a team's namespaces, members, rules).
+
+    Returns the entries written, children first.
+    """
+    entries: list[AuditEntry] = []
+    with transaction.atomic(savepoint=False):
+        for relation in AUDITED_CHILDREN.get(type(obj), ()):
+            for child in _children(obj, relation):
+                entries.extend(delete(actor=actor, obj=child))
+        before = snapshot(obj)
+        entry = record(actor=actor, action="delete", obj=obj, before=before, after=None)
+        obj.delete()
+        entries.append(entry)
+    return entries

@@ -1,0 +1,127 @@
+"""The apps' one direction of dependency, and no import cycle inside an app.
+
+Read from the source with `ast`, imports inside functions included (an import hidden in a
+function to dodge a cycle is still a dependency).
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Each package and the project packages it may import. Lower layers first.
+ALLOWED: dict[str, set[str]] = {
+    "db": set(),
+    "agent": set(),
+    "teams": {"db"},
+    "inventory": {"db", "teams"},
+    "billing": {"db", "teams", "inventory"},
+    "quota": {"db", "teams", "inventory", "billing"},
+    "frontend": {"db", "teams", "inventory", "billing", "quota"},
+    "demo": {"db", "teams", "inventory", "billing", "quota"},
+}
+# `config` is the project package: its helpers (settings values, metrics, logging) sit below
+# every app and import none; its URLconfs, settings and Celery app sit on top.
+CONFIG_HELPERS = {"config.env", "config.metrics", "config.logging"}
+PACKAGES = {*ALLOWED, "config"}
+
+
+def _modules() -> dict[str, Path]:
+    modules: dict[str, Path] = {}
+    for package in PACKAGES:
+        for path in (REPO / package).rglob("*.py"):
+            if "migrations" in path.parts:
+                continue
+            parts = path.relative_to(REPO).with_suffix("").parts
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            modules[".".join(parts)] = path
+    return modules
+
+
+MODULES = _modules()
+
+
+def _imports(path: Path) -> set[str]:
+    """The project modules `path` imports, anywhere in it (`from a import b` counts `a.b`
+    when that is a module, else `a`)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [
+                f"{node.module}.{alias.name}"
+                if f"{node.module}.{alias.name}" in MODULES
+                else node.module
+                for alias in node.names
+            ]
+        else:
+            continue
+        found.update(name for name in names if name.split(".")[0] in PACKAGES)
+    return found
+
+
+IMPORTS = {module: _imports(path) for module, path in MODULES.items()}
+
+
+def test_each_app_imports_only_the_layers_below_it() -> None:
+    wrong = []
+    for module, imported in sorted(IMPORTS.items()):
+        package = module.split(".")[0]
+        for name in sorted(imported):
+            target = name.split(".")[0]
+            if target == package:
+                continue
+            if package == "config":
+                if module in CONFIG_HELPERS:
+                    wrong.append(f"{module} -> {name} (config's helpers import no app)")
+                continue
+            if target == "config":
+                if not any(name == h or name.startswith(f"{h}.") for h in CONFIG_HELPERS):
+                    wrong.append(f"{module} -> {name} (apps use only {sorted(CONFIG_HELPERS)})")
+                continue
+            if target not in ALLOWED[package]:
+                wrong.append(f"{module} -> {name}")
+    assert wrong == []
+
+
+@pytest.mark.parametrize("package", sorted(PACKAGES))
+def test_no_import_cycle_inside_a_package(package: str) -> None:
+    graph: dict[str, set[str]] = defaultdict(set)
+    for module, imported in IMPORTS.items():
+        if module.split(".")[0] != package:
+            continue
+        for name in imported:
+            # `from pkg import x` where x is no module names the package itself: that is the
+            # package's `__init__`, which imports nothing of its own here.
+            if name in MODULES and name.split(".")[0] == package and name != package:
+                graph[module].add(name)
+    cycles = []
+    state: dict[str, int] = {}
+
+    def visit(module: str, trail: list[str]) -> None:
+        state[module] = 1
+        for name in sorted(graph[module]):
+            if state.get(name) == 1:
+                cycles.append(" -> ".join([*trail[trail.index(name) :], name]))
+            elif name not in state:
+                visit(name, [*trail, name])
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert cycles == []
+
+
+def test_the_agent_and_db_know_no_app() -> None:
+    """The agent runs on GPU nodes without Django's apps; `db` is below every app."""
+    for module, imported in IMPORTS.items():
+        if module.split(".")[0] in ("agent", "db"):
+            assert {name.split(".")[0] for name in imported} <= {module.split(".")[0]}, module
