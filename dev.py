@@ -129,8 +129,10 @@ def serve(argv: list[str]) -> int:
         for child in children:
             try:
                 child.wait(timeout=10)
-            except subprocess.TimeoutExpired:
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                # Slow to stop, or Ctrl-C pressed again: no more waiting.
                 child.kill()
+                child.wait()
     return 0
 
 
