@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Tally's two set-up commands, for a fresh machine with only Python 3.11+.
 
-    python3 dev.py serve   # venv + install + migrate + demo fleet + web server and worker
-    python3 dev.py test    # venv + install + lint, types and the whole test suite
+    python3 dev.py serve [PORT]   # venv + install + migrate + demo + web server and worker
+    python3 dev.py test [ARGS]    # venv + install + lint, types and the test suite (ARGS: pytest)
 
 Each creates `.venv/` and installs the project into it when that has not happened yet (or
 `pyproject.toml` changed since), so either can be run first. Unless `DATABASE_URL` names a
@@ -42,10 +42,16 @@ def ensure_venv() -> None:
     wanted = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()
     if STAMP.exists() and STAMP.read_text() == wanted and PYTHON.exists():
         return
+    print(
+        "+ installing Tally and its pinned dependencies into .venv (the first time: a minute "
+        "or two; again only when pyproject.toml changes)",
+        flush=True,
+    )
     if not PYTHON.exists():
         run(sys.executable, "-m", "venv", VENV)
+    # pip's own progress: one line per package it collects, with its download bars.
     run(PYTHON, "-m", "pip", "install", "--quiet", "--upgrade", "pip")
-    run(PYTHON, "-m", "pip", "install", "--quiet", "-e", ".[dev]")
+    run(PYTHON, "-m", "pip", "install", "--progress-bar", "on", "-e", ".[dev]")
     STAMP.write_text(wanted)
 
 
@@ -154,7 +160,9 @@ def test(argv: list[str]) -> int:
 def main() -> int:
     commands = {"serve": serve, "test": test}
     if len(sys.argv) < 2 or sys.argv[1] not in commands:
-        print(__doc__)
+        if len(sys.argv) >= 2:
+            print(f"dev.py: unknown command {sys.argv[1]!r}; use serve or test", file=sys.stderr)
+        print(__doc__, file=sys.stderr)
         return 2
     ensure_venv()
     for name in ("SIGTERM", "SIGHUP"):
