@@ -10,7 +10,6 @@ request (thread or task) sees only its own.
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import time
@@ -22,6 +21,8 @@ from typing import Any
 
 from django.http import HttpRequest, HttpResponse
 from pythonjsonlogger.json import JsonFormatter as _BaseJsonFormatter
+
+from config.inputs import parse_json
 
 REQUEST_ID_HEADER = "X-Request-Id"
 ADMISSION_PREFIX = "/admission/"
@@ -60,10 +61,11 @@ def admission_uid(request: HttpRequest) -> str | None:
     try:
         if int(request.headers.get("Content-Length") or 0) > _ADMISSION_BODY_LIMIT:
             return None
-        review = json.loads(request.body)
-    except (ValueError, UnicodeDecodeError):
+        # Bounded (config.inputs): a body nested thousands deep is refused, not a crash here.
+        review = parse_json(request.body)
+    except ValueError:  # config.inputs.BadInput among them
         return None  # the view answers 400 with the reason
-    # Parsed once: the webhook's view reads it from here.
+    # Parsed once, as the view would: the webhook's view reads it from here.
     setattr(request, PARSED_REVIEW, review)
     review_request = review.get("request") if isinstance(review, dict) else None
     uid = review_request.get("uid") if isinstance(review_request, dict) else None

@@ -33,6 +33,12 @@ IDENTITY_ATTRIBUTES = frozenset(
 )
 # NVIDIA's attribute domain: qualified names under it are read like unqualified ones.
 NVIDIA_DOMAIN = "gpu.nvidia.com"
+# The most devices one request may ask for. The API's field is an int64, but the scheduler
+# gives one claim at most 32 devices (AllocationResultsMaxSize), so a larger count can never
+# be allocated; this bound, far above that, keeps what a claim counts on a quota rule (count
+# times a device's share, in bytes for a memory rule: under 2**40 for any GPU made) within
+# the rules' and reservations' NUMERIC(24, 6) columns.
+MAX_REQUEST_COUNT = 2**16
 
 
 class DRAObjectError(ValueError):
@@ -412,8 +418,13 @@ def _parse_request(fields: dict[str, Any], path: str, reader: _Reader) -> Parsed
         capacity_requests[key] = reader.quantity(value, f"{path}.capacity.requests.{key}")
     mode = reader.string(fields, "allocationMode", path, required=False) or "ExactCount"
     count = reader.integer(fields, "count", path, default=1)
-    if count < 0:
-        raise reader.fail(f"{path}.count", "must not be negative")
+    # As the API server validates it: an ExactCount request asks for at least one device;
+    # with `All` the count is not used.
+    least = 1 if mode == "ExactCount" else 0
+    if count < least:
+        raise reader.fail(f"{path}.count", f"must be at least {least}")
+    if count > MAX_REQUEST_COUNT:
+        raise reader.fail(f"{path}.count", f"must be at most {MAX_REQUEST_COUNT}")
     admin_access = fields.get("adminAccess") or False
     if not isinstance(admin_access, bool):
         raise reader.fail(f"{path}.adminAccess", "must be a boolean")

@@ -82,9 +82,12 @@ class Reservation(models.Model):
         max_length=16, choices=ReservationState.choices, default=ReservationState.RESERVED
     )
     # Who made the claim, and the object it serves (a Pod, a Job): for usage per user and job.
-    username = models.CharField(max_length=253, blank=True)
-    owner_kind = models.CharField(max_length=63, blank=True)
-    owner_name = models.CharField(max_length=253, blank=True)
+    # Unbounded: a username is whatever the API server's authenticators say (a service
+    # account's is up to 338 characters), and the API server checks no length of an owner
+    # reference's kind or name.
+    username = models.TextField(blank=True)
+    owner_kind = models.TextField(blank=True)
+    owner_name = models.TextField(blank=True)
     owner_references = models.JSONField(default=list, blank=True)
     # Which alternative of each firstAvailable request fit, by request name.
     chosen = models.JSONField(default=dict, blank=True)
@@ -132,14 +135,32 @@ class ReservationLine(models.Model):
         return f"{self.reservation}: {self.amount} on {self.rule}"
 
 
+class Webhook(models.TextChoices):
+    VALIDATE = "validate", "validating"
+    MUTATE = "mutate", "mutating"
+
+
 class AdmissionDecision(models.Model):
-    """One answer of the webhook, for operators to see what was decided and why."""
+    """One answer of the webhooks, for operators to see what was decided and why.
+
+    One per claim CREATE: the validating webhook records each decision it makes; the mutating
+    one, which the API server calls first, records only its denials (after one the validating
+    webhook is never called).
+    """
 
     at = models.DateTimeField(db_index=True)
     uid = models.CharField(max_length=64)
     namespace = models.CharField(max_length=253)
     name = models.CharField(max_length=253)
-    username = models.CharField(max_length=253, blank=True)
+    username = models.TextField(blank=True)  # see Reservation.username
+    # Which webhook decided. A default in the database too: a pod of the previous version,
+    # still serving during a rolling update, inserts decisions without it.
+    webhook = models.CharField(
+        max_length=8,
+        choices=Webhook.choices,
+        default=Webhook.VALIDATE,
+        db_default=Webhook.VALIDATE,
+    )
     team = models.ForeignKey(
         Team,
         on_delete=models.SET_NULL,

@@ -1,6 +1,6 @@
 """The admission's two services: `review_claim` (the validating webhook) decides a claim's
 CREATE and reserves what it can take, atomically; `fit_alternatives` (the mutating webhook)
-says which `firstAvailable` alternatives fit, writing nothing.
+says which `firstAvailable` alternatives fit, reserving nothing.
 
 Each reads through `store`, weighs the claim with `decision` against the fleet's `shapes` and
 the team's `budgets`, and writes through `store`.
@@ -23,6 +23,7 @@ from inventory.models import Cluster
 from inventory.services import get_cluster
 from quota.admission import budgets, decision, shapes, store
 from quota.admission.decision import AdmissionState, Decision, Plan
+from quota.models import Webhook
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ def review_claim(
     dry_run: bool = False,
     admission_uid: str = "",
     at: datetime,
+    deadline: float | None = None,
 ) -> Decision:
     """Decide the CREATE of `claim` and, unless `dry_run`, reserve what it can take.
 
@@ -41,9 +43,12 @@ def review_claim(
     under any concurrency (one statement locks the team's rules and checks every limit); the
     same claim (cluster, namespace, name) admitted twice reserves once; a dry run writes
     nothing. No statement after the admission's first read, and no wait for a lock, runs past
-    TALLY_WEBHOOK_DB_TIMEOUT_MS (the API server waits timeoutSeconds, 3 s).
+    TALLY_WEBHOOK_DB_TIMEOUT_MS (the API server waits timeoutSeconds, 3 s); nothing waits on
+    the database past `deadline` (`time.monotonic()`), and no reservation is made after it
+    (`store.DeadlinePassed`, an `OperationalError`).
     """
     with (
+        store.admission_deadline(deadline),
         contextlib.nullcontext() if dry_run else store.admission_session(),
         store.admission_transaction(),
     ):
@@ -78,14 +83,28 @@ def review_claim(
         return answer
 
 
-def fit_alternatives(*, claim: dict[str, Any]) -> Decision:
-    """Which firstAvailable alternatives fit the team's quota now; nothing is written.
+def fit_alternatives(
+    *,
+    claim: dict[str, Any],
+    username: str = "",
+    dry_run: bool = False,
+    admission_uid: str = "",
+    at: datetime,
+    deadline: float | None = None,
+) -> Decision:
+    """Which firstAvailable alternatives fit the team's quota now; nothing is reserved.
 
-    A claim already admitted (the API server sends a retried create to this webhook first)
+    A denial is recorded (unless `dry_run`): the API server calls this webhook first and,
+    when it denies, never calls the validating one, which records every other decision. A
+    claim already admitted (the API server sends a retried create to this webhook first)
     keeps the alternatives its reservation chose: planned again, it would be counted beside
-    its own reservation and not fit.
+    its own reservation and not fit. Nothing waits on the database past `deadline`.
     """
-    with store.admission_transaction():
+    with (
+        store.admission_deadline(deadline),
+        contextlib.nullcontext() if dry_run else store.admission_session(timeouts=False),
+        store.admission_transaction(),
+    ):
         cluster = _cluster()
         namespace, name = decision.claim_name(claim)
         state = store.admission_state(cluster=cluster.name, namespace=namespace, name=name)
@@ -94,7 +113,18 @@ def fit_alternatives(*, claim: dict[str, Any]) -> Decision:
             return Decision(
                 allowed=True, team=state.team, removed=decision.not_chosen(claim, chosen)
             )
-        return _plan(cluster=cluster, claim=claim, state=state).decision()
+        answer = _plan(cluster=cluster, claim=claim, state=state).decision()
+        if not answer.allowed and not dry_run:
+            store.record(
+                answer,
+                namespace=namespace,
+                name=name,
+                username=username,
+                uid=admission_uid,
+                at=at,
+                webhook=Webhook.MUTATE,
+            )
+        return answer
 
 
 def _plan(*, cluster: Cluster, claim: dict[str, Any], state: AdmissionState) -> Plan:

@@ -1,6 +1,6 @@
-"""The admission's database work: its read, its reservation and its record, and the session
-settings they run with. The only module of the webhook that writes SQL or touches the
-PostgreSQL session (its statements run prepared, through `db.prepared`).
+"""The admission's database work: its read, its reservation and its record, the session
+settings they run with and the deadline they keep. The only module of the webhook that writes
+SQL or touches the PostgreSQL session (its statements run prepared, through `db.prepared`).
 
 An admission is two statements in autocommit, each atomic on its own: `admission_state` reads
 the team's rules and usage (and, within `admission_session`, sets the webhook's timeouts on
@@ -10,6 +10,9 @@ decision) or `record` (the decision alone). The last of them sets the session's 
 back as it ends, so no other request ever runs with the webhook's. Behind a pooler that lends
 connections per transaction (DATABASE_TRANSACTION_POOLING) an admission is one transaction,
 and the settings are local to it.
+
+Within `admission_deadline` nothing waits on the database past the admission's deadline, and
+no reservation is made after it, however late the database gets the statement.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import math
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -30,11 +35,13 @@ from django.db import (
     DEFAULT_DB_ALIAS,
     DatabaseError,
     IntegrityError,
+    OperationalError,
     connection,
     connections,
     transaction,
 )
 
+from db.postgresql import deadline
 from db.prepared import fetch_prepared
 from quota.admission.decision import AdmissionState, Decision, Plan, Rule, RuleSnapshot
 from quota.models import (
@@ -44,6 +51,7 @@ from quota.models import (
     Reservation,
     ReservationLine,
     ReservationState,
+    Webhook,
 )
 from teams.models import Team, TeamNamespace
 
@@ -56,11 +64,69 @@ class RulesChanged(Exception):
     """A rule the plan counted on was deleted while the claim was being admitted."""
 
 
+class DeadlinePassed(OperationalError):
+    """The database did not answer the admission by its deadline, or got its reservation
+    after it: to the API server, which has given up by then, it was unreachable. Nothing was
+    reserved."""
+
+
+@dataclass
+class _Deadline:
+    """An admission's deadline: by this process's clock (`time.monotonic()`) and, once the
+    admission's read has seen the database's clock, by the database's (seconds since the
+    epoch)."""
+
+    at: float
+    on_server: float | None = None
+
+
+_DEADLINE: ContextVar[_Deadline | None] = ContextVar("tally_deadline", default=None)
+
+
+@contextmanager
+def admission_deadline(at: float | None) -> Iterator[None]:
+    """Nothing within it waits on the database past `at` (`time.monotonic()`; None: no
+    deadline), and no reservation is made after it.
+
+    Two guards, for the two ways a database can be late. Past `at` the connection's socket is
+    shut down (`db.postgresql.deadline`): a statement still waiting (the admission's first
+    read included, which has no statement_timeout yet) fails at once as `DeadlinePassed`, and
+    the connection is closed. And the reserving statement checks the database's own clock
+    against the deadline after it has taken its locks: one the database gets late (held by
+    the network, a server that stalled) reserves nothing. The deadline on the database's
+    clock comes from the admission's read, which reads that clock: no two clocks need agree.
+    """
+    if at is None:
+        yield
+        return
+    db = connections[DEFAULT_DB_ALIAS]
+    db.ensure_connection()
+    token = _DEADLINE.set(_Deadline(at=at))
+    watch: deadline.Watch | None = None
+    try:
+        with deadline.deadline(db.connection, at=at) as watch:
+            try:
+                yield
+            except DatabaseError as exc:
+                if watch.expired and not isinstance(exc, DeadlinePassed):
+                    raise DeadlinePassed(
+                        f"no answer from the database by the admission's deadline ({exc})"
+                    ) from exc
+                raise
+    finally:
+        _DEADLINE.reset(token)
+        # Read once the watch is over: its socket is shut down, whether or not a statement
+        # was waiting on it then, and the connection is no use.
+        if watch is not None and watch.expired:
+            with contextlib.suppress(DatabaseError):
+                db.close()
+
+
 @dataclass
 class _Session:
     """The webhook's settings for one admission, and what the session had before them."""
 
-    wanted: tuple[str, str]
+    wanted: tuple[str, str] | None  # None: the session's own timeouts (an admission that reads)
     local: bool  # for the transaction (behind a transaction pooler), not the session
     # synchronous_commit for the commit of each statement that writes; None within a
     # caller's transaction, whose commit is not the admission's to make less durable.
@@ -74,12 +140,14 @@ _SESSION: ContextVar[_Session | None] = ContextVar("tally_session", default=None
 
 
 @contextmanager
-def admission_session() -> Iterator[None]:
+def admission_session(*, timeouts: bool = True) -> Iterator[None]:
     """Within it, `admission_state` (the admission's first statement) also sets the statement
     and lock timeouts (TALLY_WEBHOOK_DB_TIMEOUT_MS) of the statements after it, and each
     statement that writes sets the durability of its own commit
-    (TALLY_WEBHOOK_SYNCHRONOUS_COMMIT; `statement_ending`). For an admission that may write:
-    the mutating webhook and dry runs only read.
+    (TALLY_WEBHOOK_SYNCHRONOUS_COMMIT; `statement_ending`). For an admission that may write
+    (dry runs only read). Without `timeouts` (the mutating webhook, which at most records a
+    denial: it locks nothing) the session's timeouts are left as they are, so that an
+    admission that only reads needs no statement to set them back.
 
     The admission runs in autocommit, each statement atomic on its own, so the settings are
     set on the session, with no round trip of their own, and the admission's last statement
@@ -91,7 +159,7 @@ def admission_session() -> Iterator[None]:
     timeout = f"{int(settings.TALLY_WEBHOOK_DB_TIMEOUT_MS)}ms"
     synchronous_commit = "on" if settings.TALLY_WEBHOOK_SYNCHRONOUS_COMMIT else "off"
     session = _Session(
-        wanted=(timeout, timeout),
+        wanted=(timeout, timeout) if timeouts else None,
         local=settings.DATABASE_TRANSACTION_POOLING,
         durability=(None if connections[DEFAULT_DB_ALIAS].in_atomic_block else synchronous_commit),
     )
@@ -200,9 +268,11 @@ def _admission_state_sql(*, with_settings: bool, local: bool = False) -> str:
         quote(model._meta.db_table) for model in (Team, TeamNamespace, QuotaRule, Reservation)
     )
     # One row to hang the rest on, made once per statement (a subquery with volatile functions
-    # is not flattened): the session's settings for the admission's next statements, when
-    # there are some.
+    # is not flattened): the database's clock, and the session's settings for the admission's
+    # next statements, when there are some.
     own = ", ".join(f"current_setting('{name}') AS {name}" for name in SESSION_SETTINGS)
+    # (Seconds since the epoch: a float is read much faster than a timestamp, on every row.)
+    own += ", extract(epoch FROM clock_timestamp())::float8 AS clock"
     scope = "true" if local else "false"
     sets = ", ".join(f"set_config('{name}', %s, {scope})" for name in SESSION_SETTINGS)
     # Read before they are set: the select list is evaluated in order.
@@ -213,7 +283,7 @@ SELECT t.id, t.slug, t.name,
        (SELECT v.team_id FROM {reservation} v
         WHERE v.cluster = %s AND v.namespace = %s AND v.name = %s AND NOT (v.state = 'released')
         LIMIT 1),
-       {", ".join(f"o.{name}" for name in SESSION_SETTINGS)}
+       {", ".join(f"o.{name}" for name in SESSION_SETTINGS)}, o.clock
 FROM ({driver}) o
 LEFT JOIN {owner} n ON n.namespace = %s
 LEFT JOIN {team} t ON t.id = n.team_id
@@ -229,17 +299,22 @@ def admission_state(*, cluster: str, namespace: str, name: str) -> AdmissionStat
     One round trip with no ORM on the webhook's path.
     """
     session = _SESSION.get()
-    if session is not None and session.own is not None:
-        session = None  # set already (an admission reads once; this is a second read)
+    wanted = session.wanted if session is not None and session.own is None else None
+    # (Set already when `own` is: an admission reads once; this is a second read.)
     rows = fetch_prepared(
         _admission_state_sql(
-            with_settings=session is not None,
-            local=session is not None and session.local,
+            with_settings=wanted is not None,
+            local=bool(session and wanted and session.local),
         ),
-        [cluster, namespace, name, *(session.wanted if session else ()), namespace],
+        [cluster, namespace, name, *(wanted or ()), namespace],
     )
-    if session is not None and not session.local:
+    if session is not None and wanted is not None and not session.local:
         session.own = (rows[0][12], rows[0][13])
+    limit = _DEADLINE.get()
+    if limit is not None:
+        # The deadline by the database's clock: the time it read (column 14) is no later
+        # than now, so what was left then is at least what is left now.
+        limit.on_server = rows[0][14] + (limit.at - time.monotonic())
     team: Team | None = None
     rules: list[RuleSnapshot] = []
     replayed: int | None = rows[0][11] if rows else None
@@ -299,14 +374,21 @@ def chosen_alternatives(*, cluster: str, namespace: str, name: str) -> Any:
 
 # The columns of `AdmissionDecision` both of the webhook's inserts write, in this order.
 _DECISION_COLUMNS = (
-    "at, uid, namespace, name, username, team_id, allowed, dry_run, message, warnings"
+    "at, uid, namespace, name, username, webhook, team_id, allowed, dry_run, message, warnings"
 )
 
 
 def record(
-    decision: Decision, *, namespace: str, name: str, username: str, uid: str, at: datetime
+    decision: Decision,
+    *,
+    namespace: str,
+    name: str,
+    username: str,
+    uid: str,
+    at: datetime,
+    webhook: Webhook = Webhook.VALIDATE,
 ) -> None:
-    """Keep the webhook's answer for operators, for a decision whose claim holds no quota (one
+    """Keep a webhook's answer for operators, for a decision whose claim holds no quota (one
     that does is recorded by the statement that reserves it): a denial, a namespace no team
     owns, a claim no rule limits. A prepared INSERT, the admission's last statement. Its
     commit does not wait for the disk: a database crash may lose the last such rows, never
@@ -317,8 +399,8 @@ def record(
     ending = statement_ending(wait_for_disk=False)
     fetch_prepared(
         _record_sql(restore=ending.restore, durability=ending.durable),
-        [at, uid, namespace, name, username, team_id, decision.allowed, decision.message,
-         json.dumps(decision.warnings), *ending.params],
+        [at, uid, namespace, name, username, webhook.value, team_id, decision.allowed,
+         decision.message, json.dumps(decision.warnings), *ending.params],
     )  # fmt: skip
     if ending.restore:
         restored()
@@ -337,7 +419,7 @@ def _record_sql(*, restore: bool, durability: bool) -> str:
     ]
     return (
         f"INSERT INTO {table} ({_DECISION_COLUMNS}) "
-        "VALUES (%s, %s, %s, %s, %s, %s, %s, false, %s, %s::jsonb) "
+        "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, false, %s, %s::jsonb) "
         f"RETURNING {', '.join(returning)}"
     )
 
@@ -375,7 +457,12 @@ def _reserve_sql(rules: int, *, restore: bool, durability: bool) -> str:
     """The reserving statement for `rules` rules (made once per shape); with `restore`, it
     sets the session's own settings back (two more parameters) when it admits, as the last
     thing it evaluates, after every lock it takes; with `durability`, it sets the durability
-    of its commit (one more)."""
+    of its commit (one more).
+
+    Its `outcome`: 'fits' (reserved), 'over' (a rule's limit does not allow it), 'gone' (a
+    rule was deleted), 'late' (the admission's deadline, on the database's clock, passed
+    before it had its locks: nothing reserved). CASE tests them in this order, so the clock
+    is read after every lock is taken, and the commit follows at once (autocommit)."""
     quote = connection.ops.quote_name
     rule, reservation, line, decision = (
         quote(model._meta.db_table)
@@ -385,7 +472,7 @@ def _reserve_sql(rules: int, *, restore: bool, durability: bool) -> str:
     values = ", ".join(["(%s::bigint, %s::numeric, %s::boolean)"] * rules)
     # A denied claim's decision is recorded by the next statement, which sets them back then.
     restores = (
-        ",\n       CASE WHEN verdict.fits THEN ARRAY[" + restore_columns() + "] END"
+        ",\n       CASE WHEN verdict.outcome = 'fits' THEN ARRAY[" + restore_columns() + "] END"
         if restore
         else ""
     ) + (f",\n       {durability_column()}" if durability else "")
@@ -401,13 +488,17 @@ over AS (
     WHERE a.enforce AND l.in_use + a.amount > l.{limit} ORDER BY l.id LIMIT 1
 ),
 verdict AS (
-    SELECT NOT EXISTS (SELECT 1 FROM over)
-           AND (SELECT count(*) FROM locked) = (SELECT count(*) FROM asked) AS fits
+    SELECT CASE
+        WHEN (SELECT count(*) FROM locked) <> (SELECT count(*) FROM asked) THEN 'gone'
+        WHEN EXISTS (SELECT 1 FROM over) THEN 'over'
+        WHEN clock_timestamp() >= to_timestamp(%s::float8) THEN 'late'
+        ELSE 'fits'
+    END AS outcome
 ),
 kept AS (
     INSERT INTO {reservation} ({", ".join(_RESERVATION_COLUMNS)}, claim_uid, released_at)
     SELECT %s, %s, %s, %s, %s, %s, %s, %s, %s::jsonb, %s::jsonb, %s, %s, %s, '', NULL
-    FROM verdict WHERE verdict.fits
+    FROM verdict WHERE verdict.outcome = 'fits'
     ON CONFLICT (cluster, namespace, name) WHERE NOT (state = 'released') DO NOTHING
     RETURNING id
 ),
@@ -421,10 +512,11 @@ lines AS (
 ),
 recorded AS (
     INSERT INTO {decision} ({_DECISION_COLUMNS})
-    SELECT %s, %s, %s, %s, %s, %s, true, false, '', %s::jsonb FROM verdict WHERE verdict.fits
+    SELECT %s, %s, %s, %s, %s, '{Webhook.VALIDATE.value}', %s, true, false, '', %s::jsonb
+    FROM verdict WHERE verdict.outcome = 'fits'
     RETURNING id
 )
-SELECT verdict.fits, over.id, over.in_use, over.amount,
+SELECT verdict.outcome, over.id, over.in_use, over.amount,
        (SELECT count(*) FROM counted), (SELECT count(*) FROM lines),
        (SELECT count(*) FROM recorded){restores}
 FROM verdict LEFT JOIN over ON true
@@ -436,7 +528,9 @@ def reserve(fields: dict[str, Any], plan: Plan, *, username: str) -> tuple[Rule,
     usage, insert the reservation `fields` (once per claim), add its amounts to the rules,
     insert its lines and record the decision, all in one statement: one round trip. Returns
     None when it fits, else the first rule it would take past its limit (its usage as found)
-    and what the claim asks of it; raises `RulesChanged` when a rule has gone.
+    and what the claim asks of it; raises `RulesChanged` when a rule has gone, and
+    `DeadlinePassed` when the admission's deadline passed before it had its locks (it
+    reserved nothing).
 
     A claim admitted meanwhile by another call (the same create sent again) makes the insert
     do nothing, and with it the rest: it reserves once and the answer is the same.
@@ -444,7 +538,10 @@ def reserve(fields: dict[str, Any], plan: Plan, *, username: str) -> tuple[Rule,
     params: list[Any] = []
     for rule_id in sorted(plan.reserve):
         params += [rule_id, plan.reserve[rule_id], plan.rules[rule_id].mode == Mode.ENFORCE]
+    limit = _DEADLINE.get()
     params += [
+        # Outside `admission_deadline`: none (to_timestamp('Infinity') is 'infinity').
+        limit.on_server if limit is not None and limit.on_server is not None else math.inf,
         *(fields[column] for column in _RESERVATION_COLUMNS[:8]),
         json.dumps(fields["owner_references"]),
         json.dumps(fields["chosen"]),
@@ -458,16 +555,18 @@ def reserve(fields: dict[str, Any], plan: Plan, *, username: str) -> tuple[Rule,
         json.dumps(plan.warnings),
     ]
     ending = statement_ending()  # set back when it admits: then it is the admission's last
-    [(fits, over_id, in_use, amount, *_)] = fetch_prepared(
+    [(outcome, over_id, in_use, amount, *_)] = fetch_prepared(
         _reserve_sql(len(plan.reserve), restore=ending.restore, durability=ending.durable),
         [*params, *ending.params],
     )
-    if fits:
+    if outcome == "fits":
         if ending.restore:
             restored()
         return None
-    if over_id is None:
+    if outcome == "gone":
         raise RulesChanged
+    if outcome == "late":
+        raise DeadlinePassed("the reservation reached the database after the deadline")
     rule = plan.rules[over_id]
     rule.in_use = in_use
     return rule, amount

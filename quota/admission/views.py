@@ -2,9 +2,15 @@
 
 Thin edges: parse the AdmissionReview, call one service (`service.review_claim`, or
 `service.fit_alternatives` for the mutating webhook), answer. Every well-formed review gets
-a well-formed answer that echoes its uid; a body that is no AdmissionReview gets HTTP 400 with
-the reason. Nothing here answers 500: a database that cannot be reached is a clear denial (or
-an admission, when `TALLY_WEBHOOK_FAIL_OPEN` is set) within the configured timeout.
+a well-formed answer that echoes its uid; a body that is no AdmissionReview (not JSON, nested
+past `config.inputs`' limit, a number past a double) gets HTTP 400 with the reason, and a
+claim that is malformed a denial naming the field. Nothing here answers 500.
+
+Only a database that cannot be reached in time (an `OperationalError` or `InterfaceError`:
+refused, gone, timed out, past the deadline) may be an admission, with a warning, when
+`TALLY_WEBHOOK_FAIL_OPEN` is set; otherwise it is a clear denial within the deadline. A
+statement the database refuses (a value it cannot store, a bug) is always a denial: failing
+open then would admit, reserving nothing, a claim that would be refused again and again.
 """
 
 from __future__ import annotations
@@ -12,17 +18,20 @@ from __future__ import annotations
 import base64
 import json
 import logging
+import time
 from typing import Any
 
+import orjson
 from django.conf import settings
-from django.db import DatabaseError
-from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.db import DataError, InterfaceError, OperationalError
+from django.http import HttpRequest, HttpResponse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 from jsonpatch import JsonPointer
 
 from config import metrics
+from config.inputs import BadInput, parse_json
 from config.logging import PARSED_REVIEW
 from quota.admission import service
 from quota.admission.decision import Decision
@@ -34,10 +43,18 @@ REMOVED_ANNOTATION = "tally.dev/removed-alternatives"
 _REMOVED_ANNOTATION_PATH = JsonPointer.from_parts(
     ["metadata", "annotations", REMOVED_ANNOTATION]
 ).path
+# The API server's request uids are UUIDs (36 characters); the records keep 64.
+MAX_UID_LENGTH = 64
+# Kubernetes' longest: a namespace is a DNS label, a name a DNS subdomain.
+MAX_LENGTHS = {"namespace": 63, "name": 253, "generateName": 253}
 
 
 class BadReview(ValueError):
     """The body is not an AdmissionReview; the message says what is wrong."""
+
+
+class BadClaim(ValueError):
+    """The review is of a claim the webhooks cannot read; the message names the field."""
 
 
 _UNPARSED = object()
@@ -49,9 +66,9 @@ def parse_review(body: bytes, parsed: Any = _UNPARSED) -> dict[str, Any]:
     `parsed` is the body already parsed as JSON (the request-id middleware reads the uid).
     """
     try:
-        review = json.loads(body) if parsed is _UNPARSED else parsed
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BadReview(f"body is not JSON: {exc}") from exc
+        review = parse_json(body) if parsed is _UNPARSED else parsed
+    except BadInput as exc:
+        raise BadReview(str(exc)) from None
     if not isinstance(review, dict):
         raise BadReview("body must be a JSON object (an AdmissionReview)")
     if review.get("kind") != "AdmissionReview":
@@ -63,6 +80,8 @@ def parse_review(body: bytes, parsed: Any = _UNPARSED) -> dict[str, Any]:
         raise BadReview("request is missing or not an object")
     if not isinstance(request.get("uid"), str) or not request["uid"]:
         raise BadReview("request.uid is missing or not a string")
+    if len(request["uid"]) > MAX_UID_LENGTH:
+        raise BadReview(f"request.uid is longer than {MAX_UID_LENGTH} characters")
     return request
 
 
@@ -85,7 +104,7 @@ def answer(
         response["warnings"] = [w if len(w) <= 256 else w[:253] + "..." for w in warnings]
     if patch:
         response["patchType"] = "JSONPatch"
-        response["patch"] = base64.b64encode(json.dumps(patch).encode()).decode()
+        response["patch"] = base64.b64encode(orjson.dumps(patch)).decode()
     return {"apiVersion": API_VERSION, "kind": "AdmissionReview", "response": response}
 
 
@@ -101,6 +120,8 @@ def _is_claim_create(request: dict[str, Any]) -> bool:
 
 
 def _review(http_request: HttpRequest, *, mutate: bool) -> HttpResponse:
+    # The API server gives up timeoutSeconds after it sent the review; counted from here.
+    deadline = time.monotonic() + settings.TALLY_WEBHOOK_DEADLINE_MS / 1000
     webhook = "mutate" if mutate else "validate"
     with _child(metrics.WEBHOOK_LATENCY, webhook).time():
         try:
@@ -111,7 +132,8 @@ def _review(http_request: HttpRequest, *, mutate: bool) -> HttpResponse:
             return HttpResponse(
                 f"bad AdmissionReview: {exc}\n", status=400, content_type="text/plain"
             )
-        return JsonResponse(respond(request, mutate=mutate))
+        body = orjson.dumps(respond(request, mutate=mutate, deadline=deadline))
+        return HttpResponse(body, content_type="application/json")
 
 
 def _count(webhook: str, result: str, rule: str = "") -> None:
@@ -130,40 +152,41 @@ def _child(metric: Any, *labels: str) -> Any:
     return child
 
 
-def respond(request: dict[str, Any], *, mutate: bool = False) -> dict[str, Any]:
+def respond(
+    request: dict[str, Any], *, mutate: bool = False, deadline: float | None = None
+) -> dict[str, Any]:
     """The AdmissionReview answering `request` (a review's request, as `parse_review` gives it).
 
     What the validating (or, with `mutate`, the mutating) webhook answers; `manage.py
-    review_claims` calls it in-process. Never raises: a database that cannot be reached is a
-    denial (an admission with a warning when `TALLY_WEBHOOK_FAIL_OPEN` is set).
+    review_claims` calls it in-process. `deadline` (`time.monotonic()`; by default
+    TALLY_WEBHOOK_DEADLINE_MS from now): nothing is reserved, or waited for, after it. Never
+    raises: a database that cannot be reached is a denial (an admission with a warning when
+    `TALLY_WEBHOOK_FAIL_OPEN` is set).
     """
     webhook = "mutate" if mutate else "validate"
     uid = request["uid"]
     if not _is_claim_create(request):
         return answer(uid, allowed=True)
-    claim = request.get("object")
-    if not isinstance(claim, dict):
-        return answer(
-            uid, allowed=False, reason="Invalid", message="request.object is not a ResourceClaim"
-        )
-    if not isinstance(claim.get("metadata"), dict):
-        claim = {**claim, "metadata": {}}
-    claim["metadata"].setdefault("namespace", request.get("namespace") or "default")
-    claim["metadata"].setdefault("name", request.get("name") or "")
-    user_info = request.get("userInfo") if isinstance(request.get("userInfo"), dict) else {}
-    assert isinstance(user_info, dict)
     try:
-        if mutate:
-            decision = service.fit_alternatives(claim=claim)
-        else:
-            decision = service.review_claim(
-                claim=claim,
-                username=str(user_info.get("username") or ""),
-                dry_run=request.get("dryRun") is True,
-                admission_uid=uid,
-                at=timezone.now(),
-            )
-    except DatabaseError as exc:
+        claim, username, dry_run = _claim_of(request)
+    except BadClaim as exc:
+        # Not recorded: what it names cannot be stored as sent (the API server sends none).
+        log.warning("admission %s: denied, unreadable: %s", uid, exc)
+        _count(webhook, "denied")
+        return answer(uid, allowed=False, reason="Invalid", message=str(exc))
+    if deadline is None:
+        deadline = time.monotonic() + settings.TALLY_WEBHOOK_DEADLINE_MS / 1000
+    review = service.fit_alternatives if mutate else service.review_claim
+    try:
+        decision = review(
+            claim=claim,
+            username=username,
+            dry_run=dry_run,
+            admission_uid=uid,
+            at=timezone.now(),
+            deadline=deadline,
+        )
+    except (OperationalError, InterfaceError) as exc:
         log.error("admission %s: database unavailable: %s", uid, exc)
         _count(webhook, "error")
         if settings.TALLY_WEBHOOK_FAIL_OPEN:
@@ -175,6 +198,18 @@ def respond(request: dict[str, Any], *, mutate: bool = False) -> dict[str, Any]:
             allowed=False,
             reason="ServiceUnavailable",
             message="Tally cannot check quota right now (its database is unavailable); try again",
+        )
+    except DataError as exc:
+        # A value of the claim the database cannot store (a NUL character): the same claim
+        # would be refused every time, so it is denied, saying why.
+        problem = str(exc).strip().splitlines()[0] if str(exc).strip() else "invalid data"
+        log.warning("admission %s: the database refused the claim's data: %s", uid, problem)
+        _count(webhook, "error")
+        return answer(
+            uid,
+            allowed=False,
+            reason="Invalid",
+            message=f"Tally cannot store this claim: {problem}",
         )
     except Exception:
         log.exception("admission %s: unexpected error", uid)
@@ -194,6 +229,48 @@ def respond(request: dict[str, Any], *, mutate: bool = False) -> dict[str, Any]:
         message=decision.message,
         reason=decision.reason,
         warnings=decision.warnings,
+    )
+
+
+def _claim_of(request: dict[str, Any]) -> tuple[dict[str, Any], str, bool]:
+    """The claim of a CREATE review (its namespace and name filled in from the request when
+    it has none), the user who sent it and whether it is a dry run; `BadClaim` names the
+    field the API server would never send so (the mutating webhook sees a claim before the
+    API server validates it)."""
+    claim = request.get("object")
+    if not isinstance(claim, dict):
+        raise BadClaim("request.object is not a ResourceClaim")
+    metadata = claim.get("metadata")
+    if metadata is None:
+        claim = {**claim, "metadata": {}}
+    elif not isinstance(metadata, dict):
+        raise BadClaim(f"request.object.metadata: must be a mapping, not {_kind(metadata)}")
+    claim["metadata"].setdefault("namespace", request.get("namespace") or "default")
+    claim["metadata"].setdefault("name", request.get("name") or "")
+    for key, longest in MAX_LENGTHS.items():
+        value = claim["metadata"].get(key)
+        if value is not None and not isinstance(value, str):
+            raise BadClaim(f"request.object.metadata.{key}: must be a string, not {_kind(value)}")
+        if value is not None and len(value) > longest:
+            raise BadClaim(f"request.object.metadata.{key}: must be at most {longest} characters")
+    user_info = request.get("userInfo")
+    if user_info is None:
+        user_info = {}
+    elif not isinstance(user_info, dict):
+        raise BadClaim(f"request.userInfo: must be a mapping, not {_kind(user_info)}")
+    username = user_info.get("username")
+    if username is not None and not isinstance(username, str):
+        raise BadClaim(f"request.userInfo.username: must be a string, not {_kind(username)}")
+    dry_run = request.get("dryRun")
+    if dry_run is not None and not isinstance(dry_run, bool):
+        raise BadClaim(f"request.dryRun: must be a boolean, not {_kind(dry_run)}")
+    return claim, username or "", dry_run is True
+
+
+def _kind(value: Any) -> str:
+    """A JSON value's type, in the words of `inventory.dra`'s messages."""
+    return {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean"}.get(
+        type(value), "a number" if isinstance(value, int | float) else "null"
     )
 
 

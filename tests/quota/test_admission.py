@@ -398,7 +398,7 @@ def test_first_available_is_denied_when_no_alternative_fits(client: Client) -> N
 
 def test_malformed_bodies_get_400_with_the_reason(client: Client) -> None:
     cases = {
-        b"{not json": "body is not JSON",
+        b"{not json": "the body is not valid JSON",
         b"[]": "body must be a JSON object",
         json.dumps({"kind": "AdmissionReview", "apiVersion": "admission.k8s.io/v1"}).encode(): (
             "request is missing"

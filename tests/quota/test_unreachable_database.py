@@ -6,10 +6,16 @@ accepts connections and never answers (a hung host, a proxy whose backend is gon
 server waits `timeoutSeconds: 3` and then fails the CREATE by `failurePolicy: Fail`; the
 issue asks for a clear answer within 2 seconds instead. Four servers (each outage, failing
 closed and failing open) start together and each answers two reviews (the first one cold).
+
+And a database that goes silent on a connection already made (packets dropped, then
+delivered when the network comes back): a proxy between the webhook and the real server
+holds what the webhook sends until it is released. The answer comes by the webhook's
+deadline, and what reaches the database after it reserves nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
@@ -27,8 +33,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
+from django.conf import settings as django_settings
+from django.db import connection
 
-from tests.quota.fixtures import claim, gpu_request, review
+from quota.models import QuotaRule, Reservation
+from tests.quota.fixtures import claim, gpu_request, make_team, review
 
 REPO = Path(__file__).resolve().parents[2]
 # The issue's bound, and the API server's timeoutSeconds (deploy/: the webhook configurations).
@@ -75,16 +85,24 @@ def hanging_database() -> Iterator[int]:
     threading.Thread(target=hold, daemon=True).start()
     yield listener.getsockname()[1]
     listener.close()
-    for connection in held:
-        connection.close()
+    for accepted in held:
+        accepted.close()
 
 
-def _start_server(database_port: int, *, fail_open: bool, logs: str) -> tuple[Server, int, str]:
+def _start_server(
+    database_port: int,
+    *,
+    fail_open: bool,
+    logs: str,
+    database: str = "tally@127.0.0.1:{port}/tally",
+    **settings: str,
+) -> tuple[Server, int, str]:
     """gunicorn as deployed (one worker), its log in `logs`: (process, port, log file)."""
     port = _free_port()
     env = {
         **{k: v for k, v in os.environ.items() if not k.startswith(_INHERITED_SETTINGS)},
-        "DATABASE_URL": f"postgres://tally@127.0.0.1:{database_port}/tally",
+        "DATABASE_URL": "postgres://" + database.format(port=database_port),
+        **settings,
         "TALLY_WEBHOOK_FAIL_OPEN": "true" if fail_open else "false",
         "DEBUG": "false",
         "SECRET_KEY": "tests-only",
@@ -221,3 +239,193 @@ def test_the_answer_comes_within_2_seconds(
 ) -> None:
     seconds = [round(answer.seconds, 3) for answer in answers[outage, fail_open]]
     assert max(seconds) < ANSWER_WITHIN_SECONDS, seconds
+
+
+class SilentProxy:
+    """A TCP proxy to PostgreSQL that can go silent, as a network that drops packets does for
+    the database: from the first piece the webhook sends that holds `marker`, what it sends
+    is held (the webhook's kernel has it acknowledged, by the proxy) until `release`, then
+    delivered late, even after the webhook has closed its end. The database's answers pass
+    as ever, and a connection stays open on its side until the database ends it."""
+
+    def __init__(self, database_port: int) -> None:
+        self.database_port = database_port
+        self.listener = socket.socket()
+        self.listener.bind(("127.0.0.1", 0))
+        self.listener.listen(16)
+        self.port: int = self.listener.getsockname()[1]
+        self.marker: bytes | None = None
+        self.held: list[tuple[socket.socket, bytes]] = []
+        self.holding = threading.Event()  # something is held
+        self.lock = threading.Lock()
+        # Connections the webhook has ended that the database has not yet.
+        self.abandoned: set[socket.socket] = set()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def hold_from(self, marker: bytes) -> None:
+        with self.lock:
+            self.marker = marker
+
+    def release(self) -> None:
+        """Deliver what was held (an end of the webhook's side too), and hold nothing more."""
+        with self.lock:
+            self.marker = None
+            for upstream, data in self.held:
+                with contextlib.suppress(OSError):
+                    upstream.sendall(data)
+                if not data:
+                    self._end(upstream)
+            self.held.clear()
+            self.holding.clear()
+
+    def wait_until_closed(self, timeout: float = 10.0) -> None:
+        """Until the database has ended every connection whose webhook end is gone."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if not self.abandoned:
+                    return
+            time.sleep(0.02)
+        raise AssertionError("the database kept a connection open")
+
+    def close(self) -> None:
+        self.release()
+        self.listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                downstream, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            upstream = socket.create_connection(("127.0.0.1", self.database_port))
+            threading.Thread(target=self._up, args=(downstream, upstream), daemon=True).start()
+            threading.Thread(target=self._down, args=(upstream, downstream), daemon=True).start()
+
+    def _up(self, downstream: socket.socket, upstream: socket.socket) -> None:
+        """The webhook's bytes to the database, unless held."""
+        while True:
+            try:
+                data = downstream.recv(65536)
+            except OSError:
+                data = b""  # reset: the webhook gave up on the connection
+            with self.lock:
+                if not data:
+                    # After what is held, late, the database sees the end.
+                    self.abandoned.add(upstream)
+                    if self.holding.is_set():
+                        self.held.append((upstream, b""))
+                    else:
+                        self._end(upstream)
+                    return
+                if self.marker is not None and self.marker in data:
+                    self.holding.set()
+                if self.holding.is_set():
+                    self.held.append((upstream, data))
+                    continue
+            upstream.sendall(data)
+
+    def _end(self, upstream: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            upstream.shutdown(socket.SHUT_WR)
+
+    def _down(self, upstream: socket.socket, downstream: socket.socket) -> None:
+        """The database's bytes to the webhook, until the database ends the connection."""
+        try:
+            while True:
+                try:
+                    data = upstream.recv(65536)
+                except OSError:
+                    return
+                if not data:
+                    return
+                with contextlib.suppress(OSError):
+                    downstream.sendall(data)
+        finally:
+            with self.lock:
+                self.abandoned.discard(upstream)
+            upstream.close()
+            downstream.close()
+
+
+# The webhook's deadline in the test below: a second, for speed (2.5 s by default).
+DEADLINE_SECONDS = 1.0
+# How long the network stays silent unless the webhook answers first: past the API server's
+# timeout, as in the outage reported (26-30 s).
+SILENCE_SECONDS = 4.0
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("fleet")
+def test_a_database_that_goes_silent_reserves_nothing_after_the_deadline() -> None:
+    """On connections already made (the first review made them), the database goes silent,
+    once before the webhook's first read reaches it and once before its reservation does.
+    Each time the webhook answers by its deadline, and what the database gets when the
+    network is back (the reservation: after the API server has failed the CREATE) reserves
+    nothing."""
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 25}])
+    settings = connection.settings_dict
+    proxy = SilentProxy(int(settings["PORT"] or 5432))
+    database = f"{settings['USER']}@127.0.0.1:{{port}}/{settings['NAME']}"
+    with tempfile.TemporaryDirectory() as logs:
+        server, port, log_path = _start_server(
+            proxy.port,
+            fail_open=False,
+            logs=logs,
+            database=database,
+            TALLY_WEBHOOK_DEADLINE_MS=str(int(DEADLINE_SECONDS * 1000)),
+        )
+        try:
+            _wait_until_serving(server, port, log_path)
+
+            def admit(name: str, uid: str, *, silent_from: bytes | None = None) -> Answer:
+                if silent_from is not None:
+                    proxy.hold_from(silent_from)
+                network_back = threading.Timer(SILENCE_SECONDS, proxy.release)
+                network_back.start()
+                body = review(claim(name, [gpu_request(1)]), uid=uid)
+                try:
+                    return _request(
+                        port, "POST", "/admission/resourceclaims", json.dumps(body).encode()
+                    )
+                finally:
+                    network_back.cancel()
+                    proxy.release()
+                    proxy.wait_until_closed()
+
+            assert admit("warm", "warm-uid").body["response"]["allowed"] is True
+            # The claim's name is in the read (and the reservation); the uid only in the
+            # reservation.
+            silent_read = admit("silent-read", "read-uid", silent_from=b"silent-read")
+            silent_reservation = admit("late", "late-uid", silent_from=b"late-uid")
+            after = admit("after", "after-uid")
+        finally:
+            _stop([server])
+            proxy.close()
+        log = Path(log_path).read_text()
+    for answer in (silent_read, silent_reservation):
+        response = answer.body["response"]
+        assert response["allowed"] is False, (response, log)
+        assert response["status"]["reason"] == "ServiceUnavailable", (response, log)
+        assert answer.seconds < DEADLINE_SECONDS + 0.5, (answer, log)
+    assert after.body["response"]["allowed"] is True, (after, log)
+    reserved = sorted(Reservation.objects.values_list("name", flat=True))
+    assert reserved == ["after", "warm"], log
+    assert QuotaRule.objects.get().in_use == 2
+
+
+def test_the_deadline_leaves_the_api_servers_timeout_a_margin() -> None:
+    """The webhook's deadline (TALLY_WEBHOOK_DEADLINE_MS, as the deploy leaves it: the
+    default) ends before the API server gives up on either webhook, with time for the answer
+    to travel."""
+    webhooks = [
+        webhook
+        for document in yaml.safe_load_all((REPO / "deploy/base/webhooks.yaml").read_text())
+        for webhook in document["webhooks"]
+    ]
+    assert len(webhooks) == 2
+    kustomization = (REPO / "deploy/base/kustomization.yaml").read_text()
+    assert "TALLY_WEBHOOK_DEADLINE_MS" not in kustomization
+    for webhook in webhooks:
+        margin = webhook["timeoutSeconds"] - django_settings.TALLY_WEBHOOK_DEADLINE_MS / 1000
+        assert margin >= 0.5, webhook["name"]

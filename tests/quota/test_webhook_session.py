@@ -261,3 +261,93 @@ def test_a_connection_lost_mid_admission_is_closed_and_the_next_admission_reconn
     monkeypatch.setattr(store, "fetch_prepared", fetch)
     assert decide(client, claim("c2", [gpu_request(1)]))["allowed"] is True
     assert list(Reservation.objects.values_list("name", flat=True)) == ["c2"]
+
+
+def _wait_until_idle(pid: int) -> None:
+    """Until the backend `pid` (a connection the webhook gave up on) has finished its
+    statement: what it commits is then there to see."""
+    with psycopg.connect(_conninfo(), autocommit=True) as other:
+        for _ in range(100):
+            row = other.execute(
+                "SELECT state FROM pg_stat_activity WHERE pid = %s", [pid]
+            ).fetchone()
+            if row is None or row[0] != "active":
+                return
+            time.sleep(0.05)
+    raise AssertionError(f"backend {pid} still busy")
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_reservation_that_would_come_after_the_deadline_is_not_made(
+    client: Client, settings: Any
+) -> None:
+    """The reserving statement waits for a rule's lock past the admission's deadline (well
+    within its lock timeout): the webhook answers at the deadline, and the statement, when
+    it gets the lock, reserves nothing."""
+    settings.TALLY_WEBHOOK_DEADLINE_MS = 400
+    settings.TALLY_WEBHOOK_DB_TIMEOUT_MS = 5000
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 10}])
+    rule = QuotaRule.objects.get(name="all-gpus")
+    locked, release = threading.Event(), threading.Event()
+
+    def hold_the_rule() -> None:
+        with psycopg.connect(_conninfo()) as other:
+            other.execute("SELECT 1 FROM quota_quotarule WHERE id = %s FOR UPDATE", [rule.pk])
+            locked.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold_the_rule)
+    holder.start()
+    try:
+        assert locked.wait(10)
+        connection.ensure_connection()
+        backend = connection.connection.info.backend_pid
+        started = time.monotonic()
+        answer = decide(client, claim("c", [gpu_request(1)]))
+        elapsed = time.monotonic() - started
+    finally:
+        release.set()
+        holder.join()
+    _wait_until_idle(backend)
+    assert answer["allowed"] is False
+    assert answer["status"]["reason"] == "ServiceUnavailable"
+    assert elapsed < 0.4 + 0.6, elapsed
+    assert not Reservation.objects.exists()
+    rule.refresh_from_db()
+    assert rule.in_use == 0
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.parametrize("path", ["/admission/resourceclaims", "/admission/resourceclaims/mutate"])
+def test_the_first_read_is_given_up_at_the_deadline(
+    client: Client, settings: Any, path: str
+) -> None:
+    """The admission's first read has no statement timeout yet (it sets it for the next
+    ones): held up by a lock (or a database that went silent), it is given up at the
+    deadline all the same, and the connection with it."""
+    settings.TALLY_WEBHOOK_DEADLINE_MS = 400
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 10}])
+    locked, release = threading.Event(), threading.Event()
+
+    def lock_the_rules() -> None:
+        with psycopg.connect(_conninfo()) as other:
+            other.execute("LOCK TABLE quota_quotarule IN ACCESS EXCLUSIVE MODE")
+            locked.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=lock_the_rules)
+    holder.start()
+    try:
+        assert locked.wait(10)
+        started = time.monotonic()
+        response = post(client, review(claim("c", [gpu_request(1)])), path)
+        elapsed = time.monotonic() - started
+    finally:
+        release.set()
+        holder.join()
+    answer = response.json()["response"]
+    assert answer["allowed"] is False
+    assert answer["status"]["reason"] == "ServiceUnavailable"
+    assert elapsed < 0.4 + 0.6, elapsed
+    assert connection.connection is None  # given up: never used again
+    assert decide(client, claim("next", [gpu_request(1)]))["allowed"] is True
