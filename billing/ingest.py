@@ -14,12 +14,14 @@ import hashlib
 import json
 import re
 import zlib
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from operator import itemgetter
 from typing import Any, NamedTuple, TypedDict
 
+from django.conf import settings
 from django.db import connection, models, transaction
 from django.db.backends.utils import CursorWrapper
 from django.db.models import Exists, OuterRef
@@ -67,11 +69,14 @@ class IngestReport:
     """What one `ingest` stored.
 
     `accepted` counts samples newly stored (known devices and ones set aside alike);
-    `duplicates` the ones already stored or sent twice, so accepted + duplicates = samples given.
+    `duplicates` the ones already stored or sent twice; `refused` the ones not stored, by
+    position in the samples given, and why (a device on another node than the agent token's,
+    an unknown device past the token's limits): accepted + duplicates + refused = samples given.
     """
 
     accepted: int = 0
     duplicates: int = 0
+    refused: list[tuple[int, str]] = field(default_factory=list)
     unknown_devices: list[str] = field(default_factory=list)
     hours: set[datetime] = field(default_factory=set)
 
@@ -339,14 +344,20 @@ def _store(
     node: str,
     received_at: datetime,
     gaps: Sequence[int | None] | None = None,
+    agent: AgentToken | None = None,
 ) -> tuple[int, list[int]]:
     """Store `rows` in `target` unless already there, the general way: into a temporary
     table, then `INSERT ... SELECT ... ON CONFLICT DO NOTHING`. As `_insert_new`, the first of
-    rows of the same device and instant is kept. `gaps` (one per row) go to `gap_ms`.
+    rows of the same device and instant is kept. `gaps` (one per row) go to `gap_ms`, `agent`
+    (samples set aside) to `agent_token`.
     """
     if not rows:
         return 0, []
     columns, select = COLUMNS, "device_uuid, ts_ms, gpu_util, mem_used_bytes, processes, %s, %s"
+    params: list[Any] = [node, received_at]
+    if agent is not None:
+        columns, select = f"{columns}, agent_token_id", f"{select}, %s"
+        params.append(agent.pk)
     with_gaps: Iterable[tuple[Any, ...]] = rows
     if gaps is not None:
         columns, select = f"{columns}, gap_ms", f"{select}, gap_ms"
@@ -370,7 +381,7 @@ def _store(
         select=select,
         source=BATCH_TABLE,
         where="true",
-        params=[node, received_at],
+        params=params,
         first="position",
         columns=columns,
     )
@@ -553,40 +564,168 @@ def _store_samples(
     return stored, instants
 
 
-def _known_uuids(uuids: set[str]) -> set[str]:
-    """Those of `uuids` any device, present or gone, has carried."""
-    return set(Device.objects.filter(uuid__in=uuids).values_list("uuid", flat=True).distinct())
+class _Place(NamedTuple):
+    """Where the inventory puts a device: its cluster and node (None: on no node)."""
+
+    cluster_id: int
+    node: str | None
+
+
+def _places(uuids: set[str]) -> dict[str, set[_Place]]:
+    """Where the devices carrying `uuids` are, per UUID the inventory knows: the present
+    devices' places if any carries it, else the gone ones'. A MIG device published without a
+    node of its own is where its parent GPU is."""
+    rows = list(
+        Device.objects.filter(uuid__in=uuids).values_list(
+            "uuid", "cluster_id", "node__name", "parent_uuid", "gone_at"
+        )
+    )
+    orphans = {parent for _, _, node, parent, _ in rows if node is None and parent}
+    parents: dict[tuple[str, int], str] = {}
+    if orphans:
+        parents = {
+            (uuid, cluster_id): node
+            for uuid, cluster_id, node in Device.objects.filter(
+                uuid__in=orphans, node__isnull=False
+            )
+            .order_by("gone_at")  # a present parent (null sorts last) wins
+            .values_list("uuid", "cluster_id", "node__name")
+        }
+    present: dict[str, set[_Place]] = defaultdict(set)
+    gone: dict[str, set[_Place]] = defaultdict(set)
+    for uuid, cluster_id, node, parent, gone_at in rows:
+        if node is None and parent:
+            node = parents.get((parent, cluster_id))
+        (present if gone_at is None else gone)[uuid].add(_Place(cluster_id, node))
+    return {uuid: present.get(uuid) or gone[uuid] for uuid in present.keys() | gone.keys()}
+
+
+def _misplaced(places: set[_Place], agent: AgentToken) -> str:
+    """Why `agent` may not send samples of a device at `places`; "" when it may: the device
+    is on the token's node (a cluster-wide token's: any device of its cluster)."""
+    mine = [place for place in places if place.cluster_id == agent.cluster_id]
+    if agent.node == "*" and mine:
+        return ""
+    if any(place.node == agent.node for place in mine):
+        return ""
+    if not mine:
+        return f"is in another cluster than this token's ({agent.cluster})"
+    nodes = sorted(place.node for place in mine if place.node)
+    where = f"on node {nodes[0]!r}" if nodes else "on no node (only a cluster-wide token's)"
+    return f"is {where}, not on this token's node {agent.node!r}"
+
+
+def _unknown_devices_allowed(
+    agent: AgentToken, rows: list[tuple[int, SampleRow]]
+) -> tuple[list[tuple[int, SampleRow]], list[tuple[int, str]]]:
+    """Of samples of devices the inventory does not know (with their positions), those the
+    token may set aside, and the rest refused with why: a token holds samples of at most
+    TALLY_INGEST_MAX_UNKNOWN_DEVICES unknown devices, and at most
+    TALLY_INGEST_MAX_UNKNOWN_SAMPLES of them, until they are adopted or expire. The token's
+    row is locked, so two of its batches at once cannot both take the last room."""
+    AgentToken.objects.select_for_update().only("pk").get(pk=agent.pk)
+    held = UnknownDeviceSample.objects.filter(agent_token=agent)
+    devices = set(held.values_list("device_uuid", flat=True).distinct())
+    room = int(settings.TALLY_INGEST_MAX_UNKNOWN_SAMPLES) - held.count()
+    most_devices = int(settings.TALLY_INGEST_MAX_UNKNOWN_DEVICES)
+    allowed: list[tuple[int, SampleRow]] = []
+    refused: list[tuple[int, str]] = []
+    for position, row in rows:
+        if row[0] not in devices and len(devices) >= most_devices:
+            refused.append(
+                (
+                    position,
+                    f"device {row[0]} is not in the inventory, and this token already has "
+                    f"samples of {most_devices} unknown devices set aside "
+                    "(TALLY_INGEST_MAX_UNKNOWN_DEVICES)",
+                )
+            )
+        elif len(allowed) >= room:
+            refused.append(
+                (
+                    position,
+                    f"device {row[0]} is not in the inventory, and this token already has "
+                    f"{settings.TALLY_INGEST_MAX_UNKNOWN_SAMPLES} samples of unknown devices "
+                    "set aside (TALLY_INGEST_MAX_UNKNOWN_SAMPLES)",
+                )
+            )
+        else:
+            devices.add(row[0])
+            allowed.append((position, row))
+    return allowed, refused
 
 
 @transaction.atomic
-def ingest(*, node: str, samples: Sequence[SampleRow], received_at: datetime) -> IngestReport:
+def ingest(
+    *,
+    node: str,
+    samples: Sequence[SampleRow],
+    received_at: datetime,
+    agent: AgentToken | None = None,
+) -> IngestReport:
     """Store validated `samples` sent by `node`, in one transaction.
 
     Samples of known devices go to `Sample`, the others aside to `UnknownDeviceSample`. A
     device and instant already stored, or sent twice in this batch, is kept as first stored and
     counted as a duplicate. Every hour that newly stored samples count in is marked dirty.
+
+    Sent with an agent token (`agent`), a sample is refused, never stored, when the inventory
+    puts its device on another node than the token's (any node but its cluster's, for a
+    cluster-wide token), or it is of an unknown device past the token's limits
+    (`_unknown_devices_allowed`). Without one (an operator's backfill) neither applies.
     """
     uuids = {row[0] for row in samples}
-    known = _known_uuids(uuids) if uuids else set()
+    places = _places(uuids) if uuids else {}
+    misplaced: dict[str, str] = {}
+    if agent is not None:
+        for uuid, place in places.items():
+            why = _misplaced(place, agent)
+            if why:
+                misplaced[uuid] = why
     known_rows: Sequence[SampleRow] = samples
-    unknown_rows: list[SampleRow] = []
-    if known != uuids:
-        known_rows = [row for row in samples if row[0] in known]
-        unknown_rows = [row for row in samples if row[0] not in known]
+    unknown: list[tuple[int, SampleRow]] = []
+    refused: list[tuple[int, str]] = []
+    if misplaced or len(places) != len(uuids):
+        known_rows = []
+        for position, row in enumerate(samples):
+            if row[0] in misplaced:
+                refused.append((position, f"device {row[0]} {misplaced[row[0]]}"))
+            elif row[0] in places:
+                known_rows.append(row)
+            else:
+                unknown.append((position, row))
+        if unknown and agent is not None:
+            unknown, over = _unknown_devices_allowed(agent, unknown)
+            refused = sorted(refused + over)
     with connection.cursor() as cursor:
         stored, instants = _store_samples(cursor, known_rows, node=node, received_at=received_at)
         set_aside, _ = _store(
-            cursor, UnknownDeviceSample, unknown_rows, node=node, received_at=received_at
+            cursor,
+            UnknownDeviceSample,
+            [row for _, row in unknown],
+            node=node,
+            received_at=received_at,
+            agent=agent,
         )
     hours = touched_hours(instants)
     mark_dirty(hours=hours, at=received_at)
     accepted = stored + set_aside
     return IngestReport(
         accepted=accepted,
-        duplicates=len(samples) - accepted,
-        unknown_devices=sorted(uuids - known),
+        duplicates=len(samples) - accepted - len(refused),
+        refused=refused,
+        unknown_devices=sorted(uuids - places.keys()),
         hours=hours,
     )
+
+
+def purge_unknown_samples(*, now: datetime) -> int:
+    """Delete the samples set aside that no device has claimed within
+    TALLY_INGEST_UNKNOWN_RETENTION_DAYS of their arrival (a made-up or long-gone UUID); how
+    many. Beat's rollup (`services.refresh_usage`) runs it."""
+    cutoff = now - timedelta(days=int(settings.TALLY_INGEST_UNKNOWN_RETENTION_DAYS))
+    deleted, _ = UnknownDeviceSample.objects.filter(received_at__lt=cutoff).delete()
+    return deleted
 
 
 def adopt_unknown_samples(*, now: datetime) -> int:

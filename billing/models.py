@@ -69,7 +69,11 @@ class Sample(models.Model):
 class UnknownDeviceSample(models.Model):
     """A sample for a UUID the inventory does not know yet, kept aside, not dropped.
 
-    Moved into `Sample` once the device is known (the sync can lag the agents).
+    Moved into `Sample` once the device is known (the sync can lag the agents). Bounded: an
+    agent token sets aside samples of at most TALLY_INGEST_MAX_UNKNOWN_DEVICES devices, at
+    most TALLY_INGEST_MAX_UNKNOWN_SAMPLES of them, and what no device claims within
+    TALLY_INGEST_UNKNOWN_RETENTION_DAYS is deleted. `agent_token` is null for samples an
+    operator loaded (`ingest_samples`).
     """
 
     device_uuid = models.CharField(max_length=128, db_index=True)
@@ -78,7 +82,14 @@ class UnknownDeviceSample(models.Model):
     mem_used_bytes = models.BigIntegerField(null=True, blank=True)
     processes = models.JSONField(null=True, blank=True)
     node = models.CharField(max_length=253, blank=True)
-    received_at = models.DateTimeField()
+    received_at = models.DateTimeField(db_index=True)
+    agent_token = models.ForeignKey(
+        AgentToken,
+        on_delete=models.CASCADE,
+        null=True,
+        blank=True,
+        related_name="unknown_device_samples",
+    )
 
     class Meta:
         constraints = [

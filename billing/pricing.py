@@ -235,12 +235,16 @@ def _hours(value: Decimal) -> Decimal:
 def refresh_statements(*, period: Period, teams: list[Team] | None = None) -> list[Statement]:
     """Recompute the usage lines of an open period's statements, and the adjustments for data
     that arrived late for closed periods. Rerunning it changes nothing; a closed period's
-    statements are never touched."""
-    if period.is_closed:
-        raise PricingError(f"period {period} is closed; its statements are frozen")
+    statements are never touched.
+
+    The period's row is locked first and only then checked open: `period` may have been read
+    before a close that committed while this waited for the lock (a beat run, `run_billing`
+    after its rollup), and its statements are frozen since (`PricingError`, nothing written).
+    """
     statements = []
     with transaction.atomic():
-        Period.objects.select_for_update().get(pk=period.pk)
+        if Period.objects.select_for_update().get(pk=period.pk).is_closed:
+            raise PricingError(f"period {period} is closed; its statements are frozen")
         for team in teams if teams is not None else list(Team.objects.order_by("slug")):
             statements += _refresh_team(team, period)
     return statements

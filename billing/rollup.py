@@ -3,7 +3,9 @@
 Allocated time comes from the allocation history, exactly. Samples only split it: each
 sample's utilisation holds from its timestamp until the device's next sample, for at most
 `TALLY_SAMPLE_HOLD_SECONDS`; allocated time that no sample covers is unmeasured. Rolling up
-hours replaces their rows, so reruns and duplicate deliveries give the same rows.
+hours replaces their rows, so reruns and duplicate deliveries give the same rows. Who is
+charged (team, job, user) is read from the allocation, which fixed it when it started: a
+namespace moved to another team or a claim released since never changes a rerun's rows.
 
 The work is in the database. Each sample carries its gap to the device's next one (kept by
 `billing.ingest`), so a run of consecutive hours is rolled up from one unordered pass over its
@@ -34,7 +36,6 @@ from config import metrics
 from db import locks
 from db.copy import insert_rows, json_rows
 from inventory.models import Allocation
-from teams.models import TeamNamespace
 
 MICRO = 1_000_000  # shares of a GPU are kept to the millionth
 _MILLIONTH = Decimal("0.000001")
@@ -48,8 +49,10 @@ class _Interval(NamedTuple):
     cluster_id: int
     claim_namespace: str
     claim_name: str
-    job: str  # the claim's job as the sync resolved it, else as the webhook saw it
-    username: str  # who created the claim, as the webhook saw it
+    # Who is charged, as the allocation has kept it since it started (never looked up now).
+    team_id: int | None
+    job: str
+    username: str
     device_uuid: str
     product_name: str
     profile: str
@@ -219,9 +222,8 @@ def _rollup_run(first: datetime, count: int, now: datetime) -> int:
             return 0
         intervals = _intervals(first, count, window_start, window_end)
         whole, partial = _split(intervals, window_start, window_end)
-        attribution = _attribution(intervals)
-        written = _insert_whole_hours(whole, attribution, window_start, window_end)
-        rows = _partial_rows(partial, attribution)
+        written = _insert_whole_hours(whole, window_start, window_end)
+        rows = _partial_rows(partial)
         insert_rows(UsageHour, _USAGE_COLUMNS, rows, types=_USAGE_TYPES)
     return written + len(rows)
 
@@ -231,9 +233,9 @@ _INTERVAL_FIELDS = (
     "cluster_id",
     "claim__namespace",
     "claim__name",
-    "claim__job",
-    "claim__admitted_job",
-    "claim__created_by",
+    "team_id",
+    "job",
+    "username",
     "device__uuid",
     "device__product_name",
     "device__profile",
@@ -264,7 +266,7 @@ def _intervals(first: datetime, count: int, window_start: int, window_end: int) 
     )
     intervals = []
     for (
-        pk, cluster_id, namespace, name, job, admitted_job, username, uuid, product, profile,
+        pk, cluster_id, namespace, name, team_id, job, username, uuid, product, profile,
         kind, gpu_share, memory_bytes, consumed_memory, start_at, end_at,
     ) in rows:  # fmt: skip
         start = max(epoch_ms(start_at), window_start)
@@ -278,18 +280,19 @@ def _intervals(first: datetime, count: int, window_start: int, window_end: int) 
             share = (share * min(fraction, Decimal(1))).quantize(_MILLIONTH, ROUND_HALF_EVEN)
         intervals.append(
             _Interval(
-                pk,
-                cluster_id,
-                namespace,
-                name,
-                job or admitted_job,
-                username,
-                uuid,
-                product,
-                profile,
-                start,
-                end,
-                share,
+                allocation_id=pk,
+                cluster_id=cluster_id,
+                claim_namespace=namespace,
+                claim_name=name,
+                team_id=team_id,
+                job=job,
+                username=username,
+                device_uuid=uuid,
+                product_name=product,
+                profile=profile,
+                start_ms=start,
+                end_ms=end,
+                share=share,
             )
         )
     return intervals
@@ -302,14 +305,6 @@ class _Piece(NamedTuple):
     hour: int  # hours since the epoch
     start_ms: int
     end_ms: int
-
-
-class _Attribution(NamedTuple):
-    """What an allocation's usage rows say besides figures: its team, job and user."""
-
-    team_id: int | None
-    job: str
-    username: str
 
 
 def _split(
@@ -343,26 +338,8 @@ def _split(
     return whole, partial
 
 
-def _attribution(intervals: list[_Interval]) -> dict[int, _Attribution]:
-    """Per allocation: the team owning its namespace, its job and the user who created its
-    claim (both as the sync and the webhook recorded them on the claim)."""
-    namespaces = {interval.claim_namespace for interval in intervals}
-    teams = dict(
-        TeamNamespace.objects.filter(namespace__in=namespaces).values_list("namespace", "team_id")
-    )
-    return {
-        interval.allocation_id: _Attribution(
-            teams.get(interval.claim_namespace), interval.job, interval.username
-        )
-        for interval in intervals
-    }
-
-
 def _insert_whole_hours(
-    whole: list[tuple[_Interval, int, int]],
-    attribution: dict[int, _Attribution],
-    window_start: int,
-    window_end: int,
+    whole: list[tuple[_Interval, int, int]], window_start: int, window_end: int
 ) -> int:
     """Write the usage rows of the hours allocations hold whole, in the database; how many."""
     if not whole:
@@ -382,7 +359,9 @@ def _insert_whole_hours(
                     str(interval.share),
                     interval.claim_namespace,
                     interval.claim_name,
-                    *attribution[interval.allocation_id],
+                    interval.team_id,
+                    interval.job,
+                    interval.username,
                     interval.share_micro,
                     first,
                     last,
@@ -458,9 +437,7 @@ _USAGE_TYPES = (
 )  # fmt: skip
 
 
-def _partial_rows(
-    pieces: list[_Piece], attribution: dict[int, _Attribution]
-) -> list[tuple[Any, ...]]:
+def _partial_rows(pieces: list[_Piece]) -> list[tuple[Any, ...]]:
     """The usage rows of the hours allocations hold in part, made here: they are few."""
     coverage = _piece_coverage(pieces)
     rows = []
@@ -468,7 +445,6 @@ def _partial_rows(
         interval = piece.interval
         covered_ms, weighted = coverage.get(index, (0, 0.0))
         length = piece.end_ms - piece.start_ms
-        team_id, job, username = attribution[interval.allocation_id]
         rows.append(
             (
                 hour_at(piece.hour),
@@ -480,9 +456,9 @@ def _partial_rows(
                 interval.share,
                 interval.claim_namespace,
                 interval.claim_name,
-                team_id,
-                job,
-                username,
+                interval.team_id,
+                interval.job,
+                interval.username,
                 gpu_ms(length, interval.share_micro),
                 utilised_gpu_ms(weighted, interval.share_micro),
                 gpu_ms(length - covered_ms, interval.share_micro),

@@ -10,12 +10,13 @@ from django.db.models import Sum
 from billing.hours import MS_PER_HOUR, epoch_ms, hour_start
 from billing.models import Period, UsageHour
 from inventory.models import Allocation
-from teams.models import Team, TeamNamespace
+from teams.models import Team
 
 
 def team_gpu_hours(*, team: Team, period: Period, now: datetime) -> Decimal:
-    """GPU-hours the team has held in the period so far: the rolled-up hours, plus what its
-    open allocations have held since the last whole hour (not rolled up yet)."""
+    """GPU-hours the team has held in the period so far: the rolled-up hours, plus what the
+    open allocations charged to it (`Allocation.team`) have held since the last whole hour
+    (not rolled up yet)."""
     current_hour = hour_start(now)
     rolled = (
         UsageHour.objects.filter(
@@ -23,11 +24,10 @@ def team_gpu_hours(*, team: Team, period: Period, now: datetime) -> Decimal:
         ).aggregate(total=Sum("allocated_gpu_ms"))["total"]
         or 0
     )
-    namespaces = TeamNamespace.objects.filter(team=team).values("namespace")
     live = Decimal(0)
     since = max(current_hour, period.start)
     for start, share in Allocation.objects.filter(
-        end__isnull=True, claim__namespace__in=namespaces, device__isnull=False
+        end__isnull=True, team=team, device__isnull=False
     ).values_list("start", "device__gpu_share"):
         held_from = max(start, since)
         if held_from < now:

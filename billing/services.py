@@ -223,11 +223,13 @@ def close_due_period(*, now: datetime, actor: str) -> BillingRun | None:
 
 def refresh_usage(*, now: datetime) -> list[datetime]:
     """What Celery beat runs every few minutes: adopt the samples set aside whose devices the
-    sync has learnt since, roll up the hour just ended and the hours marked for rollup (at
-    most TALLY_ROLLUP_HOURS_PER_RUN, newest first), then recompute the statements of the
-    period holding `now`. Returns the hours rolled up. Idempotent, as each step is.
+    sync has learnt since, and delete those set aside longer than
+    TALLY_INGEST_UNKNOWN_RETENTION_DAYS; roll up the hour just ended and the hours marked for
+    rollup (at most TALLY_ROLLUP_HOURS_PER_RUN, newest first), then recompute the statements
+    of the period holding `now`. Returns the hours rolled up. Idempotent, as each step is.
     """
     ingest.adopt_unknown_samples(now=now)
+    ingest.purge_unknown_samples(now=now)
     hours = rollup.rollup_pending(now=now)
     refresh_statements(period=period_for(now))
     return hours

@@ -7,7 +7,6 @@ JSON. Bad input gets a 4xx with `{"error": ...}`, never a 500; a bad sample is r
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from typing import Any
@@ -20,8 +19,13 @@ from django.views.decorators.csrf import csrf_exempt
 
 from billing import ingest
 from config import metrics
+from config.inputs import BadInput, parse_json
 
 log = logging.getLogger(__name__)
+
+# A batch is an object of samples, each an object whose `processes` is a list of objects:
+# five levels, and room for what a process's fields hold.
+MAX_DEPTH = 16
 
 # A Kubernetes node name: a DNS subdomain (RFC 1123), at most 253 characters.
 _NODE_NAME = re.compile(
@@ -67,7 +71,9 @@ def _read_body(request: HttpRequest) -> bytes | None:
 def ingest_samples(request: HttpRequest) -> JsonResponse:
     """Store a batch `{"node": ..., "samples": [...]}` sent with the node's agent token.
 
-    Answers `{"accepted", "duplicates", "rejected": [{"index", "reason"}], "unknown_devices"}`.
+    Answers `{"accepted", "duplicates", "rejected": [{"index", "reason"}], "unknown_devices"}`;
+    `rejected` lists the invalid samples and those the token may not send (a device on another
+    node, an unknown device past the token's limits), none of them stored.
     """
     if request.method != "POST":
         return _error(405, "use POST", Allow="POST")
@@ -93,11 +99,9 @@ def _ingest(request: HttpRequest) -> JsonResponse:
     if body is None:
         return _error(413, f"body larger than {_max_body_bytes()} bytes; send smaller batches")
     try:
-        payload: Any = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return _error(400, f"body is not JSON: {exc}")
-    except RecursionError:
-        return _error(400, "body is not JSON this service accepts: nested too deeply")
+        payload: Any = parse_json(body, max_depth=MAX_DEPTH)
+    except BadInput as exc:
+        return _error(400, f"body is not JSON this service accepts: {exc}")
     if not isinstance(payload, dict):
         return _error(400, 'body must be a JSON object {"node": ..., "samples": [...]}')
     node = payload.get("node")
@@ -120,7 +124,9 @@ def _ingest(request: HttpRequest) -> JsonResponse:
         )
     received_at = timezone.now()
     valid, rejected = ingest.validate_samples(samples, now=received_at)
-    report = ingest.ingest(node=node, samples=valid, received_at=received_at)
+    report = ingest.ingest(node=node, samples=valid, received_at=received_at, agent=agent)
+    if report.refused:
+        rejected = _with_refused(rejected, report.refused, len(samples))
     metrics.INGEST_SAMPLES.inc(report.accepted)
     for rejection in rejected:
         # "samples[3].gpu_util: ..." is counted by field, so the label stays small.
@@ -134,3 +140,20 @@ def _ingest(request: HttpRequest) -> JsonResponse:
             "unknown_devices": report.unknown_devices,
         }
     )
+
+
+def _with_refused(
+    rejected: list[ingest.Rejection], refused: list[tuple[int, str]], sent: int
+) -> list[ingest.Rejection]:
+    """`rejected` (invalid samples) and the samples `ingest` refused, by their positions among
+    the valid ones, as indexes of the batch sent, in order."""
+    invalid = {rejection["index"] for rejection in rejected}
+    valid_indexes = [index for index in range(sent) if index not in invalid]
+    refusals: list[ingest.Rejection] = [
+        {
+            "index": valid_indexes[position],
+            "reason": f"samples[{valid_indexes[position]}].uuid: {why}",
+        }
+        for position, why in refused
+    ]
+    return sorted([*rejected, *refusals], key=lambda rejection: rejection["index"])

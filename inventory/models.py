@@ -9,6 +9,8 @@ from __future__ import annotations
 from django.db import models
 from django.db.models import Q
 
+from teams.models import Team
+
 
 class Cluster(models.Model):
     """One Kubernetes cluster whose DRA objects Tally syncs."""
@@ -268,6 +270,13 @@ class Allocation(models.Model):
 
     `device` is linked when the device is known; the driver/pool/device names are kept either
     way so an allocation seen before its ResourceSlice is never lost.
+
+    Who is charged for it is fixed when it starts, here, so that moving the namespace to
+    another team, releasing the claim or rolling its hours up again never changes it: `team`
+    owned the claim's namespace then (null: no team did), `job` is the claim's job as the sync
+    resolved it (else as the webhook saw it), `username` who created the claim, as the webhook
+    saw it (filled once, when quota records it). Billing reads these, never the live
+    namespaces or reservations.
     """
 
     cluster = models.ForeignKey(Cluster, on_delete=models.PROTECT, related_name="allocations")
@@ -283,6 +292,12 @@ class Allocation(models.Model):
     consumed_capacity = models.JSONField(default=dict, blank=True)
     start = models.DateTimeField(db_index=True)
     end = models.DateTimeField(null=True, blank=True, db_index=True)
+    # PROTECT: a team that was ever charged is kept, as its usage and statements keep it.
+    team = models.ForeignKey(
+        Team, on_delete=models.PROTECT, null=True, blank=True, related_name="allocations"
+    )
+    job = models.TextField(blank=True)  # "Kind/name"
+    username = models.TextField(blank=True)
 
     class Meta:
         constraints = [

@@ -31,6 +31,7 @@ from inventory.models import (
     ResourceSlice,
 )
 from inventory.signals import claims_changed
+from teams.models import TeamNamespace
 
 log = logging.getLogger(__name__)
 
@@ -649,9 +650,12 @@ class _Writer:
         ):
             open_allocations[allocation.claim_id][_allocation_key(allocation)] = allocation
         claims_to_create = []
+        refined: dict[int, tuple[str, str]] = {}
+        jobs: dict[str, str] = {}
         for key, parsed in by_key.items():
             claim = existing.get(key)
-            fields = _claim_fields(parsed, job=self._job(parsed, claim))
+            jobs[key] = self._job(parsed, claim)
+            fields = _claim_fields(parsed, job=jobs[key])
             if claim is None:
                 claims_to_create.append(
                     ResourceClaim(cluster=self.cluster, uid=key, first_seen=self.at, **fields)
@@ -661,6 +665,9 @@ class _Writer:
             ):
                 ResourceClaim.objects.filter(pk=claim.pk).update(released_at=None, **fields)
                 self.report.updated["ResourceClaim"] += 1
+                if claim.owner_references == parsed.owner_references:
+                    refined[claim.pk] = (claim.job, fields["job"])
+        _refine_allocation_jobs(refined)
         bulk_insert(ResourceClaim, claims_to_create)
         self.report.created["ResourceClaim"] += len(claims_to_create)
         claim_ids = dict(
@@ -671,9 +678,19 @@ class _Writer:
         self.claims_written.update(claim_ids.values())
         new_allocations: list[Allocation] = []
         ended: list[int] = []
+        namespaces: dict[int, str] = {}
         for key, parsed in by_key.items():
             claim_id = claim_ids[key]
+            namespaces[claim_id] = parsed.namespace
             current = open_allocations.get(claim_id, {})
+            # Who is charged, fixed now (see `Allocation`; the team below). The webhook's
+            # record of who created a claim seen for the first time reaches it just after
+            # this, through quota's handler of `claims_changed`, which fills it in.
+            stored = existing.get(key)
+            charged = {
+                "job": jobs[key] or (stored.admitted_job if stored else ""),
+                "username": stored.created_by if stored else "",
+            }
             start = min(parsed.allocated_at, self.at) if parsed.allocated_at else self.at
             for result in parsed.results:
                 if result.admin_access:
@@ -697,15 +714,18 @@ class _Writer:
                             share_id=result.share_id,
                             consumed_capacity=result.consumed_capacity,
                             start=start,
+                            **charged,
                         )
                     )
             ended.extend(allocation.pk for allocation in current.values())
         self._end_allocations(ended)
         device_ids = self._device_ids({(a.driver, a.pool, a.device_name) for a in new_allocations})
+        teams = _namespace_teams({namespaces[a.claim_id] for a in new_allocations})
         for allocation in new_allocations:
             allocation.device_id = device_ids.get(
                 (allocation.driver, allocation.pool, allocation.device_name)
             )
+            allocation.team_id = teams.get(namespaces[allocation.claim_id])
         bulk_insert(Allocation, new_allocations)
         self.report.created["Allocation"] += len(new_allocations)
         claims_changed.send(
@@ -730,6 +750,7 @@ class _Writer:
         if not owner_index:
             return
         changed = []
+        refined: dict[int, tuple[str, str]] = {}
         for claim in ResourceClaim.objects.filter(
             cluster=self.cluster, released_at__isnull=True, namespace__in=owner_index.namespaces
         ).only("pk", "namespace", "owner_references", "job"):
@@ -739,9 +760,11 @@ class _Writer:
                 lookup=owner_index,
             ).over(claim.job)
             if job != claim.job:
+                refined[claim.pk] = (claim.job, job)
                 claim.job = job
                 changed.append(claim)
         ResourceClaim.objects.bulk_update(changed, ["job"], batch_size=1000)
+        _refine_allocation_jobs(refined)
         # Claims written by this snapshot were counted and signalled already.
         others = [claim.pk for claim in changed if claim.pk not in self.claims_written]
         self.report.updated["ResourceClaim"] += len(others)
@@ -915,6 +938,32 @@ def _claim_fields(parsed: dra.ParsedClaim, *, job: str) -> dict[str, Any]:
         "resource_version": parsed.resource_version,
         "created_at": parsed.created_at,
     }
+
+
+def _namespace_teams(namespaces: set[str]) -> dict[str, int]:
+    """The team owning each of `namespaces` now, by id (a namespace no team owns is left out)."""
+    if not namespaces:
+        return {}
+    return dict(
+        TeamNamespace.objects.filter(namespace__in=namespaces).values_list("namespace", "team_id")
+    )
+
+
+def _refine_allocation_jobs(refined: dict[int, tuple[str, str]]) -> None:
+    """Per claim id, (job before, job now): the claim's allocations charged to the job before
+    are charged to the job now. The sync follows a claim's owners further as it learns them
+    (`Pod/web-5d9f-x`, then `Deployment/web`), for the same owner references: the same
+    workload, named better. An allocation charged to anything else keeps it."""
+    refined = {claim_id: jobs for claim_id, jobs in refined.items() if jobs[0] != jobs[1]}
+    if not refined:
+        return
+    changed = []
+    for allocation in Allocation.objects.filter(claim_id__in=refined).only("pk", "claim", "job"):
+        before, after = refined[allocation.claim_id]
+        if allocation.job == before:
+            allocation.job = after
+            changed.append(allocation)
+    Allocation.objects.bulk_update(changed, ["job"], batch_size=1000)
 
 
 def _allocation_key(allocation: Allocation) -> tuple[str, ...]:

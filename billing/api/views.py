@@ -18,7 +18,6 @@ from django_filters.utils import translate_validation
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, status
 from rest_framework.decorators import action
-from rest_framework.parsers import JSONParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -46,6 +45,7 @@ from billing.api.serializers import (
 from billing.models import LineKind, Period, RateCard, Statement, StatementLine, UsageHour
 from billing.periods import PricingError
 from billing.services import add_adjustment, close_period
+from config.parsers import JsonParser
 from teams.api import (
     FinanceOrOperator,
     OrderingFilter,
@@ -133,7 +133,7 @@ class StatementLineViewSet(mixins.ListModelMixin, TeamScopedViewSet):
 class AdjustmentViewSet(StatementLineViewSet):
     """Adjustment lines (late data, and finance's own); finance and operators add them."""
 
-    parser_classes = [JSONParser]
+    parser_classes = [JsonParser]
 
     def get_permissions(self) -> Sequence[Any]:
         if self.action == "create":

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from decimal import Decimal
+from typing import Any
 
 import pytest
 
@@ -133,3 +135,85 @@ def test_read_only_endpoints_refuse_writes(seeded: Seeded) -> None:
     assert operator.post("/api/v1/rate-cards/", {"per_gpu_hour": "0"}).status_code == 405
     assert operator.post("/api/v1/quotas/", {"limit": "100"}).status_code == 405
     assert operator.delete(f"/api/v1/periods/{seeded.last.pk}/").status_code == 405
+
+
+# Bad input is a 400 with a reason, never a 500 (issue 16, finding 9)
+
+
+def post_raw(seeded: Seeded, body: bytes) -> Any:
+    return seeded.cast.client("finance").post(
+        "/api/v1/adjustments/", body, content_type="application/json"
+    )
+
+
+@pytest.mark.parametrize(
+    ("body", "reason"),
+    [
+        (b"[" * 10_000 + b"]" * 10_000, "depth limit exceeded"),
+        (b'{"team": ' + b"[" * 100 + b"]" * 100 + b"}", "nested deeper than 64"),
+        (b'{"amount": 1' + b"0" * 5_000 + b"}", "number is infinity"),
+        (b'{"amount": 1e400}', "number is infinity"),
+        (b'{"amount": NaN}', "JSON parse error"),
+        (b'{"amount": "1", }', "JSON parse error"),
+        (b"\xff\xfe{}", "JSON parse error"),
+    ],
+    ids=["deep", "deep-field", "huge-integer", "past-a-double", "nan", "trailing", "not-utf8"],
+)
+def test_a_body_that_is_not_json_we_accept_is_a_400(
+    seeded: Seeded, body: bytes, reason: str
+) -> None:
+    before = StatementLine.objects.count()
+    response = post_raw(seeded, body)
+    assert response.status_code == 400, response.content
+    assert reason in response.json()["detail"]
+    assert StatementLine.objects.count() == before
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field"),
+    [
+        ({"amount": "1" + "0" * 5_000}, "amount"),
+        ({"amount": "1e999999999"}, "amount"),
+        ({"amount": "-1E-999999999"}, "amount"),
+        ({"amount": "Infinity"}, "amount"),
+        ({"amount": 10**30}, "amount"),
+        ({"amount": 1.5e300}, "amount"),
+        ({"amount": [1]}, "amount"),
+        ({"amount": {"value": 1}}, "amount"),
+        ({"amount": True}, "amount"),
+        ({"period": 2**64 - 1}, "period"),
+        ({"period": -(2**63)}, "period"),
+        ({"period": "1; DROP TABLE"}, "period"),
+        ({"period": [1]}, "period"),
+        ({"period": 1.5}, "period"),
+        ({"team": ["alpha"]}, "team"),
+        ({"team": {"slug": "alpha"}}, "team"),
+        ({"team": 7}, "team"),
+        ({"currency": 978}, "currency"),
+        ({"reason": ["x"]}, "reason"),
+        ({"reason": "x" * 2001}, "reason"),
+        ({"product_name": {"x": 1}}, "product_name"),
+    ],
+)
+def test_wrong_types_and_sizes_are_a_400_naming_the_field(
+    seeded: Seeded, overrides: dict[str, Any], field: str
+) -> None:
+    response = seeded.cast.client("finance").post(
+        "/api/v1/adjustments/", adjustment(seeded, **overrides), "json"
+    )
+    assert response.status_code == 400, response.content
+    assert field in response.json()
+
+
+def test_a_body_that_is_not_an_object_is_a_400(seeded: Seeded) -> None:
+    for body in (b"[]", b"7", b'"x"', b"null"):
+        response = post_raw(seeded, body)
+        assert response.status_code == 400, (body, response.content)
+
+
+def test_a_body_larger_than_the_limit_is_a_413(seeded: Seeded, settings: Any) -> None:
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1_000
+    response = post_raw(seeded, json.dumps(adjustment(seeded, reason="x" * 1_000)).encode())
+    assert response.status_code == 413
+    assert "larger than 1000 bytes" in response.json()["detail"]
+    assert post_raw(seeded, json.dumps(adjustment(seeded)).encode()).status_code == 201

@@ -17,7 +17,7 @@ from billing.periods import PricingError, period_bounds, period_label
 from billing.pricing import period_for
 from billing.selectors import team_gpu_hours
 from quota.models import Budget
-from teams.models import Team
+from teams.models import Team, TeamNamespace
 from tests.factories import AllocationFactory, DeviceFactory, ResourceClaimFactory
 from tests.quota.fixtures import claim, decide, gpu_request, make_team
 
@@ -36,6 +36,7 @@ def used(team_hours: int, *, live_minutes: int = 0) -> None:
         device=device,
         start=now - timedelta(minutes=live_minutes),
         end=None if live_minutes else now,
+        team=Team.objects.get(slug="research"),  # charged to the team owning "research"
     )
     period = period_for(now)
     earlier = max(period.start, hour_start(now) - timedelta(hours=1))
@@ -90,6 +91,9 @@ def test_usage_counts_open_allocations_not_yet_rolled_up() -> None:
     hours = team_gpu_hours(team=team, period=period_for(now), now=now)
     expected = Decimal(min(30, now.minute + now.second / 60)) / 60
     assert abs(hours - expected) < Decimal("0.01")
+    # Its namespace moved to another team since: still charged to the team it started with.
+    TeamNamespace.objects.filter(namespace="research").update(team=make_team([], slug="other"))
+    assert abs(team_gpu_hours(team=team, period=period_for(now), now=now) - hours) < Decimal("0.01")
 
 
 def budget_warning(client: Client) -> str:

@@ -25,13 +25,15 @@ from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from billing import views
+from billing import services, views
 from billing.hours import epoch_ms
 from billing.ingest import (
+    SampleRow,
     adopt_unknown_samples,
     authenticate,
     ingest,
     latest_per_hour,
+    purge_unknown_samples,
     touched_hours,
     validate_samples,
 )
@@ -39,7 +41,7 @@ from billing.models import AgentToken, DirtyHour, Sample, UnknownDeviceSample
 from billing.services import issue_agent_token
 from inventory.models import Cluster, Device
 from teams.models import AuditEntry
-from tests.factories import DeviceFactory
+from tests.factories import DeviceFactory, MigDeviceFactory
 
 urlpatterns = [path("ingest/samples", views.ingest_samples)]
 
@@ -140,7 +142,9 @@ def test_another_nodes_token_is_403(gpu: Device) -> None:
     [
         (b"this is not json", "body is not JSON"),
         (b"\xff\xfe", "body is not JSON"),
-        (b"[" * 100_000, "nested too deeply"),
+        (b"[" * 100_000, "depth limit exceeded"),
+        (b'{"node": "n", "samples": [' + b"[" * 20 + b"]" * 20 + b"]}", "nested deeper than 16"),
+        (b'{"node": "n", "samples": [{"mem_used_bytes": 1' + b"0" * 5000 + b"}]}", "infinity"),
         (b"[1, 2]", "body must be a JSON object"),
         (b'{"samples": []}', "node is missing"),
         (b'{"node": 7, "samples": []}', "node is missing"),
@@ -368,7 +372,7 @@ def test_ingest_twice_in_one_transaction(gpu: Device) -> None:
 
 def test_unknown_devices_are_kept_aside_then_adopted(gpu: Device, token: str) -> None:
     newcomer, departed = "GPU-not-synced-yet", "GPU-gone-but-known"
-    DeviceFactory.create(uuid=departed, gone_at=timezone.now())
+    DeviceFactory.create(uuid=departed, gone_at=timezone.now(), node=gpu.node)
     samples = [
         sample(newcomer, T0),
         sample(newcomer, T0 + timedelta(seconds=1)),
@@ -607,6 +611,128 @@ def test_a_cluster_wide_token_may_send_for_any_node(client: Client, gpu: Device)
     )
     assert response.status_code == 200, response.content
     assert response.json()["accepted"] == 1
+
+
+# A token is bound to its node's devices
+
+
+def test_a_nodes_token_cannot_write_another_nodes_devices(gpu: Device, token: str) -> None:
+    assert gpu.node is not None
+    theirs = DeviceFactory.create(node__cluster=gpu.cluster)  # another team's GPU, on another node
+    assert theirs.node is not None
+    # MIG devices published without a node of their own are where their parent GPU is.
+    their_slice = MigDeviceFactory.create(parent=theirs, node=None)
+    my_slice = MigDeviceFactory.create(parent=gpu, node=None)
+    hour = T0 + timedelta(hours=5)
+    ingest(node=theirs.node.name, samples=rows([(theirs.uuid, hour, 90.0)]), received_at=T0)
+    DirtyHour.objects.all().delete()
+    answer = post(
+        batch(
+            gpu,
+            [
+                sample(gpu.uuid, hour),
+                sample(theirs.uuid, hour, gpu_util=1.0),  # would rewrite their utilisation
+                sample(theirs.uuid, hour + timedelta(minutes=1), gpu_util=1.0),
+                sample(their_slice.uuid, hour),
+                sample(my_slice.uuid, hour),
+                {"uuid": theirs.uuid},  # invalid too: reported once, as invalid
+            ],
+        ),
+        token,
+    ).json()
+    assert (answer["accepted"], answer["duplicates"]) == (2, 0)
+    assert [rejection["index"] for rejection in answer["rejected"]] == [1, 2, 3, 5]
+    reasons = [rejection["reason"] for rejection in answer["rejected"]]
+    assert reasons[0] == (
+        f"samples[1].uuid: device {theirs.uuid} is on node {theirs.node.name!r}, "
+        f"not on this token's node {gpu.node.name!r}"
+    )
+    assert reasons[2].startswith(f"samples[3].uuid: device {their_slice.uuid} is on node")
+    assert reasons[3].startswith("samples[5].ts: ")
+    assert answer["unknown_devices"] == []
+    # Never stored: their utilisation is as their own agent sent it, and no hour of theirs
+    # is rolled up again (nor a late-data adjustment made) because of it.
+    assert Sample.objects.get(device_uuid=theirs.uuid).gpu_util == 90.0
+    assert set(Sample.objects.values_list("device_uuid", flat=True)) == {
+        theirs.uuid,
+        gpu.uuid,
+        my_slice.uuid,
+    }
+    assert not UnknownDeviceSample.objects.exists()
+    assert set(DirtyHour.objects.values_list("hour", flat=True)) == {hour}  # mine
+
+
+def test_a_cluster_wide_token_writes_its_clusters_devices_only(gpu: Device) -> None:
+    elsewhere = DeviceFactory.create()  # in another cluster
+    unplaced = DeviceFactory.create(cluster=gpu.cluster, node=None)
+    cluster_wide = issue_token(cluster=gpu.cluster, node="*")
+    samples = [sample(gpu.uuid, T0), sample(elsewhere.uuid, T0), sample(unplaced.uuid, T0)]
+    answer = post({"node": "dcgm", "samples": samples}, cluster_wide).json()
+    assert answer["accepted"] == 2
+    assert answer["rejected"] == [
+        {
+            "index": 1,
+            "reason": f"samples[1].uuid: device {elsewhere.uuid} is in another cluster than "
+            f"this token's ({gpu.cluster})",
+        }
+    ]
+    # A device on no node is no node's: only a cluster-wide token sends its samples.
+    assert gpu.node is not None
+    node_token = issue_token(cluster=gpu.cluster, node=gpu.node.name)
+    refused = post(batch(gpu, [sample(unplaced.uuid, T0)]), node_token).json()["rejected"]
+    assert "is on no node (only a cluster-wide token's)" in refused[0]["reason"]
+
+
+@override_settings(TALLY_INGEST_MAX_UNKNOWN_DEVICES=2, TALLY_INGEST_MAX_UNKNOWN_SAMPLES=5)
+def test_samples_of_unknown_devices_are_bounded_per_token(gpu: Device, token: str) -> None:
+    made_up = [f"GPU-made-up-{n}" for n in range(3)]
+    first = post(
+        batch(gpu, [sample(uuid, T0 + timedelta(seconds=n)) for n, uuid in enumerate(made_up)]),
+        token,
+    ).json()
+    assert first["accepted"] == 2
+    assert first["unknown_devices"] == made_up
+    assert first["rejected"] == [
+        {
+            "index": 2,
+            "reason": f"samples[2].uuid: device {made_up[2]} is not in the inventory, and this "
+            "token already has samples of 2 unknown devices set aside "
+            "(TALLY_INGEST_MAX_UNKNOWN_DEVICES)",
+        }
+    ]
+    more = [sample(made_up[0], T0 + timedelta(minutes=n)) for n in range(1, 6)]
+    second = post(batch(gpu, [*more, sample(gpu.uuid, T0)]), token).json()
+    assert (second["accepted"], [r["index"] for r in second["rejected"]]) == (4, [3, 4])
+    assert "TALLY_INGEST_MAX_UNKNOWN_SAMPLES" in second["rejected"][0]["reason"]
+    assert UnknownDeviceSample.objects.count() == 5
+    assert Sample.objects.filter(device_uuid=gpu.uuid).count() == 1  # known devices: no limit
+    # Another node's token has room of its own; an operator's backfill (no token) has no limit.
+    other = DeviceFactory.create(node__cluster=gpu.cluster)
+    assert other.node is not None
+    other_token = issue_token(cluster=gpu.cluster, node=other.node.name)
+    answer = post({"node": other.node.name, "samples": [sample(made_up[2], T0)]}, other_token)
+    assert answer.json()["accepted"] == 1
+    report = ingest(
+        node="n", samples=rows([(f"GPU-x{n}", T0, 1.0) for n in range(9)]), received_at=T0
+    )
+    assert report.accepted == 9
+
+
+def test_samples_set_aside_expire(gpu: Device, token: str, settings: Any) -> None:
+    settings.TALLY_INGEST_UNKNOWN_RETENTION_DAYS = 7
+    now = timezone.now()
+    for days, uuid in ((8, "GPU-long-gone"), (6, "GPU-not-synced-yet")):
+        ingest(node="n", samples=rows([(uuid, T0, 1.0)]), received_at=now - timedelta(days=days))
+    services.refresh_usage(now=now)  # what beat runs every few minutes
+    assert list(UnknownDeviceSample.objects.values_list("device_uuid", flat=True)) == [
+        "GPU-not-synced-yet"
+    ]
+    assert purge_unknown_samples(now=now + timedelta(days=1, seconds=1)) == 1
+    assert not UnknownDeviceSample.objects.exists()
+
+
+def rows(samples: list[tuple[str, datetime, float]]) -> list[SampleRow]:
+    return [SampleRow(uuid, ms(at), util, None, None) for uuid, at, util in samples]
 
 
 @pytest.mark.parametrize("node", ["x" * 254, "gpu\x00node", "GPU-Node", "node_1", "-node"])

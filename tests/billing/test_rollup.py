@@ -26,6 +26,7 @@ from billing.hours import epoch_ms
 from billing.ingest import SampleRow
 from billing.models import UsageHour
 from inventory.models import Allocation, Device
+from teams.models import Team
 from tests.factories import AllocationFactory, DeviceFactory, MigDeviceFactory
 
 pytestmark = pytest.mark.django_db
@@ -226,12 +227,21 @@ def test_a_consumable_share_counts_the_memory_it_consumed() -> None:
     }
 
 
-def test_usage_is_charged_to_the_job_the_sync_resolved() -> None:
-    # A claim made from a template for a Pod of a Deployment: its job is the Deployment.
-    gpu = DeviceFactory.create()
-    allocation = hold(gpu, T10 - timedelta(hours=1), None)
-    allocation.claim.owner_references = [{"kind": "Pod", "name": "web-5d9f-x", "controller": True}]
-    allocation.claim.job = "Deployment/web"
-    allocation.claim.save()
+def test_usage_is_charged_to_whom_the_allocation_keeps_not_to_the_claim_now() -> None:
+    # Who is charged was fixed on the allocation when it started (the sync resolved the
+    # Deployment behind the claim's Pod); what its claim says later changes nothing.
+    team = Team.objects.create(slug="vision", name="Vision")
+    allocation = AllocationFactory.create(
+        device=DeviceFactory.create(),
+        start=T10 - timedelta(hours=1),
+        team=team,
+        job="Deployment/web",
+        username="alice",
+    )
+    claim = allocation.claim
+    claim.owner_references = [{"kind": "Job", "name": "other", "controller": True}]
+    claim.job, claim.admitted_job, claim.created_by = "Job/other", "Job/other", "mallory"
+    claim.save()
     rollup.rollup_hours(hours=[T10], now=T10 + timedelta(hours=2))
-    assert UsageHour.objects.get(allocation=allocation).job == "Deployment/web"
+    row = UsageHour.objects.get(allocation=allocation)
+    assert (row.team, row.job, row.username) == (team, "Deployment/web", "alice")

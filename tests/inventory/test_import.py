@@ -10,6 +10,7 @@ import pytest
 
 from inventory import services
 from inventory.models import Allocation, Device, DeviceShape, Node, ResourceClaim, ResourceSlice
+from teams.models import Team, TeamNamespace
 
 pytestmark = pytest.mark.django_db
 T0 = datetime(2026, 11, 2, 8, 0, tzinfo=UTC)
@@ -365,3 +366,54 @@ def test_devices_that_differ_only_in_identity_share_a_shape() -> None:
         [slice_("s", devices), slice_("t", [gpu("gpu-0", "GPU-X")], pool="node-b", node="node-b")]
     )
     assert DeviceShape.objects.count() == 3
+
+
+# Who is charged for an allocation is fixed when it starts (issue 16, finding 7)
+
+
+def test_an_allocation_is_charged_to_the_team_owning_its_namespace_when_it_starts() -> None:
+    vision = Team.objects.create(slug="vision", name="Vision")
+    owner = TeamNamespace.objects.create(team=vision, namespace="vision")
+    s = slice_("s", [gpu("gpu-0", "GPU-0"), gpu("gpu-1", "GPU-1")])
+    snapshot([s, claim("c", [("node-a", "gpu-0")])])
+    assert Allocation.objects.get().team == vision
+    # The namespace moves to another team: the allocation held since keeps its team, a new
+    # one (the claim reallocated) is the new team's.
+    nlp = Team.objects.create(slug="nlp", name="NLP")
+    owner.team = nlp
+    owner.save()
+    snapshot([s, claim("c", [("node-a", "gpu-0")])], at=T1)
+    snapshot([s, claim("c", [("node-a", "gpu-1")])], at=T2)
+    charged = list(Allocation.objects.order_by("start").values_list("device_name", "team__slug"))
+    assert charged == [("gpu-0", "vision"), ("gpu-1", "nlp")]
+    snapshot([s], at=T2 + timedelta(hours=1), kinds=["ResourceClaim"])  # released
+    assert list(Allocation.objects.order_by("start").values_list("team__slug", flat=True)) == [
+        "vision",
+        "nlp",
+    ]
+
+
+def test_an_allocation_is_charged_to_the_claims_job_as_the_sync_names_it_better() -> None:
+    def owned(kind: str, name: str, owner: tuple[str, str] | None) -> dict[str, Any]:
+        metadata: dict[str, Any] = {"name": name, "namespace": "vision", "uid": f"uid-{name}"}
+        if owner is not None:
+            metadata["ownerReferences"] = [
+                {"apiVersion": "apps/v1", "kind": owner[0], "name": owner[1], "controller": True}
+            ]
+        return {"apiVersion": "apps/v1", "kind": kind, "metadata": metadata, "spec": {}}
+
+    made = claim("web-gpu", [("node-a", "gpu-0")])
+    made["metadata"]["ownerReferences"] = [
+        {"apiVersion": "v1", "kind": "Pod", "name": "web-5d8f9c-x", "controller": True}
+    ]
+    s = slice_("s", [gpu("gpu-0", "GPU-0")])
+    snapshot([s, made])
+    allocation = Allocation.objects.get()
+    assert allocation.job == "Pod/web-5d8f9c-x"
+    # A later dump with the Pod and its owners: the same workload, named better.
+    pod = owned("Pod", "web-5d8f9c-x", ("ReplicaSet", "web-5d8f9c"))
+    pod["apiVersion"] = "v1"
+    snapshot([s, made, pod, owned("ReplicaSet", "web-5d8f9c", ("Deployment", "web"))], at=T1)
+    assert ResourceClaim.objects.get().job == "Deployment/web"
+    allocation.refresh_from_db()
+    assert allocation.job == "Deployment/web"
