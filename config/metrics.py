@@ -6,7 +6,8 @@ Every process that updates a metric imports it from here, so each name is declar
   `with WEBHOOK_LATENCY.labels(webhook=...).time(): ...`;
 - the inventory sync: `SYNC_LAG`, `SYNC_EVENTS_APPLIED`, `SYNC_RELISTS` (by `kind`);
 - the ingest endpoint: `INGEST_SAMPLES`, `INGEST_REJECTED` (by `reason`);
-- the Celery tasks: `ROLLUP_DURATION`, `BILLING_LAST_SUCCESS` (`.set_to_current_time()`).
+- the Celery tasks: `ROLLUP_DURATION`, `BILLING_LAST_SUCCESS` (`.set_to_current_time()`),
+  `QUOTA_DRIFT_RULES` and `QUOTA_DRIFT_FIXED` (`quota.services.reconcile_usage`).
 
 Gunicorn runs several worker processes, and Celery's prefork pool several children: when
 `PROMETHEUS_MULTIPROC_DIR` is set (before this module is imported) prometheus-client keeps
@@ -74,6 +75,16 @@ INGEST_REJECTED = Counter(
 )
 ROLLUP_DURATION = Histogram(
     "tally_rollup_duration_seconds", "Time to roll up one hour of usage.", buckets=ROLLUP_BUCKETS
+)
+QUOTA_DRIFT_RULES = Gauge(
+    "tally_quota_drift_rules",
+    "Quota rules whose stored usage (in_use or reservation lines) differed from a recount "
+    "from scratch at the last reconciliation (reconcile_quotas); should be 0.",
+    multiprocess_mode="mostrecent",
+)
+QUOTA_DRIFT_FIXED = Counter(
+    "tally_quota_drift_fixed",
+    "Quota rules whose drifted usage a reconciliation set back to the recount.",
 )
 BILLING_LAST_SUCCESS = Gauge(
     "tally_billing_last_success_timestamp_seconds",

@@ -19,7 +19,10 @@ DEBUG = env.get_bool("DEBUG", False)
 SECRET_KEY = env.get_str("SECRET_KEY") or ""
 if not SECRET_KEY:
     if not DEBUG:
-        raise ImproperlyConfigured("SECRET_KEY (or SECRET_KEY_FILE) must be set when DEBUG is off")
+        raise ImproperlyConfigured(
+            "SECRET_KEY (or SECRET_KEY_FILE) must be set when DEBUG is off "
+            "(on your own machine: export DEBUG=true)"
+        )
     SECRET_KEY = "insecure-development-key-only-for-DEBUG"
 ALLOWED_HOSTS = env.get_list("ALLOWED_HOSTS", ["localhost", "127.0.0.1", "[::1]", "testserver"])
 
@@ -119,10 +122,18 @@ def _database() -> dict[str, object]:
         config["HOST"] = unquote(netloc_host.partition(":")[0])
     # Django's backend, with connect timeouts under 2 s honoured (db/postgresql).
     config["ENGINE"] = "db.postgresql"
+    options = config.setdefault("OPTIONS", {})
     # Fail fast when the server is unreachable: the webhook must answer within 2 s.
-    config.setdefault("OPTIONS", {})["connect_timeout"] = env.get_int(
-        "DATABASE_CONNECT_TIMEOUT", 1, minimum=1
-    )
+    options["connect_timeout"] = env.get_int("DATABASE_CONNECT_TIMEOUT", 1, minimum=1)
+    # A server that stops answering on a connection already made (a host gone, packets
+    # dropped) is noticed by the socket, not waited on for TCP's ~15 minutes: keepalives probe
+    # an idle connection, and data it has sent that the server has not acknowledged within
+    # tcp_user_timeout breaks it (libpq ignores them on a Unix socket).
+    options["keepalives"] = 1
+    options["keepalives_idle"] = env.get_int("DATABASE_KEEPALIVES_IDLE", 5, minimum=1)
+    options["keepalives_interval"] = env.get_int("DATABASE_KEEPALIVES_INTERVAL", 1, minimum=1)
+    options["keepalives_count"] = env.get_int("DATABASE_KEEPALIVES_COUNT", 3, minimum=1)
+    options["tcp_user_timeout"] = env.get_int("DATABASE_TCP_USER_TIMEOUT_MS", 5000, minimum=0)
     return dict(config)
 
 
@@ -220,6 +231,12 @@ REST_FRAMEWORK = {
         "rest_framework.filters.OrderingFilter",
     ],
     "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    # JSON through `config.inputs`: bounded in size and depth, a 400 with a reason.
+    "DEFAULT_PARSER_CLASSES": [
+        "config.parsers.JsonParser",
+        "rest_framework.parsers.FormParser",
+        "rest_framework.parsers.MultiPartParser",
+    ],
 }
 SPECTACULAR_SETTINGS = {
     "TITLE": "Tally API",
@@ -279,6 +296,10 @@ TALLY_GPU_DRIVERS = frozenset(
 TALLY_UNOWNED_NAMESPACES = env.get_choice("TALLY_UNOWNED_NAMESPACES", "allow", ("allow", "deny"))
 TALLY_WEBHOOK_FAIL_OPEN = env.get_bool("TALLY_WEBHOOK_FAIL_OPEN", False)
 TALLY_WEBHOOK_DB_TIMEOUT_MS = env.get_int("TALLY_WEBHOOK_DB_TIMEOUT_MS", 1500, minimum=100)
+# From a review's arrival: no reservation is made past it, and a database that has not
+# answered by then is given up. Below the webhooks' timeoutSeconds (deploy/base/webhooks.yaml:
+# 3 s), after which the API server fails the CREATE whatever the webhook does.
+TALLY_WEBHOOK_DEADLINE_MS = env.get_int("TALLY_WEBHOOK_DEADLINE_MS", 2500, minimum=100)
 # Off: an admission's commit does not wait for its WAL to reach disk (PostgreSQL flushes it
 # within ~0.6 s). A database crash may then forget the last admissions' reservations until
 # the sync sees those claims allocated; a Tally crash loses nothing. Cheaper per admission.
@@ -295,6 +316,12 @@ CELERY_BEAT_SCHEDULE = {
         "task": "quota.tasks.expire_reservations",
         "schedule": env.get_int("TALLY_EXPIRE_RESERVATIONS_EVERY_SECONDS", 60, minimum=1),
     },
+    # Recounts every rule's usage from scratch; drift is logged and counted
+    # (`tally_quota_drift_rules`), and fixed.
+    "quota-reconcile": {
+        "task": "quota.tasks.reconcile_quotas",
+        "schedule": env.get_int("TALLY_RECONCILE_QUOTAS_EVERY_SECONDS", 900, minimum=10),
+    },
 }
 
 # Metering.
@@ -302,6 +329,15 @@ CELERY_BEAT_SCHEDULE = {
 TALLY_SAMPLE_HOLD_SECONDS = env.get_int("TALLY_SAMPLE_HOLD_SECONDS", 120, minimum=1, maximum=3600)
 TALLY_INGEST_MAX_SAMPLES = env.get_int("TALLY_INGEST_MAX_SAMPLES", 5000, minimum=1)
 TALLY_INGEST_MAX_BODY_BYTES = env.get_int("TALLY_INGEST_MAX_BODY_BYTES", 16 * 2**20, minimum=1024)
+# Samples of devices the inventory does not know yet, set aside per agent token until the sync
+# learns them: at most this many devices and samples, each kept at most this many days.
+TALLY_INGEST_MAX_UNKNOWN_DEVICES = env.get_int("TALLY_INGEST_MAX_UNKNOWN_DEVICES", 128, minimum=0)
+TALLY_INGEST_MAX_UNKNOWN_SAMPLES = env.get_int(
+    "TALLY_INGEST_MAX_UNKNOWN_SAMPLES", 100_000, minimum=0
+)
+TALLY_INGEST_UNKNOWN_RETENTION_DAYS = env.get_int(
+    "TALLY_INGEST_UNKNOWN_RETENTION_DAYS", 7, minimum=1
+)
 TALLY_ROLLUP_EVERY_SECONDS = env.get_int("TALLY_ROLLUP_EVERY_SECONDS", 300, minimum=10)
 # The most hours one rollup run does (newest first); the rest wait for the next runs.
 TALLY_ROLLUP_HOURS_PER_RUN = env.get_int("TALLY_ROLLUP_HOURS_PER_RUN", 200, minimum=1)

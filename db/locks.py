@@ -24,6 +24,10 @@ LockName = Literal[
     # One hour's usage rows while they are rolled up (`billing.rollup`); the key is the hour
     # since the epoch.
     "billing.rollup.hour",
+    # Quota usage outside the webhook: the rules' `in_use` and reservation lines written by a
+    # policy change, the sync's reservations, expiry and the recount (`quota.services
+    # .lock_usage`, which then locks the rules it changes in id order); the key is 0.
+    "quota.usage",
 ]
 
 INT4_MIN, INT4_MAX = -(2**31), 2**31 - 1

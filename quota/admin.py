@@ -3,9 +3,12 @@ read-only.
 
 Edits of teams, memberships, namespaces and rules go through `teams.audit`, so each writes an
 audit entry naming the admin user, and a rule's `in_use` is never saved from here (it is
-read-only, and an update saves only the fields that changed). A budget is set through
-`quota.services.set_budget`, as `apply_policy` sets it. Reservations, their lines, admission
-decisions and the audit trail are written by services only and shown read-only.
+read-only, and an update saves only the fields that changed). A save that may change what a
+team's rules count (a rule, a namespace) takes the usage lock first and recounts the team's
+usage from the ledger in the same transaction (`quota.services.lock_usage`, `recount_usage`),
+as `apply_policy` does. A budget is set through `quota.services.set_budget`, as
+`apply_policy` sets it. Reservations, their lines, admission decisions and the audit trail are
+written by services only and shown read-only.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 from django import forms
 from django.contrib import admin
+from django.db import transaction
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
@@ -76,6 +80,21 @@ class TeamAdmin(AuditedAdmin):
     search_fields = ("slug", "name", "cost_centre", "namespaces__namespace")
     inlines = (TeamNamespaceInline, MembershipInline, QuotaRuleInline)
 
+    # The admin saves the team, then its inlines, in one transaction (the view's).
+
+    def save_model(self, request: HttpRequest, obj: Team, form: Any, change: bool) -> None:
+        services.lock_usage(team_ids=[obj.pk] if obj.pk else [])
+        super().save_model(request, obj, form, change)
+
+    def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
+        super().save_related(request, form, formsets, change)
+        services.recount_usage(teams=[form.instance], at=timezone.now())
+
+    def delete_model(self, request: HttpRequest, obj: Team) -> None:
+        with transaction.atomic():
+            services.lock_usage(team_ids=[obj.pk])
+            super().delete_model(request, obj)
+
 
 @admin.register(QuotaRule)
 class QuotaRuleAdmin(AuditedAdmin):
@@ -89,6 +108,17 @@ class QuotaRuleAdmin(AuditedAdmin):
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
         # Moving a rule would move its reservation lines to another team.
         return ("team", "in_use") if obj is not None else ("in_use",)
+
+    def save_model(self, request: HttpRequest, obj: QuotaRule, form: Any, change: bool) -> None:
+        with transaction.atomic():
+            services.lock_usage(team_ids=[obj.team_id])
+            super().save_model(request, obj, form, change)
+            services.recount_usage(teams=[obj.team_id], at=timezone.now())
+
+    def delete_model(self, request: HttpRequest, obj: QuotaRule) -> None:
+        with transaction.atomic():
+            services.lock_usage(team_ids=[obj.team_id])
+            super().delete_model(request, obj)
 
 
 class ReservationLineInline(admin.TabularInline):

@@ -54,6 +54,7 @@ from django.core.exceptions import ValidationError
 from django.core.validators import validate_slug
 from django.db import models, transaction
 from django.db.models import ProtectedError, RestrictedError
+from django.utils import timezone
 from kubernetes.utils import parse_quantity
 
 from billing.models import RateCard
@@ -62,7 +63,7 @@ from billing.services import delete_rate_card, save_rate_card
 from inventory.models import DeviceClass
 from quota.cel import CELError, compile_selector
 from quota.models import Budget, Mode, QuotaRule, Reservation, ReservationState, Unit
-from quota.services import set_budget
+from quota.services import lock_usage, recount_usage, set_budget
 from teams import audit
 from teams.models import AuditEntry, Membership, Role, Team, TeamNamespace
 
@@ -681,6 +682,7 @@ class _State:
 
     @classmethod
     def load(cls, *, lock_periods: bool) -> _State:
+        lock_usage(team_ids=())  # first: no other change of usage or ownership meanwhile
         teams = {team.slug: team for team in Team.objects.all()}
         by_id = {team.pk: team for team in teams.values()}
         namespaces = {}
@@ -692,8 +694,10 @@ class _State:
             membership.team = by_id[membership.team_id]
             memberships[membership.team_id][membership.user.get_username()] = membership
         rules: dict[int, dict[str, QuotaRule]] = defaultdict(dict)
-        # Locked so that the checks on `in_use` hold until the deletes and unit changes commit.
-        for rule in QuotaRule.objects.select_for_update(of=("self",)).order_by("pk"):
+        # Locked (with the usage lock, before anything is written) so that the checks on
+        # `in_use` hold until the deletes and unit changes commit, and the recount after them
+        # sees no other change of usage.
+        for rule in lock_usage(team_ids=by_id):
             rule.team = by_id[rule.team_id]
             rules[rule.team_id][rule.name] = rule
         budgets = {}
@@ -725,10 +729,13 @@ def apply_policy(*, policy: Policy, prune: bool, actor: str, dry_run: bool = Fal
     as `actor`; applying the same policy again changes nothing; without `prune` nothing is
     deleted, with it whatever the file does not declare is, except a team with reservations
     or a rule with capacity in use, which are reported as errors (`PolicyError`, nothing
-    applied); `QuotaRule.in_use` is never written. No closed billing period would be priced
-    differently afterwards: a rate card that reaches into one keeps its price, idle factor
-    and days there, and is not deleted; a new one may not reach into one (errors again). A
-    dry run reports the same changes and rolls them back.
+    applied). The usage of every team whose rules or namespaces changed is recounted from the
+    ledger in the same transaction (`quota.services.recount_usage`, the only writer of
+    `QuotaRule.in_use` here: claims already allocated in a namespace a team now owns are
+    adopted), each change of a rule's usage noted in the report. No closed billing period
+    would be priced differently afterwards: a rate card that reaches into one keeps its
+    price, idle factor and days there, and is not deleted; a new one may not reach into one
+    (errors again). A dry run reports the same changes and rolls them back.
     """
     report = ApplyReport(dry_run=dry_run, notes=list(policy.notes))
     with transaction.atomic():
@@ -736,11 +743,18 @@ def apply_policy(*, policy: Policy, prune: bool, actor: str, dry_run: bool = Fal
         errors = _conflicts(policy=policy, state=state, prune=prune)
         if errors:
             raise PolicyError(errors)
+        applier = _Applier(state=state, actor=actor, report=report)
         try:
-            _Applier(state=state, actor=actor, report=report).apply(policy=policy, prune=prune)
+            applier.apply(policy=policy, prune=prune)
         except (ProtectedError, RestrictedError) as exc:
             # Held further down a cascade than `_undeletable_teams` looks.
             raise PolicyError([f"not deleted: {exc.args[0]}"]) from exc
+        for usage in recount_usage(teams=applier.recount, at=timezone.now()):
+            if usage.stored != usage.recounted:
+                report.notes.append(
+                    f"usage of quota rule {usage.rule} recounted: "
+                    f"{usage.stored.normalize():f} → {usage.recounted.normalize():f}"
+                )
         if dry_run:
             transaction.set_rollback(True)
     return report
@@ -840,6 +854,8 @@ class _Applier:
         self.state = state
         self.actor = actor
         self.report = report
+        # Teams whose rules or namespaces changed: their usage is recounted.
+        self.recount: set[int] = set()
 
     def apply(self, *, policy: Policy, prune: bool) -> None:
         users = self._users(policy.teams)
@@ -916,7 +932,7 @@ class _Applier:
         return users
 
     def _team(self, spec: TeamSpec) -> Team:
-        team = self._put(
+        team, _ = self._put(
             self.state.teams.get(spec.slug),
             Team,
             identity={"slug": spec.slug},
@@ -931,8 +947,10 @@ class _Applier:
             namespace = TeamNamespace(team=team, namespace=name)
             self.report.add_entry(audit.create(actor=self.actor, obj=namespace))
             self.state.namespaces[name] = namespace
+            self.recount.add(team.pk)
         elif namespace.team_id != team.pk:
             # Moved from another team: one row changes owner, so the namespace is never unowned.
+            self.recount |= {namespace.team_id, team.pk}
             before = audit.snapshot(namespace)
             namespace.team = team
             self._update(namespace, before)
@@ -950,7 +968,7 @@ class _Applier:
     def _rules(self, spec: TeamSpec, team: Team) -> None:
         current = self.state.rules.get(team.pk, {})
         for rule_spec in spec.rules:
-            self._put(
+            _, changed = self._put(
                 current.get(rule_spec.name),
                 QuotaRule,
                 identity={"team": team, "name": rule_spec.name},
@@ -962,6 +980,8 @@ class _Applier:
                     "mode": rule_spec.mode,
                 },
             )
+            if changed:
+                self.recount.add(team.pk)
 
     def _budget(self, spec: BudgetSpec, team: Team) -> None:
         _, entry = set_budget(team=team, gpu_hours=spec.gpu_hours, mode=spec.mode, actor=self.actor)
@@ -995,25 +1015,28 @@ class _Applier:
         *,
         identity: dict[str, Any],
         values: dict[str, Any],
-    ) -> _Model:
+    ) -> tuple[_Model, bool]:
         """Create `model(**identity, **values)` when `obj` (the stored one) is None, else set
-        `values` on it and save what changed; audited either way."""
+        `values` on it and save what changed; audited either way. Returns the object and
+        whether anything was written."""
         if obj is None:
             obj = model(**identity, **values)
             self.report.add_entry(audit.create(actor=self.actor, obj=obj))
-            return obj
+            return obj, True
         before = audit.snapshot(obj)
         for name, value in values.items():
             setattr(obj, name, value)
-        self._update(obj, before)
-        return obj
+        return obj, self._update(obj, before)
 
-    def _update(self, obj: models.Model, before: dict[str, Any]) -> None:
+    def _update(self, obj: models.Model, before: dict[str, Any]) -> bool:
         entry = audit.update(actor=self.actor, obj=obj, before=before)
         if entry is not None:
             self.report.add_entry(entry)
+        return entry is not None
 
     def _delete(self, obj: models.Model) -> None:
+        if isinstance(obj, TeamNamespace):
+            self.recount.add(obj.team_id)  # its claims count for no team now
         entries = []
         # The cascade would delete a team's budget unaudited.
         if isinstance(obj, Team) and (budget := self.state.budgets.get(obj.pk)) is not None:

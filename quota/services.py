@@ -1,31 +1,46 @@
 """Quota's writes outside the admission hot path (the webhook reserves through
-`quota.admission`).
+`quota.admission`), and the ledger they keep true.
+
+The ledger: a rule's `in_use` is the sum of the live reservation lines on it, and each live
+reservation's lines are what its claim holds now on the rules of the team that owns the claim's
+namespace: a claim the scheduler allocated, exactly its allocated devices the rule covers; one
+not yet allocated, what its requests can take. `recount_usage` works that out from scratch,
+and every change that can change what a rule counts (a rule, a namespace, its team) calls it
+in the same transaction, so usage never depends on the order in which claims, syncs and policy
+changes arrived. `reconcile_usage` recounts every rule and reports (and fixes) any drift.
 
 `sync_reservations` turns a reservation into the exact allocated devices once the scheduler has
 allocated, and releases it when the claim goes; `expire_reservations` frees what was reserved
 for claims that never appeared; `set_budget` gives a team its GPU-hour budget.
+
+Every write of usage here takes `lock_usage` first: the usage lock, then the rules it changes
+in id order, the order in which the webhook's reserving statement locks a team's rules, so the
+two serialize and never wait on each other in a cycle.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
 from django.db import transaction
-from django.db.models import F
+from django.db.models import F, Q
 
-from inventory import dra
+from config import metrics
+from db.locks import advisory_xact_lock
 from inventory.models import Allocation, Cluster, ResourceClaim
-from quota import cel
-from quota.admission.decision import per_device
-from quota.admission.shapes import Shape
+from quota.admission.decision import claim_amounts, per_device
+from quota.admission.shapes import FleetShapes, Shape, covers, load_fleet, shape_of
 from quota.models import Budget, QuotaRule, Reservation, ReservationLine, ReservationState
-from quota.selectors import team_rules
 from teams import audit
 from teams.models import AuditEntry, Team, TeamNamespace
-from teams.selectors import team_for_namespace
+
+log = logging.getLogger(__name__)
 
 
 def set_budget(
@@ -49,43 +64,151 @@ def set_budget(
         return budget, audit.update(actor=actor, obj=budget, before=before)
 
 
+# --- Locks --------------------------------------------------------------------------------------
+
+
+def lock_usage(*, team_ids: Iterable[int]) -> list[QuotaRule]:
+    """Take the usage lock, then lock the rules of `team_ids` in id order; returns them.
+
+    Whatever changes usage or what a rule counts outside the webhook (a policy change, the
+    admin, the sync's reservations, expiry, the recount) takes it first, before it writes
+    anything, in the transaction that writes: one writer at a time, so a claim the sync sees
+    while a namespace changes team is counted by one of them, and the webhook, which locks a
+    team's rules in id order too, is never waited on in a cycle. Held to the end of the
+    transaction; taking it again in the same one is free.
+    """
+    advisory_xact_lock("quota.usage", [0])
+    return _lock_rules(set(team_ids))
+
+
+def _lock_rules(team_ids: set[int]) -> list[QuotaRule]:
+    if not team_ids:
+        return []
+    return list(QuotaRule.objects.select_for_update().filter(team_id__in=team_ids).order_by("pk"))
+
+
+# --- What a claim holds -----------------------------------------------------------------------
+
+
+class _Counting:
+    """Counts what claims hold on rules against each cluster's fleet as stored now (its shapes
+    and device classes), loaded once per transaction and only when needed."""
+
+    def __init__(self) -> None:
+        self._fleets: dict[str, FleetShapes] = {}
+
+    def fleet(self, cluster: str) -> FleetShapes:
+        fleet = self._fleets.get(cluster)
+        if fleet is None:
+            row = Cluster.objects.filter(name=cluster).first()
+            fleet = self._fleets[cluster] = (
+                load_fleet(cluster=row) if row is not None else FleetShapes()
+            )
+        return fleet
+
+    def holds(
+        self,
+        *,
+        cluster: str,
+        claim: ResourceClaim,
+        allocations: list[Allocation],
+        chosen: Any,
+        rules: list[QuotaRule],
+    ) -> dict[int, Decimal]:
+        """What `claim` holds on each of `rules`: its allocated devices exactly, or, until it
+        is allocated, what its requests can take (the alternatives `chosen` at admission)."""
+        if not rules:
+            return {}
+        fleet = self.fleet(cluster)
+        if not allocations:
+            return claim_amounts(
+                spec=claim.spec,
+                api_version=claim.api_version,
+                chosen=chosen,
+                rules=rules,
+                fleet=fleet,
+            )
+        amounts: dict[int, Decimal] = defaultdict(Decimal)
+        for allocation in allocations:
+            device = allocation.device
+            if device is None or device.shape is None:
+                continue  # allocated before its slice was seen: counted once it is
+            shape = self._shape(fleet, device.shape)
+            consumed = allocation.consumed_capacity.get("memory") if allocation.share_id else None
+            for rule in rules:
+                if covers(fleet.class_selectors, rule.device_class, rule.selector, shape):
+                    amounts[rule.pk] += per_device(shape, rule, consumed)
+        return dict(amounts)
+
+    @staticmethod
+    def _shape(fleet: FleetShapes, row: Any) -> Shape:
+        shape = fleet.shapes.get(row.pk)
+        if shape is None:  # a device no longer present: its shape is not in the fleet's
+            shape = fleet.shapes[row.pk] = shape_of(row)
+        return shape
+
+
+def _open_allocations(claim_ids: Iterable[int]) -> dict[int, list[Allocation]]:
+    by_claim: dict[int, list[Allocation]] = defaultdict(list)
+    for allocation in Allocation.objects.filter(
+        claim_id__in=list(claim_ids), end__isnull=True
+    ).select_related("device__shape"):
+        by_claim[allocation.claim_id].append(allocation)
+    return by_claim
+
+
 def _change_lines(reservation: Reservation, amounts: dict[int, Decimal]) -> None:
-    """Make the reservation's lines `amounts`, moving each rule's `in_use` by the difference."""
-    current = {line.rule_id: line for line in reservation.lines.all()}
-    deltas: dict[int, Decimal] = defaultdict(Decimal)
-    for rule_id, line in current.items():
-        if rule_id not in amounts:
-            deltas[rule_id] -= line.amount
-            line.delete()
+    """Make the reservation's lines `amounts`, moving each rule's `in_use` by the difference.
+    The rules are locked already (`lock_usage`)."""
+    stored = {line.rule_id: line.amount for line in reservation.lines.all()}
+    _write_lines(reservation, stored, amounts)
+    for rule_id in sorted(set(stored) | set(amounts)):
+        delta = amounts.get(rule_id, Decimal(0)) - stored.get(rule_id, Decimal(0))
+        if delta:
+            QuotaRule.objects.filter(pk=rule_id).update(in_use=F("in_use") + delta)
+
+
+def _write_lines(
+    reservation: Reservation, stored: dict[int, Decimal], amounts: dict[int, Decimal]
+) -> None:
+    """Make the reservation's lines, `stored` now, `amounts`: only what differs is written."""
+    gone = [rule_id for rule_id in stored if rule_id not in amounts]
+    if gone:
+        ReservationLine.objects.filter(reservation=reservation, rule_id__in=gone).delete()
     for rule_id, amount in amounts.items():
-        held = current.get(rule_id)
-        if held is None:
+        if rule_id not in stored:
             ReservationLine.objects.create(reservation=reservation, rule_id=rule_id, amount=amount)
-            deltas[rule_id] += amount
-        elif held.amount != amount:
-            deltas[rule_id] += amount - held.amount
-            ReservationLine.objects.filter(pk=held.pk).update(amount=amount)
-    for rule_id in sorted(deltas):
-        if deltas[rule_id]:
-            QuotaRule.objects.filter(pk=rule_id).update(in_use=F("in_use") + deltas[rule_id])
+        elif stored[rule_id] != amount:
+            ReservationLine.objects.filter(reservation=reservation, rule_id=rule_id).update(
+                amount=amount
+            )
 
 
-def _release(reservation: Reservation, at: datetime) -> None:
+def _release(reservation: Reservation, at: datetime) -> bool:
     if (
         Reservation.objects.filter(pk=reservation.pk)
         .exclude(state=ReservationState.RELEASED)
         .update(state=ReservationState.RELEASED, released_at=at)
     ):
         _change_lines(reservation, {})
+        return True
+    return False
+
+
+# --- Following the sync -----------------------------------------------------------------------
 
 
 def sync_reservations(*, cluster: Cluster, claim_ids: list[int], at: datetime) -> None:
     """Bring reservations in line with what the sync saw of these claims.
 
-    A released claim frees its reservation. An allocated claim holds exactly its allocated
-    devices: its lines are recomputed from them (what was reserved for alternatives the
-    scheduler did not take is freed), and a claim allocated without passing the webhook (made
-    before Tally, or while it was off) is adopted so that usage stays true.
+    A released claim frees its reservation. A claim of a namespace a team owns holds, on that
+    team's rules, exactly its allocated devices once allocated (what was reserved for
+    alternatives the scheduler did not take is freed), and until then what its requests can
+    take (recounted each time the sync sees it, so a rule changed between its admission and
+    the sync's first sight of it counts it too). A claim allocated without passing the webhook
+    (made before Tally, or while it was off) is adopted so that usage stays true. A
+    reservation whose namespace another team owns now becomes that team's; one whose namespace
+    no team owns holds nothing.
     """
     claims = list(
         ResourceClaim.objects.filter(pk__in=claim_ids, cluster=cluster).only(
@@ -101,111 +224,399 @@ def sync_reservations(*, cluster: Cluster, claim_ids: list[int], at: datetime) -
             "admitted_job",
         )
     )
-    owned = set(
-        TeamNamespace.objects.filter(namespace__in={c.namespace for c in claims}).values_list(
-            "namespace", flat=True
+    if not claims:
+        return
+    with transaction.atomic():
+        # Taken before reading who owns what, so a policy change that moves namespaces is
+        # wholly before or after this (its recount then sees these claims).
+        lock_usage(team_ids=())
+        owners = dict(
+            TeamNamespace.objects.filter(namespace__in={c.namespace for c in claims}).values_list(
+                "namespace", "team_id"
+            )
         )
-    )
-    reserved = set(
-        Reservation.objects.filter(cluster=cluster.name, name__in={c.name for c in claims})
+        live = {
+            (namespace, name): team_id
+            for namespace, name, team_id in Reservation.objects.filter(
+                cluster=cluster.name, name__in={c.name for c in claims}
+            )
+            .exclude(state=ReservationState.RELEASED)
+            .values_list("namespace", "name", "team_id")
+        }
+        # Most claims of a large import concern no team: skip them without a query each.
+        followed = [c for c in claims if c.namespace in owners or (c.namespace, c.name) in live]
+        teams = {owners.get(c.namespace) for c in followed} | {
+            live.get((c.namespace, c.name)) for c in followed
+        }
+        rules: dict[int, list[QuotaRule]] = {team_id: [] for team_id in teams if team_id}
+        for rule in _lock_rules(set(rules)):
+            rules[rule.team_id].append(rule)
+        allocations = _open_allocations(c.pk for c in followed if c.released_at is None)
+        counting = _Counting()
+        for claim in followed:
+            _follow(
+                claim=claim,
+                cluster=cluster,
+                owner=owners.get(claim.namespace),
+                allocations=allocations.get(claim.pk, []),
+                rules=rules,
+                counting=counting,
+                at=at,
+            )
+
+
+def _follow(
+    *,
+    claim: ResourceClaim,
+    cluster: Cluster,
+    owner: int | None,
+    allocations: list[Allocation],
+    rules: dict[int, list[QuotaRule]],
+    counting: _Counting,
+    at: datetime,
+) -> None:
+    """Bring the reservation of one claim the sync saw in line with it (see
+    `sync_reservations`)."""
+    reservation = (
+        Reservation.objects.select_for_update()
+        .filter(cluster=cluster.name, namespace=claim.namespace, name=claim.name)
         .exclude(state=ReservationState.RELEASED)
-        .values_list("namespace", "name")
+        .first()
     )
-    # Most claims of a large import concern no team: skip them without a query each.
-    for claim in claims:
-        if claim.namespace not in owned and (claim.namespace, claim.name) not in reserved:
-            continue
-        with transaction.atomic():
-            reservation = (
-                Reservation.objects.select_for_update()
-                .filter(cluster=cluster.name, namespace=claim.namespace, name=claim.name)
-                .exclude(state=ReservationState.RELEASED)
-                .first()
-            )
-            if reservation is not None and reservation.claim_uid in ("", claim.uid):
-                _record_creator(claim, reservation)
-            if claim.released_at is not None:
-                if reservation is not None and reservation.claim_uid in ("", claim.uid):
-                    _release(reservation, claim.released_at)
-                continue
-            allocations = list(
-                Allocation.objects.filter(claim=claim, end__isnull=True).select_related(
-                    "device", "device__shape"
-                )
-            )
-            if reservation is None:
-                if not allocations:
-                    continue
-                team = team_for_namespace(namespace=claim.namespace)
-                if team is None:
-                    continue
-                reservation = Reservation.objects.create(
-                    cluster=cluster.name,
-                    namespace=claim.namespace,
-                    name=claim.name,
-                    claim_uid=claim.uid,
-                    team=team,
-                    state=ReservationState.ALLOCATED,
-                    owner_references=claim.owner_references,
-                    created_at=at,
-                )
-            fields: dict[str, Any] = {"claim_uid": claim.uid, "expires_at": None}
-            if allocations:
-                fields["state"] = ReservationState.ALLOCATED
-                _change_lines(reservation, _allocated_amounts(claim, allocations, reservation.team))
-            Reservation.objects.filter(pk=reservation.pk).update(**fields)
+    same_claim = reservation is not None and reservation.claim_uid in ("", claim.uid)
+    if reservation is not None and same_claim:
+        _record_creator(claim, reservation)
+    if claim.released_at is not None:
+        if reservation is not None and same_claim:
+            _release(reservation, claim.released_at)
+        return
+    if reservation is None:
+        if not allocations or owner is None:
+            return
+        reservation = _adopt(claim, cluster=cluster.name, team_id=owner, at=at)
+    for team_id in {reservation.team_id, owner or reservation.team_id} - set(rules):
+        # Admitted for a team whose rules are not locked yet (it read the namespace's owner
+        # before a change this sync is after): lock them now.
+        rules[team_id] = _lock_rules({team_id})
+    fields: dict[str, Any] = {"claim_uid": claim.uid, "expires_at": None}
+    if allocations:
+        fields["state"] = ReservationState.ALLOCATED
+    if owner is not None and owner != reservation.team_id:
+        fields["team_id"] = owner
+    held = (
+        counting.holds(
+            cluster=cluster.name,
+            claim=claim,
+            allocations=allocations,
+            chosen=reservation.chosen,
+            rules=rules[owner],
+        )
+        if owner is not None
+        else {}
+    )
+    _change_lines(reservation, held)
+    Reservation.objects.filter(pk=reservation.pk).update(**fields)
+
+
+def _adopt(claim: ResourceClaim, *, cluster: str, team_id: int, at: datetime) -> Reservation:
+    """The reservation of an allocated claim that did not pass the webhook (made before Tally,
+    while it was off, or before its namespace was a team's), as the ledger counts it."""
+    return Reservation.objects.create(
+        cluster=cluster,
+        namespace=claim.namespace,
+        name=claim.name,
+        claim_uid=claim.uid,
+        team_id=team_id,
+        state=ReservationState.ALLOCATED,
+        owner_references=claim.owner_references,
+        created_at=at,
+    )
 
 
 def _record_creator(claim: ResourceClaim, reservation: Reservation) -> None:
     """The claim keeps who created it and the object it was made for, as the webhook saw
-    them, so that billing reads them from the inventory rather than from quota's tables."""
+    them, so that billing reads them from the inventory rather than from quota's tables; and
+    its allocations that the sync wrote before this record reached the claim take them as who
+    is charged: filled once, where still empty, never overwritten."""
     job = f"{reservation.owner_kind}/{reservation.owner_name}" if reservation.owner_kind else ""
     if (claim.created_by, claim.admitted_job) != (reservation.username, job):
         ResourceClaim.objects.filter(pk=claim.pk).update(
             created_by=reservation.username, admitted_job=job
         )
-
-
-def _allocated_amounts(
-    claim: ResourceClaim, allocations: list[Allocation], team: Team
-) -> dict[int, Decimal]:
-    try:
-        requests = dra.parse_claim_requests(claim.spec, claim.api_version)
-    except dra.DRAObjectError:
-        requests = []
-    classes: dict[str, dra.ParsedRequest] = {}
-    for request in requests:
-        classes[request.name] = request
-        for alternative in request.first_available:
-            classes[f"{request.name}/{alternative.name}"] = alternative
-    rules = team_rules(team=team)
-    amounts: dict[int, Decimal] = defaultdict(Decimal)
-    for allocation in allocations:
-        allocated_for = classes.get(allocation.request)
-        device = allocation.device
-        if allocated_for is None or device is None or device.shape is None:
-            continue
-        shape = Shape.from_row(device.shape, memory_bytes=device.memory_bytes)
-        consumed = allocation.consumed_capacity.get("memory") if allocation.share_id else None
-        for rule in rules:
-            if rule.device_class != allocated_for.device_class_name:
-                continue
-            try:
-                if rule.selector and not cel.compile_selector(rule.selector).matches(shape.view):
-                    continue
-            except cel.CELError:
-                pass
-            amounts[rule.pk] += per_device(shape, rule, consumed)
-    return dict(amounts)
+        if reservation.username:
+            Allocation.objects.filter(claim=claim, username="").update(
+                username=reservation.username
+            )
+        if job:
+            Allocation.objects.filter(claim=claim, job="").update(job=job)
 
 
 def expire_reservations(*, now: datetime) -> int:
-    """Release reservations whose claim never appeared (a later admission step rejected it)."""
+    """Release reservations whose claim never appeared (a later admission step rejected it).
+    Returns how many it released."""
+    due = dict(
+        Reservation.objects.filter(
+            state=ReservationState.RESERVED, claim_uid="", expires_at__lt=now
+        ).values_list("pk", "team_id")
+    )
+    if not due:
+        return 0
     expired = 0
-    for reservation in Reservation.objects.filter(
-        state=ReservationState.RESERVED, claim_uid="", expires_at__lt=now
-    ):
-        with transaction.atomic():
-            _release(reservation, now)
-        expired += 1
+    with transaction.atomic():
+        lock_usage(team_ids=set(due.values()))
+        for reservation in Reservation.objects.select_for_update().filter(
+            pk__in=due, state=ReservationState.RESERVED, claim_uid="", expires_at__lt=now
+        ):
+            expired += _release(reservation, now)
     return expired
+
+
+# --- The recount ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RuleUsage:
+    """One rule's usage as stored and as recounted from the ledger."""
+
+    rule: QuotaRule
+    stored: Decimal
+    recounted: Decimal
+    # Live reservations whose line on the rule differs from the recount (missing, extra or
+    # another amount), claims to adopt included.
+    lines_differing: int
+
+    @property
+    def drifted(self) -> bool:
+        return self.stored != self.recounted or self.lines_differing > 0
+
+    def describe(self) -> str:
+        """One line naming the rule, its usage stored and recounted."""
+        lines = (
+            f"{self.lines_differing} line{' differs' if self.lines_differing == 1 else 's differ'}"
+        )
+        return (
+            f"quota rule {self.rule.team.slug}/{self.rule.name} (id {self.rule.pk}): stored "
+            f"in_use {_amount(self.stored)}, recounted {_amount(self.recounted)} ({lines})"
+        )
+
+
+def _amount(value: Decimal) -> str:
+    return f"{value.normalize():f}"
+
+
+def recount_usage(
+    *, teams: Iterable[Team | int], at: datetime, fix: bool = True
+) -> list[RuleUsage]:
+    """Recount the usage of the rules of `teams` from scratch, from the live reservations and
+    allocations, and (with `fix`) make their reservation lines and `in_use` that.
+
+    Called in the transaction of every change that can change what a rule counts (a rule
+    added or changed, a namespace added, moved or removed), so usage does not depend on the
+    order of events. What each live reservation of a namespace a team owns holds on its rules:
+    - its claim allocated: exactly the allocated devices each rule covers;
+    - its claim seen by the sync, not yet allocated: what its requests can take, as admitted
+      (the `firstAvailable` alternatives its admission kept), on the fleet as it is now;
+    - its claim not seen yet (just admitted): the lines it has, on the rules still the team's
+      (the sync recounts it when it sees the claim).
+    A claim allocated in a namespace a team owns without a live reservation (made before Tally,
+    or before the namespace was the team's) is adopted: a reservation in state allocated. A
+    reservation whose namespace has moved becomes its new team's; one whose namespace no team
+    owns holds nothing. Teams that hold reservations of the teams' namespaces, or own the
+    namespaces of the teams' reservations, are recounted with them.
+
+    Guarantees: takes `lock_usage` (the rules in id order) before it reads; writes only what
+    differs; without `fix` writes nothing. Returns every recounted rule's usage as stored
+    and as recounted, in id order.
+    """
+    with transaction.atomic():
+        lock_usage(team_ids=())
+        team_ids = _neighbourhood({team if isinstance(team, int) else team.pk for team in teams})
+        return _Recount(team_ids=team_ids, at=at).run(fix=fix)
+
+
+def _neighbourhood(team_ids: set[int]) -> set[int]:
+    """`team_ids` with the teams whose reservations lie in their namespaces and the owners of
+    the namespaces of their reservations, and so on: those a recount of theirs may move
+    reservations to or from."""
+    found = set(team_ids)
+    while True:
+        namespaces = set(
+            TeamNamespace.objects.filter(team_id__in=found).values_list("namespace", flat=True)
+        )
+        live = Reservation.objects.exclude(state=ReservationState.RELEASED)
+        held = set(live.filter(team_id__in=found).values_list("namespace", flat=True))
+        more = set(live.filter(namespace__in=namespaces).values_list("team_id", flat=True))
+        more |= set(
+            TeamNamespace.objects.filter(namespace__in=held).values_list("team_id", flat=True)
+        )
+        if more <= found:
+            return found
+        found |= more
+
+
+@dataclass
+class _Holding:
+    """What one live reservation, or one claim to adopt, should hold: its team and its lines."""
+
+    subject: Reservation | ResourceClaim
+    team_id: int
+    lines: dict[int, Decimal]
+
+    def stored(self) -> dict[int, Decimal]:
+        if isinstance(self.subject, ResourceClaim):
+            return {}
+        return {line.rule_id: line.amount for line in self.subject.lines.all()}
+
+
+class _Recount:
+    """One recount of some teams' rules, under `lock_usage` (see `recount_usage`)."""
+
+    def __init__(self, *, team_ids: set[int], at: datetime) -> None:
+        self.at = at
+        self.team_ids = team_ids
+        self.rules = _lock_rules(team_ids)
+        teams = {team.pk: team for team in Team.objects.filter(pk__in=team_ids)}
+        self.rules_of: dict[int, list[QuotaRule]] = defaultdict(list)
+        for rule in self.rules:
+            rule.team = teams[rule.team_id]
+            self.rules_of[rule.team_id].append(rule)
+        self.counting = _Counting()
+
+    def run(self, *, fix: bool) -> list[RuleUsage]:
+        owned = set(
+            TeamNamespace.objects.filter(team_id__in=self.team_ids).values_list(
+                "namespace", flat=True
+            )
+        )
+        reservations = list(
+            Reservation.objects.select_for_update()
+            .exclude(state=ReservationState.RELEASED)
+            .filter(Q(namespace__in=owned) | Q(team_id__in=self.team_ids))
+            .prefetch_related("lines")
+            .order_by("pk")
+        )
+        namespaces = owned | {r.namespace for r in reservations}
+        self.owners = dict(
+            TeamNamespace.objects.filter(namespace__in=namespaces).values_list(
+                "namespace", "team_id"
+            )
+        )
+        self.claims: dict[tuple[str, str, str], list[ResourceClaim]] = defaultdict(list)
+        for claim in ResourceClaim.objects.filter(
+            namespace__in=namespaces, released_at__isnull=True
+        ).select_related("cluster"):
+            self.claims[(claim.cluster.name, claim.namespace, claim.name)].append(claim)
+        self.allocations = _open_allocations(
+            claim.pk for same in self.claims.values() for claim in same
+        )
+        holdings = [
+            holding
+            for reservation in reservations
+            if (holding := self._reservation(reservation)) is not None
+        ]
+        live = {(r.cluster, r.namespace, r.name) for r in reservations}
+        holdings += self._adoptions(live)
+        return self._settle(holdings, fix=fix)
+
+    def _reservation(self, reservation: Reservation) -> _Holding | None:
+        """What a live reservation should hold; None for one this recount leaves alone."""
+        owner = self.owners.get(reservation.namespace)
+        if reservation.team_id not in self.team_ids or (
+            owner is not None and owner not in self.team_ids
+        ):
+            return None  # admitted meanwhile for a team outside this recount: the sync's
+        if owner is None:
+            return _Holding(reservation, reservation.team_id, {})  # no team owns its namespace
+        key = (reservation.cluster, reservation.namespace, reservation.name)
+        claim = next(
+            (c for c in self.claims.get(key, []) if reservation.claim_uid in ("", c.uid)), None
+        )
+        if claim is None:  # not seen by the sync yet: its requests are not known here
+            ours = {rule.pk for rule in self.rules_of[owner]}
+            held = {line.rule_id: line.amount for line in reservation.lines.all()}
+            return _Holding(reservation, owner, {k: v for k, v in held.items() if k in ours})
+        lines = self.counting.holds(
+            cluster=reservation.cluster,
+            claim=claim,
+            allocations=self.allocations.get(claim.pk, []),
+            chosen=reservation.chosen,
+            rules=self.rules_of[owner],
+        )
+        return _Holding(reservation, owner, lines)
+
+    def _adoptions(self, live: set[tuple[str, str, str]]) -> list[_Holding]:
+        """The allocated claims of the teams' namespaces that no live reservation holds."""
+        adoptions = []
+        for key, same in sorted(self.claims.items()):
+            owner = self.owners.get(key[1])
+            if owner is None or owner not in self.team_ids or key in live:
+                continue
+            claim = max(same, key=lambda c: (c.first_seen, c.pk))
+            allocations = self.allocations.get(claim.pk)
+            if allocations:
+                lines = self.counting.holds(
+                    cluster=key[0],
+                    claim=claim,
+                    allocations=allocations,
+                    chosen={},
+                    rules=self.rules_of[owner],
+                )
+                adoptions.append(_Holding(claim, owner, lines))
+        return adoptions
+
+    def _settle(self, holdings: list[_Holding], *, fix: bool) -> list[RuleUsage]:
+        """Compare what should be held with what is stored; with `fix`, write the difference."""
+        recounted: dict[int, Decimal] = defaultdict(Decimal)
+        differing: dict[int, int] = defaultdict(int)
+        for holding in holdings:
+            stored = holding.stored()
+            for rule_id, amount in holding.lines.items():
+                recounted[rule_id] += amount
+            for rule_id in set(stored) | set(holding.lines):
+                if stored.get(rule_id) != holding.lines.get(rule_id):
+                    differing[rule_id] += 1
+            if fix:
+                self._write(holding, stored)
+        usage = [
+            RuleUsage(
+                rule=rule,
+                stored=rule.in_use,
+                recounted=recounted.get(rule.pk, Decimal(0)),
+                lines_differing=differing.get(rule.pk, 0),
+            )
+            for rule in self.rules
+        ]
+        if fix:
+            for entry in usage:
+                if entry.stored != entry.recounted:
+                    QuotaRule.objects.filter(pk=entry.rule.pk).update(in_use=entry.recounted)
+        return usage
+
+    def _write(self, holding: _Holding, stored: dict[int, Decimal]) -> None:
+        subject, lines = holding.subject, holding.lines
+        if isinstance(subject, ResourceClaim):
+            subject = _adopt(
+                subject, cluster=subject.cluster.name, team_id=holding.team_id, at=self.at
+            )
+        elif holding.team_id != subject.team_id:
+            Reservation.objects.filter(pk=subject.pk).update(team_id=holding.team_id)
+        _write_lines(subject, stored, lines)
+
+
+def reconcile_usage(*, at: datetime, fix: bool) -> list[RuleUsage]:
+    """Recount every rule from scratch (`recount_usage`, one team at a time) and report any
+    drift: each drifted rule is logged (stored against recounted), `tally_quota_drift_rules`
+    says how many drifted and, with `fix`, the drift is repaired and counted in
+    `tally_quota_drift_fixed_total`. Never silent. Returns every rule's usage, in id order.
+    """
+    usage: dict[int, RuleUsage] = {}
+    for team_id in Team.objects.order_by("pk").values_list("pk", flat=True):
+        for entry in recount_usage(teams=[team_id], at=at, fix=fix):
+            usage.setdefault(entry.rule.pk, entry)
+    drifted = [entry for entry in usage.values() if entry.drifted]
+    for entry in drifted:
+        log.warning("usage drift: %s%s", entry.describe(), "; fixed" if fix else "")
+    metrics.QUOTA_DRIFT_RULES.set(len(drifted))
+    if fix and drifted:
+        metrics.QUOTA_DRIFT_FIXED.inc(len(drifted))
+    return [usage[pk] for pk in sorted(usage)]

@@ -27,7 +27,13 @@ ALLOWED: dict[str, set[str]] = {
 }
 # `config` is the project package: its helpers (settings values, metrics, logging) sit below
 # every app and import none; its URLconfs, settings and Celery app sit on top.
-CONFIG_HELPERS = {"config.env", "config.metrics", "config.logging", "config.inputs"}
+CONFIG_HELPERS = {
+    "config.env",
+    "config.metrics",
+    "config.logging",
+    "config.inputs",
+    "config.parsers",
+}
 PACKAGES = {*ALLOWED, "config"}
 
 

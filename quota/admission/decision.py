@@ -7,13 +7,16 @@ reserves the plan (or does not); everything here is plain Python on plain data.
 
 A claim is counted by what it can really take: `ExactCount` its count, `All` the most
 matching devices on one node, a MIG device its share of its GPU, a consumable share its
-fraction of the device's memory, `adminAccess` nothing.
+fraction of the device's memory, `adminAccess` nothing. Rules bind devices, not class names:
+a request counts on every rule that covers a device it could be given (the rule's device
+class's selectors and its own), whatever class the request names. `claim_amounts` is what an
+admitted claim holds until it is allocated, as the ledger's recount works it out again.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -199,11 +202,7 @@ def plan_claim(
             skipped = [d.name for d in demands if d not in fitting]
             if skipped:
                 plan.removed[request.name] = skipped
-        # Reserve the most any kept alternative can take on each rule.
-        for rule_id in sorted({rule_id for d in fitting for rule_id in d.amounts}):
-            plan.reserve[rule_id] = plan.reserve.get(rule_id, Decimal(0)) + max(
-                d.amounts.get(rule_id, Decimal(0)) for d in fitting
-            )
+        _add_most(plan.reserve, fitting)
     for rule_id, amount in plan.reserve.items():
         rule = plan.rules[rule_id]
         total = rule.in_use + amount
@@ -215,6 +214,42 @@ def plan_claim(
                 f"{_fmt(total, rule)} of {_fmt(rule.limit, rule)} with this claim"
             )
     return plan
+
+
+def _add_most(reserve: dict[int, Decimal], kept: list[Demand]) -> None:
+    """Add to `reserve` the most any of a request's kept alternatives can take on each rule:
+    until the scheduler picks one, the request holds what the largest could take."""
+    for rule_id in sorted({rule_id for d in kept for rule_id in d.amounts}):
+        reserve[rule_id] = reserve.get(rule_id, Decimal(0)) + max(
+            d.amounts.get(rule_id, Decimal(0)) for d in kept
+        )
+
+
+def claim_amounts(
+    *,
+    spec: dict[str, Any],
+    api_version: str,
+    chosen: Any,
+    rules: Sequence[Rule],
+    fleet: FleetShapes,
+) -> dict[int, Decimal]:
+    """What an admitted claim not yet allocated holds on each of `rules`: what its requests
+    can take on the fleet, each `firstAvailable` request the most of the alternatives its
+    admission kept (`chosen`, as the reservation stores it), as `plan_claim` reserved it. An
+    unreadable claim holds nothing (it could not have been admitted)."""
+    try:
+        requests = dra.parse_claim_requests(spec, api_version)
+    except dra.DRAObjectError:
+        return {}
+    kept_by_request = chosen if isinstance(chosen, dict) else {}
+    amounts: dict[int, Decimal] = {}
+    for request in requests:
+        alternatives = request.first_available or [request]
+        kept = kept_by_request.get(request.name) if request.first_available else None
+        if isinstance(kept, list) and kept:
+            alternatives = [a for a in alternatives if a.name in kept] or alternatives
+        _add_most(amounts, [demand(a, rules, fleet, warnings=[]) for a in alternatives])
+    return amounts
 
 
 def _budget_denies(
@@ -295,19 +330,56 @@ def _fmt(value: Decimal, rule: Rule) -> str:
 
 def demand(
     request: dra.ParsedRequest,
-    rules: list[RuleSnapshot],
+    rules: Sequence[Rule],
     fleet: FleetShapes,
     warnings: list[str],
 ) -> Demand:
-    """What `request` can take on each of `rules` that limits it."""
+    """What `request` can take on each of `rules` that limits it: each rule that covers a
+    device the request could be given (its class's selectors and its own, over the fleet's
+    shapes), whatever class the request names."""
     result = Demand(name=request.name, amounts={}, devices=0)
-    if request.admin_access:
+    if request.admin_access or not rules:
         return result  # admin access observes devices; it holds nothing
-    limiting = [rule for rule in rules if rule.device_class == request.device_class_name]
-    if not limiting:
-        return result
     selectors = tuple(request.selectors)
     candidates = fleet.candidates(request.device_class_name, selectors)
+    requested_memory = request.capacity_requests.get("memory")
+    per_device_on: dict[int, Decimal] = {}
+    for rule in rules:
+        # What one device counts on this rule: the same for every request that asks alike, so
+        # worked out once per fleet snapshot (None: the rule covers none of the candidates).
+        key = (
+            request.device_class_name,
+            selectors,
+            rule.device_class,
+            rule.selector,
+            rule.unit,
+            requested_memory,
+        )
+        each = fleet.derived(
+            key,
+            functools.partial(
+                _per_device_on,
+                rule,
+                request.device_class_name,
+                candidates,
+                fleet,
+                requested_memory,
+            ),
+        )
+        if each is None:
+            continue
+        per_device_on[rule.pk] = each
+        if rule.selector:  # validated when written; kept safe if stored otherwise
+            error = fleet.derived(
+                ("selector error", rule.selector), functools.partial(_selector_error, rule.selector)
+            )
+            if error:
+                warnings.append(
+                    f'quota rule "{rule.name}" has a bad selector, applied to its whole class: '
+                    f"{error}"
+                )
+    if not per_device_on:
+        return result
     if not candidates:
         # Nothing to weigh it by: it counts as whole GPUs on every rule of its class, the
         # most it could take, until the sync sees what it was given.
@@ -324,20 +396,7 @@ def demand(
     else:
         devices = request.count
     result.devices = devices
-    requested_memory = request.capacity_requests.get("memory")
-    for rule in limiting:
-        # What one device counts on this rule: the same for every request that asks alike, so
-        # worked out once per fleet snapshot (None: the rule's selector matches none of them).
-        key = (request.device_class_name, selectors, rule.selector, rule.unit, requested_memory)
-        try:
-            each = fleet.derived(
-                key, functools.partial(_per_device_on, rule, candidates, fleet, requested_memory)
-            )
-        except cel.CELError as exc:  # validated on apply; kept safe if stored otherwise
-            warnings.append(f'quota rule "{rule.name}" has a bad selector, applied to all: {exc}')
-            each = _most_per_device(rule, candidates, requested_memory)
-        if each is not None:
-            result.amounts[rule.pk] = each * devices
+    result.amounts = {rule_id: each * devices for rule_id, each in per_device_on.items()}
     return result
 
 
@@ -354,17 +413,32 @@ def _most_on_a_node(fleet: FleetShapes, candidates: list[Shape]) -> int:
 
 
 def _per_device_on(
-    rule: Rule, candidates: list[Shape], fleet: FleetShapes, requested_memory: str | None
+    rule: Rule,
+    request_class: str,
+    candidates: list[Shape],
+    fleet: FleetShapes,
+    requested_memory: str | None,
 ) -> Decimal | None:
-    """The most one device of `candidates` that `rule` selects counts on it; None when the
-    rule's selector selects none of them (it does not limit the request)."""
-    shapes = candidates
-    if rule.selector:
-        cel.compile_selector(rule.selector)  # raises CELError for a bad one
-        shapes = [shape for shape in candidates if fleet.match(rule.selector, shape)]
-        if not shapes and candidates:
-            return None
-    return _most_per_device(rule, shapes, requested_memory)
+    """The most one device of `candidates` that `rule` covers counts on it; None when it
+    covers none of them (it does not limit the request). A request that no known device
+    matches is limited by the rules of the class it names, as whole GPUs."""
+    if not candidates:
+        return (
+            _most_per_device(rule, [], requested_memory)
+            if rule.device_class == request_class
+            else None
+        )
+    covered = fleet.covered(rule.device_class, rule.selector)
+    shapes = [shape for shape in candidates if shape.id in covered]
+    return _most_per_device(rule, shapes, requested_memory) if shapes else None
+
+
+def _selector_error(selector: str) -> str:
+    try:
+        cel.compile_selector(selector)
+    except cel.CELError as exc:
+        return str(exc)
+    return ""
 
 
 def _most_per_device(rule: Rule, shapes: list[Shape], requested_memory: str | None) -> Decimal:

@@ -2,7 +2,8 @@
 
 Thousands of devices come in a few dozen shapes (what selectors can tell apart), so a selector
 is evaluated once per shape, not per device, and a webhook worker reads the fleet again only
-when a sync has changed it.
+when a sync has changed it. The shapes a quota rule covers (`covers`: its device class's
+selectors and its own) are worked out once per rule definition and snapshot.
 """
 
 from __future__ import annotations
@@ -81,21 +82,20 @@ class FleetShapes:
         return value
 
     def match(self, expression: str, shape: Shape) -> bool:
-        """Whether `expression` selects devices of `shape`; a bad expression selects none.
+        """Whether `expression` selects devices of `shape` (see `match`)."""
+        return match(expression, shape)
 
-        Remembered per (expression, shape id) by the process, across snapshots: a shape row
-        never changes once written, so a selector is evaluated once per shape, however many
-        requests ask and however often the fleet is reloaded.
-        """
-        key = (expression, shape.id)
-        result = _matches.get(key)
-        if result is None:
-            try:
-                result = cel.compile_selector(expression).matches(shape.view)
-            except cel.CELError:
-                result = False
-            _matches[key] = result
-        return result
+    def covered(self, device_class: str, selector: str) -> frozenset[int]:
+        """The ids of this fleet's shapes that a quota rule of `device_class` and `selector`
+        covers (see `covers`), worked out once per rule definition and snapshot."""
+        return self.derived(
+            ("covered", device_class, selector),
+            lambda: frozenset(
+                shape.id
+                for shape in self.shapes.values()
+                if covers(self.class_selectors, device_class, selector, shape)
+            ),
+        )
 
     def candidates(self, device_class: str, selectors: tuple[str, ...]) -> list[Shape]:
         """The shapes a request of `device_class` with `selectors` could be given."""
@@ -124,6 +124,46 @@ _matches: dict[tuple[str, int], bool] = {}
 MAX_REMEMBERED_MATCHES = 200_000
 
 
+def match(expression: str, shape: Shape) -> bool:
+    """Whether `expression` selects devices of `shape`; a bad expression selects none.
+
+    Remembered per (expression, shape id) by the process, across snapshots: a shape row never
+    changes once written, so a selector is evaluated once per shape, however many requests ask
+    and however often the fleet is reloaded.
+    """
+    key = (expression, shape.id)
+    result = _matches.get(key)
+    if result is None:
+        try:
+            result = cel.compile_selector(expression).matches(shape.view)
+        except cel.CELError:
+            result = False
+        _matches[key] = result
+    return result
+
+
+def covers(
+    class_selectors: dict[str, list[str]], device_class: str, selector: str, shape: Shape
+) -> bool:
+    """Whether a quota rule of `device_class` and `selector` covers devices of `shape`: the
+    class's selectors (as `class_selectors` holds them; none: every device) and the rule's
+    own all select it. The class narrows what the rule covers; a claim naming another class
+    that selects the same devices is still covered. A class the inventory does not know covers
+    no device; a selector that does not compile is left out (validated when the rule is
+    written; applied to the whole class if one is stored otherwise).
+    """
+    expressions = class_selectors.get(device_class)
+    if expressions is None or not all(match(expression, shape) for expression in expressions):
+        return False
+    if not selector:
+        return True
+    try:
+        cel.compile_selector(selector)
+    except cel.CELError:
+        return True
+    return match(selector, shape)
+
+
 def fleet_shapes(*, cluster: Cluster) -> FleetShapes:
     """The cluster's present device shapes, as of at most TALLY_SHAPE_CACHE_SECONDS ago.
 
@@ -146,30 +186,43 @@ def fleet_shapes(*, cluster: Cluster) -> FleetShapes:
         if cached is not None and cached.version == version:
             cached.loaded_at = now
             return cached
-        fleet = FleetShapes(loaded_at=now, version=version)
-        per_node: dict[int, dict[int, int]] = defaultdict(dict)
-        present_shapes: set[int] = set()
-        for node_id, shape_id, devices in (
-            Device.objects.filter(cluster=cluster, gone_at__isnull=True, shape__isnull=False)
-            .values_list("node_id", "shape_id")
-            .annotate(devices=Count("id"))
-            .order_by()
-        ):
-            present_shapes.add(shape_id)
-            if node_id is not None:
-                per_node[node_id][shape_id] = devices
-        for row in DeviceShape.objects.filter(pk__in=present_shapes):
-            fleet.shapes[row.pk] = Shape.from_row(row, memory_bytes=_memory(row.capacity))
-        fleet.per_node = dict(per_node)
-        fleet.class_selectors = dict(
-            DeviceClass.objects.filter(cluster=cluster, gone_at__isnull=True).values_list(
-                "name", "selectors"
-            )
-        )
+        fleet = load_fleet(cluster=cluster, version=version)
+        fleet.loaded_at = now
         if len(_matches) > MAX_REMEMBERED_MATCHES:
             _matches.clear()
         _cache[cluster.pk] = fleet
         return fleet
+
+
+def load_fleet(*, cluster: Cluster, version: int | None = None) -> FleetShapes:
+    """The cluster's present device shapes as the database holds them now, not cached: for
+    the quota services, which count within their own transaction (the sync's included)."""
+    fleet = FleetShapes(version=version)
+    per_node: dict[int, dict[int, int]] = defaultdict(dict)
+    present_shapes: set[int] = set()
+    for node_id, shape_id, devices in (
+        Device.objects.filter(cluster=cluster, gone_at__isnull=True, shape__isnull=False)
+        .values_list("node_id", "shape_id")
+        .annotate(devices=Count("id"))
+        .order_by()
+    ):
+        present_shapes.add(shape_id)
+        if node_id is not None:
+            per_node[node_id][shape_id] = devices
+    for row in DeviceShape.objects.filter(pk__in=present_shapes):
+        fleet.shapes[row.pk] = shape_of(row)
+    fleet.per_node = dict(per_node)
+    fleet.class_selectors = dict(
+        DeviceClass.objects.filter(cluster=cluster, gone_at__isnull=True).values_list(
+            "name", "selectors"
+        )
+    )
+    return fleet
+
+
+def shape_of(row: DeviceShape) -> Shape:
+    """The shape of a stored row, its memory read from its capacity."""
+    return Shape.from_row(row, memory_bytes=_memory(row.capacity))
 
 
 def warm_up(*, cluster: Cluster, seconds: float) -> int:

@@ -15,7 +15,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from billing.models import RateCard
-from quota.models import Budget, QuotaRule, ReservationState, Unit
+from quota.models import Budget, QuotaRule, ReservationLine, ReservationState, Unit
 from quota.policy import PolicyError, apply_policy, load_policy
 from teams import audit
 from teams.models import AuditEntry, Membership, Role, Team, TeamNamespace
@@ -262,15 +262,29 @@ def test_dry_run_writes_nothing() -> None:
     assert "dry run, nothing written: " in output
 
 
-def test_in_use_is_never_written() -> None:
+def test_in_use_is_the_ledgers() -> None:
     apply_text(VISION)
     # The webhook reserves after the policy was read: a full save would write in_use back.
+    rule = QuotaRule.objects.get(name="h100")
+    reservation = ReservationFactory.create(team=rule.team, namespace="vision")
+    ReservationLine.objects.create(reservation=reservation, rule=rule, amount=3)
     QuotaRule.objects.filter(name="h100").update(in_use=F("in_use") + 3)
 
-    apply_text(VISION.replace("gpus: 8", "gpus: 10"))
+    report = apply_text(VISION.replace("gpus: 8", "gpus: 10"))
 
-    rule = QuotaRule.objects.get(name="h100")
+    rule.refresh_from_db()
     assert (rule.limit, rule.in_use) == (10, 3)
+    assert not [note for note in report.notes if "recounted" in note]  # it was true
+
+
+def test_a_changed_rule_is_recounted_and_the_report_says_so() -> None:
+    apply_text(VISION)
+    QuotaRule.objects.filter(name="h100").update(in_use=3)  # no reservation holds it
+
+    report = apply_text(VISION.replace("gpus: 8", "gpus: 10"))
+
+    assert QuotaRule.objects.get(name="h100").in_use == 0
+    assert "usage of quota rule vision/h100 recounted: 3 → 0" in report.notes
 
 
 def test_unit_change_is_refused_while_in_use() -> None:

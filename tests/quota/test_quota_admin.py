@@ -10,11 +10,12 @@ from django.contrib.auth import get_user_model
 from django.test import Client
 from django.urls import reverse
 
-from quota.models import Budget, QuotaRule
+from quota.models import Budget, QuotaRule, ReservationLine
 from teams.models import AuditEntry, Team, TeamNamespace
 from tests.quota.factories import (
     MembershipFactory,
     QuotaRuleFactory,
+    ReservationFactory,
     TeamFactory,
     TeamNamespaceFactory,
 )
@@ -44,6 +45,14 @@ def rule_form(rule: QuotaRule, **changes: Any) -> dict[str, Any]:
     }
 
 
+def hold(rule: QuotaRule, amount: int) -> None:
+    """A live reservation of the rule's team holds `amount` on it (a claim not yet seen)."""
+    namespace = TeamNamespaceFactory.create(team=rule.team)
+    reservation = ReservationFactory.create(team=rule.team, namespace=namespace.namespace)
+    ReservationLine.objects.create(reservation=reservation, rule=rule, amount=amount)
+    QuotaRule.objects.filter(pk=rule.pk).update(in_use=amount)
+
+
 def inline_management(prefix: str, total: int = 0, initial: int = 0) -> dict[str, Any]:
     return {
         f"{prefix}-TOTAL_FORMS": total,
@@ -55,7 +64,7 @@ def inline_management(prefix: str, total: int = 0, initial: int = 0) -> dict[str
 
 def test_editing_a_rule_limit_is_audited(ops_client: Client) -> None:
     rule = QuotaRuleFactory.create(team__slug="vision", name="h100", selector=SELECTOR)
-    QuotaRule.objects.filter(pk=rule.pk).update(in_use=3)
+    hold(rule, 3)
     url = reverse("admin:quota_quotarule_change", args=[rule.pk])
     assert ops_client.get(url).status_code == 200
 
@@ -212,7 +221,7 @@ def test_a_budget_is_set_through_the_service_and_audited(ops_client: Client) -> 
 
 def test_in_use_is_read_only(ops_client: Client) -> None:
     rule = QuotaRuleFactory.create()
-    QuotaRule.objects.filter(pk=rule.pk).update(in_use=Decimal(2))
+    hold(rule, 2)
     url = reverse("admin:quota_quotarule_change", args=[rule.pk])
 
     response = ops_client.post(url, rule_form(rule, in_use="0", limit="9"))
