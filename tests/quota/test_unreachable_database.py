@@ -393,7 +393,14 @@ def test_a_database_that_goes_silent_reserves_nothing_after_the_deadline() -> No
                     proxy.release()
                     proxy.wait_until_closed()
 
-            assert admit("warm", "warm-uid").body["response"]["allowed"] is True
+            # A cold worker's first admission (connection, fleet shapes, selectors) can pass
+            # the 1 s deadline on a busy machine: warm it until one is admitted.
+            for attempt in range(5):
+                warm = admit(f"warm-{attempt}", f"warm-uid-{attempt}")
+                if warm.body["response"]["allowed"]:
+                    break
+            else:
+                pytest.fail(f"no claim admitted through the proxy: {warm.body}")
             # The claim's name is in the read (and the reservation); the uid only in the
             # reservation.
             silent_read = admit("silent-read", "read-uid", silent_from=b"silent-read")
@@ -410,7 +417,7 @@ def test_a_database_that_goes_silent_reserves_nothing_after_the_deadline() -> No
         assert answer.seconds < DEADLINE_SECONDS + 0.5, (answer, log)
     assert after.body["response"]["allowed"] is True, (after, log)
     reserved = sorted(Reservation.objects.values_list("name", flat=True))
-    assert reserved == ["after", "warm"], log
+    assert reserved == ["after", f"warm-{attempt}"], log
     assert QuotaRule.objects.get().in_use == 2
 
 
