@@ -248,7 +248,9 @@ class SilentProxy:
     delivered late, even after the webhook has closed its end. The database's answers pass
     as ever, and a connection stays open on its side until the database ends it."""
 
-    def __init__(self, database_port: int) -> None:
+    def __init__(self, database_host: str, database_port: int) -> None:
+        # A folder as host is the server's unix socket (the embedded server has no TCP port).
+        self.database_host = database_host
         self.database_port = database_port
         self.listener = socket.socket()
         self.listener.bind(("127.0.0.1", 0))
@@ -298,9 +300,16 @@ class SilentProxy:
                 downstream, _ = self.listener.accept()
             except OSError:
                 return  # closed
-            upstream = socket.create_connection(("127.0.0.1", self.database_port))
+            upstream = self._connect_upstream()
             threading.Thread(target=self._up, args=(downstream, upstream), daemon=True).start()
             threading.Thread(target=self._down, args=(upstream, downstream), daemon=True).start()
+
+    def _connect_upstream(self) -> socket.socket:
+        if self.database_host.startswith("/"):
+            upstream = socket.socket(socket.AF_UNIX)
+            upstream.connect(f"{self.database_host}/.s.PGSQL.{self.database_port}")
+            return upstream
+        return socket.create_connection((self.database_host or "127.0.0.1", self.database_port))
 
     def _up(self, downstream: socket.socket, upstream: socket.socket) -> None:
         """The webhook's bytes to the database, unless held."""
@@ -365,7 +374,7 @@ def test_a_database_that_goes_silent_reserves_nothing_after_the_deadline() -> No
     nothing."""
     make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 25}])
     settings = connection.settings_dict
-    proxy = SilentProxy(int(settings["PORT"] or 5432))
+    proxy = SilentProxy(str(settings["HOST"] or "127.0.0.1"), int(settings["PORT"] or 5432))
     database = f"{settings['USER']}@127.0.0.1:{{port}}/{settings['NAME']}"
     with tempfile.TemporaryDirectory() as logs:
         server, port, log_path = _start_server(
