@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import psycopg
@@ -206,24 +207,10 @@ def test_a_rule_locked_elsewhere_is_a_clear_denial_within_the_lock_timeout(
     settings.DATABASE_TRANSACTION_POOLING = pooling
     make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 10}])
     rule = QuotaRule.objects.get(name="all-gpus")
-    locked, release = threading.Event(), threading.Event()
-
-    def hold_the_rule() -> None:
-        with psycopg.connect(_conninfo()) as other:
-            other.execute("SELECT 1 FROM quota_quotarule WHERE id = %s FOR UPDATE", [rule.pk])
-            locked.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold_the_rule)
-    holder.start()
-    try:
-        assert locked.wait(10)
+    with rule_locked_by_another_session(rule.pk):
         started = time.monotonic()
         answer = decide(client, claim("c", [gpu_request(1)]))
         elapsed = time.monotonic() - started
-    finally:
-        release.set()
-        holder.join()
     assert answer["allowed"] is False
     assert answer["status"]["reason"] == "ServiceUnavailable"
     assert elapsed < 2.0
@@ -237,6 +224,27 @@ def _conninfo() -> str:
     return psycopg.conninfo.make_conninfo(
         **{k: v for k, v in params.items() if k in ("host", "port", "user", "dbname", "password")}
     )
+
+
+@contextmanager
+def rule_locked_by_another_session(rule_id: int) -> Iterator[None]:
+    """The rule's row locked (FOR UPDATE) by another session while the block runs."""
+    locked, release = threading.Event(), threading.Event()
+
+    def hold_the_rule() -> None:
+        with psycopg.connect(_conninfo()) as other:
+            other.execute("SELECT 1 FROM quota_quotarule WHERE id = %s FOR UPDATE", [rule_id])
+            locked.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold_the_rule)
+    holder.start()
+    try:
+        assert locked.wait(10)
+        yield
+    finally:
+        release.set()
+        holder.join()
 
 
 @pytest.mark.django_db(transaction=True)
@@ -288,26 +296,12 @@ def test_a_reservation_that_would_come_after_the_deadline_is_not_made(
     settings.TALLY_WEBHOOK_DB_TIMEOUT_MS = 5000
     make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 10}])
     rule = QuotaRule.objects.get(name="all-gpus")
-    locked, release = threading.Event(), threading.Event()
-
-    def hold_the_rule() -> None:
-        with psycopg.connect(_conninfo()) as other:
-            other.execute("SELECT 1 FROM quota_quotarule WHERE id = %s FOR UPDATE", [rule.pk])
-            locked.set()
-            release.wait(10)
-
-    holder = threading.Thread(target=hold_the_rule)
-    holder.start()
-    try:
-        assert locked.wait(10)
+    with rule_locked_by_another_session(rule.pk):
         connection.ensure_connection()
         backend = connection.connection.info.backend_pid
         started = time.monotonic()
         answer = decide(client, claim("c", [gpu_request(1)]))
         elapsed = time.monotonic() - started
-    finally:
-        release.set()
-        holder.join()
     _wait_until_idle(backend)
     assert answer["allowed"] is False
     assert answer["status"]["reason"] == "ServiceUnavailable"
