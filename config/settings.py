@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from datetime import timedelta
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
@@ -11,6 +12,7 @@ from celery.schedules import crontab
 from django.core.exceptions import ImproperlyConfigured
 
 from config import env
+from config.logging import library_loggers
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = BASE_DIR / "var"
@@ -35,7 +37,8 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "django.contrib.postgres",
     "rest_framework",
-    "rest_framework.authtoken",
+    "knox",  # hashed API tokens with expiry (teams/tokens.py)
+    "axes",  # login lockout (AUTHENTICATION_BACKENDS, AXES_* below)
     "django_filters",
     "drf_spectacular",
     "drf_spectacular_sidecar",
@@ -46,6 +49,7 @@ INSTALLED_APPS = [
     "billing",
     "frontend",
     "demo",
+    "config.webhook_auth.WebhookAuthConfig",  # the check that the webhooks know their caller
 ]
 
 MIDDLEWARE = [
@@ -53,6 +57,8 @@ MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
     # Each listener serves only its paths (webhook, ingest, metrics): see deploy/README.md.
     "config.listeners.ListenerMiddleware",
+    # The webhooks answer only the API server's client certificate: see config/webhook_auth.py.
+    "config.webhook_auth.WebhookCallerMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -60,6 +66,8 @@ MIDDLEWARE = [
     "django.contrib.auth.middleware.AuthenticationMiddleware",
     "django.contrib.messages.middleware.MessageMiddleware",
     "django.middleware.clickjacking.XFrameOptionsMiddleware",
+    # Last, as django-axes requires: answers a locked-out login with its lockout page.
+    "axes.middleware.AxesMiddleware",
 ]
 
 ROOT_URLCONF = "config.urls"
@@ -183,10 +191,47 @@ STORAGES = {
         )
     },
 }
-# Sessions in signed cookies: no database read per request, and no way for a malformed
-# cookie (a NUL byte) to reach the database.
-SESSION_ENGINE = "django.contrib.sessions.backends.signed_cookies"
+# Sessions in the database, so logging out (or a password change, through Django's session
+# hash) ends a session everywhere, a copied cookie included. Not cached_db: a per-worker cache
+# would keep a logged-out session alive in the other workers. Keys that are not Django's own
+# (a NUL byte) never reach the database (teams/sessions.py).
+SESSION_ENGINE = "teams.sessions"
 SESSION_COOKIE_HTTPONLY = True
+SESSION_COOKIE_AGE = env.get_int("TALLY_SESSION_AGE_HOURS", 24 * 14, minimum=1) * 3600
+
+# Throttles need one count for every worker and pod: Redis when REDIS_URL is set (production),
+# else the process's memory (one development server). A Redis that does not answer within
+# half a second is passed over: the throttles then let requests through (config/cache.py).
+CACHES = {
+    "default": (
+        {
+            "BACKEND": "config.cache.FailOpenRedisCache",
+            "LOCATION": env.get_str("REDIS_URL"),
+            "KEY_PREFIX": "tally",
+            "OPTIONS": {"socket_connect_timeout": 0.5, "socket_timeout": 0.5},
+        }
+        if env.get_str("REDIS_URL")
+        else {"BACKEND": "django.core.cache.backends.locmem.LocMemCache"}
+    )
+}
+
+# Login lockout (django-axes) for the portal and the admin: after TALLY_LOGIN_FAILURE_LIMIT
+# failures for one username from one address, that pair is refused for
+# TALLY_LOGIN_COOLOFF_MINUTES after its last failure. Keyed on the pair, so nobody can lock a
+# user out from other addresses, and never for longer than the cool-off. Attempts are kept in
+# the database (shared by every worker; the admin lists them; `manage.py axes_reset` unlocks).
+AUTHENTICATION_BACKENDS = [
+    "axes.backends.AxesStandaloneBackend",
+    "django.contrib.auth.backends.ModelBackend",
+]
+AXES_FAILURE_LIMIT = env.get_int("TALLY_LOGIN_FAILURE_LIMIT", 5, minimum=1)
+AXES_COOLOFF_TIME = timedelta(minutes=env.get_int("TALLY_LOGIN_COOLOFF_MINUTES", 15, minimum=1))
+AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_RESET_ON_SUCCESS = True
+AXES_LOCKOUT_CALLABLE = "teams.lockout.lockout_response"
+# The client's address as the API's throttles see it (TALLY_TRUSTED_PROXIES).
+AXES_CLIENT_IP_CALLABLE = "teams.throttles.client_ip"
+AXES_VERBOSE = False  # no banner on every manage.py command; failures are still logged
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "home"
 LOGOUT_REDIRECT_URL = "login"
@@ -194,13 +239,14 @@ LOGOUT_REDIRECT_URL = "login"
 # Celery: Redis in production; the default is kombu's filesystem transport, which needs no
 # server and still lets the web process and a separate worker exchange tasks.
 REDIS_URL = env.get_str("REDIS_URL")
-CELERY_BROKER_URL = env.get_str("CELERY_BROKER_URL") or REDIS_URL or "filesystem://"
+# The filesystem transport ignores the host; naming one keeps kombu from warning on each start.
+CELERY_BROKER_URL = env.get_str("CELERY_BROKER_URL") or REDIS_URL or "filesystem://localhost/"
 if CELERY_BROKER_URL.split("://", 1)[0] not in {"redis", "rediss", "filesystem", "memory", "amqp"}:
     raise ImproperlyConfigured(
         f"CELERY_BROKER_URL has an unsupported scheme: {CELERY_BROKER_URL.split('://', 1)[0]!r}"
     )
 CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {}
-if CELERY_BROKER_URL == "filesystem://":
+if CELERY_BROKER_URL.startswith("filesystem://"):
     _queue_dir = VAR_DIR / "celery"
     for _sub in ("out", "processed"):
         (_queue_dir / _sub).mkdir(parents=True, exist_ok=True)
@@ -220,17 +266,49 @@ CELERY_TIMEZONE = "UTC"
 # already there keeps what the admin made of it (see config/celery.py).
 CELERY_BEAT_SCHEDULER = "config.celery:SeedingDatabaseScheduler"
 
+
+def _rate(name: str, default: str) -> str:
+    """A DRF throttle rate from the environment: `N/second`, `N/minute`, `N/hour` or `N/day`."""
+    rate = env.get_str(name) or default
+    count, _, period = rate.partition("/")
+    if not (count.isdigit() and period[:1] in {"s", "m", "h", "d"}):
+        raise ImproperlyConfigured(f"{name}={rate!r} must be like 60/minute (second, hour, day)")
+    return rate
+
+
+# API tokens (django-rest-knox): only a hash is stored; `manage.py api_token create` and the
+# admin make them, valid TALLY_API_TOKEN_DAYS unless told otherwise.
+REST_KNOX = {
+    "TOKEN_TTL": timedelta(days=env.get_int("TALLY_API_TOKEN_DAYS", 90, minimum=1)),
+    "AUTH_HEADER_PREFIX": "Token",
+}
+
 REST_FRAMEWORK = {
+    # `Authorization: Token <token>`: hashed, expiring tokens (django-rest-knox); each failed
+    # token counts against the `failed_token` rate of the client's address (teams/throttles.py).
     "DEFAULT_AUTHENTICATION_CLASSES": [
-        "rest_framework.authentication.TokenAuthentication",
+        "teams.throttles.ThrottledTokenAuthentication",
         "rest_framework.authentication.SessionAuthentication",
     ],
+    "DEFAULT_THROTTLE_CLASSES": [
+        "rest_framework.throttling.AnonRateThrottle",
+        "rest_framework.throttling.UserRateThrottle",
+    ],
+    "DEFAULT_THROTTLE_RATES": {
+        "anon": _rate("TALLY_API_ANON_RATE", "60/minute"),
+        "user": _rate("TALLY_API_USER_RATE", "1200/minute"),
+        "failed_token": _rate("TALLY_API_FAILED_TOKEN_RATE", "10/minute"),
+    },
+    # Proxies in front of Tally whose X-Forwarded-For is trusted (0: the peer's address).
+    "NUM_PROXIES": env.get_int("TALLY_TRUSTED_PROXIES", 0, minimum=0),
     "DEFAULT_PERMISSION_CLASSES": ["rest_framework.permissions.IsAuthenticated"],
     "DEFAULT_FILTER_BACKENDS": [
         "django_filters.rest_framework.DjangoFilterBackend",
         "rest_framework.filters.OrderingFilter",
     ],
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    # The error body (`Error`) documented on every operation; errors as JSON objects.
+    "DEFAULT_SCHEMA_CLASS": "teams.api.TallySchema",
+    "EXCEPTION_HANDLER": "teams.api.exception_handler",
     # JSON through `config.inputs`: bounded in size and depth, a 400 with a reason.
     "DEFAULT_PARSER_CLASSES": [
         "config.parsers.JsonParser",
@@ -238,11 +316,22 @@ REST_FRAMEWORK = {
         "rest_framework.parsers.MultiPartParser",
     ],
 }
+# /api/schema/ and /api/docs/ need a login (session or token) unless this is true.
+TALLY_API_DOCS_PUBLIC = env.get_bool("TALLY_API_DOCS_PUBLIC", False)
 SPECTACULAR_SETTINGS = {
     "TITLE": "Tally API",
     "DESCRIPTION": "GPU quota, usage and chargeback for finance and platform teams.",
-    "VERSION": "1",
+    "VERSION": "v1",
     "SERVE_INCLUDE_SCHEMA": False,
+    # Operation ids from the path after /api/v1/ (`adjustments_list`); tags per area.
+    "SCHEMA_PATH_PREFIX": r"/api/v[0-9]+",
+    "TAGS": [
+        {"name": "teams", "description": "Teams, their namespaces and leads."},
+        {"name": "quota", "description": "Quota rules and the webhook's admission decisions."},
+        {"name": "billing", "description": "Rate cards, periods, statements and adjustments."},
+        {"name": "usage", "description": "GPU-hours per team, day, claim, job and user."},
+        {"name": "inventory", "description": "The fleet: capacity, versions, fragmentation."},
+    ],
     # The docs page's JavaScript comes from this deployment's static files, not a CDN.
     "REDOC_DIST": "SIDECAR",
     "SWAGGER_UI_DIST": "SIDECAR",
@@ -263,7 +352,7 @@ LOGGING = {
     "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
     "handlers": {"console": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["console"], "level": LOG_LEVEL},
-    "loggers": {"kubernetes": {"level": "WARNING"}, "urllib3": {"level": "WARNING"}},
+    "loggers": library_loggers(LOG_LEVEL),
 }
 if env.get_choice("LOG_FORMAT", "plain", ("plain", "json")) == "json":
     from config.logging import logging_config
@@ -295,6 +384,11 @@ TALLY_GPU_DRIVERS = frozenset(
 # Quota webhook.
 TALLY_UNOWNED_NAMESPACES = env.get_choice("TALLY_UNOWNED_NAMESPACES", "allow", ("allow", "deny"))
 TALLY_WEBHOOK_FAIL_OPEN = env.get_bool("TALLY_WEBHOOK_FAIL_OPEN", False)
+# The CA that issued the API server's webhook client certificate (gunicorn verifies it in the
+# TLS handshake); unset: the webhooks do not authenticate their caller (check tally.W001).
+TALLY_WEBHOOK_CLIENT_CA_FILE = env.get_str("TALLY_WEBHOOK_CLIENT_CA_FILE") or ""
+# Names (subject CN or DNS SAN) of the certificates allowed to call; empty: any the CA issued.
+TALLY_WEBHOOK_CLIENT_NAMES = env.get_list("TALLY_WEBHOOK_CLIENT_NAMES", [])
 TALLY_WEBHOOK_DB_TIMEOUT_MS = env.get_int("TALLY_WEBHOOK_DB_TIMEOUT_MS", 1500, minimum=100)
 # From a review's arrival: no reservation is made past it, and a database that has not
 # answered by then is given up. Below the webhooks' timeoutSeconds (deploy/base/webhooks.yaml:
@@ -323,12 +417,24 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": env.get_int("TALLY_RECONCILE_QUOTAS_EVERY_SECONDS", 900, minimum=10),
     },
 }
+# Deletes expired sessions (Django's clearsessions) and expired API tokens, hourly at :40.
+CELERY_BEAT_SCHEDULE["logins-clear-expired"] = {
+    "task": "teams.tasks.clear_expired_logins",
+    "schedule": crontab(minute="40"),
+}
 
 # Metering.
 # How long a sample's utilisation holds when no later sample comes sooner (at most an hour).
 TALLY_SAMPLE_HOLD_SECONDS = env.get_int("TALLY_SAMPLE_HOLD_SECONDS", 120, minimum=1, maximum=3600)
 TALLY_INGEST_MAX_SAMPLES = env.get_int("TALLY_INGEST_MAX_SAMPLES", 5000, minimum=1)
 TALLY_INGEST_MAX_BODY_BYTES = env.get_int("TALLY_INGEST_MAX_BODY_BYTES", 16 * 2**20, minimum=1024)
+# Sample times accepted (endpoint and ingest_samples): at most this many days old, enough for a
+# month still open up to TALLY_CLOSE_PERIOD_DAY=28 (late data for a closed one becomes an
+# adjustment), and at most this many seconds ahead (an agent's clock running fast).
+TALLY_INGEST_MAX_AGE_DAYS = env.get_int("TALLY_INGEST_MAX_AGE_DAYS", 90, minimum=1, maximum=3660)
+TALLY_INGEST_MAX_SKEW_SECONDS = env.get_int(
+    "TALLY_INGEST_MAX_SKEW_SECONDS", 300, minimum=0, maximum=86400
+)
 # Samples of devices the inventory does not know yet, set aside per agent token until the sync
 # learns them: at most this many devices and samples, each kept at most this many days.
 TALLY_INGEST_MAX_UNKNOWN_DEVICES = env.get_int("TALLY_INGEST_MAX_UNKNOWN_DEVICES", 128, minimum=0)

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 from django.core.management import call_command
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 
 from billing.models import Statement
@@ -131,8 +132,9 @@ def test_team_detail(seeded: Seeded) -> None:
 
 
 def test_token_authentication(seeded: Seeded) -> None:
-    call_command("drf_create_token", "la")
-    token = Token.objects.get(user__username="la").key
+    out = io.StringIO()
+    call_command("api_token", "create", "la", stdout=out, stderr=io.StringIO())
+    token = out.getvalue().strip()
     client = APIClient()
     response = client.get("/api/v1/teams/", HTTP_AUTHORIZATION=f"Token {token}")
     assert response.status_code == 200

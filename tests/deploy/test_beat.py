@@ -25,8 +25,10 @@ from config.celery import app
 REPO = Path(__file__).resolve().parents[2]
 ENTRIES = {
     "quota-expire-reservations": "quota.tasks.expire_reservations",
+    "quota-reconcile": "quota.tasks.reconcile_quotas",
     "billing-rollup-pending": "billing.tasks.rollup_pending",
     "billing-close-period": "billing.tasks.close_previous_period",
+    "logins-clear-expired": "teams.tasks.clear_expired_logins",
 }
 
 
