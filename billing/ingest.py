@@ -35,7 +35,6 @@ from db.copy import copy_rows, json_rows
 from db.locks import advisory_xact_lock
 from inventory.models import Device
 
-MAX_FUTURE_MS = 5 * 60 * 1000
 MAX_UUID_LENGTH = 128
 MAX_BIGINT = 2**63 - 1
 ADOPT_CHUNK = 10_000
@@ -58,9 +57,19 @@ class SampleRow(NamedTuple):
 
 
 class Rejection(TypedDict):
-    """A sample left out of a batch: its position and why, naming the field."""
+    """A sample left out of a batch: its position, why (naming the field), and `label`, why in
+    one word of `config.metrics.INGEST_REJECT_REASONS` (for the metric; not sent back)."""
 
     index: int
+    reason: str
+    label: str
+
+
+class Refusal(NamedTuple):
+    """A valid sample `ingest` did not store: its position among those given, and why."""
+
+    position: int
+    label: str
     reason: str
 
 
@@ -69,24 +78,28 @@ class IngestReport:
     """What one `ingest` stored.
 
     `accepted` counts samples newly stored (known devices and ones set aside alike);
-    `duplicates` the ones already stored or sent twice; `refused` the ones not stored, by
-    position in the samples given, and why (a device on another node than the agent token's,
-    an unknown device past the token's limits): accepted + duplicates + refused = samples given.
+    `duplicates` the ones already stored or sent twice; `refused` the ones not stored (a device
+    on another node than the agent token's, an unknown device past the token's limits):
+    accepted + duplicates + refused = samples given.
     """
 
     accepted: int = 0
     duplicates: int = 0
-    refused: list[tuple[int, str]] = field(default_factory=list)
+    refused: list[Refusal] = field(default_factory=list)
     unknown_devices: list[str] = field(default_factory=list)
     hours: set[datetime] = field(default_factory=set)
 
 
 class InvalidSample(ValueError):
-    """One sample is not acceptable; `str()` names the field, e.g. `gpu_util: 140 is not ...`."""
+    """One sample is not acceptable; `str()` names the field, e.g. `gpu_util: 140 is not ...`.
 
-    def __init__(self, field_name: str, message: str) -> None:
+    `label` is why in one word (the metric's): the field, `sample` for none, or as given.
+    """
+
+    def __init__(self, field_name: str, message: str, *, label: str = "") -> None:
         super().__init__(f"{field_name}: {message}" if field_name else message)
         self.field_name = field_name
+        self.label = label or field_name or "sample"
 
 
 # Tokens
@@ -120,26 +133,40 @@ def _show(value: object) -> str:
     return text if len(text) <= 64 else text[:61] + "..."
 
 
-def latest_allowed_ms(now: datetime | None = None) -> int:
-    """The newest sample time accepted at `now`: clocks may run up to 5 minutes ahead."""
-    return epoch_ms(now or timezone.now()) + MAX_FUTURE_MS
+class Window(NamedTuple):
+    """The sample times accepted, in ms since the epoch, both ends included."""
+
+    earliest_ms: int
+    latest_ms: int
 
 
-def check_sample(sample: object, *, latest_ms: int) -> SampleRow:
+def sample_window(now: datetime | None = None) -> Window:
+    """The sample times accepted at `now`: back TALLY_INGEST_MAX_AGE_DAYS (late data for an
+    open period, or for a closed one as an adjustment), and TALLY_INGEST_MAX_SKEW_SECONDS
+    ahead (an agent's clock running fast). A year-1 or year-2999 time is a broken clock, and
+    would make hours to roll up, or periods, that were never billed."""
+    now_ms = epoch_ms(now or timezone.now())
+    return Window(
+        now_ms - int(settings.TALLY_INGEST_MAX_AGE_DAYS) * 86_400_000,
+        now_ms + int(settings.TALLY_INGEST_MAX_SKEW_SECONDS) * 1000,
+    )
+
+
+def check_sample(sample: object, *, window: Window) -> SampleRow:
     """The stored form of one sample, or `InvalidSample` naming the first bad field.
 
     Unknown keys are ignored. Every value that reaches the database is checked here, so a
     stored batch never fails on a value (NUL characters, lone surrogates, numbers too large).
     """
-    return SampleChecker(latest_ms=latest_ms).check(sample)
+    return SampleChecker(window=window).check(sample)
 
 
 class SampleChecker:
     """`check_sample` for the samples of one batch, which repeat a few device UUIDs and
     instants thousands of times: each distinct UUID and timestamp text is checked once."""
 
-    def __init__(self, *, latest_ms: int) -> None:
-        self.latest_ms = latest_ms
+    def __init__(self, *, window: Window) -> None:
+        self.window = window
         self._valid_uuids: set[str] = set()
         self._instants: dict[str, int] = {}  # timestamp text -> ms, valid ones only
 
@@ -156,7 +183,7 @@ class SampleChecker:
             raise InvalidSample("ts", "must be an ISO 8601 string with a timezone")
         ts_ms = self._instants.get(ts)
         if ts_ms is None:
-            ts_ms = self._instants[ts] = _checked_ms(ts, latest_ms=self.latest_ms)
+            ts_ms = self._instants[ts] = _checked_ms(ts, window=self.window)
         gpu_util = sample.get("gpu_util")
         if gpu_util is not None:
             if type(gpu_util) is not float and type(gpu_util) is not int:
@@ -194,8 +221,9 @@ def _checked_uuid(uuid: object) -> str:
     return uuid
 
 
-def _checked_ms(ts: str, *, latest_ms: int) -> int:
-    """Milliseconds since the epoch of an ISO 8601 text with a timezone, sub-ms digits cut."""
+def _checked_ms(ts: str, *, window: Window) -> int:
+    """Milliseconds since the epoch of an ISO 8601 text with a timezone, sub-ms digits cut,
+    within `window`."""
     try:
         at = datetime.fromisoformat(ts)
     except ValueError:
@@ -203,9 +231,32 @@ def _checked_ms(ts: str, *, latest_ms: int) -> int:
     if at.utcoffset() is None:
         raise InvalidSample("ts", f"{_show(ts)} has no timezone")
     ts_ms = epoch_ms(at)
-    if ts_ms > latest_ms:
-        raise InvalidSample("ts", f"{_show(ts)} is more than 5 minutes in the future")
+    if ts_ms > window.latest_ms:
+        ahead = _duration(int(settings.TALLY_INGEST_MAX_SKEW_SECONDS))
+        raise InvalidSample(
+            "ts",
+            f"{_show(ts)} is more than {ahead} in the future (TALLY_INGEST_MAX_SKEW_SECONDS); "
+            "is the sender's clock right?",
+            label="ts_window",
+        )
+    if ts_ms < window.earliest_ms:
+        raise InvalidSample(
+            "ts",
+            f"{_show(ts)} is more than {_days(int(settings.TALLY_INGEST_MAX_AGE_DAYS))} old "
+            "(TALLY_INGEST_MAX_AGE_DAYS)",
+            label="ts_window",
+        )
     return ts_ms
+
+
+def _duration(seconds: int) -> str:
+    if seconds % 60 or not seconds:
+        return f"{seconds} second{'' if seconds == 1 else 's'}"
+    return f"{seconds // 60} minute{'' if seconds == 60 else 's'}"
+
+
+def _days(days: int) -> str:
+    return f"{days} day{'' if days == 1 else 's'}"
 
 
 _PROCESSES_ENCODER = json.JSONEncoder(
@@ -252,10 +303,10 @@ def validate_samples(
 ) -> tuple[list[SampleRow], list[Rejection]]:
     """Split `raw` into the samples to store and the rejected ones (`samples[i].field: why`).
 
-    A bad sample never rejects the batch. `now` (default: the current time) bounds how far in
-    the future a timestamp may be.
+    A bad sample never rejects the batch. `now` (default: the current time) is what the
+    timestamps' window (`sample_window`) is counted from.
     """
-    check = SampleChecker(latest_ms=latest_allowed_ms(now)).check
+    check = SampleChecker(window=sample_window(now)).check
     valid: list[SampleRow] = []
     rejected: list[Rejection] = []
     for index, sample in enumerate(raw):
@@ -264,7 +315,7 @@ def validate_samples(
         except InvalidSample as exc:
             where = f"samples[{index}]"
             reason = f"{where}.{exc}" if exc.field_name else f"{where}: {exc}"
-            rejected.append({"index": index, "reason": reason})
+            rejected.append({"index": index, "reason": reason, "label": exc.label})
     return valid, rejected
 
 
@@ -600,6 +651,15 @@ def _places(uuids: set[str]) -> dict[str, set[_Place]]:
     return {uuid: present.get(uuid) or gone[uuid] for uuid in present.keys() | gone.keys()}
 
 
+def inventory_nodes(uuids: set[str]) -> dict[str, set[str]]:
+    """The nodes the inventory puts the devices carrying `uuids` on (a MIG device: its GPU's),
+    per UUID it knows; an empty set for a device on no node."""
+    return {
+        uuid: {place.node for place in places if place.node}
+        for uuid, places in _places(uuids).items()
+    }
+
+
 def _misplaced(places: set[_Place], agent: AgentToken) -> str:
     """Why `agent` may not send samples of a device at `places`; "" when it may: the device
     is on the token's node (a cluster-wide token's: any device of its cluster)."""
@@ -617,7 +677,7 @@ def _misplaced(places: set[_Place], agent: AgentToken) -> str:
 
 def _unknown_devices_allowed(
     agent: AgentToken, rows: list[tuple[int, SampleRow]]
-) -> tuple[list[tuple[int, SampleRow]], list[tuple[int, str]]]:
+) -> tuple[list[tuple[int, SampleRow]], list[Refusal]]:
     """Of samples of devices the inventory does not know (with their positions), those the
     token may set aside, and the rest refused with why: a token holds samples of at most
     TALLY_INGEST_MAX_UNKNOWN_DEVICES unknown devices, and at most
@@ -629,12 +689,13 @@ def _unknown_devices_allowed(
     room = int(settings.TALLY_INGEST_MAX_UNKNOWN_SAMPLES) - held.count()
     most_devices = int(settings.TALLY_INGEST_MAX_UNKNOWN_DEVICES)
     allowed: list[tuple[int, SampleRow]] = []
-    refused: list[tuple[int, str]] = []
+    refused: list[Refusal] = []
     for position, row in rows:
         if row[0] not in devices and len(devices) >= most_devices:
             refused.append(
-                (
+                Refusal(
                     position,
+                    "unknown_device_limit",
                     f"device {row[0]} is not in the inventory, and this token already has "
                     f"samples of {most_devices} unknown devices set aside "
                     "(TALLY_INGEST_MAX_UNKNOWN_DEVICES)",
@@ -642,8 +703,9 @@ def _unknown_devices_allowed(
             )
         elif len(allowed) >= room:
             refused.append(
-                (
+                Refusal(
                     position,
+                    "unknown_device_limit",
                     f"device {row[0]} is not in the inventory, and this token already has "
                     f"{settings.TALLY_INGEST_MAX_UNKNOWN_SAMPLES} samples of unknown devices "
                     "set aside (TALLY_INGEST_MAX_UNKNOWN_SAMPLES)",
@@ -684,12 +746,14 @@ def ingest(
                 misplaced[uuid] = why
     known_rows: Sequence[SampleRow] = samples
     unknown: list[tuple[int, SampleRow]] = []
-    refused: list[tuple[int, str]] = []
+    refused: list[Refusal] = []
     if misplaced or len(places) != len(uuids):
         known_rows = []
         for position, row in enumerate(samples):
             if row[0] in misplaced:
-                refused.append((position, f"device {row[0]} {misplaced[row[0]]}"))
+                refused.append(
+                    Refusal(position, "device_elsewhere", f"device {row[0]} {misplaced[row[0]]}")
+                )
             elif row[0] in places:
                 known_rows.append(row)
             else:

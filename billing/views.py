@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections import Counter
 from typing import Any
 
 from django.conf import settings
@@ -128,22 +129,23 @@ def _ingest(request: HttpRequest) -> JsonResponse:
     if report.refused:
         rejected = _with_refused(rejected, report.refused, len(samples))
     metrics.INGEST_SAMPLES.inc(report.accepted)
-    for rejection in rejected:
-        # "samples[3].gpu_util: ..." is counted by field, so the label stays small.
-        field_name = rejection["reason"].split(":", 1)[0].split(".", 1)[-1]
-        metrics.INGEST_REJECTED.labels(reason=field_name[:40]).inc()
+    for label, count in Counter(rejection["label"] for rejection in rejected).items():
+        metrics.INGEST_REJECTED.labels(reason=label).inc(count)
     return JsonResponse(
         {
             "accepted": report.accepted,
             "duplicates": report.duplicates,
-            "rejected": rejected,
+            "rejected": [
+                {"index": rejection["index"], "reason": rejection["reason"]}
+                for rejection in rejected
+            ],
             "unknown_devices": report.unknown_devices,
         }
     )
 
 
 def _with_refused(
-    rejected: list[ingest.Rejection], refused: list[tuple[int, str]], sent: int
+    rejected: list[ingest.Rejection], refused: list[ingest.Refusal], sent: int
 ) -> list[ingest.Rejection]:
     """`rejected` (invalid samples) and the samples `ingest` refused, by their positions among
     the valid ones, as indexes of the batch sent, in order."""
@@ -151,9 +153,10 @@ def _with_refused(
     valid_indexes = [index for index in range(sent) if index not in invalid]
     refusals: list[ingest.Rejection] = [
         {
-            "index": valid_indexes[position],
-            "reason": f"samples[{valid_indexes[position]}].uuid: {why}",
+            "index": valid_indexes[refusal.position],
+            "reason": f"samples[{valid_indexes[refusal.position]}].uuid: {refusal.reason}",
+            "label": refusal.label,
         }
-        for position, why in refused
+        for refusal in refused
     ]
     return sorted([*rejected, *refusals], key=lambda rejection: rejection["index"])

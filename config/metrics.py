@@ -19,11 +19,20 @@ Outstanding reservations are not counted in any process: `quota.metrics.Reservat
 (one of `DATABASE_COLLECTORS`) asks the database at scrape time, with one small aggregate
 query, so every web replica reports the same truth and no process has to keep a gauge in step
 with the table.
+
+Every label takes its values from a fixed set declared here (`Bounded`): a value outside it is
+counted as "other", so nothing a client sends can add series (a reason per sample index once
+made 5,000 of them from one batch). The one open set, the quota rule that decided, is the
+policy's rule names, capped per process.
 """
 
 from __future__ import annotations
 
 import os
+import re
+import threading
+from collections.abc import Iterable, Mapping
+from typing import Generic, TypeVar
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -35,6 +44,7 @@ from prometheus_client import (
     generate_latest,
     start_http_server,
 )
+from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -44,34 +54,132 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 WEBHOOK_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 1.5, 2.0, 3.0, 5.0)
 ROLLUP_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
-WEBHOOK_DECISIONS = Counter(
+OTHER = "other"
+# The label values each metric may take (besides "other").
+WEBHOOKS = ("validate", "mutate")
+WEBHOOK_RESULTS = ("allowed", "denied", "error")
+SYNC_KINDS = ("Node", "DeviceClass", "ResourceSlice", "ResourceClaim")
+# Why an ingested sample was left out: the field at fault (`sample`: not an object; `ts_window`:
+# a time outside TALLY_INGEST_MAX_AGE_DAYS / TALLY_INGEST_MAX_SKEW_SECONDS), or why the token
+# may not send it.
+INGEST_REJECT_REASONS = (
+    "sample",
+    "uuid",
+    "ts",
+    "ts_window",
+    "gpu_util",
+    "mem_used_bytes",
+    "processes",
+    "device_elsewhere",
+    "unknown_device_limit",
+)
+# Quota rule names (slugs of at most 63 characters, written by operators in the policy), and
+# "" when no rule decided: at most this many distinct ones per process, then "other".
+MAX_RULE_LABELS = 256
+_RULE_NAME = re.compile(r"[-a-zA-Z0-9_]{0,63}")
+
+M = TypeVar("M", bound=MetricWrapperBase)
+
+
+class Capped:
+    """An open label set: values matching `pattern`, the first `most` distinct ones seen."""
+
+    def __init__(self, *, pattern: re.Pattern[str], most: int) -> None:
+        self.pattern = pattern
+        self.most = most
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def __contains__(self, value: object) -> bool:
+        if value in self._seen:
+            return True
+        if not isinstance(value, str) or not self.pattern.fullmatch(value):
+            return False
+        with self._lock:
+            if len(self._seen) >= self.most:
+                return False
+            self._seen.add(value)
+        return True
+
+
+class Bounded(Generic[M]):
+    """A labelled metric whose labels take values from fixed sets only; any other value is
+    counted as "other". Made by `Bounded(Counter, name, help, labels={label: values}, ...)`."""
+
+    def __init__(
+        self,
+        kind: type[M],
+        name: str,
+        documentation: str,
+        *,
+        labels: Mapping[str, Iterable[str] | Capped],
+        **options: object,
+    ) -> None:
+        self.allowed = {
+            label: values if isinstance(values, Capped) else frozenset(values)
+            for label, values in labels.items()
+        }
+        self.metric: M = kind(name, documentation, list(self.allowed), **options)  # type: ignore[arg-type]
+
+    def labels(self, *values: str, **named: str) -> M:
+        """The child for these label values (positional in declared order, or by name), each
+        outside its set replaced by "other"."""
+        given = dict(zip(self.allowed, values, strict=True)) if values else named
+        if given.keys() != self.allowed.keys():
+            raise ValueError(f"labels {sorted(given)} are not {sorted(self.allowed)}")
+        return self.metric.labels(
+            **{
+                label: value if value in self.allowed[label] else OTHER
+                for label, value in given.items()
+            }
+        )
+
+
+WEBHOOK_DECISIONS = Bounded(
+    Counter,
     "tally_webhook_decisions",
     "Admission decisions, by webhook (validate, mutate), result (allowed, denied, error) "
     "and the quota rule that decided (empty when none did).",
-    ["webhook", "result", "rule"],
+    labels={
+        "webhook": WEBHOOKS,
+        "result": WEBHOOK_RESULTS,
+        "rule": Capped(pattern=_RULE_NAME, most=MAX_RULE_LABELS),
+    },
 )
-WEBHOOK_LATENCY = Histogram(
+WEBHOOK_LATENCY = Bounded(
+    Histogram,
     "tally_webhook_duration_seconds",
     "Time to answer one AdmissionReview, by webhook.",
-    ["webhook"],
+    labels={"webhook": WEBHOOKS},
     buckets=WEBHOOK_BUCKETS,
 )
-SYNC_LAG = Gauge(
+SYNC_LAG = Bounded(
+    Gauge,
     "tally_sync_lag_seconds",
     "Seconds between an object's change in the API server and its import, by kind "
     "(the last event applied).",
-    ["kind"],
+    labels={"kind": SYNC_KINDS},
     multiprocess_mode="mostrecent",
 )
-SYNC_EVENTS_APPLIED = Counter(
-    "tally_sync_events_applied", "Watch events applied to the inventory, by kind.", ["kind"]
+SYNC_EVENTS_APPLIED = Bounded(
+    Counter,
+    "tally_sync_events_applied",
+    "Watch events applied to the inventory, by kind.",
+    labels={"kind": SYNC_KINDS},
 )
-SYNC_RELISTS = Counter(
-    "tally_sync_relists", "Full lists imported (at start and after 410 Gone), by kind.", ["kind"]
+SYNC_RELISTS = Bounded(
+    Counter,
+    "tally_sync_relists",
+    "Full lists imported (at start and after 410 Gone), by kind.",
+    labels={"kind": SYNC_KINDS},
 )
 INGEST_SAMPLES = Counter("tally_ingest_samples", "Utilisation samples stored from node agents.")
-INGEST_REJECTED = Counter(
-    "tally_ingest_rejected_samples", "Utilisation samples rejected, by reason.", ["reason"]
+INGEST_REJECTED = Bounded(
+    Counter,
+    "tally_ingest_rejected_samples",
+    "Utilisation samples rejected, by reason (the field at fault, or why the token may not "
+    "send the sample).",
+    labels={"reason": INGEST_REJECT_REASONS},
 )
 ROLLUP_DURATION = Histogram(
     "tally_rollup_duration_seconds", "Time to roll up one hour of usage.", buckets=ROLLUP_BUCKETS

@@ -10,13 +10,10 @@ import hashlib
 import json
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime, timedelta
-from io import StringIO
-from pathlib import Path
+from datetime import datetime, timedelta
 from typing import Any
 
 import pytest
-from django.core.management import CommandError, call_command
 from django.db import connection, transaction
 from django.db.models import Count
 from django.test import Client, override_settings
@@ -47,7 +44,12 @@ urlpatterns = [path("ingest/samples", views.ingest_samples)]
 
 pytestmark = [pytest.mark.django_db, pytest.mark.urls(__name__)]
 
-T0 = datetime(2025, 3, 1, 10, 0, tzinfo=UTC)
+# Two days ago, on the hour: within the window of sample times accepted now.
+T0 = (timezone.now() - timedelta(days=2)).replace(minute=0, second=0, microsecond=0)
+# T0 as text: in UTC, with no timezone, an hour later at +01:00 (the same instant).
+TS0 = T0.strftime("%Y-%m-%dT%H:%M:%SZ")
+NAIVE0 = T0.strftime("%Y-%m-%dT%H:%M:%S")
+PLUS1 = (T0 + timedelta(hours=1)).strftime("%Y-%m-%dT%H:%M:%S")
 
 
 def ms(at: datetime) -> int:
@@ -193,44 +195,44 @@ def test_too_large_a_body_is_413(gpu: Device, token: str) -> None:
     ("bad", "reason"),
     [
         ("not an object", "samples[0]: must be an object"),
-        ({"ts": "2025-03-01T10:00:00Z"}, "samples[0].uuid: must be a non-empty string"),
-        ({"uuid": "", "ts": "2025-03-01T10:00:00Z"}, "samples[0].uuid: must be a non-empty"),
-        ({"uuid": "G" * 129, "ts": "2025-03-01T10:00:00Z"}, "at most 128 characters"),
-        ({"uuid": "GPU-\x00", "ts": "2025-03-01T10:00:00Z"}, "samples[0].uuid: "),
+        ({"ts": TS0}, "samples[0].uuid: must be a non-empty string"),
+        ({"uuid": "", "ts": TS0}, "samples[0].uuid: must be a non-empty"),
+        ({"uuid": "G" * 129, "ts": TS0}, "at most 128 characters"),
+        ({"uuid": "GPU-\x00", "ts": TS0}, "samples[0].uuid: "),
         ({"uuid": "GPU-1"}, "samples[0].ts: must be an ISO 8601 string"),
         ({"uuid": "GPU-1", "ts": 1740823200}, "samples[0].ts: must be an ISO 8601 string"),
         ({"uuid": "GPU-1", "ts": "yesterday"}, 'samples[0].ts: "yesterday" is not an ISO 8601'),
-        ({"uuid": "GPU-1", "ts": "2025-03-01T10:00:00"}, "samples[0].ts: "),
+        ({"uuid": "GPU-1", "ts": NAIVE0}, "samples[0].ts: "),
         ({"uuid": "GPU-1", "ts": "2999-01-01T00:00:00Z"}, "more than 5 minutes in the future"),
         (
-            {"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "gpu_util": 140},
+            {"uuid": "GPU-1", "ts": TS0, "gpu_util": 140},
             "samples[0].gpu_util: 140 is not between 0 and 100",
         ),
-        ({"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "gpu_util": -1}, "not between 0 and"),
-        ({"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "gpu_util": "50"}, "must be a number"),
-        ({"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "gpu_util": True}, "must be a number"),
-        ({"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "gpu_util": float("nan")}, "between"),
+        ({"uuid": "GPU-1", "ts": TS0, "gpu_util": -1}, "not between 0 and"),
+        ({"uuid": "GPU-1", "ts": TS0, "gpu_util": "50"}, "must be a number"),
+        ({"uuid": "GPU-1", "ts": TS0, "gpu_util": True}, "must be a number"),
+        ({"uuid": "GPU-1", "ts": TS0, "gpu_util": float("nan")}, "between"),
         (
-            {"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "mem_used_bytes": -1},
+            {"uuid": "GPU-1", "ts": TS0, "mem_used_bytes": -1},
             "samples[0].mem_used_bytes: must be an integer",
         ),
-        ({"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "mem_used_bytes": 1.5}, "an integer"),
-        ({"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "mem_used_bytes": 2**63}, "an integer"),
+        ({"uuid": "GPU-1", "ts": TS0, "mem_used_bytes": 1.5}, "an integer"),
+        ({"uuid": "GPU-1", "ts": TS0, "mem_used_bytes": 2**63}, "an integer"),
         (
-            {"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "processes": {"pid": 1}},
+            {"uuid": "GPU-1", "ts": TS0, "processes": {"pid": 1}},
             "samples[0].processes: must be a list of objects",
         ),
-        ({"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "processes": [1]}, "list of objects"),
+        ({"uuid": "GPU-1", "ts": TS0, "processes": [1]}, "list of objects"),
         (
-            {"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "processes": [{"name": "a\x00"}]},
+            {"uuid": "GPU-1", "ts": TS0, "processes": [{"name": "a\x00"}]},
             "samples[0].processes: holds a NUL character",
         ),
         (
-            {"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "processes": [{"x": "\ud800"}]},
+            {"uuid": "GPU-1", "ts": TS0, "processes": [{"x": "\ud800"}]},
             "samples[0].processes: holds a value JSON cannot carry",
         ),
         (
-            {"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z", "processes": [{"x": float("inf")}]},
+            {"uuid": "GPU-1", "ts": TS0, "processes": [{"x": float("inf")}]},
             "samples[0].processes: holds a value JSON cannot carry",
         ),
     ],
@@ -247,13 +249,13 @@ def test_validation_keeps_what_is_stored_and_drops_unknown_keys() -> None:
     raw: list[dict[str, Any]] = [
         {
             "uuid": "GPU-1",
-            "ts": "2025-03-01T11:00:00.1239+01:00",
+            "ts": f"{PLUS1}.1239+01:00",
             "gpu_util": 7,
             "mem_used_bytes": 1024,
             "processes": [{"pid": 42, "name": "python", "note": "a\\u0000b"}],
             "temperature_c": 61,
         },
-        {"uuid": "GPU-1", "ts": "2025-03-01T10:00:01Z", "gpu_util": None, "processes": None},
+        {"uuid": "GPU-1", "ts": f"{NAIVE0[:-2]}01Z", "gpu_util": None, "processes": None},
     ]
     valid, rejected = validate_samples(raw)
     assert rejected == []
@@ -268,14 +270,14 @@ def test_validation_keeps_what_is_stored_and_drops_unknown_keys() -> None:
 
 def test_each_repeat_of_a_bad_uuid_or_timestamp_is_rejected() -> None:
     # A batch checks each distinct UUID and timestamp text once; bad ones are never remembered.
-    good = {"uuid": "GPU-1", "ts": "2025-03-01T10:00:00Z"}
+    good = {"uuid": "GPU-1", "ts": TS0}
     raw = [
         good,
-        {"uuid": "GPU-\x00", "ts": "2025-03-01T10:00:00Z"},
-        {"uuid": "GPU-\x00", "ts": "2025-03-01T10:00:00Z"},
-        {"uuid": "GPU-1", "ts": "2025-03-01T10:00:00"},
-        {"uuid": "GPU-1", "ts": "2025-03-01T10:00:00"},
-        {"uuid": ["GPU-1"], "ts": "2025-03-01T10:00:00Z"},
+        {"uuid": "GPU-\x00", "ts": TS0},
+        {"uuid": "GPU-\x00", "ts": TS0},
+        {"uuid": "GPU-1", "ts": NAIVE0},
+        {"uuid": "GPU-1", "ts": NAIVE0},
+        {"uuid": ["GPU-1"], "ts": TS0},
         {"uuid": "GPU-1", "ts": 7},
         good,
     ]
@@ -312,12 +314,58 @@ def test_a_clock_up_to_five_minutes_ahead_is_accepted() -> None:
     assert "future" in validate_samples(too_far, now=now)[1][0]["reason"]
 
 
+def test_times_outside_the_window_are_rejected_naming_the_setting(gpu: Device, token: str) -> None:
+    samples = [
+        {"uuid": gpu.uuid, "ts": "0001-01-01T00:00:00Z"},
+        {"uuid": gpu.uuid, "ts": "9999-12-31T23:59:59+00:00"},
+        sample(gpu.uuid, T0),
+        sample(gpu.uuid, timezone.now() - timedelta(days=89)),
+        sample(gpu.uuid, timezone.now() - timedelta(days=91)),
+    ]
+    answer = post(batch(gpu, samples), token).json()
+    assert answer["accepted"] == 2
+    assert answer["rejected"] == [
+        {
+            "index": 0,
+            "reason": 'samples[0].ts: "0001-01-01T00:00:00Z" is more than 90 days old '
+            "(TALLY_INGEST_MAX_AGE_DAYS)",
+        },
+        {
+            "index": 1,
+            "reason": 'samples[1].ts: "9999-12-31T23:59:59+00:00" is more than 5 minutes in the '
+            "future (TALLY_INGEST_MAX_SKEW_SECONDS); is the sender's clock right?",
+        },
+        {
+            "index": 4,
+            "reason": f"samples[4].ts: {json.dumps(samples[4]['ts'])} is more than 90 days old "
+            "(TALLY_INGEST_MAX_AGE_DAYS)",
+        },
+    ]
+    assert Sample.objects.count() == 2
+    assert not DirtyHour.objects.filter(hour__lt=timezone.now() - timedelta(days=90)).exists()
+
+
+def test_the_window_follows_its_settings(settings: Any) -> None:
+    settings.TALLY_INGEST_MAX_AGE_DAYS = 1
+    settings.TALLY_INGEST_MAX_SKEW_SECONDS = 90
+    now = T0 + timedelta(days=1)
+    inside = [sample("GPU-1", T0), sample("GPU-1", now + timedelta(seconds=90))]
+    assert validate_samples(inside, now=now)[1] == []
+    outside = [
+        sample("GPU-1", T0 - timedelta(milliseconds=1)),
+        sample("GPU-1", now + timedelta(seconds=91)),
+    ]
+    reasons = [rejection["reason"] for rejection in validate_samples(outside, now=now)[1]]
+    assert "more than 1 day old" in reasons[0]
+    assert "more than 90 seconds in the future" in reasons[1]
+
+
 def test_a_mixed_batch_keeps_the_good_samples(gpu: Device, token: str) -> None:
     samples = [
         sample(gpu.uuid, T0),
         sample(gpu.uuid, T0 + timedelta(seconds=10), gpu_util=140),
         sample(gpu.uuid, T0 + timedelta(seconds=20), mem_used_bytes=2**40),
-        {"uuid": gpu.uuid, "ts": "2025-03-01T10:00:30"},
+        {"uuid": gpu.uuid, "ts": f"{NAIVE0[:-2]}30"},
         "junk",
         sample(gpu.uuid, T0 + timedelta(seconds=40), processes=[{"pid": 7, "name": "train"}]),
     ]
@@ -328,7 +376,7 @@ def test_a_mixed_batch_keeps_the_good_samples(gpu: Device, token: str) -> None:
         "duplicates": 0,
         "rejected": [
             {"index": 1, "reason": "samples[1].gpu_util: 140 is not between 0 and 100"},
-            {"index": 3, "reason": 'samples[3].ts: "2025-03-01T10:00:30" has no timezone'},
+            {"index": 3, "reason": f'samples[3].ts: "{NAIVE0[:-2]}30" has no timezone'},
             {"index": 4, "reason": 'samples[4]: must be an object, not "junk"'},
         ],
         "unknown_devices": [],
@@ -348,7 +396,7 @@ def test_duplicates_are_stored_once_and_counted(gpu: Device, token: str) -> None
         sample(gpu.uuid, T0, gpu_util=10.0),
         sample(gpu.uuid, T0 + timedelta(seconds=1)),
         # The same instant written another way, sent twice in one batch: the first wins.
-        {"uuid": gpu.uuid, "ts": "2025-03-01T11:00:00+01:00", "gpu_util": 99.0},
+        {"uuid": gpu.uuid, "ts": f"{PLUS1}+01:00", "gpu_util": 99.0},
     ]
     assert post(batch(gpu, first), token).json()["duplicates"] == 1
     again = [sample(gpu.uuid, T0, gpu_util=20.0), sample(gpu.uuid, T0 + timedelta(seconds=2))]
@@ -442,61 +490,6 @@ def test_the_spill_follows_the_hold_setting(gpu: Device) -> None:
     rows, _ = validate_samples([sample(gpu.uuid, T0 + timedelta(minutes=55))])
     report = ingest(node="n1", samples=rows, received_at=T0)
     assert report.hours == {T0, T0 + timedelta(hours=1)}
-
-
-# Commands
-
-
-def test_create_agent_token_prints_it_once(gpu: Device) -> None:
-    out = StringIO()
-    call_command("create_agent_token", "--node", "gpu-node-x", "--cluster", "east", stdout=out)
-    token = out.getvalue().strip()
-    stored = authenticate(token)
-    assert stored is not None
-    assert (stored.node, stored.cluster.name) == ("gpu-node-x", "east")
-    assert stored.token_sha256 != token
-    assert AuditEntry.objects.get().actor == "create_agent_token"
-
-
-def test_ingest_samples_command_loads_the_rest_and_lists_bad_lines(
-    gpu: Device, tmp_path: Path
-) -> None:
-    lines = [
-        json.dumps(sample(gpu.uuid, T0)),
-        json.dumps(sample(gpu.uuid, T0 + timedelta(seconds=1), gpu_util=140)),
-        "",
-        "{not json",
-        json.dumps({**sample(gpu.uuid, T0 + timedelta(seconds=2)), "node": "node-b"}),
-        json.dumps(sample(gpu.uuid, T0)),
-        json.dumps(sample("GPU-unknown", T0)),
-    ]
-    file = tmp_path / "samples.jsonl"
-    file.write_text("\n".join(lines) + "\n")
-    out, err = StringIO(), StringIO()
-    with pytest.raises(CommandError, match="2 lines rejected"):
-        call_command("ingest_samples", str(file), "--node", "node-a", stdout=out, stderr=err)
-    assert err.getvalue().splitlines() == [
-        "line 2: gpu_util: 140 is not between 0 and 100",
-        "line 4: not JSON: Expecting property name enclosed in double quotes: "
-        "line 1 column 2 (char 1)",
-    ]
-    assert "3 accepted, 1 duplicates, 2 rejected" in out.getvalue()
-    assert "GPU-unknown" in out.getvalue()
-    assert dict(Sample.objects.values_list("ts_ms", "node")) == {
-        ms(T0): "node-a",
-        ms(T0) + 2000: "node-b",
-    }
-
-
-def test_ingest_samples_command_needs_a_node(gpu: Device, tmp_path: Path) -> None:
-    file = tmp_path / "samples.jsonl"
-    file.write_text(json.dumps(sample(gpu.uuid, T0)) + "\n")
-    err = StringIO()
-    with pytest.raises(CommandError, match="1 lines rejected"):
-        call_command("ingest_samples", str(file), stdout=StringIO(), stderr=err)
-    assert err.getvalue().strip() == "line 1: node: missing (give it on the line or with --node)"
-    call_command("ingest_samples", str(file), "--node", "n1", stdout=StringIO())
-    assert Sample.objects.count() == 1
 
 
 # PostgreSQL: the COPY path at size
