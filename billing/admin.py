@@ -7,11 +7,15 @@ through its "Close period" action, which calls `billing.services.close_period` (
 under "Periodic tasks": django-celery-beat's own admin). Rate cards are saved and deleted by
 `billing.services`: one that a closed period was priced with keeps its price, idle factor and
 days there (the same rule `apply_policy` follows), and is not deleted; the form says so
-before the save does. Agent tokens show their hash: the token itself is never stored.
+before the save does. Nor may a card overlap another of its model and profile (one price a
+day, in any currency, as the policy file requires). Agent tokens show their hash: the token
+itself is never stored. Money shows in its currency's minor unit (`1,388.89 USD`); the API and
+the exports keep exact figures.
 """
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
 from django import forms
@@ -31,9 +35,20 @@ from billing.models import (
     UsageHour,
 )
 from billing.periods import PricingError
-from billing.rates import closed_periods, rate_change_error
+from billing.pricing import round_money
+from billing.rates import closed_periods, overlap_error, overlapping_card, rate_change_error
 from billing.services import RATE_CARD_FIELDS, close_period, delete_rate_card, save_rate_card
-from teams.admin import ReadOnlyAdmin
+from teams.admin import ReadOnlyAdmin, number_text
+
+
+def money_text(amount: Decimal, currency: str) -> str:
+    """Money as people read it: to its currency's minor unit, grouped, with the currency."""
+    return f"{round_money(amount, currency):,f} {currency}"
+
+
+def hours_text(hours: Decimal) -> str:
+    """GPU-hours to the hundredth, grouped: `123,456.12`."""
+    return f"{hours:,.2f}"
 
 
 @admin.register(AgentToken)
@@ -95,10 +110,15 @@ class RateCardForm(forms.ModelForm):
         if self.errors:
             return cleaned
         stored = RateCard.objects.get(pk=self.instance.pk) if self.instance.pk else None
-        wanted = RateCard(**{name: cleaned.get(name) for name in RATE_CARD_FIELDS})
+        wanted = RateCard(
+            pk=self.instance.pk, **{name: cleaned.get(name) for name in RATE_CARD_FIELDS}
+        )
         error = rate_change_error(before=stored, after=wanted, periods=closed_periods())
         if error:
             raise forms.ValidationError(error)
+        other = overlapping_card(wanted, pk=self.instance.pk)
+        if other is not None:
+            raise forms.ValidationError(overlap_error(wanted, other))
         return cleaned
 
 
@@ -162,25 +182,68 @@ class PeriodAdmin(ReadOnlyAdmin):
 
 
 class StatementLineInline(admin.TabularInline):
+    """The lines in the columns that price them (utilised = allocated - idle - unmeasured), to
+    fit the window; every figure, exact, is in the API and its CSV (/api/v1/statement-lines/)."""
+
     model = StatementLine
     fields = (
         "kind",
-        "product_name",
-        "profile",
-        "allocated_gpu_hours",
-        "utilised_gpu_hours",
-        "idle_gpu_hours",
-        "unmeasured_gpu_hours",
-        "rate",
-        "idle_factor",
-        "amount",
-        "corrects_period",
-        "reason",
-        "created_by",
+        "product",
+        "allocated",
+        "idle",
+        "unmeasured",
+        "rate_shown",
+        "idle_factor_shown",
+        "amount_shown",
+        "note",
     )
     readonly_fields = fields
     extra = 0
     can_delete = False
+
+    @admin.display(description="model")
+    def product(self, line: StatementLine) -> str:
+        return f"{line.product_name} {line.profile}".strip() or "-"
+
+    @admin.display(description="allocated GPU-h")
+    def allocated(self, line: StatementLine) -> str:
+        return hours_text(line.allocated_gpu_hours)
+
+    @admin.display(description="idle GPU-h")
+    def idle(self, line: StatementLine) -> str:
+        return hours_text(line.idle_gpu_hours)
+
+    @admin.display(description="unmeasured GPU-h")
+    def unmeasured(self, line: StatementLine) -> str:
+        return hours_text(line.unmeasured_gpu_hours)
+
+    @admin.display(description="rate")
+    def rate_shown(self, line: StatementLine) -> str:
+        """Per GPU-hour, or marked `/slice-h` for an hour of one MIG slice (as `statement`)."""
+        if line.rate is None:
+            return "-"
+        return f"{number_text(line.rate)}{'/slice-h' if line.gpu_share else ''}"
+
+    @admin.display(description="idle factor")
+    def idle_factor_shown(self, line: StatementLine) -> str:
+        return "-" if line.idle_factor is None else number_text(line.idle_factor)
+
+    @admin.display(description="amount")
+    def amount_shown(self, line: StatementLine) -> str:
+        return money_text(line.amount, line.statement.currency)
+
+    @admin.display(description="note")
+    def note(self, line: StatementLine) -> str:
+        """The reason, and what an adjustment corrects and who made it."""
+        parts = [line.reason]
+        if line.corrects_period_id:
+            parts.append(f"corrects {line.corrects_period}")
+        if line.created_by:
+            parts.append(f"by {line.created_by}")
+        return "; ".join(part for part in parts if part) or "-"
+
+    def get_queryset(self, request: HttpRequest) -> QuerySet[StatementLine]:
+        return super().get_queryset(request).select_related("statement", "corrects_period")
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
@@ -191,8 +254,14 @@ class StatementLineInline(admin.TabularInline):
 
 @admin.register(Statement)
 class StatementAdmin(ReadOnlyAdmin):
-    list_display = ("team", "period", "currency", "total", "computed_at")
+    list_display = ("team", "period", "currency", "total_shown", "computed_at")
     list_filter = ("period", "currency", "team")
     search_fields = ("team__slug",)
     list_select_related = ("team", "period")
+    fields = ("team", "period", "currency", "total_shown", "computed_at")
+    readonly_fields = ("total_shown",)
     inlines = (StatementLineInline,)
+
+    @admin.display(description="total", ordering="total")
+    def total_shown(self, statement: Statement) -> str:
+        return money_text(statement.total, statement.currency)

@@ -245,7 +245,8 @@ class Statement(models.Model):
         ]
 
     def __str__(self) -> str:
-        return f"{self.team} {self.period}: {self.total} {self.currency}"
+        # The admin's title: the total, rounded for people, is on the page itself.
+        return f"{self.team} {self.period} ({self.currency})"
 
 
 class LineKind(models.TextChoices):
@@ -281,7 +282,7 @@ class StatementLine(models.Model):
     created_by = models.CharField(max_length=253, blank=True)
 
     def __str__(self) -> str:
-        return f"{self.statement}: {self.kind} {self.product_name} {self.amount}"
+        return f"{self.statement}: {self.kind} {self.product_name}".rstrip()
 
     @property
     def rate_unit(self) -> str:

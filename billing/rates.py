@@ -10,7 +10,8 @@ from datetime import UTC, date
 from decimal import Decimal
 from typing import NamedTuple, Protocol
 
-from billing.models import Period
+from billing.models import Period, RateCard
+from db.locks import advisory_xact_lock
 
 
 def overlap(start: date, end: date | None, other_start: date, other_end: date | None) -> bool:
@@ -63,7 +64,10 @@ class _Pricing(NamedTuple):
 def closed_periods(*, lock: bool = False) -> list[ClosedPeriod]:
     """The closed billing periods, oldest first; with `lock`, every period is locked so that
     none closes, priced with a rate card about to change, before this transaction commits
-    (`close_period` locks its period first)."""
+    (`close_period` locks its period first), and other writers of rate cards wait until it
+    does (`overlapping_card` then sees all their cards)."""
+    if lock:
+        advisory_xact_lock("billing.rate_cards", [0])
     periods = Period.objects.select_for_update() if lock else Period.objects.all()
     return [ClosedPeriod.of(period) for period in periods.order_by("start") if period.is_closed]
 
@@ -112,3 +116,30 @@ def _pricing(card: RateLike | None, periods: list[ClosedPeriod]) -> tuple[_Prici
 def _periods_phrase(pricing: tuple[_Pricing, ...]) -> str:
     names = [entry.period.name for entry in pricing]
     return f"the closed period{'s' if len(names) > 1 else ''} {', '.join(names)}"
+
+
+def overlapping_card(card: RateLike, *, pk: int | None = None) -> RateCard | None:
+    """A stored card (other than the one numbered `pk`) of `card`'s model and profile valid on
+    a day `card` is, in any currency, or None: a GPU-hour has one price a day, as the policy
+    file's rule says."""
+    others = RateCard.objects.filter(product_name=card.product_name, profile=card.profile)
+    if pk is not None:
+        others = others.exclude(pk=pk)
+    for other in others.order_by("valid_from", "currency"):
+        if overlap(card.valid_from, card.valid_until, other.valid_from, other.valid_until):
+            return other
+    return None
+
+
+def validity(card: RateLike) -> str:
+    """`from 2026-01-01 until 2026-07-01`, or `from 2026-01-01 on`."""
+    until = f" until {card.valid_until}" if card.valid_until else " on"
+    return f"from {card.valid_from}{until}"
+
+
+def overlap_error(card: RateLike, other: RateCard) -> str:
+    return (
+        f"valid {validity(card)}, which overlaps the rate card {other} (valid "
+        f"{validity(other)}) for the same model and profile: one price a day, in any "
+        "currency; end one card the day the other starts"
+    )

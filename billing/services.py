@@ -35,7 +35,13 @@ from billing.models import (
 )
 from billing.periods import PricingError, period_bounds, period_label
 from billing.pricing import already_closed, period_for, refresh_statements, round_money
-from billing.rates import ClosedPeriod, closed_periods, rate_change_error
+from billing.rates import (
+    ClosedPeriod,
+    closed_periods,
+    overlap_error,
+    overlapping_card,
+    rate_change_error,
+)
 from inventory.models import Cluster
 from teams import audit
 from teams.models import AuditEntry, Team
@@ -251,6 +257,7 @@ def save_rate_card(
     values: Mapping[str, Any],
     actor: str,
     closed: list[ClosedPeriod] | None = None,
+    check_overlap: bool = True,
 ) -> SavedRateCard:
     """Create a rate card (`card` None) from `values` (`RATE_CARD_FIELDS`), or change `card`
     to them; audited as `actor`.
@@ -265,6 +272,11 @@ def save_rate_card(
     (`closed_periods(lock=True)`), and `card` as the caller read it then, locked
     (`apply_policy` reads them once for all its cards); without it both are read, locked,
     here.
+
+    Nor may the card overlap another of its model and profile (`overlap_error`), checked
+    while every other writer of rate cards waits (`closed_periods(lock=True)`);
+    `check_overlap=False` only for a caller that checked the whole set it writes (the
+    policy file: midway through its writes, two of its cards may overlap for a moment).
     """
     with transaction.atomic():
         card, closed = _locked(card, closed)
@@ -273,6 +285,9 @@ def save_rate_card(
         error = rate_change_error(before=card, after=wanted, periods=closed)
         if error:
             raise PricingError(error)
+        other = overlapping_card(wanted, pk=card.pk if card else None) if check_overlap else None
+        if other is not None:
+            raise PricingError(overlap_error(wanted, other))
         if card is None:
             return SavedRateCard(wanted, audit.create(actor=actor, obj=wanted))
         before = audit.snapshot(card)

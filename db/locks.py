@@ -28,6 +28,9 @@ LockName = Literal[
     # policy change, the sync's reservations, expiry and the recount (`quota.services
     # .lock_usage`, which then locks the rules it changes in id order); the key is 0.
     "quota.usage",
+    # Every writer of rate cards (`billing.rates.closed_periods(lock=True)`), so that the
+    # check that no two cards overlap sees every other writer's cards; the key is 0.
+    "billing.rate_cards",
 ]
 
 INT4_MIN, INT4_MAX = -(2**31), 2**31 - 1

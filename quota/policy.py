@@ -704,8 +704,10 @@ class _State:
         for budget in Budget.objects.all():
             budget.team = by_id[budget.team_id]
             budgets[budget.team_id] = budget
-        rate_cards = {_rate_key(card): card for card in RateCard.objects.select_for_update()}
+        # Periods (and the rate cards' writers' lock) before the cards, in the order
+        # `billing.services` takes them.
         closed = closed_periods(lock=lock_periods)
+        rate_cards = {_rate_key(card): card for card in RateCard.objects.select_for_update()}
         return cls(
             teams=teams,
             namespaces=namespaces,
@@ -1003,6 +1005,8 @@ class _Applier:
             },
             actor=self.actor,
             closed=self.state.closed_periods,
+            # `_check_overlaps` checked the declared cards whole, the stored ones are replaced.
+            check_overlap=False,
         )
         if saved.entry is not None:
             self.report.add_entry(saved.entry)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from datetime import UTC, date, datetime
 from decimal import Decimal
 
 import pytest
 from django.contrib.auth import get_user_model
+from django.db import connection, transaction
 from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
@@ -154,3 +157,54 @@ def test_the_admin_saves_and_deletes_rate_cards_through_the_services() -> None:
         ("ops-admin", "create"),
         ("ops-admin", "delete"),
     ]
+
+
+def test_a_rate_card_overlapping_another_is_refused_naming_it() -> None:
+    services.save_rate_card(
+        card=None, values={**CARD, "valid_until": date(2026, 7, 1)}, actor="fin"
+    )
+    # Another currency is no way round it: a GPU-hour has one price a day.
+    euros = {**CARD, "currency": "EUR", "valid_from": date(2026, 6, 1)}
+    with pytest.raises(PricingError, match=r"overlaps the rate card .*2026-01-01 until 2026-07-01"):
+        services.save_rate_card(card=None, values=euros, actor="fin")
+    assert RateCard.objects.count() == 1
+    # From the day the first one ends, it is fine.
+    services.save_rate_card(
+        card=None, values={**euros, "valid_from": date(2026, 7, 1)}, actor="fin"
+    )
+    assert RateCard.objects.count() == 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_writers_racing_with_overlapping_cards_store_one() -> None:
+    """Each writer checks for overlaps while the other waits: without the lock both saw no
+    card and both stored theirs."""
+    start = threading.Barrier(2)
+    stored: list[str] = []
+    refused: list[str] = []
+    errors: list[BaseException] = []
+
+    def write(currency: str) -> None:
+        try:
+            with transaction.atomic():
+                start.wait(timeout=10)
+                services.save_rate_card(
+                    card=None, values={**CARD, "currency": currency}, actor="fin"
+                )
+                time.sleep(0.3)  # the other writer's check runs meanwhile, or waits
+            stored.append(currency)
+        except PricingError as exc:
+            refused.append(str(exc))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    threads = [threading.Thread(target=write, args=(c,)) for c in ("USD", "EUR")]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not errors
+    assert len(stored) == 1 and len(refused) == 1, (stored, refused)
+    assert list(RateCard.objects.values_list("currency", flat=True)) == stored
