@@ -1,12 +1,28 @@
-"""The REST API under /api/: v1 for finance, the OpenAPI schema and its browsable docs."""
+"""The REST API under /api/: v1 for finance, the OpenAPI schema and its browsable docs.
 
-from django.urls import URLPattern, URLResolver, include, path
+Every path under /api/ answers JSON: an unknown one is a JSON 404 (`teams.api.unknown_endpoint`,
+last here), the views' errors go through `teams.api.exception_handler`, and a crash through
+`config.urls.handler500`. The schema and the docs page need a login unless
+TALLY_API_DOCS_PUBLIC; the docs page is served from this deployment's static files only.
+"""
+
+from typing import Any
+
+from django.conf import settings
+from django.contrib.auth.views import redirect_to_login
+from django.http import HttpResponseBase
+from django.urls import URLPattern, URLResolver, include, path, re_path
+from drf_spectacular.utils import extend_schema
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView
+from rest_framework.permissions import AllowAny, BasePermission
+from rest_framework.request import Request
 from rest_framework.routers import DefaultRouter
+from rest_framework.views import APIView
 
 from billing.api import views as billing
 from inventory.api import views as inventory
 from quota.api import views as quota
+from teams.api import unknown_endpoint
 
 router = DefaultRouter()
 router.register("teams", quota.TeamViewSet, basename="team")
@@ -23,9 +39,40 @@ router.register("usage/users", billing.UserUsageViewSet, basename="usage-users")
 router.register("usage", billing.UsageViewSet, basename="usage")
 router.register("inventory/capacity", inventory.CapacityViewSet, basename="inventory-capacity")
 
+
+def docs_readable(request: Request) -> bool:
+    """Logged-in users (session or token); anyone when TALLY_API_DOCS_PUBLIC is true."""
+    return settings.TALLY_API_DOCS_PUBLIC or bool(request.user.is_authenticated)
+
+
+class DocsAccess(BasePermission):
+    def has_permission(self, request: Request, view: APIView) -> bool:
+        return docs_readable(request)
+
+
+class SchemaView(SpectacularAPIView):
+    permission_classes = [DocsAccess]
+
+
+class DocsView(SpectacularRedocView):
+    """Redoc from the sidecar's static files, without the web fonts drf-spectacular's page
+    loads from Google: it works offline. A visitor not logged in is sent to the login page."""
+
+    permission_classes = [AllowAny]  # checked in get(), to redirect rather than answer 401
+    template_name = "api/redoc.html"
+
+    @extend_schema(exclude=True)
+    def get(self, request: Request, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        if not docs_readable(request):
+            return redirect_to_login(request.get_full_path())
+        response: HttpResponseBase = super().get(request, *args, **kwargs)
+        return response
+
+
 urlpatterns: list[URLPattern | URLResolver] = [
     path("v1/inventory/summary/", inventory.FleetSummaryView.as_view(), name="inventory-summary"),
     path("v1/", include(router.urls)),
-    path("schema/", SpectacularAPIView.as_view(), name="api-schema"),
-    path("docs/", SpectacularRedocView.as_view(url_name="api-schema"), name="api-docs"),
+    path("schema/", SchemaView.as_view(), name="api-schema"),
+    path("docs/", DocsView.as_view(url_name="api-schema"), name="api-docs"),
+    re_path(r"^", unknown_endpoint, name="api-unknown"),  # last: any other path under /api/
 ]

@@ -4,6 +4,10 @@ from django.urls import include, path
 from billing import views as billing_views
 from quota.admission import views as admission_views
 
+admin.site.site_header = "Tally administration"
+admin.site.site_title = "Tally admin"
+admin.site.index_title = "Teams, quotas, inventory and billing"
+
 urlpatterns = [
     # The API server's calls first: every ResourceClaim CREATE resolves these.
     path("admission/resourceclaims", admission_views.validate, name="admission-validate"),
@@ -14,3 +18,7 @@ urlpatterns = [
     path("", include("config.ops_urls")),
     path("", include("frontend.urls")),
 ]
+
+# JSON under /api/, Django's pages elsewhere.
+handler404 = "teams.api.not_found"
+handler500 = "teams.api.server_error"

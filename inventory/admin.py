@@ -30,6 +30,7 @@ from inventory.models import (
 )
 from inventory.selectors import most_common_version_pair
 from inventory.services import set_cluster_baseline
+from teams.admin import ADMIN_CSS
 
 
 class _TimestampSetFilter(admin.SimpleListFilter):
@@ -100,6 +101,9 @@ class NodeFilter(admin.SimpleListFilter):
 class SyncedAdmin(admin.ModelAdmin):
     """A model the sync owns: viewable, never added, changed or deleted by hand."""
 
+    class Media:
+        css = {"all": (ADMIN_CSS,)}
+
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
 
@@ -137,13 +141,13 @@ class ClusterAdmin(admin.ModelAdmin):
                 continue
             set_cluster_baseline(
                 cluster=cluster,
-                driver_version=pair["driverVersion"],
-                cuda_driver_version=pair["cudaDriverVersion"],
+                driver_version=pair["driver_version"],
+                cuda_driver_version=pair["cuda_driver_version"],
             )
             self.message_user(
                 request,
-                f"{cluster}: baseline set to driver {pair['driverVersion']}, "
-                f"CUDA {pair['cudaDriverVersion'] or '(none)'}",
+                f"{cluster}: baseline set to driver {pair['driver_version']}, "
+                f"CUDA {pair['cuda_driver_version'] or '(none)'}",
                 messages.SUCCESS,
             )
 

@@ -30,8 +30,8 @@ from inventory.models import Allocation, Cluster, Device, DeviceKind
 
 
 class VersionPair(TypedDict):
-    driverVersion: str
-    cudaDriverVersion: str
+    driver_version: str
+    cuda_driver_version: str
 
 
 class Baseline(VersionPair):
@@ -40,7 +40,7 @@ class Baseline(VersionPair):
 
 
 class CapacityRow(TypedDict):
-    productName: str
+    product_name: str
     gpus: int
     allocated: int
     free: int
@@ -49,8 +49,8 @@ class CapacityRow(TypedDict):
 
 class VersionRow(TypedDict):
     cluster: str
-    driverVersion: str
-    cudaDriverVersion: str
+    driver_version: str
+    cuda_driver_version: str
     nodes: list[str]
     gpus: int
     baseline: bool
@@ -86,7 +86,7 @@ class Fragmentation(FragmentationSummary):
 
 
 def capacity_by_model(*, cluster: Cluster | None = None) -> list[CapacityRow]:
-    """Physical GPUs per `productName`: how many, how many allocated or free, and MIG devices.
+    """Physical GPUs per `product_name`: how many, how many allocated or free, and MIG devices.
 
     Rows are sorted by product name; a model with only non-GPU devices does not appear.
     """
@@ -106,7 +106,7 @@ def capacity_by_model(*, cluster: Cluster | None = None) -> list[CapacityRow]:
         product = row["product_name"]
         total = totals.setdefault(
             product,
-            CapacityRow(productName=product, gpus=0, allocated=0, free=0, mig_devices=0),
+            CapacityRow(product_name=product, gpus=0, allocated=0, free=0, mig_devices=0),
         )
         total["gpus"] += row["gpus"]
         total["allocated"] += row["allocated"]
@@ -141,8 +141,8 @@ def version_matrix(*, cluster: Cluster | None = None) -> VersionMatrix:
             key,
             VersionRow(
                 cluster=key[0],
-                driverVersion=key[1],
-                cudaDriverVersion=key[2],
+                driver_version=key[1],
+                cuda_driver_version=key[2],
                 nodes=[],
                 gpus=0,
                 baseline=False,
@@ -170,8 +170,8 @@ def version_matrix(*, cluster: Cluster | None = None) -> VersionMatrix:
     ordered = sorted(
         rows.values(),
         key=lambda row: (
-            _version_key(row["driverVersion"]),
-            _version_key(row["cudaDriverVersion"]),
+            _version_key(row["driver_version"]),
+            _version_key(row["cuda_driver_version"]),
         ),
         reverse=True,
     )
@@ -194,7 +194,7 @@ def most_common_version_pair(*, cluster: Cluster) -> VersionPair | None:
     if pair is None:
         return None
     return VersionPair(
-        driverVersion=pair["driverVersion"], cudaDriverVersion=pair["cudaDriverVersion"]
+        driver_version=pair["driver_version"], cuda_driver_version=pair["cuda_driver_version"]
     )
 
 
@@ -246,7 +246,7 @@ def fragmentation(*, cluster: Cluster | None = None) -> Fragmentation:
 def fleet_report(*, cluster: Cluster | None = None) -> dict[str, Any]:
     """The fleet at a glance, as JSON-ready data (what `manage.py fleet_report` prints).
 
-    Keys: `nodes` (nodes with a present GPU), `gpus_by_model` (productName → physical GPUs),
+    Keys: `nodes` (nodes with a present GPU), `gpus_by_model` (product_name → physical GPUs),
     `mig_devices`, `capacity` (see `capacity_by_model`), `driver_matrix` (one row per
     cluster and pair: `nodes` is the node count, `node_names` the names, plus `gpus` and
     whether it is the `baseline`), `baseline` and `baselines` (see `version_matrix`),
@@ -258,14 +258,14 @@ def fleet_report(*, cluster: Cluster | None = None) -> dict[str, Any]:
     return {
         "cluster": cluster.name if cluster is not None else None,
         "nodes": len(spread["nodes"]),
-        "gpus_by_model": {row["productName"]: row["gpus"] for row in capacity},
+        "gpus_by_model": {row["product_name"]: row["gpus"] for row in capacity},
         "mig_devices": sum(row["mig_devices"] for row in capacity),
         "capacity": capacity,
         "driver_matrix": [
             {
                 "cluster": row["cluster"],
-                "driverVersion": row["driverVersion"],
-                "cudaDriverVersion": row["cudaDriverVersion"],
+                "driver_version": row["driver_version"],
+                "cuda_driver_version": row["cuda_driver_version"],
                 "nodes": len(row["nodes"]),
                 "node_names": row["nodes"],
                 "gpus": row["gpus"],
@@ -319,16 +319,16 @@ def _node_label(cluster_name: str, node_name: str, qualify: bool) -> str:
 def _baseline(cluster: Cluster, rows: list[VersionRow]) -> Baseline | None:
     if cluster.baseline_driver_version or cluster.baseline_cuda_driver_version:
         return Baseline(
-            driverVersion=cluster.baseline_driver_version,
-            cudaDriverVersion=cluster.baseline_cuda_driver_version,
+            driver_version=cluster.baseline_driver_version,
+            cuda_driver_version=cluster.baseline_cuda_driver_version,
             source="operator",
         )
     pair = _most_common(rows)
     if pair is None:
         return None
     return Baseline(
-        driverVersion=pair["driverVersion"],
-        cudaDriverVersion=pair["cudaDriverVersion"],
+        driver_version=pair["driver_version"],
+        cuda_driver_version=pair["cuda_driver_version"],
         source="most_common",
     )
 
@@ -338,11 +338,11 @@ def _most_common(rows: list[VersionRow]) -> VersionRow | None:
         rows,
         key=lambda row: (
             len(row["nodes"]),
-            _version_key(row["driverVersion"]),
-            _version_key(row["cudaDriverVersion"]),
+            _version_key(row["driver_version"]),
+            _version_key(row["cuda_driver_version"]),
             # Distinct strings can parse alike ("580.82.07" and "580.82.7"); keep the choice stable.
-            row["driverVersion"],
-            row["cudaDriverVersion"],
+            row["driver_version"],
+            row["cuda_driver_version"],
         ),
         default=None,
     )
@@ -355,8 +355,8 @@ def _matches(row: VersionRow, baseline: Baseline) -> bool:
     def same(value: str, wanted: str) -> bool:
         return value == wanted or (pinned_only and not wanted)
 
-    return same(row["driverVersion"], baseline["driverVersion"]) and same(
-        row["cudaDriverVersion"], baseline["cudaDriverVersion"]
+    return same(row["driver_version"], baseline["driver_version"]) and same(
+        row["cuda_driver_version"], baseline["cuda_driver_version"]
     )
 
 

@@ -90,7 +90,7 @@ def taint_targets(*, cluster: Cluster) -> list[TaintTarget]:
     """The pools of `cluster`'s outlier nodes whose GPUs run a pair other than the baseline."""
     matrix = version_matrix(cluster=cluster)
     straying = {
-        (node, row["driverVersion"], row["cudaDriverVersion"])
+        (node, row["driver_version"], row["cuda_driver_version"])
         for row in matrix["rows"]
         if not row["baseline"]
         for node in row["nodes"]

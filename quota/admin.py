@@ -9,10 +9,14 @@ usage from the ledger in the same transaction (`quota.services.lock_usage`, `rec
 as `apply_policy` does. A budget is set through `quota.services.set_budget`, as
 `apply_policy` sets it. Reservations, their lines, admission decisions and the audit trail are
 written by services only and shown read-only.
+
+Memory is shown in binary units (`2 TiB`) beside the exact byte count a limit is edited in; the
+API and the exports keep exact figures.
 """
 
 from __future__ import annotations
 
+from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from django import forms
@@ -21,12 +25,49 @@ from django.db import transaction
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.utils import timezone
+from django.utils.html import format_html
+from django.utils.safestring import SafeString
 
 from quota import services
 from quota.cel import CELError, compile_selector
-from quota.models import AdmissionDecision, Budget, QuotaRule, Reservation, ReservationLine
-from teams.admin import AuditedAdmin, ReadOnlyAdmin
+from quota.models import (
+    AdmissionDecision,
+    Budget,
+    Mode,
+    QuotaRule,
+    Reservation,
+    ReservationLine,
+    Unit,
+)
+from teams.admin import ADMIN_CSS, AuditedAdmin, ReadOnlyAdmin, bytes_text, number_text
 from teams.models import Membership, Team, TeamNamespace
+
+
+def quantity_text(amount: Decimal, unit: str) -> str:
+    """An amount in a rule's unit as people write it: `2 TiB` of memory, `1.5` GPUs."""
+    return bytes_text(amount) if unit == Unit.MEMORY else number_text(amount)
+
+
+class LimitInput(forms.NumberInput):
+    """The exact limit without trailing zeros (`2199023255552`, not `2199023255552.000000`)
+    and, for a memory rule, the same in binary units beside it (`= 2 TiB`)."""
+
+    unit: str | None = None
+
+    def format_value(self, value: Any) -> str | None:
+        if isinstance(value, Decimal):
+            return number_text(value)
+        return super().format_value(value)
+
+    def render(self, name: str, value: Any, attrs: Any = None, renderer: Any = None) -> SafeString:
+        html = super().render(name, value, attrs, renderer)
+        if self.unit != Unit.MEMORY or value in (None, ""):
+            return html
+        try:
+            amount = Decimal(value)
+        except InvalidOperation:
+            return html
+        return format_html('{} <span class="tally-quantity">= {}</span>', html, bytes_text(amount))
 
 
 class QuotaRuleForm(forms.ModelForm):
@@ -35,6 +76,12 @@ class QuotaRuleForm(forms.ModelForm):
     class Meta:
         model = QuotaRule
         fields = ("team", "name", "device_class", "selector", "unit", "limit", "mode")
+        widgets = {"limit": LimitInput, "selector": forms.Textarea(attrs={"rows": 2})}
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if "limit" in self.fields:
+            self.fields["limit"].widget.unit = self.instance.unit if self.instance.pk else None
 
     def clean_selector(self) -> str:
         selector = str(self.cleaned_data.get("selector") or "").strip()
@@ -55,6 +102,19 @@ class QuotaRuleForm(forms.ModelForm):
         return cleaned
 
 
+class QuotaRuleInlineForm(QuotaRuleForm):
+    """A rule as one row of the team's table: the unit's and mode's short names, explained in
+    the columns' help, so that the row fits the window."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        unit, mode = self.fields["unit"], self.fields["mode"]
+        unit.choices = [(Unit.GPUS, "GPUs"), (Unit.MEMORY, "bytes")]  # type: ignore[attr-defined]
+        unit.help_text = "GPUs: GPU-equivalents (a MIG slice counts its share); bytes: of memory"
+        mode.choices = [(Mode.ENFORCE, "enforce"), (Mode.WARN, "warn")]  # type: ignore[attr-defined]
+        mode.help_text = "enforce: deny past the limit; warn: admit with a warning"
+
+
 class TeamNamespaceInline(admin.TabularInline):
     model = TeamNamespace
     extra = 0
@@ -66,12 +126,24 @@ class MembershipInline(admin.TabularInline):
     autocomplete_fields = ("user",)
 
 
-class QuotaRuleInline(admin.TabularInline):
+class InUseMixin:
+    """A rule's limit and usage in its unit, for the rule's list and the team's table."""
+
+    @admin.display(description="in use")
+    def in_use_shown(self, rule: QuotaRule | None) -> str:
+        return quantity_text(rule.in_use, rule.unit) if rule and rule.pk else "-"
+
+    @admin.display(description="limit", ordering="limit")
+    def limit_shown(self, rule: QuotaRule) -> str:
+        return quantity_text(rule.limit, rule.unit)
+
+
+class QuotaRuleInline(InUseMixin, admin.TabularInline):
     model = QuotaRule
-    form = QuotaRuleForm
+    form = QuotaRuleInlineForm
     extra = 0
-    fields = ("name", "device_class", "selector", "unit", "limit", "mode", "in_use")
-    readonly_fields = ("in_use",)
+    fields = ("name", "device_class", "selector", "unit", "limit", "mode", "in_use_shown")
+    readonly_fields = ("in_use_shown",)
 
 
 @admin.register(Team)
@@ -79,6 +151,9 @@ class TeamAdmin(AuditedAdmin):
     list_display = ("slug", "name", "cost_centre", "created_at")
     search_fields = ("slug", "name", "cost_centre", "namespaces__namespace")
     inlines = (TeamNamespaceInline, MembershipInline, QuotaRuleInline)
+
+    class Media:
+        css = {"all": (ADMIN_CSS,)}
 
     # The admin saves the team, then its inlines, in one transaction (the view's).
 
@@ -97,17 +172,17 @@ class TeamAdmin(AuditedAdmin):
 
 
 @admin.register(QuotaRule)
-class QuotaRuleAdmin(AuditedAdmin):
+class QuotaRuleAdmin(InUseMixin, AuditedAdmin):
     form = QuotaRuleForm
-    list_display = ("team", "name", "device_class", "unit", "limit", "in_use", "mode")
+    list_display = ("team", "name", "device_class", "unit", "limit_shown", "in_use_shown", "mode")
     list_filter = ("unit", "mode", "device_class", "team")
     search_fields = ("name", "team__slug", "device_class", "selector")
     list_select_related = ("team",)
-    readonly_fields = ("in_use",)
+    readonly_fields = ("in_use_shown",)
 
     def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
         # Moving a rule would move its reservation lines to another team.
-        return ("team", "in_use") if obj is not None else ("in_use",)
+        return ("team", "in_use_shown") if obj is not None else ("in_use_shown",)
 
     def save_model(self, request: HttpRequest, obj: QuotaRule, form: Any, change: bool) -> None:
         with transaction.atomic():

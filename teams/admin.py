@@ -1,7 +1,9 @@
-"""The admin's bases for audited and read-only models, and the audit trail itself."""
+"""The admin's bases for audited and read-only models, how it shows numbers, and the audit
+trail itself."""
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
 from django.contrib import admin
@@ -17,6 +19,27 @@ from teams.models import AuditEntry
 def _stored(obj: models.Model) -> dict[str, Any]:
     """The snapshot of `obj` as the database holds it, before the form's changes are saved."""
     return audit.snapshot(type(obj)._default_manager.get(pk=obj.pk))
+
+
+# The admin's own stylesheet (teams/static/teams/admin.css): wide inlines fit the window.
+ADMIN_CSS = "teams/admin.css"
+
+_IEC_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+
+
+def number_text(value: Decimal | int) -> str:
+    """A decimal without its trailing zeros or an exponent: `16`, `2.5`, not `16.000000`."""
+    text = f"{Decimal(value):f}"
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def bytes_text(value: Decimal | int) -> str:
+    """Bytes in the largest binary unit that leaves at least 1, to three decimals at most:
+    `2 TiB`, `640 GiB`, `1.5 KiB`; exact figures stay in the exports and the API."""
+    amount, exponent = Decimal(value), 0
+    while abs(amount) >= 1024 and exponent < len(_IEC_UNITS) - 1:
+        amount, exponent = amount / 1024, exponent + 1
+    return f"{number_text(round(amount, 3))} {_IEC_UNITS[exponent]}"
 
 
 class AuditedAdmin(admin.ModelAdmin):
@@ -52,6 +75,9 @@ class AuditedAdmin(admin.ModelAdmin):
 
 class ReadOnlyAdmin(admin.ModelAdmin):
     """Written by services only: viewable, never added, changed or deleted by hand."""
+
+    class Media:
+        css = {"all": (ADMIN_CSS,)}
 
     def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False

@@ -1,4 +1,5 @@
-"""What every v1 endpoint shares: roles as permissions, pagination, ordering, CSV, base viewsets.
+"""What every v1 endpoint shares: roles as permissions, pagination, ordering, CSV, base
+viewsets, JSON errors and the schema's error body.
 
 Tenancy is decided once, by `teams.selectors`: a viewset for team data is a `TeamScopedViewSet`,
 whose queryset starts from `visible_teams(user=...)`, so another team's object is simply not
@@ -16,8 +17,20 @@ from decimal import Decimal
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import django_filters
+from django.conf import settings
 from django.db.models import F, QuerySet
+from django.http import (
+    Http404,
+    HttpRequest,
+    HttpResponse,
+    HttpResponsePermanentRedirect,
+    JsonResponse,
+)
+from django.urls import Resolver404, resolve
+from django.views import defaults
 from django_filters.rest_framework import DjangoFilterBackend
+from drf_spectacular.openapi import AutoSchema
+from drf_spectacular.plumbing import ResolvedComponent
 from drf_spectacular.types import OpenApiTypes
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import filters, serializers, viewsets
@@ -28,7 +41,9 @@ from rest_framework.renderers import BaseRenderer, BrowsableAPIRenderer, JSONRen
 from rest_framework.request import Request
 from rest_framework.response import Response
 from rest_framework.views import APIView
+from rest_framework.views import exception_handler as drf_exception_handler
 
+from config.logging import REQUEST_ID_HEADER
 from teams.models import Team
 from teams.selectors import user_role, visible_teams
 
@@ -106,7 +121,25 @@ class Pagination(PageNumberPagination):
 class OrderingFilter(filters.OrderingFilter):
     """DRF's `?ordering=`, where a view's `ordering_aliases` give lookups public names (the
     `team` column orders by `team__slug`), so the names match the response's fields. Nulls
-    sort last either way, on SQLite and PostgreSQL alike."""
+    sort last either way, on SQLite and PostgreSQL alike. An unknown name is a 400 that names
+    it and the names allowed (DRF would drop it silently)."""
+
+    def remove_invalid_fields(
+        self, queryset: QuerySet[Any], fields: Iterable[str], view: APIView, request: Request
+    ) -> list[str]:
+        allowed = [name for name, _ in self.get_valid_fields(queryset, view, {"request": request})]
+        terms = [term for term in fields if term]
+        for term in terms:
+            if term.removeprefix("-") not in allowed:
+                raise ValidationError(
+                    {
+                        self.ordering_param: [
+                            f"cannot order by {term.removeprefix('-')!r}: order by one of "
+                            f"{', '.join(allowed)} (a leading '-' for descending)"
+                        ]
+                    }
+                )
+        return terms
 
     def get_ordering(self, request: Request, queryset: QuerySet[Any], view: APIView) -> Any:
         ordering = super().get_ordering(request, queryset, view)
@@ -322,3 +355,109 @@ class VisibleTeamField(serializers.SlugRelatedField[Team]):
         if isinstance(data, str) and "\x00" in data:
             self.fail("does_not_exist", slug_name=self.slug_field, value=data)
         return super().to_internal_value(data)
+
+
+# --- Errors -----------------------------------------------------------------------------------
+
+API_PREFIX = "/api/"
+
+
+def exception_handler(exc: Exception, context: Mapping[str, Any]) -> Response | None:
+    """DRF's handler, with every error body an object (a bare list of messages becomes its
+    `detail`), rendered as JSON where the request asked for CSV or the schema's YAML: an error
+    is never a spreadsheet row. Other exceptions fall through to `server_error`."""
+    response = drf_exception_handler(exc, dict(context))
+    if response is None:
+        return None
+    if isinstance(response.data, list):
+        response.data = {"detail": " ".join(str(message) for message in response.data)}
+    request = context.get("request")
+    renderer = getattr(request, "accepted_renderer", None)
+    if request is not None and not isinstance(renderer, JSONRenderer | BrowsableAPIRenderer):
+        request.accepted_renderer = JSONRenderer()
+        request.accepted_media_type = JSONRenderer.media_type
+    return response
+
+
+def unknown_endpoint(request: HttpRequest) -> HttpResponse:
+    """A path under /api/ that no endpoint has: a JSON 404 whatever DEBUG says. Without its
+    trailing slash, a GET or HEAD of an endpoint redirects, as Django's APPEND_SLASH would (a
+    catch-all path hides the endpoint from it)."""
+    detail = f"No API endpoint at {request.path}"
+    path = request.path_info
+    if settings.APPEND_SLASH and not path.endswith("/"):
+        try:
+            match = resolve(f"{path}/")
+        except Resolver404:
+            match = None
+        if match is not None and match.func is not unknown_endpoint:
+            if request.method in ("GET", "HEAD"):
+                return HttpResponsePermanentRedirect(request.get_full_path(force_append_slash=True))
+            detail += f"; send to {request.path}/"
+    return JsonResponse({"detail": f"{detail}."}, status=404)
+
+
+def not_found(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
+    """`handler404`: JSON under /api/, Django's page elsewhere."""
+    if request.path.startswith(API_PREFIX):
+        return unknown_endpoint(request)
+    return defaults.page_not_found(request, exception or Http404())
+
+
+def server_error(request: HttpRequest) -> HttpResponse:
+    """`handler500`: JSON under /api/, Django's page elsewhere. The traceback is logged with the
+    request's id, which the response's header carries."""
+    if request.path.startswith(API_PREFIX):
+        return JsonResponse(
+            {
+                "detail": "Internal server error: logged with this response's "
+                f"{REQUEST_ID_HEADER} for the operators."
+            },
+            status=500,
+        )
+    return defaults.server_error(request)
+
+
+# --- Schema -----------------------------------------------------------------------------------
+
+ERROR_SCHEMA = ResolvedComponent(
+    name="Error",
+    type=ResolvedComponent.SCHEMA,
+    object="Error",
+    schema={
+        "type": "object",
+        "description": "An error: `detail` says what went wrong; a 400 for bad input names "
+        'each field at fault instead (`{"ordering": ["cannot order by ..."]}`).',
+        "properties": {"detail": {"type": "string"}},
+        "additionalProperties": {"type": "array", "items": {"type": "string"}},
+    },
+)
+
+ERROR_RESPONSES = {
+    400: "Bad input: each field at fault, with the reason.",
+    401: "Not logged in, or no valid token.",
+    403: "Your role does not allow this.",
+    404: "No such object, page, or endpoint.",
+    429: "Too many requests: try again after `Retry-After` seconds.",
+}
+
+
+class TallySchema(AutoSchema):
+    """drf-spectacular's schema, with the error body (`Error`, always JSON) documented on every
+    operation for the codes it does not document itself."""
+
+    def get_operation(self, *args: Any, **kwargs: Any) -> dict[str, Any] | None:
+        operation: dict[str, Any] | None = super().get_operation(*args, **kwargs)
+        if operation is None:
+            return None
+        self.registry.register_on_missing(ERROR_SCHEMA)
+        responses = operation.setdefault("responses", {})
+        for code, description in ERROR_RESPONSES.items():
+            responses.setdefault(
+                str(code),
+                {
+                    "description": description,
+                    "content": {JSONRenderer.media_type: {"schema": ERROR_SCHEMA.ref}},
+                },
+            )
+        return operation

@@ -56,8 +56,11 @@ class UsagePeriodFilter(django_filters.CharFilter):
         return qs.filter(hour__gte=period.start, hour__lt=period.end)
 
 
+PRODUCT_HELP = "GPU model: the device's productName attribute"
+
+
 class RateCardFilterSet(django_filters.FilterSet):
-    model = django_filters.CharFilter(field_name="product_name", label="GPU model (productName)")
+    product_name = django_filters.CharFilter(label=PRODUCT_HELP)
     valid_on = django_filters.DateFilter(method="filter_valid_on", label="Cards in force that day")
 
     class Meta:
@@ -96,7 +99,7 @@ class StatementLineFilterSet(DateRangeFilterSet):
     team = TeamSlugFilter("statement__team__slug")
     period = PeriodFilter("statement__period")
     currency = django_filters.CharFilter(field_name="statement__currency")
-    model = django_filters.CharFilter(field_name="product_name", label="GPU model (productName)")
+    product_name = django_filters.CharFilter(label=PRODUCT_HELP)
 
     class Meta:
         model = StatementLine
@@ -107,7 +110,7 @@ class UsageFilterSet(DateRangeFilterSet):
     date_field = "hour"
     team = TeamSlugFilter()
     period = UsagePeriodFilter()
-    model = django_filters.CharFilter(field_name="product_name", label="GPU model (productName)")
+    product_name = django_filters.CharFilter(label=PRODUCT_HELP)
     cluster = django_filters.CharFilter(field_name="cluster__name")
 
     class Meta:

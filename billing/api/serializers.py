@@ -8,6 +8,7 @@ from decimal import Decimal
 from operator import attrgetter
 from typing import Any
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from billing.hours import MS_PER_HOUR
@@ -118,6 +119,10 @@ class StatementLineSerializer(ReadOnlyModelSerializer):
         source="corrects_period.start", read_only=True, allow_null=True
     )
     amount = MoneyField(amount="amount", currency="statement.currency")
+    unit = serializers.SerializerMethodField(
+        help_text="What `rate` is the price of: `GPU-hour`, or `slice-hour` (an hour of one MIG "
+        "slice, for a profile's own rate card); null when the line has no rate."
+    )
 
     class Meta:
         model = StatementLine
@@ -132,6 +137,8 @@ class StatementLineSerializer(ReadOnlyModelSerializer):
             "unmeasured_gpu_hours",
             "efficiency",
             "rate",
+            "unit",
+            "gpu_share",
             "idle_factor",
             "amount",
             "corrects_period",
@@ -139,6 +146,16 @@ class StatementLineSerializer(ReadOnlyModelSerializer):
             "reason",
             "created_by",
         )
+        extra_kwargs = {
+            "gpu_share": {
+                "help_text": "For a `slice-hour` rate: the slice's share of its GPU, which turns "
+                "the line's GPU-hours into slice-hours; else null."
+            }
+        }
+
+    @extend_schema_field(serializers.CharField(allow_null=True))
+    def get_unit(self, line: StatementLine) -> str | None:
+        return None if line.rate is None else line.rate_unit
 
 
 class FlatStatementLineSerializer(StatementLineSerializer):

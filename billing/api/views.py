@@ -58,6 +58,7 @@ from teams.models import Team
 LINE_ORDER = ("kind", "product_name", "profile", "id")
 
 
+@extend_schema(tags=["billing"])
 class RateCardViewSet(mixins.ListModelMixin, TallyViewSet):
     """Prices per GPU-hour. Not secret: leads read them too, to check their statements."""
 
@@ -68,6 +69,7 @@ class RateCardViewSet(mixins.ListModelMixin, TallyViewSet):
     ordering = ("product_name", "profile", "currency", "valid_from")
 
 
+@extend_schema(tags=["billing"])
 class PeriodViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TallyViewSet):
     """Billing periods (the same for every team), and closing one."""
 
@@ -78,7 +80,7 @@ class PeriodViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TallyViewS
     ordering_fields = ("start",)
     ordering = ("-start",)
 
-    @extend_schema(request=None, responses={200: PeriodSerializer})
+    @extend_schema(operation_id="periods_close", request=None, responses={200: PeriodSerializer})
     @action(detail=True, methods=["post"], permission_classes=[FinanceOrOperator])
     def close(self, request: Request, pk: str | None = None) -> Response:
         """Compute the period's statements a last time and freeze them (finance, operators).
@@ -91,6 +93,7 @@ class PeriodViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TallyViewS
         return Response(PeriodSerializer(period, context=self.get_serializer_context()).data)
 
 
+@extend_schema(tags=["billing"])
 class StatementViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamScopedViewSet):
     """What each of your teams owes per period and currency; the detail has the lines."""
 
@@ -111,6 +114,7 @@ class StatementViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamSco
         return statements
 
 
+@extend_schema(tags=["billing"])
 class StatementLineViewSet(mixins.ListModelMixin, TeamScopedViewSet):
     """Statement lines one per row, with their team, period and currency: made for CSV."""
 
@@ -164,6 +168,7 @@ FIGURE_ORDERING = {
 }
 
 
+@extend_schema(tags=["usage"])
 class UsageViewSet(mixins.ListModelMixin, TeamScopedViewSet):
     """Usage per team, day (or hour, `?granularity=hour`) and GPU model. Filters select the
     hourly rows that are summed; ordering sorts the sums."""

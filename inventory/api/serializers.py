@@ -8,8 +8,7 @@ from rest_framework import serializers
 
 
 class CapacitySerializer(serializers.Serializer[Any]):
-    # Keys as the selectors return them (productName is the DRA attribute's name).
-    productName = serializers.CharField()
+    product_name = serializers.CharField()
     gpus = serializers.IntegerField()
     allocated = serializers.IntegerField()
     free = serializers.IntegerField()
@@ -17,8 +16,8 @@ class CapacitySerializer(serializers.Serializer[Any]):
 
 
 class VersionPairSerializer(serializers.Serializer[Any]):
-    driverVersion = serializers.CharField()
-    cudaDriverVersion = serializers.CharField()
+    driver_version = serializers.CharField()
+    cuda_driver_version = serializers.CharField()
 
 
 class BaselineSerializer(VersionPairSerializer):

@@ -37,6 +37,7 @@ def requested_cluster(request: Request) -> Cluster | None:
     return get_object_or_404(Cluster, name=name)
 
 
+@extend_schema(tags=["inventory"])
 class FleetSummaryView(GenericAPIView[Any]):
     """The fleet report: capacity by model, the driver/CUDA matrix and its outlier nodes, and
     how the free GPUs are fragmented."""
@@ -50,6 +51,7 @@ class FleetSummaryView(GenericAPIView[Any]):
         return Response(self.get_serializer(fleet_report(cluster=requested_cluster(request))).data)
 
 
+@extend_schema(tags=["inventory"])
 class CapacityViewSet(mixins.ListModelMixin, TallyViewSet):
     """Physical GPUs per model: how many, allocated, free, and MIG devices."""
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from decimal import Decimal
 
 from django.db.models import Case, DecimalField, F, Prefetch, QuerySet, Value, When
+from drf_spectacular.utils import extend_schema
 from rest_framework import mixins
 
 from quota.api.filtersets import AdmissionDecisionFilterSet, QuotaRuleFilterSet, TeamFilterSet
@@ -19,6 +20,7 @@ from teams.models import Membership, Role, Team, TeamNamespace
 from teams.selectors import visible_teams
 
 
+@extend_schema(tags=["teams"])
 class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamScopedViewSet):
     """The teams you may see, with their namespaces and leads."""
 
@@ -42,6 +44,7 @@ class TeamViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamScopedVi
         )
 
 
+@extend_schema(tags=["quota"])
 class QuotaRuleViewSet(mixins.ListModelMixin, TeamScopedViewSet):
     """Quota rules of your teams: the limit, what live claims hold, and the fraction used."""
 
@@ -68,6 +71,7 @@ class QuotaRuleViewSet(mixins.ListModelMixin, TeamScopedViewSet):
         )
 
 
+@extend_schema(tags=["quota"])
 class AdmissionDecisionViewSet(mixins.ListModelMixin, TallyViewSet):
     """The webhook's decisions, newest first: operators see all (namespaces of no team too),
     leads those of their teams."""

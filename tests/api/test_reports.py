@@ -90,7 +90,7 @@ def test_periods_and_rate_cards_filters(seeded: Seeded) -> None:
         seeded.closed.pk
     ]
     assert len(rows(seeded, "/api/v1/periods/", closed="false")) == 2
-    assert len(rows(seeded, "/api/v1/rate-cards/", model="NVIDIA H100 80GB HBM3")) == 1
+    assert len(rows(seeded, "/api/v1/rate-cards/", product_name="NVIDIA H100 80GB HBM3")) == 1
     assert rows(seeded, "/api/v1/rate-cards/", valid_on="2019-12-31") == []
 
 
@@ -109,8 +109,8 @@ def test_pagination_is_bounded(seeded: Seeded) -> None:
 
 STATEMENT_LINE_COLUMNS = (
     "id,team,period,period_start,currency,kind,product_name,profile,allocated_gpu_hours,"
-    "utilised_gpu_hours,idle_gpu_hours,unmeasured_gpu_hours,efficiency,rate,idle_factor,amount,"
-    "corrects_period,corrects_period_start,reason,created_by"
+    "utilised_gpu_hours,idle_gpu_hours,unmeasured_gpu_hours,efficiency,rate,unit,gpu_share,"
+    "idle_factor,amount,corrects_period,corrects_period_start,reason,created_by"
 )
 
 

@@ -4,27 +4,28 @@ match the schema."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 import schemathesis
+from django.contrib.auth.models import AbstractBaseUser
 from django.core.handlers.wsgi import WSGIHandler
 from django.core.signals import request_finished, request_started
 from django.db import close_old_connections
 from hypothesis import HealthCheck, Phase, settings
-from rest_framework.authtoken.models import Token
 from rest_framework.test import APIClient
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import response_schema_conformance
 
-from tests.api.cast import Seeded
+from tests.api.cast import Cast, Seeded
 
 pytestmark = pytest.mark.django_db
 
 
-def test_schema_and_docs_are_served(db: None) -> None:
-    client = APIClient()
+def test_schema_and_docs_are_served(cast: Cast) -> None:
+    client = cast.client("lead_a")
     schema = client.get("/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json")
     assert schema.status_code == 200
     paths = schema.json()["paths"]
@@ -34,11 +35,60 @@ def test_schema_and_docs_are_served(db: None) -> None:
     assert docs.status_code == 200
     assert b"/api/schema/" in docs.content
     assert b"/static/drf_spectacular_sidecar/" in docs.content  # served here, not from a CDN
-    assert b"cdn." not in docs.content
+
+
+def test_docs_page_loads_nothing_from_another_host(cast: Cast) -> None:
+    docs = cast.client("lead_a").get("/api/docs/")
+    assert docs.status_code == 200
+    html = docs.content.decode()
+    # Absolute (`https://host`) and protocol-relative (`//host`) references alike.
+    hosts = set(re.findall(r"(?:https?:)?//([^/\s\"'<>]+)", html))
+    assert hosts <= {"testserver"}, f"the docs page loads from {sorted(hosts)}"
+
+
+def test_schema_and_docs_need_a_login_unless_public(db: None, settings: Any) -> None:
+    anonymous = APIClient()
+    schema = anonymous.get("/api/schema/")
+    assert schema.status_code in (401, 403)
+    assert schema["Content-Type"] == "application/json"
+    assert schema.json()["detail"]
+    docs = anonymous.get("/api/docs/")
+    assert docs.status_code == 302
+    assert docs["Location"].startswith("/login/?next=/api/docs/")
+    settings.TALLY_API_DOCS_PUBLIC = True
+    assert anonymous.get("/api/schema/").status_code == 200
+    assert anonymous.get("/api/docs/").status_code == 200
+
+
+def test_schema_has_areas_readable_ids_and_documented_errors(cast: Cast) -> None:
+    response = cast.client("finance").get(
+        "/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json"
+    )
+    schema = response.json()
+    assert schema["info"]["title"] == "Tally API"
+    assert schema["info"]["version"] == "v1"
+    areas = {"teams", "quota", "billing", "usage", "inventory"}
+    assert {tag["name"] for tag in schema["tags"]} == areas
+    operations = [
+        (path, operation)
+        for path, methods in schema["paths"].items()
+        for operation in methods.values()
+    ]
+    assert {tag for _, operation in operations for tag in operation["tags"]} == areas
+    ids = {operation["operationId"] for _, operation in operations}
+    assert {"adjustments_list", "adjustments_create", "periods_close", "teams_retrieve"} <= ids
+    assert not [id_ for id_ in ids if id_.startswith("v1_") or id_.endswith("_create_2")]
+    error = {"$ref": "#/components/schemas/Error"}
+    for path, operation in operations:
+        for code in ("400", "401", "403", "404", "429"):
+            documented = operation["responses"][code]["content"]["application/json"]["schema"]
+            assert documented == error, (path, code)
+    assert schema["components"]["schemas"]["Error"]["properties"]["detail"]["type"] == "string"
 
 
 @pytest.fixture
-def api_schema(seeded: Seeded) -> Iterator[Any]:
+def api_schema(seeded: Seeded, settings: Any) -> Iterator[Any]:
+    settings.TALLY_API_DOCS_PUBLIC = True  # schemathesis reads the schema without a login
     # As Django's test client does: a request must not close the connection that holds the
     # test's transaction (with CONN_MAX_AGE set, PostgreSQL's would be).
     for signal in (request_started, request_finished):
@@ -51,8 +101,8 @@ def api_schema(seeded: Seeded) -> Iterator[Any]:
 
 
 @pytest.fixture
-def operator_token(seeded: Seeded) -> str:
-    return Token.objects.create(user=seeded.cast.operator).key
+def operator_token(seeded: Seeded, api_token: Callable[[AbstractBaseUser], str]) -> str:
+    return api_token(seeded.cast.operator)
 
 
 schema = schemathesis.pytest.from_fixture("api_schema")

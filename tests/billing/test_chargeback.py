@@ -466,7 +466,7 @@ def test_the_statement_says_a_rate_is_per_slice_hour(scenario: Team) -> None:
     call_command(
         "statement", "--team", "vision", "--period", "2026-10", "--format", "json", stdout=out
     )
-    lines = {line["product"]: line for line in json.loads(out.getvalue())["lines"]}
+    lines = {line["product_name"]: line for line in json.loads(out.getvalue())["lines"]}
     mig, h100 = lines["NVIDIA A100-SXM4-80GB"], lines["NVIDIA H100 80GB HBM3"]
     # 1,542,856 GPU-ms / 0.428571 = 1.00000026 slice-hours, never measured: 0.90 -> 0.90.
     assert (mig["profile"], mig["unit"], mig["gpu_share"]) == ("3g.40gb", "slice-hour", "0.428571")

@@ -22,7 +22,7 @@ pytestmark = pytest.mark.django_db
 __all__ = ["scenario"]
 
 H100 = {
-    "product": "NVIDIA H100 80GB HBM3",
+    "product_name": "NVIDIA H100 80GB HBM3",
     # 9000 s held; 5430 s at work, 1740 s unmeasured, 1830 s idle.
     "allocated_gpu_hours": "2.500000",
     "utilised_gpu_hours": "1.508333",
@@ -40,7 +40,7 @@ H100 = {
     "reason": "",
 }
 MIG = {
-    "product": "NVIDIA A100-SXM4-80GB",
+    "product_name": "NVIDIA A100-SXM4-80GB",
     # 3,600,000 ms x 3/7 (0.428571) = 1,542,856 GPU-ms, never measured.
     "allocated_gpu_hours": "0.428571",
     "utilised_gpu_hours": "0.000000",

@@ -55,7 +55,7 @@ def gpus_on(
 
 
 def capacity_of(product: str, cluster: Cluster | None = None) -> dict[str, object]:
-    rows = {row["productName"]: row for row in capacity_by_model(cluster=cluster)}
+    rows = {row["product_name"]: row for row in capacity_by_model(cluster=cluster)}
     return dict(rows[product])
 
 
@@ -69,7 +69,7 @@ def test_a_gpu_split_into_mig_devices_counts_once() -> None:
     MigDeviceFactory.create_batch(7, parent=parent)
 
     assert capacity_of(H100) == {
-        "productName": H100,
+        "product_name": H100,
         "gpus": 1,
         "allocated": 0,
         "free": 1,
@@ -96,7 +96,7 @@ def test_gone_and_non_gpu_devices_do_not_count() -> None:
     OtherDeviceFactory.create(node=node)
 
     assert capacity_by_model() == [
-        {"productName": H100, "gpus": 1, "allocated": 0, "free": 1, "mig_devices": 0}
+        {"product_name": H100, "gpus": 1, "allocated": 0, "free": 1, "mig_devices": 0}
     ]
 
 
@@ -110,7 +110,7 @@ def test_an_allocated_mig_slice_makes_its_gpu_allocated() -> None:
     )
 
     assert capacity_of(A100) == {
-        "productName": A100,
+        "product_name": A100,
         "gpus": 2,
         "allocated": 1,
         "free": 1,
@@ -124,11 +124,11 @@ def test_capacity_is_per_model_and_per_cluster() -> None:
     gpus_on(NodeFactory.create(cluster=west), 2)
     gpus_on(NodeFactory.create(cluster=west), 8, product_name=A100)
 
-    assert [(row["productName"], row["gpus"]) for row in capacity_by_model()] == [
+    assert [(row["product_name"], row["gpus"]) for row in capacity_by_model()] == [
         (A100, 8),
         (H100, 6),
     ]
-    assert [(row["productName"], row["gpus"]) for row in capacity_by_model(cluster=east)] == [
+    assert [(row["product_name"], row["gpus"]) for row in capacity_by_model(cluster=east)] == [
         (H100, 4)
     ]
 
@@ -154,12 +154,18 @@ def test_outliers_against_the_most_common_pair(mixed_versions: Cluster) -> None:
     matrix = version_matrix(cluster=mixed_versions)
 
     assert matrix["baseline"] == {
-        "driverVersion": "580.82.7",
-        "cudaDriverVersion": "13.0.0",
+        "driver_version": "580.82.7",
+        "cuda_driver_version": "13.0.0",
         "source": "most_common",
     }
     assert [
-        (row["driverVersion"], row["cudaDriverVersion"], row["nodes"], row["gpus"], row["baseline"])
+        (
+            row["driver_version"],
+            row["cuda_driver_version"],
+            row["nodes"],
+            row["gpus"],
+            row["baseline"],
+        )
         for row in matrix["rows"]
     ] == [
         ("580.82.7", "13.0.0", ["node-a", "node-b", "node-c", "node-mixed"], 7, True),
@@ -175,8 +181,8 @@ def test_outliers_against_an_operator_baseline(mixed_versions: Cluster) -> None:
     matrix = version_matrix(cluster=mixed_versions)
 
     assert matrix["baseline"] == {
-        "driverVersion": "570.172.8",
-        "cudaDriverVersion": "12.8.0",
+        "driver_version": "570.172.8",
+        "cuda_driver_version": "12.8.0",
         "source": "operator",
     }
     assert matrix["outlier_nodes"] == ["node-a", "node-b", "node-c", "node-mixed"]
@@ -201,7 +207,7 @@ def test_a_tie_goes_to_the_newest_driver() -> None:
     matrix = version_matrix(cluster=cluster)
 
     assert matrix["baseline"] is not None
-    assert matrix["baseline"]["driverVersion"] == "580.126.20"
+    assert matrix["baseline"]["driver_version"] == "580.126.20"
     assert matrix["outlier_nodes"] == ["n1"]
 
 
@@ -216,7 +222,7 @@ def test_all_clusters_get_their_own_baseline() -> None:
     matrix = version_matrix()
 
     assert matrix["baseline"] is None
-    assert {name: b and b["driverVersion"] for name, b in matrix["baselines"].items()} == {
+    assert {name: b and b["driver_version"] for name, b in matrix["baselines"].items()} == {
         "east": "580.82.7",
         "empty": None,
         "west": "570.172.8",
@@ -234,7 +240,7 @@ def test_devices_without_versions_or_node_are_handled() -> None:
 
     matrix = version_matrix(cluster=cluster)
 
-    assert [(row["driverVersion"], row["nodes"], row["gpus"]) for row in matrix["rows"]] == [
+    assert [(row["driver_version"], row["nodes"], row["gpus"]) for row in matrix["rows"]] == [
         ("580.82.7", ["n1"], 1),
         ("570.172.8", [], 1),
     ]
@@ -302,13 +308,13 @@ def test_fleet_report(busy_cluster: Cluster, django_assert_max_num_queries) -> N
     assert report["gpus_by_model"] == {H100: 25}
     assert report["mig_devices"] == 2
     assert report["capacity"] == [
-        {"productName": H100, "gpus": 25, "allocated": 5, "free": 20, "mig_devices": 2}
+        {"product_name": H100, "gpus": 25, "allocated": 5, "free": 20, "mig_devices": 2}
     ]
     assert report["driver_matrix"] == [
         {
             "cluster": "busy",
-            "driverVersion": "580.82.7",
-            "cudaDriverVersion": "13.0.0",
+            "driver_version": "580.82.7",
+            "cuda_driver_version": "13.0.0",
             "nodes": 4,
             "node_names": ["a", "b", "c", "d"],
             "gpus": 25,

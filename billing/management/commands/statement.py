@@ -162,7 +162,7 @@ def statement_json(statement: Statement) -> dict[str, Any]:
         "currency": statement.currency,
         "lines": [
             {
-                "product": line.product_name,
+                "product_name": line.product_name,
                 "allocated_gpu_hours": _decimal(line.allocated_gpu_hours, HOURS),
                 "utilised_gpu_hours": _decimal(line.utilised_gpu_hours, HOURS),
                 "idle_gpu_hours": _decimal(line.idle_gpu_hours, HOURS),

@@ -48,7 +48,7 @@ def render_table(report: dict[str, Any]) -> str:
             ("MODEL", "GPUS", "ALLOCATED", "FREE", "MIG DEVICES"),
             [
                 (
-                    row["productName"] or "(unknown)",
+                    row["product_name"] or "(unknown)",
                     row["gpus"],
                     row["allocated"],
                     row["free"],
@@ -64,8 +64,8 @@ def render_table(report: dict[str, Any]) -> str:
                 (
                     "*" if row["baseline"] else "",
                     row["cluster"],
-                    row["driverVersion"],
-                    row["cudaDriverVersion"] or "-",
+                    row["driver_version"],
+                    row["cuda_driver_version"] or "-",
                     row["nodes"],
                     row["gpus"],
                 )
@@ -101,8 +101,8 @@ def _describe_baseline(baseline: dict[str, str] | None) -> str:
     if baseline is None:
         return "none (no GPU publishes a driver version)"
     how = "set by an operator" if baseline["source"] == "operator" else "most common"
-    cuda = baseline["cudaDriverVersion"] or "any"
-    driver = baseline["driverVersion"] or "any"
+    cuda = baseline["cuda_driver_version"] or "any"
+    driver = baseline["driver_version"] or "any"
     return f"driver {driver}, CUDA {cuda} ({how})"
 
 
