@@ -215,7 +215,8 @@ def budget_burn(*, team: Team, now: datetime) -> BudgetBurn | None:
 class IdleCost:
     """Idle GPU-hours of one model (or MIG profile) and what they are worth at its rate: per
     GPU-hour, or for a profile's own card per hour of one slice (`idle_rate_hours`: the idle
-    time in the rate's `unit`)."""
+    time in the rate's `unit`; `gpu_share`: the slice's share of its GPU, None when priced per
+    GPU-hour or when the profile's devices report different shares)."""
 
     product_name: str
     profile: str
@@ -225,6 +226,7 @@ class IdleCost:
     cost: Decimal | None
     unit: str = GPU_HOUR
     idle_rate_hours: Decimal | None = None
+    gpu_share: Decimal | None = None
 
 
 @dataclass
@@ -245,6 +247,7 @@ def idle_cost(*, team: Team, since: datetime, until: datetime) -> IdleSummary:
     idle_ms: dict[tuple[str, str], int] = defaultdict(int)
     # Idle time in slice-hours, exact, for a MIG profile's own card: per device share.
     idle_slice_hours: dict[tuple[str, str], Fraction] = defaultdict(Fraction)
+    shares: dict[tuple[str, str], set[Decimal]] = defaultdict(set)
     for row in (
         UsageHour.objects.filter(team=team, hour__gte=since, hour__lt=until)
         .values("product_name", "profile", device_share=F("allocation__device__gpu_share"))
@@ -255,6 +258,7 @@ def idle_cost(*, team: Team, since: datetime, until: datetime) -> IdleSummary:
         idle_ms[model] += row["idle_ms"]
         if row["profile"]:
             idle_slice_hours[model] += rate_hours(row["idle_ms"], row["device_share"])
+            shares[model].add(row["device_share"])
     for (product_name, profile), milliseconds in sorted(idle_ms.items()):
         idle = _hours(milliseconds)
         card = rate_for(product_name, profile, on)
@@ -267,6 +271,9 @@ def idle_cost(*, team: Team, since: datetime, until: datetime) -> IdleSummary:
                 if entry.unit == SLICE_HOUR
                 else idle
             )
+            model_shares = shares[product_name, profile]
+            if entry.unit == SLICE_HOUR and len(model_shares) == 1:
+                entry.gpu_share = model_shares.pop().normalize()
             entry.cost = round_money(entry.idle_rate_hours * card.per_gpu_hour, card.currency)
             totals[card.currency] += entry.cost
         summary.rows.append(entry)
@@ -395,7 +402,7 @@ CSV_COLUMNS = (
     "idle_factor",
     "amount",
     "reason",
-    "rate_unit",  # what `rate` is the price of: a GPU-hour, or an hour of one MIG slice
+    "unit",  # what `rate` is the price of: a GPU-hour, or an hour of one MIG slice
     "gpu_share",  # for a price per slice-hour: the slice's share of its GPU
 )
 

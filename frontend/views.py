@@ -1,7 +1,10 @@
 """The portal's pages: thin views over `frontend.selectors` and the inventory's reports.
 
-Every page needs a login. Team pages answer 404 to anyone `visible_teams` does not show the
-team to (so a team's existence is not revealed); fleet pages answer 403 to non-operators.
+Every page needs a login. As in the API, a user with no role gets 403 everywhere, a team that
+`visible_teams` does not show (or that does not exist) is 404, so its existence is not
+revealed, and fleet pages are 403 to non-operators. The portal renders its own 404.html and
+403.html for these answers (Django shows its debug pages instead of raised 404s when DEBUG is
+on).
 """
 
 from __future__ import annotations
@@ -10,9 +13,8 @@ from functools import wraps
 from typing import Any, Protocol
 
 from django.contrib.auth.decorators import login_required
-from django.core.exceptions import PermissionDenied
 from django.core.paginator import Paginator
-from django.http import Http404, HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
 
@@ -29,23 +31,48 @@ class _View(Protocol):
     def __call__(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse: ...
 
 
+class _TeamView(Protocol):
+    def __call__(
+        self, request: HttpRequest, team: Team, *args: Any, **kwargs: Any
+    ) -> HttpResponse: ...
+
+
+def not_found(request: HttpRequest) -> HttpResponse:
+    """The portal's 404 page, whatever DEBUG says."""
+    return render(request, "404.html", status=404)
+
+
+def forbidden(request: HttpRequest, reason: str) -> HttpResponse:
+    """The portal's 403 page with `reason`, whatever DEBUG says."""
+    return render(request, "403.html", {"exception": reason}, status=403)
+
+
 def operator_required(view: _View) -> _View:
     """Login first (anonymous users go to the login page), then operators only (403)."""
 
     @wraps(view)
     def wrapper(request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
         if not selectors.is_operator(request.user):
-            raise PermissionDenied("Only operators can see the fleet.")
+            return forbidden(request, "Only operators can see the fleet.")
         return view(request, *args, **kwargs)
 
     return login_required(wrapper)
 
 
-def _team_or_404(request: HttpRequest, slug: str) -> Team:
-    team = selectors.visible_team(user=request.user, slug=slug)
-    if team is None:
-        raise Http404("No such team.")
-    return team
+def team_required(view: _TeamView) -> _View:
+    """Login first, then the team of the URL's `slug` passed as `team`: 403 to a user with no
+    role, 404 when the user may not see the team or there is none."""
+
+    @wraps(view)
+    def wrapper(request: HttpRequest, slug: str, *args: Any, **kwargs: Any) -> HttpResponse:
+        if selectors.portal_role(request.user) is None:
+            return forbidden(request, "You lead no team, so there is no team page to show.")
+        team = selectors.visible_team(user=request.user, slug=slug)
+        if team is None:
+            return not_found(request)
+        return view(request, team, *args, **kwargs)
+
+    return login_required(wrapper)
 
 
 @login_required
@@ -59,9 +86,8 @@ def home(request: HttpRequest) -> HttpResponse:
     return render(request, "frontend/home.html", {"teams": teams, "role": role})
 
 
-@login_required
-def team(request: HttpRequest, slug: str) -> HttpResponse:
-    team = _team_or_404(request, slug)
+@team_required
+def team(request: HttpRequest, team: Team) -> HttpResponse:
     days = 30 if request.GET.get("days") == "30" else 7
     now = timezone.now()
     since, until = selectors.usage_window(now=now, days=days)
@@ -103,12 +129,11 @@ def team(request: HttpRequest, slug: str) -> HttpResponse:
     return render(request, "frontend/team.html", context)
 
 
-@login_required
-def statement_csv(request: HttpRequest, slug: str, period_id: int) -> HttpResponse:
-    team = _team_or_404(request, slug)
+@team_required
+def statement_csv(request: HttpRequest, team: Team, period_id: int) -> HttpResponse:
     found = selectors.statement_rows(team=team, period_id=period_id)
     if found is None:
-        raise Http404("No statement for this period.")
+        return not_found(request)
     period, rows = found
     response = HttpResponse(content_type="text/csv; charset=utf-8")
     filename = f"tally-{team.slug}-{period.label}.csv"

@@ -1,7 +1,10 @@
-"""`{% portal_nav %}`: the navigation every page shows, from what the user may see."""
+"""`{% portal_nav %}`: the navigation every page shows, from what the user may see; and the
+filters that round figures for people (exports keep the exact values)."""
 
 from __future__ import annotations
 
+from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
+from fractions import Fraction
 from typing import Any
 
 from django import template
@@ -9,6 +12,12 @@ from django import template
 from frontend import selectors
 
 register = template.Library()
+
+# Figures shown to people: two decimals at most, so 3.999996 GPU-equivalents reads 4.
+SHOWN = Decimal("0.01")
+# Slice shares read as a fraction of the GPU when one this small is exact to the stored digits.
+MAX_SHARE_DENOMINATOR = 16
+SHARE_TOLERANCE = Decimal("0.000001")
 
 
 @register.inclusion_tag("frontend/_nav.html", takes_context=True)
@@ -24,3 +33,38 @@ def portal_nav(context: template.Context) -> dict[str, Any]:
         "led_teams": selectors.team_list(user=user) if role == "lead" else [],
         "current_path": request.path if request is not None else "",
     }
+
+
+def _decimal(value: Any) -> Decimal | None:
+    if isinstance(value, bool) or value is None or value == "":
+        return None
+    try:
+        number = value if isinstance(value, Decimal) else Decimal(str(value))
+    except (InvalidOperation, ValueError):
+        return None
+    return number if number.is_finite() else None
+
+
+@register.filter
+def rounded(value: Any) -> Any:
+    """`value` to two decimals at most, without trailing zeros or an exponent: 3.999996 reads
+    4, 3.50 reads 3.5, 100 reads 100. Anything not a number is shown as it is."""
+    number = _decimal(value)
+    if number is None:
+        return value
+    shown = number.quantize(SHOWN, rounding=ROUND_HALF_EVEN).normalize()
+    text = f"{shown:f}"
+    return "0" if text == "-0" else text
+
+
+@register.filter
+def gpu_fraction(value: Any) -> Any:
+    """A slice's share of its GPU as people say it: 0.142857 reads 1/7, 1 reads 1, and a share
+    that is no small fraction reads as `rounded` does."""
+    share = _decimal(value)
+    if share is None:
+        return value
+    fraction = Fraction(share).limit_denominator(MAX_SHARE_DENOMINATOR)
+    if abs(Decimal(fraction.numerator) / fraction.denominator - share) > SHARE_TOLERANCE:
+        return rounded(share)
+    return str(fraction)

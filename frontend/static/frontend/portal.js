@@ -8,13 +8,21 @@
   }
   var data = JSON.parse(source.textContent);
   var colours = { allocated: "#8aa9d6", utilised: "#0a58ca", remaining: "#0a58ca", ideal: "#6e7781" };
-  var common = {
-    responsive: true,
-    maintainAspectRatio: false,
-    animation: false,
-    interaction: { mode: "index", intersect: false },
-    scales: { y: { beginAtZero: true, title: { display: true, text: "GPU-hours" } } },
-  };
+  // A fresh object per chart: Chart.js writes its resolved scales into the options it is
+  // given, so a shared one made the bar chart inherit the line chart's unpadded x axis (the
+  // first and last bars were cut in half).
+  function options(xAxis) {
+    return {
+      responsive: true,
+      maintainAspectRatio: false,
+      animation: false,
+      interaction: { mode: "index", intersect: false },
+      scales: {
+        x: xAxis,
+        y: { beginAtZero: true, title: { display: true, text: "GPU-hours" } },
+      },
+    };
+  }
   var builders = {
     usage: function (figures) {
       return {
@@ -26,7 +34,8 @@
             { label: "Utilised", data: figures.utilised, backgroundColor: colours.utilised },
           ],
         },
-        options: common,
+        // Half a category of space at each end, so the first and last bars sit inside the plot.
+        options: options({ offset: true, grid: { offset: true } }),
       };
     },
     burn: function (figures) {
@@ -41,7 +50,7 @@
               borderDash: [6, 4], pointRadius: 0 },
           ],
         },
-        options: common,
+        options: options({}),
       };
     },
   };
