@@ -6,7 +6,10 @@ Nodes come in layouts: whole H100 or H200 GPUs (NVLink cliques), A100s split by 
 the whole GPU and every MIG placement, drawing on a per-GPU counter set that lives in a second
 slice of the pool). About 5% of nodes run an outlier driver. ResourceClaims created by Pods
 in a handful of namespaces hold about 60% of the GPUs: some nodes full, some partly used,
-some idle, and a few claims still pending.
+some idle, and a few claims still pending. Claims were created within `history` (14 days by
+default) before `now`. A demo can ask for what it wants to show whatever the draws: nodes that
+run an outlier driver (`outlier_nodes`) and static-MIG nodes with one GPU partly used, some of
+its MIG devices claimed and the rest free (`partly_used_mig`).
 
 Everything is derived from `seed` (each node from its own random stream), so a fleet is the
 same on every run and `generate` can walk it several times, one kind after the other, without
@@ -18,7 +21,7 @@ from __future__ import annotations
 import json
 import random
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any, Protocol
@@ -35,6 +38,9 @@ GPUS_PER_NODE = 8
 BASELINE_DRIVER = ("580.82.7", "13.0.0")
 OUTLIER_DRIVERS = (("570.172.8", "12.8.0"), ("580.65.6", "13.0.0"))
 OUTLIER_SHARE = 0.05
+# How long before `now` claims were created, at most (at least 10 minutes before it).
+CLAIM_HISTORY = timedelta(days=14)
+_NEWEST_CLAIM_AGE = timedelta(minutes=10)
 
 _ALPHANUMS = "bcdfghjklmnpqrstvwxz2456789"  # the alphabet of Kubernetes' generated names
 
@@ -213,6 +219,9 @@ def generate(
     now: datetime = EPOCH,
     mix: Mapping[str, float] = DEFAULT_MIX,
     owners: bool = False,
+    history: timedelta = CLAIM_HISTORY,
+    outlier_nodes: Collection[int] = (),
+    partly_used_mig: Collection[int] = (),
 ) -> Iterator[dict[str, Any]]:
     """Yield the objects of a simulated fleet of `nodes` GPU nodes, one kind after the other.
 
@@ -220,14 +229,28 @@ def generate(
     The same arguments always give the same objects. `mix` weighs the layouts of `LAYOUTS`.
     With `owners`, the claims' Pods follow, and what owns them (ReplicaSets of the serving
     workloads' Deployments, Jobs of the training ones), so that usage is charged per job.
+    Claims were created within `history` before `now`. The nodes at the indexes in
+    `outlier_nodes` run an outlier driver; those in `partly_used_mig`, when their GPUs are
+    static MIG and one is free, have about half the MIG devices of their first free GPU
+    claimed. Neither changes any other object of the fleet.
     """
     unknown = set(mix) - set(LAYOUTS)
     if unknown:
         raise ValueError(f"unknown layouts {sorted(unknown)}; known: {sorted(LAYOUTS)}")
+    if history < 2 * _NEWEST_CLAIM_AGE:
+        raise ValueError(f"history {history} is too short: claims need at least 20 minutes")
     yield from device_classes(now)
     for kind in ("Node", "ResourceSlice", "ResourceClaim"):
         for index in range(nodes):
-            plan = plan_node(index=index, seed=seed, now=now, mix=mix)
+            plan = plan_node(
+                index=index,
+                seed=seed,
+                now=now,
+                mix=mix,
+                history=history,
+                outlier=index in outlier_nodes,
+                partly_used_mig=index in partly_used_mig,
+            )
             if kind == "Node":
                 yield node_object(plan)
             elif kind == "ResourceSlice":
@@ -333,14 +356,29 @@ def device_classes(now: datetime) -> list[dict[str, Any]]:
     return classes
 
 
-def plan_node(*, index: int, seed: int, now: datetime, mix: Mapping[str, float]) -> NodePlan:
-    """The node at `index` of the fleet: its layout, devices and the claims placed on it."""
+def plan_node(
+    *,
+    index: int,
+    seed: int,
+    now: datetime,
+    mix: Mapping[str, float],
+    history: timedelta = CLAIM_HISTORY,
+    outlier: bool = False,
+    partly_used_mig: bool = False,
+) -> NodePlan:
+    """The node at `index` of the fleet: its layout, devices and the claims placed on it.
+
+    `outlier` and `partly_used_mig` (see `generate`) change only what they name: every draw
+    is made as without them, so the node is otherwise the same.
+    """
     rng = random.Random(f"{seed}/node/{index}")
     names, weights = zip(*sorted(mix.items()), strict=True)
     layout = LAYOUTS[rng.choices(names, weights)[0]]
     driver_version, cuda_version = (
         rng.choice(OUTLIER_DRIVERS) if rng.random() < OUTLIER_SHARE else BASELINE_DRIVER
     )
+    if outlier and (driver_version, cuda_version) == BASELINE_DRIVER:
+        driver_version, cuda_version = OUTLIER_DRIVERS[0]
     name = f"gpu-{layout.model.node_prefix}-{index:05d}"
     clique = ""
     if layout.cliques:
@@ -360,7 +398,9 @@ def plan_node(*, index: int, seed: int, now: datetime, mix: Mapping[str, float])
     pools = 2 if plan.counter_sets else 1
     plan.slice_names = [f"{name}-{DRIVER}-{_suffix(rng)}" for _ in range(pools)]
     plan.slice_uids = [_uuid(rng) for _ in range(pools)]
-    _place_claims(plan, rng, seed=seed, now=now)
+    _place_claims(plan, rng, seed=seed, now=now, history=history)
+    if partly_used_mig:
+        _claim_part_of_a_mig_gpu(plan, rng, seed=seed, now=now, history=history)
     return plan
 
 
@@ -466,7 +506,9 @@ def _mig_capacity(profile: MigProfile) -> dict[str, Any]:
     }
 
 
-def _place_claims(plan: NodePlan, rng: random.Random, *, seed: int, now: datetime) -> None:
+def _place_claims(
+    plan: NodePlan, rng: random.Random, *, seed: int, now: datetime, history: timedelta
+) -> None:
     """Claims on this node: all GPUs taken (40%), some (40%) or none (20%); a few pending."""
     state = rng.random()
     wanted = (
@@ -501,11 +543,41 @@ def _place_claims(plan: NodePlan, rng: random.Random, *, seed: int, now: datetim
                 if rng.random() < 0.75
             )
     for group in groups:
-        plan.claims.append(_claim(plan, group, rng, seed=seed, now=now, allocated=True))
+        plan.claims.append(
+            _claim(plan, group, rng, seed=seed, now=now, history=history, allocated=True)
+        )
     for _ in range(rng.choices((0, 1), (0.9, 0.1))[0]):
         plan.claims.append(
-            _claim(plan, [plan.devices[0]], rng, seed=seed, now=now, allocated=False)
+            _claim(
+                plan, [plan.devices[0]], rng, seed=seed, now=now, history=history, allocated=False
+            )
         )
+
+
+def _claim_part_of_a_mig_gpu(
+    plan: NodePlan, rng: random.Random, *, seed: int, now: datetime, history: timedelta
+) -> None:
+    """On a static-MIG node, claim about half the MIG devices of the first GPU no claim holds
+    (at least one, never all): a GPU partly used, the rest of its slices free."""
+    if plan.layout.publishing != "mig":
+        return
+    held = {
+        (result["pool"], result["device"])
+        for claim in plan.claims
+        for result in claim.get("status", {})
+        .get("allocation", {})
+        .get("devices", {})
+        .get("results", [])
+    }
+    for gpu in range(GPUS_PER_NODE):
+        devices = [device for device in plan.devices if device.gpu_index == gpu]
+        if len(devices) < 2 or any((plan.name, device.name) in held for device in devices):
+            continue
+        for device in devices[: len(devices) // 2]:
+            plan.claims.append(
+                _claim(plan, [device], rng, seed=seed, now=now, history=history, allocated=True)
+            )
+        return
 
 
 def _claim(
@@ -515,6 +587,7 @@ def _claim(
     *,
     seed: int,
     now: datetime,
+    history: timedelta,
     allocated: bool,
 ) -> dict[str, Any]:
     """A claim generated from a Pod's resourceClaimTemplate, allocated `devices` or pending."""
@@ -544,7 +617,11 @@ def _claim(
                 "deviceClassName": "gpu.nvidia.com",
             },
         }
-    created = now - timedelta(seconds=rng.randint(600, 14 * 86400))
+    # The draw is the same whatever `history`, scaled into it, so nothing else changes.
+    newest, oldest = int(_NEWEST_CLAIM_AGE.total_seconds()), int(CLAIM_HISTORY.total_seconds())
+    drawn = rng.randint(newest, oldest)
+    span = int(history.total_seconds()) - newest
+    created = now - timedelta(seconds=newest + (drawn - newest) * span // (oldest - newest))
     claim: dict[str, Any] = {
         "apiVersion": API_VERSION,
         "kind": "ResourceClaim",

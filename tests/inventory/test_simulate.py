@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter, defaultdict
+from datetime import datetime, timedelta
 from io import StringIO
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,9 @@ import pytest
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
+from django.utils import timezone
 
+from demo.management.commands.load_demo import fleet_objects
 from inventory import simulate
 from inventory.dumps import iter_objects
 from inventory.models import Allocation, Device, ResourceClaim
@@ -287,6 +290,96 @@ def test_unknown_layout_is_refused() -> None:
         fleet(1, mix={"tpu": 1.0})
 
 
+# --- what a demo asks for ------------------------------------------------------------------
+
+
+def without_node(objects: list[dict[str, Any]], name: str) -> list[dict[str, Any]]:
+    """The objects that are not the node `name`, its slices or its claims."""
+
+    def on_node(obj: dict[str, Any]) -> bool:
+        if obj["kind"] == "Node":
+            return bool(obj["metadata"]["name"] == name)
+        if obj["kind"] == "ResourceSlice":
+            return bool(obj["spec"]["pool"]["name"] == name)
+        if obj["kind"] == "ResourceClaim":
+            return name in {result["pool"] for result in allocations([obj])}
+        return False
+
+    return [obj for obj in objects if not on_node(obj)]
+
+
+def test_outlier_nodes_run_an_outlier_driver_and_nothing_else_changes() -> None:
+    plain, asked = fleet(6, seed=2), fleet(6, seed=2, outlier_nodes=[3])
+    label = "nvidia.com/cuda.driver-version.full"
+    node = of_kind(asked, "Node")[3]
+    name = node["metadata"]["name"]
+    versions = {
+        (
+            device["attributes"]["driverVersion"]["version"],
+            device["attributes"]["cudaDriverVersion"]["version"],
+        )
+        for (pool, _), device in devices_by_pool(asked).items()
+        if pool == name
+    }
+
+    assert of_kind(plain, "Node")[3]["metadata"]["labels"][label] == simulate.BASELINE_DRIVER[0]
+    assert node["metadata"]["labels"][label] == simulate.OUTLIER_DRIVERS[0][0]
+    assert versions == {simulate.OUTLIER_DRIVERS[0]}
+    assert without_node(asked, name) == without_node(plain, name)
+
+
+def test_partly_used_mig_leaves_some_slices_of_a_free_gpu_free() -> None:
+    # seed 0: node 7 is a static-MIG node none of whose GPUs is claimed.
+    plain = fleet(8)
+    asked = fleet(8, partly_used_mig=range(8))
+    name = of_kind(plain, "Node")[7]["metadata"]["name"]
+    published = devices_by_pool(asked)
+    held_before = {(r["pool"], r["device"]) for r in allocations(plain)}
+    held_after = {(r["pool"], r["device"]) for r in allocations(asked)}
+    added = held_after - held_before
+
+    assert added and {pool for pool, _ in added} == {name}
+    parents = {published[key]["attributes"]["parentUUID"]["string"] for key in added}
+    assert len(parents) == 1  # one GPU
+    (parent,) = parents
+    slices = {
+        key
+        for key, device in published.items()
+        if device["attributes"].get("parentUUID", {}).get("string") == parent
+    }
+    assert 0 < len(added) < len(slices)
+    # The other nodes, whose static-MIG GPUs were all claimed or none is static MIG, are as
+    # they were.
+    assert without_node(asked, name) == without_node(plain, name)
+
+
+def test_history_bounds_when_claims_were_created_and_changes_nothing_else() -> None:
+    now = simulate.EPOCH
+    plain, recent = fleet(6, seed=3, now=now), fleet(6, seed=3, now=now, history=timedelta(days=2))
+    created = [
+        datetime.fromisoformat(claim["metadata"]["creationTimestamp"])
+        for claim in of_kind(recent, "ResourceClaim")
+    ]
+
+    assert created and all(
+        now - timedelta(days=2) <= moment <= now - timedelta(minutes=10) for moment in created
+    )
+    assert min(
+        datetime.fromisoformat(claim["metadata"]["creationTimestamp"])
+        for claim in of_kind(plain, "ResourceClaim")
+    ) < now - timedelta(days=2)
+
+    def timeless(objects: list[dict[str, Any]]) -> list[Any]:
+        return [
+            (obj["metadata"]["name"], obj.get("spec"), obj.get("status", {}).get("reservedFor"))
+            for obj in objects
+        ]
+
+    assert timeless(recent) == timeless(plain)
+    with pytest.raises(ValueError, match="too short"):
+        fleet(1, history=timedelta(minutes=5))
+
+
 # --- simulate_fleet ------------------------------------------------------------------------
 
 
@@ -314,7 +407,7 @@ def test_simulate_fleet_writes_json_to_stdout(tmp_path: Path) -> None:
 @pytest.mark.django_db
 def test_load_demo_creates_the_operator_and_imports_once() -> None:
     out = StringIO()
-    call_command("load_demo", nodes=4, stdout=out)
+    call_command("load_demo", nodes=4, days=1, stdout=out)
 
     operator = get_user_model().objects.get(username="operator")
     assert operator.is_superuser and operator.is_staff and operator.check_password("operator")
@@ -324,7 +417,7 @@ def test_load_demo_creates_the_operator_and_imports_once() -> None:
         ResourceClaim.objects.count(),
         Allocation.objects.count(),
     )
-    expected = fleet(4)
+    expected = list(fleet_objects(nodes=4, seed=0, now=timezone.now(), days=1))
     assert devices == len(devices_by_pool(expected))
     assert claims == len(of_kind(expected, "ResourceClaim"))
     assert held == len(allocations(expected))
@@ -333,7 +426,7 @@ def test_load_demo_creates_the_operator_and_imports_once() -> None:
     operator.set_password("changed")
     operator.save()
     again = StringIO()
-    call_command("load_demo", nodes=4, stdout=again)
+    call_command("load_demo", nodes=4, days=1, stdout=again)
 
     assert (Device.objects.count(), ResourceClaim.objects.count()) == (devices, claims)
     assert get_user_model().objects.get(username="operator").check_password("changed")
@@ -359,8 +452,6 @@ def test_owners_leave_every_other_object_as_it_was() -> None:
 
 @pytest.mark.django_db
 def test_the_simulated_fleet_imports_without_errors_and_counts_each_gpu_once() -> None:
-    from django.utils import timezone
-
     from inventory import services
 
     cluster = services.get_cluster("simulated")

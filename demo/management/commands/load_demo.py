@@ -1,5 +1,11 @@
 """`manage.py load_demo`: demo logins, teams, prices, a simulated fleet and a week of usage.
 
+The fleet shows what Tally is for: a node on an outlier driver, a MIG GPU partly used, a claim
+the quota denied in the decision log, and a claim idle for days. Its claims' every hour up to
+now is sampled, rolled up and priced, and the periods are billed (the previous one closed
+when due) as beat and `run_billing` bill them, so that running either changes nothing but the
+hours the open claims hold after the load (unmeasured: no agent reports in the demo).
+
 Idempotent: users that exist are left alone (passwords included), the policy is applied (a
 second time changes nothing), and the fleet and its usage are loaded only while the cluster
 has no devices, so running it again changes nothing.
@@ -7,6 +13,8 @@ has no devices, so running it again changes nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -16,9 +24,11 @@ from django.contrib.auth.models import Group
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
+from billing.pricing import round_money
+from demo.admission import deny_a_claim
 from demo.usage import load_demo_usage
 from inventory import services, simulate
-from inventory.models import Device
+from inventory.models import Cluster, Device
 from quota import policy
 from teams.selectors import FINANCE_GROUP, OPERATORS_GROUP
 
@@ -28,6 +38,22 @@ DEMO_USERS = (
     ("operator", "operator", OPERATORS_GROUP, True),
     ("finance", "finance", FINANCE_GROUP, False),
 )
+# The node (by index) on an outlier driver: at 5% a draw, an 8-node fleet rarely has one.
+OUTLIER_NODE = 1
+
+
+def fleet_objects(*, nodes: int, seed: int, now: datetime, days: int) -> Iterator[dict[str, Any]]:
+    """The demo's simulated fleet: claims made within `days` before `now`, the outlier node,
+    and on every static-MIG node with a free GPU, one GPU partly used."""
+    return simulate.generate(
+        nodes=nodes,
+        seed=seed,
+        now=now,
+        owners=True,
+        history=timedelta(days=days),
+        outlier_nodes=(OUTLIER_NODE,),
+        partly_used_mig=range(nodes),
+    )
 
 
 class Command(BaseCommand):
@@ -36,9 +62,13 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--nodes", type=int, default=8, help="GPU nodes (default %(default)s)")
         parser.add_argument("--seed", type=int, default=0, help="the fleet's seed")
-        parser.add_argument("--days", type=int, default=7, help="days of usage history")
+        parser.add_argument(
+            "--days", type=int, default=7, help="days of history: claims began within them"
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        if not 1 <= options["days"] <= 366:
+            raise CommandError(f"--days {options['days']}: give 1 to 366 days of history")
         cluster = services.get_cluster(settings.TALLY_CLUSTER_NAME)
         devices = Device.objects.filter(cluster=cluster).count()
         now = timezone.now()
@@ -49,8 +79,8 @@ class Command(BaseCommand):
         else:
             report = services.import_snapshot(
                 cluster=cluster,
-                objects=simulate.generate(
-                    nodes=options["nodes"], seed=options["seed"], now=now, owners=True
+                objects=fleet_objects(
+                    nodes=options["nodes"], seed=options["seed"], now=now, days=options["days"]
                 ),
                 at=now,
             )
@@ -59,9 +89,30 @@ class Command(BaseCommand):
             self.stdout.write(f"Imported a simulated fleet: {report.summary()}.")
         users = self._create_users()
         if not devices:
-            samples = load_demo_usage(cluster=cluster, now=now, days=options["days"])
-            self.stdout.write(f"Generated {samples} utilisation samples, rolled up and priced.")
+            self._usage(cluster=cluster, now=now, seed=options["seed"])
         self.stdout.write("Demo logins: " + ", ".join(users))
+
+    def _usage(self, *, cluster: Cluster, now: datetime, seed: int) -> None:
+        usage = load_demo_usage(cluster=cluster, now=now, seed=seed)
+        self.stdout.write(f"Generated {usage.samples} utilisation samples.")
+        for run in usage.runs:
+            state = "closed" if run.period.is_closed else "open"
+            totals = ", ".join(
+                f"{round_money(total, currency)} {currency}"
+                for currency, total in run.totals.items()
+            )
+            self.stdout.write(
+                f"Billed {run.period.label} ({state}) to {now:%Y-%m-%d %H:%M} UTC: "
+                f"{run.usage_rows} usage rows, total {totals or 'nothing'}."
+            )
+        if usage.idle_claim is not None:
+            claim = usage.idle_claim
+            self.stdout.write(f"Idle since it began: claim {claim.namespace}/{claim.name}.")
+        denied = deny_a_claim(at=now)
+        if denied is None:
+            self.stdout.write("No quota denies the demo's claims on this fleet: no denial shown.")
+        else:
+            self.stdout.write(f"Denied {denied.namespace}/{denied.name}: {denied.message}")
 
     def _apply_policy(self) -> None:
         try:
