@@ -129,6 +129,24 @@ class JsonFormatter(_BaseJsonFormatter):
         super().__init__(*args, **kwargs)
 
 
+def library_loggers(level: str) -> dict[str, dict[str, str]]:
+    """Levels for chatty libraries' loggers, for both log formats.
+
+    Celery's "received" and "succeeded" lines for every task run (the rollup runs each
+    minute) show only at DEBUG: the tasks' own warnings and errors, and their metrics, say
+    what matters.
+    """
+    per_task = "DEBUG" if level == "DEBUG" else "WARNING"
+    return {
+        "kubernetes": {"level": "WARNING"},
+        "urllib3": {"level": "WARNING"},
+        # django-axes: a "BEGIN" line per process, and one per login; lockouts are warnings.
+        "axes": {"level": "WARNING"},
+        "celery.app.trace": {"level": per_task},
+        "celery.worker.strategy": {"level": per_task},
+    }
+
+
 def logging_config(level: str) -> dict[str, Any]:
     """The `LOGGING` dict for settings: JSON lines on stderr, with the request's fields."""
     return {
@@ -145,8 +163,7 @@ def logging_config(level: str) -> dict[str, Any]:
         },
         "root": {"handlers": ["console"], "level": level},
         "loggers": {
-            "kubernetes": {"level": "WARNING"},
-            "urllib3": {"level": "WARNING"},
+            **library_loggers(level),
             # Gunicorn's own lines (start-up, worker exits) in the same format.
             "gunicorn.error": {"handlers": ["console"], "level": level, "propagate": False},
         },

@@ -48,11 +48,21 @@ def worker() -> Iterator[None]:
     # Each task's database connection is the worker thread's own: closed after the task, so
     # none is left open on the test database when it is dropped.
     task_postrun.connect(_close_connections, weak=False)
+    ran: list[str] = []
+
+    def remember(task_id: str = "", **_: object) -> None:
+        ran.append(task_id)
+
+    task_postrun.connect(remember, weak=False)
     try:
         with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
             yield
     finally:
         task_postrun.disconnect(_close_connections)  # type: ignore[attr-defined]  # celery-types lacks it
+        task_postrun.disconnect(remember)  # type: ignore[attr-defined]
+        # The results were for the test only: none is left in Redis.
+        for task_id in ran:
+            app.AsyncResult(task_id).forget()
 
 
 def _close_connections(**_: object) -> None:
