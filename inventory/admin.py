@@ -261,17 +261,29 @@ class ResourceClaimAdmin(SyncedAdmin):
 
 @admin.register(Allocation)
 class AllocationAdmin(SyncedAdmin):
-    list_display = ("claim", "request", "device_name", "device", "cluster", "start", "end")
-    list_filter = (EndedFilter, "cluster", "driver")
+    list_display = (
+        "claim",
+        "request",
+        "device_name",
+        "device",
+        "team",
+        "job",
+        "username",
+        "start",
+        "end",
+    )
+    list_filter = (EndedFilter, "cluster", "driver", "team")
     search_fields = (
         "claim__name",
+        "job",
+        "username",
         "claim__namespace",
         "device_name",
         "device__uuid",
         "device__product_name",
         "device__node__name",
     )
-    list_select_related = ("claim", "device", "cluster")
+    list_select_related = ("claim", "device", "cluster", "team")
     show_full_result_count = False
 
 

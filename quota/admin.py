@@ -235,8 +235,8 @@ class ReservationLineAdmin(ReadOnlyAdmin):
 
 @admin.register(AdmissionDecision)
 class AdmissionDecisionAdmin(ReadOnlyAdmin):
-    list_display = ("at", "namespace", "name", "username", "team", "allowed", "dry_run")
-    list_filter = ("allowed", "team", "dry_run")
+    list_display = ("at", "namespace", "name", "username", "team", "webhook", "allowed", "dry_run")
+    list_filter = ("allowed", "webhook", "team", "dry_run")
     search_fields = ("name", "namespace", "username", "uid", "message")
     list_select_related = ("team",)
     ordering = ("-at",)

@@ -74,6 +74,7 @@ class AdmissionDecisionSerializer(ReadOnlyModelSerializer):
             "name",
             "username",
             "team",
+            "webhook",
             "allowed",
             "dry_run",
             "message",

@@ -10,6 +10,7 @@ from django.core.management import call_command
 from rest_framework.test import APIClient
 
 from billing.models import Statement
+from quota.models import AdmissionDecision
 from tests.api.cast import Seeded
 
 pytestmark = pytest.mark.django_db
@@ -141,3 +142,13 @@ def test_token_authentication(seeded: Seeded) -> None:
     assert teams_in(response.json(), "slug") == {"alpha"}
     wrong = client.get("/api/v1/teams/", HTTP_AUTHORIZATION="Token not-a-token")
     assert wrong.status_code == 401
+
+
+def test_decisions_say_which_webhook_decided(seeded: Seeded) -> None:
+    AdmissionDecision.objects.filter(team=seeded.cast.beta).update(webhook="mutate")
+    rows = seeded.cast.client("operator").get(DECISIONS).json()["results"]
+    assert {(row["team"], row["webhook"]) for row in rows} == {
+        ("alpha", "validate"),
+        ("beta", "mutate"),
+        (None, "validate"),
+    }

@@ -549,3 +549,19 @@ def test_admin_device_changelist_query_count_is_fixed(
     node = Node.objects.get(name="b")
     with django_assert_max_num_queries(9):
         assert operator.get(url, {"node": str(node.pk), "q": "gpu"}).status_code == 200
+
+
+def test_admin_allocations_show_and_find_who_held_them(
+    operator: Client, full_inventory: Cluster
+) -> None:
+    allocation = Allocation.objects.order_by("pk").first()
+    assert allocation is not None
+    Allocation.objects.filter(pk=allocation.pk).update(
+        job="JobSet/llm-pretrain", username="alice@example.com"
+    )
+    changelist = reverse("admin:inventory_allocation_changelist")
+    page = operator.get(changelist).content.decode()
+    assert "JobSet/llm-pretrain" in page and "alice@example.com" in page
+    for query in ("llm-pretrain", "alice@"):
+        response = operator.get(changelist, {"q": query})
+        assert response.context["cl"].result_count == 1
