@@ -8,6 +8,14 @@ import sys
 
 def main() -> int:
     os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
+    if _asks_for_help(sys.argv):
+        # Help reads no secret and no database: a newcomer may read it before setting up
+        # either (nothing is signed, and no connection is made, let alone the embedded
+        # server started).
+        if not any(os.environ.get(name) for name in ("DEBUG", "SECRET_KEY", "SECRET_KEY_FILE")):
+            os.environ["DEBUG"] = "true"
+        if not (os.environ.get("DATABASE_URL") or os.environ.get("DATABASE_URL_FILE")):
+            os.environ["DATABASE_URL"] = "postgres://help@127.0.0.1:1/help"
     from django.core.exceptions import ImproperlyConfigured
     from django.core.management import execute_from_command_line
     from django.db.utils import OperationalError, ProgrammingError
@@ -20,6 +28,12 @@ def main() -> int:
         print(f"manage.py: {_explain(exc)}", file=sys.stderr)
         return 2 if isinstance(exc, ImproperlyConfigured) else 1
     return 0
+
+
+def _asks_for_help(argv: list[str]) -> bool:
+    """`manage.py`, `manage.py help [COMMAND]`, `manage.py --help`, `manage.py COMMAND -h`."""
+    words = argv[1:]
+    return not words or words[0] in {"help", "--help", "-h"} or bool({"--help", "-h"} & set(words))
 
 
 def _explain(exc: Exception) -> str:

@@ -67,6 +67,9 @@ def empty_database(django_db_blocker: pytest.FixtureRequest) -> Iterator[str]:
         ["load_demo"],
         ["create_agent_token", "--node", "gpu-1"],
         ["apply_policy", "docs/policy.example.yaml"],
+        ["review_claims", "docs/examples", "--namespace", "vision"],
+        ["reconcile_quotas"],
+        ["api_token", "list", "finance"],
     ],
 )
 def test_a_command_before_migrate_says_to_migrate(empty_database: str, command: list[str]) -> None:
@@ -96,3 +99,20 @@ def test_traceback_on_request() -> None:
     result = manage("fleet_report", "--traceback", DEBUG="maybe")
     assert result.returncode != 0
     assert "Traceback" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--help"], "[billing]"),
+        (["help", "run_billing"], "--period PERIOD"),
+        (["ingest_samples", "--help"], "mem_used_bytes"),
+    ],
+)
+def test_help_needs_no_secret_and_no_database(args: list[str], says: str) -> None:
+    """A newcomer reads the help before setting anything: no secret, no database (and none
+    started: the URL would fail to connect)."""
+    result = manage(*args, DEBUG=None, SECRET_KEY=None, SECRET_KEY_FILE=None, DATABASE_URL=None)
+    assert result.returncode == 0, result.stderr
+    assert says in result.stdout
+    assert "Started the embedded PostgreSQL" not in result.stderr

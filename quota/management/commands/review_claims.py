@@ -19,6 +19,8 @@ from typing import Any
 
 import jsonpatch
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.db import connection
+from django.db.migrations.executor import MigrationExecutor
 
 from inventory.dumps import DumpError, iter_objects
 from quota.admission import views as webhook
@@ -80,6 +82,8 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
+        if not options["url"]:
+            _require_migrated()  # in this process the webhooks' answer would be "failed"
         send = _sender(options["url"])
         counts = {"allowed": 0, "denied": 0}
         unreadable = 0
@@ -106,6 +110,17 @@ class Command(BaseCommand):
         )
         if unreadable:
             raise CommandError(f"{unreadable} file(s) could not be read")
+
+
+def _require_migrated() -> None:
+    """A CommandError saying what to run when the database lacks migrations (an unreachable
+    one raises OperationalError, which manage.py words in one line)."""
+    executor = MigrationExecutor(connection)
+    if executor.migration_plan(executor.loader.graph.leaf_nodes()):
+        raise CommandError(
+            "the database is not migrated (the webhooks would fail on every claim): "
+            "run `python manage.py migrate` first"
+        )
 
 
 def _files(paths: list[Path]) -> Iterator[Path]:
