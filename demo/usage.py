@@ -3,7 +3,8 @@ then billed as Celery beat and `run_billing` bill, so the portal has charts and 
 moment the service starts, and billing again at that moment changes nothing.
 
 Every allocation is sampled from its start to `now`, every two minutes (at most the sample
-hold), so no held hour is unmeasured. One claim, the one of whole GPUs held longest, is the
+hold), and a claim still held once more at `now`, so no held hour is unmeasured, nor the
+first two minutes after the load. One claim, the one of whole GPUs held longest, is the
 demo's forgotten job: allocated and near idle since it started.
 """
 
@@ -72,7 +73,15 @@ def load_demo_usage(*, cluster: Cluster, now: datetime, seed: int = 0) -> DemoUs
         node = device.node.name if device.node else ""
         rows: list[tuple[str, int, float, str, datetime]] = []
         moment, end = allocation.start, min(allocation.end or now, now)
+        moments = []
         while moment < end:
+            moments.append(moment)
+            moment += step
+        if end == now:
+            # A claim still held gets a sample at `now` too: its utilisation then holds for
+            # the whole sample hold after the load, whatever the grid's phase.
+            moments.append(now)
+        for moment in moments:
             key = (device.uuid, epoch_ms(moment))
             if key not in sampled:
                 sampled.add(key)
@@ -80,7 +89,6 @@ def load_demo_usage(*, cluster: Cluster, now: datetime, seed: int = 0) -> DemoUs
                 daily = math.sin(moment.hour / 24 * 2 * math.pi) * spread / 2
                 util = min(100.0, max(0.0, level + daily + rng.uniform(-spread, spread) / 2))
                 rows.append((device.uuid, key[1], round(util, 1), node, now))
-            moment += step
         insert_rows(Sample, SAMPLE_COLUMNS, rows, types=SAMPLE_TYPES)
         written += len(rows)
     ingest.fill_gaps({uuid for uuid, _ in sampled})

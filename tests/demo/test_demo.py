@@ -184,6 +184,14 @@ def test_billing_again_changes_nothing(demo: str) -> None:
     assert figures() == before
 
 
+def test_a_minute_after_the_load_nothing_held_is_unmeasured(demo: str) -> None:
+    """Every claim still held was sampled at the load: billing a minute later adds allocated
+    time, all of it measured."""
+    with time_machine.travel(LOADED_AT + timedelta(minutes=1), tick=False):
+        call_command("run_billing", period="2026-12", stdout=StringIO())
+    assert sum(row[2] for row in usage_rows().values()) == 0
+
+
 def test_an_hour_later_only_the_hours_since_the_load_are_added(demo: str) -> None:
     before = figures()
     load_hour = hour_start(LOADED_AT)
