@@ -6,7 +6,7 @@ last here), the views' errors go through `teams.api.exception_handler`, and a cr
 TALLY_API_DOCS_PUBLIC; the docs page is served from this deployment's static files only.
 """
 
-from typing import Any
+from typing import Any, ClassVar
 
 from django.conf import settings
 from django.contrib.auth.views import redirect_to_login
@@ -24,7 +24,22 @@ from inventory.api import views as inventory
 from quota.api import views as quota
 from teams.api import unknown_endpoint
 
-router = DefaultRouter()
+
+class Router(DefaultRouter):
+    """DefaultRouter whose API root also lists `plain`: endpoints that are no viewset, by
+    their prefix under v1 and their URL name."""
+
+    plain: ClassVar[dict[str, str]] = {"inventory/summary": "inventory-summary"}
+
+    def get_api_root_view(self, api_urls: Any = None) -> Any:
+        listed = {
+            prefix: self.routes[0].name.format(basename=basename)
+            for prefix, _viewset, basename in self.registry
+        }
+        return self.APIRootView.as_view(api_root_dict={**listed, **self.plain})
+
+
+router = Router()
 router.register("teams", quota.TeamViewSet, basename="team")
 router.register("quotas", quota.QuotaRuleViewSet, basename="quota")
 router.register("decisions", quota.AdmissionDecisionViewSet, basename="decision")
@@ -70,7 +85,9 @@ class DocsView(SpectacularRedocView):
 
 
 urlpatterns: list[URLPattern | URLResolver] = [
-    path("v1/inventory/summary/", inventory.FleetSummaryView.as_view(), name="inventory-summary"),
+    path(  # listed in the API root: Router.plain
+        "v1/inventory/summary/", inventory.FleetSummaryView.as_view(), name="inventory-summary"
+    ),
     path("v1/", include(router.urls)),
     path("schema/", SchemaView.as_view(), name="api-schema"),
     path("docs/", DocsView.as_view(url_name="api-schema"), name="api-docs"),

@@ -168,3 +168,32 @@ def logging_config(level: str) -> dict[str, Any]:
             "gunicorn.error": {"handlers": ["console"], "level": level, "propagate": False},
         },
     }
+
+
+class OneLineForbidden(logging.Filter):
+    """A 403 that `django.request` logs (PermissionDenied) without its traceback: a refusal is
+    expected, one warning line says it (never drops one)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "status_code", None) == 403:
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+def quiet_django(config: dict[str, Any]) -> dict[str, Any]:
+    """`config` (a `LOGGING` dict) with each Django line logged once: Django's own handler on
+    the "django" logger (its console, under DEBUG) is dropped, its records going to the root's
+    handlers only; and 403s logged as one line (`OneLineForbidden`)."""
+    return {
+        **config,
+        "filters": {
+            **config.get("filters", {}),
+            "one_line_forbidden": {"()": "config.logging.OneLineForbidden"},
+        },
+        "loggers": {
+            **config.get("loggers", {}),
+            "django": {"handlers": [], "propagate": True},
+            "django.request": {"filters": ["one_line_forbidden"]},
+        },
+    }

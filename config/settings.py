@@ -12,7 +12,7 @@ from celery.schedules import crontab
 from django.core.exceptions import ImproperlyConfigured
 
 from config import env
-from config.logging import library_loggers
+from config.logging import library_loggers, quiet_django
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = BASE_DIR / "var"
@@ -309,6 +309,8 @@ REST_FRAMEWORK = {
     # The error body (`Error`) documented on every operation; errors as JSON objects.
     "DEFAULT_SCHEMA_CLASS": "teams.api.TallySchema",
     "EXCEPTION_HANDLER": "teams.api.exception_handler",
+    # An unknown `?format=` is a 406 naming the endpoint's formats, not DRF's 404.
+    "DEFAULT_CONTENT_NEGOTIATION_CLASS": "teams.negotiation.ContentNegotiation",
     # JSON through `config.inputs`: bounded in size and depth, a 400 with a reason.
     "DEFAULT_PARSER_CLASSES": [
         "config.parsers.JsonParser",
@@ -358,6 +360,8 @@ if env.get_choice("LOG_FORMAT", "plain", ("plain", "json")) == "json":
     from config.logging import logging_config
 
     LOGGING = logging_config(LOG_LEVEL)
+# Each Django line once (not again by Django's own DEBUG console handler); 403s as one line.
+LOGGING = quiet_django(LOGGING)
 CELERY_WORKER_HIJACK_ROOT_LOGGER = False  # keep the worker's logs in the chosen format
 
 # HTTPS and cookies; the deploy overlays turn these on (see deploy/).
@@ -368,6 +372,8 @@ SECURE_HSTS_PRELOAD = env.get_bool("SECURE_HSTS_PRELOAD", False)
 SESSION_COOKIE_SECURE = env.get_bool("SESSION_COOKIE_SECURE", False)
 CSRF_COOKIE_SECURE = env.get_bool("CSRF_COOKIE_SECURE", False)
 CSRF_TRUSTED_ORIGINS = env.get_list("CSRF_TRUSTED_ORIGINS", [])
+# A failed CSRF check: the portal's 403 page with what to do, JSON under /api/.
+CSRF_FAILURE_VIEW = "frontend.views.csrf_failure"
 if env.get_bool("SECURE_PROXY_SSL_HEADER", False):
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 

@@ -7,7 +7,7 @@ from frontend import views
 
 urlpatterns: list[URLPattern | URLResolver] = [
     path("login/", auth_views.LoginView.as_view(redirect_authenticated_user=True), name="login"),
-    path("logout/", auth_views.LogoutView.as_view(), name="logout"),
+    path("logout/", views.LogoutView.as_view(), name="logout"),
     path("", views.home, name="home"),
     path("teams/<slug:slug>/", views.team, name="team"),
     path(

@@ -12,15 +12,16 @@ from __future__ import annotations
 from functools import wraps
 from typing import Any, Protocol
 
+from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
 
 from frontend import selectors
 from inventory import selectors as fleet
-from teams.api import write_csv
+from teams.api import API_PREFIX, write_csv
 from teams.models import Team
 
 USAGE_WINDOWS = (7, 30)
@@ -45,6 +46,29 @@ def not_found(request: HttpRequest) -> HttpResponse:
 def forbidden(request: HttpRequest, reason: str) -> HttpResponse:
     """The portal's 403 page with `reason`, whatever DEBUG says."""
     return render(request, "403.html", {"exception": reason}, status=403)
+
+
+# The reason a CSRF failure gives, whatever Django's own reason was (it is logged).
+CSRF_REASON = "Your session's form token is missing or expired: reload the page and try again."
+
+
+def csrf_failure(request: HttpRequest, reason: str = "") -> HttpResponse:
+    """`CSRF_FAILURE_VIEW`: JSON under /api/, the portal's 403 page elsewhere."""
+    if request.path.startswith(API_PREFIX):
+        return JsonResponse({"detail": f"CSRF check failed: {CSRF_REASON}"}, status=403)
+    return forbidden(request, CSRF_REASON)
+
+
+class LogoutView(auth_views.LogoutView):
+    """Django's (a POST logs out), with a page on GET whose button posts: a typed or followed
+    /logout/ link gets a form, not an empty 405. Not logged in: to the login page."""
+
+    http_method_names = ["get", "post", "options"]
+
+    def get(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        if not request.user.is_authenticated:
+            return redirect("login")
+        return render(request, "registration/logout.html")
 
 
 def operator_required(view: _View) -> _View:

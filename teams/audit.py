@@ -78,8 +78,10 @@ def record(
     obj: models.Model,
     before: dict[str, Any] | None,
     after: dict[str, Any] | None,
+    name: str | None = None,
 ) -> AuditEntry:
-    """Write one audit entry for a change already made (or about to be, in this transaction)."""
+    """Write one audit entry for a change already made (or about to be, in this transaction);
+    `name`: how the entry names `obj`, when not `str(obj)`."""
     if action not in ACTIONS:
         raise ValueError(f"unknown audit action {action!r}; expected one of {ACTIONS}")
     return AuditEntry.objects.create(
@@ -87,7 +89,7 @@ def record(
         actor=actor,
         action=action,
         object_type=str(obj._meta.verbose_name),
-        object_repr=str(obj)[:253],
+        object_repr=(str(obj) if name is None else name)[:253],
         before=before,
         after=after,
     )

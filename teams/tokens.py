@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
+from typing import Any
 
 from django.contrib.auth import get_user_model
 from django.contrib.auth.models import AbstractBaseUser
@@ -65,11 +66,33 @@ def create_token(*, user: AbstractBaseUser, days: int, actor: str) -> NewToken:
         raise TokenError(f"a token is valid from 1 to {MAX_DAYS} days, not {days}")
     with transaction.atomic():
         token, secret = AuthToken.objects.create(user=user, expiry=datetime.timedelta(days=days))
-        audit.record(
-            actor=actor, action="create", obj=token, before=None, after=audit.snapshot(token)
-        )
+        _audit(actor=actor, action="create", token=token, before=None, after=audit.snapshot(token))
     assert token.expiry is not None
     return NewToken(token=secret, key=token.token_key, expiry=token.expiry)
+
+
+def _audit(
+    *,
+    actor: str,
+    action: str,
+    token: AuthToken,
+    before: dict[str, Any] | None,
+    after: dict[str, Any] | None,
+) -> None:
+    """Audit a change to `token`, named by its key (`AuthToken.__str__` is its digest, which
+    the entry leaves out too: it is the table's, not the log's)."""
+
+    def without_digest(values: dict[str, Any] | None) -> dict[str, Any] | None:
+        return None if values is None else {k: v for k, v in values.items() if k != "digest"}
+
+    audit.record(
+        actor=actor,
+        action=action,
+        obj=token,
+        before=without_digest(before),
+        after=without_digest(after),
+        name=token.token_key,
+    )
 
 
 def list_tokens(*, user: AbstractBaseUser) -> list[AuthToken]:
@@ -93,8 +116,8 @@ def revoke_tokens(*, user: AbstractBaseUser, key: str | None, actor: str) -> int
         if key is not None and not revoked:
             raise TokenError(f"user {user.get_username()!r} has no token {key!r}")
         for token in revoked:
-            audit.record(
-                actor=actor, action="delete", obj=token, before=audit.snapshot(token), after=None
+            _audit(
+                actor=actor, action="delete", token=token, before=audit.snapshot(token), after=None
             )
             token.delete()
     return len(revoked)

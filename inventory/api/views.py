@@ -10,7 +10,7 @@ from typing import Any
 
 from django.shortcuts import get_object_or_404
 from drf_spectacular.utils import OpenApiParameter, extend_schema
-from rest_framework import mixins
+from rest_framework import filters, mixins
 from rest_framework.exceptions import NotFound
 from rest_framework.generics import GenericAPIView
 from rest_framework.renderers import BrowsableAPIRenderer, JSONRenderer
@@ -20,7 +20,7 @@ from rest_framework.response import Response
 from inventory.api.serializers import CapacitySerializer, FleetReportSerializer
 from inventory.models import Cluster
 from inventory.selectors import capacity_by_model, fleet_report
-from teams.api import FinanceOrOperator, TallyViewSet
+from teams.api import FinanceOrOperator, OrderingFilter, TallyViewSet
 
 CLUSTER_PARAMETER = OpenApiParameter(
     "cluster", str, description="One cluster by name; all clusters when absent."
@@ -51,13 +51,28 @@ class FleetSummaryView(GenericAPIView[Any]):
         return Response(self.get_serializer(fleet_report(cluster=requested_cluster(request))).data)
 
 
+class RowOrderingFilter(OrderingFilter):
+    """`?ordering=` over a list of rows (dicts), by the view's `ordering_fields`: names checked
+    as for a queryset (an unknown one is a 400 naming the allowed), then a stable sort."""
+
+    def filter_queryset(self, request: Request, queryset: Any, view: Any) -> Any:
+        # DRF's plain names (the parent's F() expressions are for querysets).
+        terms = filters.OrderingFilter.get_ordering(self, request, queryset, view)
+        rows = list(queryset)
+        for term in reversed(terms or []):
+            name = term.removeprefix("-")
+            rows.sort(key=lambda row: row[name], reverse=term.startswith("-"))
+        return rows
+
+
 @extend_schema(tags=["inventory"])
 class CapacityViewSet(mixins.ListModelMixin, TallyViewSet):
     """Physical GPUs per model: how many, allocated, free, and MIG devices."""
 
     permission_classes = [FinanceOrOperator]
     serializer_class = CapacitySerializer
-    filter_backends: list[Any] = []
+    filter_backends = [RowOrderingFilter]
+    ordering_fields = ["product_name", "gpus", "allocated", "free", "mig_devices"]
 
     @extend_schema(parameters=[CLUSTER_PARAMETER])
     def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:

@@ -11,10 +11,14 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
+from django.urls import URLPattern
 from rest_framework.test import APIClient
 
+from config import api_urls
+from config.api_urls import router
 from frontend import selectors
 from tests.api.cast import Seeded
+from tests.factories import DeviceFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -169,3 +173,67 @@ def test_an_unknown_ordering_is_refused_naming_the_allowed(
     assert message.startswith(f"cannot order by 'bogus': order by one of {allowed}")
     # Known names, descending ones and an empty term still order.
     assert client.get(url, {"ordering": "-team,"}).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("url", "asked", "formats"),
+    [
+        ("/api/v1/inventory/summary/", "csv", "json, api"),
+        ("/api/v1/statements/", "bogus", "json, api, csv"),
+    ],
+)
+def test_an_unknown_format_is_a_json_406_naming_the_formats(
+    seeded: Seeded, url: str, asked: str, formats: str
+) -> None:
+    response = seeded.cast.client("operator").get(url, {"format": asked})
+    assert response.status_code == 406
+    assert response["Content-Type"] == "application/json"
+    assert response.json() == {
+        "detail": f"No format {asked!r} at this endpoint: ask for one of {formats}."
+    }
+
+
+def _list_urls() -> list[str]:
+    return [
+        f"/api/v1/{prefix}/"
+        for prefix, viewset, _basename in router.registry
+        if hasattr(viewset, "list")
+    ]
+
+
+def test_every_list_endpoint_refuses_an_unknown_ordering(seeded: Seeded) -> None:
+    client = seeded.cast.client("operator")
+    assert "/api/v1/inventory/capacity/" in _list_urls()
+    for url in _list_urls():
+        response = client.get(url, {"ordering": "bogus"})
+        assert response.status_code == 400, url
+        (message,) = response.json()["ordering"]
+        assert message.startswith("cannot order by 'bogus': order by one of "), url
+
+
+def test_capacity_orders_by_its_columns(seeded: Seeded) -> None:
+    DeviceFactory(product_name="NVIDIA A100 80GB PCIe")
+    DeviceFactory(product_name="NVIDIA L4")
+    client = seeded.cast.client("operator")
+    rows = client.get("/api/v1/inventory/capacity/", {"ordering": "-gpus,product_name"}).json()
+    keys = [(-row["gpus"], row["product_name"]) for row in rows["results"]]
+    assert keys == sorted(keys) and len(keys) == 3
+    assert [row["product_name"] for row in rows["results"]][1:] == [
+        "NVIDIA A100 80GB PCIe",
+        "NVIDIA L4",
+    ]
+    names = client.get("/api/v1/inventory/capacity/", {"ordering": "-product_name"}).json()
+    assert names["results"][0]["product_name"] == "NVIDIA L4"
+
+
+def test_the_api_root_lists_every_v1_endpoint(seeded: Seeded) -> None:
+    root = seeded.cast.client("operator").get("/api/v1/").json()
+    plain = {
+        str(pattern.pattern).removeprefix("v1/").removesuffix("/")
+        for pattern in api_urls.urlpatterns
+        if isinstance(pattern, URLPattern) and str(pattern.pattern).startswith("v1/")
+    }
+    registered = {prefix for prefix, _viewset, _basename in router.registry}
+    assert "inventory/summary" in plain
+    assert set(root) == registered | plain
+    assert root["inventory/summary"] == "http://testserver/api/v1/inventory/summary/"

@@ -420,5 +420,53 @@ def test_every_portal_export_goes_through_the_apis_csv_writer() -> None:
                 writers.append(f"{module.name}: from csv import ...")
     assert writers == []
     views = (package / "views.py").read_text()
-    assert "from teams.api import write_csv" in views
+    assert re.search(r"^from teams\.api import .*\bwrite_csv\b", views, re.M)
     assert views.count("text/csv") == views.count("write_csv(response")
+
+
+def test_logout_by_get_shows_a_button_that_posts(portal: Portal) -> None:
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(portal.users["lead_a"])
+    page = client.get(reverse("logout"))
+    assert page.status_code == 200 and _template_names(page)[0] == "registration/logout.html"
+    token = re.search(rb'name="csrfmiddlewaretoken" value="([^"]+)"', page.content)
+    assert token is not None and b'<form method="post" action="/logout/"' in page.content
+    assert client.get(reverse("home")).status_code == 302  # still logged in: home redirects
+    response = client.post(reverse("logout"), {"csrfmiddlewaretoken": token[1].decode()})
+    assert response["Location"] == reverse("login")
+    assert client.get(reverse("home"))["Location"].startswith(reverse("login"))
+    assert client.get(reverse("logout"))["Location"] == reverse("login")
+
+
+def test_a_csrf_failure_is_the_portals_403_with_what_to_do(
+    portal: Portal, settings: LazySettings
+) -> None:
+    settings.DEBUG = False
+    client = Client(enforce_csrf_checks=True)
+    client.force_login(portal.users["lead_a"])
+    response = client.post(reverse("logout"))
+    assert response.status_code == 403 and _template_names(response)[0] == "403.html"
+    assert b"form token is missing or expired: reload the page and try again" in response.content
+    assert client.get(reverse("home")).status_code == 302  # not logged out
+    # Under /api/ JSON: DRF's views check CSRF for session users themselves, other paths here.
+    api = client.post("/api/v1/adjustments/", {}, content_type="application/json")
+    assert api.status_code == 403 and api.json()["detail"].startswith("CSRF Failed")
+    unknown = client.post("/api/v1/nothing/", {})
+    assert unknown.status_code == 403 and unknown["Content-Type"] == "application/json"
+    assert "form token is missing or expired" in unknown.json()["detail"]
+
+
+def test_the_burn_down_table_rounds_every_column_alike(portal: Portal) -> None:
+    response = _client(portal, "lead_a").get(reverse("team", args=[portal.team_a.slug]))
+    table = re.search(r'<table id="burn-table".*?</table>', response.content.decode(), re.S)
+    assert table is not None
+    cells = re.findall(r'<td data-label="([^"]+)" class="num">([^<]*)</td>', table[0])
+    assert {label for label, _ in cells} == {
+        "Used (GPU-h)",
+        "Remaining (GPU-h)",
+        "Steady burn (GPU-h)",
+    }
+    burn = response.context["burn"]
+    shown = [value for label, value in cells if label == "Remaining (GPU-h)" and value]
+    assert shown == [rounded(day.remaining) for day in burn.days if day.remaining is not None]
+    assert all(re.fullmatch(r"-?\d+(\.\d{1,2})?", value) for _, value in cells if value)

@@ -218,3 +218,17 @@ def test_the_api_answers_while_the_throttles_cache_is_down(
         assert teams_with(f"{0:064x}") == 401
         assert time.monotonic() - began < 10
     assert "API throttles are not counting" in caplog.text
+
+
+def test_the_audit_names_a_token_by_its_key_not_its_digest(cast: Cast) -> None:
+    token = api_token("create", "la")[0].strip()
+    api_token("revoke", "la", token[:15])
+    entries = AuditEntry.objects.filter(actor="api_token").order_by("at", "pk")
+    assert [(entry.action, entry.object_repr) for entry in entries] == [
+        ("create", token[:15]),
+        ("delete", token[:15]),
+    ]
+    for entry in entries:
+        snapshot = entry.after or entry.before
+        assert snapshot is not None and "digest" not in snapshot, snapshot
+        assert snapshot["token_key"] == token[:15]
