@@ -5,7 +5,9 @@ Samples, usage, periods and statements are written by services only. A period is
 through its "Close period" action, which calls `billing.services.close_period` (as do
 `run_billing --close` and, on TALLY_CLOSE_PERIOD_DAY, Celery beat, whose schedule is edited
 under "Periodic tasks": django-celery-beat's own admin). Rate cards are saved and deleted by
-`billing.services`: one that a closed period was priced with keeps its price, idle factor and
+`billing.services`, whose rules for a card's values (`rate_card_value_errors`: an ISO 4217
+currency, a positive price, an idle factor from 0 to 1, an end after the start) the form
+shows on each field; one that a closed period was priced with keeps its price, idle factor and
 days there (the same rule `apply_policy` follows), and is not deleted; the form says so
 before the save does. Nor may a card overlap another of its model and profile (one price a
 day, in any currency, as the policy file requires). Agent tokens show their hash: the token
@@ -36,7 +38,13 @@ from billing.models import (
 )
 from billing.periods import PricingError
 from billing.pricing import round_money
-from billing.rates import closed_periods, overlap_error, overlapping_card, rate_change_error
+from billing.rates import (
+    closed_periods,
+    overlap_error,
+    overlapping_card,
+    rate_card_value_errors,
+    rate_change_error,
+)
 from billing.services import RATE_CARD_FIELDS, close_period, delete_rate_card, save_rate_card
 from teams.admin import ReadOnlyAdmin, number_text
 
@@ -98,8 +106,9 @@ class UsageHourAdmin(ReadOnlyAdmin):
 
 
 class RateCardForm(forms.ModelForm):
-    """A rate card that prices no closed period differently than it was billed: checked here
-    to show the reason on the form, and again, under lock, by the service that saves it."""
+    """A rate card whose values keep the rules (`rate_card_value_errors`, each error on its
+    field) and that prices no closed period differently than it was billed: checked here to
+    show the reason on the form, and again, under lock, by the service that saves it."""
 
     class Meta:
         model = RateCard
@@ -107,6 +116,8 @@ class RateCardForm(forms.ModelForm):
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean() or {}
+        for field, message in rate_card_value_errors(cleaned).items():
+            self.add_error(field, message)
         if self.errors:
             return cleaned
         stored = RateCard.objects.get(pk=self.instance.pk) if self.instance.pk else None
@@ -174,7 +185,7 @@ class PeriodAdmin(ReadOnlyAdmin):
                 self.message_user(request, str(exc), messages.ERROR)
                 continue
             self.message_user(
-                request, f"Closed period {period}: {len(statements)} statement(s) frozen."
+                request, f"Closed period {period.label}: {len(statements)} statement(s) frozen."
             )
 
     def has_close_permission(self, request: HttpRequest) -> bool:

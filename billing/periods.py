@@ -57,6 +57,21 @@ def period_label(start: datetime, end: datetime) -> str:
     return f"{start:%Y-%m-%d}..{end.astimezone(UTC):%Y-%m-%d}"
 
 
+def is_period_label(text: str) -> bool:
+    """Whether `text` is written as a period label (`2026-11`, `2026-W47`), of either length:
+    `parse_period` then says whether it is one of the configured length."""
+    text = text.strip()
+    return bool(_MONTH_TEXT.fullmatch(text) or _WEEK_TEXT.fullmatch(text))
+
+
+def length_of(start: datetime, end: datetime) -> str | None:
+    """`month` or `week` for a stored period of that length, else None."""
+    for length in PERIOD_LENGTHS:
+        if (start, end) == period_bounds(start, length=length):
+            return length
+    return None
+
+
 def parse_period(text: str) -> tuple[datetime, datetime]:
     """The bounds of the period named `text` (`2026-11` for a month, `2026-W47` for an ISO
     week), which must be of the configured length: a week named where billing is monthly

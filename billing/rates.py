@@ -1,17 +1,62 @@
-"""Rate-card rules: a card may change only where it prices no closed period the same way.
+"""Rate-card rules: what a card's values may be, and a card may change only where it prices no
+closed period the same way.
 
-Every entry point that changes rate cards (the policy file, the admin) asks `rate_change_error`
-with the closed periods it read (locked, when the change is about to be written).
+Every entry point that changes rate cards (the policy file, the admin, `save_rate_card`) asks
+`rate_card_value_errors` of the values, and `rate_change_error` with the closed periods it
+read (locked, when the change is about to be written).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Mapping
 from datetime import UTC, date
 from decimal import Decimal
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from billing.models import Period, RateCard
+from billing.periods import PricingError
 from db.locks import advisory_xact_lock
+
+CURRENCY = re.compile(r"[A-Z]{3}\Z")  # ISO 4217
+# A device's `profile` attribute as drivers publish it (3g.40gb, 1g.10gb+me): one word.
+_PROFILE = re.compile(r"\S+\Z")
+
+
+def rate_card_value_errors(values: Mapping[str, Any]) -> dict[str, str]:
+    """What is wrong with a rate card's values, by field (`RateCard`'s names), in field order;
+    empty when nothing is. A field absent or None (not given, or not parsed) is not checked.
+
+    The one set of rules the admin's form, `save_rate_card` and the policy file apply (the
+    policy file reports each message under its own key's path).
+    """
+    errors: dict[str, str] = {}
+    product_name, profile = values.get("product_name"), values.get("profile")
+    if product_name is not None and not product_name:
+        errors["product_name"] = "must not be empty"
+    if profile and not _PROFILE.match(profile):
+        errors["profile"] = f"{profile!r} is not a device profile such as 3g.40gb (one word)"
+    currency = values.get("currency")
+    if currency is not None and not CURRENCY.match(currency):
+        errors["currency"] = f"{currency!r} is not an ISO 4217 code such as USD"
+    per_gpu_hour = values.get("per_gpu_hour")
+    if per_gpu_hour is not None and per_gpu_hour <= 0:
+        errors["per_gpu_hour"] = f"must be positive, got {per_gpu_hour}"
+    idle_factor = values.get("idle_factor")
+    if idle_factor is not None and not 0 <= idle_factor <= 1:
+        errors["idle_factor"] = f"{idle_factor} is not between 0 and 1"
+    valid_from, valid_until = values.get("valid_from"), values.get("valid_until")
+    if valid_from is not None and valid_until is not None and valid_until <= valid_from:
+        errors["valid_until"] = f"{valid_until} is not after from ({valid_from})"
+    return errors
+
+
+class RateCardValueError(PricingError):
+    """Rate card values that `rate_card_value_errors` refuses; `errors` by field."""
+
+    def __init__(self, errors: Mapping[str, str]) -> None:
+        self.errors = dict(errors)
+        super().__init__("; ".join(f"{field}: {message}" for field, message in errors.items()))
 
 
 def overlap(start: date, end: date | None, other_start: date, other_end: date | None) -> bool:

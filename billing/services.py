@@ -37,9 +37,11 @@ from billing.periods import PricingError, period_bounds, period_label
 from billing.pricing import already_closed, period_for, refresh_statements, round_money
 from billing.rates import (
     ClosedPeriod,
+    RateCardValueError,
     closed_periods,
     overlap_error,
     overlapping_card,
+    rate_card_value_errors,
     rate_change_error,
 )
 from inventory.models import Cluster
@@ -74,7 +76,9 @@ def close_period(*, period: Period, actor: str) -> list[Statement]:
         if locked.is_closed:
             raise PricingError(already_closed(locked))
         if locked.end > timezone.now():
-            raise PricingError(f"period {period} has not ended yet")
+            raise PricingError(
+                f"period {locked.label} has not ended yet: it ends {locked.end:%Y-%m-%d %H:%M} UTC"
+            )
         before = audit.snapshot(locked)
         statements = refresh_statements(period=locked)
         locked.closed_at = timezone.now()
@@ -107,7 +111,9 @@ def add_adjustment(
     with transaction.atomic():
         locked = Period.objects.select_for_update().get(pk=period.pk)
         if locked.is_closed:
-            raise PricingError(f"period {period} is closed; add the adjustment to an open period")
+            raise PricingError(
+                f"period {locked.label} is closed; add the adjustment to an open period"
+            )
         statement, _ = Statement.objects.get_or_create(
             team=team,
             period=locked,
@@ -205,6 +211,38 @@ def bill_period(
     )
 
 
+def close_due_at(period: Period) -> datetime | None:
+    """When beat closes `period` (`close_due_periods`): on TALLY_CLOSE_PERIOD_DAY of the period
+    after it; None when closing is turned off (0)."""
+    day = int(settings.TALLY_CLOSE_PERIOD_DAY)
+    return period.end + timedelta(days=day - 1) if day else None
+
+
+def close_due_periods(*, now: datetime, actor: str) -> list[BillingRun]:
+    """Close every open period whose close is due at `now` (`close_due_at`), oldest first, each
+    after a final rollup and statement refresh: the previous period (`close_due_period`), and
+    any older one left open (`run_billing` for an old period opens it; nothing else would
+    close it). A stored period of another length than TALLY_BILLING_PERIOD is left to a person
+    (`bill_period` refuses it). Idempotent, as `close_due_period`.
+    """
+    current_start, _ = period_bounds(now)
+    previous_start, _ = period_bounds(current_start - timedelta(microseconds=1))
+    runs = []
+    older = Period.objects.filter(closed_at__isnull=True, start__lt=previous_start)
+    for period in older.order_by("start"):
+        due = close_due_at(period)
+        if due is None or due > now or period_bounds(period.start) != (period.start, period.end):
+            continue
+        try:
+            runs.append(bill_period(period_start=period.start, now=now, close=True, actor=actor))
+        except PricingError:
+            if not Period.objects.filter(pk=period.pk, closed_at__isnull=False).exists():
+                raise
+            # closed while this ran
+    previous = close_due_period(now=now, actor=actor)
+    return [*runs, *([previous] if previous else [])]
+
+
 def close_due_period(*, now: datetime, actor: str) -> BillingRun | None:
     """Close the period before the one holding `now` once TALLY_CLOSE_PERIOD_DAY of the new
     period has come (1: the day it starts; for weeks 1 is Monday), after a final rollup and
@@ -262,7 +300,9 @@ def save_rate_card(
     """Create a rate card (`card` None) from `values` (`RATE_CARD_FIELDS`), or change `card`
     to them; audited as `actor`.
 
-    Guarantees: no closed billing period is priced differently afterwards: the days the card
+    Guarantees: the values keep the rules of `rate_card_value_errors` (else
+    `RateCardValueError`, a `PricingError` naming each field at fault; nothing written); no
+    closed billing period is priced differently afterwards: the days the card
     covers in each, its price and idle factor there stay as they were (`rate_change_error`;
     else `PricingError`, nothing written), checked while every period row is locked, so none
     closes meanwhile; only the fields that change are written, and nothing (no audit entry)
@@ -282,6 +322,9 @@ def save_rate_card(
         card, closed = _locked(card, closed)
         stored = _rate_values(card) if card is not None else {}
         wanted = RateCard(**{**stored, **values})
+        invalid = rate_card_value_errors(_rate_values(wanted))
+        if invalid:
+            raise RateCardValueError(invalid)
         error = rate_change_error(before=card, after=wanted, periods=closed)
         if error:
             raise PricingError(error)

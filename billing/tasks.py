@@ -34,14 +34,15 @@ def rollup_pending() -> list[str]:
     acks_late=True,
 )
 def close_previous_period(now: str | None = None) -> str | None:
-    """Close the previous period once TALLY_CLOSE_PERIOD_DAY of the new one has come, after a
-    final rollup and statement refresh (`services.close_due_period`); the period's name, or
-    None when nothing was due.
+    """Close every ended period that is due: the previous one once TALLY_CLOSE_PERIOD_DAY of
+    the new one has come, and any older one left open, each after a final rollup and
+    statement refresh (`services.close_due_periods`); the names of the periods closed, oldest
+    first, comma-separated (`2025-01, 2026-10`), or None when nothing was due.
 
     Beat runs it every hour: all but the first run on or after the day find nothing to do.
     `now` (ISO 8601) stands in for the clock. A `PricingError` (a period length changed
     under stored periods) is not retried: it needs a person.
     """
     moment = datetime.fromisoformat(now) if now else timezone.now()
-    run = services.close_due_period(now=moment, actor="celery beat (TALLY_CLOSE_PERIOD_DAY)")
-    return None if run is None else run.period.label
+    runs = services.close_due_periods(now=moment, actor="celery beat (TALLY_CLOSE_PERIOD_DAY)")
+    return ", ".join(run.period.label for run in runs) or None

@@ -58,7 +58,13 @@ from django.utils import timezone
 from kubernetes.utils import parse_quantity
 
 from billing.models import RateCard
-from billing.rates import ClosedPeriod, closed_periods, overlap, rate_change_error
+from billing.rates import (
+    ClosedPeriod,
+    closed_periods,
+    overlap,
+    rate_card_value_errors,
+    rate_change_error,
+)
 from billing.services import delete_rate_card, save_rate_card
 from inventory.models import DeviceClass
 from quota.cel import CELError, compile_selector
@@ -73,7 +79,6 @@ _RULE_KEYS = ("name", "deviceClass", "selector", "gpus", "memory", "mode")
 _BUDGET_KEYS = ("gpuHours", "mode")
 _BUDGET_MODES = ("hard", "soft")
 _RATE_KEYS = ("productName", "profile", "perGpuHour", "idleFactor", "currency", "from", "until")
-_CURRENCY = re.compile(r"[A-Z]{3}\Z")  # ISO 4217
 # A Kubernetes namespace name: a DNS-1123 label.
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")
 # QuotaRule.limit is NUMERIC(24, 6).
@@ -568,28 +573,28 @@ def _rate(checker: _Checker, value: Any, path: str) -> RateSpec | None:
     )
     if mapping is None:
         return None
+    # Each value, once parsed, is checked by the rate cards' own rules (`rate_card_value_errors`).
     product_name = checker.string(mapping, "productName", path, max_length=253)
-    if isinstance(mapping.get("productName"), str) and not product_name:
-        checker.error(f"{path}.productName", "must not be empty")
+    if isinstance(mapping.get("productName"), str):
+        _rate_values(checker, path, product_name=product_name)
     profile = checker.string(mapping, "profile", path, max_length=64)
+    _rate_values(checker, path, profile=profile)
     currency = checker.string(mapping, "currency", path, max_length=64)
-    if isinstance(mapping.get("currency"), str) and not _CURRENCY.match(currency):
-        checker.error(f"{path}.currency", f"{currency!r} is not an ISO 4217 code such as USD")
+    if isinstance(mapping.get("currency"), str):
+        _rate_values(checker, path, currency=currency)
     per_gpu_hour = None
     if "perGpuHour" in mapping:
         # RateCard.per_gpu_hour is NUMERIC(12, 4).
         value = mapping["perGpuHour"]
-        number = _decimal(checker, value, f"{path}.perGpuHour", digits=12, places=4)
-        per_gpu_hour = _positive(checker, number, value, f"{path}.perGpuHour")
+        per_gpu_hour = _decimal(checker, value, f"{path}.perGpuHour", digits=12, places=4)
+        _rate_values(checker, path, per_gpu_hour=per_gpu_hour)
     idle_factor = _decimal(
         checker, mapping.get("idleFactor", 1), f"{path}.idleFactor", digits=6, places=4
     )
-    if idle_factor is not None and not 0 <= idle_factor <= 1:
-        checker.error(f"{path}.idleFactor", f"{idle_factor} is not between 0 and 1")
+    _rate_values(checker, path, idle_factor=idle_factor)
     valid_from = _date(checker, mapping, "from", path) if "from" in mapping else None
     valid_until = _date(checker, mapping, "until", path) if "until" in mapping else None
-    if valid_from and valid_until and valid_until <= valid_from:
-        checker.error(f"{path}.until", f"{valid_until} is not after from ({valid_from})")
+    _rate_values(checker, path, valid_from=valid_from, valid_until=valid_until)
     if len(checker.errors) > errors:
         return None
     assert per_gpu_hour is not None and idle_factor is not None and valid_from is not None
@@ -603,6 +608,23 @@ def _rate(checker: _Checker, value: Any, path: str) -> RateSpec | None:
         per_gpu_hour=per_gpu_hour,
         idle_factor=idle_factor,
     )
+
+
+# A rate entry's key for each of RateCard's fields.
+_RATE_KEY_OF = {
+    "product_name": "productName",
+    "profile": "profile",
+    "currency": "currency",
+    "per_gpu_hour": "perGpuHour",
+    "idle_factor": "idleFactor",
+    "valid_from": "from",
+    "valid_until": "until",
+}
+
+
+def _rate_values(checker: _Checker, path: str, **values: Any) -> None:
+    for name, message in rate_card_value_errors(values).items():
+        checker.error(f"{path}.{_RATE_KEY_OF[name]}", message)
 
 
 def _date(checker: _Checker, mapping: dict[str, Any], key: str, path: str) -> date | None:

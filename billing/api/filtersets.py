@@ -10,21 +10,42 @@ from django.db.models import Q, QuerySet
 from rest_framework.exceptions import ValidationError
 
 from billing.models import Period, RateCard, Statement, StatementLine, UsageHour
+from billing.periods import PricingError, is_period_label, parse_period
 from teams.api import DateRangeFilterSet, TeamSlugFilter, next_day, start_of_day
 
-PERIOD_HELP = "A billing period: its id, or its start as a UTC date (2026-10-01)."
+PERIOD_HELP = (
+    "A billing period: its name as the commands give it (2026-11, or 2026-W47 when "
+    "TALLY_BILLING_PERIOD=week), its id, or its start as a UTC date (2026-10-01)."
+)
 
 
 def period_lookups(value: str) -> dict[str, Any]:
-    """Lookups on Period for `?period=`: an id, or a start date (the period starting that day)."""
+    """Lookups on Period for a period given by name (`2026-11`, `2026-W47`), id, or start date
+    (the period starting that day); `ValueError` saying why `value` is none of them."""
+    value = value.strip()
     if value.isascii() and value.isdigit():
         return {"pk": int(value)}
+    # Before dates: Python reads 2026-W47 as a date too (its Monday).
+    if is_period_label(value):
+        try:
+            start, _ = parse_period(value)
+        except PricingError as exc:
+            raise ValueError(str(exc)) from None
+        return {"start": start}
     try:
         day = start_of_day(date.fromisoformat(value))
     except ValueError:
-        raise ValidationError({"period": [PERIOD_HELP]}) from None
+        raise ValueError(f"{value!r} is not a period. {PERIOD_HELP}") from None
     after = next_day(day)
     return {"start__gte": day, **({"start__lt": after} if after else {})}
+
+
+def period_filter_lookups(value: str) -> dict[str, Any]:
+    """`period_lookups` for a `?period=` filter: a bad value is a 400 naming the parameter."""
+    try:
+        return period_lookups(value)
+    except ValueError as exc:
+        raise ValidationError({"period": [str(exc)]}) from None
 
 
 class PeriodFilter(django_filters.CharFilter):
@@ -37,7 +58,10 @@ class PeriodFilter(django_filters.CharFilter):
         if not value:
             return qs
         return qs.filter(
-            **{f"{self.field_name}__{lookup}": v for lookup, v in period_lookups(value).items()}
+            **{
+                f"{self.field_name}__{lookup}": v
+                for lookup, v in period_filter_lookups(value).items()
+            }
         )
 
 
@@ -50,7 +74,7 @@ class UsagePeriodFilter(django_filters.CharFilter):
     def filter(self, qs: QuerySet[Any], value: str) -> QuerySet[Any]:
         if not value:
             return qs
-        period = Period.objects.filter(**period_lookups(value)).first()
+        period = Period.objects.filter(**period_filter_lookups(value)).first()
         if period is None:
             return qs.none()
         return qs.filter(hour__gte=period.start, hour__lt=period.end)

@@ -11,6 +11,7 @@ from typing import Any
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
+from billing.api.filtersets import PERIOD_HELP, period_lookups
 from billing.hours import MS_PER_HOUR
 from billing.models import Period, RateCard, Statement, StatementLine
 from billing.pricing import round_money
@@ -64,6 +65,36 @@ class MoneyField(serializers.DecimalField):
         return f"{round_money(amount, currency):f}"
 
 
+@extend_schema_field({"oneOf": [{"type": "string"}, {"type": "integer"}]})
+class PeriodField(serializers.Field[Period, Any, int, Any]):
+    """A period as the filters take it (`period_lookups`): by name (2026-11), id or start
+    date; shown as its id."""
+
+    default_error_messages = {
+        "invalid": "Expected a period's name, id or start date, got {kind}.",
+        "does_not_exist": "No billing period {value} yet: a period is made when its usage is "
+        "first rolled up (run_billing, or beat for the current one).",
+    }
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(help_text=PERIOD_HELP, **kwargs)
+
+    def to_internal_value(self, data: Any) -> Period:
+        if isinstance(data, bool) or not isinstance(data, str | int):
+            self.fail("invalid", kind=type(data).__name__)
+        try:
+            lookups = period_lookups(str(data))
+        except ValueError as exc:
+            raise serializers.ValidationError(str(exc)) from None
+        period = Period.objects.filter(**lookups).order_by("start").first()
+        if period is None:
+            self.fail("does_not_exist", value=data)
+        return period
+
+    def to_representation(self, value: Period) -> int:
+        return value.pk
+
+
 class RateCardSerializer(ReadOnlyModelSerializer):
     class Meta:
         model = RateCard
@@ -79,17 +110,25 @@ class RateCardSerializer(ReadOnlyModelSerializer):
         )
 
 
+LABEL_HELP = "The period's name, as the commands give it: 2026-11, or 2026-W47 for a week."
+
+
 class PeriodSerializer(ReadOnlyModelSerializer):
     is_closed = serializers.BooleanField(read_only=True)
 
     class Meta:
         model = Period
-        fields = ("id", "start", "end", "is_closed", "closed_at", "closed_by")
+        # `label`: the model's property (a declared field would hide the serializer's label).
+        fields = ("id", "label", "start", "end", "is_closed", "closed_at", "closed_by")
+        extra_kwargs = {"label": {"help_text": LABEL_HELP}}
 
 
 class StatementSerializer(ReadOnlyModelSerializer):
     team: serializers.SlugRelatedField[Team] = serializers.SlugRelatedField(
         slug_field="slug", read_only=True
+    )
+    period_label = serializers.CharField(
+        source="period.label", read_only=True, help_text=LABEL_HELP
     )
     period_start = serializers.DateTimeField(source="period.start", read_only=True)
     total = MoneyField(amount="total", currency="currency")
@@ -100,6 +139,7 @@ class StatementSerializer(ReadOnlyModelSerializer):
             "id",
             "team",
             "period",
+            "period_label",
             "period_start",
             "currency",
             "total",
@@ -114,6 +154,9 @@ class StatementLineSerializer(ReadOnlyModelSerializer):
         utilised="utilised_gpu_hours",
         allocated="allocated_gpu_hours",
         unmeasured="unmeasured_gpu_hours",
+    )
+    corrects_period_label = serializers.CharField(
+        source="corrects_period.label", read_only=True, allow_null=True, help_text=LABEL_HELP
     )
     corrects_period_start = serializers.DateTimeField(
         source="corrects_period.start", read_only=True, allow_null=True
@@ -142,6 +185,7 @@ class StatementLineSerializer(ReadOnlyModelSerializer):
             "idle_factor",
             "amount",
             "corrects_period",
+            "corrects_period_label",
             "corrects_period_start",
             "reason",
             "created_by",
@@ -163,6 +207,9 @@ class FlatStatementLineSerializer(StatementLineSerializer):
 
     team = serializers.CharField(source="statement.team.slug", read_only=True)
     period = serializers.IntegerField(source="statement.period_id", read_only=True)
+    period_label = serializers.CharField(
+        source="statement.period.label", read_only=True, help_text=LABEL_HELP
+    )
     period_start = serializers.DateTimeField(source="statement.period.start", read_only=True)
     currency = serializers.CharField(source="statement.currency", read_only=True)
 
@@ -171,6 +218,7 @@ class FlatStatementLineSerializer(StatementLineSerializer):
             "id",
             "team",
             "period",
+            "period_label",
             "period_start",
             "currency",
             *StatementLineSerializer.Meta.fields[1:],
@@ -188,7 +236,7 @@ class AdjustmentInputSerializer(serializers.Serializer[Any]):
     """What finance sends to add an adjustment line to a team's statement of an open period."""
 
     team = VisibleTeamField()
-    period = serializers.PrimaryKeyRelatedField(queryset=Period.objects.all())
+    period = PeriodField()
     currency = serializers.RegexField(r"^[A-Za-z]{3}\Z", help_text="ISO 4217 code, e.g. EUR.")
     amount = serializers.DecimalField(
         max_digits=16,

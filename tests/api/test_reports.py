@@ -77,6 +77,36 @@ def test_statement_lines_with_efficiency(seeded: Seeded) -> None:
     assert rows(seeded, "/api/v1/statements/", period=str(seeded.closed.pk)) == []
 
 
+def test_periods_are_taken_and_shown_by_name(seeded: Seeded) -> None:
+    """`?period=` takes a period as the commands name it (2026-11), as well as its id and its
+    start date; and every period shown carries its name."""
+    name = seeded.last.label
+    by_name = rows(seeded, "/api/v1/statement-lines/", team="alpha", period=name)
+    assert by_name == rows(seeded, "/api/v1/statement-lines/", team="alpha", period=seeded.last.pk)
+    assert by_name and {line["period_label"] for line in by_name} == {name}
+    statements = rows(seeded, "/api/v1/statements/", period=name)
+    assert {(row["team"], row["period_label"]) for row in statements} == {
+        ("alpha", name),
+        ("beta", name),
+    }
+    assert rows(seeded, "/api/v1/statements/", period=seeded.closed.label) == []
+    assert len(rows(seeded, "/api/v1/usage/", period=name)) == 2
+    assert rows(seeded, "/api/v1/usage/", period=seeded.current.label) == []
+    labels = {row["id"]: row["label"] for row in rows(seeded, "/api/v1/periods/")}
+    assert labels[seeded.last.pk] == name
+    # A week where billing is monthly, and a month that is no month, say what is wrong.
+    client = seeded.cast.client("operator")
+    week = client.get("/api/v1/statement-lines/", {"period": "2026-W49"})
+    assert week.status_code == 400
+    assert week.json() == {
+        "period": [
+            "'2026-W49' names a week, but billing periods are months "
+            "(TALLY_BILLING_PERIOD=month): give the period as 2026-11"
+        ]
+    }
+    assert client.get("/api/v1/statements/", {"period": "2026-13"}).status_code == 400
+
+
 def test_quota_usage_fraction(seeded: Seeded) -> None:
     quotas = rows(seeded, "/api/v1/quotas/", ordering="-usage_fraction")
     assert [(row["team"], row["in_use"], row["usage_fraction"]) for row in quotas] == [
@@ -108,9 +138,10 @@ def test_pagination_is_bounded(seeded: Seeded) -> None:
 
 
 STATEMENT_LINE_COLUMNS = (
-    "id,team,period,period_start,currency,kind,product_name,profile,allocated_gpu_hours,"
-    "utilised_gpu_hours,idle_gpu_hours,unmeasured_gpu_hours,efficiency,rate,unit,gpu_share,"
-    "idle_factor,amount,corrects_period,corrects_period_start,reason,created_by"
+    "id,team,period,period_label,period_start,currency,kind,product_name,profile,"
+    "allocated_gpu_hours,utilised_gpu_hours,idle_gpu_hours,unmeasured_gpu_hours,efficiency,rate,"
+    "unit,gpu_share,idle_factor,amount,corrects_period,corrects_period_label,"
+    "corrects_period_start,reason,created_by"
 )
 
 

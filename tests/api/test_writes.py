@@ -48,7 +48,10 @@ def test_closing_an_open_or_closed_period_is_a_400_with_the_reason(seeded: Seede
     finance = seeded.cast.client("finance")
     running = finance.post(close_url(seeded.current))
     assert running.status_code == 400
-    assert running.json() == {"detail": f"period {seeded.current} has not ended yet"}
+    assert running.json() == {
+        "detail": f"period {seeded.current.label} has not ended yet: it ends "
+        f"{seeded.current.end:%Y-%m-%d} 00:00 UTC"
+    }
     again = finance.post(close_url(seeded.closed))
     assert again.status_code == 400
     assert "already closed" in again.json()["detail"]
@@ -120,12 +123,47 @@ def test_adjustment_input_is_validated(seeded: Seeded, overrides: dict, field: s
     assert field in response.json()
 
 
+@pytest.mark.parametrize("given", ["label", "id", "start"])
+def test_an_adjustment_takes_its_period_by_name_id_or_start_date(
+    seeded: Seeded, given: str
+) -> None:
+    period = seeded.current
+    value = {"label": period.label, "id": period.pk, "start": f"{period.start:%Y-%m-%d}"}[given]
+    response = seeded.cast.client("finance").post(
+        "/api/v1/adjustments/", adjustment(seeded, period=value), "json"
+    )
+    assert response.status_code == 201, response.content
+    line = response.json()
+    assert (line["period"], line["period_label"]) == (period.pk, period.label)
+
+
+@pytest.mark.parametrize(
+    ("period", "message"),
+    [
+        ("2026-W49", "'2026-W49' names a week, but billing periods are months"),
+        ("2026-13", "'2026-13' is not a month: month must be in 1..12"),
+        ("2019-01", "No billing period 2019-01 yet: a period is made when its usage is first"),
+    ],
+)
+def test_an_adjustment_period_that_is_none_says_why(
+    seeded: Seeded, period: str, message: str
+) -> None:
+    response = seeded.cast.client("finance").post(
+        "/api/v1/adjustments/", adjustment(seeded, period=period), "json"
+    )
+    assert response.status_code == 400
+    (error,) = response.json()["period"]
+    assert error.startswith(message)
+
+
 def test_no_adjustment_in_a_closed_period(seeded: Seeded) -> None:
     response = seeded.cast.client("finance").post(
         "/api/v1/adjustments/", adjustment(seeded, period=seeded.closed.pk), "json"
     )
     assert response.status_code == 400
-    assert "is closed" in response.json()["detail"]
+    assert response.json()["detail"] == (
+        f"period {seeded.closed.label} is closed; add the adjustment to an open period"
+    )
 
 
 def test_read_only_endpoints_refuse_writes(seeded: Seeded) -> None:

@@ -102,7 +102,7 @@ def test_close_period_closes_an_ended_period(ops_client: Client) -> None:
     period.refresh_from_db()
     assert period.is_closed
     assert period.closed_by == "ops-admin"
-    assert messages == [f"Closed period {period}: 0 statement(s) frozen."]
+    assert messages == [f"Closed period {period.label}: 0 statement(s) frozen."]
 
 
 def test_close_period_refuses_the_current_period(ops_client: Client) -> None:
@@ -113,7 +113,9 @@ def test_close_period_refuses_the_current_period(ops_client: Client) -> None:
 
     period.refresh_from_db()
     assert not period.is_closed
-    assert messages == [f"period {period} has not ended yet"]
+    assert messages == [
+        f"period {period.label} has not ended yet: it ends {period.end:%Y-%m-%d} 00:00 UTC"
+    ]
 
 
 def rate_form(card: RateCard, **changes: object) -> dict[str, object]:
@@ -175,3 +177,40 @@ def test_budget_edit_is_audited(ops_client: Client) -> None:
     assert Budget.objects.get().gpu_hours == 100
     entry = AuditEntry.objects.get()
     assert (entry.actor, entry.action, entry.object_type) == ("ops-admin", "create", "budget")
+
+
+@pytest.mark.parametrize(
+    ("changes", "field", "message"),
+    [
+        ({"valid_until": "2025-12-01"}, "valid_until", "2025-12-01 is not after from (2026-01-01)"),
+        ({"currency": "usd"}, "currency", "'usd' is not an ISO 4217 code such as USD"),
+        ({"per_gpu_hour": "-3"}, "per_gpu_hour", "must be positive, got -3"),
+        ({"per_gpu_hour": "0"}, "per_gpu_hour", "must be positive, got 0"),
+        ({"idle_factor": "5"}, "idle_factor", "5 is not between 0 and 1"),
+        (
+            {"profile": "bogus profile"},
+            "profile",
+            "'bogus profile' is not a device profile such as 3g.40gb (one word)",
+        ),
+    ],
+)
+def test_a_new_rate_card_with_bad_values_is_refused_on_its_field(
+    ops_client: Client, changes: dict[str, str], field: str, message: str
+) -> None:
+    template = RateCard(
+        product_name="NVIDIA H100 80GB HBM3",
+        per_gpu_hour=Decimal("2.5"),
+        idle_factor=Decimal(1),
+        currency="USD",
+        valid_from=date(2026, 1, 1),
+    )
+
+    response = ops_client.post(
+        reverse("admin:billing_ratecard_add"), rate_form(template, **changes)
+    )
+
+    assert response.status_code == 200
+    errors = response.context["adminform"].form.errors
+    assert errors == {field: [message]}
+    assert not RateCard.objects.exists()
+    assert not AuditEntry.objects.exists()

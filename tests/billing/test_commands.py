@@ -85,7 +85,10 @@ def test_run_billing_then_the_statement_to_the_cent(scenario: Team) -> None:
         "(4 usage rows)"
     )
     assert "1 statement for 1 team; total 6.00 USD" in output
-    assert "Period 2026-10 is open" in output
+    assert output.splitlines()[-1] == (
+        "Period 2026-10 has ended but is open: Celery beat closes it on its next hourly run; to "
+        "close it now, run `python manage.py run_billing --period 2026-10 --close`."
+    )
     assert statement_json("--period", "2026-10") == {
         "team": "vision",
         "period": "2026-10",
@@ -268,7 +271,38 @@ def test_statement_errors_say_what_to_do(scenario: Team) -> None:
     run("run_billing", "--period", "2026-10")
     with pytest.raises(CommandError) as raised:
         run("statement", "--team", "nlp", "--period", "2026-10")
-    assert str(raised.value) == "team nlp has no statement for 2026-10: it had no billed usage then"
+    assert str(raised.value) == (
+        "nlp has no usage or adjustments in 2026-10 (open, priced as data arrives): "
+        "there is no statement to show"
+    )
+
+
+def test_a_priced_period_with_nothing_billed_says_so_not_to_run_billing(scenario: Team) -> None:
+    assert "(0 usage rows)" in run("run_billing", "--period", "2026-09", "--close")
+    with pytest.raises(CommandError) as raised:
+        run("statement", "--team", "vision", "--period", "2026-09")
+    assert str(raised.value) == (
+        "vision has no usage or adjustments in 2026-09 (closed): there is no statement to show"
+    )
+
+
+def test_a_period_of_another_length_than_those_stored_names_the_stored_one(
+    scenario: Team, settings: SettingsWrapper
+) -> None:
+    run("run_billing", "--period", "2026-10")
+    settings.TALLY_BILLING_PERIOD = "week"
+    with pytest.raises(CommandError) as raised:
+        run("statement", "--team", "vision", "--period", "2026-W42")
+    assert str(raised.value) == (
+        "no period 2026-W42: periods here are stored as months, not weeks "
+        "(TALLY_BILLING_PERIOD=week), and 2026-10 (2026-10-01..2026-11-01) overlaps it; ask for "
+        "2026-10 with TALLY_BILLING_PERIOD=month"
+    )
+    # What it would otherwise have suggested is refused.
+    with pytest.raises(CommandError, match="the period length cannot change"):
+        run("run_billing", "--period", "2026-W42")
+    settings.TALLY_BILLING_PERIOD = "month"
+    assert statement_json("--period", "2026-10")["period"] == "2026-10"
 
 
 def test_run_billing_rolls_up_hours_marked_for_earlier_periods(scenario: Team) -> None:

@@ -8,13 +8,15 @@ import subprocess
 import sys
 from datetime import UTC, datetime
 from decimal import Decimal
+from io import StringIO
 
 import pytest
+from django.core.management import call_command
 from django.test import Client
 from django.utils import timezone
 from pytest_django.fixtures import SettingsWrapper
 
-from billing import periods, pricing, services
+from billing import periods, pricing, services, tasks
 from billing.models import Period, Statement
 from teams.models import AuditEntry, Team
 from tests.billing.test_chargeback import T10, scenario
@@ -235,3 +237,57 @@ def test_period_holding_takes_the_stored_period_whatever_its_length(
 def test_a_period_is_labelled_as_the_commands_name_it() -> None:
     assert Period(start=utc(2026, 11, 1), end=utc(2026, 12, 1)).label == "2026-11"
     assert Period(start=utc(2026, 11, 16), end=utc(2026, 11, 23)).label == "2026-W47"
+
+
+def test_beat_closes_every_ended_period_left_open_oldest_first(
+    scenario: Team, settings: SettingsWrapper
+) -> None:
+    """`run_billing` for an old period opens it; beat's close then closes it too, not only the
+    previous period, so that no ended period stays open for ever."""
+    settings.TALLY_CLOSE_PERIOD_DAY = 3
+    now = utc(2026, 12, 3, 0, 20)
+    services.bill_period(period_start=utc(2026, 11, 1), now=now, close=True, actor="finance")
+    services.bill_period(period_start=utc(2025, 1, 1), now=now)  # opened after November closed
+    services.bill_period(period_start=T10, now=now)  # October, before the fix left open too
+
+    runs = services.close_due_periods(now=now, actor="beat")
+
+    assert [run.period.label for run in runs] == ["2025-01", "2026-10"]
+    assert all(run.closed for run in runs)
+    assert list(Period.objects.order_by("start").values_list("closed_by", flat=True)) == [
+        "beat",
+        "beat",
+        "finance",
+    ]
+    (statement,) = Statement.objects.filter(period__start=utc(2026, 10, 1))
+    assert statement.total == Decimal("6.00")
+    # The next hourly run finds nothing to do.
+    assert services.close_due_periods(now=utc(2026, 12, 3, 1, 20), actor="beat") == []
+
+
+def test_an_old_period_waits_for_its_close_day_and_stays_open_when_closing_is_off(
+    scenario: Team, settings: SettingsWrapper
+) -> None:
+    settings.TALLY_CLOSE_PERIOD_DAY = 0
+    services.bill_period(period_start=utc(2025, 1, 1), now=utc(2026, 11, 2))
+    assert services.close_due_periods(now=utc(2026, 11, 2), actor="beat") == []
+    settings.TALLY_CLOSE_PERIOD_DAY = 3
+    # September's close was due on 3 October; October's is not yet on 2 November.
+    services.bill_period(period_start=utc(2026, 9, 1), now=utc(2026, 11, 2))
+    services.bill_period(period_start=utc(2026, 10, 1), now=utc(2026, 11, 2))
+    # Beat's task names them, oldest first.
+    assert tasks.close_previous_period(now=utc(2026, 11, 2).isoformat()) == "2025-01, 2026-09"
+    assert not Period.objects.get(start=utc(2026, 10, 1)).is_closed
+
+
+def test_run_billing_of_an_ended_period_says_when_beat_closes_it(
+    scenario: Team, settings: SettingsWrapper
+) -> None:
+    settings.TALLY_CLOSE_PERIOD_DAY = 0
+    output = StringIO()
+    call_command("run_billing", "--period", "2025-01", stdout=output)
+    assert output.getvalue().splitlines()[-1] == (
+        "Period 2025-01 has ended but is open: beat does not close periods "
+        "(TALLY_CLOSE_PERIOD_DAY=0); to close it now, run "
+        "`python manage.py run_billing --period 2025-01 --close`."
+    )

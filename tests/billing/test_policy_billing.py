@@ -11,6 +11,8 @@ import pytest
 from django.utils import timezone
 
 from billing.models import Period, RateCard
+from billing.rates import RateCardValueError
+from billing.services import save_rate_card
 from quota.models import Budget
 from quota.policy import ApplyReport, PolicyError, apply_policy, load_policy
 from teams.models import AuditEntry
@@ -315,3 +317,50 @@ def test_closed_periods_are_named_as_the_commands_name_them(settings: Any) -> No
         "rates[0]: the rate for NVIDIA H100 80GB HBM3 (USD) from 2026-01-01 was used by the "
         "closed periods 2026-09, 2026-W42; add a new entry from a later date instead",
     ]
+
+
+# One bad value each, as the policy file writes it and as RateCard's field holds it.
+BAD_RATE_VALUES = [
+    ("until", "2025-12-01", "valid_until", date(2025, 12, 1)),
+    ("currency", "usd", "currency", "usd"),
+    ("perGpuHour", '"-3"', "per_gpu_hour", Decimal(-3)),
+    ("idleFactor", "5", "idle_factor", Decimal(5)),
+    ("profile", "bogus profile", "profile", "bogus profile"),
+    ("productName", '""', "product_name", ""),
+]
+
+
+@pytest.mark.parametrize(("key", "text", "field", "value"), BAD_RATE_VALUES)
+def test_the_policy_file_and_the_service_refuse_the_same_rate_values(
+    key: str, text: str, field: str, value: object
+) -> None:
+    """The policy file, `save_rate_card` (the admin's and every other writer's) apply one rule
+    set, `rate_card_value_errors`: same values refused, same message, under each one's name."""
+    good = {
+        "productName": "NVIDIA H100 80GB HBM3",
+        "perGpuHour": '"2.50"',
+        "currency": "USD",
+        "from": "2026-01-01",
+    }
+    entry = "\n".join(f"  {name}: {shown}" for name, shown in {**good, key: text}.items())
+    policy_errors = errors_of(TEAM + "rates:\n-" + entry[1:] + "\n")
+
+    with pytest.raises(RateCardValueError) as raised:
+        save_rate_card(
+            card=None,
+            values={
+                "product_name": "NVIDIA H100 80GB HBM3",
+                "per_gpu_hour": Decimal("2.50"),
+                "currency": "USD",
+                "valid_from": date(2026, 1, 1),
+                field: value,
+            },
+            actor="tester",
+        )
+
+    ((service_field, message),) = raised.value.errors.items()
+    assert service_field == field
+    assert policy_errors == [f"rates[0].{key}: {message}"]
+    assert str(raised.value) == f"{field}: {message}"
+    assert not RateCard.objects.exists()
+    assert not AuditEntry.objects.filter(object_type="rate card").exists()

@@ -8,12 +8,14 @@ a catch-up after an outage, or closing by hand.
 from __future__ import annotations
 
 import getpass
+from datetime import datetime
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
 from billing import periods, pricing, services
+from billing.models import Period
 
 
 def default_actor() -> str:
@@ -93,9 +95,27 @@ class Command(BaseCommand):
                 "its statements are frozen."
             )
         else:
-            self.stdout.write(
-                f"Period {label} is open: its statements change as data arrives until it is closed."
-            )
+            self.stdout.write(_open_note(period, now=timezone.now()))
+
+
+def _open_note(period: Period, *, now: datetime) -> str:
+    """What becomes of a period left open: beat closes an ended one when its close is due."""
+    if period.end > now:
+        return (
+            f"Period {period.label} is open: its statements change as data arrives until it "
+            "is closed."
+        )
+    due = services.close_due_at(period)
+    if due is None:
+        when = "beat does not close periods (TALLY_CLOSE_PERIOD_DAY=0)"
+    elif due <= now:
+        when = "Celery beat closes it on its next hourly run"
+    else:
+        when = f"Celery beat closes it on {due:%Y-%m-%d %H:%M} UTC (TALLY_CLOSE_PERIOD_DAY)"
+    return (
+        f"Period {period.label} has ended but is open: {when}; to close it now, run "
+        f"`python manage.py run_billing --period {period.label} --close`."
+    )
 
 
 def _count(number: int, noun: str) -> str:

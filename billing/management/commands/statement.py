@@ -85,25 +85,18 @@ class Command(BaseCommand):
         """The team's statements for the period, or an error that says what to do."""
         period = Period.objects.filter(start=start).first()
         if period is None:
-            if start > timezone.now():
-                raise CommandError(f"period {label} has not started yet")
-            raise CommandError(
-                f"no statements for {label} yet: run "
-                f"`python manage.py run_billing --period {label}` first"
-            )
+            raise CommandError(_no_period(start, label))
         statements = list(
             Statement.objects.filter(team=team, period=period)
             .select_related("team", "period")
             .order_by("currency")
         )
         if not statements:
-            if not period.is_closed and not Statement.objects.filter(period=period).exists():
-                raise CommandError(
-                    f"no statements for {label} yet: run "
-                    f"`python manage.py run_billing --period {label}` first"
-                )
+            # A period's row is made only by a run that prices it (run_billing, beat).
+            state = "closed" if period.is_closed else "open, priced as data arrives"
             raise CommandError(
-                f"team {team.slug} has no statement for {label}: it had no billed usage then"
+                f"{team.slug} has no usage or adjustments in {label} ({state}): "
+                "there is no statement to show"
             )
         if currency is None:
             return statements
@@ -114,6 +107,27 @@ class Command(BaseCommand):
                 f"team {team.slug} has no {currency.upper()} statement for {label}; it has {held}"
             )
         return chosen
+
+
+def _no_period(start: datetime, label: str) -> str:
+    """Why no period starts at `start`, and the command that makes one, if any would."""
+    _, end = periods.period_bounds(start)
+    if start > timezone.now():
+        return f"period {label} has not started yet"
+    stored = Period.objects.filter(start__lt=end, end__gt=start).order_by("start").first()
+    if stored is not None:
+        # run_billing would refuse too: the period length cannot change once periods are stored.
+        length = periods.period_length()
+        other = periods.length_of(stored.start, stored.end)
+        setting = f" with TALLY_BILLING_PERIOD={other}" if other else ""
+        return (
+            f"no period {label}: periods here are stored as {other or 'other'}s, not "
+            f"{length}s (TALLY_BILLING_PERIOD={length}), and {stored.label} ({stored}) "
+            f"overlaps it; ask for {stored.label}{setting}"
+        )
+    return (
+        f"no statements for {label} yet: run `python manage.py run_billing --period {label}` first"
+    )
 
 
 def _known_teams() -> str:
