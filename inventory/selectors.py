@@ -13,6 +13,10 @@ Counting rules, shared by every function here:
 - A physical GPU is allocated while any present device with its key has an open allocation
   (`end` is null), free otherwise. Its model is the `product_name` of its devices.
 - Devices without a node (multi-node pools) count towards capacity but not towards any node.
+- A physical GPU is partly used while some but not all of its present devices are held and
+  their summed `gpu_share` is below 1: it counts as allocated above, and `partial_gpus`
+  reports the share still free on it. A GPU whose MIG slices are all held is full, even
+  when their shares sum below 1 (two 3g.40gb on an A100: 6/7, but no memory left).
 
 When `cluster` is None a function covers all clusters; node names are then written
 `cluster/node`, since a node name is unique only within its cluster.
@@ -22,11 +26,16 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from decimal import Decimal
 from typing import Any, TypedDict
 
-from django.db.models import Count, Q, QuerySet
+from django.db.models import BooleanField, Case, Count, F, Q, QuerySet, Sum, When
 
 from inventory.models import Allocation, Cluster, Device, DeviceKind
+
+# Shares are stored to 6 places, so seven 1g slices sum to 0.999999: within this of 1 a GPU
+# is fully held.
+_FULL_SHARE_TOLERANCE = Decimal("0.0001")
 
 
 class VersionPair(TypedDict):
@@ -69,8 +78,29 @@ class NodeFragmentation(TypedDict):
     node: str
     clique: str
     gpus: int
+    # Physical GPUs with anything held (partly used ones included) and with nothing held.
     allocated: int
     free: int
+    # Partly used GPUs, and GPU-equivalents free: `free` plus the free share of those.
+    gpus_partial: int
+    free_share: Decimal
+
+
+class PartialGpu(TypedDict):
+    cluster: str
+    node: str  # "" for a GPU without a node
+    physical_gpu_key: str
+    product_name: str
+    held_share: Decimal
+    free_share: Decimal
+    held_label: str  # "3/7" when the share is in sevenths (MIG), else a percentage
+    # Held devices by profile (a device without one by name).
+    held_devices: dict[str, int]
+    # Unheld statically created MIG devices by profile: slices a claim can get as they are.
+    free_slices: dict[str, int]
+    # Whether unheld devices that overlap others (KEP-4815 partitions, the whole GPU) exist:
+    # they are not listed, as holding one may rule out the rest; `free_share` is all we know.
+    overlapping_unheld: bool
 
 
 class FragmentationSummary(TypedDict):
@@ -79,10 +109,14 @@ class FragmentationSummary(TypedDict):
     nodes_full: int
     largest_free_block: int
     largest_free_clique_block: int
+    gpus_partial: int
+    # GPU-equivalents free on partly used GPUs (not counted in any whole-GPU figure).
+    partial_free_share: Decimal
 
 
 class Fragmentation(FragmentationSummary):
     nodes: list[NodeFragmentation]
+    partial_gpus: list[PartialGpu]
 
 
 def capacity_by_model(*, cluster: Cluster | None = None) -> list[CapacityRow]:
@@ -199,13 +233,15 @@ def most_common_version_pair(*, cluster: Cluster) -> VersionPair | None:
 
 
 def fragmentation(*, cluster: Cluster | None = None) -> Fragmentation:
-    """How the free GPUs are spread over nodes and NVLink cliques.
+    """How the free GPUs are spread over nodes, NVLink cliques and partly used GPUs.
 
     `nodes` has one row per node with a present GPU (sorted by name); a node is free when
     none of its GPUs is allocated, full when all are, partial otherwise.
     `largest_free_block` is the most free GPUs on one node; `largest_free_clique_block` the
     most free GPUs within one NVLink clique, summing the nodes of a cluster that share a
-    non-empty `Node.clique`, a node without clique counting alone.
+    non-empty `Node.clique`, a node without clique counting alone. Both count whole GPUs
+    only: a partly used GPU cannot take a claim for a whole one. `partial_gpus` is
+    `partial_gpus()`; `gpus_partial` and `partial_free_share` sum it.
     """
     qualify = cluster is None
     per_node = (
@@ -215,18 +251,26 @@ def fragmentation(*, cluster: Cluster | None = None) -> Fragmentation:
         .annotate(gpus=_count_gpus(), allocated=_count_gpus(allocated=True))
         .order_by()
     )
+    partial = partial_gpus(cluster=cluster)
+    partial_by_node: dict[str, list[PartialGpu]] = defaultdict(list)
+    for gpu in partial:
+        partial_by_node[gpu["node"]].append(gpu)
     nodes: list[NodeFragmentation] = []
     free_by_clique: dict[tuple[str, object], int] = defaultdict(int)
     for entry in per_node:
         free = entry["gpus"] - entry["allocated"]
+        label = _node_label(entry["cluster__name"], entry["node__name"], qualify)
+        on_node = partial_by_node.get(label, [])
         nodes.append(
             NodeFragmentation(
                 cluster=entry["cluster__name"],
-                node=_node_label(entry["cluster__name"], entry["node__name"], qualify),
+                node=label,
                 clique=entry["node__clique"],
                 gpus=entry["gpus"],
                 allocated=entry["allocated"],
                 free=free,
+                gpus_partial=len(on_node),
+                free_share=Decimal(free) + sum((gpu["free_share"] for gpu in on_node), Decimal(0)),
             )
         )
         # Clique ids are only meaningful within a cluster; a node without one is its own group.
@@ -240,7 +284,102 @@ def fragmentation(*, cluster: Cluster | None = None) -> Fragmentation:
         nodes_full=sum(1 for row in nodes if row["allocated"] == row["gpus"]),
         largest_free_block=max((row["free"] for row in nodes), default=0),
         largest_free_clique_block=max(free_by_clique.values(), default=0),
+        gpus_partial=len(partial),
+        partial_free_share=sum((gpu["free_share"] for gpu in partial), Decimal(0)),
+        partial_gpus=partial,
     )
+
+
+def partial_gpus(*, cluster: Cluster | None = None) -> list[PartialGpu]:
+    """Physical GPUs partly used now, with the share held and free and the devices behind it.
+
+    Sorted by node, then physical GPU key. The held share sums the `gpu_share` of the held
+    devices, each once however many allocations share it; the free share is the rest. Only
+    unheld statically created MIG devices (kind `mig` with a uuid, consuming no counters) are
+    listed as free slices; other unheld devices overlap (KEP-4815 partitions, or the whole
+    GPU) and only set `overlapping_unheld`, as the free share may fit none of them.
+    """
+    held = _held_device_ids()
+    # Keys of GPUs partly held, as a subquery: one round trip, and only their devices return.
+    partly_held = (
+        _present_gpu_devices(cluster)
+        .values("cluster_id", "physical_gpu_key")
+        .annotate(
+            devices=Count("pk"),
+            held_devices=Count("pk", filter=Q(pk__in=held)),
+            held_share=Sum("gpu_share", filter=Q(pk__in=held)),
+        )
+        .filter(
+            held_devices__gt=0,
+            held_devices__lt=F("devices"),
+            held_share__lt=1 - _FULL_SHARE_TOLERANCE,
+        )
+        .order_by()
+        .values("physical_gpu_key")
+    )
+    static = Q(kind=DeviceKind.MIG) & ~Q(uuid="") & ~Q(extra__has_key="consumesCounters")
+    devices = (
+        _present_gpu_devices(cluster)
+        .filter(physical_gpu_key__in=partly_held)
+        .annotate(
+            held=Case(When(pk__in=held, then=True), default=False, output_field=BooleanField()),
+            static_mig=Case(When(static, then=True), default=False, output_field=BooleanField()),
+        )
+        .values(
+            "cluster_id",
+            "cluster__name",
+            "node__name",
+            "physical_gpu_key",
+            "product_name",
+            "name",
+            "profile",
+            "gpu_share",
+            "held",
+            "static_mig",
+        )
+        .order_by("name")
+    )
+    qualify = cluster is None
+    gpus: dict[tuple[int, str], PartialGpu] = {}
+    for device in devices:
+        # Per cluster: a key partly held in one cluster may also exist whole in another.
+        identity = (device["cluster_id"], device["physical_gpu_key"])
+        gpu = gpus.get(identity)
+        if gpu is None:
+            node = device["node__name"]
+            gpu = gpus[identity] = PartialGpu(
+                cluster=device["cluster__name"],
+                node=_node_label(device["cluster__name"], node, qualify) if node else "",
+                physical_gpu_key=device["physical_gpu_key"],
+                product_name=device["product_name"],
+                held_share=Decimal(0),
+                free_share=Decimal(0),
+                held_label="",
+                held_devices={},
+                free_slices={},
+                overlapping_unheld=False,
+            )
+        label = device["profile"] or device["name"]
+        if device["held"]:
+            gpu["held_share"] += device["gpu_share"]
+            gpu["held_devices"][label] = gpu["held_devices"].get(label, 0) + 1
+        elif device["static_mig"]:
+            gpu["free_slices"][label] = gpu["free_slices"].get(label, 0) + 1
+        else:
+            gpu["overlapping_unheld"] = True
+    partial = [
+        gpu
+        for gpu in gpus.values()
+        if gpu["held_devices"]
+        and (gpu["free_slices"] or gpu["overlapping_unheld"])
+        and gpu["held_share"] < 1 - _FULL_SHARE_TOLERANCE
+    ]
+    for gpu in partial:
+        gpu["free_share"] = Decimal(1) - gpu["held_share"]
+        gpu["held_label"] = _share_label(gpu["held_share"])
+        gpu["held_devices"] = dict(sorted(gpu["held_devices"].items()))
+        gpu["free_slices"] = dict(sorted(gpu["free_slices"].items()))
+    return sorted(partial, key=lambda gpu: (gpu["node"], gpu["physical_gpu_key"]))
 
 
 def fleet_report(*, cluster: Cluster | None = None) -> dict[str, Any]:
@@ -250,7 +389,9 @@ def fleet_report(*, cluster: Cluster | None = None) -> dict[str, Any]:
     `mig_devices`, `capacity` (see `capacity_by_model`), `driver_matrix` (one row per
     cluster and pair: `nodes` is the node count, `node_names` the names, plus `gpus` and
     whether it is the `baseline`), `baseline` and `baselines` (see `version_matrix`),
-    `outlier_nodes` and `fragmentation` (the summary counts of `fragmentation`).
+    `outlier_nodes`, `fragmentation` (the summary counts of `fragmentation`) and
+    `partial_gpus` (see `partial_gpus`). GPU shares are decimal strings, as JSON has no
+    exact decimals.
     """
     capacity = capacity_by_model(cluster=cluster)
     versions = version_matrix(cluster=cluster)
@@ -276,13 +417,19 @@ def fleet_report(*, cluster: Cluster | None = None) -> dict[str, Any]:
         "baseline": versions["baseline"],
         "baselines": versions["baselines"],
         "outlier_nodes": versions["outlier_nodes"],
-        "fragmentation": FragmentationSummary(
-            nodes_free=spread["nodes_free"],
-            nodes_partial=spread["nodes_partial"],
-            nodes_full=spread["nodes_full"],
-            largest_free_block=spread["largest_free_block"],
-            largest_free_clique_block=spread["largest_free_clique_block"],
-        ),
+        "fragmentation": {
+            "nodes_free": spread["nodes_free"],
+            "nodes_partial": spread["nodes_partial"],
+            "nodes_full": spread["nodes_full"],
+            "largest_free_block": spread["largest_free_block"],
+            "largest_free_clique_block": spread["largest_free_clique_block"],
+            "gpus_partial": spread["gpus_partial"],
+            "partial_free_share": str(spread["partial_free_share"]),
+        },
+        "partial_gpus": [
+            {**gpu, "held_share": str(gpu["held_share"]), "free_share": str(gpu["free_share"])}
+            for gpu in spread["partial_gpus"]
+        ],
     }
 
 
@@ -296,6 +443,23 @@ def _present_gpu_devices(cluster: Cluster | None) -> QuerySet[Device]:
     return _present_devices(cluster).exclude(kind=DeviceKind.OTHER).exclude(physical_gpu_key="")
 
 
+def _held_device_ids() -> QuerySet[Allocation, Any]:
+    """Ids of devices with an open allocation, as a subquery.
+
+    `IN (open allocations)` rather than a correlated EXISTS: PostgreSQL hashes it once, and
+    the EXISTS form's cost estimate is high enough to trigger slow JIT compilation.
+    """
+    return Allocation.objects.filter(end__isnull=True).values("device_id")
+
+
+def _share_label(share: Decimal) -> str:
+    """A share of a GPU as "3/7" when it is in sevenths (MIG slices), else as a percentage."""
+    sevenths = (share * 7).quantize(Decimal(1))
+    if abs(share * 7 - sevenths) <= _FULL_SHARE_TOLERANCE:
+        return f"{sevenths}/7"
+    return f"{(share * 100).quantize(Decimal(1))}%"
+
+
 def _count_gpus(*, allocated: bool = False) -> Count:
     """Distinct physical GPUs in a group of devices; with `allocated`, only those held now.
 
@@ -305,10 +469,7 @@ def _count_gpus(*, allocated: bool = False) -> Count:
     """
     condition = ~Q(physical_gpu_key="")
     if allocated:
-        # `IN (open allocations)` rather than a correlated EXISTS: PostgreSQL hashes it once,
-        # and the EXISTS form's cost estimate is high enough to trigger slow JIT compilation.
-        held = Allocation.objects.filter(end__isnull=True).values("device_id")
-        condition &= Q(pk__in=held)
+        condition &= Q(pk__in=_held_device_ids())
     return Count("physical_gpu_key", distinct=True, filter=condition)
 
 

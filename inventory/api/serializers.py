@@ -39,6 +39,32 @@ class FragmentationSerializer(serializers.Serializer[Any]):
     nodes_full = serializers.IntegerField()
     largest_free_block = serializers.IntegerField()
     largest_free_clique_block = serializers.IntegerField()
+    gpus_partial = serializers.IntegerField(help_text="Physical GPUs partly held now.")
+    partial_free_share = serializers.DecimalField(
+        max_digits=15,
+        decimal_places=6,
+        help_text="GPU-equivalents free on partly held GPUs (in no whole-GPU count).",
+    )
+
+
+class PartialGpuSerializer(serializers.Serializer[Any]):
+    cluster = serializers.CharField()
+    node = serializers.CharField(allow_blank=True)
+    physical_gpu_key = serializers.CharField()
+    product_name = serializers.CharField(allow_blank=True)
+    held_share = serializers.DecimalField(max_digits=9, decimal_places=6)
+    free_share = serializers.DecimalField(max_digits=9, decimal_places=6)
+    held_label = serializers.CharField(help_text='"3/7" for sevenths, else a percentage.')
+    held_devices = serializers.DictField(
+        child=serializers.IntegerField(), help_text="Held devices by profile (else name)."
+    )
+    free_slices = serializers.DictField(
+        child=serializers.IntegerField(),
+        help_text="Unheld statically created MIG devices by profile.",
+    )
+    overlapping_unheld = serializers.BooleanField(
+        help_text="Unheld partitionable devices exist; only the free share is known."
+    )
 
 
 class FleetReportSerializer(serializers.Serializer[Any]):
@@ -52,3 +78,4 @@ class FleetReportSerializer(serializers.Serializer[Any]):
     baselines = serializers.DictField(child=BaselineSerializer(allow_null=True))
     outlier_nodes = serializers.ListField(child=serializers.CharField())
     fragmentation = FragmentationSerializer()
+    partial_gpus = PartialGpuSerializer(many=True)

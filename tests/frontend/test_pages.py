@@ -23,8 +23,10 @@ from billing import pricing, services
 from billing.models import RateCard, UsageHour
 from frontend import selectors
 from frontend.templatetags.portal import gpu_fraction, rounded
+from inventory.models import Node
 from quota.models import QuotaRule
 from teams.models import Membership, Role
+from tests.factories import AllocationFactory, DeviceFactory, MigDeviceFactory
 from tests.frontend.seed import DECISIONS, OUTLIER_NODE, PASSWORD, Portal
 
 CAST = ("lead_a", "member_a", "lead_b", "finance", "operator")
@@ -175,6 +177,33 @@ def test_fleet_page_highlights_the_outlier_node(portal: Portal) -> None:
     assert outliers == [OUTLIER_NODE]
     assert b"outlier driver" in response.content
     assert len(response.context["capacity"]) == 3
+
+
+def test_fleet_page_lists_a_partly_used_mig_gpu(portal: Portal) -> None:
+    node = Node.objects.filter(cluster=portal.cluster).order_by("name")[0]
+    # Static MIG: two 3g.40gb slices of an A100 and no device for the GPU they are cut from.
+    a100 = DeviceFactory.build(node=node, product_name="NVIDIA A100-SXM4-80GB", uuid="GPU-part")
+    held, _ = MigDeviceFactory.create_batch(
+        2, parent=a100, profile="3g.40gb", gpu_share=Decimal("0.428571")
+    )
+    AllocationFactory.create(device=held)
+
+    response = _client(portal, "operator").get(reverse("fleet"))
+
+    [row] = [
+        gpu
+        for gpu in response.context["spread"]["partial_gpus"]
+        if gpu["node"] == node.name and gpu["physical_gpu_key"] == "GPU-part"
+    ]
+    assert (row["held_label"], row["free_slices"]) == ("3/7", {"3g.40gb": 1})
+    page = response.content.decode()
+    table = page[page.index('id="partial-gpus"') :]
+    assert re.search(
+        rf"<th scope=\"row\">{node.name}</th>\s*<td><code>GPU-part</code></td>"
+        r"\s*<td>NVIDIA A100-SXM4-80GB</td>\s*<td class=\"num\">3/7</td>"
+        r"\s*<td>3g.40gb: 1</td>\s*<td>3g.40gb: 1</td>",
+        table,
+    )
 
 
 def test_decisions_are_paginated_newest_first(portal: Portal) -> None:

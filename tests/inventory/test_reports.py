@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from decimal import Decimal
 from io import StringIO
 
 import pytest
@@ -24,7 +25,13 @@ from inventory.models import (
     ResourceSlice,
     SyncState,
 )
-from inventory.selectors import capacity_by_model, fleet_report, fragmentation, version_matrix
+from inventory.selectors import (
+    capacity_by_model,
+    fleet_report,
+    fragmentation,
+    partial_gpus,
+    version_matrix,
+)
 from tests.factories import (
     AllocationFactory,
     ClusterFactory,
@@ -293,6 +300,95 @@ def test_cliques_do_not_span_clusters(busy_cluster: Cluster) -> None:
     assert [row["node"] for row in spread["nodes"]][-1] == "other/x"
 
 
+# -- partly used GPUs -----------------------------------------------------------------------
+
+A100_80 = "NVIDIA A100-SXM4-80GB"
+THREE_SEVENTHS = Decimal("0.428571")
+
+
+@pytest.fixture
+def mig_cluster() -> Cluster:
+    """n1: an A100 split statically into two 3g.40gb slices (one held), another with both
+    held, a whole GPU held and a free GPU; n2: a GPU published whole and as two overlapping
+    halves (one held), and an A100 published whole and as seven 1g.10gb, all seven held."""
+    cluster = ClusterFactory.create(name="mig")
+    n1 = NodeFactory.create(cluster=cluster, name="n1")
+    # Static MIG: the driver publishes the slices, not the GPU they are cut from.
+    a100 = DeviceFactory.build(node=n1, product_name=A100_80, uuid="GPU-a100")
+    held_slice, _ = MigDeviceFactory.create_batch(
+        2, parent=a100, profile="3g.40gb", gpu_share=THREE_SEVENTHS
+    )
+    AllocationFactory.create(device=held_slice)
+    # Both held: 6/7 of the compute, but no memory left for another slice, so full.
+    busy = DeviceFactory.build(node=n1, product_name=A100_80, uuid="GPU-busy")
+    for mig in MigDeviceFactory.create_batch(
+        2, parent=busy, profile="3g.40gb", gpu_share=THREE_SEVENTHS
+    ):
+        AllocationFactory.create(device=mig)
+    whole, _ = DeviceFactory.create_batch(2, node=n1)
+    AllocationFactory.create(device=whole)
+
+    n2 = NodeFactory.create(cluster=cluster, name="n2")
+    partitionable = DeviceFactory.create(node=n2, uuid="GPU-halves")
+    counters = {"consumesCounters": [{"counterSet": "gpu-0-counters", "counters": {}}]}
+    half, _ = PartitionDeviceFactory.create_batch(2, parent=partitionable, extra=counters)
+    AllocationFactory.create(device=half)
+    # Seven times 0.142857 is 0.999999: wholly held, though the whole GPU's device is not.
+    full = DeviceFactory.create(node=n2, product_name=A100_80, uuid="GPU-full")
+    for mig in MigDeviceFactory.create_batch(7, parent=full):
+        AllocationFactory.create(device=mig)
+    return cluster
+
+
+def test_partly_used_gpus_show_the_share_and_slices_free(mig_cluster: Cluster) -> None:
+    rows = partial_gpus(cluster=mig_cluster)
+
+    assert [
+        (row["node"], row["physical_gpu_key"], row["product_name"], row["held_label"])
+        for row in rows
+    ] == [("n1", "GPU-a100", A100_80, "3/7"), ("n2", "GPU-halves", H100, "50%")]
+    mig, halves = rows
+    assert (mig["held_share"], mig["free_share"]) == (THREE_SEVENTHS, 1 - THREE_SEVENTHS)
+    assert mig["held_devices"] == {"3g.40gb": 1}
+    assert (mig["free_slices"], mig["overlapping_unheld"]) == ({"3g.40gb": 1}, False)
+    # The unheld half and the whole GPU overlap the held half: only the free share is known.
+    assert (halves["held_share"], halves["free_share"]) == (Decimal("0.5"), Decimal("0.5"))
+    assert (halves["free_slices"], halves["overlapping_unheld"]) == ({}, True)
+
+
+def test_fragmentation_counts_the_free_share_of_partly_used_gpus(mig_cluster: Cluster) -> None:
+    spread = fragmentation(cluster=mig_cluster)
+
+    assert [
+        (
+            row["node"],
+            row["gpus"],
+            row["allocated"],
+            row["free"],
+            row["gpus_partial"],
+            row["free_share"],
+        )
+        for row in spread["nodes"]
+    ] == [
+        ("n1", 4, 3, 1, 1, 1 + 1 - THREE_SEVENTHS),
+        ("n2", 2, 2, 0, 1, Decimal("0.5")),
+    ]
+    assert spread["gpus_partial"] == 2
+    assert spread["partial_free_share"] == 1 - THREE_SEVENTHS + Decimal("0.5")
+    # A partly used GPU takes no whole-GPU claim.
+    assert spread["largest_free_block"] == 1
+
+
+def test_partly_used_gpus_in_other_clusters_and_released_slices(mig_cluster: Cluster) -> None:
+    other = ClusterFactory.create(name="other")
+    # The same fallback key in another cluster, with nothing held: it is not partly used.
+    DeviceFactory.create(node=NodeFactory.create(cluster=other, name="n1"), uuid="GPU-a100")
+    assert [row["node"] for row in partial_gpus()] == ["mig/n1", "mig/n2"]
+
+    Allocation.objects.filter(device__physical_gpu_key="GPU-a100").update(end=timezone.now())
+    assert [row["physical_gpu_key"] for row in partial_gpus()] == ["GPU-halves"]
+
+
 # -- fleet_report ---------------------------------------------------------------------------
 
 
@@ -301,7 +397,7 @@ def test_fleet_report(busy_cluster: Cluster, django_assert_max_num_queries) -> N
     busy_cluster.save()
     OtherDeviceFactory.create(node=Node.objects.get(name="d"))
 
-    with django_assert_max_num_queries(3):
+    with django_assert_max_num_queries(4):
         report = fleet_report(cluster=busy_cluster)
 
     assert report["nodes"] == 4
@@ -329,7 +425,17 @@ def test_fleet_report(busy_cluster: Cluster, django_assert_max_num_queries) -> N
         "nodes_full": 1,
         "largest_free_block": 8,
         "largest_free_clique_block": 13,
+        # b's third GPU: two 1g slices held, the whole GPU published beside them unheld.
+        "gpus_partial": 1,
+        "partial_free_share": "0.714286",
     }
+    [partial] = report["partial_gpus"]
+    assert (partial["node"], partial["held_share"], partial["held_label"]) == (
+        "b",
+        "0.285714",
+        "2/7",
+    )
+    assert (partial["free_slices"], partial["overlapping_unheld"]) == ({}, True)
     assert json.loads(json.dumps(report)) == report
 
 
@@ -365,6 +471,22 @@ def test_command_table(mixed_versions: Cluster) -> None:
     assert "Baseline of prod: driver 580.82.7, CUDA 13.0.0 (most common)" in text
     assert "Outlier nodes (2)\n  node-mixed\n  node-old" in text
     assert "Fragmentation" in text
+
+
+def test_command_shows_partly_used_gpus(mig_cluster: Cluster) -> None:
+    report = json.loads(run_report("--format", "json"))
+    assert report["fragmentation"]["gpus_partial"] == 2
+    assert report["fragmentation"]["partial_free_share"] == "1.071429"
+    assert [(row["node"], row["free_slices"]) for row in report["partial_gpus"]] == [
+        ("mig/n1", {"3g.40gb": 1}),
+        ("mig/n2", {}),
+    ]
+
+    text = run_report("--cluster", "mig")
+    assert "Partly used GPUs (2, 1.071429 GPU-equivalents free)" in text
+    cells = {line.split("  ")[0]: re.split(r"\s{2,}", line) for line in text.splitlines()}
+    assert cells["n1"] == ["n1", "GPU-a100", A100_80, "3/7", "3g.40gb: 1"]
+    assert cells["n2"] == ["n2", "GPU-halves", H100, "50%", "0.500000 GPU free (partitionable)"]
 
 
 def test_command_table_on_an_empty_inventory() -> None:
@@ -565,3 +687,15 @@ def test_admin_allocations_show_and_find_who_held_them(
     for query in ("llm-pretrain", "alice@"):
         response = operator.get(changelist, {"q": query})
         assert response.context["cl"].result_count == 1
+
+
+def test_api_summary_shows_partly_used_gpus(operator: Client, mig_cluster: Cluster) -> None:
+    response = operator.get("/api/v1/inventory/summary/", {"cluster": "mig"})
+
+    assert response.status_code == 200, response.content
+    report = response.json()
+    assert report["fragmentation"]["gpus_partial"] == 2
+    assert report["fragmentation"]["partial_free_share"] == "1.071429"
+    row = report["partial_gpus"][0]
+    assert (row["node"], row["held_share"], row["free_share"]) == ("n1", "0.428571", "0.571429")
+    assert (row["held_label"], row["free_slices"]) == ("3/7", {"3g.40gb": 1})

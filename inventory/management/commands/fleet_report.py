@@ -40,6 +40,7 @@ def render_table(report: dict[str, Any]) -> str:
     scope = f"cluster {report['cluster']}" if report["cluster"] else "all clusters"
     spread = report["fragmentation"]
     outliers = report["outlier_nodes"]
+    partial = report["partial_gpus"]
     sections = [
         f"GPU fleet report: {scope}\n"
         f"Nodes with GPUs: {report['nodes']}    MIG devices: {report['mig_devices']}",
@@ -93,6 +94,21 @@ def render_table(report: dict[str, Any]) -> str:
                 )
             ],
         ),
+        f"Partly used GPUs ({spread['gpus_partial']}, "
+        f"{spread['partial_free_share']} GPU-equivalents free)\n"
+        + _table(
+            ("NODE", "GPU", "MODEL", "HELD", "FREE SLICES"),
+            [
+                (
+                    gpu["node"] or "-",
+                    gpu["physical_gpu_key"],
+                    gpu["product_name"] or "(unknown)",
+                    gpu["held_label"],
+                    _describe_free(gpu),
+                )
+                for gpu in partial
+            ],
+        ),
     ]
     return "\n\n".join(sections)
 
@@ -104,6 +120,14 @@ def _describe_baseline(baseline: dict[str, str] | None) -> str:
     cuda = baseline["cuda_driver_version"] or "any"
     driver = baseline["driver_version"] or "any"
     return f"driver {driver}, CUDA {cuda} ({how})"
+
+
+def _describe_free(gpu: dict[str, Any]) -> str:
+    parts = [f"{profile}: {count}" for profile, count in gpu["free_slices"].items()]
+    if gpu["overlapping_unheld"]:
+        # Overlapping partitions: any one may rule out the rest, so only the share is known.
+        parts.append(f"{gpu['free_share']} GPU free (partitionable)")
+    return ", ".join(parts) or "none"
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
