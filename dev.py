@@ -129,17 +129,26 @@ def serve(argv: list[str]) -> int:
     except KeyboardInterrupt:
         pass
     finally:
+        stop(children)
+    return 0
+
+
+def stop(children: list[subprocess.Popen[bytes]]) -> None:
+    """Ask the children to stop (SIGINT), give them 10 s; slow ones, or all of them when
+    Ctrl-C comes again at any moment of this, are killed. They are gone before the embedded
+    database stops."""
+    try:
         for child in children:
             if child.poll() is None:
                 child.send_signal(signal.SIGINT)
         for child in children:
-            try:
-                child.wait(timeout=10)
-            except (subprocess.TimeoutExpired, KeyboardInterrupt):
-                # Slow to stop, or Ctrl-C pressed again: no more waiting.
+            child.wait(timeout=10)
+    except (subprocess.TimeoutExpired, KeyboardInterrupt):
+        for child in children:
+            if child.poll() is None:
                 child.kill()
-                child.wait()
-    return 0
+        for child in children:
+            child.wait()
 
 
 def test(argv: list[str]) -> int:
