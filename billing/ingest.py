@@ -127,9 +127,30 @@ def authenticate(token: str) -> AgentToken | None:
 # Validation
 
 
+JSON_TYPES = {
+    dict: "an object",
+    list: "an array",
+    str: "a string",
+    int: "a number",
+    float: "a number",
+    bool: "a boolean",
+    type(None): "null",
+}
+
+
+def json_type(value: object) -> str:
+    """What a decoded JSON value is, in JSON's words (an array, null), for messages."""
+    return JSON_TYPES.get(type(value), type(value).__name__)
+
+
 def _show(value: object) -> str:
     """A value for an error message, cut short: the message goes back to the sender."""
-    text = json.dumps(value) if isinstance(value, str | int | float) else type(value).__name__
+    # Scalars as written (true, null, 3, "x"); an object or array by its kind only.
+    text = (
+        json.dumps(value)
+        if value is None or isinstance(value, str | int | float)
+        else (json_type(value))
+    )
     return text if len(text) <= 64 else text[:61] + "..."
 
 

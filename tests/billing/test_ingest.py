@@ -833,3 +833,15 @@ def test_gaps_stay_right_when_one_device_is_sent_from_two_places_at_once(gpu: De
             future.result(timeout=60)
     keys = {(gpu.uuid, ms(T0) + 1000 * second) for second in range(300)}
     assert stored_gaps() == expected_gaps(keys)
+
+
+def test_rejections_name_json_types_in_json_words() -> None:
+    """The sender wrote JSON: null and arrays are called that, not Python's NoneType and list."""
+    bad = [None, [], {"uuid": "GPU-1", "ts": T0.isoformat(), "gpu_util": [1]}, True]
+    reasons = [rejection["reason"] for rejection in validate_samples(bad, now=T0)[1]]
+    assert reasons == [
+        "samples[0]: must be an object, not null",
+        "samples[1]: must be an object, not an array",
+        "samples[2].gpu_util: must be a number or null, not an array",
+        "samples[3]: must be an object, not true",
+    ]

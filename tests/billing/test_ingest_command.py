@@ -146,7 +146,7 @@ def test_bad_lines_name_the_problem(gpu: Device, tmp_path: Path) -> None:
     assert err.splitlines() == [
         "line 2: not JSON: Expecting property name enclosed in double quotes: "
         "line 1 column 2 (char 1)",
-        "line 3: node: must be a string, not int",
+        "line 3: node: must be a string, not a number",
         "rejected lines by reason: json 1, node 1",
     ]
     assert "1 accepted, 1 duplicates, 2 rejected" in out

@@ -25,6 +25,7 @@ from billing.ingest import (
     check_sample,
     ingest,
     inventory_nodes,
+    json_type,
     sample_window,
 )
 
@@ -176,7 +177,7 @@ def _parse(line: str, *, default_node: str, window: Window) -> tuple[str, Sample
         raise InvalidSample("", f"not JSON: {exc}", label="json") from None
     node = sample.pop("node", default_node) if isinstance(sample, dict) else default_node
     if not isinstance(node, str):
-        raise InvalidSample("node", f"must be a string, not {type(node).__name__}")
+        raise InvalidSample("node", f"must be a string, not {json_type(node)}")
     if len(node) > MAX_NODE_LENGTH or not node.isprintable():
         raise InvalidSample("node", f"must be printable, at most {MAX_NODE_LENGTH} characters")
     return node, check_sample(sample, window=window)
