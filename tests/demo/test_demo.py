@@ -163,7 +163,8 @@ def test_the_previous_period_is_closed_and_the_current_one_billed_to_now(demo: s
     assert periods[0].closed_by == "load_demo"
     for period in periods:
         assert Statement.objects.filter(period=period).exclude(total=0).exists(), period
-    assert "Billed 2026-11 (closed) to 2026-12-03 21:30 UTC" in demo
+    assert "Period 2026-11 billed and closed:" in demo
+    assert "Period 2026-12 billed to 2026-12-03 21:30 UTC, open:" in demo
     # The frozen statements are what their period's usage prices now: nothing to adjust.
     assert not StatementLine.objects.filter(corrects_period__isnull=False).exists()
 

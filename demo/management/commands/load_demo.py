@@ -96,14 +96,18 @@ class Command(BaseCommand):
         usage = load_demo_usage(cluster=cluster, now=now, seed=seed)
         self.stdout.write(f"Generated {usage.samples} utilisation samples.")
         for run in usage.runs:
-            state = "closed" if run.period.is_closed else "open"
             totals = ", ".join(
                 f"{round_money(total, currency)} {currency}"
                 for currency, total in run.totals.items()
             )
+            how = (
+                "billed and closed"
+                if run.period.is_closed
+                else (f"billed to {now:%Y-%m-%d %H:%M} UTC, open")
+            )
             self.stdout.write(
-                f"Billed {run.period.label} ({state}) to {now:%Y-%m-%d %H:%M} UTC: "
-                f"{run.usage_rows} usage rows, total {totals or 'nothing'}."
+                f"Period {run.period.label} {how}: {run.usage_rows} usage rows, "
+                f"total {totals or 'nothing'}."
             )
         if usage.idle_claim is not None:
             claim = usage.idle_claim
