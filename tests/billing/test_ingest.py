@@ -837,7 +837,7 @@ def test_gaps_stay_right_when_one_device_is_sent_from_two_places_at_once(gpu: De
 
 def test_rejections_name_json_types_in_json_words() -> None:
     """The sender wrote JSON: null and arrays are called that, not Python's NoneType and list."""
-    bad = [None, [], {"uuid": "GPU-1", "ts": T0.isoformat(), "gpu_util": [1]}, True]
+    bad: list[object] = [None, [], {"uuid": "GPU-1", "ts": T0.isoformat(), "gpu_util": [1]}, True]
     reasons = [rejection["reason"] for rejection in validate_samples(bad, now=T0)[1]]
     assert reasons == [
         "samples[0]: must be an object, not null",
