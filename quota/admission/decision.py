@@ -32,6 +32,11 @@ from quota.models import Mode, QuotaRule, ReservationState, Unit
 from teams.models import Team
 
 NEAR_LIMIT = Decimal("0.8")
+# The resource.k8s.io versions whose ResourceClaim layout Tally reads (`dra.parse_claim_requests`):
+# requests wrapped in `exactly` in v1 and v1beta2, flat in v1beta1 and v1alpha3. Any other
+# (v1alpha2, classic DRA, has no `spec.devices`) is not counted: see `unread_version`.
+CLAIM_VERSIONS = ("v1", "v1beta2", "v1beta1", "v1alpha3")
+CLAIM_API_VERSIONS = frozenset(f"{dra.GROUP}/{version}" for version in CLAIM_VERSIONS)
 # The resource-claim controller creates claims from ResourceClaimTemplates for Pods.
 CONTROLLER_USERS = ("system:serviceaccount:kube-system:", "system:kube-controller-manager")
 
@@ -153,17 +158,20 @@ def plan_claim(
     when the plan needs it (a claim of no team, or past its budget, needs neither).
     """
     plan = Plan(team=None, rules={}, reserve={}, chosen={}, removed={}, warnings=[])
-    try:
-        spec = claim.get("spec")
-        if not isinstance(spec, dict):
-            raise dra.DRAObjectError(dra.object_ref(claim), "spec", "is required")
-        requests = dra.parse_claim_requests(spec, str(claim.get("apiVersion") or ""))
-    except dra.DRAObjectError as exc:
-        plan.denial, plan.reason = (
-            f"cannot read the claim: {exc.field_path}: {exc.problem}",
-            "Invalid",
-        )
-        return plan
+    unread = unread_version(claim.get("apiVersion"))
+    requests: list[dra.ParsedRequest] | None = None
+    if not unread:
+        try:
+            spec = claim.get("spec")
+            if not isinstance(spec, dict):
+                raise dra.DRAObjectError(dra.object_ref(claim), "spec", "is required")
+            requests = dra.parse_claim_requests(spec, claim["apiVersion"])
+        except dra.DRAObjectError as exc:
+            plan.denial, plan.reason = (
+                f"cannot read the claim: {exc.field_path}: {exc.problem}",
+                "Invalid",
+            )
+            return plan
     namespace, _ = claim_name(claim)
     plan.team = state.team
     if plan.team is None:
@@ -174,6 +182,11 @@ def plan_claim(
             plan.warnings.append(
                 f"namespace {namespace!r} is not owned by any team; no quota applies"
             )
+            if unread:
+                plan.warnings.append(unread)
+        return plan
+    if requests is None:
+        _weigh_unread(plan, state.rules, unread, budget)
         return plan
     if _budget_denies(plan, requests, budget):
         return plan
@@ -216,6 +229,38 @@ def plan_claim(
     return plan
 
 
+def unread_version(api_version: Any) -> str:
+    """Why a claim of `api_version` cannot be counted; "" for a version Tally reads."""
+    if api_version in CLAIM_API_VERSIONS:
+        return ""
+    supported = ", ".join(f"{dra.GROUP}/{version}" for version in CLAIM_VERSIONS)
+    sent = f"apiVersion {api_version!r}" if api_version else "no apiVersion"
+    return f"Tally cannot count a ResourceClaim of {sent}: it reads {supported}"
+
+
+def _weigh_unread(
+    plan: Plan,
+    rules: Sequence[RuleSnapshot],
+    unread: str,
+    budget: Callable[[Team], BudgetUse | None],
+) -> None:
+    """A claim of a version Tally does not read, in a team's namespace: denied when an enforce
+    rule or a hard budget binds the team (it could take anything past them), else admitted
+    with a warning, counted on nothing."""
+    assert plan.team is not None
+    enforced = sorted(rule.name for rule in rules if rule.mode == Mode.ENFORCE)
+    if enforced:
+        plan.denial = (
+            f'team "{plan.team.slug}": {unread}; it would not be counted on the enforce quota '
+            f"rule(s) {', '.join(enforced)}"
+        )
+        plan.reason = "UnsupportedVersion"
+        return
+    if _budget_denies(plan, None, budget):
+        return
+    plan.warnings.append(f"{unread}; it is counted on no quota rule")
+
+
 def _add_most(reserve: dict[int, Decimal], kept: list[Demand]) -> None:
     """Add to `reserve` the most any of a request's kept alternatives can take on each rule:
     until the scheduler picks one, the request holds what the largest could take."""
@@ -253,12 +298,15 @@ def claim_amounts(
 
 
 def _budget_denies(
-    plan: Plan, requests: list[dra.ParsedRequest], budget: Callable[[Team], BudgetUse | None]
+    plan: Plan,
+    requests: list[dra.ParsedRequest] | None,
+    budget: Callable[[Team], BudgetUse | None],
 ) -> bool:
     """Past a hard GPU-hour budget new claims are denied; past 80% or a soft one, warned. A
-    claim that only observes devices (admin access) is never weighed against it."""
+    claim that only observes devices (admin access) is never weighed against it; one whose
+    requests were not read (None) always is."""
     assert plan.team is not None
-    if all(r.admin_access for r in requests if not r.first_available):
+    if requests is not None and all(r.admin_access for r in requests if not r.first_available):
         return False
     use = budget(plan.team)
     if use is None:

@@ -245,6 +245,12 @@ def _claim_of(request: dict[str, Any]) -> tuple[dict[str, Any], str, bool]:
         claim = {**claim, "metadata": {}}
     elif not isinstance(metadata, dict):
         raise BadClaim(f"request.object.metadata: must be a mapping, not {_kind(metadata)}")
+    if not claim.get("apiVersion"):
+        # The API server always sends it; a claim written without one is read as the version
+        # the review names (`request.kind`).
+        kind = request.get("kind")
+        if isinstance(kind, dict) and kind.get("group") and kind.get("version"):
+            claim["apiVersion"] = f"{kind['group']}/{kind['version']}"
     claim["metadata"].setdefault("namespace", request.get("namespace") or "default")
     claim["metadata"].setdefault("name", request.get("name") or "")
     for key, longest in MAX_LENGTHS.items():
