@@ -211,11 +211,11 @@ def bill_period(
     )
 
 
-def close_due_at(period: Period) -> datetime | None:
-    """When beat closes `period` (`close_due_periods`): on TALLY_CLOSE_PERIOD_DAY of the period
-    after it; None when closing is turned off (0)."""
+def close_due_at(end: datetime) -> datetime | None:
+    """When beat closes the period that ends at `end` (`close_due_periods`): on
+    TALLY_CLOSE_PERIOD_DAY of the period after it; None when closing is turned off (0)."""
     day = int(settings.TALLY_CLOSE_PERIOD_DAY)
-    return period.end + timedelta(days=day - 1) if day else None
+    return end + timedelta(days=day - 1) if day else None
 
 
 def close_due_periods(*, now: datetime, actor: str) -> list[BillingRun]:
@@ -230,15 +230,11 @@ def close_due_periods(*, now: datetime, actor: str) -> list[BillingRun]:
     runs = []
     older = Period.objects.filter(closed_at__isnull=True, start__lt=previous_start)
     for period in older.order_by("start"):
-        due = close_due_at(period)
+        due = close_due_at(period.end)
         if due is None or due > now or period_bounds(period.start) != (period.start, period.end):
             continue
-        try:
-            runs.append(bill_period(period_start=period.start, now=now, close=True, actor=actor))
-        except PricingError:
-            if not Period.objects.filter(pk=period.pk, closed_at__isnull=False).exists():
-                raise
-            # closed while this ran
+        if (run := _bill_and_close(period.start, now=now, actor=actor)) is not None:
+            runs.append(run)
     previous = close_due_period(now=now, actor=actor)
     return [*runs, *([previous] if previous else [])]
 
@@ -250,18 +246,24 @@ def close_due_period(*, now: datetime, actor: str) -> BillingRun | None:
     off (0), the day has not come, or the period is closed already (by finance, or a run
     that was quicker). Run it as often as you like: the first run on or after the day closes.
     """
-    day = int(settings.TALLY_CLOSE_PERIOD_DAY)
     current_start, _ = period_bounds(now)
-    if not day or now < current_start + timedelta(days=day - 1):
+    due = close_due_at(current_start)
+    if due is None or now < due:
         return None
     previous_start, _ = period_bounds(current_start - timedelta(microseconds=1))
     if Period.objects.filter(start=previous_start, closed_at__isnull=False).exists():
         return None
+    return _bill_and_close(previous_start, now=now, actor=actor)
+
+
+def _bill_and_close(start: datetime, *, now: datetime, actor: str) -> BillingRun | None:
+    """`bill_period` closing the period that starts at `start`; None when it was closed while
+    this ran (by finance, or a quicker run)."""
     try:
-        return bill_period(period_start=previous_start, now=now, close=True, actor=actor)
+        return bill_period(period_start=start, now=now, close=True, actor=actor)
     except PricingError:
-        if Period.objects.filter(start=previous_start, closed_at__isnull=False).exists():
-            return None  # closed while this ran
+        if Period.objects.filter(start=start, closed_at__isnull=False).exists():
+            return None
         raise
 
 

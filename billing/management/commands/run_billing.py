@@ -105,7 +105,7 @@ def _open_note(period: Period, *, now: datetime) -> str:
             f"Period {period.label} is open: its statements change as data arrives until it "
             "is closed."
         )
-    due = services.close_due_at(period)
+    due = services.close_due_at(period.end)
     if due is None:
         when = "beat does not close periods (TALLY_CLOSE_PERIOD_DAY=0)"
     elif due <= now:
