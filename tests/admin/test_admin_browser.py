@@ -15,6 +15,7 @@ from django.urls import reverse
 from pytest_django.live_server_helper import LiveServer
 
 from tests.admin.conftest import Seeded, seed_admin
+from tests.frontend.conftest import watched_page
 
 pytestmark = pytest.mark.browser
 
@@ -44,12 +45,8 @@ def page(chromium: Any, live_server: LiveServer, operator: Any) -> Iterator[Any]
             }
         ]
     )
-    page = context.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
-    yield page
-    context.close()
-    assert not errors, f"JavaScript errors on the page: {errors}"
+    with watched_page(context) as page:
+        yield page
 
 
 def _width(page: Any, url: str, name: str) -> int:

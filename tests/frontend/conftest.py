@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,18 @@ def live_portal(transactional_db: None) -> Portal:
 def artifacts() -> Path:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     return ARTIFACTS
+
+
+@contextmanager
+def watched_page(context: Any) -> Iterator[Any]:
+    """A new page of the browser `context`, whose JavaScript errors fail the test; the context
+    is closed after it."""
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    yield page
+    context.close()
+    assert not errors, f"JavaScript errors on the page: {errors}"
 
 
 @pytest.fixture(scope="module")

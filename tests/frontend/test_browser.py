@@ -23,6 +23,7 @@ from pytest_django.live_server_helper import LiveServer
 from billing.models import RateCard, UsageHour
 from frontend import selectors
 from quota.models import QuotaRule
+from tests.frontend.conftest import watched_page
 from tests.frontend.seed import OUTLIER_NODE, PASSWORD, Portal
 
 pytestmark = pytest.mark.browser
@@ -61,12 +62,8 @@ BARS_OUTSIDE = """() => {
 def page(chromium: Any) -> Iterator[Any]:
     context = chromium.new_context(viewport=WIDE, accept_downloads=True)
     context.set_default_timeout(15_000)
-    page = context.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda error: errors.append(str(error)))
-    yield page
-    context.close()
-    assert not errors, f"JavaScript errors on the page: {errors}"
+    with watched_page(context) as page:
+        yield page
 
 
 def _log_in(page: Any, live_server: LiveServer, username: str) -> None:
