@@ -138,10 +138,86 @@ class Pool(models.Model):
 
 
 class DeviceKind(models.TextChoices):
-    GPU = "gpu", "whole GPU"
+    GPU = "gpu", "whole accelerator"
     MIG = "mig", "MIG device"
-    PARTITION = "partition", "partition of a GPU"
-    OTHER = "other", "not a GPU"
+    PARTITION = "partition", "partition of an accelerator"
+    OTHER = "other", "not an accelerator"
+
+
+class Unit(models.TextChoices):
+    """What a device's `gpu_share` counts: one physical accelerator of this unit is 1."""
+
+    GPU = "gpu", "GPU"
+    TPU = "tpu", "TPU chip"
+    GAUDI = "gaudi", "Gaudi card"
+    ACCELERATOR = "accelerator", "accelerator"
+
+
+class DriverProfile(models.Model):
+    """How to read one DRA driver's devices, configured by operators (policy file or admin).
+
+    Built-in profiles (NVIDIA, AMD, Intel GPU, Intel Gaudi, Google TPU) live in
+    `inventory.profiles`; a row here describes another driver or overrides a built-in one.
+    `spec` is validated by `inventory.profiles` (which devices are accelerators, the unit,
+    identity, model and memory attributes, how a partition's share is computed).
+    """
+
+    driver = models.CharField(max_length=253, unique=True)
+    spec = models.JSONField(default=dict)
+    # "policy": written by `apply_policy` (and pruned by it); "admin": written by hand.
+    source = models.CharField(max_length=16, default="admin")
+    updated_at = models.DateTimeField(auto_now=True)
+
+    def __str__(self) -> str:
+        return self.driver
+
+
+class VersionBaseline(models.Model):
+    """The driver/CUDA pair validated for one model or architecture in one cluster.
+
+    An empty `product_name` and `architecture` is the cluster-wide baseline; the most specific
+    row that matches a device applies (product, then architecture, then cluster-wide).
+    """
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE, related_name="baselines")
+    product_name = models.CharField(max_length=253, blank=True)
+    architecture = models.CharField(max_length=64, blank=True)
+    driver_version = models.CharField(max_length=64, blank=True)
+    cuda_driver_version = models.CharField(max_length=64, blank=True)
+    source = models.CharField(max_length=16, default="admin")
+    note = models.TextField(blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["cluster", "product_name", "architecture"],
+                name="versionbaseline_unique_scope",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        scope = self.product_name or self.architecture or "all models"
+        return f"{self.cluster} {scope}"
+
+
+class VersionDeviation(models.Model):
+    """A documented deviation from the baseline: a node or pool allowed to run another
+    driver/CUDA pair, why, who answers for it, and until when (issue 20)."""
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE, related_name="deviations")
+    node_name = models.CharField(max_length=253, blank=True)
+    pool = models.CharField(max_length=253, blank=True)
+    driver_version = models.CharField(max_length=64, blank=True)
+    cuda_driver_version = models.CharField(max_length=64, blank=True)
+    reason = models.TextField()
+    owner = models.CharField(max_length=253)
+    expires_at = models.DateTimeField()
+    source = models.CharField(max_length=16, default="admin")
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    def __str__(self) -> str:
+        return f"{self.cluster} {self.node_name or self.pool} until {self.expires_at:%Y-%m-%d}"
 
 
 class DeviceShape(models.Model):
@@ -155,6 +231,7 @@ class DeviceShape(models.Model):
     key = models.CharField(max_length=40)
     driver = models.CharField(max_length=253)
     kind = models.CharField(max_length=16, choices=DeviceKind.choices)
+    unit = models.CharField(max_length=16, choices=Unit.choices, default=Unit.GPU)
     gpu_share = models.DecimalField(max_digits=9, decimal_places=6, default=0)
     attributes = models.JSONField(default=dict, blank=True)
     capacity = models.JSONField(default=dict, blank=True)
@@ -190,8 +267,14 @@ class Device(models.Model):
     pool_generation = models.BigIntegerField()
     kind = models.CharField(max_length=16, choices=DeviceKind.choices, db_index=True)
     physical_gpu_key = models.CharField(max_length=512, blank=True, db_index=True)
-    # GPU-equivalents: 1 for a whole GPU, a MIG device's or partition's share of its GPU.
+    # What `gpu_share` counts (GPUs, TPU chips, Gaudi cards).
+    unit = models.CharField(max_length=16, choices=Unit.choices, default=Unit.GPU)
+    # Units: 1 for a whole accelerator, a MIG device's or partition's share of its parent.
     gpu_share = models.DecimalField(max_digits=9, decimal_places=6, default=0)
+    # What samples name the device by and billing meters it by: its published UUID (a MIG
+    # device's own), else an identity formed from cluster, driver, pool and device name
+    # (`inventory.profiles.meter_id`). Empty for devices that are not accelerators.
+    meter_id = models.CharField(max_length=128, blank=True, db_index=True)
     # `{qualified name: {"int"|"bool"|"string"|"version": value}}` exactly as published.
     attributes = models.JSONField(default=dict, blank=True)
     # `{qualified name: {"value": "40Gi", ...}}` exactly as published.
