@@ -227,6 +227,8 @@ AUTHENTICATION_BACKENDS = [
 AXES_FAILURE_LIMIT = env.get_int("TALLY_LOGIN_FAILURE_LIMIT", 5, minimum=1)
 AXES_COOLOFF_TIME = timedelta(minutes=env.get_int("TALLY_LOGIN_COOLOFF_MINUTES", 15, minimum=1))
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+# Days the record of each login (who, from where, when) is kept; beat deletes older ones.
+TALLY_LOGIN_LOG_DAYS = env.get_int("TALLY_LOGIN_LOG_DAYS", 90, minimum=1)
 AXES_RESET_ON_SUCCESS = True
 AXES_LOCKOUT_CALLABLE = "teams.lockout.lockout_response"
 # The client's address as the API's throttles see it (TALLY_TRUSTED_PROXIES).
@@ -423,7 +425,8 @@ CELERY_BEAT_SCHEDULE = {
         "schedule": env.get_int("TALLY_RECONCILE_QUOTAS_EVERY_SECONDS", 900, minimum=10),
     },
 }
-# Deletes expired sessions (Django's clearsessions) and expired API tokens, hourly at :40.
+# Deletes expired sessions (Django's clearsessions), expired API tokens, stale failed-login
+# counts and login records older than TALLY_LOGIN_LOG_DAYS, hourly at :40.
 CELERY_BEAT_SCHEDULE["logins-clear-expired"] = {
     "task": "teams.tasks.clear_expired_logins",
     "schedule": crontab(minute="40"),

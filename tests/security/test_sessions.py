@@ -7,6 +7,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from axes.models import AccessAttempt, AccessLog
 from django.conf import settings
 from django.contrib.auth.models import User
 from django.contrib.sessions.models import Session
@@ -98,3 +99,22 @@ def test_beat_clears_expired_sessions_and_tokens(cast: Cast) -> None:
     clear_expired_logins()
     assert set(Session.objects.values_list("session_key", flat=True)) == {live.session_key}
     assert list(AuthToken.objects.values_list("token_key", flat=True)) == [kept.key]
+
+
+def test_beat_clears_stale_login_records(cast: Cast) -> None:
+    now = timezone.now()
+    # Both models stamp `attempt_time` on creation, so the old ones are dated afterwards.
+    stale_failure, live_failure = (
+        AccessAttempt.objects.create(username="mallory", ip_address=address, failures_since_start=3)
+        for address in ("10.0.0.9", "10.0.0.8")
+    )
+    AccessAttempt.objects.filter(pk=stale_failure.pk).update(
+        attempt_time=now - settings.AXES_COOLOFF_TIME - timedelta(seconds=1)
+    )
+    old_login, recent_login = (AccessLog.objects.create(username="alice") for _ in range(2))
+    AccessLog.objects.filter(pk=old_login.pk).update(
+        attempt_time=now - timedelta(days=settings.TALLY_LOGIN_LOG_DAYS, seconds=1)
+    )
+    clear_expired_logins()
+    assert set(AccessAttempt.objects.values_list("pk", flat=True)) == {live_failure.pk}
+    assert set(AccessLog.objects.values_list("pk", flat=True)) == {recent_login.pk}
