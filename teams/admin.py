@@ -6,14 +6,17 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
-from django.contrib import admin
+from django import forms
+from django.contrib import admin, messages
 from django.db import models
 from django.db.models import QuerySet
 from django.forms import BaseFormSet
 from django.http import HttpRequest
+from knox.models import AuthToken
 
 from teams import audit
 from teams.models import AuditEntry
+from teams.tokens import MAX_DAYS, create_token, default_days, revoke_tokens
 
 
 def _stored(obj: models.Model) -> dict[str, Any]:
@@ -97,3 +100,90 @@ class AuditEntryAdmin(ReadOnlyAdmin):
     ordering = ("-at",)
     date_hierarchy = "at"
     show_full_result_count = False
+
+
+class TokenCreateForm(forms.ModelForm):
+    """A new API token: its user and for how many days it is valid (never without expiry)."""
+
+    days = forms.IntegerField(
+        min_value=1,
+        max_value=MAX_DAYS,
+        initial=default_days,
+        help_text="The token stops working this many days from now.",
+    )
+
+    class Meta:
+        model = AuthToken
+        fields = ["user"]
+
+    def clean_user(self) -> Any:
+        user = self.cleaned_data["user"]
+        if not user.is_active:
+            raise forms.ValidationError(f"user {user.get_username()!r} is inactive")
+        return user
+
+
+# knox's own admin lets a token be made with no expiry (valid for ever) or one in the past,
+# and makes and deletes tokens without the audit trail; this one goes through teams.tokens.
+admin.site.unregister(AuthToken)
+
+
+@admin.register(AuthToken)
+class TokenAdmin(admin.ModelAdmin):
+    list_display = ("token_key", "user", "created", "expiry")
+    search_fields = ("token_key", "user__username")
+    ordering = ("-created",)
+    fields = ("token_key", "user", "created", "expiry")
+    readonly_fields = fields
+
+    def get_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        return ("user", "days") if obj is None else self.fields
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> Any:
+        return () if obj is None else self.readonly_fields
+
+    def get_form(
+        self, request: HttpRequest, obj: Any = None, change: bool = False, **kwargs: Any
+    ) -> Any:
+        if obj is None:
+            kwargs["form"] = TokenCreateForm
+            kwargs["fields"] = ["user", "days"]
+        return super().get_form(request, obj, change, **kwargs)
+
+    def has_change_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False  # a token is revoked (deleted) and made anew, never edited
+
+    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
+        new = create_token(
+            user=form.cleaned_data["user"],
+            days=form.cleaned_data["days"],
+            actor=request.user.get_username(),
+        )
+        stored = AuthToken.objects.get(token_key=new.key)
+        for name in ("digest", "token_key", "created", "expiry"):
+            setattr(obj, name, getattr(stored, name))
+        self.message_user(
+            request,
+            f"TOKEN {new.token}",
+            messages.INFO,
+        )
+        self.message_user(
+            request,
+            f"Token {new.key} for {stored.user} expires {new.expiry:%Y-%m-%d %H:%M} UTC. "
+            "Copy it now: only its hash is kept.",
+            messages.WARNING,
+        )
+
+    def delete_model(self, request: HttpRequest, obj: Any) -> None:
+        revoke_tokens(user=obj.user, key=obj.token_key, actor=request.user.get_username())
+
+    def delete_queryset(self, request: HttpRequest, queryset: QuerySet[Any]) -> None:
+        for token in queryset.select_related("user"):
+            self.delete_model(request, token)
+
+    # The audit trail records tokens by key; the admin's own log would name them by digest.
+    def log_addition(self, request: HttpRequest, obj: Any, message: Any) -> Any:
+        return None
+
+    def log_deletions(self, request: HttpRequest, queryset: QuerySet[Any]) -> Any:
+        return []

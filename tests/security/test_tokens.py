@@ -168,11 +168,8 @@ def test_the_admin_shows_a_new_token_once_and_revokes_it(cast: Cast) -> None:
     operator = User.objects.create_superuser("root", password="x")
     admin = Client()
     admin.force_login(operator)
-    expiry = timezone.now() + timedelta(days=7)
     response = admin.post(
-        "/admin/knox/authtoken/add/",
-        {"user": cast.finance.pk, "expiry_0": f"{expiry:%Y-%m-%d}", "expiry_1": "12:00:00"},
-        follow=True,
+        "/admin/knox/authtoken/add/", {"user": cast.finance.pk, "days": 7}, follow=True
     )
     assert response.status_code == 200
     (token,) = [
@@ -182,11 +179,31 @@ def test_the_admin_shows_a_new_token_once_and_revokes_it(cast: Cast) -> None:
     ]
     assert teams_with(token) == 200
     stored = AuthToken.objects.get()
+    assert stored.expiry is not None
+    assert abs(stored.expiry - timezone.now() - timedelta(days=7)) < timedelta(minutes=1)
     assert token not in admin.get("/admin/knox/authtoken/").content.decode()
-    assert token not in admin.get(f"/admin/knox/authtoken/{stored.pk}/change/").content.decode()
+    page = admin.get(f"/admin/knox/authtoken/{stored.pk}/change/").content.decode()
+    assert token not in page and stored.token_key in page
     response = admin.post(f"/admin/knox/authtoken/{stored.pk}/delete/", {"post": "yes"})
     assert response.status_code == 302
     assert teams_with(token) == 401
+    entries = AuditEntry.objects.filter(actor="root").order_by("at", "pk")
+    assert [(e.actor, e.action, e.object_repr) for e in entries] == [
+        ("root", "create", stored.token_key),
+        ("root", "delete", stored.token_key),
+    ]
+    assert stored.digest not in str(list(entries.values()))
+
+
+@pytest.mark.parametrize("days", ["", "0", "3651", "-1"])
+def test_the_admin_makes_no_token_without_a_bounded_expiry(cast: Cast, days: str) -> None:
+    """knox's own form took a blank expiry (a token valid for ever) or one in the past."""
+    admin = Client()
+    admin.force_login(User.objects.create_superuser("root", password="x"))
+    response = admin.post("/admin/knox/authtoken/add/", {"user": cast.finance.pk, "days": days})
+    assert response.status_code == 200  # the form again, with its error
+    assert response.context["adminform"].form.errors["days"]
+    assert not AuthToken.objects.exists()
 
 
 @pytest.mark.parametrize("silent", [False, True], ids=["refused", "silent"])
