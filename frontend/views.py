@@ -20,7 +20,9 @@ from django.shortcuts import redirect, render
 from django.utils import timezone
 
 from frontend import selectors
+from inventory import checks
 from inventory import selectors as fleet
+from inventory.profiles import unit_label
 from teams.api import API_PREFIX, write_csv
 from teams.models import Team
 
@@ -177,7 +179,12 @@ def fleet_overview(request: HttpRequest) -> HttpResponse:
         "versions": versions,
         "spread": spread,
         "nodes": nodes,
+        "partial_free": [
+            (share, unit_label(unit)) for unit, share in spread["partial_free_by_unit"].items()
+        ],
         "capacity": fleet.capacity_by_model(cluster=cluster),
+        "sync_warnings": checks.sync_warnings(cluster=cluster),
+        "show_cluster": cluster is None,
     }
     return render(request, "frontend/fleet.html", context)
 

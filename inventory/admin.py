@@ -1,8 +1,9 @@
 """The inventory in Django admin, for operators.
 
 Everything the sync writes is shown read-only, with no add or delete: Kubernetes is the source
-of truth and history is never deleted. The one thing operators set here is a cluster's
-baseline driver/CUDA pair. Big tables skip the full count and select their relations, so a
+of truth and history is never deleted. What operators set here are the version baselines
+(per cluster, and per model or architecture) and the documented deviations from them, every
+write audited. Big tables skip the full count and select their relations, so a
 changelist costs a fixed number of queries at any size.
 """
 
@@ -10,10 +11,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from django import forms
 from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 from django.urls import reverse
+from django.utils import timezone
 from django.utils.html import format_html
 
 from inventory.models import (
@@ -27,10 +30,11 @@ from inventory.models import (
     ResourceClaim,
     ResourceSlice,
     SyncState,
+    VersionBaseline,
+    VersionDeviation,
 )
-from inventory.selectors import most_common_version_pair
-from inventory.services import set_cluster_baseline
-from teams.admin import ADMIN_CSS
+from inventory.versions import deviation_is_active, most_common_version_pairs, set_baseline
+from teams.admin import ADMIN_CSS, AuditedAdmin
 
 
 class _TimestampSetFilter(admin.SimpleListFilter):
@@ -116,11 +120,13 @@ class SyncedAdmin(admin.ModelAdmin):
 
 @admin.register(Cluster)
 class ClusterAdmin(admin.ModelAdmin):
-    list_display = ("name", "baseline_driver_version", "baseline_cuda_driver_version", "created_at")
+    """A cluster is created by its first sync; operators set its baselines (below) from here."""
+
+    list_display = ("name", "created_at", "baselines_link", "deviations_link")
     search_fields = ("name",)
-    fields = ("name", "created_at", "baseline_driver_version", "baseline_cuda_driver_version")
+    fields = ("name", "created_at")
     readonly_fields = ("name", "created_at")
-    actions = ("set_baseline_to_most_common",)
+    actions = ("set_baselines_to_most_common",)
 
     def has_add_permission(self, request: HttpRequest) -> bool:
         return False
@@ -128,28 +134,151 @@ class ClusterAdmin(admin.ModelAdmin):
     def has_delete_permission(self, request: HttpRequest, obj: Any = None) -> bool:
         return False
 
-    @admin.action(description="Set baseline to the most common pair", permissions=["change"])
-    def set_baseline_to_most_common(
+    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
+        """Nothing here is editable; a full save would write back a stale `fleet_version`."""
+
+    @admin.display(description="baselines")
+    def baselines_link(self, cluster: Cluster) -> str:
+        url = reverse("admin:inventory_versionbaseline_changelist")
+        return format_html('<a href="{}?cluster__id__exact={}">baselines</a>', url, cluster.pk)
+
+    @admin.display(description="deviations")
+    def deviations_link(self, cluster: Cluster) -> str:
+        url = reverse("admin:inventory_versiondeviation_changelist")
+        return format_html('<a href="{}?cluster__id__exact={}">deviations</a>', url, cluster.pk)
+
+    @admin.action(
+        description="Set each model's baseline to the pair on most of its GPUs",
+        permissions=["change"],
+    )
+    def set_baselines_to_most_common(
         self, request: HttpRequest, queryset: QuerySet[Cluster]
     ) -> None:
         for cluster in queryset:
-            pair = most_common_version_pair(cluster=cluster)
-            if pair is None:
+            pairs = most_common_version_pairs(cluster=cluster)
+            if not pairs:
                 self.message_user(
                     request, f"{cluster}: no GPU publishes a driver version", messages.WARNING
                 )
                 continue
-            set_cluster_baseline(
-                cluster=cluster,
-                driver_version=pair["driver_version"],
-                cuda_driver_version=pair["cuda_driver_version"],
+            for product, pair in pairs.items():
+                set_baseline(
+                    cluster=cluster,
+                    product_name=product,
+                    driver_version=pair["driver_version"],
+                    cuda_driver_version=pair["cuda_driver_version"],
+                    actor=request.user.get_username(),
+                    note="Set to the pair on most of its GPUs (admin action).",
+                )
+                self.message_user(
+                    request,
+                    f"{cluster}: baseline of {product or '(unknown model)'} set to driver "
+                    f"{pair['driver_version']}, CUDA {pair['cuda_driver_version'] or '(none)'}",
+                    messages.SUCCESS,
+                )
+
+
+class VersionBaselineForm(forms.ModelForm):
+    class Meta:
+        model = VersionBaseline
+        fields = (
+            "cluster",
+            "product_name",
+            "architecture",
+            "driver_version",
+            "cuda_driver_version",
+            "note",
+        )
+
+    def clean(self) -> dict[str, Any]:
+        cleaned: dict[str, Any] = super().clean() or {}
+        if not cleaned.get("driver_version") and not cleaned.get("cuda_driver_version"):
+            raise forms.ValidationError("Give the driver version, the CUDA version or both.")
+        return cleaned
+
+
+@admin.register(VersionBaseline)
+class VersionBaselineAdmin(AuditedAdmin):
+    """The validated driver/CUDA pair of a cluster's product, architecture or whole fleet.
+
+    Rows the policy file declares (source "policy") are rewritten by its next apply.
+    """
+
+    class Media:
+        css = {"all": (ADMIN_CSS,)}
+
+    list_display = (
+        "cluster",
+        "product_name",
+        "architecture",
+        "driver_version",
+        "cuda_driver_version",
+        "source",
+        "updated_at",
+    )
+    list_filter = ("cluster", "source")
+    search_fields = ("product_name", "architecture", "driver_version", "note")
+    list_select_related = ("cluster",)
+    form = VersionBaselineForm
+    fields = (*VersionBaselineForm.Meta.fields, "source", "updated_at")
+    readonly_fields = ("source", "updated_at")
+
+
+class VersionDeviationForm(forms.ModelForm):
+    class Meta:
+        model = VersionDeviation
+        fields = (
+            "cluster",
+            "node_name",
+            "pool",
+            "driver_version",
+            "cuda_driver_version",
+            "reason",
+            "owner",
+            "expires_at",
+        )
+
+    def clean(self) -> dict[str, Any]:
+        cleaned: dict[str, Any] = super().clean() or {}
+        if not cleaned.get("node_name") and not cleaned.get("pool"):
+            raise forms.ValidationError("Give the node, the pool or both that deviate.")
+        if not cleaned.get("driver_version") and not cleaned.get("cuda_driver_version"):
+            raise forms.ValidationError(
+                "Give the driver version, the CUDA version or both that are allowed."
             )
-            self.message_user(
-                request,
-                f"{cluster}: baseline set to driver {pair['driver_version']}, "
-                f"CUDA {pair['cuda_driver_version'] or '(none)'}",
-                messages.SUCCESS,
-            )
+        return cleaned
+
+
+@admin.register(VersionDeviation)
+class VersionDeviationAdmin(AuditedAdmin):
+    """Documented deviations: kept out of general scheduling, not flagged, until they expire."""
+
+    class Media:
+        css = {"all": (ADMIN_CSS,)}
+
+    form = VersionDeviationForm
+    list_display = (
+        "cluster",
+        "node_name",
+        "pool",
+        "driver_version",
+        "cuda_driver_version",
+        "owner",
+        "expires_at",
+        "is_active",
+        "source",
+    )
+    list_filter = ("cluster", "source")
+    search_fields = ("node_name", "pool", "owner", "reason", "driver_version")
+    list_select_related = ("cluster",)
+    readonly_fields = ("source", "created_at")
+    ordering = ("expires_at",)
+
+    fields = (*VersionDeviationForm.Meta.fields, "source", "created_at")
+
+    @admin.display(description="active", boolean=True)
+    def is_active(self, deviation: VersionDeviation) -> bool:
+        return deviation_is_active(deviation, timezone.now())
 
 
 @admin.register(Node)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -22,6 +23,8 @@ from typing import Any
 from django.utils.dateparse import parse_datetime
 from kubernetes.utils import parse_quantity
 
+from inventory import profiles
+
 GROUP = "resource.k8s.io"
 # Attribute value types of the v1 API; one of them is set on every attribute value.
 ATTRIBUTE_TYPES = ("int", "bool", "string", "version", "ints", "bools", "strings", "versions")
@@ -29,7 +32,18 @@ ATTRIBUTE_TYPES = ("int", "bool", "string", "version", "ints", "bools", "strings
 DEVICE_COLUMNS = ("name", "attributes", "capacity")
 # Attributes that identify one device rather than describe it; left out of device shapes.
 IDENTITY_ATTRIBUTES = frozenset(
-    {"uuid", "parentUUID", "pciBusID", "pcieRoot", "index", "minor", "serialNumber"}
+    {
+        "uuid",
+        "parentUUID",
+        "pciBusID",
+        "pcieRoot",
+        "index",
+        "minor",
+        "serialNumber",
+        "serial",  # Intel Gaudi
+        "pciAddress",  # Intel GPU
+        "pciAddr",  # AMD auto-partition devices
+    }
 )
 # NVIDIA's attribute domain: qualified names under it are read like unqualified ones.
 NVIDIA_DOMAIN = "gpu.nvidia.com"
@@ -555,7 +569,7 @@ _PARSERS: dict[str, Callable[[dict[str, Any], str, dict[str, Any], _Reader], Par
 _MIG_PROFILE = re.compile(r"^(?P<slices>\d+)g\.")
 # Compute slices of a whole GPU, by product; MIG-capable GPUs not listed here have 7.
 _MIG_SLICES_BY_PRODUCT = {"A30": 4}
-_GPU_TYPES = {"gpu": "gpu", "vfio": "gpu", "mig": "mig"}
+_SHARE_QUANTUM = Decimal("0.000001")
 
 
 @dataclass(slots=True)
@@ -571,13 +585,18 @@ class CountedDevice:
     driver: str = ""
     shape: dict[str, Any] = field(default_factory=dict)
     shape_key: str = ""
+    unit: str = "gpu"  # one of inventory.models.Unit: what gpu_share counts
+    meter_id: str = ""
 
 
-def device_shape(device: ParsedDevice, kind: str, gpu_share: Decimal) -> dict[str, Any]:
+def device_shape(
+    device: ParsedDevice, kind: str, gpu_share: Decimal, unit: str = "gpu"
+) -> dict[str, Any]:
     """What selectors can tell apart, less what only identifies one device (its UUID, PCI
     address, index): thousands of GPUs of one model share a handful of shapes."""
     return {
         "kind": kind,
+        "unit": unit,
         "gpu_share": str(gpu_share),
         "attributes": {
             name: value
@@ -597,18 +616,43 @@ def shape_digest(driver: str, shape: dict[str, Any]) -> str:
 
 def is_gpu_driver(driver: str, gpu_drivers: frozenset[str]) -> bool:
     """Whether devices without a `type` attribute from `driver` are GPUs."""
-    return driver in gpu_drivers or "gpu" in driver.split(".", 1)[0]
+    return profiles.is_gpu_driver(driver, gpu_drivers)
+
+
+@dataclass(slots=True)
+class _Entry:
+    slice_name: str
+    device: ParsedDevice
+    columns: dict[str, Any]
+    kind: str
+    identity: str = ""
+    parent: str = ""
+    unit_value: str = ""
+    counter_sets: list[str] = field(default_factory=list)
 
 
 def count_pool(
-    *, driver: str, pool: str, slices: list[ParsedSlice], gpu_drivers: frozenset[str]
+    *,
+    driver: str,
+    pool: str,
+    slices: list[ParsedSlice],
+    gpu_drivers: frozenset[str] = frozenset(),
+    cluster: str = "",
+    profile: profiles.Profile | None = None,
 ) -> list[CountedDevice]:
-    """Classify the devices of one complete pool generation and tie each to its physical GPU.
+    """Classify the devices of one complete pool generation and tie each to its physical unit.
 
-    A whole GPU, its MIG devices and its partitions get the same `physical_gpu_key`: the GPU's
-    UUID where the driver publishes one (`uuid`, or `parentUUID` on MIG devices), else the
-    shared counter set the devices consume (KEP-4815), else the device itself.
+    The driver's profile (`inventory.profiles`; built in, configured, or the generic one) says
+    which devices are accelerators and of what kind. A whole device, its MIG devices and its
+    partitions get the same `physical_gpu_key`: the unit's published identity (`uuid`, or
+    `parentUUID` on MIG devices), else the identity of the device that consumes the same
+    counter set (KEP-4815), else the attribute the unit's devices share (AMD's pciBusID), else
+    the counter set or the device itself. An identity that several whole devices of one type
+    publish (a TPU host's uuid on each chip) identifies none of them. `meter_id` is the
+    published identity where exactly one device has it, else one formed from `cluster`,
+    driver, pool and device name.
     """
+    profile = profile or profiles.builtin_profile(driver, gpu_drivers)
     totals: dict[str, dict[str, Decimal]] = {}
     for parsed_slice in slices:
         for shared in parsed_slice.shared_counters:
@@ -616,123 +660,255 @@ def count_pool(
                 name: Decimal(parse_quantity(entry["value"]))
                 for name, entry in (shared.get("counters") or {}).items()
             }
-    # A counter set consumed by a device that names its GPU identifies that GPU for the rest.
-    uuid_by_set: dict[str, str] = {}
+    entries: list[_Entry] = []
     for parsed_slice in slices:
         for device in parsed_slice.devices:
-            gpu_uuid = _gpu_uuid(device, driver)
-            if gpu_uuid and device.consumes_counters:
-                uuid_by_set.setdefault(device.consumes_counters[0]["counterSet"], gpu_uuid)
+            columns = _columns(device, driver, profile)
+            entry = _Entry(
+                slice_name=parsed_slice.name,
+                device=device,
+                columns=columns,
+                kind=_kind(device, driver, profile, columns["device_type"]),
+                counter_sets=[c["counterSet"] for c in device.consumes_counters],
+            )
+            if entry.kind != "other":
+                entry.identity = _first(device, driver, profile.identity_attributes)
+                if entry.kind in ("mig", "partition"):
+                    entry.parent = _first(device, driver, profile.parent_identity_attributes)
+                entry.unit_value = _first(device, driver, profile.physical_unit_attributes)
+            entries.append(entry)
+    _drop_shared_identities(entries, profile)
+    whole_identities = {e.identity for e in entries if e.kind == "gpu" and e.identity}
+    # A counter set consumed by a device that names its unit identifies that unit for the rest.
+    unit_by_set: dict[str, str] = {}
+    for entry in entries:
+        unit_identity = entry.parent or (entry.identity if entry.kind == "gpu" else "")
+        if unit_identity and entry.counter_sets:
+            unit_by_set.setdefault(entry.counter_sets[0], unit_identity)
+    keys: dict[int, str] = {}
+    for index, entry in enumerate(entries):
+        if entry.kind == "other":
+            keys[index] = ""
+            continue
+        first_set = entry.counter_sets[0] if entry.counter_sets else ""
+        own = entry.identity if entry.kind == "gpu" else ""
+        # A partition published with its parent's identity (NVIDIA vGPU slots carry the GPU's
+        # uuid) belongs to that parent.
+        inherited = entry.identity if entry.identity in whole_identities else ""
+        keys[index] = (
+            entry.parent
+            or own
+            or unit_by_set.get(first_set)
+            or (f"{driver}/{pool}/{entry.unit_value}" if entry.unit_value else "")
+            or inherited
+            or f"{driver}/{pool}/{first_set or entry.device.name}"
+        )
+    partitions_per_key: dict[str, int] = defaultdict(int)
+    for index, entry in enumerate(entries):
+        if entry.kind == "partition":
+            partitions_per_key[keys[index]] += 1
+    meters = _meter_identities(entries, profile)
     counted = []
-    gpu_driver = is_gpu_driver(driver, gpu_drivers)
-    for parsed_slice in slices:
-        for device in parsed_slice.devices:
-            columns = _columns(device, driver)
-            kind = _kind(device, columns["device_type"], gpu_driver, totals)
-            counter_set: str = (
-                device.consumes_counters[0]["counterSet"] if device.consumes_counters else ""
+    for index, entry in enumerate(entries):
+        kind = entry.kind
+        share = _share(
+            entry.device,
+            kind,
+            entry.columns,
+            profile,
+            totals,
+            partitions_per_key.get(keys[index], 0),
+        )
+        if kind == "gpu" and share < 1:
+            kind = "partition"  # a vGPU, or an untyped device that consumes part of a set
+        unit = profile.unit
+        shape = device_shape(entry.device, kind, share, unit)
+        counted.append(
+            CountedDevice(
+                slice_name=entry.slice_name,
+                device=entry.device,
+                kind=kind,
+                physical_gpu_key=keys[index],
+                gpu_share=share,
+                columns=entry.columns,
+                driver=driver,
+                shape=shape,
+                shape_key=shape_digest(driver, shape),
+                unit=unit,
+                meter_id=(
+                    ""
+                    if kind == "other"
+                    else profiles.meter_id(
+                        cluster, driver, pool, entry.device.name, meters.get(index, "")
+                    )
+                ),
             )
-            key = ""
-            if kind != "other":
-                key = (
-                    _gpu_uuid(device, driver)
-                    or uuid_by_set.get(counter_set)
-                    or f"{driver}/{pool}/{counter_set or device.name}"
-                )
-            share = _share(device, kind, columns, totals)
-            shape = device_shape(device, kind, share)
-            counted.append(
-                CountedDevice(
-                    slice_name=parsed_slice.name,
-                    device=device,
-                    kind=kind,
-                    physical_gpu_key=key,
-                    gpu_share=share,
-                    columns=columns,
-                    driver=driver,
-                    shape=shape,
-                    shape_key=shape_digest(driver, shape),
-                )
-            )
+        )
     return counted
 
 
-def _gpu_uuid(device: ParsedDevice, driver: str) -> str:
-    if device.attribute("type", driver) == "mig":
-        return str(device.attribute("parentUUID", driver) or "")
-    return str(device.attribute("uuid", driver) or "")
+def _first(device: ParsedDevice, driver: str, names: tuple[str, ...]) -> str:
+    """The first of the named attributes the device publishes, as text."""
+    for name in names:
+        value = device.attribute(name, driver)
+        if value is not None and not isinstance(value, list) and str(value) != "":
+            return str(value)
+    return ""
 
 
-def _kind(
-    device: ParsedDevice,
-    device_type: str,
-    gpu_driver: bool,
-    totals: dict[str, dict[str, Decimal]],
-) -> str:
-    if device_type:
-        return _GPU_TYPES.get(device_type, "other")
-    if not gpu_driver:
-        return "other"
-    fraction = _counter_fraction(device, totals)
-    return "partition" if fraction is not None and fraction < 1 else "gpu"
+def _drop_shared_identities(entries: list[_Entry], profile: profiles.Profile) -> None:
+    """Forget an identity that two whole devices of the same type publish: it names something
+    bigger than either (Google's TPU driver puts the host's uuid on every chip). The same GPU
+    published as `gpu` and as `vfio` keeps it: those are two ways of using one device."""
+    seen: dict[tuple[str, str], int] = defaultdict(int)
+    for entry in entries:
+        if entry.kind == "gpu" and entry.identity:
+            seen[(entry.identity, entry.columns["device_type"])] += 1
+    shared = {identity for (identity, _), count in seen.items() if count > 1}
+    for entry in entries:
+        if entry.identity in shared:
+            entry.identity = ""
 
 
-def _counter_fraction(
-    device: ParsedDevice, totals: dict[str, dict[str, Decimal]]
-) -> Decimal | None:
-    """The share of its counter set a device consumes: memory where counted, else the first."""
-    if not device.consumes_counters:
-        return None
-    consumption = device.consumes_counters[0]
-    total = totals.get(consumption["counterSet"])
-    counters = consumption.get("counters") or {}
-    if not total or not counters:
-        return None
-    name = "memory" if "memory" in counters else next(iter(counters))
-    if not total.get(name):
-        return None
-    return min(Decimal(parse_quantity(counters[name]["value"])) / total[name], Decimal(1))
+def _meter_identities(entries: list[_Entry], profile: profiles.Profile) -> dict[int, str]:
+    """Which devices meter by their published identity: the one device that publishes it, or
+    of several (a GPU also offered as vfio, vGPU slots carrying their GPU's uuid) the whole
+    device of the first type the profile lists; the others get formed identities."""
+    holders: dict[str, list[int]] = defaultdict(list)
+    for index, entry in enumerate(entries):
+        if entry.kind != "other" and entry.identity:
+            holders[entry.identity].append(index)
+    order = {name: position for position, name in enumerate(sorted(profile.whole_types))}
+    if "gpu" in order:
+        order["gpu"] = -1
+    meters: dict[int, str] = {}
+    for identity, indexes in holders.items():
+        if len(indexes) == 1:
+            meters[indexes[0]] = identity
+            continue
+        wholes = sorted(
+            (order.get(entries[i].columns["device_type"], len(order)), i)
+            for i in indexes
+            if entries[i].kind == "gpu"
+        )
+        if wholes and (len(wholes) == 1 or wholes[0][0] != wholes[1][0]):
+            meters[wholes[0][1]] = identity
+    return meters
+
+
+def _kind(device: ParsedDevice, driver: str, profile: profiles.Profile, device_type: str) -> str:
+    for exclusion in profile.exclude:
+        if exclusion.capacity:
+            value: Any = device.capacity_value(exclusion.name, driver)
+            if value is not None and value == exclusion.equals:
+                return "other"
+        else:
+            value = device.attribute(exclusion.name, driver)
+            if value is not None and (
+                value == exclusion.equals or str(value) == str(exclusion.equals)
+            ):
+                return "other"
+    kind = profile.kind_of(device_type)
+    if kind is not None:
+        return kind
+    return "gpu" if profile.untyped == "accelerator" else "other"
+
+
+def counter_share(device: ParsedDevice, totals: dict[str, dict[str, Decimal]]) -> Decimal | None:
+    """The share of its physical unit a device consumes through shared counters (KEP-4815).
+
+    Of each counter set it consumes from, the largest fraction of any counter (the scarcest
+    resource it blocks: a quarter of the multiprocessors is a quarter of the GPU even if it
+    takes only an eighth of the copy engines), summed over the sets (a device spanning two
+    GPUs' sets is two). Counters of 1 each mark positions (a MIG layout's memory slices,
+    `memory-slice-0` .. `memory-slice-7`): taking one of eight is an eighth, so the set's
+    one-counters are weighed together, as the share of them taken. None when it consumes
+    nothing countable.
+    """
+    share: Decimal | None = None
+    for consumption in device.consumes_counters:
+        total = totals.get(consumption["counterSet"])
+        counters = consumption.get("counters") or {}
+        if not total:
+            continue
+        positions = [name for name, value in total.items() if value == 1]
+        fractions = [
+            Decimal(parse_quantity(entry["value"])) / total[name]
+            for name, entry in counters.items()
+            if total.get(name) and (len(positions) < 2 or name not in positions)
+        ]
+        taken = [name for name in counters if name in positions]
+        if len(positions) >= 2 and taken:
+            fractions.append(Decimal(len(taken)) / len(positions))
+        if fractions:
+            share = (share or Decimal(0)) + min(max(fractions), Decimal(1))
+    return share
 
 
 def _share(
     device: ParsedDevice,
     kind: str,
     columns: dict[str, Any],
+    profile: profiles.Profile,
     totals: dict[str, dict[str, Decimal]],
+    partitions: int,
 ) -> Decimal:
+    """The device's share of its physical unit, by the profile's rules in order."""
     if kind == "other":
         return Decimal(0)
-    if kind == "gpu":
+    share: Decimal | None = None
+    for rule in profile.share:
+        if rule == "counters":
+            share = counter_share(device, totals)
+        elif rule == "mig-profile" and kind == "mig":
+            match = _MIG_PROFILE.match(columns["profile"])
+            if match:
+                product = columns["product_name"]
+                slices = next(
+                    (n for name, n in _MIG_SLICES_BY_PRODUCT.items() if name in product), 7
+                )
+                share = Decimal(int(match["slices"])) / slices
+        elif rule == "partition-profile" and kind == "partition":
+            count = profiles.partition_profile_count(columns["profile"], columns["product_name"])
+            if count is None and partitions:
+                count = partitions
+            if count:
+                share = Decimal(1) / count
+        elif rule == "vgpu-profile" and kind in ("gpu", "partition"):
+            share = profiles.vgpu_fraction(columns["profile"]) or profiles.vgpu_fraction(
+                columns["product_name"]
+            )
+        if share is not None:
+            break
+    if share is None:
+        share = Decimal(1) / partitions if kind == "partition" and partitions else Decimal(1)
+    if kind == "gpu" and share == 1:
         return Decimal(1)
-    if kind == "mig":
-        match = _MIG_PROFILE.match(columns["profile"])
-        if match:
-            product = columns["product_name"]
-            slices = next((n for name, n in _MIG_SLICES_BY_PRODUCT.items() if name in product), 7)
-            return (Decimal(int(match["slices"])) / slices).quantize(Decimal("0.000001"))
-    fraction = _counter_fraction(device, totals)
-    return (fraction if fraction is not None else Decimal(1)).quantize(Decimal("0.000001"))
+    # At most one unit per counter set it consumes from (a device may span several GPUs).
+    return min(share, Decimal(max(1, len(device.consumes_counters)))).quantize(_SHARE_QUANTUM)
 
 
-def _columns(device: ParsedDevice, driver: str) -> dict[str, Any]:
+def _columns(device: ParsedDevice, driver: str, profile: profiles.Profile) -> dict[str, Any]:
     """The attributes promoted to indexed columns, as strings (versions as published)."""
 
     def text(name: str) -> str:
-        value = device.attribute(name, driver)
+        value = device.attribute(name, driver) if name else None
         return "" if value is None or isinstance(value, list) else str(value)
 
-    memory = device.capacity_value("memory", driver)
-    if memory is None:
-        memory = device.capacity_value("addressableMemory", driver)
+    memory = None
+    for name in profile.memory_capacities:
+        memory = device.capacity_value(name, driver)
+        if memory is not None:
+            break
     return {
-        "product_name": text("productName") or text("model"),
+        "product_name": _first(device, driver, profile.model_attributes),
         "uuid": text("uuid"),
         "parent_uuid": text("parentUUID"),
-        "device_type": text("type"),
-        "profile": text("profile"),
+        "device_type": text(profile.type_attribute),
+        "profile": text(profile.profile_attribute),
         "memory_bytes": int(memory) if memory is not None else None,
-        "architecture": text("architecture"),
-        "driver_version": text("driverVersion"),
+        "architecture": _first(device, driver, profile.architecture_attributes),
+        "driver_version": _first(device, driver, profile.driver_version_attributes),
         "cuda_driver_version": text("cudaDriverVersion"),
         "cuda_compute_capability": text("cudaComputeCapability"),
     }

@@ -699,22 +699,80 @@ def replace_lease(
 
 # DeviceTaintRules (the version matrix's action, see inventory.taints) ---------------------
 #
-# DeviceTaintRule is served as resource.k8s.io/v1alpha3 in Kubernetes 1.33 and 1.34 (feature
-# gate DRADeviceTaints, and the v1alpha3 version enabled with --runtime-config).
+# DeviceTaintRule is served as resource.k8s.io/v1alpha3 from Kubernetes 1.33 (feature gate
+# DRADeviceTaints, from 1.35 DRADeviceTaintRules; the version enabled with --runtime-config),
+# v1beta2 from 1.36 (that version enabled too) and v1 once device taints are GA; which one a
+# cluster serves is found by discovery, not assumed. Every version selects by driver, pool and
+# device, the only selector fields Tally writes. The calls go through the client's generic
+# (custom-object) methods: they form the same paths for any version of a built-in kind.
 
-DEVICE_TAINT_RULE_API_VERSION = "resource.k8s.io/v1alpha3"
+DEVICE_TAINT_RULE_GROUP = "resource.k8s.io"
+DEVICE_TAINT_RULE_PLURAL = "devicetaintrules"
+# Most stable first: the first of these the cluster serves DeviceTaintRules in is used.
+DEVICE_TAINT_RULE_VERSIONS = ("v1", "v1beta2", "v1alpha3")
+_RESOURCE_VERSION_APIS: dict[str, Callable[[k8s.ApiClient], Any]] = {
+    "v1": k8s.ResourceV1Api,
+    "v1beta2": k8s.ResourceV1beta2Api,
+    "v1alpha3": k8s.ResourceV1alpha3Api,
+}
+
+
+def device_taint_rule_api_version(*, api_client: k8s.ApiClient) -> str:
+    """The `apiVersion` (`resource.k8s.io/<version>`) the cluster serves DeviceTaintRules in.
+
+    Reads the group's discovery document, then each served candidate version's resource list,
+    since a version can be served without DeviceTaintRules (feature gate off). Raises
+    `KubeError` naming the versions tried when none serves them.
+    """
+    timeout = (CONNECT_TIMEOUT_SECONDS, LIST_READ_TIMEOUT_SECONDS)
+    try:
+        group = _json(
+            k8s.ResourceApi(api_client).get_api_group(
+                _preload_content=False, _request_timeout=timeout
+            )
+        )
+    except ApiException as exc:
+        if exc.status != HTTP_NOT_FOUND:
+            raise
+        group = {}
+    served = {entry.get("version") for entry in group.get("versions") or ()}
+    for version in DEVICE_TAINT_RULE_VERSIONS:
+        if version not in served:
+            continue
+        resources = _json(
+            _RESOURCE_VERSION_APIS[version](api_client).get_api_resources(
+                _preload_content=False, _request_timeout=timeout
+            )
+        )
+        if any(
+            resource.get("name") == DEVICE_TAINT_RULE_PLURAL
+            for resource in resources.get("resources") or ()
+        ):
+            return f"{DEVICE_TAINT_RULE_GROUP}/{version}"
+    raise KubeError(
+        "the cluster serves no DeviceTaintRule API (looked for resource.k8s.io "
+        f"{', '.join(DEVICE_TAINT_RULE_VERSIONS)}; served: {', '.join(sorted(served)) or 'none'}): "
+        "enable the DRADeviceTaintRules feature gate (DRADeviceTaints before Kubernetes 1.35) "
+        "and its API version"
+    )
+
+
+def _taint_rule_path(api_version: str) -> tuple[str, str, str]:
+    group, _, version = api_version.partition("/")
+    return group, version, DEVICE_TAINT_RULE_PLURAL
 
 
 def list_device_taint_rules(
-    *, api_client: k8s.ApiClient, label_selector: str
+    *, api_client: k8s.ApiClient, api_version: str, label_selector: str
 ) -> list[dict[str, Any]]:
     """Every DeviceTaintRule matching `label_selector`, as JSON (all pages)."""
-    api = k8s.ResourceV1alpha3Api(api_client)
+    api = k8s.CustomObjectsApi(api_client)
     rules: list[dict[str, Any]] = []
     continue_token: str | None = None
     while True:
         page = _json(
-            api.list_device_taint_rule(
+            api.list_cluster_custom_object(
+                *_taint_rule_path(api_version),
                 label_selector=label_selector,
                 limit=settings.TALLY_SYNC_PAGE_SIZE,
                 _continue=continue_token,
@@ -724,7 +782,7 @@ def list_device_taint_rules(
         )
         for rule in page.get("items") or ():
             rule.setdefault("kind", "DeviceTaintRule")
-            rule.setdefault("apiVersion", DEVICE_TAINT_RULE_API_VERSION)
+            rule.setdefault("apiVersion", api_version)
             rules.append(rule)
         continue_token = (page.get("metadata") or {}).get("continue")
         if not continue_token:
@@ -732,10 +790,14 @@ def list_device_taint_rules(
 
 
 def create_device_taint_rule(*, api_client: k8s.ApiClient, body: dict[str, Any]) -> dict[str, Any]:
-    api = k8s.ResourceV1alpha3Api(api_client)
+    """Create the rule `body`, in the version its `apiVersion` names."""
+    api = k8s.CustomObjectsApi(api_client)
     return _json(
-        api.create_device_taint_rule(
-            body, _preload_content=False, _request_timeout=WRITE_TIMEOUT_SECONDS
+        api.create_cluster_custom_object(
+            *_taint_rule_path(body["apiVersion"]),
+            body,
+            _preload_content=False,
+            _request_timeout=WRITE_TIMEOUT_SECONDS,
         )
     )
 
@@ -744,10 +806,11 @@ def replace_device_taint_rule(
     *, api_client: k8s.ApiClient, body: dict[str, Any]
 ) -> dict[str, Any] | None:
     """Replace the rule if it is still at `body`'s resourceVersion; None on 409."""
-    api = k8s.ResourceV1alpha3Api(api_client)
+    api = k8s.CustomObjectsApi(api_client)
     return _unless_status(
         HTTP_CONFLICT,
-        lambda: api.replace_device_taint_rule(
+        lambda: api.replace_cluster_custom_object(
+            *_taint_rule_path(body["apiVersion"]),
             body["metadata"]["name"],
             body,
             _preload_content=False,
@@ -757,12 +820,13 @@ def replace_device_taint_rule(
 
 
 def delete_device_taint_rule(
-    *, api_client: k8s.ApiClient, name: str, resource_version: str
+    *, api_client: k8s.ApiClient, api_version: str, name: str, resource_version: str
 ) -> bool:
     """Delete the rule if it is still at `resource_version`; False when it changed or is gone."""
-    api = k8s.ResourceV1alpha3Api(api_client)
+    api = k8s.CustomObjectsApi(api_client)
     try:
-        api.delete_device_taint_rule(
+        api.delete_cluster_custom_object(
+            *_taint_rule_path(api_version),
             name,
             body={"preconditions": {"resourceVersion": resource_version}},
             _preload_content=False,

@@ -17,9 +17,6 @@ class Cluster(models.Model):
 
     name = models.SlugField(max_length=63, unique=True)
     created_at = models.DateTimeField(auto_now_add=True)
-    # The driver/CUDA pair operators have validated; empty means "the most common pair".
-    baseline_driver_version = models.CharField(max_length=64, blank=True)
-    baseline_cuda_driver_version = models.CharField(max_length=64, blank=True)
     # Bumped by every sync that changes devices, device classes or nodes: the webhook's
     # workers reload their view of the fleet only when it moves.
     fleet_version = models.PositiveBigIntegerField(default=0)

@@ -15,8 +15,10 @@ Counting rules, shared by every function here:
 - Devices without a node (multi-node pools) count towards capacity but not towards any node.
 - A physical GPU is partly used while some but not all of its present devices are held and
   their summed `gpu_share` is below 1: it counts as allocated above, and `partial_gpus`
-  reports the share still free on it. A GPU whose MIG slices are all held is full, even
-  when their shares sum below 1 (two 3g.40gb on an A100: 6/7, but no memory left).
+  reports the share still free on it and what can still be placed there. A GPU whose MIG
+  slices are all held is full, even when their shares sum below 1 (two 3g.40gb on an A100:
+  6/7, but no memory left). A node with a partly used GPU is partly used, never full.
+- Shares count the device's `unit` (GPUs, TPU chips, Gaudi cards): one physical unit is 1.
 
 When `cluster` is None a function covers all clusters; node names are then written
 `cluster/node`, since a node name is unique only within its cluster.
@@ -24,28 +26,35 @@ When `cluster` is None a function covers all clusters; node names are then writt
 
 from __future__ import annotations
 
-import re
 from collections import defaultdict
 from decimal import Decimal
 from typing import Any, TypedDict
 
-from django.db.models import BooleanField, Case, Count, F, Q, QuerySet, Sum, When
+from django.db.models import (
+    BooleanField,
+    Case,
+    CharField,
+    Count,
+    F,
+    Max,
+    Min,
+    Q,
+    QuerySet,
+    Sum,
+    Value,
+    When,
+)
+from django.db.models.functions import Cast, Concat
 
+from inventory import versions
+from inventory.checks import PoolGeneration, published_counter_sets, quantities, sync_warnings
 from inventory.models import Allocation, Cluster, Device, DeviceKind
+from inventory.profiles import unit_label
+from inventory.versions import VersionMatrix
 
 # Shares are stored to 6 places, so seven 1g slices sum to 0.999999: within this of 1 a GPU
 # is fully held.
 _FULL_SHARE_TOLERANCE = Decimal("0.0001")
-
-
-class VersionPair(TypedDict):
-    driver_version: str
-    cuda_driver_version: str
-
-
-class Baseline(VersionPair):
-    # "operator": the cluster's baseline fields; "most_common": the pair on the most nodes.
-    source: str
 
 
 class CapacityRow(TypedDict):
@@ -56,34 +65,31 @@ class CapacityRow(TypedDict):
     mig_devices: int
 
 
-class VersionRow(TypedDict):
-    cluster: str
-    driver_version: str
-    cuda_driver_version: str
-    nodes: list[str]
-    gpus: int
-    baseline: bool
-
-
-class VersionMatrix(TypedDict):
-    rows: list[VersionRow]
-    # The baseline of the requested cluster; None when all clusters are covered or none is known.
-    baseline: Baseline | None
-    baselines: dict[str, Baseline | None]
-    outlier_nodes: list[str]
-
-
 class NodeFragmentation(TypedDict):
     cluster: str
     node: str
     clique: str
+    # What the node's shares count (`Unit`), "accelerator" when its devices mix units, and
+    # its name in the plural ("GPUs", "TPU chips").
+    unit: str
+    unit_label: str
     gpus: int
     # Physical GPUs with anything held (partly used ones included) and with nothing held.
     allocated: int
     free: int
-    # Partly used GPUs, and GPU-equivalents free: `free` plus the free share of those.
+    # Wholly held and partly used GPUs (`allocated` is their sum), and units free: `free`
+    # plus the free share of the partly used ones.
+    gpus_full: int
     gpus_partial: int
     free_share: Decimal
+    # "free" (nothing held), "full" (every GPU wholly held) or "partly used".
+    state: str
+    # Unheld non-overlapping slices on its partly used GPUs, by profile.
+    free_slices: dict[str, int]
+    # The largest device a claim could get on the node now ("whole GPU", "3g.40gb"), and its
+    # share; "" and 0 when nothing is placeable.
+    largest_placeable: str
+    largest_placeable_share: Decimal
 
 
 class PartialGpu(TypedDict):
@@ -91,16 +97,27 @@ class PartialGpu(TypedDict):
     node: str  # "" for a GPU without a node
     physical_gpu_key: str
     product_name: str
+    unit: str
+    unit_label: str  # the unit's name, singular ("GPU", "TPU chip")
     held_share: Decimal
     free_share: Decimal
     held_label: str  # "3/7" when the share is in sevenths (MIG), else a percentage
+    free_label: str
     # Held devices by profile (a device without one by name).
     held_devices: dict[str, int]
-    # Unheld statically created MIG devices by profile: slices a claim can get as they are.
+    # Unheld slices that overlap nothing (static MIG devices, fixed partitions), by profile:
+    # a claim can get each of them as they are, all at once.
     free_slices: dict[str, int]
-    # Whether unheld devices that overlap others (KEP-4815 partitions, the whole GPU) exist:
-    # they are not listed, as holding one may rule out the rest; `free_share` is all we know.
+    # Whether unheld devices that overlap others (KEP-4815 partitions, the whole GPU) exist.
     overlapping_unheld: bool
+    # Unheld devices a claim could get now, by profile (else share): the free slices, and
+    # overlapping devices whose counters fit in what the held ones leave of their counter
+    # set (where the set is not stored, whose share fits in the free share). Each on its
+    # own: taking one may rule out others.
+    placeable: dict[str, int]
+    # The largest of them, and its share; "" and 0 when none is.
+    largest_placeable: str
+    largest_placeable_share: Decimal
 
 
 class FragmentationSummary(TypedDict):
@@ -110,8 +127,10 @@ class FragmentationSummary(TypedDict):
     largest_free_block: int
     largest_free_clique_block: int
     gpus_partial: int
-    # GPU-equivalents free on partly used GPUs (not counted in any whole-GPU figure).
+    # Units free on partly used GPUs (not counted in any whole-GPU figure), in all and by
+    # unit (`Unit` value → share), as GPUs and TPU chips do not add up.
     partial_free_share: Decimal
+    partial_free_by_unit: dict[str, Decimal]
 
 
 class Fragmentation(FragmentationSummary):
@@ -150,142 +169,106 @@ def capacity_by_model(*, cluster: Cluster | None = None) -> list[CapacityRow]:
 
 
 def version_matrix(*, cluster: Cluster | None = None) -> VersionMatrix:
-    """Which driver/CUDA pairs run where, the baseline pair, and the nodes that stray from it.
+    """Which driver/CUDA pairs run where, per cluster and GPU model: the baseline (set or
+    computed), the nodes and GPUs on it, the outliers and the deviations documenting them.
 
-    One row per cluster and pair: the nodes with a GPU on that pair and the physical GPUs on
-    it. Devices that publish no driver version (VFIO passthrough) are left out. A cluster's
-    baseline is its `baseline_*` fields when an operator set either (an empty one matches any
-    value), else the pair found on the most nodes, ties going to the newest driver, then the
-    newest CUDA version. Every cluster covered gets its own baseline in `baselines`, and
-    `outlier_nodes` (sorted) are the nodes with any GPU on a pair that differs from the
-    baseline of their cluster.
+    See `inventory.versions.version_matrix`, which this is.
     """
-    qualify = cluster is None
-    per_node = (
-        _present_gpu_devices(cluster)
-        .exclude(driver_version="")
-        .values("cluster__name", "node__name", "driver_version", "cuda_driver_version")
-        .annotate(gpus=Count("physical_gpu_key", distinct=True))
-        .order_by()
-    )
-    rows: dict[tuple[str, str, str], VersionRow] = {}
-    for entry in per_node:
-        key = (entry["cluster__name"], entry["driver_version"], entry["cuda_driver_version"])
-        row = rows.setdefault(
-            key,
-            VersionRow(
-                cluster=key[0],
-                driver_version=key[1],
-                cuda_driver_version=key[2],
-                nodes=[],
-                gpus=0,
-                baseline=False,
-            ),
-        )
-        # A key lives on one node, so per-node distinct counts add up without double counting.
-        row["gpus"] += entry["gpus"]
-        if entry["node__name"] is not None:
-            row["nodes"].append(_node_label(key[0], entry["node__name"], qualify))
-
-    clusters = [cluster] if cluster is not None else list(Cluster.objects.order_by("name"))
-    baselines: dict[str, Baseline | None] = {}
-    outliers: set[str] = set()
-    for covered in clusters:
-        cluster_rows = [row for row in rows.values() if row["cluster"] == covered.name]
-        baseline = _baseline(covered, cluster_rows)
-        baselines[covered.name] = baseline
-        for row in cluster_rows:
-            row["nodes"].sort()
-            row["baseline"] = baseline is not None and _matches(row, baseline)
-            if not row["baseline"]:
-                outliers.update(row["nodes"])
-
-    # Newest pair first within each cluster: two stable sorts, the last one decides first.
-    ordered = sorted(
-        rows.values(),
-        key=lambda row: (
-            _version_key(row["driver_version"]),
-            _version_key(row["cuda_driver_version"]),
-        ),
-        reverse=True,
-    )
-    ordered.sort(key=lambda row: row["cluster"])
-    return VersionMatrix(
-        rows=ordered,
-        baseline=baselines[cluster.name] if cluster is not None else None,
-        baselines=baselines,
-        outlier_nodes=sorted(outliers),
-    )
-
-
-def most_common_version_pair(*, cluster: Cluster) -> VersionPair | None:
-    """The driver/CUDA pair on the most nodes of `cluster`, ignoring its operator baseline.
-
-    Ties go to the newest driver, then the newest CUDA version; None when no GPU publishes a
-    driver version.
-    """
-    pair = _most_common(version_matrix(cluster=cluster)["rows"])
-    if pair is None:
-        return None
-    return VersionPair(
-        driver_version=pair["driver_version"], cuda_driver_version=pair["cuda_driver_version"]
-    )
+    return versions.version_matrix(cluster=cluster)
 
 
 def fragmentation(*, cluster: Cluster | None = None) -> Fragmentation:
     """How the free GPUs are spread over nodes, NVLink cliques and partly used GPUs.
 
     `nodes` has one row per node with a present GPU (sorted by name); a node is free when
-    none of its GPUs is allocated, full when all are, partial otherwise.
+    none of its GPUs is allocated, full when all are wholly held, partly used otherwise (one
+    MIG slice held on its only A100 leaves it partly used, with 6/7 free).
     `largest_free_block` is the most free GPUs on one node; `largest_free_clique_block` the
     most free GPUs within one NVLink clique, summing the nodes of a cluster that share a
     non-empty `Node.clique`, a node without clique counting alone. Both count whole GPUs
     only: a partly used GPU cannot take a claim for a whole one. `partial_gpus` is
-    `partial_gpus()`; `gpus_partial` and `partial_free_share` sum it.
+    `partial_gpus()`; `gpus_partial` and `partial_free_share` sum it. A node's
+    `largest_placeable` is the largest device of its wholly free GPUs or the largest
+    placeable one of its partly used GPUs.
     """
     qualify = cluster is None
     per_node = (
         _present_gpu_devices(cluster)
         .filter(node__isnull=False)
         .values("cluster__name", "node_id", "node__name", "node__clique")
-        .annotate(gpus=_count_gpus(), allocated=_count_gpus(allocated=True))
+        .annotate(
+            gpus=_count_gpus(),
+            allocated=_count_gpus(allocated=True),
+            lowest_unit=Min("unit"),
+            highest_unit=Max("unit"),
+        )
         .order_by()
     )
     partial = partial_gpus(cluster=cluster)
     partial_by_node: dict[str, list[PartialGpu]] = defaultdict(list)
     for gpu in partial:
         partial_by_node[gpu["node"]].append(gpu)
+    largest_free = _largest_on_free_gpus(cluster)
     nodes: list[NodeFragmentation] = []
     free_by_clique: dict[tuple[str, object], int] = defaultdict(int)
     for entry in per_node:
         free = entry["gpus"] - entry["allocated"]
         label = _node_label(entry["cluster__name"], entry["node__name"], qualify)
         on_node = partial_by_node.get(label, [])
+        unit = (
+            entry["lowest_unit"] if entry["lowest_unit"] == entry["highest_unit"] else "accelerator"
+        )
+        free_slices: dict[str, int] = defaultdict(int)
+        for gpu in on_node:
+            for profile, count in gpu["free_slices"].items():
+                free_slices[profile] += count
+        largest_share, largest = max(
+            [
+                largest_free.get(label, (Decimal(0), "")),
+                *((gpu["largest_placeable_share"], gpu["largest_placeable"]) for gpu in on_node),
+            ]
+        )
+        gpus_full = entry["allocated"] - len(on_node)
         nodes.append(
             NodeFragmentation(
                 cluster=entry["cluster__name"],
                 node=label,
                 clique=entry["node__clique"],
+                unit=unit,
+                unit_label=unit_label(unit),
                 gpus=entry["gpus"],
                 allocated=entry["allocated"],
                 free=free,
+                gpus_full=gpus_full,
                 gpus_partial=len(on_node),
                 free_share=Decimal(free) + sum((gpu["free_share"] for gpu in on_node), Decimal(0)),
+                state="free"
+                if entry["allocated"] == 0
+                else "full"
+                if gpus_full == entry["gpus"]
+                else "partly used",
+                free_slices=dict(sorted(free_slices.items())),
+                largest_placeable=largest,
+                largest_placeable_share=largest_share,
             )
         )
         # Clique ids are only meaningful within a cluster; a node without one is its own group.
         group = entry["node__clique"] or ("node", entry["node_id"])
         free_by_clique[(entry["cluster__name"], group)] += free
     nodes.sort(key=lambda row: row["node"])
+    free_by_unit: dict[str, Decimal] = defaultdict(Decimal)
+    for gpu in partial:
+        free_by_unit[gpu["unit"]] += gpu["free_share"]
     return Fragmentation(
         nodes=nodes,
-        nodes_free=sum(1 for row in nodes if row["allocated"] == 0),
-        nodes_partial=sum(1 for row in nodes if 0 < row["allocated"] < row["gpus"]),
-        nodes_full=sum(1 for row in nodes if row["allocated"] == row["gpus"]),
+        nodes_free=sum(1 for row in nodes if row["state"] == "free"),
+        nodes_partial=sum(1 for row in nodes if row["state"] == "partly used"),
+        nodes_full=sum(1 for row in nodes if row["state"] == "full"),
         largest_free_block=max((row["free"] for row in nodes), default=0),
         largest_free_clique_block=max(free_by_clique.values(), default=0),
         gpus_partial=len(partial),
         partial_free_share=sum((gpu["free_share"] for gpu in partial), Decimal(0)),
+        partial_free_by_unit=dict(sorted(free_by_unit.items())),
         partial_gpus=partial,
     )
 
@@ -294,10 +277,14 @@ def partial_gpus(*, cluster: Cluster | None = None) -> list[PartialGpu]:
     """Physical GPUs partly used now, with the share held and free and the devices behind it.
 
     Sorted by node, then physical GPU key. The held share sums the `gpu_share` of the held
-    devices, each once however many allocations share it; the free share is the rest. Only
-    unheld statically created MIG devices (kind `mig` with a uuid, consuming no counters) are
-    listed as free slices; other unheld devices overlap (KEP-4815 partitions, or the whole
-    GPU) and only set `overlapping_unheld`, as the free share may fit none of them.
+    devices, each once however many allocations share it; the free share is the rest. Unheld
+    devices that consume no counters and are slices (kind `mig` or `partition`) overlap
+    nothing and are listed as free slices. Other unheld devices overlap (KEP-4815 partitions,
+    or the whole GPU) and set `overlapping_unheld`; they are placeable when what they consume
+    of each counter fits in what the held devices leave of their counter set, as the
+    scheduler decides (a whole GPU's device consumes all of it). A device that consumes no
+    counters, or whose counter set is not stored, is placeable when its share fits in the
+    free share. Two queries at most, whatever the size of the fleet.
     """
     held = _held_device_ids()
     # Keys of GPUs partly held, as a subquery: one round trip, and only their devices return.
@@ -317,13 +304,11 @@ def partial_gpus(*, cluster: Cluster | None = None) -> list[PartialGpu]:
         .order_by()
         .values("physical_gpu_key")
     )
-    static = Q(kind=DeviceKind.MIG) & ~Q(uuid="") & ~Q(extra__has_key="consumesCounters")
-    devices = (
+    devices = list(
         _present_gpu_devices(cluster)
         .filter(physical_gpu_key__in=partly_held)
         .annotate(
             held=Case(When(pk__in=held, then=True), default=False, output_field=BooleanField()),
-            static_mig=Case(When(static, then=True), default=False, output_field=BooleanField()),
         )
         .values(
             "cluster_id",
@@ -331,55 +316,175 @@ def partial_gpus(*, cluster: Cluster | None = None) -> list[PartialGpu]:
             "node__name",
             "physical_gpu_key",
             "product_name",
+            "driver",
+            "pool",
+            "pool_generation",
             "name",
+            "kind",
+            "unit",
             "profile",
             "gpu_share",
+            "extra__consumesCounters",
             "held",
-            "static_mig",
         )
         .order_by("name")
     )
+    counter_sets = published_counter_sets(
+        generations={
+            (d["cluster_id"], d["driver"], d["pool"], d["pool_generation"])
+            for d in devices
+            if d["extra__consumesCounters"]
+        }
+    )
     qualify = cluster is None
     gpus: dict[tuple[int, str], PartialGpu] = {}
+    by_gpu: dict[tuple[int, str], list[dict[str, Any]]] = defaultdict(list)
     for device in devices:
         # Per cluster: a key partly held in one cluster may also exist whole in another.
         identity = (device["cluster_id"], device["physical_gpu_key"])
-        gpu = gpus.get(identity)
-        if gpu is None:
+        by_gpu[identity].append(device)
+        if identity not in gpus:
             node = device["node__name"]
-            gpu = gpus[identity] = PartialGpu(
+            gpus[identity] = PartialGpu(
                 cluster=device["cluster__name"],
                 node=_node_label(device["cluster__name"], node, qualify) if node else "",
                 physical_gpu_key=device["physical_gpu_key"],
                 product_name=device["product_name"],
+                unit=device["unit"],
+                unit_label=unit_label(device["unit"], plural=False),
                 held_share=Decimal(0),
                 free_share=Decimal(0),
                 held_label="",
+                free_label="",
                 held_devices={},
                 free_slices={},
                 overlapping_unheld=False,
+                placeable={},
+                largest_placeable="",
+                largest_placeable_share=Decimal(0),
             )
+    partial = []
+    for identity, gpu in gpus.items():
+        _tally_gpu(gpu, by_gpu[identity], counter_sets)
+        if (
+            gpu["held_devices"]
+            and (gpu["free_slices"] or gpu["overlapping_unheld"])
+            and gpu["held_share"] < 1 - _FULL_SHARE_TOLERANCE
+        ):
+            partial.append(gpu)
+    return sorted(partial, key=lambda gpu: (gpu["node"], gpu["physical_gpu_key"]))
+
+
+def _tally_gpu(
+    gpu: PartialGpu,
+    devices: list[dict[str, Any]],
+    counter_sets: dict[PoolGeneration, dict[str, dict[str, Decimal]]],
+) -> None:
+    """Fill in what is held, free and placeable on one GPU from its present devices."""
+    left: dict[str, dict[str, Decimal]] = {}
+    for device in devices:
+        generation = (
+            device["cluster_id"],
+            device["driver"],
+            device["pool"],
+            device["pool_generation"],
+        )
+        published = counter_sets.get(generation, {})
+        for set_name in _consumed(device):
+            if set_name in published and set_name not in left:
+                left[set_name] = dict(published[set_name])
+    for device in devices:
+        if not device["held"]:
+            continue
+        gpu["held_share"] += device["gpu_share"]
         label = device["profile"] or device["name"]
+        gpu["held_devices"][label] = gpu["held_devices"].get(label, 0) + 1
+        for set_name, counters in _consumed(device).items():
+            for counter, amount in counters.items():
+                if set_name in left and counter in left[set_name]:
+                    left[set_name][counter] -= amount
+    free_share = Decimal(1) - gpu["held_share"]
+    for device in devices:
         if device["held"]:
-            gpu["held_share"] += device["gpu_share"]
-            gpu["held_devices"][label] = gpu["held_devices"].get(label, 0) + 1
-        elif device["static_mig"]:
+            continue
+        consumed = _consumed(device)
+        label = _device_label(device)
+        consumes = bool(device["extra__consumesCounters"])
+        if not consumes and device["kind"] in (DeviceKind.MIG, DeviceKind.PARTITION):
             gpu["free_slices"][label] = gpu["free_slices"].get(label, 0) + 1
+            fits = True
         else:
             gpu["overlapping_unheld"] = True
-    partial = [
-        gpu
-        for gpu in gpus.values()
-        if gpu["held_devices"]
-        and (gpu["free_slices"] or gpu["overlapping_unheld"])
-        and gpu["held_share"] < 1 - _FULL_SHARE_TOLERANCE
-    ]
-    for gpu in partial:
-        gpu["free_share"] = Decimal(1) - gpu["held_share"]
-        gpu["held_label"] = _share_label(gpu["held_share"])
-        gpu["held_devices"] = dict(sorted(gpu["held_devices"].items()))
-        gpu["free_slices"] = dict(sorted(gpu["free_slices"].items()))
-    return sorted(partial, key=lambda gpu: (gpu["node"], gpu["physical_gpu_key"]))
+            if consumed and all(set_name in left for set_name in consumed):
+                fits = all(
+                    amount <= left[set_name].get(counter, Decimal(-1))
+                    for set_name, counters in consumed.items()
+                    for counter, amount in counters.items()
+                )
+            else:
+                fits = device["gpu_share"] <= free_share + _FULL_SHARE_TOLERANCE
+        if fits:
+            gpu["placeable"][label] = gpu["placeable"].get(label, 0) + 1
+            largest = (gpu["largest_placeable_share"], gpu["largest_placeable"])
+            if (device["gpu_share"], label) > largest:
+                gpu["largest_placeable_share"], gpu["largest_placeable"] = (
+                    device["gpu_share"],
+                    label,
+                )
+    gpu["free_share"] = free_share
+    gpu["held_label"] = _share_label(gpu["held_share"])
+    gpu["free_label"] = _share_label(free_share)
+    gpu["held_devices"] = dict(sorted(gpu["held_devices"].items()))
+    gpu["free_slices"] = dict(sorted(gpu["free_slices"].items()))
+    gpu["placeable"] = dict(sorted(gpu["placeable"].items()))
+
+
+def _consumed(device: dict[str, Any]) -> dict[str, dict[str, Decimal]]:
+    """What a device consumes of each counter set, summed per set and counter."""
+    consumed: dict[str, dict[str, Decimal]] = defaultdict(lambda: defaultdict(Decimal))
+    for consumption in device["extra__consumesCounters"] or []:
+        if isinstance(consumption, dict):
+            for counter, amount in quantities(consumption.get("counters")).items():
+                consumed[str(consumption.get("counterSet") or "")][counter] += amount
+    return consumed
+
+
+def _device_label(device: dict[str, Any]) -> str:
+    """How a placeable device is named: its profile ("3g.40gb"), "whole GPU", else its share
+    ("1/4 GPU", "25% TPU chip"), as partitions without a profile differ by name only."""
+    unit = unit_label(device["unit"], plural=False)
+    if device["profile"]:
+        return str(device["profile"])
+    if device["kind"] == DeviceKind.GPU:
+        return f"whole {unit}"
+    return f"{_share_label(device['gpu_share'])} {unit}"
+
+
+def _largest_on_free_gpus(cluster: Cluster | None) -> dict[str, tuple[Decimal, str]]:
+    """Per node label, the largest device on a GPU of it with nothing held, and its share."""
+    # A key lives on one node; with the node in it, keys of two clusters cannot mix.
+    identity = Concat(Cast("node_id", CharField()), Value(" "), "physical_gpu_key")
+    held_gpus = (
+        Device.objects.filter(pk__in=_held_device_ids(), node__isnull=False)
+        .annotate(identity=identity)
+        .values("identity")
+    )
+    rows = (
+        _present_gpu_devices(cluster)
+        .filter(node__isnull=False)
+        .annotate(identity=identity)
+        .exclude(identity__in=held_gpus)
+        .values("cluster__name", "node__name", "kind", "profile", "unit")
+        .annotate(gpu_share=Max("gpu_share"))
+        .order_by()
+    )
+    largest: dict[str, tuple[Decimal, str]] = {}
+    for row in rows:
+        node = _node_label(row["cluster__name"], row["node__name"], cluster is None)
+        candidate = (row["gpu_share"], _device_label(row))
+        if candidate > largest.get(node, (Decimal(0), "")):
+            largest[node] = candidate
+    return largest
 
 
 def fleet_report(*, cluster: Cluster | None = None) -> dict[str, Any]:
@@ -387,14 +492,18 @@ def fleet_report(*, cluster: Cluster | None = None) -> dict[str, Any]:
 
     Keys: `nodes` (nodes with a present GPU), `gpus_by_model` (product_name → physical GPUs),
     `mig_devices`, `capacity` (see `capacity_by_model`), `driver_matrix` (one row per
-    cluster and pair: `nodes` is the node count, `node_names` the names, plus `gpus` and
-    whether it is the `baseline`), `baseline` and `baselines` (see `version_matrix`),
-    `outlier_nodes`, `fragmentation` (the summary counts of `fragmentation`) and
-    `partial_gpus` (see `partial_gpus`). GPU shares are decimal strings, as JSON has no
-    exact decimals.
+    cluster, model and pair: `nodes` is the node count, `node_names` the names, plus `gpus`,
+    whether it is the model's `baseline`, and its `documented_nodes` and `outlier_nodes`),
+    `baseline`, `baselines`, `version_models` (per cluster and model: baseline, GPUs on it,
+    outliers), `outlier_nodes` (undocumented), `documented_nodes` and `deviations` (see
+    `version_matrix`; times in ISO 8601), `fragmentation` (the summary counts of `fragmentation`),
+    `partly_used_nodes` (its node rows in state "partly used"), `partial_gpus` (see
+    `partial_gpus`), and `sync_warnings` (see
+    `inventory.checks.sync_warnings`). GPU shares are decimal strings, as JSON has no exact
+    decimals.
     """
     capacity = capacity_by_model(cluster=cluster)
-    versions = version_matrix(cluster=cluster)
+    matrix = version_matrix(cluster=cluster)
     spread = fragmentation(cluster=cluster)
     return {
         "cluster": cluster.name if cluster is not None else None,
@@ -405,18 +514,25 @@ def fleet_report(*, cluster: Cluster | None = None) -> dict[str, Any]:
         "driver_matrix": [
             {
                 "cluster": row["cluster"],
+                "product_name": row["product_name"],
+                "architecture": row["architecture"],
                 "driver_version": row["driver_version"],
                 "cuda_driver_version": row["cuda_driver_version"],
                 "nodes": len(row["nodes"]),
                 "node_names": row["nodes"],
                 "gpus": row["gpus"],
                 "baseline": row["baseline"],
+                "documented_nodes": row["documented_nodes"],
+                "outlier_nodes": row["outlier_nodes"],
             }
-            for row in versions["rows"]
+            for row in matrix["rows"]
         ],
-        "baseline": versions["baseline"],
-        "baselines": versions["baselines"],
-        "outlier_nodes": versions["outlier_nodes"],
+        "baseline": matrix["baseline"],
+        "baselines": matrix["baselines"],
+        "version_models": versions.jsonable(matrix["models"]),
+        "outlier_nodes": matrix["outlier_nodes"],
+        "documented_nodes": matrix["documented_nodes"],
+        "deviations": versions.jsonable(matrix["deviations"]),
         "fragmentation": {
             "nodes_free": spread["nodes_free"],
             "nodes_partial": spread["nodes_partial"],
@@ -425,11 +541,29 @@ def fleet_report(*, cluster: Cluster | None = None) -> dict[str, Any]:
             "largest_free_clique_block": spread["largest_free_clique_block"],
             "gpus_partial": spread["gpus_partial"],
             "partial_free_share": str(spread["partial_free_share"]),
+            "partial_free_by_unit": {
+                unit: str(share) for unit, share in spread["partial_free_by_unit"].items()
+            },
         },
+        "partly_used_nodes": [
+            {
+                **node,
+                "free_share": str(node["free_share"]),
+                "largest_placeable_share": str(node["largest_placeable_share"]),
+            }
+            for node in spread["nodes"]
+            if node["state"] == "partly used"
+        ],
         "partial_gpus": [
-            {**gpu, "held_share": str(gpu["held_share"]), "free_share": str(gpu["free_share"])}
+            {
+                **gpu,
+                "held_share": str(gpu["held_share"]),
+                "free_share": str(gpu["free_share"]),
+                "largest_placeable_share": str(gpu["largest_placeable_share"]),
+            }
             for gpu in spread["partial_gpus"]
         ],
+        "sync_warnings": sync_warnings(cluster=cluster),
     }
 
 
@@ -475,58 +609,3 @@ def _count_gpus(*, allocated: bool = False) -> Count:
 
 def _node_label(cluster_name: str, node_name: str, qualify: bool) -> str:
     return f"{cluster_name}/{node_name}" if qualify else node_name
-
-
-def _baseline(cluster: Cluster, rows: list[VersionRow]) -> Baseline | None:
-    if cluster.baseline_driver_version or cluster.baseline_cuda_driver_version:
-        return Baseline(
-            driver_version=cluster.baseline_driver_version,
-            cuda_driver_version=cluster.baseline_cuda_driver_version,
-            source="operator",
-        )
-    pair = _most_common(rows)
-    if pair is None:
-        return None
-    return Baseline(
-        driver_version=pair["driver_version"],
-        cuda_driver_version=pair["cuda_driver_version"],
-        source="most_common",
-    )
-
-
-def _most_common(rows: list[VersionRow]) -> VersionRow | None:
-    return max(
-        rows,
-        key=lambda row: (
-            len(row["nodes"]),
-            _version_key(row["driver_version"]),
-            _version_key(row["cuda_driver_version"]),
-            # Distinct strings can parse alike ("580.82.07" and "580.82.7"); keep the choice stable.
-            row["driver_version"],
-            row["cuda_driver_version"],
-        ),
-        default=None,
-    )
-
-
-def _matches(row: VersionRow, baseline: Baseline) -> bool:
-    # An operator may pin only one of the two versions; the other then matches anything.
-    pinned_only = baseline["source"] == "operator"
-
-    def same(value: str, wanted: str) -> bool:
-        return value == wanted or (pinned_only and not wanted)
-
-    return same(row["driver_version"], baseline["driver_version"]) and same(
-        row["cuda_driver_version"], baseline["cuda_driver_version"]
-    )
-
-
-_VERSION_PART = re.compile(r"\d+|[^\d.\-+]+")
-
-
-def _version_key(version: str) -> tuple[tuple[int, int, str], ...]:
-    """Sort key that orders versions numerically ("580.126.20" is newer than "580.82.07")."""
-    return tuple(
-        (1, int(part), "") if part.isdigit() else (0, 0, part)
-        for part in _VERSION_PART.findall(version)
-    )

@@ -18,7 +18,7 @@ from django.db import transaction
 from django.db.models import F, Q
 
 from db.copy import bulk_insert
-from inventory import dra, owners
+from inventory import dra, owners, profiles
 from inventory.models import (
     Allocation,
     Cluster,
@@ -65,20 +65,6 @@ def get_cluster(name: str) -> Cluster:
     """The cluster called `name`, created on first use."""
     cluster, _ = Cluster.objects.get_or_create(name=name)
     return cluster
-
-
-def set_cluster_baseline(
-    *, cluster: Cluster, driver_version: str, cuda_driver_version: str
-) -> None:
-    """Record the driver/CUDA pair operators validated; the version matrix flags the rest.
-
-    Writes only the two baseline columns, so a sync writing the same row is never undone.
-    """
-    Cluster.objects.filter(pk=cluster.pk).update(
-        baseline_driver_version=driver_version, baseline_cuda_driver_version=cuda_driver_version
-    )
-    cluster.baseline_driver_version = driver_version
-    cluster.baseline_cuda_driver_version = cuda_driver_version
 
 
 def import_snapshot(
@@ -182,7 +168,12 @@ def resolve_claim_jobs(
             if references == candidates[uid][1] and job not in ("", owners.own_job(references)):
                 del candidates[uid]
     return {
-        uid: owners.resolve_job(namespace=namespace, owner_references=references, lookup=lookup)
+        uid: owners.resolve_job(
+            namespace=namespace,
+            owner_references=references,
+            lookup=lookup,
+            creator_labels=settings.TALLY_CREATED_BY_LABELS,
+        )
         for uid, (namespace, references) in candidates.items()
     }
 
@@ -236,6 +227,10 @@ class _Writer:
         self.jobs: Mapping[str, owners.Resolution] = jobs or {}
         self.claims_written: set[int] = set()
         self.slices: list[dra.ParsedSlice] = []
+        # Slice name -> (driver, pool, generation, spec) of its first listing in this run: a
+        # dump that lists one name twice (files concatenated, two clusters' dumps mixed) keeps
+        # the last, and says so.
+        self.slice_listings: dict[str, tuple[str, str, int, dict[str, Any]]] = {}
         self.buffered_devices = 0
         self.claims: list[dra.ParsedClaim] = []
         self.nodes: list[dra.ParsedNode] = []
@@ -244,9 +239,20 @@ class _Writer:
         self.node_ids: dict[str, int] = {}
         self.shape_ids: dict[str, int] = {}
         self.gpu_drivers: frozenset[str] = settings.TALLY_GPU_DRIVERS
+        # Driver profiles (built in, overridden by DriverProfile rows), read once per sync.
+        self.profiles = profiles.ProfileBook.load(self.gpu_drivers)
 
     def add(self, parsed: dra.Parsed) -> None:
         if isinstance(parsed, dra.ParsedSlice):
+            listing = (parsed.driver, parsed.pool, parsed.generation, parsed.spec)
+            first = self.slice_listings.setdefault(parsed.name, listing)
+            if first is not listing and first != listing:
+                self.report.errors.append(
+                    f"ResourceSlice {parsed.name}: listed twice with different contents "
+                    f"(pool {first[0]}/{first[1]} generation {first[2]}, then "
+                    f"{parsed.driver}/{parsed.pool} generation {parsed.generation}); "
+                    "the last listing is kept"
+                )
             self.slices.append(parsed)
             self.buffered_devices += len(parsed.devices) + 1
             if self.buffered_devices >= _DEVICES_PER_FLUSH:
@@ -560,8 +566,17 @@ class _Writer:
     ) -> dict[str, dra.CountedDevice]:
         """The counted devices of one complete generation, by name; duplicates reported."""
         desired: dict[str, dra.CountedDevice] = {}
+        profile = self.profiles.get(driver)
+        for error in self.profiles.errors:
+            if error not in self.report.errors:
+                self.report.errors.append(error)
         for counted in dra.count_pool(
-            driver=driver, pool=pool, slices=slices, gpu_drivers=self.gpu_drivers
+            driver=driver,
+            pool=pool,
+            slices=slices,
+            gpu_drivers=self.gpu_drivers,
+            cluster=self.cluster.name,
+            profile=profile,
         ):
             if counted.device.name in desired:
                 self.report.errors.append(
@@ -596,6 +611,7 @@ class _Writer:
                         key=key,
                         driver=shapes[key].driver,
                         kind=shape["kind"],
+                        unit=shapes[key].unit,
                         gpu_share=shapes[key].gpu_share,
                         attributes=shape["attributes"],
                         capacity=shape["capacity"],
@@ -652,10 +668,21 @@ class _Writer:
         claims_to_create = []
         refined: dict[int, tuple[str, str]] = {}
         jobs: dict[str, str] = {}
+        creators: dict[str, str] = {}
         for key, parsed in by_key.items():
             claim = existing.get(key)
             jobs[key] = self._job(parsed, claim)
             fields = _claim_fields(parsed, job=jobs[key])
+            creators[key] = owners.claim_creator(
+                recorded=claim.created_by if claim is not None else "",
+                annotations=parsed.annotations,
+                labels=parsed.labels,
+                resolution=self.jobs.get(key),
+                creator_labels=settings.TALLY_CREATED_BY_LABELS,
+                controllers=settings.TALLY_WORKLOAD_CONTROLLERS,
+            )
+            if creators[key]:
+                fields["created_by"] = creators[key]
             if claim is None:
                 claims_to_create.append(
                     ResourceClaim(cluster=self.cluster, uid=key, first_seen=self.at, **fields)
@@ -689,7 +716,7 @@ class _Writer:
             stored = existing.get(key)
             charged = {
                 "job": jobs[key] or (stored.admitted_job if stored else ""),
-                "username": stored.created_by if stored else "",
+                "username": creators[key],
             }
             start = min(parsed.allocated_at, self.at) if parsed.allocated_at else self.at
             for result in parsed.results:
@@ -885,7 +912,9 @@ _DEVICE_FIELDS = (
     "pool_generation",
     "kind",
     "physical_gpu_key",
+    "unit",
     "gpu_share",
+    "meter_id",
     "attributes",
     "capacity",
     "extra",
@@ -916,7 +945,9 @@ def _device_fields(
         "pool_generation": generation,
         "kind": counted.kind,
         "physical_gpu_key": counted.physical_gpu_key,
+        "unit": counted.unit,
         "gpu_share": counted.gpu_share,
+        "meter_id": counted.meter_id,
         "attributes": device.attributes,
         "capacity": device.capacity,
         "extra": device.extra,

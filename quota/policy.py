@@ -22,6 +22,25 @@ The format (see docs/policy.example.yaml)::
         gpus: 8                    # or `memory: 640Gi`: exactly one of the two
         mode: enforce              # enforce (default) | warn
       budget: {gpuHours: 2000, mode: hard}   # optional; per billing period; hard | soft
+    drivers:                       # optional; absent: driver profiles are left as they are
+      npu.example.com:             # a DRA driver Tally has no built-in profile for
+        unit: accelerator          # gpu | tpu | gaudi | accelerator
+        identity_attributes: [serial]
+        model_attributes: [model]
+      gpu.intel.com:               # keys given here replace the built-in profile's
+        exclude: []                # count integrated GPUs too
+    versions:                      # optional; absent: baselines and deviations are left alone
+      baselines:                   # the validated driver/CUDA pair, per cluster and model
+      - cluster: prod              # optional: TALLY_CLUSTER_NAME
+        productName: NVIDIA H100 80GB HBM3   # or architecture: Hopper; neither: cluster-wide
+        driverVersion: 580.82.07   # at least one of the two versions
+        cudaDriverVersion: "13.0"
+      deviations:                  # documented: tainted out of general scheduling, not flagged
+      - node: dgx-canary           # node, pool, or both
+        driverVersion: 570.172.08
+        reason: canary for the 570 branch
+        owner: gpu-platform
+        expires: 2027-01-31        # after it, the node is an outlier again
     rates:                         # optional; absent: the rate cards are left as they are
     - productName: NVIDIA H100 80GB HBM3
       profile: 3g.40gb             # optional: the price of an hour of one slice of this
@@ -35,6 +54,10 @@ A rate card is identified by productName, profile, currency and `from`. Money al
 stays as it was: a rate card whose validity reaches into a closed billing period is never
 changed or deleted so that the period would be priced differently, and no new one may reach
 into it.
+
+A driver profile (the keys are `inventory.profiles`'s) is identified by its driver name; the
+file manages the DriverProfile rows it wrote (source "policy"), never those written by hand.
+A changed profile takes effect on the next full inventory sync.
 """
 
 from __future__ import annotations
@@ -66,20 +89,24 @@ from billing.rates import (
     rate_change_error,
 )
 from billing.services import delete_rate_card, save_rate_card
-from inventory.models import DeviceClass
+from inventory.models import DeviceClass, DriverProfile
+from inventory.profiles import ProfileError, validate_spec
+from inventory.versions import VersionPolicy, apply_version_policy, parse_version_policy
 from quota.cel import CELError, compile_selector
 from quota.models import Budget, Mode, QuotaRule, Reservation, ReservationState, Unit
 from quota.services import lock_usage, recount_usage, set_budget
 from teams import audit
 from teams.models import AuditEntry, Membership, Role, Team, TeamNamespace
 
-_TOP_KEYS = ("teams", "rates")
+_TOP_KEYS = ("teams", "rates", "drivers", "versions")
 _TEAM_KEYS = ("slug", "name", "costCentre", "namespaces", "leads", "members", "quotas", "budget")
 _RULE_KEYS = ("name", "deviceClass", "selector", "gpus", "memory", "mode")
 _BUDGET_KEYS = ("gpuHours", "mode")
 _BUDGET_MODES = ("hard", "soft")
 _RATE_KEYS = ("productName", "profile", "perGpuHour", "idleFactor", "currency", "from", "until")
 # A Kubernetes namespace name: a DNS-1123 label.
+# A DRA driver name: a DNS subdomain (RFC 1123), at most 63 characters as the API allows.
+_DRIVER_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")
 # QuotaRule.limit is NUMERIC(24, 6).
 _LIMIT_DIGITS, _LIMIT_PLACES = 24, 6
@@ -170,6 +197,10 @@ class Policy:
     teams: tuple[TeamSpec, ...]
     rates: tuple[RateSpec, ...] | None = None
     notes: tuple[str, ...] = ()
+    # Driver name -> checked profile spec; None when the file has no `drivers` key.
+    drivers: dict[str, dict[str, Any]] | None = None
+    # Version baselines and documented deviations; None when the file has no `versions` key.
+    versions: VersionPolicy | None = None
 
 
 @dataclass
@@ -337,6 +368,11 @@ def load_policy(text: str) -> Policy:
             _check_overlaps(checker, rates)
         else:
             checker.error("rates", f"must be a list, got {_kind(top['rates'])}")
+    drivers = _drivers(checker, top["drivers"]) if "drivers" in top else None
+    version_policy = None
+    if "versions" in top:
+        version_policy, version_errors = parse_version_policy(top["versions"], "versions")
+        checker.errors += version_errors
     teams_value = top.get("teams", [])
     if not isinstance(teams_value, list):
         checker.error("teams", f"must be a list, got {_kind(teams_value)}")
@@ -352,7 +388,34 @@ def load_policy(text: str) -> Policy:
     _check_unique(checker, teams)
     if checker.errors:
         raise PolicyError(checker.errors)
-    return Policy(teams=tuple(teams), rates=rates, notes=tuple(notes))
+    return Policy(
+        teams=tuple(teams),
+        rates=rates,
+        notes=tuple(notes),
+        drivers=drivers,
+        versions=version_policy,
+    )
+
+
+def _drivers(checker: _Checker, value: Any) -> dict[str, dict[str, Any]]:
+    """The `drivers:` section: driver name -> profile spec, each checked by
+    `inventory.profiles.validate_spec` with errors at their path in the file."""
+    if not isinstance(value, dict):
+        checker.error("drivers", f"must be a mapping of driver name to profile, got {_kind(value)}")
+        return {}
+    drivers = {}
+    for name, spec in value.items():
+        path = f"drivers.{name}"
+        if not isinstance(name, str) or len(name) > 63 or not _DRIVER_NAME.match(name):
+            checker.error(
+                path, "not a DRA driver name (lowercase DNS subdomain, at most 63 characters)"
+            )
+            continue
+        try:
+            drivers[name] = validate_spec(spec, path)
+        except ProfileError as exc:
+            checker.error(exc.path, exc.problem)
+    return drivers
 
 
 def _present_device_classes() -> set[str] | None:
@@ -701,6 +764,7 @@ class _State:
     budgets: dict[int, Budget]
     rate_cards: dict[RateKey, RateCard]
     closed_periods: list[ClosedPeriod]
+    driver_profiles: dict[str, DriverProfile] = field(default_factory=dict)
 
     @classmethod
     def load(cls, *, lock_periods: bool) -> _State:
@@ -730,6 +794,7 @@ class _State:
         # `billing.services` takes them.
         closed = closed_periods(lock=lock_periods)
         rate_cards = {_rate_key(card): card for card in RateCard.objects.select_for_update()}
+        driver_profiles = {row.driver: row for row in DriverProfile.objects.select_for_update()}
         return cls(
             teams=teams,
             namespaces=namespaces,
@@ -738,6 +803,7 @@ class _State:
             budgets=budgets,
             rate_cards=rate_cards,
             closed_periods=closed,
+            driver_profiles=driver_profiles,
         )
 
     def undeclared_teams(self, policy: Policy) -> list[Team]:
@@ -893,6 +959,23 @@ class _Applier:
                 self._budget(spec.budget, team)
         for rate_spec in policy.rates or ():
             self._rate(rate_spec)
+        for driver, profile_spec in (policy.drivers or {}).items():
+            self._put(
+                self.state.driver_profiles.get(driver),
+                DriverProfile,
+                identity={"driver": driver},
+                values={"spec": profile_spec, "source": "policy"},
+            )
+        if policy.drivers is None and prune and self._policy_profiles():
+            self.report.notes.append(
+                "drivers: not declared, so the driver profiles are not this file's: "
+                "--prune keeps them"
+            )
+        if policy.versions is not None:
+            changes = apply_version_policy(specs=policy.versions, actor=self.actor, prune=prune)
+            for entry in changes.entries:
+                self.report.add_entry(entry)
+            self.report.notes.extend(changes.notes)
         if policy.rates is None and prune and self.state.rate_cards:
             self.report.notes.append(
                 "rates: not declared, so the rate cards are not this file's: --prune keeps them"
@@ -932,7 +1015,17 @@ class _Applier:
                 for key, card in sorted(self.state.rate_cards.items())
                 if key not in declared_rates
             ]
+        if policy.drivers is not None:
+            undeclared += [
+                row for row in self._policy_profiles() if row.driver not in policy.drivers
+            ]
         return undeclared + list(self.state.undeclared_teams(policy))
+
+    def _policy_profiles(self) -> list[DriverProfile]:
+        """The stored driver profiles a policy file wrote; those written by hand are not its."""
+        return [
+            row for _, row in sorted(self.state.driver_profiles.items()) if row.source == "policy"
+        ]
 
     def _users(self, teams: Iterable[TeamSpec]) -> dict[str, Any]:
         """The users the teams name, by username; missing ones created, password unusable."""

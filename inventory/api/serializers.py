@@ -6,6 +6,9 @@ from typing import Any
 
 from rest_framework import serializers
 
+from inventory.checks import CHECKS
+from inventory.versions import COMPUTED, SET
+
 
 class CapacitySerializer(serializers.Serializer[Any]):
     product_name = serializers.CharField()
@@ -22,15 +25,59 @@ class VersionPairSerializer(serializers.Serializer[Any]):
 
 class BaselineSerializer(VersionPairSerializer):
     # A field named like Field.source: DRF moves declared fields off the class, so it works.
-    source = serializers.ChoiceField(choices=("operator", "most_common"))  # type: ignore[assignment]
+    source = serializers.ChoiceField(choices=(SET, COMPUTED))  # type: ignore[assignment]
+    scope = serializers.CharField(
+        allow_blank=True,
+        help_text='A set baseline\'s scope ("product", "architecture", "cluster").',
+    )
 
 
 class DriverMatrixRowSerializer(VersionPairSerializer):
     cluster = serializers.CharField()
-    nodes = serializers.IntegerField(help_text="How many nodes run this pair.")
+    product_name = serializers.CharField(allow_blank=True)
+    architecture = serializers.CharField(allow_blank=True)
+    nodes = serializers.IntegerField(help_text="How many nodes run this pair for this model.")
     node_names = serializers.ListField(child=serializers.CharField())
     gpus = serializers.IntegerField()
-    baseline = serializers.BooleanField()
+    baseline = serializers.BooleanField(help_text="Whether this is the model's baseline pair.")
+    documented_nodes = serializers.ListField(
+        child=serializers.CharField(), help_text="Nodes a deviation documents on this pair."
+    )
+    outlier_nodes = serializers.ListField(
+        child=serializers.CharField(), help_text="Nodes on this pair no deviation documents."
+    )
+
+
+class DeviationSerializer(VersionPairSerializer):
+    id = serializers.IntegerField()
+    cluster = serializers.CharField()
+    node_name = serializers.CharField(allow_blank=True)
+    pool = serializers.CharField(allow_blank=True)
+    reason = serializers.CharField()
+    owner = serializers.CharField()
+    expires_at = serializers.DateTimeField()
+    expired = serializers.BooleanField(help_text="Expired: its nodes are outliers again.")
+
+
+class OutlierSerializer(VersionPairSerializer):
+    cluster = serializers.CharField()
+    node = serializers.CharField(allow_blank=True)
+    driver = serializers.CharField()
+    pool = serializers.CharField()
+    product_name = serializers.CharField(allow_blank=True)
+    gpus = serializers.IntegerField()
+    deviation = DeviationSerializer(allow_null=True, help_text="null: undocumented.")
+
+
+class ModelVersionsSerializer(serializers.Serializer[Any]):
+    cluster = serializers.CharField()
+    product_name = serializers.CharField(allow_blank=True)
+    architecture = serializers.CharField(allow_blank=True)
+    baseline = BaselineSerializer()
+    gpus = serializers.IntegerField()
+    nodes_on_baseline = serializers.ListField(child=serializers.CharField())
+    gpus_on_baseline = serializers.IntegerField()
+    outliers = OutlierSerializer(many=True)
 
 
 class FragmentationSerializer(serializers.Serializer[Any]):
@@ -43,8 +90,37 @@ class FragmentationSerializer(serializers.Serializer[Any]):
     partial_free_share = serializers.DecimalField(
         max_digits=15,
         decimal_places=6,
-        help_text="GPU-equivalents free on partly held GPUs (in no whole-GPU count).",
+        help_text="Units free on partly held GPUs (in no whole-GPU count), all units summed.",
     )
+    partial_free_by_unit = serializers.DictField(
+        child=serializers.DecimalField(max_digits=15, decimal_places=6),
+        help_text="The same by unit (gpu, tpu, gaudi, accelerator), as they do not add up.",
+    )
+
+
+class PartlyUsedNodeSerializer(serializers.Serializer[Any]):
+    cluster = serializers.CharField()
+    node = serializers.CharField()
+    clique = serializers.CharField(allow_blank=True)
+    unit = serializers.CharField(help_text='What its shares count; "accelerator" when mixed.')
+    unit_label = serializers.CharField(help_text='The unit in the plural ("GPUs").')
+    gpus = serializers.IntegerField()
+    allocated = serializers.IntegerField(help_text="GPUs with anything held.")
+    free = serializers.IntegerField(help_text="GPUs with nothing held.")
+    gpus_full = serializers.IntegerField(help_text="GPUs wholly held.")
+    gpus_partial = serializers.IntegerField(help_text="GPUs partly held.")
+    free_share = serializers.DecimalField(
+        max_digits=15, decimal_places=6, help_text="Free GPUs plus the free share of partly held."
+    )
+    state = serializers.ChoiceField(choices=("free", "partly used", "full"))
+    free_slices = serializers.DictField(
+        child=serializers.IntegerField(),
+        help_text="Unheld non-overlapping slices on its partly held GPUs, by profile.",
+    )
+    largest_placeable = serializers.CharField(
+        allow_blank=True, help_text='The largest device a claim could get now ("3g.40gb").'
+    )
+    largest_placeable_share = serializers.DecimalField(max_digits=9, decimal_places=6)
 
 
 class PartialGpuSerializer(serializers.Serializer[Any]):
@@ -52,19 +128,44 @@ class PartialGpuSerializer(serializers.Serializer[Any]):
     node = serializers.CharField(allow_blank=True)
     physical_gpu_key = serializers.CharField()
     product_name = serializers.CharField(allow_blank=True)
+    unit = serializers.CharField(help_text="What the shares count (gpu, tpu, gaudi, ...).")
+    unit_label = serializers.CharField(help_text='The unit\'s name ("GPU", "TPU chip").')
     held_share = serializers.DecimalField(max_digits=9, decimal_places=6)
     free_share = serializers.DecimalField(max_digits=9, decimal_places=6)
     held_label = serializers.CharField(help_text='"3/7" for sevenths, else a percentage.')
+    free_label = serializers.CharField(help_text='"4/7" for sevenths, else a percentage.')
     held_devices = serializers.DictField(
         child=serializers.IntegerField(), help_text="Held devices by profile (else name)."
     )
     free_slices = serializers.DictField(
         child=serializers.IntegerField(),
-        help_text="Unheld statically created MIG devices by profile.",
+        help_text="Unheld slices that overlap nothing (static MIG, fixed partitions), by profile.",
     )
     overlapping_unheld = serializers.BooleanField(
-        help_text="Unheld partitionable devices exist; only the free share is known."
+        help_text="Unheld devices that overlap others exist (partitionable, the whole GPU)."
     )
+    placeable = serializers.DictField(
+        child=serializers.IntegerField(),
+        help_text="Unheld devices a claim could get now, each on its own, by profile or share.",
+    )
+    largest_placeable = serializers.CharField(
+        allow_blank=True, help_text="The largest of them; empty when none is."
+    )
+    largest_placeable_share = serializers.DecimalField(max_digits=9, decimal_places=6)
+
+
+class SyncWarningSerializer(serializers.Serializer[Any]):
+    cluster = serializers.CharField()
+    check = serializers.ChoiceField(choices=list(CHECKS), help_text="Which check found it.")
+    driver = serializers.CharField()
+    pool = serializers.CharField()
+    generation = serializers.IntegerField(
+        allow_null=True, help_text="The pool generation concerned (an incomplete pool's newest)."
+    )
+    devices = serializers.ListField(
+        child=serializers.CharField(), help_text="The devices concerned, if any."
+    )
+    message = serializers.CharField(help_text="One line saying what is wrong, and where.")
 
 
 class FleetReportSerializer(serializers.Serializer[Any]):
@@ -76,6 +177,19 @@ class FleetReportSerializer(serializers.Serializer[Any]):
     driver_matrix = DriverMatrixRowSerializer(many=True)
     baseline = BaselineSerializer(allow_null=True)
     baselines = serializers.DictField(child=BaselineSerializer(allow_null=True))
-    outlier_nodes = serializers.ListField(child=serializers.CharField())
+    version_models = ModelVersionsSerializer(
+        many=True, help_text="Per cluster and model: its baseline, the GPUs on it, outliers."
+    )
+    outlier_nodes = serializers.ListField(
+        child=serializers.CharField(), help_text="Nodes with GPUs off their model's baseline."
+    )
+    documented_nodes = serializers.ListField(
+        child=serializers.CharField(), help_text="Nodes whose outliers a deviation documents."
+    )
+    deviations = DeviationSerializer(many=True, help_text="The deviation register.")
     fragmentation = FragmentationSerializer()
+    partly_used_nodes = PartlyUsedNodeSerializer(many=True)
     partial_gpus = PartialGpuSerializer(many=True)
+    sync_warnings = SyncWarningSerializer(
+        many=True, help_text="What the sync stored but cannot trust (inventory.checks)."
+    )

@@ -1,5 +1,10 @@
 """A small Kubernetes API server for tests: Leases and DeviceTaintRules, over plain HTTP.
 
+DeviceTaintRules are served in the resource.k8s.io versions given (`device_taint_rule_versions`,
+v1alpha3 by default), and discovery says so: `/apis/resource.k8s.io` lists the group's
+versions (`served_resource_versions`, which may include versions without DeviceTaintRules),
+`/apis/resource.k8s.io/<version>` the resources of each.
+
 Enough of the real server's behaviour for the real client: GET (one object, or a list with a
 `labelSelector` of `key=value` terms), POST (409 AlreadyExists when the name is taken), PUT
 (409 Conflict unless the body's `metadata.resourceVersion` is the stored one) and DELETE
@@ -21,24 +26,38 @@ from urllib.parse import parse_qsl, urlsplit
 from kubernetes import client as k8s
 
 # path pattern → (kind, apiVersion); group "ns" is the namespace, "name" the object's name.
-ROUTES = [
-    (
-        re.compile(
-            r"^/apis/coordination\.k8s\.io/v1/namespaces/(?P<ns>[^/]+)/leases(?:/(?P<name>[^/]+))?$"
-        ),
-        ("Lease", "coordination.k8s.io/v1"),
+LEASE_ROUTE = (
+    re.compile(
+        r"^/apis/coordination\.k8s\.io/v1/namespaces/(?P<ns>[^/]+)/leases(?:/(?P<name>[^/]+))?$"
     ),
-    (
-        re.compile(r"^/apis/resource\.k8s\.io/v1alpha3/devicetaintrules(?:/(?P<name>[^/]+))?$"),
-        ("DeviceTaintRule", "resource.k8s.io/v1alpha3"),
-    ),
-]
+    ("Lease", "coordination.k8s.io/v1"),
+)
+RESOURCE_GROUP = "resource.k8s.io"
+DISCOVERY = re.compile(r"^/apis/resource\.k8s\.io/?(?:(?P<version>[^/]+)/?)?$")
+
+
+def _taint_rule_route(version: str) -> tuple[re.Pattern[str], tuple[str, str]]:
+    return (
+        re.compile(rf"^/apis/resource\.k8s\.io/{version}/devicetaintrules(?:/(?P<name>[^/]+))?$"),
+        ("DeviceTaintRule", f"{RESOURCE_GROUP}/{version}"),
+    )
 
 
 class FakeApi:
     """The fake server; use as a context manager. `objects[(kind, namespace, name)]`."""
 
-    def __init__(self) -> None:
+    def __init__(
+        self,
+        *,
+        device_taint_rule_versions: tuple[str, ...] = ("v1alpha3",),
+        served_resource_versions: tuple[str, ...] | None = None,
+    ) -> None:
+        self.device_taint_rule_versions = device_taint_rule_versions
+        # The group's versions: by default those with DeviceTaintRules plus v1 (ResourceSlices).
+        self.served_resource_versions = served_resource_versions or tuple(
+            dict.fromkeys(("v1", *device_taint_rule_versions))
+        )
+        self.routes = [LEASE_ROUTE] + [_taint_rule_route(v) for v in device_taint_rule_versions]
         self.lock = threading.Lock()
         self.resource_version = 100
         self.objects: dict[tuple[str, str, str], dict[str, Any]] = {}
@@ -96,7 +115,12 @@ class FakeApi:
     def handle(
         self, method: str, path: str, query: dict[str, str], body: dict[str, Any] | None
     ) -> tuple[int, dict[str, Any]]:
-        routed = [(m, route) for pattern, route in ROUTES if (m := pattern.match(path))]
+        discovery = DISCOVERY.match(path)
+        if method == "GET" and discovery:
+            with self.lock:
+                self.requests.append((method, path))
+            return self._discovery(discovery.group("version"))
+        routed = [(m, route) for pattern, route in self.routes if (m := pattern.match(path))]
         if not routed:
             return 404, _status(404, "NotFound", f"{path} is not served")
         match, (kind, api_version) = routed[0]
@@ -131,6 +155,37 @@ class FakeApi:
                 del self.objects[key]
                 return 200, _status(200, "", "deleted") | {"status": "Success"}
         return 405, _status(405, "MethodNotAllowed", method)
+
+    def _discovery(self, version: str | None) -> tuple[int, dict[str, Any]]:
+        """The group's APIGroup document, or one version's APIResourceList."""
+        if version is None:
+            versions = [
+                {"groupVersion": f"{RESOURCE_GROUP}/{v}", "version": v}
+                for v in self.served_resource_versions
+            ]
+            return 200, {
+                "kind": "APIGroup",
+                "apiVersion": "v1",
+                "name": RESOURCE_GROUP,
+                "versions": versions,
+                "preferredVersion": versions[0],
+            }
+        if version not in self.served_resource_versions:
+            return 404, _status(404, "NotFound", f"{RESOURCE_GROUP}/{version} is not served")
+        resources = [
+            {"name": "resourceslices", "namespaced": False, "kind": "ResourceSlice"},
+            {"name": "deviceclasses", "namespaced": False, "kind": "DeviceClass"},
+        ]
+        if version in self.device_taint_rule_versions:
+            resources.append(
+                {"name": "devicetaintrules", "namespaced": False, "kind": "DeviceTaintRule"}
+            )
+        return 200, {
+            "kind": "APIResourceList",
+            "apiVersion": "v1",
+            "groupVersion": f"{RESOURCE_GROUP}/{version}",
+            "resources": resources,
+        }
 
     def _list(
         self, kind: str, api_version: str, namespace: str, query: dict[str, str]

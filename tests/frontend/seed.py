@@ -19,7 +19,7 @@ from billing import ingest, periods, pricing, services
 from billing.models import Period, RateCard, Sample, UsageHour
 from inventory import services as inventory_services
 from inventory import simulate
-from inventory.models import Allocation, Cluster, Device
+from inventory.models import Allocation, Cluster, Device, VersionBaseline
 from quota.admission.shapes import forget_fleet_shapes
 from quota.models import AdmissionDecision, Budget, QuotaRule
 from teams.models import Membership, Role, Team, TeamNamespace
@@ -130,7 +130,14 @@ def seed_portal(now: datetime | None = None) -> Portal:
         at=now - timedelta(days=35),
     )
     assert not report.errors, report.errors
-    # One node lags behind on its driver, as after a half-finished upgrade.
+    # One node lags behind on its driver, as after a half-finished upgrade. It is the only
+    # A100 node, so a baseline computed per model would take its pair: operators validated one
+    # pair for the whole cluster (the one its other nodes run), and it strays from that.
+    VersionBaseline.objects.create(
+        cluster=cluster,
+        driver_version=simulate.BASELINE_DRIVER[0],
+        cuda_driver_version=simulate.BASELINE_DRIVER[1],
+    )
     Device.objects.filter(node__name=OUTLIER_NODE).update(
         driver_version=OUTLIER_DRIVER[0], cuda_driver_version=OUTLIER_DRIVER[1]
     )

@@ -22,7 +22,9 @@ from pytest_django.live_server_helper import LiveServer
 
 from billing.models import RateCard, UsageHour
 from frontend import selectors
+from inventory.services import apply_watch_event
 from quota.models import QuotaRule
+from tests.factories import AllocationFactory, DeviceFactory, MigDeviceFactory, NodeFactory
 from tests.frontend.conftest import watched_page
 from tests.frontend.seed import OUTLIER_NODE, PASSWORD, Portal
 
@@ -271,3 +273,59 @@ def test_refusals_are_the_portals_own_pages(
         assert "Django" not in page.content()
         assert page.evaluate("document.documentElement.scrollWidth") <= viewport["width"]
         _shot(page, artifacts, f"{name}-{viewport['width']}")
+
+
+def test_operator_sees_sync_warnings_and_a_partly_used_a100_node(
+    page: Any, live_server: LiveServer, live_portal: Portal, artifacts: Path
+) -> None:
+    """Issue 18: the fleet page's "Sync warnings" card lists what the sync cannot trust, and
+    an A100 node with one 1g slice held reads partly used, 6/7 free, 1g.5gb placeable."""
+    cluster = live_portal.cluster
+    node = NodeFactory.create(cluster=cluster, name="a100-solo")
+    a100 = DeviceFactory.build(node=node, product_name="NVIDIA A100-SXM4-40GB", uuid="GPU-solo")
+    slices = MigDeviceFactory.create_batch(
+        7, parent=a100, profile="1g.5gb", gpu_share=Decimal("0.142857")
+    )
+    AllocationFactory.create(device=slices[0])
+    dangling = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": "gpu-node-9-example"},
+        "spec": {
+            "driver": "gpu.example.com",
+            "pool": {"name": "gpu-node-9", "generation": 1, "resourceSliceCount": 1},
+            "nodeName": "gpu-node-9",
+            "devices": [
+                {
+                    "name": "gpu-0-half",
+                    "consumesCounters": [
+                        {"counterSet": "gpu-0-counters", "counters": {"memory": {"value": "40Gi"}}}
+                    ],
+                }
+            ],
+        },
+    }
+    apply_watch_event(cluster=cluster, event_type="ADDED", obj=dangling, at=live_portal.now)
+
+    _log_in(page, live_server, "operator")
+    page.goto(f"{live_server.url}/fleet/")
+
+    warnings = page.get_by_role("region", name="Sync warnings")
+    assert warnings.is_visible()
+    assert page.locator("#sync-warnings li").all_inner_texts() == [
+        "pool gpu.example.com/gpu-node-9 generation 1: counter set 'gpu-0-counters', consumed "
+        "by device gpu-0-half, is published by no slice"
+    ]
+    row = page.locator("#nodes tbody tr", has_text="a100-solo")
+    cells = row.locator("th, td").all_inner_texts()
+    assert cells[5:] == ["0.86 GPUs", "1g.5gb: 6", "1g.5gb", "partly used, 1 partly held"]
+    gpu = page.locator("#partial-gpus tbody tr", has=page.locator("code", has_text="GPU-solo"))
+    assert gpu.locator("td").all_inner_texts()[2:] == [
+        "1/7",
+        "6/7 GPU",
+        "1g.5gb: 1",
+        "1g.5gb: 6",
+        "1g.5gb",
+    ]
+    assert page.evaluate(OVERFLOWING) == []
+    _shot(page, artifacts, "fleet-sync-warnings")

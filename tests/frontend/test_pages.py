@@ -17,6 +17,7 @@ import pytest
 from django.conf import LazySettings
 from django.test import Client
 from django.urls import reverse
+from django.utils import timezone
 
 import frontend
 from billing import pricing, services
@@ -24,9 +25,10 @@ from billing.models import RateCard, UsageHour
 from frontend import selectors
 from frontend.templatetags.portal import gpu_fraction, rounded
 from inventory.models import Node
+from inventory.services import apply_watch_event
 from quota.models import QuotaRule
 from teams.models import Membership, Role
-from tests.factories import AllocationFactory, DeviceFactory, MigDeviceFactory
+from tests.factories import AllocationFactory, DeviceFactory, MigDeviceFactory, NodeFactory
 from tests.frontend.seed import DECISIONS, OUTLIER_NODE, PASSWORD, Portal
 
 CAST = ("lead_a", "member_a", "lead_b", "finance", "operator")
@@ -201,7 +203,60 @@ def test_fleet_page_lists_a_partly_used_mig_gpu(portal: Portal) -> None:
     assert re.search(
         rf"<th scope=\"row\">{node.name}</th>\s*<td><code>GPU-part</code></td>"
         r"\s*<td>NVIDIA A100-SXM4-80GB</td>\s*<td class=\"num\">3/7</td>"
-        r"\s*<td>3g.40gb: 1</td>\s*<td>3g.40gb: 1</td>",
+        r"\s*<td class=\"num\">4/7 GPU</td>"
+        r"\s*<td>3g.40gb: 1</td>\s*<td>3g.40gb: 1</td>\s*<td>3g.40gb</td>",
+        table,
+    )
+
+
+def test_fleet_page_shows_sync_warnings_only_when_there_are_some(portal: Portal) -> None:
+    operator = _client(portal, "operator")
+    page = operator.get(reverse("fleet")).content.decode()
+    assert "Sync warnings" not in page and 'id="sync-warnings"' not in page
+
+    # A pool of two slices of which one has been seen.
+    incomplete = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": "gpu-node-9-gpu.nvidia.com"},
+        "spec": {
+            "driver": "gpu.nvidia.com",
+            "pool": {"name": "gpu-node-9", "generation": 3, "resourceSliceCount": 2},
+            "nodeName": "gpu-node-9",
+            "devices": [{"name": "gpu-0"}],
+        },
+    }
+    apply_watch_event(cluster=portal.cluster, event_type="ADDED", obj=incomplete, at=timezone.now())
+
+    response = operator.get(reverse("fleet"))
+    page = response.content.decode()
+    [warning] = response.context["sync_warnings"]
+    assert warning["check"] == "incomplete_pool"
+    assert '<h2 id="sync-warnings-heading">Sync warnings</h2>' in page
+    assert re.search(
+        r'<li class="sync-warning" data-check="incomplete_pool">pool gpu.nvidia.com/gpu-node-9: '
+        r"generation 3 is incomplete \(1 of 2 slices seen\); no generation of it is complete "
+        r"yet, so none of its devices are counted</li>",
+        page,
+    )
+
+
+def test_fleet_page_shows_a_node_with_one_slice_held_as_partly_used(portal: Portal) -> None:
+    node = NodeFactory.create(cluster=portal.cluster, name="a100-solo")
+    a100 = DeviceFactory.build(node=node, product_name="NVIDIA A100-SXM4-40GB", uuid="GPU-solo")
+    slices = MigDeviceFactory.create_batch(
+        7, parent=a100, profile="1g.5gb", gpu_share=Decimal("0.142857")
+    )
+    AllocationFactory.create(device=slices[0])
+
+    page = _client(portal, "operator").get(reverse("fleet")).content.decode()
+
+    table = page[page.index('id="nodes"') : page.index('id="partial-heading"')]
+    assert re.search(
+        r"<th scope=\"row\">a100-solo</th>\s*<td>—</td>\s*<td class=\"num\">1</td>"
+        r"\s*<td class=\"num\">1</td>\s*<td class=\"num\">0</td>"
+        r"\s*<td class=\"num\">0.86 GPUs</td>\s*<td>1g.5gb: 6</td>\s*<td>1g.5gb</td>"
+        r"\s*<td>partly used, 1 partly held</td>",
         table,
     )
 

@@ -24,6 +24,7 @@ from inventory.models import (
     ResourceClaim,
     ResourceSlice,
     SyncState,
+    VersionBaseline,
 )
 from inventory.selectors import (
     capacity_by_model,
@@ -32,6 +33,7 @@ from inventory.selectors import (
     partial_gpus,
     version_matrix,
 )
+from teams.models import AuditEntry
 from tests.factories import (
     AllocationFactory,
     ClusterFactory,
@@ -163,7 +165,8 @@ def test_outliers_against_the_most_common_pair(mixed_versions: Cluster) -> None:
     assert matrix["baseline"] == {
         "driver_version": "580.82.7",
         "cuda_driver_version": "13.0.0",
-        "source": "most_common",
+        "source": "computed",
+        "scope": "",
     }
     assert [
         (
@@ -181,16 +184,20 @@ def test_outliers_against_the_most_common_pair(mixed_versions: Cluster) -> None:
     assert matrix["outlier_nodes"] == ["node-mixed", "node-old"]
 
 
+def set_cluster_baseline(cluster: Cluster, driver: str, cuda: str) -> None:
+    VersionBaseline.objects.create(cluster=cluster, driver_version=driver, cuda_driver_version=cuda)
+
+
 def test_outliers_against_an_operator_baseline(mixed_versions: Cluster) -> None:
-    mixed_versions.baseline_driver_version, mixed_versions.baseline_cuda_driver_version = OLDER
-    mixed_versions.save()
+    set_cluster_baseline(mixed_versions, *OLDER)
 
     matrix = version_matrix(cluster=mixed_versions)
 
     assert matrix["baseline"] == {
         "driver_version": "570.172.8",
         "cuda_driver_version": "12.8.0",
-        "source": "operator",
+        "source": "set",
+        "scope": "cluster",
     }
     assert matrix["outlier_nodes"] == ["node-a", "node-b", "node-c", "node-mixed"]
 
@@ -199,8 +206,7 @@ def test_an_operator_may_pin_the_driver_only(mixed_versions: Cluster) -> None:
     gpus_on(
         NodeFactory.create(cluster=mixed_versions, name="node-new-cuda"), 1, ("580.82.7", "13.1.0")
     )
-    mixed_versions.baseline_driver_version = "580.82.7"
-    mixed_versions.save()
+    set_cluster_baseline(mixed_versions, "580.82.7", "")
 
     assert version_matrix(cluster=mixed_versions)["outlier_nodes"] == ["node-mixed", "node-old"]
 
@@ -393,11 +399,12 @@ def test_partly_used_gpus_in_other_clusters_and_released_slices(mig_cluster: Clu
 
 
 def test_fleet_report(busy_cluster: Cluster, django_assert_max_num_queries) -> None:
-    busy_cluster.baseline_driver_version, busy_cluster.baseline_cuda_driver_version = OLDER
-    busy_cluster.save()
+    set_cluster_baseline(busy_cluster, *OLDER)
     OtherDeviceFactory.create(node=Node.objects.get(name="d"))
 
-    with django_assert_max_num_queries(4):
+    # Capacity 1, versions 3, fragmentation 3 (4 when partitions consume counters), sync
+    # warnings 2: however many devices.
+    with django_assert_max_num_queries(10):
         report = fleet_report(cluster=busy_cluster)
 
     assert report["nodes"] == 4
@@ -409,15 +416,19 @@ def test_fleet_report(busy_cluster: Cluster, django_assert_max_num_queries) -> N
     assert report["driver_matrix"] == [
         {
             "cluster": "busy",
+            "product_name": H100,
+            "architecture": "Hopper",
             "driver_version": "580.82.7",
             "cuda_driver_version": "13.0.0",
             "nodes": 4,
             "node_names": ["a", "b", "c", "d"],
             "gpus": 25,
             "baseline": False,
+            "documented_nodes": [],
+            "outlier_nodes": ["a", "b", "c", "d"],
         }
     ]
-    assert report["baseline"]["source"] == "operator"
+    assert report["baseline"]["source"] == "set"
     assert report["outlier_nodes"] == ["a", "b", "c", "d"]
     assert report["fragmentation"] == {
         "nodes_free": 2,
@@ -428,7 +439,10 @@ def test_fleet_report(busy_cluster: Cluster, django_assert_max_num_queries) -> N
         # b's third GPU: two 1g slices held, the whole GPU published beside them unheld.
         "gpus_partial": 1,
         "partial_free_share": "0.714286",
+        "partial_free_by_unit": {"gpu": "0.714286"},
     }
+    # b: two whole GPUs held, and two 1g slices of a third.
+    assert [(row["node"], row["gpus_partial"]) for row in report["partly_used_nodes"]] == [("b", 1)]
     [partial] = report["partial_gpus"]
     assert (partial["node"], partial["held_share"], partial["held_label"]) == (
         "b",
@@ -467,9 +481,13 @@ def test_command_table(mixed_versions: Cluster) -> None:
 
     cells = {line.split("  ")[0]: re.split(r"\s{2,}", line) for line in text.splitlines()}
     assert cells[H100] == [H100, "10", "0", "10", "2"]
-    assert cells["*"] == ["*", "prod", "580.82.7", "13.0.0", "4", "7"]
-    assert "Baseline of prod: driver 580.82.7, CUDA 13.0.0 (most common)" in text
-    assert "Outlier nodes (2)\n  node-mixed\n  node-old" in text
+    assert cells["*"] == ["*", "prod", H100, "580.82.7", "13.0.0", "4", "7"]
+    assert (
+        f"Baseline of prod, {H100}: driver 580.82.7, CUDA 13.0.0 (most GPUs); 7 of 10 GPUs on it"
+        in text
+    )
+    assert "Outlier nodes, undocumented (2)\n  node-mixed\n  node-old" in text
+    assert "Documented deviations (0)\n  none" in text
     assert "Fragmentation" in text
 
 
@@ -483,14 +501,24 @@ def test_command_shows_partly_used_gpus(mig_cluster: Cluster) -> None:
     ]
 
     text = run_report("--cluster", "mig")
-    assert "Partly used GPUs (2, 1.071429 GPU-equivalents free)" in text
-    cells = {line.split("  ")[0]: re.split(r"\s{2,}", line) for line in text.splitlines()}
-    assert cells["n1"] == ["n1", "GPU-a100", A100_80, "3/7", "3g.40gb: 1"]
-    assert cells["n2"] == ["n2", "GPU-halves", H100, "50%", "0.500000 GPU free (partitionable)"]
+    assert "Partly used GPUs (2, 1.071429 GPUs free)" in text
+    gpus = text[text.index("Partly used GPUs") :]
+    cells = {line.split("  ")[0]: re.split(r"\s{2,}", line) for line in gpus.splitlines()}
+    assert cells["n1"] == ["n1", "GPU-a100", A100_80, "3/7", "4/7 GPU", "3g.40gb: 1", "3g.40gb"]
+    # The unheld half fits in what the held one leaves; the whole GPU does not.
+    assert cells["n2"] == [
+        "n2",
+        "GPU-halves",
+        H100,
+        "50%",
+        "50% GPU",
+        "partitionable, each alone: 50% GPU: 1",
+        "50% GPU",
+    ]
 
 
 def test_command_table_on_an_empty_inventory() -> None:
-    assert "Outlier nodes (0)\n  none" in run_report()
+    assert "Outlier nodes, undocumented (0)\n  none" in run_report()
 
 
 def test_command_rejects_an_unknown_cluster() -> None:
@@ -612,48 +640,37 @@ def test_admin_synced_models_are_read_only(operator: Client, full_inventory: Clu
     assert device.product_name == before
 
 
-def test_admin_cluster_baseline_is_the_one_editable_field(
-    operator: Client, full_inventory: Cluster
-) -> None:
+def test_admin_cluster_is_not_editable(operator: Client, full_inventory: Cluster) -> None:
     url = reverse("admin:inventory_cluster_change", args=[full_inventory.pk])
-    response = operator.post(
-        url,
-        {
-            "name": "renamed",
-            "baseline_driver_version": "580.82.7",
-            "baseline_cuda_driver_version": "13.0.0",
-        },
-    )
+    response = operator.post(url, {"name": "renamed"})
     assert response.status_code == 302
     full_inventory.refresh_from_db()
-    assert (full_inventory.name, full_inventory.baseline_driver_version) == ("busy", "580.82.7")
+    assert full_inventory.name == "busy"
     assert operator.get(reverse("admin:inventory_cluster_add")).status_code == 403
 
 
-def test_admin_action_sets_the_most_common_baseline(
+def test_admin_action_sets_each_models_most_common_baseline(
     operator: Client, full_inventory: Cluster
 ) -> None:
     empty = ClusterFactory.create(name="empty")
     response = operator.post(
         reverse("admin:inventory_cluster_changelist"),
         {
-            "action": "set_baseline_to_most_common",
+            "action": "set_baselines_to_most_common",
             "_selected_action": [full_inventory.pk, empty.pk],
         },
         follow=True,
     )
     assert response.status_code == 200
-    full_inventory.refresh_from_db()
-    empty.refresh_from_db()
-    assert (
-        full_inventory.baseline_driver_version,
-        full_inventory.baseline_cuda_driver_version,
-    ) == CURRENT
-    assert empty.baseline_driver_version == ""
+    assert [
+        (row.cluster.name, row.product_name, row.driver_version, row.cuda_driver_version)
+        for row in VersionBaseline.objects.all()
+    ] == [("busy", H100, *CURRENT)]
     assert [str(message) for message in response.context["messages"]] == [
         "empty: no GPU publishes a driver version",
-        "busy: baseline set to driver 580.82.7, CUDA 13.0.0",
+        f"busy: baseline of {H100} set to driver 580.82.7, CUDA 13.0.0",
     ]
+    assert AuditEntry.objects.get().object_type == "version baseline"
 
 
 def test_admin_device_changelist_query_count_is_fixed(

@@ -1,9 +1,13 @@
-"""`manage.py apply_version_taints [--dry-run]`: keep nodes off the validated driver/CUDA pair
+"""`manage.py apply_version_taints [--dry-run]`: keep GPUs off their validated driver/CUDA pair
 out of general scheduling, with DRA DeviceTaintRules (NoSchedule) Tally creates and removes.
 
-The baseline is the operators' (admin: Cluster, or "Set baseline to the most common pair"),
-else the most common pair. Run it from the syncer's service account, the one bound to the
-devicetaintrules ClusterRole (deploy/base/rbac.yaml), e.g. as a CronJob or by hand.
+The baseline is per cluster and GPU model (`inventory.versions`): set in the admin (Version
+baselines, or the Clusters action) or the policy file, else the pair on most of the model's
+GPUs. Undocumented outliers get `tally.dev/unvalidated-driver`; pools whose deviation is
+documented (and not expired) get `tally.dev/version-deviation`, which validation workloads
+tolerate. Rules are written in the DeviceTaintRule version the cluster serves (discovery).
+Run it from the syncer's service account, the one bound to the devicetaintrules ClusterRole
+(deploy/base/rbac.yaml), e.g. as a CronJob or by hand.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from exc
         finally:
             client.close()
+        self.stdout.write(f"DeviceTaintRule API: {report.api_version}")
         verb = "would " if report.dry_run else ""
         for action in ("created", "updated", "deleted", "unchanged"):
             for name in getattr(report, action):

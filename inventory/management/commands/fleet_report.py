@@ -1,4 +1,5 @@
-"""`manage.py fleet_report`: capacity, driver versions and fragmentation of the GPU fleet."""
+"""`manage.py fleet_report`: capacity, driver versions, fragmentation and sync warnings of the
+GPU fleet."""
 
 from __future__ import annotations
 
@@ -9,13 +10,15 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from inventory.models import Cluster
+from inventory.profiles import unit_label
 from inventory.selectors import fleet_report
 
 
 class Command(BaseCommand):
     help = (
-        "Report the GPU fleet: physical GPUs by model, driver/CUDA versions against the "
-        "baseline, outlier nodes and fragmentation."
+        "Report the GPU fleet: physical GPUs by model, driver/CUDA versions against each "
+        "model's baseline, outlier nodes, documented deviations, fragmentation by slice and "
+        "sync warnings."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -58,13 +61,14 @@ def render_table(report: dict[str, Any]) -> str:
                 for row in report["capacity"]
             ],
         ),
-        "Driver / CUDA versions (* marks the baseline)\n"
+        "Driver / CUDA versions per model (* marks its baseline)\n"
         + _table(
-            ("", "CLUSTER", "DRIVER", "CUDA", "NODES", "GPUS"),
+            ("", "CLUSTER", "MODEL", "DRIVER", "CUDA", "NODES", "GPUS"),
             [
                 (
                     "*" if row["baseline"] else "",
                     row["cluster"],
+                    row["product_name"] or "(unknown)",
                     row["driver_version"],
                     row["cuda_driver_version"] or "-",
                     row["nodes"],
@@ -75,12 +79,15 @@ def render_table(report: dict[str, Any]) -> str:
         )
         + "\n"
         + "\n".join(
-            f"Baseline of {name}: {_describe_baseline(baseline)}"
-            for name, baseline in report["baselines"].items()
+            f"Baseline of {model['cluster']}, {model['product_name'] or '(unknown)'}: "
+            f"{_describe_baseline(model['baseline'])}; "
+            f"{model['gpus_on_baseline']} of {model['gpus']} GPUs on it"
+            for model in report["version_models"]
         ),
-        f"Outlier nodes ({len(outliers)})"
+        f"Outlier nodes, undocumented ({len(outliers)})"
         + "".join(f"\n  {name}" for name in outliers)
         + ("" if outliers else "\n  none"),
+        _deviations_section(report["deviations"]),
         "Fragmentation\n"
         + _table(
             ("NODES FREE", "PARTIAL", "FULL", "LARGEST FREE BLOCK", "LARGEST FREE CLIQUE BLOCK"),
@@ -94,40 +101,96 @@ def render_table(report: dict[str, Any]) -> str:
                 )
             ],
         ),
-        f"Partly used GPUs ({spread['gpus_partial']}, "
-        f"{spread['partial_free_share']} GPU-equivalents free)\n"
+        f"Partly used nodes ({spread['nodes_partial']})\n"
         + _table(
-            ("NODE", "GPU", "MODEL", "HELD", "FREE SLICES"),
+            ("NODE", "UNIT", "FREE", "PARTLY USED", "FREE SHARE", "FREE SLICES", "LARGEST"),
+            [
+                (
+                    node["node"],
+                    node["unit_label"],
+                    node["free"],
+                    node["gpus_partial"],
+                    node["free_share"],
+                    _counts(node["free_slices"]),
+                    node["largest_placeable"] or "none",
+                )
+                for node in report["partly_used_nodes"]
+            ],
+        ),
+        f"Partly used GPUs ({spread['gpus_partial']}, {_free_by_unit(spread)} free)\n"
+        + _table(
+            ("NODE", "GPU", "MODEL", "HELD", "FREE", "FREE SLICES", "LARGEST PLACEABLE"),
             [
                 (
                     gpu["node"] or "-",
                     gpu["physical_gpu_key"],
                     gpu["product_name"] or "(unknown)",
                     gpu["held_label"],
+                    f"{gpu['free_label']} {gpu['unit_label']}",
                     _describe_free(gpu),
+                    gpu["largest_placeable"] or "none",
                 )
                 for gpu in partial
             ],
         ),
+        _warnings_section(report["sync_warnings"]),
     ]
     return "\n\n".join(sections)
 
 
-def _describe_baseline(baseline: dict[str, str] | None) -> str:
-    if baseline is None:
-        return "none (no GPU publishes a driver version)"
-    how = "set by an operator" if baseline["source"] == "operator" else "most common"
+def _warnings_section(warnings: list[dict[str, Any]]) -> str:
+    """What the sync stored but cannot trust (`inventory.checks`), one line per finding."""
+    lines = [f"  {warning['cluster']}: {warning['message']}" for warning in warnings]
+    return f"Sync warnings ({len(warnings)})\n" + ("\n".join(lines) or "  none")
+
+
+def _describe_baseline(baseline: dict[str, str]) -> str:
+    how = {
+        "product": "set for the model",
+        "architecture": "set for its architecture",
+        "cluster": "set for the cluster",
+    }.get(baseline["scope"], "most GPUs")
     cuda = baseline["cuda_driver_version"] or "any"
     driver = baseline["driver_version"] or "any"
     return f"driver {driver}, CUDA {cuda} ({how})"
 
 
+def _deviations_section(deviations: list[dict[str, Any]]) -> str:
+    """The register: each deviation, who answers for it and until when; expired ones marked."""
+    lines = [
+        f"  {row['cluster']}: {row['node_name'] or '*'}/{row['pool'] or '*'} "
+        f"driver {row['driver_version'] or 'any'}, CUDA {row['cuda_driver_version'] or 'any'}, "
+        f"owner {row['owner']}, {'EXPIRED ' if row['expired'] else ''}until {row['expires_at']}: "
+        f"{row['reason']}"
+        for row in deviations
+    ]
+    return f"Documented deviations ({len(deviations)})\n" + ("\n".join(lines) or "  none")
+
+
 def _describe_free(gpu: dict[str, Any]) -> str:
-    parts = [f"{profile}: {count}" for profile, count in gpu["free_slices"].items()]
+    parts = [_counts(gpu["free_slices"])] if gpu["free_slices"] else []
     if gpu["overlapping_unheld"]:
-        # Overlapping partitions: any one may rule out the rest, so only the share is known.
-        parts.append(f"{gpu['free_share']} GPU free (partitionable)")
-    return ", ".join(parts) or "none"
+        # Overlapping partitions: any one may rule out the rest, so each is placeable alone.
+        overlapping = {
+            profile: count - gpu["free_slices"].get(profile, 0)
+            for profile, count in gpu["placeable"].items()
+            if count > gpu["free_slices"].get(profile, 0)
+        }
+        alone = _counts(overlapping)
+        parts.append(f"partitionable, each alone: {alone}")
+    return "; ".join(parts) or "none"
+
+
+def _counts(by_profile: dict[str, int]) -> str:
+    return ", ".join(f"{profile}: {count}" for profile, count in by_profile.items()) or "none"
+
+
+def _free_by_unit(spread: dict[str, Any]) -> str:
+    """ "1.071429 GPUs", or "0.5 GPUs, 0.25 TPU chips" when units mix."""
+    shares = spread["partial_free_by_unit"]
+    if not shares:
+        return "0 GPUs"
+    return ", ".join(f"{share} {unit_label(unit)}" for unit, share in shares.items())
 
 
 def _table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

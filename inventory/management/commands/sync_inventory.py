@@ -3,6 +3,8 @@
 Live (the default): list and watch every kind until stopped (SIGTERM or Ctrl-C).
 `--once`: one list + import per kind, for a cron job. `--from-file`: import a dump (what
 `kubectl get -o yaml|json` prints) as a full snapshot of the kinds it contains.
+Each run ends with what the stored slices cannot be trusted on (`inventory.checks`): a line
+per finding on stderr and their count in the summary.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
 from config.metrics import start_metrics_server
-from inventory import kube, leader, services
+from inventory import checks, kube, leader, services
 from inventory.models import Cluster
 
 
@@ -91,6 +93,7 @@ class Command(BaseCommand):
         except DumpError as exc:
             raise CommandError(f"nothing imported: {exc}") from exc
         self._summarise(report)
+        self._warn(cluster)
         for error in report.errors:
             self.stderr.write(f"rejected: {error}")
         if report.errors:
@@ -116,6 +119,7 @@ class Command(BaseCommand):
             api_client.close()
         for report in reports.values():
             self._summarise(report)
+        self._warn(cluster)
         rejected = sum(len(report.errors) for report in reports.values())
         if rejected:
             # Each one was logged as it happened.
@@ -160,6 +164,14 @@ class Command(BaseCommand):
                 f"{report.updated.get(kind, 0)} updated, {report.gone.get(kind, 0)} gone, "
                 f"{report.skipped.get(kind, 0)} skipped"
             )
+
+    def _warn(self, cluster: Cluster) -> None:
+        """What the stored inventory cannot be trusted on, one line each on stderr, counted
+        on stdout. Warnings leave the exit status alone: the rows were stored as published."""
+        warnings = checks.sync_warnings(cluster=cluster)
+        for warning in warnings:
+            self.stderr.write(f"warning: {warning['message']}")
+        self.stdout.write(f"Sync warnings: {checks.summarise(warnings)}")
 
 
 def _parse_at(value: str | None) -> datetime:

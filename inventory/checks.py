@@ -1,0 +1,308 @@
+"""What the sync stored but cannot trust: pools, device names and counters that do not add up.
+
+Kubernetes validates one ResourceSlice at a time. What spans the slices of a pool (every
+slice of a generation seen, a device name used once, each counter set a device consumes
+published by some slice of the pool, with the counters consumed) is the driver's promise
+alone. The sync counts what it can regardless (the last complete generation, one of two
+devices of the same name), and these checks say where it had to: `sync_inventory` prints them
+at the end of a run, `fleet_report`, the fleet API and the portal's fleet page list them.
+
+They read the stored Pool and ResourceSlice rows only (the slices' spec as published), so
+every reader reports the same findings whichever process stored the rows.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from decimal import Decimal
+from typing import Any, TypedDict
+
+from django.db.models import F, Func, JSONField, Q, QuerySet, Value
+from kubernetes.utils import parse_quantity
+
+from inventory.models import Cluster, Pool, ResourceSlice
+
+INCOMPLETE_POOL = "incomplete_pool"
+DUPLICATE_DEVICE = "duplicate_device"
+MISSING_COUNTER_SET = "missing_counter_set"
+UNKNOWN_COUNTER = "unknown_counter"
+COUNTER_OVER_SET = "counter_over_set"
+# In the order a summary lists them, with how it names them.
+CHECKS = {
+    INCOMPLETE_POOL: "incomplete pools",
+    DUPLICATE_DEVICE: "duplicate device names",
+    MISSING_COUNTER_SET: "missing counter sets",
+    UNKNOWN_COUNTER: "unknown counters",
+    COUNTER_OVER_SET: "counters over their set",
+}
+# Device names a message spells out before it says "and N more".
+_NAMED = 3
+
+
+class SyncWarning(TypedDict):
+    cluster: str
+    check: str  # a key of CHECKS
+    driver: str
+    pool: str
+    # The pool generation concerned: the newest one for an incomplete pool.
+    generation: int | None
+    # The devices concerned (all of them; the message names the first few).
+    devices: list[str]
+    message: str  # one line, naming the pool, generation and what is wrong
+
+
+def sync_warnings(*, cluster: Cluster | None = None) -> list[SyncWarning]:
+    """Every finding about the present slices of `cluster` (all clusters when None).
+
+    Sorted by cluster, driver, pool, generation and check. Counter sets are checked only in a
+    generation whose slices are all present, as a set may be in a slice not seen yet; device
+    names in every generation present. Two queries, whatever the size of the fleet: the
+    slices' device names and counters are picked out of their spec by PostgreSQL.
+    """
+    findings = _incomplete_pools(cluster)
+    generations: dict[tuple[str, str, str, int], list[dict[str, Any]]] = defaultdict(list)
+    for row in _slice_rows(cluster):
+        key = (row["cluster__name"], row["driver"], row["pool"], row["generation"])
+        generations[key].append(row)
+    for (cluster_name, driver, pool, generation), rows in generations.items():
+        where = SyncWarning(
+            cluster=cluster_name,
+            check="",
+            driver=driver,
+            pool=pool,
+            generation=generation,
+            devices=[],
+            message="",
+        )
+        findings.extend(_duplicates(where, rows))
+        if len(rows) >= max(row["resource_slice_count"] for row in rows):
+            findings.extend(_counter_findings(where, rows))
+    order = list(CHECKS)
+    return sorted(
+        findings,
+        key=lambda found: (
+            found["cluster"],
+            found["driver"],
+            found["pool"],
+            found["generation"] or 0,
+            order.index(found["check"]),
+            found["message"],
+        ),
+    )
+
+
+def summarise(warnings: list[SyncWarning]) -> str:
+    """How many findings of each check: "3 (incomplete pools: 1, missing counter sets: 2)",
+    or "none"."""
+    if not warnings:
+        return "none"
+    counts = {check: 0 for check in CHECKS}
+    for found in warnings:
+        counts[found["check"]] += 1
+    parts = ", ".join(f"{CHECKS[check]}: {count}" for check, count in counts.items() if count)
+    return f"{len(warnings)} ({parts})"
+
+
+def _incomplete_pools(cluster: Cluster | None) -> list[SyncWarning]:
+    pools = Pool.objects.filter(newest_generation__isnull=False).filter(
+        Q(slices_expected=0) | Q(slices_seen__lt=F("slices_expected"))
+    )
+    if cluster is not None:
+        pools = pools.filter(cluster=cluster)
+    findings = []
+    for pool in pools.select_related("cluster").order_by("cluster__name", "driver", "name"):
+        if pool.counted_generation is None:
+            counted = "no generation of it is complete yet, so none of its devices are counted"
+        else:
+            counted = f"its devices are still counted from generation {pool.counted_generation}"
+        findings.append(
+            SyncWarning(
+                cluster=pool.cluster.name,
+                check=INCOMPLETE_POOL,
+                driver=pool.driver,
+                pool=pool.name,
+                generation=pool.newest_generation,
+                devices=[],
+                message=(
+                    f"pool {pool.driver}/{pool.name}: generation {pool.newest_generation} is "
+                    f"incomplete ({pool.slices_seen} of {pool.slices_expected} slices seen); "
+                    f"{counted}"
+                ),
+            )
+        )
+    return findings
+
+
+def _duplicates(where: SyncWarning, rows: list[dict[str, Any]]) -> list[SyncWarning]:
+    """Device names published more than once in one pool generation, across its slices or in
+    one slice (a dump is not validated by the API server)."""
+    slices_by_device: dict[str, list[str]] = defaultdict(list)
+    for row in rows:
+        for name in row["device_names"]:
+            slices_by_device[str(name)].append(row["name"])
+    repeated = sorted(name for name, slices in slices_by_device.items() if len(slices) > 1)
+    if not repeated:
+        return []
+    slices = sorted({name for device in repeated for name in slices_by_device[device]})
+    return [
+        _finding(
+            where,
+            DUPLICATE_DEVICE,
+            repeated,
+            f"{_devices(repeated)} published more than once (slices {', '.join(slices)}); "
+            "only one of each is counted",
+        )
+    ]
+
+
+def _counter_findings(where: SyncWarning, rows: list[dict[str, Any]]) -> list[SyncWarning]:
+    """Consumed counter sets no slice of the generation publishes, counters a set does not
+    have, and a device consuming more of a counter than its whole set holds."""
+    totals: dict[str, dict[str, Decimal]] = {}
+    for row in rows:
+        totals.update(_counter_sets(row["counter_sets"]))
+    # (check, counter set, counter) → devices; the device names only of one finding.
+    found: dict[tuple[str, str, str], list[str]] = defaultdict(list)
+    for row in rows:
+        consumers = [*row["consumers"], *row["basic_consumers"]]
+        consumptions = [*row["consumed"], *row["basic_consumed"]]
+        for device, consumed in zip(consumers, consumptions, strict=False):
+            for consumption in consumed if isinstance(consumed, list) else []:
+                if not isinstance(consumption, dict):
+                    continue
+                set_name = str(consumption.get("counterSet") or "")
+                total = totals.get(set_name)
+                if total is None:
+                    found[(MISSING_COUNTER_SET, set_name, "")].append(str(device))
+                    continue
+                for counter, amount in quantities(consumption.get("counters")).items():
+                    if counter not in total:
+                        found[(UNKNOWN_COUNTER, set_name, counter)].append(str(device))
+                    elif amount > total[counter]:
+                        found[(COUNTER_OVER_SET, set_name, counter)].append(str(device))
+    findings = []
+    for (check, set_name, counter), devices in found.items():
+        devices = sorted(set(devices))
+        what = _devices(devices)
+        if check == MISSING_COUNTER_SET:
+            problem = f"counter set {set_name!r}, consumed by {what}, is published by no slice"
+        elif check == UNKNOWN_COUNTER:
+            problem = f"counter {counter!r}, consumed by {what}, is not in set {set_name!r}"
+        else:
+            problem = (
+                f"counter {counter!r} of set {set_name!r} holds less than consumed by {what}, "
+                "which can never be allocated"
+            )
+        findings.append(_finding(where, check, devices, problem))
+    return findings
+
+
+# A pool generation: cluster id, driver, pool name and generation.
+PoolGeneration = tuple[int, str, str, int]
+
+
+def published_counter_sets(
+    *, generations: set[PoolGeneration]
+) -> dict[PoolGeneration, dict[str, dict[str, Decimal]]]:
+    """The counter sets the present slices of each pool generation publish, with their
+    counters as numbers: `{generation: {set name: {counter: total}}}`. One query."""
+    if not generations:
+        return {}
+    rows = (
+        ResourceSlice.objects.filter(
+            gone_at__isnull=True,
+            cluster_id__in={cluster_id for cluster_id, _, _, _ in generations},
+            driver__in={driver for _, driver, _, _ in generations},
+            pool__in={pool for _, _, pool, _ in generations},
+            generation__in={generation for _, _, _, generation in generations},
+        )
+        .annotate(counter_sets=_json_path("$.sharedCounters[*]"))
+        .values_list("cluster_id", "driver", "pool", "generation", "counter_sets")
+    )
+    published: dict[PoolGeneration, dict[str, dict[str, Decimal]]] = defaultdict(dict)
+    for cluster_id, driver, pool, generation, counter_sets in rows:
+        key = (cluster_id, driver, pool, generation)
+        if key in generations:
+            published[key].update(_counter_sets(counter_sets))
+    return published
+
+
+def _counter_sets(counter_sets: list[Any]) -> dict[str, dict[str, Decimal]]:
+    return {
+        counter_set["name"]: quantities(counter_set.get("counters"))
+        for counter_set in counter_sets
+        if isinstance(counter_set, dict) and isinstance(counter_set.get("name"), str)
+    }
+
+
+def _slice_rows(cluster: Cluster | None) -> QuerySet[ResourceSlice, dict[str, Any]]:
+    slices = ResourceSlice.objects.filter(gone_at__isnull=True)
+    if cluster is not None:
+        slices = slices.filter(cluster=cluster)
+    # Only the names and counters come back, not the devices' attributes: a pool's slices
+    # hold thousands of devices. v1beta1 nests a device's counters under `basic`.
+    return (
+        slices.values("cluster__name", "name", "driver", "pool", "generation")
+        .annotate(
+            device_names=_json_path("$.devices[*].name"),
+            consumers=_json_path("$.devices[*] ? (exists(@.consumesCounters)).name"),
+            consumed=_json_path("$.devices[*].consumesCounters"),
+            basic_consumers=_json_path("$.devices[*] ? (exists(@.basic.consumesCounters)).name"),
+            basic_consumed=_json_path("$.devices[*].basic.consumesCounters"),
+            counter_sets=_json_path("$.sharedCounters[*]"),
+        )
+        .values(
+            "cluster__name",
+            "name",
+            "driver",
+            "pool",
+            "generation",
+            "resource_slice_count",
+            "device_names",
+            "consumers",
+            "consumed",
+            "basic_consumers",
+            "basic_consumed",
+            "counter_sets",
+        )
+        .order_by("cluster__name", "driver", "pool", "generation", "name")
+    )
+
+
+def _json_path(path: str) -> Func:
+    """The items of the slice's spec at a JSON path, as one array (PostgreSQL's jsonpath)."""
+    return Func("spec", Value(path), function="jsonb_path_query_array", output_field=JSONField())
+
+
+def quantities(counters: Any) -> dict[str, Decimal]:
+    """Counters (`{name: {value: quantity}}`) as numbers; the sync checked them on the way in,
+    so anything else is left out rather than raised."""
+    if not isinstance(counters, dict):
+        return {}
+    return {
+        name: Decimal(parse_quantity(entry["value"]))
+        for name, entry in counters.items()
+        if isinstance(entry, dict) and "value" in entry
+    }
+
+
+def _finding(where: SyncWarning, check: str, devices: list[str], problem: str) -> SyncWarning:
+    """A finding in the pool generation `where` names, its message prefixed with it."""
+    return SyncWarning(
+        cluster=where["cluster"],
+        check=check,
+        driver=where["driver"],
+        pool=where["pool"],
+        generation=where["generation"],
+        devices=devices,
+        message=f"pool {where['driver']}/{where['pool']} generation {where['generation']}: "
+        + problem,
+    )
+
+
+def _devices(names: list[str]) -> str:
+    """ "devices a, b" or "devices a, b, c and 4 more"."""
+    shown = ", ".join(names[:_NAMED])
+    more = f" and {len(names) - _NAMED} more" if len(names) > _NAMED else ""
+    noun = "device" if len(names) == 1 else "devices"
+    return f"{noun} {shown}{more}"

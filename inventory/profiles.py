@@ -1,0 +1,518 @@
+"""How to read each DRA driver's devices: driver profiles, units and meter identities.
+
+Drivers publish what they like: NVIDIA a `type` of gpu/mig/vfio and a `uuid` per device, AMD
+`amdgpu`/`amdgpu-partition` and no uuid (its `deviceID` names the model, not the GPU), Intel and
+Gaudi no type and no uuid, Google's TPU driver one `uuid` for all chips of a host. A profile
+says, for one driver, which devices are accelerators and of what kind, what one physical unit
+is (GPU, TPU chip, Gaudi card), which attribute identifies a device and which its physical
+unit, where model, architecture, memory and driver version are read from, and how a
+partition's share of its parent is computed.
+
+Built-in profiles cover NVIDIA, AMD, Intel GPU, Intel Gaudi and Google TPU; every other driver
+gets the generic profile (a GPU driver when "gpu" is in the first label of its name or it is
+listed in TALLY_GPU_DRIVERS, else only devices typed gpu/mig/vfio count). A `DriverProfile`
+row (the policy file's `drivers:` section, or the admin) describes another driver or overrides
+keys of a built-in one; its spec is checked by `validate_spec`, whose errors name the field.
+
+Spec keys (all optional; lists are of attribute or capacity names, tried in order):
+
+- `unit`: gpu | tpu | gaudi | accelerator: what a share of 1 counts.
+- `type_attribute`: the attribute naming a device's type ("" when the driver has none).
+- `whole_types`, `mig_types`, `partition_types`: type values of whole accelerators, MIG
+  devices and partitions. A device typed otherwise is not an accelerator.
+- `untyped`: accelerator | other: what a device without a type value is.
+- `exclude`: `[{attribute: NAME, equals: VALUE} | {capacity: NAME, equals: QUANTITY}]`: devices
+  that match any entry are not accelerators (Intel's integrated GPU: capacity memory equals 0).
+- `identity_attributes`: attributes whose value identifies one device (NVIDIA `uuid`); empty
+  when none does, and the meter id is formed from cluster, driver, pool and device name.
+- `parent_identity_attributes`: a MIG device's or partition's parent (NVIDIA `parentUUID`).
+- `physical_unit_attributes`: an attribute every device of one physical unit shares and no
+  other unit of the pool has (AMD `resource.kubernetes.io/pciBusID`).
+- `model_attributes`, `architecture_attributes`, `driver_version_attributes`,
+  `memory_capacities`: where the columns of the same names are read from.
+- `profile_attribute`: the attribute naming a MIG, partition or vGPU profile.
+- `share`: the rules for a device's share of its physical unit, tried in order: `counters`
+  (KEP-4815: the largest fraction of any counter it consumes from each counter set, summed over
+  sets), `mig-profile` (`<n>g.<mem>`: n of the GPU's 7 compute slices, 4 on an A30),
+  `partition-profile` (AMD `spx`/`dpx`/`qpx`/`cpx` modes: one of that many partitions, for CPX
+  the partitions published on that GPU), `vgpu-profile` (NVIDIA vGPU types `<board>-<GB><series>`
+  such as A100-4C: that framebuffer of the board's). A whole device no rule applies to is 1; a
+  partition no rule applies to is one of the partitions published with the same physical unit.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+from django.conf import settings
+from kubernetes.utils import parse_quantity
+
+UNITS = ("gpu", "tpu", "gaudi", "accelerator")
+SHARE_RULES = ("counters", "mig-profile", "partition-profile", "vgpu-profile")
+KINDS_OF_UNTYPED = ("accelerator", "other")
+
+_UNIT_LABELS = {
+    "gpu": ("GPU", "GPUs", "GPU-hours"),
+    "tpu": ("TPU chip", "TPU chips", "TPU chip-hours"),
+    "gaudi": ("Gaudi card", "Gaudi cards", "Gaudi card-hours"),
+    "accelerator": ("accelerator", "accelerators", "accelerator-hours"),
+}
+
+
+def unit_label(unit: str, plural: bool = True) -> str:
+    """What `unit` counts, for messages: "GPUs", "TPU chips"; an unknown unit reads as
+    "accelerators" rather than failing a message."""
+    singular, many, _ = _UNIT_LABELS.get(unit, _UNIT_LABELS["accelerator"])
+    return many if plural else singular
+
+
+def hours_label(unit: str) -> str:
+    """ "GPU-hours", "TPU chip-hours", "Gaudi card-hours", "accelerator-hours"."""
+    return _UNIT_LABELS.get(unit, _UNIT_LABELS["accelerator"])[2]
+
+
+def meter_id(cluster: str, driver: str, pool: str, device: str, uuid: str = "") -> str:
+    """What samples name a device by and billing meters it by.
+
+    The published identity where the driver's profile says one identifies the device (a GPU's
+    or MIG device's UUID); otherwise one formed from where the device is published, stable for
+    as long as the driver names the device the same in the same pool.
+    """
+    if uuid:
+        return uuid
+    text = f"{cluster}/{driver}/{pool}/{device}"
+    return "dra-" + hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:32]
+
+
+class ProfileError(ValueError):
+    """A driver profile spec that cannot be used; the message names the field."""
+
+    def __init__(self, path: str, problem: str) -> None:
+        self.path = path
+        self.problem = problem
+        super().__init__(f"{path}: {problem}" if path else problem)
+
+
+@dataclass(frozen=True, slots=True)
+class Exclusion:
+    """Devices with attribute (or capacity) `name` equal to `equals` are not accelerators."""
+
+    name: str
+    equals: Any
+    capacity: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Profile:
+    """How to read one driver's devices; see the module docstring for what each field means."""
+
+    driver: str
+    source: str  # "builtin", "generic", "policy" or "admin"
+    unit: str = "accelerator"
+    type_attribute: str = "type"
+    whole_types: frozenset[str] = frozenset()
+    mig_types: frozenset[str] = frozenset()
+    partition_types: frozenset[str] = frozenset()
+    untyped: str = "accelerator"
+    exclude: tuple[Exclusion, ...] = ()
+    identity_attributes: tuple[str, ...] = ()
+    parent_identity_attributes: tuple[str, ...] = ()
+    physical_unit_attributes: tuple[str, ...] = ()
+    model_attributes: tuple[str, ...] = ("productName", "model")
+    architecture_attributes: tuple[str, ...] = ("architecture",)
+    driver_version_attributes: tuple[str, ...] = ("driverVersion",)
+    memory_capacities: tuple[str, ...] = ("memory",)
+    profile_attribute: str = "profile"
+    share: tuple[str, ...] = ("counters",)
+    spec: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def kind_of(self, type_value: str) -> str | None:
+        """The kind a type value gives, "other" for an unlisted one, None for no type."""
+        if not type_value:
+            return None
+        if type_value in self.whole_types:
+            return "gpu"
+        if type_value in self.mig_types:
+            return "mig"
+        if type_value in self.partition_types:
+            return "partition"
+        if self.whole_types or self.mig_types or self.partition_types:
+            return "other"
+        return None
+
+
+_LIST_KEYS = (
+    "whole_types",
+    "mig_types",
+    "partition_types",
+    "identity_attributes",
+    "parent_identity_attributes",
+    "physical_unit_attributes",
+    "model_attributes",
+    "architecture_attributes",
+    "driver_version_attributes",
+    "memory_capacities",
+    "share",
+)
+_STRING_KEYS = ("unit", "type_attribute", "untyped", "profile_attribute")
+SPEC_KEYS = frozenset((*_LIST_KEYS, *_STRING_KEYS, "exclude", "description"))
+
+# The generic reading of a driver the project has no profile for: devices typed gpu/vfio are
+# whole GPUs and mig MIG devices (any driver modelled on NVIDIA's), untyped ones GPUs only for
+# a GPU driver (see `generic_profile`), shares from counters and MIG profiles.
+_GENERIC: dict[str, Any] = {
+    "unit": "gpu",
+    "type_attribute": "type",
+    "whole_types": ["gpu", "vfio"],
+    "mig_types": ["mig"],
+    "identity_attributes": ["uuid"],
+    "parent_identity_attributes": ["parentUUID"],
+    "memory_capacities": ["memory", "addressableMemory"],
+    "share": ["mig-profile", "counters"],
+}
+
+BUILTIN_SPECS: dict[str, dict[str, Any]] = {
+    # kubernetes-sigs/dra-driver-nvidia-gpu: type gpu/mig/vfio (and vgpu partitions on hosts
+    # with VGPUSupport), uuid per device, parentUUID on MIG devices, profile "1g.5gb".
+    "gpu.nvidia.com": {
+        "description": "NVIDIA GPUs, MIG devices, vfio passthrough and vGPU",
+        "unit": "gpu",
+        "type_attribute": "type",
+        "whole_types": ["gpu", "vfio"],
+        "mig_types": ["mig"],
+        "partition_types": ["vgpu"],
+        "untyped": "accelerator",
+        "identity_attributes": ["uuid"],
+        "parent_identity_attributes": ["parentUUID"],
+        "memory_capacities": ["memory", "addressableMemory"],
+        "profile_attribute": "profile",
+        "share": ["mig-profile", "counters", "vgpu-profile"],
+    },
+    # ROCm/k8s-gpu-dra-driver: type amdgpu/amdgpu-partition (vfio for passthrough), no uuid;
+    # deviceID is the model's PCI id, pciBusID the physical GPU's, shared by its partitions.
+    "gpu.amd.com": {
+        "description": "AMD Instinct GPUs and their compute partitions",
+        "unit": "gpu",
+        "type_attribute": "type",
+        "whole_types": ["amdgpu", "vfio"],
+        "partition_types": ["amdgpu-partition"],
+        "untyped": "other",
+        "physical_unit_attributes": ["resource.kubernetes.io/pciBusID", "pciAddr"],
+        "model_attributes": ["productName"],
+        "profile_attribute": "partitionProfile",
+        "share": ["counters", "partition-profile"],
+    },
+    # intel/intel-resource-drivers-for-kubernetes gpu.intel.com: no type, no uuid; `model` and
+    # `family` from the PCI id; memory 0 on an integrated GPU, which is not an accelerator here.
+    "gpu.intel.com": {
+        "description": "Intel discrete GPUs (integrated ones, with no memory, excluded)",
+        "unit": "gpu",
+        "type_attribute": "",
+        "untyped": "accelerator",
+        "exclude": [{"capacity": "memory", "equals": "0"}],
+        "physical_unit_attributes": ["resource.kubernetes.io/pciBusID", "pciAddress"],
+        "model_attributes": ["model"],
+        "architecture_attributes": ["family"],
+        "driver_version_attributes": [],
+    },
+    # The same repository's gaudi.intel.com: no type, no uuid; `model` Gaudi2/Gaudi3, `serial`.
+    "gaudi.intel.com": {
+        "description": "Intel Gaudi cards",
+        "unit": "gaudi",
+        "type_attribute": "",
+        "untyped": "accelerator",
+        "model_attributes": ["model"],
+        "architecture_attributes": ["model"],
+        "driver_version_attributes": [],
+        "share": [],
+    },
+    # Google's TPU DRA driver: chips accel0.. with `index`, `tpuGen` and a `uuid` that is the
+    # host's, the same on every chip: it identifies no chip, so chips keep formed identities.
+    "tpu.google.com": {
+        "description": "Google Cloud TPU chips",
+        "unit": "tpu",
+        "type_attribute": "",
+        "untyped": "accelerator",
+        "model_attributes": ["tpuGen"],
+        "architecture_attributes": ["tpuGen"],
+        "driver_version_attributes": [],
+        "share": [],
+    },
+}
+
+
+def _names(value: Any, path: str) -> list[str]:
+    if isinstance(value, str) or not isinstance(value, list):
+        raise ProfileError(path, "must be a list of names")
+    for index, item in enumerate(value):
+        if not isinstance(item, str) or not item.strip():
+            raise ProfileError(f"{path}[{index}]", "must be a non-empty string")
+    return list(value)
+
+
+def validate_spec(spec: Any, path: str = "") -> dict[str, Any]:
+    """A driver profile spec checked and normalised; `ProfileError` names the bad field.
+
+    `path` prefixes the field in messages (the policy file passes `drivers.<driver>`).
+    """
+    where = (lambda key: f"{path}.{key}") if path else (lambda key: key)
+    if not isinstance(spec, dict):
+        raise ProfileError(path or "spec", "must be a mapping of profile keys")
+    unknown = sorted(set(spec) - SPEC_KEYS)
+    if unknown:
+        raise ProfileError(
+            where(unknown[0]), f"is not a profile key (known: {', '.join(sorted(SPEC_KEYS))})"
+        )
+    clean: dict[str, Any] = {}
+    for key in (*_STRING_KEYS, "description"):
+        if key in spec:
+            value = spec[key]
+            if not isinstance(value, str):
+                raise ProfileError(where(key), "must be a string")
+            clean[key] = value.strip()
+    if "unit" in clean and clean["unit"] not in UNITS:
+        raise ProfileError(where("unit"), f"must be one of {', '.join(UNITS)}")
+    if "untyped" in clean and clean["untyped"] not in KINDS_OF_UNTYPED:
+        raise ProfileError(where("untyped"), f"must be one of {', '.join(KINDS_OF_UNTYPED)}")
+    for key in _LIST_KEYS:
+        if key in spec:
+            clean[key] = _names(spec[key], where(key))
+    for index, rule in enumerate(clean.get("share", [])):
+        if rule not in SHARE_RULES:
+            raise ProfileError(
+                f"{where('share')}[{index}]",
+                f"{rule!r} is not a share rule (known: {', '.join(SHARE_RULES)})",
+            )
+    kinds: dict[str, str] = {}
+    for key in ("whole_types", "mig_types", "partition_types"):
+        for value in clean.get(key, []):
+            if value in kinds:
+                raise ProfileError(where(key), f"type {value!r} is also in {kinds[value]}")
+            kinds[value] = key
+    if "exclude" in spec:
+        clean["exclude"] = _exclusions(spec["exclude"], where("exclude"))
+    return clean
+
+
+def _exclusions(value: Any, path: str) -> list[dict[str, Any]]:
+    if not isinstance(value, list):
+        raise ProfileError(path, "must be a list of {attribute|capacity: NAME, equals: VALUE}")
+    entries = []
+    for index, entry in enumerate(value):
+        entry_path = f"{path}[{index}]"
+        if not isinstance(entry, dict):
+            raise ProfileError(entry_path, "must be a mapping with attribute or capacity, equals")
+        extra = sorted(set(entry) - {"attribute", "capacity", "equals"})
+        if extra:
+            raise ProfileError(f"{entry_path}.{extra[0]}", "is not attribute, capacity or equals")
+        if ("attribute" in entry) == ("capacity" in entry):
+            raise ProfileError(entry_path, "must name exactly one of attribute or capacity")
+        key = "attribute" if "attribute" in entry else "capacity"
+        if not isinstance(entry[key], str) or not entry[key].strip():
+            raise ProfileError(f"{entry_path}.{key}", "must be a non-empty string")
+        if "equals" not in entry:
+            raise ProfileError(f"{entry_path}.equals", "is required")
+        equals = entry["equals"]
+        if key == "capacity":
+            try:
+                parse_quantity(equals)
+            except (ValueError, TypeError, InvalidOperation):
+                raise ProfileError(
+                    f"{entry_path}.equals", f"{equals!r} is not a quantity"
+                ) from None
+            equals = str(equals)
+        elif isinstance(equals, dict | list) or equals is None:
+            raise ProfileError(f"{entry_path}.equals", "must be a string, number or boolean")
+        entries.append({key: entry[key].strip(), "equals": equals})
+    return entries
+
+
+def _build(driver: str, source: str, spec: Mapping[str, Any]) -> Profile:
+    exclusions = tuple(
+        Exclusion(
+            name=entry.get("attribute") or entry["capacity"],
+            equals=(
+                Decimal(parse_quantity(entry["equals"])) if "capacity" in entry else entry["equals"]
+            ),
+            capacity="capacity" in entry,
+        )
+        for entry in spec.get("exclude", [])
+    )
+    values: dict[str, Any] = {}
+    for key in _LIST_KEYS:
+        if key in spec:
+            kind_list = key in ("whole_types", "mig_types", "partition_types")
+            values[key] = frozenset(spec[key]) if kind_list else tuple(spec[key])
+    for key in _STRING_KEYS:
+        if key in spec:
+            values[key] = spec[key]
+    return replace(
+        Profile(driver=driver, source=source), exclude=exclusions, spec=dict(spec), **values
+    )
+
+
+def is_gpu_driver(driver: str, gpu_drivers: Iterable[str] = ()) -> bool:
+    """Whether untyped devices of a driver with no profile are GPUs: "gpu" in the first label
+    of its name, or listed in TALLY_GPU_DRIVERS."""
+    return driver in set(gpu_drivers) or "gpu" in driver.split(".", 1)[0]
+
+
+def generic_profile(driver: str, gpu_drivers: Iterable[str] = ()) -> Profile:
+    """The profile of a driver nothing describes."""
+    untyped = "accelerator" if is_gpu_driver(driver, gpu_drivers) else "other"
+    return _build(driver, "generic", {**_GENERIC, "untyped": untyped})
+
+
+def builtin_profile(driver: str, gpu_drivers: Iterable[str] = ()) -> Profile:
+    """The built-in profile of `driver`, else the generic one."""
+    spec = BUILTIN_SPECS.get(driver)
+    if spec is None:
+        return generic_profile(driver, gpu_drivers)
+    return _build(driver, "builtin", spec)
+
+
+def effective_profile(
+    driver: str,
+    configured: Mapping[str, Any] | None,
+    source: str = "admin",
+    *,
+    gpu_drivers: Iterable[str] = (),
+) -> Profile:
+    """A configured spec over the built-in profile of `driver` (keys it sets replace the
+    built-in's); for a driver with no built-in profile, over the generic profile, whose unit
+    becomes "accelerator" unless the spec says otherwise or the driver is a GPU driver."""
+    if configured is None:
+        return builtin_profile(driver, gpu_drivers)
+    spec = validate_spec(dict(configured))
+    base = BUILTIN_SPECS.get(driver)
+    if base is None:
+        base = {**_GENERIC, "untyped": "accelerator"}
+        if not is_gpu_driver(driver, gpu_drivers):
+            base["unit"] = "accelerator"
+    return _build(driver, source, {**base, **spec})
+
+
+class ProfileBook:
+    """The effective profiles of one sync run: DriverProfile rows read once, profiles built
+    once per driver. A row that no longer validates (written before a rule tightened) falls
+    back to the built-in profile and is listed in `errors`, never failing the sync."""
+
+    def __init__(
+        self,
+        rows: Mapping[str, tuple[Mapping[str, Any], str]] | None,
+        gpu_drivers: Iterable[str] = (),
+    ) -> None:
+        # None: read the DriverProfile rows when a profile is first asked for, so that a sync
+        # that counts no pool (most watch events) makes no query for them.
+        self.rows = dict(rows) if rows is not None else None
+        self.gpu_drivers = frozenset(gpu_drivers)
+        self.errors: list[str] = []
+        self._cache: dict[str, Profile] = {}
+
+    @classmethod
+    def load(cls, gpu_drivers: Iterable[str] | None = None) -> ProfileBook:
+        """The book of this run; the rows are read on first use."""
+        drivers = settings.TALLY_GPU_DRIVERS if gpu_drivers is None else gpu_drivers
+        return cls(None, drivers)
+
+    def _rows(self) -> dict[str, tuple[Mapping[str, Any], str]]:
+        if self.rows is None:
+            from inventory.models import DriverProfile
+
+            self.rows = {
+                row.driver: (row.spec, row.source)
+                for row in DriverProfile.objects.only("driver", "spec", "source")
+            }
+        return self.rows
+
+    def get(self, driver: str) -> Profile:
+        profile = self._cache.get(driver)
+        if profile is None:
+            row = self._rows().get(driver)
+            try:
+                profile = effective_profile(
+                    driver,
+                    row[0] if row else None,
+                    row[1] if row else "admin",
+                    gpu_drivers=self.gpu_drivers,
+                )
+            except ProfileError as exc:
+                self.errors.append(f"DriverProfile {driver}: {exc}")
+                profile = builtin_profile(driver, self.gpu_drivers)
+            self._cache[driver] = profile
+        return profile
+
+
+def profile_for(driver: str) -> Profile:
+    """The effective profile of one driver now (reads its DriverProfile row, uncached)."""
+    return ProfileBook.load().get(driver)
+
+
+# vGPU types are named <board>-<framebuffer GB><series> (A100-4C, L40S-12Q), or for MIG-backed
+# vGPUs <board>-<compute slices>-<framebuffer GB><series> (A100-2-10C). Framebuffer of each board
+# in GB, as NVIDIA's vGPU type tables divide it.
+_VGPU_TYPE = re.compile(r"^(?P<board>[A-Z][A-Z0-9]*)-(?:(?P<slices>\d)-)?(?P<gb>\d+)[ABCQ]$")
+VGPU_BOARD_MEMORY_GB = {
+    "A2": 16,
+    "A10": 24,
+    "A16": 16,
+    "A30": 24,
+    "A40": 48,
+    "A100": 40,
+    "A100D": 80,
+    "A100X": 80,
+    "A800": 40,
+    "A800D": 80,
+    "A6000": 48,
+    "A5000": 24,
+    "L2": 24,
+    "L4": 24,
+    "L20": 48,
+    "L40": 48,
+    "L40S": 48,
+    "H100": 80,
+    "H100L": 94,
+    "H100XM": 80,
+    "H200X": 141,
+    "T4": 16,
+    "V100": 16,
+    "V100D": 32,
+}
+_MIG_SLICES_BY_BOARD = {"A30": 4}
+
+
+def vgpu_fraction(name: str) -> Decimal | None:
+    """The share of its physical GPU a vGPU type name gives, None if it is not one we know."""
+    token = name.strip().split()[-1] if name.strip() else ""
+    match = _VGPU_TYPE.match(token.upper())
+    if not match:
+        return None
+    board = match["board"]
+    if match["slices"]:
+        return Decimal(int(match["slices"])) / _MIG_SLICES_BY_BOARD.get(board, 7)
+    total = VGPU_BOARD_MEMORY_GB.get(board)
+    if not total:
+        return None
+    return min(Decimal(int(match["gb"])) / total, Decimal(1))
+
+
+# AMD compute partition modes and how many partitions each makes of one GPU. CPX makes one
+# per XCD: 8 on an MI300X, MI325X, MI350X and MI355X, 4 on an MI308X, 6 on an MI300A; on a
+# model not listed it is counted from the partitions the driver publishes on that GPU.
+AMD_PARTITIONS = {"spx": 1, "dpx": 2, "tpx": 3, "qpx": 4}
+AMD_XCDS = {"MI300X": 8, "MI325X": 8, "MI350X": 8, "MI355X": 8, "MI308X": 4, "MI300A": 6}
+
+
+def partition_profile_count(profile: str, product: str = "") -> int | None:
+    """Partitions per GPU from an AMD partition profile ("dpx_nps2" -> 2, "cpx_nps1" on an
+    MI300X -> 8); None when the profile or the model's XCD count is unknown."""
+    mode = re.split(r"[_-]", profile.strip().lower(), maxsplit=1)[0] if profile else ""
+    if mode == "cpx":
+        upper = product.upper()
+        return next((n for model, n in AMD_XCDS.items() if model in upper), None)
+    return AMD_PARTITIONS.get(mode)

@@ -1,0 +1,348 @@
+"""Fleet counts of other vendors' drivers, from the project's fixtures in dra/vendors/.
+
+Each driver is read through its profile (`inventory.profiles`): which devices are
+accelerators, what unit they count, how a partition's share and a device's identity are formed.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from decimal import Decimal
+from pathlib import Path
+
+import pytest
+from django.test import override_settings
+
+from inventory import profiles, services
+from inventory.dumps import iter_objects
+from inventory.models import Device, DriverProfile
+from tests.fixtures import DRA
+
+pytestmark = pytest.mark.django_db
+AT = datetime(2026, 12, 1, 8, 0, tzinfo=UTC)
+VENDORS = DRA / "vendors"
+FIXTURES = (
+    "amd-mi300x.yaml",
+    "intel-gpu.yaml",
+    "gaudi2.yaml",
+    "tpu.yaml",
+    "vgpu.yaml",
+    "partitionable-counters.yaml",
+    "consumable-capacity.yaml",
+)
+
+
+def load(*names: str, at: datetime = AT) -> services.SyncReport:
+    objects = [obj for name in names for obj in iter_objects(VENDORS / name)]
+    report = services.import_snapshot(
+        cluster=services.get_cluster("fx"), objects=objects, at=at, kinds=["ResourceSlice"]
+    )
+    assert report.errors == []
+    return report
+
+
+def accelerators(driver: str, pool: str | None = None) -> list[Device]:
+    rows = Device.objects.filter(gone_at__isnull=True, driver=driver).exclude(kind="other")
+    if pool is not None:
+        rows = rows.filter(pool=pool)
+    return list(rows.order_by("name"))
+
+
+def physical_units(devices: list[Device]) -> int:
+    return len({device.physical_gpu_key for device in devices})
+
+
+def test_amd_whole_gpus_count_and_cpx_partitions_are_eighths_of_one_gpu() -> None:
+    load("amd-mi300x.yaml")
+    whole = accelerators("gpu.amd.com", "mi300x-node-1")
+    assert len(whole) == 8 and {d.kind for d in whole} == {"gpu"}
+    assert {(d.unit, d.gpu_share) for d in whole} == {("gpu", Decimal(1))}
+    # deviceID is the model's PCI id, the same on all eight: the key comes from pciBusID.
+    assert physical_units(whole) == 8
+    assert whole[0].physical_gpu_key == "gpu.amd.com/mi300x-node-1/0000:05:00.0"
+    assert (whole[0].product_name, whole[0].driver_version) == (
+        "AMD_Instinct_MI300X_OAM",
+        "6.10.5",
+    )
+    assert whole[0].memory_bytes == 192 * 2**30
+    parts = accelerators("gpu.amd.com", "mi300x-node-2")
+    assert len(parts) == 8 and {d.kind for d in parts} == {"partition"}
+    assert {d.gpu_share for d in parts} == {Decimal("0.125")}
+    assert {d.physical_gpu_key for d in parts} == {"gpu.amd.com/mi300x-node-2/0000:05:00.0"}
+    assert parts[0].profile == "cpx_nps1"
+    # Two CPX partitions are a quarter of one MI300X, not two GPUs.
+    assert parts[0].gpu_share + parts[1].gpu_share == Decimal("0.25")
+    assert sum(d.gpu_share for d in whole + parts) == 9
+
+
+def test_amd_dual_partition_profile_is_a_half_whatever_is_published() -> None:
+    objects = list(iter_objects(VENDORS / "amd-mi300x.yaml"))
+    node2 = objects[2]
+    devices = node2["spec"]["devices"][:1]  # only one of the two DPX partitions is free
+    devices[0]["attributes"]["partitionProfile"] = {"string": "dpx_nps2"}
+    node2["spec"]["devices"] = devices
+    services.import_snapshot(cluster=services.get_cluster("fx"), objects=[node2], at=AT)
+    (part,) = accelerators("gpu.amd.com", "mi300x-node-2")
+    assert (part.kind, part.gpu_share) == ("partition", Decimal("0.5"))
+
+
+def test_cpx_partitions_are_eighths_of_an_mi300x_even_when_some_are_not_published() -> None:
+    objects = list(iter_objects(VENDORS / "amd-mi300x.yaml"))
+    node2 = objects[2]
+    node2["spec"]["devices"] = node2["spec"]["devices"][:3]
+    services.import_snapshot(cluster=services.get_cluster("fx"), objects=[node2], at=AT)
+    assert {d.gpu_share for d in accelerators("gpu.amd.com")} == {Decimal("0.125")}
+    assert profiles.partition_profile_count("cpx_nps4", "Unknown_Accelerator") is None
+
+
+def test_intel_integrated_gpu_is_not_an_accelerator_and_the_discrete_one_is() -> None:
+    load("intel-gpu.yaml")
+    (discrete,) = accelerators("gpu.intel.com")
+    assert (discrete.name, discrete.kind, discrete.unit) == ("0000-03-00-0-0x56c0", "gpu", "gpu")
+    assert (discrete.product_name, discrete.architecture) == ("Flex 170", "Data Center Flex")
+    assert discrete.gpu_share == 1 and discrete.memory_bytes == 16 * 2**30
+    integrated = Device.objects.get(name="0000-00-02-0-0xa7a0")
+    assert (integrated.kind, integrated.gpu_share, integrated.meter_id) == ("other", 0, "")
+    # No uuid: the meter identity is formed from where the device is published.
+    assert discrete.uuid == ""
+    assert discrete.meter_id == profiles.meter_id(
+        "fx", "gpu.intel.com", "intel-node-1", "0000-03-00-0-0x56c0"
+    )
+    assert discrete.meter_id.startswith("dra-") and len(discrete.meter_id) == 36
+
+
+@override_settings(TALLY_GPU_DRIVERS=frozenset())
+def test_gaudi_cards_count_without_being_listed_as_gpu_drivers() -> None:
+    load("gaudi2.yaml")
+    cards = accelerators("gaudi.intel.com")
+    assert len(cards) == 8 and physical_units(cards) == 8
+    assert {(d.kind, d.unit, d.gpu_share, d.product_name) for d in cards} == {
+        ("gpu", "gaudi", Decimal(1), "Gaudi2")
+    }
+    assert len({d.meter_id for d in cards}) == 8
+    assert cards[0].shape is not None and cards[0].shape.unit == "gaudi"
+
+
+def test_tpu_chips_that_publish_one_host_uuid_stay_four_chips() -> None:
+    load("tpu.yaml")
+    chips = accelerators("tpu.google.com")
+    assert [d.name for d in chips] == ["accel0", "accel1", "accel2", "accel3"]
+    assert {d.uuid for d in chips} == {"tpu-7e0f43a2-51c9-4d8b-a6f1-0c2b9d3e8a15"}
+    assert physical_units(chips) == 4
+    assert len({d.meter_id for d in chips}) == 4
+    assert all(d.meter_id.startswith("dra-") for d in chips)
+    assert {(d.kind, d.unit, d.gpu_share, d.product_name) for d in chips} == {
+        ("gpu", "tpu", Decimal(1), "v4")
+    }
+
+
+def test_tpu_chips_stay_apart_even_where_a_profile_calls_uuid_an_identity() -> None:
+    DriverProfile.objects.create(
+        driver="tpu.google.com", spec={"identity_attributes": ["uuid"]}, source="admin"
+    )
+    load("tpu.yaml")
+    chips = accelerators("tpu.google.com")
+    assert physical_units(chips) == 4 and len({d.meter_id for d in chips}) == 4
+
+
+def test_vgpu_profiles_count_their_fraction_of_the_physical_gpu() -> None:
+    load("vgpu.yaml")
+    (small,) = accelerators("gpu.nvidia.com", "vgpu-vm-1")
+    assert (small.product_name, small.kind, small.gpu_share) == (
+        "GRID A100-4C",
+        "partition",
+        Decimal("0.1"),
+    )
+    tens = accelerators("gpu.nvidia.com", "vgpu-vm-2")
+    assert {(d.product_name, d.gpu_share) for d in tens} == {("NVIDIA A100-10C", Decimal("0.25"))}
+    # The guest sees its vGPU's own UUID, and samples name it by that.
+    assert {d.meter_id for d in tens} == {d.uuid for d in tens}
+    assert physical_units(tens) == 2
+    assert small.gpu_share + sum(d.gpu_share for d in tens) == Decimal("0.6")
+
+
+def test_partition_share_is_the_scarcest_counter_not_the_first() -> None:
+    load("partitionable-counters.yaml")
+    devices = {d.name: d for d in accelerators("gpu.partitions.example.com")}
+    assert len(devices) == 7
+    # A quarter takes 1/8 of the copy engines (listed first), 1/4 of the multiprocessors and
+    # 1/5 of the HBM: it blocks a quarter of the GPU.
+    quarter = devices["gpu-0-quarter-0"]
+    assert (quarter.kind, quarter.gpu_share) == ("partition", Decimal("0.25"))
+    assert devices["gpu-0-half-1"].gpu_share == Decimal("0.5")
+    assert (devices["gpu-0"].kind, devices["gpu-0"].gpu_share) == ("gpu", Decimal(1))
+    assert {d.physical_gpu_key for d in devices.values()} == {
+        "gpu.partitions.example.com/part-node-1/gpu-0-counters"
+    }
+    assert len({d.meter_id for d in devices.values()}) == 7
+
+
+def test_position_counters_weigh_together_as_the_share_of_positions_taken() -> None:
+    """A MIG-style layout publishes a counter of 1 per memory slice: a device taking one
+    slice of eight takes an eighth, not the whole of that slice's counter."""
+    positions = {f"memory-slice-{index}": {"value": "1"} for index in range(8)}
+    slices = [
+        {
+            "apiVersion": "resource.k8s.io/v1",
+            "kind": "ResourceSlice",
+            "metadata": {"name": "mig-node-counters"},
+            "spec": {
+                "driver": "gpu.slices.example.com",
+                "pool": {"name": "mig-node", "generation": 1, "resourceSliceCount": 1},
+                "nodeName": "mig-node",
+                "sharedCounters": [
+                    {
+                        "name": "gpu-0",
+                        "counters": {"multiprocessors": {"value": "132"}, **positions},
+                    }
+                ],
+                "devices": [
+                    {
+                        "name": f"gpu-0-{name}",
+                        "consumesCounters": [
+                            {
+                                "counterSet": "gpu-0",
+                                "counters": {
+                                    "multiprocessors": {"value": str(sms)},
+                                    **{f"memory-slice-{i}": {"value": "1"} for i in taken},
+                                },
+                            }
+                        ],
+                    }
+                    for name, sms, taken in (
+                        ("1g", 16, [0]),
+                        ("2g", 32, [2, 3]),
+                        ("4g", 64, [4, 5, 6, 7]),
+                        ("whole", 132, range(8)),
+                    )
+                ],
+            },
+        }
+    ]
+    services.import_snapshot(
+        cluster=services.get_cluster("fx"), objects=slices, at=AT, kinds=["ResourceSlice"]
+    )
+    shares = {d.name: d.gpu_share for d in accelerators("gpu.slices.example.com")}
+    assert shares == {
+        "gpu-0-1g": Decimal("0.125"),  # 1 of 8 slices (16/132 SMs is less)
+        "gpu-0-2g": Decimal("0.25"),
+        "gpu-0-4g": Decimal("0.5"),
+        "gpu-0-whole": Decimal(1),
+    }
+
+
+def test_consumable_capacity_devices_are_whole_shareable_gpus() -> None:
+    load("consumable-capacity.yaml")
+    gpus = accelerators("gpu.nvidia.com", "share-node-1")
+    assert {(d.kind, d.gpu_share) for d in gpus} == {("gpu", Decimal(1))}
+    assert [d.meter_id for d in gpus] == [d.uuid for d in gpus]
+    shape = gpus[0].shape
+    assert shape is not None and shape.allow_multiple_allocations is True
+    assert gpus[0].capacity["memory"]["requestPolicy"]["default"] == "8Gi"
+
+
+def test_every_accelerator_has_a_unique_meter_id_that_survives_a_resync() -> None:
+    load(*FIXTURES)
+    present = Device.objects.filter(gone_at__isnull=True)
+    accel = present.exclude(kind="other")
+    meters = list(accel.values_list("meter_id", flat=True))
+    assert all(meters) and len(meters) == len(set(meters)) == 41
+    assert set(present.filter(kind="other").values_list("meter_id", flat=True)) == {""}
+    before = {d.pk: (d.meter_id, d.physical_gpu_key, d.gpu_share) for d in accel}
+    load(*FIXTURES, at=AT + timedelta(hours=1))
+    after = {
+        d.pk: (d.meter_id, d.physical_gpu_key, d.gpu_share)
+        for d in Device.objects.filter(gone_at__isnull=True).exclude(kind="other")
+    }
+    assert after == before
+
+
+def test_meter_ids_differ_between_clusters_for_devices_without_uuid() -> None:
+    assert profiles.meter_id("a", "gpu.amd.com", "n1", "gpu-1-128") != profiles.meter_id(
+        "b", "gpu.amd.com", "n1", "gpu-1-128"
+    )
+    assert profiles.meter_id("a", "d", "p", "x", "GPU-1") == "GPU-1"
+
+
+def test_a_driver_profile_row_overrides_the_built_in_one() -> None:
+    DriverProfile.objects.create(driver="gpu.intel.com", spec={"exclude": []}, source="admin")
+    load("intel-gpu.yaml")
+    assert len(accelerators("gpu.intel.com")) == 2
+
+
+def test_a_configured_driver_counts_in_its_own_unit() -> None:
+    DriverProfile.objects.create(
+        driver="npu.example.com",
+        spec={"unit": "accelerator", "model_attributes": ["model"]},
+        source="policy",
+    )
+    objects = list(iter_objects(VENDORS / "gaudi2.yaml"))
+    for obj in objects:
+        if obj["kind"] == "ResourceSlice":
+            obj["spec"]["driver"] = "npu.example.com"
+    services.import_snapshot(cluster=services.get_cluster("fx"), objects=objects, at=AT)
+    cards = accelerators("npu.example.com")
+    assert len(cards) == 8 and {d.unit for d in cards} == {"accelerator"}
+
+
+def test_an_unknown_driver_without_gpu_in_its_name_counts_nothing() -> None:
+    objects = list(iter_objects(VENDORS / "gaudi2.yaml"))
+    for obj in objects:
+        if obj["kind"] == "ResourceSlice":
+            obj["spec"]["driver"] = "fpga.example.com"
+    services.import_snapshot(cluster=services.get_cluster("fx"), objects=objects, at=AT)
+    assert accelerators("fpga.example.com") == []
+
+
+def test_unit_labels() -> None:
+    assert [profiles.unit_label(u) for u in profiles.UNITS] == [
+        "GPUs",
+        "TPU chips",
+        "Gaudi cards",
+        "accelerators",
+    ]
+    assert profiles.unit_label("tpu", plural=False) == "TPU chip"
+    assert [profiles.hours_label(u) for u in ("gpu", "tpu", "gaudi")] == [
+        "GPU-hours",
+        "TPU chip-hours",
+        "Gaudi card-hours",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"unit": "gpus"}, "drivers.x.unit: must be one of gpu, tpu, gaudi, accelerator"),
+        ({"share": ["memory"]}, "drivers.x.share[0]: 'memory' is not a share rule"),
+        ({"whole_types": "gpu"}, "drivers.x.whole_types: must be a list of names"),
+        ({"colour": 1}, "drivers.x.colour: is not a profile key"),
+        ({"exclude": [{"capacity": "memory"}]}, "drivers.x.exclude[0].equals: is required"),
+        (
+            {"exclude": [{"capacity": "memory", "equals": "lots"}]},
+            "drivers.x.exclude[0].equals: 'lots' is not a quantity",
+        ),
+        (
+            {"whole_types": ["a"], "partition_types": ["a"]},
+            "drivers.x.partition_types: type 'a' is also in whole_types",
+        ),
+    ],
+)
+def test_bad_specs_are_refused_naming_the_field(spec: dict[str, object], message: str) -> None:
+    with pytest.raises(profiles.ProfileError) as caught:
+        profiles.validate_spec(spec, "drivers.x")
+    assert str(caught.value).startswith(message)
+    assert "\n" not in str(caught.value)
+
+
+def test_vgpu_type_names() -> None:
+    assert profiles.vgpu_fraction("GRID A100-4C") == Decimal("0.1")
+    assert profiles.vgpu_fraction("NVIDIA L40S-12Q") == Decimal("0.25")
+    assert profiles.vgpu_fraction("NVIDIA A100-2-10C") == Decimal(2) / 7
+    assert profiles.vgpu_fraction("NVIDIA A100-PCIE-40GB") is None
+    assert profiles.vgpu_fraction("NVIDIA H100 80GB HBM3") is None
+
+
+def test_fixture_files_say_what_they_model() -> None:
+    for name in FIXTURES:
+        text = Path(VENDORS / name).read_text()
+        assert text.startswith("# ") and "Facts relied on" in text, name
