@@ -35,7 +35,10 @@ class QuotaRule(models.Model):
     device_class = models.CharField(max_length=253)
     selector = models.TextField(blank=True)
     unit = models.CharField(max_length=16, choices=Unit.choices, default=Unit.GPUS)
-    # GPU-equivalents (a MIG device counts its share of its GPU) or bytes, per `unit`.
+    # Device-equivalents (a MIG device or partition counts its share of its GPU, a consumable
+    # share its fraction) or bytes, per `unit`. Device-equivalents are of the unit of the
+    # devices the rule covers (GPUs, TPU chips, Gaudi cards; "accelerators" when they differ),
+    # as messages and the API say (`quota.admission.shapes.rule_unit`).
     limit = models.DecimalField(max_digits=24, decimal_places=6)
     mode = models.CharField(max_length=16, choices=Mode.choices, default=Mode.ENFORCE)
     # Sum of the live reservation lines on this rule; only quota.services and the webhook's

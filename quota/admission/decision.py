@@ -6,8 +6,12 @@ each rule, which `firstAvailable` alternatives fit, and the denial or warnings. 
 reserves the plan (or does not); everything here is plain Python on plain data.
 
 A claim is counted by what it can really take: `ExactCount` its count, `All` the most
-matching devices on one node, a MIG device its share of its GPU, a consumable share its
-fraction of the device's memory, `adminAccess` nothing. Rules bind devices, not class names:
+matching devices on one node, a MIG device its share of its GPU, a consumable share (KEP-5075)
+the largest fraction it consumes of any of the device's capacities (`inventory.capacity`: its
+requests under any capacity name, qualified or not, rounded up by `requestPolicy`, and the
+policy's default for what it does not name), `adminAccess` nothing. Amounts are in the unit of
+the devices a rule covers (GPUs, TPU chips, Gaudi cards; "accelerators" when they differ), and
+messages say which. Rules bind devices, not class names:
 a request counts on every rule that covers a device it could be given (the rule's device
 class's selectors and its own), whatever class the request names. `claim_amounts` is what an
 admitted claim holds until it is allocated, as the ledger's recount works it out again.
@@ -16,7 +20,7 @@ admitted claim holds until it is allocated, as the ledger's recount works it out
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -25,7 +29,8 @@ from typing import Any
 from django.conf import settings
 from kubernetes.utils import parse_quantity
 
-from inventory import dra
+from inventory import capacity, dra
+from inventory.profiles import unit_label
 from quota import cel
 from quota.admission.shapes import FleetShapes, Shape
 from quota.models import Mode, QuotaRule, ReservationState, Unit
@@ -37,6 +42,8 @@ NEAR_LIMIT = Decimal("0.8")
 # (v1alpha2, classic DRA, has no `spec.devices`) is not counted: see `unread_version`.
 CLAIM_VERSIONS = ("v1", "v1beta2", "v1beta1", "v1alpha3")
 CLAIM_API_VERSIONS = frozenset(f"{dra.GROUP}/{version}" for version in CLAIM_VERSIONS)
+# The capacities a memory rule counts, as drivers name them.
+MEMORY_CAPACITIES = ("memory", "addressableMemory")
 # The resource-claim controller creates claims from ResourceClaimTemplates for Pods.
 CONTROLLER_USERS = ("system:serviceaccount:kube-system:", "system:kube-controller-manager")
 
@@ -121,6 +128,8 @@ class Plan:
     denial: str = ""
     reason: str = ""
     rule: str = ""
+    # What each rule's amounts count in this cluster's fleet ("gpu", "tpu", ...), by rule id.
+    units: dict[int, str] = field(default_factory=dict)
 
     def decision(self) -> Decision:
         """The answer this plan gives before anything is reserved."""
@@ -195,6 +204,7 @@ def plan_claim(
     if not rules:
         return plan
     shapes = fleet()
+    plan.units = {rule.pk: shapes.unit(rule.device_class, rule.selector) for rule in rules}
     for request in requests:
         alternatives = request.first_available or [request]
         demands = [
@@ -203,7 +213,8 @@ def plan_claim(
         fitting = [d for d in demands if exceeded(plan, d) is None]
         if not fitting:
             rule, asked = exceeded(plan, demands[0]) or (rules[0], Decimal(0))
-            plan.denial, plan.rule = over_limit(plan.team, rule, asked), rule.name
+            plan.denial = over_limit(plan.team, rule, asked, plan.units.get(rule.pk))
+            plan.rule = rule.name
             if len(demands) > 1:
                 plan.denial += (
                     f" (none of the {len(demands)} alternatives of request {request.name!r} fits)"
@@ -219,12 +230,13 @@ def plan_claim(
     for rule_id, amount in plan.reserve.items():
         rule = plan.rules[rule_id]
         total = rule.in_use + amount
+        unit = plan.units.get(rule_id)
         if rule.mode == Mode.WARN and total > rule.limit:
-            plan.warnings.append(over_limit(plan.team, rule, amount) + " (warn only)")
+            plan.warnings.append(over_limit(plan.team, rule, amount, unit) + " (warn only)")
         elif rule.limit and total >= NEAR_LIMIT * rule.limit:
             plan.warnings.append(
                 f'team "{plan.team.slug}": quota rule "{rule.name}" is at '
-                f"{_fmt(total, rule)} of {_fmt(rule.limit, rule)} with this claim"
+                f"{_fmt(total, rule, unit)} of {_fmt(rule.limit, rule, unit)} with this claim"
             )
     return plan
 
@@ -338,12 +350,13 @@ def exceeded(plan: Plan, demand: Demand) -> tuple[Rule, Decimal] | None:
     return None
 
 
-def over_limit(team: Team, rule: Rule, asked: Decimal) -> str:
-    """The denial naming the team, the rule, what is in use, what was asked and the limit."""
+def over_limit(team: Team, rule: Rule, asked: Decimal, unit: str | None = None) -> str:
+    """The denial naming the team, the rule, what is in use, what was asked and the limit, in
+    `unit` (what the rule's devices count; None: GPUs)."""
     return (
         f'team "{team.slug}": quota rule "{rule.name}" ({rule.mode}) would be exceeded: '
-        f"{_fmt(rule.in_use, rule)} in use, {_fmt(asked, rule)} requested, "
-        f"limit {_fmt(rule.limit, rule)}"
+        f"{_fmt(rule.in_use, rule, unit)} in use, {_fmt(asked, rule, unit)} requested, "
+        f"limit {_fmt(rule.limit, rule, unit)}"
     )
 
 
@@ -353,7 +366,7 @@ def over_quota(plan: Plan, rule: Rule, asked: Decimal) -> Decision:
     assert plan.team is not None
     return Decision(
         allowed=False,
-        message=over_limit(plan.team, rule, asked),
+        message=over_limit(plan.team, rule, asked, plan.units.get(rule.pk)),
         reason="QuotaExceeded",
         warnings=plan.warnings,
         team=plan.team,
@@ -369,11 +382,11 @@ def rules_changed(team: Team) -> Decision:
     )
 
 
-def _fmt(value: Decimal, rule: Rule) -> str:
+def _fmt(value: Decimal, rule: Rule, unit: str | None) -> str:
     if rule.unit == Unit.MEMORY:
         return f"{(value / 2**30).quantize(Decimal('0.01')).normalize():f}Gi"
     rounded = value.quantize(Decimal("0.001")).normalize()
-    return f"{rounded:f} GPU" + ("" if rounded == 1 else "s")
+    return f"{rounded:f} {unit_label(unit or 'gpu', plural=rounded != 1)}"
 
 
 def demand(
@@ -384,13 +397,21 @@ def demand(
 ) -> Demand:
     """What `request` can take on each of `rules` that limits it: each rule that covers a
     device the request could be given (its class's selectors and its own, over the fleet's
-    shapes), whatever class the request names."""
+    shapes, less those that cannot provide its capacity requests), whatever class the request
+    names."""
     result = Demand(name=request.name, amounts={}, devices=0)
     if request.admin_access or not rules:
         return result  # admin access observes devices; it holds nothing
     selectors = tuple(request.selectors)
-    candidates = fleet.candidates(request.device_class_name, selectors)
-    requested_memory = request.capacity_requests.get("memory")
+    asked = tuple(sorted(request.capacity_requests.items()))
+    candidates = fleet.derived(
+        ("eligible", request.device_class_name, selectors, asked),
+        functools.partial(
+            _eligible,
+            fleet.candidates(request.device_class_name, selectors),
+            request.capacity_requests,
+        ),
+    )
     per_device_on: dict[int, Decimal] = {}
     for rule in rules:
         # What one device counts on this rule: the same for every request that asks alike, so
@@ -398,10 +419,10 @@ def demand(
         key = (
             request.device_class_name,
             selectors,
+            asked,
             rule.device_class,
             rule.selector,
             rule.unit,
-            requested_memory,
         )
         each = fleet.derived(
             key,
@@ -411,7 +432,7 @@ def demand(
                 request.device_class_name,
                 candidates,
                 fleet,
-                requested_memory,
+                request.capacity_requests,
             ),
         )
         if each is None:
@@ -429,16 +450,24 @@ def demand(
     if not per_device_on:
         return result
     if not candidates:
-        # Nothing to weigh it by: it counts as whole GPUs on every rule of its class, the
+        # Nothing to weigh it by: it counts as whole devices on every rule of its class, the
         # most it could take, until the sync sees what it was given.
+        units = {fleet.unit(r.device_class, r.selector) for r in rules if r.pk in per_device_on}
+        whole = units.pop() if len(units) == 1 else "accelerator"
+        asking = (
+            " with capacity " + ", ".join(f"{name}: {value}" for name, value in asked)
+            if asked
+            else ""
+        )
         warnings.append(
-            f'request "{request.name}": no device of class "{request.device_class_name}" in '
-            "the inventory matches it; until it is allocated, each device it asks for counts "
-            "as one whole GPU (and no memory) on every quota rule of its class"
+            f'request "{request.name}": no device of class "{request.device_class_name}"'
+            f"{asking} in the inventory matches it; until it is allocated, each device it asks "
+            f"for counts as one whole {unit_label(whole, plural=False)} (and no memory) on "
+            "every quota rule of its class"
         )
     if request.allocation_mode == "All":
         devices = fleet.derived(
-            ("all", request.device_class_name, selectors),
+            ("all", request.device_class_name, selectors, asked),
             lambda: _most_on_a_node(fleet, candidates),
         )
     else:
@@ -446,6 +475,24 @@ def demand(
     result.devices = devices
     result.amounts = {rule_id: each * devices for rule_id, each in per_device_on.items()}
     return result
+
+
+def _eligible(candidates: list[Shape], capacity_requests: dict[str, str]) -> list[Shape]:
+    """The candidate shapes that can provide `capacity_requests`: the scheduler gives a
+    request only devices that publish every capacity it asks for, with enough of it, in
+    amounts their `requestPolicy` allows."""
+    if not capacity_requests:
+        return candidates
+    return [shape for shape in candidates if _consumes(shape, capacity_requests) is not None]
+
+
+def _consumes(shape: Shape, capacity_requests: dict[str, str]) -> dict[str, Decimal] | None:
+    """What a request asking `capacity_requests` consumes of a device of `shape`, by capacity;
+    None when it cannot be given one."""
+    try:
+        return capacity.requested_amounts(shape.capacity, capacity_requests, shape.driver)
+    except capacity.CapacityError:
+        return None
 
 
 def _most_on_a_node(fleet: FleetShapes, candidates: list[Shape]) -> int:
@@ -465,20 +512,23 @@ def _per_device_on(
     request_class: str,
     candidates: list[Shape],
     fleet: FleetShapes,
-    requested_memory: str | None,
+    capacity_requests: dict[str, str],
 ) -> Decimal | None:
     """The most one device of `candidates` that `rule` covers counts on it; None when it
     covers none of them (it does not limit the request). A request that no known device
-    matches is limited by the rules of the class it names, as whole GPUs."""
+    matches is limited by the rules of the class it names, as whole devices."""
     if not candidates:
         return (
-            _most_per_device(rule, [], requested_memory)
+            _most_per_device(rule, [], capacity_requests)
             if rule.device_class == request_class
             else None
         )
     covered = fleet.covered(rule.device_class, rule.selector)
     shapes = [shape for shape in candidates if shape.id in covered]
-    return _most_per_device(rule, shapes, requested_memory) if shapes else None
+    if not shapes:
+        return None
+    accelerators = fleet.covers_accelerators(rule.device_class, rule.selector)
+    return _most_per_device(rule, shapes, capacity_requests, of_accelerators=accelerators)
 
 
 def _selector_error(selector: str) -> str:
@@ -489,27 +539,61 @@ def _selector_error(selector: str) -> str:
     return ""
 
 
-def _most_per_device(rule: Rule, shapes: list[Shape], requested_memory: str | None) -> Decimal:
+def _most_per_device(
+    rule: Rule,
+    shapes: list[Shape],
+    capacity_requests: dict[str, str],
+    *,
+    of_accelerators: bool = False,
+) -> Decimal:
     return max(
-        (per_device(shape, rule, requested_memory) for shape in shapes),
+        (
+            per_device(
+                shape,
+                rule,
+                _consumes(shape, capacity_requests) if shape.shareable else None,
+                of_accelerators=of_accelerators,
+            )
+            for shape in shapes
+        ),
         default=Decimal(1) if rule.unit == Unit.GPUS else Decimal(0),
     )
 
 
-def per_device(shape: Shape, rule: Rule, requested_memory: str | None) -> Decimal:
-    """What one device of `shape` counts on `rule`; a consumable share counts its fraction."""
-    memory = Decimal(shape.memory_bytes) if shape.memory_bytes else None
-    shared = requested_memory is not None and shape.shareable
+def per_device(
+    shape: Shape,
+    rule: Rule,
+    consumed: Mapping[str, Any] | None,
+    *,
+    of_accelerators: bool = False,
+) -> Decimal:
+    """What one device of `shape` counts on `rule`. `consumed`: what a share of a shareable
+    device takes of its capacities (`inventory.capacity.requested_amounts`, or an allocation's
+    `consumedCapacity`); None for the whole device. A share counts its fraction of the device
+    (the largest of any capacity) and, on a memory rule, the memory it consumes.
+
+    A device that is not an accelerator (kind "other": Intel's integrated GPU, a NIC) counts
+    nothing on a rule that covers accelerators (`of_accelerators`), and one device on a rule
+    that covers only such devices, which then limits how many are held."""
     if rule.unit == Unit.MEMORY:
-        if shared:
-            return Decimal(parse_quantity(requested_memory))
-        return memory or Decimal(0)
-    share = shape.gpu_share if shape.kind != "other" else Decimal(1)
-    if shared and memory:
-        return (share * Decimal(parse_quantity(requested_memory)) / memory).quantize(
-            Decimal("0.000001")
-        )
-    return share
+        if consumed is not None:
+            for name in MEMORY_CAPACITIES:
+                key = capacity.capacity_name(consumed, name, shape.driver)
+                if key is not None:
+                    return Decimal(parse_quantity(consumed[key]))
+            return Decimal(0)
+        return Decimal(shape.memory_bytes or 0)
+    if shape.kind == "other":
+        share = Decimal(0) if of_accelerators else Decimal(1)
+    else:
+        share = shape.gpu_share
+    if consumed is None:
+        return share
+    try:
+        fraction = capacity.consumed_fraction(shape.capacity, consumed, shape.driver)
+    except capacity.CapacityError:
+        return share  # a quantity that cannot be read: the whole device, the most it takes
+    return (share * fraction).quantize(Decimal("0.000001"))
 
 
 def reservation_fields(

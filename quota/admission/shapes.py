@@ -12,7 +12,7 @@ import functools
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, TypeVar
@@ -21,7 +21,7 @@ from django.conf import settings
 from django.db.models import Count
 from kubernetes.utils import parse_quantity
 
-from inventory.models import Cluster, Device, DeviceClass, DeviceShape
+from inventory.models import Cluster, Device, DeviceClass, DeviceShape, Unit
 from quota import cel
 from quota.models import QuotaRule
 
@@ -40,6 +40,10 @@ class Shape:
     # Consumable capacity (KEP-5075): several claims may each take a share of one device.
     shareable: bool
     view: cel.DeviceShape
+    # What `gpu_share` counts (inventory.models.Unit: GPUs, TPU chips, Gaudi cards).
+    unit: str = Unit.GPU
+    # As published (`{name: {"value", "requestPolicy"}}`): what a consumable share takes.
+    capacity: dict[str, Any] = field(default_factory=dict, compare=False)
 
     @classmethod
     def from_row(cls, row: DeviceShape, *, memory_bytes: int | None) -> Shape:
@@ -51,6 +55,8 @@ class Shape:
             gpu_share=row.gpu_share,
             memory_bytes=memory_bytes,
             shareable=row.allow_multiple_allocations,
+            unit=row.unit,
+            capacity=row.capacity,
             view=cel.DeviceShape.from_device(
                 driver=row.driver,
                 attributes=row.attributes,
@@ -94,6 +100,27 @@ class FleetShapes:
                 shape.id
                 for shape in self.shapes.values()
                 if covers(self.class_selectors, device_class, selector, shape)
+            ),
+        )
+
+    def unit(self, device_class: str, selector: str) -> str:
+        """What a quota rule of `device_class` and `selector` counts in this fleet: the unit of
+        the accelerators it covers, "accelerator" when they differ, "gpu" when it covers none."""
+        return self.derived(
+            ("unit", device_class, selector),
+            lambda: rule_unit(
+                self.shapes[shape_id] for shape_id in self.covered(device_class, selector)
+            ),
+        )
+
+    def covers_accelerators(self, device_class: str, selector: str) -> bool:
+        """Whether a quota rule of `device_class` and `selector` covers any accelerator (a
+        device of a kind other than "other") in this fleet."""
+        return self.derived(
+            ("accelerators", device_class, selector),
+            lambda: any(
+                self.shapes[shape_id].kind != "other"
+                for shape_id in self.covered(device_class, selector)
             ),
         )
 
@@ -162,6 +189,43 @@ def covers(
     except cel.CELError:
         return True
     return match(selector, shape)
+
+
+def rule_unit(shapes: Iterable[Shape]) -> str:
+    """The unit of the accelerators among `shapes` (devices of kind "other" say nothing):
+    theirs when all agree, "accelerator" when they differ, "gpu" when there are none."""
+    units = {shape.unit for shape in shapes if shape.kind != "other"}
+    if len(units) > 1:
+        return Unit.ACCELERATOR
+    return units.pop() if units else Unit.GPU
+
+
+def rule_units(rules: Iterable[QuotaRule], fleets: Iterable[FleetShapes]) -> dict[int, str]:
+    """What each of `rules` counts over `fleets` (every cluster's: a rule is not of one
+    cluster): the unit of the accelerators it covers in any of them (see `rule_unit`)."""
+    fleets = list(fleets)
+    return {
+        rule.pk: rule_unit(
+            fleet.shapes[shape_id]
+            for fleet in fleets
+            for shape_id in fleet.covered(rule.device_class, rule.selector)
+        )
+        for rule in rules
+    }
+
+
+def every_fleet() -> list[FleetShapes]:
+    """The present device shapes and device classes of every cluster, in two queries however
+    many clusters there are (for reads such as the rules API; without devices per node)."""
+    fleets: dict[int, FleetShapes] = defaultdict(FleetShapes)
+    present = Device.objects.filter(gone_at__isnull=True, shape__isnull=False).values("shape_id")
+    for row in DeviceShape.objects.filter(pk__in=present):
+        fleets[row.cluster_id].shapes[row.pk] = shape_of(row)
+    for cluster_id, name, selectors in DeviceClass.objects.filter(gone_at__isnull=True).values_list(
+        "cluster_id", "name", "selectors"
+    ):
+        fleets[cluster_id].class_selectors[name] = selectors
+    return list(fleets.values())
 
 
 def fleet_shapes(*, cluster: Cluster) -> FleetShapes:

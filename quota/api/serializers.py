@@ -5,7 +5,10 @@ from __future__ import annotations
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
-from quota.models import AdmissionDecision, QuotaRule
+from inventory.models import Unit as DeviceUnit
+from inventory.profiles import unit_label
+from quota.admission.shapes import FleetShapes, every_fleet, rule_units
+from quota.models import AdmissionDecision, QuotaRule, Unit
 from teams.api import ReadOnlyModelSerializer
 from teams.models import Team
 
@@ -38,6 +41,14 @@ class QuotaRuleSerializer(ReadOnlyModelSerializer):
         allow_null=True,
         help_text="in_use / limit; null when the limit is 0.",
     )
+    device_unit = serializers.SerializerMethodField(
+        help_text="What one device counts on the rule: gpu, tpu (chips), gaudi (cards), or "
+        "accelerator when the devices it covers differ (a GPU-equivalent of each)."
+    )
+    unit_label = serializers.SerializerMethodField(
+        help_text='How `limit` and `in_use` read: "GPUs", "TPU chips", "Gaudi cards", '
+        '"accelerators", or "bytes" for a memory rule.'
+    )
 
     class Meta:
         model = QuotaRule
@@ -52,10 +63,25 @@ class QuotaRuleSerializer(ReadOnlyModelSerializer):
             "in_use",
             "mode",
             "usage_fraction",
+            "device_unit",
+            "unit_label",
         )
         extra_kwargs = {
             "in_use": {"help_text": "What live (reserved and allocated) claims hold, in `unit`."}
         }
+
+    @extend_schema_field(serializers.ChoiceField(choices=DeviceUnit.choices))
+    def get_device_unit(self, rule: QuotaRule) -> str:
+        # The fleets are read once per response (see `every_fleet`), not per rule.
+        fleets: list[FleetShapes] | None = self.context.get("fleets")
+        if fleets is None:
+            fleets = self.context["fleets"] = every_fleet()
+        return rule_units([rule], fleets)[rule.pk]
+
+    def get_unit_label(self, rule: QuotaRule) -> str:
+        if rule.unit == Unit.MEMORY:
+            return "bytes"
+        return unit_label(self.get_device_unit(rule))
 
 
 class AdmissionDecisionSerializer(ReadOnlyModelSerializer):

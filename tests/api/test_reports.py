@@ -140,7 +140,7 @@ def test_pagination_is_bounded(seeded: Seeded) -> None:
 STATEMENT_LINE_COLUMNS = (
     "id,team,period,period_label,period_start,currency,kind,product_name,profile,"
     "allocated_gpu_hours,utilised_gpu_hours,idle_gpu_hours,unmeasured_gpu_hours,efficiency,rate,"
-    "unit,gpu_share,idle_factor,amount,corrects_period,corrects_period_label,"
+    "unit,hours,gpu_share,idle_factor,amount,corrects_period,corrects_period_label,"
     "corrects_period_start,reason,created_by"
 )
 
@@ -168,6 +168,7 @@ def test_csv_has_a_stable_header(seeded: Seeded) -> None:
         "team",
         "start",
         "product_name",
+        "hours",
         "allocated_gpu_hours",
         "utilised_gpu_hours",
         "idle_gpu_hours",
@@ -217,7 +218,7 @@ def test_csv_cell(value: Any, cell: str) -> None:
     # and rows (teams: + namespaces and leads prefetched).
     [
         ("/api/v1/teams/", 6),
-        ("/api/v1/quotas/", 4),
+        ("/api/v1/quotas/", 6),  # two for the fleet (shapes, classes) naming rules' units
         ("/api/v1/rate-cards/", 4),
         ("/api/v1/periods/", 4),
         ("/api/v1/statements/", 4),
