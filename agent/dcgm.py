@@ -15,7 +15,12 @@ Device identity. The exporter labels a whole GPU with its `UUID`. A MIG device c
 `UUID` of its *parent* GPU plus `GPU_I_ID` (GPU instance id) and `GPU_I_PROFILE`; DCGM does
 not know MIG UUIDs (NVIDIA/dcgm-exporter#171). So a MIG device is reported as
 `uuid = "<parent UUID>::gi<GPU_I_ID>"`, with `parent_uuid`, `gpu_instance_id` and
-`mig_profile` set; the ingest side matches that key, or lists it under `unknown_devices`.
+`mig_profile` set. Nothing in the inventory knows that key (NVIDIA's DRA driver does not
+publish the GPU instance id), so the ingest keeps such samples aside as an unknown device
+and they are never billed. MIG devices are metered through DCGM by the node agent instead
+(`TALLY_AGENT_SOURCE=exporter`, `TALLY_EXPORTER_PROFILE=dcgm`,
+`TALLY_EXPORTER_WITH_NVML=true`): NVML reports each MIG device's UUID with its parent and
+GPU instance id, and `agent.exporters.with_mig_instances` names the series by it.
 
 The node a reading belongs to comes from the `Hostname` label (the exporter sets it to the
 node name when run with `NODE_NAME`); `node_label` names another (e.g. a relabelled `node`).

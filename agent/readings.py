@@ -41,11 +41,41 @@ class GpuReading:
     mig_profile: str | None = None
     util_source: str | None = None
     node: str | None = None  # set by sources that see several nodes (Prometheus)
+    # A device without a UUID the inventory knows (AMD, Intel) is named by its DRA driver
+    # and either its device name in the ResourceSlice, or its PCI address (the standard
+    # `resource.kubernetes.io/pciBusID` attribute) and, for a partition, its index on that
+    # GPU; `uuid` is then "".
+    driver: str | None = None
+    device: str | None = None
+    pci_bus_id: str | None = None
+    partition: int | None = None
+
+    def identity(self) -> dict[str, Any]:
+        """How the sample names its device: `uuid`, or `driver` with `device` or
+        `pci_bus_id` (and `partition`)."""
+        if self.uuid:
+            return {"uuid": self.uuid}
+        named: dict[str, Any] = {"driver": self.driver}
+        if self.device:
+            named["device"] = self.device
+        else:
+            named["pci_bus_id"] = self.pci_bus_id
+            if self.partition is not None:
+                named["partition"] = self.partition
+        return named
 
     def as_sample(self) -> dict[str, Any]:
-        """The JSON object the agent posts to `/ingest/samples` for this reading."""
+        """The JSON object the agent posts to `/ingest/samples` for this reading. A MIG
+        device's sample also says its parent and GPU instance id (NVML knows both): what
+        the DCGM exporter labels MIG series by."""
+        mig = (
+            {"parent_uuid": self.parent_uuid, "gpu_instance_id": self.gpu_instance_id}
+            if self.parent_uuid and self.gpu_instance_id is not None
+            else {}
+        )
         return {
-            "uuid": self.uuid,
+            **self.identity(),
+            **mig,
             "ts": format_ts(self.ts),
             "gpu_util": self.gpu_util,
             "mem_used_bytes": self.mem_used_bytes,

@@ -2,9 +2,11 @@
 
     python -m agent
 
-Runs on every GPU node as a DaemonSet (NVML source), or once per cluster as a Deployment
+Runs on every GPU node as a DaemonSet (NVML source, or the node's vendor exporter:
+`TALLY_AGENT_SOURCE=exporter`, see `agent.exporters`), or once per cluster as a Deployment
 reading DCGM through Prometheus (`TALLY_AGENT_SOURCE=dcgm`). No Django and no database: the
-standard library, `tenacity` for the retries, and `pynvml` only when reading NVML.
+standard library, `tenacity` for the retries, `pynvml` only when reading NVML and
+`prometheus_client`'s text parser only when reading an exporter.
 
 Two threads share one bounded buffer. The sampler reads the source every interval (on
 wall-clock multiples of it) and appends one sample per device; the sender posts the oldest
@@ -74,7 +76,11 @@ configuration (environment variables, defaults in brackets):
   TALLY_AGENT_TOKEN_FILE           file holding the agent token, read on every request
   TALLY_AGENT_TOKEN                the agent token itself (exactly one of the two)
   TALLY_NODE_NAME                  this node's name [the host name]
-  TALLY_AGENT_SOURCE               nvml or dcgm [nvml]
+  TALLY_AGENT_SOURCE               nvml, dcgm or exporter [nvml]
+  TALLY_EXPORTER_URL               this node's exporter's /metrics (exporter)
+  TALLY_EXPORTER_PROFILE           dcgm, amd or intel: which exporter it is (exporter)
+  TALLY_EXPORTER_WITH_NVML         true: read NVML too, for MIG devices (exporter, dcgm) [false]
+  TALLY_AGENT_SYS_ROOT             the host's /sys, to find AMD GPUs' PCI addresses [/sys]
   TALLY_PROMETHEUS_URL             Prometheus with the DCGM exporter's metrics (dcgm)
   TALLY_PROMETHEUS_TOKEN_FILE      bearer token for Prometheus (dcgm)
   TALLY_PROMETHEUS_NODE_LABEL      the label naming a metric's node (dcgm) [Hostname]
@@ -109,6 +115,10 @@ class Config:
     prometheus_url: str | None = None
     prometheus_token_file: str | None = None
     prometheus_node_label: str = "Hostname"
+    exporter_url: str | None = None
+    exporter_profile: str = "dcgm"
+    exporter_with_nvml: bool = False
+    sys_root: str = "/sys"
     proc_root: str = "/proc"
     timeout_seconds: float = 10.0
     backoff_initial_seconds: float = 1.0
@@ -135,8 +145,22 @@ class Config:
         interval = _positive_float(env, "TALLY_AGENT_INTERVAL_SECONDS", 10.0)
         default_buffer = math.ceil(DEVICES_PER_NODE_SIZING * BUFFER_SIZING_SECONDS / interval)
         source = env.get("TALLY_AGENT_SOURCE", "nvml").strip().lower()
-        if source not in ("nvml", "dcgm"):
-            raise ConfigError("TALLY_AGENT_SOURCE must be nvml or dcgm")
+        if source not in ("nvml", "dcgm", "exporter"):
+            raise ConfigError("TALLY_AGENT_SOURCE must be nvml, dcgm or exporter")
+        exporter_url = env.get("TALLY_EXPORTER_URL") or None
+        if source == "exporter" and not (exporter_url or "").startswith(("http://", "https://")):
+            raise ConfigError(
+                "TALLY_EXPORTER_URL (http:// or https://) is required with "
+                "TALLY_AGENT_SOURCE=exporter"
+            )
+        profile = (env.get("TALLY_EXPORTER_PROFILE") or "dcgm").strip().lower()
+        if profile not in ("dcgm", "amd", "intel"):
+            raise ConfigError("TALLY_EXPORTER_PROFILE must be dcgm, amd or intel")
+        with_nvml = (env.get("TALLY_EXPORTER_WITH_NVML") or "false").strip().lower()
+        if with_nvml not in ("true", "false"):
+            raise ConfigError("TALLY_EXPORTER_WITH_NVML must be true or false")
+        if with_nvml == "true" and profile != "dcgm":
+            raise ConfigError("TALLY_EXPORTER_WITH_NVML=true goes with TALLY_EXPORTER_PROFILE=dcgm")
         prometheus_url = env.get("TALLY_PROMETHEUS_URL") or None
         if source == "dcgm" and not prometheus_url:
             raise ConfigError("TALLY_PROMETHEUS_URL is required with TALLY_AGENT_SOURCE=dcgm")
@@ -156,6 +180,10 @@ class Config:
             prometheus_url=prometheus_url,
             prometheus_token_file=env.get("TALLY_PROMETHEUS_TOKEN_FILE") or None,
             prometheus_node_label=env.get("TALLY_PROMETHEUS_NODE_LABEL") or "Hostname",
+            exporter_url=exporter_url,
+            exporter_profile=profile,
+            exporter_with_nvml=with_nvml == "true",
+            sys_root=env.get("TALLY_AGENT_SYS_ROOT") or "/sys",
             proc_root=env.get("TALLY_AGENT_PROC_ROOT") or "/proc",
             timeout_seconds=_positive_float(env, "TALLY_AGENT_TIMEOUT_SECONDS", 10.0),
             backoff_max_seconds=_positive_float(env, "TALLY_AGENT_BACKOFF_MAX_SECONDS", 60.0),
@@ -573,6 +601,21 @@ def _retry_after_seconds(value: str | None) -> float | None:
 
 def make_source(config: Config) -> Source:
     """The source `TALLY_AGENT_SOURCE` names; NVML is imported only when asked for."""
+    if config.source == "exporter":
+        from agent.exporters import PROFILES, ExporterSource
+
+        nvml = None
+        if config.exporter_with_nvml:
+            from agent.nvml import NvmlSource
+
+            nvml = NvmlSource(proc_root=config.proc_root)
+        return ExporterSource(
+            config.exporter_url or "",
+            PROFILES[config.exporter_profile],
+            sys_root=config.sys_root,
+            nvml=nvml,
+            timeout_seconds=config.timeout_seconds,
+        )
     if config.source == "dcgm":
         from agent.dcgm import PrometheusSource
 

@@ -33,6 +33,7 @@ from billing.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
 from billing.models import AgentToken, Sample, UnknownDeviceSample
 from db.copy import copy_rows, json_rows
 from db.locks import advisory_xact_lock
+from inventory import profiles
 from inventory.models import Device
 
 MAX_UUID_LENGTH = 128
@@ -66,11 +67,13 @@ class Rejection(TypedDict):
 
 
 class Refusal(NamedTuple):
-    """A valid sample `ingest` did not store: its position among those given, and why."""
+    """A valid sample `ingest` did not store: its position among those given, why, and the
+    field the reason is about (`uuid`, or `device` for a sample naming driver and device)."""
 
     position: int
     label: str
     reason: str
+    field: str = "uuid"
 
 
 @dataclass
@@ -88,6 +91,9 @@ class IngestReport:
     refused: list[Refusal] = field(default_factory=list)
     unknown_devices: list[str] = field(default_factory=list)
     hours: set[datetime] = field(default_factory=set)
+    # Devices named by driver and device that the inventory does not know: the identity
+    # their samples are kept aside under -> what was named, and where it was looked for.
+    unknown_named: dict[str, str] = field(default_factory=dict)
 
 
 class InvalidSample(ValueError):
@@ -190,6 +196,28 @@ class SampleChecker:
         self.window = window
         self._valid_uuids: set[str] = set()
         self._instants: dict[str, int] = {}  # timestamp text -> ms, valid ones only
+        self._named_keys: dict[tuple[Any, ...], str] = {}  # identity fields -> key, valid ones
+
+    def _named(self, sample: dict[str, Any]) -> str:
+        """`_named_key(sample)`, worked out once per distinct identity of the batch."""
+        partition = sample.get("partition")
+        fields = (
+            sample.get("driver"),
+            sample.get("device"),
+            sample.get("pool"),
+            sample.get("node"),
+            sample.get("pci_bus_id"),
+            partition,
+            type(partition),  # 1 and true are equal, and only one is a partition
+            "device" in sample,
+        )
+        try:
+            return self._named_keys[fields]
+        except KeyError:
+            key = self._named_keys[fields] = _named_key(sample)
+            return key
+        except TypeError:  # an unhashable value (an array): not valid anyway
+            return _named_key(sample)
 
     def check(self, sample: object) -> SampleRow:
         """As `check_sample`."""
@@ -197,8 +225,11 @@ class SampleChecker:
             raise InvalidSample("", f"must be an object, not {_show(sample)}")
         uuid = sample.get("uuid")
         if not (isinstance(uuid, str) and uuid in self._valid_uuids):
-            uuid = _checked_uuid(uuid)
-            self._valid_uuids.add(uuid)
+            if uuid is None and ("driver" in sample or "device" in sample):
+                uuid = self._named(sample)
+            else:
+                uuid = _checked_uuid(uuid)
+                self._valid_uuids.add(uuid)
         ts = sample.get("ts")
         if type(ts) is not str:
             raise InvalidSample("ts", "must be an ISO 8601 string with a timezone")
@@ -234,12 +265,105 @@ _DICTS_ONLY = frozenset([dict])
 
 def _checked_uuid(uuid: object) -> str:
     if type(uuid) is not str or not uuid:
-        raise InvalidSample("uuid", "must be a non-empty string")
+        raise InvalidSample("uuid", "must be a non-empty string (or give driver and device)")
     if len(uuid) > MAX_UUID_LENGTH or not (uuid.isascii() and uuid.isprintable()):
         raise InvalidSample(
             "uuid", f"{_show(uuid)} is not printable ASCII of at most {MAX_UUID_LENGTH} characters"
         )
     return uuid
+
+
+# A sample that names its device by driver and device name (and node, optionally pool) is
+# carried through validation under a key no UUID can be (UUIDs are printable), then resolved
+# by `ingest` against the inventory, once per batch.
+NAMED = "\x00"
+# A Kubernetes node name: a DNS subdomain (RFC 1123), at most 253 characters.
+NODE_NAME = re.compile(
+    r"(?=.{1,253}\Z)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
+)
+MAX_NAME_LENGTH = 253
+# A device named by its PCI address (the standard `resource.kubernetes.io/pciBusID`
+# attribute) rather than its name: the key's device part is PCI_KEY-separated.
+PCI_KEY = "\x01"
+PCI_BUS_ID = re.compile(r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
+PCI_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
+
+
+class NamedDevice(NamedTuple):
+    """A device named as its driver publishes it: `node` "" means the batch's node, `pool`
+    "" any pool of the driver on that node."""
+
+    node: str
+    driver: str
+    pool: str
+    device: str  # the device's name, or PCI_KEY, its PCI address, PCI_KEY, its partition
+
+    @property
+    def pci(self) -> tuple[str, int | None] | None:
+        """(PCI address, partition index or None) of a device named by its PCI address."""
+        if not self.device.startswith(PCI_KEY):
+            return None
+        bus_id, _, partition = self.device[1:].partition(PCI_KEY)
+        return bus_id, int(partition) if partition else None
+
+    @property
+    def label(self) -> str:
+        where = f"node {self.node!r}" if self.node else "this node"
+        pool = f" (pool {self.pool!r})" if self.pool else ""
+        pci = self.pci
+        if pci is None:
+            return f"{self.driver} device {self.device!r}{pool} on {where}"
+        part = f" partition {pci[1]}" if pci[1] is not None else ""
+        return f"{self.driver} device at PCI {pci[0]}{part}{pool} on {where}"
+
+
+def _named_key(sample: dict[str, Any]) -> str:
+    """The key a sample naming its device by `driver` and `device` travels under."""
+    driver = _checked_name(sample, "driver")
+    if "device" in sample or "pci_bus_id" not in sample:
+        device = _checked_name(sample, "device")
+    else:
+        bus_id = sample["pci_bus_id"]
+        if type(bus_id) is not str or not PCI_BUS_ID.fullmatch(bus_id):
+            raise InvalidSample(
+                "pci_bus_id", f"{_show(bus_id)} is not a PCI address like 0000:19:00.0"
+            )
+        partition = sample.get("partition")
+        if partition is not None and (type(partition) is not int or not 0 <= partition < 4096):
+            raise InvalidSample(
+                "partition", f"must be an integer from 0 to 4095, not {_show(partition)}"
+            )
+        device = f"{PCI_KEY}{bus_id.lower()}{PCI_KEY}{'' if partition is None else partition}"
+    pool = sample.get("pool")
+    pool = "" if pool is None else _checked_name(sample, "pool")
+    node = sample.get("node")
+    if node is None:
+        node = ""
+    elif type(node) is not str or not NODE_NAME.fullmatch(node):
+        raise InvalidSample(
+            "node", f"{_show(node)} is not a Kubernetes node name (a DNS subdomain, <= 253)"
+        )
+    return NAMED + NAMED.join((node, driver, pool, device))
+
+
+def _checked_name(sample: dict[str, Any], name: str) -> str:
+    value = sample.get(name)
+    if type(value) is not str or not value:
+        raise InvalidSample(
+            name, f"must be a non-empty string as the ResourceSlice gives it, not {_show(value)}"
+        )
+    if len(value) > MAX_NAME_LENGTH or not (value.isascii() and value.isprintable()):
+        raise InvalidSample(
+            name, f"{_show(value)} is not printable ASCII of at most {MAX_NAME_LENGTH} characters"
+        )
+    return value
+
+
+def named_device(key: str) -> NamedDevice | None:
+    """The device a validated sample's key names by driver and device; None for a UUID."""
+    if not key.startswith(NAMED):
+        return None
+    return NamedDevice(*key[1:].split(NAMED))
 
 
 def _checked_ms(ts: str, *, window: Window) -> int:
@@ -643,15 +767,24 @@ class _Place(NamedTuple):
     node: str | None
 
 
+def _metered(ids: Iterable[str]) -> models.QuerySet[Device]:
+    """The devices samples name by `ids`: by meter id (`Device.meter_id`: a NVIDIA device's
+    UUID, a formed identity for one without); a device imported before meter ids were
+    formed (meter id empty) by its UUID."""
+    ids = list(ids)
+    return Device.objects.filter(models.Q(meter_id__in=ids) | models.Q(meter_id="", uuid__in=ids))
+
+
 def _places(uuids: set[str]) -> dict[str, set[_Place]]:
     """Where the devices carrying `uuids` are, per UUID the inventory knows: the present
     devices' places if any carries it, else the gone ones'. A MIG device published without a
     node of its own is where its parent GPU is."""
-    rows = list(
-        Device.objects.filter(uuid__in=uuids).values_list(
-            "uuid", "cluster_id", "node__name", "parent_uuid", "gone_at"
+    rows = [
+        (meter_id or uuid, cluster_id, node, parent, gone_at)
+        for meter_id, uuid, cluster_id, node, parent, gone_at in _metered(uuids).values_list(
+            "meter_id", "uuid", "cluster_id", "node__name", "parent_uuid", "gone_at"
         )
-    )
+    ]
     orphans = {parent for _, _, node, parent, _ in rows if node is None and parent}
     parents: dict[tuple[str, int], str] = {}
     if orphans:
@@ -757,7 +890,13 @@ def ingest(
     cluster-wide token), or it is of an unknown device past the token's limits
     (`_unknown_devices_allowed`). Without one (an operator's backfill) neither applies.
     """
-    uuids = {row[0] for row in samples}
+    given = samples
+    named_refused: dict[int, Refusal] = {}
+    unknown_named: dict[str, str] = {}
+    keys = {row[0] for row in samples if row[0][:1] == NAMED}
+    if keys:
+        samples, named_refused, unknown_named = _resolve_samples(samples, keys, node, agent)
+    uuids = {row[0] for row in samples if row[0][:1] != NAMED}  # refused names left out
     places = _places(uuids) if uuids else {}
     misplaced: dict[str, str] = {}
     if agent is not None:
@@ -768,10 +907,12 @@ def ingest(
     known_rows: Sequence[SampleRow] = samples
     unknown: list[tuple[int, SampleRow]] = []
     refused: list[Refusal] = []
-    if misplaced or len(places) != len(uuids):
+    if misplaced or named_refused or len(places) != len(uuids):
         known_rows = []
         for position, row in enumerate(samples):
-            if row[0] in misplaced:
+            if position in named_refused:
+                refused.append(named_refused[position])
+            elif row[0] in misplaced:
                 refused.append(
                     Refusal(position, "device_elsewhere", f"device {row[0]} {misplaced[row[0]]}")
                 )
@@ -795,13 +936,239 @@ def ingest(
     hours = touched_hours(instants)
     mark_dirty(hours=hours, at=received_at)
     accepted = stored + set_aside
+    set_aside_ids = {row[0] for _, row in unknown}
     return IngestReport(
         accepted=accepted,
-        duplicates=len(samples) - accepted - len(refused),
+        duplicates=len(given) - accepted - len(refused),
         refused=refused,
         unknown_devices=sorted(uuids - places.keys()),
         hours=hours,
+        unknown_named={key: why for key, why in unknown_named.items() if key in set_aside_ids},
     )
+
+
+def _resolve_samples(
+    samples: Sequence[SampleRow], keys: set[str], node: str, agent: AgentToken | None
+) -> tuple[list[SampleRow], dict[int, Refusal], dict[str, str]]:
+    """`samples` with each device named by driver and device replaced by its meter id, the
+    ones refused (by position), and the unknown ones' identities -> why (see
+    `resolve_named`)."""
+    resolved, refusals, unknown = resolve_named(keys, node=node, agent=agent)
+    rows: list[SampleRow] = []
+    refused: dict[int, Refusal] = {}
+    ids = {key: meter for key, (meter, _) in unknown.items()} | resolved
+    for position, row in enumerate(samples):
+        key = row[0]
+        if key[:1] != NAMED:
+            rows.append(row)
+        elif key in refusals:
+            label, reason = refusals[key]
+            refused[position] = Refusal(position, label, reason, "device")
+            rows.append(row)  # never stored: its position is refused
+        else:
+            rows.append(SampleRow(ids[key], row[1], row[2], row[3], row[4]))
+    return rows, refused, dict(why for _, why in unknown.values())
+
+
+def formed_meter_id(cluster: str, driver: str, pool: str, device: str) -> str:
+    """The identity the inventory forms for a device published without a UUID
+    (`inventory.profiles.meter_id`, from the cluster's name): samples of such a device not
+    known yet are kept aside under it, and adopted when the sync learns the device."""
+    return profiles.meter_id(cluster, driver, pool, device)
+
+
+class _Match(NamedTuple):
+    """A present device a named sample may mean."""
+
+    pool: str
+    meter_id: str
+    name: str
+    kind: str
+
+
+def _natural(name: str) -> list[Any]:
+    """`gpu-2-130` before `gpu-10-138`: digits compared as numbers."""
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def _pci_device(matches: list[_Match], partition: int | None) -> tuple[list[_Match], str]:
+    """Of the devices carrying one PCI address, the one meant: the whole GPU without a
+    partition, else the `partition`-th of its partitions in name order (AMD's driver names
+    a GPU's partitions by their DRM card index, which follows the partition index); or why
+    none can be chosen."""
+    whole = [match for match in matches if match.kind != "partition"]
+    parts = sorted(
+        (match for match in matches if match.kind == "partition"), key=lambda m: _natural(m.name)
+    )
+    if partition is None:
+        if len(whole) == 1 or len(matches) == 1:
+            return (whole or matches)[:1], ""
+        return [], f"{len(matches)} devices carry that PCI address; give the partition"
+    if not parts and partition == 0 and len(whole) == 1:
+        return whole, ""
+    if partition < len(parts):
+        return [parts[partition]], ""
+    return [], f"that GPU has {len(parts)} partitions in the inventory, not a partition {partition}"
+
+
+def resolve_named(
+    keys: set[str], *, node: str, agent: AgentToken | None
+) -> tuple[dict[str, str], dict[str, tuple[str, str]], dict[str, tuple[str, tuple[str, str]]]]:
+    """Resolve devices named by driver and device name (`named_device` keys) through the
+    inventory: a present device of that driver and name on that node (the sample's, else
+    `node`), in the agent token's cluster (any, for an operator's backfill), in that pool
+    if one is named.
+
+    Returns three dicts by key: the meter ids found; the refused, as (label, reason): a node
+    not the token's, a node of another cluster, a device that is not metered (not an
+    accelerator), a name on several pools or clusters; and the unknown ones, as (the formed
+    identity their samples are kept aside under, (that identity, why)). One query for the
+    whole batch.
+    """
+    named = {key: named_device(key) for key in keys}
+    wanted: dict[str, NamedDevice] = {}
+    refused: dict[str, tuple[str, str]] = {}
+    for key, name in named.items():
+        assert name is not None
+        where = name.node or node
+        if agent is not None and agent.node != "*" and where != agent.node:
+            refused[key] = (
+                "device_elsewhere",
+                f"{name.label}: node {where!r} is not this token's node {agent.node!r}",
+            )
+        else:
+            wanted[key] = name._replace(node=where)
+    found: dict[tuple[str, str, str], list[_Match]] = defaultdict(list)
+    by_name = {key: name for key, name in wanted.items() if name.pci is None}
+    by_pci = {key: name for key, name in wanted.items() if name.pci is not None}
+    for named_here, by_address in ((by_name, False), (by_pci, True)):
+        if not named_here:
+            continue
+        devices = Device.objects.filter(
+            gone_at__isnull=True,
+            node__name__in={name.node for name in named_here.values()},
+            driver__in={name.driver for name in named_here.values()},
+        )
+        if by_address:
+            devices = devices.filter(attributes__has_key=PCI_ATTRIBUTE)
+        else:
+            devices = devices.filter(name__in={name.device for name in named_here.values()})
+        if agent is not None:
+            devices = devices.filter(cluster_id=agent.cluster_id)
+        for (
+            node_name,
+            driver,
+            device,
+            pool,
+            meter_id,
+            uuid,
+            kind,
+            attributes,
+        ) in devices.values_list(
+            "node__name",
+            "driver",
+            "name",
+            "pool",
+            "meter_id",
+            "uuid",
+            "kind",
+            "attributes" if by_address else "pk",
+        ):
+            if by_address:
+                bus_id = attributes[PCI_ATTRIBUTE]
+                bus_id = bus_id.get("string") if isinstance(bus_id, dict) else None
+                if not isinstance(bus_id, str):
+                    continue
+                found[node_name, driver, PCI_KEY + bus_id.lower()].append(
+                    _Match(pool, meter_id or uuid, device, kind)
+                )
+            else:
+                found[node_name, driver, device].append(
+                    _Match(pool, meter_id or uuid, device, kind)
+                )
+    resolved: dict[str, str] = {}
+    unknown: dict[str, tuple[str, tuple[str, str]]] = {}
+    missing: dict[str, NamedDevice] = {}
+    for key, name in wanted.items():
+        label = name.label.replace("this node", f"node {name.node!r}")
+        pci = name.pci
+        where = name.device if pci is None else PCI_KEY + pci[0]
+        matches = [
+            match
+            for match in found.get((name.node, name.driver, where), [])
+            if not name.pool or match.pool == name.pool
+        ]
+        if pci is not None and matches:
+            matches, why = _pci_device(matches, pci[1])
+            if why:
+                refused[key] = ("device", f"{label}: {why}")
+                continue
+        if len(matches) > 1:
+            refused[key] = (
+                "ambiguous_device",
+                f"{label} names {len(matches)} devices (pools "
+                f"{', '.join(sorted(repr(match.pool) for match in matches))}"
+                f"{'' if agent else ', or clusters'}); give its pool"
+                f"{'' if agent else ' (or its uuid)'}",
+            )
+        elif matches and not matches[0].meter_id:
+            refused[key] = (
+                "not_metered",
+                f"{label} is not an accelerator Tally meters (no meter id in the inventory)",
+            )
+        elif matches:
+            resolved[key] = matches[0].meter_id
+        else:
+            missing[key] = name
+    if missing and agent is not None:
+        # A node of another cluster is a wrong token, not a device the sync will bring.
+        elsewhere = set(
+            Device.objects.filter(
+                gone_at__isnull=True, node__name__in={name.node for name in missing.values()}
+            )
+            .exclude(cluster_id=agent.cluster_id)
+            .values_list("node__name", flat=True)
+        ) - set(
+            Device.objects.filter(
+                cluster_id=agent.cluster_id,
+                node__name__in={name.node for name in missing.values()},
+            ).values_list("node__name", flat=True)
+        )
+        for key, name in list(missing.items()):
+            if name.node in elsewhere:
+                refused[key] = (
+                    "device_elsewhere",
+                    f"{name.label.replace('this node', 'node ' + repr(name.node))}: node "
+                    f"{name.node!r} is in another cluster than this token's ({agent.cluster})",
+                )
+                del missing[key]
+    for key, name in missing.items():
+        label = name.label.replace("this node", f"node {name.node!r}")
+        if name.pci is not None:
+            # No device name to form its identity from: nothing to keep its samples under.
+            refused[key] = (
+                "device",
+                f"{label} is not in the inventory (no device of that driver publishes "
+                f"{PCI_ATTRIBUTE} {name.pci[0]} there); run sync_inventory first",
+            )
+            continue
+        if agent is None:
+            refused[key] = (
+                "device",
+                f"{label} is not in the inventory; run sync_inventory first, or send its uuid",
+            )
+            continue
+        pool = name.pool or name.node
+        meter = formed_meter_id(agent.cluster.name, name.driver, pool, name.device)
+        unknown[key] = (
+            meter,
+            (
+                meter,
+                f"{label} is not in the inventory of cluster {agent.cluster.name!r}; its samples "
+                f"are kept aside as {meter} (pool {pool!r}) until the sync learns it",
+            ),
+        )
+    return resolved, refused, unknown
 
 
 def purge_unknown_samples(*, now: datetime) -> int:
@@ -825,7 +1192,8 @@ def adopt_unknown_samples(*, now: datetime) -> int:
         with transaction.atomic():
             ids = list(
                 UnknownDeviceSample.objects.filter(
-                    Exists(Device.objects.filter(uuid=OuterRef("device_uuid")))
+                    Exists(Device.objects.filter(meter_id=OuterRef("device_uuid")))
+                    | Exists(Device.objects.filter(meter_id="", uuid=OuterRef("device_uuid")))
                 )
                 .select_for_update(skip_locked=True)
                 .order_by("id")

@@ -11,7 +11,8 @@ from django.db import models
 from django.db.models import Q
 
 from billing.periods import period_label
-from inventory.models import Allocation, Cluster
+from billing.units import hours_label
+from inventory.models import Allocation, Cluster, Unit
 from teams.models import Team
 
 
@@ -113,7 +114,9 @@ class DirtyHour(models.Model):
 class UsageHour(models.Model):
     """One allocation's usage within one hour: the fact every usage report groups.
 
-    allocated = utilised + idle + unmeasured, all in GPU-milliseconds.
+    allocated = utilised + idle + unmeasured, all in milliseconds of the device's `unit` (the
+    columns say `gpu`: a TPU's row counts TPU chip-milliseconds, a Gaudi's card-milliseconds).
+    `device_uuid` holds the device's meter id (`Device.meter_id`), which samples name it by.
 
     Derived rows, rewritten by the hour by the rollup (a week of a 1,000-GPU fleet is 168,000
     of them), so they are cheap to write: the references are kept by Django (PROTECT), not
@@ -136,6 +139,8 @@ class UsageHour(models.Model):
     product_name = models.CharField(max_length=253, blank=True)
     profile = models.CharField(max_length=64, blank=True)
     gpu_share = models.DecimalField(max_digits=9, decimal_places=6)
+    # What the figures count, copied from the device: hours of different units never add up.
+    unit = models.CharField(max_length=16, choices=Unit.choices, default=Unit.GPU)
     namespace = models.CharField(max_length=253)
     claim_name = models.CharField(max_length=253)
     team = models.ForeignKey(
@@ -168,6 +173,12 @@ class UsageHour(models.Model):
 
 # What a rate is the price of: a GPU-hour, or an hour of one MIG slice (a profile's own card).
 GPU_HOUR, SLICE_HOUR = "GPU-hour", "slice-hour"
+
+
+def unit_hour(unit: str) -> str:
+    """One hour of one `unit` (`inventory.models.Unit`), as rates name it: `GPU-hour`,
+    `TPU chip-hour`, `Gaudi card-hour`, `accelerator-hour`."""
+    return hours_label(unit).removesuffix("s")
 
 
 class RateCard(models.Model):
@@ -257,15 +268,18 @@ class LineKind(models.TextChoices):
 class StatementLine(models.Model):
     """One model's usage and charge; or an adjustment (late data, or added by finance).
 
-    Hours are GPU-hours. `gpu_share` is set on a line priced by a MIG profile's own rate card,
-    whose rate is the price of an hour of one slice: the slice's share of its GPU, so that
-    amount = rate x (allocated - (1 - idle_factor) x idle) / gpu_share.
+    Hours are hours of `unit` (GPU-hours, TPU chip-hours, Gaudi card-hours; the columns say
+    `gpu`), and `rate` the price of one such hour. `gpu_share` is set on a line priced by a
+    MIG profile's own rate card, whose rate is the price of an hour of one slice: the slice's
+    share of its GPU, so that amount = rate x (allocated - (1 - idle_factor) x idle) /
+    gpu_share.
     """
 
     statement = models.ForeignKey(Statement, on_delete=models.CASCADE, related_name="lines")
     kind = models.CharField(max_length=16, choices=LineKind.choices, default=LineKind.USAGE)
     product_name = models.CharField(max_length=253)
     profile = models.CharField(max_length=64, blank=True)
+    unit = models.CharField(max_length=16, choices=Unit.choices, default=Unit.GPU)
     allocated_gpu_hours = models.DecimalField(max_digits=16, decimal_places=6)
     utilised_gpu_hours = models.DecimalField(max_digits=16, decimal_places=6)
     idle_gpu_hours = models.DecimalField(max_digits=16, decimal_places=6)
@@ -286,6 +300,11 @@ class StatementLine(models.Model):
 
     @property
     def rate_unit(self) -> str:
-        """What `rate` is the price of: an hour of one slice when `gpu_share` is set, else a
-        GPU-hour."""
-        return SLICE_HOUR if self.gpu_share else GPU_HOUR
+        """What `rate` is the price of: an hour of one slice when `gpu_share` is set, else an
+        hour of the line's unit (`GPU-hour`, `TPU chip-hour`, `Gaudi card-hour`)."""
+        return SLICE_HOUR if self.gpu_share else unit_hour(self.unit)
+
+    @property
+    def hours_label(self) -> str:
+        """What the line's hours are: `GPU-hours`, `TPU chip-hours`, `Gaudi card-hours`."""
+        return hours_label(self.unit)

@@ -2,12 +2,13 @@
 
 amount = rate * (allocated - (1 - idleFactor) * idle), rounded half-up to the currency's minor
 unit once per line, computed exactly (fractions of integer milliseconds, never a float). The
-hours are GPU-hours, except on a line priced by a MIG profile's own card: that card is the
-price of an hour of one slice, so the line's GPU-hours are divided by the slice's share of its
-GPU (a 3g.40gb slice of an A100 is 3/7 of it). A MIG device without its profile's card pays
-its GPU's price for its GPU-hours, which is that price times its share. Data that arrives for
-a closed period never edits it: the difference becomes adjustment lines in the next open
-period.
+hours are hours of the devices' unit (GPU-hours, TPU chip-hours, Gaudi card-hours: one line
+per unit, never added up), a model's rate card the price of one such hour; except on a line
+priced by a MIG profile's own card: that card is the price of an hour of one slice, so the
+line's GPU-hours are divided by the slice's share of its GPU (a 3g.40gb slice of an A100 is
+3/7 of it). A MIG device without its profile's card pays its GPU's price for its GPU-hours,
+which is that price times its share. Data that arrives for a closed period never edits it:
+the difference becomes adjustment lines in the next open period.
 
 Periods are calendar months in UTC, or ISO weeks (Monday 00:00 UTC) with
 `TALLY_BILLING_PERIOD=week`; `2026-11` names a month, `2026-W47` a week.
@@ -127,17 +128,19 @@ class _Usage:
         return self.allocated_ms - self.utilised_ms - self.unmeasured_ms
 
 
-LineKey = tuple[str, str, str, Decimal | None, Decimal | None, Decimal | None]
+LineKey = tuple[str, str, str, str, Decimal | None, Decimal | None, Decimal | None]
 
 
 @dataclass
 class LineFigures:
-    """One priced line before it is stored. Its hours are GPU-hours; `gpu_share` is set on a
-    line priced per slice-hour (a MIG profile's own card): the slice's share of its GPU, which
-    turns the line's GPU-hours into hours of the slice."""
+    """One priced line before it is stored. Its hours are hours of `unit` (GPU-hours, TPU
+    chip-hours, Gaudi card-hours); `gpu_share` is set on a line priced per slice-hour (a MIG
+    profile's own card): the slice's share of its GPU, which turns the line's GPU-hours into
+    hours of the slice."""
 
     product_name: str
     profile: str
+    unit: str
     currency: str
     rate: Decimal | None
     idle_factor: Decimal | None
@@ -153,11 +156,13 @@ class LineFigures:
 
     @property
     def key(self) -> LineKey:
-        """What a line of a period's statements is for: a model, at a price (its currency,
-        rate and idle factor), for GPU-hours or hours of a slice of a share."""
+        """What a line of a period's statements is for: a model and its unit, at a price (its
+        currency, rate and idle factor), for hours of the unit or hours of a slice of a
+        share."""
         return (
             self.product_name,
             self.profile,
+            self.unit,
             self.currency or "USD",
             self.rate,
             self.idle_factor,
@@ -167,7 +172,7 @@ class LineFigures:
 
 def usage_lines(*, team: Team | None, period: Period) -> list[LineFigures]:
     """The team's usage in the period priced per model and rate card (`team=None`: usage of no
-    team), one line per model and price. A MIG device whose profile has a card of its own is
+    team), one line per model, unit and price. A MIG device whose profile has a card of its own is
     priced per hour of the slice, on a line per profile (and share of the GPU); without one its
     GPU-hours go on its GPU's line, at its GPU's price per GPU-hour.
 
@@ -178,7 +183,13 @@ def usage_lines(*, team: Team | None, period: Period) -> list[LineFigures]:
         .annotate(day=TruncDate("hour", tzinfo=UTC))
         # The device's share of its GPU, not the row's: a consumable share of a slice
         # (KEP-5075) holds part of the slice, and pays that part of the slice's price.
-        .values("product_name", "profile", "day", device_share=F("allocation__device__gpu_share"))
+        .values(
+            "product_name",
+            "profile",
+            "unit",
+            "day",
+            device_share=F("allocation__device__gpu_share"),
+        )
         .annotate(
             allocated=Sum("allocated_gpu_ms"),
             utilised=Sum("utilised_gpu_ms"),
@@ -191,7 +202,13 @@ def usage_lines(*, team: Team | None, period: Period) -> list[LineFigures]:
     totals: dict[LineKey, _Usage] = defaultdict(_Usage)
     for row in sorted(
         rows,
-        key=lambda row: (row["product_name"], row["profile"], row["day"], row["device_share"] or 0),
+        key=lambda row: (
+            row["product_name"],
+            row["profile"],
+            row["unit"],
+            row["day"],
+            row["device_share"] or 0,
+        ),
     ):
         product, profile, day = row["product_name"], row["profile"], row["day"]
         if (product, profile, day) not in cards:
@@ -201,6 +218,7 @@ def usage_lines(*, team: Team | None, period: Period) -> list[LineFigures]:
         figures = LineFigures(
             product_name=product,
             profile=profile if per_slice else "",
+            unit=row["unit"],
             currency=card.currency if card else "",
             rate=card.per_gpu_hour if card else None,
             idle_factor=card.idle_factor if card else None,
@@ -280,6 +298,7 @@ def _refresh_team(team: Team, period: Period) -> list[Statement]:
                 kind=kind,
                 product_name=line.product_name,
                 profile=line.profile,
+                unit=line.unit,
                 allocated_gpu_hours=_hours(line.allocated),
                 utilised_gpu_hours=_hours(line.utilised),
                 idle_gpu_hours=_hours(line.idle),
@@ -348,6 +367,7 @@ def _stored_figures(stored: StatementLine) -> LineFigures:
     return LineFigures(
         product_name=stored.product_name,
         profile=stored.profile,
+        unit=stored.unit,
         currency=stored.statement.currency,
         rate=stored.rate,
         idle_factor=stored.idle_factor,

@@ -1,5 +1,12 @@
 """Hourly usage: allocation intervals split into utilised, idle and unmeasured GPU time.
 
+Every allocation of an accelerator is billed, whatever its vendor: devices are metered by
+their meter id (`Device.meter_id`: the published UUID where the driver's profile trusts it,
+else an identity formed from cluster, driver, pool and device), which is what samples name
+them by (`billing_sample.device_uuid`). An allocation whose device no sample names is billed
+its allocated hours, all unmeasured. Its figures count its device's unit (GPUs, TPU chips,
+Gaudi cards), kept on each row.
+
 Allocated time comes from the allocation history, exactly. Samples only split it: each
 sample's utilisation holds from its timestamp until the device's next sample, for at most
 `TALLY_SAMPLE_HOLD_SECONDS`; allocated time that no sample covers is unmeasured. Rolling up
@@ -25,16 +32,15 @@ from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Q, QuerySet
-from django.db.models.fields.json import KeyTextTransform
+from django.db.models import Case, F, JSONField, Q, QuerySet, Value, When
 from django.utils import timezone
-from kubernetes.utils import parse_quantity
 
 from billing.hours import HOUR, MS_PER_HOUR, epoch_ms, hour_at, hour_start, sample_hold_ms
 from billing.models import DirtyHour, UsageHour
 from config import metrics
 from db import locks
 from db.copy import insert_rows, json_rows
+from inventory.capacity import CapacityError, consumed_fraction
 from inventory.models import Allocation
 
 MICRO = 1_000_000  # shares of a GPU are kept to the millionth
@@ -53,12 +59,13 @@ class _Interval(NamedTuple):
     team_id: int | None
     job: str
     username: str
-    device_uuid: str
+    device_uuid: str  # the device's meter id, which samples name it by
     product_name: str
     profile: str
+    unit: str  # what `share` counts: GPUs, TPU chips, Gaudi cards
     start_ms: int
     end_ms: int
-    share: Decimal  # of a GPU, to the millionth
+    share: Decimal  # of one unit (a GPU, a TPU chip), to the millionth
 
     @property
     def share_micro(self) -> int:
@@ -99,7 +106,7 @@ GROUP BY device_uuid, h
 # Rows go in in (hour, allocation) order, the unique index's.
 _WHOLE_HOURS_SQL = """
 WITH
-iv(allocation_id, cluster_id, device_uuid, product_name, profile, gpu_share, namespace,
+iv(allocation_id, cluster_id, device_uuid, product_name, profile, unit, gpu_share, namespace,
    claim_name, team_id, job, username, share_micro, h0, h1) AS MATERIALIZED ({intervals}),
 per_hour AS (SELECT * FROM {per_hour_table}),
 spills AS (
@@ -117,7 +124,7 @@ usage AS (
 )
 INSERT INTO billing_usagehour ({columns})
 SELECT to_timestamp(h * 3600), allocation_id, cluster_id, device_uuid, product_name, profile,
-       gpu_share, namespace, claim_name, team_id, job, username,
+       unit, gpu_share, namespace, claim_name, team_id, job, username,
        (length * share_micro + 500000) / 1000000,
        CAST(FLOOR(weighted * share_micro / 100000000.0 + 0.5) AS bigint),
        ((length - covered) * share_micro + 500000) / 1000000
@@ -142,8 +149,8 @@ GROUP BY piece
 """
 # The columns of `iv` above, as `json_rows` types.
 _INTERVAL_TYPES = (
-    "bigint", "bigint", "text", "text", "text", "numeric", "text", "text", "bigint", "text",
-    "text", "bigint", "bigint", "bigint",
+    "bigint", "bigint", "text", "text", "text", "text", "numeric", "text", "text", "bigint",
+    "text", "text", "bigint", "bigint", "bigint",
 )  # fmt: skip
 # The per-hour sums are made first into a temporary table: a statement that writes (the
 # INSERT) never gets parallel workers, a CREATE TABLE ... AS may.
@@ -236,48 +243,57 @@ _INTERVAL_FIELDS = (
     "team_id",
     "job",
     "username",
-    "device__uuid",
+    "device__meter_id",
     "device__product_name",
     "device__profile",
+    "device__unit",
     "device__kind",
     "device__gpu_share",
-    "device__memory_bytes",
-    "consumed_memory",
+    "device__driver",
+    "consumed_capacity",
+    "device_capacity",
     "start",
     "end",
 )
 
 
 def _held(start: datetime, end: datetime) -> QuerySet[Allocation]:
-    """Allocations of a device with a UUID (which samples name) held at some time in
-    `[start, end)`."""
+    """Allocations of an accelerator (a device with a meter id; devices of kind `other` have
+    none) held at some time in `[start, end)`."""
     return Allocation.objects.filter(
         Q(end__isnull=True) | Q(end__gt=start), start__lt=end, device__isnull=False
-    ).exclude(device__uuid="")
+    ).exclude(device__meter_id="")
 
 
 def _intervals(first: datetime, count: int, window_start: int, window_end: int) -> list[_Interval]:
     rows = (
         _held(first, first + count * HOUR)
-        # The one key read, rather than every allocation's JSON parsed in Python.
-        .annotate(consumed_memory=KeyTextTransform("memory", "consumed_capacity"))
+        # The device's capacity only for the few allocations that consumed some of it, rather
+        # than every device's JSON parsed in Python.
+        .annotate(
+            device_capacity=Case(
+                When(consumed_capacity={}, then=Value(None)),
+                default=F("device__capacity"),
+                output_field=JSONField(),
+            )
+        )
         .order_by("pk")
         .values_list(*_INTERVAL_FIELDS)
     )
     intervals = []
     for (
-        pk, cluster_id, namespace, name, team_id, job, username, uuid, product, profile,
-        kind, gpu_share, memory_bytes, consumed_memory, start_at, end_at,
+        pk, cluster_id, namespace, name, team_id, job, username, meter_id, product, profile,
+        unit, kind, gpu_share, driver, consumed, capacity, start_at, end_at,
     ) in rows:  # fmt: skip
         start = max(epoch_ms(start_at), window_start)
         end = min(epoch_ms(end_at), window_end) if end_at else window_end
         if end <= start:
             continue
         share = gpu_share if kind != "other" else Decimal(0)
-        # A consumable share of a device (KEP-5075) holds the fraction it consumed.
-        if consumed_memory and memory_bytes:
-            fraction = Decimal(parse_quantity(consumed_memory)) / memory_bytes
-            share = (share * min(fraction, Decimal(1))).quantize(_MILLIONTH, ROUND_HALF_EVEN)
+        if capacity:
+            share = (share * _consumed(capacity, consumed, driver)).quantize(
+                _MILLIONTH, ROUND_HALF_EVEN
+            )
         intervals.append(
             _Interval(
                 allocation_id=pk,
@@ -287,15 +303,27 @@ def _intervals(first: datetime, count: int, window_start: int, window_end: int) 
                 team_id=team_id,
                 job=job,
                 username=username,
-                device_uuid=uuid,
+                device_uuid=meter_id,
                 product_name=product,
                 profile=profile,
+                unit=unit,
                 start_ms=start,
                 end_ms=end,
                 share=share,
             )
         )
     return intervals
+
+
+def _consumed(capacity: dict[str, Any], consumed: dict[str, Any], driver: str) -> Decimal:
+    """The fraction of its device a consumable share (KEP-5075) holds: the largest of the
+    capacities it consumed, by any name (`memory`, `<driver>/memory`, cores), at most 1. A
+    capacity published with a value that is no quantity bills the whole device, as a share
+    that names no capacity does: the allocation still holds it."""
+    try:
+        return consumed_fraction(capacity, consumed, driver)
+    except CapacityError:
+        return Decimal(1)
 
 
 class _Piece(NamedTuple):
@@ -356,6 +384,7 @@ def _insert_whole_hours(
                     interval.device_uuid,
                     interval.product_name,
                     interval.profile,
+                    interval.unit,
                     str(interval.share),
                     interval.claim_namespace,
                     interval.claim_name,
@@ -420,6 +449,7 @@ _USAGE_COLUMNS = (
     "device_uuid",
     "product_name",
     "profile",
+    "unit",
     "gpu_share",
     "namespace",
     "claim_name",
@@ -432,8 +462,8 @@ _USAGE_COLUMNS = (
 )
 # Binary COPY types of `_USAGE_COLUMNS`.
 _USAGE_TYPES = (
-    "timestamptz", "int8", "int8", "text", "text", "text", "numeric", "text", "text", "int8",
-    "text", "text", "int8", "int8", "int8",
+    "timestamptz", "int8", "int8", "text", "text", "text", "text", "numeric", "text", "text",
+    "int8", "text", "text", "int8", "int8", "int8",
 )  # fmt: skip
 
 
@@ -453,6 +483,7 @@ def _partial_rows(pieces: list[_Piece]) -> list[tuple[Any, ...]]:
                 interval.device_uuid,
                 interval.product_name,
                 interval.profile,
+                interval.unit,
                 interval.share,
                 interval.claim_namespace,
                 interval.claim_name,

@@ -72,6 +72,12 @@ def _read_body(request: HttpRequest) -> bytes | None:
 def ingest_samples(request: HttpRequest) -> JsonResponse:
     """Store a batch `{"node": ..., "samples": [...]}` sent with the node's agent token.
 
+    A sample names its device by `uuid`, or by `driver` and `device` (the device's name in
+    its ResourceSlice; optionally `pool`, and `node` when not the batch's) or `driver` and
+    `pci_bus_id` (and `partition`), which the inventory resolves to the device's meter id;
+    `unknown_named` (only when there are some) says what each unknown named device's
+    identity in `unknown_devices` stands for.
+
     Answers `{"accepted", "duplicates", "rejected": [{"index", "reason"}], "unknown_devices"}`;
     `rejected` lists the invalid samples and those the token may not send (a device on another
     node, an unknown device past the token's limits), none of them stored.
@@ -140,6 +146,9 @@ def _ingest(request: HttpRequest) -> JsonResponse:
                 for rejection in rejected
             ],
             "unknown_devices": report.unknown_devices,
+            # Only when a sample named an unknown device by driver and device: what each
+            # identity in `unknown_devices` stands for.
+            **({"unknown_named": report.unknown_named} if report.unknown_named else {}),
         }
     )
 
@@ -154,7 +163,8 @@ def _with_refused(
     refusals: list[ingest.Rejection] = [
         {
             "index": valid_indexes[refusal.position],
-            "reason": f"samples[{valid_indexes[refusal.position]}].uuid: {refusal.reason}",
+            "reason": f"samples[{valid_indexes[refusal.position]}].{refusal.field}: "
+            f"{refusal.reason}",
             "label": refusal.label,
         }
         for refusal in refused

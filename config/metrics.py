@@ -56,8 +56,10 @@ ROLLUP_BUCKETS = (0.1, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0
 
 OTHER = "other"
 # The label values each metric may take (besides "other").
-WEBHOOKS = ("validate", "mutate")
-WEBHOOK_RESULTS = ("allowed", "denied", "error")
+# "workloads": the webhook that records who created a workload (quota.workloads); its
+# results are "allowed" (unchanged), "annotated" and "replaced" (a creator sent was not kept).
+WEBHOOKS = ("validate", "mutate", "workloads")
+WEBHOOK_RESULTS = ("allowed", "denied", "error", "annotated", "replaced")
 SYNC_KINDS = ("Node", "DeviceClass", "ResourceSlice", "ResourceClaim")
 # Why an ingested sample was left out: the field at fault (`sample`: not an object; `ts_window`:
 # a time outside TALLY_INGEST_MAX_AGE_DAYS / TALLY_INGEST_MAX_SKEW_SECONDS), or why the token
@@ -72,6 +74,15 @@ INGEST_REJECT_REASONS = (
     "processes",
     "device_elsewhere",
     "unknown_device_limit",
+    # Samples naming their device by driver and device name or PCI address (issue 18).
+    "driver",
+    "device",
+    "pool",
+    "node",
+    "pci_bus_id",
+    "partition",
+    "not_metered",
+    "ambiguous_device",
 )
 # Quota rule names (slugs of at most 63 characters, written by operators in the policy), and
 # "" when no rule decided: at most this many distinct ones per process, then "other".

@@ -52,7 +52,7 @@ def load_demo_usage(*, cluster: Cluster, now: datetime, seed: int = 0) -> DemoUs
     rng = random.Random(seed)
     allocations = list(
         Allocation.objects.filter(cluster=cluster, device__isnull=False, start__lt=now)
-        .exclude(device__uuid="")  # a partition not created yet: nothing to sample
+        .exclude(device__meter_id="")  # not an accelerator: nothing to meter
         .select_related("device", "device__node", "claim")
         .order_by("pk")
     )
@@ -82,16 +82,16 @@ def load_demo_usage(*, cluster: Cluster, now: datetime, seed: int = 0) -> DemoUs
             # the whole sample hold after the load, whatever the grid's phase.
             moments.append(now)
         for moment in moments:
-            key = (device.uuid, epoch_ms(moment))
+            key = (device.meter_id, epoch_ms(moment))
             if key not in sampled:
                 sampled.add(key)
                 # A daily rhythm, so the charts look like days of work.
                 daily = math.sin(moment.hour / 24 * 2 * math.pi) * spread / 2
                 util = min(100.0, max(0.0, level + daily + rng.uniform(-spread, spread) / 2))
-                rows.append((device.uuid, key[1], round(util, 1), node, now))
+                rows.append((device.meter_id, key[1], round(util, 1), node, now))
         insert_rows(Sample, SAMPLE_COLUMNS, rows, types=SAMPLE_TYPES)
         written += len(rows)
-    ingest.fill_gaps({uuid for uuid, _ in sampled})
+    ingest.fill_gaps({meter_id for meter_id, _ in sampled})
     since = min((allocation.start for allocation in allocations), default=now)
     return DemoUsage(written, idle_claim, bill_periods(since=since, now=now))
 

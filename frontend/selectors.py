@@ -18,9 +18,19 @@ from django.db.models import F, OuterRef, QuerySet, Subquery, Sum
 from django.db.models.functions import TruncDate
 
 from billing.hours import MS_PER_HOUR
-from billing.models import GPU_HOUR, SLICE_HOUR, Period, Sample, Statement, StatementLine, UsageHour
+from billing.models import (
+    GPU_HOUR,
+    SLICE_HOUR,
+    Period,
+    Sample,
+    Statement,
+    StatementLine,
+    UsageHour,
+    unit_hour,
+)
 from billing.pricing import period_holding, rate_for, rate_hours, round_money
 from billing.selectors import team_gpu_hours
+from billing.units import hours_label, units_label
 from inventory.models import Allocation, Cluster
 from quota.models import AdmissionDecision, Budget, QuotaRule
 from teams.models import Team, TeamNamespace
@@ -227,6 +237,12 @@ class IdleCost:
     unit: str = GPU_HOUR
     idle_rate_hours: Decimal | None = None
     gpu_share: Decimal | None = None
+    hours: str = "GPU-hours"  # what `idle` counts: GPU-hours, TPU chip-hours, Gaudi card-hours
+
+    @property
+    def rate_per(self) -> str:
+        """The rate's unit, short: `slice-h`, `GPU-h`, `TPU chip-h`."""
+        return "slice-h" if self.unit == SLICE_HOUR else self.unit.removesuffix("our")
 
 
 @dataclass
@@ -235,6 +251,9 @@ class IdleSummary:
     total_hours: Decimal = Decimal(0)
     # currency -> cost; models without a rate card are left out of the totals.
     totals: dict[str, Decimal] = field(default_factory=dict)
+    # What the window's hours count, as one label: `GPU-hours`, or `GPU-hours + TPU
+    # chip-hours` where a total adds hours of several units (the page says so).
+    hours: str = "GPU-hours"
 
 
 def idle_cost(*, team: Team, since: datetime, until: datetime) -> IdleSummary:
@@ -245,27 +264,32 @@ def idle_cost(*, team: Team, since: datetime, until: datetime) -> IdleSummary:
     totals: dict[str, Decimal] = defaultdict(Decimal)
     on = (until - timedelta(microseconds=1)).astimezone(UTC).date()
     idle_ms: dict[tuple[str, str], int] = defaultdict(int)
+    units: dict[tuple[str, str], str] = {}
     # Idle time in slice-hours, exact, for a MIG profile's own card: per device share.
     idle_slice_hours: dict[tuple[str, str], Fraction] = defaultdict(Fraction)
     shares: dict[tuple[str, str], set[Decimal]] = defaultdict(set)
     for row in (
         UsageHour.objects.filter(team=team, hour__gte=since, hour__lt=until)
-        .values("product_name", "profile", device_share=F("allocation__device__gpu_share"))
+        .values("product_name", "profile", "unit", device_share=F("allocation__device__gpu_share"))
         .annotate(idle_ms=_idle_ms())
         .order_by()
     ):
         model = (row["product_name"], row["profile"])
         idle_ms[model] += row["idle_ms"]
+        units[model] = row["unit"]
         if row["profile"]:
             idle_slice_hours[model] += rate_hours(row["idle_ms"], row["device_share"])
             shares[model].add(row["device_share"])
     for (product_name, profile), milliseconds in sorted(idle_ms.items()):
         idle = _hours(milliseconds)
         card = rate_for(product_name, profile, on)
-        entry = IdleCost(product_name, profile, idle, rate=None, currency="", cost=None)
+        unit = units[product_name, profile]
+        entry = IdleCost(
+            product_name, profile, idle, rate=None, currency="", cost=None, hours=hours_label(unit)
+        )
         if card is not None:
             entry.rate, entry.currency = card.per_gpu_hour, card.currency
-            entry.unit = card.rate_unit
+            entry.unit = SLICE_HOUR if card.rate_unit == SLICE_HOUR else unit_hour(unit)
             entry.idle_rate_hours = (
                 _hours_of(idle_slice_hours[product_name, profile])
                 if entry.unit == SLICE_HOUR
@@ -279,6 +303,7 @@ def idle_cost(*, team: Team, since: datetime, until: datetime) -> IdleSummary:
         summary.rows.append(entry)
         summary.total_hours += idle
     summary.totals = dict(sorted(totals.items()))
+    summary.hours = units_label(list(units.values()))
     return summary
 
 
@@ -329,7 +354,7 @@ class LiveClaim:
 def live_claims(*, team: Team, limit: int = LIVE_CLAIMS_SHOWN) -> tuple[list[LiveClaim], int]:
     """Open allocations of claims in the team's namespaces, with the device's node and its
     latest utilisation sample; and how many there are in all."""
-    latest = Sample.objects.filter(device_uuid=OuterRef("device__uuid")).order_by("-ts_ms")
+    latest = Sample.objects.filter(device_uuid=OuterRef("device__meter_id")).order_by("-ts_ms")
     allocations = (
         Allocation.objects.filter(
             end__isnull=True,
@@ -402,8 +427,9 @@ CSV_COLUMNS = (
     "idle_factor",
     "amount",
     "reason",
-    "unit",  # what `rate` is the price of: a GPU-hour, or an hour of one MIG slice
+    "unit",  # what `rate` is the price of: a GPU-hour (TPU chip-hour...), or a MIG slice-hour
     "gpu_share",  # for a price per slice-hour: the slice's share of its GPU
+    "hours",  # what the line's hours count: GPU-hours, TPU chip-hours, Gaudi card-hours
 )
 
 
@@ -436,6 +462,7 @@ def statement_rows(*, team: Team, period_id: int) -> tuple[Period, list[list[str
             line.reason,
             "" if line.rate is None else line.rate_unit,
             "" if line.gpu_share is None else str(line.gpu_share),
+            line.hours_label,
         ]
         for line in lines
     ]

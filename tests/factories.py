@@ -93,6 +93,10 @@ class DeviceFactory(factory.django.DjangoModelFactory[Device]):
     uuid = factory.LazyFunction(_gpu_uuid)
     parent_uuid = ""
     physical_gpu_key = factory.SelfAttribute("uuid")
+    # NVIDIA publishes a UUID per device (a MIG device's own): samples name it by that.
+    meter_id = factory.LazyAttribute(
+        lambda device: device.uuid if device.kind != DeviceKind.OTHER else ""
+    )
     gpu_share = Decimal(1)
     product_name = "NVIDIA H100 80GB HBM3"
     architecture = "Hopper"

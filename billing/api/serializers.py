@@ -1,5 +1,9 @@
 """Rate cards, periods, statements and usage as the API shows them, and the one write input
-(an adjustment). Money and GPU-hours are decimal strings, never floats."""
+(an adjustment). Money and hours are decimal strings, never floats.
+
+The `*_gpu_hours` figures are hours of the row's unit, which `hours` names (`GPU-hours`, `TPU
+chip-hours`, `Gaudi card-hours`): usage is grouped by unit too, so no figure adds TPU
+chip-hours to GPU-hours."""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from billing.api.filtersets import PERIOD_HELP, period_lookups
 from billing.hours import MS_PER_HOUR
 from billing.models import Period, RateCard, Statement, StatementLine
 from billing.pricing import round_money
+from billing.units import hours_label
 from teams.api import ReadOnlyModelSerializer, VisibleTeamField
 from teams.models import Team
 
@@ -42,7 +47,7 @@ class EfficiencyField(serializers.DecimalField):
 
 
 class GpuHoursField(serializers.DecimalField):
-    """Integer GPU-milliseconds (as UsageHour keeps them) shown as GPU-hours."""
+    """Integer milliseconds of a unit (as UsageHour keeps them) shown as hours of it."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(max_digits=24, decimal_places=6, read_only=True, **kwargs)
@@ -163,8 +168,15 @@ class StatementLineSerializer(ReadOnlyModelSerializer):
     )
     amount = MoneyField(amount="amount", currency="statement.currency")
     unit = serializers.SerializerMethodField(
-        help_text="What `rate` is the price of: `GPU-hour`, or `slice-hour` (an hour of one MIG "
-        "slice, for a profile's own rate card); null when the line has no rate."
+        help_text="What `rate` is the price of: `GPU-hour`, `TPU chip-hour`, `Gaudi card-hour`, "
+        "or `slice-hour` (an hour of one MIG slice, for a profile's own rate card); null when "
+        "the line has no rate."
+    )
+    hours = serializers.CharField(
+        source="hours_label",
+        read_only=True,
+        help_text="What the line's `*_gpu_hours` count: `GPU-hours`, `TPU chip-hours`, "
+        "`Gaudi card-hours`, `accelerator-hours`.",
     )
 
     class Meta:
@@ -181,6 +193,7 @@ class StatementLineSerializer(ReadOnlyModelSerializer):
             "efficiency",
             "rate",
             "unit",
+            "hours",
             "gpu_share",
             "idle_factor",
             "amount",
@@ -258,6 +271,7 @@ class AdjustmentInputSerializer(serializers.Serializer[Any]):
 
 
 USAGE_FIGURES = (
+    "hours",
     "allocated_gpu_hours",
     "utilised_gpu_hours",
     "idle_gpu_hours",
@@ -271,6 +285,10 @@ class UsageSerializer(serializers.Serializer[Any]):
     which come first, the figures last."""
 
     team = serializers.CharField(source="team__slug", read_only=True)
+    hours = serializers.SerializerMethodField(
+        help_text="What the figures count: `GPU-hours`, `TPU chip-hours`, `Gaudi card-hours`, "
+        "`accelerator-hours` (rows are grouped by it)."
+    )
     allocated_gpu_hours = GpuHoursField(source="allocated_ms")
     utilised_gpu_hours = GpuHoursField(source="utilised_ms")
     idle_gpu_hours = GpuHoursField(source="idle_ms")
@@ -278,6 +296,10 @@ class UsageSerializer(serializers.Serializer[Any]):
     efficiency = EfficiencyField(
         utilised="utilised_ms", allocated="allocated_ms", unmeasured="unmeasured_ms"
     )
+
+    @extend_schema_field(serializers.CharField())
+    def get_hours(self, row: Mapping[str, Any]) -> str:
+        return hours_label(row["unit"])
 
     def get_fields(self) -> dict[str, serializers.Field[Any, Any, Any, Any]]:
         fields = super().get_fields()

@@ -170,24 +170,27 @@ FIGURE_ORDERING = {
 
 @extend_schema(tags=["usage"])
 class UsageViewSet(mixins.ListModelMixin, TeamScopedViewSet):
-    """Usage per team, day (or hour, `?granularity=hour`) and GPU model. Filters select the
-    hourly rows that are summed; ordering sorts the sums."""
+    """Usage per team, day (or hour, `?granularity=hour`) and accelerator model, in the model's
+    unit (`hours`). Filters select the hourly rows that are summed; ordering sorts the sums."""
 
-    # Subclasses sum over other keys (`group_by`); the sums are made in SQL.
+    # Subclasses sum over other keys (`group_by`); the sums are made in SQL. Every grouping
+    # keeps units apart (`unit` last): GPU-hours and TPU chip-hours are never added up.
 
     serializer_class: type[UsageSerializer] = UsageSeriesSerializer
     filterset_class = UsageSeriesFilterSet
-    group_by: ClassVar[tuple[str, ...]] = ("team__slug", "start", "product_name")
+    group_by: ClassVar[tuple[str, ...]] = ("team__slug", "start", "product_name", "unit")
     ordering_aliases = {"team": "team__slug", **FIGURE_ORDERING}
 
     @property
     def ordering_fields(self) -> tuple[str, ...]:
+        # The unit keeps rows apart but is not a key to sort by (`hours` shows it).
         keys = tuple("team" if key == "team__slug" else key for key in self.group_by)
-        return keys + tuple(FIGURE_ORDERING)
+        return tuple(key for key in keys if key != "unit") + tuple(FIGURE_ORDERING)
 
     @property
     def ordering(self) -> tuple[str, ...]:
-        return tuple(key for key in self.ordering_fields if key not in FIGURE_ORDERING)
+        keys = tuple(key for key in self.ordering_fields if key not in FIGURE_ORDERING)
+        return (*keys, "unit")
 
     def scope(self, teams: QuerySet[Team]) -> QuerySet[UsageHour]:
         return UsageHour.objects.filter(team__in=teams)
@@ -219,7 +222,7 @@ class ClaimUsageViewSet(UsageViewSet):
 
     serializer_class = ClaimUsageSerializer
     filterset_class = UsageFilterSet
-    group_by = ("team__slug", "namespace", "claim_name")
+    group_by = ("team__slug", "namespace", "claim_name", "unit")
 
 
 class JobUsageViewSet(UsageViewSet):
@@ -227,7 +230,7 @@ class JobUsageViewSet(UsageViewSet):
 
     serializer_class = JobUsageSerializer
     filterset_class = UsageFilterSet
-    group_by = ("team__slug", "namespace", "job")
+    group_by = ("team__slug", "namespace", "job", "unit")
 
 
 class UserUsageViewSet(UsageViewSet):
@@ -235,4 +238,4 @@ class UserUsageViewSet(UsageViewSet):
 
     serializer_class = UserUsageSerializer
     filterset_class = UsageFilterSet
-    group_by = ("team__slug", "username")
+    group_by = ("team__slug", "username", "unit")

@@ -33,6 +33,7 @@ H100 = {
     "amount": "5.49",
     "idle_factor": "0.4000",
     "unit": "GPU-hour",
+    "hours": "GPU-hours",
     "gpu_share": None,
     "kind": "usage",
     "profile": "",
@@ -51,6 +52,7 @@ MIG = {
     "amount": "0.51",
     "idle_factor": "0.4000",
     "unit": "GPU-hour",
+    "hours": "GPU-hours",
     "gpu_share": None,
     "kind": "usage",
     "profile": "",
@@ -184,12 +186,12 @@ def test_the_text_statement_is_a_table(scenario: Team) -> None:
     assert lines[1].startswith("open: changes as data arrives until the period is closed")
     header, mig, h100, total = lines[3:7]
     assert header.split() == [
-        "kind", "product", "profile", "allocated", "utilised", "idle", "unmeasured",
+        "kind", "product", "profile", "hours", "allocated", "utilised", "idle", "unmeasured",
         "efficiency", "rate", "idle", "factor", "amount", "note",
     ]  # fmt: skip
     # Efficiency: utilised over measured time, 5430 / (9000 - 1740) s.
     assert h100.split() == [
-        "usage", "NVIDIA", "H100", "80GB", "HBM3", "2.500000", "1.508333", "0.508333",
+        "usage", "NVIDIA", "H100", "80GB", "HBM3", "GPU-hours", "2.500000", "1.508333", "0.508333",
         "0.483333", "74.8%", "2.5000", "0.4000", "5.49",
     ]  # fmt: skip
     assert mig.split()[-4:] == [

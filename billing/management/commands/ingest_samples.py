@@ -26,6 +26,7 @@ from billing.ingest import (
     ingest,
     inventory_nodes,
     json_type,
+    named_device,
     sample_window,
 )
 
@@ -39,7 +40,11 @@ Each line is one sample object, as the agent sends it in "samples":
   {"uuid": "GPU-8a1c2f4e-...", "ts": "2026-11-30T12:00:00Z", "gpu_util": 37.5,
    "mem_used_bytes": 21474836480}
 
-  uuid            the device's UUID (a MIG device's own), as the inventory knows it
+  uuid            the device's UUID (a MIG device's own), as the inventory knows it;
+                  or, instead, "driver" and "device": the device's driver and its name
+                  in the ResourceSlice (and "pool" where one node has several), or
+                  "driver", "pci_bus_id" and, for a partition, "partition", on the
+                  line's node, resolved through the inventory to its meter id
   ts              ISO 8601 with a timezone, at most TALLY_INGEST_MAX_AGE_DAYS old and
                   TALLY_INGEST_MAX_SKEW_SECONDS ahead
   gpu_util        0 to 100, or null (optional)
@@ -188,11 +193,27 @@ def _flush(pending: list[_Line], totals: IngestReport, rejected: Rejections) -> 
     disagrees with it, or whose unknown device has no node given, are rejected."""
     if not pending:
         return
-    places = inventory_nodes({line.row.device_uuid for line in pending})
+    places = inventory_nodes(
+        {line.row.device_uuid for line in pending if named_device(line.row.device_uuid) is None}
+    )
     batch: dict[str, list[SampleRow]] = defaultdict(list)
+    numbers: dict[str, list[int]] = defaultdict(list)
     for line in pending:
         uuid = line.row.device_uuid
         nodes = places.get(uuid)
+        if named_device(uuid) is not None:
+            # Named by driver and device: `ingest` resolves it on the line's node.
+            if line.node:
+                batch[line.node].append(line.row)
+                numbers[line.node].append(line.number)
+            else:
+                rejected.add(
+                    line.number,
+                    "node",
+                    "node: a device named by driver and device needs its node (--node, or "
+                    '"node" on the line)',
+                )
+            continue
         if nodes is None and not line.node:
             rejected.add(
                 line.number,
@@ -218,10 +239,16 @@ def _flush(pending: list[_Line], totals: IngestReport, rejected: Rejections) -> 
             )
         else:
             # A device on no node (a cluster's own) is stored under the node given, if any.
-            batch[line.node or (min(nodes) if nodes else "")].append(line.row)
+            node = line.node or (min(nodes) if nodes else "")
+            batch[node].append(line.row)
+            numbers[node].append(line.number)
     received_at = timezone.now()
     for node, rows in batch.items():
         report = ingest(node=node, samples=rows, received_at=received_at)
+        for refusal in report.refused:
+            rejected.add(
+                numbers[node][refusal.position], refusal.label, f"{refusal.field}: {refusal.reason}"
+            )
         totals.accepted += report.accepted
         totals.duplicates += report.duplicates
         totals.hours |= report.hours

@@ -20,6 +20,8 @@ from django.utils import timezone
 
 from billing import periods, pricing
 from billing.models import SLICE_HOUR, LineKind, Period, Statement, StatementLine
+from billing.units import hours_label
+from inventory.models import Unit
 from teams.models import Team
 
 HOURS = Decimal("0.000001")
@@ -31,8 +33,9 @@ TEAMS_NAMED = 20
 class Command(BaseCommand):
     help = (
         "Print a team's statement for a period (as computed by run_billing or Celery beat): "
-        "one line per model with allocated, utilised, idle and unmeasured GPU-hours, rate and "
-        "amount, then adjustment lines, and the total."
+        "one line per model with allocated, utilised, idle and unmeasured hours of its unit "
+        "(GPU-hours, TPU chip-hours, Gaudi card-hours), rate and amount, then adjustment lines, "
+        "and the total."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -164,11 +167,13 @@ def statement_json(statement: Statement) -> dict[str, Any]:
     each line carries its `idle_factor` (so `amount = rate x (allocated - (1 - idle_factor) x
     idle)` can be checked), `kind` (`usage`, or `adjustment`: late data for the closed period
     named in `corrects_period`, or a correction finance made), the MIG `profile` priced by
-    its own rate card (empty otherwise), `unit`, what the rate is the price of (`GPU-hour`,
-    or for a profile's card `slice-hour`, an hour of one slice, whose `gpu_share` of its GPU
-    turns the line's GPU-hours into slice-hours: amount = rate x (allocated - (1 -
-    idle_factor) x idle) / gpu_share), and the `reason` for an adjustment or an unpriced
-    model."""
+    its own rate card (empty otherwise), `hours`, what its hours count (`GPU-hours`, `TPU
+    chip-hours`, `Gaudi card-hours`: the `*_gpu_hours` figures are hours of that unit, and
+    no figure adds up hours of two units; the total is money), `unit`, what the rate is the
+    price of (`GPU-hour`, `TPU chip-hour`, `Gaudi card-hour`, or for a profile's card
+    `slice-hour`, an hour of one slice, whose `gpu_share` of its GPU turns the line's
+    GPU-hours into slice-hours: amount = rate x (allocated - (1 - idle_factor) x idle) /
+    gpu_share), and the `reason` for an adjustment or an unpriced model."""
     period = statement.period
     return {
         "team": statement.team.slug,
@@ -177,6 +182,7 @@ def statement_json(statement: Statement) -> dict[str, Any]:
         "lines": [
             {
                 "product_name": line.product_name,
+                "hours": line.hours_label,
                 "allocated_gpu_hours": _decimal(line.allocated_gpu_hours, HOURS),
                 "utilised_gpu_hours": _decimal(line.utilised_gpu_hours, HOURS),
                 "idle_gpu_hours": _decimal(line.idle_gpu_hours, HOURS),
@@ -197,6 +203,12 @@ def statement_json(statement: Statement) -> dict[str, Any]:
     }
 
 
+def _units(lines: list[StatementLine]) -> list[str]:
+    """What the usage lines count, GPU-hours first (`Unit`'s order)."""
+    units = {line.unit for line in lines if line.kind == LineKind.USAGE}
+    return [hours_label(unit) for unit in Unit.values if unit in units]
+
+
 def _efficiency(line: StatementLine) -> str:
     """Utilised over measured time; blank where nothing was measured (and for adjustments)."""
     measured = line.allocated_gpu_hours - line.unmeasured_gpu_hours
@@ -206,7 +218,8 @@ def _efficiency(line: StatementLine) -> str:
 
 
 def statement_text(statement: Statement) -> str:
-    """The statement as a table to read, GPU-hours per model."""
+    """The statement as a table to read: hours per model, in the model's unit (GPU-hours, TPU
+    chip-hours, Gaudi card-hours: a column says which)."""
     period = statement.period
     label = period.label
     if period.closed_at is not None:
@@ -224,6 +237,7 @@ def statement_text(statement: Statement) -> str:
             "kind",
             "product",
             "profile",
+            "hours",
             "allocated",
             "utilised",
             "idle",
@@ -241,6 +255,7 @@ def statement_text(statement: Statement) -> str:
             line.kind,
             line.product_name or "-",
             line.profile,
+            line.hours_label if line.kind == LineKind.USAGE else "",
             _decimal(line.allocated_gpu_hours, HOURS) or "",
             _decimal(line.utilised_gpu_hours, HOURS) or "",
             _decimal(line.idle_gpu_hours, HOURS) or "",
@@ -253,9 +268,9 @@ def statement_text(statement: Statement) -> str:
         )
         rows.append(row)
     total = _money(statement.total, statement.currency)
-    rows.append(("total", "", "", "", "", "", "", "", "", "", total, statement.currency))
+    rows.append(("total", "", "", "", "", "", "", "", "", "", "", total, statement.currency))
     widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]) - 1)]
-    numeric = range(3, 11)
+    numeric = range(4, 12)
     table = []
     for row in rows:
         cells = [
@@ -263,7 +278,12 @@ def statement_text(statement: Statement) -> str:
             for column, (cell, width) in enumerate(zip(row, widths, strict=False))
         ]
         table.append("  ".join([*cells, row[-1]]).rstrip())
-    footer = ["", "GPU-hours; amount = rate x (allocated - (1 - idle factor) x idle)"]
+    units = ", ".join(_units(lines)) or hours_label(Unit.GPU)
+    footer = [
+        "",
+        f"{units}, each line in its own unit, never added up; rate per hour of the line's "
+        "unit; amount = rate x (allocated - (1 - idle factor) x idle)",
+    ]
     slices = sorted({(line.profile, line.gpu_share) for line in lines if line.gpu_share})
     if slices:
         shares = ", ".join(f"{profile}: {share:f}" for profile, share in slices)
@@ -275,8 +295,11 @@ def statement_text(statement: Statement) -> str:
 
 
 def _rate(line: StatementLine) -> str:
-    """The rate, marked `/slice-h` when it is the price of an hour of one MIG slice."""
+    """The rate, marked `/slice-h` when it is the price of an hour of one MIG slice, and with
+    its unit when that is not a GPU (`/TPU chip-h`)."""
     if line.rate is None:
         return "-"
     rate = _decimal(line.rate, RATE)
-    return f"{rate}/slice-h" if line.rate_unit == SLICE_HOUR else str(rate)
+    if line.rate_unit == SLICE_HOUR:
+        return f"{rate}/slice-h"
+    return str(rate) if line.unit == Unit.GPU else f"{rate}/{line.rate_unit.removesuffix('our')}"
