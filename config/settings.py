@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -408,6 +409,53 @@ TALLY_WEBHOOK_DEADLINE_MS = env.get_int("TALLY_WEBHOOK_DEADLINE_MS", 2500, minim
 # Either way a decision that reserved nothing (a denial) is recorded without waiting.
 TALLY_WEBHOOK_SYNCHRONOUS_COMMIT = env.get_bool("TALLY_WEBHOOK_SYNCHRONOUS_COMMIT", True)
 TALLY_RESERVATION_TTL_SECONDS = env.get_int("TALLY_RESERVATION_TTL_SECONDS", 600, minimum=1)
+
+# Workload webhook (quota.workloads): the kinds whose creation records its user in the
+# tally.dev/created-by annotation, "Kind" (core group) or "group/Kind"; keep in step with the
+# rules of deploy/base/webhooks.yaml (tally-workloads).
+TALLY_WORKLOAD_KINDS = env.get_list(
+    "TALLY_WORKLOAD_KINDS",
+    [
+        "Pod",
+        "apps/Deployment",
+        "apps/StatefulSet",
+        "batch/Job",
+        "batch/CronJob",
+        "jobset.x-k8s.io/JobSet",
+        "leaderworkerset.x-k8s.io/LeaderWorkerSet",
+        "kubeflow.org/PyTorchJob",
+        "kubeflow.org/TFJob",
+        "kubeflow.org/MPIJob",
+        "trainer.kubeflow.org/TrainJob",
+        "ray.io/RayJob",
+        "ray.io/RayCluster",
+    ],
+)
+for _kind in TALLY_WORKLOAD_KINDS:
+    if not re.fullmatch(r"(?:[a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Z][A-Za-z0-9]*", _kind):
+        raise ImproperlyConfigured(
+            f"TALLY_WORKLOAD_KINDS: {_kind!r} is not a kind (write Kind or group/Kind)"
+        )
+# Usernames (shell patterns) of the controllers that make objects for someone else: never
+# recorded as a creator, and allowed to copy one (the kube-controller-manager, operators).
+TALLY_WORKLOAD_CONTROLLERS = env.get_list(
+    "TALLY_WORKLOAD_CONTROLLERS",
+    [
+        "system:kube-controller-manager",
+        "system:serviceaccount:kube-system:*",
+        "system:serviceaccount:jobset-system:*",
+        "system:serviceaccount:lws-system:*",
+        "system:serviceaccount:kubeflow:*",
+        "system:serviceaccount:kubeflow-system:*",
+        "system:serviceaccount:ray-system:*",
+    ],
+)
+# Labels that name a person on workloads made before the webhook, in order of trust: the
+# inventory falls back on them when no owner of a claim carries tally.dev/created-by.
+TALLY_CREATED_BY_LABELS = env.get_list(
+    "TALLY_CREATED_BY_LABELS",
+    ["tally.dev/created-by", "app.kubernetes.io/created-by", "owner", "user"],
+)
 TALLY_BUDGET_CACHE_SECONDS = env.get_int("TALLY_BUDGET_CACHE_SECONDS", 30, minimum=0)
 TALLY_SHAPE_CACHE_SECONDS = env.get_int("TALLY_SHAPE_CACHE_SECONDS", 10, minimum=0)
 # How long a new web worker may spend evaluating selectors before it serves (0: none).

@@ -2,6 +2,7 @@ from django.contrib import admin
 from django.urls import include, path
 
 from billing import views as billing_views
+from quota import workload_views
 from quota.admission import views as admission_views
 
 admin.site.site_header = "Tally administration"
@@ -12,6 +13,8 @@ urlpatterns = [
     # The API server's calls first: every ResourceClaim CREATE resolves these.
     path("admission/resourceclaims", admission_views.validate, name="admission-validate"),
     path("admission/resourceclaims/mutate", admission_views.mutate, name="admission-mutate"),
+    # Who created a workload (Pods and what makes them), for claims made from its templates.
+    path("admission/workloads/mutate", workload_views.mutate, name="admission-workloads"),
     path("ingest/samples", billing_views.ingest_samples, name="ingest-samples"),
     path("admin/", admin.site.urls),
     path("api/", include("config.api_urls")),

@@ -9,11 +9,19 @@ stays at the last owner known, never less than the claim's own controller.
 The owners come from an `OwnerLookup`: the API server (`inventory.kube.OwnerReader`) or the
 objects of a dump (`OwnerIndex`). A job is written "Kind/name", as usage rows hold it; owner
 references are namespace-local, so it is the claim's namespace that places it.
+
+The same walk says who made the claim's workload: the `tally.dev/created-by` annotation the
+workload webhook (`quota.workloads`) writes on workloads and their pod templates, of the
+nearest owner that has one, else a label naming a person (for workloads made before Tally).
+A claim made from a template is created by a controller, so its own creator names nobody;
+`claim_creator` decides between what the claim webhook recorded and what the walk found.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from typing import Any, Protocol
 
 OwnerReference = dict[str, Any]
@@ -27,14 +35,19 @@ FOLLOWED_KINDS = frozenset({("", "Pod"), ("apps", "ReplicaSet"), ("batch", "Job"
 MAX_STEPS = 4
 # As `billing.UsageHour.job`: a kind (63) and a name (253).
 JOB_MAX_LENGTH = 320
+# Written by the workload webhook (quota.workloads) on a workload and its pod templates.
+CREATED_BY_ANNOTATION = "tally.dev/created-by"
 
 
 @dataclass(frozen=True)
 class Owner:
-    """What the job needs of an owning object: its uid and its own controller reference."""
+    """What the job needs of an owning object: its uid and its own controller reference; and
+    what its creator needs: its `tally.dev/created-by` annotation and its labels."""
 
     uid: str
     controller: OwnerReference | None
+    created_by: str = ""
+    labels: Mapping[str, str] = field(default_factory=dict)
 
     @classmethod
     def of(cls, obj: dict[str, Any]) -> Owner:
@@ -44,6 +57,8 @@ class Owner:
         return cls(
             uid=uid if isinstance(uid, str) else "",
             controller=controller_reference(metadata.get("ownerReferences")),
+            created_by=annotated_creator(metadata.get("annotations")),
+            labels=_strings(metadata.get("labels")),
         )
 
 
@@ -62,6 +77,14 @@ class Resolution:
 
     chain: tuple[str, ...]
     complete: bool
+    # Who made the workload, as the owners read say (see `resolve_job`): the nearest
+    # `tally.dev/created-by` annotation, and the fallback the labels give; "" for none.
+    annotated_by: str = ""
+    labelled_by: str = ""
+
+    @property
+    def created_by(self) -> str:
+        return self.annotated_by or self.labelled_by
 
     @property
     def job(self) -> str:
@@ -120,22 +143,106 @@ def needs_lookup(owner_references: Any) -> bool:
     return reference is not None and is_followed(reference)
 
 
-def resolve_job(*, namespace: str, owner_references: Any, lookup: OwnerLookup) -> Resolution:
-    """Follow a claim's controller in `namespace` through `FOLLOWED_KINDS` as `lookup` allows."""
+def resolve_job(
+    *,
+    namespace: str,
+    owner_references: Any,
+    lookup: OwnerLookup,
+    creator_labels: Sequence[str] = (),
+) -> Resolution:
+    """Follow a claim's controller in `namespace` through `FOLLOWED_KINDS` as `lookup` allows.
+
+    The resolution's `created_by` is the `tally.dev/created-by` annotation of the nearest
+    owner read that has one (`annotated_by`), else the value of the first of
+    `creator_labels` that an owner read carries, the nearest owner's for that label
+    (`labelled_by`): the list is in order of trust.
+    """
     reference = controller_reference(owner_references)
     chain = [job_of(reference)] if reference is not None else []
+    read: list[Owner] = []
+    complete = False
     for _ in range(MAX_STEPS):
         if reference is None or not is_followed(reference):
-            return Resolution(tuple(chain), complete=True)
+            complete = True
+            break
         owner = lookup.owner(namespace, reference)
         if owner is None or (owner.uid and reference.get("uid") not in (None, "", owner.uid)):
             # Gone, unreadable, or a namesake made after the claim's owner was deleted.
-            return Resolution(tuple(chain), complete=False)
+            break
+        read.append(owner)
         if owner.controller is None:
-            return Resolution(tuple(chain), complete=True)
+            complete = True
+            break
         reference = owner.controller
         chain.append(job_of(reference))
-    return Resolution(tuple(chain), complete=reference is None or not is_followed(reference))
+    else:
+        complete = reference is None or not is_followed(reference)
+    return Resolution(
+        tuple(chain),
+        complete=complete,
+        annotated_by=next((owner.created_by for owner in read if owner.created_by), ""),
+        labelled_by=labelled_creator([owner.labels for owner in read], creator_labels),
+    )
+
+
+def annotated_creator(annotations: Any) -> str:
+    """The `tally.dev/created-by` annotation among `annotations` (a metadata's), or ""."""
+    value = annotations.get(CREATED_BY_ANNOTATION) if isinstance(annotations, dict) else None
+    return value.strip() if isinstance(value, str) else ""
+
+
+def labelled_creator(labels: Iterable[Mapping[str, str]], creator_labels: Sequence[str]) -> str:
+    """The value of the first of `creator_labels` found in `labels` (objects' labels, nearest
+    first), or ""."""
+    labels = list(labels)
+    for key in creator_labels:
+        for object_labels in labels:
+            value = object_labels.get(key)
+            if isinstance(value, str) and value.strip():
+                return value.strip()
+    return ""
+
+
+def is_controller(username: str, controllers: Iterable[str]) -> bool:
+    """Whether `username` is one of `controllers` (shell patterns: `system:serviceaccount:
+    kube-system:*`): a controller acts for whoever made the object it acts on, so it is
+    never the person to charge, and may copy any creator onto what it makes."""
+    return any(fnmatchcase(username, pattern) for pattern in controllers)
+
+
+def claim_creator(
+    *,
+    recorded: str,
+    annotations: Any,
+    labels: Any,
+    resolution: Resolution | None,
+    creator_labels: Sequence[str],
+    controllers: Iterable[str],
+) -> str:
+    """The person to charge for a claim, "" when nothing names one.
+
+    In order: who the claim webhook `recorded` as creating it, unless a controller (a claim
+    made from a template is created by the resource-claim controller); the annotation its
+    owners carry (the Pod's, which the webhook copied from the workload's pod template, is
+    the nearest, and unlike a shared ResourceClaimTemplate's it names who made the workload);
+    the claim's own `tally.dev/created-by`; then the labels among `creator_labels`, the
+    claim's before its owners'.
+    """
+    if recorded and not is_controller(recorded, controllers):
+        return recorded
+    return (
+        (resolution.annotated_by if resolution is not None else "")
+        or annotated_creator(annotations)
+        or labelled_creator([_strings(labels)], creator_labels)
+        or (resolution.labelled_by if resolution is not None else "")
+    )
+
+
+def _strings(mapping: Any) -> dict[str, str]:
+    """The string entries of a metadata mapping (labels), anything else left out."""
+    if not isinstance(mapping, dict):
+        return {}
+    return {k: v for k, v in mapping.items() if isinstance(k, str) and isinstance(v, str)}
 
 
 class OwnerIndex:

@@ -28,12 +28,14 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
+from django.conf import settings
 from django.db import transaction
 from django.db.models import F, Q
 
 from config import metrics
 from db.locks import advisory_xact_lock
 from inventory.models import Allocation, Cluster, ResourceClaim
+from inventory.owners import is_controller
 from quota.admission.decision import claim_amounts, per_device
 from quota.admission.shapes import FleetShapes, Shape, covers, load_fleet, shape_of
 from quota.models import Budget, QuotaRule, Reservation, ReservationLine, ReservationState
@@ -134,10 +136,17 @@ class _Counting:
             if device is None or device.shape is None:
                 continue  # allocated before its slice was seen: counted once it is
             shape = self._shape(fleet, device.shape)
-            consumed = allocation.consumed_capacity.get("memory") if allocation.share_id else None
+            # A share of a shareable device (KEP-5075) counts what it consumed, by any name;
+            # one that records nothing consumed, the whole device.
+            consumed = (allocation.consumed_capacity or None) if shape.shareable else None
             for rule in rules:
                 if covers(fleet.class_selectors, rule.device_class, rule.selector, shape):
-                    amounts[rule.pk] += per_device(shape, rule, consumed)
+                    amounts[rule.pk] += per_device(
+                        shape,
+                        rule,
+                        consumed,
+                        of_accelerators=fleet.covers_accelerators(rule.device_class, rule.selector),
+                    )
         return dict(amounts)
 
     @staticmethod
@@ -339,14 +348,16 @@ def _record_creator(claim: ResourceClaim, reservation: Reservation) -> None:
     its allocations that the sync wrote before this record reached the claim take them as who
     is charged: filled once, where still empty, never overwritten."""
     job = f"{reservation.owner_kind}/{reservation.owner_name}" if reservation.owner_kind else ""
-    if (claim.created_by, claim.admitted_job) != (reservation.username, job):
-        ResourceClaim.objects.filter(pk=claim.pk).update(
-            created_by=reservation.username, admitted_job=job
-        )
-        if reservation.username:
-            Allocation.objects.filter(claim=claim, username="").update(
-                username=reservation.username
-            )
+    controllers = settings.TALLY_WORKLOAD_CONTROLLERS
+    username = reservation.username
+    if not username or is_controller(username, controllers):
+        # Adopted, or a claim a controller made from a template: nobody to charge here; the
+        # person the sync found through the claim's owners (inventory.owners) stays.
+        username = "" if is_controller(claim.created_by, controllers) else claim.created_by
+    if (claim.created_by, claim.admitted_job) != (username, job):
+        ResourceClaim.objects.filter(pk=claim.pk).update(created_by=username, admitted_job=job)
+        if username:
+            Allocation.objects.filter(claim=claim, username="").update(username=username)
         if job:
             Allocation.objects.filter(claim=claim, job="").update(job=job)
 

@@ -1,0 +1,260 @@
+"""Who made a workload: the `tally.dev/created-by` annotation the workload webhook writes.
+
+A claim made from a ResourceClaimTemplate is created by the resource-claim controller, for a
+Pod made by another controller, for a Deployment, Job or JobSet a person wrote: the claim's
+own creator names nobody. So the mutating webhook on the creation of workloads (the view in
+`quota.workload_views`) writes the requesting user on the workload and on every pod template
+in it; the Pods made from those templates carry it, and the inventory finds it on a claim's
+owners (`inventory.owners.resolve_job`).
+
+Controllers (`TALLY_WORKLOAD_CONTROLLERS`, shell patterns on the username) act for the person
+who made what they act on: they never become the creator, may copy any creator onto what they
+make (a Job from a CronJob), and what they make has its templates filled from its own
+annotation. Anyone else is the creator of what they create, whatever it says: a
+`tally.dev/created-by` naming someone else is replaced by the requester, with a warning. An
+UPDATE by anyone but a controller may not change a creator recorded before: it is put back
+(with a warning when another was sent, quietly when it was left out); nor does an UPDATE add
+one where there was none, since that would change a pod template and so roll a Deployment
+out.
+
+Everything here is plain data in, a JSON Patch (RFC 6902) and warnings out: nothing raises
+on what a review holds, since the webhook fails open (`failurePolicy: Ignore`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from jsonpatch import JsonPointer
+
+from inventory.owners import CREATED_BY_ANNOTATION, is_controller
+
+# The result of one review, as `config.metrics.WEBHOOK_DECISIONS` counts it.
+UNCHANGED, ANNOTATED, REPLACED = "allowed", "annotated", "replaced"
+
+# Where each kind keeps the templates of what it makes, as paths to their annotations ("*":
+# every item of a list, or every value of a mapping, there). A kind configured in
+# TALLY_WORKLOAD_KINDS but not listed here is taken to have a pod template at spec.template,
+# the built-in controllers' convention. A Pod has none.
+POD_TEMPLATE = "spec.template.metadata.annotations"
+TEMPLATE_ANNOTATIONS: dict[str, tuple[str, ...]] = {
+    "Pod": (),
+    "apps/Deployment": (POD_TEMPLATE,),
+    "apps/StatefulSet": (POD_TEMPLATE,),
+    "apps/ReplicaSet": (POD_TEMPLATE,),
+    "apps/DaemonSet": (POD_TEMPLATE,),
+    "batch/Job": (POD_TEMPLATE,),
+    # The Job's own metadata too: the owner walk reads Jobs.
+    "batch/CronJob": (
+        "spec.jobTemplate.metadata.annotations",
+        "spec.jobTemplate.spec.template.metadata.annotations",
+    ),
+    "jobset.x-k8s.io/JobSet": (
+        "spec.replicatedJobs.*.template.metadata.annotations",
+        "spec.replicatedJobs.*.template.spec.template.metadata.annotations",
+    ),
+    "leaderworkerset.x-k8s.io/LeaderWorkerSet": (
+        "spec.leaderWorkerTemplate.leaderTemplate.metadata.annotations",
+        "spec.leaderWorkerTemplate.workerTemplate.metadata.annotations",
+    ),
+    "kubeflow.org/PyTorchJob": ("spec.pytorchReplicaSpecs.*.template.metadata.annotations",),
+    "kubeflow.org/TFJob": ("spec.tfReplicaSpecs.*.template.metadata.annotations",),
+    "kubeflow.org/MPIJob": ("spec.mpiReplicaSpecs.*.template.metadata.annotations",),
+    # Kubeflow Trainer copies `spec.annotations` onto the JobSet and Jobs it makes.
+    "trainer.kubeflow.org/TrainJob": ("spec.annotations",),
+    "ray.io/RayCluster": (
+        "spec.headGroupSpec.template.metadata.annotations",
+        "spec.workerGroupSpecs.*.template.metadata.annotations",
+    ),
+    "ray.io/RayJob": (
+        "spec.rayClusterSpec.headGroupSpec.template.metadata.annotations",
+        "spec.rayClusterSpec.workerGroupSpecs.*.template.metadata.annotations",
+        "spec.submitterPodTemplate.metadata.annotations",
+    ),
+}
+# Parts of a path that a patch may create when an object leaves them out; any other part
+# missing means there is no template there.
+_CREATABLE = frozenset({"metadata", "annotations"})
+_TOP = "metadata.annotations"
+
+Part = str | int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Attribution:
+    """What the webhook answers about one review: the patch to apply (empty: none), the
+    warnings for the requester, and the result to count."""
+
+    patch: list[dict[str, Any]] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    result: str = UNCHANGED
+
+
+@dataclass(frozen=True)
+class _Place:
+    """One annotations mapping of an object: its path, how many of its leading parts the
+    object has (all of them: the mapping exists), and the creator written there."""
+
+    parts: tuple[Part, ...]
+    present: int
+    # None: no creator there; a non-string is no creator anyone could mean.
+    value: Any = field(compare=False)
+
+    @property
+    def exists(self) -> bool:
+        return self.present == len(self.parts)
+
+
+def kind_key(kind: Any) -> str:
+    """A review's `request.kind` as TALLY_WORKLOAD_KINDS names it: "Pod", "apps/Deployment"."""
+    if not isinstance(kind, dict) or not isinstance(kind.get("kind"), str):
+        return ""
+    group = kind.get("group")
+    return f"{group}/{kind['kind']}" if isinstance(group, str) and group else kind["kind"]
+
+
+def attribute(
+    *, request: dict[str, Any], kinds: Collection[str], controllers: Iterable[str]
+) -> Attribution:
+    """The creator annotations a review's object needs (see the module's docstring).
+
+    Only CREATEs and UPDATEs of `kinds` (not of their subresources) are touched. Never
+    raises on what `request` holds: what cannot be read is a warning and no patch.
+    """
+    operation = request.get("operation")
+    key = kind_key(request.get("kind"))
+    if operation not in ("CREATE", "UPDATE") or key not in kinds or request.get("subResource"):
+        return Attribution()
+    obj = request.get("object")
+    if not isinstance(obj, dict):
+        return _unreadable("request.object is not an object")
+    if obj.get("metadata") is not None and not isinstance(obj["metadata"], dict):
+        return _unreadable("request.object.metadata is not a mapping")
+    user_info = request.get("userInfo")
+    username = user_info.get("username") if isinstance(user_info, dict) else None
+    if not isinstance(username, str) or not username:
+        return _unreadable("request.userInfo.username is missing")
+    paths = (_TOP, *TEMPLATE_ANNOTATIONS.get(key, (POD_TEMPLATE,)))
+    places = [place for path in paths for place in _places(obj, path)]
+    malformed = [place for place in places if place.present < 0]
+    if malformed:
+        where = _dotted(malformed[0].parts)
+        return _unreadable(f"request.object.{where} is not a mapping")
+    top = places[0]
+    if is_controller(username, controllers):
+        if operation == "UPDATE" or not isinstance(top.value, str) or not top.value:
+            return Attribution()
+        # What a controller makes carries its own creator into its templates.
+        wanted = {place: top.value for place in places if place.value is None}
+        return _patched(wanted, warnings=[], result=ANNOTATED)
+    if operation == "CREATE":
+        wanted = {place: username for place in places if place.value != username}
+        forged = sorted({str(p.value) for p in wanted if p.value not in (None, "")})
+        warnings = [
+            f"{CREATED_BY_ANNOTATION} names the user who creates the object: set to "
+            f"{username!r}, not {claimed!r}"
+            for claimed in forged
+        ]
+        return _patched(wanted, warnings=warnings, result=REPLACED if forged else ANNOTATED)
+    old = request.get("oldObject") if isinstance(request.get("oldObject"), dict) else {}
+    wanted = {}
+    for place in places:
+        before = _value_at(old, place.parts)
+        if place.value == before:
+            continue
+        if isinstance(before, str) and before:
+            wanted[place] = before  # a recorded creator stays
+        elif place.value != username:
+            wanted[place] = username  # one written now names who wrote it
+    # Left out (a server-side apply drops what the webhook added for its field manager): put
+    # back quietly. Changed: said, and counted as replaced.
+    changed = [place for place in wanted if place.value not in (None, "")]
+    warnings = (
+        [f"{CREATED_BY_ANNOTATION} is recorded by Tally: the value sent was not kept"]
+        if changed
+        else []
+    )
+    return _patched(wanted, warnings=warnings, result=REPLACED if changed else ANNOTATED)
+
+
+def _unreadable(problem: str) -> Attribution:
+    return Attribution(warnings=[f"Tally did not record who created this object: {problem}"])
+
+
+def _patched(wanted: dict[_Place, str], *, warnings: list[str], result: str) -> Attribution:
+    if not wanted:
+        return Attribution(warnings=warnings)
+    return Attribution(
+        patch=[_set(place, value) for place, value in wanted.items()],
+        warnings=warnings,
+        result=result,
+    )
+
+
+def _set(place: _Place, value: str) -> dict[str, Any]:
+    """The operation that writes `value` as the creator at `place`: into the mapping when it
+    exists, else as the first missing part, holding the rest ("add" replaces a null)."""
+    if place.exists:
+        parts: tuple[Part, ...] = (*place.parts, CREATED_BY_ANNOTATION)
+        written: Any = value
+    else:
+        parts = place.parts[: place.present + 1]
+        written = {CREATED_BY_ANNOTATION: value}
+        for part in reversed(place.parts[place.present + 1 :]):
+            written = {part: written}
+    return {"op": "add", "path": JsonPointer.from_parts(parts).path, "value": written}
+
+
+def _places(obj: dict[str, Any], path: str) -> Iterator[_Place]:
+    """The annotations mappings `path` names in `obj`. A place whose metadata or annotations
+    are there but no mapping has `present` -1 (the object is malformed)."""
+    steps = path.split(".")
+
+    def walk(node: Any, index: int, parts: tuple[Part, ...]) -> Iterator[_Place]:
+        if index == len(steps):
+            # A mapping: the last step, "annotations", was checked on the way in.
+            yield _Place(parts, len(parts), _creator(node))
+            return
+        step = steps[index]
+        if step == "*":
+            if isinstance(node, list):
+                for position, item in enumerate(node):
+                    yield from walk(item, index + 1, (*parts, position))
+            elif isinstance(node, dict):
+                for name, item in node.items():
+                    yield from walk(item, index + 1, (*parts, name))
+            return
+        child = node.get(step) if isinstance(node, dict) else None
+        if child is None:
+            if isinstance(node, dict) and all(s in _CREATABLE for s in steps[index:]):
+                yield _Place((*parts, *steps[index:]), len(parts), None)
+            return
+        if step in _CREATABLE and not isinstance(child, dict):
+            yield _Place((*parts, step), -1, None)
+            return
+        yield from walk(child, index + 1, (*parts, step))
+
+    yield from walk(obj, 0, ())
+
+
+def _creator(annotations: dict[str, Any]) -> Any:
+    return annotations.get(CREATED_BY_ANNOTATION)
+
+
+def _value_at(obj: Any, parts: tuple[Part, ...]) -> Any:
+    """The creator in the annotations at `parts` of `obj` (an UPDATE's old object), or None."""
+    node = obj
+    for part in parts:
+        if isinstance(node, dict) and isinstance(part, str):
+            node = node.get(part)
+        elif isinstance(node, list) and isinstance(part, int) and part < len(node):
+            node = node[part]
+        else:
+            return None
+    return _creator(node) if isinstance(node, dict) else None
+
+
+def _dotted(parts: tuple[Part, ...]) -> str:
+    return "".join(f"[{part}]" if isinstance(part, int) else f".{part}" for part in parts)[1:]
