@@ -25,7 +25,7 @@ from inventory.capacity import (
 from inventory.models import DeviceShape
 from quota.admission.shapes import forget_fleet_shapes
 from quota.models import QuotaRule, Reservation
-from tests.quota.fixtures import AT, claim, decide, make_team
+from tests.quota.fixtures import AT, claim, decide, make_team, nvidia_slice
 
 DRIVER = "gpu.nvidia.com"
 RANGED = {
@@ -159,8 +159,8 @@ def _objects() -> list[dict[str, Any]]:
     return [
         _class("gpu.nvidia.com", "device.driver == 'gpu.nvidia.com'"),
         _class("tpu.google.com", "device.driver == 'tpu.google.com'"),
-        _slice("share-node", DRIVER, gpus),
-        _slice("tpu-node", "tpu.google.com", tpus),
+        nvidia_slice("share-node", gpus, DRIVER),
+        nvidia_slice("tpu-node", tpus, "tpu.google.com"),
     ]
 
 
@@ -170,20 +170,6 @@ def _class(name: str, expression: str) -> dict[str, Any]:
         "kind": "DeviceClass",
         "metadata": {"name": name},
         "spec": {"selectors": [{"cel": {"expression": expression}}]},
-    }
-
-
-def _slice(node: str, driver: str, devices: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "apiVersion": "resource.k8s.io/v1",
-        "kind": "ResourceSlice",
-        "metadata": {"name": f"{node}-{driver}"},
-        "spec": {
-            "driver": driver,
-            "nodeName": node,
-            "pool": {"name": node, "generation": 1, "resourceSliceCount": 1},
-            "devices": devices,
-        },
     }
 
 
