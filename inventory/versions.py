@@ -767,7 +767,10 @@ def _deviation_spec(section: _Section, value: Any, path: str) -> DeviationSpec |
 def _expiry(value: Any) -> datetime | None:
     """An aware datetime from a YAML date or timestamp, or ISO text; naive means UTC."""
     if isinstance(value, str):
-        value = parse_datetime(value.strip()) or parse_date(value.strip())
+        try:
+            value = parse_datetime(value.strip()) or parse_date(value.strip())
+        except ValueError:  # well formed, no such day or hour: 2027-02-30, T25:00
+            return None
     if isinstance(value, datetime):
         # In UTC, as stored: the audit compares it as text, so a zone alone is no change.
         return value.astimezone(UTC) if timezone.is_aware(value) else value.replace(tzinfo=UTC)

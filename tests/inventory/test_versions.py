@@ -446,3 +446,12 @@ def test_the_policy_file_sets_baselines_and_deviations_and_the_api_shows_them(
     policy.write_text("teams: []\nversions:\n  deviations:\n  - {node: dgx-canary}\n")
     with pytest.raises(CommandError, match=r"versions\.deviations\[0\]\.reason: required"):
         call_command("apply_policy", str(policy), stdout=StringIO())
+
+
+@pytest.mark.parametrize("expires", ["2027-02-30", "2027-01-01T25:00:00"])
+def test_an_expiry_that_is_no_real_time_is_an_error_naming_it(expires: str) -> None:
+    deviation = {"node": "n1", "driverVersion": "1", "reason": "r", "owner": "o"}
+    _, errors = versions.parse_version_policy(
+        {"deviations": [{**deviation, "expires": expires}]}, "versions"
+    )
+    assert [e.split(":")[0] for e in errors] == ["versions.deviations[0].expires"]
