@@ -8,7 +8,6 @@ JSON. Bad input gets a 4xx with `{"error": ...}`, never a 500; a bad sample is r
 from __future__ import annotations
 
 import logging
-import re
 from collections import Counter
 from typing import Any
 
@@ -27,11 +26,6 @@ log = logging.getLogger(__name__)
 # A batch is an object of samples, each an object whose `processes` is a list of objects:
 # five levels, and room for what a process's fields hold.
 MAX_DEPTH = 16
-
-# A Kubernetes node name: a DNS subdomain (RFC 1123), at most 253 characters.
-_NODE_NAME = re.compile(
-    r"(?=.{1,253}\Z)[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*"
-)
 
 
 def _error(status: int, message: str, **headers: str) -> JsonResponse:
@@ -114,7 +108,7 @@ def _ingest(request: HttpRequest) -> JsonResponse:
     node = payload.get("node")
     if not isinstance(node, str) or not node:
         return _error(400, "node is missing or not a non-empty string")
-    if not _NODE_NAME.fullmatch(node):
+    if not ingest.NODE_NAME.fullmatch(node):
         return _error(
             400, f"node {node[:64]!r} is not a Kubernetes node name (a DNS subdomain, <= 253)"
         )
