@@ -6,6 +6,17 @@ meets a stored sample, or repeats one, takes the general way instead: a temporar
 one `INSERT ... SELECT ... ON CONFLICT DO NOTHING`. Either way a device and instant
 are stored once however often (and however concurrently) they are sent, and each sample's gap
 to its device's next one is kept right (`refresh_gaps`), under the device's lock.
+
+A sample names its device one way: by `uuid`, or by `driver` and `device` (or `pci_bus_id`),
+resolved through the inventory. One giving both is rejected (`uuid: give uuid, or driver and
+device, not both`) rather than one silently winning: they could name two devices, and which
+one the sender meant cannot be told. Refusals name the device as the sender named it, never
+the identity the inventory forms from a driver and device name.
+
+A node's agent token sends for its node's devices only. A sample of a device the inventory
+does not know yet is set aside with the node that sent it and its token, and adopted later
+only where the token could have sent it had the device been known (`adopt_unknown_samples`):
+naming a device of another node before the sync learns it plants nothing there.
 """
 
 from __future__ import annotations
@@ -41,6 +52,10 @@ MAX_BIGINT = 2**63 - 1
 ADOPT_CHUNK = 10_000
 # Per session, emptied at every commit (a truncate: temporary tables are never vacuumed).
 BATCH_TABLE = "tally_ingest_batch"
+# A sample set aside is one per device, instant and the node that sent it: what a token sends
+# under the identity of a device elsewhere (never adopted) cannot stand in for what that
+# device's own agent sends at the same instant.
+UNIQUE_SET_ASIDE = "device_uuid, ts_ms, node"
 # Columns of `billing_sample` and `billing_unknowndevicesample` alike, in this order.
 COLUMNS = "device_uuid, ts_ms, gpu_util, mem_used_bytes, processes, node, received_at"
 # A NUL escaped in JSON text (an odd run of backslashes before u0000): jsonb refuses it.
@@ -224,9 +239,16 @@ class SampleChecker:
         if type(sample) is not dict:
             raise InvalidSample("", f"must be an object, not {_show(sample)}")
         uuid = sample.get("uuid")
-        if not (isinstance(uuid, str) and uuid in self._valid_uuids):
+        if not (isinstance(uuid, str) and uuid in self._valid_uuids) or (
+            "driver" in sample or "device" in sample
+        ):
             if uuid is None and ("driver" in sample or "device" in sample):
                 uuid = self._named(sample)
+            elif sample.get("driver") is not None or sample.get("device") is not None:
+                raise InvalidSample(
+                    "uuid",
+                    "give uuid, or driver and device, not both: they could name two devices",
+                )
             else:
                 uuid = _checked_uuid(uuid)
                 self._valid_uuids.add(uuid)
@@ -309,12 +331,19 @@ class NamedDevice(NamedTuple):
     @property
     def label(self) -> str:
         where = f"node {self.node!r}" if self.node else "this node"
+        return f"{self.sent} on {where}"
+
+    @property
+    def sent(self) -> str:
+        """The device as the sample named it (driver, device or PCI address, pool), for
+        messages: never the identity the inventory forms from them, which means nothing to
+        the sender."""
         pool = f" (pool {self.pool!r})" if self.pool else ""
         pci = self.pci
         if pci is None:
-            return f"{self.driver} device {self.device!r}{pool} on {where}"
+            return f"{self.driver} device {self.device!r}{pool}"
         part = f" partition {pci[1]}" if pci[1] is not None else ""
-        return f"{self.driver} device at PCI {pci[0]}{part}{pool} on {where}"
+        return f"{self.driver} device at PCI {pci[0]}{part}{pool}"
 
 
 def _named_key(sample: dict[str, Any]) -> str:
@@ -506,17 +535,20 @@ def _insert_new(
     columns: str = COLUMNS,
 ) -> tuple[int, list[int]]:
     """`INSERT INTO target SELECT ...` skipping rows already stored; of rows of the same
-    device and instant in `source`, the one that sorts first by `first` is kept.
+    device and instant in `source`, the one that sorts first by `first` is kept (for samples
+    set aside: of the same device, instant and sending node, `UNIQUE_SET_ASIDE`).
 
     Returns how many rows were inserted, and instants whose `touched_hours` are those of all
     inserted rows: the latest per hour, so a large batch sends back a row per hour, not per
     row.
     """
+    unique = UNIQUE_SET_ASIDE if target is UnknownDeviceSample else "device_uuid, ts_ms"
     # Key order: two writers of overlapping batches then wait on each other, never deadlock.
     cursor.execute(
         f"WITH inserted AS (INSERT INTO {_table(target)} ({columns}) SELECT {select} "
         f"FROM {source} WHERE {where} ORDER BY device_uuid, ts_ms, {first} "
-        "ON CONFLICT (device_uuid, ts_ms) DO NOTHING RETURNING ts_ms) "
+        f"ON CONFLICT ({unique}) "
+        "DO NOTHING RETURNING ts_ms) "
         f"SELECT count(*), max(ts_ms) FROM inserted GROUP BY floor(ts_ms / {MS_PER_HOUR}.0)",
         params,
     )
@@ -829,8 +861,18 @@ def _misplaced(places: set[_Place], agent: AgentToken) -> str:
     return f"is {where}, not on this token's node {agent.node!r}"
 
 
+def _refusal(position: int, row: SampleRow, sent: dict[int, str], label: str, why: str) -> Refusal:
+    """The refusal of the sample at `position`, naming its device as the sender did: a UUID,
+    or (`sent`, by position) the driver, pool and device it named, never the identity formed
+    from them."""
+    named = sent.get(position)
+    if named is None:
+        return Refusal(position, label, f"device {row[0]} {why}")
+    return Refusal(position, label, f"{named} {why}", "device")
+
+
 def _unknown_devices_allowed(
-    agent: AgentToken, rows: list[tuple[int, SampleRow]]
+    agent: AgentToken, rows: list[tuple[int, SampleRow]], sent: dict[int, str]
 ) -> tuple[list[tuple[int, SampleRow]], list[Refusal]]:
     """Of samples of devices the inventory does not know (with their positions), those the
     token may set aside, and the rest refused with why: a token holds samples of at most
@@ -847,20 +889,23 @@ def _unknown_devices_allowed(
     for position, row in rows:
         if row[0] not in devices and len(devices) >= most_devices:
             refused.append(
-                Refusal(
+                _refusal(
                     position,
+                    row,
+                    sent,
                     "unknown_device_limit",
-                    f"device {row[0]} is not in the inventory, and this token already has "
-                    f"samples of {most_devices} unknown devices set aside "
-                    "(TALLY_INGEST_MAX_UNKNOWN_DEVICES)",
+                    "is not in the inventory, and this token already has samples of "
+                    f"{most_devices} unknown devices set aside (TALLY_INGEST_MAX_UNKNOWN_DEVICES)",
                 )
             )
         elif len(allowed) >= room:
             refused.append(
-                Refusal(
+                _refusal(
                     position,
+                    row,
+                    sent,
                     "unknown_device_limit",
-                    f"device {row[0]} is not in the inventory, and this token already has "
+                    "is not in the inventory, and this token already has "
                     f"{settings.TALLY_INGEST_MAX_UNKNOWN_SAMPLES} samples of unknown devices "
                     "set aside (TALLY_INGEST_MAX_UNKNOWN_SAMPLES)",
                 )
@@ -888,14 +933,21 @@ def ingest(
     Sent with an agent token (`agent`), a sample is refused, never stored, when the inventory
     puts its device on another node than the token's (any node but its cluster's, for a
     cluster-wide token), or it is of an unknown device past the token's limits
-    (`_unknown_devices_allowed`). Without one (an operator's backfill) neither applies.
+    (`_unknown_devices_allowed`). Without one (an operator's backfill) neither applies. A
+    node's token sends for its own node only: `node` another is a ValueError (the view
+    answers 403 before).
     """
+    if agent is not None and agent.node != "*" and node != agent.node:
+        # What is set aside records the node that sent it, and adoption trusts that node to
+        # be the token's (`adopt_unknown_samples`).
+        raise ValueError(f"the token of node {agent.node!r} cannot send for node {node!r}")
     given = samples
     named_refused: dict[int, Refusal] = {}
     unknown_named: dict[str, str] = {}
+    sent: dict[int, str] = {}  # position -> the device as named by driver and device
     keys = {row[0] for row in samples if row[0][:1] == NAMED}
     if keys:
-        samples, named_refused, unknown_named = _resolve_samples(samples, keys, node, agent)
+        samples, named_refused, unknown_named, sent = _resolve_samples(samples, keys, node, agent)
     uuids = {row[0] for row in samples if row[0][:1] != NAMED}  # refused names left out
     places = _places(uuids) if uuids else {}
     misplaced: dict[str, str] = {}
@@ -913,15 +965,13 @@ def ingest(
             if position in named_refused:
                 refused.append(named_refused[position])
             elif row[0] in misplaced:
-                refused.append(
-                    Refusal(position, "device_elsewhere", f"device {row[0]} {misplaced[row[0]]}")
-                )
+                refused.append(_refusal(position, row, sent, "device_elsewhere", misplaced[row[0]]))
             elif row[0] in places:
                 known_rows.append(row)
             else:
                 unknown.append((position, row))
         if unknown and agent is not None:
-            unknown, over = _unknown_devices_allowed(agent, unknown)
+            unknown, over = _unknown_devices_allowed(agent, unknown, sent)
             refused = sorted(refused + over)
     with connection.cursor() as cursor:
         stored, instants = _store_samples(cursor, known_rows, node=node, received_at=received_at)
@@ -949,14 +999,17 @@ def ingest(
 
 def _resolve_samples(
     samples: Sequence[SampleRow], keys: set[str], node: str, agent: AgentToken | None
-) -> tuple[list[SampleRow], dict[int, Refusal], dict[str, str]]:
+) -> tuple[list[SampleRow], dict[int, Refusal], dict[str, str], dict[int, str]]:
     """`samples` with each device named by driver and device replaced by its meter id, the
-    ones refused (by position), and the unknown ones' identities -> why (see
-    `resolve_named`)."""
+    ones refused (by position), the unknown ones' identities -> why (see `resolve_named`),
+    and how each sample replaced named its device (`NamedDevice.sent`, by position), so that
+    a later refusal names it so."""
     resolved, refusals, unknown = resolve_named(keys, node=node, agent=agent)
     rows: list[SampleRow] = []
     refused: dict[int, Refusal] = {}
+    sent: dict[int, str] = {}
     ids = {key: meter for key, (meter, _) in unknown.items()} | resolved
+    names = {key: name.sent for key in ids if (name := named_device(key)) is not None}
     for position, row in enumerate(samples):
         key = row[0]
         if key[:1] != NAMED:
@@ -967,7 +1020,8 @@ def _resolve_samples(
             rows.append(row)  # never stored: its position is refused
         else:
             rows.append(SampleRow(ids[key], row[1], row[2], row[3], row[4]))
-    return rows, refused, dict(why for _, why in unknown.values())
+            sent[position] = names[key]
+    return rows, refused, dict(why for _, why in unknown.values()), sent
 
 
 def formed_meter_id(cluster: str, driver: str, pool: str, device: str) -> str:
@@ -1171,6 +1225,21 @@ def resolve_named(
     return resolved, refused, unknown
 
 
+def _adoptable(candidates: Sequence[tuple[int, str, int | None]]) -> list[int]:
+    """Of samples set aside (id, device identity, agent token id), the ids of those whose
+    sender may send for the device that now carries their identity: the rule `ingest`
+    applies to a known device (`_misplaced`), so adoption trusts nothing ingest would not."""
+    tokens = AgentToken.objects.select_related("cluster").in_bulk(
+        {token for _, _, token in candidates if token is not None}
+    )
+    places = _places({uuid for _, uuid, token in candidates if token is not None})
+    return [
+        row_id
+        for row_id, uuid, token in candidates
+        if token is None or not _misplaced(places.get(uuid, set()), tokens[token])
+    ]
+
+
 def purge_unknown_samples(*, now: datetime) -> int:
     """Delete the samples set aside that no device has claimed within
     TALLY_INGEST_UNKNOWN_RETENTION_DAYS of their arrival (a made-up or long-gone UUID); how
@@ -1183,24 +1252,38 @@ def purge_unknown_samples(*, now: datetime) -> int:
 def adopt_unknown_samples(*, now: datetime) -> int:
     """Move the samples set aside whose device has become known into `Sample`; how many.
 
+    A sample is adopted only where `ingest` would have stored it had the device been known
+    when it came (`_adoptable`): one an agent token sent, only for a device where that token
+    may send (a node's token: a device on its node, the node the sample records; a
+    cluster-wide token: one of its cluster); one an operator loaded (no token), for any
+    device. A token cannot plant samples under the identity of a device elsewhere by naming
+    it before the inventory knows it. The others stay aside until they expire
+    (`purge_unknown_samples`).
+
     A sample already in `Sample` for the same device and instant wins; the one set aside is
     dropped. Hours the moved samples count in are marked dirty. Each chunk is its own
     transaction; rows another run holds are skipped, not waited for.
     """
     moved = 0
+    after = 0  # the rows up to this id were seen: those not adoptable are not looked at again
     while True:
         with transaction.atomic():
-            ids = list(
-                UnknownDeviceSample.objects.filter(
+            candidates = list(
+                UnknownDeviceSample.objects.filter(id__gt=after)
+                .filter(
                     Exists(Device.objects.filter(meter_id=OuterRef("device_uuid")))
                     | Exists(Device.objects.filter(meter_id="", uuid=OuterRef("device_uuid")))
                 )
                 .select_for_update(skip_locked=True)
                 .order_by("id")
-                .values_list("id", flat=True)[:ADOPT_CHUNK]
+                .values_list("id", "device_uuid", "agent_token_id")[:ADOPT_CHUNK]
             )
-            if not ids:
+            if not candidates:
                 return moved
+            after = candidates[-1][0]
+            ids = _adoptable(candidates)
+            if not ids:
+                continue
             placeholders = ", ".join(["%s"] * len(ids))
             with connection.cursor() as cursor:
                 cursor.execute(

@@ -74,7 +74,9 @@ class UnknownDeviceSample(models.Model):
     agent token sets aside samples of at most TALLY_INGEST_MAX_UNKNOWN_DEVICES devices, at
     most TALLY_INGEST_MAX_UNKNOWN_SAMPLES of them, and what no device claims within
     TALLY_INGEST_UNKNOWN_RETENTION_DAYS is deleted. `agent_token` is null for samples an
-    operator loaded (`ingest_samples`).
+    operator loaded (`ingest_samples`). `node` is the node that sent the sample (a node's
+    token's own node): a token's samples are adopted only for a device where that token may
+    send (`billing.ingest.adopt_unknown_samples`).
     """
 
     device_uuid = models.CharField(max_length=128, db_index=True)
@@ -94,7 +96,11 @@ class UnknownDeviceSample(models.Model):
 
     class Meta:
         constraints = [
-            models.UniqueConstraint(fields=["device_uuid", "ts_ms"], name="unknownsample_unique"),
+            # Per sending node: a token's samples under the identity of a device on another
+            # node (never adopted) must not crowd out that device's own (`billing.ingest`).
+            models.UniqueConstraint(
+                fields=["device_uuid", "ts_ms", "node"], name="unknownsample_unique_per_node"
+            ),
         ]
 
     def __str__(self) -> str:
@@ -204,9 +210,15 @@ class RateCard(models.Model):
         ]
 
     def __str__(self) -> str:
+        return self.describe(Unit.GPU)
+
+    def describe(self, unit: str) -> str:
+        """The card with its price per hour of `unit`, the unit of its model's devices
+        (`TPU chip-hour`), or per slice-hour for a profile's card. `str()` cannot look the
+        unit up and names a GPU-hour."""
         model = f"{self.product_name} {self.profile}".strip()
-        price = f"{self.per_gpu_hour} {self.currency}/{self.rate_unit}"
-        return f"{model}: {price} from {self.valid_from}"
+        per = SLICE_HOUR if self.profile else unit_hour(unit)
+        return f"{model}: {self.per_gpu_hour} {self.currency}/{per} from {self.valid_from}"
 
     @property
     def rate_unit(self) -> str:

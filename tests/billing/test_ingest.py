@@ -440,7 +440,7 @@ def test_unknown_devices_are_kept_aside_then_adopted(gpu: Device, token: str) ->
     assert post(batch(gpu, samples[:1]), token).json()["duplicates"] == 1
     assert adopt_unknown_samples(now=timezone.now()) == 0
 
-    DeviceFactory.create(uuid=newcomer)
+    DeviceFactory.create(uuid=newcomer, node=gpu.node)  # on the node that sent its samples
     # One of them reached `Sample` another way meanwhile: the stored one wins.
     Sample.objects.create(device_uuid=newcomer, ts_ms=ms(T0), gpu_util=1.0, received_at=T0)
     DirtyHour.objects.all().delete()
@@ -451,6 +451,41 @@ def test_unknown_devices_are_kept_aside_then_adopted(gpu: Device, token: str) ->
     adopted = Sample.objects.get(device_uuid=newcomer, ts_ms=ms(T0) + 1000)
     assert adopted.node == (gpu.node.name if gpu.node else "")
     assert set(DirtyHour.objects.values_list("hour", flat=True)) == {T0}
+
+
+def test_a_nodes_token_plants_no_samples_under_a_uuid_that_turns_up_on_another_node(
+    gpu: Device, token: str
+) -> None:
+    assert gpu.node is not None
+    theirs_later, mine_later, loaded = "GPU-theirs-later", "GPU-mine-later", "GPU-loaded"
+    planted = post(
+        batch(gpu, [sample(theirs_later, T0, gpu_util=99.0), sample(mine_later, T0)]), token
+    ).json()
+    assert planted["unknown_devices"] == [mine_later, theirs_later]
+    # An operator's backfill (no token) is trusted for whatever device turns up.
+    ingest(node="backfill", samples=rows([(loaded, T0, 4.0)]), received_at=T0)
+    other_node = DeviceFactory.create(node__cluster=gpu.cluster).node  # same cluster
+    DeviceFactory.create(uuid=theirs_later, node=other_node)
+    DeviceFactory.create(uuid=mine_later, node=gpu.node)
+    DeviceFactory.create(uuid=loaded)  # another cluster
+    assert adopt_unknown_samples(now=timezone.now()) == 2
+    assert sorted(Sample.objects.values_list("device_uuid", flat=True)) == [loaded, mine_later]
+    assert list(UnknownDeviceSample.objects.values_list("device_uuid", "node")) == [
+        (theirs_later, gpu.node.name)
+    ]
+    # Known now, the device is refused outright.
+    again = post(batch(gpu, [sample(theirs_later, T0 + timedelta(minutes=1))]), token).json()
+    assert again["accepted"] == 0
+    assert "is on node" in again["rejected"][0]["reason"]
+
+
+def test_a_nodes_token_cannot_be_given_another_node_to_record(gpu: Device) -> None:
+    assert gpu.node is not None
+    issue_token(cluster=gpu.cluster, node=gpu.node.name)
+    agent = AgentToken.objects.get()
+    with pytest.raises(ValueError, match="cannot send for node 'elsewhere'"):
+        ingest(node="elsewhere", samples=rows([("GPU-x", T0, 1.0)]), received_at=T0, agent=agent)
+    assert not UnknownDeviceSample.objects.exists()
 
 
 # Dirty hours

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
-from django.test import Client
+from django.test import Client, override_settings
 from django.urls import path
 from django.utils import timezone
 
@@ -195,6 +195,141 @@ def test_a_device_tally_does_not_meter_and_an_ambiguous_name_are_refused() -> No
     assert reasons[1].startswith(f"samples[1].device: gpu.nvidia.com device {gpu.name!r}")
     pools = ", ".join(sorted([repr(gpu.pool), "'second'"]))
     assert f"names 2 devices (pools {pools}); give its pool" in reasons[1]
+
+
+# A node's token names a device of another node (issue 18's review): by driver, pool and
+# device, the identity it forms is that device's.
+
+
+def set_aside() -> list[tuple[str, int, str, float | None]]:
+    return sorted(
+        UnknownDeviceSample.objects.values_list("device_uuid", "ts_ms", "node", "gpu_util")
+    )
+
+
+def test_a_device_of_another_node_named_before_the_sync_knows_it_is_never_adopted() -> None:
+    mine = intel_gpu(name="card0")
+    node_a = node_of(mine)
+    node_b = NodeFactory.create(cluster=mine.cluster)
+    theirs = formed_meter_id(mine.cluster.name, INTEL, node_b.name, "card0")  # B's card0, to be
+    token_a = issue_agent_token(cluster=mine.cluster, node=node_a, actor="ops")
+    token_b = issue_agent_token(cluster=mine.cluster, node=node_b.name, actor="ops")
+    # A names B's card0 by its pool (B's name), with no node: looked for on A, not found, and
+    # set aside under the identity B's card0 will have; then B's own agent sends the same
+    # instant, which is set aside too, not taken for a duplicate.
+    planted = post(token_a, node_a, [named(mine, T0, pool=node_b.name, gpu_util=99.0)])
+    assert (planted["accepted"], planted["unknown_devices"]) == (1, [theirs])
+    own = post(token_b, node_b.name, [named(mine, T0, gpu_util=7.0)])
+    assert (own["accepted"], own["duplicates"], own["unknown_devices"]) == (1, 0, [theirs])
+
+    card0_b = intel_gpu(node=node_b, name="card0")  # the sync learns B's card0
+    assert card0_b.meter_id == theirs
+    assert adopt_unknown_samples(now=timezone.now()) == 1
+    assert stored() == [(theirs, epoch_ms(T0), node_b.name)]
+    assert Sample.objects.get(device_uuid=theirs).gpu_util == 7.0  # B's own, not A's 99
+    # A's stays aside, to expire; looked at again, it is still not adopted.
+    assert set_aside() == [(theirs, epoch_ms(T0), node_a, 99.0)]
+    assert adopt_unknown_samples(now=timezone.now()) == 0
+    assert stored() == [(theirs, epoch_ms(T0), node_b.name)]
+
+
+def test_a_known_device_of_another_node_named_by_pool_is_refused_as_sent() -> None:
+    mine = intel_gpu(name="card0")
+    node_a = node_of(mine)
+    node_b = NodeFactory.create(cluster=mine.cluster)
+    card0_b = intel_gpu(node=node_b, name="card0")
+    token_a = issue_agent_token(cluster=mine.cluster, node=node_a, actor="ops")
+    answer = post(token_a, node_a, [named(mine, T0, pool=node_b.name), named(mine, T0)])
+    assert answer["accepted"] == 1
+    # Named as sent (driver, pool, device), never by the identity formed from them.
+    assert answer["rejected"] == [
+        {
+            "index": 0,
+            "reason": f"samples[0].device: {INTEL} device 'card0' (pool {node_b.name!r}) is on "
+            f"node {node_b.name!r}, not on this token's node {node_a!r}",
+        }
+    ]
+    assert card0_b.meter_id not in json.dumps(answer)
+    assert stored() == [(mine.meter_id, epoch_ms(T0), node_a)]
+    assert set_aside() == []
+
+
+def test_a_cluster_wide_tokens_samples_are_adopted_in_its_cluster_only() -> None:
+    here = intel_gpu(name="card0")
+    elsewhere = NodeFactory.create()  # another cluster
+    token = issue_agent_token(cluster=here.cluster, node="*", actor="ops")
+    newcomers = {"GPU-here-later": here.node, "GPU-elsewhere-later": elsewhere}
+    answer = post(
+        token,
+        "dcgm",
+        [{"uuid": uuid, "ts": T0.isoformat(), "gpu_util": 3.0} for uuid in newcomers],
+    )
+    assert answer["accepted"] == 2
+    for uuid, node in newcomers.items():
+        DeviceFactory.create(uuid=uuid, node=node)
+    # Any node of the token's cluster (the rule `ingest` applies to known devices), but not
+    # a device of another cluster.
+    assert adopt_unknown_samples(now=timezone.now()) == 1
+    assert stored() == [("GPU-here-later", epoch_ms(T0), "dcgm")]
+    assert [row[0] for row in set_aside()] == ["GPU-elsewhere-later"]
+
+
+@override_settings(TALLY_INGEST_MAX_UNKNOWN_DEVICES=1)
+def test_past_the_unknown_device_limit_the_device_is_named_as_sent() -> None:
+    mine = intel_gpu(name="card0")
+    node = node_of(mine)
+    token = issue_agent_token(cluster=mine.cluster, node=node, actor="ops")
+    answer = post(
+        token,
+        node,
+        [
+            {"uuid": "GPU-new-1", "ts": T0.isoformat()},
+            {"driver": INTEL, "device": "card8", "pool": "pool-x", "ts": T0.isoformat()},
+            {"driver": INTEL, "device": "card9", "ts": T0.isoformat()},
+        ],
+    )
+    assert answer["accepted"] == 1
+    reasons = [rejection["reason"] for rejection in answer["rejected"]]
+    assert reasons == [
+        f"samples[1].device: {INTEL} device 'card8' (pool 'pool-x') is not in the inventory, "
+        "and this token already has samples of 1 unknown devices set aside "
+        "(TALLY_INGEST_MAX_UNKNOWN_DEVICES)",
+        f"samples[2].device: {INTEL} device 'card9' is not in the inventory, and this token "
+        "already has samples of 1 unknown devices set aside (TALLY_INGEST_MAX_UNKNOWN_DEVICES)",
+    ]
+    assert "dra-" not in json.dumps(answer["rejected"])
+
+
+@pytest.mark.parametrize(
+    "identity",
+    [
+        {"driver": INTEL, "device": "card0"},
+        {"device": "card0"},
+        {"driver": INTEL, "pci_bus_id": "0000:03:00.0"},
+    ],
+)
+def test_a_sample_naming_its_device_both_ways_is_rejected(identity: dict[str, Any]) -> None:
+    mine = intel_gpu(name="card0")
+    node = node_of(mine)
+    token = issue_agent_token(cluster=mine.cluster, node=node, actor="ops")
+    gpu = DeviceFactory.create(node=mine.node)  # the uuid names another device
+    answer = post(
+        token,
+        node,
+        [
+            {"uuid": gpu.uuid, "ts": T0.isoformat(), **identity},
+            # Identity fields left empty (null) name nothing: the uuid alone names the device.
+            {"uuid": gpu.uuid, "ts": T0.isoformat(), "driver": None, "device": None},
+        ],
+    )
+    assert answer["rejected"] == [
+        {
+            "index": 0,
+            "reason": "samples[0].uuid: give uuid, or driver and device, not both: they could "
+            "name two devices",
+        }
+    ]
+    assert stored() == [(gpu.uuid, epoch_ms(T0), node)]
 
 
 @pytest.mark.parametrize(
