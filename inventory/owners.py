@@ -13,8 +13,11 @@ references are namespace-local, so it is the claim's namespace that places it.
 The same walk says who made the claim's workload: the `tally.dev/created-by` annotation the
 workload webhook (`quota.workloads`) writes on workloads and their pod templates, of the
 nearest owner that has one, else a label naming a person (for workloads made before Tally).
-A claim made from a template is created by a controller, so its own creator names nobody;
-`claim_creator` decides between what the claim webhook recorded and what the walk found.
+A claim made from a template is created by a controller, so its own creator names nobody,
+and its annotations and labels are the template's, which are anyone's word; `claim_creator`
+decides between what the claim webhook recorded and what the walk found. An annotation is
+trusted only on the kinds the workload webhook intercepts, which Pods, ReplicaSets and Jobs
+(`FOLLOWED_KINDS`) must be among (`TALLY_WORKLOAD_KINDS`).
 """
 
 from __future__ import annotations
@@ -213,7 +216,7 @@ def is_controller(username: str, controllers: Iterable[str]) -> bool:
 def claim_creator(
     *,
     recorded: str,
-    annotations: Any,
+    owner_references: Any,
     labels: Any,
     resolution: Resolution | None,
     creator_labels: Sequence[str],
@@ -221,21 +224,23 @@ def claim_creator(
 ) -> str:
     """The person to charge for a claim, "" when nothing names one.
 
-    In order: who the claim webhook `recorded` as creating it, unless a controller (a claim
-    made from a template is created by the resource-claim controller); the annotation its
-    owners carry (the Pod's, which the webhook copied from the workload's pod template, is
-    the nearest, and unlike a shared ResourceClaimTemplate's it names who made the workload);
-    the claim's own `tally.dev/created-by`; then the labels among `creator_labels`, the
-    claim's before its owners'.
+    First what Tally vouches for: who the claim webhook `recorded` as creating it, unless a
+    controller (a claim made from a template is created by the resource-claim controller);
+    then the annotation its owners carry, which the workload webhook wrote on them (the
+    Pod's is the nearest). Then the labels among `creator_labels`, for workloads made before
+    Tally: its owners'. The claim's own `tally.dev/created-by` is never read, nor, for a claim
+    a Pod, ReplicaSet or Job owns, its own labels: no webhook writes them on a claim, and one
+    made from a template copies them from the ResourceClaimTemplate, which anyone who may
+    write templates could make name anyone. So a template's claim whose Pod cannot be read
+    names nobody; the labels of a claim nothing owns (made by hand before Tally) still count.
     """
     if recorded and not is_controller(recorded, controllers):
         return recorded
-    return (
-        (resolution.annotated_by if resolution is not None else "")
-        or annotated_creator(annotations)
-        or labelled_creator([_strings(labels)], creator_labels)
-        or (resolution.labelled_by if resolution is not None else "")
-    )
+    if resolution is not None and resolution.created_by:
+        return resolution.created_by
+    if needs_lookup(owner_references):
+        return ""
+    return labelled_creator([_strings(labels)], creator_labels)
 
 
 def _strings(mapping: Any) -> dict[str, str]:

@@ -10,12 +10,20 @@ owners (`inventory.owners.resolve_job`).
 Controllers (`TALLY_WORKLOAD_CONTROLLERS`, shell patterns on the username) act for the person
 who made what they act on: they never become the creator, may copy any creator onto what they
 make (a Job from a CronJob), and what they make has its templates filled from its own
-annotation. Anyone else is the creator of what they create, whatever it says: a
-`tally.dev/created-by` naming someone else is replaced by the requester, with a warning. An
-UPDATE by anyone but a controller may not change a creator recorded before: it is put back
-(with a warning when another was sent, quietly when it was left out); nor does an UPDATE add
-one where there was none, since that would change a pod template and so roll a Deployment
-out.
+annotation. But a controller copies whatever it was given: a creator is only worth what the
+webhook vouched for where it was copied from. So a controller keeps or copies one only on an
+object whose controller owner is of a kind the webhook records (the configured kinds: a Pod
+of a ReplicaSet, a Job of a CronJob); on what it makes for anything else (an Argo Workflow, a
+Katib Trial), or for nothing, a creator is not kept, and one it adds by an UPDATE is undone.
+Anyone else is the creator of what they create, whatever it says: a `tally.dev/created-by`
+naming someone else is replaced by the requester, with a warning. An UPDATE by anyone but a
+controller may not change a creator recorded before: it is put back (with a warning when
+another was sent, quietly when it was left out); nor does an UPDATE add one where there was
+none, since that would change a pod template and so roll a Deployment out.
+
+Every kind whose pod templates a trusted controller turns into Pods must be among the
+configured kinds (ReplicaSet, DaemonSet, ReplicationController, ControllerRevision too): one
+left out could be written by anyone, and the Pods made from it would carry what they wrote.
 
 Everything here is plain data in, a JSON Patch (RFC 6902) and warnings out: nothing raises
 on what a review holds, since the webhook fails open (`failurePolicy: Ignore`).
@@ -29,7 +37,7 @@ from typing import Any
 
 from jsonpatch import JsonPointer
 
-from inventory.owners import CREATED_BY_ANNOTATION, is_controller
+from inventory.owners import CREATED_BY_ANNOTATION, api_group, controller_reference, is_controller
 
 # The result of one review, as `config.metrics.WEBHOOK_DECISIONS` counts it.
 UNCHANGED, ANNOTATED, REPLACED = "allowed", "annotated", "replaced"
@@ -41,10 +49,14 @@ UNCHANGED, ANNOTATED, REPLACED = "allowed", "annotated", "replaced"
 POD_TEMPLATE = "spec.template.metadata.annotations"
 TEMPLATE_ANNOTATIONS: dict[str, tuple[str, ...]] = {
     "Pod": (),
+    "ReplicationController": (POD_TEMPLATE,),
     "apps/Deployment": (POD_TEMPLATE,),
     "apps/StatefulSet": (POD_TEMPLATE,),
     "apps/ReplicaSet": (POD_TEMPLATE,),
     "apps/DaemonSet": (POD_TEMPLATE,),
+    # A StatefulSet's Pods are made from the revision its status names, not always from its
+    # spec: a revision is a pod template too ("data" holds a patch replacing spec.template).
+    "apps/ControllerRevision": ("data.spec.template.metadata.annotations",),
     "batch/Job": (POD_TEMPLATE,),
     # The Job's own metadata too: the owner walk reads Jobs.
     "batch/CronJob": (
@@ -74,6 +86,11 @@ TEMPLATE_ANNOTATIONS: dict[str, tuple[str, ...]] = {
         "spec.submitterPodTemplate.metadata.annotations",
     ),
 }
+# Kinds whose objects a controller makes keep their templates as made: the controller finds
+# them again by comparing templates (a Deployment its ReplicaSet, a StatefulSet its revision),
+# so a template the webhook changed would have it make another, and again. The Pods of such a
+# ReplicaSet find the creator on the ReplicaSet's own metadata (`inventory.owners`).
+KEPT_AS_MADE = frozenset({"apps/ReplicaSet", "apps/ControllerRevision"})
 # Parts of a path that a patch may create when an object leaves them out; any other part
 # missing means there is no template there.
 _CREATABLE = frozenset({"metadata", "annotations"})
@@ -115,6 +132,16 @@ def kind_key(kind: Any) -> str:
     return f"{group}/{kind['kind']}" if isinstance(group, str) and group else kind["kind"]
 
 
+def owner_key(obj: dict[str, Any]) -> str:
+    """The kind of `obj`'s controller owner as TALLY_WORKLOAD_KINDS names it; "" for none."""
+    metadata = obj.get("metadata")
+    reference = controller_reference(metadata.get("ownerReferences") if metadata else None)
+    if reference is None:
+        return ""
+    group = api_group(reference.get("apiVersion"))
+    return f"{group}/{reference['kind']}" if group else reference["kind"]
+
+
 def attribute(
     *, request: dict[str, Any], kinds: Collection[str], controllers: Iterable[str]
 ) -> Attribution:
@@ -143,11 +170,24 @@ def attribute(
         where = _dotted(malformed[0].parts)
         return _unreadable(f"request.object.{where} is not a mapping")
     top = places[0]
+    sent_old = request.get("oldObject")
+    old: dict[str, Any] = sent_old if isinstance(sent_old, dict) else {}
     if is_controller(username, controllers):
-        if operation == "UPDATE" or not isinstance(top.value, str) or not top.value:
+        owner = owner_key(obj)
+        if owner not in kinds:
+            # Copied from an object the webhook never saw, which anyone could have written.
+            return _unvouched(places, old, operation=operation, username=username, owner=owner)
+        if (
+            operation == "UPDATE"
+            or key in KEPT_AS_MADE
+            or not isinstance(top.value, str)
+            or not top.value
+        ):
             return Attribution()
         # What a controller makes carries its own creator into its templates.
-        wanted = {place: top.value for place in places if place.value is None}
+        wanted: dict[_Place, str | None] = {
+            place: top.value for place in places if place.value is None
+        }
         return _patched(wanted, warnings=[], result=ANNOTATED)
     if operation == "CREATE":
         wanted = {place: username for place in places if place.value != username}
@@ -158,16 +198,7 @@ def attribute(
             for claimed in forged
         ]
         return _patched(wanted, warnings=warnings, result=REPLACED if forged else ANNOTATED)
-    old = request.get("oldObject") if isinstance(request.get("oldObject"), dict) else {}
-    wanted = {}
-    for place in places:
-        before = _value_at(old, place.parts)
-        if place.value == before:
-            continue
-        if isinstance(before, str) and before:
-            wanted[place] = before  # a recorded creator stays
-        elif place.value != username:
-            wanted[place] = username  # one written now names who wrote it
+    wanted = _kept_on_update(places, old, written_by=username)
     # Left out (a server-side apply drops what the webhook added for its field manager): put
     # back quietly. Changed: said, and counted as replaced.
     changed = [place for place in wanted if place.value not in (None, "")]
@@ -179,11 +210,52 @@ def attribute(
     return _patched(wanted, warnings=warnings, result=REPLACED if changed else ANNOTATED)
 
 
+def _kept_on_update(
+    places: list[_Place], old: dict[str, Any], *, written_by: str | None
+) -> dict[_Place, str | None]:
+    """What an UPDATE's creators become: one recorded before stays; one written now names
+    `written_by`, or is removed when nobody can be named (None)."""
+    wanted: dict[_Place, str | None] = {}
+    for place in places:
+        before = _value_at(old, place.parts)
+        if place.value == before:
+            continue
+        if isinstance(before, str) and before:
+            wanted[place] = before
+        elif written_by is None:
+            if place.value is not None:
+                wanted[place] = None
+        elif place.value != written_by:
+            wanted[place] = written_by
+    return wanted
+
+
+def _unvouched(
+    places: list[_Place], old: dict[str, Any], *, operation: str, username: str, owner: str
+) -> Attribution:
+    """A controller's request for an object whose controller owner the webhook does not
+    record (`owner`, "" for none): no creator it brings is kept, one recorded before stays."""
+    if operation == "CREATE":
+        wanted: dict[_Place, str | None] = {
+            place: None for place in places if place.value is not None
+        }
+    else:
+        wanted = _kept_on_update(places, old, written_by=None)
+    if not wanted:
+        return Attribution()
+    made_for = f"a kind Tally does not record ({owner})" if owner else "no owner"
+    warning = (
+        f"{CREATED_BY_ANNOTATION} was not kept: {username} made this object for {made_for}, "
+        "so it cannot vouch for the creator it copied"
+    )
+    return _patched(wanted, warnings=[warning], result=REPLACED)
+
+
 def _unreadable(problem: str) -> Attribution:
     return Attribution(warnings=[f"Tally did not record who created this object: {problem}"])
 
 
-def _patched(wanted: dict[_Place, str], *, warnings: list[str], result: str) -> Attribution:
+def _patched(wanted: dict[_Place, str | None], *, warnings: list[str], result: str) -> Attribution:
     if not wanted:
         return Attribution(warnings=warnings)
     return Attribution(
@@ -193,9 +265,13 @@ def _patched(wanted: dict[_Place, str], *, warnings: list[str], result: str) -> 
     )
 
 
-def _set(place: _Place, value: str) -> dict[str, Any]:
-    """The operation that writes `value` as the creator at `place`: into the mapping when it
-    exists, else as the first missing part, holding the rest ("add" replaces a null)."""
+def _set(place: _Place, value: str | None) -> dict[str, Any]:
+    """The operation that writes `value` as the creator at `place` (None: removes the one
+    there): into the mapping when it exists, else as the first missing part, holding the rest
+    ("add" replaces a null)."""
+    if value is None:
+        path = JsonPointer.from_parts([*place.parts, CREATED_BY_ANNOTATION]).path
+        return {"op": "remove", "path": path}
     if place.exists:
         parts: tuple[Part, ...] = (*place.parts, CREATED_BY_ANNOTATION)
         written: Any = value

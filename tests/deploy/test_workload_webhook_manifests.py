@@ -35,8 +35,12 @@ from tests.deploy.test_manifests import (
 # The resource each default kind is served as (what a rule names), by "group/Kind".
 RESOURCES = {
     "Pod": ("", "pods"),
+    "ReplicationController": ("", "replicationcontrollers"),
     "apps/Deployment": ("apps", "deployments"),
     "apps/StatefulSet": ("apps", "statefulsets"),
+    "apps/ReplicaSet": ("apps", "replicasets"),
+    "apps/DaemonSet": ("apps", "daemonsets"),
+    "apps/ControllerRevision": ("apps", "controllerrevisions"),
     "batch/Job": ("batch", "jobs"),
     "batch/CronJob": ("batch", "cronjobs"),
     "jobset.x-k8s.io/JobSet": ("jobset.x-k8s.io", "jobsets"),

@@ -295,13 +295,28 @@ def test_a_creator_that_is_no_string_is_replaced(client: Client) -> None:
     assert len(warnings) == 1
 
 
+def owned_by(obj: Obj, api_version: str, kind: str, name: str) -> Obj:
+    """`obj` with the controller reference its controller writes on what it makes for `kind`."""
+    obj["metadata"]["ownerReferences"] = [
+        {
+            "apiVersion": api_version,
+            "kind": kind,
+            "name": name,
+            "uid": f"uid-{kind.lower()}-{name}",
+            "controller": True,
+        }
+    ]
+    return obj
+
+
 def test_a_controller_keeps_the_creator_and_is_never_one(client: Client) -> None:
     # The ReplicaSet controller makes a Pod from a template the webhook annotated.
     made = workload("v1", "Pod", "serve-abc", {}, **{CREATED_BY: "alice"})
+    owned_by(made, "apps/v1", "ReplicaSet", "serve")
     answer = send(client, review(made, username=REPLICASET_CONTROLLER))
     assert "patch" not in answer and "warnings" not in answer
     # A Pod of a workload made before Tally: nobody is recorded, the labels will say.
-    old_style = workload("v1", "Pod", "legacy-abc", {})
+    old_style = owned_by(workload("v1", "Pod", "legacy-abc", {}), "apps/v1", "ReplicaSet", "l")
     answer = send(client, review(old_style, username=REPLICASET_CONTROLLER))
     assert "patch" not in answer
 
@@ -311,6 +326,7 @@ def test_a_controller_copies_its_objects_creator_into_its_templates(client: Clie
     replicated = [{"name": "node", "template": {"spec": {"template": pod_template()}}}]
     jobset = workload("jobset.x-k8s.io/v1alpha2", "JobSet", "ft", {"replicatedJobs": replicated})
     jobset["metadata"]["annotations"] = {CREATED_BY: "alice"}
+    owned_by(jobset, "trainer.kubeflow.org/v1alpha1", "TrainJob", "ft")
     stored, warnings = admitted(client, jobset, username=JOBSET_CONTROLLER)
     assert creator_at(stored, "spec", "replicatedJobs", 0, "template") == "alice"
     assert creator_at(stored, "spec", "replicatedJobs", 0, "template", "spec", "template") == (
@@ -322,6 +338,7 @@ def test_a_controller_copies_its_objects_creator_into_its_templates(client: Clie
 def test_the_controllers_are_a_setting(client: Client, settings: Any) -> None:
     settings.TALLY_WORKLOAD_CONTROLLERS = ["system:serviceaccount:argo:*"]
     pod = workload("v1", "Pod", "step-1", {}, **{CREATED_BY: "alice"})
+    owned_by(pod, "batch/v1", "Job", "step")
     answer = send(client, review(pod, username="system:serviceaccount:argo:workflow-controller"))
     assert "patch" not in answer
     stored, warnings = admitted(client, pod, username=REPLICASET_CONTROLLER)
@@ -617,7 +634,7 @@ def test_a_claim_from_a_deployments_template_finds_who_made_the_deployment(
     assert resolution.created_by == resolution.annotated_by == "alice"
     charged = owners.claim_creator(
         recorded=CLAIM_CONTROLLER,
-        annotations=claim["metadata"]["annotations"],
+        owner_references=claim["metadata"]["ownerReferences"],
         labels=claim["metadata"]["labels"],
         resolution=resolution,
         creator_labels=settings.TALLY_CREATED_BY_LABELS,
@@ -678,29 +695,31 @@ def test_labels_name_the_creator_of_workloads_made_before_tally(
     assert (resolution.annotated_by, resolution.labelled_by) == ("", "carol")
     assert resolve(api_client, claim_of(pod), ("user",)).created_by == "dave"
     assert resolve(api_client, claim_of(pod), ()).created_by == ""
-    # The claim's own labels are nearer than its owners'.
+    # A template's claim has the template's labels, not its workload's: its owners' count.
     own = claim_of(pod, labels={"owner": "erin"})
     assert (
         owners.claim_creator(
             recorded="",
-            annotations={},
+            owner_references=own["metadata"]["ownerReferences"],
             labels=own["metadata"]["labels"],
             resolution=resolution,
             creator_labels=labels,
             controllers=settings.TALLY_WORKLOAD_CONTROLLERS,
         )
-        == "erin"
+        == "carol"
     )
 
 
 def test_who_is_charged_for_a_claim_in_order(settings: Any) -> None:
     resolution = owners.Resolution(("Pod/p",), complete=True, annotated_by="alice")
     labelled = owners.Resolution(("Pod/p",), complete=True, labelled_by="carol")
+    unread = owners.Resolution(("Pod/p",), complete=False)
+    of_a_pod = [{"apiVersion": "v1", "kind": "Pod", "name": "p", "controller": True}]
 
-    def charged(recorded: str, resolution: owners.Resolution | None, **annotations: str) -> str:
+    def charged(recorded: str, resolution: owners.Resolution | None, references: Any = None) -> str:
         return owners.claim_creator(
             recorded=recorded,
-            annotations={CREATED_BY: annotations["created_by"]} if annotations else {},
+            owner_references=of_a_pod if references is None else references,
             labels={"user": "dave"},
             resolution=resolution,
             creator_labels=settings.TALLY_CREATED_BY_LABELS,
@@ -708,13 +727,16 @@ def test_who_is_charged_for_a_claim_in_order(settings: Any) -> None:
         )
 
     # A person who made the claim through the claim webhook.
-    assert charged("zoe", resolution, created_by="bob") == "zoe"
-    # A controller is nobody: the owners' annotation, then the claim's own, then labels.
-    assert charged(CLAIM_CONTROLLER, resolution, created_by="bob") == "alice"
-    assert charged(CLAIM_CONTROLLER, labelled, created_by="bob") == "bob"
-    assert charged("", labelled) == "dave"
-    assert charged("", None) == "dave"
-    assert charged("system:kube-controller-manager", labelled) == "dave"
+    assert charged("zoe", resolution) == "zoe"
+    # A controller is nobody: the owners' annotation, then the owners' labels.
+    assert charged(CLAIM_CONTROLLER, resolution) == "alice"
+    assert charged(CLAIM_CONTROLLER, labelled) == "carol"
+    assert charged("system:kube-controller-manager", labelled) == "carol"
+    # A template's claim whose Pod could not be read: its own labels are the template's.
+    assert charged(CLAIM_CONTROLLER, unread) == ""
+    assert charged("", None) == ""
+    # A claim nothing owns, made before Tally: its own labels.
+    assert charged("", None, references=[]) == "dave"
 
 
 def test_a_dumps_owners_carry_the_creator_too() -> None:
@@ -751,3 +773,193 @@ def test_the_largest_objects_are_annotated_and_larger_bodies_refused(client: Cli
     body = json.dumps(review(pod, operation="UPDATE", old=pod)).encode()
     response = client.post(PATH, data=body, content_type="application/json")
     assert response.status_code == 400
+
+
+# -- forgery: every object Pods are made from is recorded, and controllers copy only that ------
+
+DAEMONSET_CONTROLLER = "system:serviceaccount:kube-system:daemon-set-controller"
+DEPLOYMENT_CONTROLLER = "system:serviceaccount:kube-system:deployment-controller"
+STATEFULSET_CONTROLLER = "system:serviceaccount:kube-system:statefulset-controller"
+# Kubeflow installs Argo's workflow controller in its own namespace, which the default
+# controller patterns trust.
+ARGO_IN_KUBEFLOW = "system:serviceaccount:kubeflow:argo"
+
+
+@pytest.mark.parametrize(
+    ("api_version", "kind", "spec", "template_path"),
+    [
+        ("apps/v1", "ReplicaSet", {"template": pod_template()}, ("spec", "template")),
+        ("apps/v1", "DaemonSet", {"template": pod_template()}, ("spec", "template")),
+        ("v1", "ReplicationController", {"template": pod_template()}, ("spec", "template")),
+        (
+            "apps/v1",
+            "ControllerRevision",
+            None,
+            ("data", "spec", "template"),
+        ),
+    ],
+    ids=["replicaset", "daemonset", "replicationcontroller", "controllerrevision"],
+)
+def test_a_pod_source_made_by_hand_names_who_made_it_whatever_its_template_says(
+    client: Client, api_version: str, kind: str, spec: Obj | None, template_path: tuple[str, ...]
+) -> None:
+    """The controllers make Pods from these as they are: a forged name must not survive."""
+    obj = workload(api_version, kind, "forged", json.loads(json.dumps(spec)))
+    if kind == "ControllerRevision":
+        # As a StatefulSet's revision holds its template: a patch replacing spec.template.
+        template = pod_template(**{CREATED_BY: "alice"})
+        obj["data"] = {"spec": {"template": {"$patch": "replace", **template}}}
+        obj["revision"] = 1
+    else:
+        obj["spec"]["template"]["metadata"]["annotations"] = {CREATED_BY: "alice"}
+    stored, warnings = admitted(client, obj, username="mallory")
+    assert creator_at(stored) == "mallory"
+    assert creator_at(stored, *template_path) == "mallory"
+    assert warnings == [
+        f"{CREATED_BY} names the user who creates the object: set to 'mallory', not 'alice'"
+    ]
+    # Nor can an UPDATE bring the forgery in later, where no creator was recorded.
+    legacy = workload(api_version, kind, "legacy", json.loads(json.dumps(spec)))
+    if kind == "ControllerRevision":
+        legacy["data"] = {"spec": {"template": pod_template()}}
+    forged = json.loads(json.dumps(legacy))
+    node = forged
+    for part in template_path:
+        node = node[part]
+    node["metadata"]["annotations"] = {CREATED_BY: "alice"}
+    stored, _ = admitted(client, forged, operation="UPDATE", old=legacy, username="mallory")
+    assert creator_at(stored, *template_path) == "mallory"
+
+
+def test_a_replica_set_made_by_hand_with_a_forged_template_charges_its_maker(
+    client: Client, fake: FakeKube, api_client: Any, settings: Any
+) -> None:
+    """The reviewer's attack end to end: a ReplicaSet written with alice in its pod template,
+    its Pods made by the ReplicaSet controller (a trusted controller that copies the template),
+    its claim from a template: the owner walk finds mallory, who wrote it."""
+    forged = workload(
+        "apps/v1", "ReplicaSet", "mine", {"template": pod_template(**{CREATED_BY: "alice"})}
+    )
+    replica_set, _ = admitted(client, forged, username="mallory")
+    replica_set["metadata"]["uid"] = "uid-replicaset-mine"
+    pod = made_by(
+        replica_set,
+        from_template("Pod", "v1", "mine-x1", replica_set["spec"]["template"]),
+    )
+    pod, warnings = admitted(client, pod, username=REPLICASET_CONTROLLER)
+    assert creator_at(pod) == "mallory" and warnings == []
+    fake.add(replica_set)
+    fake.add(pod)
+    claim = claim_of(pod, annotations={CREATED_BY: "alice"}, labels={"user": "alice"})
+    resolution = resolve(api_client, claim, tuple(settings.TALLY_CREATED_BY_LABELS))
+    assert resolution.job == "ReplicaSet/mine"
+    charged = owners.claim_creator(
+        recorded=CLAIM_CONTROLLER,
+        owner_references=claim["metadata"]["ownerReferences"],
+        labels=claim["metadata"]["labels"],
+        resolution=resolution,
+        creator_labels=settings.TALLY_CREATED_BY_LABELS,
+        controllers=settings.TALLY_WORKLOAD_CONTROLLERS,
+    )
+    assert charged == "mallory"
+
+
+def test_a_controller_drops_a_creator_it_copied_from_a_kind_tally_does_not_record(
+    client: Client,
+) -> None:
+    """Argo makes a Pod from a Workflow anyone could have written: no creator it names is kept,
+    in its metadata or its templates, on creation or by a later update."""
+    pod = workload("v1", "Pod", "wf-step-1", {}, **{CREATED_BY: "alice"})
+    owned_by(pod, "argoproj.io/v1alpha1", "Workflow", "wf")
+    before = decisions("replaced")
+    stored, warnings = admitted(client, pod, username=ARGO_IN_KUBEFLOW)
+    assert creator_at(stored) is None
+    assert warnings == [
+        f"{CREATED_BY} was not kept: {ARGO_IN_KUBEFLOW} made this object for a kind Tally "
+        "does not record (argoproj.io/Workflow), so it cannot vouch for the creator it copied"
+    ]
+    assert decisions("replaced") == before + 1
+    # A Job (the Katib way, for a Trial): its pod template loses it too, so its Pods have none.
+    job = workload(
+        "batch/v1", "Job", "trial-1", {"template": pod_template(**{CREATED_BY: "alice"})}
+    )
+    job["metadata"]["annotations"] = {CREATED_BY: "alice", "other": "kept"}
+    owned_by(job, "kubeflow.org/v1beta1", "Trial", "trial-1")
+    stored, _ = admitted(client, job, username=ARGO_IN_KUBEFLOW)
+    assert stored["metadata"]["annotations"] == {"other": "kept"}
+    assert creator_at(stored, "spec", "template") is None
+    # An update by it adds none; a creator recorded before stays.
+    bare = owned_by(workload("v1", "Pod", "p", {}), "argoproj.io/v1alpha1", "Workflow", "wf")
+    forged = json.loads(json.dumps(bare))
+    forged["metadata"]["annotations"] = {CREATED_BY: "alice"}
+    stored, _ = admitted(client, forged, operation="UPDATE", old=bare, username=ARGO_IN_KUBEFLOW)
+    assert creator_at(stored) is None
+    recorded = json.loads(json.dumps(bare))
+    recorded["metadata"]["annotations"] = {CREATED_BY: "bob"}
+    stored, _ = admitted(
+        client, forged, operation="UPDATE", old=recorded, username=ARGO_IN_KUBEFLOW
+    )
+    assert creator_at(stored) == "bob"
+    answer = send(
+        client, review(recorded, operation="UPDATE", old=recorded, username=ARGO_IN_KUBEFLOW)
+    )
+    assert "patch" not in answer
+
+
+def test_a_controller_vouches_for_nothing_on_what_no_object_owns(client: Client) -> None:
+    pod = workload("v1", "Pod", "loose", {}, **{CREATED_BY: "alice"})
+    stored, warnings = admitted(client, pod, username=REPLICASET_CONTROLLER)
+    assert creator_at(stored) is None
+    assert warnings and "made this object for no owner" in warnings[0]
+    # With nothing to drop, nothing is said.
+    answer = send(client, review(workload("v1", "Pod", "bare", {}), username=REPLICASET_CONTROLLER))
+    assert "patch" not in answer and "warnings" not in answer
+
+
+def test_what_a_controller_finds_again_by_its_template_is_left_as_made(
+    client: Client, fake: FakeKube, api_client: Any
+) -> None:
+    """The Deployment controller finds its ReplicaSet by comparing pod templates, and the
+    StatefulSet controller its revisions by their data: filling their templates would make
+    it create another for ever. The creator is found on the ReplicaSet itself."""
+    deployment = workload("apps/v1", "Deployment", "serve", {"template": pod_template()})
+    deployment["metadata"].update(uid="uid-deployment-serve", annotations={CREATED_BY: "alice"})
+    replica_set = made_by(
+        deployment,
+        from_template("ReplicaSet", "apps/v1", "serve-5d8f", {"metadata": {}}),
+    )
+    replica_set["metadata"]["annotations"] = {CREATED_BY: "alice"}  # copied from the Deployment
+    replica_set["spec"] = {"template": pod_template()}
+    answer = send(client, review(replica_set, username=DEPLOYMENT_CONTROLLER))
+    assert "patch" not in answer and "warnings" not in answer
+    statefulset = workload("apps/v1", "StatefulSet", "db", {"template": pod_template()})
+    statefulset["metadata"].update(uid="uid-statefulset-db", annotations={CREATED_BY: "alice"})
+    revision = made_by(statefulset, from_template("ControllerRevision", "apps/v1", "db-7f", {}))
+    revision["metadata"]["annotations"] = {CREATED_BY: "alice"}
+    revision["data"] = {"spec": {"template": pod_template()}}
+    answer = send(client, review(revision, username=STATEFULSET_CONTROLLER))
+    assert "patch" not in answer
+    # The ReplicaSet controller's Pods carry no creator; the walk finds the ReplicaSet's.
+    pod = made_by(replica_set, from_template("Pod", "v1", "serve-5d8f-a", pod_template()))
+    fake.add(replica_set)
+    fake.add(pod)
+    assert resolve(api_client, claim_of(pod)).annotated_by == "alice"
+
+
+def test_every_kind_the_built_in_controllers_make_pods_from_is_recorded(settings: Any) -> None:
+    """A kind left out could be written by anyone, and the Pods made from it believed; and
+    the owners whose annotation the walk reads must all be recorded."""
+    pod_sources = {
+        "Pod",
+        "ReplicationController",
+        "apps/ReplicaSet",
+        "apps/DaemonSet",
+        "apps/StatefulSet",
+        "apps/ControllerRevision",
+        "apps/Deployment",
+        "batch/Job",
+        "batch/CronJob",
+    }
+    assert pod_sources <= set(settings.TALLY_WORKLOAD_KINDS)
+    read = {f"{group}/{kind}" if group else kind for group, kind in owners.FOLLOWED_KINDS}
+    assert read <= set(settings.TALLY_WORKLOAD_KINDS)
