@@ -181,14 +181,15 @@ def usage_lines(*, team: Team | None, period: Period) -> list[LineFigures]:
     rows = (
         UsageHour.objects.filter(team=team, hour__gte=period.start, hour__lt=period.end)
         .annotate(day=TruncDate("hour", tzinfo=UTC))
-        # The device's share of its GPU, not the row's: a consumable share of a slice
-        # (KEP-5075) holds part of the slice, and pays that part of the slice's price.
+        # The device's share of its GPU (as the allocation kept it from its start), not the
+        # row's: a consumable share of a slice (KEP-5075) holds part of the slice, and pays
+        # that part of the slice's price.
         .values(
             "product_name",
             "profile",
             "unit",
             "day",
-            device_share=F("allocation__device__gpu_share"),
+            device_share=F("allocation__device_share"),
         )
         .annotate(
             allocated=Sum("allocated_gpu_ms"),

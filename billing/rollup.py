@@ -7,12 +7,20 @@ them by (`billing_sample.device_uuid`). An allocation whose device no sample nam
 its allocated hours, all unmeasured. Its figures count its device's unit (GPUs, TPU chips,
 Gaudi cards), kept on each row.
 
+What an allocation is metered and counted by (meter id, unit, share, model and profile) is
+read from the allocation, which fixed it from its device when it started, never from the
+device now: a driver profile edited since changes no hour it has held. A device that gained a
+UUID since (NVIDIA dynamic MIG, a driver upgrade) is metered by it from then on, so its
+samples are found under the allocation's meter id or the device's current one; each sample is
+stored under one of them, so none counts twice. Such an allocation's hours are measured
+piece by piece, as an allocation's first and last hours are.
+
 Allocated time comes from the allocation history, exactly. Samples only split it: each
 sample's utilisation holds from its timestamp until the device's next sample, for at most
 `TALLY_SAMPLE_HOLD_SECONDS`; allocated time that no sample covers is unmeasured. Rolling up
 hours replaces their rows, so reruns and duplicate deliveries give the same rows. Who is
-charged (team, job, user) is read from the allocation, which fixed it when it started: a
-namespace moved to another team or a claim released since never changes a rerun's rows.
+charged (team, job, user) is read from the allocation too: a namespace moved to another team
+or a claim released since never changes a rerun's rows.
 
 The work is in the database. Each sample carries its gap to the device's next one (kept by
 `billing.ingest`), so a run of consecutive hours is rolled up from one unordered pass over its
@@ -27,12 +35,12 @@ import json
 import math
 from collections.abc import Iterable, Iterator
 from datetime import datetime
-from decimal import ROUND_HALF_EVEN, Decimal
+from decimal import Decimal
 from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.db import connection, transaction
-from django.db.models import Case, F, JSONField, Q, QuerySet, Value, When
+from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from billing.hours import HOUR, MS_PER_HOUR, epoch_ms, hour_at, hour_start, sample_hold_ms
@@ -40,11 +48,9 @@ from billing.models import DirtyHour, UsageHour
 from config import metrics
 from db import locks
 from db.copy import insert_rows, json_rows
-from inventory.capacity import CapacityError, consumed_fraction
 from inventory.models import Allocation
 
 MICRO = 1_000_000  # shares of a GPU are kept to the millionth
-_MILLIONTH = Decimal("0.000001")
 
 
 class _Interval(NamedTuple):
@@ -59,7 +65,9 @@ class _Interval(NamedTuple):
     team_id: int | None
     job: str
     username: str
-    device_uuid: str  # the device's meter id, which samples name it by
+    device_uuid: str  # the meter id the allocation keeps, which samples name its device by
+    # The device's meter id now where it has changed since (it gained a UUID), else "".
+    renamed_uuid: str
     product_name: str
     profile: str
     unit: str  # what `share` counts: GPUs, TPU chips, Gaudi cards
@@ -132,7 +140,8 @@ FROM usage
 ORDER BY h, allocation_id
 """
 # Per piece of an allocation that starts or ends inside an hour (or inside the window): the
-# time its device's samples cover within `[a0, a1)`, and that time weighted by utilisation.
+# time its device's samples cover within `[a0, a1)`, and that time weighted by utilisation. A
+# piece of a renamed device comes once per name, summed: each sample is stored under one.
 _PIECE_COVERAGE_SQL = """
 WITH pieces(piece, uuid, a0, a1) AS ({pieces})
 SELECT piece, SUM(covered), SUM(covered * gpu_util)
@@ -243,57 +252,36 @@ _INTERVAL_FIELDS = (
     "team_id",
     "job",
     "username",
+    "meter_id",
     "device__meter_id",
-    "device__product_name",
-    "device__profile",
-    "device__unit",
-    "device__kind",
-    "device__gpu_share",
-    "device__driver",
-    "consumed_capacity",
-    "device_capacity",
+    "product_name",
+    "profile",
+    "unit",
+    "gpu_share",
     "start",
     "end",
 )
 
 
 def _held(start: datetime, end: datetime) -> QuerySet[Allocation]:
-    """Allocations of an accelerator (a device with a meter id; devices of kind `other` have
+    """Allocations of an accelerator (one that kept a meter id: devices of kind `other` have
     none) held at some time in `[start, end)`."""
     return Allocation.objects.filter(
         Q(end__isnull=True) | Q(end__gt=start), start__lt=end, device__isnull=False
-    ).exclude(device__meter_id="")
+    ).exclude(meter_id="")
 
 
 def _intervals(first: datetime, count: int, window_start: int, window_end: int) -> list[_Interval]:
-    rows = (
-        _held(first, first + count * HOUR)
-        # The device's capacity only for the few allocations that consumed some of it, rather
-        # than every device's JSON parsed in Python.
-        .annotate(
-            device_capacity=Case(
-                When(consumed_capacity={}, then=Value(None)),
-                default=F("device__capacity"),
-                output_field=JSONField(),
-            )
-        )
-        .order_by("pk")
-        .values_list(*_INTERVAL_FIELDS)
-    )
+    rows = _held(first, first + count * HOUR).order_by("pk").values_list(*_INTERVAL_FIELDS)
     intervals = []
     for (
-        pk, cluster_id, namespace, name, team_id, job, username, meter_id, product, profile,
-        unit, kind, gpu_share, driver, consumed, capacity, start_at, end_at,
+        pk, cluster_id, namespace, name, team_id, job, username, meter_id, meter_id_now,
+        product, profile, unit, share, start_at, end_at,
     ) in rows:  # fmt: skip
         start = max(epoch_ms(start_at), window_start)
         end = min(epoch_ms(end_at), window_end) if end_at else window_end
         if end <= start:
             continue
-        share = gpu_share if kind != "other" else Decimal(0)
-        if capacity:
-            share = (share * _consumed(capacity, consumed, driver)).quantize(
-                _MILLIONTH, ROUND_HALF_EVEN
-            )
         intervals.append(
             _Interval(
                 allocation_id=pk,
@@ -304,6 +292,7 @@ def _intervals(first: datetime, count: int, window_start: int, window_end: int) 
                 job=job,
                 username=username,
                 device_uuid=meter_id,
+                renamed_uuid=meter_id_now if meter_id_now != meter_id else "",
                 product_name=product,
                 profile=profile,
                 unit=unit,
@@ -313,17 +302,6 @@ def _intervals(first: datetime, count: int, window_start: int, window_end: int) 
             )
         )
     return intervals
-
-
-def _consumed(capacity: dict[str, Any], consumed: dict[str, Any], driver: str) -> Decimal:
-    """The fraction of its device a consumable share (KEP-5075) holds: the largest of the
-    capacities it consumed, by any name (`memory`, `<driver>/memory`, cores), at most 1. A
-    capacity published with a value that is no quantity bills the whole device, as a share
-    that names no capacity does: the allocation still holds it."""
-    try:
-        return consumed_fraction(capacity, consumed, driver)
-    except CapacityError:
-        return Decimal(1)
 
 
 class _Piece(NamedTuple):
@@ -339,12 +317,24 @@ def _split(
     intervals: list[_Interval], window_start: int, window_end: int
 ) -> tuple[list[tuple[_Interval, int, int]], list[_Piece]]:
     """Each interval's run of hours it holds whole (first and last hour since the epoch; at
-    most one run), and the pieces of the hours it holds in part (at most two)."""
+    most one run), and the pieces of the hours it holds in part (at most two). An interval of a
+    device renamed since it started is all pieces, one an hour: its samples go by two names."""
     whole: list[tuple[_Interval, int, int]] = []
     partial: list[_Piece] = []
     for interval in intervals:
         first = interval.start_ms // MS_PER_HOUR
         last = (interval.end_ms - 1) // MS_PER_HOUR
+        if interval.renamed_uuid:
+            partial.extend(
+                _Piece(
+                    interval,
+                    hour,
+                    max(interval.start_ms, hour * MS_PER_HOUR),
+                    min(interval.end_ms, (hour + 1) * MS_PER_HOUR),
+                )
+                for hour in range(first, last + 1)
+            )
+            continue
         run_first, run_last = first, last
         if interval.start_ms != max(first * MS_PER_HOUR, window_start):
             partial.append(
@@ -419,7 +409,7 @@ def _insert_whole_hours(
 
 def _piece_coverage(pieces: list[_Piece]) -> dict[int, tuple[int, float]]:
     """Per piece (by position in `pieces`): milliseconds its device's samples cover within
-    it, and those milliseconds times utilisation (percent)."""
+    it, and those milliseconds times utilisation (percent), under either of its names."""
     if not pieces:
         return {}
     with connection.cursor() as cursor:
@@ -432,8 +422,10 @@ def _piece_coverage(pieces: list[_Piece]) -> dict[int, tuple[int, float]]:
             {
                 "pieces": json.dumps(
                     [
-                        [index, piece.interval.device_uuid, piece.start_ms, piece.end_ms]
+                        [index, uuid, piece.start_ms, piece.end_ms]
                         for index, piece in enumerate(pieces)
+                        for uuid in (piece.interval.device_uuid, piece.interval.renamed_uuid)
+                        if uuid
                     ]
                 ),
                 "hold": sample_hold_ms(),
@@ -475,6 +467,12 @@ def _partial_rows(pieces: list[_Piece]) -> list[tuple[Any, ...]]:
         interval = piece.interval
         covered_ms, weighted = coverage.get(index, (0, 0.0))
         length = piece.end_ms - piece.start_ms
+        if covered_ms > length:
+            # Only where a device changed names: the last sample under the old name holds on
+            # (no later sample of that name cuts it short) over the first under the new one.
+            # The overlap is counted once, at the utilisation the two measured on average.
+            weighted *= length / covered_ms
+            covered_ms = length
         rows.append(
             (
                 hour_at(piece.hour),

@@ -191,7 +191,7 @@ def budget_burn(*, team: Team, now: datetime) -> BudgetBurn | None:
     # page must not create billing periods.
     period = period_holding(now)
     start, end = period.start, period.end
-    used = team_gpu_hours(team=team, period=period, now=now)
+    used = team_gpu_hours(team=team, period=period, now=now, unit=budget.unit)
     per_day = daily_usage(team=team, since=start, until=now)
     period_days = (end - start).days
     days = []
@@ -270,7 +270,7 @@ def idle_cost(*, team: Team, since: datetime, until: datetime) -> IdleSummary:
     shares: dict[tuple[str, str], set[Decimal]] = defaultdict(set)
     for row in (
         UsageHour.objects.filter(team=team, hour__gte=since, hour__lt=until)
-        .values("product_name", "profile", "unit", device_share=F("allocation__device__gpu_share"))
+        .values("product_name", "profile", "unit", device_share=F("allocation__device_share"))
         .annotate(idle_ms=_idle_ms())
         .order_by()
     ):

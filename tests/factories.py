@@ -25,6 +25,7 @@ import factory
 from django.utils import timezone
 
 from inventory.models import Allocation, Cluster, Device, DeviceKind, Node, ResourceClaim
+from inventory.services import allocation_metering
 
 GPU_DRIVER = "gpu.nvidia.com"
 GIB = 2**30
@@ -207,5 +208,22 @@ class AllocationFactory(factory.django.DjangoModelFactory[Allocation]):
     driver = factory.SelfAttribute("device.driver")
     pool = factory.SelfAttribute("device.pool")
     device_name = factory.SelfAttribute("device.name")
+    consumed_capacity = factory.LazyFunction(dict)
     start = factory.LazyFunction(timezone.now)
     end = None
+    # What it is metered and counted by, fixed from its device as the sync fixes it.
+    meter_id = factory.LazyAttribute(lambda allocation: allocation.metering["meter_id"])
+    unit = factory.LazyAttribute(lambda allocation: allocation.metering["unit"])
+    product_name = factory.LazyAttribute(lambda allocation: allocation.metering["product_name"])
+    profile = factory.LazyAttribute(lambda allocation: allocation.metering["profile"])
+    device_share = factory.LazyAttribute(lambda allocation: allocation.metering["device_share"])
+    gpu_share = factory.LazyAttribute(lambda allocation: allocation.metering["gpu_share"])
+
+    class Params:
+        metering = factory.LazyAttribute(
+            lambda allocation: allocation_metering(
+                device=vars(allocation.device),
+                capacity=allocation.device.capacity,
+                consumed_capacity=allocation.consumed_capacity,
+            )
+        )

@@ -230,13 +230,19 @@ def test_a_consumable_share_counts_its_largest_fraction_under_any_name(team: Tea
         },
     )
     # A quarter of the memory by its unqualified name, half the cores: half the GPU.
-    half = hold(shared, team, DAY, DAY + timedelta(hours=1))
-    Allocation.objects.filter(pk=half.pk).update(
-        consumed_capacity={"memory": "20Gi", "cores": "50"}, share_id="a"
-    )
-    quarter = hold(shared, team, DAY, DAY + timedelta(hours=1))
-    Allocation.objects.filter(pk=quarter.pk).update(
-        consumed_capacity={f"{driver}/memory": "20Gi"}, share_id="b"
+    half, quarter = (
+        AllocationFactory.create(
+            device=shared,
+            team=team,
+            start=DAY,
+            end=DAY + timedelta(hours=1),
+            consumed_capacity=consumed,
+            share_id=share_id,
+        )
+        for consumed, share_id in (
+            ({"memory": "20Gi", "cores": "50"}, "a"),
+            ({f"{driver}/memory": "20Gi"}, "b"),
+        )
     )
     roll_up(DAY, 1)
     assert usage(half)[0] == HOUR_MS // 2
