@@ -14,10 +14,11 @@ import hashlib
 import json
 import re
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
+from fnmatch import fnmatchcase
 from typing import Any
 
 from django.utils.dateparse import parse_datetime
@@ -660,6 +661,14 @@ def count_pool(
                 name: Decimal(parse_quantity(entry["value"]))
                 for name, entry in (shared.get("counters") or {}).items()
             }
+    consumption_by_set: dict[str, list[dict[str, Decimal]]] = defaultdict(list)
+    for parsed_slice in slices:
+        for device in parsed_slice.devices:
+            for consumption in device.consumes_counters:
+                consumption_by_set[consumption["counterSet"]].append(
+                    _amounts(consumption.get("counters"))
+                )
+    measures = size_counters(totals, consumption_by_set, profile.size_counters)
     entries: list[_Entry] = []
     for parsed_slice in slices:
         for device in parsed_slice.devices:
@@ -717,6 +726,7 @@ def count_pool(
             entry.columns,
             profile,
             totals,
+            measures,
             partitions_per_key.get(keys[index], 0),
         )
         if kind == "gpu" and share < 1:
@@ -814,32 +824,104 @@ def _kind(device: ParsedDevice, driver: str, profile: profiles.Profile, device_t
     return "gpu" if profile.untyped == "accelerator" else "other"
 
 
-def counter_share(device: ParsedDevice, totals: dict[str, dict[str, Decimal]]) -> Decimal | None:
+# A counter numbered like others of its kind: memorySlice3, memory-slice-3.
+_NUMBERED = re.compile(r"^(?P<stem>.*?)-?(?P<index>\d+)$")
+
+
+def _amounts(counters: Any) -> dict[str, Decimal]:
+    return {
+        name: Decimal(parse_quantity(entry["value"]))
+        for name, entry in (counters or {}).items()
+        if isinstance(entry, dict) and "value" in entry
+    }
+
+
+def _positions(total: dict[str, Decimal], names: Iterable[str]) -> dict[str, str]:
+    """Of `names`, the counters that number positions of one kind (a MIG layout's memory
+    slices, `memorySlice0` .. `memorySlice7`: several counters of 1 that differ only in their
+    number), each with its kind's stem. A lone counter of 1 is one engine, not a position."""
+    stems: dict[str, list[str]] = defaultdict(list)
+    for name in names:
+        match = _NUMBERED.match(name)
+        if match and total.get(name) == 1:
+            stems[match["stem"]].append(name)
+    return {name: stem for stem, members in stems.items() if len(members) > 1 for name in members}
+
+
+def _by_stem(positions: dict[str, str]) -> list[list[str]]:
+    groups: dict[str, list[str]] = defaultdict(list)
+    for name, stem in positions.items():
+        groups[stem].append(name)
+    return list(groups.values())
+
+
+def size_counters(
+    totals: dict[str, dict[str, Decimal]],
+    consumption_by_set: dict[str, list[dict[str, Decimal]]],
+    named: Iterable[str] = (),
+) -> dict[str, frozenset[str]]:
+    """Per counter set, the counters whose share measures the size of a device that consumes
+    from it (KEP-4815), for `counter_share`.
+
+    The profile's `size_counters` (names or patterns) where it names any the set has. Else
+    those every device consuming from the set takes some of: SMs and memory measure every MIG
+    slice, while a JPEG or optical-flow engine (one per GPU, taken by some profiles and not
+    others) measures none: counting it would make a 1g slice with the GPU's only JPEG engine
+    the whole GPU. Numbered positions (`memorySlice0` .. `memorySlice7`) are weighed as one
+    kind, which measures size when every device takes at least one of them. When no counter
+    qualifies, all do.
+    """
+    patterns = tuple(named)
+    measures: dict[str, frozenset[str]] = {}
+    for set_name, total in totals.items():
+        chosen = {name for name in total if any(fnmatchcase(name, p) for p in patterns)}
+        consumers = consumption_by_set.get(set_name, [])
+        if not chosen and consumers:
+            positions = _positions(total, total)
+            chosen = {
+                name
+                for name in total
+                if name not in positions and all(c.get(name, 0) > 0 for c in consumers)
+            }
+            for members in _by_stem(positions):
+                if all(any(c.get(m, 0) > 0 for m in members) for c in consumers):
+                    chosen.update(members)
+        measures[set_name] = frozenset(chosen or total)
+    return measures
+
+
+def counter_share(
+    device: ParsedDevice,
+    totals: dict[str, dict[str, Decimal]],
+    measures: dict[str, frozenset[str]] | None = None,
+) -> Decimal | None:
     """The share of its physical unit a device consumes through shared counters (KEP-4815).
 
-    Of each counter set it consumes from, the largest fraction of any counter (the scarcest
-    resource it blocks: a quarter of the multiprocessors is a quarter of the GPU even if it
-    takes only an eighth of the copy engines), summed over the sets (a device spanning two
-    GPUs' sets is two). Counters of 1 each mark positions (a MIG layout's memory slices,
-    `memory-slice-0` .. `memory-slice-7`): taking one of eight is an eighth, so the set's
-    one-counters are weighed together, as the share of them taken. None when it consumes
-    nothing countable.
+    Of each counter set it consumes from, the largest fraction of any size counter (`measures`,
+    from `size_counters`; all counters when not given) it takes: the scarcest resource it
+    blocks, so a quarter of the multiprocessors is a quarter of the GPU even if it takes only
+    an eighth of the memory. Summed over the sets (a device spanning two GPUs' sets is two).
+    Numbered positions of one kind (memory slices) weigh together as the share of them taken:
+    one slice of eight is an eighth. A counter consumed at 0 is not taken. None when it
+    consumes nothing countable.
     """
     share: Decimal | None = None
     for consumption in device.consumes_counters:
         total = totals.get(consumption["counterSet"])
-        counters = consumption.get("counters") or {}
         if not total:
             continue
-        positions = [name for name, value in total.items() if value == 1]
+        measured = (measures or {}).get(consumption["counterSet"]) or frozenset(total)
+        consumed = _amounts(consumption.get("counters"))
+        positions = _positions(total, measured)
         fractions = [
-            Decimal(parse_quantity(entry["value"])) / total[name]
-            for name, entry in counters.items()
-            if total.get(name) and (len(positions) < 2 or name not in positions)
+            amount / total[name]
+            for name, amount in consumed.items()
+            if name in measured and name not in positions and total.get(name, 0) > 0
         ]
-        taken = [name for name in counters if name in positions]
-        if len(positions) >= 2 and taken:
-            fractions.append(Decimal(len(taken)) / len(positions))
+        for members in _by_stem(positions):
+            taken = sum(1 for name in members if consumed.get(name, 0) > 0)
+            if taken:
+                fractions.append(Decimal(taken) / len(members))
         if fractions:
             share = (share or Decimal(0)) + min(max(fractions), Decimal(1))
     return share
@@ -851,6 +933,7 @@ def _share(
     columns: dict[str, Any],
     profile: profiles.Profile,
     totals: dict[str, dict[str, Decimal]],
+    measures: dict[str, frozenset[str]],
     partitions: int,
 ) -> Decimal:
     """The device's share of its physical unit, by the profile's rules in order."""
@@ -859,7 +942,7 @@ def _share(
     share: Decimal | None = None
     for rule in profile.share:
         if rule == "counters":
-            share = counter_share(device, totals)
+            share = counter_share(device, totals, measures)
         elif rule == "mig-profile" and kind == "mig":
             match = _MIG_PROFILE.match(columns["profile"])
             if match:

@@ -32,21 +32,28 @@ Spec keys (all optional; lists are of attribute or capacity names, tried in orde
   `memory_capacities`: where the columns of the same names are read from.
 - `profile_attribute`: the attribute naming a MIG, partition or vGPU profile.
 - `share`: the rules for a device's share of its physical unit, tried in order: `counters`
-  (KEP-4815: the largest fraction of any counter it consumes from each counter set, summed over
-  sets), `mig-profile` (`<n>g.<mem>`: n of the GPU's 7 compute slices, 4 on an A30),
-  `partition-profile` (AMD `spx`/`dpx`/`qpx`/`cpx` modes: one of that many partitions, for CPX
-  the partitions published on that GPU), `vgpu-profile` (NVIDIA vGPU types `<board>-<GB><series>`
-  such as A100-4C: that framebuffer of the board's). A whole device no rule applies to is 1; a
-  partition no rule applies to is one of the partitions published with the same physical unit.
+  (KEP-4815: the largest fraction of any size counter it consumes from each counter set, summed
+  over sets; see `size_counters`), `mig-profile` (`<n>g.<mem>`: n of the GPU's 7 compute slices,
+  4 on an A30), `partition-profile` (AMD `spx`/`dpx`/`qpx`/`cpx` modes: one of that many
+  partitions, for CPX the partitions published on that GPU), `vgpu-profile` (NVIDIA vGPU types
+  `<board>-<GB><series>` such as A100-4C: that framebuffer of the board's). A whole device no
+  rule applies to is 1; a partition no rule applies to is one of the partitions published with
+  the same physical unit.
+- `size_counters`: the counters (names, or patterns such as `memorySlice*`) whose share measures
+  a partition's size, for the `counters` rule. Others are engines some partitions carry and
+  others lack (NVIDIA's single JPEG and optical-flow engines): taking the GPU's only JPEG engine
+  does not make a 1g slice the whole GPU. Unset, they are found from the pool (see
+  `inventory.dra.size_counters`).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
@@ -89,6 +96,20 @@ def meter_id(cluster: str, driver: str, pool: str, device: str, uuid: str = "") 
     return "dra-" + hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:32]
 
 
+# A DRA driver name: a lowercase DNS subdomain of at most 63 characters (the API's limit).
+DRIVER_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
+DRIVER_NAME_MAX_LENGTH = 63
+
+
+def is_driver_name(name: object) -> bool:
+    """Whether `name` is one a DRA driver can have."""
+    return (
+        isinstance(name, str)
+        and len(name) <= DRIVER_NAME_MAX_LENGTH
+        and DRIVER_NAME.match(name) is not None
+    )
+
+
 class ProfileError(ValueError):
     """A driver profile spec that cannot be used; the message names the field."""
 
@@ -129,6 +150,7 @@ class Profile:
     memory_capacities: tuple[str, ...] = ("memory",)
     profile_attribute: str = "profile"
     share: tuple[str, ...] = ("counters",)
+    size_counters: tuple[str, ...] = ()
     spec: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def kind_of(self, type_value: str) -> str | None:
@@ -158,6 +180,7 @@ _LIST_KEYS = (
     "driver_version_attributes",
     "memory_capacities",
     "share",
+    "size_counters",
 )
 _STRING_KEYS = ("unit", "type_attribute", "untyped", "profile_attribute")
 SPEC_KEYS = frozenset((*_LIST_KEYS, *_STRING_KEYS, "exclude", "description"))
@@ -192,6 +215,9 @@ BUILTIN_SPECS: dict[str, dict[str, Any]] = {
         "memory_capacities": ["memory", "addressableMemory"],
         "profile_attribute": "profile",
         "share": ["mig-profile", "counters", "vgpu-profile"],
+        # Dynamic MIG's counter set: SMs, memory and one memorySliceN per memory slice measure
+        # a slice; copy engines, decoders, encoders, JPEG and OFA engines come with it.
+        "size_counters": ["multiprocessors", "memory", "memorySlice*"],
     },
     # ROCm/k8s-gpu-dra-driver: type amdgpu/amdgpu-partition (vfio for passthrough), no uuid;
     # deviceID is the model's PCI id, pciBusID the physical GPU's, shared by its partitions.
@@ -246,13 +272,36 @@ BUILTIN_SPECS: dict[str, dict[str, Any]] = {
 }
 
 
+def _text(value: Any, path: str) -> str:
+    """`value` if it is a string PostgreSQL can store in the spec's JSON (no NUL character)."""
+    if not isinstance(value, str):
+        raise ProfileError(path, "must be a string")
+    if "\x00" in value:
+        raise ProfileError(path, "must not contain a NUL character")
+    return value
+
+
 def _names(value: Any, path: str) -> list[str]:
     if isinstance(value, str) or not isinstance(value, list):
         raise ProfileError(path, "must be a list of names")
     for index, item in enumerate(value):
-        if not isinstance(item, str) or not item.strip():
+        if not _text(item, f"{path}[{index}]").strip():
             raise ProfileError(f"{path}[{index}]", "must be a non-empty string")
     return list(value)
+
+
+def _shown(key: str) -> str:
+    """A key as errors name it: quoted when it holds a line break or other control character,
+    so that the error stays one line."""
+    return key if key.isprintable() else repr(key)
+
+
+def _keys(mapping: dict[Any, Any], path: str) -> None:
+    """Refuse a key that is no string (YAML reads `1:` or `true:` as a number or boolean)."""
+    for key in mapping:
+        if not isinstance(key, str):
+            raise ProfileError(f"{path}[{key!r}]", "a key must be a string")
+        _text(key, f"{path}.{key!r}")
 
 
 def validate_spec(spec: Any, path: str = "") -> dict[str, Any]:
@@ -263,18 +312,17 @@ def validate_spec(spec: Any, path: str = "") -> dict[str, Any]:
     where = (lambda key: f"{path}.{key}") if path else (lambda key: key)
     if not isinstance(spec, dict):
         raise ProfileError(path or "spec", "must be a mapping of profile keys")
+    _keys(spec, path or "spec")
     unknown = sorted(set(spec) - SPEC_KEYS)
     if unknown:
         raise ProfileError(
-            where(unknown[0]), f"is not a profile key (known: {', '.join(sorted(SPEC_KEYS))})"
+            where(_shown(unknown[0])),
+            f"is not a profile key (known: {', '.join(sorted(SPEC_KEYS))})",
         )
     clean: dict[str, Any] = {}
     for key in (*_STRING_KEYS, "description"):
         if key in spec:
-            value = spec[key]
-            if not isinstance(value, str):
-                raise ProfileError(where(key), "must be a string")
-            clean[key] = value.strip()
+            clean[key] = _text(spec[key], where(key)).strip()
     if "unit" in clean and clean["unit"] not in UNITS:
         raise ProfileError(where("unit"), f"must be one of {', '.join(UNITS)}")
     if "untyped" in clean and clean["untyped"] not in KINDS_OF_UNTYPED:
@@ -307,29 +355,66 @@ def _exclusions(value: Any, path: str) -> list[dict[str, Any]]:
         entry_path = f"{path}[{index}]"
         if not isinstance(entry, dict):
             raise ProfileError(entry_path, "must be a mapping with attribute or capacity, equals")
+        _keys(entry, entry_path)
         extra = sorted(set(entry) - {"attribute", "capacity", "equals"})
         if extra:
-            raise ProfileError(f"{entry_path}.{extra[0]}", "is not attribute, capacity or equals")
+            raise ProfileError(
+                f"{entry_path}.{_shown(extra[0])}", "is not attribute, capacity or equals"
+            )
         if ("attribute" in entry) == ("capacity" in entry):
             raise ProfileError(entry_path, "must name exactly one of attribute or capacity")
         key = "attribute" if "attribute" in entry else "capacity"
-        if not isinstance(entry[key], str) or not entry[key].strip():
+        if not _text(entry[key], f"{entry_path}.{key}").strip():
             raise ProfileError(f"{entry_path}.{key}", "must be a non-empty string")
         if "equals" not in entry:
             raise ProfileError(f"{entry_path}.equals", "is required")
-        equals = entry["equals"]
+        equals_path = f"{entry_path}.equals"
         if key == "capacity":
-            try:
-                parse_quantity(equals)
-            except (ValueError, TypeError, InvalidOperation):
-                raise ProfileError(
-                    f"{entry_path}.equals", f"{equals!r} is not a quantity"
-                ) from None
-            equals = str(equals)
-        elif isinstance(equals, dict | list) or equals is None:
-            raise ProfileError(f"{entry_path}.equals", "must be a string, number or boolean")
+            equals: Any = _quantity_text(entry["equals"], equals_path)
+        else:
+            equals = _attribute_value(entry["equals"], equals_path)
         entries.append({key: entry[key].strip(), "equals": equals})
     return entries
+
+
+def _quantity_text(value: Any, path: str) -> str:
+    """A capacity to compare with, as the text stored and parsed again by every sync: a
+    finite quantity ("0", "16Gi", 0.5). A boolean, NaN or infinity is none; a number is kept
+    as its plain decimal text, which parses back to the same value."""
+    if isinstance(value, bool) or not isinstance(value, str | int | float):
+        raise ProfileError(path, f"{value!r} is not a quantity")
+    if isinstance(value, str):
+        _text(value, path)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ProfileError(path, f"{value!r} is not a finite quantity")
+    try:
+        # A float by its shortest text (0.1, not the binary fraction nearest to it).
+        parsed = Decimal(parse_quantity(str(value) if isinstance(value, float) else value))
+    except (ValueError, TypeError, ArithmeticError):
+        raise ProfileError(path, f"{value!r} is not a quantity") from None
+    if not parsed.is_finite():
+        raise ProfileError(path, f"{value!r} is not a finite quantity")
+    return value.strip() if isinstance(value, str) else format(parsed, "f")
+
+
+# DRA attribute values are strings, versions (strings here), integers (int64) and booleans.
+_INT64 = range(-(2**63), 2**63)
+
+
+def _attribute_value(value: Any, path: str) -> str | int | bool:
+    """An attribute value to compare with: what a DRA attribute can hold. A float, a date or
+    a list is none (and NaN could not even be stored)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):
+        if value not in _INT64:
+            raise ProfileError(path, f"{value} is out of range for a DRA integer attribute")
+        return value
+    if isinstance(value, str):
+        return _text(value, path)
+    raise ProfileError(
+        path, f"must be a string, integer or boolean (a DRA attribute value), not {value!r}"
+    )
 
 
 def _build(driver: str, source: str, spec: Mapping[str, Any]) -> Profile:

@@ -19,6 +19,8 @@ Counting rules, shared by every function here:
   slices are all held is full, even when their shares sum below 1 (two 3g.40gb on an A100:
   6/7, but no memory left). A node with a partly used GPU is partly used, never full.
 - Shares count the device's `unit` (GPUs, TPU chips, Gaudi cards): one physical unit is 1.
+  Units never add up across units or models: capacity is per unit and model, and so is every
+  free block (8 free H100s and 4 free TPU chips on one node are no block of 12).
 
 When `cluster` is None a function covers all clusters; node names are then written
 `cluster/node`, since a node name is unique only within its cluster.
@@ -37,7 +39,6 @@ from django.db.models import (
     Count,
     F,
     Max,
-    Min,
     Q,
     QuerySet,
     Sum,
@@ -49,7 +50,7 @@ from django.db.models.functions import Cast, Concat
 from inventory import versions
 from inventory.checks import PoolGeneration, published_counter_sets, quantities, sync_warnings
 from inventory.models import Allocation, Cluster, Device, DeviceKind
-from inventory.profiles import unit_label
+from inventory.profiles import UNITS, unit_label
 from inventory.versions import VersionMatrix
 
 # Shares are stored to 6 places, so seven 1g slices sum to 0.999999: within this of 1 a GPU
@@ -59,10 +60,30 @@ _FULL_SHARE_TOLERANCE = Decimal("0.0001")
 
 class CapacityRow(TypedDict):
     product_name: str
+    # What the model's devices count (`Unit`) and its name in the plural ("GPUs", "TPU chips"):
+    # rows of different units never add up.
+    unit: str
+    unit_label: str
+    # Physical units of the model (GPUs, TPU chips, Gaudi cards, as `unit` says), with
+    # anything held and with nothing held.
     gpus: int
     allocated: int
     free: int
     mig_devices: int
+    # The same capacity in units: 1 per physical unit published whole or as MIG devices, the
+    # shares of its partitions for one published only as partitions (a VM's A100-4C vGPU is
+    # 0.1 GPU, not a GPU), at most 1 per unit.
+    equivalents: Decimal
+
+
+class FreeBlock(TypedDict):
+    """The most wholly free units of one model on one node, and in one NVLink clique."""
+
+    unit: str
+    unit_label: str
+    product_name: str
+    largest_free_block: int
+    largest_free_clique_block: int
 
 
 class NodeFragmentation(TypedDict):
@@ -124,8 +145,11 @@ class FragmentationSummary(TypedDict):
     nodes_free: int
     nodes_partial: int
     nodes_full: int
+    # The largest of `free_blocks`: the most free units of one model on one node (in one
+    # clique), never a sum of GPUs and TPU chips, or of two models.
     largest_free_block: int
     largest_free_clique_block: int
+    free_blocks: list[FreeBlock]
     gpus_partial: int
     # Units free on partly used GPUs (not counted in any whole-GPU figure), in all and by
     # unit (`Unit` value → share), as GPUs and TPU chips do not add up.
@@ -139,33 +163,73 @@ class Fragmentation(FragmentationSummary):
 
 
 def capacity_by_model(*, cluster: Cluster | None = None) -> list[CapacityRow]:
-    """Physical GPUs per `product_name`: how many, how many allocated or free, and MIG devices.
+    """Physical units per unit and `product_name`: how many, how many allocated or free, MIG
+    devices, and the capacity they make in their unit (`equivalents`).
 
-    Rows are sorted by product name; a model with only non-GPU devices does not appear.
+    Rows are sorted by unit (GPUs, TPU chips, Gaudi cards, other accelerators), then product
+    name: TPU chips and Gaudi cards are listed as what they are, never as GPUs. A model with
+    only non-accelerator devices does not appear.
     """
+    identity = Concat(Cast("cluster_id", CharField()), Value(" "), "physical_gpu_key")
+    whole_units = (
+        _present_gpu_devices(cluster)
+        .filter(kind__in=(DeviceKind.GPU, DeviceKind.MIG))
+        .annotate(identity=identity)
+        .values("identity")
+    )
     counts = (
         _present_devices(cluster)
         .exclude(kind=DeviceKind.OTHER)
-        .values("cluster_id", "product_name")
+        .annotate(identity=identity)
+        .values("cluster_id", "unit", "product_name")
         .annotate(
             gpus=_count_gpus(),
             allocated=_count_gpus(allocated=True),
             mig_devices=Count("pk", filter=Q(kind=DeviceKind.MIG)),
+            whole=Count(
+                "physical_gpu_key",
+                distinct=True,
+                filter=Q(kind__in=(DeviceKind.GPU, DeviceKind.MIG)) & ~Q(physical_gpu_key=""),
+            ),
+            partition_share=Sum(
+                "gpu_share",
+                filter=Q(kind=DeviceKind.PARTITION)
+                & ~Q(physical_gpu_key="")
+                & ~Q(identity__in=whole_units),
+            ),
         )
         .order_by()
     )
-    totals: dict[str, CapacityRow] = {}
+    totals: dict[tuple[int, str, str], CapacityRow] = {}
     for row in counts:
-        product = row["product_name"]
+        unit, product = row["unit"], row["product_name"]
         total = totals.setdefault(
-            product,
-            CapacityRow(product_name=product, gpus=0, allocated=0, free=0, mig_devices=0),
+            (_unit_order(unit), unit, product),
+            CapacityRow(
+                product_name=product,
+                unit=unit,
+                unit_label=unit_label(unit),
+                gpus=0,
+                allocated=0,
+                free=0,
+                mig_devices=0,
+                equivalents=Decimal(0),
+            ),
         )
         total["gpus"] += row["gpus"]
         total["allocated"] += row["allocated"]
         total["free"] += row["gpus"] - row["allocated"]
         total["mig_devices"] += row["mig_devices"]
-    return [totals[product] for product in sorted(totals)]
+        # Units published only as partitions: their shares, at most one unit each.
+        partition_only = row["gpus"] - row["whole"]
+        total["equivalents"] += row["whole"] + min(
+            row["partition_share"] or Decimal(0), Decimal(partition_only)
+        )
+    return [totals[key] for key in sorted(totals)]
+
+
+def _unit_order(unit: str) -> int:
+    return UNITS.index(unit) if unit in UNITS else len(UNITS)
 
 
 def version_matrix(*, cluster: Cluster | None = None) -> VersionMatrix:
@@ -183,41 +247,65 @@ def fragmentation(*, cluster: Cluster | None = None) -> Fragmentation:
     `nodes` has one row per node with a present GPU (sorted by name); a node is free when
     none of its GPUs is allocated, full when all are wholly held, partly used otherwise (one
     MIG slice held on its only A100 leaves it partly used, with 6/7 free).
-    `largest_free_block` is the most free GPUs on one node; `largest_free_clique_block` the
-    most free GPUs within one NVLink clique, summing the nodes of a cluster that share a
-    non-empty `Node.clique`, a node without clique counting alone. Both count whole GPUs
-    only: a partly used GPU cannot take a claim for a whole one. `partial_gpus` is
+    `free_blocks` has, per unit and model, the most wholly free units on one node
+    (`largest_free_block`) and within one NVLink clique (`largest_free_clique_block`, summing
+    the nodes of a cluster that share a non-empty `Node.clique`, a node without clique
+    counting alone): a claim gets devices of one model, so free H100s and free TPU chips (or
+    A100s) are never one block. The summary's two figures are the largest of them. Both
+    count whole units only: a partly used GPU cannot take a claim for a whole one. `partial_gpus` is
     `partial_gpus()`; `gpus_partial` and `partial_free_share` sum it. A node's
     `largest_placeable` is the largest device of its wholly free GPUs or the largest
     placeable one of its partly used GPUs.
     """
     qualify = cluster is None
-    per_node = (
+    # Per node and model (a physical unit's devices share both), folded into nodes below.
+    per_node_and_model = (
         _present_gpu_devices(cluster)
         .filter(node__isnull=False)
-        .values("cluster__name", "node_id", "node__name", "node__clique")
-        .annotate(
-            gpus=_count_gpus(),
-            allocated=_count_gpus(allocated=True),
-            lowest_unit=Min("unit"),
-            highest_unit=Max("unit"),
-        )
+        .values("cluster__name", "node_id", "node__name", "node__clique", "unit", "product_name")
+        .annotate(gpus=_count_gpus(), allocated=_count_gpus(allocated=True))
         .order_by()
     )
+    per_node: dict[int, dict[str, Any]] = {}
+    blocks: dict[tuple[int, str, str], FreeBlock] = {}
+    free_by_model_clique: dict[tuple[str, str, str, object], int] = defaultdict(int)
+    for row in per_node_and_model:
+        node_row = per_node.setdefault(
+            row["node_id"], {**row, "gpus": 0, "allocated": 0, "units": set()}
+        )
+        node_row["gpus"] += row["gpus"]
+        node_row["allocated"] += row["allocated"]
+        node_row["units"].add(row["unit"])
+        unit, product, free = row["unit"], row["product_name"], row["gpus"] - row["allocated"]
+        block = blocks.setdefault(
+            (_unit_order(unit), unit, product),
+            FreeBlock(
+                unit=unit,
+                unit_label=unit_label(unit),
+                product_name=product,
+                largest_free_block=0,
+                largest_free_clique_block=0,
+            ),
+        )
+        block["largest_free_block"] = max(block["largest_free_block"], free)
+        # Clique ids are only meaningful within a cluster; a node without one is its own group.
+        group = row["node__clique"] or ("node", row["node_id"])
+        free_by_model_clique[(unit, product, row["cluster__name"], group)] += free
+    for (unit, product, _, _), free in free_by_model_clique.items():
+        block = blocks[(_unit_order(unit), unit, product)]
+        block["largest_free_clique_block"] = max(block["largest_free_clique_block"], free)
+    free_blocks = [blocks[key] for key in sorted(blocks)]
     partial = partial_gpus(cluster=cluster)
     partial_by_node: dict[str, list[PartialGpu]] = defaultdict(list)
     for gpu in partial:
         partial_by_node[gpu["node"]].append(gpu)
     largest_free = _largest_on_free_gpus(cluster)
     nodes: list[NodeFragmentation] = []
-    free_by_clique: dict[tuple[str, object], int] = defaultdict(int)
-    for entry in per_node:
+    for entry in per_node.values():
         free = entry["gpus"] - entry["allocated"]
         label = _node_label(entry["cluster__name"], entry["node__name"], qualify)
         on_node = partial_by_node.get(label, [])
-        unit = (
-            entry["lowest_unit"] if entry["lowest_unit"] == entry["highest_unit"] else "accelerator"
-        )
+        unit = next(iter(entry["units"])) if len(entry["units"]) == 1 else "accelerator"
         free_slices: dict[str, int] = defaultdict(int)
         for gpu in on_node:
             for profile, count in gpu["free_slices"].items():
@@ -252,9 +340,6 @@ def fragmentation(*, cluster: Cluster | None = None) -> Fragmentation:
                 largest_placeable_share=largest_share,
             )
         )
-        # Clique ids are only meaningful within a cluster; a node without one is its own group.
-        group = entry["node__clique"] or ("node", entry["node_id"])
-        free_by_clique[(entry["cluster__name"], group)] += free
     nodes.sort(key=lambda row: row["node"])
     free_by_unit: dict[str, Decimal] = defaultdict(Decimal)
     for gpu in partial:
@@ -264,8 +349,11 @@ def fragmentation(*, cluster: Cluster | None = None) -> Fragmentation:
         nodes_free=sum(1 for row in nodes if row["state"] == "free"),
         nodes_partial=sum(1 for row in nodes if row["state"] == "partly used"),
         nodes_full=sum(1 for row in nodes if row["state"] == "full"),
-        largest_free_block=max((row["free"] for row in nodes), default=0),
-        largest_free_clique_block=max(free_by_clique.values(), default=0),
+        largest_free_block=max((b["largest_free_block"] for b in free_blocks), default=0),
+        largest_free_clique_block=max(
+            (b["largest_free_clique_block"] for b in free_blocks), default=0
+        ),
+        free_blocks=free_blocks,
         gpus_partial=len(partial),
         partial_free_share=sum((gpu["free_share"] for gpu in partial), Decimal(0)),
         partial_free_by_unit=dict(sorted(free_by_unit.items())),
@@ -490,17 +578,17 @@ def _largest_on_free_gpus(cluster: Cluster | None) -> dict[str, tuple[Decimal, s
 def fleet_report(*, cluster: Cluster | None = None) -> dict[str, Any]:
     """The fleet at a glance, as JSON-ready data (what `manage.py fleet_report` prints).
 
-    Keys: `nodes` (nodes with a present GPU), `gpus_by_model` (product_name → physical GPUs),
-    `mig_devices`, `capacity` (see `capacity_by_model`), `driver_matrix` (one row per
-    cluster, model and pair: `nodes` is the node count, `node_names` the names, plus `gpus`,
-    whether it is the model's `baseline`, and its `documented_nodes` and `outlier_nodes`),
-    `baseline`, `baselines`, `version_models` (per cluster and model: baseline, GPUs on it,
-    outliers), `outlier_nodes` (undocumented), `documented_nodes` and `deviations` (see
-    `version_matrix`; times in ISO 8601), `fragmentation` (the summary counts of `fragmentation`),
-    `partly_used_nodes` (its node rows in state "partly used"), `partial_gpus` (see
-    `partial_gpus`), and `sync_warnings` (see
-    `inventory.checks.sync_warnings`). GPU shares are decimal strings, as JSON has no exact
-    decimals.
+    Keys: `nodes` (nodes with a present GPU), `gpus_by_model` (product_name → physical units),
+    `mig_devices`, `capacity` (see `capacity_by_model`; per unit and model), `driver_matrix`
+    (one row per cluster, model and pair: `nodes` is the node count, `node_names` the names,
+    plus `gpus`, whether it is the model's `baseline`, and its `documented_nodes` and
+    `outlier_nodes`), `baseline`, `baselines`, `version_models` (per cluster and model:
+    baseline, GPUs on it, outliers), `outlier_nodes` (undocumented), `documented_nodes` and
+    `deviations` (see `version_matrix`; times in ISO 8601), `fragmentation` (the summary of
+    `fragmentation`, with its `free_blocks` per unit and model), `partly_used_nodes` (its node
+    rows in state "partly used"), `partial_gpus` (see `partial_gpus`), and `sync_warnings` (see
+    `inventory.checks.sync_warnings`). GPU shares and capacities are decimal strings, as JSON
+    has no exact decimals.
     """
     capacity = capacity_by_model(cluster=cluster)
     matrix = version_matrix(cluster=cluster)
@@ -510,7 +598,9 @@ def fleet_report(*, cluster: Cluster | None = None) -> dict[str, Any]:
         "nodes": len(spread["nodes"]),
         "gpus_by_model": {row["product_name"]: row["gpus"] for row in capacity},
         "mig_devices": sum(row["mig_devices"] for row in capacity),
-        "capacity": capacity,
+        "capacity": [
+            {**row, "equivalents": f"{row['equivalents'].normalize():f}"} for row in capacity
+        ],
         "driver_matrix": [
             {
                 "cluster": row["cluster"],
@@ -539,6 +629,7 @@ def fleet_report(*, cluster: Cluster | None = None) -> dict[str, Any]:
             "nodes_full": spread["nodes_full"],
             "largest_free_block": spread["largest_free_block"],
             "largest_free_clique_block": spread["largest_free_clique_block"],
+            "free_blocks": spread["free_blocks"],
             "gpus_partial": spread["gpus_partial"],
             "partial_free_share": str(spread["partial_free_share"]),
             "partial_free_by_unit": {

@@ -790,9 +790,20 @@ def apply_version_policy(*, specs: VersionPolicy, actor: str, prune: bool) -> Ve
     declared deviation the row with its cluster, node, pool and pair. Rows the file wrote
     before (source "policy") and no longer declares are deleted with `prune`, else kept with
     a note; rows written in the admin are never the file's to delete. Call it inside the
-    policy's transaction: applying the same specs again writes nothing.
+    policy's transaction: applying the same specs again writes nothing. A deviation that has
+    already expired is stored all the same (it documents what was allowed until then) with a
+    warning among the notes naming it: it documents nothing now, so its GPUs are outliers.
     """
     changes = VersionPolicyChanges()
+    now = timezone.now()
+    for dspec in specs.deviations:
+        if not dspec.expires_at > now:
+            # Kept, as it documents what was allowed until then; it documents nothing now.
+            changes.notes.append(
+                f"warning: {dspec.path} (cluster {dspec.cluster}, "
+                f"{dspec.node_name or dspec.pool}) expired at {dspec.expires_at.isoformat()}: "
+                "stored as history, its GPUs count as outliers"
+            )
     clusters = {
         name: Cluster.objects.get_or_create(name=name)[0]
         for name in sorted(

@@ -79,10 +79,13 @@ def test_a_gpu_split_into_mig_devices_counts_once() -> None:
 
     assert capacity_of(H100) == {
         "product_name": H100,
+        "unit": "gpu",
+        "unit_label": "GPUs",
         "gpus": 1,
         "allocated": 0,
         "free": 1,
         "mig_devices": 7,
+        "equivalents": Decimal(1),
     }
 
 
@@ -105,7 +108,16 @@ def test_gone_and_non_gpu_devices_do_not_count() -> None:
     OtherDeviceFactory.create(node=node)
 
     assert capacity_by_model() == [
-        {"product_name": H100, "gpus": 1, "allocated": 0, "free": 1, "mig_devices": 0}
+        {
+            "product_name": H100,
+            "unit": "gpu",
+            "unit_label": "GPUs",
+            "gpus": 1,
+            "allocated": 0,
+            "free": 1,
+            "mig_devices": 0,
+            "equivalents": Decimal(1),
+        }
     ]
 
 
@@ -120,10 +132,13 @@ def test_an_allocated_mig_slice_makes_its_gpu_allocated() -> None:
 
     assert capacity_of(A100) == {
         "product_name": A100,
+        "unit": "gpu",
+        "unit_label": "GPUs",
         "gpus": 2,
         "allocated": 1,
         "free": 1,
         "mig_devices": 3,
+        "equivalents": Decimal(2),
     }
 
 
@@ -411,7 +426,16 @@ def test_fleet_report(busy_cluster: Cluster, django_assert_max_num_queries) -> N
     assert report["gpus_by_model"] == {H100: 25}
     assert report["mig_devices"] == 2
     assert report["capacity"] == [
-        {"product_name": H100, "gpus": 25, "allocated": 5, "free": 20, "mig_devices": 2}
+        {
+            "product_name": H100,
+            "unit": "gpu",
+            "unit_label": "GPUs",
+            "gpus": 25,
+            "allocated": 5,
+            "free": 20,
+            "mig_devices": 2,
+            "equivalents": "25",
+        }
     ]
     assert report["driver_matrix"] == [
         {
@@ -436,6 +460,15 @@ def test_fleet_report(busy_cluster: Cluster, django_assert_max_num_queries) -> N
         "nodes_full": 1,
         "largest_free_block": 8,
         "largest_free_clique_block": 13,
+        "free_blocks": [
+            {
+                "unit": "gpu",
+                "unit_label": "GPUs",
+                "product_name": H100,
+                "largest_free_block": 8,
+                "largest_free_clique_block": 13,
+            }
+        ],
         # b's third GPU: two 1g slices held, the whole GPU published beside them unheld.
         "gpus_partial": 1,
         "partial_free_share": "0.714286",
@@ -480,7 +513,7 @@ def test_command_table(mixed_versions: Cluster) -> None:
     text = run_report("--cluster", "prod")
 
     cells = {line.split("  ")[0]: re.split(r"\s{2,}", line) for line in text.splitlines()}
-    assert cells[H100] == [H100, "10", "0", "10", "2"]
+    assert cells[H100] == [H100, "10", "10", "0", "10", "2"]
     assert cells["*"] == ["*", "prod", H100, "580.82.7", "13.0.0", "4", "7"]
     assert (
         f"Baseline of prod, {H100}: driver 580.82.7, CUDA 13.0.0 (most GPUs); 7 of 10 GPUs on it"
@@ -716,3 +749,69 @@ def test_api_summary_shows_partly_used_gpus(operator: Client, mig_cluster: Clust
     row = report["partial_gpus"][0]
     assert (row["node"], row["held_share"], row["free_share"]) == ("n1", "0.428571", "0.571429")
     assert (row["held_label"], row["free_slices"]) == ("3/7", {"3g.40gb": 1})
+
+
+# -- units: capacity and free blocks never mix vendors or models ----------------------------
+
+
+def test_capacity_and_free_blocks_are_per_unit_and_model_from_the_vendor_fixtures() -> None:
+    from datetime import UTC, datetime
+
+    from inventory import services
+    from inventory.dumps import iter_objects
+    from tests.fixtures import DRA
+
+    objects = [
+        obj
+        for name in ("tpu.yaml", "gaudi2.yaml", "vgpu.yaml", "amd-mi300x.yaml")
+        for obj in iter_objects(DRA / "vendors" / name)
+    ]
+    report = services.import_snapshot(
+        cluster=services.get_cluster("fx"),
+        objects=objects,
+        at=datetime(2026, 12, 1, 8, 0, tzinfo=UTC),
+        kinds=["ResourceSlice"],
+    )
+    assert report.errors == []
+
+    rows = [
+        (row["unit_label"], row["product_name"], row["gpus"], row["equivalents"])
+        for row in capacity_by_model()
+    ]
+    assert rows == [
+        ("GPUs", "AMD_Instinct_MI300X_OAM", 9, Decimal(9)),  # 8 whole, 1 in eight CPX partitions
+        ("GPUs", "GRID A100-4C", 1, Decimal("0.1")),  # a VM's vGPU: a tenth of an A100
+        ("GPUs", "NVIDIA A100-10C", 2, Decimal("0.5")),
+        ("TPU chips", "v4", 4, Decimal(4)),
+        ("Gaudi cards", "Gaudi2", 8, Decimal(8)),
+    ]
+    blocks = {
+        (block["unit_label"], block["product_name"]): block["largest_free_block"]
+        for block in fragmentation()["free_blocks"]
+    }
+    assert blocks[("TPU chips", "v4")] == 4
+    assert blocks[("Gaudi cards", "Gaudi2")] == 8
+    assert blocks[("GPUs", "AMD_Instinct_MI300X_OAM")] == 8
+
+
+def test_free_tpu_chips_and_gpus_on_one_node_are_two_blocks() -> None:
+    cluster = ClusterFactory.create(name="mixed")
+    node = NodeFactory.create(cluster=cluster, name="mixed", clique="c1")
+    gpus_on(node, 2)
+    DeviceFactory.create_batch(
+        4, node=node, driver="tpu.google.com", unit="tpu", product_name="v5p", kind="gpu"
+    )
+    gpus_on(NodeFactory.create(cluster=cluster, name="other", clique="c1"), 3)
+
+    spread = fragmentation()
+
+    fields = ("unit_label", "product_name", "largest_free_block", "largest_free_clique_block")
+    blocks = [tuple(block[name] for name in fields) for block in spread["free_blocks"]]  # type: ignore[literal-required]
+    assert blocks == [("GPUs", H100, 3, 5), ("TPU chips", "v5p", 4, 4)]
+    assert (spread["largest_free_block"], spread["largest_free_clique_block"]) == (4, 5)
+    out = StringIO()
+    call_command("fleet_report", stdout=out)
+    text = out.getvalue()
+    assert "Capacity by model: TPU chips\nMODEL  TPU CHIPS  CAPACITY  ALLOCATED  FREE" in text
+    lines = text.split("Free blocks by model")[1].split("\n\n")[0].splitlines()[2:]
+    assert [line.split()[-2:] for line in lines] == [["3", "5"], ["4", "4"]]

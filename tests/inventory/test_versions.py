@@ -455,3 +455,32 @@ def test_an_expiry_that_is_no_real_time_is_an_error_naming_it(expires: str) -> N
         {"deviations": [{**deviation, "expires": expires}]}, "versions"
     )
     assert [e.split(":")[0] for e in errors] == ["versions.deviations[0].expires"]
+
+
+def test_an_already_expired_deviation_is_stored_with_a_warning_and_stays_an_outlier(
+    mixed_fleet: Cluster, tmp_path: Path
+) -> None:
+    gpus(NodeFactory.create(cluster=mixed_fleet, name="dgx-canary"), 8, OLD_HOST)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        "teams: []\n"
+        "versions:\n"
+        "  deviations:\n"
+        "  - {cluster: prod, node: dgx-later, driverVersion: 570.172.8, reason: next,\n"
+        "     owner: gpu-platform, expires: 2099-01-31}\n"
+        "  - {cluster: prod, node: dgx-canary, driverVersion: 570.172.8, reason: canary,\n"
+        "     owner: gpu-platform, expires: 2020-01-31}\n"
+    )
+    out = StringIO()
+    call_command("apply_policy", str(policy), stdout=out)
+
+    warnings = [line for line in out.getvalue().splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        "warning: versions.deviations[1] (cluster prod, dgx-canary) expired at "
+        "2020-01-31T00:00:00+00:00: stored as history, its GPUs count as outliers"
+    ]
+    stored = VersionDeviation.objects.get(node_name="dgx-canary")
+    assert stored.expires_at == datetime(2020, 1, 31, tzinfo=UTC)
+    matrix = version_matrix(cluster=mixed_fleet)
+    assert matrix["outlier_nodes"] == ["dgx-canary"]
+    assert [d["expired"] for d in matrix["deviations"] if d["node_name"] == "dgx-canary"] == [True]

@@ -376,3 +376,42 @@ def test_review_claims_says_tpu_chips(vendor: Callable, tmp_path: Path) -> None:
         'team "research": quota rule "tpu" (enforce) would be exceeded: 0 TPU chips in use, '
         "4 TPU chips requested, limit 3 TPU chips"
     )
+
+
+def test_the_webhook_names_a_rules_unit_over_every_cluster_as_the_api_does(
+    client: Client,
+) -> None:
+    """A rule is not of one cluster: one whose class selects GPUs here and TPU chips in another
+    cluster counts accelerators, in the webhook's messages as in the rules API, not the local
+    fleet's GPUs."""
+    forget_fleet_shapes()
+    every_device = {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "DeviceClass",
+        "metadata": {"name": "any"},
+        "spec": {"selectors": [{"cel": {"expression": "true"}}]},
+    }
+    for cluster, objects in [
+        ("default", list(iter_objects(VENDORS / "gaudi2.yaml"))),
+        ("edge", list(iter_objects(VENDORS / "tpu.yaml"))),
+    ]:
+        report = inventory_services.import_snapshot(
+            cluster=inventory_services.get_cluster(cluster), objects=[*objects, every_device], at=AT
+        )
+        assert report.errors == []
+    make_team(
+        [
+            {"name": "mixed", "device_class": "any", "limit": 3},
+            {"name": "cards", "device_class": GAUDI, "limit": 8},
+        ]
+    )
+    denied = decide(client, claim("four", [exactly(GAUDI, 4)]))
+    assert denied["status"]["message"] == (
+        'team "research": quota rule "mixed" (enforce) would be exceeded: 0 accelerators in use, '
+        "4 accelerators requested, limit 3 accelerators"
+    )
+    admitted = decide(client, claim("three", [exactly(GAUDI, 3)]))
+    assert admitted["allowed"]
+    assert sorted(admitted["warnings"]) == [
+        'team "research": quota rule "mixed" is at 3 accelerators of 3 accelerators with this claim'
+    ]

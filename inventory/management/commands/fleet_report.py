@@ -16,9 +16,9 @@ from inventory.selectors import fleet_report
 
 class Command(BaseCommand):
     help = (
-        "Report the GPU fleet: physical GPUs by model, driver/CUDA versions against each "
-        "model's baseline, outlier nodes, documented deviations, fragmentation by slice and "
-        "sync warnings."
+        "Report the accelerator fleet: physical units by unit (GPUs, TPU chips, Gaudi cards) "
+        "and model, driver/CUDA versions against each model's baseline, outlier nodes, "
+        "documented deviations, free blocks per model, fragmentation by slice and sync warnings."
     )
 
     def add_arguments(self, parser: CommandParser) -> None:
@@ -47,20 +47,7 @@ def render_table(report: dict[str, Any]) -> str:
     sections = [
         f"GPU fleet report: {scope}\n"
         f"Nodes with GPUs: {report['nodes']}    MIG devices: {report['mig_devices']}",
-        "Capacity by model\n"
-        + _table(
-            ("MODEL", "GPUS", "ALLOCATED", "FREE", "MIG DEVICES"),
-            [
-                (
-                    row["product_name"] or "(unknown)",
-                    row["gpus"],
-                    row["allocated"],
-                    row["free"],
-                    row["mig_devices"],
-                )
-                for row in report["capacity"]
-            ],
-        ),
+        _capacity_section(report["capacity"]),
         "Driver / CUDA versions per model (* marks its baseline)\n"
         + _table(
             ("", "CLUSTER", "MODEL", "DRIVER", "CUDA", "NODES", "GPUS"),
@@ -90,15 +77,20 @@ def render_table(report: dict[str, Any]) -> str:
         _deviations_section(report["deviations"]),
         "Fragmentation\n"
         + _table(
-            ("NODES FREE", "PARTIAL", "FULL", "LARGEST FREE BLOCK", "LARGEST FREE CLIQUE BLOCK"),
+            ("NODES FREE", "PARTIAL", "FULL"),
+            [(spread["nodes_free"], spread["nodes_partial"], spread["nodes_full"])],
+        ),
+        "Free blocks by model (wholly free units; a claim gets devices of one model)\n"
+        + _table(
+            ("UNIT", "MODEL", "LARGEST ON A NODE", "LARGEST IN A CLIQUE"),
             [
                 (
-                    spread["nodes_free"],
-                    spread["nodes_partial"],
-                    spread["nodes_full"],
-                    spread["largest_free_block"],
-                    spread["largest_free_clique_block"],
+                    block["unit_label"],
+                    block["product_name"] or "(unknown)",
+                    block["largest_free_block"],
+                    block["largest_free_clique_block"],
                 )
+                for block in spread["free_blocks"]
             ],
         ),
         f"Partly used nodes ({spread['nodes_partial']})\n"
@@ -136,6 +128,34 @@ def render_table(report: dict[str, Any]) -> str:
         _warnings_section(report["sync_warnings"]),
     ]
     return "\n\n".join(sections)
+
+
+def _capacity_section(capacity: list[dict[str, Any]]) -> str:
+    """One table per unit (GPUs, TPU chips, Gaudi cards): units of different kinds never share
+    a column. CAPACITY is the units' worth in that unit (a VM's A100-4C vGPU is 0.1 GPU)."""
+    by_unit: dict[str, list[dict[str, Any]]] = {}
+    for row in capacity:
+        by_unit.setdefault(row["unit_label"], []).append(row)
+    if not by_unit:
+        return "Capacity by model\n  (none)"
+    return "\n\n".join(
+        f"Capacity by model: {label}\n"
+        + _table(
+            ("MODEL", label.upper(), "CAPACITY", "ALLOCATED", "FREE", "MIG DEVICES"),
+            [
+                (
+                    row["product_name"] or "(unknown)",
+                    row["gpus"],
+                    row["equivalents"],
+                    row["allocated"],
+                    row["free"],
+                    row["mig_devices"],
+                )
+                for row in rows
+            ],
+        )
+        for label, rows in by_unit.items()
+    )
 
 
 def _warnings_section(warnings: list[dict[str, Any]]) -> str:
