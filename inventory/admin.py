@@ -2,9 +2,10 @@
 
 Everything the sync writes is shown read-only, with no add or delete: Kubernetes is the source
 of truth and history is never deleted. What operators set here are the version baselines
-(per cluster, and per model or architecture) and the documented deviations from them, every
-write audited. Big tables skip the full count and select their relations, so a
-changelist costs a fixed number of queries at any size.
+(per cluster, and per model or architecture), the documented deviations from them and the
+driver profiles that say how to read a DRA driver's devices, every write audited. Big tables
+skip the full count and select their relations, so a changelist costs a fixed number of
+queries at any size.
 """
 
 from __future__ import annotations
@@ -19,12 +20,15 @@ from django.urls import reverse
 from django.utils import timezone
 from django.utils.html import format_html
 
+from inventory import profiles
 from inventory.models import (
     Allocation,
     Cluster,
     Device,
     DeviceClass,
     DeviceShape,
+    DriverProfile,
+    Gang,
     Node,
     Pool,
     ResourceClaim,
@@ -281,6 +285,68 @@ class VersionDeviationAdmin(AuditedAdmin):
         return deviation_is_active(deviation, timezone.now())
 
 
+class DriverProfileForm(forms.ModelForm):
+    """A driver name and a profile spec, checked as the policy file's `drivers:` section is
+    (`inventory.profiles.validate_spec`), so that the next sync reads the row as saved."""
+
+    spec = forms.JSONField(
+        required=False,
+        help_text=(
+            "Profile keys over the driver's built-in profile, e.g. "
+            '{"unit": "accelerator", "model_attributes": ["model"]}; see inventory/profiles.py.'
+        ),
+    )
+
+    class Meta:
+        model = DriverProfile
+        fields = ("driver", "spec")
+
+    def clean_driver(self) -> str:
+        driver = str(self.cleaned_data.get("driver") or "").strip()
+        if not profiles.is_driver_name(driver):
+            raise forms.ValidationError(
+                "Not a DRA driver name (lowercase DNS subdomain, at most 63 characters)."
+            )
+        return driver
+
+    def clean_spec(self) -> dict[str, Any]:
+        spec = self.cleaned_data.get("spec")
+        try:
+            return profiles.validate_spec({} if spec is None else spec)
+        except profiles.ProfileError as exc:
+            raise forms.ValidationError(str(exc)) from None
+
+
+@admin.register(DriverProfile)
+class DriverProfileAdmin(AuditedAdmin):
+    """How to read one DRA driver's devices, over its built-in profile; every write audited.
+
+    Rows the policy file declares (source "policy") are rewritten by its next apply, and
+    pruned by it when no longer declared; rows added here (source "admin") are never its.
+    """
+
+    class Media:
+        css = {"all": (ADMIN_CSS,)}
+
+    form = DriverProfileForm
+    list_display = ("driver", "unit", "description", "source", "updated_at")
+    list_filter = ("source",)
+    search_fields = ("driver",)
+    fields = ("driver", "spec", "source", "updated_at")
+    readonly_fields = ("source", "updated_at")
+    ordering = ("driver",)
+
+    @admin.display(description="unit")
+    def unit(self, row: DriverProfile) -> str:
+        spec = row.spec if isinstance(row.spec, dict) else {}
+        return str(spec.get("unit") or "(built in)")
+
+    @admin.display(description="description")
+    def description(self, row: DriverProfile) -> str:
+        spec = row.spec if isinstance(row.spec, dict) else {}
+        return str(spec.get("description") or "")
+
+
 @admin.register(Node)
 class NodeAdmin(SyncedAdmin):
     list_display = ("name", "cluster", "clique", "first_seen", "gone_at", "devices_link")
@@ -384,6 +450,23 @@ class ResourceClaimAdmin(SyncedAdmin):
     list_display = ("name", "namespace", "cluster", "uid", "created_at", "released_at")
     list_filter = (ReleasedFilter, "cluster")
     search_fields = ("name", "namespace", "uid")
+    list_select_related = ("cluster",)
+    show_full_result_count = False
+
+
+class GangEndedFilter(_TimestampSetFilter):
+    title = "state"
+    parameter_name = "ended"
+    field_name = "ended_at"
+    unset_label = "live"
+    set_label = "ended"
+
+
+@admin.register(Gang)
+class GangAdmin(SyncedAdmin):
+    list_display = ("key", "namespace", "cluster", "source", "size", "first_seen", "ended_at")
+    list_filter = (GangEndedFilter, "source", "cluster")
+    search_fields = ("key", "namespace")
     list_select_related = ("cluster",)
     show_full_result_count = False
 

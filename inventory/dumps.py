@@ -5,6 +5,12 @@ YAML file, a single JSON object, a JSON array of objects, or JSON lines (also co
 JSON, as `kubectl get -w -o json` prints it). The items of a List are read one by one, so a
 100 MB dump is never held in memory whole; YAML and JSON of the same object give the same dict
 (timestamps stay strings, as in the API's JSON).
+
+Besides the DRA kinds, a dump may hold what says whose a claim is and which gang it is in:
+Pods, ReplicaSets and Jobs (`inventory.owners.OwnerIndex`), and the objects that declare
+gangs (`inventory.gangs.GANG_KINDS`: Workloads and PodGroups, JobSets, LeaderWorkerSets,
+Volcano PodGroups, the training operators' jobs; `inventory.gangs.GangIndex`), e.g.
+`kubectl get resourceclaims,pods,jobsets.jobset.x-k8s.io -A -o yaml`.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ Objects stay raw JSON (camelCase, unknown fields kept), never the client's gener
 the services read fields the client may not know yet, and keep what they do not read.
 
 A claim's job is found by reading its owners (a Pod, its ReplicaSet or Job, see
-`inventory.owners`) with `OwnerReader`, before the transaction that writes the claim.
+`inventory.owners`) with `OwnerReader`, before the transaction that writes the claim; its
+gang (`inventory.gangs`) from the same Pod, read once, and the object that declares the gang,
+through the reader's `GangReader`.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import json
 import logging
 import os
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from datetime import datetime
@@ -43,7 +47,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
 from config import metrics
-from inventory import owners, services
+from inventory import gangs, owners, services
 from inventory.models import Cluster, SyncState
 
 log = logging.getLogger(__name__)
@@ -326,11 +330,16 @@ class KindSync:
     def relist(self) -> None:
         """List every object of the kind and import them as a full snapshot."""
         items, resource_version = self._list_all()
-        jobs = self._follow_owners(items, OwnerReader(self._api_client))
+        jobs, claim_gangs = self._follow_owners(items, OwnerReader(self._api_client))
         at = timezone.now()
         with transaction.atomic():
             report = services.import_snapshot(
-                cluster=self.cluster, objects=items, at=at, kinds=[self.kind], jobs=jobs
+                cluster=self.cluster,
+                objects=items,
+                at=at,
+                kinds=[self.kind],
+                jobs=jobs,
+                gangs=claim_gangs,
             )
             SyncState.objects.filter(pk=self._state()).update(
                 resource_version=resource_version,
@@ -439,7 +448,9 @@ class KindSync:
             log.warning("%s: unknown watch event type %r; skipped", self.kind, event_type)
 
     def _apply(self, event_type: str, obj: dict[str, Any], resource_version: str) -> None:
-        jobs = self._follow_owners([obj], self._owner_reader) if event_type != "DELETED" else {}
+        jobs, claim_gangs = (
+            self._follow_owners([obj], self._owner_reader) if event_type != "DELETED" else ({}, {})
+        )
         at = timezone.now()
         # The event and the resourceVersion it brings commit together: after a crash the
         # watch resumes exactly after the last event applied.
@@ -447,7 +458,12 @@ class KindSync:
             try:
                 with transaction.atomic():
                     report = services.apply_watch_event(
-                        cluster=self.cluster, event_type=event_type, obj=obj, at=at, jobs=jobs
+                        cluster=self.cluster,
+                        event_type=event_type,
+                        obj=obj,
+                        at=at,
+                        jobs=jobs,
+                        gangs=claim_gangs,
                     )
             except (OperationalError, InterfaceError):
                 raise  # the database, not the object: retry the event after a pause
@@ -473,18 +489,32 @@ class KindSync:
 
     def _follow_owners(
         self, objects: list[dict[str, Any]], reader: OwnerReader
-    ) -> dict[str, owners.Resolution]:
-        """The claims' jobs, read from their owners; none for other kinds."""
+    ) -> tuple[dict[str, owners.Resolution], dict[str, gangs.GangRef | None]]:
+        """The claims' jobs, read from their owners, and the gangs of those whose Pod that
+        read (by claim uid); none for other kinds.
+
+        A claim resolved before is not followed again, so its Pod is not read again, nor its
+        gang: one read of a Pod gives both.
+        """
         if self.kind != "ResourceClaim":
-            return {}
+            return {}, {}
         try:
-            return services.resolve_claim_jobs(cluster=self.cluster, objects=objects, lookup=reader)
+            jobs = services.resolve_claim_jobs(cluster=self.cluster, objects=objects, lookup=reader)
         except (OperationalError, InterfaceError):
             raise  # the database: retried after a pause like the write it precedes
         except Exception:
             # Attribution must never hold the inventory up: the claims keep the owners known.
             log.exception("%s: could not follow the claims' owners; skipped", self.kind)
-            return {}
+            return {}, {}
+        claim_gangs: dict[str, gangs.GangRef | None] = {}
+        for obj in objects:
+            uid = (obj.get("metadata") or {}).get("uid")
+            if uid in jobs:
+                try:
+                    claim_gangs[uid] = gangs.gang_of_claim(obj, reader.objects)
+                except Exception:
+                    log.exception("%s: could not read the gang of %s; skipped", self.kind, uid)
+        return jobs, claim_gangs
 
     def _call(self, **kwargs: Any) -> urllib3.BaseHTTPResponse:
         try:
@@ -518,14 +548,22 @@ class KindSync:
             log.warning("%s: rejected: %s", self.kind, error)
 
 
-# Owners of claims (see inventory.owners) ---------------------------------------------------
+# Owners and gangs of claims (see inventory.owners, inventory.gangs) -----------------------
 
 HTTP_FORBIDDEN = 403
 OWNER_READ_TIMEOUT_SECONDS = (CONNECT_TIMEOUT_SECONDS, 10)
-# Failed reads (not 403/404) after which one list's or watch's reader stops asking: an API
+# Failed reads (not 403/404) in a row after which a reader stops asking for a while: an API
 # server in trouble is not sent a GET per claim, each waiting for its timeout.
 OWNER_READ_FAILURES = 3
-# (API group, kind) → the resource RBAC names, the API class and its read method.
+# How long a read object (or its absence) is trusted. A Pod's labels, owners and gang do not
+# change in that time, and the admission webhook, which asks per claim, then asks the API
+# server once per gang and not once per member.
+GANG_CACHE_SECONDS = 30.0
+# Objects a reader keeps at most; the least recently used go first.
+GANG_CACHE_ENTRIES = 4096
+# Built-in (API group, kind) → the resource RBAC names, the API class and its read method.
+# Other kinds (the custom resources that declare gangs) go through the generic
+# custom-object call, with their plural from `gangs.GANG_KINDS`.
 OWNER_READS: dict[tuple[str, str], tuple[str, Callable[[k8s.ApiClient], Any], str]] = {
     ("", "Pod"): ("pods", k8s.CoreV1Api, "read_namespaced_pod"),
     ("apps", "ReplicaSet"): ("replicasets.apps", k8s.AppsV1Api, "read_namespaced_replica_set"),
@@ -533,66 +571,147 @@ OWNER_READS: dict[tuple[str, str], tuple[str, Callable[[k8s.ApiClient], Any], st
 }
 
 
-class OwnerReader:
-    """Reads the owners of claims (`owners.OwnerLookup`) for one list or one watch request.
+class GangReader:
+    """Reads single objects (`gangs.GangLookup`) as raw JSON: Pods, their owners, and the
+    objects that declare gangs (`gangs.GANG_KINDS`), each cached `ttl_seconds`, at most
+    `max_entries` of them.
 
-    Each object is read once, by uid, however many claims it owns; a kind the API forbids is
-    not asked again, nor anything after `OWNER_READ_FAILURES` other failures. Never raises:
-    what it cannot read (logged) leaves a claim's job at the last owner known.
+    A 404 (the object gone, or its kind not served: JobSet not installed) is cached like an
+    object. A kind the API forbids is not asked again for `ttl_seconds`, nor anything after
+    `OWNER_READ_FAILURES` other failures in a row. Never raises: what it cannot read is None,
+    and logged. Safe to share between threads.
     """
 
-    def __init__(self, api_client: k8s.ApiClient) -> None:
+    def __init__(
+        self,
+        api_client: k8s.ApiClient,
+        *,
+        ttl_seconds: float = GANG_CACHE_SECONDS,
+        max_entries: int = GANG_CACHE_ENTRIES,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._api_client = api_client
-        self._owners: dict[tuple[str, ...], owners.Owner | None] = {}
-        self._forbidden: set[tuple[str, str]] = set()
+        self._ttl = ttl_seconds
+        self._max_entries = max(1, max_entries)
+        self._clock = clock
+        self._lock = threading.Lock()
+        # (group, version, kind, namespace, name) → (read at, object or None)
+        self._objects: OrderedDict[tuple[str, ...], tuple[float, dict[str, Any] | None]] = (
+            OrderedDict()
+        )
+        self._forbidden: dict[tuple[str, str], float] = {}
         self._failures = 0
+        self._paused_until = 0.0
 
-    def owner(self, namespace: str, reference: owners.OwnerReference) -> owners.Owner | None:
-        kind = (owners.api_group(reference.get("apiVersion")), str(reference["kind"]))
-        name = str(reference["name"])
-        key = (str(reference.get("uid") or ""), *kind, namespace, name)
-        if key not in self._owners:
-            if kind in self._forbidden or self._failures >= OWNER_READ_FAILURES:
+    def get(self, namespace: str, api_version: str, kind: str, name: str) -> dict[str, Any] | None:
+        group = owners.api_group(api_version)
+        version = api_version.rsplit("/", 1)[-1] if isinstance(api_version, str) else ""
+        key = (group, version, kind, namespace, name)
+        now = self._clock()
+        with self._lock:
+            cached = self._objects.get(key)
+            if cached is not None and now - cached[0] < self._ttl:
+                self._objects.move_to_end(key)
+                return cached[1]
+            if self._forbidden.get((group, kind), -self._ttl) > now - self._ttl:
                 return None
-            self._owners[key] = self._read(kind, namespace, name)
-        return self._owners[key]
+            if now < self._paused_until:
+                return None
+        read, obj = self._read(group, version, kind, namespace, name)
+        if not read:
+            return None
+        with self._lock:
+            self._objects[key] = (now, obj)
+            self._objects.move_to_end(key)
+            while len(self._objects) > self._max_entries:
+                self._objects.popitem(last=False)
+        return obj
 
-    def _read(self, kind: tuple[str, str], namespace: str, name: str) -> owners.Owner | None:
-        resource, api, method = OWNER_READS[kind]
-        what = f"{kind[1]} {namespace}/{name}"
+    def _call(
+        self, group: str, version: str, kind: str, namespace: str, name: str
+    ) -> urllib3.BaseHTTPResponse | None:
+        """The API's answer; None for a kind this reader does not read."""
+        kwargs: dict[str, Any] = {
+            "_preload_content": False,
+            "_request_timeout": OWNER_READ_TIMEOUT_SECONDS,
+        }
+        if (group, kind) in OWNER_READS:
+            _, api, method = OWNER_READS[(group, kind)]
+            return getattr(api(self._api_client), method)(name, namespace, **kwargs)
+        plural = gangs.GANG_KINDS.get((group, kind))
+        if plural is None or not group or not version:
+            return None
+        return k8s.CustomObjectsApi(self._api_client).get_namespaced_custom_object(
+            group, version, namespace, plural, name, **kwargs
+        )
+
+    def _read(
+        self, group: str, version: str, kind: str, namespace: str, name: str
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """(whether the answer may be cached, the object)."""
+        what = f"{kind} {namespace}/{name}"
         try:
-            response = getattr(api(self._api_client), method)(
-                name,
-                namespace,
-                _preload_content=False,
-                _request_timeout=OWNER_READ_TIMEOUT_SECONDS,
-            )
-            return owners.Owner.of(_json(response))
+            response = self._call(group, version, kind, namespace, name)
+            if response is None:
+                return True, None
+            obj = _json(response)
         except ApiException as exc:
             if exc.status == HTTP_NOT_FOUND:
-                log.info("%s is gone: the jobs of its claims stay at it", what)
-                return None
+                log.info("%s is gone (or its kind is not served): nothing read from it", what)
+                self._failures = 0
+                return True, None
             if exc.status == HTTP_FORBIDDEN:
-                self._forbidden.add(kind)
+                with self._lock:
+                    self._forbidden[(group, kind)] = self._clock()
                 log.warning(
-                    "cannot read %s (403: %s): jobs stop at their %ss until the syncer may get %s",
+                    "cannot read %s (403: %s): %ss are not read until Tally may get %s",
                     what,
                     _status_message(exc),
-                    kind[1],
-                    resource,
+                    kind,
+                    _resource_name(group, kind),
                 )
-                return None
+                return False, None
             error: Exception = exc
         except (urllib3.exceptions.HTTPError, OSError, StreamError) as exc:
             error = exc
-        self._failures += 1
-        log.warning(
-            "cannot read %s: %s: %s: the jobs of its claims stay at it",
-            what,
-            type(error).__name__,
-            error,
-        )
-        return None
+        else:
+            self._failures = 0
+            return True, obj
+        with self._lock:
+            self._failures += 1
+            if self._failures >= OWNER_READ_FAILURES:
+                self._paused_until = self._clock() + self._ttl
+        log.warning("cannot read %s: %s: %s", what, type(error).__name__, error)
+        return False, None
+
+
+def _resource_name(group: str, kind: str) -> str:
+    """The resource RBAC names for `kind` ("replicasets.apps", "jobsets.jobset.x-k8s.io")."""
+    if (group, kind) in OWNER_READS:
+        return OWNER_READS[(group, kind)][0]
+    return f"{gangs.GANG_KINDS.get((group, kind), kind.lower() + 's')}.{group}".rstrip(".")
+
+
+class OwnerReader:
+    """Reads the owners of claims (`owners.OwnerLookup`) for one list or one watch request.
+
+    Each object is read once, by uid, however many claims it owns, through `objects` (a
+    `GangReader`), which then also serves the claims' gangs without reading their Pods again.
+    Never raises: what it cannot read leaves a claim's job at the last owner known.
+    """
+
+    def __init__(self, api_client: k8s.ApiClient, objects: GangReader | None = None) -> None:
+        self.objects = objects if objects is not None else GangReader(api_client)
+        self._owners: dict[tuple[str, ...], owners.Owner | None] = {}
+
+    def owner(self, namespace: str, reference: owners.OwnerReference) -> owners.Owner | None:
+        api_version = str(reference.get("apiVersion") or "")
+        kind, name = str(reference["kind"]), str(reference["name"])
+        key = (str(reference.get("uid") or ""), api_version, kind, namespace, name)
+        if key not in self._owners:
+            obj = self.objects.get(namespace, api_version, kind, name)
+            self._owners[key] = owners.Owner.of(obj) if obj is not None else None
+        return self._owners[key]
 
 
 def _lines(response: urllib3.BaseHTTPResponse) -> Iterator[bytes]:

@@ -307,6 +307,34 @@ class Device(models.Model):
         return f"{self.driver}/{self.pool}/{self.name}"
 
 
+class Gang(models.Model):
+    """Pods that must run together (issue 20), as the cluster declares them (`inventory.gangs`).
+
+    `key` names the gang in its namespace ("JobSet/train", "LeaderWorkerSet/lws#0"); its member
+    claims point here (`ResourceClaim.gang`). `ended_at` is set once no member claim is live,
+    and cleared should a member appear again; the row is kept for history.
+    """
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.PROTECT, related_name="gangs")
+    namespace = models.CharField(max_length=253)
+    key = models.CharField(max_length=320)
+    # "workload" | "jobset" | "leaderworkerset" | "kueue" | "volcano" | "kubeflow"
+    source = models.CharField(max_length=32)
+    size = models.PositiveIntegerField()
+    first_seen = models.DateTimeField()
+    last_seen = models.DateTimeField()
+    ended_at = models.DateTimeField(null=True, blank=True, db_index=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["cluster", "namespace", "key"], name="gang_unique_key"),
+            models.CheckConstraint(condition=models.Q(size__gte=1), name="gang_size_positive"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.key}"
+
+
 class ResourceClaim(models.Model):
     """A ResourceClaim as last seen. `released_at` is set when it disappears.
 
@@ -334,6 +362,10 @@ class ResourceClaim(models.Model):
     created_at = models.DateTimeField(null=True, blank=True)
     first_seen = models.DateTimeField()
     released_at = models.DateTimeField(null=True, blank=True, db_index=True)
+    # The gang of the claim's Pod, set by the sync when it reads the Pod (null: none known).
+    gang = models.ForeignKey(
+        Gang, on_delete=models.SET_NULL, null=True, blank=True, related_name="claims"
+    )
 
     class Meta:
         constraints = [
@@ -357,6 +389,12 @@ class Allocation(models.Model):
     resolved it (else as the webhook saw it), `username` who created the claim, as the webhook
     saw it (filled once, when quota records it). Billing reads these, never the live
     namespaces or reservations.
+
+    What it is metered and counted by is fixed the same way, from its device when it starts
+    (or when the device is linked, for an allocation seen before it): a device that gains a
+    UUID later (NVIDIA dynamic MIG, a driver upgrade) and so a new meter id, or a driver profile
+    edited since, never changes the hours it has held. The rollup reads these, never the
+    device's current columns.
     """
 
     cluster = models.ForeignKey(Cluster, on_delete=models.PROTECT, related_name="allocations")
@@ -378,6 +416,17 @@ class Allocation(models.Model):
     )
     job = models.TextField(blank=True)  # "Kind/name"
     username = models.TextField(blank=True)
+    # The device's meter id, unit, model and MIG or partition profile when it started ("" until
+    # the device is linked; no meter id: not an accelerator, not billed).
+    meter_id = models.CharField(max_length=128, blank=True)
+    unit = models.CharField(max_length=16, choices=Unit.choices, blank=True)
+    product_name = models.CharField(max_length=253, blank=True)
+    profile = models.CharField(max_length=64, blank=True)
+    # The device's share of its unit, and the part of that this allocation holds: less for a
+    # consumable share (KEP-5075), by the capacity it consumed; 0 for a device that is not an
+    # accelerator. Usage rows count `gpu_share`; pricing reads `device_share`.
+    device_share = models.DecimalField(max_digits=9, decimal_places=6, default=0)
+    gpu_share = models.DecimalField(max_digits=9, decimal_places=6, default=0)
 
     class Meta:
         constraints = [

@@ -11,20 +11,25 @@ from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
+from decimal import ROUND_HALF_EVEN, Decimal
 from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import Exists, F, OuterRef, Q
 
 from db.copy import bulk_insert
 from inventory import dra, owners, profiles
+from inventory.capacity import CapacityError, consumed_fraction
+from inventory.gangs import GangIndex, GangRef, gang_of_claim
 from inventory.models import (
     Allocation,
     Cluster,
     Device,
     DeviceClass,
+    DeviceKind,
     DeviceShape,
+    Gang,
     Node,
     Pool,
     ResourceClaim,
@@ -74,6 +79,7 @@ def import_snapshot(
     at: datetime,
     kinds: Iterable[str] | None = None,
     jobs: Mapping[str, owners.Resolution] | None = None,
+    gangs: Mapping[str, GangRef | None] | None = None,
 ) -> SyncReport:
     """Apply a full snapshot of `kinds` (default: the kinds that occur in `objects`) taken at `at`.
 
@@ -88,20 +94,28 @@ def import_snapshot(
     `resolve_claim_jobs`), else it is the one recorded for the same owner references, else its
     own controller. Pods, ReplicaSets and Jobs among `objects` (a dump of them) then take the
     present claims of their namespaces further, whatever the order of the objects.
+
+    A claim's gang comes from `gangs[uid]` where the caller read its Pod (see
+    `record_claim_gangs`); Pods and the objects that declare gangs among `objects` (a dump)
+    give the present claims of their namespaces theirs. Gangs left without a live claim end.
     """
     report = SyncReport()
     scope = set(kinds) if kinds is not None else set()
     seen: dict[str, set[str]] = defaultdict(set)
     owner_index = owners.OwnerIndex()
+    gang_index = GangIndex()
     writer = _Writer(cluster=cluster, at=at, report=report, jobs=jobs)
     with transaction.atomic():
-        for parsed in _parse_stream(objects, report, seen, owner_index):
+        for parsed in _parse_stream(objects, report, seen, owner_index, gang_index):
             writer.add(parsed)
         writer.flush()
         scope |= {kind for kind in seen if kind in KINDS}
         writer.mark_missing(scope, seen)
         writer.reconcile_touched_pools()
         writer.attribute_claims(owner_index)
+        record_claim_gangs(cluster=cluster, gangs=gangs or {}, at=at)
+        _attribute_gangs(cluster=cluster, index=gang_index, at=at)
+        end_gangs(cluster=cluster, at=at)
         writer.note_fleet_change()
     return report
 
@@ -113,12 +127,13 @@ def apply_watch_event(
     obj: dict[str, Any],
     at: datetime,
     jobs: Mapping[str, owners.Resolution] | None = None,
+    gangs: Mapping[str, GangRef | None] | None = None,
 ) -> SyncReport:
     """Apply one watch event (`ADDED`, `MODIFIED` or `DELETED`) observed at `at`.
 
     `obj` must carry `kind` (the sync sets it, since watch events from typed lists may not).
-    BOOKMARK and ERROR events are the caller's business and are not passed here. `jobs` is
-    as for `import_snapshot`.
+    BOOKMARK and ERROR events are the caller's business and are not passed here. `jobs` and
+    `gangs` are as for `import_snapshot`.
     """
     report = SyncReport()
     writer = _Writer(cluster=cluster, at=at, report=report, jobs=jobs)
@@ -136,6 +151,9 @@ def apply_watch_event(
         else:
             raise ValueError(f"unknown watch event type {event_type!r}")
         writer.reconcile_touched_pools()
+        if obj.get("kind") == "ResourceClaim":
+            record_claim_gangs(cluster=cluster, gangs=gangs or {}, at=at)
+            end_gangs(cluster=cluster, at=at)
         writer.note_fleet_change()
     return report
 
@@ -178,11 +196,106 @@ def resolve_claim_jobs(
     }
 
 
+def record_claim_gangs(
+    *, cluster: Cluster, gangs: Mapping[str, GangRef | None], at: datetime
+) -> None:
+    """Point the claims `gangs` names (by uid) at their gangs, created or refreshed at `at`.
+
+    None (the claim's Pod declares no gang, or could not be read) leaves a claim as it was. A
+    gang seen here has a live member, so it is open again if it had ended. Claims not yet
+    written are skipped: run it after the claims are.
+    """
+    found = {uid: ref for uid, ref in gangs.items() if ref is not None}
+    uids = list(found)
+    for start in range(0, len(uids), _CLAIMS_PER_FLUSH):
+        claims = list(
+            ResourceClaim.objects.filter(
+                cluster=cluster, uid__in=uids[start : start + _CLAIMS_PER_FLUSH]
+            ).values_list("pk", "uid", "namespace", "gang_id")
+        )
+        gang_ids = _upsert_gangs(
+            cluster=cluster,
+            refs={(namespace, found[uid].key): found[uid] for _, uid, namespace, _ in claims},
+            at=at,
+        )
+        moved: dict[int, list[int]] = defaultdict(list)
+        for pk, uid, namespace, gang_id in claims:
+            wanted = gang_ids[(namespace, found[uid].key)]
+            if gang_id != wanted:
+                moved[wanted].append(pk)
+        for gang_id, claim_ids in moved.items():
+            ResourceClaim.objects.filter(pk__in=claim_ids).update(gang_id=gang_id)
+
+
+def record_gang(*, cluster: Cluster, namespace: str, ref: GangRef, at: datetime) -> Gang:
+    """The gang `ref` names in `namespace`, created or refreshed (source, size) at `at`.
+
+    For whoever learns of a gang before the sync does (the admission webhook). Concurrent
+    calls for one gang leave one row: an upsert on its unique key.
+    """
+    gang_ids = _upsert_gangs(cluster=cluster, refs={(namespace, ref.key): ref}, at=at)
+    return Gang.objects.get(pk=gang_ids[(namespace, ref.key)])
+
+
+def end_gangs(*, cluster: Cluster, at: datetime) -> int:
+    """End, at `at`, the open gangs of `cluster` whose member claims are all released; how
+    many. A gang no claim has joined yet (recorded by the webhook before the sync saw its
+    first member) has not started, so it does not end here."""
+    member = ResourceClaim.objects.filter(gang=OuterRef("pk"))
+    return (
+        Gang.objects.filter(Exists(member), cluster=cluster, ended_at__isnull=True)
+        .exclude(Exists(member.filter(released_at__isnull=True)))
+        .update(ended_at=at)
+    )
+
+
+def _upsert_gangs(
+    *, cluster: Cluster, refs: Mapping[tuple[str, str], GangRef], at: datetime
+) -> dict[tuple[str, str], int]:
+    """The ids of the gangs `refs` names by (namespace, key), created or refreshed at `at`."""
+    rows = [
+        Gang(
+            cluster=cluster,
+            namespace=namespace,
+            key=key,
+            source=ref.source,
+            size=ref.size,
+            first_seen=at,
+            last_seen=at,
+            ended_at=None,
+        )
+        for (namespace, key), ref in refs.items()
+    ]
+    # INSERT ... ON CONFLICT DO UPDATE: the sync and the webhook may write one gang at once.
+    Gang.objects.bulk_create(
+        rows,
+        update_conflicts=True,
+        unique_fields=["cluster", "namespace", "key"],
+        update_fields=["source", "size", "last_seen", "ended_at"],
+        batch_size=1000,
+    )
+    return {(row.namespace, row.key): row.pk for row in rows}
+
+
+def _attribute_gangs(*, cluster: Cluster, index: GangIndex, at: datetime) -> None:
+    """Give the present claims in the index's namespaces the gangs their Pods there declare."""
+    if not index:
+        return
+    found: dict[str, GangRef | None] = {}
+    for uid, namespace, references in ResourceClaim.objects.filter(
+        cluster=cluster, released_at__isnull=True, namespace__in=index.namespaces
+    ).values_list("uid", "namespace", "owner_references"):
+        claim = {"metadata": {"namespace": namespace, "ownerReferences": references}}
+        found[uid] = gang_of_claim(claim, index)
+    record_claim_gangs(cluster=cluster, gangs=found, at=at)
+
+
 def _parse_stream(
     objects: Iterable[Any],
     report: SyncReport,
     seen: dict[str, set[str]],
     owner_index: owners.OwnerIndex | None = None,
+    gang_index: GangIndex | None = None,
 ) -> Iterator[dra.Parsed]:
     for obj in objects:
         identity = dra.object_identity(obj)
@@ -195,9 +308,12 @@ def _parse_stream(
             log.warning("rejected %s", exc)
             continue
         if parsed is None:
-            # Not kept, but a dump's Pods, ReplicaSets and Jobs say whose its claims are.
+            # Not kept, but a dump's Pods, ReplicaSets and Jobs say whose its claims are, and
+            # its Pods, JobSets, PodGroups and the like which gangs.
             if owner_index is not None:
                 owner_index.add(obj)
+            if gang_index is not None:
+                gang_index.add(obj)
             report.skipped[obj.get("kind") or "<no kind>"] += 1
             continue
         yield parsed
@@ -675,7 +791,7 @@ class _Writer:
             fields = _claim_fields(parsed, job=jobs[key])
             creators[key] = owners.claim_creator(
                 recorded=claim.created_by if claim is not None else "",
-                annotations=parsed.annotations,
+                owner_references=parsed.owner_references,
                 labels=parsed.labels,
                 resolution=self.jobs.get(key),
                 creator_labels=settings.TALLY_CREATED_BY_LABELS,
@@ -746,12 +862,9 @@ class _Writer:
                     )
             ended.extend(allocation.pk for allocation in current.values())
         self._end_allocations(ended)
-        device_ids = self._device_ids({(a.driver, a.pool, a.device_name) for a in new_allocations})
+        self._link(new_allocations)
         teams = _namespace_teams({namespaces[a.claim_id] for a in new_allocations})
         for allocation in new_allocations:
-            allocation.device_id = device_ids.get(
-                (allocation.driver, allocation.pool, allocation.device_name)
-            )
             allocation.team_id = teams.get(namespaces[allocation.claim_id])
         bulk_insert(Allocation, new_allocations)
         self.report.created["Allocation"] += len(new_allocations)
@@ -807,24 +920,53 @@ class _Writer:
             )
             self.report.gone["Allocation"] += ended
 
-    def _device_ids(self, names: set[tuple[str, str, str]]) -> dict[tuple[str, str, str], int]:
-        """Present devices by (driver, pool, name)."""
-        if not names:
-            return {}
-        return {
-            (driver, pool, name): pk
-            for pk, driver, pool, name in Device.objects.filter(
+    def _link(self, allocations: list[Allocation]) -> list[Allocation]:
+        """Tie each allocation to its present device, where it is known, and fix what the
+        allocation is metered and counted by from the device as it is now (see `Allocation`);
+        returns the allocations linked. A device's capacity is read only for the few that
+        consumed part of it."""
+        wanted = {(a.driver, a.pool, a.device_name) for a in allocations}
+        if not wanted:
+            return []
+        devices = {
+            (row["driver"], row["pool"], row["name"]): row
+            for row in Device.objects.filter(
                 cluster=self.cluster,
                 gone_at__isnull=True,
-                driver__in={driver for driver, _, _ in names},
-                pool__in={pool for _, pool, _ in names},
-                name__in={name for _, _, name in names},
-            ).values_list("pk", "driver", "pool", "name")
-            if (driver, pool, name) in names
+                driver__in={driver for driver, _, _ in wanted},
+                pool__in={pool for _, pool, _ in wanted},
+                name__in={name for _, _, name in wanted},
+            ).values("pk", "driver", "pool", "name", *_METERED_DEVICE_FIELDS)
+            if (row["driver"], row["pool"], row["name"]) in wanted
         }
+        consuming = {
+            devices[key]["pk"]
+            for allocation in allocations
+            if allocation.consumed_capacity and (key := _device_key(allocation)) in devices
+        }
+        capacities = dict(
+            Device.objects.filter(pk__in=consuming).values_list("pk", "capacity")
+            if consuming
+            else ()
+        )
+        linked = []
+        for allocation in allocations:
+            device = devices.get(_device_key(allocation))
+            if device is None:
+                continue
+            allocation.device_id = device["pk"]
+            for attr, value in allocation_metering(
+                device=device,
+                capacity=capacities.get(device["pk"], {}),
+                consumed_capacity=allocation.consumed_capacity,
+            ).items():
+                setattr(allocation, attr, value)
+            linked.append(allocation)
+        return linked
 
     def _link_allocations(self, pools: list[tuple[str, str]]) -> None:
-        """Tie open allocations seen before their device to the device, once it is known."""
+        """Tie open allocations seen before their device to the device, once it is known: they
+        take their metering facts from it then."""
         wanted = set(pools)
         unlinked = [
             allocation
@@ -834,18 +976,12 @@ class _Writer:
                 end__isnull=True,
                 driver__in={driver for driver, _ in pools},
                 pool__in={pool for _, pool in pools},
-            ).only("pk", "driver", "pool", "device_name")
+            ).only("pk", "driver", "pool", "device_name", "consumed_capacity")
             if (allocation.driver, allocation.pool) in wanted
         ]
-        device_ids = self._device_ids({(a.driver, a.pool, a.device_name) for a in unlinked})
-        linked = []
-        for allocation in unlinked:
-            allocation.device_id = device_ids.get(
-                (allocation.driver, allocation.pool, allocation.device_name)
-            )
-            if allocation.device_id is not None:
-                linked.append(allocation)
-        Allocation.objects.bulk_update(linked, ["device"], batch_size=1000)
+        Allocation.objects.bulk_update(
+            self._link(unlinked), ["device", *METERING_FIELDS], batch_size=1000
+        )
 
     # Disappearance.
 
@@ -995,6 +1131,46 @@ def _refine_allocation_jobs(refined: dict[int, tuple[str, str]]) -> None:
             allocation.job = after
             changed.append(allocation)
     Allocation.objects.bulk_update(changed, ["job"], batch_size=1000)
+
+
+# What an allocation is metered and counted by (`Allocation`), and the device columns they come
+# from besides its capacity.
+METERING_FIELDS = ("meter_id", "unit", "product_name", "profile", "device_share", "gpu_share")
+_METERED_DEVICE_FIELDS = ("meter_id", "unit", "product_name", "profile", "gpu_share", "kind")
+_MILLIONTH = Decimal("0.000001")
+
+
+def allocation_metering(
+    *, device: Mapping[str, Any], capacity: Mapping[str, Any], consumed_capacity: Mapping[str, Any]
+) -> dict[str, Any]:
+    """The `METERING_FIELDS` of an allocation of `device` (its driver and the columns named in
+    `_METERED_DEVICE_FIELDS`, by name) that consumed `consumed_capacity` of the device's
+    `capacity`: the facts the allocation keeps from when it starts.
+
+    A consumable share (KEP-5075) holds the largest fraction of any capacity it consumed, to the
+    millionth; a capacity published with a value that is no quantity holds the whole device,
+    as a share that names no capacity does: the allocation still holds it. A device that is not
+    an accelerator holds no share."""
+    device_share = Decimal(device["gpu_share"])
+    share = device_share if device["kind"] != DeviceKind.OTHER else Decimal(0)
+    if consumed_capacity:
+        try:
+            fraction = consumed_fraction(capacity, consumed_capacity, device["driver"])
+        except CapacityError:
+            fraction = Decimal(1)
+        share = (share * fraction).quantize(_MILLIONTH, ROUND_HALF_EVEN)
+    return {
+        "meter_id": device["meter_id"],
+        "unit": device["unit"],
+        "product_name": device["product_name"],
+        "profile": device["profile"],
+        "device_share": device_share,
+        "gpu_share": share,
+    }
+
+
+def _device_key(allocation: Allocation) -> tuple[str, str, str]:
+    return (allocation.driver, allocation.pool, allocation.device_name)
 
 
 def _allocation_key(allocation: Allocation) -> tuple[str, ...]:

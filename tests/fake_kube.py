@@ -6,7 +6,10 @@ It serves nodes, device classes, resource slices and resource claims over plain 
 JSON events from a resourceVersion (BOOKMARK events on request; a resourceVersion older than
 the compaction point gets an ERROR event with a 410 Status, or an HTTP 410), and list items
 without `kind`/`apiVersion`, as the real server sends them. It also answers GET of one Pod,
-ReplicaSet or Job by namespace and name (the owners of claims), 404 for one it does not hold.
+ReplicaSet or Job by namespace and name (the owners of claims), 404 for one it does not hold,
+and GET of one custom object (`add_custom`: JobSets, PodGroups, training jobs, the objects
+that declare gangs) at /apis/<group>/<version>/namespaces/<ns>/<plural>/<name>, 404 for one
+it does not hold or a version it does not serve it in.
 
 The test drives it: `add`/`modify`/`delete` objects (each bumps the one global
 resourceVersion and reaches the watchers), `compact` the history, `drop_streams` abruptly,
@@ -46,6 +49,8 @@ OBJECT_PATHS: dict[str, re.Pattern[str]] = {
     "Job": re.compile(r"/apis/batch/v1/namespaces/([^/]+)/jobs/([^/]+)"),
 }
 KINDS = {kind for kind, _ in COLLECTIONS.values()} | OBJECT_PATHS.keys()
+# GET of one namespaced custom object: group, version, namespace, plural, name.
+CUSTOM_OBJECT_PATH = re.compile(r"/apis/([^/]+)/([^/]+)/namespaces/([^/]+)/([^/]+)/([^/]+)")
 FIRST_RESOURCE_VERSION = 1000
 DEFAULT_WATCH_SECONDS = 1800.0
 
@@ -68,6 +73,16 @@ class RecordedRequest:
     def kind(self) -> str | None:
         collection = COLLECTIONS.get(self.path)
         return collection[0] if collection else None
+
+    @property
+    def custom_read(self) -> tuple[str, str, str, str, str] | None:
+        """(group, version, plural, namespace, name) of a GET of one custom object."""
+        if self.read is not None or self.watch:
+            return None
+        if found := CUSTOM_OBJECT_PATH.fullmatch(self.path):
+            group, version, namespace, plural, name = found.groups()
+            return group, version, plural, namespace, name
+        return None
 
     @property
     def read(self) -> tuple[str, str, str] | None:
@@ -138,6 +153,8 @@ class FakeKube:
         self._cond = threading.Condition()
         self._resource_version = FIRST_RESOURCE_VERSION
         self._objects: dict[str, dict[Key, dict[str, Any]]] = {kind: {} for kind in KINDS}
+        # (group, version, plural) → objects served one at a time (`add_custom`).
+        self._custom: dict[tuple[str, str, str], dict[Key, dict[str, Any]]] = {}
         self._history: list[_Event] = []
         self._compacted = 0
         self._continues: dict[str, _Continue] = {}
@@ -221,6 +238,24 @@ class FakeKube:
     def add(self, obj: dict[str, Any]) -> str:
         """Create `obj` (it names its `kind`); returns the new resourceVersion."""
         return self._change("ADDED", obj, must_exist=False)
+
+    def add_custom(self, obj: dict[str, Any], plural: str) -> None:
+        """Serve the custom object `obj` (a JobSet, a PodGroup...) by GET, in its apiVersion
+        only, as `plural`. Not listed or watched: nothing here follows these kinds."""
+        group, _, version = obj["apiVersion"].partition("/")
+        metadata = obj["metadata"]
+        key = (metadata.get("namespace") or "default", metadata["name"])
+        stored = copy.deepcopy(obj)
+        stored["metadata"].setdefault("uid", f"uid-{plural}-{key[0]}-{key[1]}")
+        with self._cond:
+            self._custom.setdefault((group, version, plural), {})[key] = stored
+
+    def custom_reads(self, plural: str) -> list[RecordedRequest]:
+        """The GETs of single custom objects of `plural`, in the order received."""
+        with self._cond:
+            return [
+                r for r in self.requests if r.custom_read is not None and r.custom_read[2] == plural
+            ]
 
     def modify(self, obj: dict[str, Any]) -> str:
         """Replace the stored object of the same kind, namespace and name."""
@@ -421,6 +456,18 @@ class FakeKube:
                 return 404, _status(404, "NotFound", f"{kind.lower()}s {name!r} not found")
             return 200, copy.deepcopy(obj)
 
+    def _read_custom(
+        self, group: str, version: str, plural: str, namespace: str, name: str
+    ) -> tuple[int, dict[str, Any]]:
+        if f"{plural}.{group}" in self.forbidden:
+            message = f"cannot get resource {plural!r} in API group {group!r}"
+            return 403, _status(403, "Forbidden", message)
+        with self._cond:
+            obj = self._custom.get((group, version, plural), {}).get((namespace, name))
+            if obj is None:
+                return 404, _status(404, "NotFound", f"{plural}.{group} {name!r} not found")
+            return 200, copy.deepcopy(obj)
+
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
@@ -462,6 +509,8 @@ class _Handler(BaseHTTPRequestHandler):
             self._send_json(request, 503, _status(503, "ServiceUnavailable", "try again later"))
         elif request.read is not None:
             self._send_json(request, *fake._read(*request.read))
+        elif request.custom_read is not None:
+            self._send_json(request, *fake._read_custom(*request.custom_read))
         elif collection is None:
             self._send_json(request, 404, _status(404, "NotFound", f"{url.path} is not served"))
         elif request.watch:
@@ -471,12 +520,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _send_json(self, request: RecordedRequest, status: int, body: dict[str, Any]) -> None:
         data = json.dumps(body).encode()
+        # Recorded before the client can read the answer: a test that asserts on the status
+        # right after its call returns must find it there.
+        self.server.fake._answered(request, status)
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
         self.end_headers()
         self.wfile.write(data)
-        self.server.fake._answered(request, status)
 
     def _watch(self, request: RecordedRequest, kind: str) -> None:
         fake = self.server.fake
