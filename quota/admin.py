@@ -7,8 +7,9 @@ read-only, and an update saves only the fields that changed). A save that may ch
 team's rules count (a rule, a namespace) takes the usage lock first and recounts the team's
 usage from the ledger in the same transaction (`quota.services.lock_usage`, `recount_usage`),
 as `apply_policy` does. A budget is set through `quota.services.set_budget`, as
-`apply_policy` sets it. Reservations, their lines, admission decisions and the audit trail are
-written by services only and shown read-only.
+`apply_policy` sets it. A team's gang policy is edited (audited) on its own page. Reservations,
+gangs' holds, their lines, admission decisions and the audit trail are written by services only
+and shown read-only.
 
 Memory is shown in binary units (`2 TiB`) beside the exact byte count a limit is edited in; the
 API and the exports keep exact figures.
@@ -33,6 +34,9 @@ from quota.cel import CELError, compile_selector
 from quota.models import (
     AdmissionDecision,
     Budget,
+    GangPolicy,
+    GangReservation,
+    GangReservationLine,
     Mode,
     QuotaRule,
     Reservation,
@@ -209,9 +213,18 @@ class ReservationLineInline(admin.TabularInline):
 
 @admin.register(Reservation)
 class ReservationAdmin(ReadOnlyAdmin):
-    list_display = ("name", "namespace", "cluster", "team", "state", "username", "created_at")
+    list_display = (
+        "name",
+        "namespace",
+        "cluster",
+        "team",
+        "state",
+        "username",
+        "gang_key",
+        "created_at",
+    )
     list_filter = ("state", "cluster", "team")
-    search_fields = ("name", "namespace", "claim_uid", "username", "owner_name")
+    search_fields = ("name", "namespace", "claim_uid", "username", "owner_name", "gang_key")
     list_select_related = ("team",)
     ordering = ("-created_at",)
     inlines = (ReservationLineInline,)
@@ -222,6 +235,51 @@ class ReservationAdmin(ReadOnlyAdmin):
     def expire_stale(self, request: HttpRequest, queryset: QuerySet[Reservation]) -> None:
         released = services.expire_reservations(now=timezone.now())
         self.message_user(request, f"{released} expired reservation(s) released")
+
+
+class GangReservationLineInline(admin.TabularInline):
+    model = GangReservationLine
+    fields = ("rule", "amount")
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+@admin.register(GangReservation)
+class GangReservationAdmin(ReadOnlyAdmin):
+    """What gangs admitted whole hold for their members to come (written by the webhook and
+    `quota.services` only): their members are the reservations of the same gang key."""
+
+    list_display = (
+        "key",
+        "namespace",
+        "cluster",
+        "team",
+        "size",
+        "state",
+        "created_at",
+        "expires_at",
+        "released_at",
+    )
+    list_filter = ("state", "source", "cluster", "team")
+    search_fields = ("key", "namespace")
+    list_select_related = ("team",)
+    ordering = ("-created_at",)
+    inlines = (GangReservationLineInline,)
+    show_full_result_count = False
+
+
+@admin.register(GangPolicy)
+class GangPolicyAdmin(AuditedAdmin):
+    """How a team's gangs are admitted; a team without one is enforced (see `GangMode`)."""
+
+    list_display = ("team", "mode")
+    list_filter = ("mode",)
+    search_fields = ("team__slug", "team__name")
+    list_select_related = ("team",)
 
 
 @admin.register(ReservationLine)
@@ -246,8 +304,8 @@ class AdmissionDecisionAdmin(ReadOnlyAdmin):
 
 @admin.register(Budget)
 class BudgetAdmin(AuditedAdmin):
-    list_display = ("team", "gpu_hours", "mode")
-    list_filter = ("mode",)
+    list_display = ("team", "gpu_hours", "unit", "mode")
+    list_filter = ("mode", "unit")
     search_fields = ("team__slug", "team__name")
     list_select_related = ("team",)
 
@@ -260,6 +318,7 @@ class BudgetAdmin(AuditedAdmin):
             team=obj.team,
             gpu_hours=obj.gpu_hours,
             mode=obj.mode,
+            unit=obj.unit,
             actor=request.user.get_username(),
         )
         obj.pk = budget.pk  # the admin's messages and links name the saved budget

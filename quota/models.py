@@ -10,6 +10,8 @@ from __future__ import annotations
 from django.db import models
 from django.db.models import Q
 
+from inventory.models import Unit as DeviceUnit
+from inventory.profiles import hours_label
 from teams.models import Team
 
 
@@ -41,8 +43,8 @@ class QuotaRule(models.Model):
     # as messages and the API say (`quota.admission.shapes.rule_unit`).
     limit = models.DecimalField(max_digits=24, decimal_places=6)
     mode = models.CharField(max_length=16, choices=Mode.choices, default=Mode.ENFORCE)
-    # Sum of the live reservation lines on this rule; only quota.services and the webhook's
-    # quota.admission.store write it.
+    # Sum of the live reservation lines and live gang reservation lines on this rule; only
+    # quota.services and the webhook's quota.admission.store write it.
     in_use = models.DecimalField(max_digits=24, decimal_places=6, default=0)
 
     class Meta:
@@ -98,6 +100,10 @@ class Reservation(models.Model):
     created_at = models.DateTimeField()
     expires_at = models.DateTimeField(null=True, blank=True)
     released_at = models.DateTimeField(null=True, blank=True)
+    # The gang the claim's Pod belongs to (`inventory.gangs.GangRef.key`), "" for none: its
+    # members are the live reservations of the same cluster, namespace and key. A default in
+    # the database too, for the inserts of a pod of the previous version.
+    gang_key = models.CharField(max_length=320, blank=True, default="", db_default="")
 
     class Meta:
         constraints = [
@@ -107,7 +113,14 @@ class Reservation(models.Model):
                 name="reservation_unique_live_claim",
             ),
         ]
-        indexes = [models.Index(fields=["state", "expires_at"], name="reservation_expiry")]
+        indexes = [
+            models.Index(fields=["state", "expires_at"], name="reservation_expiry"),
+            models.Index(
+                fields=["cluster", "namespace", "gang_key"],
+                condition=~Q(gang_key="") & ~Q(state="released"),
+                name="reservation_live_gang_member",
+            ),
+        ]
 
     def __str__(self) -> str:
         return f"{self.namespace}/{self.name} ({self.state})"
@@ -136,6 +149,96 @@ class ReservationLine(models.Model):
 
     def __str__(self) -> str:
         return f"{self.reservation}: {self.amount} on {self.rule}"
+
+
+class GangMode(models.TextChoices):
+    ENFORCE = "enforce", "enforce (admit a gang whole or not at all)"
+    WARN = "warn", "warn (decide each claim alone; warn when its gang cannot fit whole)"
+    OFF = "off", "off (decide each claim alone)"
+
+
+class GangPolicy(models.Model):
+    """How a team's gangs are admitted; a team without one is `enforce`d."""
+
+    team = models.OneToOneField(Team, on_delete=models.CASCADE, related_name="gang_policy")
+    mode = models.CharField(max_length=8, choices=GangMode.choices, default=GangMode.ENFORCE)
+
+    class Meta:
+        verbose_name_plural = "gang policies"
+
+    def __str__(self) -> str:
+        return f"{self.team}: gangs {self.mode}"
+
+
+class GangReservation(models.Model):
+    """What a gang admitted whole holds for its members not yet admitted (the hold).
+
+    The first member's admission reserves the whole gang's demand: the member's own share on
+    its reservation, the rest here. Each later member moves its share from here to its own
+    reservation, so usage does not change. Released when no member holds a live reservation
+    any more, or when the gang's members have not all appeared by `expires_at`.
+    """
+
+    cluster = models.CharField(max_length=63)
+    namespace = models.CharField(max_length=253)
+    key = models.CharField(max_length=320)  # `inventory.gangs.GangRef.key`
+    source = models.CharField(max_length=16)  # `inventory.gangs.GangRef.source`
+    size = models.PositiveIntegerField()  # pods that must run together
+    team = models.ForeignKey(
+        Team,
+        on_delete=models.PROTECT,
+        related_name="gang_reservations",
+        db_constraint=False,  # see Reservation.team
+    )
+    # reserved (live) or released; never allocated: the members are.
+    state = models.CharField(
+        max_length=16, choices=ReservationState.choices, default=ReservationState.RESERVED
+    )
+    created_at = models.DateTimeField()
+    expires_at = models.DateTimeField(null=True, blank=True)
+    released_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["cluster", "namespace", "key"],
+                condition=~Q(state="released"),
+                name="gangreservation_unique_live",
+            ),
+        ]
+        indexes = [models.Index(fields=["state", "expires_at"], name="gangreservation_expiry")]
+
+    def __str__(self) -> str:
+        return f"{self.namespace}/{self.key} ({self.state})"
+
+
+class GangReservationLine(models.Model):
+    """The amount a gang's hold keeps on one rule for its members to come, in the rule's unit."""
+
+    gang_reservation = models.ForeignKey(
+        GangReservation,
+        on_delete=models.CASCADE,
+        related_name="lines",
+        db_index=False,  # the unique (gang_reservation, rule) index leads with it
+        db_constraint=False,  # see Reservation.team
+    )
+    rule = models.ForeignKey(
+        QuotaRule, on_delete=models.CASCADE, related_name="gang_lines", db_constraint=False
+    )
+    amount = models.DecimalField(max_digits=24, decimal_places=6)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["gang_reservation", "rule"], name="gangreservationline_unique"
+            ),
+            models.CheckConstraint(
+                condition=Q(amount__gte=0), name="gangreservationline_amount_positive"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.gang_reservation}: {self.amount} on {self.rule}"
 
 
 class Webhook(models.TextChoices):
@@ -181,11 +284,18 @@ class AdmissionDecision(models.Model):
 
 
 class Budget(models.Model):
-    """A team's GPU-hour budget per period; `hard` denies new claims past it."""
+    """A team's budget per period in hours of one unit (GPU-hours, TPU chip-hours, Gaudi
+    card-hours); `hard` denies new claims of devices of that unit past it.
+
+    Hours of different units never add up, so only the team's hours of `unit` count toward
+    it, and claims of devices of another unit are never weighed against it.
+    """
 
     team = models.OneToOneField(Team, on_delete=models.CASCADE, related_name="budget")
+    # Hours of `unit`, whatever it is (the name predates units other than GPUs).
     gpu_hours = models.DecimalField(max_digits=14, decimal_places=3)
     mode = models.CharField(max_length=8, choices=[("hard", "hard"), ("soft", "soft")])
+    unit = models.CharField(max_length=16, choices=DeviceUnit.choices, default=DeviceUnit.GPU)
 
     def __str__(self) -> str:
-        return f"{self.team}: {self.gpu_hours} GPU-h ({self.mode})"
+        return f"{self.team}: {self.gpu_hours.normalize():f} {hours_label(self.unit)} ({self.mode})"

@@ -21,7 +21,11 @@ The format (see docs/policy.example.yaml)::
         selector: device.attributes["gpu.nvidia.com"].productName.startsWith("NVIDIA H100")
         gpus: 8                    # or `memory: 640Gi`: exactly one of the two
         mode: enforce              # enforce (default) | warn
-      budget: {gpuHours: 2000, mode: hard}   # optional; per billing period; hard | soft
+      budget: {gpuHours: 2000, mode: hard}   # optional; per billing period; hard | soft;
+                                             # unit: gpu (default) | tpu | gaudi | accelerator
+      gangs: enforce               # optional; enforce (default: a gang is admitted whole or
+                                   # not at all) | warn (claims decided alone, a gang that
+                                   # cannot fit whole warned of) | off (claims decided alone)
     drivers:                       # optional; absent: driver profiles are left as they are
       npu.example.com:             # a DRA driver Tally has no built-in profile for
         unit: accelerator          # gpu | tpu | gaudi | accelerator
@@ -89,19 +93,40 @@ from billing.rates import (
     rate_change_error,
 )
 from billing.services import delete_rate_card, save_rate_card
-from inventory.models import DeviceClass, DriverProfile
-from inventory.profiles import ProfileError, validate_spec
+from inventory.models import Device, DeviceClass, DeviceKind, DriverProfile
+from inventory.models import Unit as DeviceUnit
+from inventory.profiles import UNITS, ProfileError, validate_spec
 from inventory.versions import VersionPolicy, apply_version_policy, parse_version_policy
 from quota.cel import CELError, compile_selector
-from quota.models import Budget, Mode, QuotaRule, Reservation, ReservationState, Unit
+from quota.models import (
+    Budget,
+    GangMode,
+    GangPolicy,
+    Mode,
+    QuotaRule,
+    Reservation,
+    ReservationState,
+    Unit,
+)
 from quota.services import lock_usage, recount_usage, set_budget
 from teams import audit
 from teams.models import AuditEntry, Membership, Role, Team, TeamNamespace
 
 _TOP_KEYS = ("teams", "rates", "drivers", "versions")
-_TEAM_KEYS = ("slug", "name", "costCentre", "namespaces", "leads", "members", "quotas", "budget")
+_TEAM_KEYS = (
+    "slug",
+    "name",
+    "costCentre",
+    "namespaces",
+    "leads",
+    "members",
+    "quotas",
+    "budget",
+    "gangs",
+)
 _RULE_KEYS = ("name", "deviceClass", "selector", "gpus", "memory", "mode")
-_BUDGET_KEYS = ("gpuHours", "mode")
+_BUDGET_KEYS = ("gpuHours", "mode", "unit")
+_BUDGET_REQUIRED = ("gpuHours", "mode")
 _BUDGET_MODES = ("hard", "soft")
 _RATE_KEYS = ("productName", "profile", "perGpuHour", "idleFactor", "currency", "from", "until")
 # A Kubernetes namespace name: a DNS-1123 label.
@@ -139,11 +164,13 @@ class RuleSpec:
 
 @dataclass(frozen=True)
 class BudgetSpec:
-    """A team's GPU-hour budget per period as declared."""
+    """A team's budget per period as declared: `gpu_hours` hours of `unit` (GPU-hours unless
+    the file says `unit: tpu`, `gaudi` or `accelerator`)."""
 
     path: str
     gpu_hours: Decimal
     mode: str
+    unit: str = DeviceUnit.GPU
 
 
 @dataclass(frozen=True)
@@ -181,6 +208,8 @@ class TeamSpec:
     members: tuple[str, ...]
     rules: tuple[RuleSpec, ...]
     budget: BudgetSpec | None = None
+    # How the team's gangs are admitted (`GangMode`); None: not declared.
+    gangs: str | None = None
 
     def roles(self) -> dict[str, Role]:
         return {
@@ -222,9 +251,11 @@ class ApplyReport:
         self.counts[object_type][action] += 1
         self.changes.append(line)
 
-    def add_entry(self, entry: AuditEntry) -> None:
+    def add_entry(self, entry: AuditEntry, *, name: str = "") -> None:
+        """Report `entry`'s change, the object named `name` when given (a rate card with its
+        model's unit: `str()`, which the entry holds, cannot look it up), else as audited."""
         action = f"{entry.action}d"
-        line = f"{action} {entry.object_type} {entry.object_repr}"
+        line = f"{action} {entry.object_type} {name or entry.object_repr}"
         if entry.action == "update" and entry.before is not None and entry.after is not None:
             line += ": " + ", ".join(
                 f"{name} {entry.before.get(name)!r} → {value!r}"
@@ -447,6 +478,12 @@ def _team(
     members = checker.string_list(mapping, "members", path)
     _check_usernames(checker, [*leads, *members])
     budget = _budget(checker, mapping["budget"], f"{path}.budget") if "budget" in mapping else None
+    gangs = mapping.get("gangs")
+    if gangs is False:
+        gangs = GangMode.OFF.value  # YAML 1.1 reads an unquoted `off` as false
+    if gangs is not None and gangs not in GangMode.values:
+        checker.error(f"{path}.gangs", f"must be enforce, warn or off, got {gangs!r}")
+        gangs = None
     quotas = mapping.get("quotas", [])
     if not isinstance(quotas, list):
         checker.error(f"{path}.quotas", f"must be a list, got {_kind(quotas)}")
@@ -466,6 +503,7 @@ def _team(
         members=tuple(username for _, username in members),
         rules=tuple(rules),
         budget=budget,
+        gangs=gangs,
     )
 
 
@@ -612,21 +650,24 @@ def _positive(checker: _Checker, number: Decimal | None, value: Any, path: str) 
 
 
 def _budget(checker: _Checker, value: Any, path: str) -> BudgetSpec | None:
-    mapping = checker.mapping(value, path, keys=_BUDGET_KEYS, required=_BUDGET_KEYS)
+    mapping = checker.mapping(value, path, keys=_BUDGET_KEYS, required=_BUDGET_REQUIRED)
     if mapping is None:
         return None
     mode = mapping.get("mode")
     if "mode" in mapping and mode not in _BUDGET_MODES:
         checker.error(f"{path}.mode", f"must be hard or soft, got {mode!r}")
+    unit = mapping.get("unit", DeviceUnit.GPU)
+    if unit not in UNITS:
+        checker.error(f"{path}.unit", f"must be one of {', '.join(UNITS)}, got {unit!r}")
     gpu_hours = None
     if "gpuHours" in mapping:
         value = mapping["gpuHours"]
         # Budget.gpu_hours is NUMERIC(14, 3).
         number = _decimal(checker, value, f"{path}.gpuHours", digits=14, places=3)
         gpu_hours = _positive(checker, number, value, f"{path}.gpuHours")
-    if gpu_hours is None or mode not in _BUDGET_MODES:
+    if gpu_hours is None or mode not in _BUDGET_MODES or unit not in UNITS:
         return None
-    return BudgetSpec(path=path, gpu_hours=gpu_hours, mode=mode)
+    return BudgetSpec(path=path, gpu_hours=gpu_hours, mode=mode, unit=unit)
 
 
 def _rate(checker: _Checker, value: Any, path: str) -> RateSpec | None:
@@ -765,6 +806,7 @@ class _State:
     rate_cards: dict[RateKey, RateCard]
     closed_periods: list[ClosedPeriod]
     driver_profiles: dict[str, DriverProfile] = field(default_factory=dict)
+    gang_policies: dict[int, GangPolicy] = field(default_factory=dict)
 
     @classmethod
     def load(cls, *, lock_periods: bool) -> _State:
@@ -790,6 +832,10 @@ class _State:
         for budget in Budget.objects.all():
             budget.team = by_id[budget.team_id]
             budgets[budget.team_id] = budget
+        gang_policies = {}
+        for gang_policy in GangPolicy.objects.all():
+            gang_policy.team = by_id[gang_policy.team_id]
+            gang_policies[gang_policy.team_id] = gang_policy
         # Periods (and the rate cards' writers' lock) before the cards, in the order
         # `billing.services` takes them.
         closed = closed_periods(lock=lock_periods)
@@ -804,6 +850,7 @@ class _State:
             rate_cards=rate_cards,
             closed_periods=closed,
             driver_profiles=driver_profiles,
+            gang_policies=gang_policies,
         )
 
     def undeclared_teams(self, policy: Policy) -> list[Team]:
@@ -946,6 +993,8 @@ class _Applier:
         self.report = report
         # Teams whose rules or namespaces changed: their usage is recounted.
         self.recount: set[int] = set()
+        # Model -> the unit its rate cards price an hour of (`_rate_name`); None: not read yet.
+        self._product_units: dict[str, str] | None = None
 
     def apply(self, *, policy: Policy, prune: bool) -> None:
         users = self._users(policy.teams)
@@ -957,6 +1006,13 @@ class _Applier:
             self._rules(spec, team)
             if spec.budget is not None:
                 self._budget(spec.budget, team)
+            if spec.gangs is not None:
+                self._put(
+                    self.state.gang_policies.get(team.pk),
+                    GangPolicy,
+                    identity={"team": team},
+                    values={"mode": spec.gangs},
+                )
         for rate_spec in policy.rates or ():
             self._rate(rate_spec)
         for driver, profile_spec in (policy.drivers or {}).items():
@@ -1001,6 +1057,9 @@ class _Applier:
             budget = self.state.budgets.get(team.pk)
             if spec.budget is None and budget is not None:
                 undeclared.append(budget)
+            gang_policy = self.state.gang_policies.get(team.pk)
+            if spec.gangs is None and gang_policy is not None:
+                undeclared.append(gang_policy)  # deleted: the team's gangs are enforced
         declared_slugs = {spec.slug for spec in policy.teams}
         declared_namespaces = {name for spec in policy.teams for name in spec.namespaces}
         undeclared += [
@@ -1101,7 +1160,9 @@ class _Applier:
                 self.recount.add(team.pk)
 
     def _budget(self, spec: BudgetSpec, team: Team) -> None:
-        _, entry = set_budget(team=team, gpu_hours=spec.gpu_hours, mode=spec.mode, actor=self.actor)
+        _, entry = set_budget(
+            team=team, gpu_hours=spec.gpu_hours, mode=spec.mode, unit=spec.unit, actor=self.actor
+        )
         if entry is not None:
             self.report.add_entry(entry)
 
@@ -1124,8 +1185,27 @@ class _Applier:
             check_overlap=False,
         )
         if saved.entry is not None:
-            self.report.add_entry(saved.entry)
+            self.report.add_entry(saved.entry, name=self._rate_name(saved.card))
         self.state.rate_cards[spec.key] = saved.card
+
+    def _rate_name(self, card: RateCard) -> str:
+        """The card priced per hour of its model's unit (`USD/TPU chip-hour`): the unit of the
+        model's accelerators in the inventory, "accelerator" when they differ, GPU when none
+        is known yet. Read in one query, when the first rate card changes."""
+        if self._product_units is None:
+            found: dict[str, set[str]] = defaultdict(set)
+            for product_name, unit in (
+                Device.objects.exclude(kind=DeviceKind.OTHER)
+                .exclude(product_name="")
+                .values_list("product_name", "unit")
+                .distinct()
+            ):
+                found[product_name].add(unit)
+            self._product_units = {
+                product: units.pop() if len(units) == 1 else DeviceUnit.ACCELERATOR
+                for product, units in found.items()
+            }
+        return card.describe(self._product_units.get(card.product_name, DeviceUnit.GPU))
 
     def _put(
         self,
@@ -1161,9 +1241,8 @@ class _Applier:
         if isinstance(obj, Team) and (budget := self.state.budgets.get(obj.pk)) is not None:
             entries += audit.delete(actor=self.actor, obj=budget)
         if isinstance(obj, RateCard):
-            entries.append(
-                delete_rate_card(card=obj, actor=self.actor, closed=self.state.closed_periods)
-            )
+            entry = delete_rate_card(card=obj, actor=self.actor, closed=self.state.closed_periods)
+            self.report.add_entry(entry, name=self._rate_name(obj))
         else:
             entries += audit.delete(actor=self.actor, obj=obj)
         for entry in entries:

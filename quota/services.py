@@ -9,9 +9,15 @@ and every change that can change what a rule counts (a rule, a namespace, its te
 in the same transaction, so usage never depends on the order in which claims, syncs and policy
 changes arrived. `reconcile_usage` recounts every rule and reports (and fixes) any drift.
 
+A gang admitted whole (`quota.admission.decision.weigh_gang`) also holds, until its members
+have drawn it, what it reserved for them: a live `GangReservation`'s lines count on the rules
+beside the reservations' lines, and the recount counts them too.
+
 `sync_reservations` turns a reservation into the exact allocated devices once the scheduler has
-allocated, and releases it when the claim goes; `expire_reservations` frees what was reserved
-for claims that never appeared; `set_budget` gives a team its GPU-hour budget.
+allocated, and releases it when the claim goes (and its gang's hold when it was the gang's last
+member); `expire_reservations` frees what was reserved for claims that never appeared, and
+what gangs held for members that did not appear in time; `set_budget` gives a team its budget
+(in hours of one unit).
 
 Every write of usage here takes `lock_usage` first: the usage lock, then the rules it changes
 in id order, the order in which the webhook's reserving statement locks a team's rules, so the
@@ -35,10 +41,19 @@ from django.db.models import F, Q
 from config import metrics
 from db.locks import advisory_xact_lock
 from inventory.models import Allocation, Cluster, ResourceClaim
+from inventory.models import Unit as DeviceUnit
 from inventory.owners import is_controller
 from quota.admission.decision import claim_amounts, per_device
 from quota.admission.shapes import FleetShapes, Shape, covers, load_fleet, shape_of
-from quota.models import Budget, QuotaRule, Reservation, ReservationLine, ReservationState
+from quota.models import (
+    Budget,
+    GangReservation,
+    GangReservationLine,
+    QuotaRule,
+    Reservation,
+    ReservationLine,
+    ReservationState,
+)
 from teams import audit
 from teams.models import AuditEntry, Team, TeamNamespace
 
@@ -46,10 +61,11 @@ log = logging.getLogger(__name__)
 
 
 def set_budget(
-    *, team: Team, gpu_hours: Decimal, mode: str, actor: str
+    *, team: Team, gpu_hours: Decimal, mode: str, actor: str, unit: str = DeviceUnit.GPU
 ) -> tuple[Budget, AuditEntry | None]:
-    """Give `team` a GPU-hour budget of `gpu_hours` per period (`mode`: "hard" denies new
-    claims past it, "soft" warns), or change the one it has.
+    """Give `team` a budget of `gpu_hours` hours of `unit` per period (GPU-hours by default;
+    `mode`: "hard" denies new claims of devices of that unit past it, "soft" warns), or change
+    the one it has.
 
     Guarantees: the team's row is locked while its budget is written, so concurrent changes
     apply one after the other and none is lost; only what differs is written; each change has
@@ -59,10 +75,10 @@ def set_budget(
         Team.objects.select_for_update().only("pk").get(pk=team.pk)
         budget = Budget.objects.filter(team=team).first()
         if budget is None:
-            budget = Budget(team=team, gpu_hours=gpu_hours, mode=mode)
+            budget = Budget(team=team, gpu_hours=gpu_hours, mode=mode, unit=unit)
             return budget, audit.create(actor=actor, obj=budget)
         before = audit.snapshot(budget)
-        budget.gpu_hours, budget.mode = gpu_hours, mode
+        budget.gpu_hours, budget.mode, budget.unit = gpu_hours, mode, unit
         return budget, audit.update(actor=actor, obj=budget, before=before)
 
 
@@ -166,31 +182,42 @@ def _open_allocations(claim_ids: Iterable[int]) -> dict[int, list[Allocation]]:
     return by_claim
 
 
-def _change_lines(reservation: Reservation, amounts: dict[int, Decimal]) -> None:
-    """Make the reservation's lines `amounts`, moving each rule's `in_use` by the difference.
-    The rules are locked already (`lock_usage`)."""
-    stored = {line.rule_id: line.amount for line in reservation.lines.all()}
-    _write_lines(reservation, stored, amounts)
+# What holds amounts on rules: a claim's reservation, or a gang's hold.
+Holder = Reservation | GangReservation
+
+
+def _change_lines(holder: Holder, amounts: dict[int, Decimal]) -> None:
+    """Make the reservation's (or gang hold's) lines `amounts`, moving each rule's `in_use` by
+    the difference. The rules are locked already (`lock_usage`)."""
+    stored = {line.rule_id: line.amount for line in holder.lines.all()}
+    _write_lines(holder, stored, amounts)
     for rule_id in sorted(set(stored) | set(amounts)):
         delta = amounts.get(rule_id, Decimal(0)) - stored.get(rule_id, Decimal(0))
         if delta:
             QuotaRule.objects.filter(pk=rule_id).update(in_use=F("in_use") + delta)
 
 
-def _write_lines(
-    reservation: Reservation, stored: dict[int, Decimal], amounts: dict[int, Decimal]
-) -> None:
-    """Make the reservation's lines, `stored` now, `amounts`: only what differs is written."""
+def _write_lines(holder: Holder, stored: dict[int, Decimal], amounts: dict[int, Decimal]) -> None:
+    """Make the reservation's (or gang hold's) lines, `stored` now, `amounts`: only what
+    differs is written."""
+    lines = (
+        ReservationLine.objects.filter(reservation=holder)
+        if isinstance(holder, Reservation)
+        else GangReservationLine.objects.filter(gang_reservation=holder)
+    )
     gone = [rule_id for rule_id in stored if rule_id not in amounts]
     if gone:
-        ReservationLine.objects.filter(reservation=reservation, rule_id__in=gone).delete()
+        lines.filter(rule_id__in=gone).delete()
     for rule_id, amount in amounts.items():
         if rule_id not in stored:
-            ReservationLine.objects.create(reservation=reservation, rule_id=rule_id, amount=amount)
+            if isinstance(holder, Reservation):
+                ReservationLine.objects.create(reservation=holder, rule_id=rule_id, amount=amount)
+            else:
+                GangReservationLine.objects.create(
+                    gang_reservation=holder, rule_id=rule_id, amount=amount
+                )
         elif stored[rule_id] != amount:
-            ReservationLine.objects.filter(reservation=reservation, rule_id=rule_id).update(
-                amount=amount
-            )
+            lines.filter(rule_id=rule_id).update(amount=amount)
 
 
 def _release(reservation: Reservation, at: datetime) -> bool:
@@ -200,6 +227,41 @@ def _release(reservation: Reservation, at: datetime) -> bool:
         .update(state=ReservationState.RELEASED, released_at=at)
     ):
         _change_lines(reservation, {})
+        if reservation.gang_key:
+            _end_gang(reservation, at)
+        return True
+    return False
+
+
+def _end_gang(member: Reservation, at: datetime) -> None:
+    """Release the hold of the gang of `member` (just released) once none of its members
+    holds a live reservation: the gang has ended, and its members to come, if any, will be
+    weighed as a new gang. Takes the rules of the hold's team before the hold, in the order
+    the webhook locks them."""
+    if (
+        Reservation.objects.filter(
+            cluster=member.cluster, namespace=member.namespace, gang_key=member.gang_key
+        )
+        .exclude(state=ReservationState.RELEASED)
+        .exists()
+    ):
+        return
+    live = GangReservation.objects.filter(
+        cluster=member.cluster, namespace=member.namespace, key=member.gang_key
+    ).exclude(state=ReservationState.RELEASED)
+    _lock_rules(set(live.values_list("team_id", flat=True)))
+    for hold in live.select_for_update():
+        _release_hold(hold, at)
+
+
+def _release_hold(hold: GangReservation, at: datetime) -> bool:
+    """Release a gang's hold, freeing what it still holds. The rules are locked already."""
+    if (
+        GangReservation.objects.filter(pk=hold.pk)
+        .exclude(state=ReservationState.RELEASED)
+        .update(state=ReservationState.RELEASED, released_at=at)
+    ):
+        _change_lines(hold, {})
         return True
     return False
 
@@ -363,22 +425,35 @@ def _record_creator(claim: ResourceClaim, reservation: Reservation) -> None:
 
 
 def expire_reservations(*, now: datetime) -> int:
-    """Release reservations whose claim never appeared (a later admission step rejected it).
-    Returns how many it released."""
+    """Release reservations whose claim never appeared (a later admission step rejected it),
+    and what gangs still hold for members that have not appeared by their hold's expiry
+    (TALLY_GANG_RESERVATION_SECONDS after the gang's admission; a hold its members have drawn
+    whole stays until the gang ends). Returns how many reservations and holds it released."""
     due = dict(
         Reservation.objects.filter(
             state=ReservationState.RESERVED, claim_uid="", expires_at__lt=now
         ).values_list("pk", "team_id")
     )
-    if not due:
+    holds_due = dict(
+        GangReservation.objects.filter(
+            state=ReservationState.RESERVED, expires_at__lt=now, lines__amount__gt=0
+        )
+        .distinct()
+        .values_list("pk", "team_id")
+    )
+    if not due and not holds_due:
         return 0
     expired = 0
     with transaction.atomic():
-        lock_usage(team_ids=set(due.values()))
+        lock_usage(team_ids=set(due.values()) | set(holds_due.values()))
         for reservation in Reservation.objects.select_for_update().filter(
             pk__in=due, state=ReservationState.RESERVED, claim_uid="", expires_at__lt=now
         ):
             expired += _release(reservation, now)
+        for hold in GangReservation.objects.select_for_update().filter(
+            pk__in=holds_due, state=ReservationState.RESERVED, expires_at__lt=now
+        ):
+            expired += _release_hold(hold, now)
     return expired
 
 
@@ -446,17 +521,20 @@ def recount_usage(
 
 
 def _neighbourhood(team_ids: set[int]) -> set[int]:
-    """`team_ids` with the teams whose reservations lie in their namespaces and the owners of
-    the namespaces of their reservations, and so on: those a recount of theirs may move
-    reservations to or from."""
+    """`team_ids` with the teams whose reservations (or gang holds) lie in their namespaces
+    and the owners of the namespaces of their reservations, and so on: those a recount of
+    theirs may move reservations to or from."""
     found = set(team_ids)
     while True:
         namespaces = set(
             TeamNamespace.objects.filter(team_id__in=found).values_list("namespace", flat=True)
         )
-        live = Reservation.objects.exclude(state=ReservationState.RELEASED)
-        held = set(live.filter(team_id__in=found).values_list("namespace", flat=True))
-        more = set(live.filter(namespace__in=namespaces).values_list("team_id", flat=True))
+        held: set[str] = set()
+        more: set[int] = set()
+        for model in (Reservation, GangReservation):
+            live = model.objects.exclude(state=ReservationState.RELEASED)
+            held |= set(live.filter(team_id__in=found).values_list("namespace", flat=True))
+            more |= set(live.filter(namespace__in=namespaces).values_list("team_id", flat=True))
         more |= set(
             TeamNamespace.objects.filter(namespace__in=held).values_list("team_id", flat=True)
         )
@@ -467,9 +545,10 @@ def _neighbourhood(team_ids: set[int]) -> set[int]:
 
 @dataclass
 class _Holding:
-    """What one live reservation, or one claim to adopt, should hold: its team and its lines."""
+    """What one live reservation, gang hold or claim to adopt should hold: its team and its
+    lines."""
 
-    subject: Reservation | ResourceClaim
+    subject: Reservation | GangReservation | ResourceClaim
     team_id: int
     lines: dict[int, Decimal]
 
@@ -506,7 +585,14 @@ class _Recount:
             .prefetch_related("lines")
             .order_by("pk")
         )
-        namespaces = owned | {r.namespace for r in reservations}
+        holds = list(
+            GangReservation.objects.select_for_update()
+            .exclude(state=ReservationState.RELEASED)
+            .filter(Q(namespace__in=owned) | Q(team_id__in=self.team_ids))
+            .prefetch_related("lines")
+            .order_by("pk")
+        )
+        namespaces = owned | {r.namespace for r in reservations} | {h.namespace for h in holds}
         self.owners = dict(
             TeamNamespace.objects.filter(namespace__in=namespaces).values_list(
                 "namespace", "team_id"
@@ -525,9 +611,24 @@ class _Recount:
             for reservation in reservations
             if (holding := self._reservation(reservation)) is not None
         ]
+        holdings += [holding for hold in holds if (holding := self._hold(hold)) is not None]
         live = {(r.cluster, r.namespace, r.name) for r in reservations}
         holdings += self._adoptions(live)
         return self._settle(holdings, fix=fix)
+
+    def _hold(self, hold: GangReservation) -> _Holding | None:
+        """What a gang's live hold should hold: what it holds now on the rules still its
+        team's while that team owns its namespace (the webhook alone knows what the gang's
+        members to come take), nothing once another team or none does; None for one this
+        recount leaves alone."""
+        owner = self.owners.get(hold.namespace)
+        if hold.team_id not in self.team_ids or (owner is not None and owner not in self.team_ids):
+            return None
+        if owner != hold.team_id:
+            return _Holding(hold, hold.team_id, {})
+        ours = {rule.pk for rule in self.rules_of[owner]}
+        held = {line.rule_id: line.amount for line in hold.lines.all() if line.rule_id in ours}
+        return _Holding(hold, owner, held)
 
     def _reservation(self, reservation: Reservation) -> _Holding | None:
         """What a live reservation should hold; None for one this recount leaves alone."""
@@ -609,7 +710,7 @@ class _Recount:
             subject = _adopt(
                 subject, cluster=subject.cluster.name, team_id=holding.team_id, at=self.at
             )
-        elif holding.team_id != subject.team_id:
+        elif isinstance(subject, Reservation) and holding.team_id != subject.team_id:
             Reservation.objects.filter(pk=subject.pk).update(team_id=holding.team_id)
         _write_lines(subject, stored, lines)
 

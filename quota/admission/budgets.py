@@ -1,10 +1,11 @@
-"""What the webhook knows of GPU-hour budgets, cached per process.
+"""What the webhook knows of budgets, cached per process.
 
-GPU-hours move slowly: a worker reads the budgets (one query for all teams) and a team's hours
-at most every TALLY_BUDGET_CACHE_SECONDS; a team without a budget costs nothing. The period is
-the stored one holding now, else the configured one (`period_holding`): stored periods of
-another length, after TALLY_BILLING_PERIOD changed, never make admission fail, and admission
-never creates a period.
+A budget is in hours of one unit (GPU-hours, TPU chip-hours, Gaudi card-hours), and only the
+team's hours of that unit count toward it. Hours move slowly: a worker reads the budgets (one
+query for all teams) and a team's hours at most every TALLY_BUDGET_CACHE_SECONDS; a team
+without a budget costs nothing. The period is the stored one holding now, else the configured
+one (`period_holding`): stored periods of another length, after TALLY_BILLING_PERIOD changed,
+never make admission fail, and admission never creates a period.
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ _budgets: list[_Budgets] = []
 
 
 def budget_use(team: Team) -> BudgetUse | None:
-    """The team's budget and the GPU-hours it has used in the period holding now (None: it
-    has no budget), as of at most TALLY_BUDGET_CACHE_SECONDS ago."""
+    """The team's budget and the hours of its unit the team has used in the period holding
+    now (None: it has no budget), as of at most TALLY_BUDGET_CACHE_SECONDS ago."""
     if not _budgets or _budgets[0].expires < time.monotonic():
         budgets = {budget.team_id: budget for budget in Budget.objects.all()}
         expires = time.monotonic() + settings.TALLY_BUDGET_CACHE_SECONDS
@@ -50,9 +51,10 @@ def budget_use(team: Team) -> BudgetUse | None:
         now = timezone.now()
         period = period_holding(now)
         use = cache.used[team.pk] = BudgetUse(
-            gpu_hours=budget.gpu_hours,
+            hours=budget.gpu_hours,
+            unit=budget.unit,
             mode=budget.mode,
-            used=team_gpu_hours(team=team, period=period, now=now),
+            used=team_gpu_hours(team=team, period=period, now=now, unit=budget.unit),
             period=period.label,
         )
     return use

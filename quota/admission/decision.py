@@ -30,10 +30,11 @@ from django.conf import settings
 from kubernetes.utils import parse_quantity
 
 from inventory import capacity, dra
-from inventory.profiles import unit_label
+from inventory.gangs import GangRef
+from inventory.profiles import hours_label, unit_label
 from quota import cel
 from quota.admission.shapes import FleetShapes, Shape
-from quota.models import Mode, QuotaRule, ReservationState, Unit
+from quota.models import GangMode, Mode, QuotaRule, ReservationState, Unit
 from teams.models import Team
 
 NEAR_LIMIT = Decimal("0.8")
@@ -79,13 +80,20 @@ class AdmissionState:
     team: Team | None
     rules: list[RuleSnapshot]
     replayed_team_id: int | None
+    # How the team's gangs are admitted (`GangMode`; a team without a policy: enforce).
+    gang_mode: str = GangMode.ENFORCE.value
+    # What the claim may draw, by rule, from its gang's live hold (`store.gang_state`): counted
+    # in the rules' usage already, so only what it asks beyond that is weighed against limits.
+    credit: dict[int, Decimal] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class BudgetUse:
-    """A team's GPU-hour budget, and the hours it has used in the period holding now."""
+    """A team's budget in hours of one unit, and the hours of that unit it has used in the
+    period holding now."""
 
-    gpu_hours: Decimal
+    hours: Decimal
+    unit: str  # what the hours count (inventory.models.Unit): GPU-hours, TPU chip-hours, ...
     mode: str  # "hard" denies new claims past it; "soft" warns
     used: Decimal
     period: str  # the period's name, as the commands print it
@@ -128,8 +136,12 @@ class Plan:
     denial: str = ""
     reason: str = ""
     rule: str = ""
-    # What each rule's amounts count in this cluster's fleet ("gpu", "tpu", ...), by rule id.
+    # What each rule's amounts count over every cluster's fleet ("gpu", "tpu", ...), by rule id.
     units: dict[int, str] = field(default_factory=dict)
+    # What the claim may take, by rule, from its gang's hold (`AdmissionState.credit`).
+    credit: dict[int, Decimal] = field(default_factory=dict)
+    # The claim's gang, and what admitting it reserves for the gang (`weigh_gang`).
+    gang: GangPlan | None = None
 
     def decision(self) -> Decision:
         """The answer this plan gives before anything is reserved."""
@@ -160,13 +172,24 @@ def plan_claim(
     state: AdmissionState,
     fleet: Callable[[], FleetShapes],
     budget: Callable[[Team], BudgetUse | None],
+    units: Callable[[Sequence[Rule]], dict[int, str]],
 ) -> Plan:
     """Weigh `claim` against its team's rules and budget as `state` read them.
 
     `fleet` and `budget` give the fleet's shapes and a team's budget use; each is asked only
-    when the plan needs it (a claim of no team, or past its budget, needs neither).
+    when the plan needs it (a claim of no team, or past its budget, needs neither). `units`
+    gives what each rule counts over every cluster's fleet (`shapes.rule_units`), as the API
+    names it: a rule is not of one cluster, so the local fleet alone may name another unit.
     """
-    plan = Plan(team=None, rules={}, reserve={}, chosen={}, removed={}, warnings=[])
+    plan = Plan(
+        team=None,
+        rules={},
+        reserve={},
+        chosen={},
+        removed={},
+        warnings=[],
+        credit=dict(state.credit),
+    )
     unread = unread_version(claim.get("apiVersion"))
     requests: list[dra.ParsedRequest] | None = None
     if not unread:
@@ -197,14 +220,14 @@ def plan_claim(
     if requests is None:
         _weigh_unread(plan, state.rules, unread, budget)
         return plan
-    if _budget_denies(plan, requests, budget):
+    if _budget_denies(plan, requests, budget, fleet):
         return plan
     rules = state.rules
     plan.rules = {rule.pk: rule for rule in rules}
     if not rules:
         return plan
     shapes = fleet()
-    plan.units = {rule.pk: shapes.unit(rule.device_class, rule.selector) for rule in rules}
+    plan.units = units(rules)
     for request in requests:
         alternatives = request.first_available or [request]
         demands = [
@@ -229,7 +252,7 @@ def plan_claim(
         _add_most(plan.reserve, fitting)
     for rule_id, amount in plan.reserve.items():
         rule = plan.rules[rule_id]
-        total = rule.in_use + amount
+        total = rule.in_use + _fresh(plan, rule_id, amount)
         unit = plan.units.get(rule_id)
         if rule.mode == Mode.WARN and total > rule.limit:
             plan.warnings.append(over_limit(plan.team, rule, amount, unit) + " (warn only)")
@@ -268,7 +291,7 @@ def _weigh_unread(
         )
         plan.reason = "UnsupportedVersion"
         return
-    if _budget_denies(plan, None, budget):
+    if _budget_denies(plan, None, budget, fleet=None):
         return
     plan.warnings.append(f"{unread}; it is counted on no quota rule")
 
@@ -313,41 +336,71 @@ def _budget_denies(
     plan: Plan,
     requests: list[dra.ParsedRequest] | None,
     budget: Callable[[Team], BudgetUse | None],
+    fleet: Callable[[], FleetShapes] | None,
 ) -> bool:
-    """Past a hard GPU-hour budget new claims are denied; past 80% or a soft one, warned. A
-    claim that only observes devices (admin access) is never weighed against it; one whose
-    requests were not read (None) always is."""
+    """Past a hard budget new claims of devices of its unit are denied; past 80% or a soft
+    one, warned. A budget counts hours of one unit, so a claim that can be given no device of
+    that unit (a GPU claim against a TPU chip-hour budget) is never weighed against it, nor
+    one that only observes devices (admin access); one whose requests were not read (None)
+    always is. The fleet is asked only when the budget is nearly spent."""
     assert plan.team is not None
-    if requests is not None and all(r.admin_access for r in requests if not r.first_available):
-        return False
+    if requests is not None and all(
+        alternative.admin_access
+        for request in requests
+        for alternative in request.first_available or [request]
+    ):
+        return False  # whichever alternative it is given, it only observes devices
     use = budget(plan.team)
-    if use is None:
+    if use is None or use.used < NEAR_LIMIT * use.hours:
+        return False
+    if requests is not None and fleet is not None and not _asks_for(requests, use.unit, fleet()):
         return False
     figures = (
         f'team "{plan.team.slug}" has used {use.used.quantize(Decimal("0.1"))} of its '
-        f"{use.gpu_hours.normalize():f} GPU-hour {use.mode} budget for {use.period}"
+        f"{use.hours.normalize():f} {hours_label(use.unit).removesuffix('s')} {use.mode} "
+        f"budget for {use.period}"
     )
-    if use.used >= use.gpu_hours and use.mode == "hard":
+    if use.used >= use.hours and use.mode == "hard":
         plan.denial, plan.reason = figures, "BudgetExceeded"
         return True
-    if use.used >= use.gpu_hours:
+    if use.used >= use.hours:
         plan.warnings.append(figures + " (past the soft budget)")
-    elif use.used >= NEAR_LIMIT * use.gpu_hours:
+    else:
         plan.warnings.append(figures)
+    return False
+
+
+def _asks_for(requests: list[dra.ParsedRequest], unit: str, fleet: FleetShapes) -> bool:
+    """Whether any of `requests` (any `firstAvailable` alternative) could be given an
+    accelerator of `unit` in `fleet`. A request no device of the inventory matches could be
+    given anything once the inventory knows more, so it counts as asking for every unit."""
+    for request in requests:
+        for alternative in request.first_available or [request]:
+            if alternative.admin_access:
+                continue
+            shapes = fleet.candidates(alternative.device_class_name, tuple(alternative.selectors))
+            if not shapes or any(s.unit == unit and s.kind != "other" for s in shapes):
+                return True
     return False
 
 
 def exceeded(plan: Plan, demand: Demand) -> tuple[Rule, Decimal] | None:
     """The first enforce rule this demand would take past its limit, with what the claim asks
-    of it (this demand and the claim's requests before it, as the reservation would)."""
+    of it (this demand and the claim's requests before it, as the reservation would; of a
+    gang's member, beyond what it draws from the gang's hold)."""
     for rule_id, amount in demand.amounts.items():
         rule = plan.rules[rule_id]
         if rule.mode != Mode.ENFORCE:
             continue
-        asked = plan.reserve.get(rule_id, Decimal(0)) + amount
-        if rule.in_use + asked > rule.limit:
+        asked = _fresh(plan, rule_id, plan.reserve.get(rule_id, Decimal(0)) + amount)
+        if rule.in_use + asked > rule.limit and (asked > 0 or rule_id not in plan.credit):
             return rule, asked
     return None
+
+
+def _fresh(plan: Plan, rule_id: int, amount: Decimal) -> Decimal:
+    """What `amount` on a rule adds to its usage: what the gang's hold does not cover."""
+    return max(amount - plan.credit.get(rule_id, Decimal(0)), Decimal(0))
 
 
 def over_limit(team: Team, rule: Rule, asked: Decimal, unit: str | None = None) -> str:
@@ -629,6 +682,7 @@ def reservation_fields(
         "admission_uid": admission_uid,
         "created_at": at,
         "expires_at": at + timedelta(seconds=settings.TALLY_RESERVATION_TTL_SECONDS),
+        "gang_key": plan.gang.gang.key if plan.gang is not None else "",
     }
 
 
@@ -649,3 +703,154 @@ def not_chosen(claim: dict[str, Any], chosen: Any) -> dict[str, list[str]]:
         if skipped:
             removed[request.name] = skipped
     return removed
+
+
+# --- Gangs ------------------------------------------------------------------------------------
+#
+# A gang's pods must run together (`inventory.gangs`). Admitted one claim at a time, half a
+# gang can hold devices while the other half waits for room that never comes. Under a team's
+# `gangs: enforce` the first member's admission weighs the whole gang: admitted only if all of
+# it fits every enforce rule, it reserves the member's own share and holds the rest for the
+# members to come (a `GangReservation`), which each draw their share from the hold.
+
+
+@dataclass(frozen=True)
+class GangState:
+    """What an admission read of its claim's gang (`store.gang_state`): its live hold (the
+    id, and what it holds by rule) and what the gang's members admitted already hold, by
+    rule."""
+
+    hold_id: int | None
+    held: dict[int, Decimal]
+    members: dict[int, Decimal]
+
+
+@dataclass
+class GangPlan:
+    """How a gang member is admitted: drawing from its gang's hold (`hold_id`); or, the first
+    member of a gang admitted whole, adding `counted` to each rule (the whole gang's demand)
+    of which `hold` is held for the members to come; or (neither) as a claim alone, only
+    recording its gang."""
+
+    gang: GangRef
+    hold_id: int | None = None
+    counted: dict[int, Decimal] = field(default_factory=dict)
+    hold: dict[int, Decimal] = field(default_factory=dict)
+
+
+def gang_demand(
+    *,
+    gang: GangRef,
+    own: Mapping[int, Decimal],
+    templates: Mapping[str, Mapping[int, Decimal] | None],
+) -> dict[int, Decimal]:
+    """What the whole gang can take on each rule: for each role whose claim templates are
+    known, each template's demand (`templates`, by name; None: it could not be read) times
+    the role's pods; when no role's templates are known, or one could not be read, this
+    claim's own demand (`own`) times the gang's size."""
+    roles = [role for role in gang.roles if role.claim_templates]
+    if not roles or any(templates.get(name) is None for r in roles for name in r.claim_templates):
+        return {rule_id: amount * gang.size for rule_id, amount in own.items()}
+    total: dict[int, Decimal] = {}
+    for role in roles:
+        for name in role.claim_templates:
+            for rule_id, amount in (templates[name] or {}).items():
+                total[rule_id] = total.get(rule_id, Decimal(0)) + amount * role.pods
+    return total
+
+
+def weigh_gang(
+    plan: Plan,
+    *,
+    gang: GangRef,
+    mode: str,
+    state: GangState,
+    whole: Callable[[], dict[int, Decimal]],
+) -> None:
+    """Weigh the claim of `plan` as a member of `gang`, under the team's gang `mode`.
+
+    A gang with a live hold: the member draws from it (its `credit` was weighed already). Else
+    the whole gang's demand (`whole()`, less what its members admitted earlier hold, and at
+    least the claim's own) is weighed against every rule: under `enforce` the claim is
+    denied, naming the gang, its size and the rule, when it does not fit an enforce rule, and
+    otherwise admitting it holds the rest of the gang's demand; under `warn` it is decided
+    alone, with a warning when the gang could not fit whole; `off` ignores gangs. A claim
+    denied for another reason than quota (unreadable, past its budget) stays so.
+    """
+    if plan.team is None or mode == GangMode.OFF:
+        return
+    if plan.denial and plan.reason != "QuotaExceeded":
+        return
+    plan.gang = GangPlan(gang=gang)
+    if state.hold_id is not None:
+        plan.gang.hold_id = state.hold_id
+        return
+    demand = whole()
+    own = plan.reserve
+    counted = {
+        rule_id: max(
+            demand.get(rule_id, Decimal(0)) - state.members.get(rule_id, Decimal(0)),
+            own.get(rule_id, Decimal(0)),
+        )
+        for rule_id in sorted(set(demand) | set(own))
+        if rule_id in plan.rules
+    }
+    over = None
+    for rule_id, amount in counted.items():
+        rule = plan.rules[rule_id]
+        if rule.in_use + amount <= rule.limit:
+            continue
+        if rule.mode == Mode.ENFORCE:
+            over = over or rule
+        else:
+            plan.warnings.append(gang_over_limit(plan, rule, amount) + " (warn only)")
+    if over is not None:
+        message = gang_over_limit(plan, over, counted[over.pk])
+        if mode == GangMode.WARN:
+            plan.warnings.append(message + " (gangs: warn; the claim is decided alone)")
+            return
+        plan.denial = message + "; the gang is denied whole, nothing reserved"
+        plan.reason, plan.rule = "QuotaExceeded", over.name
+        return
+    hold = {rule_id: amount - own.get(rule_id, Decimal(0)) for rule_id, amount in counted.items()}
+    if mode == GangMode.ENFORCE and not plan.denial and any(hold.values()):
+        plan.gang.counted, plan.gang.hold = counted, hold
+
+
+def gang_over_limit(plan: Plan, rule: Rule, needs: Decimal) -> str:
+    """Why the whole gang of `plan` does not fit `rule`: the gang (key and size), what it
+    needs, the rule, and the team's usage and limit on it."""
+    assert plan.team is not None and plan.gang is not None
+    gang, unit = plan.gang.gang, plan.units.get(rule.pk)
+    pods = f"{gang.size} pod{'' if gang.size == 1 else 's'}"
+    return (
+        f"gang {gang.key} ({pods}) needs {_fmt(needs, rule, unit)} of class "
+        f'{rule.device_class}; team "{plan.team.slug}" uses {_fmt(rule.in_use, rule, unit)} '
+        f'of {_fmt(rule.limit, rule, unit)} on quota rule "{rule.name}" ({rule.mode})'
+    )
+
+
+def gang_over_quota(plan: Plan, rule: Rule) -> Decision:
+    """The denial of the first member of a gang whose whole demand a rule's usage, as the
+    reservation found it, no longer allows."""
+    assert plan.team is not None and plan.gang is not None
+    needs = plan.gang.counted.get(rule.pk, Decimal(0))
+    return Decision(
+        allowed=False,
+        message=gang_over_limit(plan, rule, needs) + "; the gang is denied whole, nothing reserved",
+        reason="QuotaExceeded",
+        warnings=plan.warnings,
+        team=plan.team,
+        rule=rule.name,
+    )
+
+
+def gang_changed(plan: Plan) -> Decision:
+    """The denial of a gang's member whose gang's hold kept changing during its admission
+    (made by another member, released), so that it could not be planned on it."""
+    assert plan.team is not None and plan.gang is not None
+    message = (
+        f'team "{plan.team.slug}": the reservation of gang {plan.gang.gang.key} changed during '
+        "this admission; create the claim again"
+    )
+    return Decision(allowed=False, message=message, reason="Conflict", team=plan.team)

@@ -4,6 +4,12 @@ says which `firstAvailable` alternatives fit, reserving nothing.
 
 Each reads through `store`, weighs the claim with `decision` against the fleet's `shapes` and
 the team's `budgets`, and writes through `store`.
+
+A claim made from a template for a Pod in a gang (`inventory.gangs`) is weighed with its gang,
+as its team's gang policy says (`decision.weigh_gang`). The gang is read through this process's
+`gang_lookup`: the API server when Tally runs in a cluster (or KUBECONFIG names one), else
+none, and claims are decided alone. A gang that cannot be read never fails an admission: the
+claim is decided alone, with a warning.
 """
 
 from __future__ import annotations
@@ -11,19 +17,23 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
+import os
 import time
+from dataclasses import dataclass, field
 from datetime import datetime
+from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
 from django.db import DatabaseError
 from django.urls import get_resolver
 
+from inventory import gangs, kube
 from inventory.models import Cluster
 from inventory.services import get_cluster
 from quota.admission import budgets, decision, shapes, store
 from quota.admission.decision import AdmissionState, Decision, Plan
-from quota.models import Webhook
+from quota.models import GangMode, Webhook
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +55,9 @@ def review_claim(
     nothing. No statement after the admission's first read, and no wait for a lock, runs past
     TALLY_WEBHOOK_DB_TIMEOUT_MS (the API server waits timeoutSeconds, 3 s); nothing waits on
     the database past `deadline` (`time.monotonic()`), and no reservation is made after it
-    (`store.DeadlinePassed`, an `OperationalError`).
+    (`store.DeadlinePassed`, an `OperationalError`). A gang's first member is admitted only
+    if the whole gang fits, in the same one statement (no two gangs admitted into room for
+    one); its other members draw from what it held (`decision.weigh_gang`).
     """
     with (
         store.admission_deadline(deadline),
@@ -54,27 +66,37 @@ def review_claim(
     ):
         cluster = _cluster()
         namespace, name = decision.claim_name(claim)
-        state = store.admission_state(cluster=cluster.name, namespace=namespace, name=name)
-        if state.replayed_team_id is not None:
-            # The API server may call again for the same claim (with a new uid): same answer,
-            # nothing reserved twice.
-            team = state.team
-            if team is None or team.pk != state.replayed_team_id:
-                team = store.team_by_id(state.replayed_team_id)
-            return Decision(allowed=True, team=team)
-        plan = _plan(cluster=cluster, claim=claim, state=state)
-        recorded = False
-        if plan.denial or dry_run or plan.team is None:
-            answer = plan.decision()
+        gang: _Gang | None = None
+        for _ in range(_GANG_ATTEMPTS):
+            state = store.admission_state(cluster=cluster.name, namespace=namespace, name=name)
+            if state.replayed_team_id is not None:
+                # The API server may call again for the same claim (with a new uid): same
+                # answer, nothing reserved twice.
+                team = state.team
+                if team is None or team.pk != state.replayed_team_id:
+                    team = store.team_by_id(state.replayed_team_id)
+                return Decision(allowed=True, team=team)
+            gang = gang or _gang_of(claim=claim, state=state)
+            plan = _plan(cluster=cluster, claim=claim, state=state, gang=gang)
+            recorded = False
+            if plan.denial or dry_run or plan.team is None:
+                answer = plan.decision()
+                break
+            try:
+                answer, recorded = _reserve(
+                    cluster=cluster,
+                    claim=claim,
+                    plan=plan,
+                    username=username,
+                    admission_uid=admission_uid,
+                    at=at,
+                )
+                break
+            except store.GangHoldChanged:
+                continue  # another member made the gang's hold, or it was released: again
         else:
-            answer, recorded = _reserve(
-                cluster=cluster,
-                claim=claim,
-                plan=plan,
-                username=username,
-                admission_uid=admission_uid,
-                at=at,
-            )
+            assert plan.team is not None and plan.gang is not None
+            answer = decision.gang_changed(plan)
         if dry_run or recorded:
             return answer  # a dry run leaves nothing behind, not even its decision
         store.record(
@@ -127,13 +149,40 @@ def fit_alternatives(
         return answer
 
 
-def _plan(*, cluster: Cluster, claim: dict[str, Any], state: AdmissionState) -> Plan:
-    return decision.plan_claim(
+def _plan(
+    *,
+    cluster: Cluster,
+    claim: dict[str, Any],
+    state: AdmissionState,
+    gang: _Gang | None = None,
+) -> Plan:
+    """Weigh `claim` as `state` read its team, with its gang (found now unless `gang` is)."""
+    if gang is None:
+        gang = _gang_of(claim=claim, state=state)
+    gang_state = None
+    if gang.ref is not None:
+        namespace, _ = decision.claim_name(claim)
+        gang_state = store.gang_state(cluster=cluster.name, namespace=namespace, key=gang.ref.key)
+        state.credit = dict(gang_state.held) if gang_state.hold_id is not None else {}
+    plan = decision.plan_claim(
         claim=claim,
         state=state,
         fleet=functools.partial(shapes.fleet_shapes, cluster=cluster),
         budget=budgets.budget_use,
+        units=lambda rules: shapes.rule_units(rules, shapes.every_fleet_shapes()),
     )
+    if gang.ref is not None and gang_state is not None:
+        decision.weigh_gang(
+            plan,
+            gang=gang.ref,
+            mode=state.gang_mode,
+            state=gang_state,
+            whole=functools.partial(
+                _gang_demand, cluster=cluster, claim=claim, plan=plan, gang=gang
+            ),
+        )
+    plan.warnings.extend(gang.warnings)
+    return plan
 
 
 def _reserve(
@@ -159,6 +208,22 @@ def _reserve(
         at=at,
     )
     admitted = plan.decision()
+    gang = plan.gang
+    if gang is not None and ((gang.hold_id is not None and plan.reserve) or gang.counted):
+        try:
+            exceeded = store.reserve_gang(fields, plan, username=username, at=at)
+        except store.RulesChanged:
+            return decision.rules_changed(plan.team), False
+        if exceeded is None:
+            return admitted, True
+        rule, asked = exceeded
+        if gang.hold_id is not None:
+            return decision.over_quota(plan, rule, asked), False
+        namespace, _ = decision.claim_name(claim)
+        if store.gang_state(cluster=cluster.name, namespace=namespace, key=gang.gang.key).hold_id:
+            # Another member of the gang admitted it meanwhile: this one draws from its hold.
+            raise store.GangHoldChanged
+        return decision.gang_over_quota(plan, rule), False
     if not plan.reserve:
         store.reserve_uncounted(fields)
         return admitted, False
@@ -183,10 +248,132 @@ def _cluster() -> Cluster:
     return _clusters[name]
 
 
+# --- Gangs ----------------------------------------------------------------------------------
+
+# An admission plans again when the gang's hold changed under it (another member made it, or
+# it was released); past this many plans it is denied, to be created again.
+_GANG_ATTEMPTS = 3
+
+
+@dataclass
+class _Gang:
+    """The gang of an admission's claim as found (None: none, or not looked for), the lookup
+    it was read through and the warnings finding it gave."""
+
+    ref: gangs.GangRef | None
+    lookup: gangs.GangLookup | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+class _Watched:
+    """A `GangLookup` that never raises and remembers what it could not read: a Pod the
+    claim names but that cannot be read (gone, or the API server unreachable), or a reader
+    that failed."""
+
+    def __init__(self, lookup: gangs.GangLookup) -> None:
+        self._lookup = lookup
+        self.failures: list[str] = []
+
+    def get(self, namespace: str, api_version: str, kind: str, name: str) -> dict[str, Any] | None:
+        try:
+            found = self._lookup.get(namespace, api_version, kind, name)
+        except Exception as exc:  # a reader's bug or an API error: no gang, never a failure
+            log.warning("reading %s %s/%s for a gang failed: %s", kind, namespace, name, exc)
+            self.failures.append(f"reading {kind} {namespace}/{name} failed")
+            return None
+        if found is None and kind == "Pod":
+            self.failures.append(f"Pod {namespace}/{name} could not be read")
+        return found
+
+
+def _gang_of(*, claim: dict[str, Any], state: AdmissionState) -> _Gang:
+    """The gang of the Pod `claim` was made for, when its team weighs gangs (`gangs: enforce`
+    or `warn`) and this process can read them."""
+    if (
+        state.team is None
+        or state.gang_mode == GangMode.OFF
+        or gangs.claim_pod(claim) is None
+        or (lookup := gang_lookup()) is None
+    ):
+        return _Gang(ref=None)
+    watched = _Watched(lookup)
+    try:
+        ref = gangs.gang_of_claim(claim, watched)
+    except Exception:  # never raises on any input; if it does, the claim is decided alone
+        log.exception("finding the gang of a claim failed")
+        ref, watched.failures = None, ["finding it failed"]
+    warnings = []
+    if ref is None and watched.failures:
+        warnings.append(
+            f"Tally could not read this claim's gang ({watched.failures[0]}): the claim is "
+            "decided alone"
+        )
+    return _Gang(ref=ref, lookup=watched, warnings=warnings)
+
+
+def _gang_demand(
+    *, cluster: Cluster, claim: dict[str, Any], plan: Plan, gang: _Gang
+) -> dict[int, Decimal]:
+    """What the whole gang of `claim` can take on each of its team's rules, from the claim
+    templates of its roles (read through the gang's lookup) or, failing them, from the claim
+    (`decision.gang_demand`)."""
+    assert gang.ref is not None and gang.lookup is not None
+    namespace, _ = decision.claim_name(claim)
+    names = {name for role in gang.ref.roles for name in role.claim_templates}
+    templates: dict[str, dict[int, Decimal] | None] = {}
+    rules = list(plan.rules.values())
+    for name in sorted(names):
+        template = gang.lookup.get(
+            namespace, str(claim.get("apiVersion") or ""), "ResourceClaimTemplate", name
+        )
+        spec = template.get("spec") if isinstance(template, dict) else None
+        claim_spec = spec.get("spec") if isinstance(spec, dict) else None
+        if not isinstance(template, dict) or not isinstance(claim_spec, dict):
+            templates[name] = None
+            continue
+        templates[name] = decision.claim_amounts(
+            spec=claim_spec,
+            api_version=str(template.get("apiVersion") or claim.get("apiVersion") or ""),
+            chosen=None,
+            rules=rules,
+            fleet=shapes.fleet_shapes(cluster=cluster),
+        )
+    return decision.gang_demand(gang=gang.ref, own=plan.reserve, templates=templates)
+
+
+_lookups: dict[str, gangs.GangLookup | None] = {}
+
+
+def gang_lookup() -> gangs.GangLookup | None:
+    """Where this process reads Pods and the objects that declare gangs: the API server
+    (`inventory.kube.GangReader`, cached) when Tally runs in a cluster or KUBECONFIG names
+    one, else nowhere (None: no gangs, every claim decided alone). Made once per process."""
+    if "lookup" not in _lookups:
+        _lookups["lookup"] = _api_server_lookup()
+    return _lookups["lookup"]
+
+
+def use_gang_lookup(lookup: gangs.GangLookup | None) -> None:
+    """Read gangs through `lookup` in this process from now on (None: no gangs)."""
+    _lookups["lookup"] = lookup
+
+
+def _api_server_lookup() -> gangs.GangLookup | None:
+    if not (os.environ.get("KUBERNETES_SERVICE_HOST") or os.environ.get("KUBECONFIG")):
+        return None
+    try:
+        return kube.GangReader(kube.api_client())
+    except kube.KubeError as exc:
+        log.warning("gangs cannot be read, claims are decided alone: %s", exc)
+        return None
+
+
 def forget_caches() -> None:
-    """Drop what this process remembers for admissions: the cluster, the fleet's shapes and
-    the budgets (tests; after an import that changed the fleet in this process)."""
+    """Drop what this process remembers for admissions: the cluster, the fleet's shapes, the
+    budgets and the gang lookup (tests; after an import that changed the fleet in this
+    process)."""
     _clusters.clear()
+    _lookups.clear()
     shapes.forget_fleet_shapes()
     budgets.forget_budgets()
 

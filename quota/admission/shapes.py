@@ -15,7 +15,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from django.conf import settings
 from django.db.models import Count
@@ -145,6 +145,8 @@ class FleetShapes:
 
 _cache: dict[int, FleetShapes] = {}
 _cache_lock = threading.Lock()
+# (when read, every cluster), for `every_fleet_shapes`.
+_clusters: list[tuple[float, list[Cluster]]] = []
 _matches: dict[tuple[str, int], bool] = {}
 # Expressions x shapes stays small (rules and request selectors repeat); a process that has
 # seen this many distinct pairs starts afresh rather than grow without bound.
@@ -200,9 +202,18 @@ def rule_unit(shapes: Iterable[Shape]) -> str:
     return units.pop() if units else Unit.GPU
 
 
-def rule_units(rules: Iterable[QuotaRule], fleets: Iterable[FleetShapes]) -> dict[int, str]:
+class RuleDefinition(Protocol):
+    """What `rule_units` reads of a rule: a `QuotaRule`, or the webhook's snapshot of one."""
+
+    pk: int
+    device_class: str
+    selector: str
+
+
+def rule_units(rules: Iterable[RuleDefinition], fleets: Iterable[FleetShapes]) -> dict[int, str]:
     """What each of `rules` counts over `fleets` (every cluster's: a rule is not of one
-    cluster): the unit of the accelerators it covers in any of them (see `rule_unit`)."""
+    cluster): the unit of the accelerators it covers in any of them (see `rule_unit`). The
+    API and the webhook's messages both name a rule's unit by it, so they agree."""
     fleets = list(fleets)
     return {
         rule.pk: rule_unit(
@@ -256,6 +267,16 @@ def fleet_shapes(*, cluster: Cluster) -> FleetShapes:
             _matches.clear()
         _cache[cluster.pk] = fleet
         return fleet
+
+
+def every_fleet_shapes() -> list[FleetShapes]:
+    """Every cluster's present shapes, each as `fleet_shapes` keeps it, for what a rule counts
+    (`rule_units`): a rule covers devices of every cluster, so its unit is not the local
+    fleet's alone. The clusters are read again at most every TALLY_SHAPE_CACHE_SECONDS."""
+    now = time.monotonic()
+    if not _clusters or now - _clusters[0][0] >= settings.TALLY_SHAPE_CACHE_SECONDS:
+        _clusters[:] = [(now, list(Cluster.objects.all()))]
+    return [fleet_shapes(cluster=cluster) for cluster in _clusters[0][1]]
 
 
 def load_fleet(*, cluster: Cluster, version: int | None = None) -> FleetShapes:
@@ -319,6 +340,7 @@ def forget_fleet_shapes() -> None:
     with _cache_lock:
         _cache.clear()
         _matches.clear()
+        _clusters.clear()
 
 
 def _memory(capacity: dict[str, dict[str, str]]) -> int | None:

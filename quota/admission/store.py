@@ -11,6 +11,10 @@ back as it ends, so no other request ever runs with the webhook's. Behind a pool
 connections per transaction (DATABASE_TRANSACTION_POOLING) an admission is one transaction,
 and the settings are local to it.
 
+A gang's member takes one more read (`gang_state`: its gang's hold and what its members hold)
+and reserves through `reserve_gang`, one statement as `reserve` is, that also makes the gang's
+hold or draws from it, taking the hold's locks after the rules', as every writer does.
+
 Within `admission_deadline` nothing waits on the database past the admission's deadline, and
 no reservation is made after it, however late the database gets the statement.
 """
@@ -26,7 +30,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -43,9 +47,20 @@ from django.db import (
 
 from db.postgresql import deadline
 from db.prepared import fetch_prepared
-from quota.admission.decision import AdmissionState, Decision, Plan, Rule, RuleSnapshot
+from quota.admission.decision import (
+    AdmissionState,
+    Decision,
+    GangState,
+    Plan,
+    Rule,
+    RuleSnapshot,
+)
 from quota.models import (
     AdmissionDecision,
+    GangMode,
+    GangPolicy,
+    GangReservation,
+    GangReservationLine,
     Mode,
     QuotaRule,
     Reservation,
@@ -262,10 +277,11 @@ def _set_back(own: tuple[str, str]) -> None:
 def _admission_state_sql(*, with_settings: bool, local: bool = False) -> str:
     """The admission's read (made once per process and kind); with the webhook's
     settings: set on the session, the session's own values read first (columns 12-13), or
-    (`local`) set for the transaction."""
+    (`local`) set for the transaction. Column 15: the team's gang policy (NULL: none)."""
     quote = connection.ops.quote_name
-    team, owner, rule, reservation = (
-        quote(model._meta.db_table) for model in (Team, TeamNamespace, QuotaRule, Reservation)
+    team, owner, rule, reservation, gangs = (
+        quote(model._meta.db_table)
+        for model in (Team, TeamNamespace, QuotaRule, Reservation, GangPolicy)
     )
     # One row to hang the rest on, made once per statement (a subquery with volatile functions
     # is not flattened): the database's clock, and the session's settings for the admission's
@@ -283,18 +299,20 @@ SELECT t.id, t.slug, t.name,
        (SELECT v.team_id FROM {reservation} v
         WHERE v.cluster = %s AND v.namespace = %s AND v.name = %s AND NOT (v.state = 'released')
         LIMIT 1),
-       {", ".join(f"o.{name}" for name in SESSION_SETTINGS)}, o.clock
+       {", ".join(f"o.{name}" for name in SESSION_SETTINGS)}, o.clock, g.mode
 FROM ({driver}) o
 LEFT JOIN {owner} n ON n.namespace = %s
 LEFT JOIN {team} t ON t.id = n.team_id
+LEFT JOIN {gangs} g ON g.team_id = t.id
 LEFT JOIN {rule} r ON r.team_id = t.id
 ORDER BY r.id
 """
 
 
 def admission_state(*, cluster: str, namespace: str, name: str) -> AdmissionState:
-    """The team owning `namespace`, its rules (ordered by id, usage as of now) and, when the
-    claim `namespace/name` of `cluster` is already admitted, that reservation's team id.
+    """The team owning `namespace`, its rules (ordered by id, usage as of now), its gang
+    policy and, when the claim `namespace/name` of `cluster` is already admitted, that
+    reservation's team id.
 
     One round trip with no ORM on the webhook's path.
     """
@@ -336,7 +354,49 @@ def admission_state(*, cluster: str, namespace: str, name: str) -> AdmissionStat
                     in_use=row[10],
                 )
             )
-    return AdmissionState(team=team, rules=rules, replayed_team_id=replayed)
+    return AdmissionState(
+        team=team,
+        rules=rules,
+        replayed_team_id=replayed,
+        gang_mode=(rows[0][15] if rows else None) or GangMode.ENFORCE.value,
+    )
+
+
+@functools.cache
+def _gang_state_sql() -> str:
+    quote = connection.ops.quote_name
+    hold, hold_line, reservation, line = (
+        quote(model._meta.db_table)
+        for model in (GangReservation, GangReservationLine, Reservation, ReservationLine)
+    )
+    return f"""
+SELECT 'hold', g.id, h.rule_id, h.amount
+FROM {hold} g LEFT JOIN {hold_line} h ON h.gang_reservation_id = g.id
+WHERE g.cluster = %s AND g.namespace = %s AND g.key = %s AND NOT (g.state = 'released')
+UNION ALL
+SELECT 'members', NULL, l.rule_id, sum(l.amount)
+FROM {reservation} v JOIN {line} l ON l.reservation_id = v.id
+WHERE v.cluster = %s AND v.namespace = %s AND v.gang_key = %s AND NOT (v.state = 'released')
+GROUP BY l.rule_id
+"""
+
+
+def gang_state(*, cluster: str, namespace: str, key: str) -> GangState:
+    """The live hold of the gang `key` in `namespace` of `cluster` (its id and what it holds,
+    by rule) and what the gang's live members hold, by rule: one round trip."""
+    hold_id: int | None = None
+    held: dict[int, Decimal] = {}
+    members: dict[int, Decimal] = {}
+    for kind, row_id, rule_id, amount in fetch_prepared(
+        _gang_state_sql(), [cluster, namespace, key, cluster, namespace, key]
+    ):
+        if kind == "hold":
+            hold_id = row_id
+            if rule_id is not None:
+                held[rule_id] = amount
+        elif rule_id is not None:
+            members[rule_id] = amount
+    return GangState(hold_id=hold_id, held=held, members=members)
 
 
 _teams: dict[tuple[int, str, str], Team] = {}
@@ -449,7 +509,64 @@ _RESERVATION_COLUMNS = (
     "admission_uid",
     "created_at",
     "expires_at",
+    "gang_key",
 )
+# Their placeholders, in the same order.
+_RESERVATION_VALUES = ", ".join(
+    "%s::jsonb" if column in ("owner_references", "chosen") else "%s"
+    for column in _RESERVATION_COLUMNS
+)
+
+
+def _reservation_params(fields: dict[str, Any]) -> list[Any]:
+    """The values of `_RESERVATION_VALUES`, from a reservation's `fields`."""
+    return [
+        json.dumps(fields[column]) if column in ("owner_references", "chosen") else fields[column]
+        for column in _RESERVATION_COLUMNS
+    ]
+
+
+def _server_deadline() -> float:
+    """The admission's deadline on the database's clock, for a reserving statement; outside
+    `admission_deadline`, none (to_timestamp('Infinity') is 'infinity')."""
+    limit = _DEADLINE.get()
+    return limit.on_server if limit is not None and limit.on_server is not None else math.inf
+
+
+def _endings(*, restore: bool, durability: bool) -> str:
+    """The extra columns of a reserving statement: with `restore`, the session's own settings
+    set back when it admits (two parameters; a denied claim's decision is recorded by the
+    next statement, which sets them back then); with `durability`, its commit's durability
+    (one parameter)."""
+    return (
+        ",\n       CASE WHEN verdict.outcome = 'fits' THEN ARRAY[" + restore_columns() + "] END"
+        if restore
+        else ""
+    ) + (f",\n       {durability_column()}" if durability else "")
+
+
+def _recorded_cte() -> str:
+    """The CTE that records an admitted claim's decision (seven parameters:
+    `_decision_params`) when the statement's verdict is 'fits'."""
+    decision = connection.ops.quote_name(AdmissionDecision._meta.db_table)
+    return f"""recorded AS (
+    INSERT INTO {decision} ({_DECISION_COLUMNS})
+    SELECT %s, %s, %s, %s, %s, '{Webhook.VALIDATE.value}', %s, true, false, '', %s::jsonb
+    FROM verdict WHERE verdict.outcome = 'fits'
+    RETURNING id
+)"""
+
+
+def _decision_params(fields: dict[str, Any], plan: Plan, username: str) -> list[Any]:
+    return [
+        fields["created_at"],
+        fields["admission_uid"],
+        fields["namespace"],
+        fields["name"],
+        username,
+        fields["team_id"],
+        json.dumps(plan.warnings),
+    ]
 
 
 @functools.cache
@@ -464,18 +581,11 @@ def _reserve_sql(rules: int, *, restore: bool, durability: bool) -> str:
     before it had its locks: nothing reserved). CASE tests them in this order, so the clock
     is read after every lock is taken, and the commit follows at once (autocommit)."""
     quote = connection.ops.quote_name
-    rule, reservation, line, decision = (
-        quote(model._meta.db_table)
-        for model in (QuotaRule, Reservation, ReservationLine, AdmissionDecision)
+    rule, reservation, line = (
+        quote(model._meta.db_table) for model in (QuotaRule, Reservation, ReservationLine)
     )
     limit = quote("limit")
     values = ", ".join(["(%s::bigint, %s::numeric, %s::boolean)"] * rules)
-    # A denied claim's decision is recorded by the next statement, which sets them back then.
-    restores = (
-        ",\n       CASE WHEN verdict.outcome = 'fits' THEN ARRAY[" + restore_columns() + "] END"
-        if restore
-        else ""
-    ) + (f",\n       {durability_column()}" if durability else "")
     return f"""
 WITH asked(rule_id, amount, enforce) AS (VALUES {values}),
 locked AS (
@@ -497,7 +607,7 @@ verdict AS (
 ),
 kept AS (
     INSERT INTO {reservation} ({", ".join(_RESERVATION_COLUMNS)}, claim_uid, released_at)
-    SELECT %s, %s, %s, %s, %s, %s, %s, %s, %s::jsonb, %s::jsonb, %s, %s, %s, '', NULL
+    SELECT {_RESERVATION_VALUES}, '', NULL
     FROM verdict WHERE verdict.outcome = 'fits'
     ON CONFLICT (cluster, namespace, name) WHERE NOT (state = 'released') DO NOTHING
     RETURNING id
@@ -510,15 +620,10 @@ lines AS (
     INSERT INTO {line} (reservation_id, rule_id, amount)
     SELECT kept.id, a.rule_id, a.amount FROM kept, asked a RETURNING id
 ),
-recorded AS (
-    INSERT INTO {decision} ({_DECISION_COLUMNS})
-    SELECT %s, %s, %s, %s, %s, '{Webhook.VALIDATE.value}', %s, true, false, '', %s::jsonb
-    FROM verdict WHERE verdict.outcome = 'fits'
-    RETURNING id
-)
+{_recorded_cte()}
 SELECT verdict.outcome, over.id, over.in_use, over.amount,
        (SELECT count(*) FROM counted), (SELECT count(*) FROM lines),
-       (SELECT count(*) FROM recorded){restores}
+       (SELECT count(*) FROM recorded){_endings(restore=restore, durability=durability)}
 FROM verdict LEFT JOIN over ON true
 """
 
@@ -538,27 +643,29 @@ def reserve(fields: dict[str, Any], plan: Plan, *, username: str) -> tuple[Rule,
     params: list[Any] = []
     for rule_id in sorted(plan.reserve):
         params += [rule_id, plan.reserve[rule_id], plan.rules[rule_id].mode == Mode.ENFORCE]
-    limit = _DEADLINE.get()
     params += [
-        # Outside `admission_deadline`: none (to_timestamp('Infinity') is 'infinity').
-        limit.on_server if limit is not None and limit.on_server is not None else math.inf,
-        *(fields[column] for column in _RESERVATION_COLUMNS[:8]),
-        json.dumps(fields["owner_references"]),
-        json.dumps(fields["chosen"]),
-        *(fields[column] for column in _RESERVATION_COLUMNS[10:]),
-        fields["created_at"],
-        fields["admission_uid"],
-        fields["namespace"],
-        fields["name"],
-        username,
-        fields["team_id"],
-        json.dumps(plan.warnings),
+        _server_deadline(),
+        *_reservation_params(fields),
+        *_decision_params(fields, plan, username),
     ]
     ending = statement_ending()  # set back when it admits: then it is the admission's last
     [(outcome, over_id, in_use, amount, *_)] = fetch_prepared(
         _reserve_sql(len(plan.reserve), restore=ending.restore, durability=ending.durable),
         [*params, *ending.params],
     )
+    return _reserved(outcome, over_id, in_use, amount, plan=plan, ending=ending)
+
+
+def _reserved(
+    outcome: str,
+    over_id: int | None,
+    in_use: Decimal,
+    amount: Decimal,
+    *,
+    plan: Plan,
+    ending: Ending,
+) -> tuple[Rule, Decimal] | None:
+    """What a reserving statement's outcome means (see `reserve`)."""
     if outcome == "fits":
         if ending.restore:
             restored()
@@ -567,6 +674,197 @@ def reserve(fields: dict[str, Any], plan: Plan, *, username: str) -> tuple[Rule,
         raise RulesChanged
     if outcome == "late":
         raise DeadlinePassed("the reservation reached the database after the deadline")
+    assert over_id is not None
     rule = plan.rules[over_id]
     rule.in_use = in_use
     return rule, amount
+
+
+# --- Gangs ----------------------------------------------------------------------------------
+
+
+class GangHoldChanged(Exception):
+    """The gang's hold the plan counted on changed meanwhile: another member made it first,
+    or it was released. The admission plans again from what is stored now."""
+
+
+@functools.cache
+def _gang_reserve_sql(rules: int, *, draw: bool, restore: bool, durability: bool) -> str:
+    """The reserving statement of a gang's member for `rules` rules, as `_reserve_sql` (its
+    outcomes, the order of its locks and clock, `restore` and `durability`) with the gang's
+    hold:
+
+    - `draw`: the member draws from the live hold (one more parameter, its id, locked after
+      the rules, then its lines): on each rule what the hold has of the member's amount moves
+      from the hold's line to the member's reservation, and only the rest is counted and
+      weighed against the limit. Outcome 'nohold' when the hold is no longer live;
+    - else the first member of a gang admitted whole: the whole gang's demand (`counted`) is
+      weighed and counted, the member's own (`line`, NULL: none on that rule) is its
+      reservation's, and the rest is held by a new hold (six more parameters). A hold another
+      member made meanwhile violates the unique live hold: the statement fails whole.
+    """
+    quote = connection.ops.quote_name
+    rule, reservation, line, hold, hold_line = (
+        quote(model._meta.db_table)
+        for model in (QuotaRule, Reservation, ReservationLine, GangReservation, GangReservationLine)
+    )
+    limit = quote("limit")
+    if draw:
+        values = ", ".join(["(%s::bigint, %s::numeric, %s::boolean)"] * rules)
+        asked = f"asked(rule_id, line, enforce) AS (VALUES {values})"
+        # Locked after the rules (verdict asks for them in that order), as every writer of a
+        # hold does; `drawn` is what the hold gives of each line, `counted` the rest.
+        split = f"""hold AS (
+    SELECT g.id FROM {hold} g WHERE g.id = %s AND NOT (g.state = 'released') FOR UPDATE
+),
+held AS (
+    SELECT h.rule_id, h.amount FROM {hold_line} h
+    WHERE h.gang_reservation_id IN (SELECT id FROM hold) FOR UPDATE
+),
+split AS (
+    SELECT a.rule_id, a.line, a.enforce, LEAST(a.line, COALESCE(h.amount, 0)) AS drawn,
+           a.line - LEAST(a.line, COALESCE(h.amount, 0)) AS counted
+    FROM asked a LEFT JOIN held h ON h.rule_id = a.rule_id
+)"""
+        weighed = "s.enforce AND s.counted > 0"
+        no_hold = "WHEN NOT EXISTS (SELECT 1 FROM hold) THEN 'nohold'\n        "
+        holding = f"""drawn AS (
+    UPDATE {hold_line} h SET amount = h.amount - s.drawn FROM split s, kept, hold
+    WHERE h.gang_reservation_id = hold.id AND h.rule_id = s.rule_id AND s.drawn > 0
+    RETURNING h.id
+)"""
+    else:
+        values = ", ".join(["(%s::bigint, %s::numeric, %s::numeric, %s::boolean)"] * rules)
+        asked = f"asked(rule_id, counted, line, enforce) AS (VALUES {values})"
+        split = "split AS (SELECT rule_id, line, enforce, counted FROM asked)"
+        weighed = "s.enforce"
+        no_hold = ""
+        holding = f"""made AS (
+    INSERT INTO {hold} (cluster, namespace, key, source, size, team_id, state, created_at,
+                        expires_at, released_at)
+    SELECT %s, %s, %s, %s, %s, %s, '{ReservationState.RESERVED.value}', %s, %s, NULL FROM kept
+    RETURNING id
+),
+held AS (
+    INSERT INTO {hold_line} (gang_reservation_id, rule_id, amount)
+    SELECT made.id, s.rule_id, s.counted - COALESCE(s.line, 0) FROM made, split s
+    RETURNING id
+)"""
+    return f"""
+WITH {asked},
+locked AS (
+    SELECT r.id, r.name, r.in_use, r.{limit} FROM {rule} r
+    WHERE r.id IN (SELECT rule_id FROM asked) ORDER BY r.id FOR UPDATE
+),
+{split},
+over AS (
+    SELECT l.id, l.name, l.in_use, l.{limit}, s.counted AS amount
+    FROM split s JOIN locked l ON l.id = s.rule_id
+    WHERE {weighed} AND l.in_use + s.counted > l.{limit} ORDER BY l.id LIMIT 1
+),
+verdict AS (
+    SELECT CASE
+        WHEN (SELECT count(*) FROM locked) <> (SELECT count(*) FROM asked) THEN 'gone'
+        {no_hold}WHEN EXISTS (SELECT 1 FROM over) THEN 'over'
+        WHEN clock_timestamp() >= to_timestamp(%s::float8) THEN 'late'
+        ELSE 'fits'
+    END AS outcome
+),
+kept AS (
+    INSERT INTO {reservation} ({", ".join(_RESERVATION_COLUMNS)}, claim_uid, released_at)
+    SELECT {_RESERVATION_VALUES}, '', NULL
+    FROM verdict WHERE verdict.outcome = 'fits'
+    ON CONFLICT (cluster, namespace, name) WHERE NOT (state = 'released') DO NOTHING
+    RETURNING id
+),
+{holding},
+counted AS (
+    UPDATE {rule} r SET in_use = r.in_use + s.counted FROM split s, kept
+    WHERE r.id = s.rule_id AND s.counted <> 0 RETURNING r.id
+),
+lines AS (
+    INSERT INTO {line} (reservation_id, rule_id, amount)
+    SELECT kept.id, s.rule_id, s.line FROM kept, split s WHERE s.line IS NOT NULL RETURNING id
+),
+{_recorded_cte()}
+SELECT verdict.outcome, over.id, over.in_use, over.amount,
+       (SELECT count(*) FROM counted), (SELECT count(*) FROM lines),
+       (SELECT count(*) FROM recorded){_endings(restore=restore, durability=durability)}
+FROM verdict LEFT JOIN over ON true
+"""
+
+
+def reserve_gang(
+    fields: dict[str, Any], plan: Plan, *, username: str, at: datetime
+) -> tuple[Rule, Decimal] | None:
+    """Reserve for a gang's member (`plan.gang`), in one statement that takes its locks as
+    `reserve` does: drawing from the gang's hold (`plan.gang.hold_id`), or, for the first
+    member of a gang admitted whole, reserving the whole gang's demand and holding what is
+    not the member's until TALLY_GANG_RESERVATION_SECONDS after `at`.
+
+    Returns None when it fits (a claim admitted meanwhile reserves nothing more), else the
+    first rule the gang, or what the member takes beyond the hold, would take past its limit,
+    and what it asks of it. Raises `GangHoldChanged` when the hold is no longer live, or
+    another member made one first (nothing reserved: plan again), and as `reserve` does.
+    """
+    gang = plan.gang
+    assert gang is not None
+    draw = gang.hold_id is not None
+    params: list[Any] = []
+    if draw:
+        rule_ids = sorted(plan.reserve)
+        for rule_id in rule_ids:
+            params += [rule_id, plan.reserve[rule_id], plan.rules[rule_id].mode == Mode.ENFORCE]
+        params.append(gang.hold_id)
+    else:
+        rule_ids = sorted(gang.counted)
+        for rule_id in rule_ids:
+            params += [
+                rule_id,
+                gang.counted[rule_id],
+                plan.reserve.get(rule_id),
+                plan.rules[rule_id].mode == Mode.ENFORCE,
+            ]
+    params += [_server_deadline(), *_reservation_params(fields)]
+    if not draw:
+        params += [
+            fields["cluster"],
+            fields["namespace"],
+            gang.gang.key,
+            gang.gang.source,
+            gang.gang.size,
+            fields["team_id"],
+            at,
+            at + timedelta(seconds=settings.TALLY_GANG_RESERVATION_SECONDS),
+        ]
+    params += _decision_params(fields, plan, username)
+    ending = statement_ending()
+    sql = _gang_reserve_sql(
+        len(rule_ids), draw=draw, restore=ending.restore, durability=ending.durable
+    )
+    try:
+        with _own_savepoint():
+            [(outcome, over_id, in_use, amount, *_)] = fetch_prepared(
+                sql, [*params, *ending.params]
+            )
+    except IntegrityError as exc:
+        if _constraint(exc) == "gangreservation_unique_live":
+            raise GangHoldChanged from exc
+        raise
+    if outcome == "nohold":
+        raise GangHoldChanged
+    return _reserved(outcome, over_id, in_use, amount, plan=plan, ending=ending)
+
+
+def _own_savepoint() -> contextlib.AbstractContextManager[Any]:
+    """A statement that may fail on a constraint runs in a savepoint within a transaction, so
+    that the transaction stays usable; in autocommit it is atomic on its own."""
+    if connections[DEFAULT_DB_ALIAS].in_atomic_block:
+        return transaction.atomic()
+    return contextlib.nullcontext()
+
+
+def _constraint(exc: IntegrityError) -> str | None:
+    """The name of the constraint a statement violated, as PostgreSQL reports it."""
+    diag = getattr(exc.__cause__, "diag", None)
+    return getattr(diag, "constraint_name", None)

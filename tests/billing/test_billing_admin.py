@@ -170,7 +170,8 @@ def test_budget_edit_is_audited(ops_client: Client) -> None:
     team = TeamFactory.create(slug="vision")
 
     response = ops_client.post(
-        reverse("admin:quota_budget_add"), {"team": team.pk, "gpu_hours": "100", "mode": "hard"}
+        reverse("admin:quota_budget_add"),
+        {"team": team.pk, "gpu_hours": "100", "mode": "hard", "unit": "gpu"},
     )
 
     assert response.status_code == 302, response.content

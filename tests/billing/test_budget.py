@@ -1,8 +1,9 @@
-"""GPU-hour budgets in the admission webhook: hard denies, soft and 80% warn."""
+"""Budgets in the admission webhook: hard denies, soft and 80% warn; each in hours of one unit
+(GPU-hours, TPU chip-hours), counting only that unit's hours and weighing only claims of it."""
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -14,21 +15,27 @@ from pytest_django.fixtures import SettingsWrapper
 from billing.hours import MS_PER_HOUR, hour_start
 from billing.models import Period, UsageHour
 from billing.periods import PricingError, period_bounds, period_label
-from billing.pricing import period_for
+from billing.pricing import period_for, period_holding
 from billing.selectors import team_gpu_hours
+from inventory import services as inventory_services
+from inventory.dumps import iter_objects
+from inventory.models import Device, Unit
+from quota.admission.shapes import forget_fleet_shapes
 from quota.models import Budget
+from quota.policy import PolicyError, apply_policy, load_policy
 from teams.models import Team, TeamNamespace
 from tests.factories import AllocationFactory, DeviceFactory, ResourceClaimFactory
-from tests.quota.fixtures import claim, decide, gpu_request, make_team
+from tests.fixtures import DRA
+from tests.quota.fixtures import AT, claim, decide, fleet_objects, gpu_request, make_team
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("fleet")]
 
 
-def used(team_hours: int, *, live_minutes: int = 0) -> None:
-    """The team held `team_hours` GPU-hours in earlier hours of this period, and one GPU since
-    `live_minutes` ago (not rolled up yet)."""
+def used(team_hours: int, *, live_minutes: int = 0, unit: str = Unit.GPU) -> None:
+    """The team held `team_hours` hours of `unit` (GPU-hours unless told) in earlier hours of
+    this period, and one device of that unit since `live_minutes` ago (not rolled up yet)."""
     now = timezone.now()
-    device = DeviceFactory.create()
+    device = DeviceFactory.create(unit=unit)
     claim_row = ResourceClaimFactory.create(cluster=device.cluster, namespace="research")
     allocation = AllocationFactory.create(
         cluster=device.cluster,
@@ -47,6 +54,7 @@ def used(team_hours: int, *, live_minutes: int = 0) -> None:
             cluster=device.cluster,
             device_uuid=device.uuid,
             gpu_share=1,
+            unit=unit,
             namespace="research",
             claim_name=claim_row.name,
             team_id=Team.objects.get(slug="research").pk,
@@ -139,3 +147,208 @@ def test_the_budget_warning_names_a_week_as_the_commands_do(
     assert week.startswith(f"{now.isocalendar().year}-W")
     assert f"10 GPU-hour hard budget for {week}" in budget_warning(client)
     assert not Period.objects.exists()
+
+
+# --- Hours of one unit --------------------------------------------------------------------------
+
+TPU = "tpu.google.com"
+
+
+def with_tpus() -> None:
+    """The quota tests' fleet and a TPU v4 host of four chips, in the webhook's cluster."""
+    report = inventory_services.import_snapshot(
+        cluster=inventory_services.get_cluster("default"),
+        objects=[*fleet_objects(), *iter_objects(DRA / "vendors" / "tpu.yaml")],
+        at=AT,
+    )
+    assert report.errors == []
+    forget_fleet_shapes()
+
+
+def tpu_request(count: int = 1) -> dict[str, Any]:
+    return gpu_request(count, device_class_name=TPU)
+
+
+def budget_warnings(answer: dict[str, Any]) -> list[str]:
+    return [text for text in answer.get("warnings") or [] if "budget" in text]
+
+
+def test_a_spent_gpu_hour_budget_leaves_tpu_claims_alone(
+    client: Client, settings: SettingsWrapper
+) -> None:
+    settings.TALLY_BUDGET_CACHE_SECONDS = 0
+    with_tpus()
+    Budget.objects.create(team=make_team([]), gpu_hours=Decimal(10), mode="hard")
+    used(9)
+    used(50, unit=Unit.TPU)  # TPU chip-hours: not GPU-hours, they count nothing toward it
+    tpu = decide(client, claim("tpu", [tpu_request(2)]))
+    assert tpu["allowed"] and budget_warnings(tpu) == []
+    near = decide(client, claim("gpu", [gpu_request(1)]))
+    assert near["allowed"]
+    assert "has used 9.0 of its 10 GPU-hour hard budget" in budget_warnings(near)[0]
+    used(1)
+    denied = decide(client, claim("gpu-again", [gpu_request(1)]))
+    assert denied["status"]["reason"] == "BudgetExceeded"
+    assert "has used 10.0 of its 10 GPU-hour hard budget" in denied["status"]["message"]
+    again = decide(client, claim("tpu-again", [tpu_request(2)]))
+    assert again["allowed"] and budget_warnings(again) == []
+
+
+def test_a_tpu_chip_hour_budget_denies_tpu_claims_naming_its_unit(
+    client: Client, settings: SettingsWrapper
+) -> None:
+    settings.TALLY_BUDGET_CACHE_SECONDS = 0
+    with_tpus()
+    Budget.objects.create(team=make_team([]), gpu_hours=Decimal("3.5"), mode="hard", unit=Unit.TPU)
+    used(3, unit=Unit.TPU)
+    used(100)  # GPU-hours: not the budget's
+    warned = decide(client, claim("a", [tpu_request(1)]))
+    assert warned["allowed"]
+    assert budget_warnings(warned) == [
+        f'team "research" has used 3.0 of its 3.5 TPU chip-hour hard budget for '
+        f"{period_holding(timezone.now()).label}"
+    ]
+    used(1, unit=Unit.TPU)
+    denied = decide(client, claim("b", [tpu_request(1)]))
+    assert (denied["allowed"], denied["status"]["reason"]) == (False, "BudgetExceeded")
+    assert denied["status"]["message"] == (
+        f'team "research" has used 4.0 of its 3.5 TPU chip-hour hard budget for '
+        f"{period_holding(timezone.now()).label}"
+    )
+    # A GPU claim can be given no TPU chip: the budget does not weigh it.
+    gpu = decide(client, claim("c", [gpu_request(1)]))
+    assert gpu["allowed"] and budget_warnings(gpu) == []
+    # One that could be given a TPU chip (any alternative), or anything (a class the inventory
+    # does not know yet), is weighed.
+    either = {
+        "name": "either",
+        "firstAvailable": [
+            {"name": "gpu", "deviceClassName": "gpu.nvidia.com"},
+            {"name": "tpu", "deviceClassName": TPU},
+        ],
+    }
+    assert decide(client, claim("d", [either]))["status"]["reason"] == "BudgetExceeded"
+    unknown = decide(client, claim("e", [gpu_request(1, device_class_name="npu.example.com")]))
+    assert unknown["status"]["reason"] == "BudgetExceeded"
+
+
+def test_hours_of_each_unit_are_counted_apart_exactly() -> None:
+    """On PostgreSQL, to the millisecond: rolled-up rows of the unit in the period before the
+    current hour, and open allocations of the unit since the current hour at their share."""
+    team = make_team([])
+    now = datetime(2026, 3, 10, 12, 30, tzinfo=UTC)
+    period = period_for(now)
+
+    def usage(unit: str, hour: datetime, hours: int) -> None:
+        allocation = AllocationFactory.create(
+            device=DeviceFactory.create(unit=unit), start=hour, end=hour, team=team
+        )
+        UsageHour.objects.create(
+            hour=hour,
+            allocation=allocation,
+            cluster=allocation.cluster,
+            device_uuid=allocation.meter_id,
+            gpu_share=1,
+            unit=unit,
+            namespace="research",
+            claim_name=allocation.claim.name,
+            team=team,
+            allocated_gpu_ms=hours * MS_PER_HOUR,
+            utilised_gpu_ms=0,
+            unmeasured_gpu_ms=0,
+        )
+
+    def held(unit: str, since: datetime, share: str) -> None:
+        device = DeviceFactory.create(unit=unit, gpu_share=Decimal(share))
+        AllocationFactory.create(device=device, start=since, end=None, team=team)
+
+    ten = datetime(2026, 3, 10, 10, tzinfo=UTC)
+    usage(Unit.GPU, ten, 3)
+    usage(Unit.TPU, ten, 5)
+    usage(Unit.GAUDI, ten, 2)
+    usage(Unit.TPU, datetime(2026, 2, 27, 10, tzinfo=UTC), 7)  # the period before
+    usage(Unit.TPU, datetime(2026, 3, 10, 12, tzinfo=UTC), 9)  # this hour: counted live
+    held(Unit.TPU, datetime(2026, 3, 10, 11, 15, tzinfo=UTC), "1")  # 30 min this hour
+    held(Unit.TPU, datetime(2026, 3, 10, 12, 6, tzinfo=UTC), "0.5")  # 24 min at half a chip
+    held(Unit.GPU, datetime(2026, 3, 10, 12, 0, tzinfo=UTC), "1")  # 30 min
+    assert period.start <= datetime(2026, 3, 1, tzinfo=UTC) < ten
+    hours = {unit: team_gpu_hours(team=team, period=period, now=now, unit=unit) for unit in Unit}
+    assert hours == {
+        Unit.GPU: Decimal("3.5"),
+        Unit.TPU: Decimal("5.7"),
+        Unit.GAUDI: Decimal(2),
+        Unit.ACCELERATOR: Decimal(0),
+    }
+    assert team_gpu_hours(team=team, period=period, now=now) == Decimal("3.5")  # GPU-hours
+
+
+BUDGET_POLICY = """\
+teams:
+- slug: vision
+  name: Vision Research
+  budget: {gpuHours: 2000, mode: hard, unit: UNIT}
+"""
+
+
+def test_a_policy_budget_in_tpu_chip_hours_is_applied_and_printed_so() -> None:
+    report = apply_policy(
+        policy=load_policy(BUDGET_POLICY.replace("UNIT", "tpu")), prune=False, actor="tester"
+    )
+    budget = Budget.objects.get(team__slug="vision")
+    assert (budget.gpu_hours, budget.mode, budget.unit) == (2000, "hard", Unit.TPU)
+    assert "created budget vision: 2000 TPU chip-hours (hard)" in report.changes
+    # Without `unit:` a budget is in GPU-hours: declaring so changes the unit, audited.
+    report = apply_policy(
+        policy=load_policy(BUDGET_POLICY.replace(", unit: UNIT", "")), prune=False, actor="tester"
+    )
+    assert report.changes == ["updated budget vision: 2000 GPU-hours (hard): unit 'tpu' → 'gpu'"]
+    assert Budget.objects.get().unit == Unit.GPU
+
+
+def test_a_policy_budget_of_an_unknown_unit_is_one_error_naming_the_key() -> None:
+    with pytest.raises(PolicyError) as caught:
+        load_policy(BUDGET_POLICY.replace("UNIT", "tpus"))
+    assert caught.value.errors == [
+        "teams[0].budget.unit: must be one of gpu, tpu, gaudi, accelerator, got 'tpus'"
+    ]
+    assert "\n" not in str(caught.value)
+
+
+def test_apply_policy_prints_each_rate_per_hour_of_its_models_unit() -> None:
+    with_tpus()
+    tpu_model = Device.objects.filter(unit=Unit.TPU).values_list("product_name", flat=True)[0]
+    rates = f"""\
+rates:
+- productName: {tpu_model}
+  perGpuHour: "1.20"
+  currency: USD
+  from: 2026-01-01
+- productName: NVIDIA H100 80GB HBM3
+  perGpuHour: "2.50"
+  currency: USD
+  from: 2026-01-01
+- productName: NVIDIA A100-SXM4-80GB
+  profile: 3g.40gb
+  perGpuHour: "0.70"
+  currency: USD
+  from: 2026-01-01
+"""
+    report = apply_policy(
+        policy=load_policy(BUDGET_POLICY.replace("UNIT", "tpu") + rates),
+        prune=False,
+        actor="tester",
+    )
+    assert [line for line in report.changes if "rate card" in line] == [
+        f"created rate card {tpu_model}: 1.20 USD/TPU chip-hour from 2026-01-01",
+        "created rate card NVIDIA H100 80GB HBM3: 2.50 USD/GPU-hour from 2026-01-01",
+        "created rate card NVIDIA A100-SXM4-80GB 3g.40gb: 0.70 USD/slice-hour from 2026-01-01",
+    ]
+    # Pruned, the TPU card is named per TPU chip-hour too.
+    pruned = apply_policy(
+        policy=load_policy(BUDGET_POLICY.replace("UNIT", "tpu") + "rates: []\n"),
+        prune=True,
+        actor="tester",
+    )
+    assert f"deleted rate card {tpu_model}: 1.2000 USD/TPU chip-hour from 2026-01-01" in (
+        pruned.changes
+    )

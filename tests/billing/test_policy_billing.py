@@ -293,7 +293,7 @@ def test_budgets_are_removed_only_with_prune() -> None:
 
     report = apply_text(without)
     assert Budget.objects.exists()
-    assert "kept budget vision: 2000.000 GPU-h (hard): not declared (--prune deletes it)" in (
+    assert "kept budget vision: 2000 GPU-hours (hard): not declared (--prune deletes it)" in (
         report.notes
     )
 

@@ -217,8 +217,8 @@ def test_prune_removes_what_the_file_no_longer_declares(tmp_path: Path) -> None:
         ("quota rule", "nlp/h100"),
         ("quota rule", "vision/mig-small"),
         # Not in VISION: vision's budget goes; nlp's is deleted before its team, not cascaded.
-        ("budget", "vision: 2000.000 GPU-h (hard)"),
-        ("budget", "nlp: 1500.000 GPU-h (soft)"),
+        ("budget", "vision: 2000 GPU-hours (hard)"),
+        ("budget", "nlp: 1500 GPU-hours (soft)"),
     }
     assert (
         AuditEntry.objects.get(object_repr="nlp", object_type="team", action="delete").after is None

@@ -189,27 +189,36 @@ def test_deleting_a_team_audits_what_goes_with_it(ops_client: Client) -> None:
     ) == [
         ("delete", "team namespace", "vision"),
         ("delete", "quota rule", "vision/h100"),
-        ("delete", "budget", "vision: 100.000 GPU-h (hard)"),
+        ("delete", "budget", "vision: 100 GPU-hours (hard)"),
         ("delete", "team", "vision"),  # the team, last
     ]
 
 
 def test_a_budget_is_set_through_the_service_and_audited(ops_client: Client) -> None:
     """The admin sets a budget through `quota.services.set_budget`, as `apply_policy` does:
-    created, changed and saved unchanged, each change audited once as the admin user."""
+    created, changed (its unit too) and saved unchanged, each change audited once as the admin
+    user."""
     team = TeamFactory.create(slug="vision")
     add = reverse("admin:quota_budget_add")
-    response = ops_client.post(add, {"team": team.pk, "gpu_hours": "100", "mode": "hard"})
+    response = ops_client.post(
+        add, {"team": team.pk, "gpu_hours": "100", "mode": "hard", "unit": "gpu"}
+    )
     assert response.status_code == 302, response.content
     budget = Budget.objects.get()
     change = reverse("admin:quota_budget_change", args=[budget.pk])
     assert response["Location"].startswith(reverse("admin:quota_budget_changelist"))
 
-    assert ops_client.post(change, {"gpu_hours": "250.5", "mode": "soft"}).status_code == 302
-    assert ops_client.post(change, {"gpu_hours": "250.5", "mode": "soft"}).status_code == 302
+    changed = {"gpu_hours": "250.5", "mode": "soft", "unit": "tpu"}
+    assert ops_client.post(change, changed).status_code == 302
+    assert ops_client.post(change, changed).status_code == 302
 
     budget.refresh_from_db()
-    assert (budget.team, budget.gpu_hours, budget.mode) == (team, Decimal("250.5"), "soft")
+    assert (budget.team, budget.gpu_hours, budget.mode, budget.unit) == (
+        team,
+        Decimal("250.5"),
+        "soft",
+        "tpu",
+    )
     entries = AuditEntry.objects.order_by("pk")
     assert [(e.actor, e.action, e.object_type) for e in entries] == [
         ("ops-admin", "create", "budget"),
@@ -217,6 +226,11 @@ def test_a_budget_is_set_through_the_service_and_audited(ops_client: Client) -> 
     ]
     assert (entries[1].before or {})["gpu_hours"] == "100.000"
     assert (entries[1].after or {})["mode"] == "soft"
+    assert ((entries[1].before or {})["unit"], (entries[1].after or {})["unit"]) == ("gpu", "tpu")
+    # A unit that is none of the profiles' is refused by the form, naming the field.
+    refused = ops_client.post(change, {**changed, "unit": "npu"})
+    assert refused.status_code == 200
+    assert refused.context["adminform"].form.errors["unit"]
 
 
 def test_in_use_is_read_only(ops_client: Client) -> None:
