@@ -21,6 +21,7 @@ from rest_framework.views import APIView
 
 from billing.api import views as billing
 from inventory.api import views as inventory
+from quota.api import demand, stranded
 from quota.api import views as quota
 from teams.api import unknown_endpoint
 
@@ -53,6 +54,9 @@ router.register("usage/jobs", billing.JobUsageViewSet, basename="usage-jobs")
 router.register("usage/users", billing.UserUsageViewSet, basename="usage-users")
 router.register("usage", billing.UsageViewSet, basename="usage")
 router.register("inventory/capacity", inventory.CapacityViewSet, basename="inventory-capacity")
+router.register("pending/claims", demand.PendingClaimViewSet, basename="pending-claims")
+router.register("pending", demand.PendingDemandViewSet, basename="pending")
+router.register("gangs/stranded", stranded.StrandedGangViewSet, basename="stranded-gangs")
 
 
 def docs_readable(request: Request) -> bool:

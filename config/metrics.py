@@ -18,7 +18,12 @@ one pod (an emptyDir).
 Outstanding reservations are not counted in any process: `quota.metrics.ReservationCollector`
 (one of `DATABASE_COLLECTORS`) asks the database at scrape time, with one small aggregate
 query, so every web replica reports the same truth and no process has to keep a gauge in step
-with the table.
+with the table. So are pending demand (`quota.pending.PendingDemandCollector`:
+`tally_pending_claims`, `tally_pending_demand_units` by team, device class and unit, and
+`tally_pending_longest_wait_seconds` by team) and stranded gangs
+(`inventory.stranded.StrandedGangCollector`: `tally_stranded_gangs`,
+`tally_stranded_gang_devices`, `tally_stranded_gang_units` by team and unit). Their labels
+come from the database (teams, the clusters' device classes; any other class is "other").
 
 Every label takes its values from a fixed set declared here (`Bounded`): a value outside it is
 counted as "other", so nothing a client sends can add series (a reason per sample index once

@@ -9,9 +9,11 @@ on).
 
 from __future__ import annotations
 
+from datetime import datetime
 from functools import wraps
 from typing import Any, Protocol
 
+from django.conf import settings
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
@@ -19,14 +21,19 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
 from django.utils import timezone
 
+from billing.stranded import priced_stranded_gangs
 from frontend import selectors
 from inventory import checks
 from inventory import selectors as fleet
+from inventory.models import Cluster
 from inventory.profiles import unit_label
+from quota import pending
 from teams.api import API_PREFIX, write_csv
 from teams.models import Team
 
 USAGE_WINDOWS = (7, 30)
+# The longest waiting pending claims a page lists (the API lists them all).
+PENDING_CLAIMS_SHOWN = 25
 DECISIONS_PER_PAGE = 50
 
 
@@ -151,6 +158,7 @@ def team(request: HttpRequest, team: Team) -> HttpResponse:
         "claims_total": claims_total,
         "statements": selectors.team_statements(team=team),
         "chart_data": chart_data,
+        **_queue_context(request, now=now, team=team),
     }
     return render(request, "frontend/team.html", context)
 
@@ -166,6 +174,22 @@ def statement_csv(request: HttpRequest, team: Team, period_id: int) -> HttpRespo
     response["Content-Disposition"] = f'attachment; filename="{filename}"'
     write_csv(response, columns=selectors.CSV_COLUMNS, rows=rows)
     return response
+
+
+def _queue_context(
+    request: HttpRequest, *, now: datetime, cluster: Cluster | None = None, team: Team | None = None
+) -> dict[str, Any]:
+    """Pending demand and stranded gangs (issue 20), for the fleet page (every team: the team
+    column shown) or one team's page."""
+    claims = pending.pending_claims(user=request.user, now=now, cluster=cluster, team=team)
+    return {
+        "pending_demand": pending.summarize(claims),
+        "pending_claims": claims[:PENDING_CLAIMS_SHOWN],
+        "pending_total": len(claims),
+        "stranded": priced_stranded_gangs(user=request.user, now=now, cluster=cluster, team=team),
+        "stranded_minutes": settings.TALLY_STRANDED_GANG_MINUTES,
+        "show_team": team is None,
+    }
 
 
 @operator_required
@@ -185,6 +209,7 @@ def fleet_overview(request: HttpRequest) -> HttpResponse:
         "capacity": fleet.capacity_by_model(cluster=cluster),
         "sync_warnings": checks.sync_warnings(cluster=cluster),
         "show_cluster": cluster is None,
+        **_queue_context(request, now=timezone.now(), cluster=cluster),
     }
     return render(request, "frontend/fleet.html", context)
 

@@ -11,8 +11,10 @@ class QuotaConfig(AppConfig):
         from config.metrics import DATABASE_COLLECTORS
         from inventory.signals import claims_changed
         from quota.metrics import ReservationCollector
+        from quota.pending import PendingDemandCollector
 
         DATABASE_COLLECTORS.append(ReservationCollector())
+        DATABASE_COLLECTORS.append(PendingDemandCollector())
         claims_changed.connect(_sync_reservations, dispatch_uid="quota.sync_reservations")
 
 

@@ -554,3 +554,31 @@ def test_the_burn_down_table_rounds_every_column_alike(portal: Portal) -> None:
     shown = [value for label, value in cells if label == "Remaining (GPU-h)" and value]
     assert shown == [rounded(day.remaining) for day in burn.days if day.remaining is not None]
     assert all(re.fullmatch(r"-?\d+(\.\d{1,2})?", value) for _, value in cells if value)
+
+
+def test_fleet_page_lists_tpu_chips_apart_from_gpus_and_free_blocks_per_model(
+    portal: Portal,
+) -> None:
+    node = NodeFactory.create(cluster=portal.cluster, name="tpu-host")
+    DeviceFactory.create_batch(
+        4, node=node, driver="tpu.google.com", unit="tpu", product_name="v5p", kind="gpu"
+    )
+
+    response = _client(portal, "operator").get(reverse("fleet"))
+    page = response.content.decode()
+
+    tpu = page[page.index('<h3 id="capacity-tpu-heading">TPU chips</h3>') :]
+    tpu = tpu[: tpu.index("</table>")]
+    assert re.search(
+        r'<th scope="row">v5p</th>\s*<td class="num">4</td>\s*<td class="num">4</td>', tpu
+    )
+    gpus = page[page.index('id="capacity-gpu"') :]
+    assert "v5p" not in gpus[: gpus.index("</table>")]
+    blocks = page[page.index('id="free-blocks"') :]
+    blocks = blocks[: blocks.index("</table>")]
+    assert re.search(
+        r'<th scope="row">v5p</th>\s*<td class="num">4 TPU chips</td>'
+        r'\s*<td class="num">4 TPU chips</td>',
+        blocks,
+    )
+    assert [b["unit"] for b in response.context["spread"]["free_blocks"]][-1] == "tpu"
