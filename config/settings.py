@@ -409,16 +409,28 @@ TALLY_WEBHOOK_DEADLINE_MS = env.get_int("TALLY_WEBHOOK_DEADLINE_MS", 2500, minim
 # Either way a decision that reserved nothing (a denial) is recorded without waiting.
 TALLY_WEBHOOK_SYNCHRONOUS_COMMIT = env.get_bool("TALLY_WEBHOOK_SYNCHRONOUS_COMMIT", True)
 TALLY_RESERVATION_TTL_SECONDS = env.get_int("TALLY_RESERVATION_TTL_SECONDS", 600, minimum=1)
+# A gang admitted whole holds room for its members to come; what they have not taken by then
+# is released (quota.services.expire_reservations).
+TALLY_GANG_RESERVATION_SECONDS = env.get_int("TALLY_GANG_RESERVATION_SECONDS", 900, minimum=1)
+# A gang some of whose members hold devices while the others do not is reported stranded
+# (inventory.stranded) once it has been so for this long.
+TALLY_STRANDED_GANG_MINUTES = env.get_int("TALLY_STRANDED_GANG_MINUTES", 30, minimum=1)
 
 # Workload webhook (quota.workloads): the kinds whose creation records its user in the
 # tally.dev/created-by annotation, "Kind" (core group) or "group/Kind"; keep in step with the
-# rules of deploy/base/webhooks.yaml (tally-workloads).
+# rules of deploy/base/webhooks.yaml (tally-workloads). Every kind whose pod templates a
+# controller below turns into Pods belongs here (ReplicaSet, DaemonSet, ControllerRevision...):
+# one left out could name anyone, and the Pods made from it would carry that name.
 TALLY_WORKLOAD_KINDS = env.get_list(
     "TALLY_WORKLOAD_KINDS",
     [
         "Pod",
+        "ReplicationController",
         "apps/Deployment",
         "apps/StatefulSet",
+        "apps/ReplicaSet",
+        "apps/DaemonSet",
+        "apps/ControllerRevision",
         "batch/Job",
         "batch/CronJob",
         "jobset.x-k8s.io/JobSet",
@@ -437,7 +449,8 @@ for _kind in TALLY_WORKLOAD_KINDS:
             f"TALLY_WORKLOAD_KINDS: {_kind!r} is not a kind (write Kind or group/Kind)"
         )
 # Usernames (shell patterns) of the controllers that make objects for someone else: never
-# recorded as a creator, and allowed to copy one (the kube-controller-manager, operators).
+# recorded as a creator, and allowed to copy one (the kube-controller-manager, operators) onto
+# what they make for an object of the kinds above; for anything else, what they copy is dropped.
 TALLY_WORKLOAD_CONTROLLERS = env.get_list(
     "TALLY_WORKLOAD_CONTROLLERS",
     [
