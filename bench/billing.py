@@ -237,7 +237,7 @@ class Gpu:
     pid: int
 
 
-def _load_fleet(count: int, *, seed: int) -> list[Gpu]:
+def _load_fleet(count: int, *, seed: int, at: datetime = WEEK_START) -> list[Gpu]:
     from inventory import services as inventory_services
     from inventory import simulate
     from inventory.models import Allocation
@@ -246,9 +246,7 @@ def _load_fleet(count: int, *, seed: int) -> list[Gpu]:
     nodes = math.ceil(count / GPUS_PER_NODE)
     objects = [
         obj
-        for obj in simulate.generate(
-            nodes=nodes, seed=seed, now=WEEK_START, mix=simulate.WHOLE_GPU_MIX
-        )
+        for obj in simulate.generate(nodes=nodes, seed=seed, now=at, mix=simulate.WHOLE_GPU_MIX)
         if obj["kind"] != "ResourceClaim"
     ]
     wanted = [
@@ -259,15 +257,15 @@ def _load_fleet(count: int, *, seed: int) -> list[Gpu]:
         for entry in spec.get("devices", [])
     ][:count]
     rng = random.Random(f"{seed}/claims")
-    claims = [_claim(pool, device, rng) for pool, device in wanted]
+    claims = [_claim(pool, device, rng, at=at) for pool, device in wanted]
     report = inventory_services.import_snapshot(
         cluster=inventory_services.get_cluster("default"),
         objects=[*objects, *claims],
-        at=WEEK_START,
+        at=at,
     )
     if report.errors:
         raise SystemExit(f"the fleet import reported errors: {report.errors[:5]}")
-    allocated = Allocation.objects.filter(start=WEEK_START, end__isnull=True, device__isnull=False)
+    allocated = Allocation.objects.filter(start=at, end__isnull=True, device__isnull=False)
     if allocated.count() != count:
         raise SystemExit(f"expected {count} allocations from the week's start, got {allocated}")
     rows = allocated.order_by("device__node__name", "device__name").values_list(
@@ -279,19 +277,21 @@ def _load_fleet(count: int, *, seed: int) -> list[Gpu]:
     ]
     print(
         f"fleet: {nodes} nodes, {len(gpus):,} GPUs each allocated by its own claim from "
-        f"{WEEK_START:%Y-%m-%d %H:%M} UTC, imported in {time.perf_counter() - started:.1f} s",
+        f"{at:%Y-%m-%d %H:%M} UTC, imported in {time.perf_counter() - started:.1f} s",
         flush=True,
     )
     return gpus
 
 
-def _claim(pool: str, device: str, rng: random.Random) -> dict[str, Any]:
-    """A one-GPU claim in the API's shape, allocated `device` of `pool` at the week's start."""
+def _claim(
+    pool: str, device: str, rng: random.Random, *, at: datetime = WEEK_START
+) -> dict[str, Any]:
+    """A one-GPU claim in the API's shape, allocated `device` of `pool` at `at`."""
     namespace = rng.choice(NAMESPACES)
     suffix = "".join(rng.choices("bcdfghjklmnpqrstvwxz2456789", k=5))
     pod = f"train-{pool[-6:]}-{device}-{suffix}"
     pod_uid = str(_uuid(rng))
-    stamp = WEEK_START.strftime("%Y-%m-%dT%H:%M:%SZ")
+    stamp = at.strftime("%Y-%m-%dT%H:%M:%SZ")
     return {
         "apiVersion": "resource.k8s.io/v1",
         "kind": "ResourceClaim",

@@ -18,10 +18,12 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from datetime import UTC, date, datetime
 from decimal import ROUND_HALF_UP, Decimal
 from fractions import Fraction
+from typing import Any
 
 from django.db import transaction
 from django.db.models import F, Q, Sum
@@ -178,13 +180,39 @@ def usage_lines(*, team: Team | None, period: Period) -> list[LineFigures]:
 
     The amount is exact before its one rounding: integer GPU-milliseconds, and the decimal
     rate, idle factor and share as fractions."""
-    rows = (
-        UsageHour.objects.filter(team=team, hour__gte=period.start, hour__lt=period.end)
+    return _lines(_usage_rows(period).filter(team=team), cards={})
+
+
+def usage_lines_by_team(
+    *, period: Period, teams: list[Team] | None = None, cards: Cards | None = None
+) -> dict[int | None, list[LineFigures]]:
+    """`usage_lines` of every team (of `teams`; None: every team, and usage of no team
+    under None) in one pass over the period's usage rows: a team's rows are spread over the
+    whole table, so reading them team by team reads the table once per team. `cards` caches
+    rate cards across calls."""
+    rows = _usage_rows(period, by_team=True)
+    if teams is not None:
+        rows = rows.filter(team__in=teams)
+    by_team: dict[int | None, list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        by_team[row.pop("team_id")].append(row)
+    cards = {} if cards is None else cards
+    return {team_id: _lines(team_rows, cards=cards) for team_id, team_rows in by_team.items()}
+
+
+Cards = dict[tuple[str, str, date], RateCard | None]
+
+
+def _usage_rows(period: Period, *, by_team: bool = False) -> Any:
+    """The period's usage rows summed per model, unit, day and device share (and team)."""
+    return (
+        UsageHour.objects.filter(hour__gte=period.start, hour__lt=period.end)
         .annotate(day=TruncDate("hour", tzinfo=UTC))
         # The device's share of its GPU (as the allocation kept it from its start), not the
         # row's: a consumable share of a slice (KEP-5075) holds part of the slice, and pays
         # that part of the slice's price.
         .values(
+            *(("team_id",) if by_team else ()),
             "product_name",
             "profile",
             "unit",
@@ -198,7 +226,10 @@ def usage_lines(*, team: Team | None, period: Period) -> list[LineFigures]:
         )
         .order_by()
     )
-    cards: dict[tuple[str, str, date], RateCard | None] = {}
+
+
+def _lines(rows: Iterable[dict[str, Any]], *, cards: Cards) -> list[LineFigures]:
+    """The summed usage `rows` priced, one line per model, unit and price."""
     lines: dict[LineKey, LineFigures] = {}
     totals: dict[LineKey, _Usage] = defaultdict(_Usage)
     for row in sorted(
@@ -264,15 +295,29 @@ def refresh_statements(*, period: Period, teams: list[Team] | None = None) -> li
     with transaction.atomic():
         if Period.objects.select_for_update().get(pk=period.pk).is_closed:
             raise PricingError(f"period {period} is closed; its statements are frozen")
-        for team in teams if teams is not None else list(Team.objects.order_by("slug")):
-            statements += _refresh_team(team, period)
+        chosen = teams if teams is not None else list(Team.objects.order_by("slug"))
+        # Each period's usage read once for all the teams, not once per team.
+        cards: Cards = {}
+        usage = usage_lines_by_team(period=period, teams=chosen, cards=cards)
+        closed = {
+            earlier: usage_lines_by_team(period=earlier, teams=chosen, cards=cards)
+            for earlier in Period.objects.filter(
+                closed_at__isnull=False, start__lt=period.start
+            ).order_by("start")
+        }
+        for team in chosen:
+            statements += _refresh_team(team, period, usage.get(team.pk, []), closed)
     return statements
 
 
-def _refresh_team(team: Team, period: Period) -> list[Statement]:
+ClosedUsage = dict[Period, dict[int | None, list[LineFigures]]]
+
+
+def _refresh_team(
+    team: Team, period: Period, lines: list[LineFigures], closed: ClosedUsage
+) -> list[Statement]:
     now = timezone.now()
-    lines = usage_lines(team=team, period=period)
-    adjustments = _late_data_adjustments(team, period)
+    adjustments = _late_data_adjustments(team, period, closed)
     by_currency: dict[str, list[tuple[LineFigures, str, Period | None]]] = defaultdict(list)
     for line in lines:
         by_currency[line.currency or "USD"].append((line, LineKind.USAGE, None))
@@ -324,14 +369,15 @@ def _refresh_team(team: Team, period: Period) -> list[Statement]:
     return statements
 
 
-def _late_data_adjustments(team: Team, period: Period) -> list[tuple[LineFigures, Period]]:
-    """For each closed period before this one: what its usage is now, less what it was billed
-    (its frozen lines and the adjustments already issued for it), per model and price. What
-    was billed for a line its usage no longer has is taken back whole."""
+def _late_data_adjustments(
+    team: Team, period: Period, closed_usage: ClosedUsage
+) -> list[tuple[LineFigures, Period]]:
+    """For each closed period before this one (`closed_usage`: their usage now, per team):
+    what its usage is now, less what it was billed (its frozen lines and the adjustments
+    already issued for it), per model and price. What was billed for a line its usage no
+    longer has is taken back whole."""
     adjustments = []
-    for closed in Period.objects.filter(closed_at__isnull=False, start__lt=period.start).order_by(
-        "start"
-    ):
+    for closed, by_team in closed_usage.items():
         billed: dict[LineKey, LineFigures] = {}
         for stored in (
             StatementLine.objects.filter(statement__team=team)
@@ -352,7 +398,7 @@ def _late_data_adjustments(team: Team, period: Period) -> list[tuple[LineFigures
                 utilised=_hours(line.utilised),
                 unmeasured=_hours(line.unmeasured),
             )
-            for line in usage_lines(team=team, period=closed)
+            for line in by_team.get(team.pk, [])
         }
         for key in [*usage, *(key for key in billed if key not in usage)]:
             now = usage.get(key) or replace(

@@ -288,6 +288,23 @@ def test_team_totals_add_up_to_the_fleet_total(scenario: Team) -> None:
     )
 
 
+def test_usage_of_every_team_in_one_pass_is_each_teams_usage(scenario: Team) -> None:
+    """`usage_lines_by_team` (what statements are refreshed from: one pass over the period's
+    rows) gives each team, and usage of no team, exactly the lines `usage_lines` gives it."""
+    other = Team.objects.create(slug="nlp", name="NLP")
+    TeamNamespace.objects.create(team=other, namespace="nlp")
+    period = pricing.period_for(T10)
+    by_team = pricing.usage_lines_by_team(period=period)
+    assert by_team  # the scenario has usage
+    for team in (None, scenario, other):
+        expected = pricing.usage_lines(team=team, period=period)
+        got = by_team.get(team.pk if team is not None else None, [])
+        assert sorted(got, key=lambda line: line.key) == sorted(expected, key=lambda line: line.key)
+    chosen = pricing.usage_lines_by_team(period=period, teams=[scenario])
+    assert set(chosen) <= {scenario.pk}
+    assert chosen.get(scenario.pk, []) == by_team.get(scenario.pk, [])
+
+
 def test_a_mig_profile_card_prices_an_hour_of_the_slice(scenario: Team) -> None:
     """A rate card for the 3g.40gb profile takes precedence over the A100's own card, and its
     rate is the price of an hour of one slice, not of a GPU-hour: the MIG device's line keeps
