@@ -8,6 +8,10 @@ class BillingConfig(AppConfig):
     def ready(self) -> None:
         # At ready(), as Django has it: the receiver's module imports models.
         from billing.dirty import on_claims_changed
+        from billing.idle import IdleCollector
+        from config.metrics import DATABASE_COLLECTORS
         from inventory.signals import claims_changed
+
+        DATABASE_COLLECTORS.append(IdleCollector())
 
         claims_changed.connect(on_claims_changed, dispatch_uid="billing.mark_dirty")

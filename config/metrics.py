@@ -22,7 +22,9 @@ with the table. So are pending demand (`quota.pending.PendingDemandCollector`:
 `tally_pending_claims`, `tally_pending_demand_units` by team, device class and unit, and
 `tally_pending_longest_wait_seconds` by team) and stranded gangs
 (`inventory.stranded.StrandedGangCollector`: `tally_stranded_gangs`,
-`tally_stranded_gang_devices`, `tally_stranded_gang_units` by team and unit). Their labels
+`tally_stranded_gang_devices`, `tally_stranded_gang_units` by team and unit) and idle hours
+(`billing.idle.IdleCollector`: `tally_idle_unit_hours` by team and unit, over the last 24
+rolled-up hours). Their labels
 come from the database (teams, the clusters' device classes; any other class is "other").
 
 Every label takes its values from a fixed set declared here (`Bounded`): a value outside it is

@@ -3,6 +3,7 @@ trail itself."""
 
 from __future__ import annotations
 
+from datetime import timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -12,10 +13,13 @@ from django.db import models
 from django.db.models import QuerySet
 from django.forms import BaseFormSet
 from django.http import HttpRequest
+from django.utils import timezone
 from knox.models import AuthToken
 
 from teams import audit
-from teams.models import AuditEntry
+from teams.alerts import snooze_alert
+from teams.models import Alert, AlertDelivery, AuditEntry, IdleAlertPolicy
+from teams.selectors import user_role
 from teams.tokens import MAX_DAYS, create_token, default_days, revoke_tokens
 
 
@@ -187,3 +191,89 @@ class TokenAdmin(admin.ModelAdmin):
 
     def log_deletions(self, request: HttpRequest, queryset: QuerySet[Any]) -> Any:
         return []
+
+
+class AlertDeliveryInline(admin.TabularInline):
+    """What was sent of an alert, and to whom; written by `teams.alert_delivery` only."""
+
+    model = AlertDelivery
+    fields = ("event", "channel", "target", "state", "attempts", "sent_at", "detail")
+    readonly_fields = fields
+    extra = 0
+    can_delete = False
+
+    def has_add_permission(self, request: HttpRequest, obj: Any = None) -> bool:
+        return False
+
+
+_SNOOZES = {"4 hours": timedelta(hours=4), "a day": timedelta(days=1), "a week": timedelta(days=7)}
+
+
+def _snooze_action(label: str, length: timedelta | None) -> Any:
+    def action(model_admin: AlertAdmin, request: HttpRequest, queryset: QuerySet[Alert]) -> None:
+        until = None if length is None else timezone.now() + length
+        for alert in queryset:
+            snooze_alert(alert=alert, until=until, actor=request.user.get_username())
+        done = (
+            "lifted the snooze of" if until is None else f"snoozed until {until:%Y-%m-%d %H:%M} UTC"
+        )
+        model_admin.message_user(request, f"{done} {queryset.count()} alert(s)", messages.SUCCESS)
+
+    name = "unsnooze" if length is None else f"snooze_{int(length.total_seconds())}"
+    action.__name__ = name
+    description = "Lift the snooze" if length is None else f"Snooze for {label}"
+    return admin.action(description=description, permissions=["snooze"])(action)
+
+
+@admin.register(Alert)
+class AlertAdmin(ReadOnlyAdmin):
+    """Alerts, firing and resolved, with their notifications. Operators snooze a key: nothing
+    is sent for it until then (resolved notifications excepted)."""
+
+    list_display = (
+        "kind",
+        "subject",
+        "team",
+        "state",
+        "first_seen",
+        "last_seen",
+        "resolved_at",
+        "snoozed_until",
+    )
+    list_filter = ("state", "kind", "team")
+    search_fields = ("key", "subject")
+    ordering = ("-last_seen",)
+    date_hierarchy = "first_seen"
+    show_full_result_count = False
+    list_select_related = ("team",)
+    readonly_fields = (
+        "kind",
+        "key",
+        "team",
+        "subject",
+        "description",
+        "labels",
+        "recipients",
+        "state",
+        "first_seen",
+        "last_seen",
+        "resolved_at",
+        "snoozed_until",
+        "snoozed_by",
+    )
+    inlines = (AlertDeliveryInline,)
+    actions = [
+        *(_snooze_action(label, length) for label, length in _SNOOZES.items()),
+        _snooze_action("", None),
+    ]
+
+    def has_snooze_permission(self, request: HttpRequest) -> bool:
+        return user_role(request.user) == "operator"
+
+
+@admin.register(IdleAlertPolicy)
+class IdleAlertPolicyAdmin(ReadOnlyAdmin):
+    """Set by the policy file's `idleAlert` (quota.policy); shown here."""
+
+    list_display = ("team", "below_percent", "for_hours")
+    list_select_related = ("team",)

@@ -1,9 +1,11 @@
-"""Tenancy: teams, who belongs to them, the namespaces they own, and the audit trail.
+"""Tenancy: teams, who belongs to them, the namespaces they own, the audit trail, and alerts.
 
 The bottom of the apps: every other app may read these; this app reads none of them.
 """
 
 from __future__ import annotations
+
+from decimal import Decimal
 
 from django.conf import settings
 from django.db import models
@@ -70,3 +72,122 @@ class AuditEntry(models.Model):
 
     def __str__(self) -> str:
         return f"{self.at:%Y-%m-%d %H:%M} {self.actor} {self.action} {self.object_repr}"
+
+
+class IdleAlertPolicy(models.Model):
+    """When a team's claims count as idle (the policy file's `idle_alert`): utilised below
+    `below_percent` of allocated in every one of the last `for_hours` rolled-up hours."""
+
+    team = models.OneToOneField(Team, on_delete=models.CASCADE, related_name="idle_alert_policy")
+    below_percent = models.DecimalField(max_digits=5, decimal_places=2)
+    for_hours = models.PositiveIntegerField()
+
+    class Meta:
+        verbose_name_plural = "idle alert policies"
+        constraints = [
+            models.CheckConstraint(
+                condition=models.Q(below_percent__gt=0) & models.Q(below_percent__lte=100),
+                name="idlealertpolicy_percent",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(for_hours__gte=1), name="idlealertpolicy_hours"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        percent = f"{Decimal(self.below_percent).normalize():f}"
+        return f"{self.team}: below {percent}% for {self.for_hours} h"
+
+
+class AlertKind(models.TextChoices):
+    IDLE_CLAIM = "idle_claim", "idle claim"
+    STRANDED_GANG = "stranded_gang", "stranded gang"
+    VERSION_OUTLIER = "version_outlier", "version outlier"
+
+
+class AlertState(models.TextChoices):
+    FIRING = "firing", "firing"
+    RESOLVED = "resolved", "resolved"
+
+
+class Alert(models.Model):
+    """One stretch of a condition (an idle claim, a stranded gang, an outlier node) from when it
+    was first seen until it resolved. `key` names the thing it is about, stably across
+    evaluations (`cluster/namespace/claim-uid`): at most one firing row per kind and key, a new
+    row when it fires again after resolving. `team` is null for fleet-wide alerts."""
+
+    kind = models.CharField(max_length=32, choices=AlertKind.choices)
+    key = models.CharField(max_length=1100)
+    team = models.ForeignKey(
+        Team, on_delete=models.SET_NULL, null=True, blank=True, related_name="alerts"
+    )
+    subject = models.CharField(max_length=300)
+    description = models.TextField(blank=True)
+    labels = models.JSONField(default=dict, blank=True)
+    # Usernames and email addresses, as raised; resolved to addresses when sent.
+    recipients = models.JSONField(default=list, blank=True)
+    state = models.CharField(max_length=16, choices=AlertState.choices, default=AlertState.FIRING)
+    first_seen = models.DateTimeField()
+    last_seen = models.DateTimeField()
+    resolved_at = models.DateTimeField(null=True, blank=True)
+    # Until then nothing is sent for it; carried over to the key's next alert while it lasts.
+    snoozed_until = models.DateTimeField(null=True, blank=True)
+    snoozed_by = models.CharField(max_length=253, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["kind", "key"],
+                condition=models.Q(state="firing"),
+                name="alert_one_firing_per_key",
+            ),
+        ]
+        indexes = [models.Index(fields=["state", "kind"], name="alert_state_kind")]
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.key} ({self.state})"
+
+
+class DeliveryState(models.TextChoices):
+    PENDING = "pending", "pending"
+    SENT = "sent", "sent"
+    FAILED = "failed", "failed (gave up)"
+    # Not sent, by design: no address to send to, or resolved/snoozed before it went out.
+    SKIPPED = "skipped", "skipped"
+
+
+class AlertDelivery(models.Model):
+    """One notification of one alert's event (firing or resolved) on one channel: `email`, or
+    the Alertmanager webhook at `target`. Made once (unique), sent until it succeeds or runs
+    out of attempts, so a receiver that fails gets it later and never twice."""
+
+    alert = models.ForeignKey(Alert, on_delete=models.CASCADE, related_name="deliveries")
+    event = models.CharField(max_length=16, choices=AlertState.choices)
+    channel = models.CharField(max_length=16)  # email | webhook
+    target = models.CharField(max_length=2000, blank=True)  # the webhook's URL
+    state = models.CharField(
+        max_length=16, choices=DeliveryState.choices, default=DeliveryState.PENDING
+    )
+    attempts = models.PositiveIntegerField(default=0)
+    next_attempt_at = models.DateTimeField()
+    sent_at = models.DateTimeField(null=True, blank=True)
+    # What went out (the addresses, or the webhook's status) or the last error.
+    detail = models.TextField(blank=True)
+
+    class Meta:
+        verbose_name_plural = "alert deliveries"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["alert", "event", "channel", "target"], name="alertdelivery_once"
+            ),
+        ]
+        indexes = [
+            models.Index(
+                fields=["next_attempt_at"],
+                condition=models.Q(state="pending"),
+                name="alertdelivery_pending",
+            )
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.alert}: {self.event} by {self.channel} {self.target}".rstrip()

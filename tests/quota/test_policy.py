@@ -219,6 +219,8 @@ def test_prune_removes_what_the_file_no_longer_declares(tmp_path: Path) -> None:
         # Not in VISION: vision's budget goes; nlp's is deleted before its team, not cascaded.
         ("budget", "vision: 2000 GPU-hours (hard)"),
         ("budget", "nlp: 1500 GPU-hours (soft)"),
+        # Not in VISION either: vision's idle alert threshold goes back to none.
+        ("idle alert policy", "vision: below 5% for 4 h"),
     }
     assert (
         AuditEntry.objects.get(object_repr="nlp", object_type="team", action="delete").after is None

@@ -1,0 +1,233 @@
+"""Idle claims: claims holding devices they barely use, by their team's idle-alert policy.
+
+A team's policy (`teams.models.IdleAlertPolicy`, the policy file's `idleAlert`) says a claim is
+idle when in each of the last `for_hours` hours it used less than `below_percent` of what it
+held. The figures are the ledger's (`UsageHour`, per allocation and hour): the claim's open
+allocations summed per hour. Unmeasured time counts as busy (an hour no sample covers is not
+known to be idle), so an hour is idle when utilised + unmeasured < below_percent of allocated;
+and an hour the rollup has no row for (not yet rolled up, or the claim did not hold it) is not
+idle either. The hours are those up to the last one rolled up, so an evaluation running before
+the rollup of the hour just ended sees the same claims idle as the one after it.
+
+`IdleCollector` gives Prometheus the idle unit-hours per team over the last rolled-up day.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from decimal import ROUND_HALF_UP, Decimal
+
+from django.db.models import Max, Sum
+from django.utils import timezone
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from billing.hours import HOUR, MS_PER_HOUR, hour_start
+from billing.models import UsageHour
+from inventory.models import Allocation, ResourceClaim
+from teams.models import IdleAlertPolicy, Team
+
+HUNDREDTH = Decimal("0.01")
+MILLIONTH = Decimal("0.000001")
+# The window of `tally_idle_unit_hours`.
+METRIC_HOURS = 24
+
+
+@dataclass(frozen=True)
+class IdleClaim:
+    """A claim idle by its team's policy over [`since`, `until`)."""
+
+    team: Team
+    policy: IdleAlertPolicy
+    cluster: str
+    namespace: str
+    claim_name: str
+    claim_uid: str
+    # Who is charged for its open allocations (fixed when each started), else its creator.
+    usernames: tuple[str, ...]
+    job: str
+    unit: str  # what it holds: gpu, tpu, ...; "accelerator" when its devices mix
+    units_held: Decimal  # the open allocations' shares of their unit
+    # The model, profile and device share of its devices when they are all alike (what a
+    # rate card prices), else "", "" and None.
+    product_name: str
+    profile: str
+    device_share: Decimal | None
+    since: datetime
+    until: datetime
+    allocated_ms: int
+    utilised_ms: int
+    unmeasured_ms: int
+
+    @property
+    def key(self) -> str:
+        """Stable for the claim's life: its uid never changes, nor its name and namespace."""
+        return f"{self.cluster}/{self.namespace}/{self.claim_name}/{self.claim_uid}"
+
+    @property
+    def utilised_percent(self) -> Decimal:
+        if not self.allocated_ms:
+            return Decimal(0)
+        share = Decimal(self.utilised_ms * 100) / self.allocated_ms
+        return share.quantize(HUNDREDTH, ROUND_HALF_UP)
+
+    @property
+    def idle_ms(self) -> int:
+        return self.allocated_ms - self.utilised_ms - self.unmeasured_ms
+
+    @property
+    def idle_unit_hours(self) -> Decimal:
+        return (Decimal(self.idle_ms) / MS_PER_HOUR).quantize(MILLIONTH, ROUND_HALF_UP)
+
+
+def rolled_up_until(now: datetime) -> datetime | None:
+    """The end of the last hour before `now`'s that the rollup has rows for; None: none."""
+    last = UsageHour.objects.filter(hour__lt=hour_start(now)).aggregate(last=Max("hour"))["last"]
+    return None if last is None else last + HOUR
+
+
+def idle_claims(*, now: datetime) -> list[IdleClaim]:
+    """The claims idle now by their team's policy, by team, namespace and name. Four queries,
+    whatever the number of claims."""
+    policies = {policy.team_id: policy for policy in IdleAlertPolicy.objects.select_related("team")}
+    until = rolled_up_until(now)
+    if not policies or until is None:
+        return []
+    longest = max(policy.for_hours for policy in policies.values())
+    hours: dict[tuple[int, int], dict[datetime, tuple[int, int, int]]] = defaultdict(dict)
+    for row in (
+        UsageHour.objects.filter(
+            hour__gte=until - timedelta(hours=longest),
+            hour__lt=until,
+            team_id__in=policies,
+            allocation__end__isnull=True,
+        )
+        .values("team_id", "allocation__claim_id", "hour")
+        .annotate(
+            allocated=Sum("allocated_gpu_ms"),
+            utilised=Sum("utilised_gpu_ms"),
+            unmeasured=Sum("unmeasured_gpu_ms"),
+        )
+    ):
+        assert row["team_id"] is not None
+        hours[(row["team_id"], row["allocation__claim_id"])][row["hour"]] = (
+            row["allocated"],
+            row["utilised"],
+            row["unmeasured"],
+        )
+    idle: dict[int, tuple[IdleAlertPolicy, datetime, tuple[int, int, int]]] = {}
+    for (team_id, claim_id), by_hour in hours.items():
+        policy = policies[team_id]
+        since = until - timedelta(hours=policy.for_hours)
+        window = [by_hour.get(since + HOUR * index) for index in range(policy.for_hours)]
+        if all(
+            figures is not None and _idle_hour(*figures, policy.below_percent) for figures in window
+        ):
+            figures_held = [figures for figures in window if figures is not None]
+            idle[claim_id] = (
+                policy,
+                since,
+                (
+                    sum(figures[0] for figures in figures_held),
+                    sum(figures[1] for figures in figures_held),
+                    sum(figures[2] for figures in figures_held),
+                ),
+            )
+    if not idle:
+        return []
+    claims = {
+        claim.pk: claim
+        for claim in ResourceClaim.objects.filter(pk__in=idle).select_related("cluster")
+    }
+    held: dict[int, list[Allocation]] = defaultdict(list)
+    for allocation in Allocation.objects.filter(claim_id__in=idle, end__isnull=True).only(
+        "claim_id",
+        "username",
+        "job",
+        "unit",
+        "gpu_share",
+        "product_name",
+        "profile",
+        "device_share",
+    ):
+        held[allocation.claim_id].append(allocation)
+    found = []
+    for claim_id, (policy, since, (allocated, utilised, unmeasured)) in idle.items():
+        claim = claims[claim_id]
+        allocations = held[claim_id]
+        usernames = sorted({a.username for a in allocations if a.username})
+        if not usernames and claim.created_by:
+            usernames = [claim.created_by]
+        units = {a.unit for a in allocations if a.unit}
+        kinds = {(a.product_name, a.profile, a.device_share) for a in allocations}
+        product_name, profile, device_share = kinds.pop() if len(kinds) == 1 else ("", "", None)
+        found.append(
+            IdleClaim(
+                team=policy.team,
+                policy=policy,
+                cluster=claim.cluster.name,
+                namespace=claim.namespace,
+                claim_name=claim.name,
+                claim_uid=claim.uid,
+                usernames=tuple(usernames),
+                job=next((a.job for a in allocations if a.job), claim.job),
+                unit=units.pop() if len(units) == 1 else ("accelerator" if units else ""),
+                units_held=sum((a.gpu_share for a in allocations), Decimal(0)),
+                product_name=product_name,
+                profile=profile,
+                device_share=device_share,
+                since=since,
+                until=until,
+                allocated_ms=allocated,
+                utilised_ms=utilised,
+                unmeasured_ms=unmeasured,
+            )
+        )
+    found.sort(key=lambda c: (c.team.slug, c.cluster, c.namespace, c.claim_name))
+    return found
+
+
+def _idle_hour(allocated: int, utilised: int, unmeasured: int, below_percent: Decimal) -> bool:
+    """Used (or unmeasured) less than `below_percent` of the time held; an hour held not at
+    all is not idle."""
+    return allocated > 0 and (utilised + unmeasured) * 100 < below_percent * allocated
+
+
+class IdleCollector(Collector):
+    """`tally_idle_unit_hours` by team and unit: allocated less utilised and unmeasured time
+    over the last METRIC_HOURS rolled-up hours, from the database at scrape time (see
+    `config.metrics`); one aggregate query over those hours' rows."""
+
+    def __init__(self, clock: Callable[[], datetime] = timezone.now) -> None:
+        self.clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            "tally_idle_unit_hours",
+            f"Idle unit-hours (GPU-hours for GPUs: held, measured, not used) over the last "
+            f"{METRIC_HOURS} rolled-up hours, by team ('' for none) and unit.",
+            labels=["team", "unit"],
+        )
+        until = rolled_up_until(self.clock())
+        if until is not None:
+            slugs = dict(Team.objects.values_list("pk", "slug"))
+            rows = (
+                UsageHour.objects.filter(
+                    hour__gte=until - timedelta(hours=METRIC_HOURS), hour__lt=until
+                )
+                .values("team_id", "unit")
+                .annotate(
+                    allocated=Sum("allocated_gpu_ms"),
+                    utilised=Sum("utilised_gpu_ms"),
+                    unmeasured=Sum("unmeasured_gpu_ms"),
+                )
+                .order_by("team_id", "unit")
+            )
+            for row in rows:
+                idle = row["allocated"] - row["utilised"] - row["unmeasured"]
+                team = slugs.get(row["team_id"], "") if row["team_id"] is not None else ""
+                family.add_metric([team, row["unit"]], idle / MS_PER_HOUR)
+        yield family
