@@ -281,6 +281,25 @@ class GangPolicyAdmin(AuditedAdmin):
     search_fields = ("team__slug", "team__name")
     list_select_related = ("team",)
 
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        # Moving a policy would change two teams' gangs at once: delete and add instead.
+        return ("team",) if obj is not None else ()
+
+    # Turning a team's gangs off releases its gang holds in the same transaction, as the
+    # policy file does (`recount_usage`), not at the next periodic recount.
+
+    def save_model(self, request: HttpRequest, obj: GangPolicy, form: Any, change: bool) -> None:
+        with transaction.atomic():
+            services.lock_usage(team_ids=[obj.team_id])
+            super().save_model(request, obj, form, change)
+            services.recount_usage(teams=[obj.team_id], at=timezone.now())
+
+    def delete_model(self, request: HttpRequest, obj: GangPolicy) -> None:
+        with transaction.atomic():
+            services.lock_usage(team_ids=[obj.team_id])
+            super().delete_model(request, obj)
+            services.recount_usage(teams=[obj.team_id], at=timezone.now())
+
 
 @admin.register(ReservationLine)
 class ReservationLineAdmin(ReadOnlyAdmin):

@@ -26,6 +26,9 @@ The format (see docs/policy.example.yaml)::
       gangs: enforce               # optional; enforce (default: a gang is admitted whole or
                                    # not at all) | warn (claims decided alone, a gang that
                                    # cannot fit whole warned of) | off (claims decided alone)
+      idleAlert: {belowPercent: 5, forHours: 4}   # optional; a claim utilised below 5% of
+                                   # what it holds in each of the last 4 rolled-up hours is
+                                   # alerted to its user and the leads (billing.alerts)
     drivers:                       # optional; absent: driver profiles are left as they are
       npu.example.com:             # a DRA driver Tally has no built-in profile for
         unit: accelerator          # gpu | tpu | gaudi | accelerator
@@ -95,7 +98,7 @@ from billing.rates import (
 from billing.services import delete_rate_card, save_rate_card
 from inventory.models import Device, DeviceClass, DeviceKind, DriverProfile
 from inventory.models import Unit as DeviceUnit
-from inventory.profiles import UNITS, ProfileError, validate_spec
+from inventory.profiles import UNITS, ProfileError, is_driver_name, validate_spec
 from inventory.versions import VersionPolicy, apply_version_policy, parse_version_policy
 from quota.cel import CELError, compile_selector
 from quota.models import (
@@ -110,7 +113,7 @@ from quota.models import (
 )
 from quota.services import lock_usage, recount_usage, set_budget
 from teams import audit
-from teams.models import AuditEntry, Membership, Role, Team, TeamNamespace
+from teams.models import AuditEntry, IdleAlertPolicy, Membership, Role, Team, TeamNamespace
 
 _TOP_KEYS = ("teams", "rates", "drivers", "versions")
 _TEAM_KEYS = (
@@ -123,15 +126,18 @@ _TEAM_KEYS = (
     "quotas",
     "budget",
     "gangs",
+    "idleAlert",
 )
 _RULE_KEYS = ("name", "deviceClass", "selector", "gpus", "memory", "mode")
 _BUDGET_KEYS = ("gpuHours", "mode", "unit")
 _BUDGET_REQUIRED = ("gpuHours", "mode")
 _BUDGET_MODES = ("hard", "soft")
+_IDLE_ALERT_KEYS = ("belowPercent", "forHours")
+# The longest idle stretch an alert may wait for: a month of hours (the rollup keeps them all,
+# but the evaluation reads this many hours of every claim).
+_IDLE_ALERT_MAX_HOURS = 744
 _RATE_KEYS = ("productName", "profile", "perGpuHour", "idleFactor", "currency", "from", "until")
 # A Kubernetes namespace name: a DNS-1123 label.
-# A DRA driver name: a DNS subdomain (RFC 1123), at most 63 characters as the API allows.
-_DRIVER_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*\Z")
 _DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?\Z")
 # QuotaRule.limit is NUMERIC(24, 6).
 _LIMIT_DIGITS, _LIMIT_PLACES = 24, 6
@@ -174,6 +180,16 @@ class BudgetSpec:
 
 
 @dataclass(frozen=True)
+class IdleAlertSpec:
+    """When a team's claims are alerted as idle: utilised below `below_percent` of what they
+    hold in each of the last `for_hours` hours (`teams.models.IdleAlertPolicy`)."""
+
+    path: str
+    below_percent: Decimal
+    for_hours: int
+
+
+@dataclass(frozen=True)
 class RateSpec:
     """One rate card as declared: a price per GPU-hour over `[valid_from, valid_until)`."""
 
@@ -210,6 +226,7 @@ class TeamSpec:
     budget: BudgetSpec | None = None
     # How the team's gangs are admitted (`GangMode`); None: not declared.
     gangs: str | None = None
+    idle_alert: IdleAlertSpec | None = None
 
     def roles(self) -> dict[str, Role]:
         return {
@@ -437,7 +454,7 @@ def _drivers(checker: _Checker, value: Any) -> dict[str, dict[str, Any]]:
     drivers = {}
     for name, spec in value.items():
         path = f"drivers.{name}"
-        if not isinstance(name, str) or len(name) > 63 or not _DRIVER_NAME.match(name):
+        if not is_driver_name(name):
             checker.error(
                 path, "not a DRA driver name (lowercase DNS subdomain, at most 63 characters)"
             )
@@ -484,6 +501,11 @@ def _team(
     if gangs is not None and gangs not in GangMode.values:
         checker.error(f"{path}.gangs", f"must be enforce, warn or off, got {gangs!r}")
         gangs = None
+    idle_alert = (
+        _idle_alert(checker, mapping["idleAlert"], f"{path}.idleAlert")
+        if "idleAlert" in mapping
+        else None
+    )
     quotas = mapping.get("quotas", [])
     if not isinstance(quotas, list):
         checker.error(f"{path}.quotas", f"must be a list, got {_kind(quotas)}")
@@ -504,6 +526,7 @@ def _team(
         rules=tuple(rules),
         budget=budget,
         gangs=gangs,
+        idle_alert=idle_alert,
     )
 
 
@@ -670,6 +693,35 @@ def _budget(checker: _Checker, value: Any, path: str) -> BudgetSpec | None:
     return BudgetSpec(path=path, gpu_hours=gpu_hours, mode=mode, unit=unit)
 
 
+def _idle_alert(checker: _Checker, value: Any, path: str) -> IdleAlertSpec | None:
+    mapping = checker.mapping(value, path, keys=_IDLE_ALERT_KEYS, required=_IDLE_ALERT_KEYS)
+    if mapping is None or any(key not in mapping for key in _IDLE_ALERT_KEYS):
+        return None
+    raw_percent = mapping["belowPercent"]
+    # IdleAlertPolicy.below_percent is NUMERIC(5, 2): 100 at most.
+    percent = _positive(
+        checker,
+        _decimal(checker, raw_percent, f"{path}.belowPercent", digits=5, places=2),
+        raw_percent,
+        f"{path}.belowPercent",
+    )
+    if percent is not None and percent > 100:
+        checker.error(f"{path}.belowPercent", f"must be at most 100, got {raw_percent!r}")
+        percent = None
+    hours = mapping["forHours"]
+    if isinstance(hours, bool) or not isinstance(hours, int):
+        checker.error(f"{path}.forHours", f"must be a whole number of hours, got {hours!r}")
+        return None
+    if not 1 <= hours <= _IDLE_ALERT_MAX_HOURS:
+        checker.error(
+            f"{path}.forHours", f"must be from 1 to {_IDLE_ALERT_MAX_HOURS} hours, got {hours}"
+        )
+        return None
+    if percent is None:
+        return None
+    return IdleAlertSpec(path=path, below_percent=percent, for_hours=hours)
+
+
 def _rate(checker: _Checker, value: Any, path: str) -> RateSpec | None:
     errors = len(checker.errors)
     mapping = checker.mapping(
@@ -807,6 +859,7 @@ class _State:
     closed_periods: list[ClosedPeriod]
     driver_profiles: dict[str, DriverProfile] = field(default_factory=dict)
     gang_policies: dict[int, GangPolicy] = field(default_factory=dict)
+    idle_alert_policies: dict[int, IdleAlertPolicy] = field(default_factory=dict)
 
     @classmethod
     def load(cls, *, lock_periods: bool) -> _State:
@@ -836,6 +889,10 @@ class _State:
         for gang_policy in GangPolicy.objects.all():
             gang_policy.team = by_id[gang_policy.team_id]
             gang_policies[gang_policy.team_id] = gang_policy
+        idle_alert_policies = {}
+        for idle_alert_policy in IdleAlertPolicy.objects.all():
+            idle_alert_policy.team = by_id[idle_alert_policy.team_id]
+            idle_alert_policies[idle_alert_policy.team_id] = idle_alert_policy
         # Periods (and the rate cards' writers' lock) before the cards, in the order
         # `billing.services` takes them.
         closed = closed_periods(lock=lock_periods)
@@ -851,6 +908,7 @@ class _State:
             closed_periods=closed,
             driver_profiles=driver_profiles,
             gang_policies=gang_policies,
+            idle_alert_policies=idle_alert_policies,
         )
 
     def undeclared_teams(self, policy: Policy) -> list[Team]:
@@ -1007,11 +1065,23 @@ class _Applier:
             if spec.budget is not None:
                 self._budget(spec.budget, team)
             if spec.gangs is not None:
-                self._put(
+                _, changed = self._put(
                     self.state.gang_policies.get(team.pk),
                     GangPolicy,
                     identity={"team": team},
                     values={"mode": spec.gangs},
+                )
+                if changed:
+                    self.recount.add(team.pk)  # gangs: off releases the team's gang holds
+            if spec.idle_alert is not None:
+                self._put(
+                    self.state.idle_alert_policies.get(team.pk),
+                    IdleAlertPolicy,
+                    identity={"team": team},
+                    values={
+                        "below_percent": spec.idle_alert.below_percent,
+                        "for_hours": spec.idle_alert.for_hours,
+                    },
                 )
         for rate_spec in policy.rates or ():
             self._rate(rate_spec)
@@ -1060,6 +1130,9 @@ class _Applier:
             gang_policy = self.state.gang_policies.get(team.pk)
             if spec.gangs is None and gang_policy is not None:
                 undeclared.append(gang_policy)  # deleted: the team's gangs are enforced
+            idle_alert_policy = self.state.idle_alert_policies.get(team.pk)
+            if spec.idle_alert is None and idle_alert_policy is not None:
+                undeclared.append(idle_alert_policy)  # deleted: no idle alerts for the team
         declared_slugs = {spec.slug for spec in policy.teams}
         declared_namespaces = {name for spec in policy.teams for name in spec.namespaces}
         undeclared += [

@@ -9,13 +9,26 @@ from rest_framework import serializers
 from inventory.checks import CHECKS
 from inventory.versions import COMPUTED, SET
 
+# `unit` is a CharField, not a ChoiceField: DRF Spectacular names one enum per set of choices,
+# and several serializers have a `unit` of their own.
+UNIT_HELP = "What the model's devices count: gpu, tpu, gaudi or accelerator."
+
 
 class CapacitySerializer(serializers.Serializer[Any]):
     product_name = serializers.CharField()
-    gpus = serializers.IntegerField()
-    allocated = serializers.IntegerField()
-    free = serializers.IntegerField()
+    unit = serializers.CharField(help_text=UNIT_HELP + " Rows of different units never add up.")
+    unit_label = serializers.CharField(help_text='The unit in the plural ("GPUs", "TPU chips").')
+    gpus = serializers.IntegerField(help_text="Physical units of the model (GPUs, TPU chips...).")
+    allocated = serializers.IntegerField(help_text="Physical units with anything held.")
+    free = serializers.IntegerField(help_text="Physical units with nothing held.")
     mig_devices = serializers.IntegerField()
+    equivalents = serializers.DecimalField(
+        max_digits=15,
+        decimal_places=6,
+        help_text="The capacity in units: 1 per physical unit published whole or as MIG "
+        "devices, the shares of its partitions for one published only as partitions (a VM's "
+        "A100-4C vGPU is 0.1 GPU), at most 1 per unit.",
+    )
 
 
 class VersionPairSerializer(serializers.Serializer[Any]):
@@ -80,12 +93,29 @@ class ModelVersionsSerializer(serializers.Serializer[Any]):
     outliers = OutlierSerializer(many=True)
 
 
+class FreeBlockSerializer(serializers.Serializer[Any]):
+    unit = serializers.CharField(help_text=UNIT_HELP)
+    unit_label = serializers.CharField(help_text='The unit in the plural ("GPUs", "TPU chips").')
+    product_name = serializers.CharField()
+    largest_free_block = serializers.IntegerField(
+        help_text="The most wholly free units of this model on one node."
+    )
+    largest_free_clique_block = serializers.IntegerField(
+        help_text="The most wholly free units of this model in one NVLink clique of a node."
+    )
+
+
 class FragmentationSerializer(serializers.Serializer[Any]):
     nodes_free = serializers.IntegerField()
     nodes_partial = serializers.IntegerField()
     nodes_full = serializers.IntegerField()
-    largest_free_block = serializers.IntegerField()
-    largest_free_clique_block = serializers.IntegerField()
+    largest_free_block = serializers.IntegerField(
+        help_text="The largest of `free_blocks`: never a sum of two models or units."
+    )
+    largest_free_clique_block = serializers.IntegerField(
+        help_text="The largest in one clique, of `free_blocks`."
+    )
+    free_blocks = FreeBlockSerializer(many=True, help_text="Per unit and model.")
     gpus_partial = serializers.IntegerField(help_text="Physical GPUs partly held now.")
     partial_free_share = serializers.DecimalField(
         max_digits=15,

@@ -67,12 +67,21 @@ class RowOrderingFilter(OrderingFilter):
 
 @extend_schema(tags=["inventory"])
 class CapacityViewSet(mixins.ListModelMixin, TallyViewSet):
-    """Physical GPUs per model: how many, allocated, free, and MIG devices."""
+    """Physical units per unit and model (GPUs, TPU chips, Gaudi cards): how many, allocated,
+    free, MIG devices, and the capacity they make in their unit (`equivalents`)."""
 
     permission_classes = [FinanceOrOperator]
     serializer_class = CapacitySerializer
     filter_backends = [RowOrderingFilter]
-    ordering_fields = ["product_name", "gpus", "allocated", "free", "mig_devices"]
+    ordering_fields = [
+        "unit",
+        "product_name",
+        "gpus",
+        "allocated",
+        "free",
+        "mig_devices",
+        "equivalents",
+    ]
 
     @extend_schema(parameters=[CLUSTER_PARAMETER])
     def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:

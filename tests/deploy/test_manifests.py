@@ -27,7 +27,9 @@ from django.db import connection
 from django.urls import Resolver404, resolve
 
 from db.embedded import postgres_url
-from inventory.kube import OWNER_READS
+from inventory import kube
+from inventory.gangs import GANG_KINDS, GANG_READS
+from inventory.kube import OWNER_READS, RESOURCES
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -386,12 +388,7 @@ def test_rbac_writes_nothing_cluster_wide_but_device_taint_rules(
                 assert rule["resources"] == ["devicetaintrules"]
             assert "*" not in rule["resources"] and "secrets" not in rule["resources"]
     reads = find(objects, "ClusterRole", "tally-inventory")["rules"]
-    granted = {
-        (group, resource): set(rule["verbs"])
-        for rule in reads
-        for group in rule["apiGroups"]
-        for resource in rule["resources"]
-    }
+    granted = role_grants(reads)
     watched = {"get", "list", "watch"}
     assert granted == {
         ("resource.k8s.io", "resourceslices"): watched,
@@ -403,19 +400,96 @@ def test_rbac_writes_nothing_cluster_wide_but_device_taint_rules(
         ("apps", "replicasets"): {"get"},
         ("batch", "jobs"): {"get"},
     }
-    # Every owner the sync reads to find a claim's job may be read.
-    for resource, _, _ in OWNER_READS.values():
-        name, _, group = resource.partition(".")
-        assert "get" in granted[(group, name)], resource
     # The syncer's Lease, named after the cluster (see inventory.leader and sync_inventory).
     cluster = config_map_data(objects)["TALLY_CLUSTER_NAME"]
     lease_rules = find(objects, "Role", "tally-leader-election")["rules"]
     assert any(f"tally-sync-{cluster}" in rule.get("resourceNames", []) for rule in lease_rules)
     syncer = find(objects, "Deployment", "tally-syncer")["spec"]["template"]["spec"]
     assert "--leader-elect" in syncer["containers"][0]["args"]
+    # Only the syncer and the web pods (the webhook reads gangs) have a token.
     for obj, spec in pod_specs(objects):
-        if obj["metadata"]["name"] != "tally-syncer":
-            assert spec["automountServiceAccountToken"] is False, obj["metadata"]["name"]
+        talks_to_the_api = obj["metadata"]["name"] in ("tally-syncer", "tally-web")
+        assert spec["automountServiceAccountToken"] is talks_to_the_api, obj["metadata"]["name"]
+    for account in (o for o in objects if o["kind"] == "ServiceAccount"):
+        expected = account["metadata"]["name"] in ("tally-syncer", "tally-web")
+        assert account["automountServiceAccountToken"] is expected, account["metadata"]["name"]
+
+
+def role_grants(rules: list[Obj]) -> dict[tuple[str, str], set[str]]:
+    """(API group, resource) → the verbs `rules` grant on it (rules without resourceNames)."""
+    granted: dict[tuple[str, str], set[str]] = {}
+    for rule in rules:
+        if rule.get("resourceNames"):
+            continue
+        for group in rule["apiGroups"]:
+            for resource in rule["resources"]:
+                granted.setdefault((group, resource), set()).update(rule["verbs"])
+    return granted
+
+
+def cluster_grants(
+    objects: tuple[Obj, ...], service_account: str
+) -> dict[tuple[str, str], set[str]]:
+    """What the ClusterRoleBindings give `service_account` (of namespace tally) cluster-wide."""
+    granted: dict[tuple[str, str], set[str]] = {}
+    for binding in (o for o in objects if o["kind"] == "ClusterRoleBinding"):
+        if not any(
+            subject["kind"] == "ServiceAccount"
+            and subject["name"] == service_account
+            and subject["namespace"] == "tally"
+            for subject in binding["subjects"]
+        ):
+            continue
+        assert binding["roleRef"]["kind"] == "ClusterRole"
+        role = find(objects, "ClusterRole", binding["roleRef"]["name"])
+        for key, verbs in role_grants(role["rules"]).items():
+            granted.setdefault(key, set()).update(verbs)
+    return granted
+
+
+def test_every_kind_the_code_reads_is_granted_to_the_process_that_reads_it(
+    objects: tuple[Obj, ...],
+) -> None:
+    """Derived from the code, so that a kind added there without its RBAC fails here: the
+    sync lists and watches `RESOURCES`, gets the owners of claims' Pods (`OWNER_READS`) and
+    the objects that declare gangs (`GANG_KINDS`); the webhook gets a claim's Pod, the
+    objects that declare its gang and its roles' ResourceClaimTemplates (`GANG_READS`).
+    Nothing more than `get` on what is only ever read one object at a time."""
+    syncer = cluster_grants(objects, "tally-syncer")
+    web = cluster_grants(objects, "tally-web")
+
+    def plural(kind: str) -> str:
+        return kind.lower() + ("es" if kind.endswith("s") else "s")
+
+    for resource in RESOURCES.values():
+        group = resource.api_version.rpartition("/")[0]
+        assert {"get", "list", "watch"} <= syncer.get((group, plural(resource.kind)), set()), (
+            resource.kind
+        )
+    for (group, kind), (rbac_name, _, _) in OWNER_READS.items():
+        assert rbac_name == f"{plural(kind)}.{group}".rstrip(".")
+        assert "get" in syncer.get((group, plural(kind)), set()), rbac_name
+    for (group, kind), name in GANG_KINDS.items():
+        assert "get" in syncer.get((group, name), set()), f"{name}.{group} ({kind})"
+    assert "get" in web.get(("", "pods"), set())
+    for (group, kind), name in GANG_READS.items():
+        assert "get" in web.get((group, name), set()), f"{name}.{group} ({kind})"
+    # The webhook reads, one object at a time, and nothing else.
+    assert web == {
+        key: {"get"} for key in [("", "pods"), *((g, n) for (g, _), n in GANG_READS.items())]
+    }
+    gang_role = role_grants(find(objects, "ClusterRole", "tally-gangs")["rules"])
+    assert set().union(*gang_role.values()) == {"get"}
+
+
+def test_the_reader_names_the_rbac_resource_the_manifests_grant() -> None:
+    """The 403 the reader logs names what to grant: the same names as the ClusterRole's."""
+    assert kube._resource_name("jobset.x-k8s.io", "JobSet") == "jobsets.jobset.x-k8s.io"
+    assert (
+        kube._resource_name("resource.k8s.io", "ResourceClaimTemplate")
+        == "resourceclaimtemplates.resource.k8s.io"
+    )
+    assert kube._resource_name("", "Pod") == "pods"
 
 
 def test_production_runs_several_web_pods_with_a_budget() -> None:
