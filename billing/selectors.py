@@ -2,13 +2,24 @@
 
 from __future__ import annotations
 
-from datetime import datetime
+import math
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
+from fractions import Fraction
+from typing import Any
 
-from django.db.models import Sum
+from django.db.models import F, Max, Min, OuterRef, Q, Subquery, Sum
+from django.db.models.functions import TruncDate
+from django.db.models.lookups import GreaterThan, LessThan
 
-from billing.hours import MS_PER_HOUR, epoch_ms, hour_start
-from billing.models import Period, UsageHour
+from billing.hours import HOUR, MS_PER_HOUR, ONE_MS, epoch_ms, hour_start
+from billing.models import SLICE_HOUR, Period, RateCard, Sample, UsageHour
+from billing.periods import period_bounds
+from billing.pricing import MINOR_UNITS, LineKey, rate_hours, round_money
+from billing.units import hours_label
 from inventory.models import Allocation, Unit
 from teams.models import Team
 
@@ -36,3 +47,419 @@ def team_gpu_hours(*, team: Team, period: Period, now: datetime, unit: str = Uni
         if held_from < now:
             live += Decimal(epoch_ms(now) - epoch_ms(held_from)) * share
     return (Decimal(rolled) + live) / MS_PER_HOUR
+
+
+# --- Billed usage per person and per job ------------------------------------------------------
+
+# The three parts of a bill: amount = rate x (utilised + unmeasured + idle_factor x idle).
+UTILISED, IDLE, UNMEASURED = "utilised", "idle", "unmeasured"
+BILL_PARTS = (UTILISED, IDLE, UNMEASURED)
+# Who a usage row is charged to: team id, username, namespace, job.
+_Holder = tuple[int, str, str, str]
+# A statement line within one period of the window: the period's start, then `LineKey`.
+_PeriodLine = tuple[datetime, LineKey]
+
+
+@dataclass
+class BilledRow:
+    """One person's (or one job's) hours of one unit in a window, and what the statements bill
+    for them in one currency (`currency` empty: no rate card prices these hours, so no money
+    figures). The money is each statement line's amount shared out to the cent among the rows
+    it bills (`apportion`), so the rows of a team add up to its statements' usage lines."""
+
+    team: str
+    unit: str
+    currency: str
+    username: str = ""
+    namespace: str = ""
+    job: str = ""
+    usernames: list[str] = field(default_factory=list)  # a job's: who ran it
+    allocated_ms: int = 0
+    utilised_ms: int = 0
+    unmeasured_ms: int = 0
+    billed_parts: dict[str, Decimal] = field(default_factory=dict)
+    # The idle hours at the full rate (idle factor 1): context, never billed.
+    idle_list_exact: Fraction = Fraction(0)
+
+    @property
+    def idle_ms(self) -> int:
+        return self.allocated_ms - self.utilised_ms - self.unmeasured_ms
+
+    @property
+    def hours(self) -> str:
+        """What the hours count: `GPU-hours`, `TPU chip-hours`, `Gaudi card-hours`."""
+        return hours_label(self.unit)
+
+    @property
+    def allocated_hours(self) -> Decimal:
+        return Decimal(self.allocated_ms) / MS_PER_HOUR
+
+    @property
+    def utilised_hours(self) -> Decimal:
+        return Decimal(self.utilised_ms) / MS_PER_HOUR
+
+    @property
+    def idle_hours(self) -> Decimal:
+        return Decimal(self.idle_ms) / MS_PER_HOUR
+
+    @property
+    def unmeasured_hours(self) -> Decimal:
+        return Decimal(self.unmeasured_ms) / MS_PER_HOUR
+
+    @property
+    def priced(self) -> bool:
+        return bool(self.currency)
+
+    def _money(self, part: str) -> Decimal | None:
+        return self.billed_parts.get(part, Decimal(0)) if self.priced else None
+
+    @property
+    def billed_utilised(self) -> Decimal | None:
+        return self._money(UTILISED)
+
+    @property
+    def billed_idle(self) -> Decimal | None:
+        return self._money(IDLE)
+
+    @property
+    def billed_unmeasured(self) -> Decimal | None:
+        return self._money(UNMEASURED)
+
+    @property
+    def billed(self) -> Decimal | None:
+        """What the statements bill for these hours: the three parts together."""
+        if not self.priced:
+            return None
+        return sum((self.billed_parts.get(part, Decimal(0)) for part in BILL_PARTS), Decimal(0))
+
+    @property
+    def idle_at_list_price(self) -> Decimal | None:
+        return round_money(self.idle_list_exact, self.currency) if self.priced else None
+
+
+@dataclass
+class BilledUsage:
+    """A window's billed usage per person and per job (`billed_usage`)."""
+
+    since: datetime
+    until: datetime
+    people: list[BilledRow]
+    jobs: list[BilledRow]
+
+
+def minor_unit(currency: str) -> Decimal:
+    """The currency's smallest amount: 0.01 USD, 1 JPY, 0.001 KWD (as `round_money` rounds)."""
+    return Decimal(1).scaleb(-MINOR_UNITS.get(currency.upper(), 2))
+
+
+def apportion(total: Decimal, shares: Mapping[Any, Fraction], currency: str) -> dict[Any, Decimal]:
+    """`total` (a rounded amount) shared out among `shares` (exact amounts adding up to it
+    before its rounding) in whole minor units of `currency`, so that the parts add up to
+    `total` exactly: each share rounded down, and the units left over given to the shares
+    that lost the most by it (the largest remainders; ties in key order)."""
+    unit = Fraction(minor_unit(currency))
+    floors = {key: math.floor(share / unit) for key, share in shares.items()}
+    left = int(Fraction(total) / unit) - sum(floors.values())
+    # The rounding moved the total by half a unit at most, so 0 <= left <= len(shares).
+    if not 0 <= left <= len(shares):
+        raise ValueError(f"{total} {currency} is not the rounded sum of the shares given")
+    ranked = sorted(shares, key=lambda key: (-(shares[key] / unit - floors[key]), key))
+    for key in ranked[:left]:
+        floors[key] += 1
+    return {key: Decimal(units) * minor_unit(currency) for key, units in floors.items()}
+
+
+class RateCards:
+    """The rate cards in force on any day of `[first_day, last_day]`, read once; `on` picks a
+    model's card for a day as `billing.pricing.rate_for` does, without a query per day."""
+
+    def __init__(self, *, first_day: date, last_day: date) -> None:
+        self.cards = list(
+            RateCard.objects.filter(valid_from__lte=last_day).exclude(valid_until__lte=first_day)
+        )
+        self.chosen: dict[tuple[str, str, date], RateCard | None] = {}
+
+    def on(self, product_name: str, profile: str, day: date) -> RateCard | None:
+        if (product_name, profile, day) not in self.chosen:
+            self.chosen[product_name, profile, day] = self._choose(product_name, profile, day)
+        return self.chosen[product_name, profile, day]
+
+    def _choose(self, product_name: str, profile: str, day: date) -> RateCard | None:
+        valid = [
+            card
+            for card in self.cards
+            if card.product_name == product_name
+            and card.valid_from <= day
+            and not (card.valid_until is not None and card.valid_until <= day)
+        ]
+        newest: dict[str, RateCard] = {}
+        for card in sorted(valid, key=lambda card: card.valid_from):
+            newest[card.profile] = card
+        return (newest.get(profile) if profile else None) or newest.get("")
+
+
+def period_pieces(since: datetime, until: datetime) -> list[tuple[datetime, datetime]]:
+    """`[since, until)` cut where billing periods start: the part of each period in it, as
+    `billing.pricing.period_holding` finds the periods (stored ones first), in one query."""
+    stored = list(
+        Period.objects.filter(start__lt=until, end__gt=since)
+        .order_by("start")
+        .values_list("start", "end")
+    )
+    pieces = []
+    moment = since
+    while moment < until:
+        holding = next(((s, e) for s, e in stored if s <= moment < e), None)
+        if holding is None:
+            _, end = period_bounds(moment)
+            end = min([end, *(s for s, _ in stored if s > moment)])
+        else:
+            end = holding[1]
+        pieces.append((moment, min(end, until)))
+        moment = end
+    return pieces
+
+
+def billed_usage(
+    *, teams: Iterable[Team], since: datetime, until: datetime, cards: RateCards | None = None
+) -> BilledUsage:
+    """The teams' hours in `[since, until)` per person and per job, each unit apart, with what
+    the statements bill for them: per period of the window, each model's usage at one price is
+    one line, priced and rounded as `billing.pricing.usage_lines` prices it; each line's amount
+    is then shared out to the cent among the people (and, apart, the jobs) it bills, per part
+    (utilised, idle, unmeasured). So a window of whole periods gives, per team and currency,
+    to the cent, what the statements' usage lines of those periods add up to (adjustments are
+    not usage of the window and are left out).
+
+    Two queries (periods, and rate cards unless `cards` holds the window's) plus one for the
+    usage, grouped per holder, model, unit, day and share in SQL, however many hours there
+    are."""
+    team_slugs = {team.pk: team.slug for team in teams}
+    pieces = period_pieces(since, until)
+    cards = cards or RateCards(
+        first_day=since.astimezone(UTC).date(),
+        last_day=(until - ONE_MS).astimezone(UTC).date(),
+    )
+    rows = (
+        UsageHour.objects.filter(team_id__in=team_slugs, hour__gte=since, hour__lt=until)
+        .annotate(day=TruncDate("hour", tzinfo=UTC))
+        .values(
+            "team_id",
+            "username",
+            "namespace",
+            "job",
+            "product_name",
+            "profile",
+            "unit",
+            "day",
+            device_share=F("allocation__device_share"),
+        )
+        .annotate(
+            allocated=Sum("allocated_gpu_ms"),
+            utilised=Sum("utilised_gpu_ms"),
+            unmeasured=Sum("unmeasured_gpu_ms"),
+        )
+        .order_by()
+    )
+    # Per line of a period of a team: each holder's milliseconds (allocated, utilised,
+    # unmeasured), and the line's card.
+    usage: dict[tuple[int, _PeriodLine], dict[_Holder, list[int]]] = defaultdict(dict)
+    line_cards: dict[_PeriodLine, RateCard | None] = {}
+    for row in rows:
+        card = cards.on(row["product_name"], row["profile"], row["day"])
+        per_slice = card is not None and card.rate_unit == SLICE_HOUR
+        key: LineKey = (
+            row["product_name"],
+            row["profile"] if per_slice else "",
+            row["unit"],
+            card.currency if card else "USD",
+            card.per_gpu_hour if card else None,
+            card.idle_factor if card else None,
+            row["device_share"] if per_slice else None,
+        )
+        # Periods start at midnight UTC, so a day's hours are in one period of the window.
+        moment = max(since, datetime.combine(row["day"], datetime.min.time(), tzinfo=UTC))
+        piece = next(start for start, end in pieces if start <= moment < end)
+        line = (piece, key)
+        line_cards[line] = card
+        holder = (row["team_id"], row["username"], row["namespace"], row["job"])
+        figures = usage[row["team_id"], line].setdefault(holder, [0, 0, 0])
+        figures[0] += row["allocated"]
+        figures[1] += row["utilised"]
+        figures[2] += row["unmeasured"]
+
+    people: dict[tuple[int, str, str, str], BilledRow] = {}
+    jobs: dict[tuple[int, str, str, str, str], BilledRow] = {}
+    for (team_id, line), holders in usage.items():
+        _, key = line
+        card = line_cards[line]
+        unit, currency = key[2], (card.currency if card else "")
+        money = _line_parts(holders, key) if card is not None else {}
+        for holder, (allocated, utilised, unmeasured) in holders.items():
+            _, username, namespace, job = holder
+            targets = (
+                people.setdefault(
+                    (team_id, username, unit, currency),
+                    BilledRow(team_slugs[team_id], unit, currency, username=username),
+                ),
+                jobs.setdefault(
+                    (team_id, namespace, job, unit, currency),
+                    BilledRow(team_slugs[team_id], unit, currency, namespace=namespace, job=job),
+                ),
+            )
+            idle_ms = allocated - utilised - unmeasured
+            for target in targets:
+                target.allocated_ms += allocated
+                target.utilised_ms += utilised
+                target.unmeasured_ms += unmeasured
+                if card is not None:
+                    target.idle_list_exact += Fraction(card.per_gpu_hour) * rate_hours(
+                        idle_ms, key[6]
+                    )
+                for part in BILL_PARTS:
+                    if (holder, part) in money:
+                        target.billed_parts[part] = (
+                            target.billed_parts.get(part, Decimal(0)) + money[holder, part]
+                        )
+            if username not in targets[1].usernames:
+                targets[1].usernames.append(username)
+    for job_row in jobs.values():
+        job_row.usernames.sort()
+    return BilledUsage(
+        since=since,
+        until=until,
+        people=sorted(people.values(), key=_row_order),
+        jobs=sorted(jobs.values(), key=_row_order),
+    )
+
+
+def _line_parts(holders: Mapping[_Holder, list[int]], key: LineKey) -> dict[Any, Decimal]:
+    """A priced line's amount (as `billing.pricing.usage_lines` computes it: exact, rounded
+    once) shared out among its holders and the parts of their bill."""
+    _, _, _, currency, rate, idle_factor, share = key
+    assert rate is not None and idle_factor is not None
+    exact: dict[Any, Fraction] = {}
+    totals = [0, 0, 0]
+    for holder, (allocated, utilised, unmeasured) in holders.items():
+        totals = [
+            total + figure
+            for total, figure in zip(totals, (allocated, utilised, unmeasured), strict=True)
+        ]
+        idle = allocated - utilised - unmeasured
+        exact[holder, UTILISED] = Fraction(rate) * rate_hours(utilised, share)
+        exact[holder, UNMEASURED] = Fraction(rate) * rate_hours(unmeasured, share)
+        exact[holder, IDLE] = Fraction(rate) * Fraction(idle_factor) * rate_hours(idle, share)
+    allocated, utilised, unmeasured = totals
+    billable = rate_hours(allocated, share) - (1 - Fraction(idle_factor)) * rate_hours(
+        allocated - utilised - unmeasured, share
+    )
+    return apportion(round_money(Fraction(rate) * billable, currency), exact, currency)
+
+
+def _row_order(row: BilledRow) -> tuple[Any, ...]:
+    """Per team, the most billed first (unpriced rows last), then by name."""
+    billed = row.billed if row.billed is not None else Decimal(-1)
+    return (row.team, -billed, row.username, row.namespace, row.job, row.unit)
+
+
+# --- Who holds idle devices now ---------------------------------------------------------------
+
+# An hour is idle when the device computed less than this share of the time it was measured
+# (the rollup's utilised time is the measured time weighted by utilisation).
+IDLE_BELOW_PERCENT = 5
+# How far back the hours of an open allocation are read to find when it went idle.
+IDLE_LOOKBACK = timedelta(days=14)
+
+
+@dataclass
+class IdleHolder:
+    """A claim that holds devices whose recent hours are idle: who and which job it bills,
+    the idle devices, and since when all of them have been idle (`since_clipped`: idle for
+    all of the `IDLE_LOOKBACK` read, perhaps longer)."""
+
+    namespace: str
+    claim_name: str
+    username: str
+    job: str
+    devices: list[str]
+    idle_since: datetime
+    since_clipped: bool = False
+    latest_util: float | None = None  # percent, the devices' latest sample (the highest)
+
+
+def idle_holders(
+    *, team: Team, now: datetime, below_percent: Decimal | int = IDLE_BELOW_PERCENT
+) -> list[IdleHolder]:
+    """The team's open allocations whose rolled-up hours since their last busy one are idle
+    (below `below_percent` utilised; hours with no measurement are neither), grouped per
+    claim, longest idle first. A device whose latest sample, taken after its last rolled-up
+    hour, is busy computes again and is left out. Two queries."""
+    lookback = hour_start(now) - IDLE_LOOKBACK
+    measured = F("allocated_gpu_ms") - F("unmeasured_gpu_ms")
+    idle_hour = Q(GreaterThan(measured, 0)) & Q(
+        LessThan(F("utilised_gpu_ms") * 100, measured * below_percent)
+    )
+    latest = Sample.objects.filter(device_uuid=OuterRef("meter_id")).order_by("-ts_ms")
+    allocations = {
+        row["pk"]: row
+        for row in Allocation.objects.filter(team=team, end__isnull=True)
+        .annotate(
+            gpu_util=Subquery(latest.values("gpu_util")[:1]),
+            sampled_ms=Subquery(latest.values("ts_ms")[:1]),
+        )
+        .values(
+            "pk",
+            "claim__namespace",
+            "claim__name",
+            "device_name",
+            "username",
+            "job",
+            "start",
+            "gpu_util",
+            "sampled_ms",
+        )
+    }
+    claims: dict[tuple[str, str], IdleHolder] = {}
+    for hours in (
+        UsageHour.objects.filter(allocation_id__in=list(allocations), hour__gte=lookback)
+        .values("allocation_id")
+        .annotate(
+            first_hour=Min("hour"),
+            last_hour=Max("hour"),
+            last_busy=Max("hour", filter=~idle_hour),
+        )
+        .order_by()
+    ):
+        if hours["last_busy"] == hours["last_hour"]:
+            continue
+        row = allocations[hours["allocation_id"]]
+        util, sampled_ms = row["gpu_util"], row["sampled_ms"]
+        busy_again = util is not None and util >= below_percent
+        if busy_again and sampled_ms >= epoch_ms(hours["last_hour"] + HOUR):
+            continue  # computing again since its last rolled-up hour
+        if hours["last_busy"] is not None:
+            since, clipped = hours["last_busy"] + HOUR, False
+        else:
+            since = max(row["start"], hours["first_hour"])
+            clipped = row["start"] < lookback
+        key = (row["claim__namespace"], row["claim__name"])
+        holder = claims.setdefault(
+            key,
+            IdleHolder(
+                namespace=key[0],
+                claim_name=key[1],
+                username=row["username"],
+                job=row["job"],
+                devices=[],
+                idle_since=since,
+                since_clipped=clipped,
+            ),
+        )
+        holder.devices.append(row["device_name"])
+        if since > holder.idle_since:
+            holder.idle_since, holder.since_clipped = since, clipped
+        if util is not None and (holder.latest_util is None or util > holder.latest_util):
+            holder.latest_util = util
+    for holder in claims.values():
+        holder.devices.sort()
+    return sorted(claims.values(), key=lambda h: (h.idle_since, h.namespace, h.claim_name))

@@ -28,12 +28,20 @@ from billing.models import (
     UsageHour,
     unit_hour,
 )
-from billing.pricing import period_holding, rate_for, rate_hours, round_money
-from billing.selectors import team_gpu_hours
+from billing.pricing import period_holding, rate_hours, round_money
+from billing.selectors import IDLE_BELOW_PERCENT as IDLE_BELOW_PERCENT  # for the page
+from billing.selectors import (
+    BilledRow,
+    IdleHolder,
+    RateCards,
+    billed_usage,
+    idle_holders,
+    team_gpu_hours,
+)
 from billing.units import hours_label, units_label
-from inventory.models import Allocation, Cluster
+from inventory.models import Allocation, Cluster, Unit
 from quota.models import AdmissionDecision, Budget, QuotaRule
-from teams.models import Team, TeamNamespace
+from teams.models import IdleAlertPolicy, Team, TeamNamespace
 from teams.selectors import user_role, visible_teams
 
 HOURS = Decimal("0.01")
@@ -126,20 +134,60 @@ class DayUsage:
     unmeasured: Decimal
 
 
-def daily_usage(*, team: Team, since: datetime, until: datetime) -> list[DayUsage]:
-    """GPU-hours per UTC day in `[since, until)`, one row per day (days without usage too)."""
-    totals = {
-        row["day"]: row
-        for row in UsageHour.objects.filter(team=team, hour__gte=since, hour__lt=until)
+@dataclass(frozen=True)
+class UnitUsage:
+    """A window's usage per UTC day in one unit: GPU-hours, TPU chip-hours (never added up)."""
+
+    unit: str
+    days: list[DayUsage]
+
+    @property
+    def hours(self) -> str:
+        """What the figures count: `GPU-hours`, `TPU chip-hours`, `Gaudi card-hours`."""
+        return hours_label(self.unit)
+
+    @property
+    def allocated(self) -> Decimal:
+        return sum((day.allocated for day in self.days), Decimal(0))
+
+    @property
+    def utilised(self) -> Decimal:
+        return sum((day.utilised for day in self.days), Decimal(0))
+
+
+def daily_usage_by_unit(*, team: Team, since: datetime, until: datetime) -> list[UnitUsage]:
+    """Hours per UTC day in `[since, until)`, one row per day (days without usage too), per
+    unit the team used in the window, GPUs first; GPU-hours alone (all zero) when it used
+    none. One query."""
+    totals: dict[str, dict[date, dict[str, int]]] = defaultdict(dict)
+    for row in (
+        UsageHour.objects.filter(team=team, hour__gte=since, hour__lt=until)
         .annotate(day=TruncDate("hour", tzinfo=UTC))
-        .values("day")
+        .values("unit", "day")
         .annotate(
             allocated=Sum("allocated_gpu_ms"),
             utilised=Sum("utilised_gpu_ms"),
             unmeasured=Sum("unmeasured_gpu_ms"),
         )
         .order_by()
-    }
+    ):
+        totals[row["unit"]][row["day"]] = row
+    units = sorted(totals, key=lambda unit: (unit != Unit.GPU, unit)) or [Unit.GPU]
+    return [UnitUsage(unit=unit, days=_days(totals[unit], since, until)) for unit in units]
+
+
+def daily_usage(
+    *, team: Team, since: datetime, until: datetime, unit: str = Unit.GPU
+) -> list[DayUsage]:
+    """Hours of `unit` (GPU-hours by default) per UTC day in `[since, until)`, one row per
+    day (days without usage too)."""
+    for usage in daily_usage_by_unit(team=team, since=since, until=until):
+        if usage.unit == unit:
+            return usage.days
+    return _days({}, since, until)
+
+
+def _days(totals: dict[date, dict[str, int]], since: datetime, until: datetime) -> list[DayUsage]:
     days = []
     day = since.astimezone(UTC).date()
     last_day = (until - timedelta(microseconds=1)).astimezone(UTC).date()
@@ -179,6 +227,7 @@ class BudgetBurn:
     used: Decimal
     percent: Decimal
     days: list[BurnDay]
+    hours: str = "GPU-hours"  # what the budget counts: GPU-hours, TPU chip-hours
 
 
 def budget_burn(*, team: Team, now: datetime) -> BudgetBurn | None:
@@ -192,7 +241,7 @@ def budget_burn(*, team: Team, now: datetime) -> BudgetBurn | None:
     period = period_holding(now)
     start, end = period.start, period.end
     used = team_gpu_hours(team=team, period=period, now=now, unit=budget.unit)
-    per_day = daily_usage(team=team, since=start, until=now)
+    per_day = daily_usage(team=team, since=start, until=now, unit=budget.unit)
     period_days = (end - start).days
     days = []
     cumulative = Decimal(0)
@@ -218,6 +267,7 @@ def budget_burn(*, team: Team, now: datetime) -> BudgetBurn | None:
         used=used.quantize(HOURS),
         percent=percent,
         days=days,
+        hours=hours_label(budget.unit),
     )
 
 
@@ -256,13 +306,19 @@ class IdleSummary:
     hours: str = "GPU-hours"
 
 
-def idle_cost(*, team: Team, since: datetime, until: datetime) -> IdleSummary:
+def idle_cost(
+    *, team: Team, since: datetime, until: datetime, cards: RateCards | None = None
+) -> IdleSummary:
     """Idle GPU-hours per model in `[since, until)`, priced at each model's rate card of the
-    last day of the window (idle hours x rate: what the unused allocation is worth; a MIG
-    profile's own card prices the idle hours of its slices, a GPU's card GPU-hours)."""
+    last day of the window, at list price (idle hours x rate: what the unused allocation
+    would be worth without the card's idle discount, which statements apply: the page shows
+    it as context beside the idle cost billed, `team_billing`). A MIG profile's own card
+    prices the idle hours of its slices, a GPU's card GPU-hours. `cards`: rate cards already
+    read for a window that holds its last day."""
     summary = IdleSummary()
     totals: dict[str, Decimal] = defaultdict(Decimal)
     on = (until - timedelta(microseconds=1)).astimezone(UTC).date()
+    cards = cards or RateCards(first_day=on, last_day=on)
     idle_ms: dict[tuple[str, str], int] = defaultdict(int)
     units: dict[tuple[str, str], str] = {}
     # Idle time in slice-hours, exact, for a MIG profile's own card: per device share.
@@ -282,7 +338,7 @@ def idle_cost(*, team: Team, since: datetime, until: datetime) -> IdleSummary:
             shares[model].add(row["device_share"])
     for (product_name, profile), milliseconds in sorted(idle_ms.items()):
         idle = _hours(milliseconds)
-        card = rate_for(product_name, profile, on)
+        card = cards.on(product_name, profile, on)
         unit = units[product_name, profile]
         entry = IdleCost(
             product_name, profile, idle, rate=None, currency="", cost=None, hours=hours_label(unit)
@@ -307,6 +363,50 @@ def idle_cost(*, team: Team, since: datetime, until: datetime) -> IdleSummary:
     return summary
 
 
+@dataclass
+class TeamBilling:
+    """A window's hours per person and per job, with what the statements bill for them
+    (`billing.selectors.billed_usage`), and the totals per currency the page states."""
+
+    since: datetime
+    until: datetime
+    people: list[BilledRow]
+    jobs: list[BilledRow]
+    cards: RateCards
+    billed: dict[str, Decimal] = field(default_factory=dict)  # currency -> billed
+    billed_idle: dict[str, Decimal] = field(default_factory=dict)  # of which for idle hours
+
+
+def team_billing(*, team: Team, since: datetime, until: datetime) -> TeamBilling:
+    """The team's billed usage in `[since, until)` per person and per job. Three queries."""
+    first_day = since.astimezone(UTC).date()
+    last_day = (until - timedelta(microseconds=1)).astimezone(UTC).date()
+    cards = RateCards(first_day=first_day, last_day=last_day)
+    usage = billed_usage(teams=[team], since=since, until=until, cards=cards)
+    billing = TeamBilling(since, until, usage.people, usage.jobs, cards)
+    for row in usage.people:
+        if row.billed is not None and row.billed_idle is not None:
+            billing.billed[row.currency] = billing.billed.get(row.currency, Decimal(0)) + row.billed
+            billing.billed_idle[row.currency] = (
+                billing.billed_idle.get(row.currency, Decimal(0)) + row.billed_idle
+            )
+    billing.billed = dict(sorted(billing.billed.items()))
+    billing.billed_idle = dict(sorted(billing.billed_idle.items()))
+    return billing
+
+
+def idle_threshold(team: Team) -> Decimal | int:
+    """The percent under which the team's hours count as idle: its idle-alert policy's
+    (`idleAlert.belowPercent`), else `IDLE_BELOW_PERCENT`."""
+    policy = IdleAlertPolicy.objects.filter(team=team).values_list("below_percent", flat=True)
+    return next(iter(policy), IDLE_BELOW_PERCENT)
+
+
+def idle_now(*, team: Team, now: datetime, below_percent: Decimal | int) -> list[IdleHolder]:
+    """Who holds idle devices of the team now (`billing.selectors.idle_holders`)."""
+    return idle_holders(team=team, now=now, below_percent=below_percent)
+
+
 @dataclass(frozen=True)
 class Waster:
     namespace: str
@@ -314,15 +414,22 @@ class Waster:
     owner: str
     allocated: Decimal
     idle: Decimal
+    unit: str = Unit.GPU
+
+    @property
+    def hours(self) -> str:
+        """What the figures count: `GPU-hours`, `TPU chip-hours`."""
+        return hours_label(self.unit)
 
 
 def top_wasters(
     *, team: Team, since: datetime, until: datetime, limit: int = TOP_WASTERS_SHOWN
 ) -> list[Waster]:
-    """The claims with the most idle GPU-hours in the window; owner is the user, else the job."""
+    """The claims with the most idle hours in the window (each in its unit's hours); owner is
+    the user, else the job."""
     rows = (
         UsageHour.objects.filter(team=team, hour__gte=since, hour__lt=until)
-        .values("namespace", "claim_name", "username", "job")
+        .values("namespace", "claim_name", "username", "job", "unit")
         .annotate(idle_ms=_idle_ms(), allocated_ms=Sum("allocated_gpu_ms"))
         .filter(idle_ms__gt=0)
         .order_by("-idle_ms", "namespace", "claim_name")[:limit]
@@ -334,6 +441,7 @@ def top_wasters(
             owner=row["username"] or row["job"],
             allocated=_hours(row["allocated_ms"]),
             idle=_hours(row["idle_ms"]),
+            unit=row["unit"],
         )
         for row in rows
     ]

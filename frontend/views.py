@@ -12,6 +12,7 @@ from __future__ import annotations
 from datetime import datetime
 from functools import wraps
 from typing import Any, Protocol
+from urllib.parse import urlencode
 
 from django.conf import settings
 from django.contrib.auth import views as auth_views
@@ -19,8 +20,10 @@ from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
+from django.urls import reverse
 from django.utils import timezone
 
+from billing.hours import HOUR, hour_start
 from billing.stranded import priced_stranded_gangs
 from frontend import selectors
 from inventory import checks
@@ -35,6 +38,8 @@ USAGE_WINDOWS = (7, 30)
 # The longest waiting pending claims a page lists (the API lists them all).
 PENDING_CLAIMS_SHOWN = 25
 DECISIONS_PER_PAGE = 50
+# Rows of a per-person or per-job CSV the team page links to (the API's largest page).
+BILLING_CSV_ROWS = 1000
 
 
 class _View(Protocol):
@@ -125,13 +130,18 @@ def team(request: HttpRequest, team: Team) -> HttpResponse:
     now = timezone.now()
     since, until = selectors.usage_window(now=now, days=days)
     claims, claims_total = selectors.live_claims(team=team)
-    usage = selectors.daily_usage(team=team, since=since, until=until)
+    usage_units = selectors.daily_usage_by_unit(team=team, since=since, until=until)
+    # The chart draws the first unit (GPUs when the team used any); tables show every unit.
+    usage = usage_units[0]
     burn = selectors.budget_burn(team=team, now=now)
+    idle_below = selectors.idle_threshold(team)
+    # Whole hours, as the API's CSV takes them: the hour under way is in both.
+    billing = selectors.team_billing(team=team, since=since, until=hour_start(now) + HOUR)
     chart_data: dict[str, Any] = {
         "usage": {
-            "labels": [day.day.isoformat() for day in usage],
-            "allocated": [float(day.allocated) for day in usage],
-            "utilised": [float(day.utilised) for day in usage],
+            "labels": [day.day.isoformat() for day in usage.days],
+            "allocated": [float(day.allocated) for day in usage.days],
+            "utilised": [float(day.utilised) for day in usage.days],
         },
     }
     if burn is not None:
@@ -147,12 +157,14 @@ def team(request: HttpRequest, team: Team) -> HttpResponse:
         "since": since,
         "rules": selectors.quota_usage(team=team),
         "burn": burn,
-        "usage": usage,
-        "usage_totals": {
-            "allocated": sum(day.allocated for day in usage),
-            "utilised": sum(day.utilised for day in usage),
-        },
-        "idle": selectors.idle_cost(team=team, since=since, until=until),
+        "usage": usage.days,
+        "usage_unit": usage,
+        "usage_units": usage_units,
+        "idle": selectors.idle_cost(team=team, since=since, until=until, cards=billing.cards),
+        "billing": billing,
+        "billing_csv": _billing_csv_links(team=team, since=since, until=billing.until),
+        "idle_now": selectors.idle_now(team=team, now=now, below_percent=idle_below),
+        "idle_below_percent": idle_below,
         "wasters": selectors.top_wasters(team=team, since=since, until=until),
         "claims": claims,
         "claims_total": claims_total,
@@ -161,6 +173,23 @@ def team(request: HttpRequest, team: Team) -> HttpResponse:
         **_queue_context(request, now=now, team=team),
     }
     return render(request, "frontend/team.html", context)
+
+
+def _billing_csv_links(*, team: Team, since: datetime, until: datetime) -> dict[str, str]:
+    """The API's CSV of the page's per-person and per-job tables (the same window)."""
+    query = urlencode(
+        {
+            "team": team.slug,
+            "since": since.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "until": until.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "format": "csv",
+            "page_size": BILLING_CSV_ROWS,
+        }
+    )
+    return {
+        "people": f"{reverse('billed-people-list')}?{query}",
+        "jobs": f"{reverse('billed-jobs-list')}?{query}",
+    }
 
 
 @team_required

@@ -8,19 +8,22 @@ chip-hours to GPU-hours."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from operator import attrgetter
 from typing import Any
 
+from django.utils import timezone
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from billing.api.filtersets import PERIOD_HELP, period_lookups
-from billing.hours import MS_PER_HOUR
+from billing.hours import HOUR, MS_PER_HOUR
 from billing.models import Period, RateCard, Statement, StatementLine
-from billing.pricing import round_money
+from billing.pricing import period_holding, round_money
 from billing.units import hours_label
-from teams.api import ReadOnlyModelSerializer, VisibleTeamField
+from inventory.models import Unit
+from teams.api import ReadOnlyModelSerializer, VisibleTeamField, start_of_day
 from teams.models import Team
 
 
@@ -324,3 +327,155 @@ class JobUsageSerializer(UsageSerializer):
 
 class UserUsageSerializer(UsageSerializer):
     username = serializers.CharField(read_only=True)
+
+
+# --- Billed usage per person and per job ---------------------------------------------------
+
+WINDOW_BOUND_HELP = (
+    "A UTC date (2026-11-02: its midnight) or an ISO 8601 date and time on the hour "
+    "(2026-11-02T14:00:00Z); usage is kept per hour."
+)
+
+
+class WindowBoundField(serializers.DateTimeField):
+    """A window's bound: a date (its midnight, UTC) or an aware date and time on the hour."""
+
+    default_error_messages = {
+        "not_on_the_hour": "{value} is not on the hour: usage is kept per whole UTC hour.",
+    }
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(help_text=WINDOW_BOUND_HELP, **kwargs)
+
+    def to_internal_value(self, value: Any) -> datetime:
+        if isinstance(value, str) and len(value.strip()) == len("2026-11-02"):
+            try:
+                return start_of_day(date.fromisoformat(value.strip()))
+            except ValueError:
+                pass
+        moment = super().to_internal_value(value)
+        if (moment.minute, moment.second, moment.microsecond) != (0, 0, 0):
+            self.fail("not_on_the_hour", value=value)
+        return moment.astimezone(UTC)
+
+
+class BilledWindowSerializer(serializers.Serializer[Any]):
+    """The query of the billed-usage endpoints: a window (`since`/`until`, or a `period`; the
+    current period when neither is given) and which rows to show. Filters pick rows after
+    pricing, so a row's money is the same whatever else is asked."""
+
+    since = WindowBoundField(required=False)
+    until = WindowBoundField(required=False)
+    period = PeriodField(required=False)
+    team = serializers.CharField(required=False, help_text="Team slug")
+    username = serializers.CharField(required=False)
+    namespace = serializers.CharField(required=False)
+    job = serializers.CharField(required=False, help_text="Kind/name of the claims' owner.")
+    unit = serializers.ChoiceField(choices=Unit.choices, required=False)
+    currency = serializers.CharField(required=False)
+    ordering = serializers.CharField(required=False)
+
+    def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        period: Period | None = attrs.pop("period", None)
+        if period is not None:
+            if "since" in attrs or "until" in attrs:
+                raise serializers.ValidationError(
+                    {"period": ["Give a period or since/until, not both."]}
+                )
+            attrs["since"], attrs["until"] = period.start, period.end
+        elif "since" not in attrs or "until" not in attrs:
+            current = period_holding(timezone.now())
+            attrs.setdefault("since", current.start)
+            attrs.setdefault("until", max(current.end, attrs["since"] + HOUR))
+        if attrs["until"] <= attrs["since"]:
+            raise serializers.ValidationError(
+                {"until": [f"{attrs['until']:%Y-%m-%dT%H:%MZ} is not after since."]}
+            )
+        if attrs["until"] - attrs["since"] > MAX_WINDOW:
+            raise serializers.ValidationError(
+                {"until": [f"A window is at most {MAX_WINDOW.days} days long."]}
+            )
+        return attrs
+
+
+# A year and a bit: a year of usage, priced per day, is still one query and a few thousand rows.
+MAX_WINDOW = timedelta(days=400)
+
+
+class BilledMoneyField(serializers.DecimalField):
+    """An amount already rounded to its row's currency (null on hours no rate card prices),
+    shown to the currency's minor unit."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(max_digits=17, decimal_places=3, read_only=True, allow_null=True, **kwargs)
+
+    def to_representation(self, value: Any) -> Any:
+        return f"{value:f}"
+
+
+BILLED_MONEY = (
+    "billed",
+    "billed_utilised",
+    "billed_idle",
+    "billed_unmeasured",
+    "idle_at_list_price",
+)
+BILLED_FIGURES = ("currency", *BILLED_MONEY)
+
+
+class BilledUsageSerializer(UsageSerializer):
+    """A person's or a job's hours of one unit in the window, and what the statements bill for
+    them in one currency, per part: utilised and unmeasured hours at the rate, idle hours at the
+    rate times the card's idle factor. Each statement line's amount is shared out to the
+    cent among the rows it bills, so a team's rows add up to its statements' usage lines."""
+
+    team = serializers.CharField(read_only=True)
+    since = serializers.SerializerMethodField(help_text="The window's start (UTC).")
+    until = serializers.SerializerMethodField(help_text="The window's end, exclusive (UTC).")
+    unit = serializers.CharField(read_only=True, help_text="gpu, tpu, gaudi, accelerator.")
+    currency = serializers.CharField(
+        read_only=True, help_text="The rate cards' currency; empty where no card prices the hours."
+    )
+    billed = BilledMoneyField(help_text="What the statements bill: the three parts together.")
+    billed_utilised = BilledMoneyField(help_text="Utilised hours at the rate.")
+    billed_idle = BilledMoneyField(help_text="Idle hours at the rate times its idle factor.")
+    billed_unmeasured = BilledMoneyField(help_text="Unmeasured hours at the rate.")
+    idle_at_list_price = BilledMoneyField(
+        help_text="The idle hours at the full rate: what idle would cost without its discount "
+        "(context, never billed)."
+    )
+
+    @extend_schema_field(serializers.DateTimeField())
+    def get_since(self, row: Any) -> str:
+        return _iso(self.context["since"])
+
+    @extend_schema_field(serializers.DateTimeField())
+    def get_until(self, row: Any) -> str:
+        return _iso(self.context["until"])
+
+    @extend_schema_field(serializers.CharField())
+    def get_hours(self, row: Any) -> str:
+        return hours_label(row.unit)
+
+    def get_fields(self) -> dict[str, serializers.Field[Any, Any, Any, Any]]:
+        fields = super().get_fields()
+        keys = {name: field for name, field in fields.items() if name not in BILLED_FIGURES}
+        return keys | {name: fields[name] for name in BILLED_FIGURES}
+
+
+def _iso(moment: datetime) -> str:
+    return moment.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
+class BilledPersonSerializer(BilledUsageSerializer):
+    username = serializers.CharField(
+        read_only=True, help_text="Who made the claims; empty where no one is known."
+    )
+
+
+class BilledJobSerializer(BilledUsageSerializer):
+    namespace = serializers.CharField(read_only=True)
+    job = serializers.CharField(read_only=True, help_text="Kind/name of the claims' owner.")
+    usernames = serializers.ListField(
+        child=serializers.CharField(), read_only=True, help_text="Who ran the job's claims."
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from datetime import UTC
+from operator import attrgetter
 from typing import Any, ClassVar
 
 from django.db.models import F, Prefetch, QuerySet, Sum
@@ -18,6 +19,7 @@ from django_filters.utils import translate_validation
 from drf_spectacular.utils import extend_schema
 from rest_framework import mixins, status
 from rest_framework.decorators import action
+from rest_framework.exceptions import ValidationError
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -30,7 +32,12 @@ from billing.api.filtersets import (
     UsageSeriesFilterSet,
 )
 from billing.api.serializers import (
+    BILLED_MONEY,
     AdjustmentInputSerializer,
+    BilledJobSerializer,
+    BilledPersonSerializer,
+    BilledUsageSerializer,
+    BilledWindowSerializer,
     ClaimUsageSerializer,
     FlatStatementLineSerializer,
     JobUsageSerializer,
@@ -44,6 +51,7 @@ from billing.api.serializers import (
 )
 from billing.models import LineKind, Period, RateCard, Statement, StatementLine, UsageHour
 from billing.periods import PricingError
+from billing.selectors import BilledRow, BilledUsage, billed_usage
 from billing.services import add_adjustment, close_period
 from config.parsers import JsonParser
 from teams.api import (
@@ -239,3 +247,99 @@ class UserUsageViewSet(UsageViewSet):
     serializer_class = UserUsageSerializer
     filterset_class = UsageFilterSet
     group_by = ("team__slug", "username", "unit")
+
+
+@extend_schema(tags=["usage"])
+class BilledUsageViewSet(mixins.ListModelMixin, TeamScopedViewSet):
+    """Hours per person in a window (`since`/`until`, or a `period`; by default the current
+    period), each unit apart, and what the statements bill for them per currency: utilised,
+    idle (at the idle factor) and unmeasured, to the cent. Each statement line's amount is
+    shared out among the rows it bills, so a team's rows add up to its statements' usage
+    lines of the same window; filters and ordering pick and sort rows after pricing."""
+
+    serializer_class: type[BilledUsageSerializer] = BilledPersonSerializer
+    filter_backends = []  # the window query is validated by `BilledWindowSerializer`
+    keys: ClassVar[tuple[str, ...]] = ("team", "username")
+    # Filters on a row's keys, as the query names them.
+    row_filters: ClassVar[tuple[str, ...]] = ("username", "unit", "currency")
+
+    def scope(self, teams: QuerySet[Team]) -> QuerySet[Team]:
+        return teams
+
+    def rows(self, usage: BilledUsage) -> Sequence[BilledRow]:
+        return usage.people
+
+    @extend_schema(parameters=[BilledWindowSerializer])
+    def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        query = BilledWindowSerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        asked = query.validated_data
+        teams = self.get_queryset()
+        if "team" in asked:
+            teams = teams.filter(slug=asked["team"])
+        usage = billed_usage(teams=list(teams), since=asked["since"], until=asked["until"])
+        rows = [
+            row
+            for row in self.rows(usage)
+            if all(getattr(row, name) == asked[name] for name in self.row_filters if name in asked)
+        ]
+        rows = ordered(rows, asked.get("ordering", ""), self.ordering_names())
+        page = self.paginate_queryset(rows)
+        context = {**self.get_serializer_context(), "since": usage.since, "until": usage.until}
+        shown = self.get_serializer_class()(page, many=True, context=context)
+        return self.get_paginated_response(shown.data)
+
+    def get_serializer(self, *args: Any, **kwargs: Any) -> BilledUsageSerializer:
+        # The CSV renderer asks for an empty one to name the columns.
+        serializer = self.get_serializer_class()(*args, **kwargs)
+        assert isinstance(serializer, BilledUsageSerializer)
+        return serializer
+
+    def ordering_names(self) -> dict[str, str]:
+        """The public names to order by, and the row's attribute each sorts on."""
+        return {
+            **{key: key for key in self.keys},
+            "unit": "unit",
+            "currency": "currency",
+            "allocated_gpu_hours": "allocated_ms",
+            "utilised_gpu_hours": "utilised_ms",
+            "idle_gpu_hours": "idle_ms",
+            "unmeasured_gpu_hours": "unmeasured_ms",
+            **{name: name for name in BILLED_MONEY},
+        }
+
+
+class BilledJobViewSet(BilledUsageViewSet):
+    """Hours per job (the claims' owner, `Kind/name`, in its namespace) in a window, and what
+    the statements bill for them, as per person (`billed/people`)."""
+
+    serializer_class = BilledJobSerializer
+    keys = ("team", "namespace", "job")
+    row_filters = ("namespace", "job", "unit", "currency")
+
+    def rows(self, usage: BilledUsage) -> Sequence[BilledRow]:
+        return usage.jobs
+
+
+def ordered(rows: list[BilledRow], ordering: str, allowed: dict[str, str]) -> list[BilledRow]:
+    """`rows` by `?ordering=`, of the public names `allowed` maps to row attributes (`-`
+    descending; null values last either way); as they are when it is empty. An unknown name
+    is a 400 naming the allowed ones, as `teams.api.OrderingFilter` answers."""
+    terms = [term.strip() for term in ordering.split(",") if term.strip()]
+    for term in terms:
+        if term.removeprefix("-") not in allowed:
+            raise ValidationError(
+                {
+                    "ordering": [
+                        f"cannot order by {term.removeprefix('-')!r}: order by one of "
+                        f"{', '.join(allowed)} (a leading '-' for descending)"
+                    ]
+                }
+            )
+    for term in reversed(terms):
+        name = allowed[term.removeprefix("-")]
+        present = [row for row in rows if getattr(row, name) is not None]
+        missing = [row for row in rows if getattr(row, name) is None]
+        present.sort(key=attrgetter(name), reverse=term.startswith("-"))
+        rows = present + missing
+    return rows
