@@ -118,6 +118,17 @@ def test_nav_shows_what_the_user_may_open(portal: Portal) -> None:
     assert 'href="/fleet/"' in operator and 'href="/admin/"' in operator
 
 
+def test_the_team_page_links_to_its_week_report_and_the_comparison(portal: Portal) -> None:
+    html = _client(portal, "lead_a").get(reverse("team", args=["vision"])).content.decode()
+    assert f'href="{reverse("team-week", args=["vision"])}"' in html
+    compare = f"{reverse('compare')}?team=vision"
+    assert f'href="{compare}"' in html
+    # Both lead somewhere the lead may go.
+    client = _client(portal, "lead_a")
+    assert client.get(reverse("team-week", args=["vision"])).status_code == 200
+    assert client.get(compare).status_code == 200
+
+
 def test_team_page_shows_quota_budget_usage_and_statements(portal: Portal) -> None:
     response = _client(portal, "lead_a").get(reverse("team", args=["vision"]) + "?days=30")
     context = response.context
