@@ -51,7 +51,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
@@ -60,7 +60,8 @@ from typing import Any
 
 import tenacity
 
-from agent.readings import GpuReading, Source, format_ts
+from agent.means import Averager, Mean
+from agent.readings import Source, format_ts
 
 log = logging.getLogger("agent.runner")
 
@@ -86,6 +87,9 @@ configuration (environment variables, defaults in brackets):
   TALLY_PROMETHEUS_NODE_LABEL      the label naming a metric's node (dcgm) [Hostname]
   TALLY_AGENT_PROC_ROOT            the host's /proc, to find each process' pod [/proc]
   TALLY_AGENT_INTERVAL_SECONDS     seconds between samples [10]
+  TALLY_AGENT_MEAN_SECONDS         send each device's mean over this many seconds, a multiple
+                                   of the interval, at most Tally's TALLY_SAMPLE_HOLD_SECONDS
+                                   (e.g. 60 with an interval of 1) [unset: every reading]
   TALLY_AGENT_BUFFER_SAMPLES       samples kept while ingest is unreachable [15 minutes' worth]
   TALLY_AGENT_BATCH_SIZE           samples per request [500]
   TALLY_AGENT_CA_FILE              CA bundle to verify Tally's certificate
@@ -108,6 +112,7 @@ class Config:
     token: str | None = None
     token_file: str | None = None
     interval_seconds: float = 10.0
+    mean_seconds: float | None = None  # None: every reading is sent as it is
     buffer_samples: int = DEVICES_PER_NODE_SIZING * BUFFER_SIZING_SECONDS // 10
     batch_size: int = 500
     ca_file: str | None = None
@@ -143,7 +148,10 @@ class Config:
         if token_file and not Path(token_file).is_file():
             raise ConfigError(f"TALLY_AGENT_TOKEN_FILE: no such file {token_file}")
         interval = _positive_float(env, "TALLY_AGENT_INTERVAL_SECONDS", 10.0)
-        default_buffer = math.ceil(DEVICES_PER_NODE_SIZING * BUFFER_SIZING_SECONDS / interval)
+        mean_seconds = _mean_seconds(env, interval)
+        default_buffer = math.ceil(
+            DEVICES_PER_NODE_SIZING * BUFFER_SIZING_SECONDS / (mean_seconds or interval)
+        )
         source = env.get("TALLY_AGENT_SOURCE", "nvml").strip().lower()
         if source not in ("nvml", "dcgm", "exporter"):
             raise ConfigError("TALLY_AGENT_SOURCE must be nvml, dcgm or exporter")
@@ -173,6 +181,7 @@ class Config:
             token=token,
             token_file=token_file,
             interval_seconds=interval,
+            mean_seconds=mean_seconds,
             buffer_samples=_positive_int(env, "TALLY_AGENT_BUFFER_SAMPLES", default_buffer),
             batch_size=_positive_int(env, "TALLY_AGENT_BATCH_SIZE", 500),
             ca_file=ca_file,
@@ -201,6 +210,26 @@ def _positive_float(env: Mapping[str, str], name: str, default: float) -> float:
     if not value > 0 or math.isinf(value):
         raise ConfigError(f"{name} must be positive, got {raw!r}")
     return value
+
+
+def _mean_seconds(env: Mapping[str, str], interval: float) -> float | None:
+    """TALLY_AGENT_MEAN_SECONDS: None when unset, else a whole number of sampling intervals,
+    at most an hour (the longest hold Tally allows)."""
+    if not env.get("TALLY_AGENT_MEAN_SECONDS"):
+        return None
+    seconds = _positive_float(env, "TALLY_AGENT_MEAN_SECONDS", 0.0)
+    steps = seconds / interval
+    if abs(steps - round(steps)) > 1e-9 or round(steps) < 1:
+        raise ConfigError(
+            f"TALLY_AGENT_MEAN_SECONDS={seconds:g} must be a whole number of "
+            f"TALLY_AGENT_INTERVAL_SECONDS={interval:g} intervals"
+        )
+    if seconds > 3600:
+        raise ConfigError(
+            f"TALLY_AGENT_MEAN_SECONDS={seconds:g} must be at most 3600 (and at most Tally's "
+            "TALLY_SAMPLE_HOLD_SECONDS)"
+        )
+    return seconds
 
 
 def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
@@ -283,21 +312,37 @@ class SampleBuffer:
 
 
 class Sampler:
-    """Reads the source and queues one sample per device."""
+    """Reads the source and queues one sample per device; with an `averager`, one per device
+    and window of its mean (`agent.means`)."""
 
-    def __init__(self, source: Source, buffer: SampleBuffer, *, node: str) -> None:
+    def __init__(
+        self, source: Source, buffer: SampleBuffer, *, node: str, averager: Averager | None = None
+    ) -> None:
         self.source = source
         self.buffer = buffer
         self.node = node
+        self.averager = averager
 
     def sample_once(self) -> int:
-        """One read of the source; returns the number of samples queued."""
+        """One read of the source; returns the number of readings taken."""
         readings = self.source.read()
-        by_node: dict[str, list[GpuReading]] = {}
-        for reading in readings:
-            by_node.setdefault(reading.node or self.node, []).append(reading)
-        for node, node_readings in by_node.items():
-            dropped = self.buffer.extend(node, [r.as_sample() for r in node_readings])
+        if self.averager is None:
+            self._queue(Mean(node=reading.node, sample=reading.as_sample()) for reading in readings)
+        else:
+            self._queue(self.averager.add(readings))
+        return len(readings)
+
+    def flush_means(self) -> None:
+        """Queue the means of the windows still open: the agent is stopping."""
+        if self.averager is not None:
+            self._queue(self.averager.flush())
+
+    def _queue(self, samples: Iterable[Mean]) -> None:
+        by_node: dict[str, list[dict[str, Any]]] = {}
+        for mean in samples:
+            by_node.setdefault(mean.node or self.node, []).append(mean.sample)
+        for node, node_samples in by_node.items():
+            dropped = self.buffer.extend(node, node_samples)
             if dropped:
                 log.warning(
                     "buffer full: dropped %d oldest samples (%d dropped since start)",
@@ -309,7 +354,6 @@ class Sampler:
                         "dropped_total": self.buffer.dropped,
                     },
                 )
-        return len(readings)
 
     def run(self, stop: threading.Event, interval: float) -> None:
         """Samples on wall-clock multiples of `interval` until `stop` is set."""
@@ -321,6 +365,7 @@ class Sampler:
                 self.sample_once()
             except Exception:
                 log.exception("reading the GPU source failed", extra={"event": "source_error"})
+        self.flush_means()
 
 
 class RetryLater(Exception):
@@ -651,7 +696,14 @@ def run(config: Config, source: Source, stop: threading.Event) -> Sender:
         extra={"event": "started", "node": config.node, "source": config.source},
     )
     try:
-        Sampler(source, buffer, node=config.node).run(stop, config.interval_seconds)
+        averager = (
+            Averager(seconds=config.mean_seconds, interval=config.interval_seconds)
+            if config.mean_seconds
+            else None
+        )
+        Sampler(source, buffer, node=config.node, averager=averager).run(
+            stop, config.interval_seconds
+        )
     finally:
         stop.set()
         buffer.wake()

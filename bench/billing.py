@@ -151,7 +151,7 @@ def _statement_kind(sql: str) -> str:
         return "rollup: coverage per part-hour allocation"
     if text.startswith("SELECT r.uuid, (SELECT MIN(s.ts_ms)"):
         return "ingest: the sample after each device's first"
-    if text.startswith("WITH changed(id, gap)"):
+    if text.startswith("WITH changed(id, ts_ms, gap)"):
         return "ingest: changed gaps written"
     if text.startswith("WITH r(uuid, lo, hi)"):
         return "ingest: gaps worked out again"
@@ -475,9 +475,11 @@ def _run(gpus: list[Gpu], *, steps: int, interval: int, batch: int, days: int) -
         # The ingest's pages written out now, so the rollup's writes do not wait on them.
         cursor.execute("CHECKPOINT")
         vacuum_s = time.perf_counter() - started
+        # The table is partitioned by day: its size is its partitions'.
         cursor.execute(
-            "SELECT count(*), pg_total_relation_size('billing_sample'), "
-            "pg_relation_size('billing_sample') FROM billing_sample"
+            "SELECT (SELECT count(*) FROM billing_sample), "
+            "sum(pg_total_relation_size(inhrelid)), sum(pg_relation_size(inhrelid)) "
+            "FROM pg_inherits WHERE inhparent = 'billing_sample'::regclass"
         )
         rows, total_bytes, heap_bytes = cursor.fetchone()
     print(

@@ -279,10 +279,30 @@ class SampleChecker:
             if type(processes) is not list or not _DICTS_ONLY.issuperset(map(type, processes)):
                 raise InvalidSample("processes", "must be a list of objects")
             processes_json = _processes_json(processes)
+        covered = sample.get("covered_seconds")
+        if covered is not None:
+            _check_covered(covered)
         return SampleRow(uuid, ts_ms, gpu_util, mem_used_bytes, processes_json)
 
 
 _DICTS_ONLY = frozenset([dict])
+
+
+def _check_covered(covered: object) -> None:
+    """A mean's `covered_seconds`: the sample is the mean of readings over `[ts, ts +
+    covered_seconds)` (an agent sampling each second sends minute means). The rollup holds a
+    sample's utilisation until the device's next sample, at most TALLY_SAMPLE_HOLD_SECONDS, so
+    back-to-back means each weigh their whole interval; a longer one would count in part only,
+    and is refused rather than undercounted."""
+    if type(covered) is not int and type(covered) is not float:
+        raise InvalidSample("covered_seconds", f"must be a number of seconds, not {_show(covered)}")
+    hold = int(settings.TALLY_SAMPLE_HOLD_SECONDS)
+    if not 0 < covered <= hold:  # also false for NaN
+        raise InvalidSample(
+            "covered_seconds",
+            f"must be more than 0 and at most {hold} (TALLY_SAMPLE_HOLD_SECONDS, how long a "
+            f"sample holds), not {_show(covered)}: send means over a shorter interval",
+        )
 
 
 def _checked_uuid(uuid: object) -> str:
@@ -679,20 +699,22 @@ near AS (
       ON s.device_uuid = span.uuid AND s.ts_ms >= span.lo AND s.ts_ms <= span.hi
 ),
 following AS (
-    SELECT id, gap_ms AS stored,
+    SELECT id, ts_ms, gap_ms AS stored,
            LEAD(ts_ms) OVER (PARTITION BY device_uuid ORDER BY ts_ms) - ts_ms AS gap
     FROM near
 )
-SELECT id, gap FROM following
+SELECT id, ts_ms, gap FROM following
 WHERE gap IS NOT NULL AND (stored IS NULL OR stored <> gap)
 """
 # The changed gaps, by primary key. A separate statement: joined to the samples within one
-# UPDATE, the planner expects many rows from the window and hashes the whole table.
+# UPDATE, the planner expects many rows from the window and hashes the whole table. The key
+# is (id, ts_ms), the partitioned table's: by id alone, a day's partition not yet analysed
+# looks as if an id matched half its rows, and is hashed whole.
 _SET_GAPS_SQL = """
-WITH changed(id, gap) AS ({changed})
+WITH changed(id, ts_ms, gap) AS ({changed})
 UPDATE billing_sample SET gap_ms = changed.gap
 FROM changed
-WHERE billing_sample.id = changed.id
+WHERE billing_sample.id = changed.id AND billing_sample.ts_ms = changed.ts_ms
 """
 
 
@@ -708,7 +730,7 @@ def refresh_gaps(cursor: CursorWrapper, bounds: dict[str, _Bounds]) -> None:
     changed = cursor.fetchall()
     if changed:
         cursor.execute(
-            _SET_GAPS_SQL.format(changed=json_rows("bigint", "bigint")),
+            _SET_GAPS_SQL.format(changed=json_rows("bigint", "bigint", "bigint")),
             [json.dumps([list(row) for row in changed])],
         )
 

@@ -40,6 +40,13 @@ class Sample(models.Model):
     `gap_ms` is the time to the device's next sample (null: none yet), kept by `ingest` as
     samples arrive, in any order: a sample's utilisation holds for `min(gap_ms, hold)`, so
     the rollup sums spans without ordering the samples again.
+
+    The table is partitioned by range of `ts_ms`, one partition per UTC day (migration 0007),
+    so a day ages out as one dropped table (`billing.retention`); queries that bound `ts_ms`
+    read only their days' partitions. The database's primary key is (id, ts_ms), as a
+    partitioned table's must hold its partition key; Django keeps `id` alone as the primary
+    key (ids come from one sequence, so they are unique), because its admin refuses models
+    with a composite one.
     """
 
     # Compared byte by byte (COLLATE "C"): a UUID is never shown in a language's order, and the
@@ -320,3 +327,23 @@ class StatementLine(models.Model):
     def hours_label(self) -> str:
         """What the line's hours are: `GPU-hours`, `TPU chip-hours`, `Gaudi card-hours`."""
         return hours_label(self.unit)
+
+
+class WeekReport(models.Model):
+    """A team's week report emailed to its leads, once: the row is inserted (one per team and
+    week, by the constraint) and locked before the email goes, and marked sent in the same
+    transaction, so a beat run twice or two racing workers send it once
+    (`billing.week_mail.send_week_report`)."""
+
+    team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="week_reports")
+    week_start = models.DateTimeField()
+    sent_at = models.DateTimeField(null=True, blank=True)
+    recipients = models.JSONField(default=list, blank=True)
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(fields=["team", "week_start"], name="weekreport_unique"),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.team} week of {self.week_start:%Y-%m-%d}"
