@@ -10,9 +10,11 @@ from a Pod and those objects, never guessing from names:
   gang (`podGroupReplicaKey` splits it into independent copies); from Kubernetes 1.36
   (KEP-5832) a Pod's `spec.schedulingGroup.podGroupName` names a standalone `PodGroup`
   (v1alpha2, v1beta1 from 1.37) with `spec.schedulingPolicy.gang.minCount`;
-- JobSet (`jobset.x-k8s.io/v1alpha2`): the Pod labels `jobset.sigs.k8s.io/jobset-name` and
-  `jobset.sigs.k8s.io/replicatedjob-name` (api/jobset/v1alpha2/jobset_types.go); the whole
-  JobSet is one gang of, per replicated job, `replicas` Jobs of `parallelism` Pods;
+- JobSet (`jobset.x-k8s.io/v1alpha2`): the Pod label `jobset.sigs.k8s.io/jobset-name`
+  (api/jobset/v1alpha2/jobset_types.go) and the Pod's controller, a `batch` Job the JobSet
+  makes (`<jobset>-<replicated job>-<index>`, the controller's GenJobName), which gives its
+  role; the whole JobSet is one gang of, per replicated job, `replicas` Jobs of
+  `parallelism` Pods;
 - LeaderWorkerSet (`leaderworkerset.x-k8s.io/v1`): labels `leaderworkerset.sigs.k8s.io/name`,
   `.../group-index` and `.../worker-index` (0: the leader), annotation `.../size` (the LWS
   "Labels, Annotations and Environment Variables" reference); each group (a leader and its
@@ -28,8 +30,19 @@ from a Pod and those objects, never guessing from names:
   (kubeflow/common constants.go); the gang is `spec.runPolicy.schedulingPolicy.minAvailable`,
   else every replica of `spec.<kind>ReplicaSpecs`.
 
+Who may declare a gang. Pod labels, annotations and spec are written by whoever creates the
+Pod. A JobSet member must be a Pod made by one of the JobSet's Jobs (its controller reference,
+which the Job controller writes), and a Pod a training job controls is in that job's gang
+whatever its labels: labels alone do not put a Pod made by hand in another job's gang, to draw
+that gang's hold. The other sources are self-declared, as the schedulers that act on them
+trust them: the Workload API's references, LeaderWorkerSet's labels and size annotation,
+Kueue's group label and count, Volcano's group annotation and the training operators' labels
+(for a Pod no training job controls). Anyone who may create Pods in a namespace can join or
+make such a gang there; gangs are per namespace, so that reaches only the namespace's own.
+
 Objects come from a `GangLookup`: the API server (`inventory.kube.GangReader`, cached; it lives
-there because only `inventory.kube` talks to the API) or the objects of a dump (`GangIndex`).
+there because only `inventory.kube` talks to the API; it also reads the ResourceClaimTemplates
+of a gang's roles, `GANG_READS`) or the objects of a dump (`GangIndex`).
 Everything read is untrusted: a field of the wrong type, a count that is negative, zero or
 absurd (over `MAX_GANG_SIZE`), a name no API server would accept, or a loop gives no gang
 (None) rather than an exception, so a claim without a trustworthy gang is decided alone.
@@ -41,7 +54,7 @@ import hashlib
 import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from inventory.owners import api_group
 
@@ -105,6 +118,16 @@ GANG_KINDS: dict[tuple[str, str], str] = {
     ("scheduling.volcano.sh", "PodGroup"): "podgroups",
     **{(KUBEFLOW_GROUP, kind): f"{kind.lower()}s" for kind in KUBEFLOW_REPLICA_SPECS},
 }
+# The kind a gang's pods make their claims from (`GangRole.claim_templates`): read, where the
+# cluster lets Tally, to weigh what the whole gang takes rather than this claim's demand times
+# the gang's size.
+CLAIM_TEMPLATE_KIND = ("resource.k8s.io", "ResourceClaimTemplate")
+# Every kind read one object at a time to find a gang and what it takes, besides Pods and their
+# owners: what the API reader reads and what the deployment's RBAC must let it get.
+GANG_READS: dict[tuple[str, str], str] = {
+    **GANG_KINDS,
+    CLAIM_TEMPLATE_KIND: "resourceclaimtemplates",
+}
 
 
 @dataclass(frozen=True)
@@ -138,6 +161,17 @@ class GangLookup(Protocol):
 
     def get(self, namespace: str, api_version: str, kind: str, name: str) -> dict[str, Any] | None:
         """The object as JSON; None when it is not there or cannot be read."""
+        ...
+
+
+@runtime_checkable
+class FreshLookup(GangLookup, Protocol):
+    """A lookup that keeps what it read (`inventory.kube.GangReader`) and can read again."""
+
+    def get_fresh(
+        self, namespace: str, api_version: str, kind: str, name: str
+    ) -> dict[str, Any] | None:
+        """As `get`, read from the source again whatever was kept of the object."""
         ...
 
 
@@ -265,12 +299,13 @@ def claim_pod(claim: Mapping[str, Any]) -> tuple[str, str] | None:
 
 def gang_of_claim(claim: Mapping[str, Any], lookup: GangLookup) -> GangRef | None:
     """The gang of the Pod a template's claim was made for, read through `lookup`; None for a
-    claim made by hand, a Pod gone (or a namesake made after it), or a Pod in no gang."""
+    claim made by hand, a Pod gone (or a namesake made after it), or a Pod in no gang.
+
+    A Pod kept by a `FreshLookup` that is not the claim's (another Pod of the same name, as a
+    LeaderWorkerSet group or a StatefulSet makes on a restart) is read again.
+    """
     where = claim_pod(claim)
     if where is None:
-        return None
-    pod = lookup.get(where[0], POD_API_VERSION, "Pod", where[1])
-    if not isinstance(pod, dict):
         return None
     wanted_uid = next(
         (
@@ -280,10 +315,18 @@ def gang_of_claim(claim: Mapping[str, Any], lookup: GangLookup) -> GangRef | Non
         ),
         None,
     )
-    uid = _dict(pod.get("metadata")).get("uid")
-    if wanted_uid and uid and wanted_uid != uid:
+    pod = lookup.get(where[0], POD_API_VERSION, "Pod", where[1])
+    if _is_other_pod(pod, wanted_uid) and isinstance(lookup, FreshLookup):
+        pod = lookup.get_fresh(where[0], POD_API_VERSION, "Pod", where[1])
+    if not isinstance(pod, dict) or _is_other_pod(pod, wanted_uid):
         return None
     return gang_of_pod(pod, lookup)
+
+
+def _is_other_pod(pod: Any, wanted_uid: Any) -> bool:
+    """Whether `pod` is a Pod whose uid is not `wanted_uid` (either unknown: it is not)."""
+    uid = _dict(_dict(pod).get("metadata")).get("uid")
+    return bool(wanted_uid and uid and wanted_uid != uid)
 
 
 def gang_of_pod(pod: Mapping[str, Any], lookup: GangLookup) -> GangRef | None:
@@ -394,13 +437,36 @@ def _job_pods(job_spec: Any) -> int | None:
     return parallelism if completions is None else min(parallelism, completions)
 
 
-def _from_jobset(pod: _Pod) -> GangRef | None:
-    name = _name(pod.labels.get(JOBSET_NAME_LABEL))
-    if name is None:
+def _jobset_job(pod: _Pod) -> str | None:
+    """The name of the `batch` Job that controls `pod`, else None."""
+    reference = pod.controller()
+    if reference is None or reference.get("kind") != "Job":
         return None
+    if api_group(reference.get("apiVersion")) != "batch":
+        return None
+    return _name(reference.get("name"))
+
+
+def _job_index(job: str, prefix: str) -> int | None:
+    """`index` where `job` is `prefix` + `index` as Go's %d writes it, else None."""
+    if not job.startswith(prefix):
+        return None
+    index = _count_text(job[len(prefix) :], minimum=0)
+    return index if index is not None and job[len(prefix) :] == str(index) else None
+
+
+def _from_jobset(pod: _Pod) -> GangRef | None:
+    """The JobSet whose label the Pod carries, if one of its Jobs made the Pod: the Pod's
+    role is the replicated job of that Job (`<jobset>-<replicated job>-<index>`, index below
+    its replicas)."""
+    name = _name(pod.labels.get(JOBSET_NAME_LABEL))
+    job = _jobset_job(pod)
+    if name is None or job is None:
+        return None  # labels alone: a Pod made by hand, in no JobSet's gang
     jobset = pod.read(JOBSET_API_VERSION, "JobSet", name)
     if jobset is None:
         return None
+    own_role: str | None = None  # the replicated job one of whose Jobs is `job`
     roles: list[GangRole] = []
     for replicated in _list(_at(jobset, "spec", "replicatedJobs")):
         replicated = _dict(replicated)
@@ -412,6 +478,9 @@ def _from_jobset(pod: _Pod) -> GangRef | None:
         pods = replicas * per_job
         if pods > MAX_GANG_SIZE:
             return None
+        index = _job_index(job, f"{name}-{role}-")
+        if index is not None and index < replicas:
+            own_role = role  # one at most: the index is what follows the last "-"
         roles.append(
             GangRole(
                 name=role,
@@ -421,7 +490,8 @@ def _from_jobset(pod: _Pod) -> GangRef | None:
                 ),
             )
         )
-    own_role = pod.labels.get(JOBSET_REPLICATED_JOB_LABEL, "")
+    if own_role is None:
+        return None  # not made by a Job of this JobSet (as it is now)
     return _with_roles("jobset", gang_key("JobSet", name), roles, own_role)
 
 

@@ -11,7 +11,8 @@ the services read fields the client may not know yet, and keep what they do not 
 A claim's job is found by reading its owners (a Pod, its ReplicaSet or Job, see
 `inventory.owners`) with `OwnerReader`, before the transaction that writes the claim; its
 gang (`inventory.gangs`) from the same Pod, read once, and the object that declares the gang,
-through the reader's `GangReader`.
+through the reader's `GangReader`; the gang of a live claim stored in none is read again on a
+later list or event, at most once per the reader's ttl.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ from kubernetes.config.config_exception import ConfigException
 
 from config import metrics
 from inventory import gangs, owners, services
-from inventory.models import Cluster, SyncState
+from inventory.models import Cluster, ResourceClaim, SyncState
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +61,8 @@ LIST_READ_TIMEOUT_SECONDS = 60
 WATCH_READ_GRACE_SECONDS = 30
 # How often a paged LIST starts over when its continue token expired between pages.
 LIST_ATTEMPTS = 3
+# Claims asked about in one query (a list of 100,000 claims is not one `IN`).
+CLAIMS_PER_QUERY = 1000
 JOIN_TIMEOUT_SECONDS = 10
 
 
@@ -135,21 +138,32 @@ class Backoff:
         )
 
 
-def api_client(*, kubeconfig: str | None = None, context: str | None = None) -> k8s.ApiClient:
+def api_client(
+    *, kubeconfig: str | None = None, context: str | None = None, retries: int | None = None
+) -> k8s.ApiClient:
     """A client for the cluster: the pod's service account when running in one, else kubeconfig.
 
     An explicit `kubeconfig` or `context` wins over the in-cluster config; without them the
-    kubeconfig is found the usual way (`$KUBECONFIG`, then `~/.kube/config`).
+    kubeconfig is found the usual way (`$KUBECONFIG`, then `~/.kube/config`). `retries`: how
+    often a failed request is tried again (None: urllib3's default, 3); the admission
+    webhook's reads are not (0), as each try may wait its whole timeout.
     """
     try:
+        configuration = k8s.Configuration()
         if kubeconfig is None and context is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
-            configuration = k8s.Configuration()
             k8s_config.load_incluster_config(client_configuration=configuration)
-            return k8s.ApiClient(configuration)
-        # persist_config=False: refreshing a token must not rewrite the operator's kubeconfig.
-        return k8s_config.new_client_from_config(
-            config_file=kubeconfig, context=context, persist_config=False
-        )
+        else:
+            # persist_config=False: refreshing a token must not rewrite the operator's kubeconfig.
+            # $KUBECONFIG as it is now (the client reads it once, when it is imported).
+            k8s_config.load_kube_config(
+                config_file=kubeconfig or os.environ.get("KUBECONFIG") or None,
+                context=context,
+                client_configuration=configuration,
+                persist_config=False,
+            )
+        if retries is not None:
+            configuration.retries = retries
+        return k8s.ApiClient(configuration)
     except (ConfigException, OSError) as exc:
         where = kubeconfig or "the default kubeconfig"
         raise KubeError(f"cannot load the Kubernetes configuration from {where}: {exc}") from exc
@@ -220,6 +234,7 @@ class KindSync:
         cluster: Cluster,
         resource: Resource,
         backoff: Backoff | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.kind = resource.kind
         self.resource = resource
@@ -235,6 +250,12 @@ class KindSync:
         self._api_client = api_client
         # Owners read during the current watch request; a list reads its own afresh.
         self._owner_reader = OwnerReader(api_client)
+        # Live claims (by uid) whose gang was last read, and not found, at this `clock` time:
+        # read again on a later list or event once the reader's ttl has passed (see
+        # `_follow_owners`). Entries older than that mean nothing and are pruned.
+        self._clock = clock
+        self._gangless_read_at: dict[str, float] = {}
+        self._gangless_prune_at = GANG_CACHE_ENTRIES
         self._state_id: int | None = None
         self._response: urllib3.BaseHTTPResponse | None = None
         self._response_lock = threading.Lock()
@@ -493,8 +514,11 @@ class KindSync:
         """The claims' jobs, read from their owners, and the gangs of those whose Pod that
         read (by claim uid); none for other kinds.
 
-        A claim resolved before is not followed again, so its Pod is not read again, nor its
-        gang: one read of a Pod gives both.
+        A claim resolved before is not followed again, so its Pod is not read again for its
+        job: one read of a Pod gives both. Its gang is read again while the claim is stored in
+        none, at most once per the reader's ttl: a gang that could not be read when the claim
+        was first seen (a transient error, RBAC granted later, a PodGroup made after its Pods)
+        is found on a later list or event, and a claim of no gang costs a read per ttl at most.
         """
         if self.kind != "ResourceClaim":
             return {}, {}
@@ -506,15 +530,62 @@ class KindSync:
             # Attribution must never hold the inventory up: the claims keep the owners known.
             log.exception("%s: could not follow the claims' owners; skipped", self.kind)
             return {}, {}
+        ttl = reader.objects.ttl_seconds
+        now = self._clock()
+        again = self._gangless_due(objects, followed=jobs, now=now, ttl=ttl)
         claim_gangs: dict[str, gangs.GangRef | None] = {}
         for obj in objects:
             uid = (obj.get("metadata") or {}).get("uid")
-            if uid in jobs:
+            if uid in jobs or uid in again:
                 try:
-                    claim_gangs[uid] = gangs.gang_of_claim(obj, reader.objects)
+                    found = gangs.gang_of_claim(obj, reader.objects)
                 except Exception:
                     log.exception("%s: could not read the gang of %s; skipped", self.kind, uid)
+                    continue
+                claim_gangs[uid] = found
+                if gangs.claim_pod(obj) is not None:
+                    self._note_gang_read(uid, found, now=now, ttl=ttl)
         return jobs, claim_gangs
+
+    def _gangless_due(
+        self, objects: list[dict[str, Any]], *, followed: Iterable[str], now: float, ttl: float
+    ) -> set[str]:
+        """The uids of the claims among `objects`, not `followed` (their gang is read anyway),
+        made for a Pod, stored live in no gang, and whose gang was last read `ttl` ago or more
+        (or not in this process)."""
+        skip = set(followed)
+        due: list[str] = []
+        for obj in objects:
+            uid = (obj.get("metadata") or {}).get("uid")
+            if not isinstance(uid, str) or uid in skip or gangs.claim_pod(obj) is None:
+                continue
+            last = self._gangless_read_at.get(uid)
+            if last is None or now - last >= ttl:
+                due.append(uid)
+        found: set[str] = set()
+        for start in range(0, len(due), CLAIMS_PER_QUERY):
+            found.update(
+                ResourceClaim.objects.filter(
+                    cluster=self.cluster,
+                    uid__in=due[start : start + CLAIMS_PER_QUERY],
+                    gang__isnull=True,
+                    released_at__isnull=True,
+                ).values_list("uid", flat=True)
+            )
+        return found
+
+    def _note_gang_read(
+        self, uid: str, found: gangs.GangRef | None, *, now: float, ttl: float
+    ) -> None:
+        if found is not None:
+            self._gangless_read_at.pop(uid, None)
+            return
+        self._gangless_read_at[uid] = now
+        if len(self._gangless_read_at) > self._gangless_prune_at:
+            self._gangless_read_at = {
+                key: at for key, at in self._gangless_read_at.items() if now - at < ttl
+            }
+            self._gangless_prune_at = max(GANG_CACHE_ENTRIES, 2 * len(self._gangless_read_at))
 
     def _call(self, **kwargs: Any) -> urllib3.BaseHTTPResponse:
         try:
@@ -552,6 +623,10 @@ class KindSync:
 
 HTTP_FORBIDDEN = 403
 OWNER_READ_TIMEOUT_SECONDS = (CONNECT_TIMEOUT_SECONDS, 10)
+# (connect, read) for the admission webhook's reads: well inside its deadline
+# (TALLY_WEBHOOK_DEADLINE_MS, 2.5 s), so that an API server slow to answer leaves a claim
+# decided alone, with a warning, rather than the CREATE failed for a webhook timeout.
+WEBHOOK_READ_TIMEOUT_SECONDS = (0.5, 1.0)
 # Failed reads (not 403/404) in a row after which a reader stops asking for a while: an API
 # server in trouble is not sent a GET per claim, each waiting for its timeout.
 OWNER_READ_FAILURES = 3
@@ -562,8 +637,9 @@ GANG_CACHE_SECONDS = 30.0
 # Objects a reader keeps at most; the least recently used go first.
 GANG_CACHE_ENTRIES = 4096
 # Built-in (API group, kind) → the resource RBAC names, the API class and its read method.
-# Other kinds (the custom resources that declare gangs) go through the generic
-# custom-object call, with their plural from `gangs.GANG_KINDS`.
+# Other kinds (the custom resources that declare gangs, and ResourceClaimTemplates, whose
+# version is the claim's) go through the generic object call, with their plural from
+# `gangs.GANG_READS`.
 OWNER_READS: dict[tuple[str, str], tuple[str, Callable[[k8s.ApiClient], Any], str]] = {
     ("", "Pod"): ("pods", k8s.CoreV1Api, "read_namespaced_pod"),
     ("apps", "ReplicaSet"): ("replicasets.apps", k8s.AppsV1Api, "read_namespaced_replica_set"),
@@ -572,14 +648,16 @@ OWNER_READS: dict[tuple[str, str], tuple[str, Callable[[k8s.ApiClient], Any], st
 
 
 class GangReader:
-    """Reads single objects (`gangs.GangLookup`) as raw JSON: Pods, their owners, and the
-    objects that declare gangs (`gangs.GANG_KINDS`), each cached `ttl_seconds`, at most
-    `max_entries` of them.
+    """Reads single objects (`gangs.GangLookup`) as raw JSON: Pods, their owners, the objects
+    that declare gangs and the claim templates of their roles (`gangs.GANG_READS`), each
+    cached `ttl_seconds`, at most `max_entries` of them; `get_fresh` reads past the cache
+    (`gangs.FreshLookup`: a cached Pod that is not a claim's).
 
     A 404 (the object gone, or its kind not served: JobSet not installed) is cached like an
     object. A kind the API forbids is not asked again for `ttl_seconds`, nor anything after
-    `OWNER_READ_FAILURES` other failures in a row. Never raises: what it cannot read is None,
-    and logged. Safe to share between threads.
+    `OWNER_READ_FAILURES` other failures in a row. A read waits at most `request_timeout`
+    (connect, read seconds): the webhook's reader is given `WEBHOOK_READ_TIMEOUT_SECONDS`.
+    Never raises: what it cannot read is None, and logged. Safe to share between threads.
     """
 
     def __init__(
@@ -589,8 +667,10 @@ class GangReader:
         ttl_seconds: float = GANG_CACHE_SECONDS,
         max_entries: int = GANG_CACHE_ENTRIES,
         clock: Callable[[], float] = time.monotonic,
+        request_timeout: tuple[float, float] = OWNER_READ_TIMEOUT_SECONDS,
     ) -> None:
         self._api_client = api_client
+        self._request_timeout = request_timeout
         self._ttl = ttl_seconds
         self._max_entries = max(1, max_entries)
         self._clock = clock
@@ -603,14 +683,30 @@ class GangReader:
         self._failures = 0
         self._paused_until = 0.0
 
+    @property
+    def ttl_seconds(self) -> float:
+        return self._ttl
+
     def get(self, namespace: str, api_version: str, kind: str, name: str) -> dict[str, Any] | None:
+        return self._get(namespace, api_version, kind, name, fresh=False)
+
+    def get_fresh(
+        self, namespace: str, api_version: str, kind: str, name: str
+    ) -> dict[str, Any] | None:
+        """As `get`, but not from the cache (`gangs.FreshLookup`): the Pod kept is another of
+        the same name. A forbidden kind and a pause after failures still hold."""
+        return self._get(namespace, api_version, kind, name, fresh=True)
+
+    def _get(
+        self, namespace: str, api_version: str, kind: str, name: str, *, fresh: bool
+    ) -> dict[str, Any] | None:
         group = owners.api_group(api_version)
         version = api_version.rsplit("/", 1)[-1] if isinstance(api_version, str) else ""
         key = (group, version, kind, namespace, name)
         now = self._clock()
         with self._lock:
             cached = self._objects.get(key)
-            if cached is not None and now - cached[0] < self._ttl:
+            if not fresh and cached is not None and now - cached[0] < self._ttl:
                 self._objects.move_to_end(key)
                 return cached[1]
             if self._forbidden.get((group, kind), -self._ttl) > now - self._ttl:
@@ -633,12 +729,12 @@ class GangReader:
         """The API's answer; None for a kind this reader does not read."""
         kwargs: dict[str, Any] = {
             "_preload_content": False,
-            "_request_timeout": OWNER_READ_TIMEOUT_SECONDS,
+            "_request_timeout": self._request_timeout,
         }
         if (group, kind) in OWNER_READS:
             _, api, method = OWNER_READS[(group, kind)]
             return getattr(api(self._api_client), method)(name, namespace, **kwargs)
-        plural = gangs.GANG_KINDS.get((group, kind))
+        plural = gangs.GANG_READS.get((group, kind))
         if plural is None or not group or not version:
             return None
         return k8s.CustomObjectsApi(self._api_client).get_namespaced_custom_object(
@@ -689,7 +785,7 @@ def _resource_name(group: str, kind: str) -> str:
     """The resource RBAC names for `kind` ("replicasets.apps", "jobsets.jobset.x-k8s.io")."""
     if (group, kind) in OWNER_READS:
         return OWNER_READS[(group, kind)][0]
-    return f"{gangs.GANG_KINDS.get((group, kind), kind.lower() + 's')}.{group}".rstrip(".")
+    return f"{gangs.GANG_READS.get((group, kind), kind.lower() + 's')}.{group}".rstrip(".")
 
 
 class OwnerReader:

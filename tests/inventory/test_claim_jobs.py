@@ -266,10 +266,18 @@ def test_a_later_list_reads_only_what_is_unresolved_and_never_undoes_a_job(
     fake.add(pod("early-0", owner=reference("Job", "train", "batch/v1")))
     fake.add(job("train"))
     pod_reads = len(fake.reads("Pod"))
+    set_reads = len(fake.reads("ReplicaSet"))
     list_claims(api_client, cluster)
 
     assert jobs() == {"web-gpu": "Deployment/web", "early-gpu": "Job/train"}
-    assert [r.read[2] for r in fake.reads("Pod")[pod_reads:] if r.read] == ["early-0"]
+    # early-0's owners are read to find its job; web-gpu's Pod only to look for its gang (a
+    # live claim with none: `sync --once` keeps no memory of when it last looked), never to
+    # find its job again: its ReplicaSet is not read.
+    assert sorted(r.read[2] for r in fake.reads("Pod")[pod_reads:] if r.read) == [
+        "early-0",
+        "web-5d8f9c-abcde",
+    ]
+    assert len(fake.reads("ReplicaSet")) == set_reads
 
 
 @pytest.mark.django_db(transaction=True)

@@ -8,6 +8,7 @@ documentation: the declaring object, Pods as its controller makes them, their cl
 from __future__ import annotations
 
 import copy
+import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -19,7 +20,7 @@ from django.urls import reverse
 from inventory import gangs, kube, services
 from inventory.dumps import iter_objects
 from inventory.gangs import GangIndex, GangRef, GangRole, gang_of_claim, gang_of_pod
-from inventory.models import Cluster, Gang, ResourceClaim
+from inventory.models import Cluster, Gang, ResourceClaim, SyncState
 from tests.fake_kube import KINDS, FakeKube
 from tests.inventory.test_kube_sync import running_sync, wait_until, wait_watching
 
@@ -327,6 +328,12 @@ JOBSET_POD = {
 }
 
 
+def jobset_pod(job: str = "js-workers-0", api_version: str = "batch/v1") -> dict[str, Any]:
+    """A Pod of JobSet `js` as the Job controller makes it for the JobSet's Job `job`."""
+    owner = {"apiVersion": api_version, "kind": "Job", "name": job, "uid": "u", "controller": True}
+    return pod(dict(JOBSET_POD), ownerReferences=[owner])
+
+
 def test_jobset_pods_per_job_are_parallelism_but_no_more_than_completions() -> None:
     index = index_of(
         [
@@ -340,11 +347,59 @@ def test_jobset_pods_per_job_are_parallelism_but_no_more_than_completions() -> N
         ]
     )
 
-    found = gang_of_pod(pod(JOBSET_POD), index)
+    found = gang_of_pod(jobset_pod(), index)
 
     assert found == GangRef(
         "jobset", "JobSet/js", 5, (role("driver", 1), role("workers", 4)), "workers"
     )
+
+
+@pytest.mark.parametrize(
+    "made",
+    [
+        pod(JOBSET_POD),
+        pod(
+            JOBSET_POD,
+            ownerReferences=[
+                {"apiVersion": "batch/v1", "kind": "Job", "name": "js-workers-0", "uid": "u"}
+            ],
+        ),
+        jobset_pod(api_version="example.com/v1"),
+        jobset_pod("js-workers-2"),
+        jobset_pod("js-workers-01"),
+        jobset_pod("other-workers-0"),
+        jobset_pod("js-driver-0"),
+    ],
+    ids=[
+        "made-by-hand",
+        "a-job-owns-it-but-is-not-its-controller",
+        "not-a-batch-job",
+        "a-job-beyond-the-replicas",
+        "a-name-the-jobset-never-makes",
+        "another-jobsets-job",
+        "a-replicated-job-it-does-not-have",
+    ],
+)
+def test_a_pod_no_job_of_the_jobset_made_is_in_no_jobset_gang(made: dict[str, Any]) -> None:
+    """The JobSet's labels are written by whoever creates the Pod: they alone do not make it a
+    member (and let it draw the gang's hold)."""
+    index = index_of([GOOD_JOBSET])
+    assert gang_of_pod(jobset_pod("js-workers-1"), index) is not None
+
+    assert gang_of_pod(made, index) is None
+
+
+def test_a_jobset_pods_role_is_the_replicated_job_of_its_job() -> None:
+    one = {"template": {"spec": {"parallelism": 1}}}
+    index = index_of([jobset(a={"replicas": 11, **one}, **{"a-1": {"replicas": 1, **one}})])
+
+    # Whatever its label says: the Job is the JobSet controller's word, the label anyone's.
+    for job, role in (("js-a-10", "a"), ("js-a-1-0", "a-1"), ("js-a-0", "a")):
+        made = jobset_pod(job)
+        made["metadata"]["labels"]["jobset.sigs.k8s.io/replicatedjob-name"] = "a-1"
+        found = gang_of_pod(made, index)
+        assert found is not None and (found.role, found.size) == (role, 12), job
+    assert gang_of_pod(jobset_pod("js-a-1-1"), index) is None  # `a-1` has one Job
 
 
 def test_a_training_job_with_min_available_below_its_replicas_gives_a_size_only() -> None:
@@ -432,16 +487,16 @@ GOOD_JOBSET = jobset(workers={"replicas": 2, "template": {"spec": {"parallelism"
     ],
 )
 def test_a_jobset_that_is_no_jobset_gives_no_gang(path: str, value: Any) -> None:
-    assert gang_of_pod(pod(JOBSET_POD), index_of([GOOD_JOBSET])) is not None
+    assert gang_of_pod(jobset_pod(), index_of([GOOD_JOBSET])) is not None
     broken = _set(GOOD_JOBSET, path, value)
 
-    assert gang_of_pod(pod(JOBSET_POD), index_of([broken])) is None
+    assert gang_of_pod(jobset_pod(), index_of([broken])) is None
 
 
 def test_more_pods_than_any_cluster_runs_gives_no_gang() -> None:
     huge = jobset(workers={"replicas": 1001, "template": {"spec": {"parallelism": 1000}}})
 
-    assert gang_of_pod(pod(JOBSET_POD), index_of([huge])) is None
+    assert gang_of_pod(jobset_pod(), index_of([huge])) is None
 
 
 @pytest.mark.parametrize("count", ["-2", "0", "abc", "", "2.0", "99999999", " 2", "²", None, 2])
@@ -522,7 +577,7 @@ def test_names_at_their_longest_make_a_key_that_fits_and_one_longer_is_refused()
 
 
 def test_a_loop_in_an_object_is_never_followed() -> None:
-    looped = pod(JOBSET_POD)
+    looped = jobset_pod()
     looped["spec"]["workloadRef"] = looped  # YAML anchors can make such an object
     js = copy.deepcopy(GOOD_JOBSET)
     js["spec"]["replicatedJobs"][0]["template"]["spec"]["template"] = js
@@ -617,6 +672,106 @@ def test_an_api_server_in_trouble_is_left_alone_for_a_while(
     assert len(fake.requests) == kube.OWNER_READ_FAILURES + 1
 
 
+def test_a_namesake_pod_is_read_again_each_time_and_gives_no_gang(
+    fake: FakeKube, api_client: Any
+) -> None:
+    objects = serve_jobset(fake)
+    reader = kube.GangReader(api_client, ttl_seconds=30, clock=Clock())
+    claim = copy.deepcopy(named(objects, "train-workers-0-0-x7k2p-gpus-4m8rt"))
+    claim["metadata"]["ownerReferences"][0]["uid"] = "a-pod-gone-before-this-one"
+
+    assert gang_of_claim(claim, reader) is None
+    assert gang_of_claim(claim, reader) is None
+
+    # The cached Pod is not the claim's: read again (not from the cache) each time.
+    assert [r.status for r in fake.reads("Pod")] == [200, 200, 200]
+    assert fake.custom_reads("jobsets") == []
+
+
+def test_a_forbidden_pod_is_not_read_again_for_a_namesake(fake: FakeKube, api_client: Any) -> None:
+    objects = serve_jobset(fake)
+    reader = kube.GangReader(api_client, ttl_seconds=30, clock=Clock())
+    claim = copy.deepcopy(named(objects, "train-workers-0-0-x7k2p-gpus-4m8rt"))
+    claim["metadata"]["ownerReferences"][0]["uid"] = "a-pod-gone-before-this-one"
+    assert gang_of_claim(claim, reader) is None
+    fake.forbidden = {"Pod"}
+
+    # Pods forbidden since: asked once, then left alone for the ttl, fresh reads too.
+    for _ in range(3):
+        assert reader.get_fresh("ml", "v1", "Pod", "train-workers-0-0-x7k2p") is None
+    assert [r.status for r in fake.reads("Pod")] == [200, 200, 403]
+
+
+def claim_loop(api_client: Any, cluster: Cluster, clock: Clock) -> kube.KindSync:
+    return kube.KindSync(
+        api_client=api_client,
+        cluster=cluster,
+        resource=kube.RESOURCES["ResourceClaim"],
+        clock=clock,
+    )
+
+
+@pytest.mark.django_db
+def test_a_claim_in_no_gang_is_read_again_on_a_later_list_once_per_ttl(
+    fake: FakeKube, api_client: Any, cluster: Cluster
+) -> None:
+    objects = list(iter_objects(FIXTURES / "jobset.yaml"))
+    serve(fake, [obj for obj in objects if obj["kind"] != "JobSet"])
+    clock = Clock()
+    loop = claim_loop(api_client, cluster, clock)
+    loop.relist()
+    assert not ResourceClaim.objects.filter(gang__isnull=False).exists()
+    pod_reads = len(fake.reads("Pod"))
+    serve(fake, [named(objects, "train")])  # the JobSet, readable now
+
+    clock.now += kube.GANG_CACHE_SECONDS - 1
+    loop.relist()
+    assert len(fake.reads("Pod")) == pod_reads  # within the reader's ttl: not read again
+    assert not ResourceClaim.objects.filter(gang__isnull=False).exists()
+
+    clock.now += 1
+    loop.relist()
+    assert set(ResourceClaim.objects.values_list("gang__key", flat=True)) == {"JobSet/train"}
+    assert len(fake.reads("Pod")) == pod_reads + 2
+
+    # In a gang now: not read again, however much later.
+    clock.now += 10 * kube.GANG_CACHE_SECONDS
+    loop.relist()
+    assert len(fake.reads("Pod")) == pod_reads + 2
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_watch_event_reads_the_gang_of_a_claim_in_none_once_per_ttl(
+    fake: FakeKube, api_client: Any, cluster: Cluster
+) -> None:
+    objects = list(iter_objects(FIXTURES / "jobset.yaml"))
+    serve(fake, [obj for obj in objects if obj["kind"] != "JobSet"])
+    list_claims(api_client, cluster)  # stored in no gang; the watch resumes after this list
+    assert not ResourceClaim.objects.filter(gang__isnull=False).exists()
+    serve(fake, [named(objects, "train")])
+    pod_reads = len(fake.reads("Pod"))
+    claim = copy.deepcopy(named(objects, "train-workers-0-0-x7k2p-gpus-4m8rt"))
+
+    with running_sync(api_client, cluster, "ResourceClaim"):
+        wait_watching(fake, "ResourceClaim")
+        claim["metadata"].setdefault("labels", {})["changed"] = "1"
+        fake.modify(copy.deepcopy(claim))
+        in_gang = ResourceClaim.objects.filter(name=claim["metadata"]["name"], gang__isnull=False)
+        wait_until(in_gang.exists, "the claim's gang")
+        claim["metadata"]["labels"]["changed"] = "2"
+        last = fake.modify(copy.deepcopy(claim))
+        state = SyncState.objects.filter(kind="ResourceClaim", resource_version=last)
+        wait_until(state.exists, "the second event applied")
+
+    # One read of the modified claim's Pod; the other claim, without an event, is left alone.
+    assert [r.read[2] for r in fake.reads("Pod")[pod_reads:] if r.read] == [
+        "train-workers-0-0-x7k2p"
+    ]
+    assert not ResourceClaim.objects.filter(
+        name="train-workers-1-0-q9m4z-gpus-p2v6d", gang__isnull=False
+    ).exists()
+
+
 # Admin -----------------------------------------------------------------------------------
 
 
@@ -632,3 +787,20 @@ def test_the_gang_admin_lists_read_only(admin_client: Any, cluster: Cluster) -> 
     assert page.status_code == 200
     change = admin_client.post(reverse("admin:inventory_gang_change", args=[gang.pk]), {})
     assert change.status_code == 403
+
+
+def test_a_reader_waits_no_longer_than_its_request_timeout(fake: FakeKube, tmp_path: Path) -> None:
+    """The webhook's reader (no retries, `WEBHOOK_READ_TIMEOUT_SECONDS`) gives up on an API
+    server slow to answer well inside the webhook's deadline: the claim is then decided alone,
+    not the CREATE failed for a webhook timeout."""
+    serve_jobset(fake)
+    fake.on_request = lambda request: time.sleep(1.5)
+    client = kube.api_client(kubeconfig=str(fake.write_kubeconfig(tmp_path / "kc")), retries=0)
+    reader = kube.GangReader(client, request_timeout=(0.5, 0.3))
+
+    started = time.monotonic()
+    assert reader.get("ml", "v1", "Pod", "train-workers-0-0-x7k2p") is None
+    assert time.monotonic() - started < 0.9  # one try: no retry waiting its timeout again
+    assert len(fake.requests) == 1
+    assert sum(kube.WEBHOOK_READ_TIMEOUT_SECONDS) < 2.5  # TALLY_WEBHOOK_DEADLINE_MS
+    client.close()
