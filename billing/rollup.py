@@ -27,11 +27,16 @@ The work is in the database. Each sample carries its gap to the device's next on
 samples, summed per device and hour, then joined to the allocations that hold those hours
 whole and written by one INSERT ... SELECT. Only the hours an allocation starts or ends in
 are measured piece by piece, and their rows made here.
+
+Clusters that TALLY_METERING_SOURCE meters from a Prometheus-compatible engine are read from
+it: `billing.prometheus` puts the engine's readings in a table shaped like `billing_sample`,
+and the same SQL reads that instead, so the hold and rounding rules are the same.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Iterable, Iterator
 from datetime import datetime
@@ -43,6 +48,8 @@ from django.db import connection, transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
+from billing import prometheus
+from billing.dirty import mark_dirty
 from billing.hours import HOUR, MS_PER_HOUR, epoch_ms, hour_at, hour_start, sample_hold_ms
 from billing.models import DirtyHour, UsageHour
 from config import metrics
@@ -51,6 +58,8 @@ from db.copy import insert_rows, json_rows
 from inventory.models import Allocation
 
 MICRO = 1_000_000  # shares of a GPU are kept to the millionth
+SAMPLE_TABLE = "billing_sample"  # where readings come from, unless a source gives its own
+log = logging.getLogger(__name__)
 
 
 class _Interval(NamedTuple):
@@ -98,7 +107,7 @@ FROM (
         SELECT device_uuid, gpu_util, ts_ms, ts_ms / {hour} AS h,
                (ts_ms / {hour} + 1) * {hour} AS next_h,
                {span_end} AS e
-        FROM billing_sample
+        FROM {samples}
         WHERE ts_ms >= %(start)s - %(hold)s AND ts_ms < %(end)s AND gpu_util IS NOT NULL
     ) AS spans
 ) AS parts
@@ -149,7 +158,7 @@ FROM (
     SELECT pieces.piece, s.gpu_util,
            LEAST({span_end}, pieces.a1)
            - GREATEST(s.ts_ms, pieces.a0) AS covered
-    FROM pieces JOIN billing_sample AS s
+    FROM pieces JOIN {samples} AS s
       ON s.device_uuid = pieces.uuid AND s.ts_ms >= pieces.a0 - %(hold)s AND s.ts_ms < pieces.a1
     WHERE s.gpu_util IS NOT NULL
 ) AS covering
@@ -172,11 +181,15 @@ _PER_HOUR_TABLE = "tally_rollup_per_hour"
 _SPAN_END = "{s}ts_ms + LEAST(COALESCE({s}gap_ms, %(hold)s), %(hold)s)"
 
 
-def _sql(template: str, *, sample: str = "", **parts: str) -> str:
-    """`template` with the hour's length and `{span_end}` filled in; `sample` names the sample
-    table in `{span_end}`."""
+def _sql(template: str, *, samples: str, sample: str = "", **parts: str) -> str:
+    """`template` with the hour's length, `{span_end}` and the table readings come from
+    (`samples`: `billing_sample`, or a source's readings shaped like it) filled in; `sample`
+    names that table in `{span_end}`."""
     return template.format(
-        hour=MS_PER_HOUR, span_end=_SPAN_END.format(s=f"{sample}." if sample else ""), **parts
+        hour=MS_PER_HOUR,
+        span_end=_SPAN_END.format(s=f"{sample}." if sample else ""),
+        samples=samples,
+        **parts,
     )
 
 
@@ -187,17 +200,34 @@ def rollup_hours(*, hours: Iterable[datetime], now: datetime | None = None) -> i
     allocation-hours at a time) has its rows replaced in one transaction, under a lock per
     hour, so two workers rolling up the same hours one after the other give the same rows.
     An hour still in progress is rolled up to `now`. A run's samples are read in one pass.
+    Clusters metered by a Prometheus-compatible engine (`billing.prometheus`) are read from
+    it instead, through the same SQL; runs it cannot answer for write nothing, are marked to
+    be rolled up again, and raise `EngineUnavailable` naming their hours, after the other runs
+    are done.
     """
     now = now or timezone.now()
     starts = sorted({hour_start(hour) for hour in hours})
     if not starts:
         return 0
-    held = _held(starts[0], starts[-1] + HOUR).count()
+    held = held_allocations(starts[0], starts[-1] + HOUR).count()
     per_run = max(1, settings.TALLY_ROLLUP_DEVICE_HOURS // max(1, held))
+    # A run's readings from a metering engine are held in memory: as many hours as one query.
+    per_run = min(per_run, prometheus.run_hours_limit() or per_run)
     written = 0
+    unavailable: list[prometheus.EngineUnavailable] = []
     for first, count in _runs(starts, per_run):
-        with metrics.ROLLUP_DURATION.time():
-            written += _rollup_run(first, count, now)
+        try:
+            with metrics.ROLLUP_DURATION.time():
+                written += _rollup_run(first, count, now)
+        except prometheus.EngineUnavailable as error:
+            error.hours = [first + index * HOUR for index in range(count)]
+            unavailable.append(error)
+    if unavailable:
+        # The other runs are done; these hours wrote nothing and stay to do: marked, so beat's
+        # next rollup tries them again whoever asked for them (`run_billing`, a close).
+        missed = [hour for error in unavailable for hour in error.hours]
+        mark_dirty(hours=set(missed), at=now)
+        raise prometheus.EngineUnavailable(str(unavailable[0]), hours=missed)
     return written
 
 
@@ -217,6 +247,17 @@ def _rollup_run(first: datetime, count: int, now: datetime) -> int:
     window_start = epoch_ms(first)
     window_end = min(epoch_ms(first + count * HOUR), epoch_ms(now))
     first_hour = window_start // MS_PER_HOUR
+    # Readings from a Prometheus-compatible engine, for clusters it meters: asked before the
+    # transaction (an engine that does not answer raises here, and nothing is written).
+    readings = (
+        prometheus.window_readings(
+            held=held_allocations(first, first + count * HOUR),
+            start_ms=window_start,
+            end_ms=window_end,
+        )
+        if window_end > window_start
+        else None
+    )
     with transaction.atomic():
         # The hours' locks, in order, so two runs over overlapping hours never wait on each
         # other in a cycle. The sums aggregate in memory rather than on disk; JIT compilation
@@ -236,11 +277,16 @@ def _rollup_run(first: datetime, count: int, now: datetime) -> int:
         UsageHour.objects.filter(hour__gte=first, hour__lt=first + count * HOUR).delete()
         if window_end <= window_start:
             return 0
+        samples = SAMPLE_TABLE
+        if readings is not None:
+            samples = prometheus.load_readings(readings, start_ms=window_start, end_ms=window_end)
         intervals = _intervals(first, count, window_start, window_end)
         whole, partial = _split(intervals, window_start, window_end)
-        written = _insert_whole_hours(whole, window_start, window_end)
-        rows = _partial_rows(partial)
+        written = _insert_whole_hours(whole, window_start, window_end, samples)
+        rows = _partial_rows(partial, samples)
         insert_rows(UsageHour, _USAGE_COLUMNS, rows, types=_USAGE_TYPES)
+    if readings is not None:
+        prometheus.mark_unsettled(start_ms=window_start, end_ms=window_end, now=now)
     return written + len(rows)
 
 
@@ -263,7 +309,7 @@ _INTERVAL_FIELDS = (
 )
 
 
-def _held(start: datetime, end: datetime) -> QuerySet[Allocation]:
+def held_allocations(start: datetime, end: datetime) -> QuerySet[Allocation]:
     """Allocations of an accelerator (one that kept a meter id: devices of kind `other` have
     none) held at some time in `[start, end)`."""
     return Allocation.objects.filter(
@@ -272,7 +318,9 @@ def _held(start: datetime, end: datetime) -> QuerySet[Allocation]:
 
 
 def _intervals(first: datetime, count: int, window_start: int, window_end: int) -> list[_Interval]:
-    rows = _held(first, first + count * HOUR).order_by("pk").values_list(*_INTERVAL_FIELDS)
+    rows = (
+        held_allocations(first, first + count * HOUR).order_by("pk").values_list(*_INTERVAL_FIELDS)
+    )
     intervals = []
     for (
         pk, cluster_id, namespace, name, team_id, job, username, meter_id, meter_id_now,
@@ -357,7 +405,7 @@ def _split(
 
 
 def _insert_whole_hours(
-    whole: list[tuple[_Interval, int, int]], window_start: int, window_end: int
+    whole: list[tuple[_Interval, int, int]], window_start: int, window_end: int, samples: str
 ) -> int:
     """Write the usage rows of the hours allocations hold whole, in the database; how many."""
     if not whole:
@@ -391,11 +439,14 @@ def _insert_whole_hours(
     }
     with connection.cursor() as cursor:
         cursor.execute(
-            f"CREATE TEMP TABLE {_PER_HOUR_TABLE} ON COMMIT DROP AS {_sql(_PER_HOUR_SQL)}", params
+            f"CREATE TEMP TABLE {_PER_HOUR_TABLE} ON COMMIT DROP AS "
+            f"{_sql(_PER_HOUR_SQL, samples=samples)}",
+            params,
         )
         cursor.execute(
             _sql(
                 _WHOLE_HOURS_SQL,
+                samples=samples,
                 intervals=json_rows(*_INTERVAL_TYPES, placeholder="%(intervals)s"),
                 per_hour_table=_PER_HOUR_TABLE,
                 columns=", ".join(_USAGE_COLUMNS),
@@ -407,7 +458,7 @@ def _insert_whole_hours(
     return written
 
 
-def _piece_coverage(pieces: list[_Piece]) -> dict[int, tuple[int, float]]:
+def _piece_coverage(pieces: list[_Piece], samples: str) -> dict[int, tuple[int, float]]:
     """Per piece (by position in `pieces`): milliseconds its device's samples cover within
     it, and those milliseconds times utilisation (percent), under either of its names."""
     if not pieces:
@@ -416,6 +467,7 @@ def _piece_coverage(pieces: list[_Piece]) -> dict[int, tuple[int, float]]:
         cursor.execute(
             _sql(
                 _PIECE_COVERAGE_SQL,
+                samples=samples,
                 sample="s",
                 pieces=json_rows("bigint", "text", "bigint", "bigint", placeholder="%(pieces)s"),
             ),
@@ -459,9 +511,9 @@ _USAGE_TYPES = (
 )  # fmt: skip
 
 
-def _partial_rows(pieces: list[_Piece]) -> list[tuple[Any, ...]]:
+def _partial_rows(pieces: list[_Piece], samples: str) -> list[tuple[Any, ...]]:
     """The usage rows of the hours allocations hold in part, made here: they are few."""
-    coverage = _piece_coverage(pieces)
+    coverage = _piece_coverage(pieces, samples)
     rows = []
     for index, piece in enumerate(pieces):
         interval = piece.interval
@@ -514,14 +566,23 @@ def rollup_pending(*, now: datetime, limit: int | None = None) -> list[datetime]
 
     A first sync of a cluster whose claims began months ago marks thousands of hours: they
     are worked off over the next runs, recent hours first, each run bounded. What is left
-    stays marked.
+    stays marked, as does an hour the metering engine could not be asked about
+    (`billing.prometheus.EngineUnavailable`): it is retried, never billed as idle.
     """
     limit = settings.TALLY_ROLLUP_HOURS_PER_RUN if limit is None else limit
     started = timezone.now()
     just_ended = hour_start(now) - HOUR
     marked = DirtyHour.objects.filter(hour__lt=now).exclude(hour=just_ended).order_by("-hour")
     due = [just_ended, *marked.values_list("hour", flat=True)[: max(limit - 1, 0)]]
-    rollup_hours(hours=due, now=now)
+    try:
+        rollup_hours(hours=due, now=now)
+        pending: set[datetime] = set()
+    except prometheus.EngineUnavailable as error:
+        # Never billed as idle: these hours keep (or get) their marks, for the next run.
+        pending = set(error.hours)
+        mark_dirty(hours=pending, at=timezone.now())
+        log.warning("rollup: %d hours left pending: %s", len(pending), error)
+    done = [hour for hour in due if hour not in pending]
     # A mark made while this ran stays, so the newer data is not missed.
-    DirtyHour.objects.filter(hour__in=due, marked_at__lte=started).delete()
-    return due
+    DirtyHour.objects.filter(hour__in=done, marked_at__lte=started).delete()
+    return done

@@ -1,18 +1,19 @@
 """Billing jobs for Celery beat (`CELERY_BEAT_SCHEDULE` in config/settings.py). Each takes ISO
 dates, calls one service, and owns its retries.
 
-Both are idempotent: rerunning either, or Celery delivering one twice, changes nothing.
+All are idempotent: rerunning one, or Celery delivering one twice, changes nothing.
 """
 
 from __future__ import annotations
 
 import time
 from datetime import datetime
+from typing import Any
 
 from celery import shared_task
 from django.utils import timezone
 
-from billing import services
+from billing import alerts, retention, services
 from billing.periods import PricingError
 from config import metrics
 
@@ -20,7 +21,9 @@ from config import metrics
 @shared_task(autoretry_for=(Exception,), retry_backoff=True, max_retries=5, acks_late=True)
 def rollup_pending() -> list[str]:
     """Roll up the hours marked dirty and the hour just ended, then refresh the open period's
-    statements (`services.refresh_usage`); the hours rolled up, ISO 8601."""
+    statements (`services.refresh_usage`); the hours rolled up, ISO 8601. Hours a
+    Prometheus-compatible engine did not answer for (`billing.prometheus`) are not among them:
+    they stay marked, for the next run, and are never billed as idle meanwhile."""
     hours = services.refresh_usage(now=timezone.now())
     metrics.BILLING_LAST_SUCCESS.set(time.time())
     return [hour.isoformat() for hour in hours]
@@ -46,3 +49,30 @@ def close_previous_period(now: str | None = None) -> str | None:
     moment = datetime.fromisoformat(now) if now else timezone.now()
     runs = services.close_due_periods(now=moment, actor="celery beat (TALLY_CLOSE_PERIOD_DAY)")
     return ", ".join(run.period.label for run in runs) or None
+
+
+@shared_task(autoretry_for=(Exception,), retry_backoff=True, max_retries=3, acks_late=True)
+def sample_retention() -> dict[str, object]:
+    """Keep the samples' day partitions made ahead, move stray rows out of DEFAULT, drop the
+    days past TALLY_SAMPLE_RETENTION_DAYS that may go, and delete the samples set aside past
+    TALLY_INGEST_UNKNOWN_RETENTION_DAYS (`retention.apply_sample_retention`); what it did, for
+    the task's result. Beat runs it hourly; reruns change nothing."""
+    report = retention.apply_sample_retention(now=timezone.now())
+    return {
+        "created": [day.isoformat() for day in report.created],
+        "dropped": [day.isoformat() for day in report.dropped],
+        "moved_from_default": report.moved_from_default,
+        "left_in_default": {day.isoformat(): n for day, n in report.left_in_default.items()},
+        "kept": {day.isoformat(): why for day, why in report.kept.items()},
+        "busy": [day.isoformat() for day in report.busy],
+        "unknown_device_samples_deleted": report.unknown_device_samples_deleted,
+    }
+
+
+@shared_task(autoretry_for=(Exception,), retry_backoff=True, max_retries=3, acks_late=True)
+def evaluate_alerts() -> dict[str, Any]:
+    """Raise and resolve the alerts live now (idle claims, stranded gangs, undocumented
+    version outliers), then send the notifications due (`alerts.run_alerts`); per kind what
+    was raised, firing and resolved, and what was sent. Beat runs it every
+    TALLY_ALERT_EVERY_SECONDS; reruns raise and send nothing more."""
+    return alerts.run_alerts(now=timezone.now()).summary()

@@ -16,6 +16,7 @@ from django.utils import timezone
 
 from billing import periods, pricing, services
 from billing.models import Period
+from billing.prometheus import EngineUnavailable
 
 
 def default_actor() -> str:
@@ -64,6 +65,12 @@ class Command(BaseCommand):
             )
         except periods.PricingError as exc:
             raise CommandError(str(exc)) from exc
+        except EngineUnavailable as exc:
+            # Nothing billed wrong: the hours it could not measure stay marked for a rerun.
+            raise CommandError(
+                f"the metrics engine did not answer, so some hours were not rolled up and the "
+                f"statements were not refreshed; run again when it answers ({exc})"
+            ) from exc
         self._summarise(run, verbosity=options["verbosity"])
 
     def _summarise(self, run: services.BillingRun, *, verbosity: int) -> None:

@@ -1,0 +1,739 @@
+"""Utilisation from a real Prometheus server (Debian's `prometheus` package) against the samples
+path, on the same readings.
+
+A simulated past day cannot be scraped live, so it is backfilled: the exporters' recorded
+scrapes (tests/fixtures/prometheus/*.prom: DCGM with whole GPUs and MIG instances, AMD's
+device-metrics-exporter, Intel's XPU Manager exporter) are replayed every 30 s over the day as
+OpenMetrics with timestamps, loaded with `promtool tsdb create-blocks-from openmetrics`, and
+served by `prometheus` on a free local port (a session fixture). The same readings go to the
+samples path through `billing.ingest`; both rollups must give the same usage rows and the same
+statement lines, to the cent. A live scrape of a local endpoint serving exporter text is
+checked too.
+
+Skipped when the binaries are absent, unless TALLY_PROMETHEUS_TESTS=required (.ci/run).
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import shutil
+import socket
+import subprocess
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from datetime import UTC, date, datetime, timedelta
+from decimal import Decimal
+from io import StringIO
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.core.exceptions import ImproperlyConfigured
+from django.core.management import CommandError, call_command
+from django.test import override_settings
+from django.utils import timezone
+from prometheus_client.parser import text_string_to_metric_families
+
+from billing import ingest, prometheus, rollup
+from billing.hours import epoch_ms
+from billing.ingest import SampleRow
+from billing.models import DirtyHour, RateCard, Sample, UsageHour
+from billing.pricing import period_for, usage_lines
+from inventory import profiles
+from inventory.models import Allocation, Device
+from teams.models import Team, TeamNamespace
+from tests.factories import (
+    AllocationFactory,
+    ClusterFactory,
+    DeviceFactory,
+    MigDeviceFactory,
+    NodeFactory,
+)
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "prometheus"
+DAY = datetime(2026, 11, 10, tzinfo=UTC)
+STEP_MS = 30_000
+# Each exporter's scrapes land a little after the step (scrape offsets differ per target).
+JITTER_MS = {"dcgm": 250, "amd": 4_100, "intel": 17_900}
+# The second H100's exporter is down for a while: those minutes are unmeasured.
+OUTAGE = (
+    epoch_ms(DAY + timedelta(hours=10, minutes=5)),
+    epoch_ms(DAY + timedelta(hours=10, minutes=40)),
+)
+H100_A = "GPU-5c1e4b7e-3d2a-4a55-9a0e-6f1d2c9b8a01"
+H100_B = "GPU-8e2f9d40-71b3-4c0e-b1d7-0a9c3e5f6b02"
+A100 = "GPU-a100c0de-0000-4000-8000-000000000a10"
+PROM_CLUSTER = "prom-east"
+AMD, INTEL = "gpu.amd.com", "gpu.intel.com"
+PCI = "resource.kubernetes.io/pciBusID"
+
+pytestmark = pytest.mark.django_db
+
+
+# --- the recorded day, as OpenMetrics ---------------------------------------------------------
+
+Key = tuple[str, tuple[tuple[str, str], ...]]  # metric name, labels
+
+
+def recorded() -> list[tuple[str, str, list[dict[str, str]]]]:
+    """(exporter, metric, each series' labels) of the recorded scrapes."""
+    found = []
+    for exporter in ("dcgm", "amd", "intel"):
+        text = (FIXTURES / f"{exporter}.prom").read_text()
+        for family in text_string_to_metric_families(text):
+            found.append((exporter, family.name, [dict(s.labels) for s in family.samples]))
+    return found
+
+
+def value_text(index: int, step: int, metric: str) -> str:
+    """The reading of series `index` at step `step`, as the exporter prints it: a percent
+    (DCGM_FI_DEV_GPU_UTIL, gpu_gfx_activity) or a ratio (to a tenth of a percent)."""
+    k = (index * 7919 + step * 104729 + (step * step) % 97) % 1001
+    percent = metric in ("DCGM_FI_DEV_GPU_UTIL", "gpu_gfx_activity")
+    return repr(k / 10) if percent else repr(k / 1000)
+
+
+def day_series() -> dict[Key, list[tuple[int, str]]]:
+    """Every recorded series' (ms since the epoch, value text) from half an hour before the day
+    to half an hour after it."""
+    first = epoch_ms(DAY - timedelta(minutes=30)) // STEP_MS
+    last = epoch_ms(DAY + timedelta(hours=24, minutes=30)) // STEP_MS
+    series: dict[Key, list[tuple[int, str]]] = {}
+    index = 0
+    for exporter, metric, labelsets in recorded():
+        for labels in labelsets:
+            points = []
+            for step in range(first, last):
+                ts = step * STEP_MS + JITTER_MS[exporter]
+                if labels.get("UUID") == H100_B and OUTAGE[0] <= ts < OUTAGE[1]:
+                    continue
+                points.append((ts, value_text(index, step, metric)))
+            # The cluster label a shared engine adds (external labels, relabelling).
+            labelled = labels | {"cluster": PROM_CLUSTER}
+            series[metric, tuple(sorted(labelled.items()))] = points
+            index += 1
+    return series
+
+
+def openmetrics(series: dict[Key, list[tuple[int, str]]]) -> str:
+    lines = []
+    for metric in dict.fromkeys(name for name, _ in series):
+        lines.append(f"# TYPE {metric} gauge")
+        for (name, labels), points in series.items():
+            if name != metric:
+                continue
+            text = ",".join(f'{key}="{value}"' for key, value in labels)
+            lines.extend(f"{name}{{{text}}} {value} {ts / 1000:.3f}" for ts, value in points)
+    lines.append("# EOF")
+    return "\n".join(lines) + "\n"
+
+
+# --- the server -------------------------------------------------------------------------------
+
+
+def _binaries() -> tuple[str, str]:
+    found = shutil.which("prometheus"), shutil.which("promtool")
+    if found[0] and found[1]:
+        return found[0], found[1]
+    if os.environ.get("TALLY_PROMETHEUS_TESTS") == "required":
+        pytest.fail("TALLY_PROMETHEUS_TESTS=required but prometheus/promtool are not installed")
+    pytest.skip("needs Debian's prometheus package (apt-get install prometheus)")
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _serve(binary: str, data: Path, config: str) -> tuple[str, subprocess.Popen[bytes]]:
+    port = _free_port()
+    (data / "prometheus.yml").write_text(config)
+    process = subprocess.Popen(
+        [
+            binary,
+            f"--storage.tsdb.path={data / 'tsdb'}",
+            "--storage.tsdb.retention.time=100y",
+            f"--web.listen-address=127.0.0.1:{port}",
+            f"--config.file={data / 'prometheus.yml'}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=(data / "prometheus.log").open("wb"),
+    )
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            with urllib.request.urlopen(f"{url}/-/ready", timeout=1) as response:
+                if response.status == 200:
+                    return url, process
+        except OSError:
+            pass
+        if process.poll() is not None:
+            break
+        time.sleep(0.1)
+    process.kill()
+    raise RuntimeError(f"prometheus did not start: {(data / 'prometheus.log').read_text()[-2000:]}")
+
+
+@pytest.fixture(scope="session")
+def day_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Prometheus holding the recorded day, backfilled from OpenMetrics; its base URL."""
+    server, promtool = _binaries()
+    data = tmp_path_factory.mktemp("prometheus-day")
+    (data / "day.om").write_text(openmetrics(day_series()))
+    subprocess.run(
+        [
+            promtool,
+            "tsdb",
+            "create-blocks-from",
+            "openmetrics",
+            str(data / "day.om"),
+            str(data / "tsdb"),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    url, process = _serve(server, data, "global:\n  scrape_interval: 1h\n")
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
+
+
+# --- the inventory of the day -----------------------------------------------------------------
+
+
+@pytest.fixture
+def team() -> Team:
+    team = Team.objects.create(slug="research", name="Research")
+    TeamNamespace.objects.create(team=team, namespace="research")
+    return team
+
+
+def named_device(node: Any, driver: str, name: str, bus: str, product: str) -> Device:
+    """An AMD or Intel GPU as their DRA drivers publish it: no uuid, its PCI address."""
+    return DeviceFactory.create(
+        node=node,
+        driver=driver,
+        pool=node.name,
+        name=name,
+        uuid="",
+        physical_gpu_key=f"{driver}/{node.name}/{name}",
+        meter_id=profiles.meter_id(node.cluster.name, driver, node.name, name),
+        attributes={PCI: {"string": bus}},
+        product_name=product,
+    )
+
+
+def at(hours: float) -> datetime:
+    return DAY + timedelta(seconds=round(hours * 3600, 3))
+
+
+def the_day(team: Team) -> dict[str, Allocation]:
+    """The day's allocations (whole hours and pieces of hours), by what they hold."""
+    cluster = ClusterFactory.create(name=PROM_CLUSTER)
+    node = {
+        name: NodeFactory.create(cluster=cluster, name=name)
+        for name in ("gpu-node-1", "gpu-node-2", "mi300x-node-1", "intel-node-1")
+    }
+    h100_a = DeviceFactory.create(node=node["gpu-node-1"], name="gpu-0", uuid=H100_A)
+    h100_b = DeviceFactory.create(node=node["gpu-node-1"], name="gpu-1", uuid=H100_B)
+    a100 = DeviceFactory.create(
+        node=node["gpu-node-2"], name="gpu-0", uuid=A100, product_name="NVIDIA A100-SXM4-40GB"
+    )
+    mig = MigDeviceFactory.create(
+        parent=a100, name="gpu-0-mig-3g20gb-9-4", profile="3g.20gb", gpu_share=Decimal("0.428571")
+    )
+    for placement in (0, 1):  # two of one profile: DCGM's series cannot tell them apart
+        MigDeviceFactory.create(
+            parent=a100, name=f"gpu-0-mig-1g5gb-19-{placement}", profile="1g.5gb"
+        )
+    mi300x = "AMD_Instinct_MI300X_OAM"
+    # Named against address order: the exporter's gpu_id 0 is the lower address, "gpu-b".
+    amd_0 = named_device(node["mi300x-node-1"], AMD, "gpu-b", "0000:0c:00.0", mi300x)
+    amd_1 = named_device(node["mi300x-node-1"], AMD, "gpu-a", "0000:8c:00.0", mi300x)
+    intel = named_device(
+        node["intel-node-1"], INTEL, "0000-29-00-0-0x0bd5", "0000:29:00.0", "Intel Max 1550"
+    )
+    west = NodeFactory.create(cluster=ClusterFactory.create(name="samples-west"), name="w-1")
+    sampled = DeviceFactory.create(node=west, name="gpu-0")
+
+    def hold(device: Device, start: float, end: float | None) -> Allocation:
+        return AllocationFactory.create(
+            device=device,
+            team=team,
+            start=at(start),
+            end=None if end is None else at(end),
+            claim__namespace="research",
+        )
+
+    for product, price in (
+        ("NVIDIA H100 80GB HBM3", "2.49"),
+        ("NVIDIA A100-SXM4-40GB", "1.10"),
+        (mi300x, "3.20"),
+        ("Intel Max 1550", "1.75"),
+    ):
+        RateCard.objects.create(
+            product_name=product,
+            per_gpu_hour=Decimal(price),
+            idle_factor=Decimal("0.35"),
+            currency="USD",
+            valid_from=date(2026, 1, 1),
+        )
+    return {
+        "h100-a": hold(h100_a, 0, 24),
+        "h100-b": hold(h100_b, 3 + 20 / 60 + 10 / 3600, 17.758333),
+        "mig": hold(mig, 6.5, None),
+        "amd-0": hold(amd_0, 0, 12),
+        "amd-1": hold(amd_1, 8.5, 20.25),
+        "intel": hold(intel, 1.25, 23.9999),
+        "sampled": hold(sampled, 2, 22),
+    }
+
+
+def percent(text: str, scale: float) -> float:
+    """A reading as the node agent sends it (`agent.exporters._percent`)."""
+    return round(min(100.0, max(0.0, float(text) * scale)), 2)
+
+
+def feed_samples(allocations: dict[str, Allocation]) -> None:
+    """The readings the Prometheus source prefers for each device, sent as samples; the device
+    of the samples cluster gets the first H100's."""
+    series = day_series()
+
+    def find(metric: str, **labels: str) -> list[tuple[int, str]]:
+        (points,) = [
+            points
+            for (name, found), points in series.items()
+            if name == metric and labels.items() <= dict(found).items()
+        ]
+        return points
+
+    chosen = {
+        "h100-a": (find("DCGM_FI_PROF_GR_ENGINE_ACTIVE", UUID=H100_A), 100.0),
+        "h100-b": (find("DCGM_FI_DEV_GPU_UTIL", UUID=H100_B), 1.0),
+        "mig": (find("DCGM_FI_PROF_GR_ENGINE_ACTIVE", GPU_I_PROFILE="3g.20gb"), 100.0),
+        "amd-0": (find("gpu_gfx_activity", gpu_id="0"), 1.0),
+        "amd-1": (find("gpu_gfx_activity", gpu_id="1"), 1.0),
+        "intel": (device_level_intel(series), 100.0),
+        "sampled": (find("DCGM_FI_DEV_GPU_UTIL", UUID=H100_A), 1.0),
+    }  # fmt: skip
+    for name, (points, scale) in chosen.items():
+        rows = [
+            SampleRow(allocations[name].meter_id, ts, percent(text, scale), None, None)
+            for ts, text in points
+        ]
+        ingest.ingest(node="backfill", samples=rows, received_at=DAY + timedelta(days=2))
+
+
+def device_level_intel(series: dict[Key, list[tuple[int, str]]]) -> list[tuple[int, str]]:
+    """Intel's device-level compute series (not a tile's: `sub_dev` marks those)."""
+    (points,) = [
+        points
+        for (name, labels), points in series.items()
+        if name == "xpum_engine_group_ratio"
+        and ("type", "compute") in labels
+        and "sub_dev" not in dict(labels)
+    ]
+    return points
+
+
+def roll_up_day() -> None:
+    rollup.rollup_hours(hours=[at(n) for n in range(24)], now=DAY + timedelta(days=2))
+
+
+def usage_rows() -> list[tuple[Any, ...]]:
+    return list(
+        UsageHour.objects.order_by("allocation_id", "hour").values_list(
+            "allocation_id", "hour", "allocated_gpu_ms", "utilised_gpu_ms", "unmeasured_gpu_ms"
+        )
+    )
+
+
+def statement_lines(team: Team) -> list[tuple[Any, ...]]:
+    return sorted(
+        (
+            line.product_name,
+            line.profile,
+            line.allocated,
+            line.utilised,
+            line.unmeasured,
+            line.amount,
+        )
+        for line in usage_lines(team=team, period=period_for(DAY))
+    )
+
+
+def prometheus_settings(url: str, **more: Any) -> Any:
+    return override_settings(
+        TALLY_METERING_SOURCE=f"samples,{PROM_CLUSTER}=prometheus",
+        TALLY_PROMETHEUS_URL=url,
+        **more,
+    )
+
+
+def metered_by_engine(allocations: dict[str, Allocation]) -> list[str]:
+    return [allocation.meter_id for name, allocation in allocations.items() if name != "sampled"]
+
+
+# --- the day, both ways -----------------------------------------------------------------------
+
+
+def test_a_day_from_prometheus_bills_to_the_cent_as_from_the_same_samples(
+    day_engine: str, team: Team
+) -> None:
+    allocations = the_day(team)
+    feed_samples(allocations)
+    roll_up_day()
+    from_samples, lines_from_samples = usage_rows(), statement_lines(team)
+    # Every device measured, the outage unmeasured, the MIG device counted at its share.
+    by_allocation = {
+        name: [row for row in from_samples if row[0] == allocation.pk]
+        for name, allocation in allocations.items()
+    }
+    assert all(sum(row[3] for row in rows) > 0 for rows in by_allocation.values())
+    outage = sum(row[4] for row in by_allocation["h100-b"])
+    # 10:05-10:40 without readings: the last before it (10:04:30.25) holds 2 minutes.
+    assert outage == (33 * 60 + 30) * 1000
+
+    # The engine's readings alone for its cluster: the samples of its devices are gone.
+    Sample.objects.filter(device_uuid__in=metered_by_engine(allocations)).delete()
+    with prometheus_settings(day_engine):
+        roll_up_day()
+    assert usage_rows() == from_samples
+    assert statement_lines(team) == lines_from_samples
+    assert sum(line[-1] for line in lines_from_samples) > Decimal("100")
+
+    # Rerunning changes nothing.
+    with prometheus_settings(day_engine):
+        roll_up_day()
+    assert usage_rows() == from_samples
+
+
+def test_step_means_bill_the_same_hours_and_nearly_the_same_utilisation(
+    day_engine: str, team: Team
+) -> None:
+    allocations = the_day(team)
+    feed_samples(allocations)
+    roll_up_day()
+    exact = {row[:2]: row[2:] for row in usage_rows()}
+    with prometheus_settings(day_engine, TALLY_PROMETHEUS_STEP_SECONDS=60):
+        roll_up_day()
+    means = {row[:2]: row[2:] for row in usage_rows()}
+    assert means.keys() == exact.keys()
+    for key, (allocated, utilised, unmeasured) in exact.items():
+        assert means[key][0] == allocated
+        # A mean per minute stands for the minute: it may shift a reading's worth across an
+        # hour's edge and the outage's, never more.
+        assert abs(means[key][1] - utilised) <= 60_000 + allocated // 50
+        assert abs(means[key][2] - unmeasured) <= 2 * 60_000
+
+
+def test_an_engine_that_does_not_answer_leaves_the_hour_pending_never_idle(
+    day_engine: str, team: Team
+) -> None:
+    allocations = the_day(team)
+    hour = at(4)
+    closed_port = f"http://127.0.0.1:{_free_port()}"
+    with prometheus_settings(closed_port):
+        assert rollup.rollup_pending(now=hour + timedelta(hours=1, minutes=10), limit=1) == []
+    assert not UsageHour.objects.filter(hour=hour).exists()
+    assert DirtyHour.objects.filter(hour=hour).exists()
+    # A query the engine refuses (a bad matcher in the settings) is no answer either.
+    bad = {"dcgm": 'DCGM_FI_DEV_GPU_UTIL{UUID=~"("}', "amd": "a", "intel": "b"}
+    with (
+        prometheus_settings(day_engine, TALLY_PROMETHEUS_EXPORTER_METRICS=bad),
+        pytest.raises(prometheus.EngineUnavailable, match="bad_data") as refused,
+    ):
+        rollup.rollup_hours(hours=[hour], now=hour + timedelta(days=1))
+    assert refused.value.hours == [hour]
+    assert not UsageHour.objects.filter(hour=hour).exists()
+    # Back: the marked hour is rolled up, measured.
+    with prometheus_settings(day_engine):
+        done = rollup.rollup_pending(now=hour + timedelta(hours=1, minutes=10), limit=5)
+    assert hour in done
+    assert not DirtyHour.objects.filter(hour=hour).exists()
+    row = UsageHour.objects.get(hour=hour, allocation=allocations["h100-a"])
+    assert row.unmeasured_gpu_ms == 0 and row.utilised_gpu_ms > 0
+    # Rows already written are kept when the engine fails on a rerun.
+    with prometheus_settings(closed_port), pytest.raises(prometheus.EngineUnavailable):
+        rollup.rollup_hours(hours=[hour], now=hour + timedelta(days=1))
+    assert UsageHour.objects.get(hour=hour, allocation=allocations["h100-a"]) == row
+
+
+def test_run_billing_says_the_engine_did_not_answer_and_leaves_the_hours_marked(
+    team: Team,
+) -> None:
+    the_day(team)
+    hour = at(4)
+    label = period_for(hour).label
+    closed_port = f"http://127.0.0.1:{_free_port()}"
+    with prometheus_settings(closed_port), pytest.raises(CommandError) as failed:
+        call_command("run_billing", "--period", label, stdout=StringIO())
+    assert str(failed.value).startswith("the metrics engine did not answer")
+    assert "run again when it answers" in str(failed.value)
+    # Nothing of the engine's devices billed as idle: its hours stay to be rolled up.
+    assert DirtyHour.objects.filter(hour=hour).exists()
+
+
+def test_series_are_matched_by_the_inventorys_identities(day_engine: str, team: Team) -> None:
+    allocations = the_day(team)
+    start, end = epoch_ms(at(9)), epoch_ms(at(10))
+    held = Allocation.objects.filter(pk__in=[a.pk for a in allocations.values()])
+    with prometheus_settings(day_engine):
+        readings = prometheus.window_readings(held=held, start_ms=start, end_ms=end)
+    assert readings is not None and readings.mixed  # the samples cluster's device
+    engine_ids = set(metered_by_engine(allocations))
+    assert readings.metered == engine_ids
+    # Held in that hour: all but the MIG device's... which is held from 6:30 too.
+    assert set(readings.points) == engine_ids
+    # AMD gpu_id 0 is the lower PCI address, whatever the devices' names.
+    series = day_series()
+    amd_zero = next(
+        points
+        for (name, labels), points in series.items()
+        if name == "gpu_gfx_activity" and ("gpu_id", "0") in labels
+    )
+    first = next((ts, percent(text, 1)) for ts, text in amd_zero if ts >= start - 120_000)
+    assert readings.points[allocations["amd-0"].meter_id][0] == first
+    # The 1g.5gb instances share a profile on one GPU: not billed by guess, reported.
+    assert any("1g.5gb" in why and "2 MIG devices" in why for why in readings.unmatched)
+
+
+def test_a_selector_naming_the_cluster_scopes_every_query(day_engine: str, team: Team) -> None:
+    allocations = the_day(team)
+    held = Allocation.objects.filter(pk__in=[a.pk for a in allocations.values()])
+    window = {"start_ms": epoch_ms(at(9)), "end_ms": epoch_ms(at(10))}
+    with prometheus_settings(day_engine):
+        everything = prometheus.window_readings(held=held, **window)
+    with prometheus_settings(day_engine, TALLY_PROMETHEUS_SELECTOR='cluster="{cluster}"'):
+        scoped = prometheus.window_readings(held=held, **window)
+    with prometheus_settings(day_engine, TALLY_PROMETHEUS_SELECTOR='cluster="gpu-west"'):
+        elsewhere = prometheus.window_readings(held=held, **window)
+    assert everything is not None and scoped is not None and elsewhere is not None
+    assert scoped.points == everything.points and len(everything.points) == 6
+    assert elsewhere.points == {}
+
+
+# --- settings ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"TALLY_METERING_SOURCE": "promql"}, "TALLY_METERING_SOURCE: 'promql' is not a source"),
+        ({"TALLY_METERING_SOURCE": "prometheus,samples"}, "give one default source"),
+        (
+            {"TALLY_METERING_SOURCE": "prometheus", "TALLY_PROMETHEUS_URL": ""},
+            "TALLY_PROMETHEUS_URL",
+        ),
+        (
+            {"TALLY_PROMETHEUS_STEP_SECONDS": 300, "TALLY_SAMPLE_HOLD_SECONDS": 120},
+            "TALLY_PROMETHEUS_STEP_SECONDS=300 is longer than TALLY_SAMPLE_HOLD_SECONDS=120",
+        ),
+        ({"TALLY_PROMETHEUS_EXPORTERS": ["dcgm", "habana"]}, "'habana' is not one of"),
+        ({"TALLY_PROMETHEUS_SELECTOR": '{cluster="a"}'}, "TALLY_PROMETHEUS_SELECTOR"),
+        (
+            {"TALLY_PROMETHEUS_HEADERS": "Bearer abc"},
+            "TALLY_PROMETHEUS_HEADERS: each line is `Name: value`",
+        ),
+        (
+            {"TALLY_PROMETHEUS_EXPORTER_METRICS": {"dcgm": "UTIL*x", "amd": "a", "intel": "b"}},
+            "TALLY_PROMETHEUS_DCGM_METRICS: 'UTIL*x' is not a metric",
+        ),
+        (
+            {"TALLY_PROMETHEUS_EXPORTER_LABELS": {"dcgm": "", "amd": "", "intel": "bus=pci_bdf"}},
+            "TALLY_PROMETHEUS_INTEL_LABELS: 'bus=pci_bdf' is not role=label",
+        ),
+    ],
+)  # fmt: skip
+def test_a_bad_setting_is_named(changes: dict[str, Any], message: str) -> None:
+    base = {"TALLY_METERING_SOURCE": "samples", "TALLY_PROMETHEUS_URL": "http://prom:9090"}
+    with override_settings(**(base | changes)):
+        with pytest.raises(ImproperlyConfigured) as error:
+            prometheus.config()
+        assert message in str(error.value)
+        assert [check.id for check in prometheus.check_settings()] == ["billing.E101"]
+
+
+def test_the_default_settings_read_every_exporter() -> None:
+    conf = prometheus.config()
+    assert conf.default_source == "samples" and not conf.used
+    dcgm, amd, intel = conf.exporters
+    assert [(m.selector, m.scale) for m in dcgm.metrics] == [
+        ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", 100.0),
+        ("DCGM_FI_DEV_GPU_UTIL", 1.0),
+    ]
+    assert intel.metrics[0].selector == 'xpum_engine_group_ratio{type="compute"}'
+    assert intel.skip == ("sub_dev", "card")
+    assert amd.labels["serial"] == "serial_number"
+    assert prometheus.parse_sources(" samples , gpu-east = prometheus ") == (
+        "samples",
+        {"gpu-east": "prometheus"},
+    )
+
+
+# --- a live scrape ----------------------------------------------------------------------------
+
+
+class _Exporter(http.server.BaseHTTPRequestHandler):
+    body = (FIXTURES / "dcgm.prom").read_bytes()
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+def test_a_live_scrape_of_an_exporter_is_metered(tmp_path: Path, team: Team) -> None:
+    server_binary, _ = _binaries()
+    exporter = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Exporter)
+    threading.Thread(target=exporter.serve_forever, daemon=True).start()
+    config = (
+        "global:\n  scrape_interval: 1s\n  scrape_timeout: 1s\nscrape_configs:\n"
+        "  - job_name: dcgm\n    honor_labels: true\n    static_configs:\n"
+        f"      - targets: ['127.0.0.1:{exporter.server_address[1]}']\n"
+    )
+    url, process = _serve(server_binary, tmp_path, config)
+    try:
+        cluster = ClusterFactory.create(name=PROM_CLUSTER)
+        node = NodeFactory.create(cluster=cluster, name="gpu-node-1")
+        device = DeviceFactory.create(node=node, name="gpu-1", uuid=H100_B)
+        started = timezone.now()
+        allocation = AllocationFactory.create(
+            device=device, team=team, start=started, claim__namespace="research"
+        )
+        deadline = time.monotonic() + 30
+        with prometheus_settings(url):
+            while True:
+                time.sleep(1)
+                now = timezone.now()
+                readings = prometheus.window_readings(
+                    held=Allocation.objects.filter(pk=allocation.pk),
+                    start_ms=epoch_ms(started),
+                    end_ms=epoch_ms(now),
+                )
+                assert readings is not None
+                points = readings.points.get(H100_B, [])
+                if len(points) >= 3 or time.monotonic() > deadline:
+                    break
+            assert len(points) >= 3
+            assert {value for _, value in points} == {81.0}  # DCGM_FI_DEV_GPU_UTIL as scraped
+            rollup.rollup_hours(hours=[started], now=now)
+        row = UsageHour.objects.get(allocation=allocation)
+        assert row.utilised_gpu_ms > 0
+        assert row.utilised_gpu_ms == pytest.approx(
+            0.81 * (row.allocated_gpu_ms - row.unmeasured_gpu_ms), abs=2
+        )
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        exporter.shutdown()
+
+
+# --- matching without an engine ---------------------------------------------------------------
+
+
+def test_amd_partitions_are_named_by_their_gpus_address_even_with_a_gpu_missing(
+    team: Team,
+) -> None:
+    """Two MI300X in CPX mode (8 partitions each, gpu_id 0-15 in address order): only the
+    second GPU reports in the window, and its partitions are still the second address's."""
+    node = NodeFactory.create(name="mi300x-node-2")
+    for bus in ("0000:0c:00.0", "0000:8c:00.0"):
+        for partition in range(8):
+            device = named_device(
+                node, AMD, f"gpu-{bus[5:7]}-{partition}", bus, "AMD_Instinct_MI300X_OAM"
+            )
+            Device.objects.filter(pk=device.pk).update(kind="partition")
+    exporter = prometheus.config().exporters[1]
+    series = [
+        prometheus.Series(
+            labels={
+                "gpu_id": str(8 + partition),
+                "serial_number": "692251001087",
+                "hostname": "mi300x-node-2",
+                "gpu_partition_id": str(partition),
+                "gpu_compute_partition_type": "cpx",
+            },
+            points=[(0, 50.0)],
+        )
+        for partition in (0, 3, 7)
+    ]
+    meters, why = prometheus.match_series(exporter, series, prometheus.Identities(), 0)
+    expected = [
+        profiles.meter_id(node.cluster.name, AMD, node.name, f"gpu-8c-{partition}")
+        for partition in (0, 3, 7)
+    ]
+    assert (meters, why) == (expected, [])
+
+
+def test_meter_prometheus_reports_what_the_engine_gives(day_engine: str, team: Team) -> None:
+    allocations = the_day(team)
+    out = StringIO()
+    with prometheus_settings(day_engine):
+        call_command("meter_prometheus", "--hour", "2026-11-10T09:30Z", stdout=out)
+    text = out.getvalue()
+    # 30 s readings from a hold before the hour: 124 for the DCGM devices.
+    assert f"{allocations['h100-a'].meter_id}: 124 readings" in text
+    assert allocations["sampled"].meter_id not in text  # its cluster sends samples
+    assert "not matched: MIG 1g.5gb of GPU-a100c0de" in text
+    with (
+        prometheus_settings(f"http://127.0.0.1:{_free_port()}"),
+        pytest.raises(CommandError, match="the engine did not answer"),
+    ):
+        call_command("meter_prometheus", "--hour", "2026-11-10T09:30Z")
+    with (
+        override_settings(TALLY_METERING_SOURCE="prometheus", TALLY_PROMETHEUS_URL=""),
+        pytest.raises(CommandError, match="TALLY_PROMETHEUS_URL"),
+    ):
+        call_command("meter_prometheus")
+
+
+class _PartialEngine(http.server.BaseHTTPRequestHandler):
+    """An engine (a Thanos querier with a store down) that answers in part, with a warning;
+    it keeps the headers it was sent."""
+
+    headers_seen: list[dict[str, str]] = []
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        type(self).headers_seen.append({k.lower(): v for k, v in self.headers.items()})
+        body = (
+            b'{"status":"success","warnings":["store 10.0.0.7:10901 unavailable"],'
+            b'"data":{"resultType":"matrix","result":[]}}'
+        )
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: Any) -> None:
+        pass
+
+
+def test_a_partial_answer_leaves_the_hour_pending_and_headers_are_sent(team: Team) -> None:
+    allocations = the_day(team)
+    engine = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PartialEngine)
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    hour = at(4)
+    try:
+        with prometheus_settings(
+            f"http://127.0.0.1:{engine.server_address[1]}",
+            TALLY_PROMETHEUS_HEADERS="Authorization: Bearer s3cret\nX-Scope-OrgID: gpu-east",
+        ):
+            assert rollup.rollup_pending(now=hour + timedelta(hours=1, minutes=10)) == []
+    finally:
+        engine.shutdown()
+    assert DirtyHour.objects.filter(hour=hour).exists()
+    assert not UsageHour.objects.filter(allocation=allocations["sampled"]).exists()
+    sent = _PartialEngine.headers_seen[0]
+    assert (sent["authorization"], sent["x-scope-orgid"]) == ("Bearer s3cret", "gpu-east")
