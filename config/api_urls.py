@@ -19,10 +19,12 @@ from rest_framework.request import Request
 from rest_framework.routers import DefaultRouter
 from rest_framework.views import APIView
 
+from billing.api import compare
 from billing.api import views as billing
 from inventory.api import views as inventory
 from quota.api import demand, stranded
 from quota.api import views as quota
+from teams import alerts_api
 from teams.api import unknown_endpoint
 
 
@@ -30,7 +32,10 @@ class Router(DefaultRouter):
     """DefaultRouter whose API root also lists `plain`: endpoints that are no viewset, by
     their prefix under v1 and their URL name."""
 
-    plain: ClassVar[dict[str, str]] = {"inventory/summary": "inventory-summary"}
+    plain: ClassVar[dict[str, str]] = {
+        "inventory/summary": "inventory-summary",
+        "compare": "api-compare",
+    }
 
     def get_api_root_view(self, api_urls: Any = None) -> Any:
         listed = {
@@ -53,10 +58,15 @@ router.register("usage/claims", billing.ClaimUsageViewSet, basename="usage-claim
 router.register("usage/jobs", billing.JobUsageViewSet, basename="usage-jobs")
 router.register("usage/users", billing.UserUsageViewSet, basename="usage-users")
 router.register("usage", billing.UsageViewSet, basename="usage")
+# Per person and per job, with what the statements bill for them (issue 19, item 2).
+router.register("billed/people", billing.BilledUsageViewSet, basename="billed-people")
+router.register("billed/jobs", billing.BilledJobViewSet, basename="billed-jobs")
 router.register("inventory/capacity", inventory.CapacityViewSet, basename="inventory-capacity")
 router.register("pending/claims", demand.PendingClaimViewSet, basename="pending-claims")
 router.register("pending", demand.PendingDemandViewSet, basename="pending")
 router.register("gangs/stranded", stranded.StrandedGangViewSet, basename="stranded-gangs")
+# Idle-claim, stranded-gang and version-outlier alerts; leads snooze their team's.
+router.register("alerts", alerts_api.AlertViewSet, basename="alert")
 
 
 def docs_readable(request: Request) -> bool:
@@ -92,6 +102,7 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path(  # listed in the API root: Router.plain
         "v1/inventory/summary/", inventory.FleetSummaryView.as_view(), name="inventory-summary"
     ),
+    path("v1/compare/", compare.CompareView.as_view(), name="api-compare"),  # Router.plain
     path("v1/", include(router.urls)),
     path("schema/", SchemaView.as_view(), name="api-schema"),
     path("docs/", DocsView.as_view(url_name="api-schema"), name="api-docs"),

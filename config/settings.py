@@ -115,16 +115,21 @@ def _database() -> dict[str, object]:
                 "running (stop it: python -m db.embedded stop)",
                 file=sys.stderr,
             )
+    return _database_config(url, "DATABASE_URL", "; unset it to use the embedded server")
+
+
+def _database_config(url: str, variable: str, hint: str = "") -> dict[str, object]:
+    """Django's settings for the PostgreSQL server at `url`, read from `variable`."""
     scheme = urlsplit(url).scheme
     if scheme not in {"postgres", "postgresql"}:
         raise ImproperlyConfigured(
-            "DATABASE_URL must name a PostgreSQL server (postgres://user:pass@host:5432/tally), "
-            f"not a {scheme or 'scheme-less'!r} URL; unset it to use the embedded server"
+            f"{variable} must name a PostgreSQL server (postgres://user:pass@host:5432/tally), "
+            f"not a {scheme or 'scheme-less'!r} URL{hint}"
         )
     try:
         config = dj_database_url.parse(url, conn_max_age=env.get_int("DATABASE_CONN_MAX_AGE", 60))
     except ValueError as exc:
-        raise ImproperlyConfigured(f"DATABASE_URL is not a usable database URL: {exc}") from exc
+        raise ImproperlyConfigured(f"{variable} is not a usable database URL: {exc}") from exc
     netloc_host = urlsplit(url).netloc.rpartition("@")[2]
     if netloc_host[:3].lower() == "%2f":
         # A socket folder as host (the embedded server's): urlsplit lowercases host names.
@@ -159,6 +164,43 @@ DATABASES = {"default": _database()}
 DATABASES["default"]["OPTIONS"]["prepare_threshold"] = (  # type: ignore[index]
     2**31 - 1 if DATABASE_PREPARED_STATEMENTS else None
 )
+# A read replica (CloudNativePG's `-ro` service, say): with DATABASE_REPLICA_URL set, the GET
+# pages of the portal and the API read from it (config/readonly.py marks them, config/routers.py
+# routes them); writes, transactions, admin, webhooks, ingest, tasks and migrations stay on
+# DATABASE_URL. Unset, there is one database and no router. A browser that has just written
+# reads from the primary for DATABASE_REPLICA_PIN_SECONDS, so it sees its own writes however
+# far the replica lags.
+DATABASE_REPLICA_URL = env.get_str("DATABASE_REPLICA_URL") or ""
+DATABASE_REPLICA_PIN_SECONDS = env.get_int("DATABASE_REPLICA_PIN_SECONDS", 10, minimum=0)
+
+
+def _replica_database(url: str) -> dict[str, object]:
+    """The `replica` alias: the server at `url`, read-only, a mirror of `default` in tests.
+
+    The user, password and database name that `url` leaves out are DATABASE_URL's, so the
+    replica's URL needs no secret of its own (`postgres://replica-host:5432/`).
+    """
+    config = _database_config(url, "DATABASE_REPLICA_URL")
+    for key in ("USER", "PASSWORD", "NAME"):
+        config[key] = config.get(key) or DATABASES["default"][key]
+    options: dict[str, object] = config["OPTIONS"]  # type: ignore[assignment]
+    options["prepare_threshold"] = DATABASES["default"]["OPTIONS"]["prepare_threshold"]  # type: ignore[index]
+    if not DATABASE_TRANSACTION_POOLING:
+        # Even where the URL falls back to the primary (a host list), nothing written through
+        # this alias can land: PostgreSQL refuses it.
+        options.setdefault("options", "-c default_transaction_read_only=on")
+    # Tests read the replica through a second connection to the test database.
+    config["TEST"] = {"MIRROR": "default"}
+    return config
+
+
+if DATABASE_REPLICA_URL:
+    DATABASES["replica"] = _replica_database(DATABASE_REPLICA_URL)
+    DATABASE_ROUTERS = ["config.routers.ReplicaRouter"]
+    MIDDLEWARE.insert(
+        MIDDLEWARE.index("config.webhook_auth.WebhookCallerMiddleware") + 1,
+        "config.readonly.ReplicaReadsMiddleware",
+    )
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 
 AUTH_PASSWORD_VALIDATORS = [
@@ -337,6 +379,11 @@ SPECTACULAR_SETTINGS = {
         {"name": "usage", "description": "GPU-hours per team, day, claim, job and user."},
         {"name": "inventory", "description": "The fleet: capacity, versions, fragmentation."},
     ],
+    # Fields named `kind` with different choices: an alert's and a statement line's.
+    "ENUM_NAME_OVERRIDES": {
+        "AlertKindEnum": "teams.models.AlertKind.choices",
+        "LineKindEnum": "billing.models.LineKind.choices",
+    },
     # The docs page's JavaScript comes from this deployment's static files, not a CDN.
     "REDOC_DIST": "SIDECAR",
     "SWAGGER_UI_DIST": "SIDECAR",
@@ -520,6 +567,64 @@ TALLY_ROLLUP_HOURS_PER_RUN = env.get_int("TALLY_ROLLUP_HOURS_PER_RUN", 200, mini
 # Consecutive hours are rolled up together, their samples read in one pass, up to this many
 # allocation-hours a transaction (a 1,000-GPU fleet: 250 hours; 100,000 GPUs: 2 hours).
 TALLY_ROLLUP_DEVICE_HOURS = env.get_int("TALLY_ROLLUP_DEVICE_HOURS", 250_000, minimum=1)
+# Where utilisation comes from (billing/prometheus.py): `samples` (the agents' raw samples),
+# `prometheus` (a Prometheus-compatible engine's query API), or a default with exceptions per
+# cluster: `samples,gpu-east=prometheus`. Parsed and checked by `billing.prometheus.config()`
+# (`manage.py meter_prometheus --check`); a bad value names its variable.
+TALLY_METERING_SOURCE = env.get_str("TALLY_METERING_SOURCE", "samples") or "samples"
+TALLY_PROMETHEUS_URL = env.get_str("TALLY_PROMETHEUS_URL", "") or ""
+# Extra request headers, one `Name: value` a line (`Authorization: Bearer ...`,
+# `X-Scope-OrgID: tenant` for Mimir); a secret, so TALLY_PROMETHEUS_HEADERS_FILE too.
+TALLY_PROMETHEUS_HEADERS = env.get_str("TALLY_PROMETHEUS_HEADERS", "") or ""
+TALLY_PROMETHEUS_CA_FILE = env.get_str("TALLY_PROMETHEUS_CA_FILE", "") or ""
+TALLY_PROMETHEUS_TIMEOUT_SECONDS = env.get_int(
+    "TALLY_PROMETHEUS_TIMEOUT_SECONDS", 30, minimum=1, maximum=600
+)
+# 0: the readings as scraped (statements equal the samples path's on the same readings);
+# N: one mean per N seconds (a subquery: far fewer points for a large fleet). At most the hold.
+TALLY_PROMETHEUS_STEP_SECONDS = env.get_int(
+    "TALLY_PROMETHEUS_STEP_SECONDS", 0, minimum=0, maximum=3600
+)
+# Hours asked for in one query (and rolled up in one run: their readings are held in memory);
+# hours that ended less than SETTLE seconds ago are rolled up again later.
+TALLY_PROMETHEUS_QUERY_HOURS = env.get_int("TALLY_PROMETHEUS_QUERY_HOURS", 1, minimum=1, maximum=24)
+TALLY_PROMETHEUS_SETTLE_SECONDS = env.get_int(
+    "TALLY_PROMETHEUS_SETTLE_SECONDS", 300, minimum=0, maximum=86400
+)
+# Label matchers added to every query, e.g. `cluster="{cluster}"` ({cluster}: Tally's name).
+TALLY_PROMETHEUS_SELECTOR = env.get_str("TALLY_PROMETHEUS_SELECTOR", "") or ""
+TALLY_PROMETHEUS_EXPORTERS = env.get_list("TALLY_PROMETHEUS_EXPORTERS", ["dcgm", "amd", "intel"])
+# Per exporter: utilisation metrics in order of preference (`name{matchers}*scale`, to percent)
+# and which label plays which role (`role=label`; `skip=a|b`: series with those are not read).
+TALLY_PROMETHEUS_EXPORTER_METRICS = {
+    "dcgm": env.get_str(
+        "TALLY_PROMETHEUS_DCGM_METRICS", "DCGM_FI_PROF_GR_ENGINE_ACTIVE*100, DCGM_FI_DEV_GPU_UTIL"
+    )
+    or "",
+    "amd": env.get_str("TALLY_PROMETHEUS_AMD_METRICS", "gpu_gfx_activity") or "",
+    "intel": env.get_str(
+        "TALLY_PROMETHEUS_INTEL_METRICS",
+        'xpum_engine_group_ratio{type="compute"}*100, xpum_engine_ratio*100',
+    )
+    or "",
+}
+TALLY_PROMETHEUS_EXPORTER_LABELS = {
+    "dcgm": env.get_str(
+        "TALLY_PROMETHEUS_DCGM_LABELS",
+        "uuid=UUID, node=Hostname, gpu_instance=GPU_I_ID, mig_profile=GPU_I_PROFILE",
+    )
+    or "",
+    "amd": env.get_str(
+        "TALLY_PROMETHEUS_AMD_LABELS",
+        "serial=serial_number, gpu_id=gpu_id, node=hostname, partition=gpu_partition_id, "
+        "partition_type=gpu_compute_partition_type",
+    )
+    or "",
+    "intel": env.get_str(
+        "TALLY_PROMETHEUS_INTEL_LABELS", "pci_bus_id=pci_bdf, node=node, skip=sub_dev|card"
+    )
+    or "",
+}
 CELERY_BEAT_SCHEDULE["billing-rollup-pending"] = {
     "task": "billing.tasks.rollup_pending",
     "schedule": TALLY_ROLLUP_EVERY_SECONDS,
@@ -541,4 +646,84 @@ CELERY_BEAT_SCHEDULE["billing-close-period"] = {
     "task": "billing.tasks.close_previous_period",
     # Hourly: the task itself decides whether the day has come, so a missed run is made up.
     "schedule": crontab(minute="20"),
+}
+
+# Retention (`billing.retention`, `quota.retention`). Raw samples are partitioned by UTC day:
+# partitions are made this many days ahead, and a day is dropped once older than
+# TALLY_SAMPLE_RETENTION_DAYS, its periods closed and its hours rolled up. Longer than the
+# ingest window: a late sample for a dropped day would have its hour rolled up again without
+# the day's other samples.
+TALLY_SAMPLE_RETENTION_DAYS = env.get_int("TALLY_SAMPLE_RETENTION_DAYS", 100, minimum=2)
+if TALLY_SAMPLE_RETENTION_DAYS <= TALLY_INGEST_MAX_AGE_DAYS:
+    raise ImproperlyConfigured(
+        f"TALLY_SAMPLE_RETENTION_DAYS={TALLY_SAMPLE_RETENTION_DAYS} must be more than "
+        f"TALLY_INGEST_MAX_AGE_DAYS={TALLY_INGEST_MAX_AGE_DAYS}: samples still accepted must "
+        "find their day's other samples"
+    )
+TALLY_SAMPLE_PARTITIONS_AHEAD_DAYS = env.get_int(
+    "TALLY_SAMPLE_PARTITIONS_AHEAD_DAYS", 3, minimum=1, maximum=60
+)
+# How long making or dropping a partition waits for its locks before leaving it to the next run.
+TALLY_SAMPLE_PARTITION_LOCK_SECONDS = env.get_int(
+    "TALLY_SAMPLE_PARTITION_LOCK_SECONDS", 5, minimum=1, maximum=600
+)
+# Admission decisions, and reservations released (with their lines), kept this many days.
+TALLY_DECISION_RETENTION_DAYS = env.get_int("TALLY_DECISION_RETENTION_DAYS", 90, minimum=1)
+TALLY_RESERVATION_RETENTION_DAYS = env.get_int("TALLY_RESERVATION_RETENTION_DAYS", 90, minimum=1)
+# Rows deleted per transaction by the retention jobs.
+TALLY_RETENTION_BATCH = env.get_int("TALLY_RETENTION_BATCH", 10_000, minimum=1)
+CELERY_BEAT_SCHEDULE["billing-sample-retention"] = {
+    "task": "billing.tasks.sample_retention",
+    "schedule": crontab(minute="50"),
+}
+CELERY_BEAT_SCHEDULE["quota-history-retention"] = {
+    "task": "quota.tasks.purge_history",
+    "schedule": crontab(minute="55"),
+}
+# Week reports (frontend.tasks.send_week_reports): each team's last complete week (Monday to
+# Monday, UTC) is emailed to its leads once, on Monday from TALLY_WEEK_REPORT_HOUR (UTC) on.
+# Beat runs it hourly, so a missed run is made up; a report once sent is never sent again
+# (billing.models.WeekReport). TALLY_PORTAL_URL (the portal's public URL) puts a link to the
+# report's page in the email.
+TALLY_WEEK_REPORT_HOUR = env.get_int("TALLY_WEEK_REPORT_HOUR", 6, minimum=0, maximum=23)
+TALLY_PORTAL_URL = env.get_str("TALLY_PORTAL_URL") or ""
+if TALLY_PORTAL_URL and not re.match(r"https?://[^/\s]+", TALLY_PORTAL_URL):
+    raise ImproperlyConfigured(f"TALLY_PORTAL_URL={TALLY_PORTAL_URL!r} is not an http(s) URL")
+CELERY_BEAT_SCHEDULE["week-reports"] = {
+    "task": "frontend.tasks.send_week_reports",
+    "schedule": crontab(minute="50"),
+}
+
+# Email (alerts, week reports): Django's SMTP backend unless EMAIL_BACKEND names another
+# (django.core.mail.backends.console.EmailBackend prints them, for development).
+EMAIL_BACKEND = env.get_str("EMAIL_BACKEND") or "django.core.mail.backends.smtp.EmailBackend"
+EMAIL_HOST = env.get_str("EMAIL_HOST") or "localhost"
+EMAIL_PORT = env.get_int("EMAIL_PORT", 25, minimum=1, maximum=65535)
+EMAIL_HOST_USER = env.get_str("EMAIL_HOST_USER") or ""
+EMAIL_HOST_PASSWORD = env.get_str("EMAIL_HOST_PASSWORD") or ""  # or EMAIL_HOST_PASSWORD_FILE
+EMAIL_USE_TLS = env.get_bool("EMAIL_USE_TLS", False)
+EMAIL_USE_SSL = env.get_bool("EMAIL_USE_SSL", False)
+if EMAIL_USE_TLS and EMAIL_USE_SSL:
+    raise ImproperlyConfigured("EMAIL_USE_TLS and EMAIL_USE_SSL are both true; set only one")
+EMAIL_TIMEOUT = env.get_int("EMAIL_TIMEOUT", 10, minimum=1)
+DEFAULT_FROM_EMAIL = env.get_str("DEFAULT_FROM_EMAIL") or "tally@localhost"
+
+# Alerts (teams.alerts; billing.alerts evaluates idle claims, stranded gangs and undocumented
+# version outliers). Each alert is sent once on raise and once on resolve, by email (Django's
+# email backend, EMAIL_* above) and as an Alertmanager webhook (payload v4) to each URL here.
+TALLY_ALERT_WEBHOOK_URLS = env.get_list("TALLY_ALERT_WEBHOOK_URLS", [])
+for _url in TALLY_ALERT_WEBHOOK_URLS:
+    if not re.match(r"https?://[^/\s]+", _url):
+        raise ImproperlyConfigured(f"TALLY_ALERT_WEBHOOK_URLS: {_url!r} is not an http(s) URL")
+TALLY_ALERT_WEBHOOK_TIMEOUT_SECONDS = env.get_int(
+    "TALLY_ALERT_WEBHOOK_TIMEOUT_SECONDS", 5, minimum=1, maximum=60
+)
+# Attempts per notification before it is given up (failed), minutes apart doubling up to an hour.
+TALLY_ALERT_DELIVERY_ATTEMPTS = env.get_int("TALLY_ALERT_DELIVERY_ATTEMPTS", 8, minimum=1)
+# Who fleet-wide alerts (version outliers, gangs of no team) go to; empty: the staff users.
+TALLY_OPERATOR_EMAILS = env.get_list("TALLY_OPERATOR_EMAILS", [])
+TALLY_ALERT_EVERY_SECONDS = env.get_int("TALLY_ALERT_EVERY_SECONDS", 300, minimum=10)
+CELERY_BEAT_SCHEDULE["alerts-evaluate"] = {
+    "task": "billing.tasks.evaluate_alerts",
+    "schedule": TALLY_ALERT_EVERY_SECONDS,
 }

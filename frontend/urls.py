@@ -3,7 +3,8 @@
 from django.contrib.auth import views as auth_views
 from django.urls import URLPattern, URLResolver, path
 
-from frontend import views
+from frontend import compare, views
+from frontend import week as week_views
 
 urlpatterns: list[URLPattern | URLResolver] = [
     path("login/", auth_views.LoginView.as_view(redirect_authenticated_user=True), name="login"),
@@ -17,4 +18,10 @@ urlpatterns: list[URLPattern | URLResolver] = [
     ),
     path("fleet/", views.fleet_overview, name="fleet"),
     path("fleet/decisions/", views.decisions, name="decisions"),
+    path("compare/", compare.compare, name="compare"),
+    # The week report (issue 19 item 3): a team's week, and the fleet's node x hour heatmap.
+    path("teams/<slug:slug>/week/", week_views.team_week, name="team-week"),
+    path("teams/<slug:slug>/week.csv", week_views.team_week_csv, name="team-week-csv"),
+    path("fleet/week/", week_views.fleet_week, name="fleet-week"),
+    path("fleet/week.csv", week_views.fleet_week_csv, name="fleet-week-csv"),
 ]

@@ -245,10 +245,11 @@ def _alert_page(alert: Alert) -> str:
     """Where to look at what the alert is about: its team's page in the portal, else the
     portal; "" without TALLY_PORTAL_URL."""
     base = _portal()
-    if not base or alert.team_id is None:
+    team = alert.team
+    if not base or team is None:
         return base
     try:
-        return base + reverse("team", args=[alert.team.slug])
+        return base + reverse("team", args=[team.slug])
     except NoReverseMatch:
         return base
 
