@@ -1,12 +1,12 @@
 """Benchmark: the quota admission webhook under gunicorn, against a no-op floor on the same stack.
 
     DEBUG=false SECRET_KEY=x .venv/bin/python -m bench.webhook [--requests 6000] [--clients 50]
-        [--rate 300] [--workers 4]
+        [--rate 300] [--workers 4] [--nodes 1250 | --nodes 1250,12500 | --scale-compare]
 
 Creates a fresh PostgreSQL database (`BENCH_DATABASE_URL`, default
 postgres://postgres@127.0.0.1:5432/tally_bench_webhook), migrates it, imports a simulated
-10,000-GPU fleet (`inventory.simulate`, default mix: whole H100/H200, static-MIG A100s and
-partitionable H100s) and 100 teams with quota rules, then serves the project with gunicorn
+10,000-GPU fleet (`--nodes`; `inventory.simulate`, default mix: whole H100/H200, static-MIG
+A100s and partitionable H100s) and 100 teams with quota rules, then serves the project with gunicorn
 (sync workers, `bench.settings`: the project's settings plus a no-op endpoint) and drives it
 from one asyncio process with `--clients` concurrent connections:
 
@@ -16,13 +16,22 @@ from one asyncio process with `--clients` concurrent connections:
    paced at `--rate` (open loop: request i is due at start + i/rate, latency counted from when
    it was due), then closed loop at full speed (its throughput).
 
-Quota state is checked after each webhook run and reset before the next. See README.md.
+Quota state is checked after each webhook run and reset before the next.
+
+With two inventories (`--nodes 1250,12500`, or `--scale-compare`: 10,000 and 100,000 GPUs),
+each is imported in its own database (`<name>_n<nodes>`) with the same teams and rules, served
+by its own gunicorn, and only the paced runs are measured: the no-op on the first and the
+webhook on each, in `--rounds` turns (the same slice of the same reviews on both), then p50/p99
+of each and the ratio of the larger inventory's p99 to the smaller one's (target <= 1.2).
+`--fleet-changes SECONDS` bumps both clusters' fleet versions meanwhile, as a sync that changes
+devices does. See README.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import functools
 import gc
 import json
@@ -33,6 +42,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import Counter
@@ -43,12 +53,15 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
-from bench.inventory import REPO, _database_name, _drop_database, _recreate_database
+from bench.inventory import REPO, _conninfo, _database_name, _drop_database, _recreate_database
 
 DEFAULT_URL = "postgres://postgres@127.0.0.1:5432/tally_bench_webhook"
 TARGET_P99_MS = 50.0
 TARGET_RATIO = 1 / 3
 NODES = 1250  # x 8 = 10,000 GPUs
+SCALE_NODES = (1250, 12500)  # --scale-compare: 10,000 and 100,000 GPUs
+# --scale-compare: the paced webhook's p99 with the larger inventory, over the smaller one's.
+TARGET_SCALE_RATIO = 1.2
 TEAMS = 100
 TIGHT_TEAMS = 10  # the last ten teams sit at a small quota: most of what they ask is denied
 ENVIRONMENTS = ("prod", "dev", "batch")
@@ -56,6 +69,7 @@ WEBHOOK_PATH = "/admission/resourceclaims"
 NOOP_PATH = "/admission/noop"
 CONTROLLER = "system:serviceaccount:kube-system:resource-claim-controller"
 REQUEST_TIMEOUT_S = 10.0
+UNAVAILABLE = "ServiceUnavailable"  # the reason of a denial when the database failed
 
 NVIDIA = "gpu.nvidia.com"
 H100 = f'device.attributes["{NVIDIA}"].productName.startsWith("NVIDIA H100")'
@@ -231,25 +245,85 @@ def _limits(reviews: list[Review]) -> dict[int, dict[str, Decimal]]:
 # --- setting the database up -------------------------------------------------------------------
 
 
-def _load_fleet(seed: int) -> None:
+@dataclass
+class Fleet:
+    """An inventory a webhook run is served with, and what its workers' shapes cache holds."""
+
+    nodes: int
+    devices: int  # published devices present
+    shapes: int  # distinct device shapes
+    reload_s: float  # `shapes.load_fleet`: a worker's (re)load after the fleet changed
+
+
+def _load_fleet(seed: int, nodes: int) -> Fleet:
     from inventory import services as inventory_services
     from inventory import simulate
     from inventory.models import Device
+    from quota.admission import shapes
 
     started = time.perf_counter()
+    cluster = inventory_services.get_cluster("default")
     report = inventory_services.import_snapshot(
-        cluster=inventory_services.get_cluster("default"),
-        objects=simulate.generate(nodes=NODES, seed=seed),
+        cluster=cluster,
+        objects=simulate.generate(nodes=nodes, seed=seed),
         at=datetime.now(UTC),
     )
     if report.errors:
         raise SystemExit(f"the fleet import reported errors: {report.errors[:5]}")
     devices = Device.objects.filter(gone_at__isnull=True).count()
     print(
-        f"fleet: {NODES} nodes ({NODES * 8:,} GPUs, {devices:,} published devices) "
+        f"fleet: {nodes:,} nodes ({nodes * 8:,} GPUs, {devices:,} published devices) "
         f"imported in {time.perf_counter() - started:.1f} s",
         flush=True,
     )
+    # What a webhook worker reads when its shapes cache is (re)loaded: at start-up and after
+    # each sync that changed devices, nodes or device classes. The fastest of three.
+    reloads = []
+    for _ in range(3):
+        started = time.perf_counter()
+        fleet = shapes.load_fleet(cluster=cluster)
+        reloads.append(time.perf_counter() - started)
+    print(
+        f"shapes cache: {len(fleet.shapes)} shapes on {len(fleet.per_node):,} nodes, "
+        f"a worker's (re)load {1000 * min(reloads):.0f} ms",
+        flush=True,
+    )
+    return Fleet(nodes, devices, len(fleet.shapes), min(reloads))
+
+
+@contextlib.contextmanager
+def _using(url: str) -> Iterator[None]:
+    """This process's Django connection on `url`'s database meanwhile (each gunicorn serves
+    its own through DATABASE_URL); what it remembers of the fleet and rules forgotten."""
+    from django.db import connection
+
+    from quota.admission.service import forget_caches
+
+    connection.close()
+    saved = connection.settings_dict["NAME"]
+    connection.settings_dict["NAME"] = _database_name(url)
+    forget_caches()
+    try:
+        yield
+    finally:
+        connection.close()
+        connection.settings_dict["NAME"] = saved
+        forget_caches()
+
+
+def _prepare(url: str, *, nodes: int, seed: int, limits: dict[int, dict[str, Decimal]]) -> Fleet:
+    """A new database at `url`: migrated, a simulated fleet of `nodes` nodes imported, the
+    teams and their rules made, no quota state."""
+    from django.core.management import call_command
+
+    print(f"database {_database_name(url)}: creating and migrating", flush=True)
+    with _using(url):
+        _recreate_database(url)
+        call_command("migrate", verbosity=0)
+        fleet = _load_fleet(seed, nodes)
+        _load_teams(limits)
+        _reset_quota_state()
+    return fleet
 
 
 def _load_teams(limits: dict[int, dict[str, Decimal]]) -> None:
@@ -575,37 +649,58 @@ def _machine_cpu() -> tuple[float, float]:
     return (sum(values) - idle) / ticks, sum(values) / ticks
 
 
+@dataclass
+class Leg:
+    """One side of runs that take turns: what it sends, where, and whose CPU it meters."""
+
+    label: str
+    port: int
+    path: str
+    bodies: list[bytes]
+    meter: _CpuMeter
+    turns: list[Run] = field(default_factory=list)  # each turn's own run, in order
+
+
 def drive_alternately(
-    runs: list[tuple[str, str, list[bytes]]],
+    legs: list[Leg],
     *,
     rounds: int,
-    port: int,
     clients: int,
-    meter: _CpuMeter,
     limit_s: float,
+    rate: float | None = None,
 ) -> list[Run]:
-    """Each of `runs` (label, path, bodies) at full speed, in `rounds` turns: a slice of the
-    first, then of the second, and so on, each run's slices added up. Drift in the machine's
-    speed (other tenants, frequency) then weighs on every run alike, and their ratio holds."""
-    merged = [Run(label, len(bodies), None) for label, _, bodies in runs]
+    """Each of `legs` (paced at `rate`, else at full speed) in `rounds` turns: a slice of one,
+    then of the next, and so on, in reverse order every other turn, each leg's slices added
+    up. Drift in the machine's speed (other tenants, frequency) then weighs on every leg
+    alike, and their ratio holds."""
+    merged = [Run(leg.label, len(leg.bodies), rate) for leg in legs]
     for turn in range(rounds):
-        for total, (label, path, bodies) in zip(merged, runs, strict=True):
-            part = bodies[turn * len(bodies) // rounds : (turn + 1) * len(bodies) // rounds]
-            run = drive(label, port, path, part, clients=clients, rate=None, meter=meter,
-                        limit_s=limit_s, quiet=True)  # fmt: skip
-            total.latencies += run.latencies
-            total.responses += run.responses
-            total.errors += run.errors
-            total.others = (total.others * total.wall + run.others * run.wall) / (
-                (total.wall + run.wall) or 1
-            )
-            total.wall += run.wall
-            total.unfinished += run.unfinished
-            for name, seconds in run.cpu.items():
-                total.cpu[name] = total.cpu.get(name, 0.0) + seconds
+        order = list(zip(merged, legs, strict=True))
+        for total, leg in order if turn % 2 == 0 else reversed(order):
+            part = leg.bodies[
+                turn * len(leg.bodies) // rounds : (turn + 1) * len(leg.bodies) // rounds
+            ]
+            run = drive(leg.label, leg.port, leg.path, part, clients=clients, rate=rate,
+                        meter=leg.meter, limit_s=limit_s, quiet=True)  # fmt: skip
+            leg.turns.append(run)
+            _add(total, run)
     for total in merged:
-        _print(total, f"full speed, {rounds} turns")
+        _print(total, f"{'paced' if rate else 'full speed'}, {rounds} turns")
     return merged
+
+
+def _add(total: Run, run: Run) -> None:
+    """Count `run`, the next slice of the same requests, into `total`."""
+    total.latencies += run.latencies
+    total.responses += run.responses
+    total.errors += run.errors
+    total.others = (total.others * total.wall + run.others * run.wall) / (
+        (total.wall + run.wall) or 1
+    )
+    total.wall += run.wall
+    total.unfinished += run.unfinished
+    for name, seconds in run.cpu.items():
+        total.cpu[name] = total.cpu.get(name, 0.0) + seconds
 
 
 def drive(
@@ -742,14 +837,17 @@ def _verify(run: Run, reviews: list[Review]) -> list[tuple[str, bool, str]]:
         (f"{label}: rules whose in_use != their live lines {drift}", drift == 0, "0"),
         (f"{label}: reservations of dry runs {dry_reserved}", dry_reserved == 0, "0"),
     ]
+    # Admissions the database failed (late, or down) are denied and record nothing.
+    failed = tally[f"denied {UNAVAILABLE}"]
+    checks.append((f"{label}: denied for want of the database {failed}", failed == 0, "0"))
     if run.completed == len(reviews):
         not_dry = sum(1 for review in reviews if not review.dry_run)
         admitted = tally["admitted"]
         checks += [
             (f"{label}: reservations {live}", live == admitted,
              f"== admitted non-dry-run requests {admitted}"),
-            (f"{label}: decisions recorded {decisions}", decisions == not_dry,
-             f"== non-dry-run requests {not_dry}"),
+            (f"{label}: decisions recorded {decisions}", decisions == not_dry - failed,
+             f"== non-dry-run requests {not_dry} less the {failed} the database failed"),
         ]  # fmt: skip
     else:
         # Some answers never came back: compare with what the webhook recorded instead.
@@ -792,11 +890,33 @@ def main(argv: list[str] | None = None) -> int:
         default="config.wsgi:application",
         help="the WSGI application gunicorn serves (to try a patched one; default %(default)s)",
     )
-    parser.add_argument("--keep", action="store_true", help="keep the database")
+    parser.add_argument("--keep", action="store_true", help="keep the database(s)")
     parser.add_argument(
         "--py-spy",
         metavar="FILE",
         help="record the workers with py-spy during the paced webhook run (speedscope JSON)",
+    )
+    sizes = parser.add_mutually_exclusive_group()
+    sizes.add_argument(
+        "--nodes",
+        default=str(NODES),
+        help=f"nodes of the simulated fleet, 8 GPUs each (default {NODES}); two, comma-separated "
+        "(1250,12500): the paced webhook's p99 on each inventory, in turns (see --scale-compare)",
+    )
+    sizes.add_argument(
+        "--scale-compare",
+        action="store_const",
+        dest="nodes",
+        const=",".join(map(str, SCALE_NODES)),
+        help="--nodes " + ",".join(map(str, SCALE_NODES)) + ": 10,000 against 100,000 GPUs",
+    )
+    parser.add_argument(
+        "--fleet-changes",
+        type=float,
+        metavar="SECONDS",
+        help="with two inventories: bump each cluster's fleet version every SECONDS during the "
+        "measured turns, as a sync that changes devices does, so each worker reloads its "
+        "shapes cache (at most every TALLY_SHAPE_CACHE_SECONDS)",
     )
     args = parser.parse_args(argv)
     if (
@@ -811,6 +931,16 @@ def main(argv: list[str] | None = None) -> int:
         )
     if not 1 <= args.rounds <= args.requests // 50:
         parser.error("--rounds between 1 and --requests / 50")
+    try:
+        nodes = [int(count) for count in args.nodes.split(",")]
+    except ValueError:
+        parser.error(f"--nodes {args.nodes!r}: one or two whole numbers, comma-separated")
+    if not 1 <= len(nodes) <= 2 or min(nodes) < 1 or len(set(nodes)) != len(nodes):
+        parser.error(f"--nodes {args.nodes!r}: one or two different counts of at least 1")
+    if len(nodes) == 2 and args.py_spy:
+        parser.error("--py-spy records one server: not with two inventories")
+    if args.fleet_changes is not None and (len(nodes) != 2 or args.fleet_changes <= 0):
+        parser.error("--fleet-changes: seconds > 0, with two inventories (--nodes A,B)")
 
     url = os.environ.get("BENCH_DATABASE_URL", DEFAULT_URL)
     database = _database_name(url)
@@ -820,23 +950,18 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["DJANGO_SETTINGS_MODULE"] = "config.settings"
     os.environ.setdefault("SECRET_KEY", "bench-only-secret-key")
     sys.path.insert(0, str(REPO))
-
-    print(f"database {database}: creating and migrating", flush=True)
-    _recreate_database(url)
     import django
 
     django.setup()
-    from django.core.management import call_command
     from django.db import connection
 
-    call_command("migrate", verbosity=0)
-    _load_fleet(args.seed)
     paced = workload(args.requests, seed=args.seed, prefix="paced")
     full = workload(args.requests, seed=args.seed, prefix="full")  # same mix, other names
     warm = workload(min(args.requests, 300), seed=args.seed + 1, prefix="warm")
-    _load_teams(_limits(paced))
-    _reset_quota_state()
-    connection.close()  # the bench's own connection stays idle from here on
+    limits = _limits(paced)
+    if len(nodes) == 2:
+        return compare_scales(args, url, sorted(nodes), paced=paced, warm=warm, limits=limits)
+    _prepare(url, nodes=nodes[0], seed=args.seed, limits=limits)
     # What the set-up left is kept for good: later collections need not look at it again.
     gc.collect()
     gc.freeze()
@@ -868,10 +993,13 @@ def main(argv: list[str] | None = None) -> int:
             spy.wait(timeout=60)
         checks += _verify(hook_paced, paced)
         _reset_quota_state()
+        meter = kw.pop("meter")
         floor, hook_full = drive_alternately(
-            [("noop", NOOP_PATH, noop_bodies), ("webhook", WEBHOOK_PATH, [r.body for r in full])],
+            [
+                Leg("noop", port, NOOP_PATH, noop_bodies, meter),
+                Leg("webhook", port, WEBHOOK_PATH, [r.body for r in full], meter),
+            ],
             rounds=args.rounds,
-            port=port,
             **kw,
         )
         checks += _answers(floor, paced)[0] + _verify(hook_full, full)
@@ -884,6 +1012,164 @@ def main(argv: list[str] | None = None) -> int:
             _drop_database(url)
     return _report(args, checks, floor=floor, floor_paced=floor_paced, paced=hook_paced,
                    full=hook_full)  # fmt: skip
+
+
+def compare_scales(
+    args: argparse.Namespace,
+    url: str,
+    nodes: list[int],
+    *,
+    paced: list[Review],
+    warm: list[Review],
+    limits: dict[int, dict[str, Decimal]],
+) -> int:
+    """The paced webhook on two inventories of `nodes` nodes, each in its own database and
+    served by its own gunicorn, with the same teams, rules and requests: the two take turns
+    (`--rounds`), with the no-op on the first as the machine's floor, so the machine's drift
+    weighs on both alike. PASS when the larger one's p99 is within TARGET_SCALE_RATIO of the
+    smaller one's."""
+    database = _database_name(url)
+    urls = [_conninfo(url, f"{database}_n{count}") for count in nodes]
+    load = [os.getloadavg()[0]]
+    servers: list[subprocess.Popen[bytes]] = []
+    checks: list[tuple[str, bool, str]] = []
+    bodies = [r.body for r in paced]
+    try:
+        fleets = [
+            _prepare(side, nodes=count, seed=args.seed, limits=limits)
+            for side, count in zip(urls, nodes, strict=True)
+        ]
+        gc.collect()
+        gc.freeze()
+        legs = []
+        for side, fleet in zip(urls, fleets, strict=True):
+            port = _free_port()
+            servers.append(
+                _start_gunicorn(
+                    side, workers=args.workers, threads=args.threads, port=port, app=args.app
+                )
+            )
+            meter = _CpuMeter(servers[-1].pid, _database_name(side))
+            legs.append(Leg(f"{fleet.nodes * 8:,} GPUs", port, WEBHOOK_PATH, bodies, meter))
+        floor = Leg("noop", legs[0].port, NOOP_PATH, bodies, legs[0].meter)
+        kw: dict[str, Any] = {"clients": args.clients, "limit_s": args.time_limit}
+        print("warm-up (not measured):", flush=True)
+        for leg in (floor, *legs):
+            drive(leg.label, leg.port, leg.path, [r.body for r in warm], rate=None,
+                  meter=leg.meter, **kw)  # fmt: skip
+        for side in urls:
+            with _using(side):
+                _reset_quota_state()
+        print(f"measured: paced at {args.rate:g}/s, {args.rounds} turns each", flush=True)
+        load.append(os.getloadavg()[0])
+        with _fleet_changes(urls, every_s=args.fleet_changes):
+            floor_run, *runs = drive_alternately(
+                [floor, *legs], rounds=args.rounds, rate=args.rate, **kw
+            )
+        load.append(os.getloadavg()[0])
+        checks += _answers(floor_run, paced)[0]
+        for side, run in zip(urls, runs, strict=True):
+            with _using(side):
+                checks += _verify(run, paced)
+    finally:
+        for process in servers:
+            _stop(process)
+        print("gunicorn stopped", flush=True)
+        if not args.keep:
+            for side in urls:
+                _drop_database(side)
+    return _report_scales(
+        args, checks, fleets=fleets, legs=[floor, *legs], runs=[floor_run, *runs],
+        load=(load[0], load[1], load[2]),
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def _fleet_changes(urls: list[str], *, every_s: float | None) -> Iterator[None]:
+    """Meanwhile, every `every_s` seconds (None: never), the cluster's fleet version bumped
+    in each of `urls`' databases, from a thread: what a sync does when devices, nodes or
+    device classes changed, and what makes each webhook worker load its shapes again."""
+    if every_s is None:
+        yield
+        return
+    import psycopg
+
+    from inventory.models import Cluster
+
+    stop = threading.Event()
+    bumps = [0]
+
+    def bump() -> None:
+        with contextlib.ExitStack() as stack:
+            connections = [
+                stack.enter_context(psycopg.connect(_conninfo(url), autocommit=True))
+                for url in urls
+            ]
+            while not stop.wait(every_s):
+                for connection in connections:
+                    connection.execute(
+                        f"UPDATE {Cluster._meta.db_table} SET fleet_version = fleet_version + 1"
+                    )
+                bumps[0] += 1
+
+    thread = threading.Thread(target=bump, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        print(f"  fleet versions bumped {bumps[0]} times, every {every_s:g} s", flush=True)
+
+
+def _report_scales(
+    args: argparse.Namespace,
+    checks: list[tuple[str, bool, str]],
+    *,
+    fleets: list[Fleet],
+    legs: list[Leg],
+    runs: list[Run],
+    load: tuple[float, float, float],
+) -> int:
+    print()
+    # No req/s: a turn's wall time ends with its slowest answer, so short turns under-report
+    # the rate kept; a server that falls behind shows in the p99 (counted from when due).
+    print(f"  {'paced at ' + format(args.rate, 'g') + '/s':<22} {'p50 ms':>8} {'p99 ms':>8} "
+          f"{'max ms':>8}  CPU ms/request (gunicorn, postgres); others' share")  # fmt: skip
+    for leg, run in zip(legs, runs, strict=True):
+        print(
+            f"  {leg.label:<22} {run.percentile(0.5):8.1f} {run.percentile(0.99):8.1f} "
+            f"{run.percentile(1.0):8.1f}  "
+            f"{1000 * run.cpu.get('gunicorn', 0) / max(run.completed, 1):.2f}, "
+            f"{1000 * run.cpu.get('postgres', 0) / max(run.completed, 1):.2f}; "
+            f"{100 * run.others:.0f}% of the machine"
+        )
+        print(
+            f"  {'':<22} p99 per turn: "
+            + ", ".join(f"{turn.percentile(0.99):.1f}" for turn in leg.turns)
+        )
+    for fleet in fleets:
+        print(
+            f"  {fleet.nodes * 8:,} GPUs: {fleet.devices:,} published devices, {fleet.shapes} "
+            f"shapes; a worker's shapes (re)load {1000 * fleet.reload_s:.0f} ms"
+        )
+    print(
+        f"  load average (1 min) {load[0]:.1f} before the imports, {load[1]:.1f} before the "
+        f"measured turns, {load[2]:.1f} after; {os.cpu_count()} cores; "
+        f"{datetime.now(UTC):%Y-%m-%d %H:%M} UTC"
+    )
+    small, large = runs[1], runs[2]
+    ratio = large.percentile(0.99) / small.percentile(0.99)
+    checks = [
+        (f"webhook p99 with {fleets[1].nodes * 8:,} GPUs {large.percentile(0.99):.1f} ms / with "
+         f"{fleets[0].nodes * 8:,} GPUs {small.percentile(0.99):.1f} ms = {ratio:.2f}",
+         ratio <= TARGET_SCALE_RATIO, f"<= {TARGET_SCALE_RATIO:g}"),
+        *checks,
+    ]  # fmt: skip
+    print()
+    for text, passed, target in checks:
+        print(f"{'PASS' if passed else 'FAIL'}  {text}  (target {target})")
+    return 0 if all(passed for _, passed, _ in checks) else 1
 
 
 def _start_py_spy(master: int, output: str, seconds: float) -> subprocess.Popen[bytes]:
