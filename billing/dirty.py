@@ -4,19 +4,31 @@ works the marks off."""
 
 from __future__ import annotations
 
-from datetime import datetime, timedelta
+import logging
+from collections.abc import Iterable, Mapping
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from billing import retention
 from billing.hours import hour_start, hours_between
 from billing.models import DirtyHour
 from inventory.models import Allocation
+
+log = logging.getLogger(__name__)
 
 
 def mark_dirty(*, hours: set[datetime], at: datetime) -> None:
     """Mark the UTC hours holding `hours` as to be rolled up again, as of `at` (a mark made
     while a rollup runs outlives it). One upsert, in hour order, so concurrent marks never
-    deadlock."""
+    deadlock.
+
+    Hours of a day whose samples retention has dropped (`billing.retention`) are not marked:
+    rolled up again without their samples, their measured time would turn unmeasured and
+    bill a closed period's usage anew. Such a day is past TALLY_SAMPLE_RETENTION_DAYS, which
+    is longer than any late sample may be (TALLY_INGEST_MAX_AGE_DAYS); only a claim the sync
+    sees months late can touch it, and its hours there are logged, not billed."""
     starts = {hour_start(hour) for hour in hours}
+    starts -= _dropped(starts, at=at)
     if starts:
         DirtyHour.objects.bulk_create(
             [DirtyHour(hour=hour, marked_at=at) for hour in sorted(starts)],
@@ -26,20 +38,78 @@ def mark_dirty(*, hours: set[datetime], at: datetime) -> None:
         )
 
 
+def _dropped(starts: set[datetime], *, at: datetime) -> set[datetime]:
+    """The hours among `starts` whose day's sample partition retention has dropped."""
+    cutoff = retention.retention_cutoff(at)
+    old = {start for start in starts if start.astimezone(UTC).date() < cutoff}
+    if not old:
+        return set()
+    kept = retention.sample_partitions()
+    dropped = {start for start in old if start.astimezone(UTC).date() not in kept}
+    if dropped:
+        log.warning(
+            "%d hour(s) from %s to %s not marked for rollup: their samples are past retention "
+            "(TALLY_SAMPLE_RETENTION_DAYS) and gone",
+            len(dropped),
+            f"{min(dropped):%Y-%m-%d %H:00}",
+            f"{max(dropped):%Y-%m-%d %H:00}",
+        )
+    return dropped
+
+
+_IDS_PER_QUERY = 10_000  # well under PostgreSQL's 65,535 parameters a statement
+
+
 def mark_claims_dirty(*, claim_ids: list[int], at: datetime) -> None:
     """Mark every hour the claims' allocations span, so usage follows what the sync saw."""
-    # Merge the intervals first: a large import holds thousands of allocations over the same
-    # weeks, and each hour is to be marked once.
-    intervals = sorted(
-        (start, min(end or at, at) + timedelta(milliseconds=1))
-        for start, end in Allocation.objects.filter(claim_id__in=claim_ids).values_list(
+    intervals = Allocation.objects.filter(claim_id__in=claim_ids).values_list("start", "end")
+    mark_dirty(hours=_span_hours(intervals, at=at), at=at)
+
+
+def mark_changes_dirty(
+    *,
+    at: datetime,
+    spans: Iterable[tuple[datetime, datetime]],
+    reattributed: Iterable[int] = (),
+    unfilled: Mapping[int, tuple[str, str]] | None = None,
+) -> None:
+    """Mark only the hours whose usage rows can change because of what changed (see
+    `inventory.signals.claims_changed`): each of `spans` up to `at`; every hour of the
+    allocations of the `reattributed` claims; every hour of each `unfilled` allocation whose
+    (username, job) is no longer what it was when the change was sent. Allocations the sync
+    did not touch keep their rows: their intervals and who they charge are as before."""
+    intervals: list[tuple[datetime, datetime | None]] = list(spans)
+    reattributed = list(reattributed)
+    if reattributed:
+        intervals += Allocation.objects.filter(claim_id__in=reattributed).values_list(
             "start", "end"
         )
+    ids = list(unfilled or {})
+    for first in range(0, len(ids), _IDS_PER_QUERY):
+        intervals += [
+            (start, end)
+            for pk, start, end, username, job in Allocation.objects.filter(
+                pk__in=ids[first : first + _IDS_PER_QUERY]
+            ).values_list("pk", "start", "end", "username", "job")
+            if unfilled is not None and (username, job) != tuple(unfilled[pk])
+        ]
+    mark_dirty(hours=_span_hours(intervals, at=at), at=at)
+
+
+def _span_hours(
+    intervals: Iterable[tuple[datetime, datetime | None]], *, at: datetime
+) -> set[datetime]:
+    """The hours `intervals` reach into, each cut at `at` (an open one runs to `at`); `at`'s
+    own hour for an interval that ends at it or starts there."""
+    # Merge the intervals first: a large import holds thousands of allocations over the same
+    # weeks, and each hour is to be marked once.
+    ordered = sorted(
+        (start, min(end or at, at) + timedelta(milliseconds=1)) for start, end in intervals
     )
     hours: set[datetime] = set()
     merged_start: datetime | None = None
     merged_end: datetime | None = None
-    for start, end in intervals:
+    for start, end in ordered:
         if merged_end is not None and start <= merged_end:
             merged_end = max(merged_end, end)
             continue
@@ -48,9 +118,26 @@ def mark_claims_dirty(*, claim_ids: list[int], at: datetime) -> None:
         merged_start, merged_end = start, end
     if merged_start is not None and merged_end is not None:
         hours |= hours_between(merged_start, merged_end)
-    mark_dirty(hours=hours, at=at)
+    return hours
 
 
-def on_claims_changed(sender: Any, *, claim_ids: list[int], at: datetime, **_: Any) -> None:
-    """`inventory.signals.claims_changed` receiver: the claims' hours are rolled up again."""
-    mark_claims_dirty(claim_ids=claim_ids, at=at)
+def on_claims_changed(
+    sender: Any,
+    *,
+    claim_ids: list[int],
+    at: datetime,
+    spans: Iterable[tuple[datetime, datetime]] | None = None,
+    reattributed: Iterable[int] = (),
+    unfilled: Mapping[int, tuple[str, str]] | None = None,
+    **_: Any,
+) -> None:
+    """`inventory.signals.claims_changed` receiver: the hours the change touched are rolled up
+    again; every hour of the claims' allocations where the sender does not say which.
+
+    `unfilled` is compared with the allocations as they are when this runs: quota's receiver,
+    which may fill them in, runs before this one (`quota` is before `billing` in
+    INSTALLED_APPS; tests/billing/test_dirty_marks.py checks it)."""
+    if spans is None:
+        mark_claims_dirty(claim_ids=claim_ids, at=at)
+        return
+    mark_changes_dirty(at=at, spans=spans, reattributed=reattributed, unfilled=unfilled)

@@ -868,12 +868,13 @@ class _Writer:
             allocation.team_id = teams.get(namespaces[allocation.claim_id])
         bulk_insert(Allocation, new_allocations)
         self.report.created["Allocation"] += len(new_allocations)
-        claims_changed.send(
-            sender=ResourceClaim,
-            cluster=self.cluster,
-            claim_ids=list(claim_ids.values()),
-            at=self.at,
-        )
+        # Usage changes from a new allocation's start and from an ended one's end (`at`); a
+        # claim changed in nothing else (labels, status, resourceVersion) changes none.
+        spans = [(allocation.start, self.at) for allocation in new_allocations]
+        if ended:
+            spans.append((self.at, self.at))
+        reattributed = [pk for pk, (before, after) in refined.items() if before != after]
+        self._claims_changed(list(claim_ids.values()), spans=spans, reattributed=reattributed)
 
     def _job(self, parsed: dra.ParsedClaim, stored: ResourceClaim | None) -> str:
         """The claim's job: as the caller followed its owners, else as recorded before for the
@@ -908,10 +909,33 @@ class _Writer:
         # Claims written by this snapshot were counted and signalled already.
         others = [claim.pk for claim in changed if claim.pk not in self.claims_written]
         self.report.updated["ResourceClaim"] += len(others)
-        if others:
-            claims_changed.send(
-                sender=ResourceClaim, cluster=self.cluster, claim_ids=others, at=self.at
-            )
+        if refined:
+            # Those written by this snapshot are reattributed only now: all their hours too.
+            self._claims_changed(others, spans=[], reattributed=list(refined))
+
+    def _claims_changed(
+        self,
+        claim_ids: list[int],
+        *,
+        spans: list[tuple[datetime, datetime]],
+        reattributed: list[int],
+    ) -> None:
+        """Send `claims_changed` (see `inventory.signals`) for these claims."""
+        unfilled = {
+            pk: (username, job)
+            for pk, username, job in Allocation.objects.filter(
+                Q(username="") | Q(job=""), claim_id__in=claim_ids
+            ).values_list("pk", "username", "job")
+        }
+        claims_changed.send(
+            sender=ResourceClaim,
+            cluster=self.cluster,
+            claim_ids=claim_ids,
+            at=self.at,
+            spans=spans,
+            reattributed=reattributed,
+            unfilled=unfilled,
+        )
 
     def _end_allocations(self, allocation_ids: list[int]) -> None:
         if allocation_ids:
@@ -976,12 +1000,18 @@ class _Writer:
                 end__isnull=True,
                 driver__in={driver for driver, _ in pools},
                 pool__in={pool for _, pool in pools},
-            ).only("pk", "driver", "pool", "device_name", "consumed_capacity")
+            ).only("pk", "claim_id", "start", "driver", "pool", "device_name", "consumed_capacity")
             if (allocation.driver, allocation.pool) in wanted
         ]
-        Allocation.objects.bulk_update(
-            self._link(unlinked), ["device", *METERING_FIELDS], batch_size=1000
-        )
+        linked = self._link(unlinked)
+        Allocation.objects.bulk_update(linked, ["device", *METERING_FIELDS], batch_size=1000)
+        if linked:
+            # Metered from now on, from their start: all their hours so far change.
+            self._claims_changed(
+                sorted({allocation.claim_id for allocation in linked}),
+                spans=[(allocation.start, self.at) for allocation in linked],
+                reattributed=[],
+            )
 
     # Disappearance.
 
@@ -1026,19 +1056,18 @@ class _Writer:
     def _release_claims(self, claim_ids: list[int]) -> None:
         if not claim_ids:
             return
-        self._end_allocations(
-            list(
-                Allocation.objects.filter(claim__in=claim_ids, end__isnull=True).values_list(
-                    "pk", flat=True
-                )
+        ending = list(
+            Allocation.objects.filter(claim__in=claim_ids, end__isnull=True).values_list(
+                "pk", flat=True
             )
         )
+        self._end_allocations(ending)
         self.report.gone["ResourceClaim"] += ResourceClaim.objects.filter(
             pk__in=claim_ids, released_at__isnull=True
         ).update(released_at=self.at)
-        claims_changed.send(
-            sender=ResourceClaim, cluster=self.cluster, claim_ids=claim_ids, at=self.at
-        )
+        # Usage changes from the hour the allocations ended in (`at`), not before.
+        spans = [(self.at, self.at)] if ending else []
+        self._claims_changed(claim_ids, spans=spans, reattributed=[])
 
 
 _DEVICE_FIELDS = (

@@ -2,6 +2,15 @@
 
 from django.dispatch import Signal
 
-# Sent inside the sync's transaction after claims were written or released, with
-# `cluster`, `claim_ids` (ResourceClaim primary keys) and `at`.
+# Sent inside the sync's transaction after claims were written or released (or their
+# allocations tied to their devices), with:
+# - `cluster`, `claim_ids` (ResourceClaim primary keys) and `at`;
+# - `spans`: [(start, end)], the times whose usage can have changed because of what changed:
+#   a new allocation's (its start, `at`), an ended one's (`at`, `at`); empty when nothing
+#   the usage rows read changed. A receiver given no `spans` (a sender that does not say)
+#   takes every hour of the claims' allocations;
+# - `reattributed`: claim ids whose allocations' attribution (job) changed: all their hours;
+# - `unfilled`: {allocation id: (username, job)} of the claims' allocations that had no
+#   username or no job when sent: a receiver may fill them in (quota records who the webhook
+#   saw create the claim), and those it filled change all their hours.
 claims_changed = Signal()

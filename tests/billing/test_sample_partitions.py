@@ -18,6 +18,7 @@ from django.db import connection, connections
 from django.test import override_settings
 from django.utils import timezone
 
+from billing.dirty import mark_dirty
 from billing.hours import epoch_ms, sample_hold_ms
 from billing.ingest import SampleRow, ingest
 from billing.models import DirtyHour, Period, Sample, UnknownDeviceSample
@@ -171,6 +172,32 @@ def test_a_day_is_dropped_only_once_its_period_is_closed_and_its_hours_rolled_up
     with connection.cursor() as cursor:
         cursor.execute("SELECT to_regclass(%s)", [partition_name(day)])
         assert cursor.fetchone() == (None,)
+
+
+@override_settings(TALLY_SAMPLE_RETENTION_DAYS=100)
+def test_the_hours_of_a_dropped_day_are_never_marked_for_rollup_again(gpu: Device) -> None:
+    """Rolled up again without its samples, a dropped day's measured time would turn
+    unmeasured and bill its closed period anew: a claim the sync sees months late marks the
+    hours still kept, not those."""
+    # A day and its next in one period, long past retention; a day of the next period, past
+    # retention too, whose period stays open.
+    first = TODAY - timedelta(days=150)
+    if period_bounds(at(first + timedelta(days=1)))[0] != period_bounds(at(first))[0]:
+        first -= timedelta(days=1)
+    later = period_bounds(at(first))[1].date() + timedelta(days=2)
+    day = _old_day_with_samples(gpu, days_old=(TODAY - first).days)
+    open_old = _old_day_with_samples(gpu, days_old=(TODAY - later).days)
+    assert (TODAY - open_old).days > 100
+    maintain_sample_partitions(now=NOW)
+    _close_periods_over(day)
+    _close_periods_over(day + timedelta(days=1))
+    assert day in maintain_sample_partitions(now=NOW).dropped
+    assert open_old in sample_partitions()
+
+    recent = at(TODAY - timedelta(days=2), 3)
+    mark_dirty(hours={at(day, 5), at(open_old, 5), recent}, at=NOW)
+
+    assert set(DirtyHour.objects.values_list("hour", flat=True)) == {at(open_old, 5), recent}
 
 
 @override_settings(TALLY_SAMPLE_RETENTION_DAYS=100)
