@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import sys
 import time
 from collections import defaultdict
 from datetime import UTC, date, datetime, timedelta
@@ -41,7 +40,7 @@ from fractions import Fraction
 from typing import Any
 
 from bench.billing import _load_fleet
-from bench.inventory import REPO, _database_name, _drop_database, _recreate_database
+from bench.database import fresh_database
 
 DEFAULT_URL = "postgres://postgres@127.0.0.1:5432/tally_bench_statements"
 MONTH_START = datetime(2026, 3, 1, tzinfo=UTC)
@@ -63,41 +62,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus < 1 or args.teams < 1:
         parser.error("--gpus and --teams must be positive")
 
-    url = os.environ.get("BENCH_DATABASE_URL", DEFAULT_URL)
-    database = _database_name(url)
-    if "bench" not in database:
-        # The database is dropped and created again: never point this at real data.
-        parser.error(f"BENCH_DATABASE_URL names {database!r}; its name must contain 'bench'")
-    os.environ["DATABASE_URL"] = url
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
     os.environ.setdefault("TALLY_BILLING_PERIOD", "month")
-    sys.path.insert(0, str(REPO))
-    print(
-        f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start",
-        flush=True,
-    )
-    print(f"database {database}: creating and migrating", flush=True)
-    _recreate_database(url)
-    import django
-
-    django.setup()
-    from django.conf import settings
-    from django.core.management import call_command
-
-    if settings.DEBUG:
-        print("warning: DEBUG is on; Django keeps every query, so run with DEBUG=false")
-    call_command("migrate", verbosity=0)
-    try:
+    with fresh_database(parser, DEFAULT_URL, keep=args.keep):
         _load_fleet(args.gpus, seed=args.seed, at=MONTH_START)
         return _run(teams=args.teams)
-    finally:
-        from django.db import connections
-
-        connections.close_all()
-        if args.keep:
-            print(f"kept: database {database}")
-        else:
-            _drop_database(url)
 
 
 def _run(*, teams: int) -> int:

@@ -35,10 +35,8 @@ import bisect
 import copy
 import json
 import math
-import os
 import random
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -47,7 +45,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench.inventory import REPO, _database_name, _drop_database, _recreate_database
+from bench.database import fresh_database
 
 DEFAULT_URL = "postgres://postgres@127.0.0.1:5432/tally_bench_sync"
 START = datetime(2026, 3, 2, tzinfo=UTC)
@@ -66,39 +64,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.devices < 8 or args.rate < 1 or args.seconds < 1:
         parser.error("--devices at least 8, --rate and --seconds positive")
-    url = os.environ.get("BENCH_DATABASE_URL", DEFAULT_URL)
-    database = _database_name(url)
-    if "bench" not in database:
-        # The database is dropped and created again: never point this at real data.
-        parser.error(f"BENCH_DATABASE_URL names {database!r}; its name must contain 'bench'")
-    os.environ["DATABASE_URL"] = url
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
-    sys.path.insert(0, str(REPO))
-    print(
-        f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start",
-        flush=True,
-    )
-    print(f"database {database}: creating and migrating", flush=True)
-    _recreate_database(url)
-    import django
-
-    django.setup()
-    from django.conf import settings
-    from django.core.management import call_command
-
-    if settings.DEBUG:
-        print("warning: DEBUG is on; Django keeps every query, so run with DEBUG=false")
-    call_command("migrate", verbosity=0)
-    try:
+    with fresh_database(parser, DEFAULT_URL, keep=args.keep):
         return _run(args)
-    finally:
-        from django.db import connections
-
-        connections.close_all()
-        if args.keep:
-            print(f"kept: database {database}")
-        else:
-            _drop_database(url)
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -153,7 +120,7 @@ def _run(args: argparse.Namespace) -> int:
             daemon=True,
         )
 
-        def applied() -> dict[str, int]:
+        def applied() -> dict[str, str]:
             return dict(
                 SyncState.objects.filter(cluster=cluster, kind__in=KINDS).values_list(
                     "kind", "resource_version"
