@@ -175,8 +175,10 @@ class GangReservation(models.Model):
 
     The first member's admission reserves the whole gang's demand: the member's own share on
     its reservation, the rest here. Each later member moves its share from here to its own
-    reservation, so usage does not change. Released when no member holds a live reservation
-    any more, or when the gang's members have not all appeared by `expires_at`.
+    reservation, so usage does not change; a gang that grows tops it up for its new members,
+    and a member released while the gang lives gives its share back here, for its replacement
+    (either keeps it TALLY_GANG_RESERVATION_SECONDS more). Released when no member holds a live
+    reservation any more, or when what it holds has not been drawn by `expires_at`.
     """
 
     cluster = models.CharField(max_length=63)

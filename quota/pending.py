@@ -1,8 +1,10 @@
 """Pending demand: claims that exist but hold no device, and what they ask for (issue 20).
 
-A claim is pending while it is live (`released_at` is null) and has no open allocation. It has
-waited since it last stopped holding devices, else since it was created (`created_at`, else
-when the sync first saw it): a claim that was allocated and then deallocated is waiting again.
+A claim is pending while it is live (`released_at` is null), has no open allocation and its
+status records no allocation (one allocated with `adminAccess` has no `Allocation` row: it only
+observes its devices, yet it waits for nothing). It has waited since it last stopped holding
+devices, else since it was created (`created_at`, else when the sync first saw it): a claim
+that was allocated and then deallocated is waiting again.
 
 What a request asks for is weighed as the webhook weighs it (`quota.admission.decision.demand`)
 against a rule that covers the request's own device class: the devices of the fleet it could
@@ -26,7 +28,7 @@ from datetime import datetime
 from decimal import Decimal
 from typing import Any
 
-from django.db.models import Max, OuterRef, QuerySet, Subquery
+from django.db.models import Max, OuterRef, Q, QuerySet, Subquery
 from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -173,6 +175,7 @@ def _pending(
     held = Allocation.objects.filter(end__isnull=True).values("claim_id")
     rows = (
         claims.exclude(pk__in=held)
+        .exclude(Q(status__has_key="allocation") & ~Q(status__allocation=None))
         .annotate(
             team_slug=Subquery(
                 TeamNamespace.objects.filter(namespace=OuterRef("namespace")).values("team__slug")[

@@ -14,8 +14,9 @@ have drawn it, what it reserved for them: a live `GangReservation`'s lines count
 beside the reservations' lines, and the recount counts them too.
 
 `sync_reservations` turns a reservation into the exact allocated devices once the scheduler has
-allocated, and releases it when the claim goes (and its gang's hold when it was the gang's last
-member); `expire_reservations` frees what was reserved for claims that never appeared, and
+allocated, and releases it when the claim goes: a member of a gang still live gives its share
+back to the gang's hold, for its replacement; the last member's release ends the gang and frees
+its hold. `expire_reservations` frees what was reserved for claims that never appeared, and
 what gangs held for members that did not appear in time; `set_budget` gives a team its budget
 (in hours of one unit).
 
@@ -30,7 +31,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -40,13 +41,15 @@ from django.db.models import F, Q
 
 from config import metrics
 from db.locks import advisory_xact_lock
-from inventory.models import Allocation, Cluster, ResourceClaim
+from inventory.models import Allocation, Cluster, Gang, ResourceClaim
 from inventory.models import Unit as DeviceUnit
 from inventory.owners import is_controller
 from quota.admission.decision import claim_amounts, per_device
 from quota.admission.shapes import FleetShapes, Shape, covers, load_fleet, shape_of
 from quota.models import (
     Budget,
+    GangMode,
+    GangPolicy,
     GangReservation,
     GangReservationLine,
     QuotaRule,
@@ -221,16 +224,86 @@ def _write_lines(holder: Holder, stored: dict[int, Decimal], amounts: dict[int, 
 
 
 def _release(reservation: Reservation, at: datetime) -> bool:
+    """Release a live reservation: what it holds is freed, or, for a member of a gang still
+    live, given back to the gang (`_give_back_to_gang`). The rules are locked already."""
     if (
         Reservation.objects.filter(pk=reservation.pk)
         .exclude(state=ReservationState.RELEASED)
         .update(state=ReservationState.RELEASED, released_at=at)
     ):
+        if reservation.gang_key and _give_back_to_gang(reservation, at):
+            return True
         _change_lines(reservation, {})
         if reservation.gang_key:
             _end_gang(reservation, at)
         return True
     return False
+
+
+def _give_back_to_gang(member: Reservation, at: datetime) -> bool:
+    """Move what `member` (just released) holds to its gang's hold, when the gang is live: it
+    has other live members, its team (still the namespace's owner) enforces gangs, and its
+    hold was not released while those members lived (it expired, or the team stopped
+    enforcing). The member's replacement (a Pod evicted and made again, a restart) then draws
+    it, and nobody else takes the gang's room meanwhile; the hold (made again if the gang had
+    none: its members all fit when admitted) keeps it TALLY_GANG_RESERVATION_SECONDS more,
+    then expires as a hold does. Usage does not change. Returns whether it was given back.
+
+    The rules are locked already (`lock_usage`); the hold is locked after them, as the
+    webhook's reserving statement locks them."""
+    where = {"cluster": member.cluster, "namespace": member.namespace}
+    others = list(
+        Reservation.objects.filter(**where, gang_key=member.gang_key)
+        .exclude(state=ReservationState.RELEASED)
+        .values_list("created_at", flat=True)
+    )
+    if not others:
+        return False  # the gang has ended
+    mode = GangPolicy.objects.filter(team_id=member.team_id).values_list("mode", flat=True).first()
+    owner = (
+        TeamNamespace.objects.filter(namespace=member.namespace)
+        .values_list("team_id", flat=True)
+        .first()
+    )
+    if (mode or GangMode.ENFORCE) != GangMode.ENFORCE or owner != member.team_id:
+        return False
+    holds = GangReservation.objects.filter(**where, key=member.gang_key)
+    hold = holds.exclude(state=ReservationState.RELEASED).select_for_update().first()
+    if hold is None:
+        latest = holds.order_by("-created_at", "-pk").first()
+        if latest is not None and latest.released_at and latest.released_at >= min(others):
+            return False  # its hold was released while these members lived: not kept again
+        gang = Gang.objects.filter(
+            cluster__name=member.cluster, namespace=member.namespace, key=member.gang_key
+        ).first()
+        described = latest or gang
+        hold = GangReservation.objects.create(
+            **where,
+            key=member.gang_key,
+            source=described.source if described is not None else "",
+            size=described.size if described is not None else len(others) + 1,
+            team_id=member.team_id,
+            created_at=at,
+            expires_at=None,
+        )
+    elif hold.team_id != member.team_id:
+        return False
+    given = {line.rule_id: line.amount for line in member.lines.all()}
+    held = {line.rule_id: line.amount for line in hold.lines.all()}
+    _write_lines(member, given, {})
+    _write_lines(
+        hold,
+        held,
+        {
+            rule_id: held.get(rule_id, Decimal(0)) + given.get(rule_id, Decimal(0))
+            for rule_id in set(held) | set(given)
+        },
+    )
+    expires_at = at + timedelta(seconds=settings.TALLY_GANG_RESERVATION_SECONDS)
+    GangReservation.objects.filter(pk=hold.pk).update(
+        expires_at=max(expires_at, hold.expires_at or expires_at)
+    )
+    return True
 
 
 def _end_gang(member: Reservation, at: datetime) -> None:
@@ -279,10 +352,12 @@ def sync_reservations(*, cluster: Cluster, claim_ids: list[int], at: datetime) -
     the sync's first sight of it counts it too). A claim allocated without passing the webhook
     (made before Tally, or while it was off) is adopted so that usage stays true. A
     reservation whose namespace another team owns now becomes that team's; one whose namespace
-    no team owns holds nothing.
+    no team owns holds nothing. A reservation admitted with no gang (its gang could not be read
+    then) whose claim the sync has since found in a gang becomes that gang's member.
     """
     claims = list(
-        ResourceClaim.objects.filter(pk__in=claim_ids, cluster=cluster).only(
+        ResourceClaim.objects.filter(pk__in=claim_ids, cluster=cluster)
+        .only(
             "pk",
             "namespace",
             "name",
@@ -293,7 +368,9 @@ def sync_reservations(*, cluster: Cluster, claim_ids: list[int], at: datetime) -
             "owner_references",
             "created_by",
             "admitted_job",
+            "gang__key",
         )
+        .select_related("gang")
     )
     if not claims:
         return
@@ -357,6 +434,11 @@ def _follow(
     same_claim = reservation is not None and reservation.claim_uid in ("", claim.uid)
     if reservation is not None and same_claim:
         _record_creator(claim, reservation)
+        if not reservation.gang_key and claim.gang is not None:
+            # Admitted before its gang could be read: the sync read it since, and the claim
+            # is the gang's member from now on (as the webhook's next weighing finds too).
+            reservation.gang_key = claim.gang.key
+            Reservation.objects.filter(pk=reservation.pk).update(gang_key=claim.gang.key)
     if claim.released_at is not None:
         if reservation is not None and same_claim:
             _release(reservation, claim.released_at)
@@ -507,8 +589,10 @@ def recount_usage(
     A claim allocated in a namespace a team owns without a live reservation (made before Tally,
     or before the namespace was the team's) is adopted: a reservation in state allocated. A
     reservation whose namespace has moved becomes its new team's; one whose namespace no team
-    owns holds nothing. Teams that hold reservations of the teams' namespaces, or own the
-    namespaces of the teams' reservations, are recounted with them.
+    owns holds nothing. A gang's live hold keeps what it holds, unless its team turned
+    `gangs: off` or its namespace is no longer the team's: then it is released. Teams that
+    hold reservations of the teams' namespaces, or own the namespaces of the teams'
+    reservations, are recounted with them.
 
     Guarantees: takes `lock_usage` (the rules in id order) before it reads; writes only what
     differs; without `fix` writes nothing. Returns every recounted rule's usage as stored
@@ -551,6 +635,8 @@ class _Holding:
     subject: Reservation | GangReservation | ResourceClaim
     team_id: int
     lines: dict[int, Decimal]
+    # A gang's hold that is to be released (see `_Recount._hold`).
+    release: bool = False
 
     def stored(self) -> dict[int, Decimal]:
         if isinstance(self.subject, ResourceClaim):
@@ -571,6 +657,11 @@ class _Recount:
             rule.team = teams[rule.team_id]
             self.rules_of[rule.team_id].append(rule)
         self.counting = _Counting()
+        self.gangs_off = set(
+            GangPolicy.objects.filter(team_id__in=team_ids, mode=GangMode.OFF).values_list(
+                "team_id", flat=True
+            )
+        )
 
     def run(self, *, fix: bool) -> list[RuleUsage]:
         owned = set(
@@ -618,14 +709,21 @@ class _Recount:
 
     def _hold(self, hold: GangReservation) -> _Holding | None:
         """What a gang's live hold should hold: what it holds now on the rules still its
-        team's while that team owns its namespace (the webhook alone knows what the gang's
-        members to come take), nothing once another team or none does; None for one this
-        recount leaves alone."""
+        team's while that team owns its namespace and weighs gangs (the webhook alone knows
+        what the gang's members to come take); None for one this recount leaves alone.
+
+        A hold whose team turned `gangs: off`, or whose namespace another team (or none) owns
+        now, is released: the team no longer asked for room to be kept for the gang, or the
+        room was weighed on rules that no longer count the namespace, and what the members to
+        come take on the new owner's rules only the webhook can weigh (it does, as a gang
+        without a hold, when the next member comes). Kept, it would block a team for a job
+        that is no longer its own, or that it chose not to gang.
+        """
         owner = self.owners.get(hold.namespace)
         if hold.team_id not in self.team_ids or (owner is not None and owner not in self.team_ids):
             return None
-        if owner != hold.team_id:
-            return _Holding(hold, hold.team_id, {})
+        if owner != hold.team_id or hold.team_id in self.gangs_off:
+            return _Holding(hold, hold.team_id, {}, release=True)
         ours = {rule.pk for rule in self.rules_of[owner]}
         held = {line.rule_id: line.amount for line in hold.lines.all() if line.rule_id in ours}
         return _Holding(hold, owner, held)
@@ -712,6 +810,10 @@ class _Recount:
             )
         elif isinstance(subject, Reservation) and holding.team_id != subject.team_id:
             Reservation.objects.filter(pk=subject.pk).update(team_id=holding.team_id)
+        elif isinstance(subject, GangReservation) and holding.release:
+            GangReservation.objects.filter(pk=subject.pk).exclude(
+                state=ReservationState.RELEASED
+            ).update(state=ReservationState.RELEASED, released_at=self.at)
         _write_lines(subject, stored, lines)
 
 

@@ -725,17 +725,34 @@ class GangState:
     members: dict[int, Decimal]
 
 
+@dataclass(frozen=True)
+class Adopted:
+    """Members of a gang admitted alone, before their gang could be read (not yet readable,
+    the reader failing, the team's gangs off then): live reservations of the namespace with no
+    gang whose claim's Pod is in the gang. Their ids, and what they hold by rule."""
+
+    ids: tuple[int, ...] = ()
+    amounts: dict[int, Decimal] = field(default_factory=dict)
+
+
 @dataclass
 class GangPlan:
-    """How a gang member is admitted: drawing from its gang's hold (`hold_id`); or, the first
-    member of a gang admitted whole, adding `counted` to each rule (the whole gang's demand)
-    of which `hold` is held for the members to come; or (neither) as a claim alone, only
-    recording its gang."""
+    """How a gang member is admitted: drawing from its gang's hold (`hold_id`), changing each
+    rule's usage by `counted` (none: it draws its whole share) and the hold by `counted` less
+    its own share; or, the first member of a gang admitted whole, adding `counted` to each rule
+    (the whole gang's demand) of which `hold` is held for the members to come; or (neither) as
+    a claim alone, only recording its gang. `whole`: the rest of the gang was weighed with
+    the member (its denial names the gang; a top-up is planned again if the hold's lines
+    changed from `held`, as read). `adopted`: members admitted alone that this admission
+    records as the gang's (`Adopted`)."""
 
     gang: GangRef
     hold_id: int | None = None
     counted: dict[int, Decimal] = field(default_factory=dict)
     hold: dict[int, Decimal] = field(default_factory=dict)
+    whole: bool = False
+    adopted: tuple[int, ...] = ()
+    held: dict[int, Decimal] = field(default_factory=dict)
 
 
 def gang_demand(
@@ -766,39 +783,57 @@ def weigh_gang(
     mode: str,
     state: GangState,
     whole: Callable[[], dict[int, Decimal]],
+    adopted: Callable[[], Adopted],
 ) -> None:
     """Weigh the claim of `plan` as a member of `gang`, under the team's gang `mode`.
 
-    A gang with a live hold: the member draws from it (its `credit` was weighed already). Else
-    the whole gang's demand (`whole()`, less what its members admitted earlier hold, and at
-    least the claim's own) is weighed against every rule: under `enforce` the claim is
-    denied, naming the gang, its size and the rule, when it does not fit an enforce rule, and
-    otherwise admitting it holds the rest of the gang's demand; under `warn` it is decided
-    alone, with a warning when the gang could not fit whole; `off` ignores gangs. A claim
-    denied for another reason than quota (unreadable, past its budget) stays so.
+    A member whose share the gang's live hold covers draws it (its `credit` was weighed
+    already). Otherwise (no hold, or the gang grew past what its hold keeps) the rest of the
+    gang is weighed as the first member's admission weighs it: the whole gang's demand
+    (`whole()`), less what its members admitted already hold (those admitted alone before the
+    gang could be read included: `adopted()`) and what its hold keeps, and at least the
+    claim's own share beyond the hold, against every rule. Under `enforce` the claim is
+    denied, naming the gang, its size and the rule, when that does not fit an enforce rule;
+    otherwise admitting it holds (or tops the hold up to) what the members to come need. Under
+    `warn` it is decided alone, with a warning when the gang could not fit whole; `off`
+    ignores gangs. A claim denied for another reason than quota (unreadable, past its budget)
+    stays so.
     """
     if plan.team is None or mode == GangMode.OFF:
         return
     if plan.denial and plan.reason != "QuotaExceeded":
         return
-    plan.gang = GangPlan(gang=gang)
-    if state.hold_id is not None:
-        plan.gang.hold_id = state.hold_id
+    held = state.held if state.hold_id is not None else {}
+    plan.gang = GangPlan(gang=gang, hold_id=state.hold_id, held=dict(held))
+    own = plan.reserve
+    if state.hold_id is not None and all(
+        amount <= held.get(rule_id, Decimal(0)) for rule_id, amount in own.items()
+    ):
         return
     demand = whole()
-    own = plan.reserve
-    counted = {
+    found = adopted()
+    plan.gang.adopted = found.ids
+    rule_ids = sorted((set(demand) | set(own) | set(held)) & set(plan.rules))
+    # What the members still to come need once this one is admitted, and what admitting it
+    # changes on each rule: its own share and that, less what the hold keeps already.
+    rest = {
         rule_id: max(
-            demand.get(rule_id, Decimal(0)) - state.members.get(rule_id, Decimal(0)),
-            own.get(rule_id, Decimal(0)),
+            demand.get(rule_id, Decimal(0))
+            - state.members.get(rule_id, Decimal(0))
+            - found.amounts.get(rule_id, Decimal(0))
+            - own.get(rule_id, Decimal(0)),
+            Decimal(0),
         )
-        for rule_id in sorted(set(demand) | set(own))
-        if rule_id in plan.rules
+        for rule_id in rule_ids
+    }
+    counted = {
+        rule_id: own.get(rule_id, Decimal(0)) + rest[rule_id] - held.get(rule_id, Decimal(0))
+        for rule_id in rule_ids
     }
     over = None
     for rule_id, amount in counted.items():
         rule = plan.rules[rule_id]
-        if rule.in_use + amount <= rule.limit:
+        if rule.in_use + amount <= rule.limit or (state.hold_id is not None and amount <= 0):
             continue
         if rule.mode == Mode.ENFORCE:
             over = over or rule
@@ -806,15 +841,26 @@ def weigh_gang(
             plan.warnings.append(gang_over_limit(plan, rule, amount) + " (warn only)")
     if over is not None:
         message = gang_over_limit(plan, over, counted[over.pk])
-        if mode == GangMode.WARN:
-            plan.warnings.append(message + " (gangs: warn; the claim is decided alone)")
+        if mode == GangMode.ENFORCE:
+            plan.denial = message + "; the gang is denied whole, nothing reserved"
+            plan.reason, plan.rule = "QuotaExceeded", over.name
             return
-        plan.denial = message + "; the gang is denied whole, nothing reserved"
-        plan.reason, plan.rule = "QuotaExceeded", over.name
+        plan.warnings.append(message + " (gangs: warn; the claim is decided alone)")
+    if mode == GangMode.WARN:
+        if state.hold_id is not None:
+            # Decided alone (a hold kept from when the team enforced gangs): it draws what the
+            # hold has of its share, and the rest is counted as a claim alone's.
+            plan.gang.counted = {
+                rule_id: max(amount - held.get(rule_id, Decimal(0)), Decimal(0))
+                for rule_id, amount in own.items()
+            }
         return
-    hold = {rule_id: amount - own.get(rule_id, Decimal(0)) for rule_id, amount in counted.items()}
-    if mode == GangMode.ENFORCE and not plan.denial and any(hold.values()):
-        plan.gang.counted, plan.gang.hold = counted, hold
+    if plan.denial:
+        return
+    if state.hold_id is not None:
+        plan.gang.counted, plan.gang.whole = counted, True  # the hold made `rest`
+    elif any(rest.values()):
+        plan.gang.counted, plan.gang.hold, plan.gang.whole = counted, rest, True
 
 
 def gang_over_limit(plan: Plan, rule: Rule, needs: Decimal) -> str:

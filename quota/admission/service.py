@@ -19,6 +19,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
@@ -30,6 +31,7 @@ from django.urls import get_resolver
 
 from inventory import gangs, kube
 from inventory.models import Cluster
+from inventory.owners import api_group
 from inventory.services import get_cluster
 from quota.admission import budgets, decision, shapes, store
 from quota.admission.decision import AdmissionState, Decision, Plan
@@ -57,7 +59,10 @@ def review_claim(
     the database past `deadline` (`time.monotonic()`), and no reservation is made after it
     (`store.DeadlinePassed`, an `OperationalError`). A gang's first member is admitted only
     if the whole gang fits, in the same one statement (no two gangs admitted into room for
-    one); its other members draw from what it held (`decision.weigh_gang`).
+    one); its other members draw from what it held, and a member beyond the hold (the gang
+    grew) is admitted only if the rest of the gang fits too, topping the hold up
+    (`decision.weigh_gang`). Members admitted alone before their gang could be read count as
+    the gang's.
     """
     with (
         store.admission_deadline(deadline),
@@ -180,6 +185,7 @@ def _plan(
             whole=functools.partial(
                 _gang_demand, cluster=cluster, claim=claim, plan=plan, gang=gang
             ),
+            adopted=functools.partial(_admitted_alone, cluster=cluster, claim=claim, gang=gang),
         )
     plan.warnings.extend(gang.warnings)
     return plan
@@ -209,6 +215,10 @@ def _reserve(
     )
     admitted = plan.decision()
     gang = plan.gang
+    if gang is not None:
+        # Members admitted before their gang could be read are the gang's from now on (the
+        # plan counted them so); true whatever this claim's answer.
+        store.adopt_gang_members(ids=gang.adopted, key=gang.gang.key)
     if gang is not None and ((gang.hold_id is not None and plan.reserve) or gang.counted):
         try:
             exceeded = store.reserve_gang(fields, plan, username=username, at=at)
@@ -217,8 +227,10 @@ def _reserve(
         if exceeded is None:
             return admitted, True
         rule, asked = exceeded
-        if gang.hold_id is not None:
+        if not gang.whole:
             return decision.over_quota(plan, rule, asked), False
+        if gang.hold_id is not None:
+            return decision.gang_over_quota(plan, rule), False
         namespace, _ = decision.claim_name(claim)
         if store.gang_state(cluster=cluster.name, namespace=namespace, key=gang.gang.key).hold_id:
             # Another member of the gang admitted it meanwhile: this one draws from its hold.
@@ -275,14 +287,34 @@ class _Watched:
         self.failures: list[str] = []
 
     def get(self, namespace: str, api_version: str, kind: str, name: str) -> dict[str, Any] | None:
+        return self._read(self._lookup.get, namespace, api_version, kind, name)
+
+    def get_fresh(
+        self, namespace: str, api_version: str, kind: str, name: str
+    ) -> dict[str, Any] | None:
+        """As `get`, past what the reader kept (a Pod recreated under its name), when the
+        reader can (`gangs.FreshLookup`)."""
+        fresh = getattr(self._lookup, "get_fresh", None)
+        return self._read(fresh or self._lookup.get, namespace, api_version, kind, name)
+
+    def _read(
+        self,
+        read: Callable[[str, str, str, str], dict[str, Any] | None],
+        namespace: str,
+        api_version: str,
+        kind: str,
+        name: str,
+    ) -> dict[str, Any] | None:
         try:
-            found = self._lookup.get(namespace, api_version, kind, name)
+            found = read(namespace, api_version, kind, name)
         except Exception as exc:  # a reader's bug or an API error: no gang, never a failure
             log.warning("reading %s %s/%s for a gang failed: %s", kind, namespace, name, exc)
             self.failures.append(f"reading {kind} {namespace}/{name} failed")
             return None
-        if found is None and kind == "Pod":
-            self.failures.append(f"Pod {namespace}/{name} could not be read")
+        if found is None and (kind == "Pod" or (api_group(api_version), kind) in gangs.GANG_KINDS):
+            # The Pod, or the object its gang is declared by (not created or cached yet,
+            # forbidden, timed out): the gang cannot be known.
+            self.failures.append(f"{kind} {namespace}/{name} could not be read")
         return found
 
 
@@ -341,6 +373,38 @@ def _gang_demand(
     return decision.gang_demand(gang=gang.ref, own=plan.reserve, templates=templates)
 
 
+# At most this many Pods are read to find a gang's members admitted alone (`_admitted_alone`):
+# the webhook's time is short, and such members are few (a gang's first few, at most).
+_ADOPTION_READS = 32
+
+
+def _admitted_alone(*, cluster: Cluster, claim: dict[str, Any], gang: _Gang) -> decision.Adopted:
+    """The members of the gang of `claim` that were admitted alone, before the gang could be
+    read: the latest live reservations of the namespace made for Pods with no gang (at most
+    `_ADOPTION_READS`), whose Pod is in the gang as read now."""
+    assert gang.ref is not None and gang.lookup is not None
+    namespace, name = decision.claim_name(claim)
+    ids: list[int] = []
+    amounts: dict[int, Decimal] = {}
+    for candidate in store.gangless_pod_claims(
+        cluster=cluster.name, namespace=namespace, name=name, limit=_ADOPTION_READS
+    ):
+        made_for = {
+            "metadata": {"namespace": namespace, "ownerReferences": candidate.owner_references}
+        }
+        try:
+            ref = gangs.gang_of_claim(made_for, gang.lookup)
+        except Exception:  # as in `_gang_of`: never fails an admission
+            log.exception("finding the gang of an admitted claim failed")
+            continue
+        if ref is None or ref.key != gang.ref.key:
+            continue
+        ids.append(candidate.id)
+        for rule_id, amount in candidate.amounts.items():
+            amounts[rule_id] = amounts.get(rule_id, Decimal(0)) + amount
+    return decision.Adopted(ids=tuple(ids), amounts=amounts)
+
+
 _lookups: dict[str, gangs.GangLookup | None] = {}
 
 
@@ -362,7 +426,9 @@ def _api_server_lookup() -> gangs.GangLookup | None:
     if not (os.environ.get("KUBERNETES_SERVICE_HOST") or os.environ.get("KUBECONFIG")):
         return None
     try:
-        return kube.GangReader(kube.api_client())
+        return kube.GangReader(
+            kube.api_client(retries=0), request_timeout=kube.WEBHOOK_READ_TIMEOUT_SECONDS
+        )
     except kube.KubeError as exc:
         log.warning("gangs cannot be read, claims are decided alone: %s", exc)
         return None

@@ -13,7 +13,10 @@ and the settings are local to it.
 
 A gang's member takes one more read (`gang_state`: its gang's hold and what its members hold)
 and reserves through `reserve_gang`, one statement as `reserve` is, that also makes the gang's
-hold or draws from it, taking the hold's locks after the rules', as every writer does.
+hold or draws from it (topping it up for a gang that grew), taking the hold's locks after the
+rules', as every writer does. Weighing a whole gang also reads the namespace's reservations
+recorded in no gang (`gangless_pod_claims`), and records those that turn out to be the gang's
+members (`adopt_gang_members`: a statement that changes no usage).
 
 Within `admission_deadline` nothing waits on the database past the admission's deadline, and
 no reservation is made after it, however late the database gets the statement.
@@ -399,6 +402,65 @@ def gang_state(*, cluster: str, namespace: str, key: str) -> GangState:
     return GangState(hold_id=hold_id, held=held, members=members)
 
 
+@functools.cache
+def _gangless_sql() -> str:
+    quote = connection.ops.quote_name
+    reservation, line = (quote(model._meta.db_table) for model in (Reservation, ReservationLine))
+    return f"""
+SELECT v.id, v.owner_references, l.rule_id, l.amount
+FROM (
+    SELECT id, owner_references FROM {reservation}
+    WHERE cluster = %s AND namespace = %s AND NOT (state = 'released') AND gang_key = ''
+      AND owner_kind = 'Pod' AND name <> %s
+    ORDER BY created_at DESC, id DESC LIMIT %s
+) v LEFT JOIN {line} l ON l.reservation_id = v.id
+"""
+
+
+@dataclass(frozen=True)
+class Gangless:
+    """A live reservation of a claim made for a Pod, recorded with no gang: its id, its
+    claim's owner references and what it holds, by rule."""
+
+    id: int
+    owner_references: list[Any]
+    amounts: dict[int, Decimal]
+
+
+def gangless_pod_claims(*, cluster: str, namespace: str, name: str, limit: int) -> list[Gangless]:
+    """The live reservations of claims made for Pods in `namespace` of `cluster` that record
+    no gang, but the claim `name`'s: at most `limit` of them, the latest first. One round
+    trip."""
+    found: dict[int, Gangless] = {}
+    for row_id, owners, rule_id, amount in fetch_prepared(
+        _gangless_sql(), [cluster, namespace, name, limit]
+    ):
+        if row_id not in found:
+            references = json.loads(owners) if isinstance(owners, str) else owners
+            found[row_id] = Gangless(
+                id=row_id,
+                owner_references=references if isinstance(references, list) else [],
+                amounts={},
+            )
+        if rule_id is not None:
+            found[row_id].amounts[rule_id] = amount
+    return list(found.values())
+
+
+def adopt_gang_members(*, ids: tuple[int, ...], key: str) -> None:
+    """Record the live reservations `ids` (admitted alone, before their gang could be read)
+    as members of the gang `key`; one that found a gang meanwhile keeps it. It changes no
+    usage: what they hold stays theirs, now counted as the gang's."""
+    if not ids:
+        return
+    table = connection.ops.quote_name(Reservation._meta.db_table)
+    fetch_prepared(
+        f"UPDATE {table} SET gang_key = %s WHERE id = ANY(%s) AND gang_key = '' "
+        "AND NOT (state = 'released') RETURNING id",
+        [key, list(ids)],
+    )
+
+
 _teams: dict[tuple[int, str, str], Team] = {}
 
 
@@ -694,10 +756,12 @@ def _gang_reserve_sql(rules: int, *, draw: bool, restore: bool, durability: bool
     outcomes, the order of its locks and clock, `restore` and `durability`) with the gang's
     hold:
 
-    - `draw`: the member draws from the live hold (one more parameter, its id, locked after
-      the rules, then its lines): on each rule what the hold has of the member's amount moves
-      from the hold's line to the member's reservation, and only the rest is counted and
-      weighed against the limit. Outcome 'nohold' when the hold is no longer live;
+    - `draw`: the member draws from the live hold (its id, locked after the rules, then its
+      lines; and the hold's new expiry): on each rule the member's line moves from the hold
+      to its reservation and the usage changes by `counted` (0 for a share the hold covers;
+      what tops the hold up for a gang that grew), which goes to the hold and is weighed
+      against the limit; a hold topped up keeps its members to come longer. Outcome 'nohold'
+      when the hold is no longer live, or no longer has what the plan counted on;
     - else the first member of a gang admitted whole: the whole gang's demand (`counted`) is
       weighed and counted, the member's own (`line`, NULL: none on that rule) is its
       reservation's, and the rest is held by a new hold (six more parameters). A hold another
@@ -710,10 +774,15 @@ def _gang_reserve_sql(rules: int, *, draw: bool, restore: bool, durability: bool
     )
     limit = quote("limit")
     if draw:
-        values = ", ".join(["(%s::bigint, %s::numeric, %s::boolean)"] * rules)
-        asked = f"asked(rule_id, line, enforce) AS (VALUES {values})"
+        values = ", ".join(
+            ["(%s::bigint, %s::numeric, %s::numeric, %s::numeric, %s::boolean)"] * rules
+        )
+        asked = f"asked(rule_id, line, counted, expected, enforce) AS (VALUES {values})"
         # Locked after the rules (verdict asks for them in that order), as every writer of a
-        # hold does; `drawn` is what the hold gives of each line, `counted` the rest.
+        # hold does. On each rule the member's line comes from the hold, and `counted` (what
+        # the usage changes by) goes to it: the hold then keeps `after`, which cannot be
+        # negative (the hold shrank since it was read: 'nohold', planned again). A top-up was
+        # weighed on the hold as read (`expected`, NULL for a draw): it must be unchanged.
         split = f"""hold AS (
     SELECT g.id FROM {hold} g WHERE g.id = %s AND NOT (g.state = 'released') FOR UPDATE
 ),
@@ -722,16 +791,27 @@ held AS (
     WHERE h.gang_reservation_id IN (SELECT id FROM hold) FOR UPDATE
 ),
 split AS (
-    SELECT a.rule_id, a.line, a.enforce, LEAST(a.line, COALESCE(h.amount, 0)) AS drawn,
-           a.line - LEAST(a.line, COALESCE(h.amount, 0)) AS counted
+    SELECT a.rule_id, a.line, a.enforce, a.counted, a.expected, COALESCE(h.amount, 0) AS held,
+           COALESCE(h.amount, 0) + a.counted - COALESCE(a.line, 0) AS after
     FROM asked a LEFT JOIN held h ON h.rule_id = a.rule_id
 )"""
         weighed = "s.enforce AND s.counted > 0"
-        no_hold = "WHEN NOT EXISTS (SELECT 1 FROM hold) THEN 'nohold'\n        "
+        no_hold = (
+            "WHEN NOT EXISTS (SELECT 1 FROM hold) OR EXISTS (SELECT 1 FROM split WHERE after < 0"
+            " OR expected <> held) THEN 'nohold'\n        "
+        )
+        # A hold topped up for members to come keeps them TALLY_GANG_RESERVATION_SECONDS
+        # more, for the gang's size as read now (two parameters: the new expiry, the size).
         holding = f"""drawn AS (
-    UPDATE {hold_line} h SET amount = h.amount - s.drawn FROM split s, kept, hold
-    WHERE h.gang_reservation_id = hold.id AND h.rule_id = s.rule_id AND s.drawn > 0
-    RETURNING h.id
+    INSERT INTO {hold_line} (gang_reservation_id, rule_id, amount)
+    SELECT hold.id, s.rule_id, s.after FROM split s, kept, hold WHERE s.after <> s.held
+    ON CONFLICT (gang_reservation_id, rule_id) DO UPDATE SET amount = EXCLUDED.amount
+    RETURNING id
+),
+refreshed AS (
+    UPDATE {hold} g SET expires_at = GREATEST(g.expires_at, %s), size = %s FROM kept, hold
+    WHERE g.id = hold.id AND EXISTS (SELECT 1 FROM split WHERE after > held)
+    RETURNING g.id
 )"""
     else:
         values = ", ".join(["(%s::bigint, %s::numeric, %s::numeric, %s::boolean)"] * rules)
@@ -798,9 +878,10 @@ def reserve_gang(
     fields: dict[str, Any], plan: Plan, *, username: str, at: datetime
 ) -> tuple[Rule, Decimal] | None:
     """Reserve for a gang's member (`plan.gang`), in one statement that takes its locks as
-    `reserve` does: drawing from the gang's hold (`plan.gang.hold_id`), or, for the first
-    member of a gang admitted whole, reserving the whole gang's demand and holding what is
-    not the member's until TALLY_GANG_RESERVATION_SECONDS after `at`.
+    `reserve` does: drawing from the gang's hold (`plan.gang.hold_id`; topping it up by
+    `plan.gang.counted` for a gang that grew), or, for the first member of a gang admitted
+    whole, reserving the whole gang's demand and holding what is not the member's; a hold
+    made or topped up keeps it until TALLY_GANG_RESERVATION_SECONDS after `at`.
 
     Returns None when it fits (a claim admitted meanwhile reserves nothing more), else the
     first rule the gang, or what the member takes beyond the hold, would take past its limit,
@@ -812,9 +893,15 @@ def reserve_gang(
     draw = gang.hold_id is not None
     params: list[Any] = []
     if draw:
-        rule_ids = sorted(plan.reserve)
+        rule_ids = sorted(set(plan.reserve) | set(gang.counted))
         for rule_id in rule_ids:
-            params += [rule_id, plan.reserve[rule_id], plan.rules[rule_id].mode == Mode.ENFORCE]
+            params += [
+                rule_id,
+                plan.reserve.get(rule_id),
+                gang.counted.get(rule_id, Decimal(0)),
+                gang.held.get(rule_id, Decimal(0)) if gang.whole else None,
+                plan.rules[rule_id].mode == Mode.ENFORCE,
+            ]
         params.append(gang.hold_id)
     else:
         rule_ids = sorted(gang.counted)
@@ -826,7 +913,9 @@ def reserve_gang(
                 plan.rules[rule_id].mode == Mode.ENFORCE,
             ]
     params += [_server_deadline(), *_reservation_params(fields)]
-    if not draw:
+    if draw:
+        params += [at + timedelta(seconds=settings.TALLY_GANG_RESERVATION_SECONDS), gang.gang.size]
+    else:
         params += [
             fields["cluster"],
             fields["namespace"],

@@ -94,6 +94,26 @@ def test_a_pod_recreated_under_its_name_is_read_again(fake: FakeKube, api_client
     assert found is not None and found.key == "LeaderWorkerSet/serve#0"
 
 
+def test_the_webhook_reads_a_recreated_pod_again_too(fake: FakeKube, api_client: Any) -> None:
+    """The webhook wraps the reader (`quota.admission.service._Watched`, which never raises):
+    the wrapper must still read past what the reader kept."""
+    from quota.admission.service import _Watched
+
+    fake.add_custom(lws(), "leaderworkersets")
+    old = leader("uid-old")
+    fake.add(copy.deepcopy(old))
+    reader = kube.GangReader(api_client, ttl_seconds=30, clock=Clock())
+    assert gang_of_claim(claim_for(old), _Watched(reader)) is not None
+
+    fake.delete("Pod", "serve-0", "ml")
+    new = leader("uid-new")
+    fake.add(copy.deepcopy(new))
+    watched = _Watched(reader)
+    found = gang_of_claim(claim_for(new), watched)
+    assert found is not None and found.key == "LeaderWorkerSet/serve#0"
+    assert watched.failures == []
+
+
 def served(objects: list[dict[str, Any]], fake: FakeKube, *, kinds: tuple[str, ...]) -> None:
     for obj in objects:
         plural = gangs.GANG_KINDS.get((obj["apiVersion"].rpartition("/")[0], obj["kind"]))

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -21,6 +22,7 @@ import pytest
 from django.db import connection
 from django.db.models import Sum
 from django.test import Client
+from django.urls import reverse
 from django.utils import timezone
 
 from inventory import gangs, kube
@@ -72,7 +74,7 @@ def reader(fake: FakeKube, tmp_path: Path) -> Iterator[kube.GangReader]:
 def serve(fake: FakeKube, objects: list[dict[str, Any]]) -> None:
     """Put objects on the fake API server, as the cluster holds them."""
     for obj in objects:
-        plural = gangs.GANG_KINDS.get((obj["apiVersion"].rpartition("/")[0], obj["kind"]))
+        plural = gangs.GANG_READS.get((obj["apiVersion"].rpartition("/")[0], obj["kind"]))
         if plural is not None:
             fake.add_custom(obj, plural)
         elif obj["kind"] in KINDS and obj["kind"] != "ResourceClaim":
@@ -118,6 +120,16 @@ def jobset(name: str, *, workers: int, gpus: int, namespace: str = "ml") -> list
                         gangs.JOBSET_NAME_LABEL: name,
                         gangs.JOBSET_REPLICATED_JOB_LABEL: "workers",
                     },
+                    # Made by the JobSet's Job, as in a cluster.
+                    "ownerReferences": [
+                        {
+                            "apiVersion": "batch/v1",
+                            "kind": "Job",
+                            "name": pod,
+                            "uid": f"uid-job-{pod}",
+                            "controller": True,
+                        }
+                    ],
                 },
                 "spec": {"containers": [{"name": "trainer", "image": "trainer:1"}]},
             }
@@ -334,6 +346,132 @@ def test_a_gangs_demand_is_read_from_its_roles_claim_templates() -> None:
     assert_ledger_true()
 
 
+def claim_template(name: str, gpus: int, namespace: str = "ml") -> dict[str, Any]:
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceClaimTemplate",
+        "metadata": {"name": name, "namespace": namespace},
+        "spec": {"spec": {"devices": {"requests": [gpu_request(gpus)]}}},
+    }
+
+
+def leader_worker_set(name: str, *, size: int, namespace: str = "ml") -> list[dict[str, Any]]:
+    """A LeaderWorkerSet of one group of `size` Pods: the leader's claim from the template
+    `one-gpu` (1 GPU), each worker's from `h100x8` (8 GPUs); the LWS, its Pods, their claims
+    (named `<pod>-gpus`, leader first) and the two templates."""
+
+    def pod_spec(template: str) -> dict[str, Any]:
+        return {
+            "containers": [{"name": "server", "image": "server:1"}],
+            "resourceClaims": [{"name": "gpus", "resourceClaimTemplateName": template}],
+        }
+
+    objects: list[dict[str, Any]] = [
+        claim_template("one-gpu", 1, namespace),
+        claim_template("h100x8", 8, namespace),
+        {
+            "apiVersion": gangs.LWS_API_VERSION,
+            "kind": "LeaderWorkerSet",
+            "metadata": {"name": name, "namespace": namespace},
+            "spec": {
+                "replicas": 1,
+                "leaderWorkerTemplate": {
+                    "size": size,
+                    "leaderTemplate": {"spec": pod_spec("one-gpu")},
+                    "workerTemplate": {"spec": pod_spec("h100x8")},
+                },
+            },
+        },
+    ]
+    for index in range(size):
+        pod = name + "-0" + ("" if index == 0 else f"-{index}")
+        objects.append(
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "metadata": {
+                    "name": pod,
+                    "namespace": namespace,
+                    "uid": f"uid-{pod}",
+                    "labels": {
+                        gangs.LWS_NAME_LABEL: name,
+                        gangs.LWS_GROUP_INDEX_LABEL: "0",
+                        gangs.LWS_WORKER_INDEX_LABEL: str(index),
+                    },
+                    "annotations": {gangs.LWS_SIZE_ANNOTATION: str(size)},
+                },
+                "spec": pod_spec("one-gpu" if index == 0 else "h100x8"),
+            }
+        )
+        member = claim(f"{pod}-gpus", [gpu_request(1 if index == 0 else 8)], namespace=namespace)
+        member["metadata"]["ownerReferences"] = [
+            {
+                "apiVersion": "v1",
+                "kind": "Pod",
+                "name": pod,
+                "uid": f"uid-{pod}",
+                "controller": True,
+            }
+        ]
+        objects.append(member)
+    return objects
+
+
+def test_a_gangs_demand_is_the_sum_over_its_roles_templates_read_from_the_api_server(
+    fake: FakeKube, reader: kube.GangReader
+) -> None:
+    """A LeaderWorkerSet group of 3: the leader's template asks for 1 GPU, the workers' for 8
+    each. The whole gang takes 17 GPUs, read from the two templates on the API server: not
+    the leader's 1 times 3 (which would let the leader in and strand its workers), nor a
+    worker's 8 times 3."""
+    objects = leader_worker_set("serve", size=3)
+    serve(fake, objects)
+    leader, *workers = claims_of(objects)
+    team_of_16()
+
+    answer = admit(leader)
+    assert not answer["allowed"]
+    assert answer["status"]["message"].startswith(
+        "gang LeaderWorkerSet/serve#0 (3 pods) needs 17 GPUs"
+    )
+    assert (in_use(), held_for_gangs()) == (0, 0)
+    # A worker first, alike: the gang's demand does not depend on which member comes first.
+    assert admit(workers[0])["status"]["message"].startswith(
+        "gang LeaderWorkerSet/serve#0 (3 pods) needs 17 GPUs"
+    )
+
+    QuotaRule.objects.update(limit=17)
+    assert admit(leader)["allowed"]
+    assert (in_use(), held_for_gangs()) == (17, 16)  # the two workers' 8 each, held
+    for worker in workers:
+        assert admit(worker)["allowed"]
+    assert (in_use(), held_for_gangs()) == (17, 0)
+    assert_ledger_true()
+    # Each template read once, through the reader's cache, however many members asked.
+    reads = [r.custom_read for r in fake.custom_reads("resourceclaimtemplates")]
+    assert sorted(read[4] for read in reads if read is not None) == ["h100x8", "one-gpu"]
+    assert len(reads) == 2
+
+
+def test_a_template_that_cannot_be_read_falls_back_to_the_claim_times_the_gang(
+    fake: FakeKube, reader: kube.GangReader
+) -> None:
+    """Without RBAC on resourceclaimtemplates the gang is weighed as this claim's demand times
+    its size: a worker's 8 x 3 = 24 does not fit 17, which the templates' 17 would."""
+    objects = leader_worker_set("serve", size=3)
+    serve(fake, objects)
+    fake.forbidden.add("resourceclaimtemplates.resource.k8s.io")
+    _, worker, _ = claims_of(objects)
+    team_of_16()
+    QuotaRule.objects.update(limit=17)
+    answer = admit(worker)
+    assert not answer["allowed"]
+    assert answer["status"]["message"].startswith(
+        "gang LeaderWorkerSet/serve#0 (3 pods) needs 24 GPUs"
+    )
+    assert (in_use(), held_for_gangs()) == (0, 0)
+
+
 # --- Racing gangs on PostgreSQL ---------------------------------------------------------------
 
 
@@ -419,7 +557,8 @@ def test_the_hold_is_released_when_the_gang_ends(fake: FakeKube, reader: kube.Ga
     snapshot([seen(first), seen(second)], at=AT + timedelta(minutes=1))
     assert (in_use(), held_for_gangs()) == (12, 4)
     snapshot([seen(second)], at=AT + timedelta(minutes=2))  # one worker's claim goes
-    assert (in_use(), held_for_gangs()) == (8, 4)  # the gang goes on: its hold stays
+    # The gang goes on: its hold stays, and keeps the worker's share for its replacement.
+    assert (in_use(), held_for_gangs()) == (12, 8)
     assert_ledger_true()
 
     snapshot([], at=AT + timedelta(minutes=3))  # the last member's claim goes: the gang ended
@@ -531,6 +670,145 @@ teams:
     assert raised.value.errors == ["teams[0].gangs: must be enforce, warn or off, got 'sometimes'"]
 
 
+POLICY = """
+teams:
+- slug: ml
+  name: Ml
+  namespaces: [ml]
+  gangs: enforce
+  quotas:
+  - {name: gpus, deviceClass: gpu.nvidia.com, gpus: 16}
+"""
+RESEARCH = """
+- slug: research
+  name: Research
+  namespaces: [research]
+  quotas:
+  - {name: gpus, deviceClass: gpu.nvidia.com, gpus: 12}
+"""
+
+
+def test_turning_a_teams_gangs_off_releases_its_gang_holds_at_once(
+    fake: FakeKube, reader: kube.GangReader
+) -> None:
+    objects = issue_jobset()
+    serve(fake, list(objects.values()))
+    team_of_16()
+    assert admit(objects[WORKER_0])["allowed"]
+    assert (in_use(), held_for_gangs()) == (16, 8)
+
+    report = apply_policy(
+        policy=load_policy(POLICY.replace("enforce", "off")), prune=False, actor="ops"
+    )
+    # Not at the hold's expiry: now, in the transaction that turned the gangs off.
+    hold = GangReservation.objects.get()
+    assert hold.state == "released" and hold.released_at is not None
+    assert (in_use(), held_for_gangs()) == (8, 0)  # the admitted worker keeps its own
+    assert any("recounted: 16 → 8" in note for note in report.notes), report.notes
+    assert_ledger_true()
+    # The other worker is now decided alone, as `off` says: it fits the room freed.
+    assert admit(objects[WORKER_1])["allowed"]
+    assert in_use() == 16
+    assert not GangReservation.objects.filter(state="reserved").exists()
+    assert_ledger_true()
+
+    # Applying the same policy again changes nothing; back to enforce, nothing to release.
+    apply_policy(policy=load_policy(POLICY.replace("enforce", "off")), prune=False, actor="ops")
+    apply_policy(policy=load_policy(POLICY), prune=False, actor="ops")
+    assert in_use() == 16
+    assert_ledger_true()
+
+
+def test_turning_gangs_off_in_the_admin_releases_the_holds_at_once(
+    fake: FakeKube, reader: kube.GangReader, django_user_model: Any
+) -> None:
+    objects = issue_jobset()
+    serve(fake, list(objects.values()))
+    team_of_16(GangMode.ENFORCE)
+    assert admit(objects[WORKER_0])["allowed"]
+    assert (in_use(), held_for_gangs()) == (16, 8)
+    admin = Client()
+    admin.force_login(django_user_model.objects.create_superuser("ops", "ops@example.com", "x"))
+    policy = GangPolicy.objects.get()
+    url = reverse("admin:quota_gangpolicy_change", args=[policy.pk])
+
+    response = admin.post(url, {"mode": "off"})
+
+    assert response.status_code == 302, response.content.decode()[:2000]
+    assert GangPolicy.objects.get().mode == "off"
+    assert GangReservation.objects.get().state == "released"
+    assert (in_use(), held_for_gangs()) == (8, 0)  # the admitted worker keeps its own
+    assert_ledger_true()
+
+
+def test_the_recount_releases_the_holds_of_a_team_whose_gangs_are_off(
+    fake: FakeKube, reader: kube.GangReader
+) -> None:
+    """Gangs turned off by another way than the policy file (the admin): the periodic
+    reconcile finds the hold drifted and releases it."""
+    objects = issue_jobset()
+    serve(fake, list(objects.values()))
+    team_of_16()
+    assert admit(objects[WORKER_0])["allowed"]
+    GangPolicy.objects.create(team=QuotaRule.objects.get().team, mode=GangMode.OFF)
+    usage = services.reconcile_usage(at=timezone.now(), fix=False)
+    assert [(u.stored, u.recounted) for u in usage] == [(16, 8)]
+    assert GangReservation.objects.get().state == "reserved"  # a check writes nothing
+    services.reconcile_usage(at=timezone.now(), fix=True)
+    assert GangReservation.objects.get().state == "released"
+    assert (in_use(), held_for_gangs()) == (8, 0)
+    assert_ledger_true()
+
+
+def test_a_hold_stays_when_a_policy_apply_leaves_the_gangs_enforced(
+    fake: FakeKube, reader: kube.GangReader
+) -> None:
+    objects = issue_jobset()
+    serve(fake, list(objects.values()))
+    team_of_16()
+    assert admit(objects[WORKER_0])["allowed"]
+    apply_policy(policy=load_policy(POLICY), prune=False, actor="ops")  # enforce, as before
+    assert GangReservation.objects.get().state == "reserved"
+    assert (in_use(), held_for_gangs()) == (16, 8)
+    assert_ledger_true()
+
+
+def test_a_gang_hold_is_released_when_its_namespace_moves_to_another_team(
+    fake: FakeKube, reader: kube.GangReader
+) -> None:
+    """The hold was weighed on the old team's rules for a job that is no longer the old
+    team's: it is released (not kept charging the old team, not moved onto the new team's
+    rules, which never admitted it). The admitted member's reservation moves with its
+    namespace, and the next member is weighed as a gang on the new team's rules."""
+    objects = issue_jobset()
+    serve(fake, list(objects.values()))
+    team_of_16()
+    assert admit(objects[WORKER_0])["allowed"]
+    snapshot([seen(objects[WORKER_0])], at=timezone.now())  # the sync has seen its claim
+    assert (in_use(), held_for_gangs()) == (16, 8)
+
+    moved = (POLICY + RESEARCH.lstrip("\n")).replace("namespaces: [ml]", "namespaces: []")
+    moved = moved.replace("namespaces: [research]", "namespaces: [research, ml]")
+    apply_policy(policy=load_policy(moved), prune=True, actor="ops")
+    hold = GangReservation.objects.get()
+    assert hold.state == "released" and hold.team.slug == "ml"  # charged to ml until now
+    ml, research = (QuotaRule.objects.get(team__slug=slug) for slug in ("ml", "research"))
+    assert (ml.in_use, research.in_use) == (0, 8)  # the worker's own 8 moved with ml
+    assert Reservation.objects.get(name=WORKER_0).team.slug == "research"
+    assert_ledger_true()
+
+    # The other worker: its gang needs 16, the worker admitted holds 8, research has 12.
+    answer = admit(objects[WORKER_1])
+    assert not answer["allowed"]
+    message = answer["status"]["message"]
+    assert message.startswith("gang JobSet/train (2 pods) needs 8 GPUs")
+    assert 'team "research" uses 8 GPUs of 12 GPUs' in message
+    QuotaRule.objects.filter(team__slug="research").update(limit=16)
+    assert admit(objects[WORKER_1])["allowed"]
+    assert QuotaRule.objects.get(team__slug="research").in_use == 16
+    assert_ledger_true()
+
+
 # --- No gang to read --------------------------------------------------------------------------
 
 
@@ -544,6 +822,27 @@ def test_a_pod_that_cannot_be_read_leaves_the_claim_decided_alone_with_a_warning
     assert any("could not read this claim's gang" in w for w in answer["warnings"])
     assert (in_use(), held_for_gangs()) == (8, 0)
     assert_ledger_true()
+
+
+def test_an_api_server_slow_to_answer_leaves_the_claim_decided_alone_within_the_deadline(
+    fake: FakeKube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The webhook's own reader (`service.gang_lookup`, as made in a pod) tries once, for at
+    most `WEBHOOK_READ_TIMEOUT_SECONDS`: an API server that does not answer in time costs
+    the admission about a second, not the API server's 3 s webhook timeout."""
+    objects = issue_jobset()
+    serve(fake, list(objects.values()))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    monkeypatch.setenv("KUBECONFIG", str(fake.write_kubeconfig(tmp_path / "kubeconfig")))
+    team_of_16()
+    fake.on_request = lambda request: time.sleep(2)
+
+    started = time.monotonic()
+    answer = admit(objects[WORKER_0])
+    assert time.monotonic() - started < sum(kube.WEBHOOK_READ_TIMEOUT_SECONDS) + 0.5
+    assert answer["allowed"]
+    assert any("could not read this claim's gang" in w for w in answer["warnings"])
+    assert len(fake.requests) == 1
 
 
 def test_without_a_cluster_to_read_gangs_from_claims_are_decided_alone(
