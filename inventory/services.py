@@ -892,26 +892,38 @@ class _Writer:
             return
         changed = []
         refined: dict[int, tuple[str, str]] = {}
+        # Claims that name nobody yet, and the person their owners name (a dump's Pods may
+        # come after its claims: the claims were written before their owners were known).
+        creators: dict[int, str] = {}
         for claim in ResourceClaim.objects.filter(
             cluster=self.cluster, released_at__isnull=True, namespace__in=owner_index.namespaces
-        ).only("pk", "namespace", "owner_references", "job"):
-            job = owners.resolve_job(
+        ).only("pk", "namespace", "owner_references", "job", "created_by"):
+            resolution = owners.resolve_job(
                 namespace=claim.namespace,
                 owner_references=claim.owner_references,
                 lookup=owner_index,
-            ).over(claim.job)
+                creator_labels=settings.TALLY_CREATED_BY_LABELS,
+            )
+            job = resolution.over(claim.job)
+            creator = "" if claim.created_by else resolution.created_by
+            if job == claim.job and not creator:
+                continue
             if job != claim.job:
                 refined[claim.pk] = (claim.job, job)
                 claim.job = job
-                changed.append(claim)
-        ResourceClaim.objects.bulk_update(changed, ["job"], batch_size=1000)
+            if creator:
+                creators[claim.pk] = creator
+                claim.created_by = creator
+            changed.append(claim)
+        ResourceClaim.objects.bulk_update(changed, ["job", "created_by"], batch_size=1000)
         _refine_allocation_jobs(refined)
+        _fill_allocation_creators(creators)
         # Claims written by this snapshot were counted and signalled already.
         others = [claim.pk for claim in changed if claim.pk not in self.claims_written]
         self.report.updated["ResourceClaim"] += len(others)
-        if refined:
+        if refined or creators:
             # Those written by this snapshot are reattributed only now: all their hours too.
-            self._claims_changed(others, spans=[], reattributed=list(refined))
+            self._claims_changed(others, spans=[], reattributed=list({*refined, *creators}))
 
     def _claims_changed(
         self,
@@ -1160,6 +1172,18 @@ def _refine_allocation_jobs(refined: dict[int, tuple[str, str]]) -> None:
             allocation.job = after
             changed.append(allocation)
     Allocation.objects.bulk_update(changed, ["job"], batch_size=1000)
+
+
+def _fill_allocation_creators(creators: dict[int, str]) -> None:
+    """Per claim id, the person its owners name: its allocations that name nobody are charged
+    to that person (one that names someone keeps it: fixed when it started)."""
+    changed = []
+    for allocation in Allocation.objects.filter(claim_id__in=creators, username="").only(
+        "pk", "claim", "username"
+    ):
+        allocation.username = creators[allocation.claim_id]
+        changed.append(allocation)
+    Allocation.objects.bulk_update(changed, ["username"], batch_size=1000)
 
 
 # What an allocation is metered and counted by (`Allocation`), and the device columns they come

@@ -18,6 +18,7 @@ holding it in memory.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 import uuid
@@ -283,6 +284,9 @@ def owner_objects(claims: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
             "uid": _name_uid(namespace, controller_name),
             "controller": True,
         }
+        # Who made the workload, as the workload webhook records it on the workload, its pod
+        # template and so its Pods (`quota.workloads`): one of the namespace's people, by name.
+        created_by = {CREATED_BY: _person(namespace, workload)}
         yield {
             "apiVersion": "v1",
             "kind": "Pod",
@@ -290,6 +294,7 @@ def owner_objects(claims: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
                 "name": pod["name"],
                 "namespace": namespace,
                 "uid": pod["uid"],
+                "annotations": dict(created_by),
                 "ownerReferences": [controller],
             },
         }
@@ -297,6 +302,7 @@ def owner_objects(claims: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
             "name": controller_name,
             "namespace": namespace,
             "uid": controller["uid"],
+            "annotations": dict(created_by),
         }
         if not batch:
             owned["ownerReferences"] = [
@@ -313,6 +319,18 @@ def owner_objects(claims: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
             "kind": controller["kind"],
             "metadata": owned,
         }
+
+
+CREATED_BY = "tally.dev/created-by"
+# The people of the simulated teams, three to a namespace.
+PEOPLE = ("ana", "ben", "chen", "dana", "eli", "fay", "gus", "hana", "ivo")
+
+
+def _person(namespace: str, workload: str) -> str:
+    """One of three people of `namespace`, by the workload's name: the same on every run."""
+    first = hashlib.sha1(namespace.encode()).digest()[0] % len(PEOPLE)
+    which = hashlib.sha1(f"{namespace}/{workload}".encode()).digest()[0] % 3
+    return PEOPLE[(first + which) % len(PEOPLE)]
 
 
 def _name_uid(namespace: str, name: str) -> str:

@@ -471,3 +471,32 @@ def test_the_simulated_fleet_imports_without_errors_and_counts_each_gpu_once() -
     )
     assert physical == 8 * 12
     assert Allocation.objects.filter(cluster=cluster).count() == len(allocations(objects))
+
+
+@pytest.mark.django_db
+def test_a_dump_whose_pods_come_after_its_claims_still_names_who_made_each_workload() -> None:
+    """The simulated dump yields its claims, then their Pods and controllers, carrying the
+    `tally.dev/created-by` the workload webhook writes: the import charges each claim and its
+    allocations to that person, three people to a namespace, and a workload to one of them."""
+    from inventory import services
+
+    cluster = services.get_cluster("simulated")
+    objects = fleet(12, seed=5, owners=True)
+    # Each node's claims come before their Pods.
+    assert objects.index(of_kind(objects, "Pod")[0]) > objects.index(
+        of_kind(objects, "ResourceClaim")[0]
+    )
+    report = services.import_snapshot(cluster=cluster, objects=objects, at=timezone.now())
+
+    assert report.errors == []
+    claims = ResourceClaim.objects.filter(cluster=cluster)
+    assert claims.exists() and not claims.filter(created_by="").exists()
+    assert not Allocation.objects.filter(cluster=cluster, username="").exists()
+    people: dict[str, set[str]] = defaultdict(set)
+    for namespace, job, person in claims.values_list("namespace", "job", "created_by"):
+        assert person in simulate.PEOPLE
+        people[namespace].add(person)
+        # One workload, one person.
+        assert claims.filter(namespace=namespace, job=job).exclude(created_by=person).count() == 0
+    assert all(len(names) <= 3 for names in people.values())
+    assert len(set().union(*people.values())) > 3
