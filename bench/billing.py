@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from bench.inventory import REPO, _database_name, _drop_database, _recreate_database
+from bench.database import fresh_database
 from billing.hours import MS_PER_HOUR
 
 DEFAULT_URL = "postgres://postgres@127.0.0.1:5432/tally_bench_billing"
@@ -184,45 +184,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.gpus < 1 or args.days < 1 or args.interval < 1 or args.batch < GPUS_PER_NODE:
         parser.error("--gpus, --days, --interval must be positive, --batch at least 8")
 
-    url = os.environ.get("BENCH_DATABASE_URL", DEFAULT_URL)
-    database = _database_name(url)
-    if "bench" not in database:
-        # The database is dropped and created again: never point this at real data.
-        parser.error(f"BENCH_DATABASE_URL names {database!r}; its name must contain 'bench'")
     steps = args.days * 86400 // args.interval
-    samples = args.gpus * steps
-    _check_disk(samples)
-    os.environ["DATABASE_URL"] = url
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
-    sys.path.insert(0, str(REPO))
-
-    print(
-        f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at the start",
-        flush=True,
-    )
-    print(f"database {database}: creating and migrating", flush=True)
-    _recreate_database(url)
-    import django
-
-    django.setup()
-    from django.conf import settings
-    from django.core.management import call_command
-
-    if settings.DEBUG:
-        print("warning: DEBUG is on; Django keeps every query, so run with DEBUG=false")
-    call_command("migrate", verbosity=0)
-    try:
+    _check_disk(args.gpus * steps)
+    with fresh_database(parser, DEFAULT_URL, keep=args.keep):
         gpus = _load_fleet(args.gpus, seed=args.seed)
-        result = _run(gpus, steps=steps, interval=args.interval, batch=args.batch, days=args.days)
-    finally:
-        from django.db import connections
-
-        connections.close_all()
-        if args.keep:
-            print(f"kept: database {database}")
-        else:
-            _drop_database(url)
-    return result
+        return _run(gpus, steps=steps, interval=args.interval, batch=args.batch, days=args.days)
 
 
 # --- the fleet -----------------------------------------------------------------------------
