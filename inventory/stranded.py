@@ -90,8 +90,9 @@ def stranded_gangs(
     team: Team | None = None,
     threshold: timedelta | None = None,
 ) -> list[StrandedGang]:
-    """The stranded gangs `user` may see (of `cluster`, and of `team`'s namespaces, when
-    given), longest stranded first. `threshold`: how long a gang must have been partial
+    """The stranded gangs `user` may see (every one for `user=None`: the system's own view, as
+    the alerts read them; of `cluster`, and of `team`'s namespaces, when given), longest
+    stranded first. `threshold`: how long a gang must have been partial
     (TALLY_STRANDED_GANG_MINUTES when None). Three queries, whatever the number of gangs."""
     gangs = _visible_gangs(user)
     if cluster is not None:
@@ -109,7 +110,7 @@ def stranded_threshold() -> timedelta:
 
 def _visible_gangs(user: Any) -> QuerySet[Gang]:
     gangs = Gang.objects.filter(ended_at__isnull=True)
-    if user_role(user) in ("operator", "finance"):
+    if user is None or user_role(user) in ("operator", "finance"):
         return gangs
     owned = TeamNamespace.objects.filter(team__in=visible_teams(user=user)).values("namespace")
     return gangs.filter(namespace__in=owned)
