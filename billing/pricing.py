@@ -20,7 +20,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from datetime import UTC, date, datetime
+from datetime import UTC, date, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 from fractions import Fraction
 from typing import Any
@@ -119,6 +119,36 @@ def rate_for(product_name: str, profile: str, on: date) -> RateCard | None:
     return cards.filter(profile="").order_by("-valid_from").first()
 
 
+class RateCards:
+    """The rate cards in force on any day of `[first_day, last_day]`, read once; `on` picks a
+    model's card for a day as `rate_for` does (the profile's own card, else the GPU's, the
+    newest in force), without a query per model and day."""
+
+    def __init__(self, *, first_day: date, last_day: date) -> None:
+        self.cards = list(
+            RateCard.objects.filter(valid_from__lte=last_day).exclude(valid_until__lte=first_day)
+        )
+        self.chosen: dict[tuple[str, str, date], RateCard | None] = {}
+
+    def on(self, product_name: str, profile: str, day: date) -> RateCard | None:
+        if (product_name, profile, day) not in self.chosen:
+            self.chosen[product_name, profile, day] = self._choose(product_name, profile, day)
+        return self.chosen[product_name, profile, day]
+
+    def _choose(self, product_name: str, profile: str, day: date) -> RateCard | None:
+        valid = [
+            card
+            for card in self.cards
+            if card.product_name == product_name
+            and card.valid_from <= day
+            and not (card.valid_until is not None and card.valid_until <= day)
+        ]
+        newest: dict[str, RateCard] = {}
+        for card in sorted(valid, key=lambda card: card.valid_from):
+            newest[card.profile] = card
+        return (newest.get(profile) if profile else None) or newest.get("")
+
+
 @dataclass
 class _Usage:
     allocated_ms: int = 0
@@ -180,11 +210,11 @@ def usage_lines(*, team: Team | None, period: Period) -> list[LineFigures]:
 
     The amount is exact before its one rounding: integer GPU-milliseconds, and the decimal
     rate, idle factor and share as fractions."""
-    return _lines(_usage_rows(period).filter(team=team), cards={})
+    return _lines(_usage_rows(period).filter(team=team), cards=_period_cards(period))
 
 
 def usage_lines_by_team(
-    *, period: Period, teams: list[Team] | None = None, cards: Cards | None = None
+    *, period: Period, teams: list[Team] | None = None, cards: RateCards | None = None
 ) -> dict[int | None, list[LineFigures]]:
     """`usage_lines` of every team (of `teams`; None: every team, and usage of no team
     under None) in one pass over the period's usage rows: a team's rows are spread over the
@@ -196,11 +226,8 @@ def usage_lines_by_team(
     by_team: dict[int | None, list[dict[str, Any]]] = defaultdict(list)
     for row in rows:
         by_team[row.pop("team_id")].append(row)
-    cards = {} if cards is None else cards
+    cards = _period_cards(period) if cards is None else cards
     return {team_id: _lines(team_rows, cards=cards) for team_id, team_rows in by_team.items()}
-
-
-Cards = dict[tuple[str, str, date], RateCard | None]
 
 
 def _usage_rows(period: Period, *, by_team: bool = False) -> Any:
@@ -228,7 +255,16 @@ def _usage_rows(period: Period, *, by_team: bool = False) -> Any:
     )
 
 
-def _lines(rows: Iterable[dict[str, Any]], *, cards: Cards) -> list[LineFigures]:
+def _period_cards(period: Period, *, since: datetime | None = None) -> RateCards:
+    """The rate cards of the days of `period` (from `since`, when earlier)."""
+    first = min(period.start, since) if since is not None else period.start
+    return RateCards(
+        first_day=first.astimezone(UTC).date(),
+        last_day=(period.end - timedelta(microseconds=1)).astimezone(UTC).date(),
+    )
+
+
+def _lines(rows: Iterable[dict[str, Any]], *, cards: RateCards) -> list[LineFigures]:
     """The summed usage `rows` priced, one line per model, unit and price."""
     lines: dict[LineKey, LineFigures] = {}
     totals: dict[LineKey, _Usage] = defaultdict(_Usage)
@@ -243,9 +279,7 @@ def _lines(rows: Iterable[dict[str, Any]], *, cards: Cards) -> list[LineFigures]
         ),
     ):
         product, profile, day = row["product_name"], row["profile"], row["day"]
-        if (product, profile, day) not in cards:
-            cards[product, profile, day] = rate_for(product, profile, day)
-        card = cards[product, profile, day]
+        card = cards.on(product, profile, day)
         per_slice = card is not None and card.rate_unit == SLICE_HOUR
         figures = LineFigures(
             product_name=product,
@@ -296,14 +330,16 @@ def refresh_statements(*, period: Period, teams: list[Team] | None = None) -> li
         if Period.objects.select_for_update().get(pk=period.pk).is_closed:
             raise PricingError(f"period {period} is closed; its statements are frozen")
         chosen = teams if teams is not None else list(Team.objects.order_by("slug"))
-        # Each period's usage read once for all the teams, not once per team.
-        cards: Cards = {}
+        # Each period's usage read once for all the teams, not once per team; the rate cards
+        # of all their days once.
+        earlier = list(
+            Period.objects.filter(closed_at__isnull=False, start__lt=period.start).order_by("start")
+        )
+        cards = _period_cards(period, since=earlier[0].start if earlier else None)
         usage = usage_lines_by_team(period=period, teams=chosen, cards=cards)
         closed = {
-            earlier: usage_lines_by_team(period=earlier, teams=chosen, cards=cards)
-            for earlier in Period.objects.filter(
-                closed_at__isnull=False, start__lt=period.start
-            ).order_by("start")
+            before: usage_lines_by_team(period=before, teams=chosen, cards=cards)
+            for before in earlier
         }
         for team in chosen:
             statements += _refresh_team(team, period, usage.get(team.pk, []), closed)

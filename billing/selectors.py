@@ -6,7 +6,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from fractions import Fraction
 from typing import Any
@@ -18,7 +18,7 @@ from django.db.models.lookups import GreaterThan, LessThan
 from billing.hours import HOUR, MS_PER_HOUR, ONE_MS, epoch_ms, hour_start
 from billing.models import SLICE_HOUR, Period, RateCard, Sample, UsageHour
 from billing.periods import period_bounds
-from billing.pricing import MINOR_UNITS, LineKey, rate_hours, round_money
+from billing.pricing import MINOR_UNITS, LineKey, RateCards, rate_hours, round_money
 from billing.units import hours_label
 from inventory.models import Allocation, Unit
 from teams.models import Team
@@ -167,35 +167,6 @@ def apportion(total: Decimal, shares: Mapping[Any, Fraction], currency: str) -> 
     for key in ranked[:left]:
         floors[key] += 1
     return {key: Decimal(units) * minor_unit(currency) for key, units in floors.items()}
-
-
-class RateCards:
-    """The rate cards in force on any day of `[first_day, last_day]`, read once; `on` picks a
-    model's card for a day as `billing.pricing.rate_for` does, without a query per day."""
-
-    def __init__(self, *, first_day: date, last_day: date) -> None:
-        self.cards = list(
-            RateCard.objects.filter(valid_from__lte=last_day).exclude(valid_until__lte=first_day)
-        )
-        self.chosen: dict[tuple[str, str, date], RateCard | None] = {}
-
-    def on(self, product_name: str, profile: str, day: date) -> RateCard | None:
-        if (product_name, profile, day) not in self.chosen:
-            self.chosen[product_name, profile, day] = self._choose(product_name, profile, day)
-        return self.chosen[product_name, profile, day]
-
-    def _choose(self, product_name: str, profile: str, day: date) -> RateCard | None:
-        valid = [
-            card
-            for card in self.cards
-            if card.product_name == product_name
-            and card.valid_from <= day
-            and not (card.valid_until is not None and card.valid_until <= day)
-        ]
-        newest: dict[str, RateCard] = {}
-        for card in sorted(valid, key=lambda card: card.valid_from):
-            newest[card.profile] = card
-        return (newest.get(profile) if profile else None) or newest.get("")
 
 
 def period_pieces(since: datetime, until: datetime) -> list[tuple[datetime, datetime]]:

@@ -25,8 +25,8 @@ from typing import Any, NamedTuple
 from django.db.models import Count, F, Sum
 
 from billing.hours import HOUR, MS_PER_HOUR
-from billing.models import SLICE_HOUR, RateCard, UsageHour
-from billing.pricing import period_holding, rate_for, rate_hours, round_money
+from billing.models import SLICE_HOUR, UsageHour
+from billing.pricing import RateCards, period_holding, rate_hours, round_money
 from billing.selectors import team_gpu_hours
 from billing.units import hours_label
 from inventory.models import Cluster, Device
@@ -296,9 +296,6 @@ class _Cell(NamedTuple):
     device_share: Decimal | None
 
 
-_Cards = dict[tuple[str, str, date], RateCard | None]
-
-
 def _usage(team: Team, start: datetime, end: datetime) -> list[tuple[_Cell, Figures]]:
     """The team's usage in `[start, end)` per claim, person, job, hour, model, unit and device
     share, each priced with the rate card of its day."""
@@ -322,7 +319,10 @@ def _usage(team: Team, start: datetime, end: datetime) -> list[tuple[_Cell, Figu
         )
         .order_by("namespace", "claim_name", "hour")
     )
-    cards: _Cards = {}
+    cards = RateCards(
+        first_day=start.astimezone(UTC).date(),
+        last_day=(end - timedelta(microseconds=1)).astimezone(UTC).date(),
+    )
     priced = []
     for *values, allocated, utilised, unmeasured in rows:
         cell = _Cell(*values)
@@ -332,14 +332,12 @@ def _usage(team: Team, start: datetime, end: datetime) -> list[tuple[_Cell, Figu
     return priced
 
 
-def _price(figures: Figures, cell: _Cell, cards: _Cards) -> None:
+def _price(figures: Figures, cell: _Cell, cards: RateCards) -> None:
     """Price `figures` as a statement line would, with the rate card of the hour's day:
     rate x (allocated - (1 - idle factor) x idle), in slice-hours for a MIG profile's own
     card."""
     product, profile, day = cell.product_name, cell.profile, cell.hour.astimezone(UTC).date()
-    if (product, profile, day) not in cards:
-        cards[product, profile, day] = rate_for(product, profile, day)
-    card = cards[product, profile, day]
+    card = cards.on(product, profile, day)
     if card is None:
         figures.unpriced_ms += figures.allocated_ms
         return

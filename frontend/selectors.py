@@ -28,12 +28,11 @@ from billing.models import (
     UsageHour,
     unit_hour,
 )
-from billing.pricing import period_holding, rate_hours, round_money
+from billing.pricing import RateCards, period_holding, rate_hours, round_money
 from billing.selectors import IDLE_BELOW_PERCENT as IDLE_BELOW_PERCENT  # for the page
 from billing.selectors import (
     BilledRow,
     IdleHolder,
-    RateCards,
     billed_usage,
     idle_holders,
     team_gpu_hours,
