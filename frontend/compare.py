@@ -21,6 +21,7 @@ from django.shortcuts import render
 from django.urls import reverse
 from django.utils import timezone
 
+from billing.api.compare import FLEET_ROLES
 from billing.compare import (
     MOMENT_HELP,
     WINDOW_PARAMETERS,
@@ -39,7 +40,6 @@ from teams.models import Team
 PLACES = 2
 JOBS_SHOWN = 50
 DEFAULT_DAYS = 7
-FLEET_ROLES = ("operator", "finance")
 PART_LABELS = {
     "mix": "Workload mix",
     "efficiency": "Jobs' own efficiency",
@@ -121,10 +121,10 @@ def verdict(head: dict[str, Any]) -> str:
     return f"Utilisation {moved} ({signed(change)} points), {cause}."
 
 
-def _scopes(user: Any, role: str) -> list[tuple[str, str]]:
+def _scopes(teams: list[Team], role: str) -> list[tuple[str, str]]:
     """The scopes the form offers: (value, label), the fleet first where allowed."""
-    teams = [(team.slug, team.name) for team in selectors.team_list(user=user)]
-    return ([("", "Fleet (every team)")] if role in FLEET_ROLES else []) + teams
+    named = [(team.slug, team.name) for team in teams]
+    return ([("", "Fleet (every team)")] if role in FLEET_ROLES else []) + named
 
 
 @login_required
@@ -132,12 +132,15 @@ def compare(request: HttpRequest) -> HttpResponse:
     role = selectors.portal_role(request.user)
     if role is None:
         return forbidden(request, "You lead no team, so there is nothing to compare.")
-    scopes = _scopes(request.user, role)
+    teams = selectors.team_list(user=request.user)
+    scopes = _scopes(teams, role)
     params = _parameters(request.GET, scopes=scopes, now=timezone.now())
     slug = params["team"]
     team: Team | None = None
     if slug:
-        team = selectors.visible_team(user=request.user, slug=slug)
+        # Among the teams the user may see, already read: any other text (another team's
+        # slug, or no slug at all) is a team not found, never a query.
+        team = next((team for team in teams if team.slug == slug), None)
         if team is None:
             return not_found(request)
     elif role not in FLEET_ROLES:

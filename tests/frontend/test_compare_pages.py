@@ -76,6 +76,8 @@ def test_the_fleet_shows_each_jobs_team(usage_of_both: Cast) -> None:
     [
         ("lead_a", {"team": "beta"}, 404),
         ("lead_a", {"team": "nope"}, 404),
+        ("lead_a", {"team": "al\x00pha"}, 404),  # no slug at all: not found, never a 500
+        ("finance", {"team": "\x00"}, 404),
         ("lead_a", {"team": ""}, 403),
         ("member_a", {"team": "alpha"}, 403),
         ("finance", {"team": "beta"}, 200),
