@@ -578,9 +578,8 @@ def rollup_pending(*, now: datetime, limit: int | None = None) -> list[datetime]
         rollup_hours(hours=due, now=now)
         pending: set[datetime] = set()
     except prometheus.EngineUnavailable as error:
-        # Never billed as idle: these hours keep (or get) their marks, for the next run.
+        # Never billed as idle: `rollup_hours` marked these hours for the next run.
         pending = set(error.hours)
-        mark_dirty(hours=pending, at=timezone.now())
         log.warning("rollup: %d hours left pending: %s", len(pending), error)
     done = [hour for hour in due if hour not in pending]
     # A mark made while this ran stays, so the newer data is not missed.
