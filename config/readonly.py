@@ -23,10 +23,15 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from django.urls import Resolver404, resolve
 
+from config.logging import ADMISSION_PREFIX
+
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # Holds the Unix time until which this browser reads from the primary. Forging it only moves
 # the forger's own reads to the primary.
 PIN_COOKIE = "tally_primary_until"
+
+# Paths that write, or must read what was just written, whatever their method.
+NEVER_FROM_REPLICA = (ADMISSION_PREFIX, "/ingest/")
 
 _replica_reads: ContextVar[bool] = ContextVar("tally_replica_reads", default=False)
 
@@ -50,6 +55,8 @@ def serves_replica_reads(path: str) -> bool:
     """A path of the API or of a portal page: the requests the replica may serve."""
     if path.startswith("/api/"):
         return True
+    if path.startswith(NEVER_FROM_REPLICA):
+        return False  # the admission webhooks and ingest: no URL resolving on their hot path
     try:
         match = resolve(path)
     except Resolver404:
