@@ -28,7 +28,7 @@ import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime
 from operator import itemgetter
 from typing import Any, NamedTuple, TypedDict
 
@@ -1262,15 +1262,6 @@ def _adoptable(candidates: Sequence[tuple[int, str, int | None]]) -> list[int]:
     ]
 
 
-def purge_unknown_samples(*, now: datetime) -> int:
-    """Delete the samples set aside that no device has claimed within
-    TALLY_INGEST_UNKNOWN_RETENTION_DAYS of their arrival (a made-up or long-gone UUID); how
-    many. Beat's rollup (`services.refresh_usage`) runs it."""
-    cutoff = now - timedelta(days=int(settings.TALLY_INGEST_UNKNOWN_RETENTION_DAYS))
-    deleted, _ = UnknownDeviceSample.objects.filter(received_at__lt=cutoff).delete()
-    return deleted
-
-
 def adopt_unknown_samples(*, now: datetime) -> int:
     """Move the samples set aside whose device has become known into `Sample`; how many.
 
@@ -1280,7 +1271,7 @@ def adopt_unknown_samples(*, now: datetime) -> int:
     cluster-wide token: one of its cluster); one an operator loaded (no token), for any
     device. A token cannot plant samples under the identity of a device elsewhere by naming
     it before the inventory knows it. The others stay aside until they expire
-    (`purge_unknown_samples`).
+    (`billing.retention.purge_unknown_device_samples`).
 
     A sample already in `Sample` for the same device and instant wins; the one set aside is
     dropped. Hours the moved samples count in are marked dirty. Each chunk is its own

@@ -280,7 +280,8 @@ def delete_in_batches(rows: Q, *, model: type[models.Model], batch: int | None =
 
 def purge_unknown_device_samples(*, now: datetime) -> int:
     """Delete, in batches, the samples set aside (`UnknownDeviceSample`) that no device
-    claimed within TALLY_INGEST_UNKNOWN_RETENTION_DAYS of their arrival; how many."""
+    claimed within TALLY_INGEST_UNKNOWN_RETENTION_DAYS of their arrival; how many. Beat's
+    rollup (`services.refresh_usage`) and `sample_retention` run it."""
     cutoff = now - timedelta(days=int(settings.TALLY_INGEST_UNKNOWN_RETENTION_DAYS))
     return delete_in_batches(Q(received_at__lt=cutoff), model=UnknownDeviceSample)
 

@@ -21,7 +21,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from billing import ingest, rollup
+from billing import ingest, retention, rollup
 from billing.hours import hours_between
 from billing.models import (
     AgentToken,
@@ -275,7 +275,7 @@ def refresh_usage(*, now: datetime) -> list[datetime]:
     of the period holding `now`. Returns the hours rolled up. Idempotent, as each step is.
     """
     ingest.adopt_unknown_samples(now=now)
-    ingest.purge_unknown_samples(now=now)
+    retention.purge_unknown_device_samples(now=now)  # in batches
     hours = rollup.rollup_pending(now=now)
     refresh_statements(period=period_for(now))
     return hours

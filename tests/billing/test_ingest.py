@@ -30,11 +30,11 @@ from billing.ingest import (
     authenticate,
     ingest,
     latest_per_hour,
-    purge_unknown_samples,
     touched_hours,
     validate_samples,
 )
 from billing.models import AgentToken, DirtyHour, Sample, UnknownDeviceSample
+from billing.retention import purge_unknown_device_samples as purge_unknown_samples
 from billing.services import issue_agent_token
 from inventory.models import Cluster, Device
 from teams.models import AuditEntry
