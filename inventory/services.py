@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import ROUND_HALF_EVEN, Decimal
@@ -137,7 +137,10 @@ def apply_watch_event(
     """
     report = SyncReport()
     writer = _Writer(cluster=cluster, at=at, report=report, jobs=jobs)
+    claim_uid = _claim_uid(obj)
     with transaction.atomic():
+        # Only this claim's gangs (before the event and after it) can end with it.
+        gangs_before = _gangs_of(cluster, claim_uid)
         if event_type == "DELETED":
             identity = dra.object_identity(obj)
             if identity is None:
@@ -153,7 +156,10 @@ def apply_watch_event(
         writer.reconcile_touched_pools()
         if obj.get("kind") == "ResourceClaim":
             record_claim_gangs(cluster=cluster, gangs=gangs or {}, at=at)
-            end_gangs(cluster=cluster, at=at)
+            if not claim_uid:  # which claim it was is not known: every gang is looked at
+                end_gangs(cluster=cluster, at=at)
+            elif touched := gangs_before | _gangs_of(cluster, claim_uid):
+                end_gangs(cluster=cluster, at=at, gang_ids=touched)
         writer.note_fleet_change()
     return report
 
@@ -237,15 +243,33 @@ def record_gang(*, cluster: Cluster, namespace: str, ref: GangRef, at: datetime)
     return Gang.objects.get(pk=gang_ids[(namespace, ref.key)])
 
 
-def end_gangs(*, cluster: Cluster, at: datetime) -> int:
-    """End, at `at`, the open gangs of `cluster` whose member claims are all released; how
-    many. A gang no claim has joined yet (recorded by the webhook before the sync saw its
-    first member) has not started, so it does not end here."""
+def end_gangs(*, cluster: Cluster, at: datetime, gang_ids: Collection[int] | None = None) -> int:
+    """End, at `at`, the open gangs of `cluster` (of `gang_ids`, when given) whose member
+    claims are all released; how many. A gang no claim has joined yet (recorded by the webhook
+    before the sync saw its first member) has not started, so it does not end here."""
     member = ResourceClaim.objects.filter(gang=OuterRef("pk"))
-    return (
-        Gang.objects.filter(Exists(member), cluster=cluster, ended_at__isnull=True)
-        .exclude(Exists(member.filter(released_at__isnull=True)))
-        .update(ended_at=at)
+    gangs = Gang.objects.filter(Exists(member), cluster=cluster, ended_at__isnull=True)
+    if gang_ids is not None:
+        gangs = gangs.filter(pk__in=gang_ids)
+    return gangs.exclude(Exists(member.filter(released_at__isnull=True))).update(ended_at=at)
+
+
+def _claim_uid(obj: Any) -> str:
+    """The uid of a ResourceClaim object; "" for any other object, or a claim without one."""
+    if not isinstance(obj, dict) or obj.get("kind") != "ResourceClaim":
+        return ""
+    uid = (obj.get("metadata") or {}).get("uid") if isinstance(obj.get("metadata"), dict) else ""
+    return uid if isinstance(uid, str) else ""
+
+
+def _gangs_of(cluster: Cluster, claim_uid: str) -> set[int]:
+    """The gang the claim `claim_uid` is stored in, as a set (empty: none, or no claim)."""
+    if not claim_uid:
+        return set()
+    return set(
+        ResourceClaim.objects.filter(
+            cluster=cluster, uid=claim_uid, gang__isnull=False
+        ).values_list("gang_id", flat=True)
     )
 
 
