@@ -59,6 +59,9 @@ class Sample(models.Model):
     node = models.CharField(max_length=253, blank=True)
     received_at = models.DateTimeField()
     gap_ms = models.BigIntegerField(null=True, blank=True)
+    # A mean's covered time (the agent's `covered_seconds`, in ms): its utilisation holds for
+    # `min(gap_ms, covered_ms)`, not the whole gap to the next sample. Null: a single reading.
+    covered_ms = models.BigIntegerField(null=True, blank=True)
 
     class Meta:
         constraints = [
