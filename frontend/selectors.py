@@ -40,12 +40,14 @@ from billing.selectors import (
 from billing.units import hours_label, units_label
 from inventory.models import Allocation, Cluster, Unit
 from quota.models import AdmissionDecision, Budget, QuotaRule
-from teams.models import IdleAlertPolicy, Team, TeamNamespace
+from teams.models import Alert, AlertState, IdleAlertPolicy, Team, TeamNamespace
 from teams.selectors import user_role, visible_teams
 
 HOURS = Decimal("0.01")
 # Live claims shown on a team page; a team holding more sees the first ones and the count.
 LIVE_CLAIMS_SHOWN = 200
+# The firing alerts the team page lists.
+ALERTS_SHOWN = 20
 TOP_WASTERS_SHOWN = 10
 
 
@@ -399,6 +401,14 @@ def idle_threshold(team: Team) -> Decimal | int:
     (`idleAlert.belowPercent`), else `IDLE_BELOW_PERCENT`."""
     policy = IdleAlertPolicy.objects.filter(team=team).values_list("below_percent", flat=True)
     return next(iter(policy), IDLE_BELOW_PERCENT)
+
+
+def firing_alerts(*, team: Team, limit: int = ALERTS_SHOWN) -> tuple[list[Alert], int]:
+    """The team's firing alerts, the most recently seen first, and how many there are (the API,
+    `/api/v1/alerts/`, lists them all, resolved ones too)."""
+    firing = Alert.objects.filter(team=team, state=AlertState.FIRING)
+    shown = list(firing.order_by("-last_seen", "-pk")[:limit])
+    return shown, firing.count() if len(shown) == limit else len(shown)
 
 
 def idle_now(*, team: Team, now: datetime, below_percent: Decimal | int) -> list[IdleHolder]:

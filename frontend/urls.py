@@ -16,6 +16,7 @@ urlpatterns: list[URLPattern | URLResolver] = [
         views.statement_csv,
         name="statement-csv",
     ),
+    path("teams/<slug:slug>/alerts/<int:alert_id>/snooze/", views.snooze, name="alert-snooze"),
     path("fleet/", views.fleet_overview, name="fleet"),
     path("fleet/decisions/", views.decisions, name="decisions"),
     path("compare/", compare.compare, name="compare"),

@@ -9,12 +9,13 @@ on).
 
 from __future__ import annotations
 
-from datetime import datetime
+from datetime import datetime, timedelta
 from functools import wraps
 from typing import Any, Protocol
 from urllib.parse import urlencode
 
 from django.conf import settings
+from django.contrib import messages
 from django.contrib.auth import views as auth_views
 from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
@@ -22,6 +23,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
 from django.urls import reverse
 from django.utils import timezone
+from django.views.decorators.http import require_POST
 
 from billing.hours import HOUR, hour_start
 from billing.stranded import priced_stranded_gangs
@@ -31,8 +33,9 @@ from inventory import selectors as fleet
 from inventory.models import Cluster
 from inventory.profiles import unit_label
 from quota import pending
+from teams.alerts import may_snooze, may_snooze_team, snooze_alert
 from teams.api import API_PREFIX, write_csv
-from teams.models import Team
+from teams.models import Alert, Team
 
 USAGE_WINDOWS = (7, 30)
 # The longest waiting pending claims a page lists (the API lists them all).
@@ -40,6 +43,8 @@ PENDING_CLAIMS_SHOWN = 25
 DECISIONS_PER_PAGE = 50
 # Rows of a per-person or per-job CSV the team page links to (the API's largest page).
 BILLING_CSV_ROWS = 1000
+# The snoozes the team page offers (the API takes any number of hours up to a week); 0 lifts one.
+SNOOZE_CHOICES = ((4, "4 hours"), (24, "a day"), (168, "a week"))
 
 
 class _View(Protocol):
@@ -137,6 +142,7 @@ def team(request: HttpRequest, team: Team) -> HttpResponse:
     idle_below = selectors.idle_threshold(team)
     # Whole hours, as the API's CSV takes them: the hour under way is in both.
     billing = selectors.team_billing(team=team, since=since, until=hour_start(now) + HOUR)
+    alerts, alerts_total = selectors.firing_alerts(team=team)
     chart_data: dict[str, Any] = {
         "usage": {
             "labels": [day.day.isoformat() for day in usage.days],
@@ -169,10 +175,43 @@ def team(request: HttpRequest, team: Team) -> HttpResponse:
         "claims": claims,
         "claims_total": claims_total,
         "statements": selectors.team_statements(team=team),
+        "alerts": alerts,
+        "alerts_total": alerts_total,
+        "may_snooze": bool(alerts) and may_snooze_team(user=request.user, team_id=team.pk),
+        "snooze_choices": SNOOZE_CHOICES,
+        "now": now,
         "chart_data": chart_data,
         **_queue_context(request, now=now, team=team),
     }
     return render(request, "frontend/team.html", context)
+
+
+@require_POST
+@team_required
+def snooze(request: HttpRequest, team: Team, alert_id: int) -> HttpResponse:
+    """Snooze one of the team's alerts for one of `SNOOZE_CHOICES` (`0` lifts it): the team
+    page's buttons, as `POST /api/v1/alerts/{id}/snooze/`. Back to the team page, saying what
+    was done or what was wrong with the request."""
+    alert = Alert.objects.filter(pk=alert_id, team=team).first()
+    if alert is None:
+        return not_found(request)
+    if not may_snooze(user=request.user, alert=alert):
+        return forbidden(request, "Only the team's leads and operators may snooze its alerts.")
+    given = request.POST.get("hours", "")
+    offered = {str(hours): hours for hours, _ in ((0, ""), *SNOOZE_CHOICES)}
+    back = reverse("team", args=[team.slug]) + "#alerts-heading"
+    if given not in offered:
+        choices = ", ".join(str(hours) for hours, _ in SNOOZE_CHOICES)
+        messages.error(request, f"hours: must be 0 (lift) or one of {choices}, not {given[:20]!r}")
+        return redirect(back)
+    hours = offered[given]
+    until = timezone.now() + timedelta(hours=hours) if hours else None
+    snooze_alert(alert=alert, until=until, actor=request.user.get_username())
+    if until is None:
+        messages.success(request, f"Lifted the snooze of “{alert.subject}”.")
+    else:
+        messages.success(request, f"Snoozed “{alert.subject}” until {until:%Y-%m-%d %H:%M} UTC.")
+    return redirect(back)
 
 
 def _billing_csv_links(*, team: Team, since: datetime, until: datetime) -> dict[str, str]:

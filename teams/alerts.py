@@ -251,9 +251,15 @@ def visible_alerts(*, user: Any) -> QuerySet[Alert]:
 
 def may_snooze(*, user: Any, alert: Alert) -> bool:
     """Operators snooze any alert; a team's leads the alerts of their team."""
+    return may_snooze_team(user=user, team_id=alert.team_id)
+
+
+def may_snooze_team(*, user: Any, team_id: int | None) -> bool:
+    """Whether `user` may snooze the alerts of the team `team_id` (None: fleet-wide alerts,
+    operators only)."""
     if user_role(user) == "operator":
         return True
     return (
-        alert.team_id is not None
-        and Membership.objects.filter(team_id=alert.team_id, user=user, role=Role.LEAD).exists()
+        team_id is not None
+        and Membership.objects.filter(team_id=team_id, user=user, role=Role.LEAD).exists()
     )
