@@ -24,6 +24,7 @@ from django.contrib.auth.models import Group
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
+from billing import alerts
 from billing.pricing import round_money
 from demo.admission import deny_a_claim
 from demo.usage import load_demo_usage
@@ -112,6 +113,15 @@ class Command(BaseCommand):
         if usage.idle_claim is not None:
             claim = usage.idle_claim
             self.stdout.write(f"Idle since it began: claim {claim.namespace}/{claim.name}.")
+        # Raised as beat's `alerts-evaluate` would (nothing is sent from here): the idle claim
+        # of a team with an `idleAlert`, the outlier node, on the pages and the alerts API.
+        raised = alerts.evaluate_alerts(now=now)
+        firing = {kind: len(report.raised) for kind, report in raised.items() if report.raised}
+        self.stdout.write(
+            "Alerts raised: "
+            + (", ".join(f"{n} {kind.replace('_', ' ')}" for kind, n in firing.items()) or "none")
+            + "."
+        )
         denied = deny_a_claim(at=now)
         if denied is None:
             self.stdout.write("No quota denies the demo's claims on this fleet: no denial shown.")
