@@ -3,11 +3,16 @@
 A team's policy (`teams.models.IdleAlertPolicy`, the policy file's `idleAlert`) says a claim is
 idle when in each of the last `for_hours` hours it used less than `below_percent` of what it
 held. The figures are the ledger's (`UsageHour`, per allocation and hour): the claim's open
-allocations summed per hour. Unmeasured time counts as busy (an hour no sample covers is not
-known to be idle), so an hour is idle when utilised + unmeasured < below_percent of allocated;
-and an hour the rollup has no row for (not yet rolled up, or the claim did not hold it) is not
-idle either. The hours are those up to the last one rolled up, so an evaluation running before
-the rollup of the hour just ended sees the same claims idle as the one after it.
+allocations summed per hour.
+
+One rule says what an idle hour is, everywhere Tally names idle claims (the alerts, the team
+page's idle holders, the week report's longest idle claims): `idle_hour` (`idle_hour_q` in
+SQL), at the team's `below_percent` (`below_percent_of`; `DEFAULT_BELOW_PERCENT` without a
+policy). Unmeasured time counts as busy (an hour no sample covers is not known to be idle), so
+an hour is idle when utilised + unmeasured < below_percent of allocated; and an hour the rollup
+has no row for (not yet rolled up, or the claim did not hold it) is not idle either. The hours
+are those up to the last one rolled up, so an evaluation running before the rollup of the hour
+just ended sees the same claims idle as the one after it.
 
 `IdleCollector` gives Prometheus the idle unit-hours per team over the last rolled-up day.
 """
@@ -20,7 +25,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 
-from django.db.models import Max, Sum
+from django.db.models import F, Max, Q, Sum
+from django.db.models.lookups import GreaterThan, LessThan
 from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -30,6 +36,8 @@ from billing.models import UsageHour
 from inventory.models import Allocation, ResourceClaim
 from teams.models import IdleAlertPolicy, Team
 
+# The percent under which an hour is idle for a team with no idle-alert policy.
+DEFAULT_BELOW_PERCENT = 5
 HUNDREDTH = Decimal("0.01")
 MILLIONTH = Decimal("0.000001")
 # The window of `tally_idle_unit_hours`.
@@ -124,7 +132,7 @@ def idle_claims(*, now: datetime) -> list[IdleClaim]:
         since = until - timedelta(hours=policy.for_hours)
         window = [by_hour.get(since + HOUR * index) for index in range(policy.for_hours)]
         if all(
-            figures is not None and _idle_hour(*figures, policy.below_percent) for figures in window
+            figures is not None and idle_hour(*figures, policy.below_percent) for figures in window
         ):
             figures_held = [figures for figures in window if figures is not None]
             idle[claim_id] = (
@@ -190,10 +198,28 @@ def idle_claims(*, now: datetime) -> list[IdleClaim]:
     return found
 
 
-def _idle_hour(allocated: int, utilised: int, unmeasured: int, below_percent: Decimal) -> bool:
-    """Used (or unmeasured) less than `below_percent` of the time held; an hour held not at
-    all is not idle."""
+def idle_hour(allocated: int, utilised: int, unmeasured: int, below_percent: Decimal | int) -> bool:
+    """Whether an hour's figures (milliseconds of a claim's or an allocation's hour) are idle:
+    used (or unmeasured) less than `below_percent` of the time held; an hour held not at all
+    is not idle."""
     return allocated > 0 and (utilised + unmeasured) * 100 < below_percent * allocated
+
+
+def idle_hour_q(below_percent: Decimal | int) -> Q:
+    """`idle_hour` over a `UsageHour` row, for a query."""
+    return Q(GreaterThan(F("allocated_gpu_ms"), 0)) & Q(
+        LessThan(
+            (F("utilised_gpu_ms") + F("unmeasured_gpu_ms")) * 100,
+            F("allocated_gpu_ms") * below_percent,
+        )
+    )
+
+
+def below_percent_of(team: Team) -> Decimal | int:
+    """The percent under which `team`'s hours are idle: its idle-alert policy's
+    (`idleAlert.belowPercent`), else `DEFAULT_BELOW_PERCENT`."""
+    policy = IdleAlertPolicy.objects.filter(team=team).values_list("below_percent", flat=True)
+    return next(iter(policy), DEFAULT_BELOW_PERCENT)
 
 
 class IdleCollector(Collector):

@@ -11,11 +11,11 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
-from django.db.models import F, Max, Min, OuterRef, Q, Subquery, Sum
+from django.db.models import F, Max, Min, OuterRef, Subquery, Sum
 from django.db.models.functions import TruncDate
-from django.db.models.lookups import GreaterThan, LessThan
 
 from billing.hours import HOUR, MS_PER_HOUR, ONE_MS, epoch_ms, hour_start
+from billing.idle import idle_hour_q
 from billing.models import SLICE_HOUR, Period, RateCard, Sample, UsageHour
 from billing.periods import period_bounds
 from billing.pricing import MINOR_UNITS, LineKey, RateCards, rate_hours, round_money
@@ -335,9 +335,6 @@ def _row_order(row: BilledRow) -> tuple[Any, ...]:
 
 # --- Who holds idle devices now ---------------------------------------------------------------
 
-# An hour is idle when the device computed less than this share of the time it was measured
-# (the rollup's utilised time is the measured time weighted by utilisation).
-IDLE_BELOW_PERCENT = 5
 # How far back the hours of an open allocation are read to find when it went idle.
 IDLE_LOOKBACK = timedelta(days=14)
 
@@ -358,18 +355,13 @@ class IdleHolder:
     latest_util: float | None = None  # percent, the devices' latest sample (the highest)
 
 
-def idle_holders(
-    *, team: Team, now: datetime, below_percent: Decimal | int = IDLE_BELOW_PERCENT
-) -> list[IdleHolder]:
+def idle_holders(*, team: Team, now: datetime, below_percent: Decimal | int) -> list[IdleHolder]:
     """The team's open allocations whose rolled-up hours since their last busy one are idle
-    (below `below_percent` utilised; hours with no measurement are neither), grouped per
+    (`billing.idle.idle_hour` at `below_percent`: unmeasured time counts as busy), grouped per
     claim, longest idle first. A device whose latest sample, taken after its last rolled-up
     hour, is busy computes again and is left out. Two queries."""
     lookback = hour_start(now) - IDLE_LOOKBACK
-    measured = F("allocated_gpu_ms") - F("unmeasured_gpu_ms")
-    idle_hour = Q(GreaterThan(measured, 0)) & Q(
-        LessThan(F("utilised_gpu_ms") * 100, measured * below_percent)
-    )
+    idle_hour = idle_hour_q(below_percent)
     latest = Sample.objects.filter(device_uuid=OuterRef("meter_id")).order_by("-ts_ms")
     allocations = {
         row["pk"]: row

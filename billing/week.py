@@ -25,6 +25,7 @@ from typing import Any, NamedTuple
 from django.db.models import Count, F, Sum
 
 from billing.hours import HOUR, MS_PER_HOUR
+from billing.idle import DEFAULT_BELOW_PERCENT, below_percent_of, idle_hour
 from billing.models import SLICE_HOUR, UsageHour
 from billing.pricing import RateCards, period_holding, rate_hours, round_money
 from billing.selectors import team_gpu_hours
@@ -34,10 +35,6 @@ from teams.models import Team
 
 WEEK = timedelta(days=7)
 HOURS = Decimal("0.01")
-# An hour of a claim counts as idle when its utilised time is at most this share of its
-# measured time (unmeasured time is neither idle nor busy): a claim kept alive by a heartbeat
-# is as idle as one at 0%.
-IDLE_HOUR_PERCENT = 5
 LONGEST_IDLE_SHOWN = 10
 
 
@@ -217,7 +214,7 @@ class Row:
 @dataclass
 class IdleClaim:
     """A claim's idle hours in the week; `longest_hours` its longest run of consecutive idle
-    hours (`IDLE_HOUR_PERCENT`), from `idle_from` to `idle_until`."""
+    hours (`billing.idle.idle_hour` at the team's percent), from `idle_from` to `idle_until`."""
 
     namespace: str
     claim_name: str
@@ -271,6 +268,8 @@ class TeamWeek:
     jobs: list[Row]
     idle_claims: list[IdleClaim]
     budget: WeekBudget | None
+    # An hour is idle below this percent of the time held (the team's `idleAlert`, or 5).
+    idle_below_percent: Decimal | int = DEFAULT_BELOW_PERCENT
 
     @property
     def complete(self) -> bool:
@@ -376,9 +375,11 @@ def _rows(
     return rows
 
 
-def _idle_claims(usage: list[tuple[_Cell, Figures]], limit: int) -> list[IdleClaim]:
-    """Claims by their longest run of consecutive idle hours, then by idle time. `usage` is
-    ordered by claim and hour."""
+def _idle_claims(
+    usage: list[tuple[_Cell, Figures]], limit: int, below_percent: Decimal | int
+) -> list[IdleClaim]:
+    """Claims by their longest run of consecutive idle hours (`billing.idle.idle_hour`), then
+    by idle time. `usage` is ordered by claim and hour."""
     per_claim_hour: dict[tuple[str, str, str], dict[datetime, Figures]] = defaultdict(
         lambda: defaultdict(Figures)
     )
@@ -394,8 +395,9 @@ def _idle_claims(usage: list[tuple[_Cell, Figures]], limit: int) -> list[IdleCla
         longest, best_from, run, run_from, previous = 0, None, 0, None, None
         for hour in sorted(hours):
             figures = hours[hour]
-            measured = figures.allocated_ms - figures.unmeasured_ms
-            idle = measured > 0 and figures.utilised_ms * 100 <= measured * IDLE_HOUR_PERCENT
+            idle = idle_hour(
+                figures.allocated_ms, figures.utilised_ms, figures.unmeasured_ms, below_percent
+            )
             if not idle:
                 run, previous = 0, None
                 continue
@@ -474,6 +476,7 @@ def team_week(
     end = start + WEEK
     usage = _usage(team, start, end)
     before = _usage(team, start - WEEK, start)
+    below_percent = below_percent_of(team)
     return TeamWeek(
         team=team,
         start=start,
@@ -482,8 +485,9 @@ def team_week(
         totals=_rows(_fold(usage, None), _fold(before, None)),
         people=_rows(_fold(usage, "username"), _fold(before, "username")),
         jobs=_rows(_fold(usage, "job"), _fold(before, "job")),
-        idle_claims=_idle_claims(usage, idle_claims),
+        idle_claims=_idle_claims(usage, idle_claims, below_percent),
         budget=None if budget is None else _budget(team, budget, start, end, now),
+        idle_below_percent=below_percent,
     )
 
 

@@ -22,7 +22,6 @@ from django.urls import reverse
 
 from billing.models import WeekReport
 from billing.week import (
-    IDLE_HOUR_PERCENT,
     WEEK_CSV_COLUMNS,
     TeamWeek,
     WeekError,
@@ -63,7 +62,7 @@ def week_message(report: TeamWeek, recipients: list[str]) -> EmailMessage:
     subject = f"Tally week report: {report.team.name}, {report.start:%Y-%m-%d} to {report.last_day}"
     body = render_to_string(
         "billing/week_report.txt",
-        {"report": report, "url": week_page_url(report), "idle_percent": IDLE_HOUR_PERCENT},
+        {"report": report, "url": week_page_url(report)},
     )
     message = EmailMessage(subject=subject, body=body, to=recipients)
     csv_text = io.StringIO()

@@ -29,7 +29,6 @@ from billing.models import (
     unit_hour,
 )
 from billing.pricing import RateCards, period_holding, rate_hours, round_money
-from billing.selectors import IDLE_BELOW_PERCENT as IDLE_BELOW_PERCENT  # for the page
 from billing.selectors import (
     BilledRow,
     IdleHolder,
@@ -40,7 +39,7 @@ from billing.selectors import (
 from billing.units import hours_label, units_label
 from inventory.models import Allocation, Cluster, Unit
 from quota.models import AdmissionDecision, Budget, QuotaRule
-from teams.models import Alert, AlertState, IdleAlertPolicy, Team, TeamNamespace
+from teams.models import Alert, AlertState, Team, TeamNamespace
 from teams.selectors import user_role, visible_teams
 
 HOURS = Decimal("0.01")
@@ -394,13 +393,6 @@ def team_billing(*, team: Team, since: datetime, until: datetime) -> TeamBilling
     billing.billed = dict(sorted(billing.billed.items()))
     billing.billed_idle = dict(sorted(billing.billed_idle.items()))
     return billing
-
-
-def idle_threshold(team: Team) -> Decimal | int:
-    """The percent under which the team's hours count as idle: its idle-alert policy's
-    (`idleAlert.belowPercent`), else `IDLE_BELOW_PERCENT`."""
-    policy = IdleAlertPolicy.objects.filter(team=team).values_list("below_percent", flat=True)
-    return next(iter(policy), IDLE_BELOW_PERCENT)
 
 
 def firing_alerts(*, team: Team, limit: int = ALERTS_SHOWN) -> tuple[list[Alert], int]:

@@ -26,6 +26,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from billing.hours import HOUR, hour_start
+from billing.idle import below_percent_of
 from billing.stranded import priced_stranded_gangs
 from frontend import selectors
 from inventory import checks
@@ -139,7 +140,7 @@ def team(request: HttpRequest, team: Team) -> HttpResponse:
     # The chart draws the first unit (GPUs when the team used any); tables show every unit.
     usage = usage_units[0]
     burn = selectors.budget_burn(team=team, now=now)
-    idle_below = selectors.idle_threshold(team)
+    idle_below = below_percent_of(team)
     # Whole hours, as the API's CSV takes them: the hour under way is in both.
     billing = selectors.team_billing(team=team, since=since, until=hour_start(now) + HOUR)
     alerts, alerts_total = selectors.firing_alerts(team=team)

@@ -99,7 +99,6 @@ def team_week(request: HttpRequest, team: Team) -> HttpResponse:
     context = {
         "team": team,
         "report": report,
-        "idle_percent": week.IDLE_HOUR_PERCENT,
         "several_units": len({row.unit for row in report.totals}) > 1,
         "start_param": start.date().isoformat(),
         **_navigation(start, now),

@@ -19,9 +19,9 @@ price. The agents send a sample at :00, :20 and :40 of each hour, each held for 
   utilised. 60.5 h: 54.45 utilised, 6.05 idle.
 - C, alice's Deployment `serve` (replica 2) on node-b/gpu-0, Wednesday 00:00 to Sunday 00:00
   (96 h): Wednesday and Thursday at 50% (40, 50, 60); Friday 00:00-10:00 at 0%; 10:00-14:00
-  nothing (node-b's agent down): 4 h unmeasured; 14:00-24:00 at 50%; Saturday at 5% (an idle
-  hour: at most IDLE_HOUR_PERCENT). 30.2 h utilised, 61.8 idle, 4 unmeasured; its longest
-  idle run is Saturday's 24 hours.
+  nothing (node-b's agent down): 4 h unmeasured; 14:00-24:00 at 50%; Saturday at 5% (not an
+  idle hour: idle is below the team's percent, 5 by default). 30.2 h utilised, 61.8 idle, 4
+  unmeasured; its longest idle run is Friday's 10 hours at 0%.
 
 By hand, at 2.40 USD (utilised, unmeasured) and 1.20 USD (idle) per GPU-hour:
 
@@ -447,10 +447,11 @@ def test_the_week_report_and_its_page(week: Scenario, clock: None) -> None:
         ("Deployment/serve", {usd: d("429.84")}),
         ("Job/train", {usd: d("137.94")}),
     ]
-    # C's Saturday at 5% is the longest idle run; A (25%) and B (90%) are never idle.
+    # C's Friday morning at 0% is its longest idle run (Saturday at 5% is not below 5%); A
+    # (25%) and B (90%) are never idle.
     (idle,) = report.idle_claims
     assert (idle.claim_name, idle.username, idle.job, idle.longest_hours, idle.idle_from) == (
-        "serve-5d8f-y7w4m-gpu-k9plb", "alice", "Deployment/serve", 24, MONDAY + timedelta(days=5)
+        "serve-5d8f-y7w4m-gpu-k9plb", "alice", "Deployment/serve", 10, MONDAY + timedelta(days=4)
     )  # fmt: skip
     # C: 2.40 x (96 - 0.5 x 61.8).
     assert (idle.figures.allocated, idle.figures.idle, idle.figures.cost) == (
@@ -467,7 +468,7 @@ def test_the_week_report_and_its_page(week: Scenario, clock: None) -> None:
     assert people.index(">alice<") < people.index(">bob<")
     assert "429.84 USD" in people and "137.94 USD" in people and "169.80" in people
     idle_part = html[html.index('id="week-idle"') :]
-    assert "serve-5d8f-y7w4m-gpu-k9plb" in idle_part and "24 h" in idle_part
+    assert "serve-5d8f-y7w4m-gpu-k9plb" in idle_part and "10 h" in idle_part
 
     response = client.get(reverse("team-week-csv", args=["vision"]) + "?start=2026-11-02")
     assert response.status_code == 200

@@ -21,7 +21,6 @@ from billing import ingest
 from billing.hours import HOUR, MS_PER_HOUR, epoch_ms, hour_start
 from billing.ingest import SampleRow
 from billing.selectors import IDLE_LOOKBACK
-from frontend import selectors
 from inventory.models import Unit
 from quota.models import Budget
 from teams.models import IdleAlertPolicy
@@ -241,4 +240,3 @@ def test_the_page_costs_a_few_queries_more(
     # test_pages pins the page at 28 with the seeded portal; the week's data costs no more.
     with django_assert_max_num_queries(28):
         assert client.get(reverse("team", args=["alpha"])).status_code == 200
-    assert selectors.IDLE_BELOW_PERCENT == 5
