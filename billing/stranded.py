@@ -1,6 +1,6 @@
 """What stranded gangs' held devices cost (issue 20): `inventory.stranded` priced by rate card.
 
-Each model's hours are priced by the rate card in force today (`billing.pricing.rate_for`: a
+Each model's hours are priced by the rate card in force today (`billing.pricing.RateCards`: a
 MIG profile's own card per hour of the slice, else the model's per hour of its unit), at the
 card's full price: the idle discount a statement later gives (its idle factor) depends on
 samples not rolled up yet. Amounts are exact until rounded once per gang and currency. Hours
@@ -17,8 +17,8 @@ from fractions import Fraction
 from typing import Any
 
 from billing.hours import MS_PER_HOUR
-from billing.models import SLICE_HOUR, RateCard
-from billing.pricing import rate_for, round_money
+from billing.models import SLICE_HOUR
+from billing.pricing import RateCards, round_money
 from inventory.models import Cluster
 from inventory.stranded import StrandedGang, stranded_gangs
 from teams.models import Team
@@ -43,16 +43,13 @@ def priced_stranded_gangs(
     *, user: Any, now: datetime, cluster: Cluster | None = None, team: Team | None = None
 ) -> list[PricedGang]:
     """`inventory.stranded.stranded_gangs`, each with what it has cost (see the module)."""
-    cards: dict[tuple[str, str], RateCard | None] = {}
+    cards = RateCards(first_day=now.date(), last_day=now.date())
     priced = []
     for gang in stranded_gangs(user=user, now=now, cluster=cluster, team=team):
         exact: dict[str, Fraction] = defaultdict(Fraction)
         unpriced_ms = Decimal(0)
         for line in gang.held:
-            key = (line.product_name, line.profile)
-            if key not in cards:
-                cards[key] = rate_for(line.product_name, line.profile, now.date())
-            card = cards[key]
+            card = cards.on(line.product_name, line.profile, now.date())
             if card is None or not line.product_name:
                 unpriced_ms += line.unit_ms
                 continue
