@@ -175,8 +175,29 @@ class TeamAdmin(AuditedAdmin):
             super().delete_model(request, obj)
 
 
+class RecountedAdmin(AuditedAdmin):
+    """A team's object that its quota usage depends on (a rule, a gang policy): saved (and
+    deleted) with the team's usage locked and recounted in the same transaction, as the policy
+    file does, so no admission sees the change half made."""
+
+    recount_after_delete: bool
+
+    def save_model(self, request: HttpRequest, obj: Any, form: Any, change: bool) -> None:
+        with transaction.atomic():
+            services.lock_usage(team_ids=[obj.team_id])
+            super().save_model(request, obj, form, change)
+            services.recount_usage(teams=[obj.team_id], at=timezone.now())
+
+    def delete_model(self, request: HttpRequest, obj: Any) -> None:
+        with transaction.atomic():
+            services.lock_usage(team_ids=[obj.team_id])
+            super().delete_model(request, obj)
+            if self.recount_after_delete:
+                services.recount_usage(teams=[obj.team_id], at=timezone.now())
+
+
 @admin.register(QuotaRule)
-class QuotaRuleAdmin(InUseMixin, AuditedAdmin):
+class QuotaRuleAdmin(InUseMixin, RecountedAdmin):
     form = QuotaRuleForm
     list_display = ("team", "name", "device_class", "unit", "limit_shown", "in_use_shown", "mode")
     list_filter = ("unit", "mode", "device_class", "team")
@@ -188,16 +209,7 @@ class QuotaRuleAdmin(InUseMixin, AuditedAdmin):
         # Moving a rule would move its reservation lines to another team.
         return ("team", "in_use_shown") if obj is not None else ("in_use_shown",)
 
-    def save_model(self, request: HttpRequest, obj: QuotaRule, form: Any, change: bool) -> None:
-        with transaction.atomic():
-            services.lock_usage(team_ids=[obj.team_id])
-            super().save_model(request, obj, form, change)
-            services.recount_usage(teams=[obj.team_id], at=timezone.now())
-
-    def delete_model(self, request: HttpRequest, obj: QuotaRule) -> None:
-        with transaction.atomic():
-            services.lock_usage(team_ids=[obj.team_id])
-            super().delete_model(request, obj)
+    recount_after_delete = False  # its reservation lines go with it
 
 
 class ReservationLineInline(admin.TabularInline):
@@ -273,7 +285,7 @@ class GangReservationAdmin(ReadOnlyAdmin):
 
 
 @admin.register(GangPolicy)
-class GangPolicyAdmin(AuditedAdmin):
+class GangPolicyAdmin(RecountedAdmin):
     """How a team's gangs are admitted; a team without one is enforced (see `GangMode`)."""
 
     list_display = ("team", "mode")
@@ -287,18 +299,7 @@ class GangPolicyAdmin(AuditedAdmin):
 
     # Turning a team's gangs off releases its gang holds in the same transaction, as the
     # policy file does (`recount_usage`), not at the next periodic recount.
-
-    def save_model(self, request: HttpRequest, obj: GangPolicy, form: Any, change: bool) -> None:
-        with transaction.atomic():
-            services.lock_usage(team_ids=[obj.team_id])
-            super().save_model(request, obj, form, change)
-            services.recount_usage(teams=[obj.team_id], at=timezone.now())
-
-    def delete_model(self, request: HttpRequest, obj: GangPolicy) -> None:
-        with transaction.atomic():
-            services.lock_usage(team_ids=[obj.team_id])
-            super().delete_model(request, obj)
-            services.recount_usage(teams=[obj.team_id], at=timezone.now())
+    recount_after_delete = True
 
 
 @admin.register(ReservationLine)
