@@ -56,7 +56,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from inventory.owners import api_group
+from inventory.owners import api_group, string_entries
 
 SOURCES = ("workload", "jobset", "leaderworkerset", "kueue", "volcano", "kubeflow")
 # As `Gang.key`: a kind (63) and a name (253), with room for a pod group and replica key.
@@ -230,10 +230,6 @@ def _count_text(value: Any, *, minimum: int = 1) -> int | None:
     return _count(int(value), minimum=minimum)
 
 
-def _strings(mapping: Any) -> dict[str, str]:
-    return {k: v for k, v in _dict(mapping).items() if isinstance(k, str) and isinstance(v, str)}
-
-
 def gang_key(kind: str, name: str, suffix: str = "") -> str:
     """`Kind/name` plus `suffix`, shortened with a digest when longer than the column, so
     that two long keys still differ."""
@@ -345,8 +341,8 @@ def gang_of_pod(pod: Mapping[str, Any], lookup: GangLookup) -> GangRef | None:
         return None
     context = _Pod(
         namespace=namespace,
-        labels=_strings(metadata.get("labels")),
-        annotations=_strings(metadata.get("annotations")),
+        labels=string_entries(metadata.get("labels")),
+        annotations=string_entries(metadata.get("annotations")),
         owner_references=_list(metadata.get("ownerReferences")),
         spec=_dict(pod.get("spec")),
         lookup=lookup,

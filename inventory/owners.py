@@ -61,7 +61,7 @@ class Owner:
             uid=uid if isinstance(uid, str) else "",
             controller=controller_reference(metadata.get("ownerReferences")),
             created_by=annotated_creator(metadata.get("annotations")),
-            labels=_strings(metadata.get("labels")),
+            labels=string_entries(metadata.get("labels")),
         )
 
 
@@ -240,10 +240,10 @@ def claim_creator(
         return resolution.created_by
     if needs_lookup(owner_references):
         return ""
-    return labelled_creator([_strings(labels)], creator_labels)
+    return labelled_creator([string_entries(labels)], creator_labels)
 
 
-def _strings(mapping: Any) -> dict[str, str]:
+def string_entries(mapping: Any) -> dict[str, str]:
     """The string entries of a metadata mapping (labels), anything else left out."""
     if not isinstance(mapping, dict):
         return {}
