@@ -138,20 +138,27 @@ def resolve_missing(*, kind: AlertKind, live_keys: Iterable[str], now: datetime)
     """Resolve the firing alerts of `kind` whose keys are not in `live_keys`; the alerts resolved.
 
     Guarantees: each alert is resolved once (rows locked, skipped if another run holds them);
-    a resolved notification is planned for each channel its firing one went out on, and a
+    only the alerts to resolve are locked, never the live ones a concurrent raise updates; a
+    resolved notification is planned for each channel its firing one went out on, and a
     firing one not sent yet (snoozed, or its receiver down) is dropped.
     """
     live = set(live_keys)
+    stale = [
+        pk
+        for pk, key in Alert.objects.filter(kind=kind, state=AlertState.FIRING).values_list(
+            "pk", "key"
+        )
+        if key not in live
+    ]
     resolved = []
     with transaction.atomic():
+        # Still firing once locked (the condition is checked again on the locked row).
         candidates = (
             Alert.objects.select_for_update(skip_locked=True)
-            .filter(kind=kind, state=AlertState.FIRING)
+            .filter(pk__in=stale, state=AlertState.FIRING)
             .order_by("pk")
         )
         for alert in candidates:
-            if alert.key in live:
-                continue
             alert.state = AlertState.RESOLVED
             alert.resolved_at = now
             alert.save(update_fields=["state", "resolved_at"])

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from django.contrib.auth.models import User
 from django.core import mail
-from django.db import connection, transaction
+from django.db import OperationalError, connection, transaction
 from django.test import Client, override_settings
 from django.urls import reverse
 
@@ -215,6 +215,38 @@ def test_two_evaluations_racing_raise_one_alert() -> None:
     assert sorted(created for _, created in results) == [False, True]
     assert Alert.objects.count() == 1
     assert AlertDelivery.objects.count() == 1  # the email; no webhook URLs
+
+
+@pytest.mark.django_db(transaction=True)
+def test_resolving_locks_only_the_alerts_it_resolves() -> None:
+    """While one evaluation resolves what is gone, another can update the alerts still live
+    (its raise locks their rows): resolving never holds them."""
+    team = Team.objects.create(slug="lock", name="Lock")
+    live, _ = raise_alert(spec=spec(team, key="live"), now=NOW)
+    gone, _ = raise_alert(spec=spec(team, key="gone"), now=NOW)
+    probed: dict[str, bool] = {}
+
+    def try_lock(pk: int) -> bool:
+        try:
+            with transaction.atomic():
+                Alert.objects.select_for_update(nowait=True).get(pk=pk)
+            return True
+        except OperationalError:
+            return False
+        finally:
+            connection.close()
+
+    def probe() -> None:
+        probed["live"], probed["gone"] = try_lock(live.pk), try_lock(gone.pk)
+
+    with transaction.atomic():
+        resolved = resolve_missing(kind=KIND, live_keys={"live"}, now=NOW)
+        thread = threading.Thread(target=probe)
+        thread.start()
+        thread.join(timeout=30)
+
+    assert [alert.key for alert in resolved] == ["gone"]
+    assert probed == {"live": True, "gone": False}
 
 
 def test_the_email_goes_to_the_recipients_addresses(team: Team) -> None:
