@@ -9,6 +9,7 @@ on).
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from datetime import datetime, timedelta
 from functools import wraps
 from typing import Any, Protocol
@@ -238,10 +239,16 @@ def statement_csv(request: HttpRequest, team: Team, period_id: int) -> HttpRespo
     if found is None:
         return not_found(request)
     period, rows = found
+    return csv_attachment(f"tally-{team.slug}-{period.label}.csv", selectors.CSV_COLUMNS, rows)
+
+
+def csv_attachment(
+    filename: str, columns: Sequence[str], rows: Iterable[Sequence[Any]]
+) -> HttpResponse:
+    """A CSV download of `rows` under `columns` (`teams.api.write_csv`: formulas neutralised)."""
     response = HttpResponse(content_type="text/csv; charset=utf-8")
-    filename = f"tally-{team.slug}-{period.label}.csv"
     response["Content-Disposition"] = f'attachment; filename="{filename}"'
-    write_csv(response, columns=selectors.CSV_COLUMNS, rows=rows)
+    write_csv(response, columns=columns, rows=rows)
     return response
 
 

@@ -21,9 +21,8 @@ from django.utils import timezone
 from billing import week
 from billing.week_mail import already_sent, lead_emails, send_week_report
 from frontend import selectors
-from frontend.views import operator_required, team_required
+from frontend.views import csv_attachment, operator_required, team_required
 from quota.models import Budget
-from teams.api import write_csv
 from teams.models import Team
 
 log = logging.getLogger(__name__)
@@ -71,13 +70,6 @@ def _bad_week(request: HttpRequest, error: week.WeekError, template: str) -> Htt
     return render(request, template, {"error": str(error)}, status=400)
 
 
-def _csv(filename: str, columns: tuple[str, ...], rows: list[list[Any]]) -> HttpResponse:
-    response = HttpResponse(content_type="text/csv; charset=utf-8")
-    response["Content-Disposition"] = f'attachment; filename="{filename}"'
-    write_csv(response, columns=columns, rows=rows)
-    return response
-
-
 def _navigation(start: datetime, now: datetime) -> dict[str, Any]:
     """The weeks before and after (none after when it would start in the future)."""
     following = start + week.WEEK
@@ -114,7 +106,7 @@ def team_week_csv(request: HttpRequest, team: Team) -> HttpResponse:
     except week.WeekError as error:
         return HttpResponse(f"{error}\n", status=400, content_type="text/plain; charset=utf-8")
     report = week_report(team=team, start=start, now=now)
-    return _csv(
+    return csv_attachment(
         f"tally-{team.slug}-week-{start:%Y-%m-%d}.csv",
         week.WEEK_CSV_COLUMNS,
         week.week_csv_rows(report),
@@ -168,7 +160,7 @@ def fleet_week_csv(request: HttpRequest) -> HttpResponse:
     except week.WeekError as error:
         return HttpResponse(f"{error}\n", status=400, content_type="text/plain; charset=utf-8")
     report = week.fleet_week(start=start, cluster=selectors.fleet_scope())
-    return _csv(
+    return csv_attachment(
         f"tally-fleet-week-{start:%Y-%m-%d}.csv",
         week.FLEET_CSV_COLUMNS,
         week.fleet_csv_rows(report),
