@@ -38,13 +38,13 @@ from datetime import UTC, datetime
 from decimal import Decimal
 from enum import StrEnum
 from fractions import Fraction
-from math import floor
 from typing import Any
 
 from django.db.models import Case, CharField, F, Q, Sum, Value, When
 
 from billing.hours import MS_PER_HOUR, hour_start
 from billing.models import UsageHour
+from billing.rounding import largest_remainders
 from billing.units import hours_label
 from inventory.models import Unit
 from teams.models import Team
@@ -350,13 +350,9 @@ def shown_parts(parts: Sequence[Fraction], places: int) -> tuple[list[Decimal], 
     the shown total (largest remainders: each part is its value rounded down or up)."""
     scale = 10**places
     total = round(sum(parts, ZERO) * scale)
-    floors = [floor(part * scale) for part in parts]
-    order = sorted(
-        range(len(parts)), key=lambda index: parts[index] * scale - floors[index], reverse=True
-    )
-    for index in order[: total - sum(floors)]:
-        floors[index] += 1
-    return [Decimal(value).scaleb(-places) for value in floors], Decimal(total).scaleb(-places)
+    units = largest_remainders({index: part * scale for index, part in enumerate(parts)}, total)
+    shown = [Decimal(units[index]).scaleb(-places) for index in range(len(parts))]
+    return shown, Decimal(total).scaleb(-places)
 
 
 def hours_of(milliseconds: int) -> Decimal:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -19,6 +18,7 @@ from billing.idle import idle_hour_q
 from billing.models import SLICE_HOUR, Period, RateCard, Sample, UsageHour
 from billing.periods import period_bounds
 from billing.pricing import MINOR_UNITS, LineKey, RateCards, rate_hours, round_money
+from billing.rounding import largest_remainders
 from billing.units import hours_label
 from inventory.models import Allocation, Unit
 from teams.models import Team
@@ -158,15 +158,12 @@ def apportion(total: Decimal, shares: Mapping[Any, Fraction], currency: str) -> 
     `total` exactly: each share rounded down, and the units left over given to the shares
     that lost the most by it (the largest remainders; ties in key order)."""
     unit = Fraction(minor_unit(currency))
-    floors = {key: math.floor(share / unit) for key, share in shares.items()}
-    left = int(Fraction(total) / unit) - sum(floors.values())
-    # The rounding moved the total by half a unit at most, so 0 <= left <= len(shares).
-    if not 0 <= left <= len(shares):
-        raise ValueError(f"{total} {currency} is not the rounded sum of the shares given")
-    ranked = sorted(shares, key=lambda key: (-(shares[key] / unit - floors[key]), key))
-    for key in ranked[:left]:
-        floors[key] += 1
-    return {key: Decimal(units) * minor_unit(currency) for key, units in floors.items()}
+    scaled = {key: share / unit for key, share in shares.items()}
+    try:
+        units = largest_remainders(scaled, int(Fraction(total) / unit))
+    except ValueError:
+        raise ValueError(f"{total} {currency} is not the rounded sum of the shares given") from None
+    return {key: Decimal(count) * minor_unit(currency) for key, count in units.items()}
 
 
 def period_pieces(since: datetime, until: datetime) -> list[tuple[datetime, datetime]]:
