@@ -43,16 +43,19 @@ IDENTITY_ATTRIBUTES = frozenset(
         "serialNumber",
         "serial",  # Intel Gaudi
         "pciAddress",  # Intel GPU
-        "pciAddr",  # AMD auto-partition devices
+        "pciAddr",  # AMD auto-partition and vfio devices
+        "gpuIndex",  # AMD auto-partition devices: the physical GPU's index on its node
     }
 )
 # NVIDIA's attribute domain: qualified names under it are read like unqualified ones.
 NVIDIA_DOMAIN = "gpu.nvidia.com"
-# The most devices one request may ask for. The API's field is an int64, but the scheduler
-# gives one claim at most 32 devices (AllocationResultsMaxSize), so a larger count can never
-# be allocated; this bound, far above that, keeps what a claim counts on a quota rule (count
-# times a device's share, in bytes for a memory rule: under 2**40 for any GPU made) within
-# the rules' and reservations' NUMERIC(24, 6) columns.
+# The most devices the scheduler gives one claim (resource.k8s.io AllocationResultsMaxSize): a
+# request for more can never be allocated.
+ALLOCATION_RESULTS_MAX_SIZE = 32
+# The most devices one request may ask for. The API's field is an int64, but a count above
+# ALLOCATION_RESULTS_MAX_SIZE can never be allocated; this bound, far above that, keeps what a
+# claim counts on a quota rule (count times a device's share, in bytes for a memory rule: under
+# 2**40 for any GPU made) within the rules' and reservations' NUMERIC(24, 6) columns.
 MAX_REQUEST_COUNT = 2**16
 
 
@@ -983,12 +986,13 @@ def _columns(device: ParsedDevice, driver: str, profile: profiles.Profile) -> di
         memory = device.capacity_value(name, driver)
         if memory is not None:
             break
+    parts = [text(name) for name in profile.profile_parts]
     return {
         "product_name": _first(device, driver, profile.model_attributes),
         "uuid": text("uuid"),
         "parent_uuid": text("parentUUID"),
         "device_type": text(profile.type_attribute),
-        "profile": text(profile.profile_attribute),
+        "profile": text(profile.profile_attribute) or "_".join(filter(None, parts)),
         "memory_bytes": int(memory) if memory is not None else None,
         "architecture": _first(device, driver, profile.architecture_attributes),
         "driver_version": _first(device, driver, profile.driver_version_attributes),

@@ -31,6 +31,9 @@ Spec keys (all optional; lists are of attribute or capacity names, tried in orde
 - `model_attributes`, `architecture_attributes`, `driver_version_attributes`,
   `memory_capacities`: where the columns of the same names are read from.
 - `profile_attribute`: the attribute naming a MIG, partition or vGPU profile.
+- `profile_parts`: attributes whose values, joined with "_", name the profile of a device that
+  does not publish `profile_attribute` (AMD auto-partition devices: `computePartition` and
+  `memoryPartition`, cpx and nps4 making `cpx_nps4`, as a pre-made partition's profile reads).
 - `share`: the rules for a device's share of its physical unit, tried in order: `counters`
   (KEP-4815: the largest fraction of any size counter it consumes from each counter set, summed
   over sets; see `size_counters`), `mig-profile` (`<n>g.<mem>`: n of the GPU's 7 compute slices,
@@ -149,6 +152,7 @@ class Profile:
     driver_version_attributes: tuple[str, ...] = ("driverVersion",)
     memory_capacities: tuple[str, ...] = ("memory",)
     profile_attribute: str = "profile"
+    profile_parts: tuple[str, ...] = ()
     share: tuple[str, ...] = ("counters",)
     size_counters: tuple[str, ...] = ()
     spec: Mapping[str, Any] = field(default_factory=dict, compare=False)
@@ -179,6 +183,7 @@ _LIST_KEYS = (
     "architecture_attributes",
     "driver_version_attributes",
     "memory_capacities",
+    "profile_parts",
     "share",
     "size_counters",
 )
@@ -221,8 +226,12 @@ BUILTIN_SPECS: dict[str, dict[str, Any]] = {
     },
     # ROCm/k8s-gpu-dra-driver: type amdgpu/amdgpu-partition (vfio for passthrough), no uuid;
     # deviceID is the model's PCI id, pciBusID the physical GPU's, shared by its partitions.
+    # With AutoPartition on, one device per compute+memory mode of each GPU (gpu-0-cpx-nps1),
+    # each consuming the GPU's one-mode counter set whole (a share of 1: the GPU in that mode)
+    # and shared by `partitions` capacity, so a claim's share is its fraction of the partitions;
+    # the mode names the profile (`profile_parts`), pciAddr the GPU where pciBusID is missing.
     "gpu.amd.com": {
-        "description": "AMD Instinct GPUs and their compute partitions",
+        "description": "AMD Instinct GPUs, their compute partitions and auto-partition modes",
         "unit": "gpu",
         "type_attribute": "type",
         "whole_types": ["amdgpu", "vfio"],
@@ -231,6 +240,7 @@ BUILTIN_SPECS: dict[str, dict[str, Any]] = {
         "physical_unit_attributes": ["resource.kubernetes.io/pciBusID", "pciAddr"],
         "model_attributes": ["productName"],
         "profile_attribute": "partitionProfile",
+        "profile_parts": ["computePartition", "memoryPartition"],
         "share": ["counters", "partition-profile"],
     },
     # intel/intel-resource-drivers-for-kubernetes gpu.intel.com: no type, no uuid; `model` and

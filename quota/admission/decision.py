@@ -5,11 +5,12 @@ usage as of that moment), its budget and the fleet's shapes: what each request c
 each rule, which `firstAvailable` alternatives fit, and the denial or warnings. The store then
 reserves the plan (or does not); everything here is plain Python on plain data.
 
-A claim is counted by what it can really take: `ExactCount` its count, `All` the most
-matching devices on one node, a MIG device its share of its GPU, a consumable share (KEP-5075)
-the largest fraction it consumes of any of the device's capacities (`inventory.capacity`: its
-requests under any capacity name, qualified or not, rounded up by `requestPolicy`, and the
-policy's default for what it does not name), `adminAccess` nothing. Amounts are in the unit of
+A claim is counted by what it can really take: `ExactCount` its count, `All` every matching
+device of the node where they count most, each by its own shape (see `_most_on_a_node`), a MIG
+device its share of its GPU, a consumable share (KEP-5075) the largest fraction it consumes of
+any of the device's capacities (`inventory.capacity`: its requests under any capacity name,
+qualified or not, rounded up by `requestPolicy`, and the policy's default for what it does not
+name), `adminAccess` nothing. Amounts are in the unit of
 the devices a rule covers (GPUs, TPU chips, Gaudi cards; "accelerators" when they differ), and
 messages say which. Rules bind devices, not class names:
 a request counts on every rule that covers a device it could be given (the rule's device
@@ -466,6 +467,7 @@ def demand(
         ),
     )
     per_device_on: dict[int, Decimal] = {}
+    keys: dict[int, tuple[Any, ...]] = {}
     for rule in rules:
         # What one device counts on this rule: the same for every request that asks alike, so
         # worked out once per fleet snapshot (None: the rule covers none of the candidates).
@@ -491,6 +493,7 @@ def demand(
         if each is None:
             continue
         per_device_on[rule.pk] = each
+        keys[rule.pk] = key
         if rule.selector:  # validated when written; kept safe if stored otherwise
             error = fleet.derived(
                 ("selector error", rule.selector), functools.partial(_selector_error, rule.selector)
@@ -518,15 +521,31 @@ def demand(
             f"for counts as one whole {unit_label(whole, plural=False)} (and no memory) on "
             "every quota rule of its class"
         )
-    if request.allocation_mode == "All":
-        devices = fleet.derived(
-            ("all", request.device_class_name, selectors, asked),
-            lambda: _most_on_a_node(fleet, candidates),
+    if request.allocation_mode != "All":
+        result.devices = request.count
+        result.amounts = {rule_id: each * request.count for rule_id, each in per_device_on.items()}
+        return result
+    every = fleet.derived(
+        ("all on nodes", request.device_class_name, selectors, asked),
+        functools.partial(_all_on_nodes, fleet, candidates),
+    )
+    result.devices = every.devices
+    for rule in rules:
+        if rule.pk in per_device_on:
+            # Keyed by the rule's definition, as `each` is: what it counts depends on that.
+            result.amounts[rule.pk] = fleet.derived(
+                ("all on rule", *keys[rule.pk]),
+                functools.partial(
+                    _most_on_a_node, rule, every, candidates, fleet, request.capacity_requests
+                ),
+            )
+    if not every.nodes and every.too_many:
+        warnings.append(
+            f'request "{request.name}" (allocationMode All) would be given all {every.too_many} '
+            f"devices it matches on a node, more than the {dra.ALLOCATION_RESULTS_MAX_SIZE} the "
+            "scheduler gives one claim, on every node that has any: it can never be allocated, "
+            "and counts nothing on quota rules"
         )
-    else:
-        devices = request.count
-    result.devices = devices
-    result.amounts = {rule_id: each * devices for rule_id, each in per_device_on.items()}
     return result
 
 
@@ -548,15 +567,64 @@ def _consumes(shape: Shape, capacity_requests: dict[str, str]) -> dict[str, Deci
         return None
 
 
-def _most_on_a_node(fleet: FleetShapes, candidates: list[Shape]) -> int:
-    """`allocationMode: All`: the most devices of these shapes on any one node."""
+@dataclass(frozen=True)
+class AllOnNodes:
+    """Where an `allocationMode: All` request can be allocated: the scheduler gives it every
+    device it matches on the node (each shareable one a share of what it asks), so a node
+    where that is more than a claim can hold (`dra.ALLOCATION_RESULTS_MAX_SIZE`) never can."""
+
+    # The matching devices by shape id, of each node where they can all be given.
+    nodes: tuple[Mapping[int, int], ...]
+    # The most matching devices on one of those nodes.
+    devices: int
+    # The most matching devices on a node where they are too many to be given (0: none is).
+    too_many: int
+
+
+def _all_on_nodes(fleet: FleetShapes, candidates: list[Shape]) -> AllOnNodes:
     ids = {shape.id for shape in candidates}
+    nodes: list[dict[int, int]] = []
+    too_many = 0
+    for shapes in fleet.per_node.values():
+        matching = {shape_id: n for shape_id, n in shapes.items() if shape_id in ids}
+        devices = sum(matching.values())
+        if devices > dra.ALLOCATION_RESULTS_MAX_SIZE:
+            too_many = max(too_many, devices)
+        elif devices:
+            nodes.append(matching)
+    return AllOnNodes(
+        nodes=tuple(nodes),
+        devices=max((sum(node.values()) for node in nodes), default=0),
+        too_many=too_many,
+    )
+
+
+def _most_on_a_node(
+    rule: Rule,
+    every: AllOnNodes,
+    candidates: list[Shape],
+    fleet: FleetShapes,
+    capacity_requests: dict[str, str],
+) -> Decimal:
+    """What an `All` request counts on `rule`: on each node where it can be allocated, the sum
+    of what each matching device there counts on the rule (by its own shape: a 40GB and an
+    80GB GPU, a GPU and MIG devices, count each what they are); the most over those nodes,
+    which need not be the node with the most devices. A rule that covers some of the shapes
+    counts only those.
+
+    A whole device and its partitions published together (KEP-4815) consume one counter set,
+    so the scheduler cannot give them all: the fleet's shapes do not say which devices share a
+    physical unit, so such a node is weighed as if it could (the most the claim could hold)."""
+    each = _per_shape_on(rule, candidates, fleet, capacity_requests)
     return max(
         (
-            sum(n for shape_id, n in shapes.items() if shape_id in ids)
-            for shapes in fleet.per_node.values()
+            sum(
+                (each[shape_id] * n for shape_id, n in node.items() if shape_id in each),
+                Decimal(0),
+            )
+            for node in every.nodes
         ),
-        default=0,
+        default=Decimal(0),
     )
 
 
@@ -571,17 +639,33 @@ def _per_device_on(
     covers none of them (it does not limit the request). A request that no known device
     matches is limited by the rules of the class it names, as whole devices."""
     if not candidates:
-        return (
-            _most_per_device(rule, [], capacity_requests)
-            if rule.device_class == request_class
-            else None
-        )
+        if rule.device_class != request_class:
+            return None
+        return Decimal(1) if rule.unit == Unit.GPUS else Decimal(0)
+    each = _per_shape_on(rule, candidates, fleet, capacity_requests)
+    return max(each.values()) if each else None
+
+
+def _per_shape_on(
+    rule: Rule,
+    candidates: list[Shape],
+    fleet: FleetShapes,
+    capacity_requests: dict[str, str],
+) -> dict[int, Decimal]:
+    """What one device of each of `candidates` that `rule` covers counts on it, by shape id: a
+    share of a shareable device what the request consumes of it."""
     covered = fleet.covered(rule.device_class, rule.selector)
-    shapes = [shape for shape in candidates if shape.id in covered]
-    if not shapes:
-        return None
     accelerators = fleet.covers_accelerators(rule.device_class, rule.selector)
-    return _most_per_device(rule, shapes, capacity_requests, of_accelerators=accelerators)
+    return {
+        shape.id: per_device(
+            shape,
+            rule,
+            _consumes(shape, capacity_requests) if shape.shareable else None,
+            of_accelerators=accelerators,
+        )
+        for shape in candidates
+        if shape.id in covered
+    }
 
 
 def _selector_error(selector: str) -> str:
@@ -590,27 +674,6 @@ def _selector_error(selector: str) -> str:
     except cel.CELError as exc:
         return str(exc)
     return ""
-
-
-def _most_per_device(
-    rule: Rule,
-    shapes: list[Shape],
-    capacity_requests: dict[str, str],
-    *,
-    of_accelerators: bool = False,
-) -> Decimal:
-    return max(
-        (
-            per_device(
-                shape,
-                rule,
-                _consumes(shape, capacity_requests) if shape.shareable else None,
-                of_accelerators=of_accelerators,
-            )
-            for shape in shapes
-        ),
-        default=Decimal(1) if rule.unit == Unit.GPUS else Decimal(0),
-    )
 
 
 def per_device(
