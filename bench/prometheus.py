@@ -5,7 +5,8 @@
 
 Needs Debian's `prometheus` package (prometheus and promtool) and a PostgreSQL server
 (`BENCH_DATABASE_URL`, default postgres://postgres@127.0.0.1:5432/tally_bench_prometheus; the
-database is dropped and created again, so its name must contain `bench`).
+database is dropped and created again by `bench.database.fresh_database`, as the other benches'
+are, so its name must contain `bench`; dropped at the end unless `--keep`).
 
 1. The fleet (`bench.billing`'s: 8 GPUs a node, each allocated by its own claim from the day's
    start), and a day of DCGM readings per GPU every `--interval` seconds, written as
@@ -24,18 +25,16 @@ database is dropped and created again, so its name must contain `bench`).
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from bench.inventory import REPO, _database_name, _drop_database, _recreate_database
+from bench.database import fresh_database
 
 DEFAULT_URL = "postgres://postgres@127.0.0.1:5432/tally_bench_prometheus"
 DAY = datetime(2026, 3, 2, tzinfo=UTC)  # a Monday, long past
@@ -54,54 +53,36 @@ def main(argv: list[str] | None = None) -> int:
     binaries = shutil.which("prometheus"), shutil.which("promtool")
     if not all(binaries):
         parser.error("needs prometheus and promtool (apt-get install prometheus)")
-    url = os.environ.get("BENCH_DATABASE_URL", DEFAULT_URL)
-    database = _database_name(url)
-    if "bench" not in database:
-        parser.error(f"BENCH_DATABASE_URL names {database!r}; its name must contain 'bench'")
-    os.environ["DATABASE_URL"] = url
-    os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings")
-    sys.path.insert(0, str(REPO))
-    print(f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}", flush=True)
-    _recreate_database(url)
-    import django
+    with fresh_database(parser, DEFAULT_URL, keep=args.keep):
+        workdir = Path(tempfile.mkdtemp(prefix="tally-bench-prometheus-"))
+        server: subprocess.Popen[bytes] | None = None
+        try:
+            from bench.billing import _load_fleet
 
-    django.setup()
-    from django.core.management import call_command
-
-    call_command("migrate", verbosity=0)
-    workdir = Path(tempfile.mkdtemp(prefix="tally-bench-prometheus-"))
-    server: subprocess.Popen[bytes] | None = None
-    try:
-        from bench.billing import _load_fleet
-
-        uuids = [gpu.uuid for gpu in _load_fleet(args.gpus, seed=0, at=DAY)]
-        started = time.perf_counter()
-        points = _write_day(workdir / "day.om", uuids, args.interval)
-        subprocess.run(
-            [str(binaries[1]), "tsdb", "create-blocks-from", "openmetrics",
-             str(workdir / "day.om"), str(workdir / "tsdb")],
-            check=True, capture_output=True,
-        )  # fmt: skip
-        (workdir / "day.om").unlink()
-        engine, server = _serve(str(binaries[0]), workdir)
-        print(
-            f"engine: {points:,} readings ({len(uuids):,} GPUs every {args.interval} s for a "
-            f"day) backfilled and served in {time.perf_counter() - started:.1f} s",
-            flush=True,
-        )
-        return _run(engine, uuids, interval=args.interval, step=args.step)
-    finally:
-        if server is not None:
-            server.terminate()
-            server.wait(timeout=60)
-        from django.db import connections
-
-        connections.close_all()
-        if args.keep:
-            print(f"kept: database {database}, TSDB in {workdir}")
-        else:
-            _drop_database(url)
-            shutil.rmtree(workdir, ignore_errors=True)
+            uuids = [gpu.uuid for gpu in _load_fleet(args.gpus, seed=0, at=DAY)]
+            started = time.perf_counter()
+            points = _write_day(workdir / "day.om", uuids, args.interval)
+            subprocess.run(
+                [str(binaries[1]), "tsdb", "create-blocks-from", "openmetrics",
+                 str(workdir / "day.om"), str(workdir / "tsdb")],
+                check=True, capture_output=True,
+            )  # fmt: skip
+            (workdir / "day.om").unlink()
+            engine, server = _serve(str(binaries[0]), workdir)
+            print(
+                f"engine: {points:,} readings ({len(uuids):,} GPUs every {args.interval} s for a "
+                f"day) backfilled and served in {time.perf_counter() - started:.1f} s",
+                flush=True,
+            )
+            return _run(engine, uuids, interval=args.interval, step=args.step)
+        finally:
+            if server is not None:
+                server.terminate()
+                server.wait(timeout=60)
+            if args.keep:
+                print(f"kept: TSDB in {workdir}")
+            else:
+                shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _utilisation(index: int, step: int) -> int:
@@ -180,7 +161,7 @@ def _run(engine: str, uuids: list[str], *, interval: int, step: int) -> int:
         from_engine = time.perf_counter() - started
         from_engine_rows = rows()
         conf = prometheus.config()
-        client = prometheus.Engine(conf)
+        client = prometheus.Engine(conf, conf.url)
         started = time.perf_counter()
         fetched = 0
         for exporter in conf.exporters:

@@ -2,12 +2,14 @@
 the metering source of clusters that already scrape their exporters, instead of raw samples.
 
 `TALLY_METERING_SOURCE` says which clusters it meters (`prometheus`, or `samples` with some
-clusters set apart: `samples,gpu-east=prometheus`). For each window the rollup works on, the
-engine's HTTP query API (`/api/v1/query`) is asked for the utilisation series of each exporter
-(`TALLY_PROMETHEUS_EXPORTERS`): with a range selector, the readings the engine holds as
-scraped (`TALLY_PROMETHEUS_STEP_SECONDS=0`), or with a subquery, one mean per step
-(`avg_over_time(m[60s])[1h:60s]`), a reading per step for the whole step. Metric names,
-scales and the labels a series names its device by are settings (defaults: the exporters'):
+clusters set apart: `samples,gpu-east=prometheus`), and `TALLY_PROMETHEUS_URL` the engine, or
+`TALLY_PROMETHEUS_URLS` one per cluster (`gpu-east=http://...`; the others: the single URL's).
+For each window the rollup works on, each engine's HTTP query API (`/api/v1/query`) is asked
+for the utilisation series of each exporter (`TALLY_PROMETHEUS_EXPORTERS`): with a range
+selector, the readings the engine holds as scraped (`TALLY_PROMETHEUS_STEP_SECONDS=0`), or with
+a subquery, one mean per step (`avg_over_time(m[60s])[1h:60s]`), a reading per step for the
+whole step. Metric names, scales and the labels a series names its device by are settings
+(defaults: the exporters'):
 
 - DCGM: `DCGM_FI_PROF_GR_ENGINE_ACTIVE` (ratio, x100), else `DCGM_FI_DEV_GPU_UTIL` (percent);
   a whole GPU by `UUID`; a MIG device by its parent's `UUID` and `GPU_I_PROFILE`, which name
@@ -30,9 +32,10 @@ The readings go into a temporary table shaped like `billing_sample` (device, ins
 utilisation, gap to the device's next reading) and the rollup's own SQL reads it: the hold, the
 unmeasured time, the rounding and the reruns are the rollup's, so an hour is billed the same
 whichever source measured it. An engine that does not answer, or answers in part, raises
-`EngineUnavailable`: the rollup writes nothing for those hours, which stay marked and are
-retried, never billed as idle. Hours the engine may still be receiving
-(`TALLY_PROMETHEUS_SETTLE_SECONDS`) are marked to be rolled up again.
+`EngineUnavailable` naming its clusters: the rollup writes nothing for their hours, which stay
+marked and are retried, never billed as idle; the other clusters' rows are written. Hours the
+engine may still be receiving (`TALLY_PROMETHEUS_SETTLE_SECONDS`) are marked to be rolled up
+again.
 """
 
 from __future__ import annotations
@@ -89,12 +92,28 @@ _LABEL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 class EngineUnavailable(Exception):
-    """The engine could not be asked, or answered with an error or in part: the hours it was
-    asked for (`hours`, filled in by the rollup) stay pending."""
+    """An engine could not be asked, or answered with an error or in part: the hours it was
+    asked for (`hours`, filled in by the rollup) stay pending. From `window_readings`, also
+    the clusters whose engine failed (`clusters`) and the readings of the clusters whose
+    engines answered (`answered`), which the rollup bills."""
 
-    def __init__(self, message: str, *, hours: Sequence[datetime] = ()) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        hours: Sequence[datetime] = (),
+        clusters: Iterable[str] = (),
+        answered: Readings | None = None,
+    ) -> None:
         super().__init__(message)
         self.hours = list(hours)
+        self.clusters = frozenset(clusters)
+        self.answered = answered
+
+
+class EngineUnreachable(EngineUnavailable):
+    """The engine did not answer at all (refused, timed out): its other questions for the
+    window are not asked, each would wait as long."""
 
 
 # --- Settings ---------------------------------------------------------------------------------
@@ -129,7 +148,8 @@ class Config:
 
     default_source: str
     cluster_sources: Mapping[str, str]
-    url: str
+    url: str  # the engine of every cluster `cluster_urls` does not name
+    cluster_urls: Mapping[str, str]
     headers: tuple[tuple[str, str], ...]
     timeout_seconds: float
     step_seconds: int
@@ -141,6 +161,10 @@ class Config:
 
     def source(self, cluster: str) -> str:
         return self.cluster_sources.get(cluster, self.default_source)
+
+    def url_for(self, cluster: str) -> str:
+        """The base URL of the engine that meters `cluster`."""
+        return self.cluster_urls.get(cluster, self.url)
 
     @property
     def used(self) -> bool:
@@ -169,6 +193,36 @@ def parse_sources(value: str) -> tuple[str, dict[str, str]]:
         else:
             per_cluster[cluster.strip()] = source
     return default or "samples", per_cluster
+
+
+def _base_url(value: str) -> str | None:
+    """`value` as an engine's base URL (no trailing slash), or None if it is not http(s)."""
+    url = value.strip()
+    return url.rstrip("/") if url.startswith(("http://", "https://")) else None
+
+
+def parse_urls(value: str) -> dict[str, str]:
+    """`TALLY_PROMETHEUS_URLS`: `cluster=URL, ...`, the engine of each cluster named."""
+    urls: dict[str, str] = {}
+    for item in (part.strip() for part in value.split(",")):
+        if not item:
+            continue
+        cluster, equals, text = (part.strip() for part in item.partition("="))
+        url = _base_url(text)
+        if not equals or not cluster:
+            raise ImproperlyConfigured(
+                f"TALLY_PROMETHEUS_URLS: {item!r} is not cluster=URL "
+                "(e.g. gpu-east=http://prometheus.gpu-east:9090, comma-separated)"
+            )
+        if cluster in urls:
+            raise ImproperlyConfigured(f"TALLY_PROMETHEUS_URLS: cluster {cluster!r} given twice")
+        if url is None:
+            raise ImproperlyConfigured(
+                f"TALLY_PROMETHEUS_URLS: {cluster}={text!r} is not a base URL (http://... or "
+                "https://...)"
+            )
+        urls[cluster] = url
+    return urls
 
 
 def parse_metrics(variable: str, value: str) -> tuple[Metric, ...]:
@@ -240,6 +294,7 @@ def config() -> Config:
     return _config(
         settings.TALLY_METERING_SOURCE,
         settings.TALLY_PROMETHEUS_URL,
+        settings.TALLY_PROMETHEUS_URLS,
         settings.TALLY_PROMETHEUS_HEADERS,
         settings.TALLY_PROMETHEUS_TIMEOUT_SECONDS,
         settings.TALLY_PROMETHEUS_STEP_SECONDS,
@@ -263,6 +318,7 @@ def config() -> Config:
 def _config(
     source: str,
     url: str,
+    urls: str,
     headers: str,
     timeout: int,
     step: int,
@@ -275,11 +331,31 @@ def _config(
     hold_seconds: int,
 ) -> Config:
     default, per_cluster = parse_sources(source)
-    uses = default == "prometheus" or "prometheus" in per_cluster.values()
-    if uses and not url.startswith(("http://", "https://")):
+    cluster_urls = parse_urls(urls)
+    elsewhere = [
+        cluster for cluster in cluster_urls if per_cluster.get(cluster, default) != "prometheus"
+    ]
+    if elsewhere:
+        raise ImproperlyConfigured(
+            f"TALLY_PROMETHEUS_URLS: cluster {elsewhere[0]!r} is not metered by prometheus "
+            "(TALLY_METERING_SOURCE): give it `=prometheus` there, or drop its URL"
+        )
+    # The default engine meters every cluster metered by prometheus without its own URL.
+    unnamed = [
+        cluster
+        for cluster, name in per_cluster.items()
+        if name == "prometheus" and cluster not in cluster_urls
+    ]
+    default_url = _base_url(url)
+    if default_url is None and (default == "prometheus" or unnamed):
+        whom = (
+            "every cluster TALLY_PROMETHEUS_URLS does not name"
+            if default == "prometheus"
+            else f"cluster(s) {', '.join(unnamed)}, which TALLY_PROMETHEUS_URLS does not name"
+        )
         raise ImproperlyConfigured(
             "TALLY_PROMETHEUS_URL: set it to the engine's base URL (http://... or https://...) "
-            "when TALLY_METERING_SOURCE names prometheus"
+            f"when TALLY_METERING_SOURCE names prometheus: it meters {whom}"
         )
     if step > hold_seconds:
         raise ImproperlyConfigured(
@@ -312,7 +388,8 @@ def _config(
     return Config(
         default_source=default,
         cluster_sources=per_cluster,
-        url=url.rstrip("/"),
+        url=default_url or "",
+        cluster_urls=cluster_urls,
         headers=_headers(headers),
         timeout_seconds=float(timeout),
         step_seconds=step,
@@ -346,10 +423,12 @@ class Series:
 
 
 class Engine:
-    """The engine's HTTP query API: instant queries (POSTed, as long queries need)."""
+    """One engine's HTTP query API, at base URL `url`: instant queries (POSTed, as long
+    queries need), with the settings' headers, CA bundle and timeout."""
 
-    def __init__(self, conf: Config) -> None:
+    def __init__(self, conf: Config, url: str) -> None:
         self.conf = conf
+        self.url = url
         self._ssl = ssl.create_default_context(cafile=conf.ca_file) if conf.ca_file else None
 
     def matrix(self, query: str, *, at_ms: int) -> list[Series]:
@@ -357,7 +436,7 @@ class Engine:
         cannot be asked, refuses, or answers with warnings (a partial answer: a store down)."""
         body = urllib.parse.urlencode({"query": query, "time": f"{at_ms / 1000:.3f}"}).encode()
         request = urllib.request.Request(
-            f"{self.conf.url}/api/v1/query",
+            f"{self.url}/api/v1/query",
             data=body,
             method="POST",
             headers={
@@ -371,17 +450,24 @@ class Engine:
             ) as response:
                 answer: Any = orjson.loads(response.read())
         except urllib.error.HTTPError as error:
-            raise EngineUnavailable(f"{query}: HTTP {error.code}: {_error_text(error)}") from error
-        except (OSError, ValueError) as error:
-            raise EngineUnavailable(f"{query}: {self.conf.url} did not answer: {error}") from error
+            raise EngineUnavailable(
+                f"{self.url}: {query}: HTTP {error.code}: {_error_text(error)}"
+            ) from error
+        except OSError as error:
+            raise EngineUnreachable(f"{self.url}: {query}: did not answer: {error}") from error
+        except ValueError as error:
+            raise EngineUnavailable(f"{self.url}: {query}: not JSON: {error}") from error
         if not isinstance(answer, dict) or answer.get("status") != "success":
             text = answer if not isinstance(answer, dict) else answer.get("error")
-            raise EngineUnavailable(f"{query}: the engine answered an error: {text}")
+            raise EngineUnavailable(f"{self.url}: {query}: the engine answered an error: {text}")
         if answer.get("warnings"):
-            raise EngineUnavailable(f"{query}: a partial answer: {'; '.join(answer['warnings'])}")
+            warnings = "; ".join(answer["warnings"])
+            raise EngineUnavailable(f"{self.url}: {query}: a partial answer: {warnings}")
         data = answer.get("data") or {}
         if data.get("resultType") != "matrix":
-            raise EngineUnavailable(f"{query}: expected a matrix, got {data.get('resultType')}")
+            raise EngineUnavailable(
+                f"{self.url}: {query}: expected a matrix, got {data.get('resultType')}"
+            )
         series = []
         for result in data.get("result") or []:
             values = ((ts, float(value)) for ts, value in result.get("values") or [])
@@ -599,10 +685,15 @@ class Readings:
 
 
 def window_readings(*, held: QuerySet[Allocation], start_ms: int, end_ms: int) -> Readings | None:
-    """The engine's readings of the devices of `held` (allocations held in `[start_ms,
-    end_ms)`) whose cluster it meters, from a hold before the window to its end; None when it
-    meters none of them (the rollup reads `billing_sample` as ever).
-    `EngineUnavailable` when the engine cannot answer."""
+    """The engines' readings of the devices of `held` (allocations held in `[start_ms,
+    end_ms)`) whose cluster they meter, from a hold before the window to its end; None when
+    no engine meters any of them (the rollup reads `billing_sample` as ever).
+
+    Each cluster's engine is asked (`TALLY_PROMETHEUS_URLS`, else `TALLY_PROMETHEUS_URL`).
+    Where a question gets no full answer, `EngineUnavailable` names the clusters it was for
+    (`clusters`) and carries the readings of the others (`answered`): one engine down holds
+    back only its clusters' hours. An engine that did not answer at all is not asked again
+    for the window."""
     conf = config()
     if not conf.used:
         return None
@@ -619,44 +710,93 @@ def window_readings(*, held: QuerySet[Allocation], start_ms: int, end_ms: int) -
         device_ids.add(device_id)
     if not by_cluster:
         return None
-    metered = set().union(*by_cluster.values())
-    engine = Engine(conf)
     identities = _identities(Device.objects.filter(pk__in=device_ids), start_ms)
-    start = start_ms - sample_hold_ms()
-    # One question per cluster where the selector names it, else one for all.
-    per_cluster = "{cluster}" in conf.selector
-    scopes = (
-        [
-            (conf.selector.replace("{cluster}", _quoted(name)), ids)
-            for name, ids in by_cluster.items()
-        ]
-        if per_cluster
-        else [(conf.selector, metered)]
+    points: dict[str, list[tuple[int, float]]] = {}
+    unmatched: list[str] = []
+    unreachable: dict[str, EngineUnavailable] = {}  # engine URL -> how it did not answer
+    held_back: dict[EngineUnavailable, list[str]] = defaultdict(list)  # why -> clusters
+    for url, extra, clusters in _questions(conf, sorted(by_cluster)):
+        error = unreachable.get(url)
+        if error is None:
+            try:
+                found, why = _ask(
+                    Engine(conf, url),
+                    extra=extra,
+                    wanted=set().union(*(by_cluster[cluster] for cluster in clusters)),
+                    identities=identities,
+                    start_ms=start_ms,
+                    end_ms=end_ms,
+                )
+            except EngineUnreachable as failure:
+                error = unreachable[url] = failure
+            except EngineUnavailable as failure:
+                error = failure
+            else:
+                points.update(found)  # each cluster's devices are its own: no overlap
+                unmatched.extend(why)
+                continue
+        held_back[error].extend(clusters)
+    readings = Readings(
+        metered=set().union(*by_cluster.values()), mixed=mixed, points=points, unmatched=unmatched
     )
+    if held_back:
+        raise EngineUnavailable(
+            "; ".join(f"cluster {', '.join(names)}: {why}" for why, names in held_back.items()),
+            clusters=[name for names in held_back.values() for name in names],
+            answered=readings,
+        )
+    return readings
+
+
+def _questions(conf: Config, clusters: list[str]) -> list[tuple[str, str, list[str]]]:
+    """(engine URL, label matchers, clusters) of each question for a window: one per cluster
+    where the selector names it, else one per engine for all the clusters it meters."""
+    if "{cluster}" in conf.selector:
+        return [
+            (conf.url_for(cluster), conf.selector.replace("{cluster}", _quoted(cluster)), [cluster])
+            for cluster in clusters
+        ]
+    per_engine: dict[str, list[str]] = defaultdict(list)
+    for cluster in clusters:
+        per_engine[conf.url_for(cluster)].append(cluster)
+    return [(url, conf.selector, named) for url, named in per_engine.items()]
+
+
+def _ask(
+    engine: Engine,
+    *,
+    extra: str,
+    wanted: set[str],
+    identities: Identities,
+    start_ms: int,
+    end_ms: int,
+) -> tuple[dict[str, list[tuple[int, float]]], list[str]]:
+    """One question to one engine: the readings of the meter ids `wanted`, sorted by time,
+    and why the series not matched were not; `EngineUnavailable` if it cannot answer."""
+    start = start_ms - sample_hold_ms()
     # meter id -> instant -> (rank of the metric, percent): at each instant the first of the
     # exporter's metrics that has a reading, as the agent reads a scrape; of its series, the
     # maximum.
     found: dict[str, dict[int, tuple[int, float]]] = defaultdict(dict)
     unmatched: list[str] = []
-    for extra, wanted in scopes:
-        for exporter in conf.exporters:
-            for rank, metric in enumerate(exporter.metrics):
-                series = fetch(engine, exporter, metric, extra=extra, start_ms=start, end_ms=end_ms)
-                meters, why = match_series(exporter, series, identities, start_ms)
-                unmatched.extend(why)
-                for one, meter in zip(series, meters, strict=True):
-                    if meter is None or meter not in wanted:
-                        continue
-                    instants = found[meter]
-                    for ts, value in one.points:
-                        reading = (-rank, _percent(value, metric.scale))
-                        if reading > instants.get(ts, (-rank - 1, 0.0)):
-                            instants[ts] = reading
+    for exporter in engine.conf.exporters:
+        for rank, metric in enumerate(exporter.metrics):
+            series = fetch(engine, exporter, metric, extra=extra, start_ms=start, end_ms=end_ms)
+            meters, why = match_series(exporter, series, identities, start_ms)
+            unmatched.extend(why)
+            for one, meter in zip(series, meters, strict=True):
+                if meter is None or meter not in wanted:
+                    continue
+                instants = found[meter]
+                for ts, value in one.points:
+                    reading = (-rank, _percent(value, metric.scale))
+                    if reading > instants.get(ts, (-rank - 1, 0.0)):
+                        instants[ts] = reading
     points = {
         meter_id: [(ts, percent) for ts, (_, percent) in sorted(instants.items())]
         for meter_id, instants in found.items()
     }
-    return Readings(metered=metered, mixed=mixed, points=points, unmatched=unmatched)
+    return points, unmatched
 
 
 def _quoted(value: str) -> str:
@@ -674,13 +814,14 @@ def readings_rows(readings: Readings) -> Iterable[tuple[str, int, float, int | N
 
 def load_readings(readings: Readings, *, start_ms: int, end_ms: int) -> str:
     """Write `readings` into a temporary table the rollup reads instead of `billing_sample`
-    (with the samples of the window's other devices where some clusters send samples); its
-    name. Inside the rollup's transaction."""
+    (with the samples of the window's other devices where some clusters send samples, means
+    with their covered time; an engine's readings have none); its name. Inside the rollup's
+    transaction."""
     with connection.cursor() as cursor:
         cursor.execute(
             f"DROP TABLE IF EXISTS {READINGS_TABLE}; "
             f"CREATE TEMP TABLE {READINGS_TABLE} (device_uuid text, ts_ms bigint, "
-            "gpu_util double precision, gap_ms bigint) ON COMMIT DROP"
+            "gpu_util double precision, gap_ms bigint, covered_ms bigint) ON COMMIT DROP"
         )
         copy_rows(
             cursor,
@@ -690,8 +831,9 @@ def load_readings(readings: Readings, *, start_ms: int, end_ms: int) -> str:
         )
         if readings.mixed:
             cursor.execute(
-                f"INSERT INTO {READINGS_TABLE} SELECT device_uuid, ts_ms, gpu_util, gap_ms "
-                "FROM billing_sample WHERE ts_ms >= %(start)s AND ts_ms < %(end)s "
+                f"INSERT INTO {READINGS_TABLE} "
+                "SELECT device_uuid, ts_ms, gpu_util, gap_ms, covered_ms FROM billing_sample "
+                "WHERE ts_ms >= %(start)s AND ts_ms < %(end)s "
                 "AND gpu_util IS NOT NULL AND NOT device_uuid = ANY(%(metered)s)",
                 {
                     "start": start_ms - sample_hold_ms(),

@@ -17,10 +17,11 @@ piece by piece, as an allocation's first and last hours are.
 
 Allocated time comes from the allocation history, exactly. Samples only split it: each
 sample's utilisation holds from its timestamp until the device's next sample, for at most
-`TALLY_SAMPLE_HOLD_SECONDS`; allocated time that no sample covers is unmeasured. Rolling up
-hours replaces their rows, so reruns and duplicate deliveries give the same rows. Who is
-charged (team, job, user) is read from the allocation too: a namespace moved to another team
-or a claim released since never changes a rerun's rows.
+`TALLY_SAMPLE_HOLD_SECONDS`, and a mean's (an agent's minute mean) for at most the time its
+readings covered (`Sample.covered_ms`); allocated time that no sample covers is unmeasured.
+Rolling up hours replaces their rows, so reruns and duplicate deliveries give the same rows.
+Who is charged (team, job, user) is read from the allocation too: a namespace moved to another
+team or a claim released since never changes a rerun's rows.
 
 The work is in the database. Each sample carries its gap to the device's next one (kept by
 `billing.ingest`), so a run of consecutive hours is rolled up from one unordered pass over its
@@ -91,12 +92,12 @@ class _Interval(NamedTuple):
 
 # Per device and hour of the window: the time its samples cover, and that time weighted by
 # utilisation (percent). Each sample's utilisation holds from its timestamp for its gap to
-# the device's next sample, at most the hold: `e` is where that ends. A span (at most an
-# hour long) lies in the sample's own hour `h` and, past the hour's end, in the next: `a` is
-# the part in hour h (cut at the window's end), the FILTERed sums the part that spills into
-# h + 1. Samples from a hold before the window count only by their spill (their own hour is
-# outside it). One pass over the window's samples in any order, grouped as they come: no
-# sort, no join, parallel workers; as few operations a row as will do.
+# the device's next sample, at most the hold and a mean's covered time: `e` is where that
+# ends. A span (at most an hour long) lies in the sample's own hour `h` and, past the hour's
+# end, in the next: `a` is the part in hour h (cut at the window's end), the FILTERed sums
+# the part that spills into h + 1. Samples from a hold before the window count only by their
+# spill (their own hour is outside it). One pass over the window's samples in any order,
+# grouped as they come: no sort, no join, parallel workers; as few operations a row as will do.
 _PER_HOUR_SQL = """
 SELECT device_uuid, h, CAST(SUM(a) AS bigint) AS covered, SUM(a * gpu_util) AS weighted,
        CAST(SUM(LEAST(e, %(end)s) - next_h) FILTER (WHERE e > next_h) AS bigint) AS spill,
@@ -176,9 +177,10 @@ _PER_HOUR_TABLE = "tally_rollup_per_hour"
 
 
 # Where a sample's utilisation stops holding: its gap to the device's next sample, at most
-# the hold (a gap not yet known: the hold). `{s}` is the sample table's name with a dot, or
-# nothing.
-_SPAN_END = "{s}ts_ms + LEAST(COALESCE({s}gap_ms, %(hold)s), %(hold)s)"
+# the hold, and for a mean at most the time its readings covered (`covered_ms`). LEAST skips
+# nulls: a gap not yet known, or a single reading's covered time, leaves the others. `{s}` is
+# the sample table's name with a dot, or nothing.
+_SPAN_END = "{s}ts_ms + LEAST({s}gap_ms, {s}covered_ms, %(hold)s)"
 
 
 def _sql(template: str, *, samples: str, sample: str = "", **parts: str) -> str:
@@ -201,9 +203,10 @@ def rollup_hours(*, hours: Iterable[datetime], now: datetime | None = None) -> i
     hour, so two workers rolling up the same hours one after the other give the same rows.
     An hour still in progress is rolled up to `now`. A run's samples are read in one pass.
     Clusters metered by a Prometheus-compatible engine (`billing.prometheus`) are read from
-    it instead, through the same SQL; runs it cannot answer for write nothing, are marked to
-    be rolled up again, and raise `EngineUnavailable` naming their hours, after the other runs
-    are done.
+    it instead, through the same SQL. Where an engine cannot answer for a run, its clusters'
+    rows of those hours are left as they were (the other clusters' are written), the hours are
+    marked to be rolled up again, and `EngineUnavailable` names them, after the other runs are
+    done.
     """
     now = now or timezone.now()
     starts = sorted({hour_start(hour) for hour in hours})
@@ -227,7 +230,11 @@ def rollup_hours(*, hours: Iterable[datetime], now: datetime | None = None) -> i
         # next rollup tries them again whoever asked for them (`run_billing`, a close).
         missed = [hour for error in unavailable for hour in error.hours]
         mark_dirty(hours=set(missed), at=now)
-        raise prometheus.EngineUnavailable(str(unavailable[0]), hours=missed)
+        raise prometheus.EngineUnavailable(
+            str(unavailable[0]),
+            hours=missed,
+            clusters=frozenset().union(*(error.clusters for error in unavailable)),
+        )
     return written
 
 
@@ -247,17 +254,22 @@ def _rollup_run(first: datetime, count: int, now: datetime) -> int:
     window_start = epoch_ms(first)
     window_end = min(epoch_ms(first + count * HOUR), epoch_ms(now))
     first_hour = window_start // MS_PER_HOUR
-    # Readings from a Prometheus-compatible engine, for clusters it meters: asked before the
-    # transaction (an engine that does not answer raises here, and nothing is written).
-    readings = (
-        prometheus.window_readings(
-            held=held_allocations(first, first + count * HOUR),
-            start_ms=window_start,
-            end_ms=window_end,
-        )
-        if window_end > window_start
-        else None
-    )
+    # Readings from Prometheus-compatible engines, for the clusters they meter: asked before
+    # the transaction. The clusters of an engine that does not answer are left out: their rows
+    # stay as they were, and the run raises once the others' are written.
+    readings, unanswered = None, None
+    if window_end > window_start:
+        try:
+            readings = prometheus.window_readings(
+                held=held_allocations(first, first + count * HOUR),
+                start_ms=window_start,
+                end_ms=window_end,
+            )
+        except prometheus.EngineUnavailable as error:
+            if error.answered is None:
+                raise
+            readings, unanswered = error.answered, error
+    left_out = unanswered.clusters if unanswered else frozenset()
     with transaction.atomic():
         # The hours' locks, in order, so two runs over overlapping hours never wait on each
         # other in a cycle. The sums aggregate in memory rather than on disk; JIT compilation
@@ -274,19 +286,24 @@ def _rollup_run(first: datetime, count: int, now: datetime) -> int:
                 "set_config('jit', 'off', true), set_config('synchronous_commit', 'off', true)",
                 params,
             )
-        UsageHour.objects.filter(hour__gte=first, hour__lt=first + count * HOUR).delete()
+        replaced = UsageHour.objects.filter(hour__gte=first, hour__lt=first + count * HOUR)
+        if left_out:
+            replaced = replaced.exclude(cluster__name__in=left_out)
+        replaced.delete()
         if window_end <= window_start:
             return 0
         samples = SAMPLE_TABLE
         if readings is not None:
             samples = prometheus.load_readings(readings, start_ms=window_start, end_ms=window_end)
-        intervals = _intervals(first, count, window_start, window_end)
+        intervals = _intervals(first, count, window_start, window_end, left_out)
         whole, partial = _split(intervals, window_start, window_end)
         written = _insert_whole_hours(whole, window_start, window_end, samples)
         rows = _partial_rows(partial, samples)
         insert_rows(UsageHour, _USAGE_COLUMNS, rows, types=_USAGE_TYPES)
     if readings is not None:
         prometheus.mark_unsettled(start_ms=window_start, end_ms=window_end, now=now)
+    if unanswered is not None:
+        raise unanswered
     return written + len(rows)
 
 
@@ -317,10 +334,14 @@ def held_allocations(start: datetime, end: datetime) -> QuerySet[Allocation]:
     ).exclude(meter_id="")
 
 
-def _intervals(first: datetime, count: int, window_start: int, window_end: int) -> list[_Interval]:
-    rows = (
-        held_allocations(first, first + count * HOUR).order_by("pk").values_list(*_INTERVAL_FIELDS)
-    )
+def _intervals(
+    first: datetime, count: int, window_start: int, window_end: int, left_out: frozenset[str]
+) -> list[_Interval]:
+    """The window's allocations, but those of the clusters `left_out` (by name)."""
+    held = held_allocations(first, first + count * HOUR)
+    if left_out:
+        held = held.exclude(cluster__name__in=left_out)
+    rows = held.order_by("pk").values_list(*_INTERVAL_FIELDS)
     intervals = []
     for (
         pk, cluster_id, namespace, name, team_id, job, username, meter_id, meter_id_now,

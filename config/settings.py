@@ -573,6 +573,9 @@ TALLY_ROLLUP_DEVICE_HOURS = env.get_int("TALLY_ROLLUP_DEVICE_HOURS", 250_000, mi
 # (`manage.py meter_prometheus --check`); a bad value names its variable.
 TALLY_METERING_SOURCE = env.get_str("TALLY_METERING_SOURCE", "samples") or "samples"
 TALLY_PROMETHEUS_URL = env.get_str("TALLY_PROMETHEUS_URL", "") or ""
+# An engine per cluster, `cluster=URL` comma-separated (`gpu-east=http://prom-east:9090`);
+# clusters it does not name are asked at TALLY_PROMETHEUS_URL.
+TALLY_PROMETHEUS_URLS = env.get_str("TALLY_PROMETHEUS_URLS", "") or ""
 # Extra request headers, one `Name: value` a line (`Authorization: Bearer ...`,
 # `X-Scope-OrgID: tenant` for Mimir); a secret, so TALLY_PROMETHEUS_HEADERS_FILE too.
 TALLY_PROMETHEUS_HEADERS = env.get_str("TALLY_PROMETHEUS_HEADERS", "") or ""

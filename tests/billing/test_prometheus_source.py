@@ -378,6 +378,11 @@ def metered_by_engine(allocations: dict[str, Allocation]) -> list[str]:
     return [allocation.meter_id for name, allocation in allocations.items() if name != "sampled"]
 
 
+def billed_clusters(hour: datetime) -> set[str]:
+    """The clusters with usage rows in `hour`."""
+    return set(UsageHour.objects.filter(hour=hour).values_list("cluster__name", flat=True))
+
+
 # --- the day, both ways -----------------------------------------------------------------------
 
 
@@ -439,7 +444,8 @@ def test_an_engine_that_does_not_answer_leaves_the_hour_pending_never_idle(
     closed_port = f"http://127.0.0.1:{_free_port()}"
     with prometheus_settings(closed_port):
         assert rollup.rollup_pending(now=hour + timedelta(hours=1, minutes=10), limit=1) == []
-    assert not UsageHour.objects.filter(hour=hour).exists()
+    # Only the cluster that sends samples is billed; the engine's stays to be rolled up.
+    assert billed_clusters(hour) == {"samples-west"}
     assert DirtyHour.objects.filter(hour=hour).exists()
     # A query the engine refuses (a bad matcher in the settings) is no answer either.
     bad = {"dcgm": 'DCGM_FI_DEV_GPU_UTIL{UUID=~"("}', "amd": "a", "intel": "b"}
@@ -448,8 +454,8 @@ def test_an_engine_that_does_not_answer_leaves_the_hour_pending_never_idle(
         pytest.raises(prometheus.EngineUnavailable, match="bad_data") as refused,
     ):
         rollup.rollup_hours(hours=[hour], now=hour + timedelta(days=1))
-    assert refused.value.hours == [hour]
-    assert not UsageHour.objects.filter(hour=hour).exists()
+    assert (refused.value.hours, refused.value.clusters) == ([hour], {PROM_CLUSTER})
+    assert billed_clusters(hour) == {"samples-west"}
     # Back: the marked hour is rolled up, measured.
     with prometheus_settings(day_engine):
         done = rollup.rollup_pending(now=hour + timedelta(hours=1, minutes=10), limit=5)
@@ -517,6 +523,104 @@ def test_a_selector_naming_the_cluster_scopes_every_query(day_engine: str, team:
     assert elsewhere.points == {}
 
 
+# --- an engine per cluster --------------------------------------------------------------------
+
+
+def engines_settings(urls: str, default: str = "") -> Any:
+    """Both clusters of the day metered by engines: `urls` names each one's."""
+    return override_settings(
+        TALLY_METERING_SOURCE=f"samples,{PROM_CLUSTER}=prometheus,samples-west=prometheus",
+        TALLY_PROMETHEUS_URL=default,
+        TALLY_PROMETHEUS_URLS=urls,
+    )
+
+
+def usage(allocation: Allocation, hour: datetime) -> tuple[int, int, int]:
+    row = UsageHour.objects.get(allocation=allocation, hour=hour)
+    return row.allocated_gpu_ms, row.utilised_gpu_ms, row.unmeasured_gpu_ms
+
+
+def test_each_cluster_is_metered_by_its_own_engine(
+    day_engine: str, team: Team, tmp_path: Path
+) -> None:
+    allocations = the_day(team)
+    hour = at(4)
+    # A second engine, empty: a cluster asked there has no readings (its hours unmeasured).
+    empty, process = _serve(_binaries()[0], tmp_path, "global:\n  scrape_interval: 1h\n")
+    try:
+        with engines_settings(f"{PROM_CLUSTER}={day_engine}", default=empty):
+            rollup.rollup_hours(hours=[hour], now=DAY + timedelta(days=2))
+        east, west = usage(allocations["h100-a"], hour), usage(allocations["sampled"], hour)
+        assert east[1] > 0 and east[2] == 0  # asked at the day's engine: measured
+        assert west == (3_600_000, 0, 3_600_000)  # asked at the empty one
+        # The other way round: the day's cluster asked at the empty engine.
+        with engines_settings(f"{PROM_CLUSTER}={empty},samples-west={day_engine}"):
+            rollup.rollup_hours(hours=[hour], now=DAY + timedelta(days=2))
+        assert usage(allocations["h100-a"], hour) == (3_600_000, 0, 3_600_000)
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_an_engine_down_holds_back_only_its_clusters_hours(day_engine: str, team: Team) -> None:
+    allocations = the_day(team)
+    hour = at(4)
+    with prometheus_settings(day_engine):
+        rollup.rollup_hours(hours=[hour], now=DAY + timedelta(days=2))
+    rows = {name: usage(allocation, hour) for name, allocation in allocations.items()
+            if allocation.start <= hour}  # fmt: skip
+    # The day's cluster's rows gone, the other's marked, to see which the next run writes.
+    UsageHour.objects.filter(hour=hour, cluster__name=PROM_CLUSTER).delete()
+    UsageHour.objects.filter(allocation=allocations["sampled"]).update(utilised_gpu_ms=12345)
+    down = f"http://127.0.0.1:{_free_port()}"
+    with engines_settings(f"{PROM_CLUSTER}={day_engine}, samples-west={down}"):
+        assert rollup.rollup_pending(now=hour + timedelta(hours=1, minutes=10), limit=1) == []
+        with pytest.raises(prometheus.EngineUnavailable, match="cluster samples-west: ") as error:
+            rollup.rollup_hours(hours=[hour], now=DAY + timedelta(days=2))
+    assert (error.value.hours, error.value.clusters) == ([hour], {"samples-west"})
+    assert down in str(error.value) and day_engine not in str(error.value)
+    # The engine that answered: its cluster billed. The one down: its row as it was, its hour
+    # marked to be rolled up again, never billed as idle.
+    assert {name: usage(allocations[name], hour) for name in rows if name != "sampled"} == {
+        name: row for name, row in rows.items() if name != "sampled"
+    }
+    assert usage(allocations["sampled"], hour)[1] == 12345
+    assert DirtyHour.objects.filter(hour=hour).exists()
+    # Back: the marked hour is done, every cluster's row written again.
+    with engines_settings(f"{PROM_CLUSTER}={day_engine}, samples-west={day_engine}"):
+        assert hour in rollup.rollup_pending(now=hour + timedelta(hours=1, minutes=10), limit=5)
+    assert usage(allocations["sampled"], hour) == rows["sampled"]
+    assert not DirtyHour.objects.filter(hour=hour).exists()
+
+
+def test_means_of_a_cluster_that_sends_samples_hold_their_covered_time_beside_an_engine(
+    day_engine: str, team: Team
+) -> None:
+    allocations = the_day(team)
+    hour = at(4)
+    sampled = allocations["sampled"]
+    # Minute means of the samples cluster's device, each of readings over 45 s.
+    Sample.objects.bulk_create(
+        Sample(
+            device_uuid=sampled.meter_id,
+            ts_ms=epoch_ms(hour) + minute * 60_000,
+            gpu_util=40.0,
+            gap_ms=60_000 if minute < 59 else None,
+            covered_ms=45_000,
+            received_at=hour,
+        )
+        for minute in range(60)
+    )
+    # Read beside the engine's readings (one table for the rollup), and alone: the same row.
+    with prometheus_settings(day_engine):
+        rollup.rollup_hours(hours=[hour], now=DAY + timedelta(days=2))
+    assert usage(sampled, hour) == (3_600_000, 60 * 45_000 * 40 // 100, 60 * 15_000)
+    assert usage(allocations["h100-a"], hour)[1] > 0
+    with override_settings(TALLY_METERING_SOURCE="samples"):
+        rollup.rollup_hours(hours=[hour], now=DAY + timedelta(days=2))
+    assert usage(sampled, hour) == (3_600_000, 60 * 45_000 * 40 // 100, 60 * 15_000)
+
+
 # --- settings ---------------------------------------------------------------------------------
 
 
@@ -547,6 +651,37 @@ def test_a_selector_naming_the_cluster_scopes_every_query(day_engine: str, team:
             {"TALLY_PROMETHEUS_EXPORTER_LABELS": {"dcgm": "", "amd": "", "intel": "bus=pci_bdf"}},
             "TALLY_PROMETHEUS_INTEL_LABELS: 'bus=pci_bdf' is not role=label",
         ),
+        (
+            {"TALLY_METERING_SOURCE": "prometheus", "TALLY_PROMETHEUS_URLS": "gpu-east"},
+            "TALLY_PROMETHEUS_URLS: 'gpu-east' is not cluster=URL",
+        ),
+        (
+            {"TALLY_METERING_SOURCE": "prometheus",
+             "TALLY_PROMETHEUS_URLS": "gpu-east=http://a:9090, gpu-west=prom-west:9090"},
+            "TALLY_PROMETHEUS_URLS: gpu-west='prom-west:9090' is not a base URL",
+        ),
+        (
+            {"TALLY_METERING_SOURCE": "prometheus",
+             "TALLY_PROMETHEUS_URLS": "gpu-east=http://a:9090,gpu-east=http://b:9090"},
+            "TALLY_PROMETHEUS_URLS: cluster 'gpu-east' given twice",
+        ),
+        (
+            {"TALLY_METERING_SOURCE": "samples,gpu-east=prometheus",
+             "TALLY_PROMETHEUS_URLS": "gpu-east=http://a:9090,gpu-wets=http://b:9090"},
+            "TALLY_PROMETHEUS_URLS: cluster 'gpu-wets' is not metered by prometheus",
+        ),
+        (
+            {"TALLY_METERING_SOURCE": "samples,gpu-east=prometheus,gpu-west=prometheus",
+             "TALLY_PROMETHEUS_URL": "", "TALLY_PROMETHEUS_URLS": "gpu-east=http://a:9090"},
+            "TALLY_PROMETHEUS_URL: set it to the engine's base URL (http://... or https://...) "
+            "when TALLY_METERING_SOURCE names prometheus: it meters cluster(s) gpu-west, which "
+            "TALLY_PROMETHEUS_URLS does not name",
+        ),
+        (
+            {"TALLY_METERING_SOURCE": "prometheus", "TALLY_PROMETHEUS_URL": "",
+             "TALLY_PROMETHEUS_URLS": "gpu-east=http://a:9090"},
+            "it meters every cluster TALLY_PROMETHEUS_URLS does not name",
+        ),
     ],
 )  # fmt: skip
 def test_a_bad_setting_is_named(changes: dict[str, Any], message: str) -> None:
@@ -556,6 +691,28 @@ def test_a_bad_setting_is_named(changes: dict[str, Any], message: str) -> None:
             prometheus.config()
         assert message in str(error.value)
         assert [check.id for check in prometheus.check_settings()] == ["billing.E101"]
+
+
+def test_each_cluster_named_is_asked_at_its_own_url_the_others_at_the_single_one() -> None:
+    with override_settings(
+        TALLY_METERING_SOURCE="samples,gpu-east=prometheus,gpu-west=prometheus,gpu-north=prometheus",
+        TALLY_PROMETHEUS_URL="http://thanos-query:9090/",
+        TALLY_PROMETHEUS_URLS=" gpu-east = https://prom.east:9090/ , gpu-west=http://prom-west ",
+    ):
+        conf = prometheus.config()
+        assert prometheus.check_settings() == []
+    assert [conf.url_for(name) for name in ("gpu-east", "gpu-west", "gpu-north")] == [
+        "https://prom.east:9090",
+        "http://prom-west",
+        "http://thanos-query:9090",
+    ]
+    # Every cluster metered by prometheus named: no single URL needed.
+    with override_settings(
+        TALLY_METERING_SOURCE="samples,gpu-east=prometheus",
+        TALLY_PROMETHEUS_URL="",
+        TALLY_PROMETHEUS_URLS="gpu-east=http://prom-east:9090",
+    ):
+        assert prometheus.config().url_for("gpu-east") == "http://prom-east:9090"
 
 
 def test_the_default_settings_read_every_exporter() -> None:
@@ -734,6 +891,47 @@ def test_a_partial_answer_leaves_the_hour_pending_and_headers_are_sent(team: Tea
     finally:
         engine.shutdown()
     assert DirtyHour.objects.filter(hour=hour).exists()
-    assert not UsageHour.objects.filter(allocation=allocations["sampled"]).exists()
+    assert billed_clusters(hour) == {"samples-west"}
+    assert UsageHour.objects.filter(allocation=allocations["sampled"]).exists()
     sent = _PartialEngine.headers_seen[0]
     assert (sent["authorization"], sent["x-scope-orgid"]) == ("Bearer s3cret", "gpu-east")
+
+
+def test_an_engine_that_does_not_answer_is_asked_once_a_window_one_in_part_per_cluster(
+    team: Team,
+) -> None:
+    allocations = the_day(team)
+    held = Allocation.objects.filter(pk__in=[a.pk for a in allocations.values()])
+    window = {"start_ms": epoch_ms(at(4)), "end_ms": epoch_ms(at(5))}
+    one_question_per_cluster = {
+        "TALLY_METERING_SOURCE": f"samples,{PROM_CLUSTER}=prometheus,samples-west=prometheus",
+        "TALLY_PROMETHEUS_SELECTOR": 'cluster="{cluster}"',
+    }
+    closed_port = f"http://127.0.0.1:{_free_port()}"
+    with (
+        override_settings(TALLY_PROMETHEUS_URL=closed_port, **one_question_per_cluster),
+        pytest.raises(prometheus.EngineUnavailable) as refused,
+    ):
+        prometheus.window_readings(held=held, **window)
+    # Refused once: the second cluster's question was not sent to wait on it again.
+    assert str(refused.value).startswith(f"cluster {PROM_CLUSTER}, samples-west: {closed_port}: ")
+    assert refused.value.clusters == {PROM_CLUSTER, "samples-west"}
+    assert refused.value.answered is not None and refused.value.answered.points == {}
+    # An engine that answers in part (a store down) may hold one cluster's data and not the
+    # other's: each cluster's question is asked.
+    _PartialEngine.headers_seen.clear()
+    engine = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _PartialEngine)
+    threading.Thread(target=engine.serve_forever, daemon=True).start()
+    try:
+        with (
+            override_settings(
+                TALLY_PROMETHEUS_URL=f"http://127.0.0.1:{engine.server_address[1]}",
+                **one_question_per_cluster,
+            ),
+            pytest.raises(prometheus.EngineUnavailable, match="a partial answer") as partial,
+        ):
+            prometheus.window_readings(held=held, **window)
+    finally:
+        engine.shutdown()
+    assert len(_PartialEngine.headers_seen) == 2
+    assert partial.value.clusters == {PROM_CLUSTER, "samples-west"}
