@@ -838,6 +838,7 @@ def test_meter_prometheus_reports_what_the_engine_gives(day_engine: str, team: T
     with prometheus_settings(day_engine):
         call_command("meter_prometheus", "--hour", "2026-11-10T09:30Z", stdout=out)
     text = out.getvalue()
+    assert f"asked at {day_engine}" in text
     # 30 s readings from a hold before the hour: 124 for the DCGM devices.
     assert f"{allocations['h100-a'].meter_id}: 124 readings" in text
     assert allocations["sampled"].meter_id not in text  # its cluster sends samples

@@ -20,6 +20,7 @@ from django.utils import timezone
 from billing import prometheus
 from billing.hours import HOUR, epoch_ms, hour_at, hour_start
 from billing.rollup import held_allocations
+from inventory.models import Cluster
 
 
 class Command(BaseCommand):
@@ -59,7 +60,10 @@ class Command(BaseCommand):
             )
         except prometheus.EngineUnavailable as error:
             raise CommandError(f"the engine did not answer: {error}") from error
-        self.stdout.write(f"{conf.url}, hour {start.isoformat()}:")
+        self.stdout.write(f"hour {start.isoformat()}:")
+        for cluster in Cluster.objects.order_by("name").values_list("name", flat=True):
+            if conf.source(cluster) == "prometheus":
+                self.stdout.write(f"  cluster {cluster}: asked at {conf.url_for(cluster)}")
         if readings is None:
             self.stdout.write("  no device of a cluster it meters was held then.")
             return
