@@ -16,7 +16,13 @@ Where utilisation comes from, in order (the reading's `util_source` says which o
    `gpu_util: null`, which the billing side counts as unmeasured, never as idle.
 
 For a GPU in MIG mode the parent's reading carries its memory only; its processes are read
-from, and attributed to, the MIG devices, so no process is counted twice.
+from, and attributed to, the MIG devices, so no process is counted twice. A MIG device's
+reading also carries where its GPU instance sits on the parent (`nvmlDeviceGetGpuInstanceById`
+then `nvmlGpuInstanceGetInfo`: placement start and size in memory slices, GPU instance
+profile id): NVIDIA's DRA driver publishes a dynamic MIG partition by that placement, and the
+MIG device it creates for a claim has a UUID no ResourceSlice carries. Where NVML refuses
+the GPU instance (an agent without the `mig/monitor` nvidia-capability, or root), the reading
+carries no placement and a warning says so once per GPU.
 """
 
 from __future__ import annotations
@@ -179,17 +185,35 @@ class NvmlSource:
                 continue
             name = self._call(mig_uuid, "nvmlDeviceGetName", mig_handle)
             profile = _MIG_PROFILE.search(name) if name else None
+            instance_id = self._call(mig_uuid, "nvmlDeviceGetGpuInstanceId", mig_handle)
+            instance = self._gpu_instance(handle, uuid, instance_id)
             readings.append(
                 self._read_device(
                     mig_handle,
                     mig_uuid,
                     ts,
                     parent_uuid=uuid,
-                    gpu_instance_id=self._call(mig_uuid, "nvmlDeviceGetGpuInstanceId", mig_handle),
+                    gpu_instance_id=instance_id,
                     mig_profile=profile.group(1) if profile else None,
+                    mig_placement=(
+                        (int(instance.placement.start), int(instance.placement.size))
+                        if instance is not None
+                        else None
+                    ),
+                    mig_profile_id=int(instance.profileId) if instance is not None else None,
                 )
             )
         return readings
+
+    def _gpu_instance(self, parent: Any, parent_uuid: str, instance_id: int | None) -> Any:
+        """`nvmlGpuInstanceInfo_t` of GPU instance `instance_id` of the GPU `parent`: its
+        profile id and placement; None when NVML will not say (warned once per GPU)."""
+        if instance_id is None:
+            return None
+        instance = self._call(parent_uuid, "nvmlDeviceGetGpuInstanceById", parent, instance_id)
+        if instance is None:
+            return None
+        return self._call(parent_uuid, "nvmlGpuInstanceGetInfo", instance)
 
     def _read_device(
         self,
@@ -201,6 +225,8 @@ class NvmlSource:
         parent_uuid: str | None = None,
         gpu_instance_id: int | None = None,
         mig_profile: str | None = None,
+        mig_placement: tuple[int, int] | None = None,
+        mig_profile_id: int | None = None,
     ) -> GpuReading:
         processes = self._processes(handle, uuid) if with_processes else ()
         gpu_util, util_source = self._utilization(handle, uuid, processes)
@@ -213,6 +239,8 @@ class NvmlSource:
             parent_uuid=parent_uuid,
             gpu_instance_id=gpu_instance_id,
             mig_profile=mig_profile,
+            mig_placement=mig_placement,
+            mig_profile_id=mig_profile_id,
             util_source=util_source,
         )
 

@@ -39,6 +39,11 @@ class GpuReading:
     parent_uuid: str | None = None  # set on MIG devices: the physical GPU
     gpu_instance_id: int | None = None  # MIG GPU instance id on the parent
     mig_profile: str | None = None
+    # Where a MIG device's GPU instance sits on its parent: (start, size) in memory slices,
+    # and its GPU instance profile id. NVIDIA's DRA driver names a dynamic MIG partition by
+    # these, not by the MIG device's UUID, which exists only once a claim is prepared.
+    mig_placement: tuple[int, int] | None = None
+    mig_profile_id: int | None = None
     util_source: str | None = None
     node: str | None = None  # set by sources that see several nodes (Prometheus)
     # A device without a UUID the inventory knows (AMD, Intel) is named by its DRA driver
@@ -67,12 +72,18 @@ class GpuReading:
     def as_sample(self) -> dict[str, Any]:
         """The JSON object the agent posts to `/ingest/samples` for this reading. A MIG
         device's sample also says its parent and GPU instance id (NVML knows both): what
-        the DCGM exporter labels MIG series by."""
-        mig = (
-            {"parent_uuid": self.parent_uuid, "gpu_instance_id": self.gpu_instance_id}
-            if self.parent_uuid and self.gpu_instance_id is not None
-            else {}
-        )
+        the DCGM exporter labels MIG series by; and, where NVML read them, its placement,
+        profile and profile id: what the ingest finds a dynamic MIG partition by."""
+        mig: dict[str, Any] = {}
+        if self.parent_uuid and self.gpu_instance_id is not None:
+            mig = {"parent_uuid": self.parent_uuid, "gpu_instance_id": self.gpu_instance_id}
+            if self.mig_placement is not None:
+                start, size = self.mig_placement
+                mig["mig_placement"] = {"start": start, "size": size}
+                if self.mig_profile:
+                    mig["mig_profile"] = self.mig_profile
+                if self.mig_profile_id is not None:
+                    mig["mig_profile_id"] = self.mig_profile_id
         return {
             **self.identity(),
             **mig,

@@ -16,7 +16,14 @@ the identity the inventory forms from a driver and device name.
 A node's agent token sends for its node's devices only. A sample of a device the inventory
 does not know yet is set aside with the node that sent it and its token, and adopted later
 only where the token could have sent it had the device been known (`adopt_unknown_samples`):
-naming a device of another node before the sync learns it plants nothing there.
+naming a device of another node before the sync learns it plants nothing there. One
+exception is resolved at once: a MIG device NVIDIA's driver made when a claim was prepared
+(dynamic MIG) has a UUID no ResourceSlice carries, and its sample, giving its parent GPU and
+placement (`mig_placement`), is stored under the partition device published for that
+placement on the sending node (`billing.mig_samples`).
+
+A mean's `covered_seconds` is stored as `covered_ms`, rounded to the millisecond from the
+decimal the agent sent, so the rollup holds the mean for the time its readings covered.
 """
 
 from __future__ import annotations
@@ -29,6 +36,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
+from decimal import ROUND_HALF_UP, Decimal
 from operator import itemgetter
 from typing import Any, NamedTuple, TypedDict
 
@@ -41,6 +49,7 @@ from psycopg.errors import UniqueViolation
 
 from billing.dirty import mark_dirty
 from billing.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
+from billing.mig_samples import MigPlacement, partitions_at
 from billing.models import AgentToken, Sample, UnknownDeviceSample
 from db.copy import copy_rows, json_rows
 from db.locks import advisory_xact_lock
@@ -49,6 +58,10 @@ from inventory.models import Device
 
 MAX_UUID_LENGTH = 128
 MAX_BIGINT = 2**63 - 1
+# A GPU has 8 memory slices (A100 to B200); the bound leaves room, and keeps a placement small.
+MAX_MEMORY_SLICES = 64
+MAX_PROFILE_LENGTH = 64
+MAX_PROFILE_ID = 4095
 ADOPT_CHUNK = 10_000
 # Per session, emptied at every commit (a truncate: temporary tables are never vacuumed).
 BATCH_TABLE = "tally_ingest_batch"
@@ -58,18 +71,25 @@ BATCH_TABLE = "tally_ingest_batch"
 UNIQUE_SET_ASIDE = "device_uuid, ts_ms, node"
 # Columns of `billing_sample` and `billing_unknowndevicesample` alike, in this order.
 COLUMNS = "device_uuid, ts_ms, gpu_util, mem_used_bytes, processes, node, received_at"
+# The columns of `billing_sample` a `SampleRow` fills, in its order.
+ROW_COLUMNS = "device_uuid, ts_ms, gpu_util, mem_used_bytes, processes, covered_ms"
 # A NUL escaped in JSON text (an odd run of backslashes before u0000): jsonb refuses it.
 _ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 class SampleRow(NamedTuple):
-    """One valid sample, as stored: `processes` is JSON text (or None)."""
+    """One valid sample, as stored: `processes` is JSON text (or None), `covered_ms` a mean's
+    covered time in whole milliseconds (None: a single reading). `placement`, which a MIG
+    device's sample may give, is not stored: it finds the partition device a MIG UUID the
+    inventory does not know was made for (`billing.mig_samples`)."""
 
     device_uuid: str
     ts_ms: int
     gpu_util: float | None
     mem_used_bytes: int | None
     processes: str | None
+    covered_ms: int | None = None
+    placement: MigPlacement | None = None
 
 
 class Rejection(TypedDict):
@@ -212,6 +232,7 @@ class SampleChecker:
         self._valid_uuids: set[str] = set()
         self._instants: dict[str, int] = {}  # timestamp text -> ms, valid ones only
         self._named_keys: dict[tuple[Any, ...], str] = {}  # identity fields -> key, valid ones
+        self._covered_ms: dict[float, int] = {}  # a float covered_seconds -> ms, valid ones
 
     def _named(self, sample: dict[str, Any]) -> str:
         """`_named_key(sample)`, worked out once per distinct identity of the batch."""
@@ -280,20 +301,40 @@ class SampleChecker:
                 raise InvalidSample("processes", "must be a list of objects")
             processes_json = _processes_json(processes)
         covered = sample.get("covered_seconds")
+        covered_ms = None
         if covered is not None:
-            _check_covered(covered)
-        return SampleRow(uuid, ts_ms, gpu_util, mem_used_bytes, processes_json)
+            if type(covered) is float:
+                covered_ms = self._covered_ms.get(covered)
+                if covered_ms is None:
+                    covered_ms = self._covered_ms[covered] = _covered_ms(covered)
+            else:
+                covered_ms = _covered_ms(covered)
+        placement = sample.get("mig_placement")
+        if placement is not None:
+            if uuid[:1] == NAMED:
+                raise InvalidSample(
+                    "mig_placement", "goes with a MIG device's uuid, not with driver and device"
+                )
+            placement = _checked_placement(sample, placement)
+        return SampleRow(
+            uuid, ts_ms, gpu_util, mem_used_bytes, processes_json, covered_ms, placement
+        )
 
 
 _DICTS_ONLY = frozenset([dict])
+_MS = Decimal(1)
 
 
-def _check_covered(covered: object) -> None:
-    """A mean's `covered_seconds`: the sample is the mean of readings over `[ts, ts +
-    covered_seconds)` (an agent sampling each second sends minute means). The rollup holds a
-    sample's utilisation until the device's next sample, at most TALLY_SAMPLE_HOLD_SECONDS, so
-    back-to-back means each weigh their whole interval; a longer one would count in part only,
-    and is refused rather than undercounted."""
+def _covered_ms(covered: object) -> int:
+    """A mean's `covered_seconds` in whole milliseconds: the sample is the mean of readings
+    over `[ts, ts + covered_seconds)` (an agent sampling each second sends minute means).
+
+    Rounded half up from the decimal the agent sent (a float's shortest text reads back as
+    that decimal), so 4.0005 is 4,001 ms, never 4,000 through binary error. The rollup holds
+    a sample's utilisation until the device's next sample, at most TALLY_SAMPLE_HOLD_SECONDS,
+    so back-to-back means each weigh their whole interval; a longer one would count in part
+    only, and is refused rather than undercounted; one under half a millisecond would hold
+    for none, and is refused too."""
     if type(covered) is not int and type(covered) is not float:
         raise InvalidSample("covered_seconds", f"must be a number of seconds, not {_show(covered)}")
     hold = int(settings.TALLY_SAMPLE_HOLD_SECONDS)
@@ -303,16 +344,75 @@ def _check_covered(covered: object) -> None:
             f"must be more than 0 and at most {hold} (TALLY_SAMPLE_HOLD_SECONDS, how long a "
             f"sample holds), not {_show(covered)}: send means over a shorter interval",
         )
+    if type(covered) is int:
+        return covered * 1000
+    covered_ms = int(Decimal(repr(covered)).scaleb(3).quantize(_MS, ROUND_HALF_UP))
+    if not covered_ms:
+        raise InvalidSample(
+            "covered_seconds",
+            f"{_show(covered)} is under half a millisecond, which is what it is stored in",
+        )
+    return covered_ms
 
 
-def _checked_uuid(uuid: object) -> str:
+def _checked_uuid(uuid: object, field_name: str = "uuid") -> str:
     if type(uuid) is not str or not uuid:
-        raise InvalidSample("uuid", "must be a non-empty string (or give driver and device)")
+        or_named = " (or give driver and device)" if field_name == "uuid" else ""
+        raise InvalidSample(field_name, f"must be a non-empty string{or_named}")
     if len(uuid) > MAX_UUID_LENGTH or not (uuid.isascii() and uuid.isprintable()):
         raise InvalidSample(
-            "uuid", f"{_show(uuid)} is not printable ASCII of at most {MAX_UUID_LENGTH} characters"
+            field_name,
+            f"{_show(uuid)} is not printable ASCII of at most {MAX_UUID_LENGTH} characters",
         )
     return uuid
+
+
+def _checked_placement(sample: dict[str, Any], placement: object) -> MigPlacement:
+    """Where a MIG device sits, as its sample gives it: `mig_placement` (`start` and `size`,
+    in memory slices) with `parent_uuid`, and optionally `mig_profile` and `mig_profile_id`
+    (its GPU instance profile id), as NVML reads them (`agent.nvml`)."""
+    if type(placement) is not dict:
+        raise InvalidSample(
+            "mig_placement",
+            f'must be an object {{"start": ..., "size": ...}}, not {_show(placement)}',
+        )
+    start, size = placement.get("start"), placement.get("size")
+    if (
+        type(start) is not int
+        or type(size) is not int
+        or not 0 <= start < start + size <= MAX_MEMORY_SLICES
+    ):
+        raise InvalidSample(
+            "mig_placement",
+            f"start and size must be integers, start from 0 and size from 1, start + size at "
+            f"most {MAX_MEMORY_SLICES} (memory slices), not {_show(start)} and {_show(size)}",
+        )
+    parent = sample.get("parent_uuid")
+    if parent is None:
+        raise InvalidSample("parent_uuid", "is needed with mig_placement: the MIG device's GPU")
+    profile = sample.get("mig_profile")
+    if profile is None:
+        profile = ""
+    elif (
+        type(profile) is not str
+        or not profile
+        or len(profile) > MAX_PROFILE_LENGTH
+        or not (profile.isascii() and profile.isprintable())
+    ):
+        raise InvalidSample(
+            "mig_profile",
+            f"must be printable ASCII of 1 to {MAX_PROFILE_LENGTH} characters, like 1g.10gb, "
+            f"not {_show(profile)}",
+        )
+    profile_id = sample.get("mig_profile_id")
+    if profile_id is not None and (
+        type(profile_id) is not int or not 0 <= profile_id <= MAX_PROFILE_ID
+    ):
+        raise InvalidSample(
+            "mig_profile_id",
+            f"must be an integer from 0 to {MAX_PROFILE_ID}, not {_show(profile_id)}",
+        )
+    return MigPlacement(_checked_uuid(parent, "parent_uuid"), start, size, profile, profile_id)
 
 
 # A sample that names its device by driver and device name (and node, optionally pool) is
@@ -576,9 +676,10 @@ def _insert_new(
     return sum(count for count, _ in per_hour), [latest for _, latest in per_hour]
 
 
-# The column types of a sample row then `node, received_at`, for a binary COPY (`processes`
-# is the JSON text `check_sample` made).
-_COPY_TYPES = ("text", "int8", "float8", "int8", "jsonb", "text", "timestamptz")
+# The column types of `ROW_COLUMNS`, for a binary COPY (`processes` is the JSON text
+# `check_sample` made).
+_ROW_TYPES = ("text", "int8", "float8", "int8", "jsonb", "int8")
+_STORED = len(_ROW_TYPES)  # the fields of a `SampleRow` that are stored
 
 
 _KEY = itemgetter(0, 1)  # device_uuid, ts_ms
@@ -597,31 +698,38 @@ def _store(
     """Store `rows` in `target` unless already there, the general way: into a temporary
     table, then `INSERT ... SELECT ... ON CONFLICT DO NOTHING`. As `_insert_new`, the first of
     rows of the same device and instant is kept. `gaps` (one per row) go to `gap_ms`, `agent`
-    (samples set aside) to `agent_token`.
+    (samples set aside) to `agent_token`. A sample set aside keeps no `covered_ms`:
+    `UnknownDeviceSample` has no column for it.
     """
     if not rows:
         return 0, []
     columns, select = COLUMNS, "device_uuid, ts_ms, gpu_util, mem_used_bytes, processes, %s, %s"
     params: list[Any] = [node, received_at]
+    if target is Sample:
+        columns, select = f"{columns}, covered_ms", f"{select}, covered_ms"
     if agent is not None:
         columns, select = f"{columns}, agent_token_id", f"{select}, %s"
         params.append(agent.pk)
-    with_gaps: Iterable[tuple[Any, ...]] = rows
+    batch: Iterable[tuple[Any, ...]] = (
+        (*row[:_STORED], position) for position, row in enumerate(rows)
+    )
     if gaps is not None:
         columns, select = f"{columns}, gap_ms", f"{select}, gap_ms"
-        with_gaps = ((*row, gap) for row, gap in zip(rows, gaps, strict=True))
+        batch = (
+            (*row[:_STORED], position, gap)
+            for position, (row, gap) in enumerate(zip(rows, gaps, strict=True))
+        )
     # The DELETE empties what an outer transaction's earlier `ingest` left.
     cursor.execute(
         f"CREATE TEMP TABLE IF NOT EXISTS {BATCH_TABLE} (device_uuid text, ts_ms bigint, "
-        "gpu_util double precision, mem_used_bytes bigint, processes jsonb, position int, "
-        f"gap_ms bigint) ON COMMIT DELETE ROWS; DELETE FROM {BATCH_TABLE}"
+        "gpu_util double precision, mem_used_bytes bigint, processes jsonb, covered_ms bigint, "
+        f"position int, gap_ms bigint) ON COMMIT DELETE ROWS; DELETE FROM {BATCH_TABLE}"
     )
     copy_rows(
         cursor,
-        f"{BATCH_TABLE} (device_uuid, ts_ms, gpu_util, mem_used_bytes, processes, position"
-        f"{', gap_ms' if gaps is not None else ''})",
-        ((*row[:5], position, *row[5:]) for position, row in enumerate(with_gaps)),
-        (*_COPY_TYPES[:5], "int4", *(("int8",) if gaps is not None else ())),
+        f"{BATCH_TABLE} ({ROW_COLUMNS}, position{', gap_ms' if gaps is not None else ''})",
+        batch,
+        (*_ROW_TYPES, "int4", *(("int8",) if gaps is not None else ())),
     )
     return _insert_new(
         cursor,
@@ -792,11 +900,14 @@ def _store_samples(
                 with transaction.atomic():
                     copy_rows(
                         cursor,
-                        f"{_table(Sample)} ({COLUMNS}, gap_ms)",
+                        f"{_table(Sample)} ({ROW_COLUMNS}, node, received_at, gap_ms)",
                         # Made as written, not held: thousands of live tuples would wake the
                         # garbage collector, over and over, to walk everything the batch holds.
-                        (row + tail + (gap,) for row, gap in zip(ordered, gaps, strict=True)),
-                        (*_COPY_TYPES, "int8"),
+                        (
+                            row[:_STORED] + tail + (gap,)
+                            for row, gap in zip(ordered, gaps, strict=True)
+                        ),
+                        (*_ROW_TYPES, "text", "timestamptz", "int8"),
                     )
             except UniqueViolation:
                 pass
@@ -948,9 +1059,11 @@ def ingest(
 ) -> IngestReport:
     """Store validated `samples` sent by `node`, in one transaction.
 
-    Samples of known devices go to `Sample`, the others aside to `UnknownDeviceSample`. A
-    device and instant already stored, or sent twice in this batch, is kept as first stored and
-    counted as a duplicate. Every hour that newly stored samples count in is marked dirty.
+    Samples of known devices go to `Sample`, the others aside to `UnknownDeviceSample`, but
+    for those of a dynamic MIG device, stored under the partition device published for their
+    placement on `node` (`_placed_mig_samples`). A device and instant already stored, or sent
+    twice in this batch, is kept as first stored and counted as a duplicate. Every hour that
+    newly stored samples count in is marked dirty.
 
     Sent with an agent token (`agent`), a sample is refused, never stored, when the inventory
     puts its device on another node than the token's (any node but its cluster's, for a
@@ -981,17 +1094,23 @@ def ingest(
     known_rows: Sequence[SampleRow] = samples
     unknown: list[tuple[int, SampleRow]] = []
     refused: list[Refusal] = []
+    unknown_ids: set[str] = set()
     if misplaced or named_refused or len(places) != len(uuids):
-        known_rows = []
+        kept: list[SampleRow] = []
         for position, row in enumerate(samples):
             if position in named_refused:
                 refused.append(named_refused[position])
             elif row[0] in misplaced:
                 refused.append(_refusal(position, row, sent, "device_elsewhere", misplaced[row[0]]))
             elif row[0] in places:
-                known_rows.append(row)
+                kept.append(row)
             else:
                 unknown.append((position, row))
+        if unknown:
+            unknown, placed = _placed_mig_samples(unknown, node=node, agent=agent)
+            kept.extend(placed)
+            unknown_ids = {row[0] for _, row in unknown}
+        known_rows = kept
         if unknown and agent is not None:
             unknown, over = _unknown_devices_allowed(agent, unknown, sent)
             refused = sorted(refused + over)
@@ -1013,10 +1132,35 @@ def ingest(
         accepted=accepted,
         duplicates=len(given) - accepted - len(refused),
         refused=refused,
-        unknown_devices=sorted(uuids - places.keys()),
+        unknown_devices=sorted(unknown_ids),
         hours=hours,
         unknown_named={key: why for key, why in unknown_named.items() if key in set_aside_ids},
     )
+
+
+def _placed_mig_samples(
+    unknown: list[tuple[int, SampleRow]], *, node: str, agent: AgentToken | None
+) -> tuple[list[tuple[int, SampleRow]], list[SampleRow]]:
+    """Of samples of devices the inventory does not know (with their positions), those of
+    MIG devices NVIDIA's driver made for a claim (dynamic MIG), under the meter id of the
+    partition device published for their placement (`billing.mig_samples.partitions_at`),
+    and the rest. Only a partition on `node`, in the token's cluster, is matched: a device
+    `_misplaced` allows the token, so naming a parent GPU elsewhere stores nothing there."""
+    placements = {row.placement for _, row in unknown if row.placement is not None}
+    found = partitions_at(
+        placements, node=node, cluster_id=agent.cluster_id if agent is not None else None
+    )
+    if not found:
+        return unknown, []
+    rest: list[tuple[int, SampleRow]] = []
+    placed: list[SampleRow] = []
+    for position, row in unknown:
+        meter_id = found.get(row.placement) if row.placement is not None else None
+        if meter_id is None:
+            rest.append((position, row))
+        else:
+            placed.append(row._replace(device_uuid=meter_id))
+    return rest, placed
 
 
 def _resolve_samples(
@@ -1041,7 +1185,7 @@ def _resolve_samples(
             refused[position] = Refusal(position, label, reason, "device")
             rows.append(row)  # never stored: its position is refused
         else:
-            rows.append(SampleRow(ids[key], row[1], row[2], row[3], row[4]))
+            rows.append(SampleRow(ids[key], *row[1:]))
             sent[position] = names[key]
     return rows, refused, dict(why for _, why in unknown.values()), sent
 
@@ -1274,8 +1418,10 @@ def adopt_unknown_samples(*, now: datetime) -> int:
     (`billing.retention.purge_unknown_device_samples`).
 
     A sample already in `Sample` for the same device and instant wins; the one set aside is
-    dropped. Hours the moved samples count in are marked dirty. Each chunk is its own
-    transaction; rows another run holds are skipped, not waited for.
+    dropped. A mean's covered time was not kept aside (`UnknownDeviceSample` has no column
+    for it): an adopted mean holds as a single reading does. Hours the moved samples count in
+    are marked dirty. Each chunk is its own transaction; rows another run holds are skipped,
+    not waited for.
     """
     moved = 0
     after = 0  # the rows up to this id were seen: those not adoptable are not looked at again

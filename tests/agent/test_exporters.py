@@ -105,6 +105,24 @@ def test_nvml_readings_take_dcgm_utilisation_where_nvml_measured_none() -> None:
     assert merged[MIG_1G].gpu_util == 12.5
 
 
+def test_a_dynamic_mig_devices_merged_sample_keeps_the_placement_nvml_read() -> None:
+    nvml = [nvml_mig(MIG_1G, 13, mig_profile="1g.5gb", mig_placement=(6, 1), mig_profile_id=19)]
+    [merged] = [
+        reading
+        for reading in merge_with_nvml(parse_metrics(fixture("dcgm-mig.prom"), DCGM, at=AT), nvml)
+        if reading.uuid == MIG_1G
+    ]
+    sample = merged.as_sample()
+    # DCGM's utilisation, with what the ingest finds the driver's partition by.
+    assert sample["gpu_util"] == 12.5
+    assert (sample["parent_uuid"], sample["mig_placement"], sample["mig_profile"]) == (
+        A100,
+        {"start": 6, "size": 1},
+        "1g.5gb",
+    )
+    assert sample["mig_profile_id"] == 19
+
+
 # AMD
 
 

@@ -1,16 +1,10 @@
-"""`agent.nvml` against the real `pynvml`, with only the NVML shared library replaced.
-
-`FakeNvmlLib` stands where `libnvidia-ml.so.1` would: pynvml looks its C functions up by name
-on `pynvml.nvmlLib`, so every pynvml wrapper (the two-call size protocol, structs, error
-classes, str/bytes conversion) runs for real and only the driver answers are made up.
-"""
+"""`agent.nvml` against the real `pynvml`, with only the NVML shared library replaced
+(`tests.agent.nvml_fake`)."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -20,11 +14,7 @@ import pytest
 
 from agent import nvml
 from agent.readings import GpuReading
-
-OK = pynvml.NVML_SUCCESS
-NOT_SUPPORTED = pynvml.NVML_ERROR_NOT_SUPPORTED
-NOT_FOUND = pynvml.NVML_ERROR_NOT_FOUND
-INSUFFICIENT_SIZE = pynvml.NVML_ERROR_INSUFFICIENT_SIZE
+from tests.agent.nvml_fake import GIB, FakeDevice, FakeNvmlLib, install
 
 POD_A = "2f1b6d7e-3c4a-4b5e-9f60-7a8b9c0d1e2f"
 POD_B = "8a9b0c1d-2e3f-4a5b-8c6d-7e8f9a0b1c2d"
@@ -32,159 +22,6 @@ POD_C = "0e1f2a3b-4c5d-4e6f-8a7b-9c0d1e2f3a4b"
 CONTAINER_A = "a" * 64
 CONTAINER_B = "b" * 64
 CONTAINER_C = "c" * 64
-GIB = 1024**3
-
-
-@dataclass
-class FakeDevice:
-    """One GPU or MIG device as the driver would describe it; an int field is an error code
-    where the driver would fail."""
-
-    uuid: str
-    name: str
-    mem_used: int
-    util: int | None = None  # None: NOT_SUPPORTED (MIG devices)
-    util_error: int | None = None
-    uuid_error: int | None = None
-    mig_mode: int | None = None  # None: NOT_SUPPORTED (GPUs without MIG)
-    mig_slots: int = 0
-    mig_devices: dict[int, FakeDevice] = field(default_factory=dict)
-    gpu_instance_id: int | None = None
-    processes: list[tuple[int, int]] = field(default_factory=list)  # (pid, used bytes)
-    process_samples: list[tuple[int, int, int]] | None = (
-        None  # (pid, ts µs, sm %); None: unsupported
-    )
-    util_samples: list[tuple[int, int]] | None = None  # (ts µs, %); None: unsupported
-
-
-class FakeNvmlLib:
-    """The NVML C functions the source uses, as Python callables with the C signatures."""
-
-    def __init__(self, gpus: list[FakeDevice]) -> None:
-        self.gpus = gpus
-        self.handles: dict[int, FakeDevice] = {}
-        self.init_calls = 0
-        self.shutdown_calls = 0
-
-    def _out_handle(self, ref: Any, device: FakeDevice) -> None:
-        key = 0x1000 + len(self.handles) * 0x10
-        self.handles[key] = device
-        ctypes.c_void_p.from_buffer(ref._obj).value = key
-
-    def _device(self, handle: Any) -> FakeDevice:
-        return self.handles[ctypes.cast(handle, ctypes.c_void_p).value or 0]
-
-    def nvmlInitWithFlags(self, flags: int) -> int:
-        self.init_calls += 1
-        return OK
-
-    def nvmlShutdown(self) -> int:
-        self.shutdown_calls += 1
-        return OK
-
-    def nvmlSystemGetDriverVersion(self, buffer: Any, size: Any) -> int:
-        buffer.value = b"580.82.07"
-        return OK
-
-    def nvmlDeviceGetCount_v2(self, count: Any) -> int:
-        count._obj.value = len(self.gpus)
-        return OK
-
-    def nvmlDeviceGetHandleByIndex_v2(self, index: Any, ref: Any) -> int:
-        self._out_handle(ref, self.gpus[index.value])
-        return OK
-
-    def nvmlDeviceGetUUID(self, handle: Any, buffer: Any, size: Any) -> int:
-        device = self._device(handle)
-        if device.uuid_error:
-            return device.uuid_error
-        buffer.value = device.uuid.encode()
-        return OK
-
-    def nvmlDeviceGetName(self, handle: Any, buffer: Any, size: Any) -> int:
-        buffer.value = self._device(handle).name.encode()
-        return OK
-
-    def nvmlDeviceGetMigMode(self, handle: Any, current: Any, pending: Any) -> int:
-        device = self._device(handle)
-        if device.mig_mode is None:
-            return NOT_SUPPORTED
-        current._obj.value = pending._obj.value = device.mig_mode
-        return OK
-
-    def nvmlDeviceGetMaxMigDeviceCount(self, handle: Any, count: Any) -> int:
-        count._obj.value = self._device(handle).mig_slots
-        return OK
-
-    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: Any, index: Any, ref: Any) -> int:
-        mig = self._device(handle).mig_devices.get(index.value)
-        if mig is None:
-            return NOT_FOUND
-        self._out_handle(ref, mig)
-        return OK
-
-    def nvmlDeviceGetGpuInstanceId(self, handle: Any, ref: Any) -> int:
-        ref._obj.value = self._device(handle).gpu_instance_id
-        return OK
-
-    def nvmlDeviceGetUtilizationRates(self, handle: Any, ref: Any) -> int:
-        device = self._device(handle)
-        if device.util_error:
-            return device.util_error
-        if device.util is None:
-            return NOT_SUPPORTED
-        ref._obj.gpu = device.util
-        ref._obj.memory = device.util // 2
-        return OK
-
-    def nvmlDeviceGetMemoryInfo_v2(self, handle: Any, ref: Any) -> int:
-        ref._obj.used = self._device(handle).mem_used
-        ref._obj.total = 80 * GIB
-        return OK
-
-    def nvmlDeviceGetComputeRunningProcesses_v3(self, handle: Any, count: Any, array: Any) -> int:
-        processes = self._device(handle).processes
-        if array is None:
-            count._obj.value = len(processes)
-            return INSUFFICIENT_SIZE if processes else OK
-        for slot, (pid, used) in enumerate(processes):
-            array[slot].pid = pid
-            array[slot].usedGpuMemory = used
-        count._obj.value = len(processes)
-        return OK
-
-    def nvmlDeviceGetProcessUtilization(
-        self, handle: Any, array: Any, count: Any, since: Any
-    ) -> int:
-        samples = self._device(handle).process_samples
-        if samples is None:
-            return NOT_SUPPORTED
-        fresh = [s for s in samples if s[1] > since.value]
-        if not fresh:
-            return NOT_FOUND
-        if array is None:
-            count._obj.value = len(fresh)
-            return INSUFFICIENT_SIZE
-        for slot, (pid, ts, sm) in enumerate(fresh):
-            array[slot].pid, array[slot].timeStamp, array[slot].smUtil = pid, ts, sm
-        return OK
-
-    def nvmlDeviceGetSamples(
-        self, handle: Any, kind: Any, since: Any, value_type: Any, count: Any, array: Any
-    ) -> int:
-        samples = self._device(handle).util_samples
-        if samples is None:
-            return NOT_SUPPORTED
-        fresh = [s for s in samples if s[0] > since.value]
-        if not fresh:
-            return NOT_FOUND
-        value_type._obj.value = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
-        count._obj.value = len(fresh)
-        if array is not None:
-            for slot, (ts, value) in enumerate(fresh):
-                array[slot].timeStamp = ts
-                array[slot].sampleValue.uiVal = value
-        return OK
 
 
 def mig(slot: int, gi: int, profile: str, **kwargs: Any) -> FakeDevice:
@@ -213,11 +50,28 @@ def fleet() -> list[FakeDevice]:
             mem_used=12 * GIB,
             mig_mode=pynvml.NVML_DEVICE_MIG_ENABLE,
             mig_slots=7,
-            # Slots need not be dense: 1, 2, 4 and 6 are empty.
+            # Slots need not be dense: 1, 2, 4 and 6 are empty. GPU instances at memory
+            # slices 4-7, 0-1 and 2 (profile ids of the A100 40GB: 9, 14, 19).
             mig_devices={
-                0: mig(0, 1, "3g.20gb", mem_used=4 * GIB, processes=[(201, 4 * GIB)]),
-                3: mig(3, 5, "2g.10gb", mem_used=0),
-                5: mig(5, 13, "1g.5gb", mem_used=GIB, processes=[(202, GIB)]),
+                0: mig(
+                    0,
+                    1,
+                    "3g.20gb",
+                    mem_used=4 * GIB,
+                    processes=[(201, 4 * GIB)],
+                    placement=(4, 4),
+                    profile_id=9,
+                ),
+                3: mig(3, 5, "2g.10gb", mem_used=0, placement=(0, 2), profile_id=14),
+                5: mig(
+                    5,
+                    13,
+                    "1g.5gb",
+                    mem_used=GIB,
+                    processes=[(202, GIB)],
+                    placement=(2, 1),
+                    profile_id=19,
+                ),
             },
         ),
         FakeDevice(
@@ -243,10 +97,7 @@ def fleet() -> list[FakeDevice]:
 
 @pytest.fixture
 def fake_lib(monkeypatch: pytest.MonkeyPatch) -> FakeNvmlLib:
-    lib = FakeNvmlLib(fleet())
-    monkeypatch.setattr(pynvml, "nvmlLib", lib)
-    monkeypatch.setattr(pynvml, "_nvmlGetFunctionPointer_cache", {})
-    return lib
+    return install(monkeypatch, fleet())
 
 
 @pytest.fixture
@@ -321,6 +172,12 @@ def test_mig_devices_are_read_under_their_parent(fake_lib: FakeNvmlLib, proc_roo
         (1, "3g.20gb"),
         (5, "2g.10gb"),
         (13, "1g.5gb"),
+    ]
+    # Where each GPU instance sits: what NVIDIA's driver names a dynamic MIG partition by.
+    assert [(m.mig_placement, m.mig_profile_id) for m in migs] == [
+        ((4, 4), 9),
+        ((0, 2), 14),
+        ((2, 1), 19),
     ]
     # NVML has no utilisation for MIG devices: unmeasured, not idle.
     assert {(m.gpu_util, m.util_source) for m in migs} == {(None, None)}
@@ -400,6 +257,39 @@ def test_as_sample_is_the_ingest_shape(fake_lib: FakeNvmlLib, proc_root: Path) -
         "gpu_util": 40.0,
         "mem_used_bytes": 6 * GIB,
     }
+
+
+def test_a_mig_devices_sample_says_where_it_sits(fake_lib: FakeNvmlLib, proc_root: Path) -> None:
+    sample = read(proc_root)["MIG-00000005-aaaa-bbbb-cccc-00000000000d"].as_sample()
+    assert {key: sample[key] for key in sample if key not in ("ts", "processes")} == {
+        "uuid": "MIG-00000005-aaaa-bbbb-cccc-00000000000d",
+        "parent_uuid": "GPU-11111111-1111-1111-1111-111111111111",
+        "gpu_instance_id": 13,
+        "mig_placement": {"start": 2, "size": 1},
+        "mig_profile": "1g.5gb",
+        "mig_profile_id": 19,
+        "gpu_util": None,
+        "mem_used_bytes": GIB,
+    }
+
+
+def test_a_gpu_instance_nvml_will_not_read_leaves_no_placement_and_warns_once_per_gpu(
+    fake_lib: FakeNvmlLib, proc_root: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    fake_lib.gpus[1].instance_error = pynvml.NVML_ERROR_NO_PERMISSION
+    with (
+        caplog.at_level(logging.WARNING, logger="agent.nvml"),
+        nvml.NvmlSource(proc_root=proc_root, clock=lambda: AT) as source,
+    ):
+        first = source.read()
+        second = source.read()
+    migs = [reading for reading in first + second if reading.parent_uuid]
+    assert len(migs) == 6
+    assert {(m.mig_placement, m.mig_profile_id) for m in migs} == {(None, None)}
+    assert all("mig_placement" not in m.as_sample() for m in migs)
+    assert all(m.as_sample()["gpu_instance_id"] == m.gpu_instance_id for m in migs)
+    refused = [r for r in caplog.records if "nvmlDeviceGetGpuInstanceById" in r.getMessage()]
+    assert [r.__dict__["device"] for r in refused] == ["GPU-11111111-1111-1111-1111-111111111111"]
 
 
 @pytest.mark.parametrize(

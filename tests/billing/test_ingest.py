@@ -265,7 +265,8 @@ def test_validation_keeps_what_is_stored_and_drops_unknown_keys() -> None:
     assert first.mem_used_bytes == 1024
     assert first.processes is not None
     assert json.loads(first.processes) == raw[0]["processes"]
-    assert second == ("GPU-1", ms(T0) + 1000, None, None, None)
+    assert second == SampleRow("GPU-1", ms(T0) + 1000, None, None, None)
+    assert (second.covered_ms, second.placement) == (None, None)
 
 
 def test_each_repeat_of_a_bad_uuid_or_timestamp_is_rejected() -> None:
@@ -291,7 +292,7 @@ def test_each_repeat_of_a_bad_uuid_or_timestamp_is_rejected() -> None:
         "samples[5].uuid",
         "samples[6].ts",
     ]
-    assert valid == [("GPU-1", ms(T0), None, None, None)] * 2
+    assert valid == [SampleRow("GPU-1", ms(T0), None, None, None)] * 2
     # Accepted at one instant, the same text is too far ahead at an earlier one.
     ahead = [{"uuid": "GPU-1", "ts": (T0 + timedelta(minutes=4)).isoformat()}]
     assert validate_samples(ahead, now=T0)[1] == []
