@@ -258,11 +258,6 @@ def test_the_week_lists_an_idle_claim_whatever_its_namesakes_in_other_clusters_d
 # --- allocationMode All: a selector on an identity attribute matches no shape, counts 0 -------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="quota/admission/decision.py demand: an All request whose selector reads an "
-    "identity attribute (uuid, index, gpuIndex) matches no shape and counts 0: quota bypassed",
-)
 def test_an_all_request_selecting_by_uuid_counts_the_gpus_it_gets(client: Client) -> None:
     from quota.admission.shapes import forget_fleet_shapes
     from tests.quota.fixtures import claim, decide, make_team, nvidia_gpu, nvidia_slice

@@ -466,6 +466,28 @@ def demand(
             request.capacity_requests,
         ),
     )
+    if not candidates and selectors:
+        # Its own selectors match no shape. Shapes leave out what identifies one device (its
+        # uuid, index, PCI address: `dra.IDENTITY_ATTRIBUTES`), so a selector that reads one
+        # cannot be weighed here; it counts as what any device of its class could be given
+        # (the most it could take), never as nothing.
+        unweighed = fleet.derived(
+            ("eligible", request.device_class_name, (), asked),
+            functools.partial(
+                _eligible,
+                fleet.candidates(request.device_class_name, ()),
+                request.capacity_requests,
+            ),
+        )
+        if unweighed:
+            candidates = unweighed
+            selectors = ()
+            warnings.append(
+                f'request "{request.name}": no device of class "{request.device_class_name}" '
+                "matches its selectors before allocation (a uuid or index is not weighed); "
+                "until it is allocated, each device it asks for counts as the most one of its "
+                "class could"
+            )
     per_device_on: dict[int, Decimal] = {}
     keys: dict[int, tuple[Any, ...]] = {}
     for rule in rules:

@@ -192,9 +192,9 @@ def test_a_request_no_inventory_device_matches_is_counted_whole_and_says_so(
     answer = decide(client, claim("b", [gpu_request(1, selectors=[b200])]))
     assert answer["allowed"]
     assert answer["warnings"] == [
-        'request "gpu": no device of class "gpu.nvidia.com" in the inventory matches it; '
-        "until it is allocated, each device it asks for counts as one whole GPU (and no "
-        "memory) on every quota rule of its class",
+        'request "gpu": no device of class "gpu.nvidia.com" matches its selectors before '
+        "allocation (a uuid or index is not weighed); until it is allocated, each device it "
+        "asks for counts as the most one of its class could",
         'team "research": quota rule "h100" is at 1 GPU of 1 GPU with this claim',
     ]
     # The most it could take: a whole GPU on each rule, the H100 one included.
