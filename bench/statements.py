@@ -2,27 +2,34 @@
 SQL aggregate of the same rows.
 
     DEBUG=false SECRET_KEY=x .venv/bin/python -m bench.statements [--gpus 10000] [--teams 100]
-        [--keep]
+        [--closed-months 1] [--keep]
 
 Creates a fresh PostgreSQL database (`BENCH_DATABASE_URL`, default
 postgres://postgres@127.0.0.1:5432/tally_bench_statements), migrates it, imports a simulated
 whole-GPU fleet (`inventory.simulate`, H100 and H200 nodes of 8 GPUs) with every GPU allocated
-by its own claim from the first of March 2026, charges each allocation to one of `--teams`
-teams and gives each model a rate card. Then:
+by its own claim from the first of the first closed month (`--closed-months` before March
+2026), charges each allocation to one of `--teams` teams and gives each model a rate card.
+Then:
 
-1. **Usage rows**: one `UsageHour` per GPU per hour of March (10,000 x 744 = 7,440,000 rows),
-   written by one `INSERT ... SELECT` over `generate_series` (utilised, idle and unmeasured
-   parts varying by GPU and hour), then `VACUUM (ANALYZE)`; timed, not counted.
-2. **Statements**: `billing.pricing.refresh_statements` for the period: what `run_billing`
-   does after its rollup, and what the close does a last time (every team's usage lines per
-   model, unit, rate card and day, priced exactly, the statements and lines written). Run
-   twice, the faster counted (the first also reads the rows into the cache).
-3. **Floor**: one SQL aggregate of the same rows, grouped as the statements group them (team,
+1. **Usage rows**: one `UsageHour` per GPU per hour of the closed months and of March (10,000
+   x 744 = 7,440,000 rows for March), written by one `INSERT ... SELECT` over
+   `generate_series` (utilised, idle and unmeasured parts varying by GPU and hour), then
+   `VACUUM (ANALYZE)`; timed, not counted. Each closed month is then closed
+   (`billing.services.close_period`: its statements computed and frozen); timed, not counted.
+2. **Statements**: `billing.pricing.refresh_statements` for March: what `run_billing` does
+   after its rollup, and what the close does a last time (every team's usage lines per model,
+   unit, rate card and day, priced exactly, and the adjustments for data that reached the
+   closed months since their close: none here), the statements and lines written. Run twice,
+   the faster counted (the first also reads the rows into the cache).
+3. **Floor**: one SQL aggregate of March's rows, grouped as the statements group them (team,
    model, profile, unit, day), every row fetched; run twice, the faster counted.
 4. Checks: every team's statement holds exactly the allocated, utilised and unmeasured hours
    the floor's aggregate gives for it, and its total is the floor's hours priced by hand.
    Prints the figures, the ratio statements/floor and PASS/FAIL per target (statements within
    `TARGET_SECONDS`); exits 1 if any fails.
+5. **Late data**: one usage row of the first closed month changed in SQL (as a rollup of a
+   late sample would), and March's statements refreshed once more, timed (not counted): the
+   one team's adjustment must take back exactly the change, and be its only one.
 
 The database is dropped at the end unless `--keep`. See README.md.
 """
@@ -56,23 +63,37 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.statements", description=__doc__)
     parser.add_argument("--gpus", type=int, default=10_000, help="GPUs (8 per node)")
     parser.add_argument("--teams", type=int, default=100, help="teams the GPUs are charged to")
+    parser.add_argument(
+        "--closed-months",
+        type=int,
+        default=1,
+        help="closed months before March, with usage rows and frozen statements",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the database")
     args = parser.parse_args(argv)
-    if args.gpus < 1 or args.teams < 1:
-        parser.error("--gpus and --teams must be positive")
+    if args.gpus < 1 or args.teams < 1 or args.closed_months < 0:
+        parser.error("--gpus and --teams must be positive, --closed-months not negative")
 
     os.environ.setdefault("TALLY_BILLING_PERIOD", "month")
+    first = _month_start(MONTH_START, -args.closed_months)
     with fresh_database(parser, DEFAULT_URL, keep=args.keep):
-        _load_fleet(args.gpus, seed=args.seed, at=MONTH_START)
-        return _run(teams=args.teams)
+        _load_fleet(args.gpus, seed=args.seed, at=first)
+        return _run(teams=args.teams, first=first)
 
 
-def _run(*, teams: int) -> int:
+def _month_start(month: datetime, months: int) -> datetime:
+    """The first of the month `months` after `month`'s (before, when negative)."""
+    index = month.year * 12 + month.month - 1 + months
+    return month.replace(year=index // 12, month=index % 12 + 1)
+
+
+def _run(*, teams: int, first: datetime) -> int:
     from django.db import connection
 
     from billing.models import RateCard, Statement
     from billing.pricing import period_for, refresh_statements
+    from billing.services import close_period
     from inventory.models import Allocation
     from teams.models import Team
 
@@ -89,7 +110,7 @@ def _run(*, teams: int) -> int:
             per_gpu_hour=rate,
             idle_factor=IDLE_FACTOR,
             currency="USD",
-            valid_from=date(2026, 1, 1),
+            valid_from=date(2000, 1, 1),
         )
     period = period_for(MONTH_START)
 
@@ -118,7 +139,7 @@ def _run(*, teams: int) -> int:
             """,
             {
                 "hour": MS_PER_HOUR,
-                "start": MONTH_START,
+                "start": first,
                 "last": MONTH_END - HOUR,
             },
         )
@@ -128,10 +149,22 @@ def _run(*, teams: int) -> int:
         cursor.execute("VACUUM (ANALYZE) inventory_allocation")
     print(
         f"usage rows: {rows:,} ({len(allocations):,} GPUs x "
-        f"{(MONTH_END - MONTH_START) // HOUR} hours, {teams} teams), written and analyzed "
+        f"{(MONTH_END - first) // HOUR} hours, {teams} teams), written and analyzed "
         f"in {time.perf_counter() - began:.1f} s",
         flush=True,
     )
+    closed = []
+    month = first
+    while month < MONTH_START:
+        began = time.perf_counter()
+        closed.append(period_for(month))
+        close_period(period=closed[-1], actor="bench.statements")
+        print(
+            f"closed {closed[-1].label}: its statements computed and frozen in "
+            f"{time.perf_counter() - began:.1f} s",
+            flush=True,
+        )
+        month = _month_start(month, 1)
 
     runs = []
     for _ in range(2):
@@ -171,6 +204,8 @@ def _run(*, teams: int) -> int:
     )
 
     failures = _check(floor_rows, Statement.objects.filter(period=period))
+    if closed:
+        failures += _late_data(period, closed[0])
     ratio = statement_s / floor_s if floor_s else float("inf")
     print(f"statements / floor: {ratio:.2f}x")
     verdict = statement_s <= TARGET_SECONDS
@@ -184,10 +219,61 @@ def _run(*, teams: int) -> int:
     return 0 if verdict and not failures else 1
 
 
+def _late_data(period: Any, closed: Any) -> list[str]:
+    """Change one usage row of the `closed` period in SQL (its utilised time made unmeasured,
+    as a rollup of a late correction could), refresh `period`'s statements once more, timed,
+    and check that the adjustment takes back exactly the change, for that row's team, and is
+    the only one."""
+    from django.db import connection
+
+    from billing.models import LineKind, StatementLine
+    from billing.pricing import refresh_statements
+
+    with connection.cursor() as cursor:
+        cursor.execute(
+            """
+            UPDATE billing_usagehour AS u
+            SET unmeasured_gpu_ms = u.allocated_gpu_ms, utilised_gpu_ms = 0
+            FROM (SELECT id, utilised_gpu_ms, unmeasured_gpu_ms FROM billing_usagehour
+                  WHERE hour = %s AND utilised_gpu_ms > 0 ORDER BY id LIMIT 1) AS old
+            WHERE u.id = old.id
+            RETURNING u.team_id, u.product_name, old.utilised_gpu_ms,
+                      u.allocated_gpu_ms - old.unmeasured_gpu_ms
+            """,
+            [closed.start],
+        )
+        team_id, product, utilised_ms, unmeasured_ms = cursor.fetchone()
+    began = time.perf_counter()
+    refresh_statements(period=period)
+    print(
+        f"late data: one row of {closed.label} changed, statements refreshed in "
+        f"{time.perf_counter() - began:.2f} s (not counted)",
+        flush=True,
+    )
+    adjustments = [
+        (line.statement.team_id, line.corrects_period_id, line.product_name, line)
+        for line in StatementLine.objects.filter(
+            statement__period=period, kind=LineKind.ADJUSTMENT
+        ).select_related("statement")
+    ]
+    if [entry[:3] for entry in adjustments] != [(team_id, closed.pk, product)]:
+        return [f"late data: adjustments {adjustments}, wanted one of team {team_id}, {product}"]
+    line = adjustments[0][3]
+    # Statement lines keep hours to the millionth: the difference of two rounded totals.
+    near = Decimal("0.000002")
+    if (
+        line.allocated_gpu_hours != 0
+        or abs(line.utilised_gpu_hours + Decimal(utilised_ms) / MS_PER_HOUR) > near
+        or abs(line.unmeasured_gpu_hours - Decimal(unmeasured_ms) / MS_PER_HOUR) > near
+    ):
+        return [f"late data: adjustment {line.__dict__} is not -{utilised_ms} ms utilised"]
+    return []
+
+
 def _check(floor_rows: list[tuple[Any, ...]], statements: Any) -> list[str]:
     """Each team's statement: its lines' hours are the floor's, and its total is the floor's
     hours priced here by hand (allocated less the idle discount, rounded once per line)."""
-    from billing.models import StatementLine
+    from billing.models import LineKind, StatementLine
 
     expected: dict[tuple[int, str], list[int]] = defaultdict(lambda: [0, 0, 0])
     for team_id, product, _profile, _unit, _day, allocated, utilised, unmeasured in floor_rows:
@@ -203,7 +289,10 @@ def _check(floor_rows: list[tuple[Any, ...]], statements: Any) -> list[str]:
         amount = rate * (Fraction(allocated) - (1 - Fraction(IDLE_FACTOR)) * idle) / MS_PER_HOUR
         totals[team_id] += Decimal(math.floor(amount * 100 + Fraction(1, 2))) / 100  # half up
         line = StatementLine.objects.get(
-            statement__team_id=team_id, statement__in=statements, product_name=product
+            statement__team_id=team_id,
+            statement__in=statements,
+            product_name=product,
+            kind=LineKind.USAGE,
         )
         got = (line.allocated_gpu_hours, line.utilised_gpu_hours, line.unmeasured_gpu_hours)
         want = tuple(Decimal(v) / MS_PER_HOUR for v in (allocated, utilised, unmeasured))

@@ -258,6 +258,27 @@ class Period(models.Model):
         return period_label(self.start, self.end)
 
 
+class UsageChange(models.Model):
+    """An hour whose usage rows were written (inserted, changed or deleted) since the
+    statements that count them were last frozen: the "late data since close" mark of the
+    period that holds it. `version` is a number from a sequence, never given twice: raised by
+    every write of the hour's rows.
+
+    Written by the database itself, in the transaction that writes the usage rows (the
+    triggers of migration 0009 on `billing_usagehour`), so no writer can change a closed
+    period's usage without marking it, whatever its path. A refresh reads a closed period's
+    usage only while the period holds marks; the close of the open period that billed the
+    adjustments for them deletes the marks it read, each only if its `version` is still the
+    one read, so a mark made meanwhile survives (`billing.late_data`).
+    """
+
+    hour = models.DateTimeField(primary_key=True)
+    version = models.BigIntegerField()
+
+    def __str__(self) -> str:
+        return f"{self.hour:%Y-%m-%d %H:00} (v{self.version})"
+
+
 # Money as stored: three digits after the point hold every currency's minor unit (the dinars'
 # fils are thousandths; most are cents, the yen none), amounts being rounded to it first.
 MONEY_DIGITS, MONEY_PLACES = 17, 3

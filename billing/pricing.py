@@ -8,7 +8,8 @@ priced by a MIG profile's own card: that card is the price of an hour of one sli
 line's GPU-hours are divided by the slice's share of its GPU (a 3g.40gb slice of an A100 is
 3/7 of it). A MIG device without its profile's card pays its GPU's price for its GPU-hours,
 which is that price times its share. Data that arrives for a closed period never edits it:
-the difference becomes adjustment lines in the next open period.
+the difference becomes adjustment lines in the next open period, computed only for the
+closed periods it reached (`billing.late_data`).
 
 Periods are calendar months in UTC, or ISO weeks (Monday 00:00 UTC) with
 `TALLY_BILLING_PERIOD=week`; `2026-11` names a month, `2026-W47` a week.
@@ -30,6 +31,7 @@ from django.db.models import F, Q, Sum
 from django.db.models.functions import TruncDate
 from django.utils import timezone
 
+from billing import late_data
 from billing.hours import MS_PER_HOUR
 from billing.models import (
     SLICE_HOUR,
@@ -316,7 +318,9 @@ def _hours(value: Decimal) -> Decimal:
     return value.quantize(Decimal("0.000001"), rounding=ROUND_HALF_UP)
 
 
-def refresh_statements(*, period: Period, teams: list[Team] | None = None) -> list[Statement]:
+def refresh_statements(
+    *, period: Period, teams: list[Team] | None = None, closing: bool = False
+) -> list[Statement]:
     """Recompute the usage lines of an open period's statements, and the adjustments for data
     that arrived late for closed periods. Rerunning it changes nothing; a closed period's
     statements are never touched.
@@ -324,109 +328,177 @@ def refresh_statements(*, period: Period, teams: list[Team] | None = None) -> li
     The period's row is locked first and only then checked open: `period` may have been read
     before a close that committed while this waited for the lock (a beat run, `run_billing`
     after its rollup), and its statements are frozen since (`PricingError`, nothing written).
+
+    A closed period is read only while it holds late-data marks (`billing.late_data`): one
+    without them is billed as its frozen lines and the adjustments already issued for it
+    say, so this period's adjustment lines for it are kept as they are. `closing` (the close's
+    last refresh, every team): the marks it read are deleted, those of this period and of the
+    closed periods it read, as the statements about to be frozen account for them; a mark
+    made since stays.
     """
-    statements = []
+    if closing and teams is not None:
+        raise ValueError("a closing refresh is every team's")
     with transaction.atomic():
         if Period.objects.select_for_update().get(pk=period.pk).is_closed:
             raise PricingError(f"period {period} is closed; its statements are frozen")
         chosen = teams if teams is not None else list(Team.objects.order_by("slug"))
-        # Each period's usage read once for all the teams, not once per team; the rate cards
-        # of all their days once.
         earlier = list(
             Period.objects.filter(closed_at__isnull=False, start__lt=period.start).order_by("start")
         )
-        cards = _period_cards(period, since=earlier[0].start if earlier else None)
+        # The marks before any usage: a write this refresh's reads miss keeps a mark it did
+        # not read.
+        marks = late_data.read_marks([*earlier, period])
+        reread = [before for before in earlier if before.pk in marks]
+        # Each period's usage read once for all the teams, not once per team; the rate cards
+        # of all their days once.
+        cards = _period_cards(period, since=reread[0].start if reread else None)
         usage = usage_lines_by_team(period=period, teams=chosen, cards=cards)
         closed = {
             before: usage_lines_by_team(period=before, teams=chosen, cards=cards)
-            for before in earlier
+            for before in reread
         }
-        for team in chosen:
-            statements += _refresh_team(team, period, usage.get(team.pk, []), closed)
+        billed = _billed_lines(period, reread, teams=chosen)
+        statements = _write_statements(
+            period,
+            {
+                team: _computed_lines(
+                    usage.get(team.pk, []), _late_data_adjustments(team, closed, billed)
+                )
+                for team in chosen
+            },
+            reread=reread,
+        )
+        if closing:
+            late_data.clear_marks(
+                mark for read in [period, *reread] for mark in marks.get(read.pk, [])
+            )
     return statements
 
 
 ClosedUsage = dict[Period, dict[int | None, list[LineFigures]]]
+# Per team and closed period (by pks): what the period was billed, per line, before this one.
+BilledLines = dict[tuple[int, int], dict[LineKey, LineFigures]]
 
 
-def _refresh_team(
-    team: Team, period: Period, lines: list[LineFigures], closed: ClosedUsage
+def _billed_lines(period: Period, closed: list[Period], *, teams: list[Team]) -> BilledLines:
+    """What each of the `closed` periods billed each team: its frozen usage lines and the
+    adjustments issued for it in other periods than `period` (whose own are recomputed), per
+    line key, in one query for all of them."""
+    billed: BilledLines = defaultdict(dict)
+    if not closed:
+        return billed
+    for stored in (
+        StatementLine.objects.filter(statement__team__in=teams)
+        .filter(
+            Q(statement__period__in=closed, kind=LineKind.USAGE)
+            | (Q(corrects_period__in=closed) & ~Q(statement__period=period))
+        )
+        .select_related("statement")
+        .order_by("pk")
+    ):
+        usage = stored.kind == LineKind.USAGE
+        billed_for = stored.statement.period_id if usage else stored.corrects_period_id
+        assert billed_for is not None  # the filter's: a closed period's usage, or a correction
+        lines = billed[stored.statement.team_id, billed_for]
+        figures = _stored_figures(stored)
+        if figures.key in lines:
+            figures = _plus(lines[figures.key], figures)
+        lines[figures.key] = figures
+    return billed
+
+
+# A statement line computed: its figures, kind and the closed period it corrects (if any).
+ComputedLine = tuple[LineFigures, str, Period | None]
+
+
+def _computed_lines(
+    usage: list[LineFigures], adjustments: list[tuple[LineFigures, Period]]
+) -> list[ComputedLine]:
+    return [
+        *((line, LineKind.USAGE, None) for line in usage),
+        *((line, LineKind.ADJUSTMENT, corrected) for line, corrected in adjustments),
+    ]
+
+
+def _write_statements(
+    period: Period, computed: dict[Team, list[ComputedLine]], *, reread: list[Period]
 ) -> list[Statement]:
+    """Replace the computed lines of the teams' statements of `period` with `computed` (per
+    team, one statement per currency) and set the statements' totals, in a few statements
+    whatever the number of teams; the teams' statements, in order (as `computed`, then by
+    currency).
+
+    Lines finance added by hand stay, as do the adjustments for closed periods not read again
+    (`reread`: nothing reached the others since their adjustments were frozen); usage lines
+    and the adjustments for the periods read again are replaced. Every statement a team has
+    in the period is recomputed, so one whose lines all went (a model's card moved to
+    another currency) keeps none of them."""
     now = timezone.now()
-    adjustments = _late_data_adjustments(team, period, closed)
-    by_currency: dict[str, list[tuple[LineFigures, str, Period | None]]] = defaultdict(list)
-    for line in lines:
-        by_currency[line.currency or "USD"].append((line, LineKind.USAGE, None))
-    for line, corrected in adjustments:
-        by_currency[line.currency or "USD"].append((line, LineKind.ADJUSTMENT, corrected))
-    # Lines finance added by hand stay; everything computed is replaced.
-    kept_currencies = set(
-        StatementLine.objects.filter(
-            statement__team=team,
-            statement__period=period,
-            kind=LineKind.ADJUSTMENT,
-            corrects_period__isnull=True,
-        ).values_list("statement__currency", flat=True)
+    teams = list(computed)
+    stored = {
+        (statement.team_id, statement.currency): statement
+        for statement in Statement.objects.filter(period=period, team__in=teams)
+    }
+    wanted = {
+        (team.pk, line.currency or "USD")
+        for team, team_lines in computed.items()
+        for line, _, _ in team_lines
+    }
+    made = Statement.objects.bulk_create(
+        Statement(team_id=team_id, period=period, currency=currency, computed_at=now)
+        for team_id, currency in sorted(wanted - stored.keys())
     )
-    statements = []
-    for currency in sorted(set(by_currency) | kept_currencies):
-        statement, _ = Statement.objects.get_or_create(
-            team=team, period=period, currency=currency, defaults={"computed_at": now}
+    stored.update({(statement.team_id, statement.currency): statement for statement in made})
+    lines = StatementLine.objects.filter(statement__period=period, statement__team__in=teams)
+    lines.filter(
+        Q(kind=LineKind.USAGE) | Q(kind=LineKind.ADJUSTMENT, corrects_period__in=reread)
+    ).delete()
+    StatementLine.objects.bulk_create(
+        StatementLine(
+            statement=stored[team.pk, line.currency or "USD"],
+            kind=kind,
+            product_name=line.product_name,
+            profile=line.profile,
+            unit=line.unit,
+            allocated_gpu_hours=_hours(line.allocated),
+            utilised_gpu_hours=_hours(line.utilised),
+            idle_gpu_hours=_hours(line.idle),
+            unmeasured_gpu_hours=_hours(line.unmeasured),
+            rate=line.rate,
+            idle_factor=line.idle_factor,
+            gpu_share=line.gpu_share,
+            amount=line.amount,
+            corrects_period=corrected,
+            reason=(
+                f"late data for {corrected}"
+                if corrected
+                else ("" if line.rate is not None else "no rate card for this model")
+            ),
         )
-        statement.lines.exclude(kind=LineKind.ADJUSTMENT, corrects_period__isnull=True).delete()
-        StatementLine.objects.bulk_create(
-            StatementLine(
-                statement=statement,
-                kind=kind,
-                product_name=line.product_name,
-                profile=line.profile,
-                unit=line.unit,
-                allocated_gpu_hours=_hours(line.allocated),
-                utilised_gpu_hours=_hours(line.utilised),
-                idle_gpu_hours=_hours(line.idle),
-                unmeasured_gpu_hours=_hours(line.unmeasured),
-                rate=line.rate,
-                idle_factor=line.idle_factor,
-                gpu_share=line.gpu_share,
-                amount=line.amount,
-                corrects_period=corrected,
-                reason=(
-                    f"late data for {corrected}"
-                    if corrected
-                    else ("" if line.rate is not None else "no rate card for this model")
-                ),
-            )
-            for line, kind, corrected in by_currency.get(currency, [])
-        )
-        statement.total = sum((line.amount for line in statement.lines.all()), Decimal(0))
+        for team, team_lines in computed.items()
+        for line, kind, corrected in team_lines
+    )
+    totals = dict(
+        lines.values("statement").annotate(total=Sum("amount")).values_list("statement", "total")
+    )
+    for statement in stored.values():
+        statement.total = totals.get(statement.pk) or Decimal(0)
         statement.computed_at = now
-        statement.save(update_fields=["total", "computed_at"])
-        statements.append(statement)
-    return statements
+    Statement.objects.bulk_update(list(stored.values()), ["total", "computed_at"])
+    order = {team.pk: index for index, team in enumerate(teams)}
+    return [stored[key] for key in sorted(stored, key=lambda key: (order[key[0]], key[1]))]
 
 
 def _late_data_adjustments(
-    team: Team, period: Period, closed_usage: ClosedUsage
+    team: Team, closed_usage: ClosedUsage, billed_lines: BilledLines
 ) -> list[tuple[LineFigures, Period]]:
-    """For each closed period before this one (`closed_usage`: their usage now, per team):
-    what its usage is now, less what it was billed (its frozen lines and the adjustments
+    """For each closed period read again (`closed_usage`: their usage now, per team): what its
+    usage is now, less what it was billed (`billed_lines`: its frozen lines and the adjustments
     already issued for it), per model and price. What was billed for a line its usage no
     longer has is taken back whole."""
     adjustments = []
     for closed, by_team in closed_usage.items():
-        billed: dict[LineKey, LineFigures] = {}
-        for stored in (
-            StatementLine.objects.filter(statement__team=team)
-            .filter(
-                Q(statement__period=closed, kind=LineKind.USAGE)
-                | (Q(corrects_period=closed) & ~Q(statement__period=period))
-            )
-            .select_related("statement")
-        ):
-            figures = _stored_figures(stored)
-            if figures.key in billed:
-                figures = _plus(billed[figures.key], figures)
-            billed[figures.key] = figures
+        billed = billed_lines.get((team.pk, closed.pk), {})
         usage = {
             line.key: replace(
                 line,

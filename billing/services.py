@@ -13,7 +13,7 @@ import secrets
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, time, timedelta
 from decimal import Decimal
 from typing import Any, NamedTuple
 
@@ -21,7 +21,7 @@ from django.conf import settings
 from django.db import transaction
 from django.utils import timezone
 
-from billing import ingest, retention, rollup
+from billing import ingest, late_data, retention, rollup
 from billing.hours import hours_between
 from billing.models import (
     AgentToken,
@@ -39,6 +39,7 @@ from billing.rates import (
     ClosedPeriod,
     RateCardValueError,
     closed_periods,
+    overlap,
     overlap_error,
     overlapping_card,
     rate_card_value_errors,
@@ -69,7 +70,10 @@ def close_period(*, period: Period, actor: str) -> list[Statement]:
     Guarantees: the period's row is locked first, so no rate card that prices it changes and
     no adjustment lands in it meanwhile (both lock it too); a period closes once, and only
     once it has ended (else `PricingError`, nothing written); the close is audited as `actor`
-    (the period before and after) in the same transaction.
+    (the period before and after) in the same transaction; the late-data marks its last
+    refresh read, which the frozen statements account for, are cleared in it too, and a
+    usage row written meanwhile keeps its mark (`billing.late_data`), so its period is read
+    again by the next open period's refresh.
     """
     with transaction.atomic():
         locked = Period.objects.select_for_update().get(pk=period.pk)
@@ -80,7 +84,7 @@ def close_period(*, period: Period, actor: str) -> list[Statement]:
                 f"period {locked.label} has not ended yet: it ends {locked.end:%Y-%m-%d %H:%M} UTC"
             )
         before = audit.snapshot(locked)
-        statements = refresh_statements(period=locked)
+        statements = refresh_statements(period=locked, closing=True)
         locked.closed_at = timezone.now()
         locked.closed_by = actor
         audit.update(actor=actor, obj=locked, before=before)
@@ -338,7 +342,10 @@ def save_rate_card(
         before = audit.snapshot(card)
         for name, value in values.items():
             setattr(card, name, value)
-        return SavedRateCard(card, audit.update(actor=actor, obj=card, before=before))
+        entry = audit.update(actor=actor, obj=card, before=before)
+        if entry is not None:
+            _mark_repriced(RateCard(**stored), card, closed)
+        return SavedRateCard(card, entry)
 
 
 def delete_rate_card(
@@ -370,6 +377,22 @@ def _locked(
     if card is not None:
         card = RateCard.objects.select_for_update().get(pk=card.pk)
     return card, closed
+
+
+def _mark_repriced(before: RateCard, after: RateCard, closed: list[ClosedPeriod]) -> None:
+    """Mark the closed periods whose days a changed card covers (before or after the change)
+    as late data does: `rate_change_error` keeps a card's price and days over closed periods,
+    but its currency, model or profile may change there, which prices their usage anew with no
+    usage row written; the next refresh then reads them again (`billing.late_data`). A card is
+    never created or deleted over closed days."""
+    late_data.mark_hours(
+        datetime.combine(period.start, time(), tzinfo=UTC)
+        for period in closed
+        if any(
+            overlap(card.valid_from, card.valid_until, period.start, period.end)
+            for card in (before, after)
+        )
+    )
 
 
 def _rate_values(card: RateCard) -> dict[str, Any]:
