@@ -9,6 +9,8 @@ from collections.abc import Iterable, Mapping
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from django.db import connection
+
 from billing import retention
 from billing.hours import hour_start, hours_between
 from billing.models import DirtyHour
@@ -30,12 +32,18 @@ def mark_dirty(*, hours: set[datetime], at: datetime) -> None:
     starts = {hour_start(hour) for hour in hours}
     starts -= _dropped(starts, at=at)
     if starts:
-        DirtyHour.objects.bulk_create(
-            [DirtyHour(hour=hour, marked_at=at) for hour in sorted(starts)],
-            update_conflicts=True,
-            unique_fields=["hour"],
-            update_fields=["marked_at"],
-        )
+        with connection.cursor() as cursor:
+            cursor.execute(_MARK, [at, sorted(starts)])
+
+
+# Each mark a new version (`DirtyHour.version`): what tells a mark a rollup read from one made
+# since, as `marked_at` (the writer's time) cannot.
+_MARK = f"""
+INSERT INTO {DirtyHour._meta.db_table} (hour, marked_at, version)
+SELECT hour, %s, nextval('billing_dirtyhour_version')
+FROM unnest(%s::timestamptz[]) AS hour ORDER BY hour
+ON CONFLICT (hour) DO UPDATE SET marked_at = EXCLUDED.marked_at, version = EXCLUDED.version
+"""
 
 
 def _dropped(starts: set[datetime], *, at: datetime) -> set[datetime]:

@@ -96,6 +96,12 @@ class UnknownDeviceSample(models.Model):
     processes = models.JSONField(null=True, blank=True)
     node = models.CharField(max_length=253, blank=True)
     received_at = models.DateTimeField(db_index=True)
+    # As on `Sample`: a mean's covered time, kept so it holds as long once adopted.
+    covered_ms = models.BigIntegerField(null=True, blank=True)
+    # A dynamic MIG device's sample (`billing.mig_samples`): its GPU and placement as the agent
+    # sent them (`parent_uuid`, `start`, `size`, `profile`, `profile_id`), so it is adopted by
+    # the partition at that placement once the sync has it.
+    mig_placement = models.JSONField(null=True, blank=True)
     agent_token = models.ForeignKey(
         AgentToken,
         on_delete=models.CASCADE,
@@ -118,10 +124,15 @@ class UnknownDeviceSample(models.Model):
 
 
 class DirtyHour(models.Model):
-    """An hour whose usage must be rolled up again: late samples or allocations touched it."""
+    """An hour whose usage must be rolled up again: late samples or allocations touched it.
+
+    `version` is new at every mark (`billing.dirty.mark_dirty`, from a sequence): a rollup takes
+    away only the marks it read, at the version it read, so a mark made while it ran, whatever
+    its `marked_at` says, outlives it."""
 
     hour = models.DateTimeField(unique=True)
     marked_at = models.DateTimeField()
+    version = models.BigIntegerField(default=0)
 
     def __str__(self) -> str:
         return f"{self.hour:%Y-%m-%d %H:00}"

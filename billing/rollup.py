@@ -591,10 +591,11 @@ def rollup_pending(*, now: datetime, limit: int | None = None) -> list[datetime]
     (`billing.prometheus.EngineUnavailable`): it is retried, never billed as idle.
     """
     limit = settings.TALLY_ROLLUP_HOURS_PER_RUN if limit is None else limit
-    started = timezone.now()
     just_ended = hour_start(now) - HOUR
     marked = DirtyHour.objects.filter(hour__lt=now).exclude(hour=just_ended).order_by("-hour")
-    due = [just_ended, *marked.values_list("hour", flat=True)[: max(limit - 1, 0)]]
+    read = dict(marked.values_list("hour", "version")[: max(limit - 1, 0)])
+    read.update(DirtyHour.objects.filter(hour=just_ended).values_list("hour", "version"))
+    due = [just_ended, *sorted(set(read) - {just_ended}, reverse=True)]
     try:
         rollup_hours(hours=due, now=now)
         pending: set[datetime] = set()
@@ -603,6 +604,14 @@ def rollup_pending(*, now: datetime, limit: int | None = None) -> list[datetime]
         pending = set(error.hours)
         log.warning("rollup: %d hours left pending: %s", len(pending), error)
     done = [hour for hour in due if hour not in pending]
-    # A mark made while this ran stays, so the newer data is not missed.
-    DirtyHour.objects.filter(hour__in=done, marked_at__lte=started).delete()
+    # Only the marks read, at the version read: a mark made while this ran (a new version,
+    # whatever its `marked_at`) stays, so the newer data is not missed.
+    taken = [(hour, read[hour]) for hour in done if hour in read]
+    if taken:
+        with connection.cursor() as cursor:
+            cursor.execute(
+                f"DELETE FROM {DirtyHour._meta.db_table} WHERE (hour, version) IN "
+                "(SELECT * FROM unnest(%s::timestamptz[], %s::bigint[]))",
+                [[hour for hour, _ in taken], [version for _, version in taken]],
+            )
     return done

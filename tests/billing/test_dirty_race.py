@@ -1,0 +1,64 @@
+"""A mark made while a rollup runs outlives it, whatever time the mark says.
+
+`rollup_pending` rolls up the marked hours, then takes away the marks it has dealt with. A
+writer (late samples, the sync) marks with its own time (`marked_at`: the samples' receipt,
+the event's), which may be before the rollup started though the writer commits after the
+rollup read the hour: only the mark's version, new at every write, tells the mark the rollup
+read from one made since.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+from django.db import connection, transaction
+
+from billing import dirty
+from billing.models import DirtyHour, UsageHour
+from billing.rollup import rollup_pending
+from tests.billing.test_idle_alerts import T0, claim_holding, devices_of, samples
+from tests.factories import ClusterFactory
+from tests.quota.factories import TeamFactory
+
+
+@pytest.mark.django_db(transaction=True)
+def test_samples_committed_after_the_rollup_read_their_hour_stay_marked() -> None:
+    team = TeamFactory.create(slug="race")
+    cluster = ClusterFactory.create(name="prod")
+    devices = devices_of(claim_holding(cluster, team, "train", 1, start=T0))
+    hour = T0 + timedelta(hours=1)
+    now = T0 + timedelta(hours=3, minutes=5)
+    # The hour was marked before (an earlier late sample), and is due.
+    dirty.mark_dirty(hours={hour}, at=now - timedelta(minutes=30))
+    written = threading.Event()
+    errors: list[BaseException] = []
+
+    def late_writer() -> None:
+        try:
+            with transaction.atomic():
+                # An agent's buffer, received (and so marked) before the rollup started.
+                samples(devices, hour, 1, 80.0)
+                dirty.mark_dirty(hours={hour}, at=now - timedelta(minutes=1))
+                written.set()
+                time.sleep(1.5)  # the rollup reads the hour meanwhile, without these rows
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+            written.set()
+        finally:
+            connection.close()
+
+    writer = threading.Thread(target=late_writer)
+    writer.start()
+    written.wait(timeout=30)
+    rollup_pending(now=now)  # its deletion of the mark waits for the writer's commit
+    writer.join(timeout=30)
+    assert not errors
+
+    assert DirtyHour.objects.filter(hour=hour).exists(), "the writer's mark was taken away"
+    rollup_pending(now=now + timedelta(minutes=5))
+    row = UsageHour.objects.get(hour=hour)
+    assert row.utilised_gpu_ms > 0
+    assert not DirtyHour.objects.filter(hour=hour).exists()
