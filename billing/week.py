@@ -284,6 +284,7 @@ class TeamWeek:
 class _Cell(NamedTuple):
     """What one priced piece of usage is of: a claim's hour on one model, share and unit."""
 
+    claim_id: int  # one claim: namesakes in other clusters, or recreated, are others
     namespace: str
     claim_name: str
     username: str
@@ -301,6 +302,7 @@ def _usage(team: Team, start: datetime, end: datetime) -> list[tuple[_Cell, Figu
     rows = (
         UsageHour.objects.filter(team=team, hour__gte=start, hour__lt=end)
         .values_list(
+            "allocation__claim_id",
             "namespace",
             "claim_name",
             "username",
@@ -316,7 +318,7 @@ def _usage(team: Team, start: datetime, end: datetime) -> list[tuple[_Cell, Figu
             utilised=Sum("utilised_gpu_ms"),
             unmeasured=Sum("unmeasured_gpu_ms"),
         )
-        .order_by("namespace", "claim_name", "hour")
+        .order_by("namespace", "claim_name", "allocation__claim_id", "hour")
     )
     cards = RateCards(
         first_day=start.astimezone(UTC).date(),
@@ -380,13 +382,15 @@ def _idle_claims(
 ) -> list[IdleClaim]:
     """Claims by their longest run of consecutive idle hours (`billing.idle.idle_hour`), then
     by idle time. `usage` is ordered by claim and hour."""
-    per_claim_hour: dict[tuple[str, str, str], dict[datetime, Figures]] = defaultdict(
+    # Per claim (its id: a namesake in another cluster, or the claim recreated, is another) and
+    # unit.
+    per_claim_hour: dict[tuple[int, str, str, str], dict[datetime, Figures]] = defaultdict(
         lambda: defaultdict(Figures)
     )
-    whole: dict[tuple[str, str, str], Figures] = defaultdict(Figures)
-    people: dict[tuple[str, str, str], tuple[str, str]] = {}
+    whole: dict[tuple[int, str, str, str], Figures] = defaultdict(Figures)
+    people: dict[tuple[int, str, str, str], tuple[str, str]] = {}
     for cell, figures in usage:
-        claim = (cell.namespace, cell.claim_name, cell.unit)
+        claim = (cell.claim_id, cell.namespace, cell.claim_name, cell.unit)
         per_claim_hour[claim][cell.hour].add(figures)
         whole[claim].add(figures)
         people.setdefault(claim, (cell.username, cell.job))
@@ -411,11 +415,11 @@ def _idle_claims(
         username, job = people[claim]
         found.append(
             IdleClaim(
-                namespace=claim[0],
-                claim_name=claim[1],
+                namespace=claim[1],
+                claim_name=claim[2],
                 username=username,
                 job=job,
-                unit=claim[2],
+                unit=claim[3],
                 longest_hours=longest,
                 idle_from=best_from,
                 idle_until=best_from + longest * HOUR,

@@ -206,11 +206,6 @@ def test_an_all_request_over_network_attached_devices_counts_them(client: Client
 # --- The week report's idle claims merge claims of one name in different clusters -------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="billing/week.py _idle_claims: claims are keyed (namespace, name, unit), no "
-    "cluster/uid: an idle claim the alert fires for vanishes beside a busy namesake elsewhere",
-)
 def test_the_week_lists_an_idle_claim_whatever_its_namesakes_in_other_clusters_do() -> None:
     from datetime import UTC
 
