@@ -18,6 +18,13 @@ Counting rules, shared by every function here:
   reports the share still free on it and what can still be placed there. A GPU whose MIG
   slices are all held is full, even when their shares sum below 1 (two 3g.40gb on an A100:
   6/7, but no memory left). A node with a partly used GPU is partly used, never full.
+- A device several claims share (KEP-5075 consumable capacity, `allowMultipleAllocations`:
+  an AMD GPU in an auto-partition mode, an NVIDIA GPU shared by memory) is held by the
+  capacity its open allocations consumed: per capacity their sum over the device's value, the
+  most of any capacity (a share that names none holds it all, as billing meters it). One CPX
+  share of an MI300X in an eight-partition mode holds 1/8 of it; its GPU is partly used while
+  another share still fits, full once none does. A share offered on such a device is a
+  fraction of each of its capacities, as its `requestPolicy` allows.
 - Shares count the device's `unit` (GPUs, TPU chips, Gaudi cards): one physical unit is 1.
   Units never add up across units or models: capacity is per unit and model, and so is every
   free block (8 free H100s and 4 free TPU chips on one node are no block of 12).
@@ -29,8 +36,9 @@ When `cluster` is None a function covers all clusters; node names are then writt
 from __future__ import annotations
 
 from collections import defaultdict
-from decimal import Decimal
-from typing import Any, TypedDict
+from collections.abc import Mapping
+from decimal import Decimal, InvalidOperation
+from typing import Any, NamedTuple, TypedDict
 
 from django.db.models import (
     BooleanField,
@@ -38,6 +46,7 @@ from django.db.models import (
     CharField,
     Count,
     F,
+    JSONField,
     Max,
     Q,
     QuerySet,
@@ -46,8 +55,10 @@ from django.db.models import (
     When,
 )
 from django.db.models.functions import Cast, Concat
+from kubernetes.utils import parse_quantity
 
 from inventory import versions
+from inventory.capacity import CapacityError, capacity_name, requested_amounts
 from inventory.checks import PoolGeneration, published_counter_sets, quantities, sync_warnings
 from inventory.models import Allocation, Cluster, Device, DeviceKind
 from inventory.profiles import UNITS, unit_label
@@ -56,6 +67,10 @@ from inventory.versions import VersionMatrix
 # Shares are stored to 6 places, so seven 1g slices sum to 0.999999: within this of 1 a GPU
 # is fully held.
 _FULL_SHARE_TOLERANCE = Decimal("0.0001")
+# Shares of a shared device are kept to the millionth, as stored shares are.
+_MILLIONTH = Decimal("0.000001")
+# Devices several claims may hold at once, each a share of the device's capacity (KEP-5075).
+_SHARED = Q(extra__allowMultipleAllocations=True)
 
 
 class CapacityRow(TypedDict):
@@ -124,18 +139,25 @@ class PartialGpu(TypedDict):
     free_share: Decimal
     held_label: str  # "3/7" when the share is in sevenths (MIG), else a percentage
     free_label: str
-    # Held devices by profile (a device without one by name).
+    # Held devices by profile (a device without one by name); a shared device counts once per
+    # claim holding a share of it.
     held_devices: dict[str, int]
-    # Unheld slices that overlap nothing (static MIG devices, fixed partitions), by profile:
-    # a claim can get each of them as they are, all at once.
+    # Unheld slices that overlap nothing (static MIG devices, fixed partitions), and the shares
+    # a claim asking for no amount would get that still fit on held shared devices, by profile
+    # (a share of a device without one by its share, "10% GPU"): a claim can get each of them
+    # as they are, all at once.
     free_slices: dict[str, int]
     # Whether unheld devices that overlap others (KEP-4815 partitions, the whole GPU) exist.
     overlapping_unheld: bool
     # Unheld devices a claim could get now, by profile (else share): the free slices, and
     # overlapping devices whose counters fit in what the held ones leave of their counter
-    # set (where the set is not stored, whose share fits in the free share). Each on its
-    # own: taking one may rule out others.
+    # set (where the set is not stored, whose share fits in the free share), and on held
+    # shared devices the free shares and the largest share one claim could still get. Each on
+    # its own: taking one may rule out others.
     placeable: dict[str, int]
+    # Those of them that are no free slice (overlapping devices, the largest share of a shared
+    # device), which a claim can get only each on its own.
+    placeable_alone: dict[str, int]
     # The largest of them, and its share; "" and 0 when none is.
     largest_placeable: str
     largest_placeable_share: Decimal
@@ -372,22 +394,27 @@ def partial_gpus(*, cluster: Cluster | None = None) -> list[PartialGpu]:
     of each counter fits in what the held devices leave of their counter set, as the
     scheduler decides (a whole GPU's device consumes all of it). A device that consumes no
     counters, or whose counter set is not stored, is placeable when its share fits in the
-    free share. Two queries at most, whatever the size of the fleet.
+    free share. A held shared device (KEP-5075) holds the share its allocations consumed (see
+    the module's counting rules) and offers what is left of its capacity. Two queries at
+    most, whatever the size of the fleet, and one more for the allocations of held shared
+    devices where there are any.
     """
     held = _held_device_ids()
     # Keys of GPUs partly held, as a subquery: one round trip, and only their devices return.
+    # A GPU with a held shared device may be partly used whatever its devices' shares say.
     partly_held = (
         _present_gpu_devices(cluster)
         .values("cluster_id", "physical_gpu_key")
         .annotate(
             devices=Count("pk"),
             held_devices=Count("pk", filter=Q(pk__in=held)),
+            held_shared=Count("pk", filter=Q(pk__in=held) & _SHARED),
             held_share=Sum("gpu_share", filter=Q(pk__in=held)),
         )
         .filter(
+            Q(held_shared__gt=0)
+            | Q(held_devices__lt=F("devices"), held_share__lt=1 - _FULL_SHARE_TOLERANCE),
             held_devices__gt=0,
-            held_devices__lt=F("devices"),
-            held_share__lt=1 - _FULL_SHARE_TOLERANCE,
         )
         .order_by()
         .values("physical_gpu_key")
@@ -397,8 +424,10 @@ def partial_gpus(*, cluster: Cluster | None = None) -> list[PartialGpu]:
         .filter(physical_gpu_key__in=partly_held)
         .annotate(
             held=Case(When(pk__in=held, then=True), default=False, output_field=BooleanField()),
+            shared=Case(When(_SHARED, then=True), default=False, output_field=BooleanField()),
         )
         .values(
+            "pk",
             "cluster_id",
             "cluster__name",
             "node__name",
@@ -412,11 +441,14 @@ def partial_gpus(*, cluster: Cluster | None = None) -> list[PartialGpu]:
             "unit",
             "profile",
             "gpu_share",
+            "capacity",
             "extra__consumesCounters",
             "held",
+            "shared",
         )
         .order_by("name")
     )
+    shares = _consumed_shares([d["pk"] for d in devices if d["held"] and d["shared"]])
     counter_sets = published_counter_sets(
         generations={
             (d["cluster_id"], d["driver"], d["pool"], d["pool_generation"])
@@ -448,15 +480,17 @@ def partial_gpus(*, cluster: Cluster | None = None) -> list[PartialGpu]:
                 free_slices={},
                 overlapping_unheld=False,
                 placeable={},
+                placeable_alone={},
                 largest_placeable="",
                 largest_placeable_share=Decimal(0),
             )
     partial = []
     for identity, gpu in gpus.items():
-        _tally_gpu(gpu, by_gpu[identity], counter_sets)
+        _tally_gpu(gpu, by_gpu[identity], counter_sets, shares)
+        # Nothing unheld and no room on its shared devices: full, whatever the shares sum to.
         if (
             gpu["held_devices"]
-            and (gpu["free_slices"] or gpu["overlapping_unheld"])
+            and (gpu["free_slices"] or gpu["overlapping_unheld"] or gpu["placeable"])
             and gpu["held_share"] < 1 - _FULL_SHARE_TOLERANCE
         ):
             partial.append(gpu)
@@ -467,8 +501,18 @@ def _tally_gpu(
     gpu: PartialGpu,
     devices: list[dict[str, Any]],
     counter_sets: dict[PoolGeneration, dict[str, dict[str, Decimal]]],
+    shares: dict[int, list[dict[str, Any]]],
 ) -> None:
-    """Fill in what is held, free and placeable on one GPU from its present devices."""
+    """Fill in what is held, free and placeable on one GPU from its present devices and the
+    consumed capacity of the shares held on its shared devices (`shares`, by device id)."""
+
+    def offer(label: str, share: Decimal, count: int, *, alone: bool) -> None:
+        gpu["placeable"][label] = gpu["placeable"].get(label, 0) + count
+        if alone:
+            gpu["placeable_alone"][label] = gpu["placeable_alone"].get(label, 0) + count
+        if (share, label) > (gpu["largest_placeable_share"], gpu["largest_placeable"]):
+            gpu["largest_placeable_share"], gpu["largest_placeable"] = share, label
+
     left: dict[str, dict[str, Decimal]] = {}
     for device in devices:
         generation = (
@@ -481,24 +525,54 @@ def _tally_gpu(
         for set_name in _consumed(device):
             if set_name in published and set_name not in left:
                 left[set_name] = dict(published[set_name])
+    # Held shared devices and what is left of each of their capacities.
+    shared_left: list[tuple[dict[str, Any], dict[str, Decimal]]] = []
     for device in devices:
         if not device["held"]:
             continue
-        gpu["held_share"] += device["gpu_share"]
         label = device["profile"] or device["name"]
-        gpu["held_devices"][label] = gpu["held_devices"].get(label, 0) + 1
+        if device["shared"]:
+            held_shares = shares.get(device["pk"], [])
+            fraction, capacity_left = _shared_use(device, held_shares)
+            gpu["held_share"] += _units(device, fraction)
+            gpu["held_devices"][label] = gpu["held_devices"].get(label, 0) + len(held_shares)
+            shared_left.append((device, capacity_left))
+        else:
+            gpu["held_share"] += device["gpu_share"]
+            gpu["held_devices"][label] = gpu["held_devices"].get(label, 0) + 1
+        # Counters are consumed once per device, however many claims share it.
         for set_name, counters in _consumed(device).items():
             for counter, amount in counters.items():
                 if set_name in left and counter in left[set_name]:
                     left[set_name][counter] -= amount
     free_share = Decimal(1) - gpu["held_share"]
+    for device, capacity_left in shared_left:
+        room = _room(device, capacity_left)
+        if room.default_shares:
+            label = _shared_label(device, room.default_fraction, room)
+            gpu["free_slices"][label] = gpu["free_slices"].get(label, 0) + room.default_shares
+            offer(label, _units(device, room.default_fraction), room.default_shares, alone=False)
+        # The largest share one claim could get, where it is more than a free share.
+        if room.largest_fraction and (
+            not room.default_shares or room.largest_fraction > room.default_fraction
+        ):
+            offer(
+                _shared_label(device, room.largest_fraction, room),
+                _units(device, room.largest_fraction),
+                1,
+                alone=True,
+            )
     for device in devices:
         if device["held"]:
             continue
         consumed = _consumed(device)
-        label = _device_label(device)
-        consumes = bool(device["extra__consumesCounters"])
-        if not consumes and device["kind"] in (DeviceKind.MIG, DeviceKind.PARTITION):
+        label, share = _offered(device)
+        # Slices that consume no counters overlap nothing; anything else overlaps others.
+        alone = bool(device["extra__consumesCounters"]) or device["kind"] not in (
+            DeviceKind.MIG,
+            DeviceKind.PARTITION,
+        )
+        if not alone:
             gpu["free_slices"][label] = gpu["free_slices"].get(label, 0) + 1
             fits = True
         else:
@@ -510,21 +584,150 @@ def _tally_gpu(
                     for counter, amount in counters.items()
                 )
             else:
-                fits = device["gpu_share"] <= free_share + _FULL_SHARE_TOLERANCE
-        if fits:
-            gpu["placeable"][label] = gpu["placeable"].get(label, 0) + 1
-            largest = (gpu["largest_placeable_share"], gpu["largest_placeable"])
-            if (device["gpu_share"], label) > largest:
-                gpu["largest_placeable_share"], gpu["largest_placeable"] = (
-                    device["gpu_share"],
-                    label,
-                )
+                fits = share <= free_share + _FULL_SHARE_TOLERANCE
+        if fits and (share or not device["shared"]):
+            offer(label, share, 1, alone=alone)
     gpu["free_share"] = free_share
     gpu["held_label"] = _share_label(gpu["held_share"])
     gpu["free_label"] = _share_label(free_share)
     gpu["held_devices"] = dict(sorted(gpu["held_devices"].items()))
     gpu["free_slices"] = dict(sorted(gpu["free_slices"].items()))
     gpu["placeable"] = dict(sorted(gpu["placeable"].items()))
+    gpu["placeable_alone"] = dict(sorted(gpu["placeable_alone"].items()))
+
+
+def _consumed_shares(device_ids: list[int]) -> dict[int, list[dict[str, Any]]]:
+    """The consumed capacity of each open allocation of the given (shared) devices, by device
+    id; no query when there are none."""
+    shares: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    if device_ids:
+        for device_id, consumed in Allocation.objects.filter(
+            end__isnull=True, device_id__in=device_ids
+        ).values_list("device_id", "consumed_capacity"):
+            shares[device_id].append(consumed if isinstance(consumed, dict) else {})
+    return shares
+
+
+def _shared_use(
+    device: Mapping[str, Any], shares: list[dict[str, Any]]
+) -> tuple[Decimal, dict[str, Decimal]]:
+    """The part of a shared device its held `shares` (consumed capacity, by any name the
+    device's capacity answers to) take, and what they leave of each capacity.
+
+    The part is, per capacity, what the shares consumed over its value, the most of any
+    capacity, at most 1. A share that names no capacity of the device holds all of it, as
+    billing meters it (`inventory.services.allocation_metering`); so does anything held on a
+    device with no capacity to share."""
+    capacity = device["capacity"] or {}
+    values = quantities(capacity)
+    used = dict.fromkeys(values, Decimal(0))
+    for consumed in shares:
+        amounts = {
+            key: Decimal(parse_quantity(amount))
+            for name, amount in consumed.items()
+            if (key := capacity_name(capacity, name, device["driver"])) in values
+        }
+        if not amounts:
+            used = dict(values)
+            break
+        for key, amount in amounts.items():
+            used[key] += amount
+    fraction = max(
+        (used[key] / value for key, value in values.items() if value > 0), default=Decimal(1)
+    )
+    return min(fraction, Decimal(1)), {
+        key: max(value - used[key], Decimal(0)) for key, value in values.items()
+    }
+
+
+class _Room(NamedTuple):
+    """What claims could still get of a shared device, as fractions of each of its capacities:
+    how many shares of what a claim asking for no amount gets (`default_fraction`) fit at
+    once, and the largest share one claim could get (0: none fits)."""
+
+    default_shares: int
+    default_fraction: Decimal
+    largest_fraction: Decimal
+
+
+def _room(device: Mapping[str, Any], capacity_left: Mapping[str, Decimal]) -> _Room:
+    """The `_Room` on a shared device with `capacity_left` of each capacity, as its capacities'
+    `requestPolicy` allow (KEP-5075: `inventory.capacity` rounds requests up to them)."""
+    capacity = device["capacity"] or {}
+    values = {key: value for key, value in quantities(capacity).items() if value > 0}
+    largest: list[Decimal] = []
+    for key, value in values.items():
+        allowed = _largest_allowed(capacity[key], capacity_left.get(key, Decimal(0)))
+        if allowed is None:
+            return _Room(0, Decimal(0), Decimal(0))
+        largest.append(allowed / value)
+    if not largest:
+        return _Room(0, Decimal(0), Decimal(0))
+    try:
+        default = requested_amounts(capacity, {}, device["driver"])
+    except CapacityError:  # a policy's default it does not allow: no claim gets a default share
+        return _Room(0, Decimal(0), min(largest))
+    default_shares = min(
+        (int(capacity_left.get(key, 0) // default[key]) for key in values if default[key] > 0),
+        default=0,
+    )
+    return _Room(
+        default_shares, min(default[key] / value for key, value in values.items()), min(largest)
+    )
+
+
+def _largest_allowed(entry: Mapping[str, Any], left: Decimal) -> Decimal | None:
+    """The most of a capacity one request may consume within `left`, as the capacity's
+    `requestPolicy` allows: its largest valid value, or the top of its valid range (on a
+    step), not above `left`; None when the policy allows nothing that small or cannot be read.
+    """
+    policy = entry.get("requestPolicy")
+    if not isinstance(policy, dict):
+        return left
+    try:
+        valid_values = policy.get("validValues")
+        if isinstance(valid_values, list) and valid_values:
+            allowed = [Decimal(parse_quantity(value)) for value in valid_values]
+            return max((value for value in allowed if value <= left), default=None)
+        valid_range = policy.get("validRange")
+        if not isinstance(valid_range, dict):
+            return left
+        least = Decimal(parse_quantity(valid_range.get("min", 0)))
+        most = left
+        if valid_range.get("max") is not None:
+            most = min(most, Decimal(parse_quantity(valid_range["max"])))
+        if most < least:
+            return None
+        step = Decimal(parse_quantity(valid_range.get("step") or 0))
+        return least + step * ((most - least) // step) if step > 0 else most
+    except (ValueError, TypeError, InvalidOperation):
+        return None
+
+
+def _units(device: Mapping[str, Any], fraction: Decimal) -> Decimal:
+    """A fraction of a device in its unit, to the millionth."""
+    share: Decimal = device["gpu_share"] * fraction
+    return share.quantize(_MILLIONTH)
+
+
+def _shared_label(device: Mapping[str, Any], fraction: Decimal, room: _Room) -> str:
+    """How a share of a shared device is named: the device's own label for all of it, its
+    profile for the share a claim gets by default ("cpx_nps1": one CPX partition), else the
+    share ("10% GPU")."""
+    if fraction == 1:
+        return _device_label(device)
+    if device["profile"] and fraction == room.default_fraction:
+        return str(device["profile"])
+    return f"{_share_label(_units(device, fraction))} {unit_label(device['unit'], plural=False)}"
+
+
+def _offered(device: Mapping[str, Any]) -> tuple[str, Decimal]:
+    """What a claim could get of an unheld device, named, and its share: all of it, but of a
+    shared device only the largest share its policies allow."""
+    if not device.get("shared"):
+        return _device_label(device), device["gpu_share"]
+    room = _room(device, quantities(device["capacity"] or {}))
+    return _shared_label(device, room.largest_fraction, room), _units(device, room.largest_fraction)
 
 
 def _consumed(device: dict[str, Any]) -> dict[str, dict[str, Decimal]]:
@@ -537,7 +740,7 @@ def _consumed(device: dict[str, Any]) -> dict[str, dict[str, Decimal]]:
     return consumed
 
 
-def _device_label(device: dict[str, Any]) -> str:
+def _device_label(device: Mapping[str, Any]) -> str:
     """How a placeable device is named: its profile ("3g.40gb"), "whole GPU", else its share
     ("1/4 GPU", "25% TPU chip"), as partitions without a profile differ by name only."""
     unit = unit_label(device["unit"], plural=False)
@@ -549,7 +752,8 @@ def _device_label(device: dict[str, Any]) -> str:
 
 
 def _largest_on_free_gpus(cluster: Cluster | None) -> dict[str, tuple[Decimal, str]]:
-    """Per node label, the largest device on a GPU of it with nothing held, and its share."""
+    """Per node label, the largest device on a GPU of it with nothing held, and its share (of
+    a shared device, the largest share one claim could get of it)."""
     # A key lives on one node; with the node in it, keys of two clusters cannot mix.
     identity = Concat(Cast("node_id", CharField()), Value(" "), "physical_gpu_key")
     held_gpus = (
@@ -562,14 +766,24 @@ def _largest_on_free_gpus(cluster: Cluster | None) -> dict[str, tuple[Decimal, s
         .filter(node__isnull=False)
         .annotate(identity=identity)
         .exclude(identity__in=held_gpus)
-        .values("cluster__name", "node__name", "kind", "profile", "unit")
+        # A shared device's capacity says what a claim gets of it: one row per capacity.
+        .annotate(
+            capacity_shared=Case(
+                When(_SHARED, then=F("capacity")), default=None, output_field=JSONField()
+            )
+        )
+        .values(
+            "cluster__name", "node__name", "driver", "kind", "profile", "unit", "capacity_shared"
+        )
         .annotate(gpu_share=Max("gpu_share"))
         .order_by()
     )
     largest: dict[str, tuple[Decimal, str]] = {}
     for row in rows:
         node = _node_label(row["cluster__name"], row["node__name"], cluster is None)
-        candidate = (row["gpu_share"], _device_label(row))
+        shared = row["capacity_shared"] is not None
+        label, share = _offered({**row, "shared": shared, "capacity": row["capacity_shared"]})
+        candidate = (share, label)
         if candidate > largest.get(node, (Decimal(0), "")):
             largest[node] = candidate
     return largest

@@ -169,7 +169,8 @@ class PartialGpuSerializer(serializers.Serializer[Any]):
     )
     free_slices = serializers.DictField(
         child=serializers.IntegerField(),
-        help_text="Unheld slices that overlap nothing (static MIG, fixed partitions), by profile.",
+        help_text="Unheld slices that overlap nothing (static MIG, fixed partitions) and the "
+        "default shares still free on held shared devices (KEP-5075), by profile.",
     )
     overlapping_unheld = serializers.BooleanField(
         help_text="Unheld devices that overlap others exist (partitionable, the whole GPU)."
@@ -177,6 +178,11 @@ class PartialGpuSerializer(serializers.Serializer[Any]):
     placeable = serializers.DictField(
         child=serializers.IntegerField(),
         help_text="Unheld devices a claim could get now, each on its own, by profile or share.",
+    )
+    placeable_alone = serializers.DictField(
+        child=serializers.IntegerField(),
+        help_text="Those of them that are no free slice (overlapping devices, the largest share "
+        "of a shared device): a claim gets only one of them.",
     )
     largest_placeable = serializers.CharField(
         allow_blank=True, help_text="The largest of them; empty when none is."

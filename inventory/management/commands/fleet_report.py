@@ -188,16 +188,13 @@ def _deviations_section(deviations: list[dict[str, Any]]) -> str:
 
 
 def _describe_free(gpu: dict[str, Any]) -> str:
+    """Free slices, then what a claim could get only on its own: overlapping partitions (any
+    one may rule out the rest) or the largest share of a shared device."""
     parts = [_counts(gpu["free_slices"])] if gpu["free_slices"] else []
     if gpu["overlapping_unheld"]:
-        # Overlapping partitions: any one may rule out the rest, so each is placeable alone.
-        overlapping = {
-            profile: count - gpu["free_slices"].get(profile, 0)
-            for profile, count in gpu["placeable"].items()
-            if count > gpu["free_slices"].get(profile, 0)
-        }
-        alone = _counts(overlapping)
-        parts.append(f"partitionable, each alone: {alone}")
+        parts.append(f"partitionable, each alone: {_counts(gpu['placeable_alone'])}")
+    elif gpu["placeable_alone"]:
+        parts.append(f"one claim up to {', '.join(gpu['placeable_alone'])}")
     return "; ".join(parts) or "none"
 
 
