@@ -159,3 +159,32 @@ def _quantity(value: Any, where: str) -> Decimal:
 
 def _show(amount: Decimal) -> str:
     return f"{amount.normalize():f}"
+
+
+def largest_allowed(entry: Mapping[str, Any], left: Decimal) -> Decimal | None:
+    """The most of a capacity one request may consume within `left`, as the capacity's
+    `requestPolicy` allows (`_apply_policy` rounding down, for what is still free): its
+    largest valid value, or the top of its valid range (on a step), not above `left`; None
+    when the policy allows nothing that small or cannot be read.
+    """
+    policy = entry.get("requestPolicy")
+    if not isinstance(policy, dict):
+        return left
+    try:
+        valid_values = policy.get("validValues")
+        if isinstance(valid_values, list) and valid_values:
+            allowed = [Decimal(parse_quantity(value)) for value in valid_values]
+            return max((value for value in allowed if value <= left), default=None)
+        valid_range = policy.get("validRange")
+        if not isinstance(valid_range, dict):
+            return left
+        least = Decimal(parse_quantity(valid_range.get("min", 0)))
+        most = left
+        if valid_range.get("max") is not None:
+            most = min(most, Decimal(parse_quantity(valid_range["max"])))
+        if most < least:
+            return None
+        step = Decimal(parse_quantity(valid_range.get("step") or 0))
+        return least + step * ((most - least) // step) if step > 0 else most
+    except (ValueError, TypeError, InvalidOperation):
+        return None

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 from typing import Any, NamedTuple, TypedDict
 
 from django.db.models import (
@@ -58,7 +58,7 @@ from django.db.models.functions import Cast, Concat
 from kubernetes.utils import parse_quantity
 
 from inventory import versions
-from inventory.capacity import CapacityError, capacity_name, requested_amounts
+from inventory.capacity import CapacityError, capacity_name, largest_allowed, requested_amounts
 from inventory.checks import PoolGeneration, published_counter_sets, quantities, sync_warnings
 from inventory.models import Allocation, Cluster, Device, DeviceKind
 from inventory.profiles import UNITS, unit_label
@@ -657,7 +657,7 @@ def _room(device: Mapping[str, Any], capacity_left: Mapping[str, Decimal]) -> _R
     values = {key: value for key, value in quantities(capacity).items() if value > 0}
     largest: list[Decimal] = []
     for key, value in values.items():
-        allowed = _largest_allowed(capacity[key], capacity_left.get(key, Decimal(0)))
+        allowed = largest_allowed(capacity[key], capacity_left.get(key, Decimal(0)))
         if allowed is None:
             return _Room(0, Decimal(0), Decimal(0))
         largest.append(allowed / value)
@@ -674,34 +674,6 @@ def _room(device: Mapping[str, Any], capacity_left: Mapping[str, Decimal]) -> _R
     return _Room(
         default_shares, min(default[key] / value for key, value in values.items()), min(largest)
     )
-
-
-def _largest_allowed(entry: Mapping[str, Any], left: Decimal) -> Decimal | None:
-    """The most of a capacity one request may consume within `left`, as the capacity's
-    `requestPolicy` allows: its largest valid value, or the top of its valid range (on a
-    step), not above `left`; None when the policy allows nothing that small or cannot be read.
-    """
-    policy = entry.get("requestPolicy")
-    if not isinstance(policy, dict):
-        return left
-    try:
-        valid_values = policy.get("validValues")
-        if isinstance(valid_values, list) and valid_values:
-            allowed = [Decimal(parse_quantity(value)) for value in valid_values]
-            return max((value for value in allowed if value <= left), default=None)
-        valid_range = policy.get("validRange")
-        if not isinstance(valid_range, dict):
-            return left
-        least = Decimal(parse_quantity(valid_range.get("min", 0)))
-        most = left
-        if valid_range.get("max") is not None:
-            most = min(most, Decimal(parse_quantity(valid_range["max"])))
-        if most < least:
-            return None
-        step = Decimal(parse_quantity(valid_range.get("step") or 0))
-        return least + step * ((most - least) // step) if step > 0 else most
-    except (ValueError, TypeError, InvalidOperation):
-        return None
 
 
 def _units(device: Mapping[str, Any], fraction: Decimal) -> Decimal:
