@@ -7,7 +7,7 @@ A usage row's and a statement line's figures are hours of their device's unit
 from __future__ import annotations
 
 from inventory.models import Unit
-from inventory.profiles import hours_label
+from inventory.profiles import hours_label, unit_order
 
 __all__ = ["hours_label", "units_label"]
 
@@ -15,10 +15,5 @@ __all__ = ["hours_label", "units_label"]
 def units_label(units: list[str]) -> str:
     """Hours of several units, as a total of them is named: `GPU-hours + TPU chip-hours`, so
     a sum across units says what it adds up."""
-    labels = dict.fromkeys(hours_label(unit) for unit in sorted(set(units), key=_unit_order))
+    labels = dict.fromkeys(hours_label(unit) for unit in sorted(set(units), key=unit_order))
     return " + ".join(labels) or hours_label(Unit.GPU)
-
-
-def _unit_order(unit: str) -> int:
-    """GPUs first, then TPU chips, Gaudi cards, other accelerators (`Unit`'s order)."""
-    return Unit.values.index(unit) if unit in Unit.values else len(Unit.values)

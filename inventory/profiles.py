@@ -66,6 +66,13 @@ UNITS = ("gpu", "tpu", "gaudi", "accelerator")
 SHARE_RULES = ("counters", "mig-profile", "partition-profile", "vgpu-profile")
 KINDS_OF_UNTYPED = ("accelerator", "other")
 
+
+def unit_order(unit: str) -> int:
+    """Where `unit` sorts among units: GPUs first, then TPU chips, Gaudi cards, other
+    accelerators (`UNITS`' order), then anything else."""
+    return UNITS.index(unit) if unit in UNITS else len(UNITS)
+
+
 _UNIT_LABELS = {
     "gpu": ("GPU", "GPUs", "GPU-hours"),
     "tpu": ("TPU chip", "TPU chips", "TPU chip-hours"),

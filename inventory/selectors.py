@@ -61,7 +61,7 @@ from inventory import versions
 from inventory.capacity import CapacityError, capacity_name, largest_allowed, requested_amounts
 from inventory.checks import PoolGeneration, published_counter_sets, quantities, sync_warnings
 from inventory.models import Allocation, Cluster, Device, DeviceKind
-from inventory.profiles import UNITS, unit_label
+from inventory.profiles import unit_label, unit_order
 from inventory.versions import VersionMatrix
 
 # Shares are stored to 6 places, so seven 1g slices sum to 0.999999: within this of 1 a GPU
@@ -226,7 +226,7 @@ def capacity_by_model(*, cluster: Cluster | None = None) -> list[CapacityRow]:
     for row in counts:
         unit, product = row["unit"], row["product_name"]
         total = totals.setdefault(
-            (_unit_order(unit), unit, product),
+            (unit_order(unit), unit, product),
             CapacityRow(
                 product_name=product,
                 unit=unit,
@@ -248,10 +248,6 @@ def capacity_by_model(*, cluster: Cluster | None = None) -> list[CapacityRow]:
             row["partition_share"] or Decimal(0), Decimal(partition_only)
         )
     return [totals[key] for key in sorted(totals)]
-
-
-def _unit_order(unit: str) -> int:
-    return UNITS.index(unit) if unit in UNITS else len(UNITS)
 
 
 def version_matrix(*, cluster: Cluster | None = None) -> VersionMatrix:
@@ -300,7 +296,7 @@ def fragmentation(*, cluster: Cluster | None = None) -> Fragmentation:
         node_row["units"].add(row["unit"])
         unit, product, free = row["unit"], row["product_name"], row["gpus"] - row["allocated"]
         block = blocks.setdefault(
-            (_unit_order(unit), unit, product),
+            (unit_order(unit), unit, product),
             FreeBlock(
                 unit=unit,
                 unit_label=unit_label(unit),
@@ -314,7 +310,7 @@ def fragmentation(*, cluster: Cluster | None = None) -> Fragmentation:
         group = row["node__clique"] or ("node", row["node_id"])
         free_by_model_clique[(unit, product, row["cluster__name"], group)] += free
     for (unit, product, _, _), free in free_by_model_clique.items():
-        block = blocks[(_unit_order(unit), unit, product)]
+        block = blocks[(unit_order(unit), unit, product)]
         block["largest_free_clique_block"] = max(block["largest_free_clique_block"], free)
     free_blocks = [blocks[key] for key in sorted(blocks)]
     partial = partial_gpus(cluster=cluster)
