@@ -23,8 +23,8 @@ each is imported in its own database (`<name>_n<nodes>`) with the same teams and
 by its own gunicorn, and only the paced runs are measured: the no-op on the first and the
 webhook on each, in `--rounds` turns (the same slice of the same reviews on both), then p50/p99
 of each and the ratio of the larger inventory's p99 to the smaller one's (target <= 1.2).
-`--fleet-changes SECONDS` bumps both clusters' fleet versions meanwhile, as a sync that changes
-devices does. See README.md.
+`--fleet-changes SECONDS` changes both fleets meanwhile, as a sync does (a node's devices gone,
+the one gone before back, the fleet version bumped). See README.md.
 """
 
 from __future__ import annotations
@@ -252,10 +252,13 @@ class Fleet:
     nodes: int
     devices: int  # published devices present
     shapes: int  # distinct device shapes
-    reload_s: float  # `shapes.load_fleet`: a worker's (re)load after the fleet changed
+    load_s: float  # `shapes.load_fleet`: a worker's first load of the cache
+    refresh_s: float  # `shapes.refreshed`: its refresh after a change of one node's devices
 
 
 def _load_fleet(seed: int, nodes: int) -> Fleet:
+    from django.db import connection
+
     from inventory import services as inventory_services
     from inventory import simulate
     from inventory.models import Device
@@ -276,19 +279,108 @@ def _load_fleet(seed: int, nodes: int) -> Fleet:
         f"imported in {time.perf_counter() - started:.1f} s",
         flush=True,
     )
-    # What a webhook worker reads when its shapes cache is (re)loaded: at start-up and after
-    # each sync that changed devices, nodes or device classes. The fastest of three.
-    reloads = []
+    # What a webhook worker reads when its shapes cache is loaded (at start-up), and when it
+    # is refreshed after a sync changed the fleet: here one node's devices gone, then back,
+    # as `--fleet-changes` does. The fastest of three each.
+    connection.ensure_connection()
+    changes = FleetChanges(connection.connection, _drainable_nodes(connection.connection)[:3])
+    loads, refreshes = [], []
     for _ in range(3):
         started = time.perf_counter()
         fleet = shapes.load_fleet(cluster=cluster)
-        reloads.append(time.perf_counter() - started)
+        loads.append(time.perf_counter() - started)
+        for _ in range(2):
+            changes.change()
+            started = time.perf_counter()
+            fleet = shapes.refreshed(fleet, cluster_id=cluster.pk, version=None)
+            refreshes.append(time.perf_counter() - started)
+    changes.restore()
+    fleet = shapes.refreshed(fleet, cluster_id=cluster.pk, version=None)
     print(
-        f"shapes cache: {len(fleet.shapes)} shapes on {len(fleet.per_node):,} nodes, "
-        f"a worker's (re)load {1000 * min(reloads):.0f} ms",
+        f"shapes cache: {len(fleet.shapes)} shapes on {len(fleet.per_node):,} nodes, a worker's "
+        f"first load {1000 * min(loads):.0f} ms, its refresh after one node's devices changed "
+        f"{1000 * min(refreshes):.1f} ms",
         flush=True,
     )
-    return Fleet(nodes, devices, len(fleet.shapes), min(reloads))
+    return Fleet(nodes, devices, len(fleet.shapes), min(loads), min(refreshes))
+
+
+class FleetChanges:
+    """What a sync writes when a node's devices change, on one database: each `change` marks
+    the devices of the next of `nodes` gone and publishes those of the one before anew (new
+    rows, as the sync makes for devices that come back), then bumps the fleet version, in one
+    transaction. One node is drained at a time; `restore` brings it back."""
+
+    def __init__(self, connection: Any, nodes: list[str]) -> None:
+        from inventory.models import Cluster, Device, Node
+
+        self.connection = connection
+        self.nodes = nodes
+        self.changes = 0
+        self.devices = 0  # devices gone or back, all changes together
+        self.drained: list[int] = []
+        columns = [f.column for f in Device._meta.concrete_fields if not f.primary_key]
+        copied = ", ".join(
+            {"first_seen": "now()", "gone_at": "NULL"}.get(column, column) for column in columns
+        )
+        table, nodes_table = Device._meta.db_table, Node._meta.db_table
+        self.restore_sql = (
+            f"INSERT INTO {table} ({', '.join(columns)}) "
+            f"SELECT {copied} FROM {table} WHERE id = ANY(%s)"
+        )
+        self.drain_sql = (
+            f"UPDATE {table} SET gone_at = now() WHERE gone_at IS NULL AND node_id = "
+            f"(SELECT id FROM {nodes_table} WHERE name = %s AND gone_at IS NULL) RETURNING id"
+        )
+        self.bump_sql = f"UPDATE {Cluster._meta.db_table} SET fleet_version = fleet_version + 1"
+
+    def change(self) -> None:
+        node = self.nodes[self.changes % len(self.nodes)]
+        with self.connection.transaction():
+            self._restore()
+            self.drained = [row[0] for row in self.connection.execute(self.drain_sql, [node])]
+            self.devices += len(self.drained)
+            self.connection.execute(self.bump_sql)
+        self.changes += 1
+
+    def restore(self) -> None:
+        with self.connection.transaction():
+            self._restore()
+            self.connection.execute(self.bump_sql)
+
+    def _restore(self) -> None:
+        if self.drained:
+            self.connection.execute(self.restore_sql, [self.drained])
+            self.devices += len(self.drained)
+            self.drained = []
+
+
+def _drainable_nodes(connection: Any, *, among: int = SCALE_NODES[0]) -> list[str]:
+    """Names of nodes among the first `among` (present in both inventories) whose every
+    device shape is on other nodes too: draining one changes counts, never which shapes
+    the fleet has, so admissions decide alike whatever node is drained when."""
+    from inventory.models import Device, Node
+
+    rows = connection.execute(
+        f"""
+        WITH first AS (SELECT id, name FROM {Node._meta.db_table} ORDER BY id LIMIT %s),
+        present AS (
+            SELECT DISTINCT node_id, shape_id FROM {Device._meta.db_table}
+            WHERE gone_at IS NULL AND shape_id IS NOT NULL
+        ),
+        rare AS (SELECT shape_id FROM present GROUP BY shape_id HAVING count(node_id) < 2)
+        SELECT first.name FROM first
+        WHERE EXISTS (SELECT 1 FROM present WHERE present.node_id = first.id)
+        AND NOT EXISTS (
+            SELECT 1 FROM present JOIN rare USING (shape_id) WHERE present.node_id = first.id
+        )
+        ORDER BY first.id
+        """,
+        [among],
+    ).fetchall()
+    names = [name for (name,) in rows]
+    random.Random("drainable").shuffle(names)
+    return names
 
 
 @contextlib.contextmanager
@@ -914,9 +1006,10 @@ def main(argv: list[str] | None = None) -> int:
         "--fleet-changes",
         type=float,
         metavar="SECONDS",
-        help="with two inventories: bump each cluster's fleet version every SECONDS during the "
-        "measured turns, as a sync that changes devices does, so each worker reloads its "
-        "shapes cache (at most every TALLY_SHAPE_CACHE_SECONDS)",
+        help="with two inventories: change each fleet every SECONDS during the measured turns, "
+        "as a sync does (one node's devices gone, the one gone before back, the fleet version "
+        "bumped), so each worker refreshes its shapes cache (at most every "
+        "TALLY_SHAPE_CACHE_SECONDS)",
     )
     args = parser.parse_args(argv)
     if (
@@ -1086,40 +1179,43 @@ def compare_scales(
 
 @contextlib.contextmanager
 def _fleet_changes(urls: list[str], *, every_s: float | None) -> Iterator[None]:
-    """Meanwhile, every `every_s` seconds (None: never), the cluster's fleet version bumped
-    in each of `urls`' databases, from a thread: what a sync does when devices, nodes or
-    device classes changed, and what makes each webhook worker load its shapes again."""
+    """Meanwhile, every `every_s` seconds (None: never), each of `urls`' fleets changed as a
+    sync changes it (`FleetChanges`: the same node's devices gone in each, the node gone
+    before back, the fleet version bumped), from a thread: what makes each webhook worker
+    bring its shapes cache up to date. The last node drained comes back at the end."""
     if every_s is None:
         yield
         return
     import psycopg
 
-    from inventory.models import Cluster
-
     stop = threading.Event()
-    bumps = [0]
+    with contextlib.ExitStack() as stack:
+        connections = [
+            stack.enter_context(psycopg.connect(_conninfo(url), autocommit=True)) for url in urls
+        ]
+        nodes = _drainable_nodes(connections[0])
+        changes = [FleetChanges(connection, nodes) for connection in connections]
 
-    def bump() -> None:
-        with contextlib.ExitStack() as stack:
-            connections = [
-                stack.enter_context(psycopg.connect(_conninfo(url), autocommit=True))
-                for url in urls
-            ]
+        def change() -> None:
             while not stop.wait(every_s):
-                for connection in connections:
-                    connection.execute(
-                        f"UPDATE {Cluster._meta.db_table} SET fleet_version = fleet_version + 1"
-                    )
-                bumps[0] += 1
+                for fleet in changes:
+                    fleet.change()
 
-    thread = threading.Thread(target=bump, daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-        print(f"  fleet versions bumped {bumps[0]} times, every {every_s:g} s", flush=True)
+        thread = threading.Thread(target=change, daemon=True)
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()
+            for fleet in changes:
+                fleet.restore()
+            print(
+                f"  fleets changed {changes[0].changes} times, every {every_s:g} s: "
+                + ", ".join(f"{fleet.devices:,}" for fleet in changes)
+                + " devices gone or back",
+                flush=True,
+            )
 
 
 def _report_scales(
@@ -1151,7 +1247,8 @@ def _report_scales(
     for fleet in fleets:
         print(
             f"  {fleet.nodes * 8:,} GPUs: {fleet.devices:,} published devices, {fleet.shapes} "
-            f"shapes; a worker's shapes (re)load {1000 * fleet.reload_s:.0f} ms"
+            f"shapes; a worker's shapes cache: first load {1000 * fleet.load_s:.0f} ms, "
+            f"refresh after one node changed {1000 * fleet.refresh_s:.1f} ms"
         )
     print(
         f"  load average (1 min) {load[0]:.1f} before the imports, {load[1]:.1f} before the "

@@ -460,3 +460,34 @@ class SyncState(models.Model):
 
     def __str__(self) -> str:
         return f"{self.cluster}/{self.kind}"
+
+
+class NodeShapeCount(models.Model):
+    """How many present devices of one shape sit on one node (no node: devices published
+    without one), kept by triggers on the device table (migration 0007) in the transaction
+    that changed the devices, whatever wrote them (sync, COPY, admin, tests).
+
+    The quota webhook reads the fleet from these rows instead of counting every device, and
+    after a sync only the rows changed since it last read (`changed_xid`), so a reload costs
+    what changed, not the fleet. A count that falls to zero is kept, so a reader sees it fall.
+    """
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE, related_name="+", db_index=False)
+    node = models.ForeignKey(Node, on_delete=models.CASCADE, null=True, related_name="+")
+    shape = models.ForeignKey(
+        DeviceShape, on_delete=models.CASCADE, related_name="+", db_index=False
+    )
+    devices = models.IntegerField()
+    # The 64-bit id (`pg_current_xact_id()`) of the transaction that last changed `devices`.
+    changed_xid = models.BigIntegerField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["shape", "node"], nulls_distinct=False, name="nodeshapecount_unique"
+            ),
+        ]
+        indexes = [models.Index(fields=["cluster", "changed_xid"], name="nodeshapecount_changed")]
+
+    def __str__(self) -> str:
+        return f"{self.cluster} node {self.node_id} shape {self.shape_id}: {self.devices}"

@@ -4,11 +4,16 @@ Thousands of devices come in a few dozen shapes (what selectors can tell apart),
 is evaluated once per shape, not per device, and a webhook worker reads the fleet again only
 when a sync has changed it. The shapes a quota rule covers (`covers`: its device class's
 selectors and its own) are worked out once per rule definition and snapshot.
+
+The fleet is read from the devices counted per (node, shape) (`inventory.models.NodeShapeCount`,
+kept by triggers with the devices), not from the devices; a worker brings its snapshot up to
+date by reading only the counts changed since it read it, off the request path.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from collections import defaultdict
@@ -18,14 +23,16 @@ from decimal import Decimal
 from typing import Any, Protocol, TypeVar
 
 from django.conf import settings
-from django.db.models import Count
+from django.db import connection
 from kubernetes.utils import parse_quantity
 
-from inventory.models import Cluster, Device, DeviceClass, DeviceShape, Unit
+from inventory.models import Cluster, DeviceClass, DeviceShape, NodeShapeCount, Unit
 from quota import cel
+from quota.admission.refresher import Refresher
 from quota.models import QuotaRule
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -74,8 +81,17 @@ class FleetShapes:
     # node id -> shape id -> present devices; for `allocationMode: All`.
     per_node: dict[int, dict[int, int]] = field(default_factory=dict)
     class_selectors: dict[str, list[str]] = field(default_factory=dict)
-    loaded_at: float = 0.0
+    loaded_at: float = 0.0  # when the fleet version was last checked (`time.monotonic()`)
     version: int | None = None  # the cluster's fleet version this was loaded at
+    # shape id -> present devices of it, on a node or not: which shapes `shapes` holds.
+    shape_devices: dict[int, int] = field(default_factory=dict, repr=False)
+    # shape id -> present devices of it published without a node (not in `per_node`).
+    off_node: dict[int, int] = field(default_factory=dict, repr=False)
+    # The database snapshot the counts were read in (`pg_current_snapshot()`, as text): a
+    # count changed since was changed by a transaction it does not see. None: not read, or
+    # read within a caller's transaction, whose own writes (counted, maybe rolled back) no
+    # other reader can tell from the database's: the next refresh reads every count again.
+    counted_as_of: str | None = field(default=None, repr=False)
     _derived: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
 
     def derived(self, key: tuple[Any, ...], compute: Callable[[], T]) -> T:
@@ -145,6 +161,11 @@ class FleetShapes:
 
 _cache: dict[int, FleetShapes] = {}
 _cache_lock = threading.Lock()
+# Brings the snapshots that are due up to date, off the request path (`fleet_shapes`).
+refresher = Refresher("fleet-shapes")
+# A refresh reads a few rows; one that takes this long is stuck, and the snapshot it would
+# have replaced is served meanwhile: it gives up, and the next request past due tries again.
+REFRESH_TIMEOUT_MS = 30_000
 # (when read, every cluster), for `every_fleet_shapes`.
 _clusters: list[tuple[float, list[Cluster]]] = []
 _matches: dict[tuple[str, int], bool] = {}
@@ -229,7 +250,7 @@ def every_fleet() -> list[FleetShapes]:
     """The present device shapes and device classes of every cluster, in two queries however
     many clusters there are (for reads such as the rules API; without devices per node)."""
     fleets: dict[int, FleetShapes] = defaultdict(FleetShapes)
-    present = Device.objects.filter(gone_at__isnull=True, shape__isnull=False).values("shape_id")
+    present = NodeShapeCount.objects.filter(devices__gt=0).values("shape_id")
     for row in DeviceShape.objects.filter(pk__in=present):
         fleets[row.cluster_id].shapes[row.pk] = shape_of(row)
     for cluster_id, name, selectors in DeviceClass.objects.filter(gone_at__isnull=True).values_list(
@@ -240,33 +261,85 @@ def every_fleet() -> list[FleetShapes]:
 
 
 def fleet_shapes(*, cluster: Cluster) -> FleetShapes:
-    """The cluster's present device shapes, as of at most TALLY_SHAPE_CACHE_SECONDS ago.
+    """The cluster's present device shapes, as of about TALLY_SHAPE_CACHE_SECONDS ago at most.
 
-    A webhook worker serves from memory. Every TALLY_SHAPE_CACHE_SECONDS it reads the
-    cluster's fleet version (one row), and only when a sync has changed the fleet since does
-    it load it again: the shapes (dozens), devices counted per node and shape, and the device
-    classes.
+    A webhook worker serves from memory. Once its snapshot is TALLY_SHAPE_CACHE_SECONDS old,
+    the next request starts the process's background refresher (`refresh_due`) and is served
+    the snapshot it has: the refresher reads the cluster's fleet version (one row) and, only
+    when a sync has changed the fleet since, the device counts changed since the snapshot was
+    read (`refreshed`). So no request waits for a reload, and a reload reads what changed, not
+    the fleet. The first load is made on the caller's connection. So is every check when the
+    setting is 0 (no snapshot may be served past due) or the caller is within a transaction
+    (it may hold writes, to the fleet, that no other connection sees: tests, a sync that
+    weighs claims).
     """
     now = time.monotonic()
     cached = _cache.get(cluster.pk)
     if cached is not None and now - cached.loaded_at < settings.TALLY_SHAPE_CACHE_SECONDS:
         return cached
+    if (
+        cached is not None
+        and settings.TALLY_SHAPE_CACHE_SECONDS > 0
+        and not connection.in_atomic_block
+    ):
+        refresher.start(refresh_due)
+        return cached
     with _cache_lock:
         cached = _cache.get(cluster.pk)
         if cached is not None and now - cached.loaded_at < settings.TALLY_SHAPE_CACHE_SECONDS:
             return cached
-        version = (
-            Cluster.objects.filter(pk=cluster.pk).values_list("fleet_version", flat=True).first()
-        )
+        version = _fleet_version(cluster.pk)
         if cached is not None and cached.version == version:
             cached.loaded_at = now
             return cached
-        fleet = load_fleet(cluster=cluster, version=version)
-        fleet.loaded_at = now
-        if len(_matches) > MAX_REMEMBERED_MATCHES:
-            _matches.clear()
-        _cache[cluster.pk] = fleet
+        fleet = refreshed(cached or FleetShapes(), cluster_id=cluster.pk, version=version)
+        _keep(cluster.pk, fleet, loaded_at=now)
         return fleet
+
+
+def refresh_due() -> None:
+    """Bring each cached snapshot that is due (TALLY_SHAPE_CACHE_SECONDS old) up to date: the
+    background refresher's work, on its own connection. A snapshot replaced or forgotten
+    meanwhile is left as it is; one that cannot be refreshed is served until the next try."""
+    now = time.monotonic()
+    with _cache_lock:
+        due = [
+            (cluster_id, fleet)
+            for cluster_id, fleet in _cache.items()
+            if now - fleet.loaded_at >= settings.TALLY_SHAPE_CACHE_SECONDS
+        ]
+    if not due:
+        return
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT set_config('statement_timeout', %s, false)", [str(REFRESH_TIMEOUT_MS)]
+        )
+    for cluster_id, fleet in due:
+        try:
+            version = _fleet_version(cluster_id)
+            fresh = (
+                fleet
+                if version == fleet.version
+                else refreshed(fleet, cluster_id=cluster_id, version=version)
+            )
+        except Exception:
+            log.exception("cluster %s: the fleet's shapes could not be refreshed", cluster_id)
+            fresh = fleet  # tried again once due again
+        with _cache_lock:
+            if _cache.get(cluster_id) is fleet:
+                _keep(cluster_id, fresh, loaded_at=now)
+
+
+def _fleet_version(cluster_id: int) -> int | None:
+    return Cluster.objects.filter(pk=cluster_id).values_list("fleet_version", flat=True).first()
+
+
+def _keep(cluster_id: int, fleet: FleetShapes, *, loaded_at: float) -> None:
+    """Serve `fleet` for the cluster from now on (under `_cache_lock`)."""
+    fleet.loaded_at = loaded_at
+    if len(_matches) > MAX_REMEMBERED_MATCHES:
+        _matches.clear()
+    _cache[cluster_id] = fleet
 
 
 def every_fleet_shapes() -> list[FleetShapes]:
@@ -281,28 +354,104 @@ def every_fleet_shapes() -> list[FleetShapes]:
 
 def load_fleet(*, cluster: Cluster, version: int | None = None) -> FleetShapes:
     """The cluster's present device shapes as the database holds them now, not cached: for
-    the quota services, which count within their own transaction (the sync's included)."""
-    fleet = FleetShapes(version=version)
-    per_node: dict[int, dict[int, int]] = defaultdict(dict)
-    present_shapes: set[int] = set()
-    for node_id, shape_id, devices in (
-        Device.objects.filter(cluster=cluster, gone_at__isnull=True, shape__isnull=False)
-        .values_list("node_id", "shape_id")
-        .annotate(devices=Count("id"))
-        .order_by()
-    ):
-        present_shapes.add(shape_id)
-        if node_id is not None:
-            per_node[node_id][shape_id] = devices
-    for row in DeviceShape.objects.filter(pk__in=present_shapes):
-        fleet.shapes[row.pk] = shape_of(row)
-    fleet.per_node = dict(per_node)
-    fleet.class_selectors = dict(
-        DeviceClass.objects.filter(cluster=cluster, gone_at__isnull=True).values_list(
+    the quota services, which count within their own transaction (the sync's included; the
+    counts change with the devices, in the same transaction)."""
+    return refreshed(FleetShapes(), cluster_id=cluster.pk, version=version)
+
+
+def refreshed(fleet: FleetShapes, *, cluster_id: int, version: int | None) -> FleetShapes:
+    """A new snapshot: `fleet` with the device counts changed since it was read applied
+    (every count, when it was not read or was read within a transaction: see
+    `FleetShapes.counted_as_of`), the shapes that appeared loaded, those no device has any
+    more dropped, and the device classes read again (a handful). `fleet` is left as it was:
+    requests may be reading it."""
+    if fleet.counted_as_of is None:
+        fleet = FleetShapes()
+    as_of, changes = _counts_since(cluster_id, fleet.counted_as_of)
+    if fleet.counted_as_of is not None and _xmax(as_of) < _xmax(fleet.counted_as_of):
+        # Transaction ids went back: another database (restored from a dump) behind the
+        # same name. What changed cannot be told from them; every count is read.
+        fleet = FleetShapes()
+        as_of, changes = _counts_since(cluster_id, None)
+    fresh = FleetShapes(
+        version=version,
+        per_node=dict(fleet.per_node),
+        off_node=dict(fleet.off_node),
+        shape_devices=dict(fleet.shape_devices),
+        # Within a transaction, what was read may include its own writes, and go with them.
+        counted_as_of=None if connection.in_atomic_block else as_of,
+    )
+    copied: set[int] = set()  # nodes whose counts are `fresh`'s own, no longer `fleet`'s
+    for node_id, shape_id, devices in changes:
+        if node_id is None:
+            counts = fresh.off_node
+        else:
+            if node_id not in copied:
+                fresh.per_node[node_id] = dict(fresh.per_node.get(node_id, {}))
+                copied.add(node_id)
+            counts = fresh.per_node[node_id]
+        before = counts.pop(shape_id, 0)
+        if devices:
+            counts[shape_id] = devices
+        total = fresh.shape_devices.pop(shape_id, 0) + devices - before
+        if total:
+            fresh.shape_devices[shape_id] = total
+    for node_id in copied:
+        if not fresh.per_node[node_id]:
+            del fresh.per_node[node_id]
+    missing = fresh.shape_devices.keys() - fleet.shapes.keys()
+    loaded = {row.pk: shape_of(row) for row in DeviceShape.objects.filter(pk__in=missing)}
+    fresh.shapes = {
+        shape_id: fleet.shapes.get(shape_id) or loaded[shape_id]
+        for shape_id in sorted(fresh.shape_devices)
+    }
+    fresh.class_selectors = dict(
+        DeviceClass.objects.filter(cluster_id=cluster_id, gone_at__isnull=True).values_list(
             "name", "selectors"
         )
     )
-    return fleet
+    return fresh
+
+
+_COUNTS = NodeShapeCount._meta.db_table
+# Every count above zero, and the snapshot they were read in (one statement: the same one).
+_COUNTS_PRESENT = f"""
+SELECT pg_current_snapshot()::text, counted.node_id, counted.shape_id, counted.devices
+FROM (VALUES (1)) AS one
+LEFT JOIN {_COUNTS} AS counted ON counted.cluster_id = %(cluster)s AND counted.devices > 0
+"""
+# The counts a transaction that `since` does not see has changed: each has a transaction id
+# at or past the oldest `since` saw running (the index's range), and is not visible in it.
+_COUNTS_SINCE = f"""
+SELECT pg_current_snapshot()::text, counted.node_id, counted.shape_id, counted.devices
+FROM (VALUES (1)) AS one
+LEFT JOIN {_COUNTS} AS counted
+    ON counted.cluster_id = %(cluster)s
+    AND counted.changed_xid >= pg_snapshot_xmin(%(since)s::pg_snapshot)::text::bigint
+    AND NOT pg_visible_in_snapshot(counted.changed_xid::text::xid8, %(since)s::pg_snapshot)
+"""
+
+
+def _counts_since(
+    cluster_id: int, since: str | None
+) -> tuple[str, list[tuple[int | None, int, int]]]:
+    """The cluster's device counts (node id or None, shape id, devices) changed since the
+    snapshot `since` (None: every count above zero), and the snapshot they were read in. A
+    count changes in the transaction that changes its devices: whatever changed that `since`
+    did not see is read, and nothing it saw is read again."""
+    with connection.cursor() as cursor:
+        if since is None:
+            cursor.execute(_COUNTS_PRESENT, {"cluster": cluster_id})
+        else:
+            cursor.execute(_COUNTS_SINCE, {"cluster": cluster_id, "since": since})
+        rows = cursor.fetchall()
+    changes = [(node, shape, devices) for _, node, shape, devices in rows if shape is not None]
+    return rows[0][0], changes
+
+
+def _xmax(snapshot: str) -> int:
+    """The first transaction id a snapshot (`xmin:xmax:xip,...`) has not seen begin."""
+    return int(snapshot.split(":")[1])
 
 
 def shape_of(row: DeviceShape) -> Shape:
@@ -336,7 +485,8 @@ def warm_up(*, cluster: Cluster, seconds: float) -> int:
 
 
 def forget_fleet_shapes() -> None:
-    """Drop the cache (tests, and after an import that changed the fleet in this process)."""
+    """Drop the cache (tests, and after an import that changed the fleet in this process); a
+    refresh running meanwhile keeps nothing."""
     with _cache_lock:
         _cache.clear()
         _matches.clear()
