@@ -54,11 +54,6 @@ def _usage(device: Device) -> tuple[int, int, int]:
 # --- Means set aside lose their covered time ---------------------------------------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="billing/ingest.py adopt_unknown_samples: a mean set aside (device not synced yet) "
-    "loses covered_ms, so the same samples bill differently by arrival order",
-)
 def test_a_mean_bills_the_same_whether_it_came_before_or_after_the_sync() -> None:
     """One minute mean (busy 100% over 60 s), the device's next sample 5 minutes later: the
     mean holds for its 60 s whether its device was known when it came or adopted later."""
@@ -91,7 +86,7 @@ def test_a_mean_bills_the_same_whether_it_came_before_or_after_the_sync() -> Non
     rollup.rollup_hours(hours=[HOUR_START])
 
     assert _usage(known)[1] == 60_000  # the mean held for the 60 s it covered
-    assert _usage(late) == _usage(known)  # adopted: held for the 120 s hold instead
+    assert _usage(late) == _usage(known)  # adopted later: held for its 60 s too
 
 
 # --- Dynamic MIG samples are matched only against the inventory of the moment they come -------
@@ -124,11 +119,6 @@ def _mig_sample(at: datetime) -> dict[str, Any]:
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="billing/ingest.py _placed_mig_samples: a dynamic MIG sample that arrives before "
-    "the sync learns its partition is set aside under its MIG UUID and never adopted",
-)
 def test_a_dynamic_mig_sample_sent_before_the_sync_reaches_its_partition() -> None:
     cluster = services.get_cluster("fx")
     token = issue_agent_token(cluster=cluster, node="a100-dyn-1", actor="ops")
@@ -144,11 +134,6 @@ def test_a_dynamic_mig_sample_sent_before_the_sync_reaches_its_partition() -> No
     ]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="billing/mig_samples.py partitions_at: a late dynamic MIG sample of a partition "
-    "gone since is set aside forever, though a gone static device's late sample is stored",
-)
 def test_a_late_dynamic_mig_sample_of_a_partition_gone_since_is_stored() -> None:
     cluster = _load_dynamic_mig(HOUR_START - timedelta(days=1))
     token = issue_agent_token(cluster=cluster, node="a100-dyn-1", actor="ops")
@@ -166,11 +151,6 @@ def test_a_late_dynamic_mig_sample_of_a_partition_gone_since_is_stored() -> None
 # --- allocationMode All: devices published without a node count nothing ----------------------
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="quota/admission/decision.py _all_on_nodes: an All request over devices of a "
-    "pool without a node (allNodes/nodeSelector) counts 0 on every rule: quota bypassed",
-)
 def test_an_all_request_over_network_attached_devices_counts_them(client: Client) -> None:
     from quota.admission.shapes import forget_fleet_shapes
     from tests.quota.fixtures import claim, decide, make_team, nvidia_gpu

@@ -604,11 +604,17 @@ class AllOnNodes:
 
 
 def _all_on_nodes(fleet: FleetShapes, candidates: list[Shape]) -> AllOnNodes:
+    """Devices published without a node (a pool of `allNodes` or a `nodeSelector`) can be
+    reached from a node: they are weighed as on every node, and on a node with none of its
+    own (the most such a request could be given)."""
     ids = {shape.id for shape in candidates}
+    off_node = {shape_id: n for shape_id, n in fleet.off_node.items() if shape_id in ids}
     nodes: list[dict[int, int]] = []
     too_many = 0
-    for shapes in fleet.per_node.values():
+    for shapes in [*fleet.per_node.values(), {}]:
         matching = {shape_id: n for shape_id, n in shapes.items() if shape_id in ids}
+        for shape_id, n in off_node.items():
+            matching[shape_id] = matching.get(shape_id, 0) + n
         devices = sum(matching.values())
         if devices > dra.ALLOCATION_RESULTS_MAX_SIZE:
             too_many = max(too_many, devices)
