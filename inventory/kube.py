@@ -1,30 +1,37 @@
 """The one module that talks to the Kubernetes API: list + watch DRA objects into the inventory.
 
 Each kind (Node, DeviceClass, ResourceSlice, ResourceClaim) has its own loop: a paged LIST
-imported whole with `services.import_snapshot`, then a WATCH from the list's resourceVersion
-whose events go to `services.apply_watch_event` one by one. The resourceVersion reached is
-kept in `SyncState`, so a restarted process resumes its watches without listing again.
+imported whole with `services.import_snapshot`, then a WATCH from the list's resourceVersion.
+The watch is read in a thread of its own (`_WatchReader`); the loop takes all the events that
+have arrived (up to `WATCH_BATCH_EVENTS`), never waiting for more, and applies them in one
+transaction with `services.apply_watch_events`: a lone event is applied at once, and a
+stream faster than one transaction an event is applied in batches that grow with it. The
+resourceVersion reached is kept in `SyncState`, in the batch's transaction, so a restarted
+process resumes its watches without listing again, exactly after the last batch applied.
 
 Objects stay raw JSON (camelCase, unknown fields kept), never the client's generated models:
 the services read fields the client may not know yet, and keep what they do not read.
 
 A claim's job is found by reading its owners (a Pod, its ReplicaSet or Job, see
-`inventory.owners`) with `OwnerReader`, before the transaction that writes the claim; its
-gang (`inventory.gangs`) from the same Pod, read once, and the object that declares the gang,
-through the reader's `GangReader`; the gang of a live claim stored in none is read again on a
-later list or event, at most once per the reader's ttl.
+`inventory.owners`) with `OwnerReader`, before the transaction that writes the claim, once per
+claim in a batch; its gang (`inventory.gangs`) from the same Pod, read once, and the object
+that declares the gang, through the reader's `GangReader`; the gang of a live claim stored in
+none is read again on a later list or event, at most once per the reader's ttl.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import logging
 import os
+import queue
 import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -63,6 +70,12 @@ WATCH_READ_GRACE_SECONDS = 30
 LIST_ATTEMPTS = 3
 # Claims asked about in one query (a list of 100,000 claims is not one `IN`).
 CLAIMS_PER_QUERY = 1000
+# Watch events applied in one transaction at most. A batch is what has arrived while the last
+# one was applied: its size follows the stream's rate, and bounds the transaction.
+WATCH_BATCH_EVENTS = 500
+# Events read ahead of the one applied, at most: past that the reader waits, and the API
+# server's stream with it.
+WATCH_READ_AHEAD = 4 * WATCH_BATCH_EVENTS
 JOIN_TIMEOUT_SECONDS = 10
 
 
@@ -428,83 +441,158 @@ class KindSync:
         with self._response_lock:
             self._response = response
         self._owner_reader = OwnerReader(self._api_client)
+        reader = _WatchReader(response, self.kind)
         try:
             if stop.is_set():
                 return  # stopped while connecting: `interrupt` found nothing to cut
-            for line in _lines(response):
-                if stop.is_set():
-                    break
-                try:
-                    event = json.loads(line)
-                except ValueError as exc:
-                    raise StreamError(f"a watch event is not JSON: {line[:200]!r}") from exc
-                self._handle(event)
-                self._progressed = True
+            reader.start()
+            while not stop.is_set():
+                batch = reader.take(WATCH_BATCH_EVENTS)
+                if not batch:
+                    break  # the server ended the watch
+                self._handle(batch)
         finally:
             with self._response_lock:
                 self._response = None
+            # Cut a read in progress, so that the reader sees the end at once.
+            with contextlib.suppress(ValueError, OSError):
+                response.shutdown()
+            reader.close()
             response.close()
             response.release_conn()
 
-    def _handle(self, event: dict[str, Any]) -> None:
-        event_type = event.get("type")
-        obj = event.get("object")
-        if not isinstance(obj, dict):
-            log.warning("%s: %s event without an object; skipped", self.kind, event_type)
-            return
-        if event_type == "ERROR":
-            message = f"{obj.get('reason', '')}: {obj.get('message', '')}"
-            if obj.get("code") == HTTP_GONE:
-                raise ResourceExpired(f"watch expired ({message})")
-            raise StreamError(f"ERROR event {obj.get('code')} ({message})")
-        resource_version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
-        if not resource_version:
-            log.warning("%s: %s event without a resourceVersion; skipped", self.kind, event_type)
-        elif event_type == "BOOKMARK":
-            SyncState.objects.filter(pk=self._state()).update(resource_version=resource_version)
-            self.resource_version = resource_version
-        elif event_type in ("ADDED", "MODIFIED", "DELETED"):
-            self._apply(event_type, self._with_kind(obj), resource_version)
-        else:
-            log.warning("%s: unknown watch event type %r; skipped", self.kind, event_type)
+    def _handle(self, batch: list[_Received]) -> None:
+        """Apply a batch of events as read, in one transaction with the last resourceVersion
+        it brings (a bookmark's too); an ERROR event raises once those before it are applied."""
+        events: list[services.WatchEvent] = []
+        resource_version = ""
+        for received in batch:
+            event_type = received.event.get("type")
+            obj = received.event.get("object")
+            if not isinstance(obj, dict):
+                log.warning("%s: %s event without an object; skipped", self.kind, event_type)
+                continue
+            if event_type == "ERROR":
+                self._apply(events, resource_version)
+                message = f"{obj.get('reason', '')}: {obj.get('message', '')}"
+                if obj.get("code") == HTTP_GONE:
+                    raise ResourceExpired(f"watch expired ({message})")
+                raise StreamError(f"ERROR event {obj.get('code')} ({message})")
+            version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
+            if not version:
+                log.warning(
+                    "%s: %s event without a resourceVersion; skipped", self.kind, event_type
+                )
+            elif event_type == "BOOKMARK":
+                resource_version = version
+            elif event_type in services.WATCH_EVENT_TYPES:
+                events.append(
+                    services.WatchEvent(
+                        event_type=event_type, obj=self._with_kind(obj), at=received.at
+                    )
+                )
+                resource_version = version
+            else:
+                log.warning("%s: unknown watch event type %r; skipped", self.kind, event_type)
+        self._apply(events, resource_version)
 
-    def _apply(self, event_type: str, obj: dict[str, Any], resource_version: str) -> None:
-        jobs, claim_gangs = (
-            self._follow_owners([obj], self._owner_reader) if event_type != "DELETED" else ({}, {})
-        )
-        at = timezone.now()
-        # The event and the resourceVersion it brings commit together: after a crash the
-        # watch resumes exactly after the last event applied.
+    def _apply(self, events: list[services.WatchEvent], resource_version: str) -> None:
+        """Apply `events` and store `resource_version` (the batch's last) in one transaction:
+        after a crash, or a database error here, the watch resumes exactly after the last
+        batch applied. An event the services choke on is logged and skipped, the others
+        applied one by one."""
+        if not resource_version:
+            return
+        events = self._with_owners(events)
+        # The events and the resourceVersion they bring commit together.
         with transaction.atomic():
             try:
                 with transaction.atomic():
-                    report = services.apply_watch_event(
-                        cluster=self.cluster,
-                        event_type=event_type,
-                        obj=obj,
-                        at=at,
-                        jobs=jobs,
-                        gangs=claim_gangs,
-                    )
+                    report = services.apply_watch_events(cluster=self.cluster, events=events)
             except (OperationalError, InterfaceError):
-                raise  # the database, not the object: retry the event after a pause
-            except Exception:
-                # One object the services choke on must not stop the kind for good.
-                log.exception(
-                    "%s: %s %s could not be applied; skipped", self.kind, event_type, _name(obj)
-                )
+                raise  # the database, not the objects: retry the batch after a pause
+            except Exception as exc:
+                if len(events) == 1:
+                    self._skip(events[0], exc)
+                else:
+                    log.warning(
+                        "%s: a batch of %d events could not be applied (%s: %s); applying them "
+                        "one by one",
+                        self.kind,
+                        len(events),
+                        type(exc).__name__,
+                        exc,
+                    )
+                    for event in events:
+                        self._apply_alone(event)
             else:
                 self._log_rejected(report)
-            SyncState.objects.filter(pk=self._state()).update(
-                resource_version=resource_version,
-                last_event_at=at,
-                events_applied=F("events_applied") + 1,
-            )
+            state = SyncState.objects.filter(pk=self._state())
+            if events:
+                state.update(
+                    resource_version=resource_version,
+                    last_event_at=events[-1].at,
+                    events_applied=F("events_applied") + len(events),
+                )
+            else:  # bookmarks only
+                state.update(resource_version=resource_version)
         self.resource_version = resource_version
-        metrics.SYNC_EVENTS_APPLIED.labels(kind=self.kind).inc()
-        changed_at = _changed_at(obj)
+        self._progressed = True
+        if not events:
+            return
+        metrics.SYNC_EVENTS_APPLIED.labels(kind=self.kind).inc(len(events))
+        changed_at = _changed_at(events[-1].obj)
         if changed_at is not None:
-            metrics.SYNC_LAG.labels(kind=self.kind).set((at - changed_at).total_seconds())
+            lag = (timezone.now() - changed_at).total_seconds()
+            metrics.SYNC_LAG.labels(kind=self.kind).set(lag)
+
+    def _apply_alone(self, event: services.WatchEvent) -> None:
+        try:
+            with transaction.atomic():
+                report = services.apply_watch_events(cluster=self.cluster, events=[event])
+        except (OperationalError, InterfaceError):
+            raise
+        except Exception as exc:
+            self._skip(event, exc)
+        else:
+            self._log_rejected(report)
+
+    def _skip(self, event: services.WatchEvent, exc: Exception) -> None:
+        # One object the services choke on must not stop the kind for good.
+        log.error(
+            "%s: %s %s could not be applied; skipped",
+            self.kind,
+            event.event_type,
+            _name(event.obj),
+            exc_info=exc,
+        )
+
+    def _with_owners(self, events: list[services.WatchEvent]) -> list[services.WatchEvent]:
+        """The claim events with the jobs and gangs of their claims, read once a batch: each
+        claim's owners are followed from its first event there, whose gang that read gives;
+        its later events there with the same owners take the same job."""
+        first: dict[str, dict[str, Any]] = {}
+        for event in events:
+            uid = (event.obj.get("metadata") or {}).get("uid")
+            if event.event_type != "DELETED" and isinstance(uid, str):
+                first.setdefault(uid, event.obj)
+        if not first:
+            return events
+        jobs, claim_gangs = self._follow_owners(list(first.values()), self._owner_reader)
+        followed = []
+        for event in events:
+            metadata = event.obj.get("metadata") or {}
+            uid = metadata.get("uid")
+            if event.event_type == "DELETED" or uid not in first:
+                followed.append(event)
+                continue
+            owned_alike = metadata.get("ownerReferences") == (first[uid].get("metadata") or {}).get(
+                "ownerReferences"
+            )
+            gang = claim_gangs.pop(uid, None) if event.obj is first[uid] else None
+            job = jobs.get(uid) if owned_alike else None
+            followed.append(dataclasses.replace(event, job=job, gang=gang))
+        return followed
 
     # Helpers ------------------------------------------------------------------------------
 
@@ -522,17 +610,23 @@ class KindSync:
         """
         if self.kind != "ResourceClaim":
             return {}, {}
+        ttl = reader.objects.ttl_seconds
+        now = self._clock()
         try:
-            jobs = services.resolve_claim_jobs(cluster=self.cluster, objects=objects, lookup=reader)
+            candidates = services.claims_to_follow(cluster=self.cluster, objects=objects)
+            again = self._gangless_due(objects, followed=candidates, now=now, ttl=ttl)
+            read = candidates.keys() | again
+            _read_pods(
+                reader.objects,
+                [obj for obj in objects if (obj.get("metadata") or {}).get("uid") in read],
+            )
+            jobs = services.follow_claim_jobs(candidates, lookup=reader)
         except (OperationalError, InterfaceError):
             raise  # the database: retried after a pause like the write it precedes
         except Exception:
             # Attribution must never hold the inventory up: the claims keep the owners known.
             log.exception("%s: could not follow the claims' owners; skipped", self.kind)
             return {}, {}
-        ttl = reader.objects.ttl_seconds
-        now = self._clock()
-        again = self._gangless_due(objects, followed=jobs, now=now, ttl=ttl)
         claim_gangs: dict[str, gangs.GangRef | None] = {}
         for obj in objects:
             uid = (obj.get("metadata") or {}).get("uid")
@@ -627,6 +721,9 @@ OWNER_READ_TIMEOUT_SECONDS = (CONNECT_TIMEOUT_SECONDS, 10)
 # (TALLY_WEBHOOK_DEADLINE_MS, 2.5 s), so that an API server slow to answer leaves a claim
 # decided alone, with a warning, rather than the CREATE failed for a webhook timeout.
 WEBHOOK_READ_TIMEOUT_SECONDS = (0.5, 1.0)
+# Pods a watch batch's claims read at once (`_read_pods`): an API server answers reads side by
+# side, where one after another each waits its round trip.
+OWNER_READ_CONCURRENCY = 8
 # Failed reads (not 403/404) in a row after which a reader stops asking for a while: an API
 # server in trouble is not sent a GET per claim, each waiting for its timeout.
 OWNER_READ_FAILURES = 3
@@ -781,6 +878,19 @@ class GangReader:
         return False, None
 
 
+def _read_pods(reader: GangReader, claims: list[dict[str, Any]]) -> None:
+    """Read the Pods of `claims` into `reader`'s cache, `OWNER_READ_CONCURRENCY` at a time:
+    the API server answers them side by side, and the claims' owners and gangs, followed one
+    claim after another, then find their Pods there. Never raises (see `GangReader`)."""
+    pods = {where for claim in claims if (where := gangs.claim_pod(claim)) is not None}
+    if len(pods) < 2:
+        return
+    with ThreadPoolExecutor(
+        max_workers=min(OWNER_READ_CONCURRENCY, len(pods)), thread_name_prefix="owner-read"
+    ) as pool:
+        list(pool.map(lambda pod: reader.get(pod[0], gangs.POD_API_VERSION, "Pod", pod[1]), pods))
+
+
 def _resource_name(group: str, kind: str) -> str:
     """The resource RBAC names for `kind` ("replicasets.apps", "jobsets.jobset.x-k8s.io")."""
     if (group, kind) in OWNER_READS:
@@ -808,6 +918,92 @@ class OwnerReader:
             obj = self.objects.get(namespace, api_version, kind, name)
             self._owners[key] = owners.Owner.of(obj) if obj is not None else None
         return self._owners[key]
+
+
+@dataclass(frozen=True)
+class _Received:
+    """A watch event as decoded, and when it was read: the time it is applied at."""
+
+    event: dict[str, Any]
+    at: datetime
+
+
+@dataclass(frozen=True)
+class _StreamEnd:
+    """The end of a watch stream: the server closed it (`error` None), or what broke it."""
+
+    error: BaseException | None
+
+
+class _WatchReader:
+    """Reads the events of one watch response in a thread of its own, so that the loop
+    applying them finds all that have arrived meanwhile (`take`). Each is stamped with the
+    time it was read. What ends the stream (a line that is no JSON, a broken connection) is
+    raised by `take` once the events before it are taken."""
+
+    def __init__(self, response: urllib3.BaseHTTPResponse, kind: str) -> None:
+        self._response = response
+        self._queue: queue.Queue[_Received | _StreamEnd] = queue.Queue(maxsize=WATCH_READ_AHEAD)
+        self._closed = threading.Event()
+        self._end: _StreamEnd | None = None
+        self._thread = threading.Thread(target=self._read, name=f"watch-{kind}", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def take(self, limit: int) -> list[_Received]:
+        """The next events, at most `limit`: waits for one, then takes those already read
+        without waiting. [] once the server ended the stream; raises what broke it."""
+        if self._end is None:
+            item = self._queue.get()
+            batch: list[_Received] = []
+            while isinstance(item, _Received):
+                batch.append(item)
+                if len(batch) >= limit:
+                    return batch
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    return batch
+            self._end = item
+            if batch:
+                return batch
+        if self._end.error is not None:
+            raise self._end.error
+        return []
+
+    def close(self) -> None:
+        """Stop reading (the caller closes the response, which ends a read under way)."""
+        self._closed.set()
+        if self._thread.is_alive():
+            self._thread.join(JOIN_TIMEOUT_SECONDS)
+
+    def _read(self) -> None:
+        end = _StreamEnd(None)
+        try:
+            for line in _lines(self._response):
+                try:
+                    event = json.loads(line)
+                except ValueError as exc:
+                    raise StreamError(f"a watch event is not JSON: {line[:200]!r}") from exc
+                if not isinstance(event, dict):
+                    raise StreamError(f"a watch event is not a JSON object: {line[:200]!r}")
+                if not self._put(_Received(event, timezone.now())):
+                    return
+        except Exception as exc:
+            end = _StreamEnd(exc)  # raised in the applying loop, after the events before it
+        finally:
+            self._put(end)  # whatever ended the thread: the loop must not wait for more
+
+    def _put(self, item: _Received | _StreamEnd) -> bool:
+        """Queue `item`, waiting while the queue is full; False once closed."""
+        while not self._closed.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+            except queue.Full:
+                continue
+            return True
+        return False
 
 
 def _lines(response: urllib3.BaseHTTPResponse) -> Iterator[bytes]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter, defaultdict
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import ROUND_HALF_EVEN, Decimal
@@ -16,7 +16,17 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import Exists, F, OuterRef, Q
+from django.db.models import (
+    Case,
+    DateTimeField,
+    Exists,
+    Expression,
+    F,
+    OuterRef,
+    Q,
+    Value,
+    When,
+)
 
 from db.copy import bulk_insert
 from inventory import dra, owners, profiles
@@ -135,33 +145,277 @@ def apply_watch_event(
     BOOKMARK and ERROR events are the caller's business and are not passed here. `jobs` and
     `gangs` are as for `import_snapshot`.
     """
+    identity = dra.object_identity(obj)
+    key = identity[1] if identity is not None else ""
+    event = WatchEvent(
+        event_type=event_type,
+        obj=obj,
+        at=at,
+        job=(jobs or {}).get(key),
+        gang=(gangs or {}).get(key),
+    )
+    return apply_watch_events(cluster=cluster, events=[event])
+
+
+WATCH_EVENT_TYPES = ("ADDED", "MODIFIED", "DELETED")
+
+
+@dataclass(frozen=True)
+class WatchEvent:
+    """One watch event (`ADDED`, `MODIFIED` or `DELETED`) of `obj`, which carries its `kind`,
+    observed at `at`; for a claim, the job its owners gave (see `resolve_claim_jobs`) and the
+    gang its Pod declares (see `record_claim_gangs`), where the caller read them."""
+
+    event_type: str
+    obj: dict[str, Any]
+    at: datetime
+    job: owners.Resolution | None = None
+    gang: GangRef | None = None
+
+
+def apply_watch_events(*, cluster: Cluster, events: Sequence[WatchEvent]) -> SyncReport:
+    """Apply watch events in their order, in one transaction, leaving the rows that applying
+    each alone with `apply_watch_event` would: every event keeps its own `at` (first seen,
+    allocation start and end, release, gone), and a malformed object is reported in `errors`
+    while the others still apply.
+
+    The events are cut into runs of claims or of slices that touch distinct objects, pools
+    and gangs (see `_runs`); each run is written together (one flush, one recount per pool,
+    one round of gang updates, one `claims_changed`, whose `at` is the latest event's of the
+    batch so far). The fleet version is bumped once, when anything in it changed. Raises
+    ValueError, before writing, for an event type other than those of `WATCH_EVENT_TYPES`.
+    """
+    for event in events:
+        if event.event_type not in WATCH_EVENT_TYPES:
+            raise ValueError(f"unknown watch event type {event.event_type!r}")
     report = SyncReport()
-    writer = _Writer(cluster=cluster, at=at, report=report, jobs=jobs)
-    claim_uid = _claim_uid(obj)
+    if not events:
+        return report
     with transaction.atomic():
-        # Only this claim's gangs (before the event and after it) can end with it.
-        gangs_before = _gangs_of(cluster, claim_uid)
-        if event_type == "DELETED":
-            identity = dra.object_identity(obj)
-            if identity is None:
-                report.errors.append(f"{dra.object_ref(obj)}: metadata.name: is required")
-            elif identity[0] in KINDS:
-                writer.mark_deleted(*identity)
-        elif event_type in ("ADDED", "MODIFIED"):
-            for parsed in _parse_stream([obj], report, defaultdict(set)):
-                writer.add(parsed)
-            writer.flush()
-        else:
-            raise ValueError(f"unknown watch event type {event_type!r}")
-        writer.reconcile_touched_pools()
-        if obj.get("kind") == "ResourceClaim":
-            record_claim_gangs(cluster=cluster, gangs=gangs or {}, at=at)
-            if not claim_uid:  # which claim it was is not known: every gang is looked at
-                end_gangs(cluster=cluster, at=at)
-            elif touched := gangs_before | _gangs_of(cluster, claim_uid):
-                end_gangs(cluster=cluster, at=at, gang_ids=touched)
+        writer = _Writer(cluster=cluster, at=events[-1].at, report=report, batched=True)
+        latest = events[0].at
+        for run in _runs(cluster, events, report):
+            # Marks (dirty hours) never go back in time from one run to the next, whatever
+            # the order of the runs' events.
+            latest = max(latest, *(event.at for event, _ in run.changes))
+            _apply_run(writer, run, signalled_at=latest)
         writer.note_fleet_change()
     return report
+
+
+@dataclass
+class _Run:
+    """Watch events applied together: claims only or slices only, each object, pool and gang
+    touched by one of them (a gang may be joined by several live claims, since none of them
+    can end it), or any single event. `changes` pairs each event with its parsed object (None:
+    deleted, rejected or not kept); `stamps` gives each object and pool its event's `at`."""
+
+    kind: str
+    changes: list[tuple[WatchEvent, dra.Parsed | None]] = field(default_factory=list)
+    stamps: dict[tuple[str, ...], datetime] = field(default_factory=dict)
+
+    def add(self, event: WatchEvent, parsed: dra.Parsed | None, touches: _Touches) -> None:
+        self.changes.append((event, parsed))
+        for key in touches.taken | touches.stamped:
+            self.stamps[key] = event.at
+
+
+@dataclass
+class _Touches:
+    """What one event touches (see `_Run`): objects, pools and gangs it changes (`taken`),
+    gangs it joins as a live member (`joined`), and objects stamped with its time. `alone`:
+    it must be a run by itself."""
+
+    taken: set[tuple[str, ...]] = field(default_factory=set)
+    joined: set[tuple[str, ...]] = field(default_factory=set)
+    stamped: set[tuple[str, ...]] = field(default_factory=set)
+    alone: bool = False
+
+
+def _runs(cluster: Cluster, events: Sequence[WatchEvent], report: SyncReport) -> Iterator[_Run]:
+    """Cut `events` into runs (see `_Run`), parsing each object once (what is rejected goes
+    to `report`). Which pool a slice is in and which gang a claim is in are read once, then
+    followed through the events.
+
+    Events of one kind in a row are spread over as few runs as their overlaps allow
+    (`_layers`): an event goes in the run after the last that holds an object, pool or gang
+    it touches, so events that touch the same thing keep their order, and the others, which
+    commute, share runs."""
+    slice_names = {
+        _name_of(event.obj) for event in events if event.obj.get("kind") == "ResourceSlice"
+    }
+    slice_pools: dict[str, tuple[str, str]] = {
+        name: (driver, pool)
+        for name, driver, pool in ResourceSlice.objects.filter(
+            cluster=cluster, gone_at__isnull=True, name__in=slice_names - {""}
+        ).values_list("name", "driver", "pool")
+    }
+    claim_uids = {_claim_uid(event.obj) for event in events} - {""}
+    claims: dict[str, _StoredClaim] = {
+        uid: _StoredClaim(namespace, name, (gang_namespace, gang_key) if gang_key else None)
+        for uid, namespace, name, gang_namespace, gang_key in ResourceClaim.objects.filter(
+            cluster=cluster, uid__in=claim_uids
+        ).values_list("uid", "namespace", "name", "gang__namespace", "gang__key")
+    }
+    stretch: list[tuple[WatchEvent, dra.Parsed | None, _Touches]] = []
+    stretch_kind = ""
+    for event in events:
+        kind = str(event.obj.get("kind") or "")
+        parsed = None
+        if event.event_type != "DELETED":
+            parsed = next(iter(_parse_stream([event.obj], report, defaultdict(set))), None)
+        elif dra.object_identity(event.obj) is None:
+            report.errors.append(f"{dra.object_ref(event.obj)}: metadata.name: is required")
+        if kind == "ResourceSlice":
+            touches = _slice_touches(event, parsed, slice_pools)
+        elif kind == "ResourceClaim":
+            touches = _claim_touches(event, parsed, claims)
+        else:
+            touches = _Touches(alone=True)
+        if stretch and (touches.alone or kind != stretch_kind or stretch[-1][2].alone):
+            yield from _layers(stretch_kind, stretch)
+            stretch = []
+        stretch_kind = kind
+        stretch.append((event, parsed, touches))
+    yield from _layers(stretch_kind, stretch)
+
+
+def _layers(kind: str, stretch: list[tuple[WatchEvent, dra.Parsed | None, _Touches]]) -> list[_Run]:
+    """Events of one kind (see `_runs`) in runs: each in the first run after those of the
+    events before it that changed what it touches (live claims joining one gang may share a
+    run, in their order); within a run, in their order."""
+    runs: list[_Run] = []
+    taken_in: dict[tuple[str, ...], int] = {}
+    joined_in: dict[tuple[str, ...], int] = {}
+    for event, parsed, touches in stretch:
+        layer = max(
+            [
+                *(taken_in.get(key, -1) + 1 for key in touches.taken | touches.joined),
+                *(joined_in.get(key, -1) + 1 for key in touches.taken),
+                *(joined_in.get(key, 0) for key in touches.joined),
+                0,
+            ]
+        )
+        taken_in.update(dict.fromkeys(touches.taken, layer))
+        joined_in.update(dict.fromkeys(touches.joined, layer))
+        while len(runs) <= layer:
+            runs.append(_Run(kind=kind))
+        runs[layer].add(event, parsed, touches)
+    return runs
+
+
+@dataclass
+class _StoredClaim:
+    """A claim as `_runs` follows it through the events: where it is, and its gang."""
+
+    namespace: str
+    name: str
+    gang: tuple[str, str] | None
+
+
+def _slice_touches(
+    event: WatchEvent, parsed: dra.Parsed | None, pools: dict[str, tuple[str, str]]
+) -> _Touches:
+    """The slice and the pools (before and after) the event touches; follows `pools`."""
+    if isinstance(parsed, dra.ParsedSlice):
+        name = parsed.name
+    elif event.event_type == "DELETED" and (identity := dra.object_identity(event.obj)):
+        name = identity[1]
+    else:
+        return _Touches()  # rejected: it changes nothing
+    touched: set[tuple[str, ...]] = {("ResourceSlice", name)}
+    if name in pools:
+        touched.add(("Pool", *pools[name]))
+    if isinstance(parsed, dra.ParsedSlice):
+        pools[name] = (parsed.driver, parsed.pool)
+        touched.add(("Pool", *pools[name]))
+    else:
+        pools.pop(name, None)
+    return _Touches(taken=touched)
+
+
+def _claim_touches(
+    event: WatchEvent, parsed: dra.Parsed | None, claims: dict[str, _StoredClaim]
+) -> _Touches:
+    """The claim (by uid and by name) and the gangs (before and after) the event touches;
+    follows `claims`. A claim without a uid is alone: its event looks at every gang."""
+    uid = _claim_uid(event.obj)
+    if not uid:
+        return _Touches(alone=True)
+    stored = claims.get(uid)
+    live = isinstance(parsed, dra.ParsedClaim)
+    if isinstance(parsed, dra.ParsedClaim):
+        claims[uid] = stored = _StoredClaim(
+            parsed.namespace, parsed.name, stored.gang if stored is not None else None
+        )
+    touched: set[tuple[str, ...]] = {("ResourceClaim", uid)}
+    stamped: set[tuple[str, ...]] = {("ResourceClaim", uid)}
+    if stored is None:
+        return _Touches(taken=touched, stamped=stamped)  # neither stored nor written
+    # Reservations follow a claim by name: a name's old and new claims go in separate runs.
+    touched.add(("ClaimName", stored.namespace, stored.name))
+    before = stored.gang
+    if event.gang is not None:
+        stored.gang = (stored.namespace, event.gang.key)
+    gangs: set[tuple[str, ...]] = {
+        ("Gang", *gang) for gang in (before, stored.gang) if gang is not None
+    }
+    if live and stored.gang is not None:
+        # A live member keeps its gang open: live claims may join one gang in one run.
+        joined: set[tuple[str, ...]] = {("Gang", *stored.gang)}
+        return _Touches(taken=touched | (gangs - joined), joined=joined, stamped=stamped)
+    return _Touches(taken=touched | gangs, stamped=stamped)
+
+
+def _apply_run(writer: _Writer, run: _Run, *, signalled_at: datetime) -> None:
+    """Write one run of watch events (see `apply_watch_events`) with `writer`."""
+    cluster = writer.cluster
+    writer.start_run(
+        at=run.changes[-1][0].at,
+        stamps=run.stamps,
+        jobs={
+            uid: event.job
+            for event, _ in run.changes
+            if event.job is not None and (uid := _claim_uid(event.obj))
+        },
+    )
+    claim_uids = [uid for event, _ in run.changes if (uid := _claim_uid(event.obj))]
+    # Only the run's claims' gangs (before the events and after them) can end with them.
+    gangs_before = _gangs_of(cluster, claim_uids)
+    for event, parsed in run.changes:
+        if parsed is not None:
+            writer.add(parsed)
+        elif (
+            event.event_type == "DELETED"
+            and (identity := dra.object_identity(event.obj)) is not None
+            and identity[0] in KINDS
+        ):
+            writer.mark_deleted(*identity)
+    writer.flush()
+    writer.reconcile_touched_pools()
+    writer.send_claims_changed(at=signalled_at)
+    if run.kind != "ResourceClaim":
+        return
+    _record_claim_gangs(
+        cluster=cluster,
+        found={
+            uid: (event.gang, event.at)
+            for event, _ in run.changes
+            if event.gang is not None and (uid := _claim_uid(event.obj))
+        },
+    )
+    if not claim_uids:  # which claim it was is not known: every gang is looked at
+        end_gangs(cluster=cluster, at=writer.at)
+        return
+    gangs_after = _gangs_of(cluster, claim_uids)
+    times = {uid: event.at for event, _ in run.changes if (uid := _claim_uid(event.obj))}
+    ending = {
+        gang_id: times[uid]
+        for gangs in (gangs_before, gangs_after)
+        for uid, gang_id in gangs.items()
+    }
+    if ending:
+        _end_gangs(cluster=cluster, ended_at=_times_by_pk(ending), gang_ids=ending)
 
 
 def resolve_claim_jobs(
@@ -170,11 +424,18 @@ def resolve_claim_jobs(
     """Follow the owners of the claims among `objects` (raw JSON) through `lookup`, by claim
     uid, for `import_snapshot` and `apply_watch_event`.
 
-    Only claims whose controller is a Pod, ReplicaSet or Job are followed, and not those
-    already recorded beyond it for the same owner references: their owners are not read
-    again. Writes nothing; the caller runs it before its transaction, so that no database
-    transaction waits on the API server.
+    Only the claims `claims_to_follow` names are followed. Writes nothing; the caller runs it
+    before its transaction, so that no database transaction waits on the API server.
     """
+    return follow_claim_jobs(claims_to_follow(cluster=cluster, objects=objects), lookup=lookup)
+
+
+def claims_to_follow(
+    *, cluster: Cluster, objects: Iterable[dict[str, Any]]
+) -> dict[str, tuple[str, Any]]:
+    """The claims among `objects` whose owners are to be followed, by uid: (namespace, owner
+    references). Those whose controller is a Pod, ReplicaSet or Job, and not those already
+    recorded beyond it for the same owner references: their owners are not read again."""
     candidates: dict[str, tuple[str, Any]] = {}
     for obj in objects:
         identity = dra.object_identity(obj)
@@ -191,6 +452,13 @@ def resolve_claim_jobs(
         ).values_list("uid", "owner_references", "job"):
             if references == candidates[uid][1] and job not in ("", owners.own_job(references)):
                 del candidates[uid]
+    return candidates
+
+
+def follow_claim_jobs(
+    candidates: Mapping[str, tuple[str, Any]], *, lookup: owners.OwnerLookup
+) -> dict[str, owners.Resolution]:
+    """The job of each claim of `claims_to_follow`, by uid, read through `lookup`."""
     return {
         uid: owners.resolve_job(
             namespace=namespace,
@@ -211,22 +479,35 @@ def record_claim_gangs(
     gang seen here has a live member, so it is open again if it had ended. Claims not yet
     written are skipped: run it after the claims are.
     """
-    found = {uid: ref for uid, ref in gangs.items() if ref is not None}
+    _record_claim_gangs(
+        cluster=cluster, found={uid: (ref, at) for uid, ref in gangs.items() if ref is not None}
+    )
+
+
+def _record_claim_gangs(*, cluster: Cluster, found: Mapping[str, tuple[GangRef, datetime]]) -> None:
+    """`record_claim_gangs`, each claim (by uid, in the order of `found`) seen at its own time:
+    a gang is first seen at its first claim's, and last seen as its last claim's says."""
     uids = list(found)
     for start in range(0, len(uids), _CLAIMS_PER_FLUSH):
-        claims = list(
-            ResourceClaim.objects.filter(
-                cluster=cluster, uid__in=uids[start : start + _CLAIMS_PER_FLUSH]
+        batch = uids[start : start + _CLAIMS_PER_FLUSH]
+        claims = {
+            uid: (pk, namespace, gang_id)
+            for pk, uid, namespace, gang_id in ResourceClaim.objects.filter(
+                cluster=cluster, uid__in=batch
             ).values_list("pk", "uid", "namespace", "gang_id")
-        )
-        gang_ids = _upsert_gangs(
-            cluster=cluster,
-            refs={(namespace, found[uid].key): found[uid] for _, uid, namespace, _ in claims},
-            at=at,
-        )
+        }
+        seen: dict[tuple[str, str], _GangSeen] = {}
+        for uid in batch:
+            if uid not in claims:
+                continue
+            ref, at = found[uid]
+            key = (claims[uid][1], ref.key)
+            first = seen[key].first_seen if key in seen else at
+            seen[key] = _GangSeen(ref=ref, first_seen=first, last_seen=at)
+        gang_ids = _upsert_gangs(cluster=cluster, seen=seen)
         moved: dict[int, list[int]] = defaultdict(list)
-        for pk, uid, namespace, gang_id in claims:
-            wanted = gang_ids[(namespace, found[uid].key)]
+        for uid, (pk, namespace, gang_id) in claims.items():
+            wanted = gang_ids[(namespace, found[uid][0].key)]
             if gang_id != wanted:
                 moved[wanted].append(pk)
         for gang_id, claim_ids in moved.items():
@@ -239,7 +520,8 @@ def record_gang(*, cluster: Cluster, namespace: str, ref: GangRef, at: datetime)
     For whoever learns of a gang before the sync does (the admission webhook). Concurrent
     calls for one gang leave one row: an upsert on its unique key.
     """
-    gang_ids = _upsert_gangs(cluster=cluster, refs={(namespace, ref.key): ref}, at=at)
+    seen = _GangSeen(ref=ref, first_seen=at, last_seen=at)
+    gang_ids = _upsert_gangs(cluster=cluster, seen={(namespace, ref.key): seen})
     return Gang.objects.get(pk=gang_ids[(namespace, ref.key)])
 
 
@@ -247,11 +529,27 @@ def end_gangs(*, cluster: Cluster, at: datetime, gang_ids: Collection[int] | Non
     """End, at `at`, the open gangs of `cluster` (of `gang_ids`, when given) whose member
     claims are all released; how many. A gang no claim has joined yet (recorded by the webhook
     before the sync saw its first member) has not started, so it does not end here."""
+    return _end_gangs(cluster=cluster, ended_at=Value(at), gang_ids=gang_ids)
+
+
+def _end_gangs(*, cluster: Cluster, ended_at: Expression, gang_ids: Collection[int] | None) -> int:
+    """`end_gangs`, each gang ending at what `ended_at` gives it."""
     member = ResourceClaim.objects.filter(gang=OuterRef("pk"))
     gangs = Gang.objects.filter(Exists(member), cluster=cluster, ended_at__isnull=True)
     if gang_ids is not None:
         gangs = gangs.filter(pk__in=gang_ids)
-    return gangs.exclude(Exists(member.filter(released_at__isnull=True))).update(ended_at=at)
+    return gangs.exclude(Exists(member.filter(released_at__isnull=True))).update(ended_at=ended_at)
+
+
+def _times_by_pk(times: Mapping[int, datetime]) -> Expression:
+    """The time `times` gives each row by primary key, as one expression for an UPDATE."""
+    distinct = set(times.values())
+    if len(distinct) == 1:
+        return Value(distinct.pop())
+    return Case(
+        *[When(pk=pk, then=Value(at)) for pk, at in times.items()],
+        output_field=DateTimeField(),
+    )
 
 
 def _claim_uid(obj: Any) -> str:
@@ -262,33 +560,49 @@ def _claim_uid(obj: Any) -> str:
     return uid if isinstance(uid, str) else ""
 
 
-def _gangs_of(cluster: Cluster, claim_uid: str) -> set[int]:
-    """The gang the claim `claim_uid` is stored in, as a set (empty: none, or no claim)."""
-    if not claim_uid:
-        return set()
-    return set(
+def _name_of(obj: dict[str, Any]) -> str:
+    """An object's `metadata.name`; "" when it has none."""
+    metadata = obj.get("metadata")
+    name = metadata.get("name") if isinstance(metadata, dict) else None
+    return name if isinstance(name, str) else ""
+
+
+def _gangs_of(cluster: Cluster, claim_uids: Collection[str]) -> dict[str, int]:
+    """The gang each of the claims `claim_uids` is stored in, by uid (none: left out)."""
+    if not claim_uids:
+        return {}
+    return dict(
         ResourceClaim.objects.filter(
-            cluster=cluster, uid=claim_uid, gang__isnull=False
-        ).values_list("gang_id", flat=True)
+            cluster=cluster, uid__in=claim_uids, gang__isnull=False
+        ).values_list("uid", "gang_id")
     )
 
 
+@dataclass(frozen=True)
+class _GangSeen:
+    """A gang as its claims last declared it, and when it was first and last seen."""
+
+    ref: GangRef
+    first_seen: datetime
+    last_seen: datetime
+
+
 def _upsert_gangs(
-    *, cluster: Cluster, refs: Mapping[tuple[str, str], GangRef], at: datetime
+    *, cluster: Cluster, seen: Mapping[tuple[str, str], _GangSeen]
 ) -> dict[tuple[str, str], int]:
-    """The ids of the gangs `refs` names by (namespace, key), created or refreshed at `at`."""
+    """The ids of the gangs `seen` names by (namespace, key), created or refreshed."""
     rows = [
         Gang(
             cluster=cluster,
             namespace=namespace,
             key=key,
-            source=ref.source,
-            size=ref.size,
-            first_seen=at,
-            last_seen=at,
+            source=gang.ref.source,
+            size=gang.ref.size,
+            first_seen=gang.first_seen,
+            last_seen=gang.last_seen,
             ended_at=None,
         )
-        for (namespace, key), ref in refs.items()
+        for (namespace, key), gang in seen.items()
     ]
     # INSERT ... ON CONFLICT DO UPDATE: the sync and the webhook may write one gang at once.
     Gang.objects.bulk_create(
@@ -360,11 +674,18 @@ class _Writer:
         at: datetime,
         report: SyncReport,
         jobs: Mapping[str, owners.Resolution] | None = None,
+        batched: bool = False,
     ) -> None:
         self.cluster = cluster
         self.at = at
+        # When each object and pool changed, where not at `at` (watch events, see `_stamp`).
+        self.stamps: Mapping[tuple[str, ...], datetime] = {}
         self.report = report
         self.jobs: Mapping[str, owners.Resolution] = jobs or {}
+        # Claims (by key) a watch deleted, released at the next flush.
+        self.deleted_claims: list[str] = []
+        # Batched: `claims_changed` is sent once, by `send_claims_changed`, not per write.
+        self.pending: _ClaimChanges | None = _ClaimChanges() if batched else None
         self.claims_written: set[int] = set()
         self.slices: list[dra.ParsedSlice] = []
         # Slice name -> (driver, pool, generation, spec) of its first listing in this run: a
@@ -381,6 +702,20 @@ class _Writer:
         self.gpu_drivers: frozenset[str] = settings.TALLY_GPU_DRIVERS
         # Driver profiles (built in, overridden by DriverProfile rows), read once per sync.
         self.profiles = profiles.ProfileBook.load(self.gpu_drivers)
+
+    def start_run(
+        self,
+        *,
+        at: datetime,
+        stamps: Mapping[tuple[str, ...], datetime],
+        jobs: Mapping[str, owners.Resolution],
+    ) -> None:
+        """Write a run of watch events next (see `apply_watch_events`): each changes its own
+        objects, once, whatever runs before it listed."""
+        self.at = at
+        self.stamps = stamps
+        self.jobs = jobs
+        self.slice_listings = {}
 
     def add(self, parsed: dra.Parsed) -> None:
         if isinstance(parsed, dra.ParsedSlice):
@@ -414,6 +749,12 @@ class _Writer:
         self._write_nodes()
         self._write_slices()
         self._write_claims()
+        self._release_deleted_claims()
+
+    def _stamp(self, *key: str) -> datetime:
+        """When the object or pool `key` names (`("ResourceClaim", key)`, `("ResourceSlice",
+        name)`, `("Pool", driver, pool)`) changed: its watch event's time, else `at`."""
+        return self.stamps.get(key, self.at)
 
     # Nodes and device classes.
 
@@ -499,7 +840,7 @@ class _Writer:
                 node_name=parsed.node_name,
                 spec=parsed.spec,
                 resource_version=parsed.resource_version,
-                first_seen=self.at,
+                first_seen=self._stamp("ResourceSlice", parsed.name),
             )
             old = existing.get(parsed.name)
             if old is None:
@@ -629,8 +970,7 @@ class _Writer:
             )
         }
         new_devices: list[Device] = []
-        changed_devices: list[Device] = []
-        gone_ids: list[int] = []
+        changed_devices: dict[tuple[str, ...], list[Device]] = defaultdict(list)
         counted_pools: list[tuple[Pool, dict[str, dra.CountedDevice]]] = []
         for key in pools:
             driver, pool_name = key
@@ -644,7 +984,7 @@ class _Writer:
             pool_row.newest_generation = newest
             pool_row.slices_expected = max((s.resource_slice_count for s in at_newest), default=0)
             pool_row.slices_seen = len(at_newest)
-            pool_row.updated_at = self.at
+            pool_row.updated_at = self._stamp("Pool", driver, pool_name)
             if not pool_slices:
                 counted_pools.append((pool_row, {}))
             elif pool_row.complete:
@@ -663,13 +1003,19 @@ class _Writer:
                 "updated_at",
             ],
         )
-        node_ids = self._node_ids(
-            {c.device.node_name for _, desired in counted_pools for c in desired.values()}
-        )
+        node_times: dict[str, datetime] = {}
+        for pool_row, desired in counted_pools:
+            pool_at = self._stamp("Pool", pool_row.driver, pool_row.name)
+            for counted in desired.values():
+                name = counted.device.node_name
+                node_times[name] = min(node_times.get(name, pool_at), pool_at)
+        node_ids = self._node_ids(node_times)
         shape_ids = self._shape_ids(
             [counted for _, desired in counted_pools for counted in desired.values()]
         )
+        gone: dict[int, datetime] = {}
         for pool_row, desired in counted_pools:
+            pool_at = self._stamp("Pool", pool_row.driver, pool_row.name)
             current = existing.get((pool_row.driver, pool_row.name), {})
             for name, counted in desired.items():
                 fields = _device_fields(
@@ -683,23 +1029,27 @@ class _Writer:
                             driver=pool_row.driver,
                             pool=pool_row.name,
                             name=name,
-                            first_seen=self.at,
+                            first_seen=pool_at,
                             **fields,
                         )
                     )
-                elif any(getattr(known, attr) != value for attr, value in fields.items()):
-                    for attr, value in fields.items():
-                        setattr(known, attr, value)
-                    changed_devices.append(known)
-            gone_ids.extend(device.pk for device in current.values())
+                elif changed := [
+                    attr for attr, value in fields.items() if getattr(known, attr) != value
+                ]:
+                    for attr in changed:
+                        setattr(known, attr, fields[attr])
+                    changed_devices[tuple(changed)].append(known)
+            gone.update((device.pk, pool_at) for device in current.values())
         bulk_insert(Device, new_devices)
-        if changed_devices:
-            Device.objects.bulk_update(changed_devices, list(_DEVICE_FIELDS), batch_size=500)
-        if gone_ids:
-            Device.objects.filter(pk__in=gone_ids).update(gone_at=self.at)
+        # By the columns that changed: a new pool generation changes one column of each of
+        # its devices, and an UPDATE of every column would cost a CASE per column and device.
+        for columns, devices in changed_devices.items():
+            Device.objects.bulk_update(devices, list(columns), batch_size=500)
+        if gone:
+            Device.objects.filter(pk__in=gone).update(gone_at=_times_by_pk(gone))
         self.report.created["Device"] += len(new_devices)
-        self.report.updated["Device"] += len(changed_devices)
-        self.report.gone["Device"] += len(gone_ids)
+        self.report.updated["Device"] += sum(map(len, changed_devices.values()))
+        self.report.gone["Device"] += len(gone)
 
     def _count(
         self, driver: str, pool: str, slices: list[dra.ParsedSlice]
@@ -767,17 +1117,17 @@ class _Writer:
                 )
         return self.shape_ids
 
-    def _node_ids(self, names: set[str]) -> dict[str, int]:
-        """Ids of the named nodes, created (without labels) when first seen through a slice."""
-        names.discard("")
-        missing = names - self.node_ids.keys()
+    def _node_ids(self, first_seen: Mapping[str, datetime]) -> dict[str, int]:
+        """Ids of the named nodes, created (without labels) when first seen through a slice,
+        at the time `first_seen` gives each."""
+        missing = set(first_seen) - self.node_ids.keys() - {""}
         if missing:
             for row in Node.objects.filter(cluster=self.cluster, name__in=missing).values(
                 "id", "name"
             ):
                 self.node_ids[row["name"]] = row["id"]
             new_nodes = [
-                Node(cluster=self.cluster, name=name, first_seen=self.at)
+                Node(cluster=self.cluster, name=name, first_seen=first_seen[name])
                 for name in sorted(missing - self.node_ids.keys())
             ]
             if new_nodes:
@@ -806,6 +1156,9 @@ class _Writer:
         ):
             open_allocations[allocation.claim_id][_allocation_key(allocation)] = allocation
         claims_to_create = []
+        # Changed claims, by the columns that changed: only those are written (quota records
+        # `created_by` too, for claims the webhook saw).
+        claims_to_update: dict[tuple[str, ...], list[ResourceClaim]] = defaultdict(list)
         refined: dict[int, tuple[str, str]] = {}
         jobs: dict[str, str] = {}
         creators: dict[str, str] = {}
@@ -825,15 +1178,26 @@ class _Writer:
                 fields["created_by"] = creators[key]
             if claim is None:
                 claims_to_create.append(
-                    ResourceClaim(cluster=self.cluster, uid=key, first_seen=self.at, **fields)
+                    ResourceClaim(
+                        cluster=self.cluster,
+                        uid=key,
+                        first_seen=self._stamp("ResourceClaim", key),
+                        **fields,
+                    )
                 )
-            elif claim.released_at is not None or any(
-                getattr(claim, attr) != value for attr, value in fields.items()
-            ):
-                ResourceClaim.objects.filter(pk=claim.pk).update(released_at=None, **fields)
+            elif changed := [
+                *(attr for attr, value in fields.items() if getattr(claim, attr) != value),
+                *(("released_at",) if claim.released_at is not None else ()),
+            ]:
                 self.report.updated["ResourceClaim"] += 1
                 if claim.owner_references == parsed.owner_references:
                     refined[claim.pk] = (claim.job, fields["job"])
+                for attr, value in fields.items():
+                    setattr(claim, attr, value)
+                claim.released_at = None
+                claims_to_update[tuple(changed)].append(claim)
+        for columns, changed_claims in claims_to_update.items():
+            ResourceClaim.objects.bulk_update(changed_claims, list(columns), batch_size=500)
         _refine_allocation_jobs(refined)
         bulk_insert(ResourceClaim, claims_to_create)
         self.report.created["ResourceClaim"] += len(claims_to_create)
@@ -844,10 +1208,11 @@ class _Writer:
         )
         self.claims_written.update(claim_ids.values())
         new_allocations: list[Allocation] = []
-        ended: list[int] = []
+        ended: dict[int, datetime] = {}
         namespaces: dict[int, str] = {}
         for key, parsed in by_key.items():
             claim_id = claim_ids[key]
+            at = self._stamp("ResourceClaim", key)
             namespaces[claim_id] = parsed.namespace
             current = open_allocations.get(claim_id, {})
             # Who is charged, fixed now (see `Allocation`; the team below). The webhook's
@@ -858,7 +1223,7 @@ class _Writer:
                 "job": jobs[key] or (stored.admitted_job if stored else ""),
                 "username": creators[key],
             }
-            start = min(parsed.allocated_at, self.at) if parsed.allocated_at else self.at
+            start = min(parsed.allocated_at, at) if parsed.allocated_at else at
             for result in parsed.results:
                 if result.admin_access:
                     continue  # admin access observes a device; it does not hold it
@@ -884,7 +1249,7 @@ class _Writer:
                             **charged,
                         )
                     )
-            ended.extend(allocation.pk for allocation in current.values())
+            ended.update((allocation.pk, at) for allocation in current.values())
         self._end_allocations(ended)
         self._link(new_allocations)
         teams = _namespace_teams({namespaces[a.claim_id] for a in new_allocations})
@@ -894,9 +1259,11 @@ class _Writer:
         self.report.created["Allocation"] += len(new_allocations)
         # Usage changes from a new allocation's start and from an ended one's end (`at`); a
         # claim changed in nothing else (labels, status, resourceVersion) changes none.
-        spans = [(allocation.start, self.at) for allocation in new_allocations]
-        if ended:
-            spans.append((self.at, self.at))
+        claim_times = {claim_ids[key]: self._stamp("ResourceClaim", key) for key in by_key}
+        spans = [
+            (allocation.start, claim_times[allocation.claim_id]) for allocation in new_allocations
+        ]
+        spans.extend((at, at) for at in sorted(set(ended.values())))
         reattributed = [pk for pk, (before, after) in refined.items() if before != after]
         self._claims_changed(list(claim_ids.values()), spans=spans, reattributed=reattributed)
 
@@ -956,7 +1323,36 @@ class _Writer:
         spans: list[tuple[datetime, datetime]],
         reattributed: list[int],
     ) -> None:
-        """Send `claims_changed` (see `inventory.signals`) for these claims."""
+        """Send `claims_changed` (see `inventory.signals`) for these claims; batched, keep it
+        for `send_claims_changed`."""
+        if self.pending is not None:
+            self.pending.claim_ids.update(dict.fromkeys(claim_ids))
+            self.pending.spans.extend(spans)
+            self.pending.reattributed.update(dict.fromkeys(reattributed))
+            return
+        self._send_claims_changed(claim_ids, spans=spans, reattributed=reattributed)
+
+    def send_claims_changed(self, *, at: datetime) -> None:
+        """Send the one `claims_changed`, as of `at`, of what a batched writer wrote so far,
+        if anything."""
+        if self.pending is None or not self.pending.claim_ids:
+            return
+        pending, self.pending = self.pending, _ClaimChanges()
+        self._send_claims_changed(
+            list(pending.claim_ids),
+            spans=pending.spans,
+            reattributed=list(pending.reattributed),
+            at=at,
+        )
+
+    def _send_claims_changed(
+        self,
+        claim_ids: list[int],
+        *,
+        spans: list[tuple[datetime, datetime]],
+        reattributed: list[int],
+        at: datetime | None = None,
+    ) -> None:
         unfilled = {
             pk: (username, job)
             for pk, username, job in Allocation.objects.filter(
@@ -967,16 +1363,17 @@ class _Writer:
             sender=ResourceClaim,
             cluster=self.cluster,
             claim_ids=claim_ids,
-            at=self.at,
+            at=at or self.at,
             spans=spans,
             reattributed=reattributed,
             unfilled=unfilled,
         )
 
-    def _end_allocations(self, allocation_ids: list[int]) -> None:
-        if allocation_ids:
-            ended = Allocation.objects.filter(pk__in=allocation_ids, end__isnull=True).update(
-                end=self.at
+    def _end_allocations(self, ends: Mapping[int, datetime]) -> None:
+        """End the allocations `ends` names (by id), each at its time there."""
+        if ends:
+            ended = Allocation.objects.filter(pk__in=ends, end__isnull=True).update(
+                end=_times_by_pk(ends)
             )
             self.report.gone["Allocation"] += ended
 
@@ -1045,7 +1442,10 @@ class _Writer:
             # Metered from now on, from their start: all their hours so far change.
             self._claims_changed(
                 sorted({allocation.claim_id for allocation in linked}),
-                spans=[(allocation.start, self.at) for allocation in linked],
+                spans=[
+                    (allocation.start, self._stamp("Pool", allocation.driver, allocation.pool))
+                    for allocation in linked
+                ],
                 reattributed=[],
             )
 
@@ -1059,7 +1459,9 @@ class _Writer:
                 missing_claims = ResourceClaim.objects.filter(
                     cluster=self.cluster, released_at__isnull=True
                 ).exclude(uid__in=present)
-                self._release_claims(list(missing_claims.values_list("pk", flat=True)))
+                self._release_claims(
+                    dict.fromkeys(missing_claims.values_list("pk", flat=True), self.at)
+                )
             elif kind == "ResourceSlice":
                 missing = ResourceSlice.objects.filter(
                     cluster=self.cluster, gone_at__isnull=True
@@ -1074,12 +1476,10 @@ class _Writer:
                 self.report.gone[kind] += missing_rows.update(gone_at=self.at)
 
     def mark_deleted(self, kind: str, identity: str) -> None:
-        """Mark one object gone (a claim released) because a watch reported it deleted."""
+        """Mark one object gone because a watch reported it deleted; a claim is released at
+        the next `flush`, with the others deleted by then."""
         if kind == "ResourceClaim":
-            ids = ResourceClaim.objects.filter(
-                cluster=self.cluster, uid=identity, released_at__isnull=True
-            ).values_list("pk", flat=True)
-            self._release_claims(list(ids))
+            self.deleted_claims.append(identity)
             return
         model = {"Node": Node, "DeviceClass": DeviceClass, "ResourceSlice": ResourceSlice}[kind]
         rows = model._default_manager.filter(
@@ -1087,23 +1487,37 @@ class _Writer:
         )
         if kind == "ResourceSlice":
             self.touched_pools |= set(rows.values_list("driver", "pool"))
-        self.report.gone[kind] += rows.update(gone_at=self.at)
+        self.report.gone[kind] += rows.update(gone_at=self._stamp(kind, identity))
 
-    def _release_claims(self, claim_ids: list[int]) -> None:
-        if not claim_ids:
+    def _release_deleted_claims(self) -> None:
+        if not self.deleted_claims:
             return
-        ending = list(
-            Allocation.objects.filter(claim__in=claim_ids, end__isnull=True).values_list(
-                "pk", flat=True
+        keys, self.deleted_claims = self.deleted_claims, []
+        self._release_claims(
+            {
+                pk: self._stamp("ResourceClaim", uid)
+                for pk, uid in ResourceClaim.objects.filter(
+                    cluster=self.cluster, uid__in=keys, released_at__isnull=True
+                ).values_list("pk", "uid")
+            }
+        )
+
+    def _release_claims(self, released: Mapping[int, datetime]) -> None:
+        """Release the claims `released` names (by id), each at its time there."""
+        if not released:
+            return
+        ending = dict(
+            Allocation.objects.filter(claim__in=released, end__isnull=True).values_list(
+                "pk", "claim_id"
             )
         )
-        self._end_allocations(ending)
+        self._end_allocations({pk: released[claim_id] for pk, claim_id in ending.items()})
         self.report.gone["ResourceClaim"] += ResourceClaim.objects.filter(
-            pk__in=claim_ids, released_at__isnull=True
-        ).update(released_at=self.at)
+            pk__in=released, released_at__isnull=True
+        ).update(released_at=_times_by_pk(released))
         # Usage changes from the hour the allocations ended in (`at`), not before.
-        spans = [(self.at, self.at)] if ending else []
-        self._claims_changed(claim_ids, spans=spans, reattributed=[])
+        spans = [(at, at) for at in sorted({released[claim_id] for claim_id in ending.values()})]
+        self._claims_changed(list(released), spans=spans, reattributed=[])
 
 
 _DEVICE_FIELDS = (
@@ -1154,6 +1568,15 @@ def _device_fields(
         "extra": device.extra,
         **counted.columns,
     }
+
+
+@dataclass
+class _ClaimChanges:
+    """What a batched writer will send in its one `claims_changed` (claim ids in order)."""
+
+    claim_ids: dict[int, None] = field(default_factory=dict)
+    spans: list[tuple[datetime, datetime]] = field(default_factory=list)
+    reattributed: dict[int, None] = field(default_factory=dict)
 
 
 def _claim_fields(parsed: dra.ParsedClaim, *, job: str) -> dict[str, Any]:
