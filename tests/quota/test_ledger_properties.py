@@ -308,11 +308,14 @@ class LedgerMachine(RuleBasedStateMachine):
 
 
 # The machine's unittest case, on Django's test database: each example rolls back to the fleet
-# imported once for the class.
+# imported once for the class. Not a test of its own (`__test__`): run alone, outside Django's
+# test case, it would touch the database without one.
 MachineTestCase: Any = LedgerMachine.TestCase
+MachineTestCase.__test__ = False
 
 
 class TestLedger(MachineTestCase, TestCase):
+    __test__ = True
     @classmethod
     def setUpTestData(cls) -> None:
         report = inventory_services.import_snapshot(
