@@ -16,14 +16,16 @@ the identity the inventory forms from a driver and device name.
 A node's agent token sends for its node's devices only. A sample of a device the inventory
 does not know yet is set aside with the node that sent it and its token, and adopted later
 only where the token could have sent it had the device been known (`adopt_unknown_samples`):
-naming a device of another node before the sync learns it plants nothing there. One
-exception is resolved at once: a MIG device NVIDIA's driver made when a claim was prepared
-(dynamic MIG) has a UUID no ResourceSlice carries, and its sample, giving its parent GPU and
-placement (`mig_placement`), is stored under the partition device published for that
-placement on the sending node (`billing.mig_samples`).
+naming a device of another node before the sync learns it plants nothing there. A MIG
+device NVIDIA's driver made when a claim was prepared (dynamic MIG) has a UUID no
+ResourceSlice carries: its sample, giving its parent GPU and placement (`mig_placement`), is
+stored under the partition device published at that placement on the sending node when it
+was taken (`billing.mig_samples`), at once or, the partition not synced yet, once adopted.
 
 A mean's `covered_seconds` is stored as `covered_ms`, rounded to the millisecond from the
-decimal the agent sent, so the rollup holds the mean for the time its readings covered.
+decimal the agent sent, so the rollup holds the mean for the time its readings covered; a
+sample set aside keeps it, and its placement, so that it is adopted as it would have been
+stored.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from django.conf import settings
 from django.db import connection, models, transaction
 from django.db.backends.utils import CursorWrapper
 from django.db.models import Exists, OuterRef
+from django.db.models.fields.json import KT
 from django.utils import timezone
 from psycopg.errors import UniqueViolation
 
@@ -54,7 +57,7 @@ from billing.models import AgentToken, Sample, UnknownDeviceSample
 from db.copy import copy_rows, json_rows
 from db.locks import advisory_xact_lock
 from inventory import profiles
-from inventory.models import Device
+from inventory.models import Device, DeviceKind
 
 MAX_UUID_LENGTH = 128
 MAX_BIGINT = 2**63 - 1
@@ -80,8 +83,8 @@ _ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 class SampleRow(NamedTuple):
     """One valid sample, as stored: `processes` is JSON text (or None), `covered_ms` a mean's
     covered time in whole milliseconds (None: a single reading). `placement`, which a MIG
-    device's sample may give, is not stored: it finds the partition device a MIG UUID the
-    inventory does not know was made for (`billing.mig_samples`)."""
+    device's sample may give, finds the partition device a MIG UUID the inventory does not
+    know was made for (`billing.mig_samples`); it is kept only with a sample set aside."""
 
     device_uuid: str
     ts_ms: int
@@ -698,39 +701,44 @@ def _store(
     """Store `rows` in `target` unless already there, the general way: into a temporary
     table, then `INSERT ... SELECT ... ON CONFLICT DO NOTHING`. As `_insert_new`, the first of
     rows of the same device and instant is kept. `gaps` (one per row) go to `gap_ms`, `agent`
-    (samples set aside) to `agent_token`. A sample set aside keeps no `covered_ms`:
-    `UnknownDeviceSample` has no column for it.
+    (samples set aside) to `agent_token`; a sample set aside keeps its placement
+    (`mig_placement`), by which it may be adopted.
     """
     if not rows:
         return 0, []
-    columns, select = COLUMNS, "device_uuid, ts_ms, gpu_util, mem_used_bytes, processes, %s, %s"
+    columns = f"{COLUMNS}, covered_ms"
+    select = "device_uuid, ts_ms, gpu_util, mem_used_bytes, processes, %s, %s, covered_ms"
     params: list[Any] = [node, received_at]
-    if target is Sample:
-        columns, select = f"{columns}, covered_ms", f"{select}, covered_ms"
     if agent is not None:
         columns, select = f"{columns}, agent_token_id", f"{select}, %s"
         params.append(agent.pk)
+    copied = f"{ROW_COLUMNS}, position"  # the temporary table's columns the batch fills
+    types: tuple[str, ...] = (*_ROW_TYPES, "int4")
     batch: Iterable[tuple[Any, ...]] = (
         (*row[:_STORED], position) for position, row in enumerate(rows)
     )
     if gaps is not None:
         columns, select = f"{columns}, gap_ms", f"{select}, gap_ms"
+        copied, types = f"{copied}, gap_ms", (*types, "int8")
         batch = (
             (*row[:_STORED], position, gap)
             for position, (row, gap) in enumerate(zip(rows, gaps, strict=True))
+        )
+    elif target is UnknownDeviceSample:
+        columns, select = f"{columns}, mig_placement", f"{select}, mig_placement"
+        copied, types = f"{copied}, mig_placement", (*types, "jsonb")
+        batch = (
+            (*row[:_STORED], position, _placement_json(row.placement))
+            for position, row in enumerate(rows)
         )
     # The DELETE empties what an outer transaction's earlier `ingest` left.
     cursor.execute(
         f"CREATE TEMP TABLE IF NOT EXISTS {BATCH_TABLE} (device_uuid text, ts_ms bigint, "
         "gpu_util double precision, mem_used_bytes bigint, processes jsonb, covered_ms bigint, "
-        f"position int, gap_ms bigint) ON COMMIT DELETE ROWS; DELETE FROM {BATCH_TABLE}"
+        f"position int, gap_ms bigint, mig_placement jsonb) ON COMMIT DELETE ROWS; "
+        f"DELETE FROM {BATCH_TABLE}"
     )
-    copy_rows(
-        cursor,
-        f"{BATCH_TABLE} ({ROW_COLUMNS}, position{', gap_ms' if gaps is not None else ''})",
-        batch,
-        (*_ROW_TYPES, "int4", *(("int8",) if gaps is not None else ())),
-    )
+    copy_rows(cursor, f"{BATCH_TABLE} ({copied})", batch, types)
     return _insert_new(
         cursor,
         target,
@@ -741,6 +749,12 @@ def _store(
         first="position",
         columns=columns,
     )
+
+
+def _placement_json(placement: MigPlacement | None) -> str | None:
+    """A sample's placement as a sample set aside keeps it (`UnknownDeviceSample.mig_placement`:
+    `MigPlacement`'s fields by name), or None."""
+    return None if placement is None else json.dumps(placement._asdict())
 
 
 # Gaps
@@ -1143,19 +1157,26 @@ def _placed_mig_samples(
 ) -> tuple[list[tuple[int, SampleRow]], list[SampleRow]]:
     """Of samples of devices the inventory does not know (with their positions), those of
     MIG devices NVIDIA's driver made for a claim (dynamic MIG), under the meter id of the
-    partition device published for their placement (`billing.mig_samples.partitions_at`),
-    and the rest. Only a partition on `node`, in the token's cluster, is matched: a device
-    `_misplaced` allows the token, so naming a parent GPU elsewhere stores nothing there."""
+    partition device published for their placement when they were taken
+    (`billing.mig_samples.partitions_at`), and the rest. Only a partition on `node`, in the
+    token's cluster, is matched: a device `_misplaced` allows the token, so naming a parent
+    GPU elsewhere stores nothing there."""
     placements = {row.placement for _, row in unknown if row.placement is not None}
+    if not placements:
+        return unknown, []
     found = partitions_at(
-        placements, node=node, cluster_id=agent.cluster_id if agent is not None else None
+        placements,
+        node=node,
+        cluster_id=agent.cluster_id if agent is not None else None,
+        since_ms=min(row.ts_ms for _, row in unknown if row.placement is not None),
     )
     if not found:
         return unknown, []
     rest: list[tuple[int, SampleRow]] = []
     placed: list[SampleRow] = []
     for position, row in unknown:
-        meter_id = found.get(row.placement) if row.placement is not None else None
+        timeline = found.get(row.placement) if row.placement is not None else None
+        meter_id = timeline.meter_id_at(row.ts_ms) if timeline is not None else None
         if meter_id is None:
             rest.append((position, row))
         else:
@@ -1391,19 +1412,53 @@ def resolve_named(
     return resolved, refused, unknown
 
 
-def _adoptable(candidates: Sequence[tuple[int, str, int | None]]) -> list[int]:
-    """Of samples set aside (id, device identity, agent token id), the ids of those whose
-    sender may send for the device that now carries their identity: the rule `ingest`
-    applies to a known device (`_misplaced`), so adoption trusts nothing ingest would not."""
+class _SetAside(NamedTuple):
+    """A sample set aside, as adoption reads it."""
+
+    id: int
+    device_uuid: str
+    agent_token_id: int | None
+    node: str
+    ts_ms: int
+    mig_placement: dict[str, Any] | None
+
+
+def _adoptable(candidates: Sequence[_SetAside]) -> dict[int, str]:
+    """Of samples set aside, the meter id each one that may be adopted is stored under, by
+    id, as `ingest` would have stored it had the inventory known then what it knows now: a
+    device carrying its identity, if its sender may send for that device (`_misplaced`);
+    else, for a dynamic MIG device's sample, the partition at its placement on the node the
+    sample records, in its token's cluster (`_placed_mig_samples`). Adoption trusts nothing
+    ingest would not."""
     tokens = AgentToken.objects.select_related("cluster").in_bulk(
-        {token for _, _, token in candidates if token is not None}
+        {row.agent_token_id for row in candidates if row.agent_token_id is not None}
     )
-    places = _places({uuid for _, uuid, token in candidates if token is not None})
-    return [
-        row_id
-        for row_id, uuid, token in candidates
-        if token is None or not _misplaced(places.get(uuid, set()), tokens[token])
-    ]
+    places = _places({row.device_uuid for row in candidates})
+    adopted: dict[int, str] = {}
+    placed: dict[tuple[str, int | None], list[tuple[int, MigPlacement, int]]] = defaultdict(list)
+    for row in candidates:
+        token = None if row.agent_token_id is None else tokens[row.agent_token_id]
+        if row.device_uuid in places:
+            if token is None or not _misplaced(places[row.device_uuid], token):
+                adopted[row.id] = row.device_uuid
+        elif row.mig_placement is not None:
+            cluster_id = None if token is None else token.cluster_id
+            placed[row.node, cluster_id].append(
+                (row.id, MigPlacement(**row.mig_placement), row.ts_ms)
+            )
+    for (node, cluster_id), rows in placed.items():
+        found = partitions_at(
+            {placement for _, placement, _ in rows},
+            node=node,
+            cluster_id=cluster_id,
+            since_ms=min(ts_ms for _, _, ts_ms in rows),
+        )
+        for row_id, placement, ts_ms in rows:
+            timeline = found.get(placement)
+            meter_id = timeline.meter_id_at(ts_ms) if timeline is not None else None
+            if meter_id is not None:
+                adopted[row_id] = meter_id
+    return adopted
 
 
 def adopt_unknown_samples(*, now: datetime) -> int:
@@ -1414,56 +1469,76 @@ def adopt_unknown_samples(*, now: datetime) -> int:
     may send (a node's token: a device on its node, the node the sample records; a
     cluster-wide token: one of its cluster); one an operator loaded (no token), for any
     device. A token cannot plant samples under the identity of a device elsewhere by naming
-    it before the inventory knows it. The others stay aside until they expire
+    it before the inventory knows it. A dynamic MIG device's sample is adopted by the
+    partition at its placement, once the sync has published it, as `ingest` would have
+    matched it. The others stay aside until they expire
     (`billing.retention.purge_unknown_device_samples`).
 
     A sample already in `Sample` for the same device and instant wins; the one set aside is
-    dropped. A mean's covered time was not kept aside (`UnknownDeviceSample` has no column
-    for it): an adopted mean holds as a single reading does. Hours the moved samples count in
-    are marked dirty. Each chunk is its own transaction; rows another run holds are skipped,
-    not waited for.
+    dropped. An adopted mean keeps its covered time. Hours the moved samples count in are
+    marked dirty. Each chunk is its own transaction; rows another run holds are skipped, not
+    waited for.
     """
+    known = Exists(Device.objects.filter(meter_id=OuterRef("device_uuid"))) | Exists(
+        Device.objects.filter(meter_id="", uuid=OuterRef("device_uuid"))
+    )
+    # Those of a GPU with partitions published on their node: `_adoptable` matches them.
+    on_partitioned_gpu = Exists(
+        Device.objects.filter(
+            kind=DeviceKind.MIG,
+            uuid="",
+            parent_uuid=OuterRef("placed_on"),
+            node__name=OuterRef("node"),
+        ).exclude(meter_id="")
+    )
     moved = 0
     after = 0  # the rows up to this id were seen: those not adoptable are not looked at again
     while True:
         with transaction.atomic():
-            candidates = list(
-                UnknownDeviceSample.objects.filter(id__gt=after)
-                .filter(
-                    Exists(Device.objects.filter(meter_id=OuterRef("device_uuid")))
-                    | Exists(Device.objects.filter(meter_id="", uuid=OuterRef("device_uuid")))
-                )
+            candidates = [
+                _SetAside(*row)
+                for row in UnknownDeviceSample.objects.filter(id__gt=after)
+                .annotate(placed_on=KT("mig_placement__parent_uuid"))
+                .filter(known | on_partitioned_gpu)
                 .select_for_update(skip_locked=True)
                 .order_by("id")
-                .values_list("id", "device_uuid", "agent_token_id")[:ADOPT_CHUNK]
-            )
+                .values_list(
+                    "id", "device_uuid", "agent_token_id", "node", "ts_ms", "mig_placement"
+                )[:ADOPT_CHUNK]
+            ]
             if not candidates:
                 return moved
-            after = candidates[-1][0]
-            ids = _adoptable(candidates)
-            if not ids:
+            after = candidates[-1].id
+            meter_ids = _adoptable(candidates)
+            if not meter_ids:
                 continue
-            placeholders = ", ".join(["%s"] * len(ids))
+            # The samples set aside, each with the meter id it is adopted under.
+            adopted = (
+                f"{_table(UnknownDeviceSample)} JOIN ({json_rows('bigint', 'text')}) "
+                "AS adopted(id, meter_id) USING (id)"
+            )
+            params = [json.dumps(list(meter_ids.items()))]
             with connection.cursor() as cursor:
                 cursor.execute(
-                    f"SELECT device_uuid, MIN(ts_ms), MAX(ts_ms) FROM "
-                    f"{_table(UnknownDeviceSample)} WHERE id IN ({placeholders}) "
-                    "GROUP BY device_uuid",
-                    ids,
+                    f"SELECT meter_id, MIN(ts_ms), MAX(ts_ms) FROM {adopted} GROUP BY meter_id",
+                    params,
                 )
                 bounds = {uuid: _Bounds(first, last) for uuid, first, last in cursor.fetchall()}
                 _lock_devices(cursor, bounds)
                 stored, instants = _insert_new(
                     cursor,
                     Sample,
-                    select=COLUMNS,
-                    source=_table(UnknownDeviceSample),
-                    where=f"id IN ({placeholders})",
-                    params=ids,
+                    # Named as the column it fills, so that rows are kept in its order.
+                    select="meter_id AS device_uuid, ts_ms, gpu_util, mem_used_bytes, "
+                    "processes, node, received_at, covered_ms",
+                    source=adopted,
+                    where="true",
+                    params=params,
                     first="id",
+                    columns=f"{COLUMNS}, covered_ms",
                 )
                 if stored:
                     refresh_gaps(cursor, bounds)
-            UnknownDeviceSample.objects.filter(id__in=ids).delete()
+            UnknownDeviceSample.objects.filter(id__in=meter_ids).delete()
             mark_dirty(hours=touched_hours(instants), at=now)
             moved += stored

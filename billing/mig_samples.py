@@ -15,19 +15,29 @@ its GPU instance (`nvmlGpuInstanceGetInfo`), its GI profile id and placement (st
 in memory slices); the driver publishes the same as the partition's `parentUUID`, its
 memory-slice counters and (in its name) its profile id. The agent sends them with a MIG
 device's sample (`MigPlacement`), and `partitions_at` finds the one partition device at that
-placement: on the sending node, of that parent GPU, published without a UUID, taking exactly
-those memory slices, of that profile and profile id where the sample gives them. No such
-device, or several: nothing is matched, and the sample is set aside under its MIG UUID as
-any unknown device's (never guessed).
+placement when the sample was taken: on the sending node, of that parent GPU, published
+without a UUID, taking exactly those memory slices, of that profile and profile id where the
+sample gives them. No such device, or several: nothing is matched, and the sample is set
+aside with its placement (never guessed), to be matched again once the sync has learnt more
+(`billing.ingest.adopt_unknown_samples`).
+
+Matched against the inventory of the sample's instant, not of the moment it arrives: a late
+sample of a partition withdrawn since (its node drained, its driver restarted) still finds
+it, as a late sample of a gone whole GPU is still stored under it; and where partitions were
+published one after the other at the same placement, the sample goes to the one of its time.
 """
 
 from __future__ import annotations
 
 import re
+from bisect import bisect_right
 from collections import defaultdict
 from collections.abc import Collection
 from typing import Any, NamedTuple
 
+from django.db.models import Q
+
+from billing.hours import EPOCH, ONE_MS, epoch_ms
 from inventory.models import Device, DeviceKind
 
 # A counter of one memory slice: the driver's `memory-slice-3`, or KEP-4815's example's
@@ -50,11 +60,14 @@ class MigPlacement(NamedTuple):
 
 
 class _Partition(NamedTuple):
-    """A partition device published without a UUID: where it sits, and its meter id."""
+    """A partition device published without a UUID: its profile, name and meter id, and
+    when the inventory had it, `[first_ms, gone_ms)` (ms since the epoch; None: present)."""
 
     profile: str
     name: str
     meter_id: str
+    first_ms: int
+    gone_ms: int | None
 
 
 def memory_slices(extra: dict[str, Any]) -> tuple[int, int] | None:
@@ -95,16 +108,59 @@ def _fits(partition: _Partition, placement: MigPlacement) -> bool:
     )
 
 
+def _meter_id_then(fitting: list[_Partition], ts_ms: int) -> str | None:
+    """The meter id of the partition of `fitting` (all at one placement) that a sample at
+    `ts_ms` was taken on, or None where none or several can be.
+
+    Those gone by then are out (`gone_at` is when the sync saw the device withdrawn, after
+    the driver withdrew it). Of the others, the ones present then (first seen at or before
+    `ts_ms`); where none was, the sync had not seen it yet (a new node, the sync behind the
+    agent), and those first seen later are. One meter id among them, or nothing: a partition
+    withdrawn and published again under its name keeps its meter id, two devices that fit
+    the same placement at once have two."""
+    live = [
+        partition for partition in fitting if partition.gone_ms is None or partition.gone_ms > ts_ms
+    ]
+    present = [partition for partition in live if partition.first_ms <= ts_ms]
+    meter_ids = {partition.meter_id for partition in present or live}
+    return meter_ids.pop() if len(meter_ids) == 1 else None
+
+
+class PartitionTimeline(NamedTuple):
+    """Which partition device one placement's samples go to, by when they were taken: the
+    meter id (None: no one partition) is `meter_ids[i]` from `changes[i - 1]` (included) to
+    `changes[i]`, so a batch of a placement's samples is matched without a query or a list
+    per sample."""
+
+    changes: list[int]  # ms since the epoch, ascending
+    meter_ids: list[str | None]  # one more than `changes`
+
+    def meter_id_at(self, ts_ms: int) -> str | None:
+        """The meter id of the one partition a sample taken at `ts_ms` goes to, or None."""
+        return self.meter_ids[bisect_right(self.changes, ts_ms)]
+
+    @classmethod
+    def of(cls, fitting: list[_Partition]) -> PartitionTimeline:
+        """The timeline of partitions that all fit one placement (`_meter_id_then`, which
+        changes only where one of them was first seen or went)."""
+        changes = sorted(
+            {partition.first_ms for partition in fitting}
+            | {partition.gone_ms for partition in fitting if partition.gone_ms is not None}
+        )
+        starts = [changes[0] - 1, *changes]  # an instant of each span: before, then each start
+        return cls(changes, [_meter_id_then(fitting, ts_ms) for ts_ms in starts])
+
+
 def partitions_at(
-    placements: Collection[MigPlacement], *, node: str, cluster_id: int | None
-) -> dict[MigPlacement, str]:
-    """The meter id of the one present partition device at each placement on `node` (in
-    cluster `cluster_id`; any, for None), for the placements exactly one device fits; one
+    placements: Collection[MigPlacement], *, node: str, cluster_id: int | None, since_ms: int
+) -> dict[MigPlacement, PartitionTimeline]:
+    """For each placement on `node` (in cluster `cluster_id`; any, for None) that partition
+    devices fit, the one its samples taken from `since_ms` on go to (`_meter_id_then`); one
     query."""
     if not placements:
         return {}
     devices = Device.objects.filter(
-        gone_at__isnull=True,
+        Q(gone_at__isnull=True) | Q(gone_at__gt=EPOCH + since_ms * ONE_MS),
         node__name=node,
         kind=DeviceKind.MIG,
         uuid="",
@@ -113,20 +169,28 @@ def partitions_at(
     if cluster_id is not None:
         devices = devices.filter(cluster_id=cluster_id)
     at: dict[tuple[str, int, int], list[_Partition]] = defaultdict(list)
-    for parent, profile, name, meter_id, extra in devices.values_list(
-        "parent_uuid", "profile", "name", "meter_id", "extra"
+    for parent, profile, name, meter_id, extra, first_seen, gone_at in devices.values_list(
+        "parent_uuid", "profile", "name", "meter_id", "extra", "first_seen", "gone_at"
     ):
         slices = memory_slices(extra)
         if slices is not None:
             start, size = slices
-            at[parent, start, size].append(_Partition(profile, name, meter_id))
-    found: dict[MigPlacement, str] = {}
+            at[parent, start, size].append(
+                _Partition(
+                    profile,
+                    name,
+                    meter_id,
+                    epoch_ms(first_seen),
+                    None if gone_at is None else epoch_ms(gone_at),
+                )
+            )
+    found: dict[MigPlacement, PartitionTimeline] = {}
     for placement in placements:
         fitting = [
             partition
             for partition in at.get((placement.parent_uuid, placement.start, placement.size), ())
             if _fits(partition, placement)
         ]
-        if len(fitting) == 1:
-            found[placement] = fitting[0].meter_id
+        if fitting:
+            found[placement] = PartitionTimeline.of(fitting)
     return found

@@ -29,7 +29,7 @@ from agent.nvml import NvmlSource
 from billing import rollup
 from billing.hours import epoch_ms
 from billing.ingest import adopt_unknown_samples
-from billing.models import Sample, UnknownDeviceSample, UsageHour
+from billing.models import DirtyHour, Sample, UnknownDeviceSample, UsageHour
 from billing.services import issue_agent_token
 from inventory import services
 from inventory.dumps import iter_objects
@@ -301,6 +301,173 @@ def test_the_command_places_lines_of_their_node(cluster: Cluster, tmp_path: Path
     assert "1 accepted" in out.getvalue()
     three_g = partition(cluster, "h100-dyn-1", "gpu-0-mig-3g40gb-9-4")
     assert stored() == [(three_g.meter_id, epoch_ms(T0))]
+
+
+# Sent before the sync learns the partition: set aside with the placement, adopted after.
+
+
+def sample_ids() -> list[tuple[str, int, int | None, int | None]]:
+    return list(
+        Sample.objects.order_by("device_uuid", "ts_ms").values_list(
+            "device_uuid", "ts_ms", "covered_ms", "gap_ms"
+        )
+    )
+
+
+def test_a_sample_sent_before_the_sync_is_adopted_by_the_partition_at_its_placement() -> None:
+    cluster = services.get_cluster("fx")
+    token = issue_agent_token(cluster=cluster, node="a100-dyn-1", actor="ops")
+    first = [
+        mig_sample(MIG_B, A100, 6, 1, T0, covered_seconds=60, mig_profile="1g.10gb"),
+        mig_sample(MIG_B, A100, 6, 1, T0 + timedelta(minutes=1), mig_profile_id=19),
+    ]
+    answer = post(token, "a100-dyn-1", first)
+    assert (answer["accepted"], answer["unknown_devices"]) == (2, [MIG_B])
+    assert UnknownDeviceSample.objects.filter(mig_placement__isnull=False).count() == 2
+    # The sync sees the node's slices ten minutes after the samples were taken.
+    load(at=T0 + timedelta(minutes=10))
+    one_g = partition(cluster, "a100-dyn-1", "gpu-0-mig-1g10gb-19-6")
+    # One of them sent again (a retry) before the adoption: stored now, once in all.
+    answer = post(
+        token, "a100-dyn-1", [first[1], mig_sample(MIG_B, A100, 6, 1, T0 + timedelta(minutes=3))]
+    )
+    assert (answer["accepted"], answer["unknown_devices"]) == (2, [])
+    DirtyHour.objects.all().delete()
+
+    assert adopt_unknown_samples(now=timezone.now()) == 1  # the retry's twin is dropped
+    assert adopt_unknown_samples(now=timezone.now()) == 0
+    assert set_aside() == []
+    # Each sample's gap to its partition's next is worked out again; the mean keeps its time.
+    start = epoch_ms(T0)
+    assert sample_ids() == [
+        (one_g.meter_id, start, 60_000, 60_000),
+        (one_g.meter_id, start + 60_000, None, 120_000),
+        (one_g.meter_id, start + 180_000, None, None),
+    ]
+    assert set(DirtyHour.objects.values_list("hour", flat=True)) == {T0}
+
+
+def test_a_sample_set_aside_is_adopted_only_onto_a_partition_its_token_may_send_for() -> None:
+    cluster = services.get_cluster("fx")
+    other = services.get_cluster("other")
+    a100_node = issue_agent_token(cluster=cluster, node="a100-dyn-1", actor="ops")
+    foreign = issue_agent_token(cluster=other, node="h100-dyn-1", actor="ops")
+    everywhere = issue_agent_token(cluster=cluster, node="*", actor="ops")
+    three_g = mig_sample(MIG_A, H100, 4, 4, mig_profile="3g.40gb")
+    # The A100 node's token names the H100's GPU (on h100-dyn-1); another cluster's token
+    # sends for a node of the same name; a cluster-wide token for h100-dyn-1.
+    post(a100_node, "a100-dyn-1", [three_g])
+    post(foreign, "h100-dyn-1", [three_g])
+    later = {**three_g, "ts": (T0 + timedelta(minutes=1)).isoformat()}
+    post(everywhere, "h100-dyn-1", [later])
+    assert len(set_aside()) == 3
+    load()
+
+    assert adopt_unknown_samples(now=timezone.now()) == 1
+    assert adopt_unknown_samples(now=timezone.now()) == 0
+    three_g_partition = partition(cluster, "h100-dyn-1", "gpu-0-mig-3g40gb-9-4")
+    assert stored() == [(three_g_partition.meter_id, epoch_ms(T0) + 60_000)]
+    assert set_aside() == [(MIG_A, epoch_ms(T0), "a100-dyn-1"), (MIG_A, epoch_ms(T0), "h100-dyn-1")]
+
+
+@pytest.mark.parametrize(
+    ("fields", "expected"),
+    [
+        ({}, None),  # 3g.40gb and 4g.40gb both take slices 0-3: none is guessed
+        ({"mig_profile": "4g.40gb"}, "gpu-0-mig-4g40gb-5-0"),
+    ],
+)
+def test_a_sample_set_aside_is_adopted_only_where_one_partition_fits(
+    fields: dict[str, Any], expected: str | None
+) -> None:
+    cluster = services.get_cluster("fx")
+    token = issue_agent_token(cluster=cluster, node="h100-dyn-1", actor="ops")
+    post(token, "h100-dyn-1", [mig_sample(MIG_A, H100, 0, 4, **fields)])
+    load()
+    assert adopt_unknown_samples(now=timezone.now()) == (expected is not None)
+    if expected is None:
+        assert (stored(), set_aside()) == ([], [(MIG_A, epoch_ms(T0), "h100-dyn-1")])
+    else:
+        meter_id = partition(cluster, "h100-dyn-1", expected).meter_id
+        assert (stored(), set_aside()) == ([(meter_id, epoch_ms(T0))], [])
+
+
+def test_an_operators_sample_set_aside_is_adopted_by_the_partition_of_its_node(
+    tmp_path: Path,
+) -> None:
+    lines = tmp_path / "samples.jsonl"
+    sample = {**mig_sample(MIG_A, H100, 4, 4, mig_profile="3g.40gb"), "node": "h100-dyn-1"}
+    lines.write_text(json.dumps(sample) + "\n")
+    call_command("ingest_samples", str(lines), stdout=StringIO())
+    assert set_aside() == [(MIG_A, epoch_ms(T0), "h100-dyn-1")]
+    cluster = load()
+    assert adopt_unknown_samples(now=timezone.now()) == 1
+    three_g = partition(cluster, "h100-dyn-1", "gpu-0-mig-3g40gb-9-4")
+    assert stored() == [(three_g.meter_id, epoch_ms(T0))]
+
+
+# The inventory of the sample's time: partitions gone since, or published again.
+
+
+def renumbered(minor: int, generation: int) -> list[dict[str, Any]]:
+    """The fixture's slices after the A100 node's driver restarted: its GPU renumbered (its
+    partitions published again under new names, so new meter ids), a new pool generation."""
+    objects = []
+    for obj in iter_objects(FIXTURE):
+        if obj["metadata"]["name"].startswith("a100-dyn-1"):
+            obj = json.loads(json.dumps(obj).replace('"gpu-0-', f'"gpu-{minor}-'))
+            obj["spec"]["pool"]["generation"] = generation
+        objects.append(obj)
+    return objects
+
+
+def test_a_late_sample_goes_to_the_partition_published_at_its_time(cluster: Cluster) -> None:
+    old = partition(cluster, "a100-dyn-1", "gpu-0-mig-1g10gb-19-6")
+    restart = T0 + timedelta(hours=1)
+    report = services.import_snapshot(
+        cluster=cluster, objects=renumbered(1, 2), at=restart, kinds=["ResourceSlice"]
+    )
+    assert report.errors == []
+    new = partition(cluster, "a100-dyn-1", "gpu-1-mig-1g10gb-19-6")
+    assert (Device.objects.get(pk=old.pk).gone_at, new.first_seen) == (restart, restart)
+    token = issue_agent_token(cluster=cluster, node="a100-dyn-1", actor="ops")
+    # Buffered by the agent, sent after the restart: before it, at it, after it; and one
+    # taken before the sync first saw either, which either could be: set aside.
+    instants = [T0 + timedelta(minutes=30), restart, restart + timedelta(minutes=30)]
+    before_both = old.first_seen - timedelta(hours=1)
+    answer = post(
+        token,
+        "a100-dyn-1",
+        [mig_sample(MIG_B, A100, 6, 1, at) for at in [*instants, before_both]],
+    )
+    assert (answer["accepted"], answer["unknown_devices"]) == (4, [MIG_B])
+    assert stored() == sorted(
+        [
+            (old.meter_id, epoch_ms(instants[0])),
+            (new.meter_id, epoch_ms(instants[1])),
+            (new.meter_id, epoch_ms(instants[2])),
+        ]
+    )
+    assert set_aside() == [(MIG_B, epoch_ms(before_both), "a100-dyn-1")]
+    assert adopt_unknown_samples(now=timezone.now()) == 0
+
+
+def test_a_late_sample_of_a_partition_gone_since_is_adopted_too() -> None:
+    cluster = services.get_cluster("fx")
+    token = issue_agent_token(cluster=cluster, node="a100-dyn-1", actor="ops")
+    post(token, "a100-dyn-1", [mig_sample(MIG_B, A100, 6, 1)])
+    load(at=T0 - timedelta(minutes=5))
+    one_g = partition(cluster, "a100-dyn-1", "gpu-0-mig-1g10gb-19-6")
+    # Withdrawn before the adoption ran (the node drained): the sample was taken before.
+    Device.objects.filter(cluster=cluster, node__name="a100-dyn-1").update(
+        gone_at=T0 + timedelta(minutes=1)
+    )
+    assert adopt_unknown_samples(now=timezone.now()) == 1
+    assert stored() == [(one_g.meter_id, epoch_ms(T0))]
+    # One taken after it went has no partition then: set aside, never guessed.
+    post(token, "a100-dyn-1", [mig_sample(MIG_B, A100, 6, 1, T0 + timedelta(minutes=1))])
+    assert adopt_unknown_samples(now=timezone.now()) == 0
+    assert set_aside() == [(MIG_B, epoch_ms(T0) + 60_000, "a100-dyn-1")]
 
 
 # End to end: the agent (NVML with a fake library, DCGM through its exporter's HTTP text),

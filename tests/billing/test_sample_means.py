@@ -125,17 +125,42 @@ def test_a_covered_time_under_half_a_millisecond_is_refused() -> None:
     )
 
 
-def test_a_mean_set_aside_is_adopted_as_a_single_reading() -> None:
+def test_a_mean_set_aside_is_adopted_with_its_covered_time() -> None:
     gpu = DeviceFactory.create()
-    answer = post(gpu, [sample(uuid="GPU-not-synced-yet", covered_seconds=60)])
+    single = sample(uuid="GPU-not-synced-yet", ts=(HOUR_START + timedelta(minutes=1)).isoformat())
+    # The mean sent twice before the sync: set aside once.
+    mean = sample(uuid="GPU-not-synced-yet", covered_seconds=59.997)
+    answer = post(gpu, [mean, single, mean])
+    assert (answer["accepted"], answer["duplicates"]) == (2, 1)
     assert answer["unknown_devices"] == ["GPU-not-synced-yet"]
-    assert UnknownDeviceSample.objects.count() == 1
+    assert sorted(UnknownDeviceSample.objects.values_list("ts_ms", "covered_ms")) == [
+        (epoch_ms(HOUR_START), 59_997),
+        (epoch_ms(HOUR_START) + 60_000, None),
+    ]
     Device.objects.filter(pk=gpu.pk).update(
         uuid="GPU-not-synced-yet", meter_id="GPU-not-synced-yet"
     )
-    assert adopt_unknown_samples(now=timezone.now()) == 1
-    # `UnknownDeviceSample` has no column for the covered time: it is not kept aside.
-    assert covered("GPU-not-synced-yet") == [(epoch_ms(HOUR_START), None)]
+    assert adopt_unknown_samples(now=timezone.now()) == 2
+    assert adopt_unknown_samples(now=timezone.now()) == 0  # nothing left, nothing changed
+    assert covered("GPU-not-synced-yet") == [
+        (epoch_ms(HOUR_START), 59_997),
+        (epoch_ms(HOUR_START) + 60_000, None),  # a single reading stays one
+    ]
+    assert UnknownDeviceSample.objects.count() == 0
+
+
+def test_a_mean_set_aside_and_sent_again_after_the_sync_is_stored_once() -> None:
+    gpu = DeviceFactory.create()
+    post(gpu, [sample(uuid="GPU-not-synced-yet", covered_seconds=30)])
+    Device.objects.filter(pk=gpu.pk).update(
+        uuid="GPU-not-synced-yet", meter_id="GPU-not-synced-yet"
+    )
+    # The agent sends it again (a retry) before the adoption runs: stored as sent now.
+    answer = post(gpu, [sample(uuid="GPU-not-synced-yet", covered_seconds=60)])
+    assert (answer["accepted"], answer["unknown_devices"]) == (1, [])
+    assert adopt_unknown_samples(now=timezone.now()) == 0  # the one stored wins
+    assert covered("GPU-not-synced-yet") == [(epoch_ms(HOUR_START), 60_000)]
+    assert UnknownDeviceSample.objects.count() == 0
 
 
 def _usage(allocation: Allocation) -> tuple[int, int, int]:
