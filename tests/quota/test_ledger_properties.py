@@ -316,6 +316,7 @@ MachineTestCase.__test__ = False
 
 class TestLedger(MachineTestCase, TestCase):
     __test__ = True
+
     @classmethod
     def setUpTestData(cls) -> None:
         report = inventory_services.import_snapshot(
