@@ -8,16 +8,21 @@ devices of the same name), and these checks say where it had to: `sync_inventory
 at the end of a run, `fleet_report`, the fleet API and the portal's fleet page list them.
 
 They read the stored Pool and ResourceSlice rows only (the slices' spec as published), so
-every reader reports the same findings whichever process stored the rows.
+every reader reports the same findings whichever process stored the rows. Each finding says
+since when it has been true (`since`): a pool mid-rollout has been incomplete for seconds, a
+broken driver's pool for days. For an incomplete pool, since its newest generation was first
+seen; for what a generation's slices publish, since the first of them was stored as it is.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, TypedDict
 
 from django.db.models import F, Func, JSONField, Q, QuerySet, Value
+from django.db.models.functions import Coalesce
 from kubernetes.utils import parse_quantity
 
 from inventory.models import Cluster, Pool, ResourceSlice
@@ -49,6 +54,9 @@ class SyncWarning(TypedDict):
     # The devices concerned (all of them; the message names the first few).
     devices: list[str]
     message: str  # one line, naming the pool, generation and what is wrong
+    # Since when it has been true: when the generation concerned was first seen (ISO 8601,
+    # UTC), so that the report stays JSON as it is.
+    since: str
 
 
 def sync_warnings(*, cluster: Cluster | None = None) -> list[SyncWarning]:
@@ -73,6 +81,7 @@ def sync_warnings(*, cluster: Cluster | None = None) -> list[SyncWarning]:
             generation=generation,
             devices=[],
             message="",
+            since=_iso(min(row["seen"] for row in rows)),
         )
         findings.extend(_duplicates(where, rows))
         if len(rows) >= max(row["resource_slice_count"] for row in rows):
@@ -103,6 +112,28 @@ def summarise(warnings: list[SyncWarning]) -> str:
     return f"{len(warnings)} ({parts})"
 
 
+def describe_since(since: str, *, now: datetime) -> str:
+    """A warning's `since` as people read it, "since 2026-12-04 10:00 UTC (3 h)": when, in UTC
+    to the minute, and how long ago, roughly (whole seconds, minutes, hours, then days after
+    two days)."""
+    at = datetime.fromisoformat(since)
+    seconds = max(int((now - at).total_seconds()), 0)
+    if seconds < 60:
+        age = f"{seconds} s"
+    elif seconds < 3600:
+        age = f"{seconds // 60} min"
+    elif seconds < 48 * 3600:
+        age = f"{seconds // 3600} h"
+    else:
+        age = f"{seconds // 86400} d"
+    return f"since {at.astimezone(UTC):%Y-%m-%d %H:%M} UTC ({age})"
+
+
+def _iso(at: datetime) -> str:
+    """`at` in ISO 8601, in UTC ("2026-12-04T10:00:00Z")."""
+    return at.astimezone(UTC).isoformat().replace("+00:00", "Z")
+
+
 def _incomplete_pools(cluster: Cluster | None) -> list[SyncWarning]:
     pools = Pool.objects.filter(newest_generation__isnull=False).filter(
         Q(slices_expected=0) | Q(slices_seen__lt=F("slices_expected"))
@@ -123,6 +154,7 @@ def _incomplete_pools(cluster: Cluster | None) -> list[SyncWarning]:
                 pool=pool.name,
                 generation=pool.newest_generation,
                 devices=[],
+                since=_iso(pool.newest_generation_seen_at or pool.updated_at),
                 message=(
                     f"pool {pool.driver}/{pool.name}: generation {pool.newest_generation} is "
                     f"incomplete ({pool.slices_seen} of {pool.slices_expected} slices seen); "
@@ -244,6 +276,7 @@ def _slice_rows(cluster: Cluster | None) -> QuerySet[ResourceSlice, dict[str, An
     return (
         slices.values("cluster__name", "name", "driver", "pool", "generation")
         .annotate(
+            seen=Coalesce("generation_seen_at", "first_seen"),
             device_names=_json_path("$.devices[*].name"),
             consumers=_json_path("$.devices[*] ? (exists(@.consumesCounters)).name"),
             consumed=_json_path("$.devices[*].consumesCounters"),
@@ -258,6 +291,7 @@ def _slice_rows(cluster: Cluster | None) -> QuerySet[ResourceSlice, dict[str, An
             "pool",
             "generation",
             "resource_slice_count",
+            "seen",
             "device_names",
             "consumers",
             "consumed",
@@ -297,6 +331,7 @@ def _finding(where: SyncWarning, check: str, devices: list[str], problem: str) -
         devices=devices,
         message=f"pool {where['driver']}/{where['pool']} generation {where['generation']}: "
         + problem,
+        since=where["since"],
     )
 
 

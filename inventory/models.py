@@ -89,6 +89,10 @@ class ResourceSlice(models.Model):
     spec = models.JSONField(default=dict)
     resource_version = models.CharField(max_length=64, blank=True)
     first_seen = models.DateTimeField()
+    # When the slice's current generation and spec were first stored: a slice updated in place
+    # keeps `first_seen`, and what `inventory.checks` finds in a generation has been true since
+    # then. Null only for rows written before it was kept (migration 0008 fills them in).
+    generation_seen_at = models.DateTimeField(null=True, blank=True)
     gone_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
@@ -120,6 +124,9 @@ class Pool(models.Model):
     slices_expected = models.PositiveIntegerField(default=0)
     slices_seen = models.PositiveIntegerField(default=0)
     updated_at = models.DateTimeField()
+    # When `newest_generation` was first seen (set by the sync when it changes): how long an
+    # incomplete pool has waited for its slices, a rollout's seconds or a broken driver's days.
+    newest_generation_seen_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [
@@ -221,7 +228,10 @@ class DeviceShape(models.Model):
     """What a group of devices look like to a CEL selector: attributes less identity, capacity.
 
     The quota webhook evaluates selectors once per shape instead of once per device, so its
-    cost does not grow with the fleet. Rows are written once per distinct shape and kept.
+    cost does not grow with the fleet. Rows are written once per distinct shape; a shape no
+    device has any more (attributes changed by a driver upgrade, a shape key changed) is
+    deleted by the sync's relist once it has been unused for a while (see
+    `inventory.services.delete_unused_shapes`).
     """
 
     cluster = models.ForeignKey(Cluster, on_delete=models.PROTECT, related_name="shapes")
@@ -233,6 +243,8 @@ class DeviceShape(models.Model):
     attributes = models.JSONField(default=dict, blank=True)
     capacity = models.JSONField(default=dict, blank=True)
     allow_multiple_allocations = models.BooleanField(default=False)
+    # When a relist first found no device of this shape (null: in use when last looked at).
+    unused_since = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [

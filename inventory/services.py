@@ -10,12 +10,12 @@ import logging
 from collections import Counter, defaultdict
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from decimal import ROUND_HALF_EVEN, Decimal
 from typing import Any
 
 from django.conf import settings
-from django.db import transaction
+from django.db import connection, transaction
 from django.db.models import (
     Case,
     DateTimeField,
@@ -41,6 +41,7 @@ from inventory.models import (
     DeviceShape,
     Gang,
     Node,
+    NodeShapeCount,
     Pool,
     ResourceClaim,
     ResourceSlice,
@@ -108,6 +109,9 @@ def import_snapshot(
     A claim's gang comes from `gangs[uid]` where the caller read its Pod (see
     `record_claim_gangs`); Pods and the objects that declare gangs among `objects` (a dump)
     give the present claims of their namespaces theirs. Gangs left without a live claim end.
+
+    A snapshot of slices (a relist) also deletes device shapes long unused
+    (`delete_unused_shapes`).
     """
     report = SyncReport()
     scope = set(kinds) if kinds is not None else set()
@@ -127,7 +131,71 @@ def import_snapshot(
         _attribute_gangs(cluster=cluster, index=gang_index, at=at)
         end_gangs(cluster=cluster, at=at)
         writer.note_fleet_change()
+        if "ResourceSlice" in scope:
+            delete_unused_shapes(cluster=cluster, at=at)
     return report
+
+
+# How long a device shape stays unused before a relist deletes it. The quota webhook's workers
+# read the fleet by the device counts changed since they last read
+# (`quota.admission.shapes.refreshed`), and a shape's zero counts are deleted with it: each
+# worker is to have read them at zero first. One that read nothing for longer (no request in
+# all that time) keeps the shape's last count until it restarts.
+SHAPE_UNUSED_GRACE = timedelta(days=1)
+
+
+def delete_unused_shapes(*, cluster: Cluster, at: datetime) -> int:
+    """Delete the cluster's device shapes that no device has, present or gone, and that no
+    node counts a device of, once they have been so for `SHAPE_UNUSED_GRACE`; how many. The
+    relist of slices runs it.
+
+    A shape is written once per distinct shape and kept while any device row (history
+    included) names it; one left behind when its devices' attributes or the shape key changed
+    is noted unused at `at`, and deleted by a later relist. Safe against a writer giving a
+    device that shape at the same moment (`_LOCK_SHAPES`): the shapes to delete are locked
+    first, then looked at again, so one a writer has taken meanwhile is kept."""
+    table = DeviceShape._meta.db_table
+    with connection.cursor() as cursor:
+        cursor.execute(_NOTE_UNUSED_SHAPES.format(shapes=table, unused=_UNUSED), [at, cluster.pk])
+        cursor.execute(
+            f"SELECT id FROM {table} WHERE cluster_id = %s AND unused_since <= %s "
+            "ORDER BY id FOR UPDATE",
+            [cluster.pk, at - SHAPE_UNUSED_GRACE],
+        )
+        candidates = [shape_id for (shape_id,) in cursor.fetchall()]
+        if not candidates:
+            return 0
+        # A new statement: it sees what writers that held these shapes committed.
+        cursor.execute(_DELETE_SHAPES.format(shapes=table, unused=_UNUSED), [candidates])
+        deleted = cursor.rowcount
+    if deleted:
+        log.info("deleted %d device shape(s) no device of %s has any more", deleted, cluster)
+    return deleted
+
+
+# Whether the shape `shape` is unused: no device row names it, no node counts one of it.
+_UNUSED = f"""
+NOT EXISTS (SELECT 1 FROM {Device._meta.db_table} AS device WHERE device.shape_id = shape.id)
+AND NOT EXISTS (
+    SELECT 1 FROM {NodeShapeCount._meta.db_table} AS counted
+    WHERE counted.shape_id = shape.id AND counted.devices > 0
+)"""
+# Note when each of the cluster's shapes was first found unused. Only a writer taking the shape
+# again forgets it (`_LOCK_SHAPES`): the two never update one row, so they never deadlock.
+_NOTE_UNUSED_SHAPES = """
+UPDATE {shapes} AS shape SET unused_since = %s
+WHERE shape.cluster_id = %s AND shape.unused_since IS NULL AND {unused}
+"""
+# Delete the shapes of these ids still unused, and their zero counts.
+_DELETE_SHAPES = f"""
+WITH doomed AS (
+    SELECT shape.id FROM {{shapes}} AS shape WHERE shape.id = ANY(%s) AND {{unused}}
+), counts AS (
+    DELETE FROM {NodeShapeCount._meta.db_table} AS counted USING doomed
+    WHERE counted.shape_id = doomed.id
+)
+DELETE FROM {{shapes}} AS shape USING doomed WHERE shape.id = doomed.id
+"""
 
 
 def apply_watch_event(
@@ -657,6 +725,22 @@ def _parse_stream(
         yield parsed
 
 
+# The stored shapes of some keys, locked against deletion (FOR KEY SHARE: what a foreign key
+# check takes, so writers never wait on each other) and no longer noted unused where a relist
+# had found them so: `delete_unused_shapes` locks a shape FOR UPDATE and looks again before
+# deleting it, so a shape is either deleted before this reads it (and made anew) or seen in
+# use. In id order, as `delete_unused_shapes` locks them: no deadlock.
+_LOCK_SHAPES = f"""
+WITH locked AS (
+    SELECT id, key, unused_since FROM {DeviceShape._meta.db_table}
+    WHERE cluster_id = %s AND key = ANY(%s) ORDER BY id FOR KEY SHARE
+), reused AS (
+    UPDATE {DeviceShape._meta.db_table} AS shape SET unused_since = NULL
+    FROM locked WHERE shape.id = locked.id AND locked.unused_since IS NOT NULL
+)
+SELECT key, id FROM locked
+"""
+
 # Objects buffered before they are written in one go; bounds memory on large snapshots.
 _DEVICES_PER_FLUSH = 5000
 _CLAIMS_PER_FLUSH = 2000
@@ -823,7 +907,16 @@ class _Writer:
             row["name"]: row
             for row in ResourceSlice.objects.filter(
                 cluster=self.cluster, gone_at__isnull=True, name__in=by_name
-            ).values("id", "name", "driver", "pool", "spec", "api_version")
+            ).values(
+                "id",
+                "name",
+                "driver",
+                "pool",
+                "generation",
+                "spec",
+                "api_version",
+                "generation_seen_at",
+            )
         }
         new_rows, changed_rows = [], []
         for parsed in by_name.values():
@@ -841,15 +934,18 @@ class _Writer:
                 spec=parsed.spec,
                 resource_version=parsed.resource_version,
                 first_seen=self._stamp("ResourceSlice", parsed.name),
+                generation_seen_at=self._stamp("ResourceSlice", parsed.name),
             )
             old = existing.get(parsed.name)
             if old is None:
                 new_rows.append(row)
                 continue
             self.touched_pools.add((old["driver"], old["pool"]))
-            unchanged = old["spec"] == parsed.spec and old["api_version"] == parsed.api_version
-            if not unchanged:
+            same_spec = old["spec"] == parsed.spec and old["generation"] == parsed.generation
+            if not same_spec or old["api_version"] != parsed.api_version:
                 row.pk = old["id"]
+                if same_spec:  # stored again under another API version: the same contents
+                    row.generation_seen_at = old["generation_seen_at"]
                 changed_rows.append(row)
         bulk_insert(ResourceSlice, new_rows)
         ResourceSlice.objects.bulk_update(
@@ -864,6 +960,7 @@ class _Writer:
                 "node_name",
                 "spec",
                 "resource_version",
+                "generation_seen_at",
             ],
             batch_size=500,
         )
@@ -981,6 +1078,8 @@ class _Writer:
                 cluster=self.cluster, driver=driver, name=pool_name
             )
             pool_rows[key] = pool_row
+            if pool_row.pk is None or pool_row.newest_generation != newest:
+                pool_row.newest_generation_seen_at = self._stamp("Pool", driver, pool_name)
             pool_row.newest_generation = newest
             pool_row.slices_expected = max((s.resource_slice_count for s in at_newest), default=0)
             pool_row.slices_seen = len(at_newest)
@@ -1001,6 +1100,7 @@ class _Writer:
                 "slices_expected",
                 "slices_seen",
                 "updated_at",
+                "newest_generation_seen_at",
             ],
         )
         node_times: dict[str, datetime] = {}
@@ -1014,6 +1114,10 @@ class _Writer:
             [counted for _, desired in counted_pools for counted in desired.values()]
         )
         gone: dict[int, datetime] = {}
+        # Devices whose meter id changed (by id), and devices new under their name (by key):
+        # when, for `_follow_meter_changes`.
+        renamed: dict[int, datetime] = {}
+        appeared: dict[tuple[str, str, str], datetime] = {}
         for pool_row, desired in counted_pools:
             pool_at = self._stamp("Pool", pool_row.driver, pool_row.name)
             current = existing.get((pool_row.driver, pool_row.name), {})
@@ -1033,12 +1137,15 @@ class _Writer:
                             **fields,
                         )
                     )
+                    appeared[(pool_row.driver, pool_row.name, name)] = pool_at
                 elif changed := [
                     attr for attr, value in fields.items() if getattr(known, attr) != value
                 ]:
                     for attr in changed:
                         setattr(known, attr, fields[attr])
                     changed_devices[tuple(changed)].append(known)
+                    if "meter_id" in changed:
+                        renamed[known.pk] = pool_at
             gone.update((device.pk, pool_at) for device in current.values())
         bulk_insert(Device, new_devices)
         # By the columns that changed: a new pool generation changes one column of each of
@@ -1050,6 +1157,62 @@ class _Writer:
         self.report.created["Device"] += len(new_devices)
         self.report.updated["Device"] += sum(map(len, changed_devices.values()))
         self.report.gone["Device"] += len(gone)
+        self._follow_meter_changes(renamed, appeared)
+
+    def _follow_meter_changes(
+        self, renamed: Mapping[int, datetime], appeared: Mapping[tuple[str, str, str], datetime]
+    ) -> None:
+        """Re-mark the hours that devices' new meter ids change, from when they changed.
+
+        An allocation keeps the meter id its device had when it started (`Allocation`), and the
+        rollup finds its samples under that id or under its device's current one, so the
+        hours an allocation holds after its device gains a UUID count samples sent under
+        either, each stored under one. A device published again after its slice was deleted
+        (a driver upgrade that restarts the plugin) is a new row under the same name: the open
+        allocations still tied to the gone row are tied to it, their metering facts kept, or
+        samples under its new id would never reach them. Either way the hours since the
+        change are marked (`claims_changed`), as any change of what the rollup reads is."""
+        changes: list[tuple[int, datetime]] = []  # (claim id, changed at)
+        relinked = []
+        if appeared:
+            for allocation in Allocation.objects.filter(
+                cluster=self.cluster,
+                end__isnull=True,
+                device__gone_at__isnull=False,
+                driver__in={driver for driver, _, _ in appeared},
+                pool__in={pool for _, pool, _ in appeared},
+                device_name__in={name for _, _, name in appeared},
+            ).only("pk", "claim_id", "start", "driver", "pool", "device_name"):
+                if (key := _device_key(allocation)) in appeared:
+                    relinked.append(allocation)
+                    changes.append((allocation.claim_id, max(allocation.start, appeared[key])))
+        if relinked:
+            present = {
+                (driver, pool, name): pk
+                for pk, driver, pool, name in Device.objects.filter(
+                    cluster=self.cluster,
+                    gone_at__isnull=True,
+                    driver__in={a.driver for a in relinked},
+                    pool__in={a.pool for a in relinked},
+                    name__in={a.device_name for a in relinked},
+                ).values_list("pk", "driver", "pool", "name")
+            }
+            for allocation in relinked:
+                allocation.device_id = present[_device_key(allocation)]
+            Allocation.objects.bulk_update(relinked, ["device"], batch_size=1000)
+        if renamed:
+            changes.extend(
+                (claim_id, max(start, renamed[device_id]))
+                for claim_id, start, device_id in Allocation.objects.filter(
+                    device_id__in=renamed, end__isnull=True
+                ).values_list("claim_id", "start", "device_id")
+            )
+        if changes:
+            self._claims_changed(
+                sorted({claim_id for claim_id, _ in changes}),
+                spans=[(since, max(since, self.at)) for _, since in changes],
+                reattributed=[],
+            )
 
     def _count(
         self, driver: str, pool: str, slices: list[dra.ParsedSlice]
@@ -1078,18 +1241,19 @@ class _Writer:
         return desired
 
     def _shape_ids(self, counted: list[dra.CountedDevice]) -> dict[str, int]:
-        """Ids of the devices' shapes by key, each distinct shape stored once."""
+        """Ids of the devices' shapes by key, each distinct shape stored once.
+
+        The stored shapes are read locked (`_LOCK_SHAPES`) until the transaction ends, so
+        `delete_unused_shapes` cannot delete one this writer is about to give a device."""
         shapes: dict[str, dra.CountedDevice] = {}
         for device in counted:
             shapes.setdefault(device.shape_key, device)
         known = self.shape_ids.keys()
         missing = [key for key in shapes if key not in known]
         if missing:
-            self.shape_ids.update(
-                DeviceShape.objects.filter(cluster=self.cluster, key__in=missing).values_list(
-                    "key", "pk"
-                )
-            )
+            with connection.cursor() as cursor:
+                cursor.execute(_LOCK_SHAPES, [self.cluster.pk, sorted(missing)])
+                self.shape_ids.update(cursor.fetchall())
             new_shapes = []
             for key in missing:
                 if key in self.shape_ids:

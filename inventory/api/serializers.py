@@ -202,6 +202,10 @@ class SyncWarningSerializer(serializers.Serializer[Any]):
         child=serializers.CharField(), help_text="The devices concerned, if any."
     )
     message = serializers.CharField(help_text="One line saying what is wrong, and where.")
+    since = serializers.DateTimeField(
+        help_text="Since when it has been true: when the generation concerned was first seen "
+        "(an incomplete pool's newest)."
+    )
 
 
 class FleetReportSerializer(serializers.Serializer[Any]):

@@ -247,7 +247,8 @@ def test_fleet_page_shows_sync_warnings_only_when_there_are_some(portal: Portal)
     assert re.search(
         r'<li class="sync-warning" data-check="incomplete_pool">pool gpu.nvidia.com/gpu-node-9: '
         r"generation 3 is incomplete \(1 of 2 slices seen\); no generation of it is complete "
-        r"yet, so none of its devices are counted</li>",
+        r'yet, so none of its devices are counted; <span class="sync-warning-since">since '
+        r"\d{4}-\d\d-\d\d \d\d:\d\d UTC \(\d+ s\)</span></li>",
         page,
     )
 

@@ -8,7 +8,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from django.core.management.base import BaseCommand, CommandError, CommandParser
+from django.utils import timezone
 
+from inventory import checks
 from inventory.models import Cluster
 from inventory.profiles import unit_label
 from inventory.selectors import fleet_report
@@ -159,8 +161,14 @@ def _capacity_section(capacity: list[dict[str, Any]]) -> str:
 
 
 def _warnings_section(warnings: list[dict[str, Any]]) -> str:
-    """What the sync stored but cannot trust (`inventory.checks`), one line per finding."""
-    lines = [f"  {warning['cluster']}: {warning['message']}" for warning in warnings]
+    """What the sync stored but cannot trust (`inventory.checks`), one line per finding, with
+    since when."""
+    now = timezone.now()
+    lines = [
+        f"  {warning['cluster']}: {warning['message']}\n"
+        f"    {checks.describe_since(warning['since'], now=now)}"
+        for warning in warnings
+    ]
     return f"Sync warnings ({len(warnings)})\n" + ("\n".join(lines) or "  none")
 
 

@@ -169,8 +169,10 @@ class Command(BaseCommand):
         """What the stored inventory cannot be trusted on, one line each on stderr, counted
         on stdout. Warnings leave the exit status alone: the rows were stored as published."""
         warnings = checks.sync_warnings(cluster=cluster)
+        now = timezone.now()
         for warning in warnings:
             self.stderr.write(f"warning: {warning['message']}")
+            self.stderr.write(f"  {checks.describe_since(warning['since'], now=now)}")
         self.stdout.write(f"Sync warnings: {checks.summarise(warnings)}")
 
 
