@@ -396,6 +396,21 @@ def refreshed(fleet: FleetShapes, *, cluster_id: int, version: int | None) -> Fl
         total = fresh.shape_devices.pop(shape_id, 0) + devices - before
         if total:
             fresh.shape_devices[shape_id] = total
+    # A shape no device uses is deleted a day later with its count rows (`inventory.services.
+    # delete_unused_shapes`): a snapshot that did not see its count fall (read more than a day
+    # before) would keep it, so the shapes still stored are asked for (a few dozen ids).
+    stored = set(
+        DeviceShape.objects.filter(pk__in=fresh.shape_devices).values_list("pk", flat=True)
+    )
+    for shape_id in fresh.shape_devices.keys() - stored:
+        del fresh.shape_devices[shape_id]
+        fresh.off_node.pop(shape_id, None)
+        for node_id, counts in list(fresh.per_node.items()):
+            if shape_id in counts:
+                if node_id not in copied:
+                    counts = fresh.per_node[node_id] = dict(counts)
+                    copied.add(node_id)
+                del counts[shape_id]
     for node_id in copied:
         if not fresh.per_node[node_id]:
             del fresh.per_node[node_id]

@@ -18,7 +18,7 @@ from django.test.utils import CaptureQueriesContext
 
 from inventory import services as inventory_services
 from inventory import simulate
-from inventory.models import Cluster, Device, NodeShapeCount
+from inventory.models import Cluster, Device, DeviceShape, NodeShapeCount
 from quota.admission import shapes
 from quota.admission.refresher import Refresher
 from tests.quota.fixtures import AT, fleet_objects, nvidia_gpu, nvidia_slice
@@ -153,6 +153,29 @@ def test_a_fleet_that_shrinks_or_whose_shapes_change_is_reflected(fleet: None) -
         nodes = {node for node, _ in _recount() if node is not None}
         assert set(snapshot.per_node) == nodes  # no node kept with nothing on it
     assert snapshot.shapes == {} and snapshot.per_node == {} and snapshot.off_node == {}
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_shape_deleted_with_its_counts_unseen_is_dropped_by_the_next_refresh(
+    fleet: None,
+) -> None:
+    """A snapshot that did not see a shape's count fall (the inventory deletes an unused
+    shape, with its count rows, a day after) must not keep its devices."""
+    cluster = _cluster()
+    _import([*fleet_objects(), _h200_node()])
+    snapshot = shapes.load_fleet(cluster=cluster)
+    h200 = list(Device.objects.filter(gone_at__isnull=True, node__name="h200-a"))
+    old_shape = h200[0].shape_id
+    # The H200s take another shape in place, then the old one is cleaned up, counts and all,
+    # before this snapshot is refreshed.
+    other = Device.objects.filter(gone_at__isnull=True).exclude(shape_id=old_shape).first()
+    assert other is not None
+    Device.objects.filter(pk__in=[d.pk for d in h200]).update(shape_id=other.shape_id)
+    NodeShapeCount.objects.filter(shape_id=old_shape).delete()
+    DeviceShape.objects.filter(pk=old_shape).delete()
+    refreshed = shapes.refreshed(snapshot, cluster_id=cluster.pk, version=9)
+    assert old_shape not in refreshed.shapes
+    assert _view(refreshed) == _view(shapes.load_fleet(cluster=cluster))
 
 
 @pytest.mark.django_db(transaction=True)
