@@ -246,7 +246,7 @@ def test_an_all_request_selecting_by_uuid_counts_the_gpus_it_gets(client: Client
     )
     assert report.errors == []
     make_team([{"name": "gpus", "device_class": "gpu.nvidia.com", "limit": 2}])
-    plain = {"name": "all", "exactly": {"deviceClassName": "gpu.nvidia.com",
+    plain: dict[str, Any] = {"name": "all", "exactly": {"deviceClassName": "gpu.nvidia.com",
                                         "allocationMode": "All"}}  # fmt: skip
     assert not decide(client, claim("plain", [plain]))["allowed"]  # 4 GPUs past the limit
     # The same four GPUs, asked with a selector every one of them satisfies.

@@ -166,6 +166,7 @@ def test_a_shape_deleted_with_its_counts_unseen_is_dropped_by_the_next_refresh(
     snapshot = shapes.load_fleet(cluster=cluster)
     h200 = list(Device.objects.filter(gone_at__isnull=True, node__name="h200-a"))
     old_shape = h200[0].shape_id
+    assert old_shape is not None
     # The H200s take another shape in place, then the old one is cleaned up, counts and all,
     # before this snapshot is refreshed.
     other = Device.objects.filter(gone_at__isnull=True).exclude(shape_id=old_shape).first()
