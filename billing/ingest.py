@@ -21,6 +21,9 @@ device NVIDIA's driver made when a claim was prepared (dynamic MIG) has a UUID n
 ResourceSlice carries: its sample, giving its parent GPU and placement (`mig_placement`), is
 stored under the partition device published at that placement on the sending node when it
 was taken (`billing.mig_samples`), at once or, the partition not synced yet, once adopted.
+A MIG sample also gives its GPU instance id (`gpu_instance_id`, with `parent_uuid`): an agent
+token's batch records, per GPU instance, the device its samples were stored under and the span
+they cover (`MigInstance`), by which the Prometheus source matches DCGM's MIG series.
 
 A mean's `covered_seconds` is stored as `covered_ms`, rounded to the millisecond from the
 decimal the agent sent, so the rollup holds the mean for the time its readings covered; a
@@ -52,8 +55,8 @@ from psycopg.errors import UniqueViolation
 
 from billing.dirty import mark_dirty
 from billing.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
-from billing.mig_samples import MigPlacement, partitions_at
-from billing.models import AgentToken, Sample, UnknownDeviceSample
+from billing.mig_samples import GpuInstance, MigPlacement, partitions_at
+from billing.models import AgentToken, MigInstance, Sample, UnknownDeviceSample
 from db.copy import copy_rows, json_rows
 from db.locks import advisory_xact_lock
 from inventory import profiles
@@ -65,6 +68,7 @@ MAX_BIGINT = 2**63 - 1
 MAX_MEMORY_SLICES = 64
 MAX_PROFILE_LENGTH = 64
 MAX_PROFILE_ID = 4095
+MAX_GPU_INSTANCE_ID = 4095
 ADOPT_CHUNK = 10_000
 # Per session, emptied at every commit (a truncate: temporary tables are never vacuumed).
 BATCH_TABLE = "tally_ingest_batch"
@@ -84,7 +88,9 @@ class SampleRow(NamedTuple):
     """One valid sample, as stored: `processes` is JSON text (or None), `covered_ms` a mean's
     covered time in whole milliseconds (None: a single reading). `placement`, which a MIG
     device's sample may give, finds the partition device a MIG UUID the inventory does not
-    know was made for (`billing.mig_samples`); it is kept only with a sample set aside."""
+    know was made for (`billing.mig_samples`); it is kept only with a sample set aside.
+    `instance`, its GPU instance, is recorded for the device the sample is stored under
+    (`MigInstance`)."""
 
     device_uuid: str
     ts_ms: int
@@ -93,6 +99,7 @@ class SampleRow(NamedTuple):
     processes: str | None
     covered_ms: int | None = None
     placement: MigPlacement | None = None
+    instance: GpuInstance | None = None
 
 
 class Rejection(TypedDict):
@@ -236,6 +243,8 @@ class SampleChecker:
         self._instants: dict[str, int] = {}  # timestamp text -> ms, valid ones only
         self._named_keys: dict[tuple[Any, ...], str] = {}  # identity fields -> key, valid ones
         self._covered_ms: dict[float, int] = {}  # a float covered_seconds -> ms, valid ones
+        # (parent_uuid, gpu_instance_id and its type) -> the GPU instance, valid ones
+        self._instances: dict[tuple[Any, Any, type], GpuInstance] = {}
 
     def _named(self, sample: dict[str, Any]) -> str:
         """`_named_key(sample)`, worked out once per distinct identity of the batch."""
@@ -319,8 +328,21 @@ class SampleChecker:
                     "mig_placement", "goes with a MIG device's uuid, not with driver and device"
                 )
             placement = _checked_placement(sample, placement)
+        instance = sample.get("gpu_instance_id")
+        if instance is not None:
+            if uuid[:1] == NAMED:
+                raise InvalidSample(
+                    "gpu_instance_id", "goes with a MIG device's uuid, not with driver and device"
+                )
+            key = (sample.get("parent_uuid"), instance, type(instance))
+            try:
+                instance = self._instances[key]
+            except KeyError:
+                instance = self._instances[key] = _checked_instance(sample, instance)
+            except TypeError:  # an unhashable value (an object): not valid anyway
+                instance = _checked_instance(sample, instance)
         return SampleRow(
-            uuid, ts_ms, gpu_util, mem_used_bytes, processes_json, covered_ms, placement
+            uuid, ts_ms, gpu_util, mem_used_bytes, processes_json, covered_ms, placement, instance
         )
 
 
@@ -416,6 +438,20 @@ def _checked_placement(sample: dict[str, Any], placement: object) -> MigPlacemen
             f"must be an integer from 0 to {MAX_PROFILE_ID}, not {_show(profile_id)}",
         )
     return MigPlacement(_checked_uuid(parent, "parent_uuid"), start, size, profile, profile_id)
+
+
+def _checked_instance(sample: dict[str, Any], instance_id: object) -> GpuInstance:
+    """A MIG device's GPU instance, as its sample gives it: `gpu_instance_id` with
+    `parent_uuid` (`agent.nvml`)."""
+    if type(instance_id) is not int or not 0 <= instance_id <= MAX_GPU_INSTANCE_ID:
+        raise InvalidSample(
+            "gpu_instance_id",
+            f"must be an integer from 0 to {MAX_GPU_INSTANCE_ID}, not {_show(instance_id)}",
+        )
+    parent = sample.get("parent_uuid")
+    if parent is None:
+        raise InvalidSample("parent_uuid", "is needed with gpu_instance_id: the MIG device's GPU")
+    return GpuInstance(_checked_uuid(parent, "parent_uuid"), instance_id)
 
 
 # A sample that names its device by driver and device name (and node, optionally pool) is
@@ -1130,6 +1166,8 @@ def ingest(
             refused = sorted(refused + over)
     with connection.cursor() as cursor:
         stored, instants = _store_samples(cursor, known_rows, node=node, received_at=received_at)
+        if agent is not None:
+            _record_instances(cursor, known_rows, cluster_id=agent.cluster_id, node=node)
         set_aside, _ = _store(
             cursor,
             UnknownDeviceSample,
@@ -1149,6 +1187,54 @@ def ingest(
         unknown_devices=sorted(unknown_ids),
         hours=hours,
         unknown_named={key: why for key, why in unknown_named.items() if key in set_aside_ids},
+    )
+
+
+_RECORD_INSTANCES_SQL = f"""
+    INSERT INTO {MigInstance._meta.db_table}
+        (cluster_id, node, parent_uuid, gpu_instance_id, meter_id, first_ms, last_ms)
+    SELECT %s, %s, * FROM unnest(%s::text[], %s::int[], %s::text[], %s::int8[], %s::int8[])
+    ON CONFLICT (cluster_id, node, parent_uuid, gpu_instance_id, meter_id) DO UPDATE SET
+        first_ms = LEAST(EXCLUDED.first_ms, {MigInstance._meta.db_table}.first_ms),
+        last_ms = GREATEST(EXCLUDED.last_ms, {MigInstance._meta.db_table}.last_ms)
+    WHERE EXCLUDED.first_ms < {MigInstance._meta.db_table}.first_ms
+        OR EXCLUDED.last_ms > {MigInstance._meta.db_table}.last_ms
+"""
+
+
+def _record_instances(
+    cursor: CursorWrapper, rows: Sequence[SampleRow], *, cluster_id: int, node: str
+) -> None:
+    """Widen, per GPU instance and device the batch's MIG samples were stored under (known
+    devices, dynamic ones under their partition), the span it was seen in (`MigInstance`):
+    one statement per batch, duplicates included (the instant was seen either way). Only
+    rows that grow are written, so an agent's steady batches touch one row per device."""
+    spans: dict[tuple[str, int, str], list[int]] = {}
+    for row in rows:
+        if row.instance is None:
+            continue
+        key = (row.instance.parent_uuid, row.instance.gpu_instance_id, row.device_uuid)
+        span = spans.get(key)
+        if span is None:
+            spans[key] = [row.ts_ms, row.ts_ms]
+        elif row.ts_ms < span[0]:
+            span[0] = row.ts_ms
+        elif row.ts_ms > span[1]:
+            span[1] = row.ts_ms
+    if not spans:
+        return
+    keys = sorted(spans)  # one lock order for concurrent batches
+    cursor.execute(
+        _RECORD_INSTANCES_SQL,
+        [
+            cluster_id,
+            node,
+            [key[0] for key in keys],
+            [key[1] for key in keys],
+            [key[2] for key in keys],
+            [spans[key][0] for key in keys],
+            [spans[key][1] for key in keys],
+        ],
     )
 
 

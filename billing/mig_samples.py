@@ -47,6 +47,14 @@ _MEMORY_SLICE = re.compile(r"memory-?[sS]lice-?(\d+)")
 _PARTITION_NAME = re.compile(r"gpu-\d+-mig-.+-(\d+)-(\d+)")
 
 
+class GpuInstance(NamedTuple):
+    """A MIG device's GPU instance as NVML reads it: its parent GPU's UUID and GPU instance
+    id, what DCGM labels its series by (`UUID`, `GPU_I_ID`)."""
+
+    parent_uuid: str
+    gpu_instance_id: int
+
+
 class MigPlacement(NamedTuple):
     """Where a MIG device sits on its GPU, as NVML reads it: the parent GPU's UUID, the
     memory slices `[start, start + size)` its GPU instance occupies, its profile ("" not

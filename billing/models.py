@@ -123,6 +123,39 @@ class UnknownDeviceSample(models.Model):
         return f"{self.device_uuid}@{self.ts_ms} (unknown device)"
 
 
+class MigInstance(models.Model):
+    """Which MIG device (`meter_id`) a GPU instance id of a GPU was, and when: from the first
+    to the last sample time a node's agent sent it with (`billing.ingest`).
+
+    DCGM names a MIG device by its parent's UUID and its GPU instance id (`GPU_I_ID`), never
+    by the MIG UUID, and NVIDIA's DRA driver publishes no GPU instance ids: these rows are how
+    the Prometheus source tells apart two MIG devices of one profile on one GPU
+    (`billing.prometheus`). One row per device a GPU instance id was, so an id reused by a later
+    MIG device keeps both spans; updated only by widening them, so the order batches arrive in
+    makes no difference.
+    """
+
+    cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE, related_name="+")
+    node = models.CharField(max_length=253)
+    parent_uuid = models.CharField(max_length=128)
+    gpu_instance_id = models.IntegerField()
+    meter_id = models.CharField(max_length=128)
+    first_ms = models.BigIntegerField()
+    last_ms = models.BigIntegerField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["cluster", "node", "parent_uuid", "gpu_instance_id", "meter_id"],
+                name="miginstance_unique_device",
+            ),
+        ]
+        indexes = [models.Index(fields=["parent_uuid", "gpu_instance_id"])]
+
+    def __str__(self) -> str:
+        return f"{self.parent_uuid}::gi{self.gpu_instance_id} = {self.meter_id}"
+
+
 class DirtyHour(models.Model):
     """An hour whose usage must be rolled up again: late samples or allocations touched it.
 

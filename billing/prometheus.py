@@ -12,10 +12,13 @@ whole step. Metric names, scales and the labels a series names its device by are
 (defaults: the exporters'):
 
 - DCGM: `DCGM_FI_PROF_GR_ENGINE_ACTIVE` (ratio, x100), else `DCGM_FI_DEV_GPU_UTIL` (percent);
-  a whole GPU by `UUID`; a MIG device by its parent's `UUID` and `GPU_I_PROFILE`, which name
-  it when its GPU has one MIG device of that profile (DCGM does not know MIG UUIDs and the
-  inventory does not know GPU instance ids), or by a label carrying its own UUID where the
-  operator relabels one (`mig_uuid=`).
+  a whole GPU by `UUID`; a MIG device by a label carrying its own UUID where the operator
+  relabels one (`mig_uuid=`), else by its parent's `UUID` and `GPU_I_ID`: DCGM does not know
+  MIG UUIDs and the inventory does not know GPU instance ids, but the node agents send each
+  MIG device's with its samples (`billing.models.MigInstance`), so each reading goes to the
+  device that GPU instance was at its time (an id reused by a later MIG device maps by time).
+  A reading no agent's record covers falls back to `GPU_I_PROFILE`, which names a MIG device
+  when its GPU has one of that profile.
 - AMD device-metrics-exporter: `gpu_gfx_activity` (percent); a GPU by `hostname` and
   `serial_number`: a node's GPUs numbered by their lowest `gpu_id` are its AMD devices' PCI
   addresses in order (what the node agent reads from sysfs, here from the inventory), a
@@ -66,6 +69,7 @@ from django.utils import timezone
 from billing.dirty import mark_dirty
 from billing.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
 from billing.ingest import NAMED, PCI_ATTRIBUTE, PCI_KEY, resolve_named
+from billing.models import MigInstance
 from db.copy import copy_rows
 from inventory.models import Allocation, Device, DeviceKind
 
@@ -543,13 +547,16 @@ class Identities:
     """The window's devices as series name them."""
 
     by_uuid: dict[str, str] = field(default_factory=dict)  # published uuid -> meter id
+    # (parent uuid, GPU instance id) -> the devices it was: (first ms, last ms, meter id)
+    instances: dict[tuple[str, int], list[tuple[int, int, str]]] = field(default_factory=dict)
     mig: dict[tuple[str, str], list[str]] = field(default_factory=dict)
     amd_buses: dict[str, list[str]] = field(default_factory=dict)  # node -> PCI addresses
 
 
-def _identities(devices: QuerySet[Device], start_ms: int) -> Identities:
-    """`devices` by UUID, and every MIG device of their parents not gone before the window
-    (a profile names a MIG device only where its GPU has one of that profile)."""
+def _identities(devices: QuerySet[Device], start_ms: int, end_ms: int) -> Identities:
+    """`devices` by UUID, every MIG device of their parents not gone before the window (a
+    profile names a MIG device only where its GPU has one of that profile), and the devices
+    their parents' GPU instances were about the window, as the agents saw them."""
     present = Q(gone_at__isnull=True) | Q(gone_at__gt=hour_at(start_ms // MS_PER_HOUR))
     found = Identities()
     rows = list(devices.values_list("uuid", "meter_id", "parent_uuid", "kind"))
@@ -563,7 +570,38 @@ def _identities(devices: QuerySet[Device], start_ms: int) -> Identities:
     ).values_list("parent_uuid", "profile", "meter_id"):
         mig[parent, profile].append(meter_id)
     found.mig = dict(mig)
+    instances: dict[tuple[str, int], list[tuple[int, int, str]]] = defaultdict(list)
+    for parent, instance_id, first_ms, last_ms, meter_id in MigInstance.objects.filter(
+        parent_uuid__in=parents, first_ms__lt=end_ms, last_ms__gte=start_ms - 2 * sample_hold_ms()
+    ).values_list("parent_uuid", "gpu_instance_id", "first_ms", "last_ms", "meter_id"):
+        instances[parent, instance_id].append((first_ms, last_ms, meter_id))
+    found.instances = {key: sorted(spans) for key, spans in instances.items()}
     return found
+
+
+@dataclass(frozen=True)
+class InstanceMeters:
+    """The devices one GPU instance was (`Identities.instances`), for a DCGM MIG series: a
+    reading goes to the device whose span, held as a sample holds, covers its instant and
+    began last (an id reused goes to the later device from its first sample); none: to
+    `fallback`, the device the series' profile names, if any. Two devices first seen at the
+    same instant cannot be told apart: that reading is not matched."""
+
+    spans: Sequence[tuple[int, int, str]]
+    fallback: str | None
+    hold_ms: int
+
+    def meter_at(self, ts: int) -> str | None:
+        covering = [
+            (first, meter)
+            for first, last, meter in self.spans
+            if first <= ts <= last + self.hold_ms
+        ]
+        if not covering:
+            return self.fallback
+        latest = max(first for first, _ in covering)
+        meters = {meter for first, meter in covering if first == latest}
+        return meters.pop() if len(meters) == 1 else None
 
 
 def _amd_buses(nodes: set[str], start_ms: int) -> dict[str, list[str]]:
@@ -613,10 +651,11 @@ def match_series(
     series: Sequence[Series],
     identities: Identities,
     start_ms: int,
-) -> tuple[list[str | None], list[str]]:
-    """Each series' meter id (None: not a device the inventory knows), and why each unmatched
-    one is (for `meter_prometheus --check`)."""
-    keys: list[str | None] = []
+) -> tuple[list[str | InstanceMeters | None], list[str]]:
+    """Each series' meter id (None: not a device the inventory knows; `InstanceMeters`: a
+    DCGM MIG series, each reading's by its instant), and why each unmatched one is (for
+    `meter_prometheus --check`)."""
+    keys: list[str | InstanceMeters | None] = []
     why: list[str] = []
     if exporter.name == "amd":
         indexes = _amd_indexes(exporter, series)
@@ -624,14 +663,15 @@ def match_series(
         identities.amd_buses.update(_amd_buses(nodes - identities.amd_buses.keys(), start_ms))
     for one in series:
         labels = one.labels
-        key: str | None = None
+        key: str | InstanceMeters | None = None
         if any(name in labels for name in exporter.skip):
             keys.append(None)
             continue
         node = exporter.label(labels, "node")
         if exporter.name == "dcgm":
             uuid = exporter.label(labels, "uuid")
-            if exporter.label(labels, "gpu_instance").isdigit():
+            instance = exporter.label(labels, "gpu_instance")
+            if instance.isdigit():
                 own = exporter.label(labels, "mig_uuid")
                 profile = exporter.label(labels, "mig_profile")
                 candidates = (
@@ -639,10 +679,14 @@ def match_series(
                     else identities.mig.get((uuid, profile), [])
                 )  # fmt: skip
                 key = candidates[0] if len(candidates) == 1 else None
-                if key is None:
+                spans = identities.instances.get((uuid, int(instance)))
+                if spans and own not in identities.by_uuid:
+                    key = InstanceMeters(spans=spans, fallback=key, hold_ms=sample_hold_ms())
+                elif key is None:
                     why.append(
-                        f"MIG {profile or '?'} of {uuid}: {len(candidates)} MIG devices of that "
-                        "profile on that GPU in the inventory"
+                        f"MIG {profile or '?'} (GPU instance {instance}) of {uuid}: no agent "
+                        f"sent that GPU instance's device, and {len(candidates)} MIG devices of "
+                        "that profile on that GPU in the inventory"
                     )
             else:
                 key = identities.by_uuid.get(uuid)
@@ -661,12 +705,14 @@ def match_series(
             bus = exporter.label(labels, "pci_bus_id")
             key = _named(node, INTEL_DRIVER, bus, "") if node and bus else None
         keys.append(key)
-    named = {key for key in keys if key is not None and key.startswith(NAMED)}
+    named = {key for key in keys if isinstance(key, str) and key.startswith(NAMED)}
     resolved: dict[str, str] = {}
     if named:
         resolved, refused, _ = resolve_named(named, node="", agent=None)
         why.extend(reason for _, reason in refused.values())
-    return [resolved.get(key) if key and key.startswith(NAMED) else key for key in keys], why
+    return [
+        resolved.get(key) if isinstance(key, str) and key.startswith(NAMED) else key for key in keys
+    ], why
 
 
 # --- Readings for the rollup ------------------------------------------------------------------
@@ -710,7 +756,7 @@ def window_readings(*, held: QuerySet[Allocation], start_ms: int, end_ms: int) -
         device_ids.add(device_id)
     if not by_cluster:
         return None
-    identities = _identities(Device.objects.filter(pk__in=device_ids), start_ms)
+    identities = _identities(Device.objects.filter(pk__in=device_ids), start_ms, end_ms)
     points: dict[str, list[tuple[int, float]]] = {}
     unmatched: list[str] = []
     unreachable: dict[str, EngineUnavailable] = {}  # engine URL -> how it did not answer
@@ -785,10 +831,13 @@ def _ask(
             meters, why = match_series(exporter, series, identities, start_ms)
             unmatched.extend(why)
             for one, meter in zip(series, meters, strict=True):
-                if meter is None or meter not in wanted:
+                if meter is None or (isinstance(meter, str) and meter not in wanted):
                     continue
-                instants = found[meter]
                 for ts, value in one.points:
+                    meter_id = meter if isinstance(meter, str) else meter.meter_at(ts)
+                    if meter_id is None or meter_id not in wanted:
+                        continue
+                    instants = found[meter_id]
                     reading = (-rank, _percent(value, metric.scale))
                     if reading > instants.get(ts, (-rank - 1, 0.0)):
                         instants[ts] = reading

@@ -29,7 +29,7 @@ from agent.nvml import NvmlSource
 from billing import rollup
 from billing.hours import epoch_ms
 from billing.ingest import adopt_unknown_samples
-from billing.models import DirtyHour, Sample, UnknownDeviceSample, UsageHour
+from billing.models import DirtyHour, MigInstance, Sample, UnknownDeviceSample, UsageHour
 from billing.services import issue_agent_token
 from inventory import services
 from inventory.dumps import iter_objects
@@ -641,3 +641,14 @@ def test_a_day_of_dynamic_mig_allocations_is_measured_end_to_end(
             assert row.unmeasured_gpu_ms == 0
             assert abs(row.utilised_gpu_ms - row.allocated_gpu_ms * util / 100) <= 1
     assert UnknownDeviceSample.objects.count() == 0
+    # Each GPU instance recorded under the partition its MIG device was made on, for its
+    # span: what a DCGM series of the H100 (`UUID`, `GPU_I_ID`) is matched by.
+    last_minute = epoch_ms(DAY + timedelta(hours=23, minutes=59))
+    assert sorted(
+        MigInstance.objects.values_list(
+            "parent_uuid", "gpu_instance_id", "meter_id", "first_ms", "last_ms"
+        )
+    ) == [
+        (H100, 1, three_g.meter_id, epoch_ms(DAY), epoch_ms(NOON) - 60_000),
+        (H100, 2, three_g.meter_id, epoch_ms(NOON), last_minute),
+    ]

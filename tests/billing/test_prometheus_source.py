@@ -16,6 +16,7 @@ Skipped when the binaries are absent, unless TALLY_PROMETHEUS_TESTS=required (.c
 from __future__ import annotations
 
 import http.server
+import json
 import os
 import shutil
 import socket
@@ -33,15 +34,17 @@ from typing import Any
 import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.core.management import CommandError, call_command
-from django.test import override_settings
+from django.test import Client, override_settings
 from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.readings import format_ts
 from billing import ingest, prometheus, rollup
 from billing.hours import epoch_ms
 from billing.ingest import SampleRow
-from billing.models import DirtyHour, RateCard, Sample, UsageHour
+from billing.models import DirtyHour, MigInstance, RateCard, Sample, UsageHour
 from billing.pricing import period_for, usage_lines
+from billing.services import issue_agent_token
 from inventory import profiles
 from inventory.models import Allocation, Device
 from teams.models import Team, TeamNamespace
@@ -842,7 +845,7 @@ def test_meter_prometheus_reports_what_the_engine_gives(day_engine: str, team: T
     # 30 s readings from a hold before the hour: 124 for the DCGM devices.
     assert f"{allocations['h100-a'].meter_id}: 124 readings" in text
     assert allocations["sampled"].meter_id not in text  # its cluster sends samples
-    assert "not matched: MIG 1g.5gb of GPU-a100c0de" in text
+    assert "not matched: MIG 1g.5gb (GPU instance 9) of GPU-a100c0de" in text
     with (
         prometheus_settings(f"http://127.0.0.1:{_free_port()}"),
         pytest.raises(CommandError, match="the engine did not answer"),
@@ -936,3 +939,155 @@ def test_an_engine_that_does_not_answer_is_asked_once_a_window_one_in_part_per_c
         engine.shutdown()
     assert len(_PartialEngine.headers_seen) == 2
     assert partial.value.clusters == {PROM_CLUSTER, "samples-west"}
+
+
+# --- MIG devices by GPU instance id -----------------------------------------------------------
+
+
+def gi_series(instance: str) -> list[tuple[int, str]]:
+    """The recorded day's DCGM_FI_PROF_GR_ENGINE_ACTIVE readings of the A100's GPU instance
+    `instance` (9 and 10: its two 1g.5gb MIG devices)."""
+    (points,) = [
+        points
+        for (name, labels), points in day_series().items()
+        if name == "DCGM_FI_PROF_GR_ENGINE_ACTIVE" and ("GPU_I_ID", instance) in labels
+    ]
+    return points
+
+
+def two_slices(team: Team, *, held: tuple[tuple[float, float], tuple[float, float]]) -> list[Any]:
+    """The A100 of gpu-node-2 with its two 1g.5gb MIG devices, each held for a span of hours,
+    and the node's agent token."""
+    cluster = ClusterFactory.create(name=PROM_CLUSTER)
+    node = NodeFactory.create(cluster=cluster, name="gpu-node-2")
+    a100 = DeviceFactory.create(
+        node=node, name="gpu-0", uuid=A100, product_name="NVIDIA A100-SXM4-40GB"
+    )
+    RateCard.objects.create(
+        product_name="NVIDIA A100-SXM4-40GB",
+        per_gpu_hour=Decimal("1.10"),
+        idle_factor=Decimal("0.35"),
+        currency="USD",
+        valid_from=date(2026, 1, 1),
+    )
+    slices = []
+    for placement, (start, end) in zip((0, 1), held, strict=True):
+        mig = MigDeviceFactory.create(
+            parent=a100, name=f"gpu-0-mig-1g5gb-19-{placement}", profile="1g.5gb"
+        )
+        AllocationFactory.create(
+            device=mig, team=team, start=at(start), end=at(end), claim__namespace="research"
+        )
+        slices.append(mig)
+    token = issue_agent_token(cluster=cluster, node="gpu-node-2", actor="ops")
+    return [*slices, token]
+
+
+def send(token: str, readings: list[tuple[Device, str, int, str]]) -> None:
+    """The node agent's samples of MIG devices: (device, GPU instance id, instant, ratio)."""
+    samples = [
+        {
+            "uuid": device.meter_id,
+            "ts": format_ts(datetime.fromtimestamp(ts / 1000, UTC)),
+            "gpu_util": percent(text, 100.0),
+            "parent_uuid": A100,
+            "gpu_instance_id": int(instance),
+        }
+        for device, instance, ts, text in readings
+    ]
+    for chunk in range(0, len(samples), 2_000):
+        response = Client().post(
+            "/ingest/samples",
+            data=json.dumps({"node": "gpu-node-2", "samples": samples[chunk : chunk + 2_000]}),
+            content_type="application/json",
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        assert response.status_code == 200 and response.json()["rejected"] == []
+
+
+def held_by(device: Device) -> int:
+    """The id of the allocation of `device`."""
+    return Allocation.objects.get(device=device).pk
+
+
+def both_ways(day_engine: str, slices: list[Device]) -> tuple[list[Any], list[Any]]:
+    """The day's usage rows from the agent's samples, then from the engine's series alone."""
+    roll_up_day()
+    from_samples = usage_rows()
+    Sample.objects.filter(device_uuid__in=[mig.meter_id for mig in slices]).delete()
+    with prometheus_settings(day_engine):
+        roll_up_day()
+    return from_samples, usage_rows()
+
+
+def test_two_slices_of_one_profile_are_metered_by_their_gpu_instance_ids(
+    day_engine: str, team: Team
+) -> None:
+    first, second, token = two_slices(team, held=((0, 24), (2.25, 23.5)))
+    send(
+        token,
+        [(first, "9", ts, text) for ts, text in gi_series("9")]
+        + [(second, "10", ts, text) for ts, text in gi_series("10")],
+    )
+    assert sorted(MigInstance.objects.values_list("gpu_instance_id", "meter_id")) == [
+        (9, first.meter_id),
+        (10, second.meter_id),
+    ]
+    from_samples, from_engine = both_ways(day_engine, [first, second])
+    assert from_engine == from_samples  # to the millisecond, every hour of both
+    assert len(from_engine) == 24 + 22
+    assert all(row[3] > 0 and row[4] == 0 for row in from_engine)
+    # The two slices' readings differ: each went to its own device.
+    utilised = {
+        allocation: sum(row[3] for row in from_engine if row[0] == allocation)
+        for allocation in {row[0] for row in from_engine}
+    }
+    assert len(set(utilised.values())) == 2
+
+
+def test_a_gpu_instance_id_reused_after_a_reconfiguration_maps_by_time(
+    day_engine: str, team: Team
+) -> None:
+    # GPU instance 9 is the slice at placement 0 until noon; the GPU is reconfigured and
+    # instance 9 is then the slice at placement 1. One DCGM series throughout.
+    before, after, token = two_slices(team, held=((0, 12), (12, 24)))
+    noon = epoch_ms(at(12))
+    readings = gi_series("9")
+    send(
+        token,
+        [(after if ts >= noon else before, "9", ts, text) for ts, text in reversed(readings)],
+    )
+    from_samples, from_engine = both_ways(day_engine, [before, after])
+    assert from_engine == from_samples
+    # Each hour billed to the slice the instance was then, measured throughout.
+    assert [row[:2] for row in from_engine] == [
+        (held_by(before), at(hour)) for hour in range(12)
+    ] + [(held_by(after), at(hour)) for hour in range(12, 24)]
+    assert all(row[3] > 0 for row in from_engine)
+    # Unmeasured only from noon until the later slice's first reading, 250 ms after it (GPU
+    # time: at the slice's share).
+    unmeasured = round(JITTER_MS["dcgm"] * after.gpu_share)
+    assert [row[4] for row in from_engine] == [0] * 12 + [unmeasured] + [0] * 11
+
+
+def test_a_reading_goes_to_the_device_its_gpu_instance_was_at_its_instant() -> None:
+    hold = 120_000
+    # Instance 1 was "a" over [0, 100 s], then "b" over [200 s, 300 s], then "a" again from
+    # 400 s: "a"'s record spans both its times.
+    meters = prometheus.InstanceMeters(
+        spans=[(0, 500_000, "a"), (200_000, 300_000, "b")], fallback="by-profile", hold_ms=hold
+    )
+    assert [meters.meter_at(ts) for ts in (0, 150_000, 200_000, 300_000 + hold)] == [
+        "a",
+        "a",
+        "b",
+        "b",
+    ]
+    assert meters.meter_at(300_001 + hold) == "a"  # "b" long gone: "a" again
+    assert meters.meter_at(500_000 + hold + 1) == "by-profile"  # no agent saw it then
+    assert meters.meter_at(-1) == "by-profile"
+    # Two devices first seen at one instant under one instance id: neither is guessed.
+    tied = prometheus.InstanceMeters(
+        spans=[(0, 10, "a"), (0, 10, "b")], fallback="by-profile", hold_ms=hold
+    )
+    assert tied.meter_at(5) is None
