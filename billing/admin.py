@@ -28,6 +28,7 @@ from django.http import HttpRequest
 from billing.models import (
     AgentToken,
     DirtyHour,
+    MigInstance,
     Period,
     RateCard,
     Sample,
@@ -81,8 +82,17 @@ class UnknownDeviceSampleAdmin(SampleAdmin):
 
 @admin.register(DirtyHour)
 class DirtyHourAdmin(ReadOnlyAdmin):
-    list_display = ("hour", "marked_at")
+    list_display = ("hour", "marked_at", "version")
     ordering = ("-hour",)
+
+
+@admin.register(MigInstance)
+class MigInstanceAdmin(ReadOnlyAdmin):
+    list_display = ("cluster", "node", "parent_uuid", "gpu_instance_id", "meter_id", "first_ms")
+    list_filter = ("cluster",)
+    search_fields = ("node", "parent_uuid", "meter_id")
+    list_select_related = ("cluster",)
+    ordering = ("cluster", "node", "parent_uuid", "gpu_instance_id", "first_ms")
 
 
 @admin.register(UsageHour)
