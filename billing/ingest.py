@@ -150,7 +150,8 @@ class InvalidSample(ValueError):
     def __init__(self, field_name: str, message: str, *, label: str = "") -> None:
         super().__init__(f"{field_name}: {message}" if field_name else message)
         self.field_name = field_name
-        self.label = label or field_name or "sample"
+        # A field within a field (`mig_placement.start`) counts under the outer one.
+        self.label = label or field_name.split(".", 1)[0] or "sample"
 
 
 # Tokens

@@ -90,6 +90,13 @@ INGEST_REJECT_REASONS = (
     "partition",
     "not_metered",
     "ambiguous_device",
+    # A mean's covered time, and what a MIG sample says of its GPU instance.
+    "covered_seconds",
+    "parent_uuid",
+    "mig_placement",
+    "mig_profile",
+    "mig_profile_id",
+    "gpu_instance_id",
 )
 # Quota rule names (slugs of at most 63 characters, written by operators in the policy), and
 # "" when no rule decided: at most this many distinct ones per process, then "other".

@@ -38,6 +38,7 @@ def label_values(name: str, label: str) -> set[str]:
 def malformed(index: int) -> Any:
     """A different malformed sample for each index, whatever part of it is wrong."""
     ts = timezone.now().isoformat()
+    placed = {"mig_placement": {"start": 0, "size": 1}}
     kinds: list[Any] = [
         f"junk {index}",
         index,
@@ -49,6 +50,12 @@ def malformed(index: int) -> Any:
         {"uuid": "GPU-1", "ts": ts, "processes": {"pid": index}},
         {"uuid": "GPU-1", "ts": f"{1 + index % 9000:04d}-01-01T00:00:00Z"},
         {"uuid": "GPU-1", "ts": f"samples[{index}]"},
+        {"uuid": "GPU-1", "ts": ts, "covered_seconds": -index},
+        {"uuid": "GPU-1", "ts": ts, "mig_placement": {"start": 0, "size": 1}},  # no parent
+        {"uuid": "GPU-1", "ts": ts, "parent_uuid": "GPU-p", "mig_placement": {"start": -index}},
+        {"uuid": "GPU-1", "ts": ts, "parent_uuid": "GPU-p", "gpu_instance_id": -1 - index},
+        {"uuid": "GPU-1", "ts": ts, "parent_uuid": "GPU-p", **placed, "mig_profile": index},
+        {"uuid": "GPU-1", "ts": ts, "parent_uuid": "GPU-p", **placed, "mig_profile_id": "x"},
     ]
     return kinds[index % len(kinds)]
 
@@ -76,9 +83,21 @@ def test_5000_malformed_samples_count_under_the_fixed_reasons(client: Client, gp
     reasons = label_values("tally_ingest_rejected_samples", "reason")
     assert reasons <= {*metrics.INGEST_REJECT_REASONS, metrics.OTHER}, reasons
     # Each kind of mistake under its own reason, none of them "other".
-    assert {"sample", "uuid", "ts", "ts_window", "gpu_util", "mem_used_bytes", "processes"} <= (
-        reasons
-    )
+    assert {
+        "sample",
+        "uuid",
+        "ts",
+        "ts_window",
+        "gpu_util",
+        "mem_used_bytes",
+        "processes",
+        "covered_seconds",
+        "parent_uuid",
+        "mig_placement",
+        "gpu_instance_id",
+        "mig_profile",
+        "mig_profile_id",
+    } <= reasons
     totals = {
         sample.labels["reason"]: sample.value
         for family in REGISTRY.collect()
