@@ -7,25 +7,33 @@ and the lag it keeps, against a reader that only decodes the same stream.
 Creates a fresh PostgreSQL database (`BENCH_DATABASE_URL`, default
 postgres://postgres@127.0.0.1:5432/tally_bench_sync), migrates it and imports a simulated
 whole-GPU fleet of `--devices` GPUs (`inventory.simulate`, 8 a node, ~60% allocated, its
-history ending at the start of the current hour) with
-`import_snapshot`. The same slices and claims are loaded into a local API server that speaks
-list and watch (`tests.fake_kube.FakeKube`, the suite's), and the sync's state is set to its
-resourceVersion, so the sync starts by watching, as a syncer does after its first list. Then:
+history ending at the start of the current hour) with `import_snapshot`. The same slices and
+claims, and the claims' Pods with their ReplicaSets and Jobs (`simulate.generate(owners=
+True)`), are loaded into a local API server that speaks list, watch and get
+(`tests.fake_kube.FakeKube`, the suite's). The server and the producer run in a process of
+their own, as an API server is not in the syncer's process: loaded in this one, its Python
+took the sync's CPU. Then:
 
 1. The real sync (`inventory.kube.sync`, one list + watch loop per kind, through the
-   `kubernetes` client, for ResourceClaim and ResourceSlice) follows the server, while a
-   producer changes objects at `--rate` a second for `--seconds`: 80% claims (released, or
-   allocated again to the device they held), 20% slices (the pool's generation bumped, its
-   devices unchanged).
-2. **Floor**: at the same time, a reader of the same two watches through the same client
-   that only decodes each event (no database): how far behind the stream alone falls.
+   `kubernetes` client, for ResourceClaim and ResourceSlice) lists each kind once, reading
+   every claim's owners and gang as a syncer does at its start (timed, not measured as lag),
+   then watches. Once both kinds watch, a producer changes objects at `--rate` a second for
+   `--seconds`: 80% claims (released, or allocated again to the device they held), 20%
+   slices (the pool's generation bumped, its devices unchanged).
+2. **Floor**: at the same time, in a third process, a reader of the same two watches through
+   the same client that only decodes each event (no database): how far behind the stream
+   alone falls.
 3. Every 0.2 s the lag of each is sampled: the age of the oldest change not yet applied (the
    sync: by the resourceVersion `SyncState` holds per kind; the floor: by the last event it
-   decoded). After the producer stops, up to `--drain` seconds for the sync to catch up.
+   decoded). The processes share the changes made and the floor's progress in shared memory,
+   their times on the system's monotonic clock. After the producer stops, up to `--drain`
+   seconds for the sync to catch up.
 4. Prints the offered and applied rates (the events applied by kind, and per second from
    the producer's start until caught up or out of time), the sync's and the floor's lag
-   (median, p99, max, and at the producer's end), the time to drain, and PASS/FAIL: the sync
-   keeps up (its lag at the producer's end within `TARGET_LAG_SECONDS`); exits 1 if not.
+   (median, p99, max, and at the producer's end), the time to drain, the Pods and owners
+   the sync read from the server (at its list, and per claim change while measured), and
+   PASS/FAIL: the sync keeps up (its lag at the producer's end within
+   `TARGET_LAG_SECONDS`); exits 1 if not.
 
 The database is dropped at the end unless `--keep`. See README.md.
 """
@@ -34,9 +42,11 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import copy
 import json
 import math
+import multiprocessing
 import random
 import statistics
 import tempfile
@@ -44,8 +54,11 @@ import threading
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
+
+import urllib3
 
 from bench.database import fresh_database
 
@@ -55,6 +68,10 @@ DEFAULT_URL = "postgres://postgres@127.0.0.1:5432/tally_bench_sync"
 START = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
 TARGET_LAG_SECONDS = 5.0
 KINDS = ("ResourceClaim", "ResourceSlice")
+# What the claims' owners are read as (the server's `reads`).
+OWNER_KINDS = ("Pod", "ReplicaSet", "Job")
+# How long the sync's first list may take (the 100,000-GPU one reads ~40,000 Pods).
+LIST_LIMIT_SECONDS = 1800
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,39 +90,57 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from django.db import connections
+
     from inventory import kube, services, simulate
     from inventory.models import SyncState
-    from tests.fake_kube import FakeKube
 
     began = time.perf_counter()
     nodes = math.ceil(args.devices / 8)
     objects = list(
-        simulate.generate(nodes=nodes, seed=args.seed, now=START, mix=simulate.WHOLE_GPU_MIX)
+        simulate.generate(
+            nodes=nodes, seed=args.seed, now=START, mix=simulate.WHOLE_GPU_MIX, owners=True
+        )
     )
+    owned = [obj for obj in objects if obj["kind"] in OWNER_KINDS]
+    fleet = [obj for obj in objects if obj["kind"] not in OWNER_KINDS]
     cluster = services.get_cluster("default")
-    report = services.import_snapshot(cluster=cluster, objects=objects, at=START)
+    report = services.import_snapshot(cluster=cluster, objects=fleet, at=START)
     if report.errors:
         raise SystemExit(f"the fleet import reported errors: {report.errors[:5]}")
-    claims = [obj for obj in objects if obj["kind"] == "ResourceClaim"]
+    claims = [obj for obj in fleet if obj["kind"] == "ResourceClaim"]
     # The producer releases and allocates again claims that hold devices.
     allocated = [claim for claim in claims if (claim.get("status") or {}).get("allocation")]
-    slices = [obj for obj in objects if obj["kind"] == "ResourceSlice"]
+    slices = [obj for obj in fleet if obj["kind"] == "ResourceSlice"]
     print(
         f"fleet: {nodes:,} nodes, {args.devices:,} GPUs, {len(slices):,} slices, "
-        f"{len(claims):,} claims, imported in {time.perf_counter() - began:.1f} s",
+        f"{len(claims):,} claims, {len(owned):,} Pods and owners, imported in "
+        f"{time.perf_counter() - began:.1f} s",
         flush=True,
     )
 
-    # Loading the server takes minutes at full size; it must outlive the whole run.
-    with FakeKube(max_lifetime_seconds=24 * 3600) as fake, tempfile.TemporaryDirectory() as tmp:
-        for obj in [*slices, *claims]:
-            fake.add(obj)
-        fake.compact()  # the watches start here: the loading's events are no one's business
-        for kind in KINDS:
-            SyncState.objects.update_or_create(
-                cluster=cluster, kind=kind, defaults={"resource_version": fake.resource_version}
-            )
-        api_client = kube.api_client(kubeconfig=str(fake.write_kubeconfig(Path(tmp) / "kc")))
+    # Forked before any thread starts, with no database connection to share.
+    connections.close_all()
+    context = multiprocessing.get_context("fork")
+    total = args.rate * args.seconds
+    changes = _Changes(context, total)
+    control, server_end = context.Pipe()
+    with tempfile.TemporaryDirectory() as tmp:
+        kubeconfig = Path(tmp) / "kubeconfig"
+        server = context.Process(
+            target=_serve,
+            args=(server_end, kubeconfig, changes, [*slices, *claims, *owned], allocated, slices),
+            kwargs={"seed": args.seed, "rate": args.rate},
+            name="fake-kube",
+            daemon=True,
+        )
+        server.start()
+        began = time.perf_counter()
+        url, resource_version = control.recv()
+        print(f"API server loaded in {time.perf_counter() - began:.1f} s", flush=True)
+        floor = _Floor(context, url, resource_version)
+
+        api_client = kube.api_client(kubeconfig=str(kubeconfig))
         stop = threading.Event()
         syncer = threading.Thread(
             target=kube.sync,
@@ -113,38 +148,46 @@ def _run(args: argparse.Namespace) -> int:
             name="sync",
             daemon=True,
         )
-        floor = _Floor(fake.url, fake.resource_version)
-        floor.start(stop)
         syncer.start()
-        emitted = _Emitted()
-        producer = threading.Thread(
-            target=_produce,
-            args=(fake, allocated, slices, emitted, args),
-            name="producer",
-            daemon=True,
+        began = time.perf_counter()
+        listed = _wait_listed(cluster, server)
+        print(
+            f"the sync's first list: {time.perf_counter() - began:.1f} s"
+            + ("" if listed else f", NOT done in {LIST_LIMIT_SECONDS} s"),
+            flush=True,
         )
+        if not listed:
+            stop.set()
+            return 1
 
-        def applied() -> dict[str, str]:
-            return dict(
-                SyncState.objects.filter(cluster=cluster, kind__in=KINDS).values_list(
-                    "kind", "resource_version"
-                )
-            )
+        def applied() -> dict[str, int]:
+            return {
+                kind: int(version or 0)
+                for kind, version in SyncState.objects.filter(
+                    cluster=cluster, kind__in=KINDS
+                ).values_list("kind", "resource_version")
+            }
 
+        emitted = _Emitted(changes, args.rate)
         before = _applied_events(cluster)
-        began_applying = time.perf_counter()
-        producer.start()
+        control.send("produce")
+        list_reads = control.recv()
+        began_applying = time.monotonic()
         samples, floor_samples, end_lag, floor_end_lag = _watch_lag(
-            producer, emitted, lambda: {k: int(v or 0) for k, v in applied().items()}, floor
+            emitted, total, server, applied, floor
         )
-        produced_at = time.perf_counter()
+        produced_at = time.monotonic()
         drained = _wait_drained(emitted, applied, args.drain)
-        drain_s = time.perf_counter() - produced_at
-        applying_s = time.perf_counter() - began_applying
+        drain_s = time.monotonic() - produced_at
+        applying_s = time.monotonic() - began_applying
         after = _applied_events(cluster)
+        control.send("stop")
+        run_reads = control.recv()
         stop.set()
         syncer.join(30)
         api_client.close()
+        floor.stop()
+        server.join(30)
 
     offered = emitted.count / args.seconds
     applied_events = sum(after.values()) - sum(before.values())
@@ -168,10 +211,19 @@ def _run(args: argparse.Namespace) -> int:
         f"floor (decode only): lag median {_pct(floor_samples, 50):.2f} s, p99 "
         f"{_pct(floor_samples, 99):.2f} s, at the producer's end {floor_end_lag:.2f} s"
     )
-    rate = applied_events / (args.seconds + drain_s) if drained else applied_events / args.seconds
+    claim_changes = len(emitted.versions["ResourceClaim"])
+    print(
+        "reads from the API server: at the first list "
+        + _reads_line(list_reads)
+        + "; while measured "
+        + _reads_line(run_reads)
+        + f" ({run_reads.get('Pod', 0) / max(claim_changes, 1):.3f} Pods a claim change)"
+    )
+    # From the producer's start until caught up or out of time.
+    rate = applied_events / (args.seconds + drain_s)
     print(f"sync apply rate: ~{rate:,.0f} events/s against {offered:,.0f}/s offered")
-    if emitted.count != args.rate * args.seconds:
-        print(f"FAIL: the producer made {emitted.count} of {args.rate * args.seconds} changes")
+    if emitted.count != total:
+        print(f"FAIL: the producer made {emitted.count} of {total} changes")
         return 1
     verdict = end_lag <= TARGET_LAG_SECONDS
     print(
@@ -181,48 +233,125 @@ def _run(args: argparse.Namespace) -> int:
     return 0 if verdict else 1
 
 
-class _Emitted:
-    """When each change was made, by kind, in resourceVersion order."""
+def _wait_listed(cluster: Any, server: Any) -> bool:
+    """Wait for the sync's first list of every kind; False if it takes too long."""
+    from inventory.models import SyncState
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
+    deadline = time.monotonic() + LIST_LIMIT_SECONDS
+    while time.monotonic() < deadline and server.is_alive():
+        listed = SyncState.objects.filter(cluster=cluster, kind__in=KINDS, relists__gte=1)
+        if listed.count() == len(KINDS):
+            return True
+        time.sleep(0.5)
+    return False
+
+
+def _reads_line(reads: dict[str, int]) -> str:
+    return ", ".join(f"{reads.get(kind, 0):,} {kind}s" for kind in OWNER_KINDS)
+
+
+class _Changes:
+    """The changes the producer made, in memory shared between the server's process, which
+    writes them, and this one: each change's kind (an index into `KINDS`) and
+    resourceVersion, how many were made, and when the first was due (`time.monotonic`, the
+    same clock in every process)."""
+
+    def __init__(self, context: Any, total: int) -> None:
+        self.kinds = context.RawArray("b", max(total, 1))
+        self.versions = context.RawArray("q", max(total, 1))
+        self.made = context.Value("q", 0)
+        self.started = context.Value("d", 0.0)
+
+    def record(self, n: int, kind: str, version: int) -> None:
+        self.kinds[n] = KINDS.index(kind)
+        self.versions[n] = version
+        with self.made.get_lock():
+            self.made.value = n + 1
+
+
+class _Emitted:
+    """When each change was due, by kind, in resourceVersion order, as read from `_Changes`."""
+
+    def __init__(self, changes: _Changes, rate: int) -> None:
+        self._changes = changes
+        self._rate = rate
         self.versions: dict[str, list[int]] = {kind: [] for kind in KINDS}
         self.times: dict[str, list[float]] = {kind: [] for kind in KINDS}
         self.count = 0
-        self.done = False
 
-    def add(self, kind: str, version: int, at: float) -> None:
-        with self.lock:
-            self.versions[kind].append(version)
-            self.times[kind].append(at)
-            self.count += 1
+    def pull(self) -> None:
+        """Take the changes made since the last pull."""
+        with self._changes.made.get_lock():
+            made = self._changes.made.value
+        started = self._changes.started.value
+        for n in range(self.count, made):
+            kind = KINDS[self._changes.kinds[n]]
+            self.versions[kind].append(self._changes.versions[n])
+            self.times[kind].append(started + n / self._rate)
+        self.count = made
 
     def lag(self, kind: str, applied_version: int, now: float) -> float:
         """Age of the oldest change of `kind` after `applied_version`; 0 when none."""
-        with self.lock:
-            i = bisect.bisect_right(self.versions[kind], applied_version)
-            return now - self.times[kind][i] if i < len(self.times[kind]) else 0.0
+        i = bisect.bisect_right(self.versions[kind], applied_version)
+        return now - self.times[kind][i] if i < len(self.times[kind]) else 0.0
 
     def last(self, kind: str) -> int:
-        with self.lock:
-            return self.versions[kind][-1] if self.versions[kind] else 0
+        return self.versions[kind][-1] if self.versions[kind] else 0
+
+
+def _serve(
+    control: Connection,
+    kubeconfig: Path,
+    changes: _Changes,
+    served: list[dict[str, Any]],
+    claims: list[dict[str, Any]],
+    slices: list[dict[str, Any]],
+    *,
+    seed: int,
+    rate: int,
+) -> None:
+    """The API server's process: load `served`, answer the sync, produce the changes when
+    told, and report the owner reads made before and since."""
+    from tests import fake_kube
+
+    # Loading the server takes minutes at full size; it must outlive the whole run.
+    with fake_kube.FakeKube(max_lifetime_seconds=24 * 3600) as fake:
+        for obj in served:
+            fake.add(obj)
+        fake.compact()  # the watches start here: the loading's events are no one's business
+        fake.write_kubeconfig(kubeconfig)
+        control.send((fake.url, fake.resource_version))
+        control.recv()  # the sync has listed
+        listed = _owner_reads(fake)
+        control.send(listed)
+        _produce(fake, claims, slices, changes, seed=seed, rate=rate)
+        control.recv()  # measured
+        since = _owner_reads(fake)
+        control.send({kind: since[kind] - listed[kind] for kind in OWNER_KINDS})
+
+
+def _owner_reads(fake: Any) -> dict[str, int]:
+    return {kind: len(fake.reads(kind)) for kind in OWNER_KINDS}
 
 
 def _produce(
     fake: Any,
     claims: list[dict[str, Any]],
     slices: list[dict[str, Any]],
-    emitted: _Emitted,
-    args: argparse.Namespace,
+    changes: _Changes,
+    *,
+    seed: int,
+    rate: int,
 ) -> None:
-    rng = random.Random(f"{args.seed}/changes")
+    rng = random.Random(f"{seed}/changes")
     held = {i: True for i in range(len(claims))}
     allocations = {i: claim["status"].get("allocation") for i, claim in enumerate(claims)}
-    total = args.rate * args.seconds
-    start = time.perf_counter()
+    total = len(changes.versions)
+    start = time.monotonic()
+    changes.started.value = start
     for n in range(total):
-        due = start + n / args.rate
-        pause = due - time.perf_counter()
+        due = start + n / rate
+        pause = due - time.monotonic()
         if pause > 0:
             time.sleep(pause)
         if rng.random() < 0.8 and claims:
@@ -236,53 +365,71 @@ def _produce(
                 claim["status"] = {"allocation": allocation}
             held[i] = not held[i]
             claims[i] = claim
-            version = fake.modify(claim)
-            emitted.add("ResourceClaim", int(version), due)
+            changes.record(n, "ResourceClaim", int(fake.modify(claim)))
         else:
             i = rng.randrange(len(slices))
             piece = copy.deepcopy(slices[i])
             piece["spec"]["pool"]["generation"] = piece["spec"]["pool"].get("generation", 0) + 1
             slices[i] = piece
-            version = fake.modify(piece)
-            emitted.add("ResourceSlice", int(version), due)
-    emitted.done = True
+            changes.record(n, "ResourceSlice", int(fake.modify(piece)))
 
 
 class _Floor:
-    """Reads the same two watches with the same client and only decodes each event."""
+    """Reads the same two watches with the same client, in a process of its own, and only
+    decodes each event; the last resourceVersion decoded per kind is in shared memory."""
 
-    def __init__(self, url: str, resource_version: str) -> None:
-        self.url = url
-        self.resource_version = resource_version
-        self.decoded: dict[str, int] = {kind: int(resource_version) for kind in KINDS}
+    def __init__(self, context: Any, url: str, resource_version: str) -> None:
+        self.decoded = context.RawArray("q", [int(resource_version)] * len(KINDS))
+        self._process = context.Process(
+            target=self._read_all,
+            args=(url, resource_version, self.decoded),
+            name="floor",
+            daemon=True,
+        )
+        self._process.start()
 
-    def start(self, stop: threading.Event) -> None:
+    def version(self, kind: str) -> int:
+        return int(self.decoded[KINDS.index(kind)])
+
+    def stop(self) -> None:
+        self._process.terminate()
+        self._process.join(10)
+
+    @staticmethod
+    def _read_all(url: str, resource_version: str, decoded: Any) -> None:
         import kubernetes.client as k8s
 
-        for kind, method in (
-            ("ResourceClaim", "list_resource_claim_for_all_namespaces"),
-            ("ResourceSlice", "list_resource_slice"),
+        threads = []
+        for index, method in enumerate(
+            ("list_resource_claim_for_all_namespaces", "list_resource_slice")
         ):
             configuration = k8s.Configuration()
-            configuration.host = self.url
-            api = k8s.ResourceV1Api(k8s.ApiClient(configuration))
-            call = getattr(api, method)
-            threading.Thread(
-                target=self._read, args=(kind, call, stop), daemon=True, name=f"floor-{kind}"
-            ).start()
+            configuration.host = url
+            call = getattr(k8s.ResourceV1Api(k8s.ApiClient(configuration)), method)
+            threads.append(
+                threading.Thread(
+                    target=_Floor._read,
+                    args=(call, resource_version, decoded, index),
+                    name=f"floor-{KINDS[index]}",
+                )
+            )
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
 
-    def _read(self, kind: str, call: Callable[..., Any], stop: threading.Event) -> None:
+    @staticmethod
+    def _read(call: Callable[..., Any], resource_version: str, decoded: Any, index: int) -> None:
         response = call(
             watch=True,
-            resource_version=self.resource_version,
+            resource_version=resource_version,
             timeout_seconds=3600,
             _preload_content=False,
         )
         buffer = b""
-        try:
+        # The server ends the stream when the run is over: the process is then stopped.
+        with contextlib.suppress(urllib3.exceptions.HTTPError):
             for chunk in response.stream(65536):
-                if stop.is_set():
-                    break
                 buffer += chunk
                 *lines, buffer = buffer.split(b"\n")
                 for line in lines:
@@ -290,40 +437,37 @@ class _Floor:
                         event = json.loads(line)
                         version = event["object"]["metadata"].get("resourceVersion")
                         if version:
-                            self.decoded[kind] = int(version)
-        except Exception:
-            if not stop.is_set():
-                raise  # the stream broke while measuring: the figures would be wrong
-        finally:
-            response.release_conn()
+                            decoded[index] = int(version)
 
 
 def _watch_lag(
-    producer: threading.Thread,
     emitted: _Emitted,
+    total: int,
+    server: Any,
     applied: Callable[[], dict[str, int]],
     floor: _Floor,
 ) -> tuple[list[float], list[float], float, float]:
     samples: list[float] = []
     floor_samples: list[float] = []
-    while producer.is_alive():
+    while emitted.count < total and server.is_alive():
         time.sleep(0.2)
-        now = time.perf_counter()
+        emitted.pull()
+        now = time.monotonic()
         versions = applied()
         samples.append(max(emitted.lag(k, versions.get(k, 0), now) for k in KINDS))
-        floor_samples.append(max(emitted.lag(k, floor.decoded[k], now) for k in KINDS))
-    now = time.perf_counter()
+        floor_samples.append(max(emitted.lag(k, floor.version(k), now) for k in KINDS))
+    now = time.monotonic()
     versions = applied()
     end = max(emitted.lag(k, versions.get(k, 0), now) for k in KINDS)
-    floor_end = max(emitted.lag(k, floor.decoded[k], now) for k in KINDS)
+    floor_end = max(emitted.lag(k, floor.version(k), now) for k in KINDS)
     return samples, floor_samples, end, floor_end
 
 
-def _wait_drained(emitted: _Emitted, applied: Callable[[], dict[str, Any]], limit: int) -> bool:
-    deadline = time.perf_counter() + limit
-    while time.perf_counter() < deadline:
+def _wait_drained(emitted: _Emitted, applied: Callable[[], dict[str, int]], limit: int) -> bool:
+    deadline = time.monotonic() + limit
+    while time.monotonic() < deadline:
         versions = applied()
-        if all(int(versions.get(k) or 0) >= emitted.last(k) for k in KINDS):
+        if all(versions.get(k, 0) >= emitted.last(k) for k in KINDS):
             return True
         time.sleep(0.2)
     return False

@@ -15,8 +15,9 @@ the services read fields the client may not know yet, and keep what they do not 
 A claim's job is found by reading its owners (a Pod, its ReplicaSet or Job, see
 `inventory.owners`) with `OwnerReader`, before the transaction that writes the claim, once per
 claim in a batch; its gang (`inventory.gangs`) from the same Pod, read once, and the object
-that declares the gang, through the reader's `GangReader`; the gang of a live claim stored in
-none is read again on a later list or event, at most once per the reader's ttl.
+that declares the gang, through the reader's `GangReader`. A claim such a read left
+unsettled (in no gang, its Pod gone) is read again on a later list or event when
+`RereadSchedule` says: 30 s later, then twice as long each time, up to 5 minutes.
 """
 
 from __future__ import annotations
@@ -263,12 +264,9 @@ class KindSync:
         self._api_client = api_client
         # Owners read during the current watch request; a list reads its own afresh.
         self._owner_reader = OwnerReader(api_client)
-        # Live claims (by uid) whose gang was last read, and not found, at this `clock` time:
-        # read again on a later list or event once the reader's ttl has passed (see
-        # `_follow_owners`). Entries older than that mean nothing and are pruned.
+        # When the Pods of claims a read left unsettled are read again (see `_follow_owners`).
         self._clock = clock
-        self._gangless_read_at: dict[str, float] = {}
-        self._gangless_prune_at = GANG_CACHE_ENTRIES
+        self._rereads = RereadSchedule()
         self._state_id: int | None = None
         self._response: urllib3.BaseHTTPResponse | None = None
         self._response_lock = threading.Lock()
@@ -574,7 +572,11 @@ class KindSync:
         first: dict[str, dict[str, Any]] = {}
         for event in events:
             uid = (event.obj.get("metadata") or {}).get("uid")
-            if event.event_type != "DELETED" and isinstance(uid, str):
+            if not isinstance(uid, str):
+                continue
+            if event.event_type == "DELETED":
+                self._rereads.forget(uid)
+            else:
                 first.setdefault(uid, event.obj)
         if not first:
             return events
@@ -600,25 +602,50 @@ class KindSync:
         self, objects: list[dict[str, Any]], reader: OwnerReader
     ) -> tuple[dict[str, owners.Resolution], dict[str, gangs.GangRef | None]]:
         """The claims' jobs, read from their owners, and the gangs of those whose Pod that
-        read (by claim uid); none for other kinds.
+        read (by claim uid); none for other kinds. A list's claims are followed
+        `WATCH_BATCH_EVENTS` at a time, so that the objects read for some are still in the
+        reader's cache when they are followed.
 
         A claim resolved before is not followed again, so its Pod is not read again for its
-        job: one read of a Pod gives both. Its gang is read again while the claim is stored in
-        none, at most once per the reader's ttl: a gang that could not be read when the claim
-        was first seen (a transient error, RBAC granted later, a PodGroup made after its Pods)
-        is found on a later list or event, and a claim of no gang costs a read per ttl at most.
+        job: one read of a Pod gives both. A claim a read left unsettled (its Pod unreadable,
+        or in no gang) is read again, on a later list or event, as `RereadSchedule` says: a
+        gang that could not be read when the claim was first seen (a transient error, RBAC
+        granted later, a PodGroup made after its Pods) is found then, and a claim of no gang,
+        or whose Pod is gone, costs a read every few minutes at most.
         """
         if self.kind != "ResourceClaim":
             return {}, {}
-        ttl = reader.objects.ttl_seconds
+        jobs: dict[str, owners.Resolution] = {}
+        claim_gangs: dict[str, gangs.GangRef | None] = {}
+        for start in range(0, len(objects), WATCH_BATCH_EVENTS):
+            some_jobs, some_gangs = self._follow_some_owners(
+                objects[start : start + WATCH_BATCH_EVENTS], reader
+            )
+            jobs.update(some_jobs)
+            claim_gangs.update(some_gangs)
+        return jobs, claim_gangs
+
+    def _follow_some_owners(
+        self, objects: list[dict[str, Any]], reader: OwnerReader
+    ) -> tuple[dict[str, owners.Resolution], dict[str, gangs.GangRef | None]]:
         now = self._clock()
+        by_uid = {
+            uid: obj
+            for obj in objects
+            if isinstance(uid := (obj.get("metadata") or {}).get("uid"), str)
+        }
         try:
-            candidates = services.claims_to_follow(cluster=self.cluster, objects=objects)
-            again = self._gangless_due(objects, followed=candidates, now=now, ttl=ttl)
-            read = candidates.keys() | again
+            candidates = {
+                uid: candidate
+                for uid, candidate in services.claims_to_follow(
+                    cluster=self.cluster, objects=objects
+                ).items()
+                if uid not in by_uid or self._rereads.due(by_uid[uid], now)
+            }
+            again = self._gangless_due(objects, followed=candidates, now=now)
             _read_pods(
                 reader.objects,
-                [obj for obj in objects if (obj.get("metadata") or {}).get("uid") in read],
+                [obj for uid, obj in by_uid.items() if uid in candidates or uid in again],
             )
             jobs = services.follow_claim_jobs(candidates, lookup=reader)
         except (OperationalError, InterfaceError):
@@ -628,8 +655,7 @@ class KindSync:
             log.exception("%s: could not follow the claims' owners; skipped", self.kind)
             return {}, {}
         claim_gangs: dict[str, gangs.GangRef | None] = {}
-        for obj in objects:
-            uid = (obj.get("metadata") or {}).get("uid")
+        for uid, obj in by_uid.items():
             if uid in jobs or uid in again:
                 try:
                     found = gangs.gang_of_claim(obj, reader.objects)
@@ -638,24 +664,23 @@ class KindSync:
                     continue
                 claim_gangs[uid] = found
                 if gangs.claim_pod(obj) is not None:
-                    self._note_gang_read(uid, found, now=now, ttl=ttl)
+                    self._rereads.read(obj, now, settled=found is not None)
         return jobs, claim_gangs
 
     def _gangless_due(
-        self, objects: list[dict[str, Any]], *, followed: Iterable[str], now: float, ttl: float
+        self, objects: list[dict[str, Any]], *, followed: Iterable[str], now: float
     ) -> set[str]:
         """The uids of the claims among `objects`, not `followed` (their gang is read anyway),
-        made for a Pod, stored live in no gang, and whose gang was last read `ttl` ago or more
-        (or not in this process)."""
+        made for a Pod, stored live in no gang, and due a read (`RereadSchedule.due`)."""
         skip = set(followed)
-        due: list[str] = []
-        for obj in objects:
-            uid = (obj.get("metadata") or {}).get("uid")
-            if not isinstance(uid, str) or uid in skip or gangs.claim_pod(obj) is None:
-                continue
-            last = self._gangless_read_at.get(uid)
-            if last is None or now - last >= ttl:
-                due.append(uid)
+        due = [
+            uid
+            for obj in objects
+            if isinstance(uid := (obj.get("metadata") or {}).get("uid"), str)
+            and uid not in skip
+            and gangs.claim_pod(obj) is not None
+            and self._rereads.due(obj, now)
+        ]
         found: set[str] = set()
         for start in range(0, len(due), CLAIMS_PER_QUERY):
             found.update(
@@ -667,19 +692,6 @@ class KindSync:
                 ).values_list("uid", flat=True)
             )
         return found
-
-    def _note_gang_read(
-        self, uid: str, found: gangs.GangRef | None, *, now: float, ttl: float
-    ) -> None:
-        if found is not None:
-            self._gangless_read_at.pop(uid, None)
-            return
-        self._gangless_read_at[uid] = now
-        if len(self._gangless_read_at) > self._gangless_prune_at:
-            self._gangless_read_at = {
-                key: at for key, at in self._gangless_read_at.items() if now - at < ttl
-            }
-            self._gangless_prune_at = max(GANG_CACHE_ENTRIES, 2 * len(self._gangless_read_at))
 
     def _call(self, **kwargs: Any) -> urllib3.BaseHTTPResponse:
         try:
@@ -733,6 +745,10 @@ OWNER_READ_FAILURES = 3
 GANG_CACHE_SECONDS = 30.0
 # Objects a reader keeps at most; the least recently used go first.
 GANG_CACHE_ENTRIES = 4096
+# A claim a read left unsettled is read again after this long at first, then after twice as
+# long each time, up to `GANG_REREAD_MAX_SECONDS` (see `RereadSchedule`).
+GANG_REREAD_SECONDS = GANG_CACHE_SECONDS
+GANG_REREAD_MAX_SECONDS = 300.0
 # Built-in (API group, kind) → the resource RBAC names, the API class and its read method.
 # Other kinds (the custom resources that declare gangs, and ResourceClaimTemplates, whose
 # version is the claim's) go through the generic object call, with their plural from
@@ -779,10 +795,6 @@ class GangReader:
         self._forbidden: dict[tuple[str, str], float] = {}
         self._failures = 0
         self._paused_until = 0.0
-
-    @property
-    def ttl_seconds(self) -> float:
-        return self._ttl
 
     def get(self, namespace: str, api_version: str, kind: str, name: str) -> dict[str, Any] | None:
         return self._get(namespace, api_version, kind, name, fresh=False)
@@ -889,6 +901,82 @@ def _read_pods(reader: GangReader, claims: list[dict[str, Any]]) -> None:
         max_workers=min(OWNER_READ_CONCURRENCY, len(pods)), thread_name_prefix="owner-read"
     ) as pool:
         list(pool.map(lambda pod: reader.get(pod[0], gangs.POD_API_VERSION, "Pod", pod[1]), pods))
+
+
+class RereadSchedule:
+    """When the Pod of a claim is read again, once a read left the claim unsettled: its Pod
+    unreadable (gone, forbidden, the API server failing), so its job not followed beyond it,
+    or the Pod in no gang (none declared, or the object that declares it not readable yet).
+
+    Such a claim is due again `first_seconds` after the read, then each read that leaves it
+    unsettled doubles the wait, up to `max_seconds`; a claim with a new controller (a Pod
+    recreated under the same name has a new uid) starts over, as does one this process has
+    not read. A claim settled (in a gang) waits `max_seconds`: only a claim whose job ends
+    at its own Pod is followed again then (`services.claims_to_follow`).
+
+    The read happens at the claim's next event or list once due, so a gang declared N after
+    the claim was first read is found at its first event once N + min(N + first_seconds,
+    max_seconds) have passed (30 s, 5 minutes: within 1 minute and 30 s for a gang 1 minute
+    late, 15 minutes for one 10 minutes late), where a fixed wait of `first_seconds` read
+    every claim of no gang twice a minute, however long it had been in none.
+
+    Claims not read for twice `max_seconds` are forgotten once there are many (the next read
+    starts over at `first_seconds`); a deleted claim at once (`forget`).
+    """
+
+    def __init__(
+        self,
+        *,
+        first_seconds: float = GANG_REREAD_SECONDS,
+        max_seconds: float = GANG_REREAD_MAX_SECONDS,
+    ) -> None:
+        self._first = first_seconds
+        self._max = max(first_seconds, max_seconds)
+        # claim uid → (its controller when read, read at, wait)
+        self._claims: dict[str, tuple[tuple[str, ...] | None, float, float]] = {}
+        self._prune_at = GANG_CACHE_ENTRIES
+
+    def due(self, claim: dict[str, Any], now: float) -> bool:
+        """Whether `claim`'s Pod is to be read at `now`."""
+        metadata = claim.get("metadata") or {}
+        uid = metadata.get("uid")
+        entry = self._claims.get(uid) if isinstance(uid, str) else None
+        if entry is None:
+            return True
+        owner, read_at, wait = entry
+        return owner != _controller_key(metadata) or now - read_at >= wait
+
+    def read(self, claim: dict[str, Any], now: float, *, settled: bool) -> None:
+        """`claim`'s Pod was read at `now`; `settled`: what it found needs no other read."""
+        metadata = claim.get("metadata") or {}
+        uid = metadata.get("uid")
+        if not isinstance(uid, str):
+            return
+        owner = _controller_key(metadata)
+        entry = self._claims.get(uid)
+        if settled:
+            wait = self._max
+        elif entry is not None and entry[0] == owner:
+            wait = min(2 * entry[2], self._max)
+        else:
+            wait = self._first
+        self._claims[uid] = (owner, now, wait)
+        if len(self._claims) > self._prune_at:
+            self._claims = {
+                key: value for key, value in self._claims.items() if now - value[1] < 2 * self._max
+            }
+            self._prune_at = max(GANG_CACHE_ENTRIES, 2 * len(self._claims))
+
+    def forget(self, uid: str) -> None:
+        self._claims.pop(uid, None)
+
+
+def _controller_key(metadata: dict[str, Any]) -> tuple[str, ...] | None:
+    """What names a claim's controller for good: its kind, name and uid."""
+    reference = owners.controller_reference(metadata.get("ownerReferences"))
+    if reference is None:
+        return None
+    return (str(reference["kind"]), str(reference["name"]), str(reference.get("uid") or ""))
 
 
 def _resource_name(group: str, kind: str) -> str:

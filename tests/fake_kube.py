@@ -488,6 +488,10 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
+    # Answers leave at once, as from the API server (Go sets TCP_NODELAY on its connections):
+    # with Nagle's algorithm, a GET's body waited for the client's delayed ACK of its headers,
+    # ~40 ms a read.
+    disable_nagle_algorithm = True
     server: _Server
 
     def setup(self) -> None:

@@ -1,0 +1,146 @@
+"""When the sync reads a claim's Pod again (issue 22): a claim a read left unsettled (its Pod in
+no gang, or gone) waits longer after each read that finds nothing new, up to a bound, so a
+large fleet's watch stream does not read a Pod per event; a new Pod starts over at once, and a
+gang declared late is still found (issue 20) within the bound `kube.RereadSchedule` states.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+
+from inventory import kube
+from inventory.dumps import iter_objects
+from inventory.models import Cluster, ResourceClaim
+from tests.fake_kube import FakeKube
+from tests.inventory.test_gangs import FIXTURES, Clock, claim_loop, named, serve
+
+CLAIM = "train-workers-0-0-x7k2p-gpus-4m8rt"
+POD = "train-workers-0-0-x7k2p"
+
+
+def claim_obj(uid: str = "claim-1", pod_uid: str = "pod-1") -> dict[str, Any]:
+    return {
+        "metadata": {
+            "uid": uid,
+            "ownerReferences": [
+                {"apiVersion": "v1", "kind": "Pod", "name": "p", "uid": pod_uid, "controller": True}
+            ],
+        }
+    }
+
+
+def test_the_wait_doubles_up_to_its_bound_and_starts_over_for_a_new_pod() -> None:
+    schedule = kube.RereadSchedule(first_seconds=30, max_seconds=300)
+    claim = claim_obj()
+    now = 0.0
+    assert schedule.due(claim, now)  # never read here
+    waits = []
+    for _ in range(6):
+        schedule.read(claim, now, settled=False)
+        wait = next(step for step in range(1, 1000) if schedule.due(claim, now + step))
+        assert not schedule.due(claim, now + wait - 1)
+        waits.append(wait)
+        now += wait
+    assert waits == [30, 60, 120, 240, 300, 300]
+
+    recreated = claim_obj(pod_uid="pod-2")  # the same claim, owned by a new Pod
+    assert schedule.due(recreated, now + 1)
+    schedule.read(recreated, now + 1, settled=False)
+    assert not schedule.due(recreated, now + 30)
+    assert schedule.due(recreated, now + 31)  # started over at the first wait
+
+    schedule.read(recreated, now + 31, settled=True)  # in a gang: read again at the bound
+    assert not schedule.due(recreated, now + 330)
+    assert schedule.due(recreated, now + 331)
+
+    schedule.forget("claim-1")  # deleted
+    assert schedule.due(recreated, now + 32)
+
+
+def pod_reads(fake: FakeKube) -> int:
+    return len([r for r in fake.reads("Pod") if r.read and r.read[2] == POD])
+
+
+@pytest.mark.django_db
+def test_a_gang_declared_minutes_late_is_found_within_the_bound(
+    fake: FakeKube, api_client: Any, cluster: Cluster
+) -> None:
+    """The JobSet appears 5 minutes after the claim was first read; lists every 15 s find it
+    by 5 minutes + min(5 minutes + 30 s, 5 minutes), reading the Pod 5 times, where a read
+    every 30 s read it 11 times before the JobSet appeared."""
+    objects = list(iter_objects(FIXTURES / "jobset.yaml"))
+    serve(fake, [obj for obj in objects if obj["kind"] != "JobSet"])
+    clock = Clock()
+    loop = claim_loop(api_client, cluster, clock)
+    first_read = clock.now
+    late = 300.0
+    bound = late + min(late + kube.GANG_REREAD_SECONDS, kube.GANG_REREAD_MAX_SECONDS)
+    found_at = None
+    while clock.now - first_read <= bound:
+        if clock.now - first_read >= late and found_at is None:
+            serve(fake, [named(objects, "train")])
+        loop.relist()
+        in_gang = ResourceClaim.objects.filter(name=CLAIM, gang__key="JobSet/train").exists()
+        if in_gang and found_at is None:
+            found_at = clock.now - first_read
+            reads_until_found = pod_reads(fake)
+        clock.now += 15
+    assert found_at is not None and late <= found_at <= bound
+    # Read at 0, 30, 90, 210 and 450 s: the waits 30, 60, 120, 240 s.
+    assert (found_at, reads_until_found) == (450, 5)
+    assert pod_reads(fake) == 5  # in a gang since: not read again
+
+
+@pytest.mark.django_db
+def test_a_recreated_pod_is_read_at_once_whatever_the_wait(
+    fake: FakeKube, api_client: Any, cluster: Cluster
+) -> None:
+    objects = list(iter_objects(FIXTURES / "jobset.yaml"))
+    serve(fake, [obj for obj in objects if obj["kind"] != "JobSet"])
+    clock = Clock()
+    loop = claim_loop(api_client, cluster, clock)
+    for wait in (0, 30, 60):  # read three times: the next wait is 120 s
+        clock.now += wait
+        loop.relist()
+    assert pod_reads(fake) == 3
+    clock.now += 10
+    loop.relist()
+    assert pod_reads(fake) == 3  # waiting
+
+    # The Pod recreated under its name, now one of the JobSet's (a new uid), and the claim
+    # owned by it: read at once, and its gang found.
+    pod = copy.deepcopy(named(objects, POD))
+    pod["metadata"]["uid"] = "0f5b7c8e-1a2b-4c3d-8e9f-0000000000aa"
+    fake.modify(pod)
+    claim = copy.deepcopy(named(objects, CLAIM))
+    claim["metadata"]["ownerReferences"][0]["uid"] = pod["metadata"]["uid"]
+    fake.modify(claim)
+    serve(fake, [named(objects, "train")])
+    clock.now += 10
+    loop.relist()
+    assert pod_reads(fake) == 4
+    assert ResourceClaim.objects.filter(name=CLAIM, gang__key="JobSet/train").exists()
+
+
+@pytest.mark.django_db
+def test_a_claim_whose_pod_is_gone_is_not_read_at_every_list(
+    fake: FakeKube, api_client: Any, cluster: Cluster
+) -> None:
+    """Its job stays at its Pod, so the claim is followed again, but only when due."""
+    objects = list(iter_objects(FIXTURES / "jobset.yaml"))
+    serve(fake, [obj for obj in objects if obj["kind"] == "ResourceClaim"])  # no Pods
+    clock = Clock()
+    loop = claim_loop(api_client, cluster, clock)
+    loop.relist()
+    assert pod_reads(fake) == 1
+    assert ResourceClaim.objects.get(name=CLAIM).job == f"Pod/{POD}"
+    for _ in range(2):
+        clock.now += 10
+        loop.relist()
+    assert pod_reads(fake) == 1  # at 10 and 20 s: waiting
+    clock.now += 10
+    loop.relist()
+    assert pod_reads(fake) == 2
