@@ -28,6 +28,7 @@ from django.db.models import (
     When,
 )
 
+from db.bulk import update_instances, update_rows
 from db.copy import bulk_insert
 from inventory import dra, owners, profiles
 from inventory.capacity import CapacityError, consumed_fraction
@@ -948,7 +949,8 @@ class _Writer:
                     row.generation_seen_at = old["generation_seen_at"]
                 changed_rows.append(row)
         bulk_insert(ResourceSlice, new_rows)
-        ResourceSlice.objects.bulk_update(
+        update_instances(
+            ResourceSlice,
             changed_rows,
             [
                 "uid",
@@ -962,7 +964,6 @@ class _Writer:
                 "resource_version",
                 "generation_seen_at",
             ],
-            batch_size=500,
         )
         self.report.created["ResourceSlice"] += len(new_rows)
         self.report.updated["ResourceSlice"] += len(changed_rows)
@@ -1092,7 +1093,8 @@ class _Writer:
             # else: the newest generation is incomplete; keep counting the last complete one.
         known_pools = [row for row in pool_rows.values() if row.pk is not None]
         Pool.objects.bulk_create([row for row in pool_rows.values() if row.pk is None])
-        Pool.objects.bulk_update(
+        update_instances(
+            Pool,
             known_pools,
             [
                 "counted_generation",
@@ -1149,11 +1151,10 @@ class _Writer:
             gone.update((device.pk, pool_at) for device in current.values())
         bulk_insert(Device, new_devices)
         # By the columns that changed: a new pool generation changes one column of each of
-        # its devices, and an UPDATE of every column would cost a CASE per column and device.
+        # its devices, and an UPDATE of every column would send all of them for each device.
         for columns, devices in changed_devices.items():
-            Device.objects.bulk_update(devices, list(columns), batch_size=500)
-        if gone:
-            Device.objects.filter(pk__in=gone).update(gone_at=_times_by_pk(gone))
+            update_instances(Device, devices, columns)
+        update_rows(Device, ["gone_at"], gone.items())
         self.report.created["Device"] += len(new_devices)
         self.report.updated["Device"] += sum(map(len, changed_devices.values()))
         self.report.gone["Device"] += len(gone)
@@ -1199,7 +1200,7 @@ class _Writer:
             }
             for allocation in relinked:
                 allocation.device_id = present[_device_key(allocation)]
-            Allocation.objects.bulk_update(relinked, ["device"], batch_size=1000)
+            update_instances(Allocation, relinked, ["device"])
         if renamed:
             changes.extend(
                 (claim_id, max(start, renamed[device_id]))
@@ -1361,7 +1362,7 @@ class _Writer:
                 claim.released_at = None
                 claims_to_update[tuple(changed)].append(claim)
         for columns, changed_claims in claims_to_update.items():
-            ResourceClaim.objects.bulk_update(changed_claims, list(columns), batch_size=500)
+            update_instances(ResourceClaim, changed_claims, columns)
         _refine_allocation_jobs(refined)
         bulk_insert(ResourceClaim, claims_to_create)
         self.report.created["ResourceClaim"] += len(claims_to_create)
@@ -1470,7 +1471,7 @@ class _Writer:
                 creators[claim.pk] = creator
                 claim.created_by = creator
             changed.append(claim)
-        ResourceClaim.objects.bulk_update(changed, ["job", "created_by"], batch_size=1000)
+        update_instances(ResourceClaim, changed, ["job", "created_by"])
         _refine_allocation_jobs(refined)
         _fill_allocation_creators(creators)
         # Claims written by this snapshot were counted and signalled already.
@@ -1535,11 +1536,9 @@ class _Writer:
 
     def _end_allocations(self, ends: Mapping[int, datetime]) -> None:
         """End the allocations `ends` names (by id), each at its time there."""
-        if ends:
-            ended = Allocation.objects.filter(pk__in=ends, end__isnull=True).update(
-                end=_times_by_pk(ends)
-            )
-            self.report.gone["Allocation"] += ended
+        self.report.gone["Allocation"] += update_rows(
+            Allocation, ["end"], ends.items(), where_null=["end"]
+        )
 
     def _link(self, allocations: list[Allocation]) -> list[Allocation]:
         """Tie each allocation to its present device, where it is known, and fix what the
@@ -1601,7 +1600,7 @@ class _Writer:
             if (allocation.driver, allocation.pool) in wanted
         ]
         linked = self._link(unlinked)
-        Allocation.objects.bulk_update(linked, ["device", *METERING_FIELDS], batch_size=1000)
+        update_instances(Allocation, linked, ["device", *METERING_FIELDS])
         if linked:
             # Metered from now on, from their start: all their hours so far change.
             self._claims_changed(
@@ -1676,9 +1675,9 @@ class _Writer:
             )
         )
         self._end_allocations({pk: released[claim_id] for pk, claim_id in ending.items()})
-        self.report.gone["ResourceClaim"] += ResourceClaim.objects.filter(
-            pk__in=released, released_at__isnull=True
-        ).update(released_at=_times_by_pk(released))
+        self.report.gone["ResourceClaim"] += update_rows(
+            ResourceClaim, ["released_at"], released.items(), where_null=["released_at"]
+        )
         # Usage changes from the hour the allocations ended in (`at`), not before.
         spans = [(at, at) for at in sorted({released[claim_id] for claim_id in ending.values()})]
         self._claims_changed(list(released), spans=spans, reattributed=[])
@@ -1782,7 +1781,7 @@ def _refine_allocation_jobs(refined: dict[int, tuple[str, str]]) -> None:
         if allocation.job == before:
             allocation.job = after
             changed.append(allocation)
-    Allocation.objects.bulk_update(changed, ["job"], batch_size=1000)
+    update_instances(Allocation, changed, ["job"])
 
 
 def _fill_allocation_creators(creators: dict[int, str]) -> None:
@@ -1794,7 +1793,7 @@ def _fill_allocation_creators(creators: dict[int, str]) -> None:
     ):
         allocation.username = creators[allocation.claim_id]
         changed.append(allocation)
-    Allocation.objects.bulk_update(changed, ["username"], batch_size=1000)
+    update_instances(Allocation, changed, ["username"])
 
 
 # What an allocation is metered and counted by (`Allocation`), and the device columns they come
