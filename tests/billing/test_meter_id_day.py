@@ -22,6 +22,7 @@ from billing.models import DirtyHour, Sample, UsageHour
 from billing.services import issue_agent_token
 from inventory import services
 from inventory.models import Allocation, Device
+from tests.inventory.test_allocation_metering import gpu
 
 urlpatterns = [path("ingest/samples", views.ingest_samples)]
 
@@ -35,16 +36,6 @@ DAY = (
 NOON = DAY + timedelta(hours=12)
 HOUR_MS = 3_600_000
 UUID = "GPU-7d1e2c3b-4a5f-4e6d-8c7b-9a0f1e2d3c4b"
-
-
-def gpu(uuid: str = "") -> dict[str, Any]:
-    attributes: dict[str, Any] = {
-        "type": {"string": "gpu"},
-        "productName": {"string": "NVIDIA H100 80GB HBM3"},
-    }
-    if uuid:
-        attributes["uuid"] = {"string": uuid}
-    return {"name": "gpu-0", "attributes": attributes, "capacity": {"memory": {"value": "80Gi"}}}
 
 
 def resource_slice(generation: int, uuid: str = "") -> dict[str, Any]:
