@@ -458,27 +458,25 @@ def demand(
         return result  # admin access observes devices; it holds nothing
     selectors = tuple(request.selectors)
     asked = tuple(sorted(request.capacity_requests.items()))
-    candidates = fleet.derived(
-        ("eligible", request.device_class_name, selectors, asked),
-        functools.partial(
-            _eligible,
-            fleet.candidates(request.device_class_name, selectors),
-            request.capacity_requests,
-        ),
-    )
+
+    def eligible(selectors: tuple[str, ...]) -> list[Shape]:
+        """The shapes of the request's class that `selectors` select and that can provide
+        its capacity requests, once per fleet snapshot."""
+        return fleet.derived(
+            ("eligible", request.device_class_name, selectors, asked),
+            lambda: _eligible(
+                fleet.candidates(request.device_class_name, selectors),
+                request.capacity_requests,
+            ),
+        )
+
+    candidates = eligible(selectors)
     if not candidates and selectors:
         # Its own selectors match no shape. Shapes leave out what identifies one device (its
         # uuid, index, PCI address: `dra.IDENTITY_ATTRIBUTES`), so a selector that reads one
         # cannot be weighed here; it counts as what any device of its class could be given
         # (the most it could take), never as nothing.
-        unweighed = fleet.derived(
-            ("eligible", request.device_class_name, (), asked),
-            functools.partial(
-                _eligible,
-                fleet.candidates(request.device_class_name, ()),
-                request.capacity_requests,
-            ),
-        )
+        unweighed = eligible(())
         if unweighed:
             candidates = unweighed
             selectors = ()
