@@ -657,6 +657,9 @@ def count_pool(
     driver, pool and device name.
     """
     profile = profile or profiles.builtin_profile(driver, gpu_drivers)
+    # By name: what a device published twice, or a counter set defined twice, comes to must
+    # not depend on the order the slices were written or read back in.
+    slices = sorted(slices, key=lambda parsed_slice: parsed_slice.name)
     totals: dict[str, dict[str, Decimal]] = {}
     for parsed_slice in slices:
         for shared in parsed_slice.shared_counters:

@@ -18,7 +18,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from django.db import OperationalError, transaction
+from django.db import OperationalError, connection, transaction
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -349,6 +349,32 @@ def test_batches_leave_the_rows_one_event_at_a_time_leaves(
         batch_marked_at = actual_marks[hour]
         assert marked_at is not None and batch_marked_at is not None
         assert marked_at <= batch_marked_at <= max(last, marked_at)
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("order", [("slice-1", "slice-3"), ("slice-3", "slice-1")])
+def test_a_device_published_in_two_slices_is_counted_from_the_same_one_whatever_the_order(
+    order: tuple[str, str],
+) -> None:
+    """Which of two slices publishing one device name is kept does not depend on which was
+    written last, nor on the order PostgreSQL returns the stored slices in (which follows the
+    rows' updates and the plan PostgreSQL picks): the property above found the two paths
+    keeping different ones. Scanned in the heap's order, not the name index's."""
+    cluster = services.get_cluster("lab")
+    with connection.cursor() as cursor:
+        cursor.execute("SET LOCAL enable_indexscan = off")
+        cursor.execute("SET LOCAL enable_indexonlyscan = off")
+        cursor.execute("SET LOCAL enable_bitmapscan = off")
+    for index, name in enumerate(order):
+        report = services.apply_watch_event(
+            cluster=cluster,
+            event_type="ADDED",
+            obj=resource_slice(name, pool="pool-a", devices=("gpu-0",), slices=2),
+            at=T0 + timedelta(minutes=index),
+        )
+    assert [error for error in report.errors if "'gpu-0' is published twice" in error]
+    device = Device.objects.get(cluster=cluster, pool="pool-a", gone_at__isnull=True)
+    assert (device.name, device.slice_name) == ("gpu-0", "slice-1")
 
 
 @pytest.mark.django_db
