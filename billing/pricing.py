@@ -43,6 +43,7 @@ from billing.models import (
     UsageHour,
 )
 from billing.periods import PricingError, period_bounds, period_label, period_length
+from db.locks import advisory_xact_lock
 from teams.models import Team
 
 ZERO = Decimal(0)
@@ -345,6 +346,11 @@ def refresh_statements(
         earlier = list(
             Period.objects.filter(closed_at__isnull=False, start__lt=period.start).order_by("start")
         )
+        if earlier:
+            # Two open periods (last month not closed yet) each bill a closed period's late
+            # data less what the others already billed for it: refreshed at once, both would
+            # bill it. One at a time, the second reads the first's adjustments.
+            advisory_xact_lock("billing.late_data", [0])
         # The marks before any usage: a write this refresh's reads miss keeps a mark it did
         # not read.
         marks = late_data.read_marks([*earlier, period])

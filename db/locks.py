@@ -31,6 +31,10 @@ LockName = Literal[
     # Every writer of rate cards (`billing.rates.closed_periods(lock=True)`), so that the
     # check that no two cards overlap sees every other writer's cards; the key is 0.
     "billing.rate_cards",
+    # The refreshes that bill closed periods' late data (`billing.pricing.refresh_statements`),
+    # one at a time, so that two open periods never both bill the same late hours; the key
+    # is 0. Taken after the refreshed period's row and never held while waiting for a row.
+    "billing.late_data",
 ]
 
 INT4_MIN, INT4_MAX = -(2**31), 2**31 - 1

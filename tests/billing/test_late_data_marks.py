@@ -427,6 +427,47 @@ def test_a_mark_a_write_holds_while_the_close_clears_survives_it() -> None:
     check_billed_after(ledger)
 
 
+@pytest.mark.django_db(transaction=True)
+def test_two_open_periods_refreshed_at_once_bill_a_closed_periods_late_data_once() -> None:
+    """January closed, then an hour of it written late; February (not closed yet) and March
+    are both open. February's refresh holds its transaction open while March's runs: March
+    waits for it, then reads February's adjustment and bills none. Alone, each would bill
+    it; at once, both did."""
+    ledger = make_ledger()
+    jan, feb, mar = ledger.periods[:3]
+    gpu = ledger.allocations[0]
+    use(gpu, JAN + HOUR)
+    services.close_period(period=jan, actor="finance")
+    use(gpu, JAN + HOUR, utilised=MS_PER_HOUR)
+    first = Connection(lambda: refresh_statements(period=feb))
+    assert first.done_work.wait(timeout=30) and first.error is None
+    pid: list[int] = []
+    errors: list[BaseException] = []
+
+    def refresh_march() -> None:
+        try:
+            pid.append(connection.cursor().connection.info.backend_pid)
+            refresh_statements(period=mar)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    second = threading.Thread(target=refresh_march)
+    second.start()
+    blocked(second, lambda: pid[0] if pid else 0)
+    assert second.is_alive(), f"March's refresh did not wait for February's: {errors}"
+    first.end()
+    second.join(timeout=30)
+    assert errors == []
+    billed = adjustments(feb) + adjustments(mar)
+    assert [(corrected, utilised) for _, corrected, utilised, amount in billed if amount] == [
+        (jan.pk, Decimal(1))
+    ]
+    assert sum(amount for *_, amount in billed) == sum(amount for *_, amount in adjustments(feb))
+    assert sum(amount for *_, amount in adjustments(feb)) > 0
+
+
 # --- Property: the marks change nothing a full read would bill ---------------------------------
 
 Step = tuple[Any, ...]
