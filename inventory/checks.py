@@ -250,6 +250,9 @@ def published_counter_sets(
         )
         .annotate(counter_sets=_json_path("$.sharedCounters[*]"))
         .values_list("cluster_id", "driver", "pool", "generation", "counter_sets")
+        # By name, as `dra.count_pool` reads them: a set defined in two slices is the last's,
+        # whatever plan PostgreSQL picks.
+        .order_by("name")
     )
     published: dict[PoolGeneration, dict[str, dict[str, Decimal]]] = defaultdict(dict)
     for cluster_id, driver, pool, generation, counter_sets in rows:
