@@ -42,6 +42,7 @@ import math
 from collections.abc import Iterable, Iterator
 from datetime import datetime
 from decimal import Decimal
+from fractions import Fraction
 from typing import Any, NamedTuple
 
 from django.conf import settings
@@ -59,6 +60,12 @@ from db.copy import insert_rows, json_rows
 from inventory.models import Allocation
 
 MICRO = 1_000_000  # shares of a GPU are kept to the millionth
+# Utilisation is summed in millionths of a percent, each reading rounded to one (half to even,
+# as PostgreSQL's round() of a double and Python's round() do): sums of integers, exact in any
+# order, and finer than any source measures.
+UTIL_SCALE = 1_000_000
+# A GPU-millisecond in the weighted sums times a share's millionths: percent, scale and share.
+_UTILISED_UNIT = 100 * UTIL_SCALE * MICRO
 SAMPLE_TABLE = "billing_sample"  # where readings come from, unless a source gives its own
 log = logging.getLogger(__name__)
 
@@ -98,10 +105,15 @@ class _Interval(NamedTuple):
 # the part that spills into h + 1. Samples from a hold before the window count only by their
 # spill (their own hour is outside it). One pass over the window's samples in any order,
 # grouped as they come: no sort, no join, parallel workers; as few operations a row as will do.
+# The weighted sums are of integers (`UTIL_SCALE`), exact in any order: a double's sum
+# depends on the order it adds the rows in, and a total on a half (1250.5 GPU-ms) rounded to
+# 1250 or to 1251 by the order samples arrived in. numeric sums are exact too, but slower.
 _PER_HOUR_SQL = """
-SELECT device_uuid, h, CAST(SUM(a) AS bigint) AS covered, SUM(a * gpu_util) AS weighted,
+SELECT device_uuid, h, CAST(SUM(a) AS bigint) AS covered,
+       SUM(a * CAST(round(gpu_util * {util_scale}) AS bigint)) AS weighted,
        CAST(SUM(LEAST(e, %(end)s) - next_h) FILTER (WHERE e > next_h) AS bigint) AS spill,
-       SUM((LEAST(e, %(end)s) - next_h) * gpu_util) FILTER (WHERE e > next_h) AS spill_weighted
+       SUM((LEAST(e, %(end)s) - next_h) * CAST(round(gpu_util * {util_scale}) AS bigint))
+       FILTER (WHERE e > next_h) AS spill_weighted
 FROM (
     SELECT device_uuid, gpu_util, h, e, next_h, LEAST(e, next_h, %(end)s) - ts_ms AS a
     FROM (
@@ -118,9 +130,10 @@ GROUP BY device_uuid, h
 # hour, all of it): nearly every row. `iv` is the allocations, each with its first and last
 # such hour, and `held` one row per allocation and hour; each takes its device's hour from
 # `per_hour` and the part of the hour before's spans that spills into it. GPU-milliseconds are
-# rounded half up: exactly, in integers, for held and unmeasured time (shares are millionths);
-# utilised time is a measurement (a double), rounded with FLOOR(x + 0.5) (round() of a double
-# breaks ties to even). `iv` is MATERIALIZED: its JSON is parsed once, before the join.
+# rounded half up, exactly, in integers: held and unmeasured time (shares are millionths), and
+# utilised time (sums of milliseconds times `UTIL_SCALE`ths of a percent) by div(), whose
+# integer quotient is exact where a numeric division rounds to a scale of its own. `iv` is
+# MATERIALIZED: its JSON is parsed once, before the join.
 # Rows go in in (hour, allocation) order, the unique index's.
 _WHOLE_HOURS_SQL = """
 WITH
@@ -144,7 +157,7 @@ INSERT INTO billing_usagehour ({columns})
 SELECT to_timestamp(h * 3600), allocation_id, cluster_id, device_uuid, product_name, profile,
        unit, gpu_share, namespace, claim_name, team_id, job, username,
        (length * share_micro + 500000) / 1000000,
-       CAST(FLOOR(weighted * share_micro / 100000000.0 + 0.5) AS bigint),
+       CAST(div(weighted * share_micro + {utilised_half}, {utilised_unit}) AS bigint),
        ((length - covered) * share_micro + 500000) / 1000000
 FROM usage
 ORDER BY h, allocation_id
@@ -154,7 +167,7 @@ ORDER BY h, allocation_id
 # piece of a renamed device comes once per name, summed: each sample is stored under one.
 _PIECE_COVERAGE_SQL = """
 WITH pieces(piece, uuid, a0, a1) AS ({pieces})
-SELECT piece, SUM(covered), SUM(covered * gpu_util)
+SELECT piece, SUM(covered), SUM(covered * CAST(round(gpu_util * {util_scale}) AS bigint))
 FROM (
     SELECT pieces.piece, s.gpu_util,
            LEAST({span_end}, pieces.a1)
@@ -189,6 +202,9 @@ def _sql(template: str, *, samples: str, sample: str = "", **parts: str) -> str:
     names that table in `{span_end}`."""
     return template.format(
         hour=MS_PER_HOUR,
+        util_scale=UTIL_SCALE,
+        utilised_unit=_UTILISED_UNIT,
+        utilised_half=_UTILISED_UNIT // 2,
         span_end=_SPAN_END.format(s=f"{sample}." if sample else ""),
         samples=samples,
         **parts,
@@ -479,9 +495,10 @@ def _insert_whole_hours(
     return written
 
 
-def _piece_coverage(pieces: list[_Piece], samples: str) -> dict[int, tuple[int, float]]:
+def _piece_coverage(pieces: list[_Piece], samples: str) -> dict[int, tuple[int, int]]:
     """Per piece (by position in `pieces`): milliseconds its device's samples cover within
-    it, and those milliseconds times utilisation (percent), under either of its names."""
+    it, and those milliseconds times utilisation (`UTIL_SCALE`ths of a percent), under either
+    of its names."""
     if not pieces:
         return {}
     with connection.cursor() as cursor:
@@ -504,7 +521,7 @@ def _piece_coverage(pieces: list[_Piece], samples: str) -> dict[int, tuple[int, 
                 "hold": sample_hold_ms(),
             },
         )
-        return {index: (int(covered), float(weighted)) for index, covered, weighted in cursor}
+        return {index: (int(covered), int(weighted)) for index, covered, weighted in cursor}
 
 
 _USAGE_COLUMNS = (
@@ -538,13 +555,14 @@ def _partial_rows(pieces: list[_Piece], samples: str) -> list[tuple[Any, ...]]:
     rows = []
     for index, piece in enumerate(pieces):
         interval = piece.interval
-        covered_ms, weighted = coverage.get(index, (0, 0.0))
+        covered_ms, measured = coverage.get(index, (0, 0))
+        weighted = Fraction(measured)
         length = piece.end_ms - piece.start_ms
         if covered_ms > length:
             # Only where a device changed names: the last sample under the old name holds on
             # (no later sample of that name cuts it short) over the first under the new one.
             # The overlap is counted once, at the utilisation the two measured on average.
-            weighted *= length / covered_ms
+            weighted = weighted * length / covered_ms
             covered_ms = length
         rows.append(
             (
@@ -575,10 +593,10 @@ def gpu_ms(milliseconds: int, share_micro: int) -> int:
     return (milliseconds * share_micro + MICRO // 2) // MICRO
 
 
-def utilised_gpu_ms(weighted: float, share_micro: int) -> int:
-    """Utilised GPU-milliseconds of `weighted` (covered milliseconds times percent), rounded
-    half up, computed as the rollup's SQL does."""
-    return math.floor(weighted * share_micro / 100000000.0 + 0.5)
+def utilised_gpu_ms(weighted: Fraction | int, share_micro: int) -> int:
+    """Utilised GPU-milliseconds of `weighted` (covered milliseconds times `UTIL_SCALE`ths of
+    a percent), rounded half up, exactly, as the rollup's SQL does."""
+    return math.floor(Fraction(weighted) * share_micro / _UTILISED_UNIT + Fraction(1, 2))
 
 
 def rollup_pending(*, now: datetime, limit: int | None = None) -> list[datetime]:

@@ -191,7 +191,7 @@ def test_a_device_that_gains_a_uuid_keeps_the_hours_rolled_up_before(team: Team)
     share_micro = 428_571  # 3/7 of the GPU, to the millionth
     assert rows[T0 + 2 * HOUR, Allocation.objects.get(claim__name="b").pk][3:] == (
         rollup.gpu_ms(HOUR_MS, share_micro),
-        rollup.utilised_gpu_ms(HOUR_MS * 60.0, share_micro),
+        rollup.utilised_gpu_ms(HOUR_MS * 60 * rollup.UTIL_SCALE, share_micro),
         0,
     )
 

@@ -10,7 +10,6 @@ per allocation for the others, so both of its statements are checked here.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
@@ -60,7 +59,7 @@ def reference(
     end = min(ms(allocation.end) if allocation.end else ms(now), ms(T10) + 3_600_000, ms(now))
     if end <= start:
         return None
-    covered, weighted = 0, Decimal(0)
+    covered, weighted = 0, 0
     ordered = sorted(samples)
     for index, (ts, util) in enumerate(ordered):
         following = ordered[index + 1][0] if index + 1 < len(ordered) else None
@@ -68,13 +67,12 @@ def reference(
         overlap = min(span_end, end) - max(ts, start)
         if util is not None and overlap > 0:
             covered += overlap
-            weighted += overlap * Decimal(str(util))
+            weighted += overlap * round(util * 1_000_000)  # millionths of a percent
     share = allocation.device.gpu_share
     return Expected(
         allocated_gpu_ms=round_half_up((end - start) * share),
-        # A measurement, summed in doubles (exactly here: whole and half percents), then
-        # taken to GPU-milliseconds as the rollup does.
-        utilised_gpu_ms=math.floor(float(weighted) * int(share * 1_000_000) / 1e8 + 0.5),
+        # Millionths of a percent summed as integers, exact in any order; rounded half up.
+        utilised_gpu_ms=(weighted * int(share * 1_000_000) + 5 * 10**13) // 10**14,
         unmeasured_gpu_ms=round_half_up((end - start - covered) * share),
     )
 

@@ -10,10 +10,9 @@ an hour's boundary, against a plain-Python reading of the rule.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import ROUND_HALF_UP
 
 import pytest
 from django.db import transaction
@@ -76,7 +75,7 @@ def reference(allocation: Allocation, readings: list[Reading], hour: datetime) -
     )
     if end <= start:
         return None
-    covered_ms, weighted = 0, Decimal(0)
+    covered_ms, weighted = 0, 0
     ordered = sorted(readings)
     for index, (ts, util, covered) in enumerate(ordered):
         spans = [HOLD_MS]
@@ -87,11 +86,11 @@ def reference(allocation: Allocation, readings: list[Reading], hour: datetime) -
         overlap = min(ts + min(spans), end) - max(ts, start)
         if util is not None and overlap > 0:
             covered_ms += overlap
-            weighted += overlap * Decimal(str(util))
+            weighted += overlap * round(util * 1_000_000)  # millionths of a percent
     share = allocation.device.gpu_share
     return Usage(
         allocated_gpu_ms=int(((end - start) * share).to_integral_value(ROUND_HALF_UP)),
-        utilised_gpu_ms=math.floor(float(weighted) * int(share * 1_000_000) / 1e8 + 0.5),
+        utilised_gpu_ms=(weighted * int(share * 1_000_000) + 5 * 10**13) // 10**14,
         unmeasured_gpu_ms=int(
             ((end - start - covered_ms) * share).to_integral_value(ROUND_HALF_UP)
         ),
