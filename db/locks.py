@@ -35,6 +35,10 @@ LockName = Literal[
     # one at a time, so that two open periods never both bill the same late hours; the key
     # is 0. Taken after the refreshed period's row and never held while waiting for a row.
     "billing.late_data",
+    # One alert key's rows (`teams.alerts`: raising it, snoozing or lifting it), so that a new
+    # alert sees a snooze or lift committed before it and two lifts never lock its rows in a
+    # cycle; the key is a hash of the kind and key (a collision only makes two keys wait).
+    "teams.alert.key",
 ]
 
 INT4_MIN, INT4_MAX = -(2**31), 2**31 - 1

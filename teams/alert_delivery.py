@@ -61,13 +61,15 @@ def deliver_pending(*, now: datetime, limit: int = 500) -> DeliveryReport:
     raises for a receiver's failure: it is recorded on the delivery.
     """
     report = DeliveryReport()
+    # A firing notification's alert is not snoozed at `now`.
+    unsnoozed = (
+        Q(event=AlertState.RESOLVED)
+        | Q(alert__snoozed_until__isnull=True)
+        | Q(alert__snoozed_until__lte=now)
+    )
     due = list(
         AlertDelivery.objects.filter(state=DeliveryState.PENDING, next_attempt_at__lte=now)
-        .filter(
-            Q(event=AlertState.RESOLVED)
-            | Q(alert__snoozed_until__isnull=True)
-            | Q(alert__snoozed_until__lte=now)
-        )
+        .filter(unsnoozed)
         .order_by("next_attempt_at", "pk")
         .values_list("pk", flat=True)[:limit]
     )
@@ -77,7 +79,8 @@ def deliver_pending(*, now: datetime, limit: int = 500) -> DeliveryReport:
             delivery = (
                 AlertDelivery.objects.select_for_update(skip_locked=True, of=("self",))
                 .select_related("alert", "alert__team")
-                .filter(pk=pk, state=DeliveryState.PENDING)
+                # Again: a snooze committed while this run sent the ones before holds it.
+                .filter(unsnoozed, pk=pk, state=DeliveryState.PENDING)
                 .first()
             )
             if delivery is None:

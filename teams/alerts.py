@@ -14,6 +14,7 @@ snooze is kept per key, so a claim that goes idle again within it stays quiet.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -24,6 +25,7 @@ from django.contrib.auth import get_user_model
 from django.db import IntegrityError, transaction
 from django.db.models import Max, Q, QuerySet
 
+from db.locks import advisory_xact_lock
 from teams import audit
 from teams.models import (
     Alert,
@@ -96,6 +98,7 @@ def raise_alert(*, spec: RaisedAlert, now: datetime) -> tuple[Alert, bool]:
         "last_seen": now,
     }
     with transaction.atomic():
+        _lock_key(spec.kind, spec.key)
         alert = _firing(spec.kind, spec.key)
         created = False
         if alert is None:
@@ -124,6 +127,14 @@ def raise_alert(*, spec: RaisedAlert, now: datetime) -> tuple[Alert, bool]:
             alert.save(update_fields=changed)
         _plan(alert, event=AlertState.FIRING, now=now, targets=_all_targets())
     return alert, created
+
+
+def _lock_key(kind: str, key: str) -> None:
+    """Hold the alert key's lock to the end of the transaction: taken first by whatever writes
+    the key's rows (a raise, a snooze, a lift), so a new alert inherits the snooze state the
+    last writer committed, and a lift through one row never waits in a cycle with a lift
+    through another row of the key."""
+    advisory_xact_lock("teams.alert.key", [zlib.crc32(f"{kind}\0{key}".encode()) - 2**31])
 
 
 def _firing(kind: str, key: str) -> Alert | None:
@@ -200,6 +211,7 @@ def snooze_alert(*, alert: Alert, until: datetime | None, actor: str) -> Alert:
     key's next alerts inherit the snooze while it lasts (`raise_alert`).
     """
     with transaction.atomic():
+        _lock_key(alert.kind, alert.key)
         locked = Alert.objects.select_for_update().get(pk=alert.pk)
         before = audit.snapshot(locked)
         locked.snoozed_until = until
