@@ -6,11 +6,12 @@ each rule, which `firstAvailable` alternatives fit, and the denial or warnings. 
 reserves the plan (or does not); everything here is plain Python on plain data.
 
 A claim is counted by what it can really take: `ExactCount` its count, `All` every matching
-device of the node where they count most, each by its own shape (see `_most_on_a_node`), a MIG
-device its share of its GPU, a consumable share (KEP-5075) the largest fraction it consumes of
-any of the device's capacities (`inventory.capacity`: its requests under any capacity name,
-qualified or not, rounded up by `requestPolicy`, and the policy's default for what it does not
-name), `adminAccess` nothing. Amounts are in the unit of
+device of the node where they count most, each by its own shape (see `_most_on_a_node`), of
+the nodes where they can all be given (not too many, not more than their shared counter sets
+hold), a MIG device its share of its GPU, a consumable share (KEP-5075) the largest fraction it
+consumes of any of the device's capacities (`inventory.capacity`: its requests under any
+capacity name, qualified or not, rounded up by `requestPolicy`, and the policy's default for
+what it does not name), `adminAccess` nothing. Amounts are in the unit of
 the devices a rule covers (GPUs, TPU chips, Gaudi cards; "accelerators" when they differ), and
 messages say which. Rules bind devices, not class names:
 a request counts on every rule that covers a device it could be given (the rule's device
@@ -34,7 +35,7 @@ from inventory import capacity, dra
 from inventory.gangs import GangRef
 from inventory.profiles import hours_label, unit_label
 from quota import cel
-from quota.admission.shapes import FleetShapes, Shape
+from quota.admission.shapes import NO_SHORTFALL, FleetShapes, Shape, rule_unit
 from quota.models import GangMode, Mode, QuotaRule, ReservationState, Unit
 from teams.models import Team
 
@@ -559,14 +560,36 @@ def demand(
                     _most_on_a_node, rule, every, candidates, fleet, request.capacity_requests
                 ),
             )
-    if not every.nodes and every.too_many:
-        warnings.append(
-            f'request "{request.name}" (allocationMode All) would be given all {every.too_many} '
-            f"devices it matches on a node, more than the {dra.ALLOCATION_RESULTS_MAX_SIZE} the "
-            "scheduler gives one claim, on every node that has any: it can never be allocated, "
-            "and counts nothing on quota rules"
-        )
+    if not every.nodes and (every.too_many or every.short_of_counters):
+        warnings.append(_never_allocated(request.name, every, candidates))
     return result
+
+
+def _never_allocated(request_name: str, every: AllOnNodes, candidates: list[Shape]) -> str:
+    """Why an `All` request can be allocated on no node that has devices it matches: too
+    many of them for one claim, or more than their shared counter sets hold. (The API server
+    keeps 256 characters of a warning.)"""
+    unit = unit_label(rule_unit(candidates), plural=False)
+    limit = dra.ALLOCATION_RESULTS_MAX_SIZE
+    if not every.short_of_counters:
+        reason = (
+            f"would be given all {every.too_many} devices it matches on a node, more than the "
+            f"{limit} the scheduler gives one claim, on every node that has any"
+        )
+    elif not every.too_many:
+        reason = (
+            "matches, on each node with any, devices that consume more of a shared counter set "
+            f"than it has (a whole {unit} and its partitions)"
+        )
+    else:
+        reason = (
+            f"matches, on each node with any, more than {limit} devices (a claim's most) or "
+            "devices that consume more of a shared counter set than it has"
+        )
+    return (
+        f'request "{request_name}" (allocationMode All) {reason}: it can never be allocated, '
+        "and counts nothing on quota rules"
+    )
 
 
 def _eligible(candidates: list[Shape], capacity_requests: dict[str, str]) -> list[Shape]:
@@ -591,7 +614,10 @@ def _consumes(shape: Shape, capacity_requests: dict[str, str]) -> dict[str, Deci
 class AllOnNodes:
     """Where an `allocationMode: All` request can be allocated: the scheduler gives it every
     device it matches on the node (each shareable one a share of what it asks), so a node
-    where that is more than a claim can hold (`dra.ALLOCATION_RESULTS_MAX_SIZE`) never can."""
+    where that is more than a claim can hold (`dra.ALLOCATION_RESULTS_MAX_SIZE`) never can,
+    nor one where together they consume more of a shared counter set than it holds (a whole
+    GPU and its partitions published together, KEP-4815; see `shapes.counter_shortfall`).
+    Devices that consume no counters (a GPU beside its static MIG devices) are all given."""
 
     # The matching devices by shape id, of each node where they can all be given.
     nodes: tuple[Mapping[int, int], ...]
@@ -599,17 +625,21 @@ class AllOnNodes:
     devices: int
     # The most matching devices on a node where they are too many to be given (0: none is).
     too_many: int
+    # The nodes where the matching devices consume more of a counter set than it holds.
+    short_of_counters: int = 0
 
 
 def _all_on_nodes(fleet: FleetShapes, candidates: list[Shape]) -> AllOnNodes:
     """Devices published without a node (a pool of `allNodes` or a `nodeSelector`) can be
     reached from a node: they are weighed as on every node, and on a node with none of its
-    own (the most such a request could be given)."""
+    own (the most such a request could be given). What the devices consume of their counter
+    sets is read (`FleetShapes.counter_shortfall`) only when some node has two matching
+    devices or more."""
     ids = {shape.id for shape in candidates}
     off_node = {shape_id: n for shape_id, n in fleet.off_node.items() if shape_id in ids}
-    nodes: list[dict[int, int]] = []
+    on_nodes: list[tuple[int | None, dict[int, int]]] = []
     too_many = 0
-    for shapes in [*fleet.per_node.values(), {}]:
+    for node_id, shapes in [*fleet.per_node.items(), (None, {})]:
         matching = {shape_id: n for shape_id, n in shapes.items() if shape_id in ids}
         for shape_id, n in off_node.items():
             matching[shape_id] = matching.get(shape_id, 0) + n
@@ -617,11 +647,18 @@ def _all_on_nodes(fleet: FleetShapes, candidates: list[Shape]) -> AllOnNodes:
         if devices > dra.ALLOCATION_RESULTS_MAX_SIZE:
             too_many = max(too_many, devices)
         elif devices:
-            nodes.append(matching)
+            on_nodes.append((node_id, matching))
+    shortfall = (
+        fleet.counter_shortfall(frozenset(ids))
+        if any(sum(matching.values()) > 1 for _, matching in on_nodes)
+        else NO_SHORTFALL
+    )
+    nodes = [matching for node_id, matching in on_nodes if not shortfall.on(node_id)]
     return AllOnNodes(
         nodes=tuple(nodes),
         devices=max((sum(node.values()) for node in nodes), default=0),
         too_many=too_many,
+        short_of_counters=len(on_nodes) - len(nodes),
     )
 
 
@@ -636,11 +673,8 @@ def _most_on_a_node(
     of what each matching device there counts on the rule (by its own shape: a 40GB and an
     80GB GPU, a GPU and MIG devices, count each what they are); the most over those nodes,
     which need not be the node with the most devices. A rule that covers some of the shapes
-    counts only those.
-
-    A whole device and its partitions published together (KEP-4815) consume one counter set,
-    so the scheduler cannot give them all: the fleet's shapes do not say which devices share a
-    physical unit, so such a node is weighed as if it could (the most the claim could hold)."""
+    counts only those. A node where they consume more of a shared counter set than it holds
+    is not among them (`AllOnNodes`)."""
     each = _per_shape_on(rule, candidates, fleet, capacity_requests)
     return max(
         (

@@ -7,7 +7,10 @@ selectors and its own) are worked out once per rule definition and snapshot.
 
 The fleet is read from the devices counted per (node, shape) (`inventory.models.NodeShapeCount`,
 kept by triggers with the devices), not from the devices; a worker brings its snapshot up to
-date by reading only the counts changed since it read it, off the request path.
+date by reading only the counts changed since it read it, off the request path. Only what the
+devices consume of their pools' shared counter sets, which an `allocationMode: All` request
+needs and the counts cannot tell, is read from the devices (`FleetShapes.counter_shortfall`),
+once per snapshot and set of shapes.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from django.conf import settings
 from django.db import connection
 from kubernetes.utils import parse_quantity
 
-from inventory.models import Cluster, DeviceClass, DeviceShape, NodeShapeCount, Unit
+from inventory.checks import published_counter_sets
+from inventory.models import Cluster, Device, DeviceClass, DeviceShape, NodeShapeCount, Unit
 from quota import cel
 from quota.admission.refresher import Refresher
 from quota.models import QuotaRule
@@ -73,6 +77,27 @@ class Shape:
         )
 
 
+@dataclass(frozen=True)
+class CounterShortfall:
+    """Where the present devices of some shapes, all given to one claim, would consume more of
+    a shared counter set than it holds (KEP-4815: a whole GPU and its partitions, halves and
+    quarters of one GPU, the mode devices of one AMD GPU), so that the scheduler cannot give
+    them all at once. `nodes`: the ids of the nodes where they would, with the devices
+    published without a node; `everywhere`: those published without a node would on their
+    own, so on every node."""
+
+    nodes: frozenset[int] = frozenset()
+    everywhere: bool = False
+
+    def on(self, node_id: int | None) -> bool:
+        """Whether the devices fall short of counters on node `node_id` (None: a node with none
+        of its own)."""
+        return self.everywhere or node_id in self.nodes
+
+
+NO_SHORTFALL = CounterShortfall()
+
+
 @dataclass
 class FleetShapes:
     """The shapes present in a cluster, and how many devices of each sit on each node."""
@@ -92,6 +117,9 @@ class FleetShapes:
     # read within a caller's transaction, whose own writes (counted, maybe rolled back) no
     # other reader can tell from the database's: the next refresh reads every count again.
     counted_as_of: str | None = field(default=None, repr=False)
+    # The cluster whose devices this was read from (None: not read from the database, so
+    # there are no device rows to ask; see `counter_shortfall`).
+    cluster_id: int | None = None
     _derived: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
 
     def derived(self, key: tuple[Any, ...], compute: Callable[[], T]) -> T:
@@ -102,6 +130,19 @@ class FleetShapes:
         except KeyError:
             value = self._derived[key] = compute()
         return value
+
+    def counter_shortfall(self, shape_ids: frozenset[int]) -> CounterShortfall:
+        """Where the present devices of `shape_ids` consume more of a shared counter set than
+        it holds (`CounterShortfall`). The counts say how many devices of a shape sit on a
+        node, not what each consumes of which counter set: this is read from the devices, in
+        two queries at most, once per set of shapes while this snapshot is in use (only
+        `allocationMode: All` needs it)."""
+        if self.cluster_id is None or not shape_ids:
+            return NO_SHORTFALL
+        return self.derived(
+            ("counter shortfall", shape_ids),
+            functools.partial(counter_shortfall, cluster_id=self.cluster_id, shape_ids=shape_ids),
+        )
 
     def match(self, expression: str, shape: Shape) -> bool:
         """Whether `expression` selects devices of `shape` (see `match`)."""
@@ -375,6 +416,7 @@ def refreshed(fleet: FleetShapes, *, cluster_id: int, version: int | None) -> Fl
         as_of, changes = _counts_since(cluster_id, None)
     fresh = FleetShapes(
         version=version,
+        cluster_id=cluster_id,
         per_node=dict(fleet.per_node),
         off_node=dict(fleet.off_node),
         shape_devices=dict(fleet.shape_devices),
@@ -467,6 +509,107 @@ def _counts_since(
 def _xmax(snapshot: str) -> int:
     """The first transaction id a snapshot (`xmin:xmax:xip,...`) has not seen begin."""
     return int(snapshot.split(":")[1])
+
+
+_DEVICES = Device._meta.db_table
+# What the present devices of the shapes consume, per node (NULL: published without a node),
+# pool generation, counter set and counter: each amount as published, with how many devices
+# consume it (a node's GPUs and partitions repeat a few amounts). The sync checked the layout
+# on the way in; anything else is left out rather than raised.
+_CONSUMED = f"""
+SELECT device.node_id, device.driver, device.pool, device.pool_generation,
+    consumption->>'counterSet', counter.key, counter.value->>'value', count(*)
+FROM {_DEVICES} AS device
+CROSS JOIN LATERAL jsonb_array_elements(
+    CASE jsonb_typeof(device.extra->'consumesCounters')
+        WHEN 'array' THEN device.extra->'consumesCounters'
+    END
+) AS consumption
+CROSS JOIN LATERAL jsonb_each(
+    CASE jsonb_typeof(consumption->'counters') WHEN 'object' THEN consumption->'counters' END
+) AS counter
+WHERE device.cluster_id = %(cluster)s AND device.shape_id = ANY(%(shapes)s)
+    AND device.gone_at IS NULL
+GROUP BY 1, 2, 3, 4, 5, 6, 7
+"""
+# A counter set of a pool generation: driver, pool, generation and the set's name.
+CounterSetKey = tuple[str, str, int, str]
+# What some devices consume: counter set -> counter -> amount.
+Consumption = dict[CounterSetKey, dict[str, Decimal]]
+
+
+def counter_shortfall(*, cluster_id: int, shape_ids: frozenset[int]) -> CounterShortfall:
+    """Where the cluster's present devices of `shape_ids`, all given to one claim, consume more
+    of some counter set than it holds (see `CounterShortfall`), as the scheduler's allocator
+    decides (KEP-4815): a set's name is its pool's, and a device is given only while every
+    counter it consumes has room. A device that consumes no counters conflicts with none (a
+    GPU beside its static MIG devices: the scheduler gives them all). A shareable device
+    (KEP-5075) consumes its counters once, however many claims take a share of it. A set or
+    counter its pool does not publish (`inventory.checks` reports it) is not weighed: the
+    request then counts as if the devices could be given. Two queries at most, one when no
+    device consumes counters."""
+    with connection.cursor() as cursor:
+        cursor.execute(_CONSUMED, {"cluster": cluster_id, "shapes": sorted(shape_ids)})
+        rows = cursor.fetchall()
+    on_nodes: dict[int, Consumption] = defaultdict(lambda: defaultdict(dict))
+    off_node: Consumption = defaultdict(dict)  # what devices published without a node consume
+    amounts: dict[str, Decimal] = {}  # each quantity parsed once
+    for node_id, driver, pool, generation, set_name, counter, value, devices in rows:
+        if set_name is None or value is None:
+            continue
+        amount = amounts.get(value)
+        if amount is None:
+            try:
+                amount = amounts[value] = Decimal(parse_quantity(value))
+            except ValueError:
+                continue  # the sync checks every quantity: stored otherwise, not weighed
+        consumption = off_node if node_id is None else on_nodes[node_id]
+        counters = consumption[(driver, pool, generation, set_name)]
+        counters[counter] = counters.get(counter, Decimal(0)) + amount * devices
+    if not on_nodes and not off_node:
+        return NO_SHORTFALL
+    published = published_counter_sets(
+        generations={
+            (cluster_id, driver, pool, generation)
+            for consumption in [*on_nodes.values(), off_node]
+            for driver, pool, generation, _ in consumption
+        }
+    )
+    totals = {
+        (driver, pool, generation, set_name): counters
+        for (_, driver, pool, generation), sets in published.items()
+        for set_name, counters in sets.items()
+    }
+    return CounterShortfall(
+        nodes=frozenset(
+            node_id
+            for node_id, on_node in on_nodes.items()
+            if _exceeds(_together(on_node, off_node), totals)
+        ),
+        everywhere=_exceeds(off_node, totals),
+    )
+
+
+def _together(*consumptions: Consumption) -> Consumption:
+    """What devices consume together: a node's own and those reached from every node (the
+    same counter set only when they are of one pool)."""
+    summed: Consumption = defaultdict(dict)
+    for consumption in consumptions:
+        for counter_set, counters in consumption.items():
+            for counter, amount in counters.items():
+                summed[counter_set][counter] = summed[counter_set].get(counter, Decimal(0)) + amount
+    return summed
+
+
+def _exceeds(consumed: Consumption, totals: dict[CounterSetKey, dict[str, Decimal]]) -> bool:
+    """Whether some counter of some set is consumed past what the set holds."""
+    return any(
+        amount > total[counter]
+        for counter_set, counters in consumed.items()
+        if (total := totals.get(counter_set)) is not None
+        for counter, amount in counters.items()
+        if counter in total
+    )
 
 
 def shape_of(row: DeviceShape) -> Shape:
