@@ -102,8 +102,10 @@ def raise_alert(*, spec: RaisedAlert, now: datetime) -> tuple[Alert, bool]:
         alert = _firing(spec.kind, spec.key)
         created = False
         if alert is None:
+            # The team's own snooze: a key (a claim's namespace) may move to another team,
+            # whose lead did not silence it.
             snoozed = Alert.objects.filter(
-                kind=spec.kind, key=spec.key, snoozed_until__gt=now
+                kind=spec.kind, key=spec.key, team_id=values["team_id"], snoozed_until__gt=now
             ).aggregate(until=Max("snoozed_until"))["until"]
             try:
                 with transaction.atomic():
@@ -122,6 +124,10 @@ def raise_alert(*, spec: RaisedAlert, now: datetime) -> tuple[Alert, bool]:
                     raise
         if not created:
             changed = [name for name, value in values.items() if getattr(alert, name) != value]
+            if "team_id" in changed and alert.snoozed_until is not None:
+                # Now another team's alert: the snooze the other team set does not carry over.
+                values.update(snoozed_until=None, snoozed_by="")
+                changed += ["snoozed_until", "snoozed_by"]
             for name in changed:
                 setattr(alert, name, values[name])
             alert.save(update_fields=changed)
@@ -205,10 +211,12 @@ def _plan(alert: Alert, *, event: str, now: datetime, targets: list[tuple[str, s
 
 
 def snooze_alert(*, alert: Alert, until: datetime | None, actor: str) -> Alert:
-    """Silence `alert`'s key until `until` (None: lift the snooze), audited as `actor`.
+    """Silence `alert`'s key, for its team, until `until` (None: lift the snooze), audited as
+    `actor`.
 
     A firing notification not sent yet waits until then; resolved ones still go out. The
-    key's next alerts inherit the snooze while it lasts (`raise_alert`).
+    key's next alerts of the same team inherit the snooze while it lasts (`raise_alert`); a
+    key that moves to another team (a namespace handed over) is not silenced for it.
     """
     with transaction.atomic():
         _lock_key(alert.kind, alert.key)
@@ -218,10 +226,10 @@ def snooze_alert(*, alert: Alert, until: datetime | None, actor: str) -> Alert:
         locked.snoozed_by = actor if until is not None else ""
         audit.update(actor=actor, obj=locked, before=before)
         if until is None:
-            # Lifted for the whole key: earlier rows would otherwise pass theirs on.
-            Alert.objects.filter(kind=locked.kind, key=locked.key).exclude(pk=locked.pk).filter(
-                snoozed_until__isnull=False
-            ).update(snoozed_until=None, snoozed_by="")
+            # Lifted for the team's whole key: its earlier rows would otherwise pass theirs on.
+            Alert.objects.filter(kind=locked.kind, key=locked.key, team_id=locked.team_id).exclude(
+                pk=locked.pk
+            ).filter(snoozed_until__isnull=False).update(snoozed_until=None, snoozed_by="")
     return locked
 
 
