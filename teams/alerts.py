@@ -89,8 +89,9 @@ def raise_alert(*, spec: RaisedAlert, now: datetime) -> tuple[Alert, bool]:
     per alert, event, channel and target). A new row inherits the snooze of its key's earlier
     alerts while it lasts.
     """
+    team_id = spec.team.pk if spec.team is not None else None
     values = {
-        "team_id": spec.team.pk if spec.team is not None else None,
+        "team_id": team_id,
         "subject": spec.subject[:300],
         "description": spec.description,
         "labels": spec.labels,
@@ -105,7 +106,7 @@ def raise_alert(*, spec: RaisedAlert, now: datetime) -> tuple[Alert, bool]:
             # The team's own snooze: a key (a claim's namespace) may move to another team,
             # whose lead did not silence it.
             snoozed = Alert.objects.filter(
-                kind=spec.kind, key=spec.key, team_id=values["team_id"], snoozed_until__gt=now
+                _of_team(team_id), kind=spec.kind, key=spec.key, snoozed_until__gt=now
             ).aggregate(until=Max("snoozed_until"))["until"]
             try:
                 with transaction.atomic():
@@ -133,6 +134,11 @@ def raise_alert(*, spec: RaisedAlert, now: datetime) -> tuple[Alert, bool]:
             alert.save(update_fields=changed)
         _plan(alert, event=AlertState.FIRING, now=now, targets=_all_targets())
     return alert, created
+
+
+def _of_team(team_id: int | None) -> Q:
+    """The alerts of the team numbered `team_id` (None: the fleet's, of no team)."""
+    return Q(team__isnull=True) if team_id is None else Q(team_id=team_id)
 
 
 def _lock_key(kind: str, key: str) -> None:
@@ -227,9 +233,11 @@ def snooze_alert(*, alert: Alert, until: datetime | None, actor: str) -> Alert:
         audit.update(actor=actor, obj=locked, before=before)
         if until is None:
             # Lifted for the team's whole key: its earlier rows would otherwise pass theirs on.
-            Alert.objects.filter(kind=locked.kind, key=locked.key, team_id=locked.team_id).exclude(
-                pk=locked.pk
-            ).filter(snoozed_until__isnull=False).update(snoozed_until=None, snoozed_by="")
+            Alert.objects.filter(
+                _of_team(locked.team_id), kind=locked.kind, key=locked.key
+            ).exclude(pk=locked.pk).filter(snoozed_until__isnull=False).update(
+                snoozed_until=None, snoozed_by=""
+            )
     return locked
 
 
