@@ -88,7 +88,17 @@ class DirtyHourAdmin(ReadOnlyAdmin):
 
 @admin.register(MigInstance)
 class MigInstanceAdmin(ReadOnlyAdmin):
-    list_display = ("cluster", "node", "parent_uuid", "gpu_instance_id", "meter_id", "first_ms")
+    """A GPU instance's spells, one device's each, in time order."""
+
+    list_display = (
+        "cluster",
+        "node",
+        "parent_uuid",
+        "gpu_instance_id",
+        "meter_id",
+        "first_ms",
+        "last_ms",
+    )
     list_filter = ("cluster",)
     search_fields = ("node", "parent_uuid", "meter_id")
     list_select_related = ("cluster",)

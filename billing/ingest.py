@@ -21,9 +21,11 @@ device NVIDIA's driver made when a claim was prepared (dynamic MIG) has a UUID n
 ResourceSlice carries: its sample, giving its parent GPU and placement (`mig_placement`), is
 stored under the partition device published at that placement on the sending node when it
 was taken (`billing.mig_samples`), at once or, the partition not synced yet, once adopted.
-A MIG sample also gives its GPU instance id (`gpu_instance_id`, with `parent_uuid`): an agent
-token's batch records, per GPU instance, the device its samples were stored under and the span
-they cover (`MigInstance`), by which the Prometheus source matches DCGM's MIG series.
+A MIG sample also gives its GPU instance id (`gpu_instance_id`, with `parent_uuid`): the
+device each GPU instance's samples were stored under, and when, is recorded as spells
+(`billing.mig_instances`), by which the Prometheus source matches DCGM's MIG series: from an
+agent's batch, an operator's backfill and samples set aside once adopted alike (a sample set
+aside keeps its GPU instance), under the node the inventory puts the device on.
 
 A mean's `covered_seconds` is stored as `covered_ms`, rounded to the millisecond from the
 decimal the agent sent, so the rollup holds the mean for the time its readings covered; a
@@ -55,8 +57,9 @@ from psycopg.errors import UniqueViolation
 
 from billing.dirty import mark_dirty
 from billing.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
+from billing.mig_instances import InstanceKey, Point, record_instances
 from billing.mig_samples import GpuInstance, MigPlacement, partitions_at
-from billing.models import AgentToken, MigInstance, Sample, UnknownDeviceSample
+from billing.models import AgentToken, Sample, UnknownDeviceSample
 from db.copy import copy_rows, json_rows
 from db.locks import advisory_xact_lock
 from inventory import profiles
@@ -739,7 +742,7 @@ def _store(
     table, then `INSERT ... SELECT ... ON CONFLICT DO NOTHING`. As `_insert_new`, the first of
     rows of the same device and instant is kept. `gaps` (one per row) go to `gap_ms`, `agent`
     (samples set aside) to `agent_token`; a sample set aside keeps its placement
-    (`mig_placement`), by which it may be adopted.
+    (`mig_placement`), by which it may be adopted, and its GPU instance (`gpu_instance`).
     """
     if not rows:
         return 0, []
@@ -762,17 +765,19 @@ def _store(
             for position, (row, gap) in enumerate(zip(rows, gaps, strict=True))
         )
     elif target is UnknownDeviceSample:
-        columns, select = f"{columns}, mig_placement", f"{select}, mig_placement"
-        copied, types = f"{copied}, mig_placement", (*types, "jsonb")
+        mig = "mig_placement, gpu_instance"
+        columns, select, copied = f"{columns}, {mig}", f"{select}, {mig}", f"{copied}, {mig}"
+        types = (*types, "jsonb", "jsonb")
         batch = (
-            (*row[:_STORED], position, _placement_json(row.placement))
+            (*row[:_STORED], position, _json(row.placement), _json(row.instance))
             for position, row in enumerate(rows)
         )
     # The DELETE empties what an outer transaction's earlier `ingest` left.
     cursor.execute(
         f"CREATE TEMP TABLE IF NOT EXISTS {BATCH_TABLE} (device_uuid text, ts_ms bigint, "
         "gpu_util double precision, mem_used_bytes bigint, processes jsonb, covered_ms bigint, "
-        f"position int, gap_ms bigint, mig_placement jsonb) ON COMMIT DELETE ROWS; "
+        "position int, gap_ms bigint, mig_placement jsonb, gpu_instance jsonb) "
+        "ON COMMIT DELETE ROWS; "
         f"DELETE FROM {BATCH_TABLE}"
     )
     copy_rows(cursor, f"{BATCH_TABLE} ({copied})", batch, types)
@@ -788,10 +793,11 @@ def _store(
     )
 
 
-def _placement_json(placement: MigPlacement | None) -> str | None:
-    """A sample's placement as a sample set aside keeps it (`UnknownDeviceSample.mig_placement`:
-    `MigPlacement`'s fields by name), or None."""
-    return None if placement is None else json.dumps(placement._asdict())
+def _json(fields: MigPlacement | GpuInstance | None) -> str | None:
+    """A sample's placement or GPU instance as a sample set aside keeps it
+    (`UnknownDeviceSample.mig_placement`, `.gpu_instance`: the fields by name, read back with
+    `MigPlacement(**fields)`, `GpuInstance(**fields)`), or None."""
+    return None if fields is None else json.dumps(fields._asdict())
 
 
 # Gaps
@@ -977,10 +983,12 @@ def _store_samples(
 
 
 class _Place(NamedTuple):
-    """Where the inventory puts a device: its cluster and node (None: on no node)."""
+    """Where the inventory puts a device: its cluster and node (None: on no node), and the
+    GPU it is part of (a MIG device's or partition's `parent_uuid`; "" for none)."""
 
     cluster_id: int
     node: str | None
+    parent: str = ""
 
 
 def _metered(ids: Iterable[str]) -> models.QuerySet[Device]:
@@ -1017,7 +1025,7 @@ def _places(uuids: set[str]) -> dict[str, set[_Place]]:
     for uuid, cluster_id, node, parent, gone_at in rows:
         if node is None and parent:
             node = parents.get((parent, cluster_id))
-        (present if gone_at is None else gone)[uuid].add(_Place(cluster_id, node))
+        (present if gone_at is None else gone)[uuid].add(_Place(cluster_id, node, parent or ""))
     return {uuid: present.get(uuid) or gone[uuid] for uuid in present.keys() | gone.keys()}
 
 
@@ -1114,7 +1122,8 @@ def ingest(
     for those of a dynamic MIG device, stored under the partition device published for their
     placement on `node` (`_placed_mig_samples`). A device and instant already stored, or sent
     twice in this batch, is kept as first stored and counted as a duplicate. Every hour that
-    newly stored samples count in is marked dirty.
+    newly stored samples count in is marked dirty. The GPU instances of MIG samples stored (or
+    duplicates) are recorded (`_record_instances`), with a token or without.
 
     Sent with an agent token (`agent`), a sample is refused, never stored, when the inventory
     puts its device on another node than the token's (any node but its cluster's, for a
@@ -1167,8 +1176,16 @@ def ingest(
             refused = sorted(refused + over)
     with connection.cursor() as cursor:
         stored, instants = _store_samples(cursor, known_rows, node=node, received_at=received_at)
-        if agent is not None:
-            _record_instances(cursor, known_rows, cluster_id=agent.cluster_id, node=node)
+        cluster_id = None if agent is None else agent.cluster_id
+        _record_instances(
+            cursor,
+            [
+                _InstanceSample(row.device_uuid, row.ts_ms, row.instance, cluster_id, node)
+                for row in known_rows
+                if row.instance is not None
+            ],
+            places=places,
+        )
         set_aside, _ = _store(
             cursor,
             UnknownDeviceSample,
@@ -1191,52 +1208,68 @@ def ingest(
     )
 
 
-_RECORD_INSTANCES_SQL = f"""
-    INSERT INTO {MigInstance._meta.db_table}
-        (cluster_id, node, parent_uuid, gpu_instance_id, meter_id, first_ms, last_ms)
-    SELECT %s, %s, * FROM unnest(%s::text[], %s::int[], %s::text[], %s::int8[], %s::int8[])
-    ON CONFLICT (cluster_id, node, parent_uuid, gpu_instance_id, meter_id) DO UPDATE SET
-        first_ms = LEAST(EXCLUDED.first_ms, {MigInstance._meta.db_table}.first_ms),
-        last_ms = GREATEST(EXCLUDED.last_ms, {MigInstance._meta.db_table}.last_ms)
-    WHERE EXCLUDED.first_ms < {MigInstance._meta.db_table}.first_ms
-        OR EXCLUDED.last_ms > {MigInstance._meta.db_table}.last_ms
-"""
+class _InstanceSample(NamedTuple):
+    """A stored MIG sample's GPU instance, to be recorded (`billing.mig_instances`): the device
+    it was stored under, when, and who sent it: the agent token's cluster (None: an operator's
+    backfill) and the node it sent for."""
+
+    meter_id: str
+    ts_ms: int
+    instance: GpuInstance
+    cluster_id: int | None
+    node: str
+
+
+def _instance_place(
+    places: set[_Place], *, cluster_id: int | None, node: str
+) -> tuple[int, str] | None:
+    """Where a MIG device's GPU instance is recorded: the cluster and node the inventory puts
+    the device on (a MIG device without a node: its GPU's; none: ""), in the sender's cluster
+    (any, for a backfill), so that an agent's, a backfill's and an adopted sample of one GPU
+    instance are one GPU instance's, whatever node the sender named. Where the inventory has
+    it on several, the sender's node among them; None where that does not settle it."""
+    where = {
+        (place.cluster_id, place.node or "")
+        for place in places
+        if cluster_id is None or place.cluster_id == cluster_id
+    }
+    if len(where) > 1:
+        where = {place for place in where if place[1] == node}
+    return where.pop() if len(where) == 1 else None
 
 
 def _record_instances(
-    cursor: CursorWrapper, rows: Sequence[SampleRow], *, cluster_id: int, node: str
+    cursor: CursorWrapper,
+    samples: Sequence[_InstanceSample],
+    *,
+    places: dict[str, set[_Place]] | None = None,
 ) -> None:
-    """Widen, per GPU instance and device the batch's MIG samples were stored under (known
-    devices, dynamic ones under their partition), the span it was seen in (`MigInstance`):
-    one statement per batch, duplicates included (the instant was seen either way). Only
-    rows that grow are written, so an agent's steady batches touch one row per device."""
-    spans: dict[tuple[str, int, str], list[int]] = {}
-    for row in rows:
-        if row.instance is None:
-            continue
-        key = (row.instance.parent_uuid, row.instance.gpu_instance_id, row.device_uuid)
-        span = spans.get(key)
-        if span is None:
-            spans[key] = [row.ts_ms, row.ts_ms]
-        elif row.ts_ms < span[0]:
-            span[0] = row.ts_ms
-        elif row.ts_ms > span[1]:
-            span[1] = row.ts_ms
-    if not spans:
+    """Record the GPU instances of stored MIG samples, per device they were stored under (a
+    dynamic MIG device's: its partition), duplicates included (the instant was seen either
+    way), at the device's place (`_instance_place`; `places` those known already). A device
+    the inventory cannot place records nothing, nor a sample naming another GPU than the
+    device's own: DCGM's series of that GPU's instance would be given to the device (another
+    cluster's GPU, named by a token of this one)."""
+    if not samples:
         return
-    keys = sorted(spans)  # one lock order for concurrent batches
-    cursor.execute(
-        _RECORD_INSTANCES_SQL,
-        [
-            cluster_id,
-            node,
-            [key[0] for key in keys],
-            [key[1] for key in keys],
-            [key[2] for key in keys],
-            [spans[key][0] for key in keys],
-            [spans[key][1] for key in keys],
-        ],
-    )
+    places = places or {}
+    missing = {sample.meter_id for sample in samples} - places.keys()
+    if missing:
+        places = {**places, **_places(missing)}
+    points: dict[InstanceKey, set[Point]] = defaultdict(set)
+    where: dict[tuple[str, int | None, str], tuple[int, str] | None] = {}
+    for sample in samples:
+        sender = (sample.meter_id, sample.cluster_id, sample.node)
+        if sender not in where:
+            where[sender] = _instance_place(
+                places.get(sample.meter_id, set()), cluster_id=sample.cluster_id, node=sample.node
+            )
+        place = where[sender]
+        parents = {known.parent for known in places.get(sample.meter_id, set())}
+        if place is not None and sample.instance.parent_uuid in parents:
+            key = InstanceKey(*place, *sample.instance)
+            points[key].add(Point(sample.ts_ms, sample.meter_id))
+    record_instances(cursor, points)
 
 
 def _placed_mig_samples(
@@ -1508,6 +1541,7 @@ class _SetAside(NamedTuple):
     node: str
     ts_ms: int
     mig_placement: dict[str, Any] | None
+    gpu_instance: dict[str, Any] | None
 
 
 def _adoptable(candidates: Sequence[_SetAside]) -> dict[int, str]:
@@ -1548,6 +1582,34 @@ def _adoptable(candidates: Sequence[_SetAside]) -> dict[int, str]:
     return adopted
 
 
+def _adopted_instances(
+    candidates: Sequence[_SetAside], meter_ids: dict[int, str]
+) -> list[_InstanceSample]:
+    """The GPU instances of the adopted samples (`meter_ids`, by id) that carry one, as
+    `ingest` records them: under the meter id adopted, from their token's cluster (None: an
+    operator's) and the node that sent them. Adopted or already stored (a twin sent again
+    once the device was known), the instant was seen."""
+    with_instance = [
+        row for row in candidates if row.id in meter_ids and row.gpu_instance is not None
+    ]
+    clusters = dict(
+        AgentToken.objects.filter(pk__in={row.agent_token_id for row in with_instance}).values_list(
+            "pk", "cluster_id"
+        )
+    )
+    return [
+        _InstanceSample(
+            meter_ids[row.id],
+            row.ts_ms,
+            GpuInstance(**row.gpu_instance),
+            None if row.agent_token_id is None else clusters[row.agent_token_id],
+            row.node,
+        )
+        for row in with_instance
+        if row.gpu_instance is not None
+    ]
+
+
 def adopt_unknown_samples(*, now: datetime) -> int:
     """Move the samples set aside whose device has become known into `Sample`; how many.
 
@@ -1558,8 +1620,8 @@ def adopt_unknown_samples(*, now: datetime) -> int:
     device. A token cannot plant samples under the identity of a device elsewhere by naming
     it before the inventory knows it. A dynamic MIG device's sample is adopted by the
     partition at its placement, once the sync has published it, as `ingest` would have
-    matched it. The others stay aside until they expire
-    (`billing.retention.purge_unknown_device_samples`).
+    matched it. An adopted sample's GPU instance is recorded as `ingest` records it. The
+    others stay aside until they expire (`billing.retention.purge_unknown_device_samples`).
 
     A sample already in `Sample` for the same device and instant wins; the one set aside is
     dropped. An adopted mean keeps its covered time. Hours the moved samples count in are
@@ -1590,7 +1652,13 @@ def adopt_unknown_samples(*, now: datetime) -> int:
                 .select_for_update(skip_locked=True)
                 .order_by("id")
                 .values_list(
-                    "id", "device_uuid", "agent_token_id", "node", "ts_ms", "mig_placement"
+                    "id",
+                    "device_uuid",
+                    "agent_token_id",
+                    "node",
+                    "ts_ms",
+                    "mig_placement",
+                    "gpu_instance",
                 )[:ADOPT_CHUNK]
             ]
             if not candidates:
@@ -1626,6 +1694,7 @@ def adopt_unknown_samples(*, now: datetime) -> int:
                 )
                 if stored:
                     refresh_gaps(cursor, bounds)
+                _record_instances(cursor, _adopted_instances(candidates, meter_ids))
             UnknownDeviceSample.objects.filter(id__in=meter_ids).delete()
             mark_dirty(hours=touched_hours(instants), at=now)
             moved += stored

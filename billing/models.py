@@ -102,6 +102,9 @@ class UnknownDeviceSample(models.Model):
     # sent them (`parent_uuid`, `start`, `size`, `profile`, `profile_id`), so it is adopted by
     # the partition at that placement once the sync has it.
     mig_placement = models.JSONField(null=True, blank=True)
+    # A MIG device's GPU instance as the agent sent it (`parent_uuid`, `gpu_instance_id`), so
+    # the device it is adopted under records it (`billing.mig_instances`), as `ingest` would.
+    gpu_instance = models.JSONField(null=True, blank=True)
     agent_token = models.ForeignKey(
         AgentToken,
         on_delete=models.CASCADE,
@@ -124,15 +127,17 @@ class UnknownDeviceSample(models.Model):
 
 
 class MigInstance(models.Model):
-    """Which MIG device (`meter_id`) a GPU instance id of a GPU was, and when: from the first
-    to the last sample time a node's agent sent it with (`billing.ingest`).
+    """A spell of a GPU instance id of a GPU: which MIG device (`meter_id`) it was from the
+    first to the last sample time a run of that device's samples gave it, with no sample of
+    another device under that id between (`billing.mig_instances`).
 
     DCGM names a MIG device by its parent's UUID and its GPU instance id (`GPU_I_ID`), never
     by the MIG UUID, and NVIDIA's DRA driver publishes no GPU instance ids: these rows are how
     the Prometheus source tells apart two MIG devices of one profile on one GPU
-    (`billing.prometheus`). One row per device a GPU instance id was, so an id reused by a later
-    MIG device keeps both spans; updated only by widening them, so the order batches arrive in
-    makes no difference.
+    (`billing.prometheus`). An id reused A, B, A gives three spells, so a reading between is
+    never claimed by both. A GPU instance is keyed by cluster, node (the inventory's, where
+    its GPU is), parent and id; its spells are the runs of all its samples in time order,
+    whatever order their batches came in, from agents, backfills and adopted samples alike.
     """
 
     cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE, related_name="+")
@@ -145,12 +150,27 @@ class MigInstance(models.Model):
 
     class Meta:
         constraints = [
+            # Spells of one device under one GPU instance never overlap: one starts once. The
+            # order serves `billing.mig_instances`, which reads a GPU instance's spells by time.
             models.UniqueConstraint(
-                fields=["cluster", "node", "parent_uuid", "gpu_instance_id", "meter_id"],
-                name="miginstance_unique_device",
+                fields=[
+                    "cluster",
+                    "node",
+                    "parent_uuid",
+                    "gpu_instance_id",
+                    "first_ms",
+                    "meter_id",
+                ],
+                name="miginstance_unique_spell",
             ),
         ]
-        indexes = [models.Index(fields=["parent_uuid", "gpu_instance_id"])]
+        indexes = [
+            # A GPU instance's spells ending from a time on: the ones a batch falls in or
+            # next to, however many its id was reused for before (`billing.mig_instances`).
+            models.Index(fields=["cluster", "node", "parent_uuid", "gpu_instance_id", "last_ms"]),
+            # A GPU's spells about a window (`billing.prometheus`).
+            models.Index(fields=["parent_uuid", "last_ms"]),
+        ]
 
     def __str__(self) -> str:
         return f"{self.parent_uuid}::gi{self.gpu_instance_id} = {self.meter_id}"

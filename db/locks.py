@@ -21,6 +21,10 @@ LockName = Literal[
     # One device's samples while their gaps are worked out (`billing.ingest`); the key is a
     # hash of the device's UUID (a collision only makes two devices wait on each other).
     "billing.ingest.device",
+    # One GPU instance's spells while a batch's samples are merged into them
+    # (`billing.mig_instances`); the key is a hash of the instance (a collision only makes two
+    # instances wait on each other). Taken after the batch's device locks.
+    "billing.ingest.mig_instance",
     # One hour's usage rows while they are rolled up (`billing.rollup`); the key is the hour
     # since the epoch.
     "billing.rollup.hour",

@@ -51,6 +51,11 @@ Each line is one sample object, as the agent sends it in "samples":
   mem_used_bytes  an integer, or null (optional)
   processes       a list of objects (optional)
   node            the device's node (optional)
+  parent_uuid, gpu_instance_id
+                  a MIG device's GPU and GPU instance id (optional), as the agent
+                  sends them: recorded as an agent's are, under the node the
+                  inventory puts the GPU on (a device set aside: once adopted), so
+                  that DCGM's MIG series of a backfilled day find their device
 
 The node is the inventory's: a "node" on the line (else --node), when given, must agree
 with it. A device the inventory does not know is rejected, unless a node is given: then its

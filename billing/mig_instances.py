@@ -1,0 +1,325 @@
+"""Which MIG device each GPU instance id of a GPU was, and when, kept as spells
+(`billing.models.MigInstance`) from the samples that carry a GPU instance.
+
+A GPU instance id is reused: MIG device A is destroyed, B created under the same id, then A's
+id again, and so on. A span per device, widened to its first and last sample, would let A's
+cover B's spell and B's cover A's second, so a DCGM reading between would be claimed by both.
+So a GPU instance (its cluster, node, parent GPU and id) keeps *spells*: the runs of all its
+samples in time order (then by meter id, so two at one instant are ordered too), each the
+first and last sample of an uninterrupted run of one device's. They are what its samples
+give all at once, whatever order, or however concurrently, their batches come in:
+
+- each batch's samples are merged into the GPU instance's stored spells about them (the ones
+  its samples fall in or next to), under a lock per GPU instance taken in key order;
+- where a sample of one device falls inside a stored spell of another (a late batch filling a
+  gap, two agents' batches), that spell is split at its own device's samples on either side,
+  read from `billing_sample`, where every sample recorded here was stored first (the samples
+  between a spell's ends are not kept here). So a split is exact where a device's meter id is
+  one GPU instance for all its samples (a MIG UUID always is; a dynamic MIG partition's meter
+  id made again under another id within one of its spells would have that spell split at its
+  samples under the other id too), and while those samples are kept (`billing.retention`).
+
+Rows written before spells, one per device widened over the others', are split the same way
+at each other's ends by migration 0012 (`split_overlapping_spells`).
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from bisect import bisect_left
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from typing import NamedTuple
+
+from django.db import connection
+from django.db.backends.utils import CursorWrapper
+from django.db.transaction import TransactionManagementError
+
+from billing.models import MigInstance, Sample
+from db.copy import json_rows
+from db.locks import xact_lock_sql
+
+_TABLE = MigInstance._meta.db_table
+_KEY_COLUMNS = "cluster_id, node, parent_uuid, gpu_instance_id"
+
+
+class InstanceKey(NamedTuple):
+    """One GPU instance: its GPU's cluster and node (the inventory's), the GPU's UUID and the
+    GPU instance id on it."""
+
+    cluster_id: int
+    node: str
+    parent_uuid: str
+    gpu_instance_id: int
+
+
+class Point(NamedTuple):
+    """A sample of a GPU instance: when, and the device it was stored under. Ordered by time,
+    then meter id: the order spells are runs in."""
+
+    ts_ms: int
+    meter_id: str
+
+
+class Spell(NamedTuple):
+    """One device's uninterrupted run of samples under a GPU instance: its first and last."""
+
+    meter_id: str
+    first_ms: int
+    last_ms: int
+
+
+class _Stored(NamedTuple):
+    """A spell as stored, with its row's id."""
+
+    id: int
+    meter_id: str
+    first_ms: int
+    last_ms: int
+
+
+def spells_of(points: Iterable[Point]) -> list[Spell]:
+    """The spells of a GPU instance's samples: the runs of one device in their order."""
+    spells: list[Spell] = []
+    for ts_ms, meter_id in sorted(set(points)):
+        if spells and spells[-1].meter_id == meter_id:
+            spells[-1] = spells[-1]._replace(last_ms=ts_ms)
+        else:
+            spells.append(Spell(meter_id, ts_ms, ts_ms))
+    return spells
+
+
+class _Gap(NamedTuple):
+    """Instants `[lo, hi]` inside a stored spell of `meter_id`, between two samples of other
+    devices (or the spell's own ends): its samples there, if any, are a run of their own."""
+
+    meter_id: str
+    lo: int
+    hi: int
+
+
+def _gaps(stored: Sequence[_Stored], known: Sequence[Point]) -> list[_Gap]:
+    """Where stored spells must be split: per spell with samples of other devices inside
+    (`known`, sorted: the batch's and the other spells' ends), the stretches between them,
+    bounds included as far as the (time, meter id) order allows."""
+    gaps: list[_Gap] = []
+    for spell in stored:
+        first, last = Point(spell.first_ms, spell.meter_id), Point(spell.last_ms, spell.meter_id)
+        inside = [
+            point
+            for point in known[bisect_left(known, first) : bisect_left(known, last)]
+            if point.meter_id != spell.meter_id and first < point
+        ]
+        if not inside:
+            continue
+        for after, before in zip([first, *inside], [*inside, last], strict=True):
+            # The instants t with after < (t, meter) < before.
+            lo = after.ts_ms if spell.meter_id > after.meter_id else after.ts_ms + 1
+            hi = before.ts_ms if spell.meter_id < before.meter_id else before.ts_ms - 1
+            if lo <= hi:
+                gaps.append(_Gap(spell.meter_id, lo, hi))
+    return gaps
+
+
+def _merged(
+    stored: Sequence[_Stored], points: Iterable[Point], found: Iterable[Point]
+) -> list[Spell]:
+    """The spells of a GPU instance's stored spells about a batch with the batch's `points`,
+    given the samples `found` at the ends of each gap (`_gaps`): every run boundary is then
+    a known point, so the runs of the known points are the runs of all."""
+    known = {point for spell in stored for point in _ends(spell)}
+    known.update(points)
+    known.update(found)
+    return spells_of(known)
+
+
+def _ends(spell: _Stored) -> tuple[Point, Point]:
+    return Point(spell.first_ms, spell.meter_id), Point(spell.last_ms, spell.meter_id)
+
+
+def _lock_keys(cursor: CursorWrapper, keys: Iterable[InstanceKey]) -> None:
+    """Hold the GPU instances' locks to the end of the transaction, in key order; and for the
+    rest of it no JIT compilation (as the rollup): guessing a hundred GPU instances per batch
+    and each one's share of the table, the planner would compile every batch's read of its
+    spells (20-30 ms) to save nothing. One round trip."""
+    if not connection.in_atomic_block:
+        raise TransactionManagementError("GPU instances' spells are merged in a transaction")
+    lock, params = xact_lock_sql(
+        "billing.ingest.mig_instance",
+        {zlib.crc32("\x00".join(map(str, key)).encode()) - 2**31 for key in keys},
+    )
+    cursor.execute(f"{lock}; SELECT set_config('jit', 'off', true)", params)
+
+
+# Per GPU instance and its batch's instants [lo, hi]: its stored spells from the last one that
+# ends before lo (with any ending then) to the first that starts after hi (with any starting
+# then): those the batch's samples fall in or next to; all of them where lo is null. The
+# bounds first, then each GPU instance's spells between them, one index range (by last_ms).
+_ABOUT_SQL = f"""
+WITH r(i, cluster_id, node, parent_uuid, gpu_instance_id, lo, hi) AS (
+    {json_rows("bigint", "bigint", "text", "text", "integer", "bigint", "bigint")}
+),
+bounds AS MATERIALIZED (
+    SELECT r.*,
+           COALESCE(
+               (SELECT max(b.last_ms) FROM {_TABLE} AS b
+                WHERE ({_KEY_COLUMNS}) = (r.cluster_id, r.node, r.parent_uuid, r.gpu_instance_id)
+                  AND b.last_ms < r.lo),
+               r.lo, {-(2**63)}) AS from_ms,
+           COALESCE(
+               (SELECT min(a.first_ms) FROM {_TABLE} AS a
+                WHERE ({_KEY_COLUMNS}) = (r.cluster_id, r.node, r.parent_uuid, r.gpu_instance_id)
+                  AND a.first_ms > r.hi),
+               r.hi, {2**63 - 1}) AS to_ms
+    FROM r
+)
+SELECT bounds.i, m.id, m.meter_id, m.first_ms, m.last_ms
+FROM bounds CROSS JOIN LATERAL (
+    SELECT id, meter_id, first_ms, last_ms FROM {_TABLE}
+    WHERE ({_KEY_COLUMNS})
+          = (bounds.cluster_id, bounds.node, bounds.parent_uuid, bounds.gpu_instance_id)
+      AND last_ms >= bounds.from_ms AND first_ms <= bounds.to_ms
+    OFFSET 0  -- kept a subquery per GPU instance: its index range, never the table hashed
+) AS m
+"""
+# Per gap: the device's first and last sample stored in it.
+_FOUND_SQL = f"""
+SELECT g.i, s.first_ms, s.last_ms
+FROM ({json_rows("bigint", "text", "bigint", "bigint")}) AS g(i, meter_id, lo, hi)
+CROSS JOIN LATERAL (
+    SELECT min(ts_ms) AS first_ms, max(ts_ms) AS last_ms FROM {Sample._meta.db_table}
+    WHERE device_uuid = g.meter_id AND ts_ms BETWEEN g.lo AND g.hi
+) AS s
+WHERE s.first_ms IS NOT NULL
+"""
+# GPU instances two of whose devices' spells overlap (rows written before spells).
+_OVERLAPPING_SQL = f"""
+SELECT DISTINCT {", ".join(f"m.{column}" for column in _KEY_COLUMNS.split(", "))}
+FROM {_TABLE} AS m JOIN {_TABLE} AS o USING ({_KEY_COLUMNS})
+WHERE m.meter_id <> o.meter_id AND m.first_ms <= o.last_ms AND o.first_ms <= m.last_ms
+"""
+
+
+def record_instances(cursor: CursorWrapper, points: Mapping[InstanceKey, Iterable[Point]]) -> None:
+    """Merge each GPU instance's `points` (a batch's samples, stored in `billing_sample`
+    already) into its spells. Order independent: the spells are those of all the samples
+    recorded, however their batches were split, ordered or run at once (each GPU instance's
+    spells are read and written under its lock). A batch that only extends a device's
+    latest spell, the usual case, updates that one row."""
+    _respell(cursor, {key: set(found) for key, found in points.items() if found})
+
+
+def split_overlapping_spells(cursor: CursorWrapper) -> int:
+    """Split the spells of GPU instances where two devices' overlap (each device one span,
+    as rows were recorded before spells: migration 0012) at each other's ends and their own
+    samples between, as if their samples had come in again; how many GPU instances."""
+    cursor.execute(_OVERLAPPING_SQL)
+    keys = [InstanceKey(*row) for row in cursor.fetchall()]
+    _respell(cursor, {key: set() for key in keys})
+    return len(keys)
+
+
+def _respell(cursor: CursorWrapper, batch: Mapping[InstanceKey, set[Point]]) -> None:
+    """Merge each GPU instance's new points into its stored spells about them (all of them,
+    for a GPU instance given none), under its lock."""
+    if not batch:
+        return
+    keys = sorted(batch)
+    _lock_keys(cursor, keys)
+    # Each GPU instance's new points' first and last instants (null: all its spells).
+    about = [
+        [index, *key, *(_bounds(batch[key]) if batch[key] else (None, None))]
+        for index, key in enumerate(keys)
+    ]
+    cursor.execute(_ABOUT_SQL, [json.dumps(about)])
+    stored: dict[InstanceKey, list[_Stored]] = defaultdict(list)
+    for index, *spell in cursor.fetchall():
+        stored[keys[index]].append(_Stored(*spell))
+    gaps = {
+        key: _gaps(stored[key], sorted(batch[key].union(*map(_ends, stored[key])))) for key in keys
+    }
+    found = _found(cursor, [gap for key in keys for gap in gaps[key]])
+    deleted: list[int] = []
+    updated: list[list[int]] = []
+    inserted: list[list[object]] = []
+    for key in keys:
+        ends = [point for gap in gaps[key] for point in found.get(gap, ())]
+        kept, new, gone = _changes(stored[key], _merged(stored[key], batch[key], ends))
+        deleted.extend(gone)
+        updated.extend([row_id, spell.first_ms, spell.last_ms] for row_id, spell in kept)
+        inserted.extend([*key, *spell] for spell in new)
+    _write(cursor, deleted=deleted, updated=updated, inserted=inserted)
+
+
+def _bounds(points: set[Point]) -> tuple[int, int]:
+    return min(points).ts_ms, max(points).ts_ms
+
+
+def _found(cursor: CursorWrapper, gaps: Sequence[_Gap]) -> dict[_Gap, tuple[Point, Point]]:
+    """Per gap its device has samples stored in, the first and last of them."""
+    if not gaps:
+        return {}
+    unique = sorted(set(gaps))
+    cursor.execute(_FOUND_SQL, [json.dumps([[index, *gap] for index, gap in enumerate(unique)])])
+    return {
+        unique[index]: (
+            Point(first_ms, unique[index].meter_id),
+            Point(last_ms, unique[index].meter_id),
+        )
+        for index, first_ms, last_ms in cursor.fetchall()
+    }
+
+
+def _changes(
+    stored: Sequence[_Stored], spells: Sequence[Spell]
+) -> tuple[list[tuple[int, Spell]], list[Spell], list[int]]:
+    """What turns `stored` into `spells`: rows kept (each the first new spell of its device it
+    overlaps; changed or not), spells to insert, and the ids of rows to delete. A row whose
+    spell stays as it was is left out."""
+    unused = {spell.id: spell for spell in stored}
+    kept: list[tuple[int, Spell]] = []
+    new: list[Spell] = []
+    for spell in spells:
+        row = next(
+            (
+                row
+                for row in unused.values()
+                if row.meter_id == spell.meter_id
+                and row.first_ms <= spell.last_ms
+                and spell.first_ms <= row.last_ms
+            ),
+            None,
+        )
+        if row is None:
+            new.append(spell)
+            continue
+        del unused[row.id]
+        if (row.first_ms, row.last_ms) != (spell.first_ms, spell.last_ms):
+            kept.append((row.id, spell))
+    return kept, new, list(unused)
+
+
+def _write(
+    cursor: CursorWrapper,
+    *,
+    deleted: Sequence[int],
+    updated: Sequence[Sequence[int]],
+    inserted: Sequence[Sequence[object]],
+) -> None:
+    """Deletions first, so that neither an update nor an insert meets a row on its way out."""
+    if deleted:
+        cursor.execute(f"DELETE FROM {_TABLE} WHERE id = ANY(%s)", [list(deleted)])
+    if updated:
+        cursor.execute(
+            f"UPDATE {_TABLE} AS m SET first_ms = u.first_ms, last_ms = u.last_ms "
+            f"FROM ({json_rows('bigint', 'bigint', 'bigint')}) AS u(id, first_ms, last_ms) "
+            "WHERE m.id = u.id",
+            [json.dumps(updated)],
+        )
+    if inserted:
+        cursor.execute(
+            f"INSERT INTO {_TABLE} ({_KEY_COLUMNS}, meter_id, first_ms, last_ms) "
+            + json_rows("bigint", "text", "text", "integer", "text", "bigint", "bigint"),
+            [json.dumps(inserted)],
+        )
