@@ -15,10 +15,11 @@ whole step. Metric names, scales and the labels a series names its device by are
   a whole GPU by `UUID`; a MIG device by a label carrying its own UUID where the operator
   relabels one (`mig_uuid=`), else by its parent's `UUID` and `GPU_I_ID`: DCGM does not know
   MIG UUIDs and the inventory does not know GPU instance ids, but the node agents send each
-  MIG device's with its samples (`billing.models.MigInstance`), so each reading goes to the
-  device that GPU instance was at its time (an id reused by a later MIG device maps by time).
-  A reading no agent's record covers falls back to `GPU_I_PROFILE`, which names a MIG device
-  when its GPU has one of that profile.
+  MIG device's with its samples, kept as each device's spells under each GPU instance
+  (`billing.mig_instances`), so each reading goes to the device that GPU instance was at its
+  time (an id reused A, B, A maps by time to each spell's own device). A reading no spell
+  covers falls back to `GPU_I_PROFILE`, which names a MIG device when its GPU has one of that
+  profile.
 - AMD device-metrics-exporter: `gpu_gfx_activity` (percent); a GPU by `hostname` and
   `serial_number`: a node's GPUs numbered by their lowest `gpu_id` are its AMD devices' PCI
   addresses in order (what the node agent reads from sysfs, here from the inventory), a
@@ -199,10 +200,36 @@ def parse_sources(value: str) -> tuple[str, dict[str, str]]:
     return default or "samples", per_cluster
 
 
-def _base_url(value: str) -> str | None:
-    """`value` as an engine's base URL (no trailing slash), or None if it is not http(s)."""
+def _url_fault(url: str) -> str:
+    """Why `url` is not an engine's base URL, or "" when it is: http(s) with a host (the
+    API's path is added to it, so no query or fragment either)."""
+    if not url.startswith(("http://", "https://")):
+        return "it must start with http:// or https://"
+    if any(char.isspace() or not char.isprintable() for char in url):
+        return "it holds a space or a control character (percent-encode them in a path)"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (read for its check)
+    except ValueError as error:  # a port that is no number from 0 to 65535, a bad IPv6 address
+        return str(error)
+    if not parts.hostname:
+        return "it names no host (http://prometheus:9090, not http:///api or http://:9090)"
+    if parts.query or parts.fragment:
+        return "a base URL has no query or fragment: the API's path is added to it"
+    return ""
+
+
+def _base_url(value: str, *, variable: str, optional: bool = False) -> str:
+    """`value` as an engine's base URL (no trailing slash; "" for none, where `optional`), or
+    `ImproperlyConfigured` naming `variable` (and the cluster, in TALLY_PROMETHEUS_URLS) and
+    what is wrong with it: a URL given is checked whether or not it is used."""
     url = value.strip()
-    return url.rstrip("/") if url.startswith(("http://", "https://")) else None
+    fault = _url_fault(url) if url or not optional else ""
+    if fault:
+        raise ImproperlyConfigured(
+            f"{variable}={url!r} is not a base URL (http://... or https://...): {fault}"
+        )
+    return url.rstrip("/")
 
 
 def parse_urls(value: str) -> dict[str, str]:
@@ -212,7 +239,6 @@ def parse_urls(value: str) -> dict[str, str]:
         if not item:
             continue
         cluster, equals, text = (part.strip() for part in item.partition("="))
-        url = _base_url(text)
         if not equals or not cluster:
             raise ImproperlyConfigured(
                 f"TALLY_PROMETHEUS_URLS: {item!r} is not cluster=URL "
@@ -220,12 +246,7 @@ def parse_urls(value: str) -> dict[str, str]:
             )
         if cluster in urls:
             raise ImproperlyConfigured(f"TALLY_PROMETHEUS_URLS: cluster {cluster!r} given twice")
-        if url is None:
-            raise ImproperlyConfigured(
-                f"TALLY_PROMETHEUS_URLS: {cluster}={text!r} is not a base URL (http://... or "
-                "https://...)"
-            )
-        urls[cluster] = url
+        urls[cluster] = _base_url(text, variable=f"TALLY_PROMETHEUS_URLS: {cluster}")
     return urls
 
 
@@ -350,8 +371,8 @@ def _config(
         for cluster, name in per_cluster.items()
         if name == "prometheus" and cluster not in cluster_urls
     ]
-    default_url = _base_url(url)
-    if default_url is None and (default == "prometheus" or unnamed):
+    default_url = _base_url(url, variable="TALLY_PROMETHEUS_URL", optional=True)
+    if not default_url and (default == "prometheus" or unnamed):
         whom = (
             "every cluster TALLY_PROMETHEUS_URLS does not name"
             if default == "prometheus"
@@ -547,7 +568,8 @@ class Identities:
     """The window's devices as series name them."""
 
     by_uuid: dict[str, str] = field(default_factory=dict)  # published uuid -> meter id
-    # (parent uuid, GPU instance id) -> the devices it was: (first ms, last ms, meter id)
+    # (parent uuid, GPU instance id) -> the devices it was, spell by spell: (first ms, last ms,
+    # meter id)
     instances: dict[tuple[str, int], list[tuple[int, int, str]]] = field(default_factory=dict)
     mig: dict[tuple[str, str], list[str]] = field(default_factory=dict)
     amd_buses: dict[str, list[str]] = field(default_factory=dict)  # node -> PCI addresses
@@ -559,9 +581,12 @@ def _identities(devices: QuerySet[Device], start_ms: int, end_ms: int) -> Identi
     their parents' GPU instances were about the window, as the agents saw them."""
     present = Q(gone_at__isnull=True) | Q(gone_at__gt=hour_at(start_ms // MS_PER_HOUR))
     found = Identities()
-    rows = list(devices.values_list("uuid", "meter_id", "parent_uuid", "kind"))
-    parents = {parent for _, _, parent, kind in rows if kind == DeviceKind.MIG and parent}
-    for uuid, meter_id, _, _ in rows:
+    rows = list(devices.values_list("uuid", "meter_id", "parent_uuid", "kind", "cluster_id"))
+    parents = {parent for _, _, parent, kind, _ in rows if kind == DeviceKind.MIG and parent}
+    clusters = {cluster_id for *_, cluster_id in rows}
+    # Of devices publishing one UUID (a GPU offered as `gpu` and as `vfio`), the series goes to
+    # the one metered by it, whatever order the rows come in: it is put last.
+    for uuid, meter_id, *_ in sorted(rows, key=lambda row: (row[1] == row[0], row[1])):
         if uuid and meter_id:
             found.by_uuid[uuid] = meter_id
     mig: dict[tuple[str, str], list[str]] = defaultdict(list)
@@ -571,8 +596,13 @@ def _identities(devices: QuerySet[Device], start_ms: int, end_ms: int) -> Identi
         mig[parent, profile].append(meter_id)
     found.mig = dict(mig)
     instances: dict[tuple[str, int], list[tuple[int, int, str]]] = defaultdict(list)
+    # Only what the devices' own clusters' agents recorded: another cluster's GPU of the same
+    # UUID (a token naming it) never claims these series.
     for parent, instance_id, first_ms, last_ms, meter_id in MigInstance.objects.filter(
-        parent_uuid__in=parents, first_ms__lt=end_ms, last_ms__gte=start_ms - 2 * sample_hold_ms()
+        cluster_id__in=clusters,
+        parent_uuid__in=parents,
+        first_ms__lt=end_ms,
+        last_ms__gte=start_ms - 2 * sample_hold_ms(),
     ).values_list("parent_uuid", "gpu_instance_id", "first_ms", "last_ms", "meter_id"):
         instances[parent, instance_id].append((first_ms, last_ms, meter_id))
     found.instances = {key: sorted(spans) for key, spans in instances.items()}
@@ -581,11 +611,11 @@ def _identities(devices: QuerySet[Device], start_ms: int, end_ms: int) -> Identi
 
 @dataclass(frozen=True)
 class InstanceMeters:
-    """The devices one GPU instance was (`Identities.instances`), for a DCGM MIG series: a
-    reading goes to the device whose span, held as a sample holds, covers its instant and
-    began last (an id reused goes to the later device from its first sample); none: to
-    `fallback`, the device the series' profile names, if any. Two devices first seen at the
-    same instant cannot be told apart: that reading is not matched."""
+    """The devices one GPU instance was (`Identities.instances`: their spells), for a DCGM MIG
+    series: a reading goes to the device whose spell, held as a sample holds, covers its
+    instant and began last (an id reused goes to the later device from its first sample);
+    none: to `fallback`, the device the series' profile names, if any. Two spells beginning at
+    the same instant cannot be told apart: that reading is not matched."""
 
     spans: Sequence[tuple[int, int, str]]
     fallback: str | None

@@ -113,11 +113,6 @@ def nvidia_gpu(name: str, device_type: str) -> dict[str, Any]:
     }
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="billing.prometheus._identities keeps, of two devices publishing one UUID, the "
-    "meter id of whichever row PostgreSQL returns last (no ORDER BY)",
-)
 def test_a_gpu_also_offered_for_passthrough_takes_its_dcgm_series_whatever_the_order() -> None:
     """NVIDIA's driver offers one GPU as `gpu` and as `vfio`, both with its UUID; the sync
     meters the `gpu` device by the UUID and gives the vfio device a formed meter id. With

@@ -1,5 +1,6 @@
-"""Review round 29: defects in what the last two sessions changed, each shown by a strict-xfail
-test through the real views (the portal, `/ingest/samples`) and settings checks.
+"""Review round 29: defects found in what the last two sessions changed, each shown by a test
+that failed until it was mended, through the real views (the portal, `/ingest/samples`) and
+settings checks.
 
 - An agent token records GPU instances (`MigInstance`) under any parent GPU it names, so the
   Prometheus source sends another cluster's DCGM MIG readings to the token's device.
@@ -48,13 +49,6 @@ def _a100_with_one_slice(cluster: str, node: str) -> tuple[Device, Device]:
 
 
 @pytest.mark.django_db
-@pytest.mark.xfail(
-    strict=True,
-    reason="billing.ingest._record_instances records a GPU instance under whatever parent_uuid "
-    "the sample names, never checked against the device's own parent; billing.prometheus."
-    "_identities reads MigInstance by parent_uuid alone, so cluster A's agent token sends "
-    "cluster B's DCGM MIG readings to A's device",
-)
 def test_an_agent_token_cannot_claim_another_clusters_gpu_instance() -> None:
     _, own = _a100_with_one_slice("cluster-a", "a-node")
     their_gpu, theirs = _a100_with_one_slice("cluster-b", "b-node")
@@ -160,12 +154,6 @@ def test_a_snooze_set_by_one_team_does_not_silence_another_teams_alert(cast: Cas
         "gpu-east=http://prom-east:9090/prom etheus",  # a space in the path
         "gpu-east=http://prom\x01east:9090",  # a control character
     ],
-)
-@pytest.mark.xfail(
-    strict=True,
-    reason="billing.prometheus._url_fault accepts whitespace and control characters: the "
-    "settings check passes, and every rollup of the cluster fails on http.client.InvalidURL "
-    "(not an EngineUnavailable), a traceback naming no setting",
 )
 def test_a_url_with_a_space_or_control_character_is_a_settings_error(urls: str) -> None:
     with override_settings(
