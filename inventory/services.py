@@ -465,7 +465,7 @@ def _apply_run(writer: _Writer, run: _Run, *, signalled_at: datetime) -> None:
     writer.send_claims_changed(at=signalled_at)
     if run.kind != "ResourceClaim":
         return
-    _record_claim_gangs(
+    recorded = _record_claim_gangs(
         cluster=cluster,
         found={
             uid: (event.gang, event.at)
@@ -476,7 +476,9 @@ def _apply_run(writer: _Writer, run: _Run, *, signalled_at: datetime) -> None:
     if not claim_uids:  # which claim it was is not known: every gang is looked at
         end_gangs(cluster=cluster, at=writer.at)
         return
-    gangs_after = _gangs_of(cluster, claim_uids)
+    # Only recording a gang moves a claim (the sync is the only writer of claims' gangs), so
+    # the gangs after the run are known without reading them again: one query less a run.
+    gangs_after = {**gangs_before, **recorded}
     times = {uid: event.at for event, _ in run.changes if (uid := _claim_uid(event.obj))}
     ending = {
         gang_id: times[uid]
@@ -553,9 +555,13 @@ def record_claim_gangs(
     )
 
 
-def _record_claim_gangs(*, cluster: Cluster, found: Mapping[str, tuple[GangRef, datetime]]) -> None:
+def _record_claim_gangs(
+    *, cluster: Cluster, found: Mapping[str, tuple[GangRef, datetime]]
+) -> dict[str, int]:
     """`record_claim_gangs`, each claim (by uid, in the order of `found`) seen at its own time:
-    a gang is first seen at its first claim's, and last seen as its last claim's says."""
+    a gang is first seen at its first claim's, and last seen as its last claim's says. Returns
+    the gang of each claim recorded (by uid; claims not written are left out)."""
+    recorded: dict[str, int] = {}
     uids = list(found)
     for start in range(0, len(uids), _CLAIMS_PER_FLUSH):
         batch = uids[start : start + _CLAIMS_PER_FLUSH]
@@ -576,11 +582,12 @@ def _record_claim_gangs(*, cluster: Cluster, found: Mapping[str, tuple[GangRef, 
         gang_ids = _upsert_gangs(cluster=cluster, seen=seen)
         moved: dict[int, list[int]] = defaultdict(list)
         for uid, (pk, namespace, gang_id) in claims.items():
-            wanted = gang_ids[(namespace, found[uid][0].key)]
+            wanted = recorded[uid] = gang_ids[(namespace, found[uid][0].key)]
             if gang_id != wanted:
                 moved[wanted].append(pk)
         for gang_id, claim_ids in moved.items():
             ResourceClaim.objects.filter(pk__in=claim_ids).update(gang_id=gang_id)
+    return recorded
 
 
 def record_gang(*, cluster: Cluster, namespace: str, ref: GangRef, at: datetime) -> Gang:
@@ -909,16 +916,21 @@ class _Writer:
             for row in ResourceSlice.objects.filter(
                 cluster=self.cluster, gone_at__isnull=True, name__in=by_name
             ).values(
-                "id",
-                "name",
-                "driver",
-                "pool",
-                "generation",
-                "spec",
-                "api_version",
-                "generation_seen_at",
+                "id", "name", "driver", "pool", "generation", "api_version", "generation_seen_at"
             )
         }
+        # A slice's spec, the largest thing stored of it, is read back only where its generation
+        # is the same: a new generation is a new spec (the spec holds it), written as it comes.
+        same_generation = [
+            row["id"]
+            for name, row in existing.items()
+            if row["generation"] == by_name[name].generation
+        ]
+        stored_specs = (
+            dict(ResourceSlice.objects.filter(pk__in=same_generation).values_list("pk", "spec"))
+            if same_generation
+            else {}
+        )
         new_rows, changed_rows = [], []
         for parsed in by_name.values():
             self.touched_pools.add((parsed.driver, parsed.pool))
@@ -942,7 +954,9 @@ class _Writer:
                 new_rows.append(row)
                 continue
             self.touched_pools.add((old["driver"], old["pool"]))
-            same_spec = old["spec"] == parsed.spec and old["generation"] == parsed.generation
+            same_spec = (
+                old["generation"] == parsed.generation and stored_specs[old["id"]] == parsed.spec
+            )
             if not same_spec or old["api_version"] != parsed.api_version:
                 row.pk = old["id"]
                 if same_spec:  # stored again under another API version: the same contents
@@ -1053,12 +1067,15 @@ class _Writer:
         """Recount each pool from all its present slices: newest complete generation only."""
         wanted = set(pools)
         pool_filter = Q(driver__in={d for d, _ in pools}, pool__in={p for _, p in pools})
-        existing: dict[tuple[str, str], dict[str, Device]] = defaultdict(dict)
+        # The present devices as rows of the columns compared, not model instances: a slice
+        # event recounts all of its pool's devices, and building each instance cost more than
+        # reading it.
+        existing: dict[tuple[str, str], dict[str, dict[str, Any]]] = defaultdict(dict)
         for device in Device.objects.filter(
             pool_filter, cluster=self.cluster, gone_at__isnull=True
-        ):
-            if (device.driver, device.pool) in wanted:
-                existing[(device.driver, device.pool)][device.name] = device
+        ).values("pk", "driver", "pool", "name", *_DEVICE_FIELDS):
+            if (device["driver"], device["pool"]) in wanted:
+                existing[(device["driver"], device["pool"])][device["name"]] = device
         pool_rows = {
             (row.driver, row.name): row
             for row in Pool.objects.filter(
@@ -1068,7 +1085,8 @@ class _Writer:
             )
         }
         new_devices: list[Device] = []
-        changed_devices: dict[tuple[str, ...], list[Device]] = defaultdict(list)
+        # (id, value, ...) of the devices changed, by the columns that changed.
+        changed_devices: dict[tuple[str, ...], list[tuple[Any, ...]]] = defaultdict(list)
         counted_pools: list[tuple[Pool, dict[str, dra.CountedDevice]]] = []
         for key in pools:
             driver, pool_name = key
@@ -1140,20 +1158,18 @@ class _Writer:
                         )
                     )
                     appeared[(pool_row.driver, pool_row.name, name)] = pool_at
-                elif changed := [
-                    attr for attr, value in fields.items() if getattr(known, attr) != value
-                ]:
-                    for attr in changed:
-                        setattr(known, attr, fields[attr])
-                    changed_devices[tuple(changed)].append(known)
+                elif changed := [attr for attr, value in fields.items() if known[attr] != value]:
+                    changed_devices[tuple(changed)].append(
+                        (known["pk"], *(fields[attr] for attr in changed))
+                    )
                     if "meter_id" in changed:
-                        renamed[known.pk] = pool_at
-            gone.update((device.pk, pool_at) for device in current.values())
+                        renamed[known["pk"]] = pool_at
+            gone.update((device["pk"], pool_at) for device in current.values())
         bulk_insert(Device, new_devices)
         # By the columns that changed: a new pool generation changes one column of each of
         # its devices, and an UPDATE of every column would send all of them for each device.
-        for columns, devices in changed_devices.items():
-            update_instances(Device, devices, columns)
+        for columns, rows in changed_devices.items():
+            update_rows(Device, columns, rows)
         update_rows(Device, ["gone_at"], gone.items())
         self.report.created["Device"] += len(new_devices)
         self.report.updated["Device"] += sum(map(len, changed_devices.values()))
@@ -1315,11 +1331,13 @@ class _Writer:
             claim.uid: claim
             for claim in ResourceClaim.objects.filter(cluster=self.cluster, uid__in=by_key)
         }
-        open_allocations: dict[int, dict[tuple[str, ...], Allocation]] = defaultdict(dict)
-        for allocation in Allocation.objects.filter(
+        # The open allocations' ids by claim and key: only which are still held is decided
+        # here, so their other columns (JSON, decimals, times) are not read and decoded.
+        open_allocations: dict[int, dict[tuple[str, ...], int]] = defaultdict(dict)
+        for pk, claim_id, *key in Allocation.objects.filter(
             claim__in=[c.pk for c in existing.values()], end__isnull=True
-        ):
-            open_allocations[allocation.claim_id][_allocation_key(allocation)] = allocation
+        ).values_list("pk", "claim_id", *_ALLOCATION_KEY_FIELDS):
+            open_allocations[claim_id][tuple(key)] = pk
         claims_to_create = []
         # Changed claims, by the columns that changed: only those are written (quota records
         # `created_by` too, for claims the webhook saw).
@@ -1366,11 +1384,14 @@ class _Writer:
         _refine_allocation_jobs(refined)
         bulk_insert(ResourceClaim, claims_to_create)
         self.report.created["ResourceClaim"] += len(claims_to_create)
-        claim_ids = dict(
-            ResourceClaim.objects.filter(cluster=self.cluster, uid__in=by_key).values_list(
-                "uid", "pk"
+        # The ids of the claims read above are known; only those just created are read.
+        claim_ids = {uid: claim.pk for uid, claim in existing.items()}
+        if claims_to_create:
+            claim_ids.update(
+                ResourceClaim.objects.filter(
+                    cluster=self.cluster, uid__in=[claim.uid for claim in claims_to_create]
+                ).values_list("uid", "pk")
             )
-        )
         self.claims_written.update(claim_ids.values())
         new_allocations: list[Allocation] = []
         ended: dict[int, datetime] = {}
@@ -1414,7 +1435,7 @@ class _Writer:
                             **charged,
                         )
                     )
-            ended.update((allocation.pk, at) for allocation in current.values())
+            ended.update((allocation_id, at) for allocation_id in current.values())
         self._end_allocations(ended)
         self._link(new_allocations)
         teams = _namespace_teams({namespaces[a.claim_id] for a in new_allocations})
@@ -1683,6 +1704,7 @@ class _Writer:
         self._claims_changed(list(released), spans=spans, reattributed=[])
 
 
+# The columns `_device_fields` gives a device: what `_reconcile_pools` reads back to compare.
 _DEVICE_FIELDS = (
     "node_id",
     "shape_id",
@@ -1836,11 +1858,5 @@ def _device_key(allocation: Allocation) -> tuple[str, str, str]:
     return (allocation.driver, allocation.pool, allocation.device_name)
 
 
-def _allocation_key(allocation: Allocation) -> tuple[str, ...]:
-    return (
-        allocation.request,
-        allocation.driver,
-        allocation.pool,
-        allocation.device_name,
-        allocation.share_id,
-    )
+# What tells an allocation of a claim from its others: one per result of its allocation.
+_ALLOCATION_KEY_FIELDS = ("request", "driver", "pool", "device_name", "share_id")

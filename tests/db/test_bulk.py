@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from datetime import UTC, datetime
 from decimal import Decimal
+from typing import Any
 
 import pytest
 from django.db import connection
@@ -126,3 +127,38 @@ def test_instances_write_their_foreign_keys_by_id() -> None:
 def test_a_field_type_without_an_array_type_is_refused() -> None:
     with pytest.raises(TypeError, match=r"cannot write Sample\.gpu_util \(FloatField\)"):
         update_rows(Sample, ["gpu_util"], [(1, 0.5)])
+
+
+def test_json_documents_follow_the_rows_in_id_order() -> None:
+    """Each JSON column travels as one document whose elements the rows take by position:
+    rows given out of id order still get their own values, a JSON string "null" stays a
+    string (only None is SQL NULL), and the values' quotes are not escaped one by one."""
+    entries = [
+        AuditEntry.objects.create(
+            at=AT, actor="x", action="update", object_type="t", object_repr="r", before={}
+        )
+        for _ in range(12)
+    ]
+    values: dict[int, Any] = {
+        entry.pk: {"n": n, "quoted": '"' * n, "list": [n, None]} for n, entry in enumerate(entries)
+    }
+    values[entries[3].pk] = "null"
+    values[entries[7].pk] = None
+    with CaptureQueriesContext(connection) as queries:
+        update_rows(
+            AuditEntry,
+            ["before", "actor", "after"],
+            [(pk, value, f"actor-{pk}", [pk]) for pk, value in reversed(values.items())],
+        )
+    assert len(queries) == 1
+    assert queries[0]["sql"].count("::jsonb") == 4  # two documents, two 'null's
+    for entry in AuditEntry.objects.filter(pk__in=values):
+        assert (entry.actor, entry.after) == (f"actor-{entry.pk}", [entry.pk])
+        assert entry.before == values[entry.pk]
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT jsonb_typeof(before), before IS NULL FROM teams_auditentry"
+            " WHERE id = ANY(%s) ORDER BY id",
+            [[entries[3].pk, entries[7].pk]],
+        )
+        assert cursor.fetchall() == [("string", False), (None, True)]
