@@ -71,7 +71,7 @@ _IDS_PER_QUERY = 10_000  # well under PostgreSQL's 65,535 parameters a statement
 def mark_claims_dirty(*, claim_ids: list[int], at: datetime) -> None:
     """Mark every hour the claims' allocations span, so usage follows what the sync saw."""
     intervals = Allocation.objects.filter(claim_id__in=claim_ids).values_list("start", "end")
-    mark_dirty(hours=_span_hours(intervals, at=at), at=at)
+    mark_dirty(hours=span_hours(intervals, at=at), at=at)
 
 
 def mark_changes_dirty(
@@ -101,10 +101,10 @@ def mark_changes_dirty(
             ).values_list("pk", "start", "end", "username", "job")
             if unfilled is not None and (username, job) != tuple(unfilled[pk])
         ]
-    mark_dirty(hours=_span_hours(intervals, at=at), at=at)
+    mark_dirty(hours=span_hours(intervals, at=at), at=at)
 
 
-def _span_hours(
+def span_hours(
     intervals: Iterable[tuple[datetime, datetime | None]], *, at: datetime
 ) -> set[datetime]:
     """The hours `intervals` reach into, each cut at `at` (an open one runs to `at`); `at`'s

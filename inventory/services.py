@@ -47,7 +47,7 @@ from inventory.models import (
     ResourceClaim,
     ResourceSlice,
 )
-from inventory.signals import claims_changed
+from inventory.signals import claims_changed, meters_changed
 from teams.models import TeamNamespace
 
 log = logging.getLogger(__name__)
@@ -1224,6 +1224,8 @@ class _Writer:
                     device_id__in=renamed, end__isnull=True
                 ).values_list("claim_id", "start", "device_id")
             )
+            # The hours before: a source that keeps the past under the new id may measure them.
+            meters_changed.send(sender=_Writer, cluster=self.cluster, devices=dict(renamed))
         if changes:
             self._claims_changed(
                 sorted({claim_id for claim_id, _ in changes}),

@@ -14,3 +14,10 @@ from django.dispatch import Signal
 #   username or no job when sent: a receiver may fill them in (quota records who the webhook
 #   saw create the claim), and those it filled change all their hours.
 claims_changed = Signal()
+
+# Sent inside the sync's transaction when devices' meter ids changed (a device published again
+# with a UUID it lacked), with `cluster` and `devices`: {device id: when its meter id changed}.
+# The hours from then on are marked with `claims_changed`; a receiver whose metering source
+# keeps the past under the new id (a Prometheus engine keeps DCGM's series by UUID) may roll
+# up the hours before it again.
+meters_changed = Signal()
