@@ -364,7 +364,7 @@ class KindSync:
         items, resource_version = self._list_all()
         jobs, claim_gangs = self._follow_owners(items, OwnerReader(self._api_client))
         at = timezone.now()
-        with transaction.atomic():
+        with self._reread_unless_committed(items), transaction.atomic():
             report = services.import_snapshot(
                 cluster=self.cluster,
                 objects=items,
@@ -503,7 +503,7 @@ class KindSync:
             return
         events = self._with_owners(events)
         # The events and the resourceVersion they bring commit together.
-        with transaction.atomic():
+        with self._reread_unless_committed(event.obj for event in events), transaction.atomic():
             try:
                 with transaction.atomic():
                     report = services.apply_watch_events(cluster=self.cluster, events=events)
@@ -543,6 +543,21 @@ class KindSync:
         if changed_at is not None:
             lag = (timezone.now() - changed_at).total_seconds()
             metrics.SYNC_LAG.labels(kind=self.kind).set(lag)
+
+    @contextlib.contextmanager
+    def _reread_unless_committed(self, objects: Iterable[dict[str, Any]]) -> Iterator[None]:
+        """Forget when the claims among `objects` were read if what they were read for does not
+        commit (the database failed): the batch comes again from the stored resourceVersion,
+        and its claims, not due by the schedule, would be written without their job and gang
+        until some later event of theirs."""
+        try:
+            yield
+        except (OperationalError, InterfaceError):
+            for obj in objects:
+                uid = (obj.get("metadata") or {}).get("uid")
+                if isinstance(uid, str):
+                    self._rereads.forget(uid)
+            raise
 
     def _apply_alone(self, event: services.WatchEvent) -> None:
         try:

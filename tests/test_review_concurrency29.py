@@ -1,8 +1,8 @@
 """Review of concurrency and failure handling, round 29: the fleet shape counts and the
 webhook's refresher, late-data and dirty-hour marks, the sync's watch batches, alert locking.
 
-Each test states what should hold and is a strict xfail while the defect stands: it fails
-for the reason given, and passes (failing the run) once the defect is fixed.
+Each test states what should hold; each failed, for the reason its docstring gives, until the
+defect was mended.
 """
 
 from __future__ import annotations
@@ -69,11 +69,6 @@ def _stored_claim() -> tuple[str, str | None]:
 
 
 @pytest.mark.django_db
-@pytest.mark.xfail(
-    strict=True,
-    reason="RereadSchedule.read is recorded before the batch's transaction commits: the "
-    "redelivered event finds the claim not due, so its owners and gang are not followed",
-)
 def test_a_batch_the_database_failed_records_the_claims_job_and_gang_when_applied_again(
     fake: FakeKube, api_client: Any, cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
