@@ -1,5 +1,6 @@
-"""Review of concurrency and failure handling, round 29: the fleet shape counts and the
-webhook's refresher, late-data and dirty-hour marks, the sync's watch batches, alert locking.
+"""Review of concurrency and failure handling, round 29: alert keys raised, snoozed and lifted
+at once, and notifications sent while a snooze commits. (Its watch-batch finding is tested in
+tests/inventory/test_claim_rereads.py.)
 
 Each test states what should hold; each failed, for the reason its docstring gives, until the
 defect was mended.
@@ -7,113 +8,21 @@ defect was mended.
 
 from __future__ import annotations
 
-import copy
 import json
 import threading
-from collections.abc import Iterator
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
 import pytest
-from django.db import OperationalError, connection
+from django.db import connection
 from django.test import override_settings
 from django.utils import timezone
 
-from inventory import kube, services
-from inventory.dumps import iter_objects
-from inventory.models import Cluster, ResourceClaim
 from teams import alerts
 from teams.alert_delivery import deliver_pending
 from teams.models import Alert, AlertDelivery, AlertKind, AlertState, DeliveryState
 from tests.billing.test_late_data_marks import Connection, blocked
-from tests.fake_kube import FakeKube
-from tests.inventory.test_gangs import FIXTURES, Clock, named, serve
-
-
-@pytest.fixture
-def fake() -> Iterator[FakeKube]:
-    with FakeKube(max_lifetime_seconds=60) as server:
-        yield server
-
-
-@pytest.fixture
-def api_client(fake: FakeKube, tmp_path: Path) -> Iterator[Any]:
-    client = kube.api_client(kubeconfig=str(fake.write_kubeconfig(tmp_path / "kubeconfig")))
-    yield client
-    client.close()
-
-
-@pytest.fixture
-def cluster() -> Cluster:
-    return services.get_cluster("lab")
-
-
-# --- A watch batch the database fails: the claim's owners are not followed on the retry -------
-
-CLAIM = "train-workers-0-0-x7k2p-gpus-4m8rt"
-RESOURCE_VERSION = "7"  # the batch's last
-
-
-def _claim_event(objects: list[dict[str, Any]]) -> services.WatchEvent:
-    """The claim's ADDED event as the watch delivers it (a fresh object each delivery)."""
-    obj = copy.deepcopy(named(objects, CLAIM))
-    obj["kind"] = "ResourceClaim"
-    return services.WatchEvent(event_type="ADDED", obj=obj, at=timezone.now())
-
-
-def _stored_claim() -> tuple[str, str | None]:
-    claim = ResourceClaim.objects.select_related("gang").get(name=CLAIM)
-    return claim.job, claim.gang.key if claim.gang else None
-
-
-@pytest.mark.django_db
-def test_a_batch_the_database_failed_records_the_claims_job_and_gang_when_applied_again(
-    fake: FakeKube, api_client: Any, cluster: Cluster, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The database fails while the batch is applied (after its Pods were read); the watch
-    resumes from the last stored resourceVersion and the same event comes again, seconds
-    later. The claim is to be stored as if it had applied the first time."""
-    objects = list(iter_objects(FIXTURES / "jobset.yaml"))
-    serve(fake, objects)
-
-    # What the claim gets when nothing fails, in another cluster.
-    other = services.get_cluster("control")
-    kube.KindSync(
-        api_client=api_client,
-        cluster=other,
-        resource=kube.RESOURCES["ResourceClaim"],
-        clock=Clock(),
-    )._apply([_claim_event(objects)], RESOURCE_VERSION)
-    expected = _stored_claim()
-    ResourceClaim.objects.filter(cluster=other).delete()
-    assert expected[1] is not None  # the JobSet's gang
-
-    clock = Clock()
-    loop = kube.KindSync(
-        api_client=api_client,
-        cluster=cluster,
-        resource=kube.RESOURCES["ResourceClaim"],
-        clock=clock,
-    )
-    apply = services.apply_watch_events
-    calls: list[int] = []
-
-    def failing_once(**kwargs: Any) -> services.SyncReport:
-        calls.append(len(kwargs["events"]))
-        if len(calls) == 1:
-            raise OperationalError("the server closed the connection unexpectedly")
-        return apply(**kwargs)
-
-    monkeypatch.setattr(services, "apply_watch_events", failing_once)
-    with pytest.raises(OperationalError):
-        loop._apply([_claim_event(objects)], RESOURCE_VERSION)
-    clock.now += 0.05  # the backoff's pause, then the watch from the stored resourceVersion
-    loop._apply([_claim_event(objects)], RESOURCE_VERSION)
-
-    assert _stored_claim() == expected
-
 
 # --- A snooze lifted while the key fires again ------------------------------------------------
 

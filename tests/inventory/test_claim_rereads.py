@@ -10,8 +10,10 @@ import copy
 from typing import Any
 
 import pytest
+from django.db import OperationalError
+from django.utils import timezone
 
-from inventory import kube
+from inventory import kube, services
 from inventory.dumps import iter_objects
 from inventory.models import Cluster, ResourceClaim
 from tests.fake_kube import FakeKube
@@ -144,3 +146,67 @@ def test_a_claim_whose_pod_is_gone_is_not_read_at_every_list(
     clock.now += 10
     loop.relist()
     assert pod_reads(fake) == 2
+
+
+# A watch batch the database fails ---------------------------------------------------------
+
+RESOURCE_VERSION = "7"  # the batch's last
+
+
+def _claim_event(objects: list[dict[str, Any]]) -> services.WatchEvent:
+    """The claim's ADDED event as the watch delivers it (a fresh object each delivery)."""
+    obj = copy.deepcopy(named(objects, CLAIM))
+    obj["kind"] = "ResourceClaim"
+    return services.WatchEvent(event_type="ADDED", obj=obj, at=timezone.now())
+
+
+def _stored_claim() -> tuple[str, str | None]:
+    claim = ResourceClaim.objects.select_related("gang").get(name=CLAIM)
+    return claim.job, claim.gang.key if claim.gang else None
+
+
+@pytest.mark.django_db
+def test_a_batch_the_database_failed_records_the_claims_job_and_gang_when_applied_again(
+    fake: FakeKube, api_client: Any, cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The database fails while the batch is applied (after its Pods were read); the watch
+    resumes from the last stored resourceVersion and the same event comes again, seconds
+    later. The claim is to be stored as if it had applied the first time."""
+    objects = list(iter_objects(FIXTURES / "jobset.yaml"))
+    serve(fake, objects)
+
+    # What the claim gets when nothing fails, in another cluster.
+    other = services.get_cluster("control")
+    kube.KindSync(
+        api_client=api_client,
+        cluster=other,
+        resource=kube.RESOURCES["ResourceClaim"],
+        clock=Clock(),
+    )._apply([_claim_event(objects)], RESOURCE_VERSION)
+    expected = _stored_claim()
+    ResourceClaim.objects.filter(cluster=other).delete()
+    assert expected[1] is not None  # the JobSet's gang
+
+    clock = Clock()
+    loop = kube.KindSync(
+        api_client=api_client,
+        cluster=cluster,
+        resource=kube.RESOURCES["ResourceClaim"],
+        clock=clock,
+    )
+    apply = services.apply_watch_events
+    calls: list[int] = []
+
+    def failing_once(**kwargs: Any) -> services.SyncReport:
+        calls.append(len(kwargs["events"]))
+        if len(calls) == 1:
+            raise OperationalError("the server closed the connection unexpectedly")
+        return apply(**kwargs)
+
+    monkeypatch.setattr(services, "apply_watch_events", failing_once)
+    with pytest.raises(OperationalError):
+        loop._apply([_claim_event(objects)], RESOURCE_VERSION)
+    clock.now += 0.05  # the backoff's pause, then the watch from the stored resourceVersion
+    loop._apply([_claim_event(objects)], RESOURCE_VERSION)
+
+    assert _stored_claim() == expected
