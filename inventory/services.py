@@ -1199,24 +1199,39 @@ class _Writer:
                 driver__in={driver for driver, _, _ in appeared},
                 pool__in={pool for _, pool, _ in appeared},
                 device_name__in={name for _, _, name in appeared},
-            ).only("pk", "claim_id", "start", "driver", "pool", "device_name"):
+            ).only("pk", "claim_id", "start", "driver", "pool", "device_name", "device_id"):
                 if (key := _device_key(allocation)) in appeared:
                     relinked.append(allocation)
                     changes.append((allocation.claim_id, max(allocation.start, appeared[key])))
+        # Devices whose meter id changed (by id), and when: the renamed ones, and the new rows
+        # whose meter id is not the gone row's they took allocations from.
+        remetered = dict(renamed)
         if relinked:
             present = {
-                (driver, pool, name): pk
-                for pk, driver, pool, name in Device.objects.filter(
+                (driver, pool, name): (pk, meter_id)
+                for pk, driver, pool, name, meter_id in Device.objects.filter(
                     cluster=self.cluster,
                     gone_at__isnull=True,
                     driver__in={a.driver for a in relinked},
                     pool__in={a.pool for a in relinked},
                     name__in={a.device_name for a in relinked},
-                ).values_list("pk", "driver", "pool", "name")
+                ).values_list("pk", "driver", "pool", "name", "meter_id")
             }
+            gone_meters = dict(
+                Device.objects.filter(pk__in={a.device_id for a in relinked}).values_list(
+                    "pk", "meter_id"
+                )
+            )
             for allocation in relinked:
-                allocation.device_id = present[_device_key(allocation)]
+                key = _device_key(allocation)
+                device_id, meter_id = present[key]
+                if meter_id != gone_meters.get(allocation.device_id):
+                    remetered.setdefault(device_id, appeared[key])
+                allocation.device_id = device_id
             update_instances(Allocation, relinked, ["device"])
+        if remetered:
+            # The hours before: a source that keeps the past under the new id may measure them.
+            meters_changed.send(sender=_Writer, cluster=self.cluster, devices=remetered)
         if renamed:
             changes.extend(
                 (claim_id, max(start, renamed[device_id]))
@@ -1224,8 +1239,6 @@ class _Writer:
                     device_id__in=renamed, end__isnull=True
                 ).values_list("claim_id", "start", "device_id")
             )
-            # The hours before: a source that keeps the past under the new id may measure them.
-            meters_changed.send(sender=_Writer, cluster=self.cluster, devices=dict(renamed))
         if changes:
             self._claims_changed(
                 sorted({claim_id for claim_id, _ in changes}),

@@ -23,23 +23,28 @@ SINCE = DAY + timedelta(hours=3)
 
 
 def marked_after_the_uuid_came(
-    settings: SettingsWrapper, source: str, *, since: datetime = SINCE
+    settings: SettingsWrapper, source: str, *, since: datetime = SINCE, republished: bool = False
 ) -> set[datetime]:
-    """The hours marked by the slice republished with the UUID at noon, after a claim held
-    the device (then without one) since `since` and its marks were cleared (rolled up)."""
+    """The hours marked by the slice updated with the UUID at noon (or deleted and published
+    again with it: a new device row), after a claim held the device (then without one) since
+    `since` and its marks were cleared (rolled up)."""
     settings.TALLY_METERING_SOURCE = source
     watch(("ADDED", resource_slice(1), since), ("ADDED", claim(), since))
     DirtyHour.objects.all().delete()
-    watch(("MODIFIED", resource_slice(2, UUID), NOON))
+    if republished:
+        watch(("DELETED", resource_slice(1), NOON), ("ADDED", resource_slice(2, UUID), NOON))
+    else:
+        watch(("MODIFIED", resource_slice(2, UUID), NOON))
     allocation = Allocation.objects.get()
     assert allocation.device is not None and allocation.device.meter_id == UUID
     return set(DirtyHour.objects.values_list("hour", flat=True))
 
 
+@pytest.mark.parametrize("republished", [False, True], ids=["updated", "republished"])
 def test_a_prometheus_metered_clusters_hours_before_the_uuid_are_marked(
-    settings: SettingsWrapper,
+    settings: SettingsWrapper, republished: bool
 ) -> None:
-    marked = marked_after_the_uuid_came(settings, "prometheus")
+    marked = marked_after_the_uuid_came(settings, "prometheus", republished=republished)
     assert hours_between(SINCE, NOON) <= marked
     assert NOON in marked  # from the change on, as for every cluster
     assert min(marked) == SINCE
