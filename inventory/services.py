@@ -1217,7 +1217,7 @@ class _Writer:
                     name__in={a.device_name for a in relinked},
                 ).values_list("pk", "driver", "pool", "name", "meter_id")
             }
-            gone_meters = dict(
+            gone_meters: dict[int | None, str] = dict(
                 Device.objects.filter(pk__in={a.device_id for a in relinked}).values_list(
                     "pk", "meter_id"
                 )
