@@ -1015,11 +1015,13 @@ class _Writer:
         self.linkable_pools |= ready.keys()
 
     def note_fleet_change(self) -> None:
-        """Bump the cluster's fleet version when devices, classes or nodes changed."""
+        """Bump the cluster's fleet version when devices, classes, nodes or slices changed: a
+        slice's shared counter sets can change with none of its devices (the admission of an
+        `allocationMode: All` request weighs the devices against them, once per version)."""
         report = self.report
         if any(
             report.created[kind] or report.updated[kind] or report.gone[kind]
-            for kind in ("Device", "DeviceClass", "Node")
+            for kind in ("Device", "DeviceClass", "Node", "ResourceSlice")
         ):
             Cluster.objects.filter(pk=self.cluster.pk).update(fleet_version=F("fleet_version") + 1)
 

@@ -431,6 +431,24 @@ def test_a_malformed_object_is_reported_and_the_rest_of_its_batch_applied() -> N
 
 
 @pytest.mark.django_db
+def test_a_slice_whose_counter_sets_alone_change_bumps_the_fleet_version() -> None:
+    """A driver that grows a shared counter set and changes none of its devices changes what
+    an `allocationMode: All` request can be given (`quota.admission.shapes.counter_shortfall`,
+    cached per fleet version)."""
+    cluster = services.get_cluster("lab")
+    published = resource_slice("slice-a", pool="pool-a", devices=("gpu-0",))
+    services.apply_watch_event(cluster=cluster, event_type="ADDED", obj=published, at=T0)
+    before = Cluster.objects.get(pk=cluster.pk).fleet_version
+    grown = copy.deepcopy(published)
+    grown["spec"]["sharedCounters"] = [{"name": "gpu-0", "counters": {"memory": {"value": "80Gi"}}}]
+    report = services.apply_watch_event(
+        cluster=cluster, event_type="MODIFIED", obj=grown, at=T0 + timedelta(minutes=1)
+    )
+    assert report.updated["ResourceSlice"] == 1 and not report.updated["Device"]
+    assert Cluster.objects.get(pk=cluster.pk).fleet_version > before
+
+
+@pytest.mark.django_db
 def test_an_unknown_event_type_writes_nothing() -> None:
     cluster = services.get_cluster("lab")
     good = services.WatchEvent(
