@@ -38,7 +38,6 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -61,7 +60,7 @@ from billing.mig_instances import InstanceKey, Point, record_instances
 from billing.mig_samples import GpuInstance, MigPlacement, partitions_at
 from billing.models import AgentToken, Sample, UnknownDeviceSample
 from db.copy import copy_rows, json_rows
-from db.locks import advisory_xact_lock
+from db.locks import advisory_xact_lock, text_key
 from inventory import profiles
 from inventory.models import Device, DeviceKind
 
@@ -839,7 +838,7 @@ def _lock_devices(cursor: CursorWrapper, uuids: Iterable[str]) -> None:
     collision only makes two devices wait on each other)."""
     advisory_xact_lock(
         "billing.ingest.device",
-        {zlib.crc32(uuid.encode()) - 2**31 for uuid in uuids},
+        {text_key(uuid) for uuid in uuids},
         cursor=cursor,
     )
 

@@ -26,7 +26,6 @@ at each other's ends by migration 0012 (`split_overlapping_spells`).
 from __future__ import annotations
 
 import json
-import zlib
 from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
@@ -37,8 +36,9 @@ from django.db.backends.utils import CursorWrapper
 from django.db.transaction import TransactionManagementError
 
 from billing.models import MigInstance, Sample
+from db.bulk import update_rows
 from db.copy import json_rows
-from db.locks import xact_lock_sql
+from db.locks import text_key, xact_lock_sql
 
 _TABLE = MigInstance._meta.db_table
 _KEY_COLUMNS = "cluster_id, node, parent_uuid, gpu_instance_id"
@@ -145,10 +145,7 @@ def _lock_keys(cursor: CursorWrapper, keys: Iterable[InstanceKey]) -> None:
     spells (20-30 ms) to save nothing. One round trip."""
     if not connection.in_atomic_block:
         raise TransactionManagementError("GPU instances' spells are merged in a transaction")
-    lock, params = xact_lock_sql(
-        "billing.ingest.mig_instance",
-        {zlib.crc32("\x00".join(map(str, key)).encode()) - 2**31 for key in keys},
-    )
+    lock, params = xact_lock_sql("billing.ingest.mig_instance", {text_key(*key) for key in keys})
     cursor.execute(f"{lock}; SELECT set_config('jit', 'off', true)", params)
 
 
@@ -310,13 +307,7 @@ def _write(
     """Deletions first, so that neither an update nor an insert meets a row on its way out."""
     if deleted:
         cursor.execute(f"DELETE FROM {_TABLE} WHERE id = ANY(%s)", [list(deleted)])
-    if updated:
-        cursor.execute(
-            f"UPDATE {_TABLE} AS m SET first_ms = u.first_ms, last_ms = u.last_ms "
-            f"FROM ({json_rows('bigint', 'bigint', 'bigint')}) AS u(id, first_ms, last_ms) "
-            "WHERE m.id = u.id",
-            [json.dumps(updated)],
-        )
+    update_rows(MigInstance, ["first_ms", "last_ms"], updated)
     if inserted:
         cursor.execute(
             f"INSERT INTO {_TABLE} ({_KEY_COLUMNS}, meter_id, first_ms, last_ms) "

@@ -10,6 +10,7 @@ declared in `LockName`; two names whose ids would collide are refused when this 
 from __future__ import annotations
 
 import hashlib
+import zlib
 from collections.abc import Iterable
 from typing import Any, Literal, get_args
 
@@ -76,6 +77,13 @@ def class_id(name: LockName) -> int:
         return _CLASS_IDS[name]
     except KeyError:
         raise ValueError(f"undeclared advisory lock name {name!r}; add it to LockName") from None
+
+
+def text_key(*parts: object) -> int:
+    """The int4 key of a lock on what `parts` name (joined by NUL: a device's UUID, an alert's
+    kind and key): a hash, so two names may share a key, which only makes their holders wait
+    on each other."""
+    return zlib.crc32("\0".join(map(str, parts)).encode()) - 2**31
 
 
 def xact_lock_sql(name: LockName, keys: Iterable[int]) -> tuple[str, list[Any]]:

@@ -14,7 +14,6 @@ snooze is kept per key, so a claim that goes idle again within it stays quiet.
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -25,7 +24,7 @@ from django.contrib.auth import get_user_model
 from django.db import IntegrityError, transaction
 from django.db.models import Max, Q, QuerySet
 
-from db.locks import advisory_xact_lock
+from db.locks import advisory_xact_lock, text_key
 from teams import audit
 from teams.models import (
     Alert,
@@ -146,7 +145,7 @@ def _lock_key(kind: str, key: str) -> None:
     the key's rows (a raise, a snooze, a lift), so a new alert inherits the snooze state the
     last writer committed, and a lift through one row never waits in a cycle with a lift
     through another row of the key."""
-    advisory_xact_lock("teams.alert.key", [zlib.crc32(f"{kind}\0{key}".encode()) - 2**31])
+    advisory_xact_lock("teams.alert.key", [text_key(kind, key)])
 
 
 def _firing(kind: str, key: str) -> Alert | None:
