@@ -65,7 +65,7 @@ def _dropped(starts: set[datetime], *, at: datetime) -> set[datetime]:
     return dropped
 
 
-_IDS_PER_QUERY = 10_000  # well under PostgreSQL's 65,535 parameters a statement
+IDS_PER_QUERY = 10_000  # well under PostgreSQL's 65,535 parameters a statement
 
 
 def mark_claims_dirty(*, claim_ids: list[int], at: datetime) -> None:
@@ -93,11 +93,11 @@ def mark_changes_dirty(
             "start", "end"
         )
     ids = list(unfilled or {})
-    for first in range(0, len(ids), _IDS_PER_QUERY):
+    for first in range(0, len(ids), IDS_PER_QUERY):
         intervals += [
             (start, end)
             for pk, start, end, username, job in Allocation.objects.filter(
-                pk__in=ids[first : first + _IDS_PER_QUERY]
+                pk__in=ids[first : first + IDS_PER_QUERY]
             ).values_list("pk", "start", "end", "username", "job")
             if unfilled is not None and (username, job) != tuple(unfilled[pk])
         ]

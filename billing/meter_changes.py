@@ -20,12 +20,10 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from billing import prometheus
-from billing.dirty import mark_dirty, span_hours
+from billing.dirty import IDS_PER_QUERY, mark_dirty, span_hours
 from inventory.models import Allocation, Cluster
 
 log = logging.getLogger(__name__)
-
-_IDS_PER_QUERY = 5_000
 
 
 def on_meters_changed(
@@ -40,9 +38,9 @@ def on_meters_changed(
     max_age = timedelta(days=int(settings.TALLY_INGEST_MAX_AGE_DAYS))
     ids = sorted(devices)
     intervals: list[tuple[datetime, datetime | None]] = []
-    for first in range(0, len(ids), _IDS_PER_QUERY):
+    for first in range(0, len(ids), IDS_PER_QUERY):
         for device_id, start, end in Allocation.objects.filter(
-            device_id__in=ids[first : first + _IDS_PER_QUERY]
+            device_id__in=ids[first : first + IDS_PER_QUERY]
         ).values_list("device_id", "start", "end"):
             assert device_id is not None  # the filter's
             changed = devices[device_id]

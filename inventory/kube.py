@@ -554,8 +554,7 @@ class KindSync:
             yield
         except (OperationalError, InterfaceError):
             for obj in objects:
-                uid = (obj.get("metadata") or {}).get("uid")
-                if isinstance(uid, str):
+                if (uid := _uid(obj)) is not None:
                     self._rereads.forget(uid)
             raise
 
@@ -586,8 +585,8 @@ class KindSync:
         its later events there with the same owners take the same job."""
         first: dict[str, dict[str, Any]] = {}
         for event in events:
-            uid = (event.obj.get("metadata") or {}).get("uid")
-            if not isinstance(uid, str):
+            uid = _uid(event.obj)
+            if uid is None:
                 continue
             if event.event_type == "DELETED":
                 self._rereads.forget(uid)
@@ -644,11 +643,7 @@ class KindSync:
         self, objects: list[dict[str, Any]], reader: OwnerReader
     ) -> tuple[dict[str, owners.Resolution], dict[str, gangs.GangRef | None]]:
         now = self._clock()
-        by_uid = {
-            uid: obj
-            for obj in objects
-            if isinstance(uid := (obj.get("metadata") or {}).get("uid"), str)
-        }
+        by_uid = {uid: obj for obj in objects if (uid := _uid(obj)) is not None}
         try:
             candidates = {
                 uid: candidate
@@ -691,7 +686,7 @@ class KindSync:
         due = [
             uid
             for obj in objects
-            if isinstance(uid := (obj.get("metadata") or {}).get("uid"), str)
+            if (uid := _uid(obj)) is not None
             and uid not in skip
             and gangs.claim_pod(obj) is not None
             and self._rereads.due(obj, now)
@@ -984,6 +979,12 @@ class RereadSchedule:
 
     def forget(self, uid: str) -> None:
         self._claims.pop(uid, None)
+
+
+def _uid(obj: dict[str, Any]) -> str | None:
+    """An object's uid, None where it has none (or not as text)."""
+    uid = (obj.get("metadata") or {}).get("uid")
+    return uid if isinstance(uid, str) else None
 
 
 def _controller_key(metadata: dict[str, Any]) -> tuple[str, ...] | None:
