@@ -38,7 +38,10 @@ from billing.selectors import (
 )
 from billing.units import hours_label, units_label
 from inventory.models import Allocation, Cluster, Unit
+from inventory.profiles import unit_label
+from quota.admission.shapes import every_fleet, rule_units
 from quota.models import AdmissionDecision, Budget, QuotaRule
+from quota.models import Unit as RuleUnit
 from teams.models import Alert, AlertState, Team, TeamNamespace
 from teams.selectors import user_role, visible_teams
 
@@ -108,14 +111,22 @@ class RuleUsage:
 
 
 def quota_usage(*, team: Team) -> list[RuleUsage]:
+    """The team's rules, each limit in the unit of the devices it covers ("TPU chips",
+    "Gaudi cards"), as the webhook and `/api/v1/quotas/` state it."""
     rows = []
-    for rule in QuotaRule.objects.filter(team=team).order_by("name"):
+    rules = list(QuotaRule.objects.filter(team=team).order_by("name"))
+    units = rule_units(rules, every_fleet()) if rules else {}
+    for rule in rules:
         percent = (rule.in_use * 100 / rule.limit).quantize(Decimal(1)) if rule.limit else None
         rows.append(
             RuleUsage(
                 name=rule.name,
                 device_class=rule.device_class,
-                unit=rule.get_unit_display(),
+                unit=(
+                    rule.get_unit_display()
+                    if rule.unit == RuleUnit.MEMORY
+                    else unit_label(units[rule.pk])
+                ),
                 in_use=rule.in_use.normalize(),
                 limit=rule.limit.normalize(),
                 percent=percent,

@@ -232,7 +232,8 @@ def test_team_page_fits_and_reads_right_at_each_width(
     assert page.evaluate(BARS_OUTSIDE) == []
     assert len(_chart(page, "usage-chart")["labels"]) == 30
 
-    in_use = page.locator("#quota tbody tr", has_text="gpus").locator("td[data-label='In use']")
+    gpus = page.get_by_role("rowheader", name="gpus", exact=True)
+    in_use = page.locator("#quota tbody tr", has=gpus).locator("td[data-label='In use']")
     assert in_use.inner_text() == "4"
     # Every column of the quota is on screen, not behind a scroll.
     for cell in page.locator("#quota tbody tr").first.locator("th, td").all():
