@@ -15,6 +15,7 @@ from django.db.models import F
 from django.utils import timezone
 
 from billing.models import RateCard
+from inventory.models import DriverProfile
 from quota.models import Budget, QuotaRule, ReservationLine, ReservationState, Unit
 from quota.policy import PolicyError, apply_policy, load_policy
 from teams import audit
@@ -509,3 +510,17 @@ def test_record_rejects_an_unknown_action() -> None:
     team = TeamFactory.create()
     with pytest.raises(ValueError, match="unknown audit action"):
         audit.record(actor="x", action="rename", obj=team, before=None, after=None)
+
+
+def test_the_example_files_commented_drivers_section_applies_as_written() -> None:
+    """The example file's `drivers:` example, uncommented, is a valid policy: the comment
+    documents keys the checker accepts, not a stale spelling of them."""
+    text = EXAMPLE.read_text()
+    block = text[text.index("# drivers:\n") :].splitlines()
+    drivers = "\n".join(line.removeprefix("# ") for line in block)
+
+    apply_text("teams: []\n" + drivers)
+
+    profile = DriverProfile.objects.get(driver="npu.example.com")
+    assert profile.spec["whole_types"] == ["npu"]
+    assert profile.spec["exclude"] == [{"capacity": "hbm", "equals": "0"}]

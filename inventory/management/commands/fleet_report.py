@@ -46,9 +46,11 @@ def render_table(report: dict[str, Any]) -> str:
     spread = report["fragmentation"]
     outliers = report["outlier_nodes"]
     partial = report["partial_gpus"]
+    # What a model's units are called ("GPUs", "TPU chips"), as its capacity row names them.
+    units = {row["product_name"]: row["unit_label"] for row in report["capacity"]}
     sections = [
-        f"GPU fleet report: {scope}\n"
-        f"Nodes with GPUs: {report['nodes']}    MIG devices: {report['mig_devices']}",
+        f"Accelerator fleet report: {scope}\n"
+        f"Nodes with accelerators: {report['nodes']}    MIG devices: {report['mig_devices']}",
         _capacity_section(report["capacity"]),
         "Driver / CUDA versions per model (* marks its baseline)\n"
         + _table(
@@ -70,7 +72,8 @@ def render_table(report: dict[str, Any]) -> str:
         + "\n".join(
             f"Baseline of {model['cluster']}, {model['product_name'] or '(unknown)'}: "
             f"{_describe_baseline(model['baseline'])}; "
-            f"{model['gpus_on_baseline']} of {model['gpus']} GPUs on it"
+            f"{model['gpus_on_baseline']} of {model['gpus']} "
+            f"{units.get(model['product_name'], 'accelerators')} on it"
             for model in report["version_models"]
         ),
         f"Outlier nodes, undocumented ({len(outliers)})"
