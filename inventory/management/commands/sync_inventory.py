@@ -2,7 +2,8 @@
 
 Live (the default): list and watch every kind until stopped (SIGTERM or Ctrl-C).
 `--once`: one list + import per kind, for a cron job. `--from-file`: import a dump (what
-`kubectl get -o yaml|json` prints) as a full snapshot of the kinds it contains.
+`kubectl get -o yaml|json` prints) as a full snapshot of the kinds it contains, and of those
+`--kinds` names (a dump of a cluster with no claims left holds no ResourceClaim to say so).
 Each run ends with what the stored slices cannot be trusted on (`inventory.checks`): a line
 per finding on stderr and their count in the summary.
 """
@@ -54,7 +55,9 @@ class Command(BaseCommand):
             "--kinds",
             nargs="+",
             metavar="KIND",
-            help=f"only these kinds, space or comma separated (of {' '.join(services.KINDS)})",
+            help=f"only these kinds, space or comma separated (of {' '.join(services.KINDS)}); "
+            "with --from-file: the dump is a full snapshot of these kinds too, even of one it "
+            "holds no object of (their objects it lacks are gone)",
         )
         parser.add_argument(
             "--from-file",
@@ -71,11 +74,16 @@ class Command(BaseCommand):
     def handle(self, *args: Any, **options: Any) -> None:
         # Every option is checked before anything is written.
         if options["from_file"] is not None:
-            for option in ("once", "kinds", "kubeconfig", "context", "leader_elect"):
+            for option in ("once", "kubeconfig", "context", "leader_elect"):
                 if options[option]:
                     raise CommandError(f"--{option} does not apply to --from-file")
             at = _parse_at(options["at"])
-            self._import_file(services.get_cluster(options["cluster"]), options["from_file"], at)
+            # A dump says nothing of a kind it holds no object of (`kubectl get` prints an
+            # empty List alike for "none left" and "not asked for"): --kinds names the kinds it
+            # is a full snapshot of all the same, so the last claims of a cluster are released.
+            kinds = _parse_kinds(options["kinds"]) if options["kinds"] else []
+            cluster = services.get_cluster(options["cluster"])
+            self._import_file(cluster, options["from_file"], at, kinds)
             return
         if options["at"] is not None:
             raise CommandError("--at only applies to --from-file")
@@ -84,12 +92,14 @@ class Command(BaseCommand):
         kinds = _parse_kinds(options["kinds"])
         self._sync(services.get_cluster(options["cluster"]), kinds, options)
 
-    def _import_file(self, cluster: Cluster, path: Path, at: datetime) -> None:
+    def _import_file(self, cluster: Cluster, path: Path, at: datetime, kinds: list[str]) -> None:
         # Imported here: the live sync has no use for the dump reader.
         from inventory.dumps import DumpError, iter_objects
 
         try:
-            report = services.import_snapshot(cluster=cluster, objects=iter_objects(path), at=at)
+            report = services.import_snapshot(
+                cluster=cluster, objects=iter_objects(path), at=at, kinds=kinds
+            )
         except DumpError as exc:
             raise CommandError(f"nothing imported: {exc}") from exc
         self._summarise(report)
