@@ -12,20 +12,27 @@ every reader reports the same findings whichever process stored the rows. Each f
 since when it has been true (`since`): a pool mid-rollout has been incomplete for seconds, a
 broken driver's pool for days. For an incomplete pool, since its newest generation was first
 seen; for what a generation's slices publish, since the first of them was stored as it is.
+
+A counter set or counter consumed but not published is more than a report: the scheduler
+allocates no device of such a pool (`invalid_pools`), and quota admission counts none.
 """
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
 from typing import Any, TypedDict
 
+from django.db import connection
 from django.db.models import F, Func, JSONField, Q, QuerySet, Value
 from django.db.models.functions import Coalesce
 from kubernetes.utils import parse_quantity
 
-from inventory.models import Cluster, Pool, ResourceSlice
+from inventory.models import Cluster, Device, Pool, ResourceSlice
 
 INCOMPLETE_POOL = "incomplete_pool"
 DUPLICATE_DEVICE = "duplicate_device"
@@ -227,6 +234,183 @@ def _counter_findings(where: SyncWarning, rows: list[dict[str, Any]]) -> list[Sy
             )
         findings.append(_finding(where, check, devices, problem))
     return findings
+
+
+@dataclass(frozen=True)
+class InvalidPool:
+    """A pool generation some of whose devices consume a counter set no slice of it publishes,
+    or a counter their set does not have.
+
+    The scheduler's allocator (k8s.io/dynamic-resource-allocation/structured, the allocator
+    of the partitionable-devices feature: `buildPool` calls `validateDeviceCounterConsumption`
+    over every device slice of the pool) marks such a pool invalid ("counter set X not found",
+    "counter X not found in counter set Y"): `allocateOne` takes no device from it, and a
+    request for all devices fails on every node the pool is gathered for. Its own counter
+    check (`checkAvailableCounters`) only weighs the counters that are published, so the pool
+    check is what stops a device that consumes something unpublished: all of the pool's
+    devices, the sound ones too. Named by its first problem (in the order `sync_warnings`
+    lists them), with how many others it has."""
+
+    driver: str
+    pool: str
+    generation: int
+    check: str  # MISSING_COUNTER_SET or UNKNOWN_COUNTER
+    counter_set: str
+    counter: str  # the counter the set lacks ("" for a set published by no slice)
+    devices: tuple[str, ...]  # the devices that consume it, by name
+    others: int = 0  # other sets or counters of the pool consumed and not published
+
+    def problem(self) -> str:
+        """Its first problem in a line, what matters first (an admission warning is cut at
+        256 characters): "counter set 'x' is published by no slice of generation 1 (consumed
+        by gpu-0 and 3 more)". The fleet report lists every device of every problem."""
+        if self.check == MISSING_COUNTER_SET:
+            what = f"counter set {self.counter_set!r} is published by no slice"
+        else:
+            what = f"counter {self.counter!r} is not in set {self.counter_set!r}"
+        consumers = self.devices[0] if self.devices else ""
+        if len(self.devices) > 1:
+            consumers += f" and {len(self.devices) - 1} more"
+        others = f"; {self.others} more not published" if self.others else ""
+        return f"{what} of generation {self.generation} (consumed by {consumers}{others})"
+
+
+_DEVICES = Device._meta.db_table
+_SLICES = ResourceSlice._meta.db_table
+# Each counter set a present device consumes (its `consumesCounters` entries, the layout the
+# sync normalises every version to) that no slice of its pool generation publishes with every
+# counter it consumes: the device, the set, the counters consumed, and each definition of the
+# set the generation's slices publish (none: the set is missing). Only generations whose slices
+# are all present are judged: a set may be in a slice not seen yet, or replaced mid-rollout.
+# `{pools}` narrows it to some pools. One statement; a pool's slices are read only when some
+# device of it consumes counters.
+_DANGLING = f"""
+WITH consumed AS MATERIALIZED (
+    SELECT device.driver, device.pool, device.pool_generation AS generation,
+        device.name AS device, consumption->>'counterSet' AS counter_set,
+        ARRAY(
+            SELECT jsonb_object_keys(
+                CASE jsonb_typeof(consumption->'counters')
+                    WHEN 'object' THEN consumption->'counters'
+                END
+            )
+        ) AS keys
+    FROM {_DEVICES} AS device
+    CROSS JOIN LATERAL jsonb_array_elements(
+        CASE jsonb_typeof(device.extra->'consumesCounters')
+            WHEN 'array' THEN device.extra->'consumesCounters'
+        END
+    ) AS consumption
+    WHERE device.cluster_id = %(cluster)s AND device.gone_at IS NULL{{pools}}
+),
+generations AS MATERIALIZED (
+    SELECT DISTINCT driver, pool, generation FROM consumed
+),
+slices AS MATERIALIZED (
+    SELECT slice.driver, slice.pool, slice.generation, slice.resource_slice_count,
+        slice.spec->'sharedCounters' AS counter_sets
+    FROM {_SLICES} AS slice
+    JOIN generations USING (driver, pool, generation)
+    WHERE slice.cluster_id = %(cluster)s AND slice.gone_at IS NULL
+),
+complete AS (
+    SELECT driver, pool, generation FROM slices
+    GROUP BY driver, pool, generation
+    HAVING count(*) >= max(resource_slice_count)
+),
+published AS MATERIALIZED (
+    SELECT slices.driver, slices.pool, slices.generation, counter_set->>'name' AS name,
+        counter_set->'counters' AS counters
+    FROM slices
+    CROSS JOIN LATERAL jsonb_array_elements(
+        CASE jsonb_typeof(slices.counter_sets) WHEN 'array' THEN slices.counter_sets END
+    ) AS counter_set
+),
+dangling AS (
+    SELECT consumed.* FROM consumed
+    JOIN complete USING (driver, pool, generation)
+    WHERE NOT EXISTS (
+        SELECT FROM published
+        WHERE published.driver = consumed.driver AND published.pool = consumed.pool
+            AND published.generation = consumed.generation
+            AND published.name = consumed.counter_set AND published.counters ?& consumed.keys
+    )
+)
+SELECT dangling.driver, dangling.pool, dangling.generation, dangling.device,
+    dangling.counter_set, dangling.keys,
+    coalesce(
+        array_agg(published.counters) FILTER (WHERE published.name IS NOT NULL), ARRAY[]::jsonb[]
+    )
+FROM dangling
+LEFT JOIN published
+    ON published.driver = dangling.driver AND published.pool = dangling.pool
+    AND published.generation = dangling.generation AND published.name = dangling.counter_set
+GROUP BY dangling.driver, dangling.pool, dangling.generation, dangling.device,
+    dangling.counter_set, dangling.keys
+"""
+_IN_POOLS = """
+        AND (device.driver, device.pool) IN (
+            SELECT * FROM unnest(%(drivers)s::text[], %(pools)s::text[])
+        )"""
+
+
+def invalid_pools(
+    *, cluster_id: int, pools: Iterable[tuple[str, str]] | None = None
+) -> list[InvalidPool]:
+    """The pool generations of the cluster's present devices that the scheduler allocates
+    nothing from (`InvalidPool`), by driver and pool; of `pools` (driver, pool) only, when
+    given. One query."""
+    params: dict[str, Any] = {"cluster": cluster_id}
+    narrowed = ""
+    if pools is not None:
+        wanted = sorted(set(pools))
+        if not wanted:
+            return []
+        params["drivers"] = [driver for driver, _ in wanted]
+        params["pools"] = [pool for _, pool in wanted]
+        narrowed = _IN_POOLS
+    with connection.cursor() as cursor:
+        cursor.execute(_DANGLING.format(pools=narrowed), params)
+        rows = cursor.fetchall()
+    # (driver, pool, generation) -> (check, counter set, counter) -> devices
+    found: dict[tuple[str, str, int], dict[tuple[str, str, str], list[str]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
+    for driver, pool, generation, device, set_name, keys, definitions in rows:
+        problems = found[(driver, pool, generation)]
+        set_name = str(set_name or "")
+        if not definitions:
+            problems[(MISSING_COUNTER_SET, set_name, "")].append(device)
+            continue
+        # Each definition as jsonb text; a set defined twice has the counters of either.
+        published = {
+            key
+            for text in definitions
+            if isinstance(counters := json.loads(text), dict)
+            for key in counters
+        }
+        for counter in sorted(set(keys) - published):
+            problems[(UNKNOWN_COUNTER, set_name, counter)].append(device)
+    order = list(CHECKS)
+    result = []
+    for (driver, pool, generation), problems in sorted(found.items()):
+        ordered = sorted(problems, key=lambda problem: (order.index(problem[0]), *problem[1:]))
+        if not ordered:
+            continue
+        check, set_name, counter = ordered[0]
+        result.append(
+            InvalidPool(
+                driver=driver,
+                pool=pool,
+                generation=generation,
+                check=check,
+                counter_set=set_name,
+                counter=counter,
+                devices=tuple(sorted(set(problems[ordered[0]]))),
+                others=len(ordered) - 1,
+            )
+        )
+    return result
 
 
 # A pool generation: cluster id, driver, pool name and generation.

@@ -8,7 +8,9 @@ reserves the plan (or does not); everything here is plain Python on plain data.
 A claim is counted by what it can really take: `ExactCount` its count, `All` every matching
 device of the node where they count most, each by its own shape (see `_most_on_a_node`), of
 the nodes where they can all be given (not too many, not more than their shared counter sets
-hold), a MIG device its share of its GPU, a consumable share (KEP-5075) the largest fraction it
+hold, no pool there the scheduler allocates nothing from), never a device of such a pool (one
+that consumes a counter set or counter its slices do not publish: `shapes.InvalidPools`), a MIG
+device its share of its GPU, a consumable share (KEP-5075) the largest fraction it
 consumes of any of the device's capacities (`inventory.capacity`: its requests under any
 capacity name, qualified or not, rounded up by `requestPolicy`, and the policy's default for
 what it does not name), `adminAccess` nothing. Amounts are in the unit of
@@ -32,6 +34,7 @@ from django.conf import settings
 from kubernetes.utils import parse_quantity
 
 from inventory import capacity, dra
+from inventory.checks import InvalidPool
 from inventory.gangs import GangRef
 from inventory.profiles import hours_label, unit_label
 from quota import cel
@@ -452,8 +455,10 @@ def demand(
 ) -> Demand:
     """What `request` can take on each of `rules` that limits it: each rule that covers a
     device the request could be given (its class's selectors and its own, over the fleet's
-    shapes, less those that cannot provide its capacity requests), whatever class the request
-    names."""
+    shapes, less those that cannot provide its capacity requests and those whose every device
+    is in a pool the scheduler allocates nothing from), whatever class the request names. A
+    request whose every matching device is in such pools can never be allocated: it counts
+    nothing, with a warning naming the pool and what it does not publish."""
     result = Demand(name=request.name, amounts={}, devices=0)
     if request.admin_access or not rules:
         return result  # admin access observes devices; it holds nothing
@@ -487,6 +492,20 @@ def demand(
                 "until it is allocated, each device it asks for counts as the most one of its "
                 "class could"
             )
+    placeable = fleet.placeable(candidates)
+    if candidates and not placeable:
+        # Devices it matches, each in a pool the scheduler allocates none of: never given.
+        shape_ids = {shape.id for shape in candidates}
+        result.amounts = {
+            rule.pk: Decimal(0)
+            for rule in rules
+            if shape_ids & fleet.covered(rule.device_class, rule.selector)
+        }
+        warnings.append(
+            _never_placed(request, fleet.invalid.holding(shape.id for shape in candidates))
+        )
+        return result
+    candidates = placeable
     per_device_on: dict[int, Decimal] = {}
     keys: dict[int, tuple[Any, ...]] = {}
     for rule in rules:
@@ -560,17 +579,53 @@ def demand(
                     _most_on_a_node, rule, every, candidates, fleet, request.capacity_requests
                 ),
             )
-    if not every.nodes and (every.too_many or every.short_of_counters):
+    if not every.nodes and (every.too_many or every.refused):
         warnings.append(_never_allocated(request.name, every, candidates))
     return result
 
 
+def _never_placed(request: dra.ParsedRequest, pools: list[InvalidPool]) -> str:
+    """Why a request whose every matching device is in `pools`, which the scheduler allocates
+    nothing from, can never be allocated: the first pool and what its devices consume that it
+    does not publish. What matters comes first: the API server keeps 256 characters."""
+    mode = " (allocationMode All)" if request.allocation_mode == "All" else ""
+    return (
+        f'request "{request.name}"{mode} can never be allocated, and counts nothing on quota '
+        f"rules: it matches only devices of {_invalid_pools(pools)}"
+    )
+
+
+def _invalid_pools(pools: list[InvalidPool]) -> str:
+    """ "pool d/p, which the scheduler allocates nothing from: counter set 'x' is published by
+    no slice of generation 1 (consumed by y)": the first of `pools`, and how many more."""
+    if not pools:
+        return "a pool the scheduler allocates nothing from"
+    first = pools[0]
+    others = len(pools) - 1
+    more = f" (and {others} more such pool{'s' if others > 1 else ''})" if others else ""
+    return (
+        f"pool {first.driver}/{first.pool}{more}, which the scheduler allocates nothing from: "
+        f"{first.problem()}"
+    )
+
+
 def _never_allocated(request_name: str, every: AllOnNodes, candidates: list[Shape]) -> str:
     """Why an `All` request can be allocated on no node that has devices it matches: too
-    many of them for one claim, or more than their shared counter sets hold. (The API server
-    keeps 256 characters of a warning.)"""
+    many of them for one claim, more than their shared counter sets hold, or a pool there the
+    scheduler allocates nothing from. (The API server keeps 256 characters of a warning.)"""
     unit = unit_label(rule_unit(candidates), plural=False)
     limit = dra.ALLOCATION_RESULTS_MAX_SIZE
+    if every.invalid:
+        where = (
+            "each node with devices it matches has "
+            if every.invalid == every.refused and not every.too_many
+            else "on each node with devices it matches, they are too many for one claim, "
+            "overfill a shared counter set, or share the node with "
+        )
+        return (
+            f'request "{request_name}" (allocationMode All) can never be allocated, and counts '
+            f"nothing on quota rules: {where}{_invalid_pools(list(every.invalid_pools))}"
+        )
     if not every.short_of_counters:
         reason = (
             f"would be given all {every.too_many} devices it matches on a node, more than the "
@@ -627,25 +682,41 @@ class AllOnNodes:
     too_many: int
     # The nodes where the matching devices consume more of a counter set than it holds.
     short_of_counters: int = 0
+    # The nodes with a pool the scheduler allocates nothing from, and those pools.
+    invalid: int = 0
+    invalid_pools: tuple[InvalidPool, ...] = ()
+
+    @property
+    def refused(self) -> int:
+        """The nodes with matching devices where the request cannot be allocated (not those
+        where they are too many: counted by how many, in `too_many`)."""
+        return self.short_of_counters + self.invalid
 
 
 def _all_on_nodes(fleet: FleetShapes, candidates: list[Shape]) -> AllOnNodes:
     """Devices published without a node (a pool of `allNodes` or a `nodeSelector`) can be
     reached from a node: they are weighed as on every node, and on a node with none of its
-    own (the most such a request could be given). What the devices consume of their counter
-    sets is read (`FleetShapes.counter_shortfall`) only when some node has two matching
-    devices or more."""
+    own (the most such a request could be given). A node with devices of a pool the scheduler
+    allocates nothing from (`FleetShapes.invalid`; one published without a node: every node)
+    is left out, whatever they are: the scheduler fails an All request there. What the devices
+    consume of their counter sets is read (`FleetShapes.counter_shortfall`) only when some
+    other node has two matching devices or more."""
     ids = {shape.id for shape in candidates}
     off_node = {shape_id: n for shape_id, n in fleet.off_node.items() if shape_id in ids}
     on_nodes: list[tuple[int | None, dict[int, int]]] = []
-    too_many = 0
+    too_many = invalid = 0
+    invalid_pools: dict[tuple[str, str], InvalidPool] = {}
     for node_id, shapes in [*fleet.per_node.items(), (None, {})]:
         matching = {shape_id: n for shape_id, n in shapes.items() if shape_id in ids}
         for shape_id, n in off_node.items():
             matching[shape_id] = matching.get(shape_id, 0) + n
         devices = sum(matching.values())
+        met = fleet.invalid.on(node_id) if devices and fleet.invalid.pools else []
         if devices > dra.ALLOCATION_RESULTS_MAX_SIZE:
             too_many = max(too_many, devices)
+        elif met:
+            invalid += 1
+            invalid_pools.update(((pool.driver, pool.pool), pool) for pool in met)
         elif devices:
             on_nodes.append((node_id, matching))
     shortfall = (
@@ -659,6 +730,8 @@ def _all_on_nodes(fleet: FleetShapes, candidates: list[Shape]) -> AllOnNodes:
         devices=max((sum(node.values()) for node in nodes), default=0),
         too_many=too_many,
         short_of_counters=len(on_nodes) - len(nodes),
+        invalid=invalid,
+        invalid_pools=tuple(invalid_pools[key] for key in sorted(invalid_pools)),
     )
 
 

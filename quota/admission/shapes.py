@@ -10,7 +10,9 @@ kept by triggers with the devices), not from the devices; a worker brings its sn
 date by reading only the counts changed since it read it, off the request path. Only what the
 devices consume of their pools' shared counter sets, which an `allocationMode: All` request
 needs and the counts cannot tell, is read from the devices (`FleetShapes.counter_shortfall`),
-once per snapshot and set of shapes.
+once per snapshot and set of shapes. So is which pools the scheduler allocates nothing from
+(a device of theirs consumes a counter set or counter no slice publishes: `InvalidPools`), with
+each snapshot, checking again only the pools whose slices changed since they were checked.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import logging
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Protocol, TypeVar
@@ -29,8 +31,17 @@ from django.conf import settings
 from django.db import connection
 from kubernetes.utils import parse_quantity
 
-from inventory.checks import published_counter_sets
-from inventory.models import Cluster, Device, DeviceClass, DeviceShape, NodeShapeCount, Unit
+from inventory import checks
+from inventory.checks import InvalidPool, published_counter_sets
+from inventory.models import (
+    Cluster,
+    Device,
+    DeviceClass,
+    DeviceShape,
+    NodeShapeCount,
+    ResourceSlice,
+    Unit,
+)
 from quota import cel
 from quota.admission.refresher import Refresher
 from quota.models import QuotaRule
@@ -98,6 +109,63 @@ class CounterShortfall:
 NO_SHORTFALL = CounterShortfall()
 
 
+@dataclass(frozen=True)
+class InvalidPools:
+    """The pools of a cluster that the scheduler allocates no device from, because a device of
+    theirs consumes a counter set no slice of the pool's generation publishes, or a counter its
+    set does not have (`inventory.checks.InvalidPool`), with their present devices. None of
+    those devices can be given to a claim, and an `allocationMode: All` request cannot be
+    allocated on a node that has any of them (nor on any node, for those published without a
+    node): the scheduler fails it on every node an invalid pool is gathered for."""
+
+    pools: tuple[InvalidPool, ...] = ()
+    # Their present devices: (driver, pool) -> node id (None: published without a node) ->
+    # shape id -> devices.
+    devices: Mapping[tuple[str, str], Mapping[int | None, Mapping[int, int]]] = field(
+        default_factory=dict
+    )
+
+    def devices_of(self, shape_id: int) -> int:
+        """How many present devices of shape `shape_id` are in these pools."""
+        return self._index[0].get(shape_id, 0)
+
+    def on(self, node_id: int | None) -> list[InvalidPool]:
+        """Those an `allocationMode: All` request meets on node `node_id` (None: a node with no
+        devices of its own): with devices on it, or published without a node."""
+        on_nodes = self._index[1]
+        return self._ordered({*on_nodes.get(node_id, ()), *on_nodes.get(None, ())})
+
+    def holding(self, shape_ids: Iterable[int]) -> list[InvalidPool]:
+        """Those with present devices of any of `shape_ids`."""
+        of_shapes = self._index[2]
+        return self._ordered(
+            {index for shape_id in shape_ids for index in of_shapes.get(shape_id, ())}
+        )
+
+    def _ordered(self, indexes: set[int]) -> list[InvalidPool]:
+        return [self.pools[index] for index in sorted(indexes)]
+
+    @functools.cached_property
+    def _index(
+        self,
+    ) -> tuple[dict[int, int], dict[int | None, set[int]], dict[int, set[int]]]:
+        """Devices by shape; the pools (their places in `pools`) by node and by shape: a
+        driver that publishes every pool wrong makes thousands of them."""
+        by_shape: dict[int, int] = defaultdict(int)
+        on_nodes: dict[int | None, set[int]] = defaultdict(set)
+        of_shapes: dict[int, set[int]] = defaultdict(set)
+        for index, pool in enumerate(self.pools):
+            for node_id, shapes in self.devices.get((pool.driver, pool.pool), {}).items():
+                on_nodes[node_id].add(index)
+                for shape_id, devices in shapes.items():
+                    by_shape[shape_id] += devices
+                    of_shapes[shape_id].add(index)
+        return by_shape, on_nodes, of_shapes
+
+
+NO_INVALID_POOLS = InvalidPools()
+
+
 @dataclass
 class FleetShapes:
     """The shapes present in a cluster, and how many devices of each sit on each node."""
@@ -120,6 +188,8 @@ class FleetShapes:
     # The cluster whose devices this was read from (None: not read from the database, so
     # there are no device rows to ask; see `counter_shortfall`).
     cluster_id: int | None = None
+    # The pools the scheduler allocates nothing from, as of this snapshot (`invalid_pools`).
+    invalid: InvalidPools = field(default=NO_INVALID_POOLS, repr=False)
     _derived: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
 
     def derived(self, key: tuple[Any, ...], compute: Callable[[], T]) -> T:
@@ -143,6 +213,17 @@ class FleetShapes:
             ("counter shortfall", shape_ids),
             functools.partial(counter_shortfall, cluster_id=self.cluster_id, shape_ids=shape_ids),
         )
+
+    def placeable(self, candidates: list[Shape]) -> list[Shape]:
+        """Those of `candidates` the scheduler can give a device of: with a present device
+        outside the pools it allocates nothing from (`invalid`)."""
+        if not self.invalid.pools:
+            return candidates
+        return [
+            shape
+            for shape in candidates
+            if self.shape_devices.get(shape.id, 0) > self.invalid.devices_of(shape.id)
+        ]
 
     def match(self, expression: str, shape: Shape) -> bool:
         """Whether `expression` selects devices of `shape` (see `match`)."""
@@ -404,16 +485,19 @@ def refreshed(fleet: FleetShapes, *, cluster_id: int, version: int | None) -> Fl
     """A new snapshot: `fleet` with the device counts changed since it was read applied
     (every count, when it was not read or was read within a transaction: see
     `FleetShapes.counted_as_of`), the shapes that appeared loaded, those no device has any
-    more dropped, and the device classes read again (a handful). `fleet` is left as it was:
-    requests may be reading it."""
+    more dropped, the device classes read again (a handful), and the pools the scheduler
+    allocates nothing from (`invalid_pools`). `fleet` is left as it was: requests may be
+    reading it."""
     if fleet.counted_as_of is None:
         fleet = FleetShapes()
     as_of, changes = _counts_since(cluster_id, fleet.counted_as_of)
     if fleet.counted_as_of is not None and _xmax(as_of) < _xmax(fleet.counted_as_of):
         # Transaction ids went back: another database (restored from a dump) behind the
-        # same name. What changed cannot be told from them; every count is read.
+        # same name. What changed cannot be told from them; every count is read, and every
+        # pool checked again (its slices' marks hold transaction ids too).
         fleet = FleetShapes()
         as_of, changes = _counts_since(cluster_id, None)
+        _forget_pool_checks(cluster_id)
     fresh = FleetShapes(
         version=version,
         cluster_id=cluster_id,
@@ -467,6 +551,7 @@ def refreshed(fleet: FleetShapes, *, cluster_id: int, version: int | None) -> Fl
             "name", "selectors"
         )
     )
+    fresh.invalid = invalid_pools(cluster_id=cluster_id)
     return fresh
 
 
@@ -545,9 +630,9 @@ def counter_shortfall(*, cluster_id: int, shape_ids: frozenset[int]) -> CounterS
     counter it consumes has room. A device that consumes no counters conflicts with none (a
     GPU beside its static MIG devices: the scheduler gives them all). A shareable device
     (KEP-5075) consumes its counters once, however many claims take a share of it. A set or
-    counter its pool does not publish (`inventory.checks` reports it) is not weighed: the
-    request then counts as if the devices could be given. Two queries at most, one when no
-    device consumes counters."""
+    counter its pool does not publish is not weighed here: the scheduler allocates nothing
+    from such a pool, and a node that has one is left out before (`InvalidPools`). Two queries
+    at most, one when no device consumes counters."""
     with connection.cursor() as cursor:
         cursor.execute(_CONSUMED, {"cluster": cluster_id, "shapes": sorted(shape_ids)})
         rows = cursor.fetchall()
@@ -612,6 +697,115 @@ def _exceeds(consumed: Consumption, totals: dict[CounterSetKey, dict[str, Decima
     )
 
 
+# The mark of the cluster's present slices: each row version's place and transaction, so any
+# write to one of them (a slice changed, added or gone) changes it.
+_SLICES_MARK = f"""
+SELECT md5(string_agg(ctid::text || ':' || xmin::text, ',' ORDER BY id))
+FROM {ResourceSlice._meta.db_table}
+WHERE cluster_id = %(cluster)s AND gone_at IS NULL
+"""
+# The same, of each pool's.
+_POOL_MARKS = f"""
+SELECT driver, pool, md5(string_agg(ctid::text || ':' || xmin::text, ',' ORDER BY id))
+FROM {ResourceSlice._meta.db_table}
+WHERE cluster_id = %(cluster)s AND gone_at IS NULL
+GROUP BY driver, pool
+"""
+# The present devices of some pool generations, per pool, node and shape.
+_POOL_DEVICES = f"""
+SELECT device.driver, device.pool, device.node_id, device.shape_id, count(*)
+FROM {_DEVICES} AS device
+JOIN unnest(%(drivers)s::text[], %(pools)s::text[], %(generations)s::bigint[])
+    AS pool (driver, pool, generation)
+    ON device.driver = pool.driver AND device.pool = pool.pool
+    AND device.pool_generation = pool.generation
+WHERE device.cluster_id = %(cluster)s AND device.gone_at IS NULL AND device.shape_id IS NOT NULL
+GROUP BY 1, 2, 3, 4
+"""
+
+
+@dataclass(frozen=True)
+class _PoolChecks:
+    """What each pool of a cluster was found to be (`inventory.checks.invalid_pools`), by
+    (driver, pool): the mark of its present slices when checked (`_POOL_MARKS`) and the
+    problem found (None: sound); the cluster's mark then, and the pools found invalid."""
+
+    mark: str
+    pools: Mapping[tuple[str, str], tuple[str, InvalidPool | None]]
+    invalid: tuple[InvalidPool, ...]
+
+
+# By cluster id. A pool's devices and counter sets are all published in its slices, so one
+# whose mark is unchanged need not be checked again, nor any pool of a cluster whose mark is.
+# Shared by every snapshot of the process (replaced whole, never changed in place): a check
+# made within a transaction that then rolled back is of row versions no one will see, and its
+# marks never match again.
+_pool_checks: dict[int, _PoolChecks] = {}
+
+
+def invalid_pools(*, cluster_id: int) -> InvalidPools:
+    """The cluster's pools the scheduler allocates nothing from (`InvalidPools`), as stored
+    now. The mark of its present slices is read; when it changed since its pools were checked
+    (always, the first time in a process), each pool's, and the pools whose mark changed are
+    checked again; the devices of the pools found invalid are read. One query when no slice
+    changed and no pool is invalid, four at most."""
+    before = _pool_checks.get(cluster_id) or _PoolChecks(mark="", pools={}, invalid=())
+    with connection.cursor() as cursor:
+        cursor.execute(_SLICES_MARK, {"cluster": cluster_id})
+        (mark,) = cursor.fetchone() or ("",)
+    now = before
+    if not mark or mark != before.mark:
+        # Read after the cluster's mark: a slice changed in between is checked again next time.
+        with connection.cursor() as cursor:
+            cursor.execute(_POOL_MARKS, {"cluster": cluster_id})
+            marks = {(driver, pool): pool_mark for driver, pool, pool_mark in cursor.fetchall()}
+        changed = [
+            key for key, pool_mark in marks.items() if before.pools.get(key, ("",))[0] != pool_mark
+        ]
+        found = (
+            checks.invalid_pools(
+                cluster_id=cluster_id, pools=None if len(changed) == len(marks) else changed
+            )
+            if changed
+            else []
+        )
+        by_pool = {(pool.driver, pool.pool): pool for pool in found}
+        pools = {key: before.pools[key] for key in marks.keys() - set(changed)}
+        pools.update((key, (marks[key], by_pool.get(key))) for key in changed)
+        now = _pool_checks[cluster_id] = _PoolChecks(
+            mark=mark or "",
+            pools=pools,
+            invalid=tuple(
+                sorted(
+                    (pool for _, pool in pools.values() if pool is not None),
+                    key=lambda pool: (pool.driver, pool.pool),
+                )
+            ),
+        )
+    if not now.invalid:
+        return NO_INVALID_POOLS
+    devices: dict[tuple[str, str], dict[int | None, dict[int, int]]] = defaultdict(
+        lambda: defaultdict(dict)
+    )
+    with connection.cursor() as cursor:
+        cursor.execute(
+            _POOL_DEVICES,
+            {
+                "cluster": cluster_id,
+                "drivers": [pool.driver for pool in now.invalid],
+                "pools": [pool.pool for pool in now.invalid],
+                "generations": [pool.generation for pool in now.invalid],
+            },
+        )
+        for driver, pool_name, node_id, shape_id, count in cursor.fetchall():
+            devices[(driver, pool_name)][node_id][shape_id] = count
+    return InvalidPools(pools=now.invalid, devices=devices)
+
+
+def _forget_pool_checks(cluster_id: int) -> None:
+    _pool_checks.pop(cluster_id, None)
+
+
 def shape_of(row: DeviceShape) -> Shape:
     """The shape of a stored row, its memory read from its capacity."""
     return Shape.from_row(row, memory_bytes=_memory(row.capacity))
@@ -649,6 +843,7 @@ def forget_fleet_shapes() -> None:
         _cache.clear()
         _matches.clear()
         _clusters.clear()
+    _pool_checks.clear()
 
 
 def _memory(capacity: dict[str, dict[str, str]]) -> int | None:
