@@ -16,9 +16,11 @@ Device identity. The exporter labels a whole GPU with its `UUID`. A MIG device c
 not know MIG UUIDs (NVIDIA/dcgm-exporter#171). So a MIG device is reported as
 `uuid = "<parent UUID>::gi<GPU_I_ID>"`, with `parent_uuid`, `gpu_instance_id` and
 `mig_profile` set. Nothing in the inventory knows that key (NVIDIA's DRA driver does not
-publish the GPU instance id), so the ingest keeps such samples aside as an unknown device
-and they are never billed. MIG devices are metered through DCGM by the node agent instead
-(`TALLY_AGENT_SOURCE=exporter`, `TALLY_EXPORTER_PROFILE=dcgm`,
+publish the GPU instance id): the ingest stores such a sample under the MIG device that GPU
+instance was at its instant, as the NVML agents' samples of that GPU say (their spells,
+`billing.mig_instances`), and keeps it aside until they do. Without NVML agents on the
+nodes, nothing says, and the samples are never billed. The node agent can name the series
+itself (`TALLY_AGENT_SOURCE=exporter`, `TALLY_EXPORTER_PROFILE=dcgm`,
 `TALLY_EXPORTER_WITH_NVML=true`): NVML reports each MIG device's UUID with its parent and
 GPU instance id, and `agent.exporters.with_mig_instances` names the series by it.
 

@@ -17,7 +17,8 @@ What each profile relies on (checked against the vendors' code and docs, not gue
   inventory. The NVML agent reads it (`nvmlDeviceGetGpuInstanceId`) next to the MIG
   device's own UUID and reports both: `with_mig_instances` matches (parent UUID, GPU
   instance id) to that UUID. A MIG series NVML did not see keeps the key
-  `<parent UUID>::gi<N>` (listed by the ingest as unknown). Utilisation:
+  `<parent UUID>::gi<N>` (stored by the ingest under the device that GPU instance was then,
+  by the spells NVML's samples record, `billing.mig_instances`). Utilisation:
   `DCGM_FI_PROF_GR_ENGINE_ACTIVE` (ratio), else `DCGM_FI_DEV_GPU_UTIL` (%); memory
   `DCGM_FI_DEV_FB_USED` (MiB).
 - **AMD** (ROCm device-metrics-exporter): every series carries `gpu_id`, `serial_number`,

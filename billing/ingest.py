@@ -25,7 +25,13 @@ A MIG sample also gives its GPU instance id (`gpu_instance_id`, with `parent_uui
 device each GPU instance's samples were stored under, and when, is recorded as spells
 (`billing.mig_instances`), by which the Prometheus source matches DCGM's MIG series: from an
 agent's batch, an operator's backfill and samples set aside once adopted alike (a sample set
-aside keeps its GPU instance), under the node the inventory puts the device on.
+aside keeps its GPU instance), under the node the inventory puts the device on. By the same
+spells and the same rule, an agent's DCGM samples of MIG devices it could not tell, named
+`<parent UUID>::gi<N>`, are stored under the device that GPU instance was at their instant,
+set aside while no spell says, and moved where the spells change, so that what is stored does
+not depend on the order DCGM's and NVML's batches come in (`_place`). A token's are placed by
+its own cluster's spells only. Writers that take both lock the GPU instances before the
+devices.
 
 A mean's `covered_seconds` is stored as `covered_ms`, rounded to the millisecond from the
 decimal the agent sent, so the rollup holds the mean for the time its readings covered; a
@@ -56,9 +62,18 @@ from psycopg.errors import UniqueViolation
 
 from billing.dirty import mark_dirty
 from billing.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
-from billing.mig_instances import InstanceKey, Point, record_instances
+from billing.mig_instances import (
+    InstanceKey,
+    Point,
+    Respelled,
+    clusters_of,
+    covering,
+    lock_instances,
+    record_instances,
+    spells_covering,
+)
 from billing.mig_samples import GpuInstance, MigPlacement, partitions_at
-from billing.models import AgentToken, Sample, UnknownDeviceSample
+from billing.models import AgentToken, DcgmInstance, Sample, UnknownDeviceSample
 from db.copy import copy_rows, json_rows
 from db.locks import advisory_xact_lock, text_key
 from inventory import profiles
@@ -248,6 +263,8 @@ class SampleChecker:
         self._covered_ms: dict[float, int] = {}  # a float covered_seconds -> ms, valid ones
         # (parent_uuid, gpu_instance_id and its type) -> the GPU instance, valid ones
         self._instances: dict[tuple[Any, Any, type], GpuInstance] = {}
+        # A DCGM sample's `<parent UUID>::gi<N>` as sent -> (its key as stored, its GPU instance)
+        self._keyed: dict[str, tuple[str, GpuInstance]] = {}
 
     def _named(self, sample: dict[str, Any]) -> str:
         """`_named_key(sample)`, worked out once per distinct identity of the batch."""
@@ -287,7 +304,11 @@ class SampleChecker:
                 )
             else:
                 uuid = _checked_uuid(uuid)
+                keyed = _keyed_instance(uuid)
+                if keyed is not None:
+                    self._keyed[uuid] = (instance_key(keyed), keyed)
                 self._valid_uuids.add(uuid)
+        keyed_as = self._keyed.get(uuid) if self._keyed else None
         ts = sample.get("ts")
         if type(ts) is not str:
             raise InvalidSample("ts", "must be an ISO 8601 string with a timezone")
@@ -330,9 +351,17 @@ class SampleChecker:
                 raise InvalidSample(
                     "mig_placement", "goes with a MIG device's uuid, not with driver and device"
                 )
+            if keyed_as is not None:
+                raise InvalidSample(
+                    "mig_placement",
+                    "goes with a MIG device's own uuid, not with a <parent UUID>::gi<N> one",
+                )
             placement = _checked_placement(sample, placement)
         instance = sample.get("gpu_instance_id")
-        if instance is not None:
+        if keyed_as is not None:
+            uuid, instance = keyed_as
+            _check_agrees(sample, instance)
+        elif instance is not None:
             if uuid[:1] == NAMED:
                 raise InvalidSample(
                     "gpu_instance_id", "goes with a MIG device's uuid, not with driver and device"
@@ -441,6 +470,52 @@ def _checked_placement(sample: dict[str, Any], placement: object) -> MigPlacemen
             f"must be an integer from 0 to {MAX_PROFILE_ID}, not {_show(profile_id)}",
         )
     return MigPlacement(_checked_uuid(parent, "parent_uuid"), start, size, profile, profile_id)
+
+
+# How the DCGM source names a MIG device it cannot tell (`agent.dcgm`): its GPU's UUID and its
+# GPU instance id.
+_KEYED = re.compile(r"(?P<parent>.+)::gi(?P<instance>[0-9]+)")
+
+
+def instance_key(instance: GpuInstance) -> str:
+    """The `<parent UUID>::gi<N>` a DCGM sample of a GPU instance is sent, and set aside,
+    under."""
+    return f"{instance.parent_uuid}::gi{instance.gpu_instance_id}"
+
+
+def _keyed_instance(uuid: str) -> GpuInstance | None:
+    """The GPU instance a DCGM sample's uuid `<parent UUID>::gi<N>` names (None: a device's
+    own uuid), or `InvalidSample` for an id out of range."""
+    match = _KEYED.fullmatch(uuid)
+    if match is None:
+        return None
+    instance_id = int(match["instance"])
+    if instance_id > MAX_GPU_INSTANCE_ID:
+        raise InvalidSample(
+            "uuid",
+            f"{_show(uuid)} names GPU instance {instance_id}; a GPU instance id is at most "
+            f"{MAX_GPU_INSTANCE_ID}",
+        )
+    return GpuInstance(match["parent"], instance_id)
+
+
+def _check_agrees(sample: dict[str, Any], instance: GpuInstance) -> None:
+    """A DCGM sample named `<parent UUID>::gi<N>` may also give `parent_uuid` and
+    `gpu_instance_id` (the agent does): they must be the ones its uuid names."""
+    parent, instance_id = sample.get("parent_uuid"), sample.get("gpu_instance_id")
+    if parent is not None and parent != instance.parent_uuid:
+        raise InvalidSample(
+            "parent_uuid",
+            f"{_show(parent)} is not the GPU its uuid names ({instance.parent_uuid})",
+        )
+    if instance_id is not None and (
+        type(instance_id) is not int or instance_id != instance.gpu_instance_id
+    ):
+        raise InvalidSample(
+            "gpu_instance_id",
+            f"{_show(instance_id)} is not the GPU instance its uuid names "
+            f"({instance.gpu_instance_id})",
+        )
 
 
 def _checked_instance(sample: dict[str, Any], instance_id: object) -> GpuInstance:
@@ -926,23 +1001,32 @@ FROM unnest(%s::text[], %s::bigint[]) AS r(uuid, lo)
 
 
 def _store_samples(
-    cursor: CursorWrapper, rows: Sequence[SampleRow], *, node: str, received_at: datetime
+    cursor: CursorWrapper,
+    rows: Sequence[SampleRow],
+    *,
+    node: str,
+    received_at: datetime,
+    also_lock: Iterable[str] = (),
 ) -> tuple[int, list[int]]:
     """Store samples of known devices unless already there, with their gaps.
 
-    The devices are locked first, so their gaps are worked out against every sample stored
-    before. A batch that repeats nothing and falls after (or between) what is
+    The devices are locked first (with `also_lock`, the other devices the transaction will
+    write samples of: all in one round, in key order), so their gaps are worked out against
+    every sample stored before. A batch that repeats nothing and falls after (or between) what is
     stored, the usual case, is COPYed straight into `billing_sample` with its gaps, then the
     gap of each device's sample just before it is worked out again; the COPY runs under a
     savepoint, and should it meet a stored sample after all it is undone. Otherwise the batch
     takes the general way (`_store`), then its devices' gaps are worked out again over its
     span.
     """
+    also_lock = set(also_lock)
     if not rows:
+        if also_lock:
+            _lock_devices(cursor, also_lock)
         return 0, []
     ordered = sorted(rows, key=_KEY)
     gaps, bounds, repeats = _batch_gaps(ordered)
-    _lock_devices(cursor, bounds)
+    _lock_devices(cursor, bounds.keys() | also_lock)
     if not repeats:
         uuids = sorted(bounds)
         cursor.execute(_FOLLOWING_SQL, [uuids, [bounds[uuid].first_ms for uuid in uuids]])
@@ -1119,10 +1203,13 @@ def ingest(
 
     Samples of known devices go to `Sample`, the others aside to `UnknownDeviceSample`, but
     for those of a dynamic MIG device, stored under the partition device published for their
-    placement on `node` (`_placed_mig_samples`). A device and instant already stored, or sent
-    twice in this batch, is kept as first stored and counted as a duplicate. Every hour that
-    newly stored samples count in is marked dirty. The GPU instances of MIG samples stored (or
-    duplicates) are recorded (`_record_instances`), with a token or without.
+    placement on `node` (`_placed_mig_samples`), and DCGM's named `<parent UUID>::gi<N>`,
+    stored under the device that GPU instance was at their instant (`_place`). A device and
+    instant already stored, or sent twice in this batch, is kept as first stored and counted
+    as a duplicate. Every hour that newly stored samples count in is marked dirty. The GPU
+    instances of MIG samples stored (or duplicates) are recorded (`_instance_points`), with a
+    token or without, and DCGM's samples their spells placed are placed again where the
+    spells changed.
 
     Sent with an agent token (`agent`), a sample is refused, never stored, when the inventory
     puts its device on another node than the token's (any node but its cluster's, for a
@@ -1142,7 +1229,15 @@ def ingest(
     keys = {row[0] for row in samples if row[0][:1] == NAMED}
     if keys:
         samples, named_refused, unknown_named, sent = _resolve_samples(samples, keys, node, agent)
+    # DCGM's samples of MIG devices it could not tell, named by their GPU instance.
+    keyed_at = {
+        position
+        for position, row in enumerate(samples)
+        if row.instance is not None and _is_keyed(row) and position not in named_refused
+    }
     uuids = {row[0] for row in samples if row[0][:1] != NAMED}  # refused names left out
+    if keyed_at:
+        uuids -= {samples[position][0] for position in keyed_at}
     places = _places(uuids) if uuids else {}
     misplaced: dict[str, str] = {}
     if agent is not None:
@@ -1152,13 +1247,16 @@ def ingest(
                 misplaced[uuid] = why
     known_rows: Sequence[SampleRow] = samples
     unknown: list[tuple[int, SampleRow]] = []
+    keyed: list[tuple[int, SampleRow]] = []
     refused: list[Refusal] = []
     unknown_ids: set[str] = set()
-    if misplaced or named_refused or len(places) != len(uuids):
+    if keyed_at or misplaced or named_refused or len(places) != len(uuids):
         kept: list[SampleRow] = []
         for position, row in enumerate(samples):
             if position in named_refused:
                 refused.append(named_refused[position])
+            elif position in keyed_at:
+                keyed.append((position, row))
             elif row[0] in misplaced:
                 refused.append(_refusal(position, row, sent, "device_elsewhere", misplaced[row[0]]))
             elif row[0] in places:
@@ -1170,21 +1268,44 @@ def ingest(
             kept.extend(placed)
             unknown_ids = {row[0] for _, row in unknown}
         known_rows = kept
+    cluster_id = None if agent is None else agent.cluster_id
+    points = _instance_points(
+        [
+            _InstanceSample(row.device_uuid, row.ts_ms, row.instance, cluster_id, node)
+            for row in known_rows
+            if row.instance is not None
+        ],
+        places=places,
+    )
+    with connection.cursor() as cursor:
+        # The GPU instances' locks before the devices': the spells say which devices DCGM's
+        # samples go to, and the devices are locked in one round.
+        placements = _Placements()
+        if points or keyed:
+            lock_instances(
+                cursor,
+                {key.instance for key in points}
+                | {(node, *row.instance) for _, row in keyed if row.instance is not None},
+            )
+            placements = _place(
+                cursor,
+                record_instances(cursor, points),
+                _keyed_samples(cursor, keyed, node=node, cluster_id=cluster_id),
+            )
+            if placements.unplaced:
+                unknown = sorted(unknown + placements.unplaced)
+                unknown_ids |= {row[0] for _, row in placements.unplaced}
         if unknown and agent is not None:
             unknown, over = _unknown_devices_allowed(agent, unknown, sent)
             refused = sorted(refused + over)
-    with connection.cursor() as cursor:
-        stored, instants = _store_samples(cursor, known_rows, node=node, received_at=received_at)
-        cluster_id = None if agent is None else agent.cluster_id
-        _record_instances(
+        stored, instants = _store_samples(
             cursor,
-            [
-                _InstanceSample(row.device_uuid, row.ts_ms, row.instance, cluster_id, node)
-                for row in known_rows
-                if row.instance is not None
-            ],
-            places=places,
+            known_rows,
+            node=node,
+            received_at=received_at,
+            also_lock=placements.devices,
         )
+        by_instance, shifted = placements.store(cursor, node=node, received_at=received_at)
         set_aside, _ = _store(
             cursor,
             UnknownDeviceSample,
@@ -1193,9 +1314,10 @@ def ingest(
             received_at=received_at,
             agent=agent,
         )
-    hours = touched_hours(instants)
+        _widen_dcgm_spans(cursor, [row for _, row in keyed], node=node)
+    hours = touched_hours(instants + shifted)
     mark_dirty(hours=hours, at=received_at)
-    accepted = stored + set_aside
+    accepted = stored + by_instance + set_aside
     set_aside_ids = {row[0] for _, row in unknown}
     return IngestReport(
         accepted=accepted,
@@ -1237,20 +1359,17 @@ def _instance_place(
     return where.pop() if len(where) == 1 else None
 
 
-def _record_instances(
-    cursor: CursorWrapper,
-    samples: Sequence[_InstanceSample],
-    *,
-    places: dict[str, set[_Place]] | None = None,
-) -> None:
-    """Record the GPU instances of stored MIG samples, per device they were stored under (a
-    dynamic MIG device's: its partition), duplicates included (the instant was seen either
-    way), at the device's place (`_instance_place`; `places` those known already). A device
-    the inventory cannot place records nothing, nor a sample naming another GPU than the
-    device's own: DCGM's series of that GPU's instance would be given to the device (another
-    cluster's GPU, named by a token of this one)."""
+def _instance_points(
+    samples: Sequence[_InstanceSample], *, places: dict[str, set[_Place]] | None = None
+) -> dict[InstanceKey, set[Point]]:
+    """What to record (`record_instances`) of the GPU instances of stored MIG samples, per
+    device they were stored under (a dynamic MIG device's: its partition), duplicates included
+    (the instant was seen either way), at the device's place (`_instance_place`; `places`
+    those known already). A device the inventory cannot place records nothing, nor a sample
+    naming another GPU than the device's own: DCGM's series of that GPU's instance would be
+    given to the device (another cluster's GPU, named by a token of this one)."""
     if not samples:
-        return
+        return {}
     places = places or {}
     missing = {sample.meter_id for sample in samples} - places.keys()
     if missing:
@@ -1268,7 +1387,331 @@ def _record_instances(
         if place is not None and sample.instance.parent_uuid in parents:
             key = InstanceKey(*place, *sample.instance)
             points[key].add(Point(sample.ts_ms, sample.meter_id))
-    record_instances(cursor, points)
+    return points
+
+
+# DCGM's samples named by their GPU instance
+
+# The placement of an agent's DCGM samples of MIG devices it could not tell, named
+# `<parent UUID>::gi<N>` (`agent.dcgm`): each is stored in `billing_sample` under the device
+# that GPU instance was at its instant, by the spells the NVML agents' samples record
+# (`billing.mig_instances.covering`, the Prometheus source's rule), and kept aside while no
+# spell says (`UnknownDeviceSample`). Where the spells change (a late batch, an id reused A,
+# B, A whose B comes last), the samples whose device changed are moved: out of `billing_sample`
+# or out of the aside, to their new device or aside. So what is stored is what all the
+# samples give at once, whatever order the DCGM and NVML batches came in (the spells are).
+
+
+def _is_keyed(row: SampleRow) -> bool:
+    """Whether `row` is a DCGM sample named by its GPU instance (`<parent UUID>::gi<N>`)."""
+    return (
+        row.instance is not None
+        and "::gi" in row.device_uuid
+        and row.device_uuid == instance_key(row.instance)
+    )
+
+
+class _Keyed(NamedTuple):
+    """A DCGM sample named by its GPU instance, arriving: its position in the batch, the
+    sample, and its GPU instance (None: an operator's whose cluster no spells tell)."""
+
+    position: int
+    row: SampleRow
+    key: InstanceKey | None
+
+
+def _keyed_samples(
+    cursor: CursorWrapper,
+    keyed: Sequence[tuple[int, SampleRow]],
+    *,
+    node: str,
+    cluster_id: int | None,
+) -> list[_Keyed]:
+    """The GPU instance of each DCGM sample named by one, sent for `node`: in the token's
+    cluster (`cluster_id`), never another's, so that a token places nothing on another
+    cluster's devices; an operator's (None), in the one cluster whose agents recorded spells
+    of it on that node, if one did. Read under the GPU instances' locks."""
+    triples = {(node, *row.instance) for _, row in keyed if row.instance is not None}
+    clusters = clusters_of(cursor, triples) if cluster_id is None else {}
+    found: list[_Keyed] = []
+    for position, row in keyed:
+        assert row.instance is not None  # `_is_keyed`
+        owners = {cluster_id} if cluster_id is not None else clusters.get((node, *row.instance))
+        key = (
+            InstanceKey(next(iter(owners)), node, *row.instance)
+            if owners and len(owners) == 1
+            else None
+        )
+        found.append(_Keyed(position, row, key))
+    return found
+
+
+class _Held(NamedTuple):
+    """A DCGM sample named by its GPU instance that is stored (`device` its meter id) or set
+    aside (`device` ""), where its GPU instance's spells changed."""
+
+    key: InstanceKey
+    row_id: int
+    ts_ms: int
+    device: str
+
+
+class _Move(NamedTuple):
+    """A DCGM sample to move from where it is (`held`) to `device` ("": aside)."""
+
+    held: _Held
+    device: str
+
+
+@dataclass
+class _Placements:
+    """What a transaction does with DCGM's samples named by their GPU instance: those it
+    moves (`moves`), and where the arriving ones go (`arriving`: with the device, or "" for
+    aside, where `unplaced` lists them for `ingest` to set aside as unknown devices')."""
+
+    moves: list[_Move] = field(default_factory=list)
+    arriving: list[tuple[_Keyed, str]] = field(default_factory=list)
+
+    @property
+    def unplaced(self) -> list[tuple[int, SampleRow]]:
+        return [(keyed.position, keyed.row) for keyed, device in self.arriving if not device]
+
+    @property
+    def devices(self) -> set[str]:
+        """The devices whose samples this moves or adds: locked with the batch's."""
+        found = {device for _, device in self.arriving if device}
+        for move in self.moves:
+            found |= {move.held.device, move.device}
+        return found - {""}
+
+    def store(
+        self, cursor: CursorWrapper, *, node: str, received_at: datetime
+    ) -> tuple[int, list[int]]:
+        """Move the samples and store the arriving ones placed, under the devices' locks
+        (taken with the batch's, `_store_samples`). A device already holding a sample at that
+        instant keeps it; the DCGM one is dropped as a duplicate. Returns how many arriving
+        ones were stored, and instants whose `touched_hours` are those of every sample moved
+        or stored."""
+        if not self.moves and not any(device for _, device in self.arriving):
+            return 0, []
+        rows = _take_held(cursor, [move.held for move in self.moves])
+        placed: list[list[Any]] = []
+        aside: list[list[Any]] = []
+        for move in self.moves:
+            taken = rows.get((move.held.device, move.held.row_id))
+            if taken is None:
+                continue
+            key = move.held.key
+            if move.device:
+                placed.append([move.device, move.held.ts_ms, *taken, key.gpu_instance_id])
+            else:
+                # Without its token (a stored sample keeps none), in the cluster it was placed in.
+                gpu = GpuInstance(key.parent_uuid, key.gpu_instance_id)
+                aside.append(
+                    [instance_key(gpu), move.held.ts_ms, *taken, _json(gpu), key.cluster_id]
+                )
+        arriving = [
+            [
+                device,
+                keyed.row.ts_ms,
+                keyed.row.gpu_util,
+                keyed.row.mem_used_bytes,
+                keyed.row.processes,
+                node,
+                received_at.isoformat(),
+                keyed.row.covered_ms,
+                keyed.row.instance.gpu_instance_id if keyed.row.instance else None,
+            ]
+            for keyed, device in self.arriving
+            if device
+        ]
+        stored = _insert_placed(cursor, placed + arriving)
+        if aside:
+            cursor.execute(_SET_ASIDE_AGAIN_SQL, [json.dumps(aside)])
+        accepted = len(stored & {(row[0], row[1]) for row in arriving})
+        instants = [
+            move.held.ts_ms for move in self.moves if (move.held.device, move.held.row_id) in rows
+        ]
+        instants.extend(ts_ms for _, ts_ms in stored)
+        touched: dict[str, list[int]] = defaultdict(list)
+        for move in self.moves:
+            if move.held.device:
+                touched[move.held.device].append(move.held.ts_ms)
+        for device, ts_ms in stored:
+            touched[device].append(ts_ms)
+        refresh_gaps(cursor, {device: _Bounds(min(at), max(at)) for device, at in touched.items()})
+        return accepted, latest_per_hour(instants)
+
+
+# The DCGM samples of each GPU instance and stretch [lo, hi] where its spells changed, stored
+# under one of the devices it was there before (`m`) or set aside: an aside one of its
+# cluster's token, or set aside without a token in its cluster, or an operator's of any. Each
+# a subquery per stretch (and device): its index range, never a table hashed.
+_HELD_SQL = f"""
+WITH w(i, cluster_id, node, gpu_instance_id, key, lo, hi) AS MATERIALIZED (
+    {json_rows("bigint", "bigint", "text", "integer", "text", "bigint", "bigint",
+               placeholder="%(stretches)s")}
+),
+m(i, meter_id) AS MATERIALIZED ({json_rows("bigint", "text", placeholder="%(meters)s")})
+SELECT w.i, s.id, s.ts_ms, s.device_uuid
+FROM w JOIN m USING (i) CROSS JOIN LATERAL (
+    SELECT id, ts_ms, device_uuid FROM {Sample._meta.db_table}
+    WHERE device_uuid = m.meter_id AND ts_ms BETWEEN w.lo AND w.hi
+      AND placed_gpu_instance = w.gpu_instance_id AND node = w.node
+    OFFSET 0
+) AS s
+UNION ALL
+SELECT w.i, u.id, u.ts_ms, ''
+FROM w CROSS JOIN LATERAL (
+    SELECT id, ts_ms, agent_token_id, cluster_id FROM {UnknownDeviceSample._meta.db_table}
+    WHERE device_uuid = w.key AND node = w.node AND ts_ms BETWEEN w.lo AND w.hi
+    OFFSET 0
+) AS u
+LEFT JOIN {AgentToken._meta.db_table} AS t ON t.id = u.agent_token_id
+WHERE COALESCE(t.cluster_id, u.cluster_id, w.cluster_id) = w.cluster_id
+"""  # fmt: skip
+# What a moved sample keeps, in the order `_Placements.store` writes them.
+_KEPT = "gpu_util, mem_used_bytes, processes::text, node, received_at, covered_ms"
+_TAKE_STORED_SQL = f"""
+DELETE FROM {Sample._meta.db_table} AS s
+USING ({json_rows("bigint", "bigint")}) AS m(id, ts_ms)
+WHERE s.id = m.id AND s.ts_ms = m.ts_ms
+RETURNING s.device_uuid, s.id, {", ".join(f"s.{column}" for column in _KEPT.split(", "))}
+"""
+_TAKE_ASIDE_SQL = f"""
+DELETE FROM {UnknownDeviceSample._meta.db_table} AS u
+WHERE u.id = ANY(%s)
+RETURNING '', u.id, {", ".join(f"u.{column}" for column in _KEPT.split(", "))}
+"""
+_PLACE_SQL = f"""
+INSERT INTO {Sample._meta.db_table}
+    ({COLUMNS}, covered_ms, placed_gpu_instance)
+SELECT * FROM ({json_rows("text", "bigint", "double precision", "bigint", "jsonb", "text",
+                          "timestamptz", "bigint", "integer")}) AS placed
+ORDER BY 1, 2
+ON CONFLICT (device_uuid, ts_ms) DO NOTHING
+RETURNING device_uuid, ts_ms
+"""  # fmt: skip
+_SET_ASIDE_AGAIN_SQL = f"""
+INSERT INTO {UnknownDeviceSample._meta.db_table}
+    ({COLUMNS}, covered_ms, gpu_instance, cluster_id)
+SELECT * FROM ({json_rows("text", "bigint", "double precision", "bigint", "jsonb", "text",
+                          "timestamptz", "bigint", "jsonb", "bigint")}) AS aside
+ORDER BY 1, 2
+ON CONFLICT ({UNIQUE_SET_ASIDE}) DO NOTHING
+"""  # fmt: skip
+
+
+def _take_held(cursor: CursorWrapper, held: Sequence[_Held]) -> dict[tuple[str, int], list[Any]]:
+    """Delete the samples `held` from where they are; what each keeps (`_KEPT`, JSON-ready),
+    by (device, id) as held."""
+    taken: dict[tuple[str, int], list[Any]] = {}
+    stored = [[one.row_id, one.ts_ms] for one in held if one.device]
+    aside = [one.row_id for one in held if not one.device]
+    if stored:
+        cursor.execute(_TAKE_STORED_SQL, [json.dumps(stored)])
+        rows = cursor.fetchall()
+    else:
+        rows = []
+    if aside:
+        cursor.execute(_TAKE_ASIDE_SQL, [aside])
+        rows += cursor.fetchall()
+    for device, row_id, *kept in rows:
+        kept[4] = kept[4].isoformat()  # received_at
+        taken[device, row_id] = kept
+    return taken
+
+
+def _insert_placed(cursor: CursorWrapper, rows: list[list[Any]]) -> set[tuple[str, int]]:
+    """Store DCGM samples under the devices their spells give (rows as `_PLACE_SQL` takes
+    them) unless that device has a sample at that instant; the (device, instant) stored."""
+    if not rows:
+        return set()
+    cursor.execute(_PLACE_SQL, [json.dumps(rows)])
+    return {(device, ts_ms) for device, ts_ms in cursor.fetchall()}
+
+
+def _place(
+    cursor: CursorWrapper, respelled: dict[InstanceKey, Respelled], arriving: Sequence[_Keyed]
+) -> _Placements:
+    """Where DCGM's samples named by their GPU instance go, under the GPU instances' locks and
+    after their spells were recorded: the arriving ones, and those held (stored or aside) where
+    the spells changed (`respelled`), each to the device `covering` gives at its instant under
+    the spells now ("", aside: none, or two that began at once)."""
+    held = _held(cursor, respelled)
+    wanted: dict[InstanceKey, tuple[int, int]] = {}
+    for key, ts_ms in [(one.key, one.ts_ms) for one in held] + [
+        (keyed.key, keyed.row.ts_ms) for keyed in arriving if keyed.key is not None
+    ]:
+        lo, hi = wanted.get(key, (ts_ms, ts_ms))
+        wanted[key] = (min(lo, ts_ms), max(hi, ts_ms))
+    spells = spells_covering(cursor, wanted)
+    hold_ms = sample_hold_ms()
+
+    def device_at(key: InstanceKey | None, ts_ms: int) -> str:
+        meters = covering(spells.get(key, ()), ts_ms, hold_ms) if key is not None else ()
+        return next(iter(meters)) if len(meters) == 1 else ""
+
+    moves = [
+        _Move(one, device)
+        for one in held
+        if (device := device_at(one.key, one.ts_ms)) != one.device
+    ]
+    return _Placements(
+        moves=moves, arriving=[(keyed, device_at(keyed.key, keyed.row.ts_ms)) for keyed in arriving]
+    )
+
+
+def _held(cursor: CursorWrapper, respelled: dict[InstanceKey, Respelled]) -> list[_Held]:
+    """The DCGM samples, stored or set aside, in the stretches where their GPU instance's
+    spells changed (`record_instances`). One query."""
+    stretches: list[list[Any]] = []
+    meters: list[list[Any]] = []
+    keys: list[InstanceKey] = []
+    for key, change in respelled.items():
+        for lo, hi in change.intervals:
+            index = len(keys)
+            keys.append(key)
+            stretches.append(
+                [index, key.cluster_id, key.node, key.gpu_instance_id,
+                 instance_key(GpuInstance(key.parent_uuid, key.gpu_instance_id)), lo, hi]
+            )  # fmt: skip
+            meters.extend([index, meter] for meter in sorted(change.meters))
+    if not stretches:
+        return []
+    cursor.execute(_HELD_SQL, {"stretches": json.dumps(stretches), "meters": json.dumps(meters)})
+    found: dict[tuple[str, int], _Held] = {}
+    for index, row_id, ts_ms, device in cursor.fetchall():
+        # An operator's sample set aside may be held by the GPU instance of two clusters.
+        found.setdefault((device, row_id), _Held(keys[index], row_id, ts_ms, device))
+    return list(found.values())
+
+
+# The span of the DCGM samples sent for each GPU instance, widened (`DcgmInstance`).
+_WIDEN_SQL = f"""
+INSERT INTO {DcgmInstance._meta.db_table} AS d
+    (node, parent_uuid, gpu_instance_id, first_ms, last_ms)
+SELECT * FROM ({json_rows("text", "text", "integer", "bigint", "bigint")}) AS sent
+ORDER BY 2, 3, 1
+ON CONFLICT (parent_uuid, gpu_instance_id, node) DO UPDATE
+SET first_ms = LEAST(d.first_ms, excluded.first_ms), last_ms = GREATEST(d.last_ms, excluded.last_ms)
+WHERE excluded.first_ms < d.first_ms OR excluded.last_ms > d.last_ms
+"""
+
+
+def _widen_dcgm_spans(cursor: CursorWrapper, rows: Sequence[SampleRow], *, node: str) -> None:
+    """Record that DCGM sent samples of these GPU instances, from when to when, so that a
+    change of their spells there looks for them (`record_instances`)."""
+    spans: dict[tuple[str, int], tuple[int, int]] = {}
+    for row in rows:
+        assert row.instance is not None  # `_is_keyed`
+        first, last = spans.get(row.instance, (row.ts_ms, row.ts_ms))
+        spans[row.instance] = (min(first, row.ts_ms), max(last, row.ts_ms))
+    if spans:
+        cursor.execute(
+            _WIDEN_SQL,
+            [json.dumps([[node, *instance, *span] for instance, span in spans.items()])],
+        )
 
 
 def _placed_mig_samples(
@@ -1619,8 +2062,10 @@ def adopt_unknown_samples(*, now: datetime) -> int:
     device. A token cannot plant samples under the identity of a device elsewhere by naming
     it before the inventory knows it. A dynamic MIG device's sample is adopted by the
     partition at its placement, once the sync has published it, as `ingest` would have
-    matched it. An adopted sample's GPU instance is recorded as `ingest` records it. The
-    others stay aside until they expire (`billing.retention.purge_unknown_device_samples`).
+    matched it. An adopted sample's GPU instance is recorded as `ingest` records it, and
+    DCGM's samples named by that GPU instance are placed again where its spells changed (those
+    are never adopted here: no device carries their name). The others stay aside until they
+    expire (`billing.retention.purge_unknown_device_samples`).
 
     A sample already in `Sample` for the same device and instant wins; the one set aside is
     dropped. An adopted mean keeps its covered time. Hours the moved samples count in are
@@ -1678,7 +2123,14 @@ def adopt_unknown_samples(*, now: datetime) -> int:
                     params,
                 )
                 bounds = {uuid: _Bounds(first, last) for uuid, first, last in cursor.fetchall()}
-                _lock_devices(cursor, bounds)
+                # The GPU instances' locks before the devices' (as `ingest`): the spells the
+                # adopted samples record may move DCGM's samples to other devices.
+                points = _instance_points(_adopted_instances(candidates, meter_ids))
+                placements = _Placements()
+                if points:
+                    lock_instances(cursor, {key.instance for key in points})
+                    placements = _place(cursor, record_instances(cursor, points), [])
+                _lock_devices(cursor, bounds.keys() | placements.devices)
                 stored, instants = _insert_new(
                     cursor,
                     Sample,
@@ -1693,7 +2145,7 @@ def adopt_unknown_samples(*, now: datetime) -> int:
                 )
                 if stored:
                     refresh_gaps(cursor, bounds)
-                _record_instances(cursor, _adopted_instances(candidates, meter_ids))
+                _, shifted = placements.store(cursor, node="", received_at=now)
             UnknownDeviceSample.objects.filter(id__in=meter_ids).delete()
-            mark_dirty(hours=touched_hours(instants), at=now)
+            mark_dirty(hours=touched_hours(instants + shifted), at=now)
             moved += stored

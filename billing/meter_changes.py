@@ -7,6 +7,18 @@ retention, so the hours before the change have readings under the new id too: ro
 again, they are measured. Where they were rolled up first decides nothing, so they are marked
 whatever order the sync and the rollup ran in. Samples sent under the UUID before the change
 were set aside, and adopting them marks their own hours: the samples path needs nothing here.
+
+A device published again as a new row (its slice deleted and published with the UUID) takes
+over the open allocations of the gone row, and their hours are marked as above: a claim that
+held the device through the change held one GPU, the one the UUID now names. An allocation
+that ended on the gone row is not marked, on purpose. Its meter ids are the gone row's formed
+identity, so the rollup would read nothing new for it; and nothing known shows that the GPU
+the UUID names was the one it held. A device name (and a PCI address) is a slot: between the
+allocation's end and the new row, the node may have been rebuilt and its cards moved, and the
+engine then holds readings under the UUID from another slot at that time. Readings tell their
+slot only by their own labels (DCGM's `pci_bus_id` and `Hostname`): matching those against the
+device's PCI address, as the Prometheus source matches AMD's and Intel's, would measure it,
+without guessing (`tests/billing/test_meter_changes_republish.py`).
 """
 
 from __future__ import annotations

@@ -21,6 +21,16 @@ give all at once, whatever order, or however concurrently, their batches come in
 
 Rows written before spells, one per device widened over the others', are split the same way
 at each other's ends by migration 0012 (`split_overlapping_spells`).
+
+Which device a GPU instance was at an instant (`covering`) is one rule for both readers of
+the spells: the Prometheus source's DCGM MIG series (`billing.prometheus`) and the agents'
+DCGM samples named `<parent UUID>::gi<N>` (`billing.ingest`). The device is the one whose spell
+covers the instant, from its first sample to a hold (TALLY_SAMPLE_HOLD_SECONDS) past its last,
+as a sample's utilisation holds; of two covering it (a hold reaching into the next spell), the
+one that began last, so an id handed on goes to the new device from its first sample. Between
+spells further apart than the hold, no device: the readings there are not anyone's. A change
+of the spells changes the device at some instants only; `record_instances` says where, for the
+GPU instances DCGM sent samples of (`DcgmInstance`), so that those samples are placed again.
 """
 
 from __future__ import annotations
@@ -29,13 +39,15 @@ import json
 from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import pairwise
 from typing import NamedTuple
 
 from django.db import connection
 from django.db.backends.utils import CursorWrapper
 from django.db.transaction import TransactionManagementError
 
-from billing.models import MigInstance, Sample
+from billing.hours import sample_hold_ms
+from billing.models import DcgmInstance, MigInstance, Sample
 from db.bulk import update_rows
 from db.copy import json_rows
 from db.locks import text_key, xact_lock_sql
@@ -52,6 +64,11 @@ class InstanceKey(NamedTuple):
     node: str
     parent_uuid: str
     gpu_instance_id: int
+
+    @property
+    def instance(self) -> tuple[str, str, int]:
+        """(node, GPU UUID, GPU instance id): what its lock and DCGM's samples name it by."""
+        return self.node, self.parent_uuid, self.gpu_instance_id
 
 
 class Point(NamedTuple):
@@ -77,6 +94,52 @@ class _Stored(NamedTuple):
     meter_id: str
     first_ms: int
     last_ms: int
+
+
+class Respelled(NamedTuple):
+    """Where a change of a GPU instance's spells changed the device it was (`covering`): the
+    instants `[lo, hi]` of each stretch, within the span of the DCGM samples sent for it, and
+    the devices it was there before the change."""
+
+    intervals: tuple[tuple[int, int], ...]
+    meters: frozenset[str]
+
+
+def covering(spans: Iterable[tuple[int, int, str]], ts_ms: int, hold_ms: int) -> frozenset[str]:
+    """The device a GPU instance was at `ts_ms`, by its spells `spans` ((first ms, last ms,
+    meter id)): of the spells covering it, from their first sample to `hold_ms` past their
+    last, the one that began last. Empty: none covers it; two: two began at that same instant
+    and cannot be told apart."""
+    latest: int | None = None
+    meters: set[str] = set()
+    for first, last, meter in spans:
+        if first <= ts_ms <= last + hold_ms:
+            if latest is None or first > latest:
+                latest, meters = first, {meter}
+            elif first == latest:
+                meters.add(meter)
+    return frozenset(meters)
+
+
+def _changed(old: Sequence[Spell], new: Sequence[Spell], hold_ms: int) -> list[tuple[int, int]]:
+    """The instants where `covering` tells another device over the spells `new` than over
+    `old`, as `[lo, hi]` stretches. The device is the same between two consecutive instants
+    where a spell begins or stops covering, so it is compared at those only."""
+    spans = {
+        name: [(spell.first_ms, spell.last_ms, spell.meter_id) for spell in spells]
+        for name, spells in (("old", old), ("new", new))
+    }
+    both = spans["old"] + spans["new"]
+    cuts = sorted({first for first, _, _ in both} | {last + hold_ms + 1 for _, last, _ in both})
+    stretches: list[tuple[int, int]] = []
+    # After the last cut no spell covers anything: the same on both sides.
+    for cut, following in pairwise(cuts):
+        if covering(spans["old"], cut, hold_ms) != covering(spans["new"], cut, hold_ms):
+            if stretches and stretches[-1][1] == cut - 1:
+                stretches[-1] = (stretches[-1][0], following - 1)
+            else:
+                stretches.append((cut, following - 1))
+    return stretches
 
 
 def spells_of(points: Iterable[Point]) -> list[Spell]:
@@ -138,14 +201,21 @@ def _ends(spell: _Stored) -> tuple[Point, Point]:
     return Point(spell.first_ms, spell.meter_id), Point(spell.last_ms, spell.meter_id)
 
 
-def _lock_keys(cursor: CursorWrapper, keys: Iterable[InstanceKey]) -> None:
+def lock_instances(cursor: CursorWrapper, instances: Iterable[tuple[str, str, int]]) -> None:
     """Hold the GPU instances' locks to the end of the transaction, in key order; and for the
     rest of it no JIT compilation (as the rollup): guessing a hundred GPU instances per batch
     and each one's share of the table, the planner would compile every batch's read of its
-    spells (20-30 ms) to save nothing. One round trip."""
+    spells (20-30 ms) to save nothing. One round trip.
+
+    A GPU instance is named here by its node, GPU UUID and id (`InstanceKey.instance`), not
+    its cluster: an operator's DCGM sample, whose cluster its spells tell, waits for every
+    writer of them. Taken before the devices' locks (`billing.ingest`), by every writer that
+    takes both."""
     if not connection.in_atomic_block:
         raise TransactionManagementError("GPU instances' spells are merged in a transaction")
-    lock, params = xact_lock_sql("billing.ingest.mig_instance", {text_key(*key) for key in keys})
+    lock, params = xact_lock_sql(
+        "billing.ingest.mig_instance", {text_key(*instance) for instance in instances}
+    )
     cursor.execute(f"{lock}; SELECT set_config('jit', 'off', true)", params)
 
 
@@ -153,6 +223,8 @@ def _lock_keys(cursor: CursorWrapper, keys: Iterable[InstanceKey]) -> None:
 # ends before lo (with any ending then) to the first that starts after hi (with any starting
 # then): those the batch's samples fall in or next to; all of them where lo is null. The
 # bounds first, then each GPU instance's spells between them, one index range (by last_ms).
+# With `{dcgm}`: and a row without a spell (id null) giving the span of the DCGM samples sent
+# for the GPU instance, if any.
 _ABOUT_SQL = f"""
 WITH r(i, cluster_id, node, parent_uuid, gpu_instance_id, lo, hi) AS (
     {json_rows("bigint", "bigint", "text", "text", "integer", "bigint", "bigint")}
@@ -179,16 +251,41 @@ FROM bounds CROSS JOIN LATERAL (
       AND last_ms >= bounds.from_ms AND first_ms <= bounds.to_ms
     OFFSET 0  -- kept a subquery per GPU instance: its index range, never the table hashed
 ) AS m
+{{dcgm}}"""
+_DCGM_SPAN_SQL = f"""
+UNION ALL
+SELECT r.i, NULL, NULL, d.first_ms, d.last_ms
+FROM r JOIN {DcgmInstance._meta.db_table} AS d
+  ON (d.parent_uuid, d.gpu_instance_id, d.node) = (r.parent_uuid, r.gpu_instance_id, r.node)
 """
-# Per gap: the device's first and last sample stored in it.
+# Per gap: the device's first and last sample stored in it, of its own (`{own}`: not a DCGM
+# sample placed by the spells, which must not make them).
 _FOUND_SQL = f"""
 SELECT g.i, s.first_ms, s.last_ms
 FROM ({json_rows("bigint", "text", "bigint", "bigint")}) AS g(i, meter_id, lo, hi)
 CROSS JOIN LATERAL (
     SELECT min(ts_ms) AS first_ms, max(ts_ms) AS last_ms FROM {Sample._meta.db_table}
-    WHERE device_uuid = g.meter_id AND ts_ms BETWEEN g.lo AND g.hi
+    WHERE device_uuid = g.meter_id AND ts_ms BETWEEN g.lo AND g.hi{{own}}
 ) AS s
 WHERE s.first_ms IS NOT NULL
+"""
+_OWN_SQL = " AND placed_gpu_instance IS NULL"
+# Per GPU instance and instants [lo, hi]: its spells that may cover one of them (`covering`),
+# those beginning by hi and ending at lo or later (lo given a hold early).
+_COVERING_SQL = f"""
+SELECT w.i, m.first_ms, m.last_ms, m.meter_id
+FROM ({json_rows("bigint", "bigint", "text", "text", "integer", "bigint", "bigint")})
+     AS w(i, cluster_id, node, parent_uuid, gpu_instance_id, lo, hi)
+JOIN {_TABLE} AS m
+  ON (m.cluster_id, m.node, m.parent_uuid, m.gpu_instance_id)
+     = (w.cluster_id, w.node, w.parent_uuid, w.gpu_instance_id)
+ AND m.last_ms >= w.lo AND m.first_ms <= w.hi
+"""
+# Per (node, GPU, GPU instance id): the clusters that have spells of it.
+_CLUSTERS_SQL = f"""
+SELECT DISTINCT w.i, m.cluster_id
+FROM ({json_rows("bigint", "text", "text", "integer")}) AS w(i, node, parent_uuid, gpu_instance_id)
+JOIN {_TABLE} AS m USING (node, parent_uuid, gpu_instance_id)
 """
 # GPU instances two of whose devices' spells overlap (rows written before spells).
 _OVERLAPPING_SQL = f"""
@@ -198,67 +295,145 @@ WHERE m.meter_id <> o.meter_id AND m.first_ms <= o.last_ms AND o.first_ms <= m.l
 """
 
 
-def record_instances(cursor: CursorWrapper, points: Mapping[InstanceKey, Iterable[Point]]) -> None:
+def record_instances(
+    cursor: CursorWrapper, points: Mapping[InstanceKey, Iterable[Point]]
+) -> dict[InstanceKey, Respelled]:
     """Merge each GPU instance's `points` (a batch's samples, stored in `billing_sample`
-    already) into its spells. Order independent: the spells are those of all the samples
-    recorded, however their batches were split, ordered or run at once (each GPU instance's
-    spells are read and written under its lock). A batch that only extends a device's
-    latest spell, the usual case, updates that one row."""
-    _respell(cursor, {key: set(found) for key, found in points.items() if found})
+    already, or being stored in the same transaction) into its spells; the caller holds the
+    GPU instances' locks (`lock_instances`). Order independent: the spells are those of all
+    the samples recorded, however their batches were split, ordered or run at once (each GPU
+    instance's spells are read and written under its lock). A batch that only extends a
+    device's latest spell, the usual case, updates that one row.
+
+    Returns, for the GPU instances DCGM sent samples of (`DcgmInstance`), where the device
+    they were changed, within those samples' span: where they are to be placed again."""
+    return _respell(cursor, {key: set(found) for key, found in points.items() if found})
+
+
+def spells_covering(
+    cursor: CursorWrapper, wanted: Mapping[InstanceKey, tuple[int, int]]
+) -> dict[InstanceKey, list[tuple[int, int, str]]]:
+    """Per GPU instance and instants `[lo, hi]`, its spells (first ms, last ms, meter id) that
+    may cover one of them, for `covering`. One query."""
+    if not wanted:
+        return {}
+    keys = sorted(wanted)
+    hold_ms = sample_hold_ms()
+    cursor.execute(
+        _COVERING_SQL,
+        [
+            json.dumps(
+                [
+                    [index, *key, wanted[key][0] - hold_ms, wanted[key][1]]
+                    for index, key in enumerate(keys)
+                ]
+            )
+        ],
+    )
+    spells: dict[InstanceKey, list[tuple[int, int, str]]] = defaultdict(list)
+    for index, first_ms, last_ms, meter_id in cursor.fetchall():
+        spells[keys[index]].append((first_ms, last_ms, meter_id))
+    return spells
+
+
+def clusters_of(
+    cursor: CursorWrapper, instances: Iterable[tuple[str, str, int]]
+) -> dict[tuple[str, str, int], set[int]]:
+    """Per (node, GPU UUID, GPU instance id), the clusters whose agents recorded spells of it:
+    the cluster an operator's DCGM sample of it is of, where there is one."""
+    triples = sorted(set(instances))
+    if not triples:
+        return {}
+    cursor.execute(
+        _CLUSTERS_SQL, [json.dumps([[index, *triple] for index, triple in enumerate(triples)])]
+    )
+    clusters: dict[tuple[str, str, int], set[int]] = defaultdict(set)
+    for index, cluster_id in cursor.fetchall():
+        clusters[triples[index]].add(cluster_id)
+    return clusters
 
 
 def split_overlapping_spells(cursor: CursorWrapper) -> int:
     """Split the spells of GPU instances where two devices' overlap (each device one span,
     as rows were recorded before spells: migration 0012) at each other's ends and their own
-    samples between, as if their samples had come in again; how many GPU instances."""
+    samples between, as if their samples had come in again; how many GPU instances. Run
+    before migration 0013, whose table and column of DCGM samples it does not read."""
     cursor.execute(_OVERLAPPING_SQL)
     keys = [InstanceKey(*row) for row in cursor.fetchall()]
-    _respell(cursor, {key: set() for key in keys})
+    if keys:
+        lock_instances(cursor, [key.instance for key in keys])
+    _respell(cursor, {key: set() for key in keys}, dcgm=False)
     return len(keys)
 
 
-def _respell(cursor: CursorWrapper, batch: Mapping[InstanceKey, set[Point]]) -> None:
+def _respell(
+    cursor: CursorWrapper, batch: Mapping[InstanceKey, set[Point]], *, dcgm: bool = True
+) -> dict[InstanceKey, Respelled]:
     """Merge each GPU instance's new points into its stored spells about them (all of them,
-    for a GPU instance given none), under its lock."""
+    for a GPU instance given none); where the device changed, as `record_instances` says
+    (with `dcgm`: DCGM samples may have been placed by them)."""
     if not batch:
-        return
+        return {}
     keys = sorted(batch)
-    _lock_keys(cursor, keys)
     # Each GPU instance's new points' first and last instants (null: all its spells).
     about = [
         [index, *key, *(_bounds(batch[key]) if batch[key] else (None, None))]
         for index, key in enumerate(keys)
     ]
-    cursor.execute(_ABOUT_SQL, [json.dumps(about)])
+    cursor.execute(_ABOUT_SQL.format(dcgm=_DCGM_SPAN_SQL if dcgm else ""), [json.dumps(about)])
     stored: dict[InstanceKey, list[_Stored]] = defaultdict(list)
-    for index, *spell in cursor.fetchall():
-        stored[keys[index]].append(_Stored(*spell))
+    dcgm_spans: dict[InstanceKey, tuple[int, int]] = {}
+    for index, row_id, meter_id, first_ms, last_ms in cursor.fetchall():
+        if row_id is None:
+            dcgm_spans[keys[index]] = (first_ms, last_ms)
+        else:
+            stored[keys[index]].append(_Stored(row_id, meter_id, first_ms, last_ms))
     gaps = {
         key: _gaps(stored[key], sorted(batch[key].union(*map(_ends, stored[key])))) for key in keys
     }
-    found = _found(cursor, [gap for key in keys for gap in gaps[key]])
+    found = _found(cursor, [gap for key in keys for gap in gaps[key]], own=dcgm)
     deleted: list[int] = []
     updated: list[list[int]] = []
     inserted: list[list[object]] = []
+    respelled: dict[InstanceKey, Respelled] = {}
+    hold_ms = sample_hold_ms()
     for key in keys:
         ends = [point for gap in gaps[key] for point in found.get(gap, ())]
-        kept, new, gone = _changes(stored[key], _merged(stored[key], batch[key], ends))
+        spells = _merged(stored[key], batch[key], ends)
+        kept, new, gone = _changes(stored[key], spells)
         deleted.extend(gone)
         updated.extend([row_id, spell.first_ms, spell.last_ms] for row_id, spell in kept)
         inserted.extend([*key, *spell] for spell in new)
+        if key in dcgm_spans and (kept or new or gone):
+            sent_from, sent_to = dcgm_spans[key]
+            before = [Spell(row.meter_id, row.first_ms, row.last_ms) for row in stored[key]]
+            intervals = tuple(
+                (max(lo, sent_from), min(hi, sent_to))
+                for lo, hi in _changed(before, spells, hold_ms)
+                if lo <= sent_to and hi >= sent_from
+            )
+            if intervals:
+                respelled[key] = Respelled(intervals, frozenset(row.meter_id for row in before))
     _write(cursor, deleted=deleted, updated=updated, inserted=inserted)
+    return respelled
 
 
 def _bounds(points: set[Point]) -> tuple[int, int]:
     return min(points).ts_ms, max(points).ts_ms
 
 
-def _found(cursor: CursorWrapper, gaps: Sequence[_Gap]) -> dict[_Gap, tuple[Point, Point]]:
-    """Per gap its device has samples stored in, the first and last of them."""
+def _found(
+    cursor: CursorWrapper, gaps: Sequence[_Gap], *, own: bool
+) -> dict[_Gap, tuple[Point, Point]]:
+    """Per gap its device has samples stored in, the first and last of them (`own`: of its
+    own samples, not DCGM samples the spells placed under it)."""
     if not gaps:
         return {}
     unique = sorted(set(gaps))
-    cursor.execute(_FOUND_SQL, [json.dumps([[index, *gap] for index, gap in enumerate(unique)])])
+    cursor.execute(
+        _FOUND_SQL.format(own=_OWN_SQL if own else ""),
+        [json.dumps([[index, *gap] for index, gap in enumerate(unique)])],
+    )
     return {
         unique[index]: (
             Point(first_ms, unique[index].meter_id),

@@ -62,6 +62,10 @@ class Sample(models.Model):
     # A mean's covered time (the agent's `covered_seconds`, in ms): its utilisation holds for
     # `min(gap_ms, covered_ms)`, not the whole gap to the next sample. Null: a single reading.
     covered_ms = models.BigIntegerField(null=True, blank=True)
+    # Set on a sample DCGM named by its GPU instance (`<parent UUID>::gi<N>`): N. It is stored
+    # under the device its GPU instance was at its instant (the spells, `MigInstance`), and
+    # moved when they change (`billing.ingest`); null: a sample sent under its device's own id.
+    placed_gpu_instance = models.IntegerField(null=True, blank=True)
 
     class Meta:
         constraints = [
@@ -105,6 +109,13 @@ class UnknownDeviceSample(models.Model):
     # A MIG device's GPU instance as the agent sent it (`parent_uuid`, `gpu_instance_id`), so
     # the device it is adopted under records it (`billing.mig_instances`), as `ingest` would.
     gpu_instance = models.JSONField(null=True, blank=True)
+    # A DCGM sample named by its GPU instance (`<parent UUID>::gi<N>`) set aside without a token
+    # (an operator's, or one set aside again when the spells it was placed by changed): the
+    # cluster whose spells may place it; null: any (an operator's whose cluster is not known).
+    # With a token, the token's cluster.
+    cluster = models.ForeignKey(
+        Cluster, on_delete=models.CASCADE, null=True, blank=True, related_name="+", db_index=False
+    )
     agent_token = models.ForeignKey(
         AgentToken,
         on_delete=models.CASCADE,
@@ -134,10 +145,12 @@ class MigInstance(models.Model):
     DCGM names a MIG device by its parent's UUID and its GPU instance id (`GPU_I_ID`), never
     by the MIG UUID, and NVIDIA's DRA driver publishes no GPU instance ids: these rows are how
     the Prometheus source tells apart two MIG devices of one profile on one GPU
-    (`billing.prometheus`). An id reused A, B, A gives three spells, so a reading between is
-    never claimed by both. A GPU instance is keyed by cluster, node (the inventory's, where
-    its GPU is), parent and id; its spells are the runs of all its samples in time order,
-    whatever order their batches came in, from agents, backfills and adopted samples alike.
+    (`billing.prometheus`), and how the ingest stores an agent's DCGM samples named
+    `<parent UUID>::gi<N>` (`billing.ingest`). An id reused A, B, A gives three spells, so a
+    reading between is never claimed by both. A GPU instance is keyed by cluster, node (the
+    inventory's, where its GPU is), parent and id; its spells are the runs of all its samples
+    in time order, whatever order their batches came in, from agents, backfills and adopted
+    samples alike.
     """
 
     cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE, related_name="+")
@@ -174,6 +187,31 @@ class MigInstance(models.Model):
 
     def __str__(self) -> str:
         return f"{self.parent_uuid}::gi{self.gpu_instance_id} = {self.meter_id}"
+
+
+class DcgmInstance(models.Model):
+    """A GPU instance DCGM sent samples of under `<parent UUID>::gi<N>` (an agent that could not
+    tell its MIG device), on a node: the first and last instants sent. Those samples are stored
+    under the device the GPU instance was at each instant, by its spells (`MigInstance`), and
+    placed again where the spells change (`billing.ingest`); this row tells the spells' writer
+    that there are such samples to look for, and when, so that where DCGM sent none (the
+    usual case) a batch that extends a spell looks for none."""
+
+    node = models.CharField(max_length=253)
+    parent_uuid = models.CharField(max_length=128)
+    gpu_instance_id = models.IntegerField()
+    first_ms = models.BigIntegerField()
+    last_ms = models.BigIntegerField()
+
+    class Meta:
+        constraints = [
+            models.UniqueConstraint(
+                fields=["parent_uuid", "gpu_instance_id", "node"], name="dcgminstance_unique"
+            ),
+        ]
+
+    def __str__(self) -> str:
+        return f"{self.parent_uuid}::gi{self.gpu_instance_id} on {self.node}"
 
 
 class DirtyHour(models.Model):

@@ -70,6 +70,7 @@ from django.utils import timezone
 from billing.dirty import mark_dirty
 from billing.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
 from billing.ingest import NAMED, PCI_ATTRIBUTE, PCI_KEY, resolve_named
+from billing.mig_instances import covering
 from billing.models import MigInstance
 from db.copy import copy_rows
 from inventory.models import Allocation, Device, DeviceKind
@@ -613,7 +614,8 @@ def _identities(devices: QuerySet[Device], start_ms: int, end_ms: int) -> Identi
 class InstanceMeters:
     """The devices one GPU instance was (`Identities.instances`: their spells), for a DCGM MIG
     series: a reading goes to the device whose spell, held as a sample holds, covers its
-    instant and began last (an id reused goes to the later device from its first sample);
+    instant and began last (an id reused goes to the later device from its first sample:
+    `billing.mig_instances.covering`, the rule the ingest places an agent's DCGM samples by);
     none: to `fallback`, the device the series' profile names, if any. Two spells beginning at
     the same instant cannot be told apart: that reading is not matched."""
 
@@ -622,16 +624,10 @@ class InstanceMeters:
     hold_ms: int
 
     def meter_at(self, ts: int) -> str | None:
-        covering = [
-            (first, meter)
-            for first, last, meter in self.spans
-            if first <= ts <= last + self.hold_ms
-        ]
-        if not covering:
+        meters = covering(self.spans, ts, self.hold_ms)
+        if not meters:
             return self.fallback
-        latest = max(first for first, _ in covering)
-        meters = {meter for first, meter in covering if first == latest}
-        return meters.pop() if len(meters) == 1 else None
+        return next(iter(meters)) if len(meters) == 1 else None
 
 
 def _amd_buses(nodes: set[str], start_ms: int) -> dict[str, list[str]]:
