@@ -66,14 +66,15 @@ from billing.mig_instances import (
     InstanceKey,
     Point,
     Respelled,
-    clusters_of,
     covering,
+    covering_any,
     lock_instances,
     record_instances,
     spells_covering,
+    spells_of_any_cluster,
 )
 from billing.mig_samples import GpuInstance, MigPlacement, partitions_at
-from billing.models import AgentToken, DcgmInstance, Sample, UnknownDeviceSample
+from billing.models import AgentToken, DcgmInstance, MigInstance, Sample, UnknownDeviceSample
 from db.copy import copy_rows, json_rows
 from db.locks import advisory_xact_lock, text_key
 from inventory import profiles
@@ -89,10 +90,11 @@ MAX_GPU_INSTANCE_ID = 4095
 ADOPT_CHUNK = 10_000
 # Per session, emptied at every commit (a truncate: temporary tables are never vacuumed).
 BATCH_TABLE = "tally_ingest_batch"
-# A sample set aside is one per device, instant and the node that sent it: what a token sends
-# under the identity of a device elsewhere (never adopted) cannot stand in for what that
-# device's own agent sends at the same instant.
-UNIQUE_SET_ASIDE = "device_uuid, ts_ms, node"
+# A sample set aside is one per device, instant, the node that sent it and its cluster (a
+# token's: its token's): what a token sends under the identity of a device elsewhere (never
+# adopted), or another cluster's, cannot stand in for what that device's own agent sends at
+# the same instant.
+UNIQUE_SET_ASIDE = "device_uuid, ts_ms, node, cluster_id"
 # Columns of `billing_sample` and `billing_unknowndevicesample` alike, in this order.
 COLUMNS = "device_uuid, ts_ms, gpu_util, mem_used_bytes, processes, node, received_at"
 # The columns of `billing_sample` a `SampleRow` fills, in its order.
@@ -773,24 +775,55 @@ def _insert_new(
 ) -> tuple[int, list[int]]:
     """`INSERT INTO target SELECT ...` skipping rows already stored; of rows of the same
     device and instant in `source`, the one that sorts first by `first` is kept (for samples
-    set aside: of the same device, instant and sending node, `UNIQUE_SET_ASIDE`).
+    set aside: of the same device, instant, sending node and cluster, `UNIQUE_SET_ASIDE`);
+    a DCGM sample the spells placed gives way to the device's own (`_own_sample_wins`).
 
     Returns how many rows were inserted, and instants whose `touched_hours` are those of all
     inserted rows: the latest per hour, so a large batch sends back a row per hour, not per
     row.
     """
-    unique = UNIQUE_SET_ASIDE if target is UnknownDeviceSample else "device_uuid, ts_ms"
+    if target is UnknownDeviceSample:
+        distinct, conflict = "", f"ON CONFLICT ({UNIQUE_SET_ASIDE}) DO NOTHING"
+    else:
+        # One per device and instant: an update may not meet a row the statement wrote.
+        distinct, conflict = "DISTINCT ON (device_uuid, ts_ms) ", _own_sample_wins(columns)
     # Key order: two writers of overlapping batches then wait on each other, never deadlock.
     cursor.execute(
-        f"WITH inserted AS (INSERT INTO {_table(target)} ({columns}) SELECT {select} "
+        f"WITH inserted AS (INSERT INTO {_table(target)} AS s ({columns}) "
+        f"SELECT {distinct}{select} "
         f"FROM {source} WHERE {where} ORDER BY device_uuid, ts_ms, {first} "
-        f"ON CONFLICT ({unique}) "
-        "DO NOTHING RETURNING ts_ms) "
+        f"{conflict} RETURNING ts_ms) "
         f"SELECT count(*), max(ts_ms) FROM inserted GROUP BY floor(ts_ms / {MS_PER_HOUR}.0)",
         params,
     )
     per_hour = cursor.fetchall()
     return sum(count for count, _ in per_hour), [latest for _, latest in per_hour]
+
+
+def _own_sample_wins(columns: str) -> str:
+    """The conflict clause of a device's own samples stored in `billing_sample` (`columns`):
+    one already there at the instant is kept, but for a DCGM sample the spells placed there
+    (`placed_gpu_instance`), which gives way, so the device's own sample holds the instant
+    whichever came first (the spells are made of own samples only). The DCGM reading's
+    utilisation and memory stay where the own sample has none (NVML measures no utilisation
+    on a MIG device), as `_PLACE_SQL` merges them arriving second: the same row either way."""
+    sets = []
+    for column in columns.split(", "):
+        if column in ("gpu_util", "mem_used_bytes"):
+            sets.append(f"{column} = COALESCE(excluded.{column}, s.{column})")
+        elif column == "covered_ms":
+            # A mean's covered time goes with the utilisation kept.
+            sets.append(
+                "covered_ms = CASE WHEN excluded.gpu_util IS NULL THEN s.covered_ms "
+                "ELSE excluded.covered_ms END"
+            )
+        elif column not in ("device_uuid", "ts_ms"):
+            sets.append(f"{column} = excluded.{column}")
+    sets.append("placed_gpu_instance = NULL")
+    return (
+        f"ON CONFLICT (device_uuid, ts_ms) DO UPDATE SET {', '.join(sets)} "
+        "WHERE s.placed_gpu_instance IS NOT NULL"
+    )
 
 
 # The column types of `ROW_COLUMNS`, for a binary COPY (`processes` is the JSON text
@@ -824,8 +857,11 @@ def _store(
     select = "device_uuid, ts_ms, gpu_util, mem_used_bytes, processes, %s, %s, covered_ms"
     params: list[Any] = [node, received_at]
     if agent is not None:
-        columns, select = f"{columns}, agent_token_id", f"{select}, %s"
-        params.append(agent.pk)
+        # Set aside, a token's sample is of its cluster (`UNIQUE_SET_ASIDE`).
+        cluster = ", cluster_id" if target is UnknownDeviceSample else ""
+        columns = f"{columns}, agent_token_id{cluster}"
+        select = f"{select}, %s{', %s' if cluster else ''}"
+        params.extend([agent.pk, agent.cluster_id] if cluster else [agent.pk])
     copied = f"{ROW_COLUMNS}, position"  # the temporary table's columns the batch fills
     types: tuple[str, ...] = (*_ROW_TYPES, "int4")
     batch: Iterable[tuple[Any, ...]] = (
@@ -1290,7 +1326,7 @@ def ingest(
             placements = _place(
                 cursor,
                 record_instances(cursor, points),
-                _keyed_samples(cursor, keyed, node=node, cluster_id=cluster_id),
+                _keyed_samples(keyed, node=node, cluster_id=cluster_id),
             )
             if placements.unplaced:
                 unknown = sorted(unknown + placements.unplaced)
@@ -1413,36 +1449,27 @@ def _is_keyed(row: SampleRow) -> bool:
 
 class _Keyed(NamedTuple):
     """A DCGM sample named by its GPU instance, arriving: its position in the batch, the
-    sample, and its GPU instance (None: an operator's whose cluster no spells tell)."""
+    sample, and its GPU instance; `anywhere`: an operator's, of no cluster, placed by the one
+    cluster whose spells cover its instant (`key.cluster_id` is then no cluster's)."""
 
     position: int
     row: SampleRow
-    key: InstanceKey | None
+    key: InstanceKey
+    anywhere: bool
 
 
 def _keyed_samples(
-    cursor: CursorWrapper,
-    keyed: Sequence[tuple[int, SampleRow]],
-    *,
-    node: str,
-    cluster_id: int | None,
+    keyed: Sequence[tuple[int, SampleRow]], *, node: str, cluster_id: int | None
 ) -> list[_Keyed]:
     """The GPU instance of each DCGM sample named by one, sent for `node`: in the token's
     cluster (`cluster_id`), never another's, so that a token places nothing on another
-    cluster's devices; an operator's (None), in the one cluster whose agents recorded spells
-    of it on that node, if one did. Read under the GPU instances' locks."""
-    triples = {(node, *row.instance) for _, row in keyed if row.instance is not None}
-    clusters = clusters_of(cursor, triples) if cluster_id is None else {}
+    cluster's devices; an operator's (None), in whichever cluster's spells cover its instant
+    (a node that moved clusters is each cluster's in its own time)."""
     found: list[_Keyed] = []
     for position, row in keyed:
         assert row.instance is not None  # `_is_keyed`
-        owners = {cluster_id} if cluster_id is not None else clusters.get((node, *row.instance))
-        key = (
-            InstanceKey(next(iter(owners)), node, *row.instance)
-            if owners and len(owners) == 1
-            else None
-        )
-        found.append(_Keyed(position, row, key))
+        key = InstanceKey(cluster_id or 0, node, *row.instance)
+        found.append(_Keyed(position, row, key, cluster_id is None))
     return found
 
 
@@ -1454,6 +1481,8 @@ class _Held(NamedTuple):
     row_id: int
     ts_ms: int
     device: str
+    # Set aside without a token or cluster (an operator's): placed as `_Keyed.anywhere`.
+    anywhere: bool = False
 
 
 class _Move(NamedTuple):
@@ -1489,7 +1518,8 @@ class _Placements:
     ) -> tuple[int, list[int]]:
         """Move the samples and store the arriving ones placed, under the devices' locks
         (taken with the batch's, `_store_samples`). A device already holding a sample at that
-        instant keeps it; the DCGM one is dropped as a duplicate. Returns how many arriving
+        instant keeps it, its own taking the DCGM reading's utilisation where it has none
+        (`_PLACE_SQL`); otherwise the DCGM one is dropped as a duplicate. Returns how many arriving
         ones were stored, and instants whose `touched_hours` are those of every sample moved
         or stored."""
         if not self.moves and not any(device for _, device in self.arriving):
@@ -1505,10 +1535,13 @@ class _Placements:
             if move.device:
                 placed.append([move.device, move.held.ts_ms, *taken, key.gpu_instance_id])
             else:
-                # Without its token (a stored sample keeps none), in the cluster it was placed in.
+                # Without its token (a stored sample keeps none), in the cluster it was placed
+                # in; received now, so that it waits its retention from the move, as one
+                # arriving now would (`billing.retention`).
                 gpu = GpuInstance(key.parent_uuid, key.gpu_instance_id)
+                kept = [*taken[:4], received_at.isoformat(), *taken[5:]]
                 aside.append(
-                    [instance_key(gpu), move.held.ts_ms, *taken, _json(gpu), key.cluster_id]
+                    [instance_key(gpu), move.held.ts_ms, *kept, _json(gpu), key.cluster_id]
                 )
         arriving = [
             [
@@ -1553,7 +1586,7 @@ WITH w(i, cluster_id, node, gpu_instance_id, key, lo, hi) AS MATERIALIZED (
                placeholder="%(stretches)s")}
 ),
 m(i, meter_id) AS MATERIALIZED ({json_rows("bigint", "text", placeholder="%(meters)s")})
-SELECT w.i, s.id, s.ts_ms, s.device_uuid
+SELECT w.i, s.id, s.ts_ms, s.device_uuid, false
 FROM w JOIN m USING (i) CROSS JOIN LATERAL (
     SELECT id, ts_ms, device_uuid FROM {Sample._meta.db_table}
     WHERE device_uuid = m.meter_id AND ts_ms BETWEEN w.lo AND w.hi
@@ -1561,7 +1594,7 @@ FROM w JOIN m USING (i) CROSS JOIN LATERAL (
     OFFSET 0
 ) AS s
 UNION ALL
-SELECT w.i, u.id, u.ts_ms, ''
+SELECT w.i, u.id, u.ts_ms, '', t.cluster_id IS NULL AND u.cluster_id IS NULL
 FROM w CROSS JOIN LATERAL (
     SELECT id, ts_ms, agent_token_id, cluster_id FROM {UnknownDeviceSample._meta.db_table}
     WHERE device_uuid = w.key AND node = w.node AND ts_ms BETWEEN w.lo AND w.hi
@@ -1583,13 +1616,23 @@ DELETE FROM {UnknownDeviceSample._meta.db_table} AS u
 WHERE u.id = ANY(%s)
 RETURNING '', u.id, {", ".join(f"u.{column}" for column in _KEPT.split(", "))}
 """
+# A device's own sample at that instant keeps it, taking the DCGM reading's utilisation and
+# memory where it has none, as `_own_sample_wins` does the other way round; a DCGM sample
+# placed there first keeps it.
 _PLACE_SQL = f"""
-INSERT INTO {Sample._meta.db_table}
+INSERT INTO {Sample._meta.db_table} AS s
     ({COLUMNS}, covered_ms, placed_gpu_instance)
-SELECT * FROM ({json_rows("text", "bigint", "double precision", "bigint", "jsonb", "text",
-                          "timestamptz", "bigint", "integer")}) AS placed
+SELECT DISTINCT ON (1, 2) * FROM ({json_rows("text", "bigint", "double precision", "bigint",
+                                             "jsonb", "text", "timestamptz", "bigint",
+                                             "integer")}) AS placed
 ORDER BY 1, 2
-ON CONFLICT (device_uuid, ts_ms) DO NOTHING
+ON CONFLICT (device_uuid, ts_ms) DO UPDATE
+SET gpu_util = COALESCE(s.gpu_util, excluded.gpu_util),
+    covered_ms = CASE WHEN s.gpu_util IS NULL THEN excluded.covered_ms ELSE s.covered_ms END,
+    mem_used_bytes = COALESCE(s.mem_used_bytes, excluded.mem_used_bytes)
+WHERE s.placed_gpu_instance IS NULL
+  AND (s.gpu_util IS NULL AND excluded.gpu_util IS NOT NULL
+       OR s.mem_used_bytes IS NULL AND excluded.mem_used_bytes IS NOT NULL)
 RETURNING device_uuid, ts_ms
 """  # fmt: skip
 _SET_ASIDE_AGAIN_SQL = f"""
@@ -1632,33 +1675,49 @@ def _insert_placed(cursor: CursorWrapper, rows: list[list[Any]]) -> set[tuple[st
 
 
 def _place(
-    cursor: CursorWrapper, respelled: dict[InstanceKey, Respelled], arriving: Sequence[_Keyed]
+    cursor: CursorWrapper,
+    respelled: dict[InstanceKey, Respelled],
+    arriving: Sequence[_Keyed],
+    *,
+    aside: Sequence[_Held] = (),
 ) -> _Placements:
     """Where DCGM's samples named by their GPU instance go, under the GPU instances' locks and
-    after their spells were recorded: the arriving ones, and those held (stored or aside) where
-    the spells changed (`respelled`), each to the device `covering` gives at its instant under
-    the spells now ("", aside: none, or two that began at once)."""
-    held = _held(cursor, respelled)
-    wanted: dict[InstanceKey, tuple[int, int]] = {}
-    for key, ts_ms in [(one.key, one.ts_ms) for one in held] + [
-        (keyed.key, keyed.row.ts_ms) for keyed in arriving if keyed.key is not None
+    after their spells were recorded: the arriving ones, those held (stored or aside) where
+    the spells changed (`respelled`), and `aside` (set aside, looked at again), each to the
+    device `covering` gives at its instant under the spells now ("", aside: none, or two that
+    began at once); an operator's of no cluster by every cluster's spells (`covering_any`)."""
+    held = [*_held(cursor, respelled), *aside]
+    scoped: dict[InstanceKey, tuple[int, int]] = {}
+    anywhere: dict[tuple[str, str, int], tuple[int, int]] = {}
+    for key, ts_ms, any_cluster in [(one.key, one.ts_ms, one.anywhere) for one in held] + [
+        (keyed.key, keyed.row.ts_ms, keyed.anywhere) for keyed in arriving
     ]:
-        lo, hi = wanted.get(key, (ts_ms, ts_ms))
-        wanted[key] = (min(lo, ts_ms), max(hi, ts_ms))
-    spells = spells_covering(cursor, wanted)
+        wanted: dict[Any, tuple[int, int]] = anywhere if any_cluster else scoped
+        name = key.instance if any_cluster else key
+        lo, hi = wanted.get(name, (ts_ms, ts_ms))
+        wanted[name] = (min(lo, ts_ms), max(hi, ts_ms))
+    spells = spells_covering(cursor, scoped)
+    spells_anywhere = spells_of_any_cluster(cursor, anywhere)
     hold_ms = sample_hold_ms()
 
-    def device_at(key: InstanceKey | None, ts_ms: int) -> str:
-        meters = covering(spells.get(key, ()), ts_ms, hold_ms) if key is not None else ()
+    def device_at(key: InstanceKey, ts_ms: int, any_cluster: bool) -> str:
+        meters = (
+            covering_any(spells_anywhere.get(key.instance, {}), ts_ms, hold_ms)
+            if any_cluster
+            else covering(spells.get(key, ()), ts_ms, hold_ms)
+        )
         return next(iter(meters)) if len(meters) == 1 else ""
 
     moves = [
         _Move(one, device)
         for one in held
-        if (device := device_at(one.key, one.ts_ms)) != one.device
+        if (device := device_at(one.key, one.ts_ms, one.anywhere)) != one.device
     ]
     return _Placements(
-        moves=moves, arriving=[(keyed, device_at(keyed.key, keyed.row.ts_ms)) for keyed in arriving]
+        moves=moves,
+        arriving=[
+            (keyed, device_at(keyed.key, keyed.row.ts_ms, keyed.anywhere)) for keyed in arriving
+        ],
     )
 
 
@@ -1681,9 +1740,9 @@ def _held(cursor: CursorWrapper, respelled: dict[InstanceKey, Respelled]) -> lis
         return []
     cursor.execute(_HELD_SQL, {"stretches": json.dumps(stretches), "meters": json.dumps(meters)})
     found: dict[tuple[str, int], _Held] = {}
-    for index, row_id, ts_ms, device in cursor.fetchall():
+    for index, row_id, ts_ms, device, anywhere in cursor.fetchall():
         # An operator's sample set aside may be held by the GPU instance of two clusters.
-        found.setdefault((device, row_id), _Held(keys[index], row_id, ts_ms, device))
+        found.setdefault((device, row_id), _Held(keys[index], row_id, ts_ms, device, anywhere))
     return list(found.values())
 
 
@@ -2052,6 +2111,67 @@ def _adopted_instances(
     ]
 
 
+# DCGM samples named by their GPU instance, set aside, that a spell of their GPU instance on
+# their node may cover now (of any cluster: `_place` tells), from id `after` on: one index range
+# of the GPU's spells per sample. The cluster each is of (null: an operator's, any).
+_COVERED_ASIDE_SQL = f"""
+SELECT u.id, u.device_uuid, u.ts_ms, u.node, u.gpu_instance ->> 'parent_uuid',
+       (u.gpu_instance ->> 'gpu_instance_id')::integer, COALESCE(t.cluster_id, u.cluster_id)
+FROM {_table(UnknownDeviceSample)} AS u
+LEFT JOIN {_table(AgentToken)} AS t ON t.id = u.agent_token_id
+WHERE u.id > %(after)s AND u.gpu_instance IS NOT NULL AND u.device_uuid LIKE '%%::gi%%'
+  AND EXISTS (
+      SELECT FROM {MigInstance._meta.db_table} AS m
+      WHERE m.parent_uuid = u.gpu_instance ->> 'parent_uuid' AND m.last_ms >= u.ts_ms - %(hold)s
+        AND m.first_ms <= u.ts_ms AND m.node = u.node
+        AND m.gpu_instance_id = (u.gpu_instance ->> 'gpu_instance_id')::integer
+  )
+ORDER BY u.id LIMIT %(chunk)s
+"""
+
+
+def _place_set_aside(*, now: datetime) -> int:
+    """Place the DCGM samples named by their GPU instance that are set aside though a spell
+    covers their instant now, as `ingest` would place them arriving now; how many. Those set
+    aside before their GPU instance's span was recorded (`DcgmInstance`: before migration
+    0013) are found by no change of the spells, so adoption looks for them; their span is
+    recorded, so a later change finds them. Read without locks: under the GPU instances'
+    locks, a sample another writer moved meanwhile is no longer there to move. Each chunk is
+    its own transaction."""
+    placed = 0
+    after = 0
+    while True:
+        with transaction.atomic(), connection.cursor() as cursor:
+            cursor.execute(
+                _COVERED_ASIDE_SQL, {"after": after, "hold": sample_hold_ms(), "chunk": ADOPT_CHUNK}
+            )
+            rows = cursor.fetchall()
+            if not rows:
+                return placed
+            after = rows[-1][0]
+            aside = [
+                _Held(InstanceKey(cluster_id or 0, node, parent, instance), row_id, ts_ms, "",
+                      cluster_id is None)
+                for row_id, uuid, ts_ms, node, parent, instance, cluster_id in rows
+                if uuid == instance_key(GpuInstance(parent, instance))
+            ]  # fmt: skip
+            if not aside:
+                continue
+            lock_instances(cursor, {one.key.instance for one in aside})
+            placements = _place(cursor, {}, [], aside=aside)
+            _lock_devices(cursor, placements.devices)
+            _, shifted = placements.store(cursor, node="", received_at=now)
+            spans: dict[tuple[str, str, int], tuple[int, int]] = {}
+            for one in aside:
+                first, last = spans.get(one.key.instance, (one.ts_ms, one.ts_ms))
+                spans[one.key.instance] = (min(first, one.ts_ms), max(last, one.ts_ms))
+            cursor.execute(
+                _WIDEN_SQL, [json.dumps([[*instance, *span] for instance, span in spans.items()])]
+            )
+            mark_dirty(hours=touched_hours(shifted), at=now)
+            placed += len(placements.moves)
+
+
 def adopt_unknown_samples(*, now: datetime) -> int:
     """Move the samples set aside whose device has become known into `Sample`; how many.
 
@@ -2064,8 +2184,9 @@ def adopt_unknown_samples(*, now: datetime) -> int:
     partition at its placement, once the sync has published it, as `ingest` would have
     matched it. An adopted sample's GPU instance is recorded as `ingest` records it, and
     DCGM's samples named by that GPU instance are placed again where its spells changed (those
-    are never adopted here: no device carries their name). The others stay aside until they
-    expire (`billing.retention.purge_unknown_device_samples`).
+    are never adopted here: no device carries their name); and DCGM's samples set aside that a
+    spell covers now are placed (`_place_set_aside`). The others stay aside until they expire
+    (`billing.retention.purge_unknown_device_samples`).
 
     A sample already in `Sample` for the same device and instant wins; the one set aside is
     dropped. An adopted mean keeps its covered time. Hours the moved samples count in are
@@ -2106,7 +2227,7 @@ def adopt_unknown_samples(*, now: datetime) -> int:
                 )[:ADOPT_CHUNK]
             ]
             if not candidates:
-                return moved
+                return moved + _place_set_aside(now=now)
             after = candidates[-1].id
             meter_ids = _adoptable(candidates)
             if not meter_ids:

@@ -270,6 +270,18 @@ CROSS JOIN LATERAL (
 WHERE s.first_ms IS NOT NULL
 """
 _OWN_SQL = " AND placed_gpu_instance IS NULL"
+# Per gap: its device's spells under the GPU's other GPU instances there (a dynamic MIG
+# partition's meter id is one GPU instance, then another): its samples there are not this
+# GPU instance's. The GPU's spells, one index range.
+_ELSEWHERE_SQL = f"""
+SELECT g.i, m.first_ms, m.last_ms
+FROM ({json_rows("bigint", "bigint", "text", "text", "integer", "text", "bigint", "bigint")})
+     AS g(i, cluster_id, node, parent_uuid, gpu_instance_id, meter_id, lo, hi)
+JOIN {_TABLE} AS m
+  ON (m.cluster_id, m.node, m.parent_uuid) = (g.cluster_id, g.node, g.parent_uuid)
+ AND m.gpu_instance_id <> g.gpu_instance_id AND m.meter_id = g.meter_id
+ AND m.last_ms >= g.lo AND m.first_ms <= g.hi
+"""
 # Per GPU instance and instants [lo, hi]: its spells that may cover one of them (`covering`),
 # those beginning by hi and ending at lo or later (lo given a hold early).
 _COVERING_SQL = f"""
@@ -281,11 +293,15 @@ JOIN {_TABLE} AS m
      = (w.cluster_id, w.node, w.parent_uuid, w.gpu_instance_id)
  AND m.last_ms >= w.lo AND m.first_ms <= w.hi
 """
-# Per (node, GPU, GPU instance id): the clusters that have spells of it.
-_CLUSTERS_SQL = f"""
-SELECT DISTINCT w.i, m.cluster_id
-FROM ({json_rows("bigint", "text", "text", "integer")}) AS w(i, node, parent_uuid, gpu_instance_id)
-JOIN {_TABLE} AS m USING (node, parent_uuid, gpu_instance_id)
+# Per (node, GPU, GPU instance id) and instants [lo, hi]: every cluster's spells that may
+# cover one of them. The GPU's spells ending from lo on, one index range.
+_ANY_COVERING_SQL = f"""
+SELECT w.i, m.cluster_id, m.first_ms, m.last_ms, m.meter_id
+FROM ({json_rows("bigint", "text", "text", "integer", "bigint", "bigint")})
+     AS w(i, node, parent_uuid, gpu_instance_id, lo, hi)
+JOIN {_TABLE} AS m
+  ON m.parent_uuid = w.parent_uuid AND m.last_ms >= w.lo
+ AND (m.node, m.gpu_instance_id) = (w.node, w.gpu_instance_id) AND m.first_ms <= w.hi
 """
 # GPU instances two of whose devices' spells overlap (rows written before spells).
 _OVERLAPPING_SQL = f"""
@@ -336,21 +352,44 @@ def spells_covering(
     return spells
 
 
-def clusters_of(
-    cursor: CursorWrapper, instances: Iterable[tuple[str, str, int]]
-) -> dict[tuple[str, str, int], set[int]]:
-    """Per (node, GPU UUID, GPU instance id), the clusters whose agents recorded spells of it:
-    the cluster an operator's DCGM sample of it is of, where there is one."""
-    triples = sorted(set(instances))
-    if not triples:
+def spells_of_any_cluster(
+    cursor: CursorWrapper, wanted: Mapping[tuple[str, str, int], tuple[int, int]]
+) -> dict[tuple[str, str, int], dict[int, list[tuple[int, int, str]]]]:
+    """Per (node, GPU UUID, GPU instance id) and instants `[lo, hi]`, each cluster's spells
+    (first ms, last ms, meter id) that may cover one of them: for an operator's DCGM sample,
+    of no cluster, whose cluster is the one whose spell covers its instant (`covering_any`).
+    One query."""
+    if not wanted:
         return {}
+    triples = sorted(wanted)
+    hold_ms = sample_hold_ms()
     cursor.execute(
-        _CLUSTERS_SQL, [json.dumps([[index, *triple] for index, triple in enumerate(triples)])]
+        _ANY_COVERING_SQL,
+        [
+            json.dumps(
+                [
+                    [index, *triple, wanted[triple][0] - hold_ms, wanted[triple][1]]
+                    for index, triple in enumerate(triples)
+                ]
+            )
+        ],
     )
-    clusters: dict[tuple[str, str, int], set[int]] = defaultdict(set)
-    for index, cluster_id in cursor.fetchall():
-        clusters[triples[index]].add(cluster_id)
-    return clusters
+    spells: dict[tuple[str, str, int], dict[int, list[tuple[int, int, str]]]] = defaultdict(
+        lambda: defaultdict(list)
+    )
+    for index, cluster_id, first_ms, last_ms, meter_id in cursor.fetchall():
+        spells[triples[index]][cluster_id].append((first_ms, last_ms, meter_id))
+    return spells
+
+
+def covering_any(
+    by_cluster: Mapping[int, Iterable[tuple[int, int, str]]], ts_ms: int, hold_ms: int
+) -> frozenset[str]:
+    """`covering` over several clusters' spells of one GPU instance (a node that moved from
+    one cluster to another): the device of the one cluster whose spells cover `ts_ms`; empty
+    where none does or two do (the instant cannot be given to either)."""
+    found = [meters for spans in by_cluster.values() if (meters := covering(spans, ts_ms, hold_ms))]
+    return found[0] if len(found) == 1 else frozenset()
 
 
 def split_overlapping_spells(cursor: CursorWrapper) -> int:
@@ -391,7 +430,7 @@ def _respell(
     gaps = {
         key: _gaps(stored[key], sorted(batch[key].union(*map(_ends, stored[key])))) for key in keys
     }
-    found = _found(cursor, [gap for key in keys for gap in gaps[key]], own=dcgm)
+    found = _found_as(cursor, gaps, own=dcgm)
     deleted: list[int] = []
     updated: list[list[int]] = []
     inserted: list[list[object]] = []
@@ -420,6 +459,46 @@ def _respell(
 
 def _bounds(points: set[Point]) -> tuple[int, int]:
     return min(points).ts_ms, max(points).ts_ms
+
+
+def _found_as(
+    cursor: CursorWrapper, gaps: Mapping[InstanceKey, Sequence[_Gap]], *, own: bool
+) -> dict[_Gap, tuple[Point, Point]]:
+    """`_found`, of the samples each gap's device has as that gap's GPU instance: the stretches
+    where its spells under another GPU instance of the GPU lie are left out, so that a dynamic
+    MIG partition that was another GPU instance between does not extend this one's spell (as
+    its samples all at once would not). One more query, where there are gaps."""
+    listed = [(key, gap) for key, key_gaps in gaps.items() for gap in key_gaps]
+    if not listed:
+        return {}
+    cursor.execute(
+        _ELSEWHERE_SQL,
+        [json.dumps([[index, *key, *gap] for index, (key, gap) in enumerate(listed)])],
+    )
+    elsewhere: dict[int, list[tuple[int, int]]] = defaultdict(list)
+    for index, first_ms, last_ms in cursor.fetchall():
+        elsewhere[index].append((first_ms, last_ms))
+    parts: dict[_Gap, list[_Gap]] = {}
+    for index, (_, gap) in enumerate(listed):
+        pieces = [gap]
+        for first_ms, last_ms in elsewhere.get(index, ()):
+            pieces = [
+                piece
+                for whole in pieces
+                for piece in (
+                    whole._replace(hi=min(whole.hi, first_ms - 1)),
+                    whole._replace(lo=max(whole.lo, last_ms + 1)),
+                )
+                if piece.lo <= piece.hi
+            ]
+        parts[gap] = pieces
+    found = _found(cursor, [piece for pieces in parts.values() for piece in pieces], own=own)
+    joined: dict[_Gap, tuple[Point, Point]] = {}
+    for gap, pieces in parts.items():
+        ends = [found[piece] for piece in pieces if piece in found]
+        if ends:
+            joined[gap] = (min(first for first, _ in ends), max(last for _, last in ends))
+    return joined
 
 
 def _found(

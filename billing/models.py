@@ -109,10 +109,11 @@ class UnknownDeviceSample(models.Model):
     # A MIG device's GPU instance as the agent sent it (`parent_uuid`, `gpu_instance_id`), so
     # the device it is adopted under records it (`billing.mig_instances`), as `ingest` would.
     gpu_instance = models.JSONField(null=True, blank=True)
-    # A DCGM sample named by its GPU instance (`<parent UUID>::gi<N>`) set aside without a token
-    # (an operator's, or one set aside again when the spells it was placed by changed): the
-    # cluster whose spells may place it; null: any (an operator's whose cluster is not known).
-    # With a token, the token's cluster.
+    # The cluster the sample is of: a token's, its token's; a DCGM sample named by its GPU
+    # instance (`<parent UUID>::gi<N>`) set aside without a token (an operator's, or one set
+    # aside again when the spells it was placed by changed), the cluster whose spells may place
+    # it; null: any (an operator's whose cluster is not known). Part of the uniqueness, so that
+    # one cluster's token cannot stand in for another cluster's own sample.
     cluster = models.ForeignKey(
         Cluster, on_delete=models.CASCADE, null=True, blank=True, related_name="+", db_index=False
     )
@@ -126,10 +127,14 @@ class UnknownDeviceSample(models.Model):
 
     class Meta:
         constraints = [
-            # Per sending node: a token's samples under the identity of a device on another
-            # node (never adopted) must not crowd out that device's own (`billing.ingest`).
+            # Per sending node and cluster: a token's samples under the identity of a device on
+            # another node (never adopted), or of a GPU instance on another cluster's node of
+            # the same name, must not crowd out that device's own (`billing.ingest`). An
+            # operator's of no known cluster (null) are one scope.
             models.UniqueConstraint(
-                fields=["device_uuid", "ts_ms", "node"], name="unknownsample_unique_per_node"
+                fields=["device_uuid", "ts_ms", "node", "cluster"],
+                nulls_distinct=False,
+                name="unknownsample_unique_per_cluster",
             ),
         ]
 

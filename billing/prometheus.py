@@ -616,8 +616,11 @@ class InstanceMeters:
     series: a reading goes to the device whose spell, held as a sample holds, covers its
     instant and began last (an id reused goes to the later device from its first sample:
     `billing.mig_instances.covering`, the rule the ingest places an agent's DCGM samples by);
-    none: to `fallback`, the device the series' profile names, if any. Two spells beginning at
-    the same instant cannot be told apart: that reading is not matched."""
+    none, where an agent reported the GPU instance near the window (it has spells): to no
+    device, as the ingest sets such a sample aside (between two devices' spells, or past the
+    last, it may have been neither); where none did (no NVML agent on the node): to
+    `fallback`, the device the series' profile names, if any. Two spells beginning at the
+    same instant cannot be told apart: that reading is not matched."""
 
     spans: Sequence[tuple[int, int, str]]
     fallback: str | None
@@ -626,7 +629,7 @@ class InstanceMeters:
     def meter_at(self, ts: int) -> str | None:
         meters = covering(self.spans, ts, self.hold_ms)
         if not meters:
-            return self.fallback
+            return None if self.spans else self.fallback
         return next(iter(meters)) if len(meters) == 1 else None
 
 
@@ -659,12 +662,22 @@ def _amd_indexes(exporter: Exporter, series: Iterable[Series]) -> dict[tuple[str
         serial = exporter.label(one.labels, "serial") or exporter.label(one.labels, "gpu_id")
         gpu_id = exporter.label(one.labels, "gpu_id")
         partition = exporter.label(one.labels, "partition")
-        if serial and gpu_id.isdigit():
+        if serial and _is_number(gpu_id):
             key = (node, serial)
             lowest[key] = min(int(gpu_id), lowest.get(key, int(gpu_id)))
-            if partition.isdigit():
+            if _is_number(partition):
                 partitions[key] = max(partitions[key], int(partition) + 1)
     return {key: gpu_id // partitions[key] for key, gpu_id in lowest.items()}
+
+
+# A label value read as a number: ASCII digits only. `str.isdigit` also takes superscripts
+# ("²"), which `int` refuses, and other scripts' digits, which no exporter writes.
+_NUMBER = re.compile(r"[0-9]+")
+
+
+def _is_number(value: str) -> bool:
+    """Whether a label value is a whole number `int` reads, in ASCII digits."""
+    return _NUMBER.fullmatch(value) is not None
 
 
 def _named(node: str, driver: str, bus: str, partition: str) -> str:
@@ -697,7 +710,7 @@ def match_series(
         if exporter.name == "dcgm":
             uuid = exporter.label(labels, "uuid")
             instance = exporter.label(labels, "gpu_instance")
-            if instance.isdigit():
+            if _is_number(instance):
                 own = exporter.label(labels, "mig_uuid")
                 profile = exporter.label(labels, "mig_profile")
                 candidates = (
@@ -723,7 +736,7 @@ def match_series(
             if index is not None and index < len(buses):
                 kind = exporter.label(labels, "partition_type").lower()
                 partition = exporter.label(labels, "partition")
-                partitioned = kind not in ("", "spx") and partition.isdigit()
+                partitioned = kind not in ("", "spx") and _is_number(partition)
                 key = _named(node, AMD_DRIVER, buses[index], partition if partitioned else "")
             else:
                 why.append(f"AMD GPU {serial or '?'} on {node or '?'}: no AMD PCI address for it")

@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.readings import GpuReading
-from billing import ingest, services
+from billing import ingest, prometheus, services
 from billing.hours import epoch_ms, sample_hold_ms
 from billing.ingest import adopt_unknown_samples
 from billing.models import (
@@ -600,3 +600,28 @@ def test_readings_sent_while_a_spell_is_being_recorded_wait_for_it(a100: Device)
     assert committed_at and done_at >= committed_at[0]
     assert placed() == {ms(minute + 0.5): first.meter_id for minute in range(10)}
     assert aside() == []
+
+
+def test_prometheus_labels_in_digits_int_refuses_are_not_read_as_numbers(a100: Device) -> None:
+    """`GPU_I_ID="²"` (a digit to `str.isdigit`, not to `int`) is no GPU instance id: the
+    series is matched as a whole GPU's, never a ValueError in the rollup; nor an AMD
+    `gpu_id` or partition so written."""
+    exporters = {one.name: one for one in prometheus.config().exporters}
+    dcgm_exporter, amd = exporters["dcgm"], exporters["amd"]
+    labels = {
+        dcgm_exporter.labels["uuid"]: a100.uuid,
+        dcgm_exporter.labels["gpu_instance"]: "²",
+        dcgm_exporter.labels["mig_profile"]: "1g.5gb",
+        dcgm_exporter.labels["node"]: NODE,
+    }
+    identities = prometheus._identities(Device.objects.filter(pk=a100.pk), ms(0) - 3_600_000, ms(0))
+    keys, _ = prometheus.match_series(
+        dcgm_exporter, [prometheus.Series(labels=labels, points=[(ms(0), 50.0)])], identities, 0
+    )
+    assert keys == [identities.by_uuid[a100.uuid]]
+    odd = {amd.labels["serial"]: "S1", amd.labels["gpu_id"]: "²", amd.labels["node"]: NODE}
+    assert prometheus._amd_indexes(amd, [prometheus.Series(labels=odd, points=[])]) == {}
+    partition = {**odd, amd.labels["gpu_id"]: "0", amd.labels["partition"]: "¹"}
+    assert prometheus._amd_indexes(amd, [prometheus.Series(labels=partition, points=[])]) == {
+        (NODE, "S1"): 0
+    }

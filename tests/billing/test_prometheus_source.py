@@ -1084,8 +1084,12 @@ def test_a_reading_goes_to_the_device_its_gpu_instance_was_at_its_instant() -> N
         "b",
     ]
     assert meters.meter_at(300_001 + hold) == "a"  # "b" long gone: "a" again
-    assert meters.meter_at(500_000 + hold + 1) == "by-profile"  # no agent saw it then
-    assert meters.meter_at(-1) == "by-profile"
+    # Outside every spell of an instance an agent reports: no device, as the ingest has it.
+    assert meters.meter_at(500_000 + hold + 1) is None
+    assert meters.meter_at(-1) is None
+    # An instance no agent reports (no spells): the device its profile names.
+    unseen = prometheus.InstanceMeters(spans=[], fallback="by-profile", hold_ms=hold)
+    assert unseen.meter_at(0) == "by-profile"
     # Two devices first seen at one instant under one instance id: neither is guessed.
     tied = prometheus.InstanceMeters(
         spans=[(0, 10, "a"), (0, 10, "b")], fallback="by-profile", hold_ms=hold
