@@ -13,8 +13,9 @@ since when it has been true (`since`): a pool mid-rollout has been incomplete fo
 broken driver's pool for days. For an incomplete pool, since its newest generation was first
 seen; for what a generation's slices publish, since the first of them was stored as it is.
 
-A counter set or counter consumed but not published is more than a report: the scheduler
-allocates no device of such a pool (`invalid_pools`), and quota admission counts none.
+A counter set or counter consumed but not published, a counter set published twice, or a
+device name published twice is more than a report: the scheduler allocates no device of such a
+pool (`invalid_pools`), and quota admission counts none.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from inventory.models import Cluster, Device, Pool, ResourceSlice
 
 INCOMPLETE_POOL = "incomplete_pool"
 DUPLICATE_DEVICE = "duplicate_device"
+DUPLICATE_COUNTER_SET = "duplicate_counter_set"
 MISSING_COUNTER_SET = "missing_counter_set"
 UNKNOWN_COUNTER = "unknown_counter"
 COUNTER_OVER_SET = "counter_over_set"
@@ -43,6 +45,7 @@ COUNTER_OVER_SET = "counter_over_set"
 CHECKS = {
     INCOMPLETE_POOL: "incomplete pools",
     DUPLICATE_DEVICE: "duplicate device names",
+    DUPLICATE_COUNTER_SET: "duplicate counter sets",
     MISSING_COUNTER_SET: "missing counter sets",
     UNKNOWN_COUNTER: "unknown counters",
     COUNTER_OVER_SET: "counters over their set",
@@ -195,11 +198,27 @@ def _duplicates(where: SyncWarning, rows: list[dict[str, Any]]) -> list[SyncWarn
 
 
 def _counter_findings(where: SyncWarning, rows: list[dict[str, Any]]) -> list[SyncWarning]:
-    """Consumed counter sets no slice of the generation publishes, counters a set does not
-    have, and a device consuming more of a counter than its whole set holds."""
+    """Counter sets published more than once in the generation, consumed counter sets no slice
+    of it publishes, counters a set does not have, and a device consuming more of a counter
+    than its whole set holds."""
     totals: dict[str, dict[str, Decimal]] = {}
+    slices_by_set: dict[str, list[str]] = defaultdict(list)
     for row in rows:
         totals.update(_counter_sets(row["counter_sets"]))
+        for counter_set in row["counter_sets"]:
+            if isinstance(counter_set, dict) and isinstance(counter_set.get("name"), str):
+                slices_by_set[counter_set["name"]].append(row["name"])
+    findings = [
+        _finding(
+            where,
+            DUPLICATE_COUNTER_SET,
+            [],
+            f"counter set {set_name!r} published more than once (slices "
+            f"{', '.join(sorted(set(slices)))}); the scheduler allocates no device of the pool",
+        )
+        for set_name, slices in sorted(slices_by_set.items())
+        if len(slices) > 1
+    ]
     # (check, counter set, counter) → devices; the device names only of one finding.
     found: dict[tuple[str, str, str], list[str]] = defaultdict(list)
     for row in rows:
@@ -219,7 +238,6 @@ def _counter_findings(where: SyncWarning, rows: list[dict[str, Any]]) -> list[Sy
                         found[(UNKNOWN_COUNTER, set_name, counter)].append(str(device))
                     elif amount > total[counter]:
                         found[(COUNTER_OVER_SET, set_name, counter)].append(str(device))
-    findings = []
     for (check, set_name, counter), devices in found.items():
         devices = sorted(set(devices))
         what = _devices(devices)
@@ -238,32 +256,53 @@ def _counter_findings(where: SyncWarning, rows: list[dict[str, Any]]) -> list[Sy
 
 @dataclass(frozen=True)
 class InvalidPool:
-    """A pool generation some of whose devices consume a counter set no slice of it publishes,
-    or a counter their set does not have.
+    """A pool generation the scheduler allocates no device from: a device name or a counter
+    set published more than once in it, or a device consuming a counter set no slice of it
+    publishes, or a counter its set does not have.
 
-    The scheduler's allocator (k8s.io/dynamic-resource-allocation/structured, the allocator
-    of the partitionable-devices feature: `buildPool` calls `validateDeviceCounterConsumption`
-    over every device slice of the pool) marks such a pool invalid ("counter set X not found",
-    "counter X not found in counter set Y"): `allocateOne` takes no device from it, and a
-    request for all devices fails on every node the pool is gathered for. Its own counter
-    check (`checkAvailableCounters`) only weighs the counters that are published, so the pool
-    check is what stops a device that consumes something unpublished: all of the pool's
-    devices, the sound ones too. Named by its first problem (in the order `sync_warnings`
-    lists them), with how many others it has."""
+    The scheduler's allocator (k8s.io/dynamic-resource-allocation/structured, `buildPool` over
+    the slices of the pool it gathered for a node) marks such a pool invalid, checking in this
+    order: `validateDeviceNames` ("duplicate device name X", over the slices of devices it
+    gathered for the node), `getAndValidateCounterSets` ("duplicate counter set name X", over
+    every slice that publishes counter sets) and `validateDeviceCounterConsumption` ("counter
+    set X not found", "counter X not found in counter set Y"). `allocateOne` then takes no
+    device from it, the sound ones included, and a request for all devices fails on every
+    node the pool is gathered for. Its own counter check (`checkAvailableCounters`) only weighs
+    the counters that are published, so the pool check is what stops a device that consumes
+    something unpublished. Named by its first problem (in the scheduler's order, as
+    `sync_warnings` lists them), with how many others it has."""
 
     driver: str
     pool: str
     generation: int
-    check: str  # MISSING_COUNTER_SET or UNKNOWN_COUNTER
-    counter_set: str
-    counter: str  # the counter the set lacks ("" for a set published by no slice)
-    devices: tuple[str, ...]  # the devices that consume it, by name
-    others: int = 0  # other sets or counters of the pool consumed and not published
+    # DUPLICATE_DEVICE, DUPLICATE_COUNTER_SET, MISSING_COUNTER_SET or UNKNOWN_COUNTER
+    check: str
+    counter_set: str  # the set concerned ("" for a duplicate device name)
+    counter: str  # the counter the set lacks ("" unless UNKNOWN_COUNTER)
+    # The devices concerned, by name: those that consume what is not published, or the
+    # names published more than once.
+    devices: tuple[str, ...]
+    others: int = 0  # the pool's other problems
+    slices: tuple[str, ...] = ()  # for a duplicate: the slices that publish it
 
     def problem(self) -> str:
         """Its first problem in a line, what matters first (an admission warning is cut at
         256 characters): "counter set 'x' is published by no slice of generation 1 (consumed
         by gpu-0 and 3 more)". The fleet report lists every device of every problem."""
+        generation = f"generation {self.generation}"
+        if self.check in (DUPLICATE_DEVICE, DUPLICATE_COUNTER_SET):
+            if self.check == DUPLICATE_DEVICE:
+                more = len(self.devices) - 1
+                what = f"device name {self.devices[0] if self.devices else ''!r}"
+                what += f" (and {more} more)" if more > 0 else ""
+            else:
+                what = f"counter set {self.counter_set!r}"
+            problems = "problem" if self.others == 1 else "problems"
+            others = f"; {self.others} more {problems}" if self.others else ""
+            return (
+                f"{what} is published more than once in {generation} (slices "
+                f"{_named(list(self.slices))}){others}"
+            )
         if self.check == MISSING_COUNTER_SET:
             what = f"counter set {self.counter_set!r} is published by no slice"
         else:
@@ -271,20 +310,32 @@ class InvalidPool:
         consumers = self.devices[0] if self.devices else ""
         if len(self.devices) > 1:
             consumers += f" and {len(self.devices) - 1} more"
+        # Duplicates come first: the others of a consumption problem are all unpublished.
         others = f"; {self.others} more not published" if self.others else ""
-        return f"{what} of generation {self.generation} (consumed by {consumers}{others})"
+        return f"{what} of {generation} (consumed by {consumers}{others})"
 
 
 _DEVICES = Device._meta.db_table
 _SLICES = ResourceSlice._meta.db_table
-# Each counter set a present device consumes (its `consumesCounters` entries, the layout the
-# sync normalises every version to) that no slice of its pool generation publishes with every
-# counter it consumes: the device, the set, the counters consumed, and each definition of the
-# set the generation's slices publish (none: the set is missing). Only generations whose slices
-# are all present are judged: a set may be in a slice not seen yet, or replaced mid-rollout.
-# `{pools}` narrows it to some pools. One statement; a pool's slices are read only when some
-# device of it consumes counters.
-_DANGLING = f"""
+# Why the scheduler allocates nothing from some pools, one row per finding: (check, driver,
+# pool, generation, device, counter set, counters consumed, the set's definitions, slices).
+# Each pool's newest generation is judged, as the scheduler uses it, and only once its slices
+# are all present: a set may be in a slice not seen yet, or replaced mid-rollout (the sync
+# counts the devices of the last complete generation meanwhile, which is not judged).
+# `{devices_in}` and `{slices_in}` narrow it to some pools. One statement, with no join a
+# planner without statistics could make quadratic; the slices' device names and counter sets
+# are picked out by PostgreSQL.
+# - "dangling": a counter set a present device consumes (its `consumesCounters` entries, the
+#   layout the sync normalises every version to) that no slice of its generation publishes
+#   with every counter it consumes, and each definition of the set they publish (none: it is
+#   missing);
+# - DUPLICATE_DEVICE: a device name two slices publish (or one slice twice) that the scheduler
+#   can gather for one node: not when each is of its own node (`validateDeviceNames` weighs
+#   the slices gathered for a node; one of `allNodes` or a node selector may be gathered
+#   with any, and is taken to be);
+# - DUPLICATE_COUNTER_SET: a counter set name published twice (every slice that publishes
+#   counter sets is gathered for every node).
+_INVALID = f"""
 WITH consumed AS MATERIALIZED (
     SELECT device.driver, device.pool, device.pool_generation AS generation,
         device.name AS device, consumption->>'counterSet' AS counter_set,
@@ -301,55 +352,90 @@ WITH consumed AS MATERIALIZED (
             WHEN 'array' THEN device.extra->'consumesCounters'
         END
     ) AS consumption
-    WHERE device.cluster_id = %(cluster)s AND device.gone_at IS NULL{{pools}}
-),
-generations AS MATERIALIZED (
-    SELECT DISTINCT driver, pool, generation FROM consumed
+    WHERE device.cluster_id = %(cluster)s AND device.gone_at IS NULL{{devices_in}}
 ),
 slices AS MATERIALIZED (
-    SELECT slice.driver, slice.pool, slice.generation, slice.resource_slice_count,
-        slice.spec->'sharedCounters' AS counter_sets
+    SELECT slice.driver, slice.pool, slice.generation, slice.name, slice.node_name,
+        slice.spec->'sharedCounters' AS counter_sets,
+        jsonb_path_query_array(slice.spec, '$.devices[*].name') AS names,
+        slice.generation = max(slice.generation) OVER pool
+            AND count(*) OVER generation >= max(slice.resource_slice_count) OVER generation
+            AS judged
     FROM {_SLICES} AS slice
-    JOIN generations USING (driver, pool, generation)
-    WHERE slice.cluster_id = %(cluster)s AND slice.gone_at IS NULL
-),
-complete AS (
-    SELECT driver, pool, generation FROM slices
-    GROUP BY driver, pool, generation
-    HAVING count(*) >= max(resource_slice_count)
+    WHERE slice.cluster_id = %(cluster)s AND slice.gone_at IS NULL{{slices_in}}
+    WINDOW pool AS (PARTITION BY slice.driver, slice.pool),
+        generation AS (PARTITION BY slice.driver, slice.pool, slice.generation)
 ),
 published AS MATERIALIZED (
-    SELECT slices.driver, slices.pool, slices.generation, counter_set->>'name' AS name,
-        counter_set->'counters' AS counters
+    SELECT slices.driver, slices.pool, slices.generation, slices.name AS slice,
+        counter_set->>'name' AS name, counter_set->'counters' AS counters
     FROM slices
     CROSS JOIN LATERAL jsonb_array_elements(
         CASE jsonb_typeof(slices.counter_sets) WHEN 'array' THEN slices.counter_sets END
     ) AS counter_set
+    WHERE slices.judged
 ),
 dangling AS (
     SELECT consumed.* FROM consumed
-    JOIN complete USING (driver, pool, generation)
-    WHERE NOT EXISTS (
+    WHERE EXISTS (
+        SELECT FROM slices
+        WHERE slices.judged AND slices.driver = consumed.driver
+            AND slices.pool = consumed.pool AND slices.generation = consumed.generation
+    )
+    AND NOT EXISTS (
         SELECT FROM published
         WHERE published.driver = consumed.driver AND published.pool = consumed.pool
             AND published.generation = consumed.generation
             AND published.name = consumed.counter_set AND published.counters ?& consumed.keys
     )
+),
+named AS MATERIALIZED (
+    SELECT slices.driver, slices.pool, slices.generation, slices.name AS slice,
+        nullif(slices.node_name, '') AS node, device.name
+    FROM slices
+    CROSS JOIN LATERAL jsonb_array_elements_text(slices.names) AS device (name)
+    WHERE slices.judged
+),
+repeated AS (
+    SELECT driver, pool, generation, name FROM named
+    WHERE name IS NOT NULL
+    GROUP BY driver, pool, generation, name
+    HAVING count(*) > 1
 )
-SELECT dangling.driver, dangling.pool, dangling.generation, dangling.device,
+SELECT 'dangling', dangling.driver, dangling.pool, dangling.generation, dangling.device,
     dangling.counter_set, dangling.keys,
     coalesce(
         array_agg(published.counters) FILTER (WHERE published.name IS NOT NULL), ARRAY[]::jsonb[]
-    )
+    ),
+    ARRAY[]::text[]
 FROM dangling
 LEFT JOIN published
     ON published.driver = dangling.driver AND published.pool = dangling.pool
     AND published.generation = dangling.generation AND published.name = dangling.counter_set
 GROUP BY dangling.driver, dangling.pool, dangling.generation, dangling.device,
     dangling.counter_set, dangling.keys
+UNION ALL
+SELECT '{DUPLICATE_DEVICE}', driver, pool, generation, name, '', ARRAY[]::text[],
+    ARRAY[]::jsonb[], array_agg(DISTINCT slice ORDER BY slice)
+FROM named
+JOIN repeated USING (driver, pool, generation, name)
+GROUP BY driver, pool, generation, name
+HAVING count(*) > count(DISTINCT node)
+UNION ALL
+SELECT '{DUPLICATE_COUNTER_SET}', driver, pool, generation, '', name, ARRAY[]::text[],
+    ARRAY[]::jsonb[], array_agg(DISTINCT slice ORDER BY slice)
+FROM published
+WHERE name IS NOT NULL
+GROUP BY driver, pool, generation, name
+HAVING count(*) > 1
 """
-_IN_POOLS = """
+# Narrows `_INVALID` to some pools, by (driver, pool): the devices, and the pools' slices.
+_DEVICES_IN = """
         AND (device.driver, device.pool) IN (
+            SELECT * FROM unnest(%(drivers)s::text[], %(pools)s::text[])
+        )"""
+_SLICES_IN = """
+        AND (slice.driver, slice.pool) IN (
             SELECT * FROM unnest(%(drivers)s::text[], %(pools)s::text[])
         )"""
 
@@ -361,36 +447,49 @@ def invalid_pools(
     nothing from (`InvalidPool`), by driver and pool; of `pools` (driver, pool) only, when
     given. One query."""
     params: dict[str, Any] = {"cluster": cluster_id}
-    narrowed = ""
+    narrowed = {"devices_in": "", "slices_in": ""}
     if pools is not None:
         wanted = sorted(set(pools))
         if not wanted:
             return []
         params["drivers"] = [driver for driver, _ in wanted]
         params["pools"] = [pool for _, pool in wanted]
-        narrowed = _IN_POOLS
+        narrowed = {"devices_in": _DEVICES_IN, "slices_in": _SLICES_IN}
     with connection.cursor() as cursor:
-        cursor.execute(_DANGLING.format(pools=narrowed), params)
+        # Guessing a hundred devices and counter sets per JSON array, the planner would
+        # compile the statement (JIT, a second and more) to save nothing. Off for its
+        # transaction: the statement's own in autocommit, the caller's otherwise.
+        cursor.execute(
+            f"SELECT set_config('jit', 'off', true); {_INVALID.format(**narrowed)}", params
+        )
+        cursor.nextset()
         rows = cursor.fetchall()
-    # (driver, pool, generation) -> (check, counter set, counter) -> devices
+    # (driver, pool, generation) -> (check, counter set, counter) -> devices, and slices
     found: dict[tuple[str, str, int], dict[tuple[str, str, str], list[str]]] = defaultdict(
         lambda: defaultdict(list)
     )
-    for driver, pool, generation, device, set_name, keys, definitions in rows:
+    slices: dict[tuple[str, str, int, str, str], set[str]] = defaultdict(set)
+    for check, driver, pool, generation, device, set_name, keys, definitions, where in rows:
         problems = found[(driver, pool, generation)]
         set_name = str(set_name or "")
-        if not definitions:
+        if check == DUPLICATE_DEVICE:
+            problems[(DUPLICATE_DEVICE, "", "")].append(device)
+            slices[(driver, pool, generation, DUPLICATE_DEVICE, "")].update(where)
+        elif check == DUPLICATE_COUNTER_SET:
+            problems[(DUPLICATE_COUNTER_SET, set_name, "")] = []
+            slices[(driver, pool, generation, DUPLICATE_COUNTER_SET, set_name)].update(where)
+        elif not definitions:
             problems[(MISSING_COUNTER_SET, set_name, "")].append(device)
-            continue
-        # Each definition as jsonb text; a set defined twice has the counters of either.
-        published = {
-            key
-            for text in definitions
-            if isinstance(counters := json.loads(text), dict)
-            for key in counters
-        }
-        for counter in sorted(set(keys) - published):
-            problems[(UNKNOWN_COUNTER, set_name, counter)].append(device)
+        else:
+            # Each definition as jsonb text; a set defined twice has the counters of either.
+            published = {
+                key
+                for text in definitions
+                if isinstance(counters := json.loads(text), dict)
+                for key in counters
+            }
+            for counter in sorted(set(keys) - published):
+                problems[(UNKNOWN_COUNTER, set_name, counter)].append(device)
     order = list(CHECKS)
     result = []
     for (driver, pool, generation), problems in sorted(found.items()):
@@ -408,6 +507,7 @@ def invalid_pools(
                 counter=counter,
                 devices=tuple(sorted(set(problems[ordered[0]]))),
                 others=len(ordered) - 1,
+                slices=tuple(sorted(slices.get((driver, pool, generation, check, set_name), ()))),
             )
         )
     return result
@@ -524,7 +624,12 @@ def _finding(where: SyncWarning, check: str, devices: list[str], problem: str) -
 
 def _devices(names: list[str]) -> str:
     """ "devices a, b" or "devices a, b, c and 4 more"."""
+    noun = "device" if len(names) == 1 else "devices"
+    return f"{noun} {_named(names)}"
+
+
+def _named(names: list[str]) -> str:
+    """ "a, b" or "a, b, c and 4 more"."""
     shown = ", ".join(names[:_NAMED])
     more = f" and {len(names) - _NAMED} more" if len(names) > _NAMED else ""
-    noun = "device" if len(names) == 1 else "devices"
-    return f"{noun} {shown}{more}"
+    return f"{shown}{more}"

@@ -728,13 +728,6 @@ CLOUD_NODE = "ip-10-0-130-25.us-west-2.compute.internal"
 
 
 @pytest.mark.django_db
-@pytest.mark.xfail(
-    strict=True,
-    reason="quota.admission.decision._never_allocated: for an All request refused on every "
-    "node for different reasons, 224 characters come before the pool's name, and the webhook "
-    "cuts a warning at 256 (quota.admission.views): with a cloud node's name as its pool the "
-    "warning names neither the whole pool nor what it does not publish",
-)
 def test_an_all_request_refused_for_different_reasons_names_the_pool(client: Client) -> None:
     nic = device_slice(
         CLOUD_NODE,

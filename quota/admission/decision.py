@@ -5,11 +5,14 @@ usage as of that moment), its budget and the fleet's shapes: what each request c
 each rule, which `firstAvailable` alternatives fit, and the denial or warnings. The store then
 reserves the plan (or does not); everything here is plain Python on plain data.
 
-A claim is counted by what it can really take: `ExactCount` its count, `All` every matching
-device of the node where they count most, each by its own shape (see `_most_on_a_node`), of
-the nodes where they can all be given (not too many, not more than their shared counter sets
-hold, no pool there the scheduler allocates nothing from), never a device of such a pool (one
-that consumes a counter set or counter its slices do not publish: `shapes.InvalidPools`), a MIG
+A claim is counted by what it can really take, all its devices on one node (devices published
+without a node reach every node): `ExactCount` the count of matching devices that count most
+on one node that has that many (see `_most_of_count_on_a_node`), `All` every matching device
+of the node where they count most, each by its own shape (see `_most_on_a_node`), of the nodes
+where they can all be given (not too many, not more than their shared counter sets hold, no
+pool there the scheduler allocates nothing from), never a device of such a pool (one that
+publishes a device name or counter set twice, or whose devices consume a counter set or counter
+its slices do not publish: `shapes.InvalidPools`), a MIG
 device its share of its GPU, a consumable share (KEP-5075) the largest fraction it
 consumes of any of the device's capacities (`inventory.capacity`: its requests under any
 capacity name, qualified or not, rounded up by `requestPolicy`, and the policy's default for
@@ -458,7 +461,10 @@ def demand(
     shapes, less those that cannot provide its capacity requests and those whose every device
     is in a pool the scheduler allocates nothing from), whatever class the request names. A
     request whose every matching device is in such pools can never be allocated: it counts
-    nothing, with a warning naming the pool and what it does not publish."""
+    nothing, with a warning naming the pool and what is wrong with it. So does an `All`
+    request that no node can give everything it matches (`_never_allocated`). An `ExactCount`
+    request for more devices than any node can give now counts as the most its devices could,
+    with a warning (`_too_few`): a node that can may join."""
     result = Demand(name=request.name, amounts={}, devices=0)
     if request.admin_access or not rules:
         return result  # admin access observes devices; it holds nothing
@@ -505,7 +511,7 @@ def demand(
             _never_placed(request, fleet.invalid.holding(shape.id for shape in candidates))
         )
         return result
-    candidates = placeable
+    matched, candidates = candidates, placeable
     per_device_on: dict[int, Decimal] = {}
     keys: dict[int, tuple[Any, ...]] = {}
     for rule in rules:
@@ -562,8 +568,41 @@ def demand(
             "every quota rule of its class"
         )
     if request.allocation_mode != "All":
+        if request.count == 1 or not candidates:
+            # One device: the most one of them counts, wherever it is. None known: whole ones.
+            result.devices = request.count
+            result.amounts = {
+                rule_id: each * request.count for rule_id, each in per_device_on.items()
+            }
+            return result
+        exact = fleet.derived(
+            ("exact on nodes", request.device_class_name, selectors, asked),
+            functools.partial(_exact_on_nodes, fleet, candidates, request.capacity_requests),
+        )
         result.devices = request.count
-        result.amounts = {rule_id: each * request.count for rule_id, each in per_device_on.items()}
+        if request.count > min(exact.most, dra.ALLOCATION_RESULTS_MAX_SIZE):
+            # No node can give it that many now. One that can may join (an autoscaler's node)
+            # and the claim be allocated there: it counts as the most its devices could count,
+            # never nothing, with a warning saying why it waits.
+            result.amounts = {
+                rule_id: each * request.count for rule_id, each in per_device_on.items()
+            }
+            warnings.append(_too_few(request, exact, fleet, matched))
+            return result
+        for rule in rules:
+            if rule.pk in per_device_on:
+                result.amounts[rule.pk] = fleet.derived(
+                    ("exact on rule", *keys[rule.pk], request.count),
+                    functools.partial(
+                        _most_of_count_on_a_node,
+                        rule,
+                        request.count,
+                        exact,
+                        candidates,
+                        fleet,
+                        request.capacity_requests,
+                    ),
+                )
         return result
     every = fleet.derived(
         ("all on nodes", request.device_class_name, selectors, asked),
@@ -609,6 +648,35 @@ def _invalid_pools(pools: list[InvalidPool]) -> str:
     )
 
 
+def _too_few(
+    request: dra.ParsedRequest, exact: ExactOnNodes, fleet: FleetShapes, candidates: list[Shape]
+) -> str:
+    """Why an `ExactCount` request cannot be allocated: it asks for more devices than the
+    scheduler gives one claim (never), or no node can give it that many of the devices it
+    matches now (its own and those every node reaches; not those of a pool the scheduler
+    allocates nothing from, named when `candidates`, the shapes it matches, have devices in
+    one). It counts as the most its devices could. What matters comes first: the API server
+    keeps 256 characters."""
+    limit = dra.ALLOCATION_RESULTS_MAX_SIZE
+    if request.count > limit:
+        return (
+            f'request "{request.name}" can never be allocated: it asks for {request.count} '
+            f"devices, more than the {limit} one claim is given"
+        )
+    why = (
+        f"it asks for {request.count} devices, all given on one node, and no node can give "
+        f"more than {exact.most} of those it matches"
+    )
+    if fleet.invalid.pools:
+        pools = fleet.invalid.holding(shape.id for shape in candidates)
+        if pools:
+            why += f", not counting those of {_invalid_pools(pools)}"
+    return (
+        f'request "{request.name}" cannot be allocated on any node now (a node that can may '
+        f"join), and counts as the most its devices could: {why}"
+    )
+
+
 def _never_allocated(request_name: str, every: AllOnNodes, candidates: list[Shape]) -> str:
     """Why an `All` request can be allocated on no node that has devices it matches: too
     many of them for one claim, more than their shared counter sets hold, or a pool there the
@@ -616,15 +684,18 @@ def _never_allocated(request_name: str, every: AllOnNodes, candidates: list[Shap
     unit = unit_label(rule_unit(candidates), plural=False)
     limit = dra.ALLOCATION_RESULTS_MAX_SIZE
     if every.invalid:
-        where = (
-            "each node with devices it matches has "
-            if every.invalid == every.refused and not every.too_many
-            else "on each node with devices it matches, they are too many for one claim, "
-            "overfill a shared counter set, or share the node with "
-        )
+        pools = _invalid_pools(list(every.invalid_pools))
+        if every.invalid == every.refused and not every.too_many:
+            return (
+                f'request "{request_name}" (allocationMode All) can never be allocated, and '
+                f"counts nothing on quota rules: each node with devices it matches has {pools}"
+            )
+        # Refused for different reasons: the pool comes first, as the API server keeps 256
+        # characters and a pool's name may be a long node name.
         return (
-            f'request "{request_name}" (allocationMode All) can never be allocated, and counts '
-            f"nothing on quota rules: {where}{_invalid_pools(list(every.invalid_pools))}"
+            f'request "{request_name}" (allocationMode All) can never be allocated, counting '
+            f"nothing: {pools}. It is on each node with devices it matches where they are not "
+            "too many for one claim nor overfill a shared counter set."
         )
     if not every.short_of_counters:
         reason = (
@@ -733,6 +804,100 @@ def _all_on_nodes(fleet: FleetShapes, candidates: list[Shape]) -> AllOnNodes:
         invalid=invalid,
         invalid_pools=tuple(invalid_pools[key] for key in sorted(invalid_pools)),
     )
+
+
+@dataclass(frozen=True)
+class ExactOnNodes:
+    """Where an `ExactCount` request can be given its devices: all on one node (a claim's
+    allocation has one node selector), from the devices it matches there and those published
+    without a node, which every node reaches (not those of a pool the scheduler allocates
+    nothing from). Nodes that hold the same devices are one entry.
+
+    A shareable device (KEP-5075) is weighed as giving the request as many shares as its
+    capacity holds (`_shares_of_one`): the allocators before the one that tries combinations of
+    a request's devices rather than permutations (kubernetes#133678) give one request several
+    shares of one device, the newer ones one; a quota weighs the most it could take."""
+
+    # The matching devices by shape id that one node reaches, each distinct set once, with how
+    # many they are.
+    nodes: tuple[tuple[int, Mapping[int, int]], ...]
+    # The most matching devices one node reaches.
+    most: int
+
+
+def _exact_on_nodes(
+    fleet: FleetShapes, candidates: list[Shape], capacity_requests: dict[str, str]
+) -> ExactOnNodes:
+    """The sets of matching devices the nodes reach (`ExactOnNodes`), from the distinct sets
+    of devices the nodes hold (`FleetShapes.placeable_by_node`), never from the nodes one by
+    one: a fleet of thousands of nodes holds a few dozen sets."""
+    ids = {shape.id for shape in candidates}
+    shares = {
+        shape.id: _shares_of_one(shape, capacity_requests)
+        for shape in candidates
+        if shape.shareable
+    }
+    on_nodes, off_node = fleet.placeable_by_node()
+    everywhere = {shape_id: n for shape_id, n in off_node.items() if shape_id in ids}
+    distinct: dict[frozenset[tuple[int, int]], Mapping[int, int]] = {}
+    for shapes in (*on_nodes, {}):  # {}: a node with none of its own
+        matching = dict(everywhere)
+        for shape_id, n in shapes.items():
+            if shape_id in ids:
+                matching[shape_id] = matching.get(shape_id, 0) + n
+        for shape_id in shares.keys() & matching.keys():
+            matching[shape_id] = min(matching[shape_id] * shares[shape_id], dra.MAX_REQUEST_COUNT)
+        if matching:
+            distinct.setdefault(frozenset(matching.items()), matching)
+    nodes = tuple((sum(matching.values()), matching) for matching in distinct.values())
+    return ExactOnNodes(nodes=nodes, most=max((devices for devices, _ in nodes), default=0))
+
+
+def _shares_of_one(shape: Shape, capacity_requests: dict[str, str]) -> int:
+    """How many shares a request asking `capacity_requests` could take of one shareable device
+    of `shape`: as many as the largest fraction of a capacity it consumes fits in the device
+    (one, when it consumes the whole device, as a request that names no capacity of a device
+    without a policy does); any number when that cannot be read, the most it could take."""
+    consumed = _consumes(shape, capacity_requests)
+    if consumed is None:
+        return 1  # it cannot be given one (left out before)
+    try:
+        fraction = capacity.consumed_fraction(shape.capacity, consumed, shape.driver)
+    except capacity.CapacityError:
+        return dra.MAX_REQUEST_COUNT
+    return min(int(1 / fraction), dra.MAX_REQUEST_COUNT) if fraction > 0 else dra.MAX_REQUEST_COUNT
+
+
+def _most_of_count_on_a_node(
+    rule: Rule,
+    count: int,
+    exact: ExactOnNodes,
+    candidates: list[Shape],
+    fleet: FleetShapes,
+    capacity_requests: dict[str, str],
+) -> Decimal:
+    """What an `ExactCount` request of `count` devices counts on `rule`: on each node that
+    reaches that many matching devices, the sum of the `count` of them that count most on the
+    rule (each by its own shape; one the rule does not cover counts nothing, and an
+    integrated GPU nothing on a rule of accelerators); the most over those nodes. A node with
+    one discrete GPU and one integrated GPU gives two devices that count one GPU, not two."""
+    each = _per_shape_on(rule, candidates, fleet, capacity_requests)
+    most = Decimal(0)
+    for devices, node in exact.nodes:
+        if devices < count:
+            continue
+        left, total = count, Decimal(0)
+        for amount, n in sorted(
+            ((each[shape_id], n) for shape_id, n in node.items() if shape_id in each),
+            reverse=True,
+        ):
+            taken = min(n, left)
+            total += amount * taken
+            left -= taken
+            if not left:
+                break
+        most = max(most, total)
+    return most
 
 
 def _most_on_a_node(

@@ -11,8 +11,9 @@ date by reading only the counts changed since it read it, off the request path. 
 devices consume of their pools' shared counter sets, which an `allocationMode: All` request
 needs and the counts cannot tell, is read from the devices (`FleetShapes.counter_shortfall`),
 once per snapshot and set of shapes. So is which pools the scheduler allocates nothing from
-(a device of theirs consumes a counter set or counter no slice publishes: `InvalidPools`), with
-each snapshot, checking again only the pools whose slices changed since they were checked.
+(a device name or counter set published twice, a counter set or counter consumed that no slice
+publishes: `InvalidPools`), with each snapshot, checking again only the pools whose slices
+changed since they were checked.
 """
 
 from __future__ import annotations
@@ -111,12 +112,13 @@ NO_SHORTFALL = CounterShortfall()
 
 @dataclass(frozen=True)
 class InvalidPools:
-    """The pools of a cluster that the scheduler allocates no device from, because a device of
-    theirs consumes a counter set no slice of the pool's generation publishes, or a counter its
-    set does not have (`inventory.checks.InvalidPool`), with their present devices. None of
-    those devices can be given to a claim, and an `allocationMode: All` request cannot be
-    allocated on a node that has any of them (nor on any node, for those published without a
-    node): the scheduler fails it on every node an invalid pool is gathered for."""
+    """The pools of a cluster that the scheduler allocates no device from, because their
+    generation publishes a device name or a counter set twice, or a device of theirs consumes a
+    counter set no slice of it publishes, or a counter its set does not have
+    (`inventory.checks.InvalidPool`), with their present devices. None of those devices can be
+    given to a claim, and an `allocationMode: All` request cannot be allocated on a node that
+    has any of them (nor on any node, for those published without a node): the scheduler fails
+    it on every node an invalid pool is gathered for."""
 
     pools: tuple[InvalidPool, ...] = ()
     # Their present devices: (driver, pool) -> node id (None: published without a node) ->
@@ -128,6 +130,11 @@ class InvalidPools:
     def devices_of(self, shape_id: int) -> int:
         """How many present devices of shape `shape_id` are in these pools."""
         return self._index[0].get(shape_id, 0)
+
+    def devices_on(self, node_id: int | None) -> Mapping[int, int]:
+        """Their present devices on node `node_id` (None: published without a node), by shape
+        id."""
+        return self._index[3].get(node_id, {})
 
     def on(self, node_id: int | None) -> list[InvalidPool]:
         """Those an `allocationMode: All` request meets on node `node_id` (None: a node with no
@@ -148,19 +155,27 @@ class InvalidPools:
     @functools.cached_property
     def _index(
         self,
-    ) -> tuple[dict[int, int], dict[int | None, set[int]], dict[int, set[int]]]:
-        """Devices by shape; the pools (their places in `pools`) by node and by shape: a
-        driver that publishes every pool wrong makes thousands of them."""
+    ) -> tuple[
+        dict[int, int],
+        dict[int | None, set[int]],
+        dict[int, set[int]],
+        dict[int | None, dict[int, int]],
+    ]:
+        """Devices by shape; the pools (their places in `pools`) by node and by shape; devices
+        by node and shape: a driver that publishes every pool wrong makes thousands of them."""
         by_shape: dict[int, int] = defaultdict(int)
         on_nodes: dict[int | None, set[int]] = defaultdict(set)
         of_shapes: dict[int, set[int]] = defaultdict(set)
+        by_node: dict[int | None, dict[int, int]] = defaultdict(dict)
         for index, pool in enumerate(self.pools):
             for node_id, shapes in self.devices.get((pool.driver, pool.pool), {}).items():
                 on_nodes[node_id].add(index)
+                on_node = by_node[node_id]
                 for shape_id, devices in shapes.items():
                     by_shape[shape_id] += devices
                     of_shapes[shape_id].add(index)
-        return by_shape, on_nodes, of_shapes
+                    on_node[shape_id] = on_node.get(shape_id, 0) + devices
+        return by_shape, on_nodes, of_shapes, by_node
 
 
 NO_INVALID_POOLS = InvalidPools()
@@ -225,6 +240,25 @@ class FleetShapes:
             if self.shape_devices.get(shape.id, 0) > self.invalid.devices_of(shape.id)
         ]
 
+    def placeable_by_node(self) -> tuple[tuple[Mapping[int, int], ...], Mapping[int, int]]:
+        """The present devices the scheduler can give, by shape id (those of the pools it
+        allocates nothing from left out: `invalid`): each distinct set a node holds of its own,
+        once (thousands of nodes hold a few dozen sets), and those published without a node,
+        which every node reaches. A claim is given all its devices on one node, so what an
+        `ExactCount` request can take is weighed per set. Worked out once per snapshot."""
+        return self.derived(("placeable by node",), self._placeable_by_node)
+
+    def _placeable_by_node(self) -> tuple[tuple[Mapping[int, int], ...], Mapping[int, int]]:
+        invalid = self.invalid if self.invalid.pools else None
+        distinct: dict[frozenset[tuple[int, int]], Mapping[int, int]] = {}
+        for node_id, shapes in self.per_node.items():
+            if invalid is not None and (excluded := invalid.devices_on(node_id)):
+                shapes = _less(shapes, excluded)
+            if shapes:
+                distinct.setdefault(frozenset(shapes.items()), shapes)
+        off_node = _less(self.off_node, invalid.devices_on(None)) if invalid else self.off_node
+        return tuple(distinct.values()), off_node
+
     def match(self, expression: str, shape: Shape) -> bool:
         """Whether `expression` selects devices of `shape` (see `match`)."""
         return match(expression, shape)
@@ -279,6 +313,12 @@ class FleetShapes:
             for shape in self.shapes.values()
             if all(self.match(expression, shape) for expression in expressions)
         ]
+
+
+def _less(devices: Mapping[int, int], excluded: Mapping[int, int]) -> dict[int, int]:
+    """`devices` (by shape id) without `excluded`, and without the shapes none is left of."""
+    left = {shape_id: n - excluded.get(shape_id, 0) for shape_id, n in devices.items()}
+    return {shape_id: n for shape_id, n in left.items() if n > 0}
 
 
 _cache: dict[int, FleetShapes] = {}

@@ -322,11 +322,15 @@ def test_messages_and_amounts_say_the_unit_of_the_devices_a_rule_covers(client: 
         'team "research": quota rule "tpus" is at 3 TPU chips of 3 TPU chips with this claim'
     ]
     everything = {"name": "all", "exactly": {"deviceClassName": "any", "count": 6}}
-    assert decide(client, claim("m1", [everything], namespace="mixed"))["allowed"]
-    warned = decide(client, claim("m2", [everything], namespace="mixed"))
+    # Six of the one node's shares: its three shareable GPUs give two each by their policies'
+    # default requests (2.1 GPUs), the TPU node's four chips fall short of six.
+    for name in ("m1", "m2", "m3"):
+        assert decide(client, claim(name, [everything], namespace="mixed"))["allowed"]
+        assert _reserved(name) == {"anything": Decimal("2.1")}
+    warned = decide(client, claim("m4", [everything], namespace="mixed"))
     assert warned["warnings"] == [
-        'team "mixed": quota rule "anything" (warn) would be exceeded: 6 accelerators in use, '
-        "6 accelerators requested, limit 8 accelerators (warn only)"
+        'team "mixed": quota rule "anything" (warn) would be exceeded: 6.3 accelerators in use, '
+        "2.1 accelerators requested, limit 8 accelerators (warn only)"
     ]
 
 

@@ -477,7 +477,8 @@ def test_a_gang_that_cannot_be_read_decides_the_claim_alone_with_a_warning(
     cluster.put(first)  # the JobSet its label names is not there (yet)
     answer = admit(pod_claim("train-0", first, 8))
     assert answer["allowed"]
-    assert answer["warnings"] == [
+    # (Besides the fixture's nodes being too small for 8 GPUs now: counted all the same.)
+    assert [w for w in answer["warnings"] if "on any node now" not in w] == [
         "Tally could not read this claim's gang (JobSet ml/train could not be read): the "
         "claim is decided alone"
     ]

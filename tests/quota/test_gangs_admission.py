@@ -642,7 +642,9 @@ def test_off_decides_claims_alone_and_reads_no_gang(
     team_of_16(GangMode.OFF)
     assert admit(claim("notebook", [gpu_request(1)], namespace="ml"))["allowed"]
     answer = admit(objects[WORKER_0])
-    assert answer["allowed"] and "warnings" not in answer
+    # No gang warning (the fixture's nodes are too small for its 8 GPUs now: counted all the same).
+    assert answer["allowed"]
+    assert [w for w in answer.get("warnings", []) if "on any node now" not in w] == []
     assert in_use() == 9
     assert Reservation.objects.get(name=WORKER_0).gang_key == ""
     assert fake.reads("Pod") == []  # not even looked for
@@ -854,5 +856,7 @@ def test_without_a_cluster_to_read_gangs_from_claims_are_decided_alone(
     team_of_16()
     assert service.gang_lookup() is None
     answer = admit(objects[WORKER_0])
-    assert answer["allowed"] and "warnings" not in answer
+    # No gang warning (the fixture's nodes are too small for its 8 GPUs now: counted all the same).
+    assert answer["allowed"]
+    assert [w for w in answer.get("warnings", []) if "on any node now" not in w] == []
     assert in_use() == 8

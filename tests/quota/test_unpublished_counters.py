@@ -13,6 +13,11 @@ admitted with a warning naming the pool and what it does not publish, counting n
 A set published by another slice of the same generation is published (the split layout of
 Kubernetes 1.35: counter sets in a slice of their own); one published only by an older
 generation is not. The pools are checked once per process and again when their slices change.
+
+The same `buildPool` first checks that no device name is published twice among the slices it
+gathered for the node (`validateDeviceNames`: "duplicate device name X") and no counter set
+name twice among the slices that publish counter sets (`getAndValidateCounterSets`: "duplicate
+counter set name X"): either makes the pool invalid as well, and is named first.
 """
 
 from __future__ import annotations
@@ -531,11 +536,11 @@ def test_an_all_request_refused_on_every_node_for_different_reasons(client: Clie
     answer = decide(client, claim("node", [every()]))
     assert answer["warnings"] == [
         cut(
-            'request "all" (allocationMode All) can never be allocated, and counts nothing on '
-            "quota rules: on each node with devices it matches, they are too many for one "
-            f"claim, overfill a shared counter set, or share the node with pool {NICS}/nics-1, "
-            "which the scheduler allocates nothing from: counter set 'nic-0-bandwidth' is "
-            "published by no slice of generation 1 (consumed by nic-0)"
+            'request "all" (allocationMode All) can never be allocated, counting nothing: pool '
+            f"{NICS}/nics-1, which the scheduler allocates nothing from: counter set "
+            "'nic-0-bandwidth' is published by no slice of generation 1 (consumed by nic-0). It "
+            "is on each node with devices it matches where they are not too many for one claim "
+            "nor overfill a shared counter set."
         )
     ]
     assert counts_nothing("node")
@@ -659,3 +664,150 @@ def test_the_recount_agrees_with_the_admission(client: Client) -> None:
     # "quarter" now holds a quarter, as "quarter-now" does; "node" still two GPUs (typo-1's
     # four quarters count one).
     assert (usage.recounted, usage.lines_differing) == (Decimal("4.5"), 1)
+
+
+# --- Names published twice: the scheduler's pool checks (`buildPool`) -------------------------
+
+
+def load_reported(*objects: dict[str, Any]) -> list[str]:
+    """Import, and what the sync reported (a duplicate device name is one error)."""
+    forget_fleet_shapes()
+    report = inventory_services.import_snapshot(
+        cluster=inventory_services.get_cluster("default"), objects=list(objects), at=AT
+    )
+    return report.errors
+
+
+def gpus_slice(name: str, pool: str, gpus: list[str], *, node: str, slices: int) -> dict[str, Any]:
+    """A slice `name` of `pool` on `node` publishing whole GPUs `gpus`, consuming no counters."""
+    published = device_slice(pool, {gpu: ("", GPU) for gpu in gpus}, node=node, slices=slices)
+    published["metadata"]["name"] = name
+    return published
+
+
+def test_a_device_name_published_twice_makes_the_pool_invalid(client: Client) -> None:
+    """dup-1's two slices both publish gpu-1: the scheduler says "duplicate device name
+    gpu-1" and allocates nothing from the pool, gpu-0 and gpu-2 included. A request for two
+    devices of the class can only be given whole-1's one, not two: it is counted as the most
+    two could (a node may yet join), with a warning naming the name and the slices. An All
+    request of the class is counted on whole-1, not on dup-1's node."""
+    errors = load_reported(
+        PARTS_CLASS,
+        gpus_slice("dup-1-a", "dup-1", ["gpu-0", "gpu-1"], node="dup-1", slices=2),
+        gpus_slice("dup-1-b", "dup-1", ["gpu-1", "gpu-2"], node="dup-1", slices=2),
+        whole_gpus("whole-1", 1),
+    )
+    assert len(errors) == 1  # the sync counts one gpu-1, and says so
+    parts_team()
+    answer = decide(client, claim("two", [exact(2)]))
+    assert answer["warnings"] == [
+        cut(
+            'request "gpu" cannot be allocated on any node now (a node that can may join), and '
+            "counts as the most its devices could: it asks for 2 devices, all given on one "
+            "node, and no node can give more than 1 of those it matches, not counting those of "
+            f"pool {PARTS}/dup-1, which "
+            "the scheduler allocates nothing from: device name 'gpu-1' is published more than "
+            "once in generation 1 (slices dup-1-a, dup-1-b)"
+        )
+    ]
+    assert reserved("two") == {"parts": Decimal(2)}
+    assert decide(client, claim("node", [every()]))["allowed"]
+    assert reserved("node") == {"parts": Decimal(1)}
+    cluster_id = inventory_services.get_cluster("default").pk
+    (pool,) = checks.invalid_pools(cluster_id=cluster_id)
+    assert (pool.pool, pool.check, pool.devices, pool.slices) == (
+        "dup-1",
+        checks.DUPLICATE_DEVICE,
+        ("gpu-1",),
+        ("dup-1-a", "dup-1-b"),
+    )
+
+
+def test_a_device_name_in_the_slices_of_two_nodes_is_no_duplicate_to_the_scheduler() -> None:
+    """The scheduler checks device names among the slices it gathers for one node: two slices
+    of one pool, each bound to its own node, that publish the same name make no invalid pool
+    (the sync still counts one of them, and says so)."""
+    errors = load_reported(
+        PARTS_CLASS,
+        gpus_slice("spread-a", "spread", ["gpu-0"], node="node-a", slices=2),
+        gpus_slice("spread-b", "spread", ["gpu-0"], node="node-b", slices=2),
+    )
+    assert len(errors) == 1
+    assert [w["check"] for w in checks.sync_warnings()] == [checks.DUPLICATE_DEVICE]
+    assert checks.invalid_pools(cluster_id=inventory_services.get_cluster("default").pk) == []
+
+
+def test_a_counter_set_published_twice_makes_the_pool_invalid(client: Client) -> None:
+    """Two slices of twice-1 publish 'gpu-0-counters': the scheduler says "duplicate counter
+    set name gpu-0-counters" and allocates nothing from the pool. The fleet report says so
+    too."""
+    load(
+        PARTS_CLASS,
+        counter_slice("twice-1-a", "twice-1", {"gpu-0-counters": GPU}, slices=3),
+        counter_slice("twice-1-b", "twice-1", {"gpu-0-counters": GPU}, slices=3),
+        device_slice("twice-1", quarters("gpu-0-counters"), node="twice-1", slices=3),
+    )
+    parts_team()
+    answer = decide(client, claim("quarter", [exact(1)]))
+    assert answer["warnings"] == [
+        cut(
+            'request "gpu" can never be allocated, and counts nothing on quota rules: it '
+            f"matches only devices of pool {PARTS}/twice-1, which the scheduler allocates "
+            "nothing from: counter set 'gpu-0-counters' is published more than once in "
+            "generation 1 (slices twice-1-a, twice-1-b)"
+        )
+    ]
+    assert counts_nothing("quarter")
+    assert [(w["check"], w["pool"], w["message"]) for w in checks.sync_warnings()] == [
+        (
+            checks.DUPLICATE_COUNTER_SET,
+            "twice-1",
+            f"pool {PARTS}/twice-1 generation 1: counter set 'gpu-0-counters' published more "
+            "than once (slices twice-1-a, twice-1-b); the scheduler allocates no device of the "
+            "pool",
+        )
+    ]
+
+
+def test_the_scheduler_names_a_duplicate_before_what_is_not_published() -> None:
+    """A pool with a device name published twice and a set no slice publishes: the duplicate
+    is named (the scheduler checks names first), the other problem counted."""
+    load_reported(
+        PARTS_CLASS,
+        counter_slice("both-1-counters", "both-1", {"gpu-0-counters": GPU}, slices=3),
+        gpus_slice("both-1-a", "both-1", ["gpu-9"], node="both-1", slices=3),
+        device_slice(
+            "both-1", {**quarters("gpu-0-countres"), "gpu-9": ("", GPU)}, node="both-1", slices=3
+        ),
+    )
+    (pool,) = checks.invalid_pools(cluster_id=inventory_services.get_cluster("default").pk)
+    assert pool.problem() == (
+        "device name 'gpu-9' is published more than once in generation 1 (slices both-1-a, "
+        f"both-1-{PARTS}-devices); 1 more problem"
+    )
+
+
+def test_a_pool_whose_duplicate_goes_is_counted_again(client: Client) -> None:
+    """The webhook's process checks a pool again when its slices change: a driver that stops
+    publishing a name twice makes the pool's devices count at the next snapshot, and one that
+    publishes a counter set twice makes them count no more."""
+    first = gpus_slice("fix-1-a", "fix-1", ["gpu-0", "gpu-1"], node="fix-1", slices=2)
+    second = gpus_slice("fix-1-b", "fix-1", ["gpu-1"], node="fix-1", slices=2)
+    load_reported(PARTS_CLASS, first, second)
+    parts_team()
+    assert decide(client, claim("before", [exact(1)]))["warnings"]
+    assert counts_nothing("before")
+
+    second = gpus_slice("fix-1-b", "fix-1", ["gpu-2"], node="fix-1", slices=2)
+    watch("MODIFIED", second, minutes=1)
+    answer = decide(client, claim("fixed", [exact(2)]))
+    assert answer["allowed"] and not answer.get("warnings"), answer
+    assert reserved("fixed") == {"parts": Decimal(2)}
+
+    counters = counter_slice("fix-1-b", "fix-1", {"gpu-0-counters": GPU, "gpu-1-counters": GPU})
+    counters["spec"]["sharedCounters"].append(dict(counters["spec"]["sharedCounters"][0]))
+    counters["spec"]["devices"] = []
+    watch("MODIFIED", counters, minutes=2)
+    (warning,) = decide(client, claim("broken", [exact(1)]))["warnings"]
+    assert "counter set 'gpu-0-counters' is published more than once" in warning
+    assert counts_nothing("broken")
