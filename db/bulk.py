@@ -1,4 +1,5 @@
-"""Many rows updated with one statement: `UPDATE ... FROM unnest(arrays)`.
+"""Many rows updated with one statement (`UPDATE ... FROM unnest(arrays)`), and many keys
+looked up with one parameter (`column = ANY(array)`, `AnyOf`).
 
 Django's `bulk_update` writes `CASE WHEN id = ... THEN ... END` per row and column, which
 PostgreSQL plans and evaluates row by row and column by column; for the inventory writer's
@@ -20,6 +21,11 @@ from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
 from django.db import DEFAULT_DB_ALIAS, connections, models
+from django.db.backends.base.base import BaseDatabaseWrapper
+from django.db.models import F, Lookup
+from django.db.models.sql.compiler import SQLCompiler
+
+from db.copy import json_rows
 
 ModelT = TypeVar("ModelT", bound=models.Model)
 
@@ -110,6 +116,30 @@ def update_instances(
         fields,
         [(instance.pk, *(getattr(instance, name) for name in attnames)) for instance in instances],
     )
+
+
+class AnyOf(Lookup):
+    """A filter on many values of one column, `Device.objects.filter(AnyOf("name", names),
+    cluster=cluster)`: `column = ANY(ARRAY(...))` of one JSON parameter (`db.copy.json_rows`),
+    the values' array, which PostgreSQL expands once and matches through the column's index.
+
+    Django's `name__in=names` writes one placeholder per value and prepares each on its own;
+    psycopg then splices each into the statement (it binds client-side, as Django has it),
+    too long a statement for its cache of parsed queries: ~2 ms of CPU for 400 uids. An array
+    parameter still quotes each element in Python (~0.6 ms); one JSON document, ~0.1 ms. The
+    values are what `json.dumps` writes as the column's values (ints, strings); none matches
+    nothing, as `__in=[]` does (but the query is sent)."""
+
+    lookup_name = "any_of"
+    prepare_rhs = False
+
+    def __init__(self, field: str, values: Iterable[Any]) -> None:
+        super().__init__(F(field), [[value] for value in values])
+
+    def as_sql(self, compiler: SQLCompiler, connection: BaseDatabaseWrapper) -> Any:
+        column, params = self.process_lhs(compiler, connection)
+        values = json_rows(_array_type(self.lhs.output_field))
+        return f"{column} = ANY(ARRAY({values}))", [*params, json.dumps(self.rhs)]
 
 
 def _field(model: type[models.Model], name: str) -> models.Field[Any, Any]:

@@ -15,7 +15,8 @@ the services read fields the client may not know yet, and keep what they do not 
 A claim's job is found by reading its owners (a Pod, its ReplicaSet or Job, see
 `inventory.owners`) with `OwnerReader`, before the transaction that writes the claim, once per
 claim in a batch; its gang (`inventory.gangs`) from the same Pod, read once, and the object
-that declares the gang, through the reader's `GangReader`. A claim such a read left
+that declares the gang, through the reader's `GangReader`. A watch reads them for the next
+batch while the one before it is written (`KindSync._follow_stream`). A claim such a read left
 unsettled (in no gang, its Pod gone) is read again on a later list or event when
 `RereadSchedule` says: 30 s later, then twice as long each time, up to 5 minutes.
 """
@@ -56,6 +57,7 @@ from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
 from config import metrics
+from db.bulk import AnyOf
 from inventory import gangs, owners, services
 from inventory.models import Cluster, ResourceClaim, SyncState
 
@@ -78,6 +80,8 @@ WATCH_BATCH_EVENTS = 500
 # server's stream with it.
 WATCH_READ_AHEAD = 4 * WATCH_BATCH_EVENTS
 JOIN_TIMEOUT_SECONDS = 10
+# How often a `take` waiting for the next event looks whether its reader was stopped.
+TAKE_POLL_SECONDS = 0.1
 
 
 @dataclass(frozen=True)
@@ -444,11 +448,7 @@ class KindSync:
             if stop.is_set():
                 return  # stopped while connecting: `interrupt` found nothing to cut
             reader.start()
-            while not stop.is_set():
-                batch = reader.take(WATCH_BATCH_EVENTS)
-                if not batch:
-                    break  # the server ended the watch
-                self._handle(batch)
+            self._follow_stream(reader, stop)
         finally:
             with self._response_lock:
                 self._response = None
@@ -459,11 +459,76 @@ class KindSync:
             response.close()
             response.release_conn()
 
-    def _handle(self, batch: list[_Received]) -> None:
-        """Apply a batch of events as read, in one transaction with the last resourceVersion
-        it brings (a bookmark's too); an ERROR event raises once those before it are applied."""
+    def _follow_stream(self, reader: _WatchReader, stop: threading.Event) -> None:
+        """Apply the stream's batches in order, each in a transaction of its own, until the
+        stream ends or `stop` is set.
+
+        Claims: while one batch is written, the next is taken from the stream and its claims'
+        owners and gangs read (`_prepare`) in a thread of its own, so that the API server
+        answers those reads while PostgreSQL takes the writes; once the batch before it has
+        committed, the events that arrived meanwhile join it (read then, the few of them), so
+        a batch holds what arrived while the one before it was written, as when each was read
+        and written in turn. Other kinds have nothing to read: each batch is taken once the
+        one before it has committed.
+
+        A batch is written only after the one before it committed. A claim whose Pod was read
+        for a batch that is not committed (the write before it or its own failed, or `stop`)
+        is read again when the watch brings it again (`_forget_reads`), as `_apply` does."""
+        ahead = self.kind == "ResourceClaim"
+        preparer = (
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"prepare-{self.kind}")
+            if ahead
+            else None
+        )
+        try:
+            ready = self._prepare(reader.take(WATCH_BATCH_EVENTS))
+            while not ready.ended and not stop.is_set():
+                upcoming = preparer.submit(self._take_and_prepare, reader) if preparer else None
+                try:
+                    self._commit(ready)
+                except BaseException:
+                    if upcoming is not None:
+                        # The next batch is not written now either: its preparing is told to
+                        # take nothing more (it may be waiting for events), and what it read
+                        # forgotten. A preparing that failed read no Pod: its database
+                        # queries come first.
+                        reader.stop()
+                        with contextlib.suppress(Exception):
+                            self._forget_reads(upcoming.result())
+                    self._forget_reads(ready)
+                    raise
+                if upcoming is None:
+                    ready = self._take_and_prepare(reader)
+                    continue
+                ready = upcoming.result()
+                room = WATCH_BATCH_EVENTS - len(ready.events)
+                if not ready.ended and ready.error is None and room > 0:
+                    try:
+                        arrived = reader.take(room, wait=False)
+                    except Exception as exc:  # what broke the stream: raised once it is written
+                        ready = dataclasses.replace(ready, error=exc)
+                    else:
+                        if arrived:
+                            ready = ready.joined(self._prepare(arrived))
+            self._forget_reads(ready)  # stopped with a batch prepared: not written
+        finally:
+            if preparer is not None:
+                # Nothing runs in the preparer by now. Its database connection is closed in
+                # its thread, as each loop closes its own.
+                preparer.submit(_close_connection)
+                preparer.shutdown(wait=True)
+
+    def _take_and_prepare(self, reader: _WatchReader) -> _Prepared:
+        return self._prepare(reader.take(WATCH_BATCH_EVENTS))
+
+    def _prepare(self, batch: list[_Received]) -> _Prepared:
+        """A batch as read, ready to write: its events (claims with their jobs and gangs,
+        `_with_owners`) and the last resourceVersion it brings (a bookmark's too). An ERROR
+        event ends it: the events before it are written, then its error raised. An empty
+        batch is the end of the stream."""
         events: list[services.WatchEvent] = []
         resource_version = ""
+        error: Exception | None = None
         for received in batch:
             event_type = received.event.get("type")
             obj = received.event.get("object")
@@ -471,11 +536,12 @@ class KindSync:
                 log.warning("%s: %s event without an object; skipped", self.kind, event_type)
                 continue
             if event_type == "ERROR":
-                self._apply(events, resource_version)
                 message = f"{obj.get('reason', '')}: {obj.get('message', '')}"
                 if obj.get("code") == HTTP_GONE:
-                    raise ResourceExpired(f"watch expired ({message})")
-                raise StreamError(f"ERROR event {obj.get('code')} ({message})")
+                    error = ResourceExpired(f"watch expired ({message})")
+                else:
+                    error = StreamError(f"ERROR event {obj.get('code')} ({message})")
+                break
             version = str((obj.get("metadata") or {}).get("resourceVersion") or "")
             if not version:
                 log.warning(
@@ -492,18 +558,43 @@ class KindSync:
                 resource_version = version
             else:
                 log.warning("%s: unknown watch event type %r; skipped", self.kind, event_type)
-        self._apply(events, resource_version)
+        if resource_version:
+            events = self._with_owners(events)
+        return _Prepared(
+            events=events, resource_version=resource_version, error=error, ended=not batch
+        )
+
+    def _commit(self, prepared: _Prepared) -> None:
+        """Write a prepared batch (`_write`), then raise the error that ended it, if any."""
+        self._write(prepared.events, prepared.resource_version)
+        if prepared.error is not None:
+            raise prepared.error
+
+    def _forget_reads(self, prepared: _Prepared) -> None:
+        """Forget when the claims of a batch that is not written were read (see
+        `_reread_unless_committed`)."""
+        for event in prepared.events:
+            if (uid := _uid(event.obj)) is not None:
+                self._rereads.forget(uid)
 
     def _apply(self, events: list[services.WatchEvent], resource_version: str) -> None:
+        """Follow the claims' owners (`_with_owners`), then write the events (`_write`): a
+        batch prepared and written in turn."""
+        if not resource_version:
+            return
+        events = self._with_owners(events)
+        with self._reread_unless_committed(event.obj for event in events):
+            self._write(events, resource_version)
+
+    def _write(self, events: list[services.WatchEvent], resource_version: str) -> None:
         """Apply `events` and store `resource_version` (the batch's last) in one transaction:
         after a crash, or a database error here, the watch resumes exactly after the last
         batch applied. An event the services choke on is logged and skipped, the others
         applied one by one."""
         if not resource_version:
             return
-        events = self._with_owners(events)
         # The events and the resourceVersion they bring commit together.
-        with self._reread_unless_committed(event.obj for event in events), transaction.atomic():
+        with transaction.atomic():
             try:
                 with transaction.atomic():
                     report = services.apply_watch_events(cluster=self.cluster, events=events)
@@ -695,8 +786,8 @@ class KindSync:
         for start in range(0, len(due), CLAIMS_PER_QUERY):
             found.update(
                 ResourceClaim.objects.filter(
+                    AnyOf("uid", due[start : start + CLAIMS_PER_QUERY]),
                     cluster=self.cluster,
-                    uid__in=due[start : start + CLAIMS_PER_QUERY],
                     gang__isnull=True,
                     released_at__isnull=True,
                 ).values_list("uid", flat=True)
@@ -981,6 +1072,12 @@ class RereadSchedule:
         self._claims.pop(uid, None)
 
 
+def _close_connection() -> None:
+    """Close the calling thread's database connection (`connection` names the caller's own
+    when it is used, not when a bound method of it is taken)."""
+    connection.close()
+
+
 def _uid(obj: dict[str, Any]) -> str | None:
     """An object's uid, None where it has none (or not as text)."""
     uid = (obj.get("metadata") or {}).get("uid")
@@ -1033,6 +1130,28 @@ class _Received:
 
 
 @dataclass(frozen=True)
+class _Prepared:
+    """A batch of watch events ready to write (`KindSync._prepare`)."""
+
+    events: list[services.WatchEvent]
+    # The batch's last resourceVersion; "" when it brought none (nothing to write).
+    resource_version: str
+    # What ended it (an ERROR event), raised once the events before it are written.
+    error: Exception | None
+    # The stream ended: nothing more comes from it.
+    ended: bool
+
+    def joined(self, later: _Prepared) -> _Prepared:
+        """This batch and `later`, prepared after it from the events that followed it."""
+        return _Prepared(
+            events=[*self.events, *later.events],
+            resource_version=later.resource_version or self.resource_version,
+            error=later.error,
+            ended=later.ended,
+        )
+
+
+@dataclass(frozen=True)
 class _StreamEnd:
     """The end of a watch stream: the server closed it (`error` None), or what broke it."""
 
@@ -1055,11 +1174,18 @@ class _WatchReader:
     def start(self) -> None:
         self._thread.start()
 
-    def take(self, limit: int) -> list[_Received]:
-        """The next events, at most `limit`: waits for one, then takes those already read
-        without waiting. [] once the server ended the stream; raises what broke it."""
+    def take(self, limit: int, *, wait: bool = True) -> list[_Received]:
+        """The next events, at most `limit`: waits for one (unless not `wait`: then [] when
+        none has arrived), then takes those already read without waiting. [] once the server
+        ended the stream, or once stopped; raises what broke it."""
         if self._end is None:
-            item = self._queue.get()
+            if wait:
+                item = self._first()
+            else:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    return []
             batch: list[_Received] = []
             while isinstance(item, _Received):
                 batch.append(item)
@@ -1076,9 +1202,22 @@ class _WatchReader:
             raise self._end.error
         return []
 
+    def _first(self) -> _Received | _StreamEnd:
+        """The next item, waiting for it; the end, without waiting for more, once stopped."""
+        while not self._closed.is_set():
+            try:
+                return self._queue.get(timeout=TAKE_POLL_SECONDS)
+            except queue.Empty:
+                continue
+        return _StreamEnd(None)
+
+    def stop(self) -> None:
+        """Take nothing more: a `take` waiting, or to come, returns []."""
+        self._closed.set()
+
     def close(self) -> None:
         """Stop reading (the caller closes the response, which ends a read under way)."""
-        self._closed.set()
+        self.stop()
         if self._thread.is_alive():
             self._thread.join(JOIN_TIMEOUT_SECONDS)
 

@@ -28,7 +28,7 @@ from django.db.models import (
     When,
 )
 
-from db.bulk import update_instances, update_rows
+from db.bulk import AnyOf, update_instances, update_rows
 from db.copy import bulk_insert
 from inventory import dra, owners, profiles
 from inventory.capacity import CapacityError, consumed_fraction
@@ -316,14 +316,14 @@ def _runs(cluster: Cluster, events: Sequence[WatchEvent], report: SyncReport) ->
     slice_pools: dict[str, tuple[str, str]] = {
         name: (driver, pool)
         for name, driver, pool in ResourceSlice.objects.filter(
-            cluster=cluster, gone_at__isnull=True, name__in=slice_names - {""}
+            AnyOf("name", slice_names - {""}), cluster=cluster, gone_at__isnull=True
         ).values_list("name", "driver", "pool")
     }
     claim_uids = {_claim_uid(event.obj) for event in events} - {""}
     claims: dict[str, _StoredClaim] = {
         uid: _StoredClaim(namespace, name, (gang_namespace, gang_key) if gang_key else None)
         for uid, namespace, name, gang_namespace, gang_key in ResourceClaim.objects.filter(
-            cluster=cluster, uid__in=claim_uids
+            AnyOf("uid", claim_uids), cluster=cluster
         ).values_list("uid", "namespace", "name", "gang__namespace", "gang__key")
     }
     stretch: list[tuple[WatchEvent, dra.Parsed | None, _Touches]] = []
@@ -519,7 +519,7 @@ def claims_to_follow(
     keys = list(candidates)
     for start in range(0, len(keys), _CLAIMS_PER_FLUSH):
         for uid, references, job in ResourceClaim.objects.filter(
-            cluster=cluster, uid__in=keys[start : start + _CLAIMS_PER_FLUSH]
+            AnyOf("uid", keys[start : start + _CLAIMS_PER_FLUSH]), cluster=cluster
         ).values_list("uid", "owner_references", "job"):
             if references == candidates[uid][1] and job not in ("", owners.own_job(references)):
                 del candidates[uid]
@@ -568,7 +568,7 @@ def _record_claim_gangs(
         claims = {
             uid: (pk, namespace, gang_id)
             for pk, uid, namespace, gang_id in ResourceClaim.objects.filter(
-                cluster=cluster, uid__in=batch
+                AnyOf("uid", batch), cluster=cluster
             ).values_list("pk", "uid", "namespace", "gang_id")
         }
         seen: dict[tuple[str, str], _GangSeen] = {}
@@ -586,7 +586,7 @@ def _record_claim_gangs(
             if gang_id != wanted:
                 moved[wanted].append(pk)
         for gang_id, claim_ids in moved.items():
-            ResourceClaim.objects.filter(pk__in=claim_ids).update(gang_id=gang_id)
+            ResourceClaim.objects.filter(AnyOf("pk", claim_ids)).update(gang_id=gang_id)
     return recorded
 
 
@@ -613,7 +613,7 @@ def _end_gangs(*, cluster: Cluster, ended_at: Expression, gang_ids: Collection[i
     member = ResourceClaim.objects.filter(gang=OuterRef("pk"))
     gangs = Gang.objects.filter(Exists(member), cluster=cluster, ended_at__isnull=True)
     if gang_ids is not None:
-        gangs = gangs.filter(pk__in=gang_ids)
+        gangs = gangs.filter(AnyOf("pk", gang_ids))
     return gangs.exclude(Exists(member.filter(released_at__isnull=True))).update(ended_at=ended_at)
 
 
@@ -649,7 +649,7 @@ def _gangs_of(cluster: Cluster, claim_uids: Collection[str]) -> dict[str, int]:
         return {}
     return dict(
         ResourceClaim.objects.filter(
-            cluster=cluster, uid__in=claim_uids, gang__isnull=False
+            AnyOf("uid", claim_uids), cluster=cluster, gang__isnull=False
         ).values_list("uid", "gang_id")
     )
 
@@ -857,7 +857,7 @@ class _Writer:
         self.nodes = []
         existing = {
             node.name: node
-            for node in Node.objects.filter(cluster=self.cluster, name__in=by_name).only(
+            for node in Node.objects.filter(AnyOf("name", by_name), cluster=self.cluster).only(
                 "pk", "name", "labels", "clique", "gone_at"
             )
         }
@@ -914,7 +914,7 @@ class _Writer:
         existing = {
             row["name"]: row
             for row in ResourceSlice.objects.filter(
-                cluster=self.cluster, gone_at__isnull=True, name__in=by_name
+                AnyOf("name", by_name), cluster=self.cluster, gone_at__isnull=True
             ).values(
                 "id", "name", "driver", "pool", "generation", "api_version", "generation_seen_at"
             )
@@ -927,7 +927,9 @@ class _Writer:
             if row["generation"] == by_name[name].generation
         ]
         stored_specs = (
-            dict(ResourceSlice.objects.filter(pk__in=same_generation).values_list("pk", "spec"))
+            dict(
+                ResourceSlice.objects.filter(AnyOf("pk", same_generation)).values_list("pk", "spec")
+            )
             if same_generation
             else {}
         )
@@ -996,10 +998,10 @@ class _Writer:
             in_hand[(parsed.driver, parsed.pool)].append(parsed)
         stored: dict[tuple[str, str], set[str]] = defaultdict(set)
         for driver, pool, name in ResourceSlice.objects.filter(
+            AnyOf("driver", {driver for driver, _ in in_hand}),
+            AnyOf("pool", {pool for _, pool in in_hand}),
             cluster=self.cluster,
             gone_at__isnull=True,
-            driver__in={driver for driver, _ in in_hand},
-            pool__in={pool for _, pool in in_hand},
         ).values_list("driver", "pool", "name"):
             stored[(driver, pool)].add(name)
         ready = {
@@ -1043,10 +1045,10 @@ class _Writer:
         wanted = set(pools)
         slices: dict[tuple[str, str], list[dra.ParsedSlice]] = defaultdict(list)
         for row in ResourceSlice.objects.filter(
+            AnyOf("driver", {d for d, _ in pools}),
+            AnyOf("pool", {p for _, p in pools}),
             cluster=self.cluster,
             gone_at__isnull=True,
-            driver__in={d for d, _ in pools},
-            pool__in={p for _, p in pools},
         ).values("name", "api_version", "spec"):
             parsed = dra.parse_object(
                 {
@@ -1068,22 +1070,23 @@ class _Writer:
     ) -> None:
         """Recount each pool from all its present slices: newest complete generation only."""
         wanted = set(pools)
-        pool_filter = Q(driver__in={d for d, _ in pools}, pool__in={p for _, p in pools})
+        drivers, pool_names = {d for d, _ in pools}, {p for _, p in pools}
         # The present devices as rows of the columns compared, not model instances: a slice
         # event recounts all of its pool's devices, and building each instance cost more than
         # reading it.
         existing: dict[tuple[str, str], dict[str, dict[str, Any]]] = defaultdict(dict)
         for device in Device.objects.filter(
-            pool_filter, cluster=self.cluster, gone_at__isnull=True
+            AnyOf("driver", drivers),
+            AnyOf("pool", pool_names),
+            cluster=self.cluster,
+            gone_at__isnull=True,
         ).values("pk", "driver", "pool", "name", *_DEVICE_FIELDS):
             if (device["driver"], device["pool"]) in wanted:
                 existing[(device["driver"], device["pool"])][device["name"]] = device
         pool_rows = {
             (row.driver, row.name): row
             for row in Pool.objects.filter(
-                cluster=self.cluster,
-                driver__in={d for d, _ in pools},
-                name__in={p for _, p in pools},
+                AnyOf("driver", drivers), AnyOf("name", pool_names), cluster=self.cluster
             )
         }
         new_devices: list[Device] = []
@@ -1195,12 +1198,12 @@ class _Writer:
         relinked = []
         if appeared:
             for allocation in Allocation.objects.filter(
+                AnyOf("driver", {driver for driver, _, _ in appeared}),
+                AnyOf("pool", {pool for _, pool, _ in appeared}),
+                AnyOf("device_name", {name for _, _, name in appeared}),
                 cluster=self.cluster,
                 end__isnull=True,
                 device__gone_at__isnull=False,
-                driver__in={driver for driver, _, _ in appeared},
-                pool__in={pool for _, pool, _ in appeared},
-                device_name__in={name for _, _, name in appeared},
             ).only("pk", "claim_id", "start", "driver", "pool", "device_name", "device_id"):
                 if (key := _device_key(allocation)) in appeared:
                     relinked.append(allocation)
@@ -1212,15 +1215,15 @@ class _Writer:
             present = {
                 (driver, pool, name): (pk, meter_id)
                 for pk, driver, pool, name, meter_id in Device.objects.filter(
+                    AnyOf("driver", {a.driver for a in relinked}),
+                    AnyOf("pool", {a.pool for a in relinked}),
+                    AnyOf("name", {a.device_name for a in relinked}),
                     cluster=self.cluster,
                     gone_at__isnull=True,
-                    driver__in={a.driver for a in relinked},
-                    pool__in={a.pool for a in relinked},
-                    name__in={a.device_name for a in relinked},
                 ).values_list("pk", "driver", "pool", "name", "meter_id")
             }
             gone_meters: dict[int | None, str] = dict(
-                Device.objects.filter(pk__in={a.device_id for a in relinked}).values_list(
+                Device.objects.filter(AnyOf("pk", {a.device_id for a in relinked})).values_list(
                     "pk", "meter_id"
                 )
             )
@@ -1238,7 +1241,7 @@ class _Writer:
             changes.extend(
                 (claim_id, max(start, renamed[device_id]))
                 for claim_id, start, device_id in Allocation.objects.filter(
-                    device_id__in=renamed, end__isnull=True
+                    AnyOf("device_id", renamed), end__isnull=True
                 ).values_list("claim_id", "start", "device_id")
             )
         if changes:
@@ -1310,7 +1313,7 @@ class _Writer:
                 DeviceShape.objects.bulk_create(new_shapes)
                 self.shape_ids.update(
                     DeviceShape.objects.filter(
-                        cluster=self.cluster, key__in=[s.key for s in new_shapes]
+                        AnyOf("key", [s.key for s in new_shapes]), cluster=self.cluster
                     ).values_list("key", "pk")
                 )
         return self.shape_ids
@@ -1320,7 +1323,7 @@ class _Writer:
         at the time `first_seen` gives each."""
         missing = set(first_seen) - self.node_ids.keys() - {""}
         if missing:
-            for row in Node.objects.filter(cluster=self.cluster, name__in=missing).values(
+            for row in Node.objects.filter(AnyOf("name", missing), cluster=self.cluster).values(
                 "id", "name"
             ):
                 self.node_ids[row["name"]] = row["id"]
@@ -1332,7 +1335,7 @@ class _Writer:
                 bulk_insert(Node, new_nodes)
                 self.report.created["Node"] += len(new_nodes)
                 for row in Node.objects.filter(
-                    cluster=self.cluster, name__in=[n.name for n in new_nodes]
+                    AnyOf("name", [n.name for n in new_nodes]), cluster=self.cluster
                 ).values("id", "name"):
                     self.node_ids[row["name"]] = row["id"]
         return self.node_ids
@@ -1346,13 +1349,13 @@ class _Writer:
         self.claims = []
         existing = {
             claim.uid: claim
-            for claim in ResourceClaim.objects.filter(cluster=self.cluster, uid__in=by_key)
+            for claim in ResourceClaim.objects.filter(AnyOf("uid", by_key), cluster=self.cluster)
         }
         # The open allocations' ids by claim and key: only which are still held is decided
         # here, so their other columns (JSON, decimals, times) are not read and decoded.
         open_allocations: dict[int, dict[tuple[str, ...], int]] = defaultdict(dict)
         for pk, claim_id, *key in Allocation.objects.filter(
-            claim__in=[c.pk for c in existing.values()], end__isnull=True
+            AnyOf("claim_id", [c.pk for c in existing.values()]), end__isnull=True
         ).values_list("pk", "claim_id", *_ALLOCATION_KEY_FIELDS):
             open_allocations[claim_id][tuple(key)] = pk
         claims_to_create = []
@@ -1406,7 +1409,7 @@ class _Writer:
         if claims_to_create:
             claim_ids.update(
                 ResourceClaim.objects.filter(
-                    cluster=self.cluster, uid__in=[claim.uid for claim in claims_to_create]
+                    AnyOf("uid", [claim.uid for claim in claims_to_create]), cluster=self.cluster
                 ).values_list("uid", "pk")
             )
         self.claims_written.update(claim_ids.values())
@@ -1559,7 +1562,7 @@ class _Writer:
         unfilled = {
             pk: (username, job)
             for pk, username, job in Allocation.objects.filter(
-                Q(username="") | Q(job=""), claim_id__in=claim_ids
+                Q(username="") | Q(job=""), AnyOf("claim_id", claim_ids)
             ).values_list("pk", "username", "job")
         }
         claims_changed.send(
@@ -1589,11 +1592,11 @@ class _Writer:
         devices = {
             (row["driver"], row["pool"], row["name"]): row
             for row in Device.objects.filter(
+                AnyOf("driver", {driver for driver, _, _ in wanted}),
+                AnyOf("pool", {pool for _, pool, _ in wanted}),
+                AnyOf("name", {name for _, _, name in wanted}),
                 cluster=self.cluster,
                 gone_at__isnull=True,
-                driver__in={driver for driver, _, _ in wanted},
-                pool__in={pool for _, pool, _ in wanted},
-                name__in={name for _, _, name in wanted},
             ).values("pk", "driver", "pool", "name", *_METERED_DEVICE_FIELDS)
             if (row["driver"], row["pool"], row["name"]) in wanted
         }
@@ -1603,7 +1606,7 @@ class _Writer:
             if allocation.consumed_capacity and (key := _device_key(allocation)) in devices
         }
         capacities = dict(
-            Device.objects.filter(pk__in=consuming).values_list("pk", "capacity")
+            Device.objects.filter(AnyOf("pk", consuming)).values_list("pk", "capacity")
             if consuming
             else ()
         )
@@ -1629,11 +1632,11 @@ class _Writer:
         unlinked = [
             allocation
             for allocation in Allocation.objects.filter(
+                AnyOf("driver", {driver for driver, _ in pools}),
+                AnyOf("pool", {pool for _, pool in pools}),
                 cluster=self.cluster,
                 device__isnull=True,
                 end__isnull=True,
-                driver__in={driver for driver, _ in pools},
-                pool__in={pool for _, pool in pools},
             ).only("pk", "claim_id", "start", "driver", "pool", "device_name", "consumed_capacity")
             if (allocation.driver, allocation.pool) in wanted
         ]
@@ -1659,21 +1662,21 @@ class _Writer:
             if kind == "ResourceClaim":
                 missing_claims = ResourceClaim.objects.filter(
                     cluster=self.cluster, released_at__isnull=True
-                ).exclude(uid__in=present)
+                ).exclude(AnyOf("uid", present))
                 self._release_claims(
                     dict.fromkeys(missing_claims.values_list("pk", flat=True), self.at)
                 )
             elif kind == "ResourceSlice":
                 missing = ResourceSlice.objects.filter(
                     cluster=self.cluster, gone_at__isnull=True
-                ).exclude(name__in=present)
+                ).exclude(AnyOf("name", present))
                 self.touched_pools |= set(missing.values_list("driver", "pool"))
                 self.report.gone[kind] += missing.update(gone_at=self.at)
             else:
                 model = {"Node": Node, "DeviceClass": DeviceClass}[kind]
                 missing_rows = model._default_manager.filter(
                     cluster=self.cluster, gone_at__isnull=True
-                ).exclude(name__in=present)
+                ).exclude(AnyOf("name", present))
                 self.report.gone[kind] += missing_rows.update(gone_at=self.at)
 
     def mark_deleted(self, kind: str, identity: str) -> None:
@@ -1698,7 +1701,7 @@ class _Writer:
             {
                 pk: self._stamp("ResourceClaim", uid)
                 for pk, uid in ResourceClaim.objects.filter(
-                    cluster=self.cluster, uid__in=keys, released_at__isnull=True
+                    AnyOf("uid", keys), cluster=self.cluster, released_at__isnull=True
                 ).values_list("pk", "uid")
             }
         )
@@ -1708,7 +1711,7 @@ class _Writer:
         if not released:
             return
         ending = dict(
-            Allocation.objects.filter(claim__in=released, end__isnull=True).values_list(
+            Allocation.objects.filter(AnyOf("claim_id", released), end__isnull=True).values_list(
                 "pk", "claim_id"
             )
         )
@@ -1802,7 +1805,9 @@ def _namespace_teams(namespaces: set[str]) -> dict[str, int]:
     if not namespaces:
         return {}
     return dict(
-        TeamNamespace.objects.filter(namespace__in=namespaces).values_list("namespace", "team_id")
+        TeamNamespace.objects.filter(AnyOf("namespace", namespaces)).values_list(
+            "namespace", "team_id"
+        )
     )
 
 
@@ -1815,7 +1820,9 @@ def _refine_allocation_jobs(refined: dict[int, tuple[str, str]]) -> None:
     if not refined:
         return
     changed = []
-    for allocation in Allocation.objects.filter(claim_id__in=refined).only("pk", "claim", "job"):
+    for allocation in Allocation.objects.filter(AnyOf("claim_id", refined)).only(
+        "pk", "claim", "job"
+    ):
         before, after = refined[allocation.claim_id]
         if allocation.job == before:
             allocation.job = after
@@ -1827,7 +1834,7 @@ def _fill_allocation_creators(creators: dict[int, str]) -> None:
     """Per claim id, the person its owners name: its allocations that name nobody are charged
     to that person (one that names someone keeps it: fixed when it started)."""
     changed = []
-    for allocation in Allocation.objects.filter(claim_id__in=creators, username="").only(
+    for allocation in Allocation.objects.filter(AnyOf("claim_id", creators), username="").only(
         "pk", "claim", "username"
     ):
         allocation.username = creators[allocation.claim_id]

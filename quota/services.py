@@ -40,6 +40,7 @@ from django.db import transaction
 from django.db.models import F, Q
 
 from config import metrics
+from db.bulk import AnyOf
 from db.locks import advisory_xact_lock
 from inventory.models import Allocation, Cluster, Gang, ResourceClaim
 from inventory.models import Unit as DeviceUnit
@@ -179,7 +180,7 @@ class _Counting:
 def _open_allocations(claim_ids: Iterable[int]) -> dict[int, list[Allocation]]:
     by_claim: dict[int, list[Allocation]] = defaultdict(list)
     for allocation in Allocation.objects.filter(
-        claim_id__in=list(claim_ids), end__isnull=True
+        AnyOf("claim_id", claim_ids), end__isnull=True
     ).select_related("device__shape"):
         by_claim[allocation.claim_id].append(allocation)
     return by_claim
@@ -355,44 +356,54 @@ def sync_reservations(*, cluster: Cluster, claim_ids: list[int], at: datetime) -
     no team owns holds nothing. A reservation admitted with no gang (its gang could not be read
     then) whose claim the sync has since found in a gang becomes that gang's member.
     """
-    claims = list(
-        ResourceClaim.objects.filter(pk__in=claim_ids, cluster=cluster)
-        .only(
-            "pk",
-            "namespace",
-            "name",
-            "uid",
-            "released_at",
-            "spec",
-            "api_version",
-            "owner_references",
-            "created_by",
-            "admitted_job",
-            "gang__key",
+    # Where each claim is first: most claims of a large import or watch batch concern no team,
+    # and they are skipped without reading (and decoding) their specs and owners.
+    named = list(
+        ResourceClaim.objects.filter(AnyOf("pk", claim_ids), cluster=cluster).values_list(
+            "pk", "namespace", "name"
         )
-        .select_related("gang")
     )
-    if not claims:
+    if not named:
         return
     with transaction.atomic():
         # Taken before reading who owns what, so a policy change that moves namespaces is
         # wholly before or after this (its recount then sees these claims).
         lock_usage(team_ids=())
         owners = dict(
-            TeamNamespace.objects.filter(namespace__in={c.namespace for c in claims}).values_list(
-                "namespace", "team_id"
-            )
+            TeamNamespace.objects.filter(
+                AnyOf("namespace", {namespace for _, namespace, _ in named})
+            ).values_list("namespace", "team_id")
         )
         live = {
             (namespace, name): team_id
             for namespace, name, team_id in Reservation.objects.filter(
-                cluster=cluster.name, name__in={c.name for c in claims}
+                AnyOf("name", {name for _, _, name in named}), cluster=cluster.name
             )
             .exclude(state=ReservationState.RELEASED)
             .values_list("namespace", "name", "team_id")
         }
-        # Most claims of a large import concern no team: skip them without a query each.
-        followed = [c for c in claims if c.namespace in owners or (c.namespace, c.name) in live]
+        concerned = [
+            pk for pk, namespace, name in named if namespace in owners or (namespace, name) in live
+        ]
+        if not concerned:
+            return
+        followed = list(
+            ResourceClaim.objects.filter(AnyOf("pk", concerned))
+            .only(
+                "pk",
+                "namespace",
+                "name",
+                "uid",
+                "released_at",
+                "spec",
+                "api_version",
+                "owner_references",
+                "created_by",
+                "admitted_job",
+                "gang__key",
+            )
+            .select_related("gang")
+        )
         teams = {owners.get(c.namespace) for c in followed} | {
             live.get((c.namespace, c.name)) for c in followed
         }
