@@ -45,6 +45,7 @@ from billing.models import (
 from billing.services import issue_agent_token
 from inventory.models import Device
 from teams.models import Team, TeamNamespace
+from tests.billing.test_mig_instance_spells import agent_of, migs
 from tests.factories import (
     AllocationFactory,
     ClusterFactory,
@@ -73,21 +74,6 @@ def ms(minute: float) -> int:
 @pytest.fixture
 def a100() -> Device:
     return DeviceFactory.create(node=NodeFactory.create(name=NODE), name="gpu-0", product_name=A100)
-
-
-def migs(parent: Device, count: int) -> list[Device]:
-    return [
-        MigDeviceFactory.create(
-            parent=parent, name=f"gpu-0-mig-1g5gb-19-{placement}", profile="1g.5gb"
-        )
-        for placement in range(count)
-    ]
-
-
-def agent_of(device: Device, node: str = NODE) -> AgentToken:
-    token = ingest.authenticate(issue_agent_token(cluster=device.cluster, node=node, actor="ops"))
-    assert token is not None
-    return token
 
 
 def nvml(device: Device, minute: float, instance: int) -> dict[str, Any]:
