@@ -40,7 +40,7 @@ from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from itertools import pairwise
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from django.db import connection
 from django.db.backends.utils import CursorWrapper
@@ -326,6 +326,16 @@ def record_instances(
     return _respell(cursor, {key: set(found) for key, found in points.items() if found})
 
 
+def _windows(keys: Sequence[tuple[Any, ...]], wanted: Mapping[Any, tuple[int, int]]) -> str:
+    """The JSON parameter of `_COVERING_SQL` and `_ANY_COVERING_SQL`: each of `keys` by its place,
+    its fields, and its instants `[lo, hi]` widened back by the hold (a spell that ended that
+    long before `lo` still covers it)."""
+    hold_ms = sample_hold_ms()
+    return json.dumps(
+        [[index, *key, wanted[key][0] - hold_ms, wanted[key][1]] for index, key in enumerate(keys)]
+    )
+
+
 def spells_covering(
     cursor: CursorWrapper, wanted: Mapping[InstanceKey, tuple[int, int]]
 ) -> dict[InstanceKey, list[tuple[int, int, str]]]:
@@ -334,18 +344,7 @@ def spells_covering(
     if not wanted:
         return {}
     keys = sorted(wanted)
-    hold_ms = sample_hold_ms()
-    cursor.execute(
-        _COVERING_SQL,
-        [
-            json.dumps(
-                [
-                    [index, *key, wanted[key][0] - hold_ms, wanted[key][1]]
-                    for index, key in enumerate(keys)
-                ]
-            )
-        ],
-    )
+    cursor.execute(_COVERING_SQL, [_windows(keys, wanted)])
     spells: dict[InstanceKey, list[tuple[int, int, str]]] = defaultdict(list)
     for index, first_ms, last_ms, meter_id in cursor.fetchall():
         spells[keys[index]].append((first_ms, last_ms, meter_id))
@@ -362,18 +361,7 @@ def spells_of_any_cluster(
     if not wanted:
         return {}
     triples = sorted(wanted)
-    hold_ms = sample_hold_ms()
-    cursor.execute(
-        _ANY_COVERING_SQL,
-        [
-            json.dumps(
-                [
-                    [index, *triple, wanted[triple][0] - hold_ms, wanted[triple][1]]
-                    for index, triple in enumerate(triples)
-                ]
-            )
-        ],
-    )
+    cursor.execute(_ANY_COVERING_SQL, [_windows(triples, wanted)])
     spells: dict[tuple[str, str, int], dict[int, list[tuple[int, int, str]]]] = defaultdict(
         lambda: defaultdict(list)
     )
