@@ -34,8 +34,7 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Callable
-from datetime import date, timedelta
-from decimal import Decimal
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -53,7 +52,6 @@ from billing.models import (
     DcgmInstance,
     DirtyHour,
     MigInstance,
-    RateCard,
     Sample,
     UnknownDeviceSample,
     UsageHour,
@@ -63,7 +61,6 @@ from billing.services import issue_agent_token
 from inventory import services as inventory_services
 from inventory.models import Device
 from quota.admission import shapes
-from teams.models import Team, TeamNamespace
 from tests.billing.test_dcgm_mig_adoption import (
     A100,
     NODE,
@@ -73,6 +70,7 @@ from tests.billing.test_dcgm_mig_adoption import (
     aside,
     at,
     dcgm,
+    held_and_priced,
     migs,
     ms,
     nvml,
@@ -82,7 +80,6 @@ from tests.billing.test_dcgm_mig_adoption import (
 )
 from tests.billing.test_ingest_dynamic_mig import load as load_dynamic
 from tests.factories import (
-    AllocationFactory,
     ClusterFactory,
     DeviceFactory,
     MigDeviceFactory,
@@ -336,22 +333,7 @@ def _billed_pair() -> tuple[Device, list[Device], AgentToken]:
     """The A100's two MIG devices, each held by a team's claim for two hours from T0, priced
     per 1g.5gb slice-hour with idle time at half."""
     gpu = make_a100()
-    devices = migs(gpu, 2)
-    team = Team.objects.create(slug="vision", name="Vision")
-    TeamNamespace.objects.create(team=team, namespace="vision")
-    for device in devices:
-        AllocationFactory.create(
-            device=device, team=team, start=T0, end=T0 + timedelta(hours=2),
-            claim__namespace="vision",
-        )  # fmt: skip
-    RateCard.objects.create(
-        product_name=A100,
-        profile="1g.5gb",
-        per_gpu_hour=Decimal("2.00"),
-        idle_factor=Decimal("0.5"),
-        currency="USD",
-        valid_from=date(2000, 1, 1),
-    )
+    devices, _ = held_and_priced(gpu)
     return gpu, devices, agent_of(gpu)
 
 

@@ -292,6 +292,10 @@ def test_an_id_reused_a_b_a_moves_the_readings_when_b_comes_last(a100: Device) -
 
 @pytest.fixture
 def billed(a100: Device) -> tuple[list[Device], Team]:
+    return held_and_priced(a100)
+
+
+def held_and_priced(a100: Device) -> tuple[list[Device], Team]:
     """The A, B, A instance's two MIG devices, each held by a claim of a team for two hours,
     with a price per 1g.5gb slice-hour and idle time priced at half."""
     team = Team.objects.create(slug="vision", name="Vision")
