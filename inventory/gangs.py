@@ -300,9 +300,26 @@ def gang_of_claim(claim: Mapping[str, Any], lookup: GangLookup) -> GangRef | Non
     A Pod kept by a `FreshLookup` that is not the claim's (another Pod of the same name, as a
     LeaderWorkerSet group or a StatefulSet makes on a restart) is read again.
     """
+    return read_gang_of_claim(claim, lookup).gang
+
+
+@dataclass(frozen=True)
+class GangRead:
+    """What reading a claim's gang found (`read_gang_of_claim`)."""
+
+    gang: GangRef | None
+    # Whether a later read can find nothing this one did not: a gang was found, or the
+    # claim's Pod was read and declares none whose object was missing. Not settled: the Pod
+    # could not be read (gone, a namesake, the API server failing), or the object it names
+    # as its gang's (a PodGroup, a JobSet, ...) could not be read (made after its Pods).
+    settled: bool
+
+
+def read_gang_of_claim(claim: Mapping[str, Any], lookup: GangLookup) -> GangRead:
+    """`gang_of_claim`, and whether another read later could find more (`GangRead`)."""
     where = claim_pod(claim)
     if where is None:
-        return None
+        return GangRead(gang=None, settled=True)
     wanted_uid = next(
         (
             _dict(reference).get("uid")
@@ -315,8 +332,25 @@ def gang_of_claim(claim: Mapping[str, Any], lookup: GangLookup) -> GangRef | Non
     if _is_other_pod(pod, wanted_uid) and isinstance(lookup, FreshLookup):
         pod = lookup.get_fresh(where[0], POD_API_VERSION, "Pod", where[1])
     if not isinstance(pod, dict) or _is_other_pod(pod, wanted_uid):
-        return None
-    return gang_of_pod(pod, lookup)
+        return GangRead(gang=None, settled=False)
+    watched = _MissesWatched(lookup)
+    found = gang_of_pod(pod, watched)
+    return GangRead(gang=found, settled=found is not None or not watched.missed)
+
+
+class _MissesWatched:
+    """A `GangLookup` through another that remembers whether an object asked for was not
+    there (or could not be read)."""
+
+    def __init__(self, lookup: GangLookup) -> None:
+        self._lookup = lookup
+        self.missed = False
+
+    def get(self, namespace: str, api_version: str, kind: str, name: str) -> dict[str, Any] | None:
+        found = self._lookup.get(namespace, api_version, kind, name)
+        if not isinstance(found, dict):
+            self.missed = True
+        return found
 
 
 def _is_other_pod(pod: Any, wanted_uid: Any) -> bool:

@@ -759,13 +759,13 @@ class KindSync:
         for uid, obj in by_uid.items():
             if uid in jobs or uid in again:
                 try:
-                    found = gangs.gang_of_claim(obj, reader.objects)
+                    read = gangs.read_gang_of_claim(obj, reader.objects)
                 except Exception:
                     log.exception("%s: could not read the gang of %s; skipped", self.kind, uid)
                     continue
-                claim_gangs[uid] = found
+                claim_gangs[uid] = read.gang
                 if gangs.claim_pod(obj) is not None:
-                    self._rereads.read(obj, now, settled=found is not None)
+                    self._rereads.read(obj, now, settled=read.settled)
         return jobs, claim_gangs
 
     def _gangless_due(
@@ -1007,13 +1007,16 @@ def _read_pods(reader: GangReader, claims: list[dict[str, Any]]) -> None:
 class RereadSchedule:
     """When the Pod of a claim is read again, once a read left the claim unsettled: its Pod
     unreadable (gone, forbidden, the API server failing), so its job not followed beyond it,
-    or the Pod in no gang (none declared, or the object that declares it not readable yet).
+    or the object the Pod names as its gang's not readable yet (`gangs.GangRead`). A Pod that
+    declares no gang is settled: its gang is not declared later, so it waits as long as one
+    in a gang (each claim of a gangless Pod read every 30 s at first cost a 100,000-GPU fleet
+    most of its Pod reads).
 
     Such a claim is due again `first_seconds` after the read, then each read that leaves it
-    unsettled doubles the wait, up to `max_seconds`; a claim with a new controller (a Pod
+    unsettled again doubles the wait, up to `max_seconds`; a claim with a new controller (a Pod
     recreated under the same name has a new uid) starts over, as does one this process has
-    not read. A claim settled (in a gang) waits `max_seconds`: only a claim whose job ends
-    at its own Pod is followed again then (`services.claims_to_follow`).
+    not read. A claim settled (in a gang, or its Pod in none) waits `max_seconds`: only a
+    claim whose job ends at its own Pod is followed again then (`services.claims_to_follow`).
 
     The read happens at the claim's next event or list once due, so a gang declared N after
     the claim was first read is found at its first event once N + min(N + first_seconds,
@@ -1033,8 +1036,8 @@ class RereadSchedule:
     ) -> None:
         self._first = first_seconds
         self._max = max(first_seconds, max_seconds)
-        # claim uid → (its controller when read, read at, wait)
-        self._claims: dict[str, tuple[tuple[str, ...] | None, float, float]] = {}
+        # claim uid → (its controller when read, read at, wait, whether that read settled it)
+        self._claims: dict[str, tuple[tuple[str, ...] | None, float, float, bool]] = {}
         self._prune_at = GANG_CACHE_ENTRIES
 
     def due(self, claim: dict[str, Any], now: float) -> bool:
@@ -1044,7 +1047,7 @@ class RereadSchedule:
         entry = self._claims.get(uid) if isinstance(uid, str) else None
         if entry is None:
             return True
-        owner, read_at, wait = entry
+        owner, read_at, wait, _ = entry
         return owner != _controller_key(metadata) or now - read_at >= wait
 
     def read(self, claim: dict[str, Any], now: float, *, settled: bool) -> None:
@@ -1057,11 +1060,11 @@ class RereadSchedule:
         entry = self._claims.get(uid)
         if settled:
             wait = self._max
-        elif entry is not None and entry[0] == owner:
+        elif entry is not None and entry[0] == owner and not entry[3]:
             wait = min(2 * entry[2], self._max)
         else:
             wait = self._first
-        self._claims[uid] = (owner, now, wait)
+        self._claims[uid] = (owner, now, wait, settled)
         if len(self._claims) > self._prune_at:
             self._claims = {
                 key: value for key, value in self._claims.items() if now - value[1] < 2 * self._max

@@ -57,6 +57,10 @@ def test_the_wait_doubles_up_to_its_bound_and_starts_over_for_a_new_pod() -> Non
     schedule.read(recreated, now + 31, settled=True)  # in a gang: read again at the bound
     assert not schedule.due(recreated, now + 330)
     assert schedule.due(recreated, now + 331)
+    # Unsettled after a settled read (its Pod now names a gang not made yet): the first wait.
+    schedule.read(recreated, now + 331, settled=False)
+    assert not schedule.due(recreated, now + 360)
+    assert schedule.due(recreated, now + 361)
 
     schedule.forget("claim-1")  # deleted
     assert schedule.due(recreated, now + 32)
@@ -146,6 +150,41 @@ def test_a_claim_whose_pod_is_gone_is_not_read_at_every_list(
     clock.now += 10
     loop.relist()
     assert pod_reads(fake) == 2
+
+
+@pytest.mark.django_db
+def test_a_claim_whose_pod_declares_no_gang_is_read_again_only_at_the_bound(
+    fake: FakeKube, api_client: Any, cluster: Cluster
+) -> None:
+    """Its gang cannot appear later, as a JobSet made after its Pods can: read at once, then
+    at the bound, as a claim in a gang is, where a Pod that names a JobSet not there yet is
+    read again 30 s later."""
+    objects = list(iter_objects(FIXTURES / "jobset.yaml"))
+    pod = copy.deepcopy(named(objects, POD))
+    pod["metadata"]["labels"] = {"app": "plain"}  # made by its Job, in no JobSet
+    serve(fake, [pod, *(obj for obj in objects if obj["kind"] not in ("JobSet", "Pod"))])
+    clock = Clock()
+    loop = claim_loop(api_client, cluster, clock)
+    loop.relist()
+    first_read = clock.now
+    assert pod_reads(fake) == 1
+    while clock.now - first_read < kube.GANG_REREAD_MAX_SECONDS - 15:
+        clock.now += 15
+        loop.relist()
+    assert pod_reads(fake) == 1  # never due in 5 minutes of lists every 15 s
+    clock.now += 15
+    loop.relist()
+    assert pod_reads(fake) == 2  # due at the bound
+    assert ResourceClaim.objects.get(name=CLAIM).gang is None
+
+    # The Pod as the JobSet's Job made it (its labels), the JobSet not made yet: due 30 s on.
+    fake.modify(named(objects, POD))
+    clock.now += kube.GANG_REREAD_MAX_SECONDS
+    loop.relist()
+    assert pod_reads(fake) == 3
+    clock.now += kube.GANG_REREAD_SECONDS
+    loop.relist()
+    assert pod_reads(fake) == 4
 
 
 # A watch batch the database fails ---------------------------------------------------------
