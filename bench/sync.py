@@ -162,6 +162,8 @@ def _run(args: argparse.Namespace, *, database: str) -> int:
         floor = _Floor(context, url, resource_version)
 
         api_client = kube.api_client(kubeconfig=str(kubeconfig))
+        rereads = _steady_rereads(random.Random(args.seed))
+        kube.RereadSchedule = rereads  # type: ignore[misc]  # the sync's loops make theirs
         stop = threading.Event()
         syncer = threading.Thread(
             target=kube.sync,
@@ -194,6 +196,7 @@ def _run(args: argparse.Namespace, *, database: str) -> int:
         cpu_meter = _CpuMeter(database)
         cpu_before = cpu_meter.sample()
         load_at_start = os.getloadavg()[0]
+        rereads.backdating = False
         control.send("produce")
         list_reads = control.recv()
         began_applying = time.monotonic()
@@ -238,12 +241,15 @@ def _run(args: argparse.Namespace, *, database: str) -> int:
         f"{_pct(floor_samples, 99):.2f} s, at the producer's end {floor_end_lag:.2f} s"
     )
     claim_changes = len(emitted.versions["ResourceClaim"])
+    steady = list_reads.get("Pod", 0) / kube.GANG_REREAD_MAX_SECONDS * args.seconds
     print(
         "reads from the API server: at the first list "
         + _reads_line(list_reads)
         + "; while measured "
         + _reads_line(run_reads)
-        + f" ({run_reads.get('Pod', 0) / max(claim_changes, 1):.3f} Pods a claim change)"
+        + f" ({run_reads.get('Pod', 0) / max(claim_changes, 1):.3f} Pods a claim change; "
+        f"~{steady:,.0f} Pods in {args.seconds} s in a steady state, each claim's Pod read "
+        f"once every {kube.GANG_REREAD_MAX_SECONDS:.0f} s)"
     )
     per_thousand = 1000 / max(applied_events, 1)
     print(
@@ -263,6 +269,26 @@ def _run(args: argparse.Namespace, *, database: str) -> int:
         f"(target <= {TARGET_LAG_SECONDS:.0f} s at {args.rate}/s offered)"
     )
     return 0 if verdict else 1
+
+
+def _steady_rereads(rng: random.Random) -> Any:
+    """The sync's schedule of Pod re-reads (`kube.RereadSchedule`) as in a syncer that has
+    run a while: each read while `backdating` (the first list) is dated back by a random share
+    of the wait it gets, so the claims come due spread over their waits, at the rate a
+    steady state reads them (each claim's Pod once per wait), and not all at once at the
+    list's time plus the wait, nor never within the run."""
+    from inventory import kube
+
+    class SteadyRereads(kube.RereadSchedule):
+        backdating = True
+
+        def read(self, claim: dict[str, Any], now: float, *, settled: bool) -> None:
+            if type(self).backdating:
+                wait = kube.GANG_REREAD_MAX_SECONDS if settled else kube.GANG_REREAD_SECONDS
+                now -= rng.uniform(0, wait)
+            super().read(claim, now, settled=settled)
+
+    return SteadyRereads
 
 
 def _wait_listed(cluster: Any, server: Any) -> bool:
