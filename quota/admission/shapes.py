@@ -18,6 +18,7 @@ changed since they were checked.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -205,6 +206,9 @@ class FleetShapes:
     cluster_id: int | None = None
     # The pools the scheduler allocates nothing from, as of this snapshot (`invalid_pools`).
     invalid: InvalidPools = field(default=NO_INVALID_POOLS, repr=False)
+    # Whether `invalid` is still to be found: a worker's first snapshot is served before its
+    # pools are checked (`fleet_shapes`), and the background refresher checks them.
+    pools_pending: bool = field(default=False, repr=False)
     _derived: dict[tuple[Any, ...], Any] = field(default_factory=dict, repr=False)
 
     def derived(self, key: tuple[Any, ...], compute: Callable[[], T]) -> T:
@@ -434,6 +438,13 @@ def fleet_shapes(*, cluster: Cluster) -> FleetShapes:
     setting is 0 (no snapshot may be served past due) or the caller is within a transaction
     (it may hold writes, to the fleet, that no other connection sees: tests, a sync that
     weighs claims).
+
+    The first load reads the counts (tens of milliseconds at 100,000 GPUs), not which pools
+    the scheduler allocates nothing from: checking every pool reads every slice and device
+    (1.4 s at 100,000 GPUs), longer than an admission may take, and cancelled at its deadline
+    it was tried again by every request, none of which was then answered. The background
+    refresher checks them at once; until it has (a worker's first second or two), the
+    snapshot counts the devices of such pools as any others (`FleetShapes.pools_pending`).
     """
     now = time.monotonic()
     cached = _cache.get(cluster.pk)
@@ -454,21 +465,30 @@ def fleet_shapes(*, cluster: Cluster) -> FleetShapes:
         if cached is not None and cached.version == version:
             cached.loaded_at = now
             return cached
-        fleet = refreshed(cached or FleetShapes(), cluster_id=cluster.pk, version=version)
+        synchronous = settings.TALLY_SHAPE_CACHE_SECONDS <= 0 or connection.in_atomic_block
+        fleet = refreshed(
+            cached or FleetShapes(),
+            cluster_id=cluster.pk,
+            version=version,
+            check_pools=synchronous,
+        )
         _keep(cluster.pk, fleet, loaded_at=now)
-        return fleet
+    if fleet.pools_pending:
+        refresher.start(refresh_due)
+    return fleet
 
 
 def refresh_due() -> None:
-    """Bring each cached snapshot that is due (TALLY_SHAPE_CACHE_SECONDS old) up to date: the
-    background refresher's work, on its own connection. A snapshot replaced or forgotten
-    meanwhile is left as it is; one that cannot be refreshed is served until the next try."""
+    """Bring each cached snapshot that is due (TALLY_SHAPE_CACHE_SECONDS old, or its pools not
+    checked yet) up to date: the background refresher's work, on its own connection. A
+    snapshot replaced or forgotten meanwhile is left as it is; one that cannot be refreshed is
+    served until the next try."""
     now = time.monotonic()
     with _cache_lock:
         due = [
             (cluster_id, fleet)
             for cluster_id, fleet in _cache.items()
-            if now - fleet.loaded_at >= settings.TALLY_SHAPE_CACHE_SECONDS
+            if fleet.pools_pending or now - fleet.loaded_at >= settings.TALLY_SHAPE_CACHE_SECONDS
         ]
     if not due:
         return
@@ -479,11 +499,12 @@ def refresh_due() -> None:
     for cluster_id, fleet in due:
         try:
             version = _fleet_version(cluster_id)
-            fresh = (
-                fleet
-                if version == fleet.version
-                else refreshed(fleet, cluster_id=cluster_id, version=version)
-            )
+            if version != fleet.version:
+                fresh = refreshed(fleet, cluster_id=cluster_id, version=version)
+            elif fleet.pools_pending:
+                fresh = with_pools_checked(fleet)
+            else:
+                fresh = fleet
         except Exception:
             log.exception("cluster %s: the fleet's shapes could not be refreshed", cluster_id)
             fresh = fleet  # tried again once due again
@@ -521,13 +542,16 @@ def load_fleet(*, cluster: Cluster, version: int | None = None) -> FleetShapes:
     return refreshed(FleetShapes(), cluster_id=cluster.pk, version=version)
 
 
-def refreshed(fleet: FleetShapes, *, cluster_id: int, version: int | None) -> FleetShapes:
+def refreshed(
+    fleet: FleetShapes, *, cluster_id: int, version: int | None, check_pools: bool = True
+) -> FleetShapes:
     """A new snapshot: `fleet` with the device counts changed since it was read applied
     (every count, when it was not read or was read within a transaction: see
     `FleetShapes.counted_as_of`), the shapes that appeared loaded, those no device has any
     more dropped, the device classes read again (a handful), and the pools the scheduler
-    allocates nothing from (`invalid_pools`). `fleet` is left as it was: requests may be
-    reading it."""
+    allocates nothing from (`invalid_pools`; without `check_pools`, left pending unless this
+    process has checked the cluster's pools before, when only those changed are checked).
+    `fleet` is left as it was: requests may be reading it."""
     if fleet.counted_as_of is None:
         fleet = FleetShapes()
     as_of, changes = _counts_since(cluster_id, fleet.counted_as_of)
@@ -591,8 +615,23 @@ def refreshed(fleet: FleetShapes, *, cluster_id: int, version: int | None) -> Fl
             "name", "selectors"
         )
     )
-    fresh.invalid = invalid_pools(cluster_id=cluster_id)
+    if check_pools or cluster_id in _pool_checks:
+        fresh.invalid = invalid_pools(cluster_id=cluster_id)
+    else:
+        fresh.pools_pending = True
     return fresh
+
+
+def with_pools_checked(fleet: FleetShapes) -> FleetShapes:
+    """`fleet` with its pending pools checked (`invalid_pools`): a new snapshot, what was
+    derived from the old one dropped (it weighed no pool as invalid)."""
+    assert fleet.cluster_id is not None  # read from the database: its pools can be checked
+    return dataclasses.replace(
+        fleet,
+        invalid=invalid_pools(cluster_id=fleet.cluster_id),
+        pools_pending=False,
+        _derived={},
+    )
 
 
 _COUNTS = NodeShapeCount._meta.db_table
@@ -862,6 +901,9 @@ def warm_up(*, cluster: Cluster, seconds: float) -> int:
     """
     deadline = time.monotonic() + seconds
     fleet = fleet_shapes(cluster=cluster)
+    if fleet.pools_pending:  # checked in the background: wait for it, not the first request
+        refresher.join(max(0.0, deadline - time.monotonic()))
+        fleet = fleet_shapes(cluster=cluster)
     expressions = {e for selectors in fleet.class_selectors.values() for e in selectors}
     expressions.update(
         QuotaRule.objects.exclude(selector="").values_list("selector", flat=True).distinct()

@@ -239,7 +239,10 @@ def test_a_due_snapshot_is_served_while_the_background_refresher_loads_the_next(
 ) -> None:
     settings.TALLY_SHAPE_CACHE_SECONDS = 10
     cluster = _cluster()
-    first = shapes.fleet_shapes(cluster=cluster)  # the first load: on this connection
+    shapes.fleet_shapes(cluster=cluster)  # the first load: on this connection
+    shapes.refresher.join(timeout=30)  # its pools checked in the background
+    first = shapes.fleet_shapes(cluster=cluster)
+    assert not first.pools_pending
     backends = _backends()
     _import([*fleet_objects(), _h200_node()])
     first.loaded_at -= 10  # due
