@@ -192,7 +192,7 @@ def _duplicates(where: SyncWarning, rows: list[dict[str, Any]]) -> list[SyncWarn
             DUPLICATE_DEVICE,
             repeated,
             f"{_devices(repeated)} published more than once (slices {', '.join(slices)}); "
-            "only one of each is counted",
+            "the scheduler allocates no device of the pool",
         )
     ]
 

@@ -136,7 +136,7 @@ def test_a_device_name_published_twice_in_a_pool_generation() -> None:
     assert found() == [("duplicate_device", "node-a", 1, ["gpu-1"])]
     assert messages() == [
         "pool gpu.example.com/node-a generation 1: device gpu-1 published more than once "
-        "(slices node-a-0, node-a-1); only one of each is counted"
+        "(slices node-a-0, node-a-1); the scheduler allocates no device of the pool"
     ]
     # The sync counted it once and said so for that run; the warning stays while it lasts.
     assert Device.objects.filter(pool="node-a", name="gpu-1").count() == 1
@@ -264,7 +264,7 @@ def test_sync_inventory_from_a_dump_warns_on_stderr_and_counts_in_its_summary(
         "warning: pool gpu.example.com/node-a generation 1: counter set 'gone', consumed by "
         "device gpu-0-half, is published by no slice",
         "warning: pool gpu.example.com/node-b generation 1: device gpu-0 published more than "
-        "once (slices node-b-0); only one of each is counted",
+        "once (slices node-b-0); the scheduler allocates no device of the pool",
         "warning: pool gpu.example.com/node-c: generation 1 is incomplete (1 of 3 slices seen); "
         "no generation of it is complete yet, so none of its devices are counted",
     ]
