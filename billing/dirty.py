@@ -68,9 +68,6 @@ def _dropped(starts: set[datetime], *, at: datetime) -> set[datetime]:
     return dropped
 
 
-IDS_PER_QUERY = 10_000  # well under PostgreSQL's 65,535 parameters a statement
-
-
 def mark_claims_dirty(*, claim_ids: list[int], at: datetime) -> None:
     """Mark every hour the claims' allocations span, so usage follows what the sync saw."""
     intervals = Allocation.objects.filter(AnyOf("claim_id", claim_ids)).values_list("start", "end")

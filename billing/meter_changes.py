@@ -32,10 +32,12 @@ from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
 from billing import prometheus
-from billing.dirty import IDS_PER_QUERY, mark_dirty, span_hours
+from billing.dirty import mark_dirty, span_hours
 from inventory.models import Allocation, Cluster
 
 log = logging.getLogger(__name__)
+# Devices a query names at most: well under PostgreSQL's 65,535 parameters a statement.
+IDS_PER_QUERY = 10_000
 
 
 def on_meters_changed(
