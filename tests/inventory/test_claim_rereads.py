@@ -152,6 +152,28 @@ def test_a_claim_whose_pod_is_gone_is_not_read_at_every_list(
     assert pod_reads(fake) == 2
 
 
+def plain_job() -> dict[str, Any]:
+    """The Job the fixture's Pod names as its controller, made by a CronJob, in no JobSet."""
+    return {
+        "apiVersion": "batch/v1",
+        "kind": "Job",
+        "metadata": {
+            "name": "train-workers-0",
+            "namespace": "ml",
+            "uid": "9d1e2f3a-0000-4000-8000-000000000010",
+            "ownerReferences": [
+                {
+                    "apiVersion": "batch/v1",
+                    "kind": "CronJob",
+                    "name": "nightly",
+                    "uid": "9d1e2f3a-0000-4000-8000-000000000020",
+                    "controller": True,
+                }
+            ],
+        },
+    }
+
+
 @pytest.mark.django_db
 def test_a_claim_whose_pod_declares_no_gang_is_read_again_only_at_the_bound(
     fake: FakeKube, api_client: Any, cluster: Cluster
@@ -162,7 +184,7 @@ def test_a_claim_whose_pod_declares_no_gang_is_read_again_only_at_the_bound(
     objects = list(iter_objects(FIXTURES / "jobset.yaml"))
     pod = copy.deepcopy(named(objects, POD))
     pod["metadata"]["labels"] = {"app": "plain"}  # made by its Job, in no JobSet
-    serve(fake, [pod, *(obj for obj in objects if obj["kind"] not in ("JobSet", "Pod"))])
+    serve(fake, [pod, plain_job(), *(o for o in objects if o["kind"] not in ("JobSet", "Pod"))])
     clock = Clock()
     loop = claim_loop(api_client, cluster, clock)
     loop.relist()
