@@ -24,6 +24,7 @@ from django.db.models import (
     F,
     OuterRef,
     Q,
+    QuerySet,
     Value,
     When,
 )
@@ -778,6 +779,10 @@ class _Writer:
         self.deleted_claims: list[str] = []
         # Batched: `claims_changed` is sent once, by `send_claims_changed`, not per write.
         self.pending: _ClaimChanges | None = _ClaimChanges() if batched else None
+        # Watch events (batched): a pool republished as it was stored but for its generation
+        # keeps its devices as counted, their generation moved (`_write_slices`). A list or
+        # import recounts every pool, so that a driver profile changed since applies.
+        self.carry_regenerated = batched
         self.claims_written: set[int] = set()
         self.slices: list[dra.ParsedSlice] = []
         # Slice name -> (driver, pool, generation, spec) of its first listing in this run: a
@@ -920,19 +925,22 @@ class _Writer:
             )
         }
         # A slice's spec, the largest thing stored of it, is read back only where its generation
-        # is the same: a new generation is a new spec (the spec holds it), written as it comes.
-        same_generation = [
+        # is the same, and, for watch events, where only the generation changed: a driver
+        # republishing a pool as it was (`carry_regenerated`).
+        compared = [
             row["id"]
             for name, row in existing.items()
             if row["generation"] == by_name[name].generation
+            or (self.carry_regenerated and row["api_version"] == by_name[name].api_version)
         ]
         stored_specs = (
-            dict(
-                ResourceSlice.objects.filter(AnyOf("pk", same_generation)).values_list("pk", "spec")
-            )
-            if same_generation
+            dict(ResourceSlice.objects.filter(AnyOf("pk", compared)).values_list("pk", "spec"))
+            if compared
             else {}
         )
+        # Slice name -> the generation it was stored at, for those republished unchanged under
+        # a new one.
+        regenerated: dict[str, int] = {}
         new_rows, changed_rows = [], []
         for parsed in by_name.values():
             self.touched_pools.add((parsed.driver, parsed.pool))
@@ -959,6 +967,14 @@ class _Writer:
             same_spec = (
                 old["generation"] == parsed.generation and stored_specs[old["id"]] == parsed.spec
             )
+            if (
+                old["generation"] != parsed.generation
+                and old["id"] in stored_specs
+                and old["driver"] == parsed.driver
+                and old["pool"] == parsed.pool
+                and _but_generation(stored_specs[old["id"]]) == _but_generation(parsed.spec)
+            ):
+                regenerated[parsed.name] = old["generation"]
             if not same_spec or old["api_version"] != parsed.api_version:
                 row.pk = old["id"]
                 if same_spec:  # stored again under another API version: the same contents
@@ -983,15 +999,19 @@ class _Writer:
         )
         self.report.created["ResourceSlice"] += len(new_rows)
         self.report.updated["ResourceSlice"] += len(changed_rows)
-        self._reconcile_pools_in_hand(list(by_name.values()))
+        self._reconcile_pools_in_hand(list(by_name.values()), regenerated)
         self.slices = []
         self.buffered_devices = 0
 
-    def _reconcile_pools_in_hand(self, written: list[dra.ParsedSlice]) -> None:
+    def _reconcile_pools_in_hand(
+        self, written: list[dra.ParsedSlice], regenerated: Mapping[str, int]
+    ) -> None:
         """Recount now the pools whose every stored slice was just written.
 
         That is the common case (a pool is one slice, or its slices arrive together) and saves
-        reading the slices back; other pools are recounted from storage at the end.
+        reading the slices back; other pools are recounted from storage at the end. A pool all
+        of whose slices were republished unchanged but for a new generation, from one stored
+        generation (`regenerated`), is carried: see `_reconcile_pools`.
         """
         in_hand: dict[tuple[str, str], list[dra.ParsedSlice]] = defaultdict(list)
         for parsed in written:
@@ -1009,10 +1029,19 @@ class _Writer:
             for key, slices in in_hand.items()
             if stored[key] == {parsed.name for parsed in slices} and key in self.touched_pools
         }
+        carried: dict[tuple[str, str], int] = {}
+        for key, slices in ready.items():
+            before = {regenerated.get(parsed.name) for parsed in slices}
+            if len(before) == 1 and (generation := before.pop()) is not None:
+                carried[key] = generation
         pools = sorted(ready)
         for start in range(0, len(pools), _POOLS_PER_RECONCILE):
             batch = pools[start : start + _POOLS_PER_RECONCILE]
-            self._reconcile_pools(batch, {key: ready[key] for key in batch})
+            self._reconcile_pools(
+                batch,
+                {key: ready[key] for key in batch},
+                carried={key: carried[key] for key in batch if key in carried},
+            )
         self.touched_pools -= ready.keys()
         self.linkable_pools |= ready.keys()
 
@@ -1067,32 +1096,56 @@ class _Writer:
         self,
         pools: list[tuple[str, str]],
         slices: dict[tuple[str, str], list[dra.ParsedSlice]],
+        *,
+        carried: Mapping[tuple[str, str], int] | None = None,
     ) -> None:
-        """Recount each pool from all its present slices: newest complete generation only."""
+        """Recount each pool from all its present slices: newest complete generation only.
+
+        A pool in `carried` (its slices all republished unchanged but for the generation, all
+        stored at the generation given) that was counted at that generation, complete, and is
+        complete at the new one, is not counted again: its devices are what counting its
+        slices would give, but for their generation, which is moved. Counting it read and
+        compared every column of every device (their JSON decoded), most of a slice event's
+        time when a driver republishes its pools unchanged."""
+        carried = carried or {}
         wanted = set(pools)
         drivers, pool_names = {d for d, _ in pools}, {p for _, p in pools}
-        # The present devices as rows of the columns compared, not model instances: a slice
-        # event recounts all of its pool's devices, and building each instance cost more than
-        # reading it.
-        existing: dict[tuple[str, str], dict[str, dict[str, Any]]] = defaultdict(dict)
-        for device in Device.objects.filter(
-            AnyOf("driver", drivers),
-            AnyOf("pool", pool_names),
-            cluster=self.cluster,
-            gone_at__isnull=True,
-        ).values("pk", "driver", "pool", "name", *_DEVICE_FIELDS):
-            if (device["driver"], device["pool"]) in wanted:
-                existing[(device["driver"], device["pool"])][device["name"]] = device
         pool_rows = {
             (row.driver, row.name): row
             for row in Pool.objects.filter(
                 AnyOf("driver", drivers), AnyOf("name", pool_names), cluster=self.cluster
             )
         }
+        carry = {
+            key
+            for key, generation in carried.items()
+            if (row := pool_rows.get(key)) is not None
+            and row.complete
+            and row.counted_generation == row.newest_generation == generation
+        }
+        # The present devices as rows of the columns compared, not model instances: a slice
+        # event recounts all of its pool's devices, and building each instance cost more than
+        # reading it. Of a carried pool, only which they are.
+        existing: dict[tuple[str, str], dict[str, dict[str, Any]]] = defaultdict(dict)
+        counted = wanted - carry
+        if counted:
+            for device in self._present_devices(counted).values(
+                "pk", "driver", "pool", "name", *_DEVICE_FIELDS
+            ):
+                if (device["driver"], device["pool"]) in counted:
+                    existing[(device["driver"], device["pool"])][device["name"]] = device
+        kept: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
+        if carry:
+            for pk, driver, pool_name, generation in self._present_devices(carry).values_list(
+                "pk", "driver", "pool", "pool_generation"
+            ):
+                if (driver, pool_name) in carry:
+                    kept[(driver, pool_name)].append((pk, generation))
         new_devices: list[Device] = []
         # (id, value, ...) of the devices changed, by the columns that changed.
         changed_devices: dict[tuple[str, ...], list[tuple[Any, ...]]] = defaultdict(list)
         counted_pools: list[tuple[Pool, dict[str, dra.CountedDevice]]] = []
+        moved_generation: list[tuple[int, int]] = []  # (device id, generation) of carried pools
         for key in pools:
             driver, pool_name = key
             pool_slices = slices.get(key, [])
@@ -1112,7 +1165,12 @@ class _Writer:
                 counted_pools.append((pool_row, {}))
             elif pool_row.complete:
                 pool_row.counted_generation = newest
-                counted_pools.append((pool_row, self._count(driver, pool_name, at_newest)))
+                if key in carry:
+                    moved_generation.extend(
+                        (pk, newest) for pk, generation in kept[key] if generation != newest
+                    )
+                else:
+                    counted_pools.append((pool_row, self._count(driver, pool_name, at_newest)))
             # else: the newest generation is incomplete; keep counting the last complete one.
         known_pools = [row for row in pool_rows.values() if row.pk is not None]
         Pool.objects.bulk_create([row for row in pool_rows.values() if row.pk is None])
@@ -1175,11 +1233,24 @@ class _Writer:
         # its devices, and an UPDATE of every column would send all of them for each device.
         for columns, rows in changed_devices.items():
             update_rows(Device, columns, rows)
+        update_rows(Device, ["pool_generation"], moved_generation)
         update_rows(Device, ["gone_at"], gone.items())
         self.report.created["Device"] += len(new_devices)
         self.report.updated["Device"] += sum(map(len, changed_devices.values()))
+        self.report.updated["Device"] += len(moved_generation)
         self.report.gone["Device"] += len(gone)
         self._follow_meter_changes(renamed, appeared)
+
+    def _present_devices(self, pools: Iterable[tuple[str, str]]) -> QuerySet[Device]:
+        """The cluster's present devices of these drivers and pool names (a superset of the
+        pools': filter by pair)."""
+        pools = list(pools)
+        return Device.objects.filter(
+            AnyOf("driver", {driver for driver, _ in pools}),
+            AnyOf("pool", {pool for _, pool in pools}),
+            cluster=self.cluster,
+            gone_at__isnull=True,
+        )
 
     def _follow_meter_changes(
         self, renamed: Mapping[int, datetime], appeared: Mapping[tuple[str, str, str], datetime]
@@ -1749,6 +1820,13 @@ _DEVICE_FIELDS = (
     "cuda_driver_version",
     "cuda_compute_capability",
 )
+
+
+def _but_generation(spec: Any) -> Any:
+    """A slice's spec without its pool's generation: what its devices are counted from."""
+    if not isinstance(spec, dict) or not isinstance(spec.get("pool"), dict):
+        return spec
+    return {**spec, "pool": {k: v for k, v in spec["pool"].items() if k != "generation"}}
 
 
 def _device_fields(
