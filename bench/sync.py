@@ -21,7 +21,9 @@ syncer holds none of them, and here each full garbage collection walked them). T
    every claim's owners and gang as a syncer does at its start (timed, not measured as lag),
    then watches. Once both kinds watch, a producer changes objects at `--rate` a second for
    `--seconds`: 80% claims (released, or allocated again to the device they held), 20%
-   slices (the pool's generation bumped, its devices unchanged).
+   slices (the pool's generation bumped, its devices unchanged; with `--device-changes F`, a
+   share F of them also change an attribute of one device, as a health or firmware change
+   republishes it).
 2. **Floor**: at the same time, in a third process, a reader of the same two watches through
    the same client that only decodes each event (no database): how far behind the stream
    alone falls.
@@ -88,11 +90,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=int, default=1000, help="changes offered a second")
     parser.add_argument("--seconds", type=int, default=30, help="how long changes are offered")
     parser.add_argument("--drain", type=int, default=120, help="seconds allowed to catch up")
+    parser.add_argument(
+        "--device-changes",
+        type=float,
+        default=0.0,
+        help="share of the slice changes that also change a device (0 to 1)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--keep", action="store_true", help="keep the database")
     args = parser.parse_args(argv)
     if args.devices < 8 or args.rate < 1 or args.seconds < 1:
         parser.error("--devices at least 8, --rate and --seconds positive")
+    if not 0 <= args.device_changes <= 1:
+        parser.error("--device-changes is a share, from 0 to 1")
     with fresh_database(parser, DEFAULT_URL, keep=args.keep) as url:
         return _run(args, database=_database_name(url))
 
@@ -146,7 +156,11 @@ def _run(args: argparse.Namespace, *, database: str) -> int:
         server = context.Process(
             target=_serve,
             args=(server_end, kubeconfig, changes, [*slices, *claims, *owned], allocated, slices),
-            kwargs={"seed": args.seed, "rate": args.rate},
+            kwargs={
+                "seed": args.seed,
+                "rate": args.rate,
+                "device_changes": args.device_changes,
+            },
             name="fake-kube",
             daemon=True,
         )
@@ -220,7 +234,10 @@ def _run(args: argparse.Namespace, *, database: str) -> int:
 
     offered = emitted.count / args.seconds
     applied_events = sum(after.values()) - sum(before.values())
-    print(f"offered: {emitted.count:,} changes in {args.seconds} s ({offered:,.0f}/s)")
+    print(
+        f"offered: {emitted.count:,} changes in {args.seconds} s ({offered:,.0f}/s; "
+        f"{args.device_changes:.0%} of the slice changes change a device)"
+    )
     print(
         "applied by kind: "
         + ", ".join(
@@ -392,6 +409,7 @@ def _serve(
     *,
     seed: int,
     rate: int,
+    device_changes: float,
 ) -> None:
     """The API server's process: load `served`, answer the sync, produce the changes when
     told, and report the owner reads made before and since."""
@@ -407,7 +425,7 @@ def _serve(
         control.recv()  # the sync has listed
         listed = _owner_reads(fake)
         control.send(listed)
-        _produce(fake, claims, slices, changes, seed=seed, rate=rate)
+        _produce(fake, claims, slices, changes, seed=seed, rate=rate, device_changes=device_changes)
         control.recv()  # measured
         since = _owner_reads(fake)
         control.send({kind: since[kind] - listed[kind] for kind in OWNER_KINDS})
@@ -425,6 +443,7 @@ def _produce(
     *,
     seed: int,
     rate: int,
+    device_changes: float = 0.0,
 ) -> None:
     rng = random.Random(f"{seed}/changes")
     held = {i: True for i in range(len(claims))}
@@ -453,6 +472,10 @@ def _produce(
             i = rng.randrange(len(slices))
             piece = copy.deepcopy(slices[i])
             piece["spec"]["pool"]["generation"] = piece["spec"]["pool"].get("generation", 0) + 1
+            if device_changes and rng.random() < device_changes and piece["spec"].get("devices"):
+                device = rng.choice(piece["spec"]["devices"])
+                attributes = device.setdefault("attributes", {})
+                attributes["bench.tally.dev/revision"] = {"int": n}
             slices[i] = piece
             changes.record(n, "ResourceSlice", int(fake.modify(piece)))
 
