@@ -1127,12 +1127,12 @@ class _Writer:
         # event recounts all of its pool's devices, and building each instance cost more than
         # reading it. Of a carried pool, only which they are.
         existing: dict[tuple[str, str], dict[str, dict[str, Any]]] = defaultdict(dict)
-        counted = wanted - carry
-        if counted:
-            for device in self._present_devices(counted).values(
+        recounted = wanted - carry
+        if recounted:
+            for device in self._present_devices(recounted).values(
                 "pk", "driver", "pool", "name", *_DEVICE_FIELDS
             ):
-                if (device["driver"], device["pool"]) in counted:
+                if (device["driver"], device["pool"]) in recounted:
                     existing[(device["driver"], device["pool"])][device["name"]] = device
         kept: dict[tuple[str, str], list[tuple[int, int]]] = defaultdict(list)
         if carry:
@@ -1165,7 +1165,7 @@ class _Writer:
                 counted_pools.append((pool_row, {}))
             elif pool_row.complete:
                 pool_row.counted_generation = newest
-                if key in carry:
+                if key in carry and newest is not None:
                     moved_generation.extend(
                         (pk, newest) for pk, generation in kept[key] if generation != newest
                     )

@@ -134,7 +134,7 @@ def test_any_mix_of_republished_and_changed_pools_leaves_what_a_list_counts(
         assert services.import_snapshot(cluster=cluster, objects=objects, at=AT).errors == []
         STATE.clear()
         STATE.update(slices_of(objects))
-        events = []
+        events: list[services.WatchEvent] = []
         for n, (step, pick) in enumerate(steps):
             names = sorted(STATE)
             name = names[pick % len(names)]
