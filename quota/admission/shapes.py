@@ -443,9 +443,19 @@ def fleet_shapes(*, cluster: Cluster) -> FleetShapes:
     the scheduler allocates nothing from: checking every pool reads every slice and device
     (1.4 s at 100,000 GPUs), longer than an admission may take, and cancelled at its deadline
     it was tried again by every request, none of which was then answered. The background
-    refresher checks them at once; until it has (a worker's first second or two), the
-    snapshot counts the devices of such pools as any others (`FleetShapes.pools_pending`).
+    refresher checks them (started by each request served a snapshot still pending, until
+    one is not); until it has (a worker's first second or two), the snapshot counts the
+    devices of such pools as any others (`FleetShapes.pools_pending`). Behind a transaction
+    pooler (`DATABASE_TRANSACTION_POOLING`) every admission is a transaction of its own, which
+    holds no writes to the fleet: its pools are checked in the background too.
     """
+    fleet = _fleet_shapes(cluster)
+    if fleet.pools_pending and settings.TALLY_SHAPE_CACHE_SECONDS > 0:
+        refresher.start(refresh_due)
+    return fleet
+
+
+def _fleet_shapes(cluster: Cluster) -> FleetShapes:
     now = time.monotonic()
     cached = _cache.get(cluster.pk)
     if cached is not None and now - cached.loaded_at < settings.TALLY_SHAPE_CACHE_SECONDS:
@@ -465,16 +475,14 @@ def fleet_shapes(*, cluster: Cluster) -> FleetShapes:
         if cached is not None and cached.version == version:
             cached.loaded_at = now
             return cached
-        synchronous = settings.TALLY_SHAPE_CACHE_SECONDS <= 0 or connection.in_atomic_block
         fleet = refreshed(
             cached or FleetShapes(),
             cluster_id=cluster.pk,
             version=version,
-            check_pools=synchronous,
+            check_pools=settings.TALLY_SHAPE_CACHE_SECONDS <= 0
+            or (connection.in_atomic_block and not settings.DATABASE_TRANSACTION_POOLING),
         )
         _keep(cluster.pk, fleet, loaded_at=now)
-    if fleet.pools_pending:
-        refresher.start(refresh_due)
     return fleet
 
 
@@ -901,7 +909,9 @@ def warm_up(*, cluster: Cluster, seconds: float) -> int:
     """
     deadline = time.monotonic() + seconds
     fleet = fleet_shapes(cluster=cluster)
-    if fleet.pools_pending:  # checked in the background: wait for it, not the first request
+    # Its pools are checked in the background: wait for that, not the first request (the
+    # refresher may have been busy with another snapshot when this one was made).
+    while fleet.pools_pending and time.monotonic() < deadline:
         refresher.join(max(0.0, deadline - time.monotonic()))
         fleet = fleet_shapes(cluster=cluster)
     expressions = {e for selectors in fleet.class_selectors.values() for e in selectors}

@@ -22,12 +22,13 @@ counter set name X"): either makes the pool invalid as well, and is named first.
 
 from __future__ import annotations
 
+import threading
 from datetime import timedelta
 from decimal import Decimal
 from typing import Any
 
 import pytest
-from django.db import connection
+from django.db import connection, transaction
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
@@ -652,6 +653,58 @@ def test_a_workers_first_snapshot_checks_its_pools_off_the_request_path(settings
         assert not warmed.pools_pending
         assert [pool.pool for pool in warmed.invalid.pools] == ["typo-1"]
     finally:
+        shapes.refresher.join(timeout=30)
+        forget_fleet_shapes()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_behind_a_transaction_pooler_an_admission_leaves_the_pools_to_the_background(
+    settings: Any,
+) -> None:
+    """Every admission is a transaction of its own there, holding no writes to the fleet: its
+    first snapshot does not check the pools on the request path either."""
+    settings.TALLY_SHAPE_CACHE_SECONDS = 10
+    settings.DATABASE_TRANSACTION_POOLING = True
+    load(PARTS_CLASS, *partitioned("typo-1", "gpu-0-counters", "gpu-0-countres"))
+    cluster = inventory_services.get_cluster("default")
+    try:
+        with transaction.atomic(), CaptureQueriesContext(connection) as queries:
+            first = shapes.fleet_shapes(cluster=cluster)
+        assert first.pools_pending
+        assert not any("jsonb_path_query_array" in query["sql"] for query in queries)
+        shapes.refresher.join(timeout=30)
+        checked = shapes.fleet_shapes(cluster=cluster)
+        assert [pool.pool for pool in checked.invalid.pools] == ["typo-1"]
+    finally:
+        shapes.refresher.join(timeout=30)
+        forget_fleet_shapes()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_snapshot_made_while_the_refresher_is_busy_is_checked_at_the_next_request(
+    settings: Any,
+) -> None:
+    settings.TALLY_SHAPE_CACHE_SECONDS = 10
+    load(PARTS_CLASS, *partitioned("typo-1", "gpu-0-counters", "gpu-0-countres"))
+    cluster = inventory_services.get_cluster("default")
+    release = threading.Event()
+    try:
+
+        def busy() -> None:  # other work the refresher is doing
+            release.wait(10)
+
+        assert shapes.refresher.start(busy)
+        first = shapes.fleet_shapes(cluster=cluster)
+        assert first.pools_pending
+        release.set()
+        shapes.refresher.join(timeout=30)
+        assert shapes.fleet_shapes(cluster=cluster) is first  # still pending: starts a check
+        shapes.refresher.join(timeout=30)
+        checked = shapes.fleet_shapes(cluster=cluster)
+        assert not checked.pools_pending
+        assert [pool.pool for pool in checked.invalid.pools] == ["typo-1"]
+    finally:
+        release.set()
         shapes.refresher.join(timeout=30)
         forget_fleet_shapes()
 
