@@ -339,17 +339,23 @@ def read_gang_of_claim(claim: Mapping[str, Any], lookup: GangLookup) -> GangRead
 
 
 class _MissesWatched:
-    """A `GangLookup` through another that remembers whether an object asked for was not
-    there (or could not be read)."""
+    """A `GangLookup` through another that remembers the objects asked for that were not
+    there (or could not be read) in any API version asked: a PodGroup is asked for in each
+    version the scheduler has served, and a cluster serves one."""
 
     def __init__(self, lookup: GangLookup) -> None:
         self._lookup = lookup
-        self.missed = False
+        self._missing: set[tuple[str, str, str]] = set()
+        self._found: set[tuple[str, str, str]] = set()
+
+    @property
+    def missed(self) -> bool:
+        return bool(self._missing - self._found)
 
     def get(self, namespace: str, api_version: str, kind: str, name: str) -> dict[str, Any] | None:
         found = self._lookup.get(namespace, api_version, kind, name)
-        if not isinstance(found, dict):
-            self.missed = True
+        key = (api_group(api_version), kind, name)
+        (self._found if isinstance(found, dict) else self._missing).add(key)
         return found
 
 

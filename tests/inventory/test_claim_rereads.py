@@ -13,7 +13,7 @@ import pytest
 from django.db import OperationalError
 from django.utils import timezone
 
-from inventory import kube, services
+from inventory import gangs, kube, services
 from inventory.dumps import iter_objects
 from inventory.models import Cluster, ResourceClaim
 from tests.fake_kube import FakeKube
@@ -64,6 +64,45 @@ def test_the_wait_doubles_up_to_its_bound_and_starts_over_for_a_new_pod() -> Non
 
     schedule.forget("claim-1")  # deleted
     assert schedule.due(recreated, now + 32)
+
+
+class Objects:
+    """A lookup of the objects given, by API version, kind and name; None for the others."""
+
+    def __init__(self, *objects: dict[str, Any]) -> None:
+        self._objects = {
+            (obj["apiVersion"], obj["kind"], obj["metadata"]["name"]): obj for obj in objects
+        }
+
+    def get(self, namespace: str, api_version: str, kind: str, name: str) -> dict[str, Any] | None:
+        return self._objects.get((api_version, kind, name))
+
+
+def test_a_pod_group_served_in_one_version_of_the_two_asked_settles_the_claim() -> None:
+    """A PodGroup is asked for in each API version the scheduler has served (a cluster
+    serves one): the version not served is no object missing. One without a gang policy
+    settles the claim, in no gang; one not there at all does not."""
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": "p", "namespace": "ml", "uid": "pod-1"},
+        "spec": {"schedulingGroup": {"podGroupName": "team-a"}},
+    }
+    basic = {
+        "apiVersion": gangs.POD_GROUP_API_VERSIONS[-1],
+        "kind": "PodGroup",
+        "metadata": {"name": "team-a", "namespace": "ml"},
+        "spec": {"schedulingPolicy": {"basic": {}}},
+    }
+    assert gangs.read_gang_of_claim(claim_obj(), Objects(pod, basic)) == gangs.GangRead(
+        gang=None, settled=True
+    )
+    assert gangs.read_gang_of_claim(claim_obj(), Objects(pod)) == gangs.GangRead(
+        gang=None, settled=False
+    )
+    assert gangs.read_gang_of_claim(claim_obj(), Objects()) == gangs.GangRead(
+        gang=None, settled=False
+    )
 
 
 def pod_reads(fake: FakeKube) -> int:
