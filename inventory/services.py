@@ -1011,7 +1011,9 @@ class _Writer:
         That is the common case (a pool is one slice, or its slices arrive together) and saves
         reading the slices back; other pools are recounted from storage at the end. A pool all
         of whose slices were republished unchanged but for a new generation, from one stored
-        generation (`regenerated`), is carried: see `_reconcile_pools`.
+        generation (`regenerated`), is carried: see `_reconcile_pools`. Watch events of one
+        pool go in runs of their own (`_layers`), so only a pool of one slice is carried
+        there; the slices of a pool of several are counted as before.
         """
         in_hand: dict[tuple[str, str], list[dra.ParsedSlice]] = defaultdict(list)
         for parsed in written:
