@@ -23,6 +23,7 @@ counter set name X"): either makes the pool invalid as well, and is named first.
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
 from datetime import timedelta
 from decimal import Decimal
 from typing import Any
@@ -34,7 +35,7 @@ from django.test.utils import CaptureQueriesContext
 
 from inventory import checks
 from inventory import services as inventory_services
-from inventory.models import Device
+from inventory.models import Cluster, Device
 from quota.admission import shapes
 from quota.admission.shapes import forget_fleet_shapes, invalid_pools
 from quota.models import QuotaRule, Reservation
@@ -626,87 +627,84 @@ def test_a_pool_is_checked_again_only_when_its_slices_change() -> None:
     assert len(queries) == 1  # the marks, all unchanged: one row
 
 
+@pytest.fixture
+def typo_in_cache(settings: Any) -> Iterator[Cluster]:
+    """typo-1 stored (its counter set misspelt), snapshots cached 10 s, and the process's
+    snapshots and background refresher left as they were found."""
+    settings.TALLY_SHAPE_CACHE_SECONDS = 10
+    load(PARTS_CLASS, *partitioned("typo-1", "gpu-0-counters", "gpu-0-countres"))
+    try:
+        yield inventory_services.get_cluster("default")
+    finally:
+        shapes.refresher.join(timeout=30)
+        forget_fleet_shapes()
+
+
+def checked_typo(cluster: Cluster) -> shapes.FleetShapes:
+    """The snapshot served once the background refresher is done: typo-1 checked."""
+    shapes.refresher.join(timeout=30)
+    fleet = shapes.fleet_shapes(cluster=cluster)
+    assert not fleet.pools_pending
+    assert [pool.pool for pool in fleet.invalid.pools] == ["typo-1"]
+    return fleet
+
+
 @pytest.mark.django_db(transaction=True)
-def test_a_workers_first_snapshot_checks_its_pools_off_the_request_path(settings: Any) -> None:
+def test_a_workers_first_snapshot_checks_its_pools_off_the_request_path(
+    typo_in_cache: Cluster,
+) -> None:
     """Checking every pool reads every slice and device (1.4 s at 100,000 GPUs): on a
     worker's first admission it ran past the admission's deadline, was cancelled, and was
     tried again by each request, none answered. The first snapshot is served with its pools
     pending; the background refresher checks them, and the next snapshot has them."""
-    settings.TALLY_SHAPE_CACHE_SECONDS = 10
-    load(PARTS_CLASS, *partitioned("typo-1", "gpu-0-counters", "gpu-0-countres"))
-    cluster = inventory_services.get_cluster("default")
-    try:
-        with CaptureQueriesContext(connection) as queries:
-            first = shapes.fleet_shapes(cluster=cluster)
-        assert first.pools_pending and first.invalid.pools == ()
-        assert not any("jsonb_path_query_array" in query["sql"] for query in queries)
-        shapes.refresher.join(timeout=30)
-        checked = shapes.fleet_shapes(cluster=cluster)
-        assert checked is not first and not checked.pools_pending
-        assert [pool.pool for pool in checked.invalid.pools] == ["typo-1"]
-        assert checked.shapes == first.shapes and checked.per_node == first.per_node
+    with CaptureQueriesContext(connection) as queries:
+        first = shapes.fleet_shapes(cluster=typo_in_cache)
+    assert first.pools_pending and first.invalid.pools == ()
+    assert not any("jsonb_path_query_array" in query["sql"] for query in queries)
+    checked = checked_typo(typo_in_cache)
+    assert checked is not first
+    assert checked.shapes == first.shapes and checked.per_node == first.per_node
 
-        # A worker's warm-up waits for the check, so its first admission weighs the pools.
-        forget_fleet_shapes()
-        shapes.warm_up(cluster=cluster, seconds=30)
-        warmed = shapes.fleet_shapes(cluster=cluster)
-        assert not warmed.pools_pending
-        assert [pool.pool for pool in warmed.invalid.pools] == ["typo-1"]
-    finally:
-        shapes.refresher.join(timeout=30)
-        forget_fleet_shapes()
+    # A worker's warm-up waits for the check, so its first admission weighs the pools.
+    forget_fleet_shapes()
+    shapes.warm_up(cluster=typo_in_cache, seconds=30)
+    warmed = shapes.fleet_shapes(cluster=typo_in_cache)
+    assert not warmed.pools_pending
+    assert [pool.pool for pool in warmed.invalid.pools] == ["typo-1"]
 
 
 @pytest.mark.django_db(transaction=True)
 def test_behind_a_transaction_pooler_an_admission_leaves_the_pools_to_the_background(
-    settings: Any,
+    typo_in_cache: Cluster, settings: Any
 ) -> None:
     """Every admission is a transaction of its own there, holding no writes to the fleet: its
     first snapshot does not check the pools on the request path either."""
-    settings.TALLY_SHAPE_CACHE_SECONDS = 10
     settings.DATABASE_TRANSACTION_POOLING = True
-    load(PARTS_CLASS, *partitioned("typo-1", "gpu-0-counters", "gpu-0-countres"))
-    cluster = inventory_services.get_cluster("default")
-    try:
-        with transaction.atomic(), CaptureQueriesContext(connection) as queries:
-            first = shapes.fleet_shapes(cluster=cluster)
-        assert first.pools_pending
-        assert not any("jsonb_path_query_array" in query["sql"] for query in queries)
-        shapes.refresher.join(timeout=30)
-        checked = shapes.fleet_shapes(cluster=cluster)
-        assert [pool.pool for pool in checked.invalid.pools] == ["typo-1"]
-    finally:
-        shapes.refresher.join(timeout=30)
-        forget_fleet_shapes()
+    with transaction.atomic(), CaptureQueriesContext(connection) as queries:
+        first = shapes.fleet_shapes(cluster=typo_in_cache)
+    assert first.pools_pending
+    assert not any("jsonb_path_query_array" in query["sql"] for query in queries)
+    checked_typo(typo_in_cache)
 
 
 @pytest.mark.django_db(transaction=True)
 def test_a_snapshot_made_while_the_refresher_is_busy_is_checked_at_the_next_request(
-    settings: Any,
+    typo_in_cache: Cluster,
 ) -> None:
-    settings.TALLY_SHAPE_CACHE_SECONDS = 10
-    load(PARTS_CLASS, *partitioned("typo-1", "gpu-0-counters", "gpu-0-countres"))
-    cluster = inventory_services.get_cluster("default")
     release = threading.Event()
+
+    def busy() -> None:  # other work the refresher is doing
+        release.wait(10)
+
     try:
-
-        def busy() -> None:  # other work the refresher is doing
-            release.wait(10)
-
         assert shapes.refresher.start(busy)
-        first = shapes.fleet_shapes(cluster=cluster)
+        first = shapes.fleet_shapes(cluster=typo_in_cache)
         assert first.pools_pending
-        release.set()
-        shapes.refresher.join(timeout=30)
-        assert shapes.fleet_shapes(cluster=cluster) is first  # still pending: starts a check
-        shapes.refresher.join(timeout=30)
-        checked = shapes.fleet_shapes(cluster=cluster)
-        assert not checked.pools_pending
-        assert [pool.pool for pool in checked.invalid.pools] == ["typo-1"]
     finally:
         release.set()
-        shapes.refresher.join(timeout=30)
-        forget_fleet_shapes()
+    shapes.refresher.join(timeout=30)
+    assert shapes.fleet_shapes(cluster=typo_in_cache) is first  # still pending: starts a check
+    checked_typo(typo_in_cache)
 
 
 # --- The ledger ---------------------------------------------------------------------------------
