@@ -573,8 +573,12 @@ class KindSync:
     def _forget_reads(self, prepared: _Prepared) -> None:
         """Forget when the claims of a batch that is not written were read (see
         `_reread_unless_committed`)."""
-        for event in prepared.events:
-            if (uid := _uid(event.obj)) is not None:
+        self._forget_when_read(event.obj for event in prepared.events)
+
+    def _forget_when_read(self, objects: Iterable[dict[str, Any]]) -> None:
+        """Forget when the claims among `objects` were read: each is due at its next event."""
+        for obj in objects:
+            if (uid := _uid(obj)) is not None:
                 self._rereads.forget(uid)
 
     def _apply(self, events: list[services.WatchEvent], resource_version: str) -> None:
@@ -644,9 +648,7 @@ class KindSync:
         try:
             yield
         except (OperationalError, InterfaceError):
-            for obj in objects:
-                if (uid := _uid(obj)) is not None:
-                    self._rereads.forget(uid)
+            self._forget_when_read(objects)
             raise
 
     def _apply_alone(self, event: services.WatchEvent) -> None:
