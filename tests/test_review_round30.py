@@ -93,14 +93,12 @@ from tests.quota.test_unpublished_counters import (
     PARTS_CLASS,
     counter_slice,
     counts_nothing,
-    device_slice,
     every,
     exact,
     load,
+    load_refused_everywhere,
     partitioned,
     parts_team,
-    quarters,
-    whole_gpus,
 )
 
 # --- Helpers --------------------------------------------------------------------------------
@@ -711,24 +709,7 @@ CLOUD_NODE = "ip-10-0-130-25.us-west-2.compute.internal"
 
 @pytest.mark.django_db
 def test_an_all_request_refused_for_different_reasons_names_the_pool(client: Client) -> None:
-    nic = device_slice(
-        CLOUD_NODE,
-        {"nic-0": ("nic-0-bandwidth", {"bandwidth": "100G"})},
-        driver=NICS,
-        node=CLOUD_NODE,
-        slices=1,
-    )
-    load(
-        PARTS_CLASS,
-        counter_slice("over-1-counters", "over-1", {"gpu-0-counters": GPU}),
-        device_slice(
-            "over-1",
-            {"gpu-0": ("gpu-0-counters", GPU), **quarters("gpu-0-counters")},
-            node="over-1",
-        ),
-        whole_gpus(CLOUD_NODE, 1),
-        nic,
-    )
+    load_refused_everywhere(CLOUD_NODE)
     parts_team()
     (warning,) = decide(client, claim("node", [every()]))["warnings"]
     assert counts_nothing("node")

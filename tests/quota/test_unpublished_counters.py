@@ -513,15 +513,15 @@ def test_an_invalid_pool_published_without_a_node_stops_all_requests_everywhere(
     assert reserved("two") == {"parts": Decimal(2)}
 
 
-def test_an_all_request_refused_on_every_node_for_different_reasons(client: Client) -> None:
-    """over-1's GPU and its quarters together take twice their set; nics-1's GPU could be
-    given, but shares its node with a NIC pool the scheduler allocates nothing from: no node
-    can give an All request everything it matches, and the warning says both."""
+def load_refused_everywhere(nic_node: str) -> None:
+    """over-1's GPU and its quarters, which together take twice their set, and `nic_node`'s
+    GPU beside a NIC pool the scheduler allocates nothing from (its set unpublished): no node
+    can give an All request everything it matches, each for its own reason."""
     nic = device_slice(
-        "nics-1",
+        nic_node,
         {"nic-0": ("nic-0-bandwidth", {"bandwidth": "100G"})},
         driver=NICS,
-        node="nics-1",
+        node=nic_node,
         slices=1,
     )
     load(
@@ -532,9 +532,16 @@ def test_an_all_request_refused_on_every_node_for_different_reasons(client: Clie
             {"gpu-0": ("gpu-0-counters", GPU), **quarters("gpu-0-counters")},
             node="over-1",
         ),
-        whole_gpus("nics-1", 1),
+        whole_gpus(nic_node, 1),
         nic,
     )
+
+
+def test_an_all_request_refused_on_every_node_for_different_reasons(client: Client) -> None:
+    """over-1's GPU and its quarters together take twice their set; nics-1's GPU could be
+    given, but shares its node with a NIC pool the scheduler allocates nothing from: no node
+    can give an All request everything it matches, and the warning says both."""
+    load_refused_everywhere("nics-1")
     parts_team()
     answer = decide(client, claim("node", [every()]))
     assert answer["warnings"] == [
