@@ -319,6 +319,8 @@ class SilentProxy:
             except OSError:
                 data = b""  # reset: the webhook gave up on the connection
             with self.lock:
+                if upstream.fileno() == -1:
+                    return  # the database ended the connection first (`_down` closed it)
                 if not data:
                     # After what is held, late, the database sees the end.
                     self.abandoned.add(upstream)
@@ -332,7 +334,8 @@ class SilentProxy:
                 if self.holding.is_set():
                     self.held.append((upstream, data))
                     continue
-            upstream.sendall(data)
+            with contextlib.suppress(OSError):  # ended by the database meanwhile
+                upstream.sendall(data)
 
     def _end(self, upstream: socket.socket) -> None:
         with contextlib.suppress(OSError):
@@ -351,10 +354,12 @@ class SilentProxy:
                 with contextlib.suppress(OSError):
                     downstream.sendall(data)
         finally:
+            # Under the lock: `_up`, told of the end by the webhook after this, sees the
+            # connection closed and does not count it abandoned.
             with self.lock:
                 self.abandoned.discard(upstream)
-            upstream.close()
-            downstream.close()
+                upstream.close()
+                downstream.close()
 
 
 # The webhook's deadline in the test below: a second, for speed (2.5 s by default).
