@@ -18,6 +18,7 @@ from billing.idle import idle_hour_q
 from billing.models import SLICE_HOUR, Period, RateCard, Sample, UsageHour
 from billing.periods import period_bounds
 from billing.pricing import MINOR_UNITS, LineKey, RateCards, rate_hours, round_money
+from billing.rollup import held_allocations
 from billing.rounding import largest_remainders
 from billing.units import hours_label
 from inventory.models import Allocation, Unit
@@ -26,26 +27,35 @@ from teams.models import Team
 
 def team_gpu_hours(*, team: Team, period: Period, now: datetime, unit: str = Unit.GPU) -> Decimal:
     """Hours of `unit` (GPU-hours by default; TPU chip-hours, Gaudi card-hours) the team has
-    held in the period so far: the rolled-up hours of that unit, plus what the open
-    allocations of that unit charged to it (`Allocation.team`) have held since the last whole
-    hour (not rolled up yet). Hours of other units are left out: they never add up with
-    these."""
+    held in the period up to `now`, charged to it when they started (`Allocation.team`).
+    Hours of other units are left out: they never add up with these.
+
+    The rolled-up rows count the hours up to the one before `now`'s; from there on the
+    allocations themselves are counted, open or ended, as the rollup counts them
+    (`rollup.held_allocations`, at the share each fixed when it started). Beat rolls up the
+    hour just ended within TALLY_ROLLUP_EVERY_SECONDS of its end, and an allocation that ended
+    within the current hour is in no row until that hour ends: counted from the rows alone,
+    those hours would go missing until the rollup ran, so the figure the webhook enforces would
+    depend on when it had run."""
     current_hour = hour_start(now)
+    until = min(now, period.end)
+    since = min(max(current_hour - HOUR, period.start), until)
     rolled = (
         UsageHour.objects.filter(
-            team=team, unit=unit, hour__gte=period.start, hour__lt=min(period.end, current_hour)
+            team=team, unit=unit, hour__gte=period.start, hour__lt=since
         ).aggregate(total=Sum("allocated_gpu_ms"))["total"]
         or 0
     )
     live = Decimal(0)
-    since = max(current_hour, period.start)
-    # The unit and share the allocation fixed when it started, as the rollup counts them.
-    for start, share in Allocation.objects.filter(
-        end__isnull=True, team=team, unit=unit
-    ).values_list("start", "gpu_share"):
+    for start, end, share in (
+        held_allocations(since, until)
+        .filter(team=team, unit=unit)
+        .values_list("start", "end", "gpu_share")
+    ):
         held_from = max(start, since)
-        if held_from < now:
-            live += Decimal(epoch_ms(now) - epoch_ms(held_from)) * share
+        held_to = until if end is None else min(end, until)
+        if held_from < held_to:
+            live += Decimal(epoch_ms(held_to) - epoch_ms(held_from)) * share
     return (Decimal(rolled) + live) / MS_PER_HOUR
 
 

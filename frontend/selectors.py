@@ -242,8 +242,9 @@ class BudgetBurn:
 
 
 def budget_burn(*, team: Team, now: datetime) -> BudgetBurn | None:
-    """None when the team has no budget. `used` includes what open allocations have held
-    since the last rolled-up hour; the per-day line is the rolled-up hours."""
+    """None when the team has no budget. `used` includes what the allocations have held
+    since the hour before the current one (`team_gpu_hours`); the per-day line is the
+    rolled-up hours."""
     budget = Budget.objects.filter(team=team).first()
     if budget is None:
         return None

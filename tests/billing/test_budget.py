@@ -3,19 +3,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
 import pytest
+import time_machine
 from django.test import Client
 from django.utils import timezone
 from pytest_django.fixtures import SettingsWrapper
 
-from billing.hours import MS_PER_HOUR, hour_start
+from billing.hours import HOUR, MS_PER_HOUR, hour_start
 from billing.models import Period, UsageHour
 from billing.periods import PricingError, period_bounds, period_label
 from billing.pricing import period_for, period_holding
+from billing.rollup import rollup_hours
 from billing.selectors import team_gpu_hours
 from inventory import services as inventory_services
 from inventory.dumps import iter_objects
@@ -28,12 +31,26 @@ from tests.factories import AllocationFactory, DeviceFactory, ResourceClaimFacto
 from tests.fixtures import DRA
 from tests.quota.fixtures import AT, claim, decide, fleet_objects, gpu_request, make_team
 
-pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("fleet")]
+pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("fleet", "mid_period")]
+
+# A budget counts the period's rolled-up rows up to the hour before the current one, and the
+# allocations themselves since. The clock is set where a month and a week each have hours
+# before that (a Wednesday afternoon mid-month, after the quota fleet's import at AT), so that
+# the tests do not depend on the hour and day the suite runs.
+MID_PERIOD = datetime(2026, 12, 16, 14, 30, tzinfo=UTC)
+
+
+@pytest.fixture
+def mid_period() -> Iterator[None]:
+    assert MID_PERIOD > AT
+    with time_machine.travel(MID_PERIOD, tick=True):
+        yield
 
 
 def used(team_hours: int, *, live_minutes: int = 0, unit: str = Unit.GPU) -> None:
-    """The team held `team_hours` hours of `unit` (GPU-hours unless told) in earlier hours of
-    this period, and one device of that unit since `live_minutes` ago (not rolled up yet)."""
+    """The team held `team_hours` hours of `unit` (GPU-hours unless told) in an hour of this
+    period rolled up already, and one device of that unit since `live_minutes` ago (counted
+    from the allocation: the hours since the one before the current one are)."""
     now = timezone.now()
     device = DeviceFactory.create(unit=unit)
     claim_row = ResourceClaimFactory.create(cluster=device.cluster, namespace="research")
@@ -46,7 +63,8 @@ def used(team_hours: int, *, live_minutes: int = 0, unit: str = Unit.GPU) -> Non
         team=Team.objects.get(slug="research"),  # charged to the team owning "research"
     )
     period = period_for(now)
-    earlier = max(period.start, hour_start(now) - timedelta(hours=1))
+    earlier = hour_start(now) - 2 * HOUR
+    assert earlier >= period.start
     if team_hours:
         UsageHour.objects.create(
             hour=earlier,
@@ -97,11 +115,37 @@ def test_usage_counts_open_allocations_not_yet_rolled_up() -> None:
     used(0, live_minutes=30)
     now = timezone.now()
     hours = team_gpu_hours(team=team, period=period_for(now), now=now)
-    expected = Decimal(min(30, now.minute + now.second / 60)) / 60
-    assert abs(hours - expected) < Decimal("0.01")
+    assert abs(hours - Decimal("0.5")) < Decimal("0.01")
     # Its namespace moved to another team since: still charged to the team it started with.
     TeamNamespace.objects.filter(namespace="research").update(team=make_team([], slug="other"))
     assert abs(team_gpu_hours(team=team, period=period_for(now), now=now) - hours) < Decimal("0.01")
+
+
+def test_the_hours_since_the_last_rollup_count_whether_or_not_it_has_run() -> None:
+    """An allocation ended within the current hour, and one held through the hour just ended,
+    which beat rolls up minutes after it ends: the budget counts them before the rollup runs
+    as after, and an hour rolled up is not counted twice."""
+    team = make_team([])
+    now = timezone.now()
+    current = hour_start(now)
+
+    def held(start: datetime, end: datetime | None) -> None:
+        AllocationFactory.create(
+            device=DeviceFactory.create(unit=Unit.GPU), start=start, end=end, team=team
+        )
+
+    held(current - HOUR + timedelta(minutes=10), current + timedelta(minutes=5))  # 55 min
+    held(current - timedelta(minutes=50), current - timedelta(minutes=20))  # 30 min
+    held(current + timedelta(minutes=1), current + timedelta(minutes=16))  # 15 min
+    period = period_for(now)
+    before = team_gpu_hours(team=team, period=period, now=now)
+    assert before == Decimal(100) / 60
+    assert rollup_hours(hours=[current - HOUR], now=now) == 2  # the hour just ended
+    assert UsageHour.objects.filter(team=team).count() == 2
+    assert team_gpu_hours(team=team, period=period, now=now) == before
+    # An hour later the rolled-up rows count that hour.
+    later = now + HOUR
+    assert team_gpu_hours(team=team, period=period, now=later) == before
 
 
 def budget_warning(client: Client) -> str:
@@ -234,7 +278,8 @@ def test_a_tpu_chip_hour_budget_denies_tpu_claims_naming_its_unit(
 
 def test_hours_of_each_unit_are_counted_apart_exactly() -> None:
     """On PostgreSQL, to the millisecond: rolled-up rows of the unit in the period before the
-    current hour, and open allocations of the unit since the current hour at their share."""
+    hour before the current one, and the allocations of the unit since, open or ended, at
+    their share."""
     team = make_team([])
     now = datetime(2026, 3, 10, 12, 30, tzinfo=UTC)
     period = period_for(now)
@@ -258,24 +303,38 @@ def test_hours_of_each_unit_are_counted_apart_exactly() -> None:
             unmeasured_gpu_ms=0,
         )
 
-    def held(unit: str, since: datetime, share: str) -> None:
+    def held(unit: str, since: datetime, share: str, until: datetime | None = None) -> None:
         device = DeviceFactory.create(unit=unit, gpu_share=Decimal(share))
-        AllocationFactory.create(device=device, start=since, end=None, team=team)
+        AllocationFactory.create(device=device, start=since, end=until, team=team)
 
     ten = datetime(2026, 3, 10, 10, tzinfo=UTC)
     usage(Unit.GPU, ten, 3)
     usage(Unit.TPU, ten, 5)
     usage(Unit.GAUDI, ten, 2)
     usage(Unit.TPU, datetime(2026, 2, 27, 10, tzinfo=UTC), 7)  # the period before
-    usage(Unit.TPU, datetime(2026, 3, 10, 12, tzinfo=UTC), 9)  # this hour: counted live
-    held(Unit.TPU, datetime(2026, 3, 10, 11, 15, tzinfo=UTC), "1")  # 30 min this hour
+    # Rows of the hour before this one and of this hour: their allocations are counted.
+    usage(Unit.TPU, datetime(2026, 3, 10, 11, tzinfo=UTC), 4)
+    usage(Unit.TPU, datetime(2026, 3, 10, 12, tzinfo=UTC), 9)
+    held(Unit.TPU, datetime(2026, 3, 10, 11, 15, tzinfo=UTC), "1")  # 75 min since 11:00
     held(Unit.TPU, datetime(2026, 3, 10, 12, 6, tzinfo=UTC), "0.5")  # 24 min at half a chip
     held(Unit.GPU, datetime(2026, 3, 10, 12, 0, tzinfo=UTC), "1")  # 30 min
+    held(
+        Unit.TPU,
+        datetime(2026, 3, 10, 9, 0, tzinfo=UTC),
+        "1",
+        until=datetime(2026, 3, 10, 11, 45, tzinfo=UTC),
+    )  # 45 min since 11:00
+    held(
+        Unit.TPU,
+        datetime(2026, 3, 10, 9, 0, tzinfo=UTC),
+        "1",
+        until=datetime(2026, 3, 10, 10, 59, tzinfo=UTC),
+    )  # ended before
     assert period.start <= datetime(2026, 3, 1, tzinfo=UTC) < ten
     hours = {unit: team_gpu_hours(team=team, period=period, now=now, unit=unit) for unit in Unit}
     assert hours == {
         Unit.GPU: Decimal("3.5"),
-        Unit.TPU: Decimal("5.7"),
+        Unit.TPU: Decimal("7.2"),
         Unit.GAUDI: Decimal(2),
         Unit.ACCELERATOR: Decimal(0),
     }

@@ -143,9 +143,10 @@ def test_budget_counts_its_own_unit(cast: Cast, week: Week) -> None:
     assert "of 100 TPU chip-hours used" in html
     assert "Remaining (TPU chip-h)" in html
     # The team's GPU-hours never count toward it; its TPU hours were rolled up in an earlier
-    # week, so only what its open TPU allocation has held this hour counts.
+    # week, so only what its open TPU allocation has held since the hour before this one
+    # counts (the hour just ended may not be rolled up yet).
     assert all(day.used in (None, Decimal(0)) for day in burn.days)
-    assert 0 <= burn.used <= 1
+    assert 0 <= burn.used <= 2
 
 
 def test_who_holds_idle_devices_now(cast: Cast, week: Week) -> None:
