@@ -434,18 +434,49 @@ def test_samples_of_several_nodes_go_in_separate_requests(ingest: FakeIngest) ->
     ]
 
 
+# How long a test waits for what the agent is to do (it goes on as soon as it is done): a
+# busy machine may take seconds to start a process or schedule a thread.
+WAIT_SECONDS = 30.0
+
+
+def wait_until(
+    condition: Callable[[], bool], what: Callable[[], str], timeout: float = WAIT_SECONDS
+) -> None:
+    """Returns as soon as `condition()` holds; fails, saying `what()`, if it does not within
+    `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            pytest.fail(f"not within {timeout:g} s: {what()}")
+        time.sleep(0.01)
+
+
+def logged_event(line: str) -> object:
+    """The `event` of one line of the agent's JSON log (None for any other line)."""
+    try:
+        entry = json.loads(line)
+    except ValueError:
+        return None
+    return entry.get("event") if isinstance(entry, dict) else None
+
+
 def test_run_samples_sends_and_flushes_on_stop(ingest: FakeIngest) -> None:
     source = TickingSource(devices=2)
     stop = threading.Event()
     ingest.script = [Reply(503), Reply(503)]  # a short outage while running
     runner = threading.Thread(target=agent.run, args=(config(ingest.url), source, stop))
     runner.start()
-    deadline = time.monotonic() + 2
-    while source.reads < 10 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    ingest.default = Reply(200)
-    stop.set()
-    runner.join(timeout=5)
+    try:
+        # Ten reads, and the outage over (both 503s answered, a request after them) while
+        # running.
+        wait_until(
+            lambda: source.reads >= 10 and len(ingest.requests) >= 3,
+            lambda: f"10 reads, 3 requests ({source.reads} reads, {len(ingest.requests)} requests)",
+        )
+        ingest.default = Reply(200)
+    finally:
+        stop.set()
+    runner.join(timeout=WAIT_SECONDS)
 
     assert not runner.is_alive()
     assert source.reads >= 10
@@ -492,16 +523,43 @@ def test_sigterm_flushes_and_exits(ingest: FakeIngest, tmp_path: Path) -> None:
         stderr=subprocess.PIPE,
         text=True,
     )
+    # Its log, a line at a time, read as it comes (the test waits on its "started" line).
+    lines: list[str] = []
+
+    def read_log() -> None:
+        assert process.stderr is not None
+        for line in process.stderr:
+            lines.append(line)
+
+    reader = threading.Thread(target=read_log, daemon=True)
+    reader.start()
+
+    def started_and_sampling() -> bool:
+        if process.poll() is not None:
+            reader.join(timeout=WAIT_SECONDS)  # the rest of its log
+            pytest.fail(f"the agent exited with {process.returncode}:\n{''.join(lines)}")
+        # "started" comes after its SIGTERM handler is set; two reads of the source (three
+        # queries each) put samples in its buffer.
+        started = any(logged_event(line) == "started" for line in lines)
+        return started and len(prometheus.queries) >= 6
+
     try:
-        deadline = time.monotonic() + 5
-        while len(prometheus.queries) < 6 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(
+            started_and_sampling,
+            lambda: f"the agent started and read the source twice ({len(prometheus.queries)} "
+            f"queries):\n{''.join(lines)}",
+        )
         ingest.default = Reply(200)
         process.send_signal(signal.SIGTERM)
-        _, stderr = process.communicate(timeout=5)
+        process.wait(timeout=WAIT_SECONDS)
     finally:
         process.kill()
+        process.wait()
+        reader.join(timeout=WAIT_SECONDS)  # to the end of its log
+        assert process.stderr is not None
+        process.stderr.close()
         prometheus.close()
+    stderr = "".join(lines)
 
     assert process.returncode == 0, stderr
     logs = [json.loads(line) for line in stderr.splitlines()]

@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pytest
+import time_machine
 from django.conf import settings
 from django.core import mail
 from django.db import connection
@@ -286,7 +287,10 @@ def test_beat_runs_the_evaluation_as_a_task(alpha: Team, cluster: Cluster) -> No
     for index in range(1, 5):
         usage(allocation, hour - timedelta(hours=index), utilised=0.0)
 
-    result = evaluate_alerts_task.apply().get()
+    # The task reads the clock itself: frozen at `now`, so that an hour boundary passed after
+    # `hour` was taken cannot move the four idle hours out of the task's last four.
+    with time_machine.travel(now, tick=False):
+        result = evaluate_alerts_task.apply().get()
 
     assert json.loads(json.dumps(result)) == {
         "idle_claim": {"raised": 1, "firing": 1, "resolved": 0},

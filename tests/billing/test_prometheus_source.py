@@ -40,7 +40,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.readings import format_ts
 from billing import ingest, prometheus, rollup
-from billing.hours import epoch_ms
+from billing.hours import epoch_ms, hour_start
 from billing.ingest import SampleRow
 from billing.models import DirtyHour, MigInstance, RateCard, Sample, UsageHour
 from billing.pricing import period_for, usage_lines
@@ -786,12 +786,19 @@ def test_a_live_scrape_of_an_exporter_is_metered(tmp_path: Path, team: Team) -> 
                     break
             assert len(points) >= 3
             assert {value for _, value in points} == {81.0}  # DCGM_FI_DEV_GPU_UTIL as scraped
-            rollup.rollup_hours(hours=[started], now=now)
-        row = UsageHour.objects.get(allocation=allocation)
-        assert row.utilised_gpu_ms > 0
-        assert row.utilised_gpu_ms == pytest.approx(
-            0.81 * (row.allocated_gpu_ms - row.unmeasured_gpu_ms), abs=2
-        )
+            # Every hour from the start to now: the scrapes may fall in the next hour (a start
+            # in the last second of one), each hour its own row.
+            hours = [hour_start(started)]
+            while hours[-1] < hour_start(now):
+                hours.append(hours[-1] + timedelta(hours=1))
+            rollup.rollup_hours(hours=hours, now=now)
+        rows = list(UsageHour.objects.filter(allocation=allocation).order_by("hour"))
+        assert rows and {row.hour for row in rows} <= set(hours)
+        assert sum(row.utilised_gpu_ms for row in rows) > 0
+        for row in rows:
+            assert row.utilised_gpu_ms == pytest.approx(
+                0.81 * (row.allocated_gpu_ms - row.unmeasured_gpu_ms), abs=2
+            ), row.hour
     finally:
         process.terminate()
         process.wait(timeout=30)
