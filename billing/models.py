@@ -234,6 +234,20 @@ class DirtyHour(models.Model):
         return f"{self.hour:%Y-%m-%d %H:00}"
 
 
+class RollupProgress(models.Model):
+    """The newest hour beat's rollup has taken as the hour just ended (`rollup_pending`), in
+    its one row. Each hour up to it was rolled up then or is marked (`DirtyHour`): a run that
+    finds hours between it and the hour just ended (no worker ran while they ended) marks them,
+    so an outage of the workers leaves no hour out of the open period's statements until the
+    period closes. Budgets count the allocations themselves from the hour after it
+    (`billing.selectors.team_gpu_hours`)."""
+
+    rolled_through = models.DateTimeField()
+
+    def __str__(self) -> str:
+        return f"rolled up through {self.rolled_through:%Y-%m-%d %H:00}"
+
+
 class UsageHour(models.Model):
     """One allocation's usage within one hour: the fact every usage report groups.
 

@@ -52,8 +52,16 @@ from django.utils import timezone
 
 from billing import prometheus
 from billing.dirty import mark_dirty
-from billing.hours import HOUR, MS_PER_HOUR, epoch_ms, hour_at, hour_start, sample_hold_ms
-from billing.models import DirtyHour, UsageHour
+from billing.hours import (
+    HOUR,
+    MS_PER_HOUR,
+    epoch_ms,
+    hour_at,
+    hour_start,
+    hours_between,
+    sample_hold_ms,
+)
+from billing.models import DirtyHour, RollupProgress, UsageHour
 from config import metrics
 from db import locks
 from db.copy import insert_rows, json_rows
@@ -607,9 +615,22 @@ def rollup_pending(*, now: datetime, limit: int | None = None) -> list[datetime]
     are worked off over the next runs, recent hours first, each run bounded. What is left
     stays marked, as does an hour the metering engine could not be asked about
     (`billing.prometheus.EngineUnavailable`): it is retried, never billed as idle.
+
+    Hours that ended since the last run's hour just ended and before this one's (no worker ran
+    when they ended) are marked first, so they are worked off as any marked hour; the hour
+    just ended is then recorded (`RollupProgress`), whether it was rolled up or left marked.
     """
     limit = settings.TALLY_ROLLUP_HOURS_PER_RUN if limit is None else limit
     just_ended = hour_start(now) - HOUR
+    last = rolled_through()
+    if last is not None and last + HOUR < just_ended:
+        missed = hours_between(last + HOUR, just_ended)
+        log.warning(
+            "rollup: %d hour(s) from %s ended while no rollup ran: marked for rollup",
+            len(missed),
+            f"{last + HOUR:%Y-%m-%d %H:00}",
+        )
+        mark_dirty(hours=missed, at=now)
     marked = DirtyHour.objects.filter(hour__lt=now).exclude(hour=just_ended).order_by("-hour")
     read = dict(marked.values_list("hour", "version")[: max(limit - 1, 0)])
     read.update(DirtyHour.objects.filter(hour=just_ended).values_list("hour", "version"))
@@ -632,4 +653,23 @@ def rollup_pending(*, now: datetime, limit: int | None = None) -> list[datetime]
                 "(SELECT * FROM unnest(%s::timestamptz[], %s::bigint[]))",
                 [[hour for hour, _ in taken], [version for _, version in taken]],
             )
+    _record_rolled_through(just_ended)
     return done
+
+
+def rolled_through() -> datetime | None:
+    """The newest hour a rollup run has taken as the hour just ended (`RollupProgress`); None
+    before the first run."""
+    return RollupProgress.objects.values_list("rolled_through", flat=True).first()
+
+
+def _record_rolled_through(hour: datetime) -> None:
+    """Never back: a run for an earlier `now` (`run_billing`, a test) leaves a later mark."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"INSERT INTO {RollupProgress._meta.db_table} (id, rolled_through) VALUES (1, %s) "
+            "ON CONFLICT (id) DO UPDATE SET rolled_through = "
+            "GREATEST(EXCLUDED.rolled_through, "
+            f"{RollupProgress._meta.db_table}.rolled_through)",
+            [hour],
+        )

@@ -10,15 +10,16 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
+from django.db import connection
 from django.db.models import F, Max, Min, OuterRef, Subquery, Sum
 from django.db.models.functions import TruncDate
 
 from billing.hours import HOUR, MS_PER_HOUR, ONE_MS, epoch_ms, hour_start
 from billing.idle import idle_hour_q
-from billing.models import SLICE_HOUR, Period, RateCard, Sample, UsageHour
+from billing.models import SLICE_HOUR, DirtyHour, Period, RateCard, Sample, UsageHour
 from billing.periods import period_bounds
 from billing.pricing import MINOR_UNITS, LineKey, RateCards, rate_hours, round_money
-from billing.rollup import held_allocations
+from billing.rollup import held_allocations, rolled_through
 from billing.rounding import largest_remainders
 from billing.units import hours_label
 from inventory.models import Allocation, Unit
@@ -30,33 +31,59 @@ def team_gpu_hours(*, team: Team, period: Period, now: datetime, unit: str = Uni
     held in the period up to `now`, charged to it when they started (`Allocation.team`).
     Hours of other units are left out: they never add up with these.
 
-    The rolled-up rows count the hours up to the one before `now`'s; from there on the
+    An hour's rolled-up rows are counted where they are known to be whole: up to the hour
+    before `now`'s and up to the last hour beat's rollup took as the hour just ended
+    (`rollup.rolled_through`), but for hours marked for rollup again. Over the other hours the
     allocations themselves are counted, open or ended, as the rollup counts them
-    (`rollup.held_allocations`, at the share each fixed when it started). Beat rolls up the
-    hour just ended within TALLY_ROLLUP_EVERY_SECONDS of its end, and an allocation that ended
-    within the current hour is in no row until that hour ends: counted from the rows alone,
-    those hours would go missing until the rollup ran, so the figure the webhook enforces would
-    depend on when it had run."""
-    current_hour = hour_start(now)
+    (`rollup.held_allocations`, at the share each fixed when it started): the hour just ended
+    until beat has rolled it up, one ended within the current hour, the hours the workers
+    missed while down, and hours whose allocations the sync learnt late. So the figure the
+    webhook enforces does not depend on when the rollup ran."""
     until = min(now, period.end)
-    since = min(max(current_hour - HOUR, period.start), until)
+    since = hour_start(now) - HOUR
+    last = rolled_through()
+    if last is not None:
+        since = min(since, last + HOUR)
+    since = min(max(since, period.start), until)
+    marked = sorted(
+        DirtyHour.objects.filter(hour__gte=period.start, hour__lt=since).values_list(
+            "hour", flat=True
+        )
+    )
     rolled = (
-        UsageHour.objects.filter(
-            team=team, unit=unit, hour__gte=period.start, hour__lt=since
-        ).aggregate(total=Sum("allocated_gpu_ms"))["total"]
+        UsageHour.objects.filter(team=team, unit=unit, hour__gte=period.start, hour__lt=since)
+        .exclude(hour__in=marked)
+        .aggregate(total=Sum("allocated_gpu_ms"))["total"]
         or 0
     )
-    live = Decimal(0)
-    for start, end, share in (
-        held_allocations(since, until)
-        .filter(team=team, unit=unit)
-        .values_list("start", "end", "gpu_share")
-    ):
-        held_from = max(start, since)
-        held_to = until if end is None else min(end, until)
-        if held_from < held_to:
-            live += Decimal(epoch_ms(held_to) - epoch_ms(held_from)) * share
-    return (Decimal(rolled) + live) / MS_PER_HOUR
+    spans = [(hour, hour + HOUR) for hour in marked]
+    if since < until:
+        spans.append((since, until))
+    return (Decimal(rolled) + _held_ms(team=team, unit=unit, spans=spans)) / MS_PER_HOUR
+
+
+def _held_ms(*, team: Team, unit: str, spans: list[tuple[datetime, datetime]]) -> Decimal:
+    """Milliseconds of `unit` the team's allocations held within `spans` (disjoint), each at
+    its share, counted from the allocations as the rollup counts them."""
+    if not spans:
+        return Decimal(0)
+    held = held_allocations(spans[0][0], spans[-1][1]).filter(team=team, unit=unit)
+    sql, params = held.values("start", "end", "gpu_share").query.sql_with_params()
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"""
+            SELECT COALESCE(SUM(
+                (extract(epoch FROM LEAST(COALESCE(a."end", s.until), s.until))
+                 - extract(epoch FROM GREATEST(a.start, s.since))) * 1000 * a.gpu_share
+            ), 0)
+            FROM ({sql}) AS a
+            JOIN unnest(%s::timestamptz[], %s::timestamptz[]) AS s(since, until)
+              ON a.start < s.until AND (a."end" IS NULL OR a."end" > s.since)
+            """,
+            [*params, [since for since, _ in spans], [until for _, until in spans]],
+        )
+        (total,) = cursor.fetchone()
+    return Decimal(total)
 
 
 # --- Billed usage per person and per job ------------------------------------------------------

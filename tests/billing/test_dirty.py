@@ -49,3 +49,26 @@ def test_a_backlog_of_marked_hours_is_worked_off_newest_first_a_bounded_number_a
     third = rollup.rollup_pending(now=now, limit=3)
     assert third == [just_ended, marked[0]]
     assert not DirtyHour.objects.exists()
+
+
+def test_hours_that_ended_while_no_worker_ran_are_rolled_up_at_the_next_run() -> None:
+    """Beat's rollup takes the hour just ended at each run; the hours that ended while the
+    workers were down (no run took them) are marked at the next run and rolled up with it, so
+    the open period's statements miss none of them until it closes."""
+    snapshot([SLICE, claim("a", "gpu-0", T10)], T10)  # held from 10:00 on
+    DirtyHour.objects.all().delete()
+    assert rollup.rolled_through() is None
+    assert rollup.rollup_pending(now=T10 + timedelta(hours=1, minutes=5)) == [T10]
+    assert rollup.rolled_through() == T10
+    # Down from 11:05 to 15:05: 11:00, 12:00 and 13:00 ended with no run.
+    done = rollup.rollup_pending(now=T10 + timedelta(hours=5, minutes=5))
+    missed = [T10 + timedelta(hours=index) for index in (1, 2, 3)]
+    assert done == [T10 + timedelta(hours=4), *reversed(missed)]
+    assert rollup.rolled_through() == T10 + timedelta(hours=4)
+    assert sorted(UsageHour.objects.values_list("hour", flat=True)) == [
+        T10 + timedelta(hours=index) for index in range(5)
+    ]
+    assert not DirtyHour.objects.exists()
+    # A run for an earlier instant (`run_billing --period` of a past period) never moves it back.
+    rollup.rollup_pending(now=T10 + timedelta(hours=2, minutes=5))
+    assert rollup.rolled_through() == T10 + timedelta(hours=4)

@@ -2,9 +2,12 @@
 
 Claim events go through `inventory.services.apply_watch_event` (whose `claims_changed` signal
 marks hours in `billing.dirty`), rollups through `billing.rollup.rollup_pending` as the beat
-runs it (at least once an hour, and now and then in between). After each step, the usage rows
-of every complete hour equal those of a rollup of every hour from scratch
-(`billing.rollup.rollup_hours`): a narrowed mark never leaves a stale hour.
+runs it (at least once an hour, and now and then in between, or not at all for hours while
+the workers are down). After each step, the usage rows of every complete hour equal those of a
+rollup of every hour from scratch (`billing.rollup.rollup_hours`) once beat has run: a narrowed
+mark never leaves a stale hour, nor an outage a missed one. And before it has run, the team's
+budget use (`billing.selectors.team_gpu_hours`) is what its allocations held: whichever hours
+are rolled up, stale or missed, the figure the webhook enforces is the same.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import copy
 import itertools
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -23,12 +27,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from billing import dirty, ingest, rollup
-from billing.hours import HOUR, epoch_ms, hour_start
+from billing.hours import HOUR, MS_PER_HOUR, epoch_ms, hour_start
 from billing.ingest import SampleRow
 from billing.models import DirtyHour, UsageHour
+from billing.pricing import period_holding
+from billing.selectors import team_gpu_hours
 from inventory import owners
 from inventory import services as inventory_services
-from inventory.models import Allocation, ResourceClaim
+from inventory.models import Allocation, ResourceClaim, Unit
 from inventory.signals import claims_changed
 from quota.models import Reservation, ReservationState
 from teams.models import Team, TeamNamespace
@@ -242,14 +248,38 @@ class DirtyMarksMachine(RuleBasedStateMachine):
             beat += HOUR
         self.now = end
 
+    @rule(minutes=st.integers(1, 300))
+    def outage(self, minutes: int) -> None:
+        """Time passes with no worker running: no rollup at all."""
+        self.now += minutes * MINUTE
+
     @rule()
     def roll_up_now(self) -> None:
         rollup.rollup_pending(now=self.now, limit=10_000)
 
     @invariant()
     def complete_hours_are_as_from_scratch(self) -> None:
+        self._budget_use_is_what_the_allocations_held()  # before beat's next run
         rollup.rollup_pending(now=self.now, limit=10_000)
         assert usage_rows(hour_start(self.now)) == rows_from_scratch(self.now)
+        self._budget_use_is_what_the_allocations_held()
+
+    def _budget_use_is_what_the_allocations_held(self) -> None:
+        period = period_holding(self.now)
+        team = Team.objects.get(slug="vision")
+        held = Decimal(0)
+        for start, end, share in (
+            rollup.held_allocations(period.start, self.now)
+            .filter(team=team, unit=Unit.GPU)
+            .values_list("start", "end", "gpu_share")
+        ):
+            since, until = max(start, period.start), min(end or self.now, self.now)
+            if since < until:
+                held += Decimal(epoch_ms(until) - epoch_ms(since)) * share
+        used = team_gpu_hours(team=team, period=period, now=self.now) * MS_PER_HOUR
+        # Rolled-up rows round each allocation-hour to the millisecond, half up (and the hours
+        # are a quotient of 28 digits).
+        assert abs(used - held) <= UsageHour.objects.count() + 1, (used, held)
 
 
 MachineTestCase: Any = DirtyMarksMachine.TestCase
