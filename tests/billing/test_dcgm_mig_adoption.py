@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import random
 import threading
-import time
 from datetime import date, datetime, timedelta
 from decimal import Decimal
 from io import StringIO
@@ -45,6 +44,7 @@ from billing.models import (
 from billing.services import issue_agent_token
 from inventory.models import Device
 from teams.models import Team, TeamNamespace
+from tests.billing.test_late_data_marks import blocked
 from tests.billing.test_mig_instance_spells import agent_of, migs
 from tests.factories import (
     AllocationFactory,
@@ -564,30 +564,49 @@ def test_readings_sent_while_a_spell_is_being_recorded_wait_for_it(a100: Device)
     (first,) = migs(a100, 1)
     agent = agent_of(a100)
     recorded = threading.Event()
+    commit = threading.Event()
     errors: list[BaseException] = []
-    committed_at: list[float] = []
 
     def nvml_agent() -> None:
         try:
             with transaction.atomic():
                 send([nvml(first, minute, 2) for minute in (0, 10)], agent=agent)
                 recorded.set()
-                time.sleep(1.0)  # the DCGM batch comes meanwhile, and must wait for this one
-            committed_at.append(time.monotonic())
+                # The DCGM batch comes meanwhile, and must wait for this one.
+                assert commit.wait(timeout=30)
         except BaseException as exc:  # reported below
             errors.append(exc)
             recorded.set()
         finally:
             connection.close()
 
+    pid: list[int] = []
+
+    def dcgm_agent() -> None:
+        try:
+            pid.append(connection.cursor().connection.info.backend_pid)
+            send([dcgm(a100, minute + 0.5, 2) for minute in range(10)], agent=agent)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            connection.close()
+
     writer = threading.Thread(target=nvml_agent)
     writer.start()
-    recorded.wait(timeout=30)
-    send([dcgm(a100, minute + 0.5, 2) for minute in range(10)], agent=agent)
-    done_at = time.monotonic()
-    writer.join(timeout=30)
+    assert recorded.wait(timeout=30)
+    batch = threading.Thread(target=dcgm_agent)
+    batch.start()
+    try:
+        # Not done while the NVML batch is uncommitted: it waits for a lock, and is still
+        # waiting when that batch is let commit.
+        blocked(batch, lambda: pid[0] if pid else 0)
+        assert batch.is_alive(), f"the DCGM batch did not wait for the NVML one: {errors}"
+    finally:
+        commit.set()
+        writer.join(timeout=30)
+        batch.join(timeout=30)
+    assert not writer.is_alive() and not batch.is_alive()
     assert not errors
-    assert committed_at and done_at >= committed_at[0]
     assert placed() == {ms(minute + 0.5): first.meter_id for minute in range(10)}
     assert aside() == []
 

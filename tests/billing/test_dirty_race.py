@@ -10,7 +10,6 @@ read from one made since.
 from __future__ import annotations
 
 import threading
-import time
 from datetime import timedelta
 
 import pytest
@@ -20,6 +19,7 @@ from billing import dirty
 from billing.models import DirtyHour, UsageHour
 from billing.rollup import rollup_pending
 from tests.billing.test_idle_alerts import T0, claim_holding, devices_of, samples
+from tests.billing.test_late_data_marks import blocked
 from tests.factories import ClusterFactory
 from tests.quota.factories import TeamFactory
 
@@ -34,6 +34,7 @@ def test_samples_committed_after_the_rollup_read_their_hour_stay_marked() -> Non
     # The hour was marked before (an earlier late sample), and is due.
     dirty.mark_dirty(hours={hour}, at=now - timedelta(minutes=30))
     written = threading.Event()
+    commit = threading.Event()
     errors: list[BaseException] = []
 
     def late_writer() -> None:
@@ -43,19 +44,44 @@ def test_samples_committed_after_the_rollup_read_their_hour_stay_marked() -> Non
                 samples(devices, hour, 1, 80.0)
                 dirty.mark_dirty(hours={hour}, at=now - timedelta(minutes=1))
                 written.set()
-                time.sleep(1.5)  # the rollup reads the hour meanwhile, without these rows
+                # The rollup reads the hour meanwhile, without these rows.
+                assert commit.wait(timeout=30)
         except BaseException as exc:  # reported below
             errors.append(exc)
             written.set()
         finally:
             connection.close()
 
+    pid: list[int] = []
+    rollup_errors: list[BaseException] = []
+
+    def rollup() -> None:
+        try:
+            pid.append(connection.cursor().connection.info.backend_pid)
+            rollup_pending(now=now)
+        except BaseException as exc:  # reported below
+            rollup_errors.append(exc)
+        finally:
+            connection.close()
+
     writer = threading.Thread(target=late_writer)
     writer.start()
-    written.wait(timeout=30)
-    rollup_pending(now=now)  # its deletion of the mark waits for the writer's commit
-    writer.join(timeout=30)
+    assert written.wait(timeout=30)
+    roller = threading.Thread(target=rollup)
+    roller.start()
+    # The rollup has read the mark (its first statement, which waits for no lock) and waits,
+    # taking it away, for the writer's uncommitted new version: only then does the writer
+    # commit.
+    try:
+        blocked(roller, lambda: pid[0] if pid else 0)
+        assert roller.is_alive(), f"the rollup did not wait for the writer: {rollup_errors}"
+    finally:
+        commit.set()
+        writer.join(timeout=30)
+        roller.join(timeout=30)
+    assert not writer.is_alive() and not roller.is_alive()
     assert not errors
+    assert not rollup_errors
 
     assert DirtyHour.objects.filter(hour=hour).exists(), "the writer's mark was taken away"
     rollup_pending(now=now + timedelta(minutes=5))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Iterable
 from datetime import timedelta
@@ -36,6 +35,7 @@ from billing.models import AgentToken, MigInstance, UnknownDeviceSample
 from billing.services import issue_agent_token
 from inventory.models import Device
 from tests.billing import test_ingest_dynamic_mig as dynamic
+from tests.billing.test_late_data_marks import blocked
 from tests.factories import DeviceFactory, MigDeviceFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
@@ -338,8 +338,8 @@ def test_two_batches_at_once_give_the_spells_of_both(a100: Device) -> None:
     first, second = migs(a100, 2)
     agent = agent_of(a100)
     recorded = threading.Event()
+    commit = threading.Event()
     errors: list[BaseException] = []
-    committed_at: list[float] = []
 
     def first_agent() -> None:
         try:
@@ -347,22 +347,42 @@ def test_two_batches_at_once_give_the_spells_of_both(a100: Device) -> None:
                 # A at minutes 0 and 40: one spell, as far as this batch knows.
                 send([sample(first, 0, 1), sample(first, 40, 1)], agent=agent)
                 recorded.set()
-                time.sleep(1.0)  # B's batch comes meanwhile, and must wait for this one
-            committed_at.append(time.monotonic())
+                # B's batch comes meanwhile, and must wait for this one.
+                assert commit.wait(timeout=30)
         except BaseException as exc:  # reported below
             errors.append(exc)
             recorded.set()
         finally:
             connection.close()
 
+    pid: list[int] = []
+
+    def second_agent() -> None:
+        try:
+            pid.append(connection.cursor().connection.info.backend_pid)
+            # Inside A's spell: splits it once A commits.
+            send([sample(second, 20, 1)], agent=agent)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            connection.close()
+
     writer = threading.Thread(target=first_agent)
     writer.start()
-    recorded.wait(timeout=30)
-    send([sample(second, 20, 1)], agent=agent)  # inside A's spell: splits it once A commits
-    done_at = time.monotonic()
-    writer.join(timeout=30)
+    assert recorded.wait(timeout=30)
+    batch = threading.Thread(target=second_agent)
+    batch.start()
+    try:
+        # Not done while A's batch is uncommitted: it waits for a lock, and is still waiting
+        # when A's batch is let commit.
+        blocked(batch, lambda: pid[0] if pid else 0)
+        assert batch.is_alive(), f"B's batch did not wait for A's: {errors}"
+    finally:
+        commit.set()
+        writer.join(timeout=30)
+        batch.join(timeout=30)
+    assert not writer.is_alive() and not batch.is_alive()
     assert not errors
-    assert committed_at and done_at >= committed_at[0]
     assert [row[2:] for row in spells()] == [
         (first.meter_id, ms(0), ms(0)),
         (second.meter_id, ms(20), ms(20)),

@@ -8,6 +8,7 @@ documentation: the declaring object, Pods as its controller makes them, their cl
 from __future__ import annotations
 
 import copy
+import threading
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from django.conf import settings
 from django.urls import reverse
 
 from inventory import gangs, kube, services
@@ -794,13 +796,26 @@ def test_a_reader_waits_no_longer_than_its_request_timeout(fake: FakeKube, tmp_p
     server slow to answer well inside the webhook's deadline: the claim is then decided alone,
     not the CREATE failed for a webhook timeout."""
     serve_jobset(fake)
-    fake.on_request = lambda request: time.sleep(1.5)
-    client = kube.api_client(kubeconfig=str(fake.write_kubeconfig(tmp_path / "kc")), retries=0)
-    reader = kube.GangReader(client, request_timeout=(0.5, 0.3))
+    release = threading.Event()
 
-    started = time.monotonic()
-    assert reader.get("ml", "v1", "Pod", "train-workers-0-0-x7k2p") is None
-    assert time.monotonic() - started < 0.9  # one try: no retry waiting its timeout again
+    def stall(request: object) -> None:
+        release.wait()  # no answer until the test is over: only the timeout ends the read
+
+    fake.on_request = stall
+    client = kube.api_client(kubeconfig=str(fake.write_kubeconfig(tmp_path / "kc")), retries=0)
+    reader = kube.GangReader(client, request_timeout=kube.WEBHOOK_READ_TIMEOUT_SECONDS)
+    try:
+        started = time.monotonic()
+        found = reader.get("ml", "v1", "Pod", "train-workers-0-0-x7k2p")
+        elapsed = time.monotonic() - started
+    finally:
+        release.set()
+        client.close()
+    assert found is None
+    # Well short of what else would end the wait: the reader's default timeout, the fake's
+    # lifetime. One try: a retry would show as a second request.
+    bound = 5.0
+    assert bound < kube.OWNER_READ_TIMEOUT_SECONDS[1]
+    assert elapsed < bound
     assert len(fake.requests) == 1
-    assert sum(kube.WEBHOOK_READ_TIMEOUT_SECONDS) < 2.5  # TALLY_WEBHOOK_DEADLINE_MS
-    client.close()
+    assert sum(kube.WEBHOOK_READ_TIMEOUT_SECONDS) < settings.TALLY_WEBHOOK_DEADLINE_MS / 1000

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -831,18 +832,34 @@ def test_an_api_server_slow_to_answer_leaves_the_claim_decided_alone_within_the_
 ) -> None:
     """The webhook's own reader (`service.gang_lookup`, as made in a pod) tries once, for at
     most `WEBHOOK_READ_TIMEOUT_SECONDS`: an API server that does not answer in time costs
-    the admission about a second, not the API server's 3 s webhook timeout."""
+    the admission about a second, not the API server's 3 s webhook timeout.
+
+    The API server answers nothing until the test is over: only the reader's timeout ends
+    the read. The claim is allowed, so the admission reserved within its deadline
+    (TALLY_WEBHOOK_DEADLINE_MS, on the webhook's own clock): past it, it reserves nothing and
+    denies the claim."""
     objects = issue_jobset()
     serve(fake, list(objects.values()))
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     monkeypatch.setenv("KUBECONFIG", str(fake.write_kubeconfig(tmp_path / "kubeconfig")))
     team_of_16()
-    fake.on_request = lambda request: time.sleep(2)
+    release = threading.Event()
 
-    started = time.monotonic()
-    answer = admit(objects[WORKER_0])
-    assert time.monotonic() - started < sum(kube.WEBHOOK_READ_TIMEOUT_SECONDS) + 0.5
-    assert answer["allowed"]
+    def stall(request: object) -> None:
+        release.wait()
+
+    fake.on_request = stall
+    try:
+        started = time.monotonic()
+        answer = admit(objects[WORKER_0])
+        elapsed = time.monotonic() - started
+    finally:
+        release.set()
+    # Well short of what else would end the wait: the reader's default timeout, the stall.
+    bound = 5.0
+    assert bound < kube.OWNER_READ_TIMEOUT_SECONDS[1]
+    assert elapsed < bound
+    assert answer["allowed"]  # within the deadline
     assert any("could not read this claim's gang" in w for w in answer["warnings"])
     assert len(fake.requests) == 1
 
