@@ -19,7 +19,7 @@ from billing.idle import idle_hour_q
 from billing.models import SLICE_HOUR, DirtyHour, Period, RateCard, Sample, UsageHour
 from billing.periods import period_bounds
 from billing.pricing import MINOR_UNITS, LineKey, RateCards, rate_hours, round_money
-from billing.rollup import held_allocations, rolled_through
+from billing.rollup import rolled_through
 from billing.rounding import largest_remainders
 from billing.units import hours_label
 from inventory.models import Allocation, Unit
@@ -64,23 +64,34 @@ def team_gpu_hours(*, team: Team, period: Period, now: datetime, unit: str = Uni
 
 def _held_ms(*, team: Team, unit: str, spans: list[tuple[datetime, datetime]]) -> Decimal:
     """Milliseconds of `unit` the team's allocations held within `spans` (disjoint), each at
-    its share, counted from the allocations as the rollup counts them."""
-    if not spans:
+    its share, counted from the allocations as the rollup counts them: those of a device that
+    kept a meter id (`rollup.held_allocations`). Adjacent spans are read as one, and each
+    span apart, so that it reads by the allocations' `end` index only those that end in it
+    or later (a few minutes' and the open ones, for the hours since the last rollup)."""
+    merged: list[tuple[datetime, datetime]] = []
+    for since, until in sorted(spans):
+        if merged and merged[-1][1] == since:
+            merged[-1] = (merged[-1][0], until)
+        else:
+            merged.append((since, until))
+    if not merged:
         return Decimal(0)
-    held = held_allocations(spans[0][0], spans[-1][1]).filter(team=team, unit=unit)
-    sql, params = held.values("start", "end", "gpu_share").query.sql_with_params()
+    held = f"""
+        SELECT (extract(epoch FROM LEAST(COALESCE("end", %s), %s))
+                - extract(epoch FROM GREATEST(start, %s))) * 1000 * gpu_share AS ms
+        FROM {Allocation._meta.db_table}
+        WHERE team_id = %s AND unit = %s AND device_id IS NOT NULL AND meter_id <> ''
+          AND start < %s AND ("end" IS NULL OR "end" > %s)
+    """
+    params: list[Any] = []
+    for since, until in merged:
+        params += [until, until, since, team.pk, unit, until, since]
     with connection.cursor() as cursor:
         cursor.execute(
-            f"""
-            SELECT COALESCE(SUM(
-                (extract(epoch FROM LEAST(COALESCE(a."end", s.until), s.until))
-                 - extract(epoch FROM GREATEST(a.start, s.since))) * 1000 * a.gpu_share
-            ), 0)
-            FROM ({sql}) AS a
-            JOIN unnest(%s::timestamptz[], %s::timestamptz[]) AS s(since, until)
-              ON a.start < s.until AND (a."end" IS NULL OR a."end" > s.since)
-            """,
-            [*params, [since for since, _ in spans], [until for _, until in spans]],
+            "SELECT COALESCE(SUM(ms), 0) FROM ("
+            + " UNION ALL ".join([held] * len(merged))
+            + ") AS held",
+            params,
         )
         (total,) = cursor.fetchone()
     return Decimal(total)
