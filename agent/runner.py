@@ -684,7 +684,10 @@ def run(config: Config, source: Source, stop: threading.Event) -> Sender:
     counters)."""
     buffer = SampleBuffer(config.buffer_samples)
     sender = Sender(config, buffer)
-    sender_thread = threading.Thread(target=sender.run, args=(stop,), name="sender", daemon=True)
+    # The sender stops once the sampler has: what it queues after `stop` (the read in
+    # progress, the means of the windows still open) is in the last flush.
+    sampled = threading.Event()
+    sender_thread = threading.Thread(target=sender.run, args=(sampled,), name="sender", daemon=True)
     sender_thread.start()
     log.info(
         "agent started: node %s, source %s, every %g s, buffer %d samples, to %s",
@@ -706,6 +709,7 @@ def run(config: Config, source: Source, stop: threading.Event) -> Sender:
         )
     finally:
         stop.set()
+        sampled.set()
         buffer.wake()
         sender_thread.join(config.shutdown_flush_seconds + config.timeout_seconds + 1)
     return sender

@@ -492,6 +492,40 @@ def test_run_samples_sends_and_flushes_on_stop(ingest: FakeIngest) -> None:
     assert accepted == expected
 
 
+class ReadAtTheSignal(TickingSource):
+    """A read in progress when the agent is told to stop: it returns after the signal, later
+    than the sender takes to notice it (it waits on its buffer a second at a time)."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        super().__init__(devices=1)
+        self.stop = stop
+
+    def read(self) -> list[GpuReading]:
+        if self.reads == 2:
+            self.stop.set()
+            time.sleep(1.5)
+        return super().read()
+
+
+@pytest.mark.parametrize("mean_seconds", [None, 60.0])
+def test_what_the_sampler_queues_after_the_signal_is_flushed(
+    ingest: FakeIngest, mean_seconds: float | None
+) -> None:
+    """The read in progress at SIGTERM, and the means of the windows still open, are queued
+    after the signal: the sender's last flush waits for them."""
+    stop = threading.Event()
+    source = ReadAtTheSignal(stop)
+    sender = agent.run(config(ingest.url, mean_seconds=mean_seconds), source, stop)
+    assert source.reads == 3
+    if mean_seconds is None:
+        assert [ts for _, ts in ingest.delivered()] == [
+            f"2025-03-01T12:00:0{second}.000Z" for second in range(3)
+        ]
+    else:  # no window closed while running: the one mean of three readings, sent at the end
+        assert [len(request["body"]["samples"]) for request in ingest.requests] == [1]
+    assert len(sender.buffer) == 0
+
+
 def test_sigterm_flushes_and_exits(ingest: FakeIngest, tmp_path: Path) -> None:
     """The real entry point, with the DCGM source against a tiny fake Prometheus."""
     from tests.agent.test_dcgm import FakePrometheus, vector
