@@ -106,16 +106,17 @@ def _run(*, teams: int, history_days: int, jobs: int, marked_hours_ago: int) -> 
                 product_name, profile, device_share, gpu_share, device_id
             )
             SELECT a.cluster_id, a.claim_id, a.request, a.driver, a.pool, a.device_name,
-                   a.share_id, a.consumed_capacity, s, s + %(job)s, a.team_id, a.job,
-                   a.username, a.meter_id, a.unit, a.product_name, a.profile, a.device_share,
-                   a.gpu_share, a.device_id
+                   a.share_id, a.consumed_capacity, s, s + make_interval(secs => %(job)s),
+                   a.team_id, a.job, a.username, a.meter_id, a.unit, a.product_name,
+                   a.profile, a.device_share, a.gpu_share, a.device_id
             FROM inventory_allocation a
-            CROSS JOIN generate_series(%(first)s::timestamptz, %(last)s::timestamptz, %(job)s)
-                AS s
+            CROSS JOIN generate_series(
+                %(first)s::timestamptz, %(last)s::timestamptz, make_interval(secs => %(job)s)
+            ) AS s
             WHERE a."end" IS NULL
             """,
             {
-                "job": job,
+                "job": job.total_seconds(),
                 "first": MONTH_START - timedelta(days=history_days),
                 "last": NOW - HOUR - job,
             },
