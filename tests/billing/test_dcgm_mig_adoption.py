@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 from datetime import date, datetime, timedelta
 from decimal import Decimal
 from io import StringIO
@@ -23,7 +22,7 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
-from django.db import connection, transaction
+from django.db import transaction
 from django.test import Client
 from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
@@ -44,7 +43,7 @@ from billing.models import (
 from billing.services import issue_agent_token
 from inventory.models import Device
 from teams.models import Team, TeamNamespace
-from tests.billing.test_late_data_marks import blocked
+from tests.billing.test_late_data_marks import Connection, OnItsOwn
 from tests.billing.test_mig_instance_spells import agent_of, migs
 from tests.factories import (
     AllocationFactory,
@@ -563,50 +562,21 @@ def test_an_operators_backfill_is_placed_in_the_cluster_its_spells_are_in(
 def test_readings_sent_while_a_spell_is_being_recorded_wait_for_it(a100: Device) -> None:
     (first,) = migs(a100, 1)
     agent = agent_of(a100)
-    recorded = threading.Event()
-    commit = threading.Event()
-    errors: list[BaseException] = []
-
-    def nvml_agent() -> None:
-        try:
-            with transaction.atomic():
-                send([nvml(first, minute, 2) for minute in (0, 10)], agent=agent)
-                recorded.set()
-                # The DCGM batch comes meanwhile, and must wait for this one.
-                assert commit.wait(timeout=30)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-            recorded.set()
-        finally:
-            connection.close()
-
-    pid: list[int] = []
-
-    def dcgm_agent() -> None:
-        try:
-            pid.append(connection.cursor().connection.info.backend_pid)
-            send([dcgm(a100, minute + 0.5, 2) for minute in range(10)], agent=agent)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-        finally:
-            connection.close()
-
-    writer = threading.Thread(target=nvml_agent)
-    writer.start()
-    assert recorded.wait(timeout=30)
-    batch = threading.Thread(target=dcgm_agent)
-    batch.start()
+    # The NVML batch holds its transaction open: the DCGM batch comes meanwhile, and must wait.
+    writer = Connection(lambda: send([nvml(first, minute, 2) for minute in (0, 10)], agent=agent))
+    assert writer.done_work.wait(timeout=30) and writer.error is None
+    batch = OnItsOwn(
+        lambda: send([dcgm(a100, minute + 0.5, 2) for minute in range(10)], agent=agent)
+    )
     try:
         # Not done while the NVML batch is uncommitted: it waits for a lock, and is still
         # waiting when that batch is let commit.
-        blocked(batch, lambda: pid[0] if pid else 0)
-        assert batch.is_alive(), f"the DCGM batch did not wait for the NVML one: {errors}"
+        batch.wait_blocked()
+        assert batch.is_alive(), f"the DCGM batch did not wait for the NVML one: {batch.errors}"
     finally:
-        commit.set()
-        writer.join(timeout=30)
+        writer.end()
         batch.join(timeout=30)
-    assert not writer.is_alive() and not batch.is_alive()
-    assert not errors
+    assert not batch.is_alive() and not batch.errors
     assert placed() == {ms(minute + 0.5): first.meter_id for minute in range(10)}
     assert aside() == []
 

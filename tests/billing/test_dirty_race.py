@@ -9,17 +9,15 @@ read from one made since.
 
 from __future__ import annotations
 
-import threading
 from datetime import timedelta
 
 import pytest
-from django.db import connection, transaction
 
 from billing import dirty
 from billing.models import DirtyHour, UsageHour
 from billing.rollup import rollup_pending
 from tests.billing.test_idle_alerts import T0, claim_holding, devices_of, samples
-from tests.billing.test_late_data_marks import blocked
+from tests.billing.test_late_data_marks import Connection, OnItsOwn
 from tests.factories import ClusterFactory
 from tests.quota.factories import TeamFactory
 
@@ -33,55 +31,27 @@ def test_samples_committed_after_the_rollup_read_their_hour_stay_marked() -> Non
     now = T0 + timedelta(hours=3, minutes=5)
     # The hour was marked before (an earlier late sample), and is due.
     dirty.mark_dirty(hours={hour}, at=now - timedelta(minutes=30))
-    written = threading.Event()
-    commit = threading.Event()
-    errors: list[BaseException] = []
 
-    def late_writer() -> None:
-        try:
-            with transaction.atomic():
-                # An agent's buffer, received (and so marked) before the rollup started.
-                samples(devices, hour, 1, 80.0)
-                dirty.mark_dirty(hours={hour}, at=now - timedelta(minutes=1))
-                written.set()
-                # The rollup reads the hour meanwhile, without these rows.
-                assert commit.wait(timeout=30)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-            written.set()
-        finally:
-            connection.close()
+    def late_write() -> None:
+        # An agent's buffer, received (and so marked) before the rollup started.
+        samples(devices, hour, 1, 80.0)
+        dirty.mark_dirty(hours={hour}, at=now - timedelta(minutes=1))
 
-    pid: list[int] = []
-    rollup_errors: list[BaseException] = []
-
-    def rollup() -> None:
-        try:
-            pid.append(connection.cursor().connection.info.backend_pid)
-            rollup_pending(now=now)
-        except BaseException as exc:  # reported below
-            rollup_errors.append(exc)
-        finally:
-            connection.close()
-
-    writer = threading.Thread(target=late_writer)
-    writer.start()
-    assert written.wait(timeout=30)
-    roller = threading.Thread(target=rollup)
-    roller.start()
+    # The writer holds its transaction open: the rollup reads the hour meanwhile, without
+    # these rows.
+    writer = Connection(late_write)
+    assert writer.done_work.wait(timeout=30) and writer.error is None
+    roller = OnItsOwn(lambda: rollup_pending(now=now))
     # The rollup has read the mark (its first statement, which waits for no lock) and waits,
     # taking it away, for the writer's uncommitted new version: only then does the writer
     # commit.
     try:
-        blocked(roller, lambda: pid[0] if pid else 0)
-        assert roller.is_alive(), f"the rollup did not wait for the writer: {rollup_errors}"
+        roller.wait_blocked()
+        assert roller.is_alive(), f"the rollup did not wait for the writer: {roller.errors}"
     finally:
-        commit.set()
-        writer.join(timeout=30)
+        writer.end()
         roller.join(timeout=30)
-    assert not writer.is_alive() and not roller.is_alive()
-    assert not errors
-    assert not rollup_errors
+    assert not roller.is_alive() and not roller.errors
 
     assert DirtyHour.objects.filter(hour=hour).exists(), "the writer's mark was taken away"
     rollup_pending(now=now + timedelta(minutes=5))

@@ -341,23 +341,34 @@ def blocked(thread: threading.Thread, pid: Callable[[], int]) -> None:
         time.sleep(0.05)
 
 
-def closing(period: Period) -> tuple[threading.Thread, list[int], list[BaseException]]:
-    """`close_period` of `period` started on a connection of its own."""
-    pid: list[int] = []
-    errors: list[BaseException] = []
+class OnItsOwn(threading.Thread):
+    """Work started on a connection of its own, committed as it goes: its server process id
+    once connected (`pid`) and what it raised (`errors`)."""
 
-    def close() -> None:
+    def __init__(self, work: Callable[[], object]) -> None:
+        super().__init__()
+        self.work = work
+        self.pid = 0
+        self.errors: list[BaseException] = []
+        self.start()
+
+    def run(self) -> None:
         try:
-            pid.append(connection.cursor().connection.info.backend_pid)
-            services.close_period(period=period, actor="finance")
+            self.pid = connection.cursor().connection.info.backend_pid
+            self.work()
         except BaseException as exc:  # reported by the caller
-            errors.append(exc)
+            self.errors.append(exc)
         finally:
             connection.close()
 
-    thread = threading.Thread(target=close)
-    thread.start()
-    return thread, pid, errors
+    def wait_blocked(self) -> None:
+        """Until it waits for a lock, or has ended (`blocked`)."""
+        blocked(self, lambda: self.pid)
+
+
+def closing(period: Period) -> OnItsOwn:
+    """`close_period` of `period` started on a connection of its own."""
+    return OnItsOwn(lambda: services.close_period(period=period, actor="finance"))
 
 
 def late_write(gpu: Allocation) -> Callable[[], None]:
@@ -400,14 +411,14 @@ def test_a_mark_made_after_the_close_read_the_marks_survives_it() -> None:
     statement = Statement.objects.get(period=ledger.periods[1], team=gpu.team)
     holder = Connection(lambda: list(Statement.objects.select_for_update().filter(pk=statement.pk)))
     assert holder.done_work.wait(timeout=30)
-    closer, pid, errors = closing(ledger.periods[1])
-    blocked(closer, lambda: pid[0] if pid else 0)
-    assert closer.is_alive(), f"the close did not wait for the statement: {errors}"
+    closer = closing(ledger.periods[1])
+    closer.wait_blocked()
+    assert closer.is_alive(), f"the close did not wait for the statement: {closer.errors}"
     writer = Connection(late_write(gpu))
     writer.end()  # committed while the close waits
     holder.end()
     closer.join(timeout=30)
-    assert errors == []
+    assert closer.errors == []
     check_billed_after(ledger)
 
 
@@ -419,10 +430,10 @@ def test_a_mark_a_write_holds_while_the_close_clears_survives_it() -> None:
     gpu = late_january(ledger)
     writer = Connection(late_write(gpu))
     assert writer.done_work.wait(timeout=30)
-    closer, _, errors = closing(ledger.periods[1])
+    closer = closing(ledger.periods[1])
     closer.join(timeout=30)
     assert not closer.is_alive(), "the close waited for the write"
-    assert errors == []
+    assert closer.errors == []
     writer.end()
     check_billed_after(ledger)
 
@@ -441,25 +452,12 @@ def test_two_open_periods_refreshed_at_once_bill_a_closed_periods_late_data_once
     use(gpu, JAN + HOUR, utilised=MS_PER_HOUR)
     first = Connection(lambda: refresh_statements(period=feb))
     assert first.done_work.wait(timeout=30) and first.error is None
-    pid: list[int] = []
-    errors: list[BaseException] = []
-
-    def refresh_march() -> None:
-        try:
-            pid.append(connection.cursor().connection.info.backend_pid)
-            refresh_statements(period=mar)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-        finally:
-            connection.close()
-
-    second = threading.Thread(target=refresh_march)
-    second.start()
-    blocked(second, lambda: pid[0] if pid else 0)
-    assert second.is_alive(), f"March's refresh did not wait for February's: {errors}"
+    second = OnItsOwn(lambda: refresh_statements(period=mar))
+    second.wait_blocked()
+    assert second.is_alive(), f"March's refresh did not wait for February's: {second.errors}"
     first.end()
     second.join(timeout=30)
-    assert errors == []
+    assert second.errors == []
     billed = adjustments(feb) + adjustments(mar)
     assert [(corrected, utilised) for _, corrected, utilised, amount in billed if amount] == [
         (jan.pk, Decimal(1))

@@ -11,7 +11,6 @@ and adopted record them as an agent's batch does, under the node the inventory p
 from __future__ import annotations
 
 import json
-import threading
 from collections import defaultdict
 from collections.abc import Iterable
 from datetime import timedelta
@@ -35,7 +34,7 @@ from billing.models import AgentToken, MigInstance, UnknownDeviceSample
 from billing.services import issue_agent_token
 from inventory.models import Device
 from tests.billing import test_ingest_dynamic_mig as dynamic
-from tests.billing.test_late_data_marks import blocked
+from tests.billing.test_late_data_marks import Connection, OnItsOwn
 from tests.factories import DeviceFactory, MigDeviceFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
@@ -337,52 +336,21 @@ def test_spells_of_are_the_runs_of_one_device_in_time_then_meter_order() -> None
 def test_two_batches_at_once_give_the_spells_of_both(a100: Device) -> None:
     first, second = migs(a100, 2)
     agent = agent_of(a100)
-    recorded = threading.Event()
-    commit = threading.Event()
-    errors: list[BaseException] = []
-
-    def first_agent() -> None:
-        try:
-            with transaction.atomic():
-                # A at minutes 0 and 40: one spell, as far as this batch knows.
-                send([sample(first, 0, 1), sample(first, 40, 1)], agent=agent)
-                recorded.set()
-                # B's batch comes meanwhile, and must wait for this one.
-                assert commit.wait(timeout=30)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-            recorded.set()
-        finally:
-            connection.close()
-
-    pid: list[int] = []
-
-    def second_agent() -> None:
-        try:
-            pid.append(connection.cursor().connection.info.backend_pid)
-            # Inside A's spell: splits it once A commits.
-            send([sample(second, 20, 1)], agent=agent)
-        except BaseException as exc:  # reported below
-            errors.append(exc)
-        finally:
-            connection.close()
-
-    writer = threading.Thread(target=first_agent)
-    writer.start()
-    assert recorded.wait(timeout=30)
-    batch = threading.Thread(target=second_agent)
-    batch.start()
+    # A at minutes 0 and 40: one spell, as far as this batch knows. It holds its transaction
+    # open: B's batch comes meanwhile, and must wait.
+    writer = Connection(lambda: send([sample(first, 0, 1), sample(first, 40, 1)], agent=agent))
+    assert writer.done_work.wait(timeout=30) and writer.error is None
+    # Inside A's spell: splits it once A commits.
+    batch = OnItsOwn(lambda: send([sample(second, 20, 1)], agent=agent))
     try:
         # Not done while A's batch is uncommitted: it waits for a lock, and is still waiting
         # when A's batch is let commit.
-        blocked(batch, lambda: pid[0] if pid else 0)
-        assert batch.is_alive(), f"B's batch did not wait for A's: {errors}"
+        batch.wait_blocked()
+        assert batch.is_alive(), f"B's batch did not wait for A's: {batch.errors}"
     finally:
-        commit.set()
-        writer.join(timeout=30)
+        writer.end()
         batch.join(timeout=30)
-    assert not writer.is_alive() and not batch.is_alive()
-    assert not errors
+    assert not batch.is_alive() and not batch.errors
     assert [row[2:] for row in spells()] == [
         (first.meter_id, ms(0), ms(0)),
         (second.meter_id, ms(20), ms(20)),
