@@ -43,7 +43,7 @@ from billing.models import (
 from billing.services import issue_agent_token
 from inventory.models import Device
 from teams.models import Team, TeamNamespace
-from tests.billing.test_late_data_marks import Connection, OnItsOwn
+from tests.billing.test_late_data_marks import Connection, OnItsOwn, waited_for
 from tests.billing.test_mig_instance_spells import agent_of, migs
 from tests.factories import (
     AllocationFactory,
@@ -568,15 +568,9 @@ def test_readings_sent_while_a_spell_is_being_recorded_wait_for_it(a100: Device)
     batch = OnItsOwn(
         lambda: send([dcgm(a100, minute + 0.5, 2) for minute in range(10)], agent=agent)
     )
-    try:
-        # Not done while the NVML batch is uncommitted: it waits for a lock, and is still
-        # waiting when that batch is let commit.
-        batch.wait_blocked()
-        assert batch.is_alive(), f"the DCGM batch did not wait for the NVML one: {batch.errors}"
-    finally:
-        writer.end()
-        batch.join(timeout=30)
-    assert not batch.is_alive() and not batch.errors
+    # Not done while the NVML batch is uncommitted: it waits for a lock, and is still
+    # waiting when that batch is let commit.
+    waited_for(writer, batch, "the DCGM batch did not wait for the NVML one")
     assert placed() == {ms(minute + 0.5): first.meter_id for minute in range(10)}
     assert aside() == []
 

@@ -17,7 +17,7 @@ from billing import dirty
 from billing.models import DirtyHour, UsageHour
 from billing.rollup import rollup_pending
 from tests.billing.test_idle_alerts import T0, claim_holding, devices_of, samples
-from tests.billing.test_late_data_marks import Connection, OnItsOwn
+from tests.billing.test_late_data_marks import Connection, OnItsOwn, waited_for
 from tests.factories import ClusterFactory
 from tests.quota.factories import TeamFactory
 
@@ -45,13 +45,7 @@ def test_samples_committed_after_the_rollup_read_their_hour_stay_marked() -> Non
     # The rollup has read the mark (its first statement, which waits for no lock) and waits,
     # taking it away, for the writer's uncommitted new version: only then does the writer
     # commit.
-    try:
-        roller.wait_blocked()
-        assert roller.is_alive(), f"the rollup did not wait for the writer: {roller.errors}"
-    finally:
-        writer.end()
-        roller.join(timeout=30)
-    assert not roller.is_alive() and not roller.errors
+    waited_for(writer, roller, "the rollup did not wait for the writer")
 
     assert DirtyHour.objects.filter(hour=hour).exists(), "the writer's mark was taken away"
     rollup_pending(now=now + timedelta(minutes=5))

@@ -366,6 +366,18 @@ class OnItsOwn(threading.Thread):
         blocked(self, lambda: self.pid)
 
 
+def waited_for(writer: Connection, waiter: OnItsOwn, failure: str) -> None:
+    """`waiter` is seen waiting for a lock while `writer` holds its transaction open, and is
+    still waiting when `writer` is let commit (else `failure`); then both end without errors."""
+    try:
+        waiter.wait_blocked()
+        assert waiter.is_alive(), f"{failure}: {waiter.errors}"
+    finally:
+        writer.end()
+        waiter.join(timeout=30)
+    assert not waiter.is_alive() and not waiter.errors
+
+
 def closing(period: Period) -> OnItsOwn:
     """`close_period` of `period` started on a connection of its own."""
     return OnItsOwn(lambda: services.close_period(period=period, actor="finance"))

@@ -34,7 +34,7 @@ from billing.models import AgentToken, MigInstance, UnknownDeviceSample
 from billing.services import issue_agent_token
 from inventory.models import Device
 from tests.billing import test_ingest_dynamic_mig as dynamic
-from tests.billing.test_late_data_marks import Connection, OnItsOwn
+from tests.billing.test_late_data_marks import Connection, OnItsOwn, waited_for
 from tests.factories import DeviceFactory, MigDeviceFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
@@ -342,15 +342,9 @@ def test_two_batches_at_once_give_the_spells_of_both(a100: Device) -> None:
     assert writer.done_work.wait(timeout=30) and writer.error is None
     # Inside A's spell: splits it once A commits.
     batch = OnItsOwn(lambda: send([sample(second, 20, 1)], agent=agent))
-    try:
-        # Not done while A's batch is uncommitted: it waits for a lock, and is still waiting
-        # when A's batch is let commit.
-        batch.wait_blocked()
-        assert batch.is_alive(), f"B's batch did not wait for A's: {batch.errors}"
-    finally:
-        writer.end()
-        batch.join(timeout=30)
-    assert not batch.is_alive() and not batch.errors
+    # Not done while A's batch is uncommitted: it waits for a lock, and is still waiting
+    # when A's batch is let commit.
+    waited_for(writer, batch, "B's batch did not wait for A's")
     assert [row[2:] for row in spells()] == [
         (first.meter_id, ms(0), ms(0)),
         (second.meter_id, ms(20), ms(20)),
