@@ -711,7 +711,9 @@ def run(config: Config, source: Source, stop: threading.Event) -> Sender:
         stop.set()
         sampled.set()
         buffer.wake()
-        sender_thread.join(config.shutdown_flush_seconds + config.timeout_seconds + 1)
+        # A send in progress when the sampler stopped, the flush, and a send begun just before
+        # the flush's deadline.
+        sender_thread.join(config.shutdown_flush_seconds + 2 * config.timeout_seconds + 1)
     return sender
 
 

@@ -225,7 +225,8 @@ def rollup_hours(*, hours: Iterable[datetime], now: datetime | None = None) -> i
     Idempotent: each run of consecutive hours (at most `TALLY_ROLLUP_DEVICE_HOURS`
     allocation-hours at a time) has its rows replaced in one transaction, under a lock per
     hour, so two workers rolling up the same hours one after the other give the same rows.
-    An hour still in progress is rolled up to `now`. A run's samples are read in one pass.
+    An hour still in progress is rolled up to `now`, and marked to be rolled up again. A run's
+    samples are read in one pass.
     Clusters metered by a Prometheus-compatible engine (`billing.prometheus`) are read from
     it instead, through the same SQL. Where an engine cannot answer for a run, its clusters'
     rows of those hours are left as they were (the other clusters' are written), the hours are
@@ -249,6 +250,13 @@ def rollup_hours(*, hours: Iterable[datetime], now: datetime | None = None) -> i
         except prometheus.EngineUnavailable as error:
             error.hours = [first + index * HOUR for index in range(count)]
             unavailable.append(error)
+    # An hour rolled up only to `now` is marked after its rows are written (a new version: a
+    # rollup that read its mark before takes this one not): so it is rolled up again once it
+    # has ended, and until then no one counts it whole (`billing.selectors.team_gpu_hours`),
+    # even where these rows land after beat has rolled it up whole.
+    unfinished = {hour for hour in starts if hour + HOUR > now}
+    if unfinished:
+        mark_dirty(hours=unfinished, at=now)
     if unavailable:
         # The other runs are done; these hours wrote nothing and stay to do: marked, so beat's
         # next rollup tries them again whoever asked for them (`run_billing`, a close).
@@ -653,7 +661,9 @@ def rollup_pending(*, now: datetime, limit: int | None = None) -> list[datetime]
                 "(SELECT * FROM unnest(%s::timestamptz[], %s::bigint[]))",
                 [[hour for hour, _ in taken], [version for _, version in taken]],
             )
-    _record_rolled_through(just_ended)
+    # Not past the clock's hour just ended: a run for a later `now` (a worker whose clock is
+    # ahead, a command given one) guessed the hours after it, which must still be taken.
+    _record_rolled_through(min(just_ended, hour_start(timezone.now()) - HOUR))
     return done
 
 

@@ -14,12 +14,14 @@ from django.test import Client
 from django.utils import timezone
 from pytest_django.fixtures import SettingsWrapper
 
+from billing import rollup
+from billing.dirty import mark_dirty
 from billing.hours import HOUR, MS_PER_HOUR, hour_start
 from billing.models import Period, UsageHour
 from billing.periods import PricingError, period_bounds, period_label
 from billing.pricing import period_for, period_holding
 from billing.rollup import rollup_hours
-from billing.selectors import team_gpu_hours
+from billing.selectors import MOST_MARKED_SPANS, team_gpu_hours
 from inventory import services as inventory_services
 from inventory.dumps import iter_objects
 from inventory.models import Device, Unit
@@ -410,4 +412,25 @@ rates:
     )
     assert f"deleted rate card {tpu_model}: 1.2000 USD/TPU chip-hour from 2026-01-01" in (
         pruned.changes
+    )
+
+
+@pytest.mark.parametrize("marked", [3, 12])
+def test_hours_marked_to_be_rolled_up_again_are_counted_from_the_allocations(marked: int) -> None:
+    """Rows a late change made stale, their hours marked: the budget counts those hours from
+    the allocations, hour by hour or (past `MOST_MARKED_SPANS`) from the first on."""
+    team = make_team([])
+    now = timezone.now()
+    start = hour_start(now) - 30 * HOUR
+    device = DeviceFactory.create(unit=Unit.GPU)
+    AllocationFactory.create(device=device, start=start, end=None, team=team)
+    rollup_hours(hours=[start + index * HOUR for index in range(30)], now=now)
+    rollup._record_rolled_through(hour_start(now) - HOUR)
+    stale = [start + index * HOUR for index in range(0, 2 * marked, 2)]
+    UsageHour.objects.filter(hour__in=stale).update(allocated_gpu_ms=0)
+    mark_dirty(hours=set(stale), at=now)
+    assert (marked > MOST_MARKED_SPANS) == (marked == 12)
+    used = team_gpu_hours(team=team, period=period_for(now), now=now)
+    assert abs(used - Decimal((now - start) / timedelta(microseconds=1)) / 3_600_000_000) < Decimal(
+        "1e-9"
     )

@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from decimal import Decimal
 
 import pytest
+from django.utils import timezone
 
-from billing import dirty, rollup
-from billing.hours import hour_start
+from billing import dirty, rollup, services
+from billing.hours import HOUR, MS_PER_HOUR, hour_start
 from billing.models import DirtyHour, UsageHour
+from billing.pricing import period_holding
+from billing.selectors import team_gpu_hours
+from teams.models import Team, TeamNamespace
 from tests.billing.test_chargeback import SLICE, T10, claim, snapshot
 
 pytestmark = pytest.mark.django_db
@@ -72,3 +77,38 @@ def test_hours_that_ended_while_no_worker_ran_are_rolled_up_at_the_next_run() ->
     # A run for an earlier instant (`run_billing --period` of a past period) never moves it back.
     rollup.rollup_pending(now=T10 + timedelta(hours=2, minutes=5))
     assert rollup.rolled_through() == T10 + timedelta(hours=4)
+
+
+def _vision() -> Team:
+    team = Team.objects.create(slug="vision", name="Vision")
+    TeamNamespace.objects.create(team=team, namespace="vision")
+    return team
+
+
+def test_an_hour_rolled_up_only_to_now_stays_marked_even_when_its_rows_land_late() -> None:
+    """`run_billing` for the open period, begun within 11:00 (its rows of 11:00 only to then),
+    commits after beat has rolled 11:00 up whole: the hour stays marked, so the budget does
+    not count it whole and beat's next run rolls it up again."""
+    team = _vision()
+    snapshot([SLICE, claim("a", "gpu-0", T10)], T10)  # held from 10:00 on
+    eleven = T10 + HOUR
+    rollup.rollup_pending(now=T10 + timedelta(hours=1, minutes=5))
+    rollup.rollup_pending(now=T10 + timedelta(hours=2, minutes=1))  # 11:00 whole
+    services.bill_period(period_start=T10, now=eleven + timedelta(minutes=30))  # landed late
+    assert UsageHour.objects.get(hour=eleven).allocated_gpu_ms == MS_PER_HOUR // 2
+    assert DirtyHour.objects.filter(hour=eleven).exists()
+    # Before beat's next run, past 11:00's next hour: 10:00 to now, the half rows not trusted.
+    now = T10 + timedelta(hours=3, minutes=10)
+    held = team_gpu_hours(team=team, period=period_holding(now), now=now)
+    assert held == Decimal(3 * 60 + 10) / 60
+    rollup.rollup_pending(now=T10 + timedelta(hours=3, minutes=1))
+    assert UsageHour.objects.get(hour=eleven).allocated_gpu_ms == MS_PER_HOUR
+    assert not DirtyHour.objects.filter(hour=eleven).exists()
+
+
+def test_a_run_for_a_later_now_records_no_more_than_the_clocks_hour_just_ended() -> None:
+    """A worker whose clock is ahead (or a command given a later `now`) rolls up hours that
+    have not ended by the database's reckoning: the next run takes them again."""
+    clock = timezone.now()
+    rollup.rollup_pending(now=clock + timedelta(hours=5))
+    assert rollup.rolled_through() == hour_start(clock) - HOUR
