@@ -64,6 +64,8 @@ def worker() -> Iterator[None]:
         ran.append(task_id)
 
     task_postrun.connect(remember, weak=False)
+    # Tasks a run killed midway left queued would be taken first: the queue starts empty.
+    app.control.purge()
     try:
         with start_worker(app, pool="solo", perform_ping_check=False, shutdown_timeout=10):
             yield
