@@ -428,7 +428,8 @@ def test_a_database_that_goes_silent_reserves_nothing_after_the_deadline() -> No
         response = answer.body["response"]
         assert response["allowed"] is False, (response, log)
         assert response["status"]["reason"] == "ServiceUnavailable", (response, log)
-        assert answer.seconds < DEADLINE_SECONDS + 0.5, (answer, log)
+        # By the deadline, with room for a busy machine: not when the network is back.
+        assert answer.seconds < DEADLINE_SECONDS + 1.0 < SILENCE_SECONDS, (answer, log)
     assert after.body["response"]["allowed"] is True, (after, log)
     reserved = sorted(Reservation.objects.values_list("name", flat=True))
     assert reserved == ["after", f"warm-{attempt}"], log
