@@ -19,7 +19,7 @@ from billing.idle import idle_hour_q
 from billing.models import SLICE_HOUR, DirtyHour, Period, RateCard, Sample, UsageHour
 from billing.periods import period_bounds
 from billing.pricing import MINOR_UNITS, LineKey, RateCards, rate_hours, round_money
-from billing.rollup import rolled_through
+from billing.rollup import held_allocations, rolled_through
 from billing.rounding import largest_remainders
 from billing.units import hours_label
 from inventory.models import Allocation, Unit
@@ -84,21 +84,24 @@ def _held_ms(*, team: Team, unit: str, spans: list[tuple[datetime, datetime]]) -
             merged.append((since, until))
     if not merged:
         return Decimal(0)
-    held = f"""
-        SELECT (extract(epoch FROM LEAST(COALESCE("end", %s), %s))
-                - extract(epoch FROM GREATEST(start, %s))) * 1000 * gpu_share AS ms
-        FROM {Allocation._meta.db_table}
-        WHERE team_id = %s AND unit = %s AND device_id IS NOT NULL AND meter_id <> ''
-          AND start < %s AND ("end" IS NULL OR "end" > %s)
-    """
+    parts: list[str] = []
     params: list[Any] = []
     for since, until in merged:
-        params += [until, until, since, team.pk, unit, until, since]
+        sql, held_params = (
+            held_allocations(since, until)
+            .filter(team=team, unit=unit)
+            .values_list("start", "end", "gpu_share")
+            .query.sql_with_params()
+        )
+        parts.append(
+            'SELECT (extract(epoch FROM LEAST(COALESCE(a."end", %s), %s))'
+            " - extract(epoch FROM GREATEST(a.start, %s))) * 1000 * a.gpu_share AS ms"
+            f" FROM ({sql}) AS a"
+        )
+        params += [until, until, since, *held_params]
     with connection.cursor() as cursor:
         cursor.execute(
-            "SELECT COALESCE(SUM(ms), 0) FROM ("
-            + " UNION ALL ".join([held] * len(merged))
-            + ") AS held",
+            f"SELECT COALESCE(SUM(ms), 0) FROM ({' UNION ALL '.join(parts)}) AS held",
             params,
         )
         (total,) = cursor.fetchone()
