@@ -152,7 +152,7 @@ def _run(*, teams: int, history_days: int, jobs: int, marked_hours_ago: int) -> 
         rows = cursor.rowcount
         cursor.execute("VACUUM (ANALYZE) inventory_allocation")
         cursor.execute("VACUUM (ANALYZE) billing_usagehour")
-    rollup._record_rolled_through(rolled_through)
+    rollup.record_rolled_through(rolled_through)
     # The fleet's import marked its first hour, which beat would have rolled up long since;
     # late samples have marked three hours of yesterday instead.
     DirtyHour.objects.all().delete()

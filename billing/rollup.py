@@ -663,7 +663,7 @@ def rollup_pending(*, now: datetime, limit: int | None = None) -> list[datetime]
             )
     # Not past the clock's hour just ended: a run for a later `now` (a worker whose clock is
     # ahead, a command given one) guessed the hours after it, which must still be taken.
-    _record_rolled_through(min(just_ended, hour_start(timezone.now()) - HOUR))
+    record_rolled_through(min(just_ended, hour_start(timezone.now()) - HOUR))
     return done
 
 
@@ -673,8 +673,10 @@ def rolled_through() -> datetime | None:
     return RollupProgress.objects.values_list("rolled_through", flat=True).first()
 
 
-def _record_rolled_through(hour: datetime) -> None:
-    """Never back: a run for an earlier `now` (`run_billing`, a test) leaves a later mark."""
+def record_rolled_through(hour: datetime) -> None:
+    """Record that the rollup has taken `hour` as the hour just ended (`rollup_pending`; a
+    benchmark's or a test's set-up). Never back: a run for an earlier `now` (`run_billing`)
+    leaves a later mark."""
     with connection.cursor() as cursor:
         cursor.execute(
             f"INSERT INTO {RollupProgress._meta.db_table} (id, rolled_through) VALUES (1, %s) "

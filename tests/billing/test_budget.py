@@ -425,7 +425,7 @@ def test_hours_marked_to_be_rolled_up_again_are_counted_from_the_allocations(mar
     device = DeviceFactory.create(unit=Unit.GPU)
     AllocationFactory.create(device=device, start=start, end=None, team=team)
     rollup_hours(hours=[start + index * HOUR for index in range(30)], now=now)
-    rollup._record_rolled_through(hour_start(now) - HOUR)
+    rollup.record_rolled_through(hour_start(now) - HOUR)
     stale = [start + index * HOUR for index in range(0, 2 * marked, 2)]
     UsageHour.objects.filter(hour__in=stale).update(allocated_gpu_ms=0)
     mark_dirty(hours=set(stale), at=now)
