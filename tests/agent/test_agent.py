@@ -26,6 +26,7 @@ import pytest
 
 from agent import runner as agent
 from agent.readings import GpuReading, ProcessReading
+from tests.waits import wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)
@@ -439,18 +440,6 @@ def test_samples_of_several_nodes_go_in_separate_requests(ingest: FakeIngest) ->
 WAIT_SECONDS = 30.0
 
 
-def wait_until(
-    condition: Callable[[], bool], what: Callable[[], str], timeout: float = WAIT_SECONDS
-) -> None:
-    """Returns as soon as `condition()` holds; fails, saying `what()`, if it does not within
-    `timeout` seconds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() >= deadline:
-            pytest.fail(f"not within {timeout:g} s: {what()}")
-        time.sleep(0.01)
-
-
 def logged_event(line: str) -> object:
     """The `event` of one line of the agent's JSON log (None for any other line)."""
     try:
@@ -472,6 +461,7 @@ def test_run_samples_sends_and_flushes_on_stop(ingest: FakeIngest) -> None:
         wait_until(
             lambda: source.reads >= 10 and len(ingest.requests) >= 3,
             lambda: f"10 reads, 3 requests ({source.reads} reads, {len(ingest.requests)} requests)",
+            seconds=WAIT_SECONDS,
         )
         ingest.default = Reply(200)
     finally:
@@ -582,6 +572,7 @@ def test_sigterm_flushes_and_exits(ingest: FakeIngest, tmp_path: Path) -> None:
             started_and_sampling,
             lambda: f"the agent started and read the source twice ({len(prometheus.queries)} "
             f"queries):\n{''.join(lines)}",
+            seconds=WAIT_SECONDS,
         )
         ingest.default = Reply(200)
         process.send_signal(signal.SIGTERM)

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, cast
 
 import pytest
@@ -21,6 +20,7 @@ from inventory.dumps import iter_objects
 from inventory.models import Cluster, ResourceClaim, SyncState
 from tests.fake_kube import FakeKube
 from tests.inventory.test_gangs import FIXTURES, Clock, claim_loop, named, serve
+from tests.waits import wait_until
 
 FIRST_CLAIM, FIRST_POD = "train-workers-0-0-x7k2p-gpus-4m8rt", "train-workers-0-0-x7k2p"
 SECOND_CLAIM, SECOND_POD = "train-workers-1-0-q9m4z-gpus-p2v6d", "train-workers-1-0-q9m4z"
@@ -64,12 +64,11 @@ def pod_reads(fake: FakeKube, pod: str) -> int:
     return len([r for r in fake.reads("Pod") if r.read and r.read[2] == pod])
 
 
-def wait_for(condition: Callable[[], bool], what: str, seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} did not happen within {seconds}s")
-        time.sleep(0.01)
+def wait_for_second_pod_read(fake: FakeKube) -> None:
+    """Until the second batch's Pod has been read (at most 10 s)."""
+    wait_until(
+        lambda: pod_reads(fake, SECOND_POD) == 1, "the second batch's Pod read", seconds=10.0
+    )
 
 
 def stored_version(cluster: Cluster) -> str:
@@ -124,7 +123,7 @@ def test_the_next_batch_is_read_while_one_is_written_and_written_after_it(
         names = [event.obj["metadata"]["name"] for event in kwargs["events"]]
         if names == [FIRST_CLAIM]:
             # The second batch's Pod is read while the first is written, not after it.
-            wait_for(lambda: pod_reads(fake, SECOND_POD) == 1, "the second batch's Pod read")
+            wait_for_second_pod_read(fake)
         written.append((names, stored_version(cluster)))
         return apply(**kwargs)
 
@@ -167,7 +166,7 @@ def test_a_batch_read_while_the_one_before_it_failed_is_read_again_when_it_comes
     def failing_once(**kwargs: Any) -> services.SyncReport:
         calls.append(len(kwargs["events"]))
         if len(calls) == 1:
-            wait_for(lambda: pod_reads(fake, SECOND_POD) == 1, "the second batch's Pod read")
+            wait_for_second_pod_read(fake)
             raise OperationalError("the server closed the connection unexpectedly")
         return apply(**kwargs)
 
@@ -200,7 +199,7 @@ def test_a_batch_prepared_when_the_sync_stops_is_read_again_when_it_comes_again(
     apply = services.apply_watch_events
 
     def stopping(**kwargs: Any) -> services.SyncReport:
-        wait_for(lambda: pod_reads(fake, SECOND_POD) == 1, "the second batch's Pod read")
+        wait_for_second_pod_read(fake)
         stop.set()
         return apply(**kwargs)
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
@@ -37,6 +36,7 @@ from inventory.models import (
     SyncState,
 )
 from tests.fake_kube import FakeKube
+from tests.waits import wait_until
 
 DRIVER = "gpu.nvidia.com"
 NAMESPACE = "team-a"
@@ -488,14 +488,6 @@ def running_sync(api_client: Any, cluster: Cluster, kind: str) -> Iterator[None]
         assert not thread.is_alive(), "the sync did not stop"
 
 
-def wait_until(condition: Callable[[], object], what: str, seconds: float = 20.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {seconds}s waiting for {what}")
-        time.sleep(0.02)
-
-
 @pytest.fixture
 def backlog(fake: FakeKube, cluster: Cluster) -> str:
     """A slice listed, then 60 changes to 20 claims the sync has not seen: its watch starts
@@ -521,6 +513,7 @@ def test_a_backlog_is_applied_in_batches_with_its_last_resource_version(
         wait_until(
             lambda: SyncState.objects.get(kind="ResourceClaim").resource_version == backlog,
             "the backlog applied",
+            seconds=20.0,
         )
 
     state = SyncState.objects.get(kind="ResourceClaim")
@@ -558,6 +551,7 @@ def test_a_batch_the_database_fails_is_applied_again_and_loses_nothing(
         wait_until(
             lambda: SyncState.objects.get(kind="ResourceClaim").resource_version == backlog,
             "the backlog applied after the failure",
+            seconds=20.0,
         )
 
     assert len(calls) >= 2
