@@ -960,7 +960,7 @@ def _lock_devices(cursor: CursorWrapper, uuids: Iterable[str]) -> None:
 _REFRESH_GAPS_SQL = """
 WITH r(uuid, lo, hi) AS ({bounds}),
 span AS (
-    SELECT r.uuid,
+    SELECT r.uuid, r.hi AS last_ms,
            COALESCE((SELECT MAX(p.ts_ms) FROM billing_sample AS p
                      WHERE p.device_uuid = r.uuid AND p.ts_ms < r.lo), r.lo) AS lo,
            COALESCE((SELECT MIN(n.ts_ms) FROM billing_sample AS n
@@ -969,17 +969,20 @@ span AS (
 ),
 near AS (
     -- The ends worked out first, so each device's samples are one index range.
-    SELECT s.id, s.device_uuid, s.ts_ms, s.gap_ms
+    SELECT s.id, s.device_uuid, s.ts_ms, s.gap_ms, span.last_ms
     FROM span JOIN billing_sample AS s
       ON s.device_uuid = span.uuid AND s.ts_ms >= span.lo AND s.ts_ms <= span.hi
 ),
 following AS (
-    SELECT id, ts_ms, gap_ms AS stored,
+    SELECT id, ts_ms, gap_ms AS stored, last_ms,
            LEAD(ts_ms) OVER (PARTITION BY device_uuid ORDER BY ts_ms) - ts_ms AS gap
     FROM near
 )
+-- A sample with none after it in range has no next one only when it is not the first after
+-- the range (whose next one lies beyond): its gap is then cleared, as when the sample after
+-- it was moved to another device.
 SELECT id, ts_ms, gap FROM following
-WHERE gap IS NOT NULL AND (stored IS NULL OR stored <> gap)
+WHERE (gap IS NOT NULL OR ts_ms <= last_ms) AND stored IS DISTINCT FROM gap
 """
 # The changed gaps, by primary key. A separate statement: joined to the samples within one
 # UPDATE, the planner expects many rows from the window and hashes the whole table. The key

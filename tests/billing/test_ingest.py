@@ -26,10 +26,12 @@ from billing import services, views
 from billing.hours import epoch_ms
 from billing.ingest import (
     SampleRow,
+    _Bounds,
     adopt_unknown_samples,
     authenticate,
     ingest,
     latest_per_hour,
+    refresh_gaps,
     touched_hours,
     validate_samples,
 )
@@ -843,6 +845,29 @@ def test_the_gaps_are_worked_out_without_compiling_the_statement(gpu: Device) ->
             assert cursor.fetchone() == ("off",)
         assert stored_gaps() == {(gpu.uuid, ms(T0)): 30_000, (gpu.uuid, ms(T0) + 30_000): None}
         transaction.set_rollback(True)
+
+
+def test_a_sample_that_leaves_its_device_clears_the_gap_to_it(gpu: Device) -> None:
+    """A device's last sample, once the sample after it has gone (a GPU instance's sample
+    moved to another device when its spells changed), has no next one: its gap is cleared, as
+    if that sample had never come, and a sample before a range keeps its gap to the next."""
+    rows, _ = validate_samples([sample(gpu.uuid, T0 + timedelta(seconds=s)) for s in (0, 30, 60)])
+    ingest(node="n1", samples=rows, received_at=T0)
+    Sample.objects.filter(device_uuid=gpu.uuid, ts_ms=ms(T0) + 60_000).delete()
+    with connection.cursor() as cursor:
+        refresh_gaps(cursor, {gpu.uuid: _Bounds(ms(T0) + 60_000, ms(T0) + 60_000)})
+    assert stored_gaps() == {(gpu.uuid, ms(T0)): 30_000, (gpu.uuid, ms(T0) + 30_000): None}
+    # Gone from within: the one before it reaches the one after.
+    rows, _ = validate_samples([sample(gpu.uuid, T0 + timedelta(seconds=s)) for s in (60, 90)])
+    ingest(node="n1", samples=rows, received_at=T0)
+    Sample.objects.filter(device_uuid=gpu.uuid, ts_ms=ms(T0) + 60_000).delete()
+    with connection.cursor() as cursor:
+        refresh_gaps(cursor, {gpu.uuid: _Bounds(ms(T0) + 60_000, ms(T0) + 60_000)})
+    assert stored_gaps() == {
+        (gpu.uuid, ms(T0)): 30_000,
+        (gpu.uuid, ms(T0) + 30_000): 60_000,
+        (gpu.uuid, ms(T0) + 90_000): None,
+    }
 
 
 def test_samples_adopted_from_the_side_table_get_their_gaps(gpu: Device) -> None:
