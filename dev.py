@@ -2,7 +2,7 @@
 """Tally's two set-up commands, for a fresh machine with only Python 3.11+.
 
     python3 dev.py serve [PORT]   # venv + install + migrate + demo + web server and worker
-    python3 dev.py test [ARGS]    # venv + install + lint, types and the test suite (ARGS: pytest)
+    python3 dev.py test [ARGS]    # venv + install + lint, types, docs site and tests (ARGS: pytest)
 
 Each creates `.venv/` and installs the project into it when that has not happened yet (or
 `pyproject.toml` changed since), so either can be run first. Unless `DATABASE_URL` names a
@@ -18,6 +18,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -152,16 +153,22 @@ def stop(children: list[subprocess.Popen[bytes]]) -> None:
 
 
 def test(argv: list[str]) -> int:
-    """Lint, format check, type check, then the whole pytest suite; non-zero when any fails."""
+    """Lint, format check, type check, build the documentation site (warnings are errors), then
+    the whole pytest suite; non-zero when any fails."""
     env = {**os.environ, "SECRET_KEY": os.environ.get("SECRET_KEY", "tests-only-not-secret")}
-    for step in (
-        [BIN / "ruff", "check", "."],
-        [BIN / "ruff", "format", "--check", "."],
-        [BIN / "mypy", "."],
-    ):
-        print("+", " ".join(map(str, step)), flush=True)
-        if subprocess.run([str(s) for s in step], cwd=ROOT, env=env).returncode:
-            return 1
+    # Quiets mkdocs-material's notice about its successor (a banner about the theme, not a page).
+    env["NO_MKDOCS_2_WARNING"] = "1"
+    # The site is built to be checked, not kept: into a folder removed at the end.
+    with tempfile.TemporaryDirectory(prefix="tally-site-") as site:
+        for step in (
+            [BIN / "ruff", "check", "."],
+            [BIN / "ruff", "format", "--check", "."],
+            [BIN / "mypy", "."],
+            [BIN / "mkdocs", "build", "--strict", "--quiet", "--site-dir", site],
+        ):
+            print("+", " ".join(map(str, step)), flush=True)
+            if subprocess.run([str(s) for s in step], cwd=ROOT, env=env).returncode:
+                return 1
     print("+ pytest", *argv, flush=True)
     return subprocess.run([str(PYTHON), "-m", "pytest", *argv], cwd=ROOT, env=env).returncode
 
