@@ -777,11 +777,12 @@ def test_the_team_page_states_each_quota_rule_in_the_unit_of_its_devices(
     assert "2 Gaudi cards" in rows["cards"], rows
 
 
-# --- the README: supported drivers, and another driver described in the policy file ------------
+# --- the docs: supported drivers, and another driver described in the policy file --------------
 
 
 def readme_section() -> str:
-    readme = (REPO / "README.md").read_text()
+    """The "Supported drivers" section of the drivers reference (once the README's)."""
+    readme = (REPO / "docs" / "reference" / "drivers.md").read_text()
     start = readme.index("## Supported drivers")
     return readme[start : readme.index("\n## ", start + 1)]
 
@@ -794,7 +795,7 @@ def test_the_readme_lists_the_built_in_drivers() -> None:
 
 
 def npu(name: str, kind: str, serial: str, counter_set: str, cores: int, slices: range) -> dict:
-    """A device of the README's example driver: whole NPUs and slices consuming counters."""
+    """A device of the drivers page's example driver: whole NPUs and slices consuming counters."""
     return {
         "name": name,
         "attributes": {
@@ -821,8 +822,8 @@ def npu(name: str, kind: str, serial: str, counter_set: str, cores: int, slices:
 def test_the_readmes_driver_example_applies_and_counts_that_drivers_devices(
     tmp_path: Path,
 ) -> None:
-    """The README's `drivers:` example, applied as written with `apply_policy`, makes the next
-    sync count that driver's whole devices and slices (a quarter each by the `cores` and
+    """The drivers page's `drivers:` example, applied as written with `apply_policy`, makes the
+    next sync count that driver's whole devices and slices (a quarter each by the `cores` and
     `slice*` counters) in accelerators; slices carrying their parent's serial keep meter ids
     of their own."""
     section = readme_section()

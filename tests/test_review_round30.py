@@ -304,10 +304,11 @@ def test_a_reading_no_spell_covers_goes_where_the_prometheus_source_puts_it() ->
 
 @pytest.mark.django_db
 def test_placements_made_are_kept_when_the_hold_changes() -> None:
-    """Documented (README, TALLY_SAMPLE_HOLD_SECONDS): a placement made under the hold then in
-    force is kept when the hold is lowered; what arrives, or is set aside, is placed by the
-    hold in force. (The review asked that placements follow the hold; looking at every
-    placement again at each change of the setting was judged disproportionate.)"""
+    """Documented (docs/reference/configuration.md, TALLY_SAMPLE_HOLD_SECONDS): a placement made
+    under the hold then in force is kept when the hold is lowered; what arrives, or is set
+    aside, is placed by the hold in force. (The review asked that placements follow the hold;
+    looking at every placement again at each change of the setting was judged
+    disproportionate.)"""
     gpu = make_a100()
     (only,) = migs(gpu, 1)
     agent = agent_of(gpu)

@@ -36,7 +36,7 @@ def node_of(device: Device) -> str:
 
 
 def line(uuid: str, seconds: int = 0, **fields: Any) -> str:
-    """A sample line in the README's shape: uuid, ts, gpu_util, mem_used_bytes."""
+    """A sample line in the shape the metering docs show: uuid, ts, gpu_util, mem_used_bytes."""
     at = T0 + timedelta(seconds=seconds)
     return json.dumps(
         {"uuid": uuid, "ts": at.isoformat(), "gpu_util": 50.0, "mem_used_bytes": 2**30, **fields}

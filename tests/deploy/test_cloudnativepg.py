@@ -25,7 +25,7 @@ import yaml
 from config.settings import _replica_database
 from tests.deploy.test_manifests import (
     CRD_REQUIRED,
-    DEPLOY,
+    DEPLOY_DOCS,
     KUBERNETES_VERSION,
     Obj,
     containers,
@@ -354,7 +354,7 @@ def test_the_database_pods_admit_tally_the_instances_and_the_operator(
 
 
 def test_the_secrets_to_create_are_documented(objects: tuple[Obj, ...]) -> None:
-    readme = (DEPLOY / "README.md").read_text()
+    readme = DEPLOY_DOCS.read_text()
     store = one(objects, "ObjectStore")
     credentials = store["spec"]["configuration"]["s3Credentials"]
     for name in {credentials["accessKeyId"]["name"], credentials["secretAccessKey"]["name"]}:

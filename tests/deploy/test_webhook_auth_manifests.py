@@ -22,6 +22,7 @@ from gunicorn.workers.gthread import ThreadWorker
 
 from tests.deploy.test_manifests import (
     DEPLOY,
+    DEPLOY_DOCS,
     KUBERNETES_VERSION,
     OVERLAYS,
     Obj,
@@ -125,7 +126,7 @@ def test_the_web_pods_trust_only_the_ca_that_issues_the_api_servers_certificate(
 
 
 def test_the_deploy_readme_documents_the_callers_and_the_secrets() -> None:
-    readme = (DEPLOY / "README.md").read_text()
+    readme = DEPLOY_DOCS.read_text()
     assert "## The webhook's callers" in readme
     for name in (
         "`tally-webhook-client`",
@@ -203,5 +204,5 @@ def test_the_control_plane_component_admits_8443_from_its_cidr_only(tmp_path: Pa
     # Without the component: anything outside the pod network, as documented.
     (peer,) = network_policy_ports(render("production"))[8443]
     assert peer["ipBlock"]["cidr"] == "0.0.0.0/0" and peer["ipBlock"]["except"]
-    # The example value is the one deploy/README.md tells operators to replace.
-    assert cidr in (DEPLOY / "README.md").read_text()
+    # The example value is the one the deploying page tells operators to replace.
+    assert cidr in DEPLOY_DOCS.read_text()
