@@ -121,8 +121,8 @@ class Pagination(PageNumberPagination):
 class OrderingFilter(filters.OrderingFilter):
     """DRF's `?ordering=`, where a view's `ordering_aliases` give lookups public names (the
     `team` column orders by `team__slug`), so the names match the response's fields. Nulls
-    sort last either way, on SQLite and PostgreSQL alike. An unknown name is a 400 that names
-    it and the names allowed (DRF would drop it silently)."""
+    sort last either way (PostgreSQL alone would put them first in a descending order). An
+    unknown name is a 400 that names it and the names allowed (DRF would drop it silently)."""
 
     def remove_invalid_fields(
         self, queryset: QuerySet[Any], fields: Iterable[str], view: APIView, request: Request

@@ -1,8 +1,7 @@
 """The live sync, through the real `kubernetes` client, against `tests.fake_kube` over HTTP.
 
 Tests whose sync runs in threads use `transaction=True`, so the threads' writes are visible.
-On SQLite the shared in-memory test database locks tables between connections; the sync
-retries such failures, and `wait_until` polls through them.
+The sync retries a failed write, and `wait_until` polls again after a failed read.
 """
 
 from __future__ import annotations
@@ -166,7 +165,7 @@ def wait_until(condition: Callable[[], object], what: str) -> None:
             if condition():
                 return
         except OperationalError:
-            pass  # SQLite's shared in-memory database: a table locked by the sync's write
+            pass  # a read that failed (the connection, not the condition): poll again
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {WAIT_SECONDS}s waiting for {what}")
         time.sleep(0.02)
@@ -299,8 +298,8 @@ def test_bookmarks_advance_the_stored_resource_version(
         later = fake.add(node("node-a", "clique-1"))
 
         def bookmarked() -> bool:
-            # Offered again on each poll: a stream restarted after a failed write (SQLite's
-            # locked tables) would otherwise never get one.
+            # Offered again on each poll: a stream restarted after a failed write would
+            # otherwise never get one.
             fake.send_bookmarks()
             return sync_state(cluster, "ResourceSlice").resource_version == later
 
