@@ -42,7 +42,7 @@ def _explain(exc: Exception) -> str:
 
     first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     if isinstance(exc, ImproperlyConfigured):
-        return f"{first_line} (see the README's Configuration section)"
+        return f"{first_line} (see docs/reference/configuration.md)"
     if isinstance(exc, ProgrammingError):
         if getattr(exc.__cause__, "sqlstate", None) == "42P01":  # undefined_table
             return (

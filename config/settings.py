@@ -1,4 +1,5 @@
-"""Tally's one settings module. Every value comes from an environment variable (see README)."""
+"""Tally's one settings module. Every value comes from an environment variable (see
+docs/reference/configuration.md)."""
 
 from __future__ import annotations
 
