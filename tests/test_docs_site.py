@@ -63,8 +63,8 @@ def test_the_site_builds_strictly_and_loads_nothing_from_another_host(tmp_path: 
     assert built.returncode == 0, built.stdout + built.stderr
 
     pages = sorted(site.rglob("*.html"))
-    for page in ("index.html", "reference/configuration.html", "operations/deploying.html"):
-        assert site / page in pages, page
+    for name in ("index.html", "reference/configuration.html", "operations/deploying.html"):
+        assert site / name in pages, name
     outside: list[str] = []
     for page in pages:
         parser = Loads()
