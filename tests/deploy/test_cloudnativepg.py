@@ -62,10 +62,10 @@ def strict(schema: Any) -> Any:
 
 
 @cache
-def validators() -> dict[tuple[str, str], jsonschema.protocols.Validator]:
-    """(apiVersion, kind) → a validator, for every vendored CRD version."""
+def validators(fixtures: Path = FIXTURES) -> dict[tuple[str, str], jsonschema.protocols.Validator]:
+    """(apiVersion, kind) → a validator, for every CRD version vendored in `fixtures`."""
     found: dict[tuple[str, str], jsonschema.protocols.Validator] = {}
-    for path in sorted(FIXTURES.glob("*.yaml")):
+    for path in sorted(fixtures.glob("*.yaml")):
         crd = yaml.safe_load(path.read_text())
         for version in crd["spec"]["versions"]:
             schema = strict(copy.deepcopy(version["schema"]["openAPIV3Schema"]))
@@ -75,14 +75,15 @@ def validators() -> dict[tuple[str, str], jsonschema.protocols.Validator]:
     return found
 
 
-def problems(obj: Obj) -> list[str]:
-    """What the operator's schema refuses in `obj`, one line each (none: valid)."""
-    validator = validators()[(obj["apiVersion"], obj["kind"])]
+def problems(obj: Obj, fixtures: Path = FIXTURES) -> list[str]:
+    """What the operator's schema (vendored in `fixtures`) refuses in `obj`, one line each
+    (none: valid)."""
+    validator = validators(fixtures)[(obj["apiVersion"], obj["kind"])]
     lines = []
     for error in sorted(validator.iter_errors(obj), key=lambda e: list(e.absolute_path)):
         where = ".".join(str(part) for part in error.absolute_path) or "(the object)"
         if isinstance(error.schema, dict) and error.schema.get("x-tally-pruned"):
-            lines.append(f"{where}: its schema is not vendored in {FIXTURES.name}: vendor it")
+            lines.append(f"{where}: its schema is not vendored in {fixtures.name}: vendor it")
         else:
             lines.append(f"{where}: {error.message}")
     return lines
