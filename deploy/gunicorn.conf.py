@@ -49,7 +49,13 @@ max_requests_jitter = 500
 worker_tmp_dir = "/dev/shm"
 accesslog = None  # config.logging.RequestIdMiddleware logs each request, as JSON
 errorlog = "-"
-forwarded_allow_ips = os.environ.get("FORWARDED_ALLOW_IPS", "127.0.0.1")
+# No proxy inside the pod speaks for a client: TLS ends here and Tally is served at the root.
+# gunicorn would otherwise take SCRIPT_NAME/PATH_INFO (which move the routed path away from the
+# one the middlewares check) and X-Forwarded-Proto from any loopback peer (`kubectl
+# port-forward`, a sidecar). Client addresses behind an ingress: TALLY_TRUSTED_PROXIES.
+forwarded_allow_ips = ""  # gunicorn reads these two as comma-separated strings
+forwarder_headers = ""
+secure_scheme_headers: dict[str, str] = {}
 
 certfile = os.environ.get("TLS_CERT_FILE") or None
 keyfile = os.environ.get("TLS_KEY_FILE") or None
