@@ -258,11 +258,17 @@ CACHES = {
     )
 }
 
-# Login lockout (django-axes) for the portal and the admin: after TALLY_LOGIN_FAILURE_LIMIT
-# failures for one username from one address, that pair is refused for
-# TALLY_LOGIN_COOLOFF_MINUTES after its last failure. Keyed on the pair, so nobody can lock a
-# user out from other addresses, and never for longer than the cool-off. Attempts are kept in
-# the database (shared by every worker; the admin lists them; `manage.py axes_reset` unlocks).
+# Login limits (django-axes, teams/lockout.py) for the portal and the admin, counted from the
+# failures of the last TALLY_LOGIN_COOLOFF_MINUTES (in the database: shared by every worker; the
+# admin lists them; `manage.py axes_reset` clears them):
+# - one username from one address: TALLY_LOGIN_FAILURE_LIMIT failures lock the pair for the
+#   cool-off after the last of them;
+# - one address, whatever usernames it tries: TALLY_LOGIN_ADDRESS_FAILURE_LIMIT failures lock
+#   the address for the cool-off (one password sprayed over many accounts);
+# - one username, from every address together: past TALLY_LOGIN_FAILURE_LIMIT failures, each
+#   attempt waits 1, 2, 4... seconds after the last failure, at most TALLY_LOGIN_MAX_DELAY_SECONDS
+#   (guesses from many addresses slow to one per that delay; the person waits at most that).
+# A refused attempt checks no password and counts as no failure, so hammering lengthens no wait.
 AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",
     "django.contrib.auth.backends.ModelBackend",
@@ -270,6 +276,10 @@ AUTHENTICATION_BACKENDS = [
 AXES_FAILURE_LIMIT = env.get_int("TALLY_LOGIN_FAILURE_LIMIT", 5, minimum=1)
 AXES_COOLOFF_TIME = timedelta(minutes=env.get_int("TALLY_LOGIN_COOLOFF_MINUTES", 15, minimum=1))
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_HANDLER = "teams.lockout.LoginLimitsHandler"
+AXES_RESET_COOL_OFF_ON_FAILURE_DURING_LOCKOUT = False
+TALLY_LOGIN_ADDRESS_FAILURE_LIMIT = env.get_int("TALLY_LOGIN_ADDRESS_FAILURE_LIMIT", 20, minimum=1)
+TALLY_LOGIN_MAX_DELAY_SECONDS = env.get_int("TALLY_LOGIN_MAX_DELAY_SECONDS", 60, minimum=1)
 # Days the record of each login (who, from where, when) is kept; beat deletes older ones.
 TALLY_LOGIN_LOG_DAYS = env.get_int("TALLY_LOGIN_LOG_DAYS", 90, minimum=1)
 AXES_RESET_ON_SUCCESS = True
