@@ -60,6 +60,9 @@ MIDDLEWARE = [
     "config.listeners.ListenerMiddleware",
     # The webhooks answer only the API server's client certificate: see config/webhook_auth.py.
     "config.webhook_auth.WebhookCallerMiddleware",
+    # Every other request waits on the database at most TALLY_REQUEST_DEADLINE_MS; outside
+    # the session and authentication middleware, so that their statements are bounded too.
+    "config.deadlines.RequestDeadlineMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -460,6 +463,10 @@ TALLY_WEBHOOK_DB_TIMEOUT_MS = env.get_int("TALLY_WEBHOOK_DB_TIMEOUT_MS", 1500, m
 # answered by then is given up. Below the webhooks' timeoutSeconds (deploy/base/webhooks.yaml:
 # 3 s), after which the API server fails the CREATE whatever the webhook does.
 TALLY_WEBHOOK_DEADLINE_MS = env.get_int("TALLY_WEBHOOK_DEADLINE_MS", 2500, minimum=100)
+# Every other request (portal, API, admin, ingest) waits on the database at most this long: its
+# statements' statement_timeout, and the client's bound for a server that does not answer at
+# all (config/deadlines.py). Then a 503 that says so.
+TALLY_REQUEST_DEADLINE_MS = env.get_int("TALLY_REQUEST_DEADLINE_MS", 10000, minimum=100)
 # Off: an admission's commit does not wait for its WAL to reach disk (PostgreSQL flushes it
 # within ~0.6 s). A database crash may then forget the last admissions' reservations until
 # the sync sees those claims allocated; a Tally crash loses nothing. Cheaper per admission.
