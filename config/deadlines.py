@@ -10,10 +10,11 @@ issue 40 finding 4), each holding a server thread. Two bounds now:
   per request); the webhook sets its own for its admissions and sets this one back. Behind a
   pooler that lends connections per transaction (DATABASE_TRANSACTION_POOLING) nothing may be
   set on the session, so there the client's bound alone holds.
-- on the client, `db.postgresql.deadline`: past the request's deadline the socket of a
-  connection still waiting is shut down, for a server that does not answer at all (a host
-  gone, a network that holds packets): no server-side timeout starts for a statement the
-  server never received.
+- on the client, `db.postgresql.deadline`: CLIENT_GRACE_SECONDS past the request's deadline
+  the socket of a connection still waiting is shut down, for a server that does not answer at
+  all (a host gone, a network that holds packets): no server-side timeout starts for a
+  statement the server never received. The grace lets a server that does answer cancel its
+  statement first, which leaves the connection usable.
 
 Either way, and when no connection can be made (refused, or past DATABASE_CONNECT_TIMEOUT),
 the request is answered 503, saying the database did not answer in time, with a Retry-After.
@@ -39,6 +40,9 @@ from config.logging import ADMISSION_PREFIX
 from db.postgresql import deadline
 
 log = logging.getLogger(__name__)
+# How long after the deadline the client gives up on a server that has not cancelled the
+# statement itself (at its statement_timeout): the answer's time to travel.
+CLIENT_GRACE_SECONDS = 0.5
 # Set on a request whose deadline shut a connection down, or whose statement the server
 # cancelled at its statement_timeout.
 _EXPIRED = "tally_deadline_expired"
@@ -70,7 +74,7 @@ class _QueryDeadline:
             setattr(self.request, _EXPIRED, True)
             raise RequestDeadlineExceeded("the request's deadline passed before this statement")
         self._set_statement_timeout(wrapper)
-        with deadline.deadline(wrapper.connection, at=self.at) as watch:
+        with deadline.deadline(wrapper.connection, at=self.at + CLIENT_GRACE_SECONDS) as watch:
             try:
                 return execute(sql, params, many, context)
             except DatabaseError as exc:
@@ -88,7 +92,7 @@ class _QueryDeadline:
             or raw.info.transaction_status != pq.TransactionStatus.IDLE
         ):
             return
-        with deadline.deadline(raw, at=self.at):
+        with deadline.deadline(raw, at=self.at + CLIENT_GRACE_SECONDS):
             raw.execute(
                 "SELECT set_config('statement_timeout', %s, false)", [self.statement_timeout]
             )
