@@ -131,10 +131,8 @@ def test_the_listeners_still_serve_their_paths(
 
 def _with_script_name(method: str, path: str, port: str) -> HttpRequest:
     """A request as gunicorn makes it from `SCRIPT_NAME: /x` and `/x<path>`."""
-    factory = RequestFactory()
-    request = factory.generic(method, path, SERVER_PORT=port)
-    request.META["SCRIPT_NAME"] = "/x"
-    request.path = "/x" + path  # as django.core.handlers.wsgi.WSGIRequest builds it
+    request = RequestFactory().generic(method, path, SERVER_PORT=port, SCRIPT_NAME="/x")
+    assert (request.path, request.path_info) == ("/x" + path, path)
     return request
 
 
