@@ -1,5 +1,6 @@
-"""A deadline for every request but the webhooks' (which keep their own, shorter one): the
-portal, the API, the admin and ingest wait on the database at most TALLY_REQUEST_DEADLINE_MS.
+"""A deadline for the portal's, the API's and ingest's requests: they wait on the database at
+most TALLY_REQUEST_DEADLINE_MS. The webhooks keep their own, shorter one; the admin has none
+(an operator's action, closing a billing period say, may rightly take longer than a page).
 
 In a database outage these requests used to wait as long as the outage did (45 s measured,
 issue 40 finding 4), each holding a server thread. Two bounds now:
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 # How long after the deadline the client gives up on a server that has not cancelled the
 # statement itself (at its statement_timeout): the answer's time to travel.
 CLIENT_GRACE_SECONDS = 0.5
+# The admin's actions (closing a billing period, say) may rightly run longer than a page:
+# operators' requests have no deadline, as before.
+UNBOUNDED_PREFIXES = ("/admin/",)
 # Set on a request whose deadline shut a connection down, or whose statement the server
 # cancelled at its statement_timeout.
 _EXPIRED = "tally_deadline_expired"
@@ -99,6 +103,16 @@ class _QueryDeadline:
         wrapper._tally_timed = raw  # type: ignore[attr-defined]
 
 
+def _unbound_connections() -> None:
+    """Close the connections an earlier request of this thread left a statement_timeout on: the
+    next statement connects afresh, with the server's own settings. Operators' requests are
+    few; a reconnect now and then is cheaper than a RESET's care in an outage."""
+    for wrapper in connections.all(initialized_only=True):
+        raw = wrapper.connection
+        if raw is not None and getattr(wrapper, "_tally_timed", None) is raw:
+            wrapper.close()
+
+
 class RequestDeadlineMiddleware:
     """Bounds the database time of each request outside the webhooks (TALLY_REQUEST_DEADLINE_MS),
     and answers 503 to one that ran past it."""
@@ -109,6 +123,9 @@ class RequestDeadlineMiddleware:
     def __call__(self, request: HttpRequest) -> HttpResponse:
         # The webhooks run to their own deadline (TALLY_WEBHOOK_DEADLINE_MS) and timeouts.
         if request.path_info.startswith(ADMISSION_PREFIX):
+            return self.get_response(request)
+        if request.path_info.startswith(UNBOUNDED_PREFIXES):
+            _unbound_connections()
             return self.get_response(request)
         bound = _QueryDeadline(
             request, time.monotonic() + settings.TALLY_REQUEST_DEADLINE_MS / 1000

@@ -463,9 +463,9 @@ TALLY_WEBHOOK_DB_TIMEOUT_MS = env.get_int("TALLY_WEBHOOK_DB_TIMEOUT_MS", 1500, m
 # answered by then is given up. Below the webhooks' timeoutSeconds (deploy/base/webhooks.yaml:
 # 3 s), after which the API server fails the CREATE whatever the webhook does.
 TALLY_WEBHOOK_DEADLINE_MS = env.get_int("TALLY_WEBHOOK_DEADLINE_MS", 2500, minimum=100)
-# Every other request (portal, API, admin, ingest) waits on the database at most this long: its
+# The portal's, the API's and ingest's requests wait on the database at most this long: their
 # statements' statement_timeout, and the client's bound for a server that does not answer at
-# all (config/deadlines.py). Then a 503 that says so.
+# all (config/deadlines.py). Then a 503 that says so. The admin has no deadline.
 TALLY_REQUEST_DEADLINE_MS = env.get_int("TALLY_REQUEST_DEADLINE_MS", 10000, minimum=100)
 # Off: an admission's commit does not wait for its WAL to reach disk (PostgreSQL flushes it
 # within ~0.6 s). A database crash may then forget the last admissions' reservations until

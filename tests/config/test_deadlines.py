@@ -40,6 +40,7 @@ urlpatterns = [
     path("deadline/timeout/", statement_timeout),
     path("deadline/slow/", slow),
     path("admission/timeout/", statement_timeout),  # under the webhooks' prefix
+    path("admin/deadline-timeout/", statement_timeout),  # and the admin's
     *project_patterns,
 ]
 
@@ -75,3 +76,14 @@ def test_a_request_statement_times_out_at_the_deadline() -> None:
 def test_the_webhooks_are_not_bound_by_the_request_deadline() -> None:
     connection.close()  # a fresh session: nothing set on it by an earlier request
     assert Client().get("/admission/timeout/").content.decode() == "0"
+
+
+@pytest.mark.django_db(transaction=True)
+@pytest.mark.usefixtures("deadline")
+def test_the_admin_has_no_deadline_even_after_a_bounded_request() -> None:
+    """An operator's action (closing a period) may take longer than a page; the connection a
+    portal request left its statement_timeout on is not used for it as it is."""
+    client = Client()
+    assert client.get("/deadline/timeout/").content.decode() == f"{DEADLINE_MS}ms"
+    assert client.get("/admin/deadline-timeout/").content.decode() == "0"
+    assert client.get("/deadline/timeout/").content.decode() == f"{DEADLINE_MS}ms"
