@@ -47,7 +47,10 @@ class ListenerMiddleware:
         self.assigned = tuple(prefix for prefixes in self.routes.values() for prefix in prefixes)
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        if self.routes and not self.serves(str(request.META.get("SERVER_PORT", "")), request.path):
+        # What the URL router routes (a SCRIPT_NAME in front is not part of it), so that
+        # `/x/metrics` under SCRIPT_NAME `/x` is judged as the `/metrics` it is served as.
+        port = str(request.META.get("SERVER_PORT", ""))
+        if self.routes and not self.serves(port, request.path_info):
             return HttpResponseNotFound("not served on this port\n", content_type="text/plain")
         return self.get_response(request)
 

@@ -56,7 +56,7 @@ def request_id_from(header: str | None) -> str:
 
 def admission_uid(request: HttpRequest) -> str | None:
     """The `request.uid` of an AdmissionReview body, or None when there is none to read."""
-    if request.method != "POST" or not request.path.startswith(ADMISSION_PREFIX):
+    if request.method != "POST" or not request.path_info.startswith(ADMISSION_PREFIX):
         return None
     try:
         if int(request.headers.get("Content-Length") or 0) > _ADMISSION_BODY_LIMIT:

@@ -61,6 +61,9 @@ MIDDLEWARE = [
     "config.listeners.ListenerMiddleware",
     # The webhooks answer only the API server's client certificate: see config/webhook_auth.py.
     "config.webhook_auth.WebhookCallerMiddleware",
+    # Every other request waits on the database at most TALLY_REQUEST_DEADLINE_MS; outside
+    # the session and authentication middleware, so that their statements are bounded too.
+    "config.deadlines.RequestDeadlineMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -259,11 +262,17 @@ CACHES = {
     )
 }
 
-# Login lockout (django-axes) for the portal and the admin: after TALLY_LOGIN_FAILURE_LIMIT
-# failures for one username from one address, that pair is refused for
-# TALLY_LOGIN_COOLOFF_MINUTES after its last failure. Keyed on the pair, so nobody can lock a
-# user out from other addresses, and never for longer than the cool-off. Attempts are kept in
-# the database (shared by every worker; the admin lists them; `manage.py axes_reset` unlocks).
+# Login limits (django-axes, teams/lockout.py) for the portal and the admin, counted from the
+# failures of the last TALLY_LOGIN_COOLOFF_MINUTES (in the database: shared by every worker; the
+# admin lists them; `manage.py axes_reset` clears them):
+# - one username from one address: TALLY_LOGIN_FAILURE_LIMIT failures lock the pair for the
+#   cool-off after the last of them;
+# - one address, whatever usernames it tries: TALLY_LOGIN_ADDRESS_FAILURE_LIMIT failures lock
+#   the address for the cool-off (one password sprayed over many accounts);
+# - one username, from every address together: past TALLY_LOGIN_FAILURE_LIMIT failures, each
+#   attempt waits 1, 2, 4... seconds after the last failure, at most TALLY_LOGIN_MAX_DELAY_SECONDS
+#   (guesses from many addresses slow to one per that delay; the person waits at most that).
+# A refused attempt checks no password and counts as no failure, so hammering lengthens no wait.
 AUTHENTICATION_BACKENDS = [
     "axes.backends.AxesStandaloneBackend",
     "django.contrib.auth.backends.ModelBackend",
@@ -271,6 +280,10 @@ AUTHENTICATION_BACKENDS = [
 AXES_FAILURE_LIMIT = env.get_int("TALLY_LOGIN_FAILURE_LIMIT", 5, minimum=1)
 AXES_COOLOFF_TIME = timedelta(minutes=env.get_int("TALLY_LOGIN_COOLOFF_MINUTES", 15, minimum=1))
 AXES_LOCKOUT_PARAMETERS = [["username", "ip_address"]]
+AXES_HANDLER = "teams.lockout.LoginLimitsHandler"
+AXES_RESET_COOL_OFF_ON_FAILURE_DURING_LOCKOUT = False
+TALLY_LOGIN_ADDRESS_FAILURE_LIMIT = env.get_int("TALLY_LOGIN_ADDRESS_FAILURE_LIMIT", 20, minimum=1)
+TALLY_LOGIN_MAX_DELAY_SECONDS = env.get_int("TALLY_LOGIN_MAX_DELAY_SECONDS", 60, minimum=1)
 # Days the record of each login (who, from where, when) is kept; beat deletes older ones.
 TALLY_LOGIN_LOG_DAYS = env.get_int("TALLY_LOGIN_LOG_DAYS", 90, minimum=1)
 AXES_RESET_ON_SUCCESS = True
@@ -451,6 +464,10 @@ TALLY_WEBHOOK_DB_TIMEOUT_MS = env.get_int("TALLY_WEBHOOK_DB_TIMEOUT_MS", 1500, m
 # answered by then is given up. Below the webhooks' timeoutSeconds (deploy/base/webhooks.yaml:
 # 3 s), after which the API server fails the CREATE whatever the webhook does.
 TALLY_WEBHOOK_DEADLINE_MS = env.get_int("TALLY_WEBHOOK_DEADLINE_MS", 2500, minimum=100)
+# The portal's, the API's and ingest's requests wait on the database at most this long: their
+# statements' statement_timeout, and the client's bound for a server that does not answer at
+# all (config/deadlines.py). Then a 503 that says so. The admin has no deadline.
+TALLY_REQUEST_DEADLINE_MS = env.get_int("TALLY_REQUEST_DEADLINE_MS", 10000, minimum=100)
 # Off: an admission's commit does not wait for its WAL to reach disk (PostgreSQL flushes it
 # within ~0.6 s). A database crash may then forget the last admissions' reservations until
 # the sync sees those claims allocated; a Tally crash loses nothing. Cheaper per admission.

@@ -4,10 +4,13 @@ from django.urls import include, path
 from billing import views as billing_views
 from quota import workload_views
 from quota.admission import views as admission_views
+from teams.login import AdminLoginForm
 
 admin.site.site_header = "Tally administration"
 admin.site.site_title = "Tally admin"
 admin.site.index_title = "Teams, quotas, inventory and billing"
+# A username longer than the user model allows is a form error, not a 500 (teams/login.py).
+admin.site.login_form = AdminLoginForm
 
 urlpatterns = [
     # The API server's calls first: every ResourceClaim CREATE resolves these.

@@ -89,7 +89,9 @@ class WebhookCallerMiddleware:
         self.allowed_names = tuple(settings.TALLY_WEBHOOK_CLIENT_NAMES)
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        if self.required and request.path.startswith(ADMISSION_PREFIX):
+        # The routed path, not `request.path`: a SCRIPT_NAME in front must not move a webhook
+        # out of this check while the router still sends it to the webhook's view.
+        if self.required and request.path_info.startswith(ADMISSION_PREFIX):
             try:
                 authenticate(request.META, self.allowed_names)
             except CallerRefused as exc:

@@ -16,7 +16,11 @@ certificate, which must be issued by that CA (the handshake fails otherwise);
 `config.webhook_auth` then lets only such a caller reach the webhooks.
 
 Workers are `DrainingThreadWorker`s: gunicorn's gthread worker, but one that leaves (at
-max_requests, or on SIGTERM) without dropping a request on the connections it holds.
+max_requests, or on SIGTERM) without dropping a request on the connections it holds, and that
+serves the webhook listener's connections (the port TALLY_LISTENERS assigns `/admission/`)
+with threads of their own (GUNICORN_WEBHOOK_THREADS): portal, API, admin and ingest requests
+waiting on a database that does not answer hold only their own threads, never the ones the
+API server's reviews need.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ bind = os.environ.get(
 ).split()
 workers = int(os.environ.get("WEB_CONCURRENCY", "3"))
 threads = int(os.environ.get("GUNICORN_THREADS", "4"))
+# Each worker's threads for the webhook listener's connections, beside `threads` for the rest.
+webhook_threads = int(os.environ.get("GUNICORN_WEBHOOK_THREADS", "4"))
 # The webhook must answer within its 3 s; a request stuck past 30 s is a hung worker.
 timeout = int(os.environ.get("GUNICORN_TIMEOUT", "30"))
 graceful_timeout = 25  # inside the pod's terminationGracePeriodSeconds
@@ -49,7 +55,13 @@ max_requests_jitter = 500
 worker_tmp_dir = "/dev/shm"
 accesslog = None  # config.logging.RequestIdMiddleware logs each request, as JSON
 errorlog = "-"
-forwarded_allow_ips = os.environ.get("FORWARDED_ALLOW_IPS", "127.0.0.1")
+# No proxy inside the pod speaks for a client: TLS ends here and Tally is served at the root.
+# gunicorn would otherwise take SCRIPT_NAME/PATH_INFO (which move the routed path away from the
+# one the middlewares check) and X-Forwarded-Proto from any loopback peer (`kubectl
+# port-forward`, a sidecar). Client addresses behind an ingress: TALLY_TRUSTED_PROXIES.
+forwarded_allow_ips = ""  # gunicorn reads these two as comma-separated strings
+forwarder_headers = ""
+secure_scheme_headers: dict[str, str] = {}
 
 certfile = os.environ.get("TLS_CERT_FILE") or None
 keyfile = os.environ.get("TLS_KEY_FILE") or None
@@ -104,6 +116,20 @@ def child_exit(server: Any, worker: Any) -> None:
         multiprocess.mark_process_dead(worker.pid)
 
 
+def webhook_ports() -> frozenset[int]:
+    """The ports TALLY_LISTENERS assigns the admission webhooks to (none: every port serves
+    everything, as in development, and the webhooks share the threads)."""
+    from config.listeners import parse_listeners
+    from config.logging import ADMISSION_PREFIX
+
+    entries = [e for e in os.environ.get("TALLY_LISTENERS", "").split(",") if e.strip()]
+    return frozenset(
+        int(port)
+        for port, prefixes in parse_listeners(entries).items()
+        if any(prefix.startswith(ADMISSION_PREFIX) for prefix in prefixes)
+    )
+
+
 class DrainingThreadWorker(ThreadWorker):
     """gthread, leaving without dropping a request.
 
@@ -122,7 +148,18 @@ class DrainingThreadWorker(ThreadWorker):
         # Set once the worker closes what it still holds (after draining): from then on a
         # finished request's connection is closed, as gthread does once it leaves.
         self.closing = False
+        self.webhook_ports = webhook_ports()
+        self.webhook_pool = futures.ThreadPoolExecutor(
+            max_workers=webhook_threads, thread_name_prefix="webhook"
+        )
         super().init_process()
+
+    def enqueue_req(self, conn: Any) -> None:
+        """gthread's, but a connection to a webhook port goes to the webhooks' own threads."""
+        conn.init()
+        port = conn.server[1] if isinstance(conn.server, tuple) else None
+        pool = self.webhook_pool if port in self.webhook_ports else self.tpool
+        self._wrap_future(pool.submit(self.handle, conn), conn)
 
     def accept(self, server: Any, listener: Any) -> None:
         if self.alive:
@@ -163,6 +200,7 @@ class DrainingThreadWorker(ThreadWorker):
     def close_and_exit(self) -> None:
         self.closing = True
         self.tpool.shutdown(False)
+        self.webhook_pool.shutdown(False)
         self.poller.close()
         for listener in self.sockets:
             listener.close()

@@ -5,9 +5,16 @@ from django.urls import URLPattern, URLResolver, path
 
 from frontend import compare, views
 from frontend import week as week_views
+from teams.login import LoginForm
 
 urlpatterns: list[URLPattern | URLResolver] = [
-    path("login/", auth_views.LoginView.as_view(redirect_authenticated_user=True), name="login"),
+    path(
+        "login/",
+        auth_views.LoginView.as_view(
+            authentication_form=LoginForm, redirect_authenticated_user=True
+        ),
+        name="login",
+    ),
     path("logout/", views.LogoutView.as_view(), name="logout"),
     path("", views.home, name="home"),
     path("teams/<slug:slug>/", views.team, name="team"),

@@ -3,9 +3,13 @@ login lockout (django-axes) key on.
 
 DRF authenticates before it throttles, so a wrong token is answered 401 without ever reaching
 a throttle: `ThrottledTokenAuthentication` counts each failed token against the `failed_token`
-rate of the client's address and answers 429 (with Retry-After) once that rate is spent,
-before it looks at any token. The counts live in Django's cache (Redis in production), shared
-by every worker.
+rate of the client's address, and answers a wrong token 429 (with Retry-After) once that rate
+is spent. A valid token is checked first and never refused for its address's failures: a
+guesser sharing an address (a NAT, an office's proxy) must not shut out finance's scripts
+(issue 40, finding 6). Checking a guess costs one indexed lookup (knox finds a token by its
+first characters before comparing digests), and 256-bit tokens are not found by guessing; the
+throttle bounds the noise, not the odds. The counts live in Django's cache (Redis in
+production), shared by every worker.
 """
 
 from __future__ import annotations
@@ -62,11 +66,11 @@ class ThrottledTokenAuthentication(TokenAuthentication):
     def authenticate(self, request: Request) -> tuple[object, object] | None:
         if not self._is_token_header(request):
             return None
-        throttle = FailedTokenThrottle()
-        throttle.refuse_if_spent(request)
         try:
             return super().authenticate(request)
         except AuthenticationFailed:
+            throttle = FailedTokenThrottle()
+            throttle.refuse_if_spent(request)
             throttle.record_failure()
             raise
 

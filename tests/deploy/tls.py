@@ -128,19 +128,30 @@ def free_port() -> int:
 
 
 class Gunicorn:
-    """gunicorn as deployed on a free 127.0.0.1 port; a context manager. Its log is `log`."""
+    """gunicorn as deployed on free 127.0.0.1 ports (`listeners` of them: `ports`, the first
+    also `port`); a context manager. Its log is `log`."""
 
     def __init__(
-        self, folder: Path, *, environment: dict[str, str], arguments: tuple[str, ...] = ()
+        self,
+        folder: Path,
+        *,
+        environment: dict[str, str],
+        arguments: tuple[str, ...] = (),
+        listeners: int = 1,
     ) -> None:
-        self.port = free_port()
+        self.ports: list[int] = []
+        while len(self.ports) < listeners:
+            port = free_port()
+            if port not in self.ports:
+                self.ports.append(port)
+        self.port = self.ports[0]
         self.log_path = folder / f"gunicorn-{self.port}.log"
         self.environment = {
             **{k: v for k, v in os.environ.items() if not k.startswith(INHERITED_SETTINGS)},
             "DEBUG": "false",
             "SECRET_KEY": "tests-only",
             "ALLOWED_HOSTS": "127.0.0.1",
-            "GUNICORN_BIND": f"127.0.0.1:{self.port}",
+            "GUNICORN_BIND": " ".join(f"127.0.0.1:{port}" for port in self.ports),
             **environment,
         }
         self.command = [
