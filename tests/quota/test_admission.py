@@ -611,3 +611,47 @@ def test_decisions_are_counted_by_result_and_rule(client: Client) -> None:
     assert decide(client, claim("a", [gpu_request(1, "gpu.example.com")]))["allowed"]
     assert count("denied", "vfio") == denied_before + 1
     assert count("allowed", "") == allowed_before + 1
+
+
+def test_another_claim_under_a_live_reservations_name_is_weighed_as_new(
+    client: Client,
+) -> None:
+    """Issue 33, finding 5: the same name asking 12 GPUs, 6 in use, limit 16, was taken for a
+    retry of the first claim and allowed, uncounted."""
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 16}])
+    assert decide(client, claim("train", [gpu_request(6)]), uid="first")["allowed"]
+    bigger = claim("train", [gpu_request(12)])
+    for path in ("/admission/resourceclaims/mutate", "/admission/resourceclaims"):
+        answer = post(client, review(bigger, uid="second"), path).json()["response"]
+        assert not answer["allowed"], path
+        assert "6 GPUs in use, 12 GPUs requested, limit 16 GPUs" in answer["status"]["message"]
+    assert QuotaRule.objects.get(name="all-gpus").in_use == 6
+    assert Reservation.objects.get().lines.get().amount == 6
+
+
+def test_another_claim_that_fits_replaces_the_reservation_under_its_name(
+    client: Client,
+) -> None:
+    """A claim deleted and made again differently before the sync saw it go: the new one is
+    weighed with the old one counted, and, fitting, takes the name's reservation."""
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 16}])
+    assert decide(client, claim("train", [gpu_request(6)]), uid="first")["allowed"]
+    answer = decide(client, claim("train", [gpu_request(8)]), uid="second")
+    assert answer["allowed"]
+    assert "replaced by this one's" in " ".join(answer["warnings"])
+    assert QuotaRule.objects.get(name="all-gpus").in_use == 8
+    live = Reservation.objects.exclude(state="released").get()
+    assert live.lines.get().amount == 8 and live.admission_uid == "second"
+    assert Reservation.objects.filter(state="released").count() == 1
+
+
+def test_the_same_claim_by_uid_is_a_retry_whatever_its_spec_says(client: Client) -> None:
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 16}])
+    first = claim("train", [gpu_request(6)])
+    assert decide(client, first, uid="first")["allowed"]
+    Reservation.objects.update(claim_uid="claim-uid-1")  # the sync saw the claim
+    again = claim("train", [gpu_request(12)])
+    again["metadata"]["uid"] = "claim-uid-1"
+    assert decide(client, again, uid="again")["allowed"]
+    assert QuotaRule.objects.get(name="all-gpus").in_use == 6
+    assert Reservation.objects.count() == 1
