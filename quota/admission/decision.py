@@ -123,12 +123,12 @@ def _without_alternatives(spec: dict[str, Any], removed: dict[str, list[str]]) -
     """`spec` with the firstAvailable alternatives `removed` (by request name) taken out, as
     the mutating webhook's patch takes them out."""
     devices = spec.get("devices")
-    requests = devices.get("requests") if isinstance(devices, dict) else None
-    if not isinstance(requests, list):
+    if not isinstance(devices, dict) or not isinstance(devices.get("requests"), list):
         return spec
     kept = []
-    for request in requests:
-        gone = removed.get(request.get("name")) if isinstance(request, dict) else None
+    for request in devices["requests"]:
+        name = request.get("name") if isinstance(request, dict) else None
+        gone = set(removed.get(name, ())) if isinstance(name, str) else set()
         alternatives = request.get("firstAvailable") if gone else None
         if isinstance(alternatives, list):
             request = {

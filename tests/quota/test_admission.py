@@ -655,3 +655,27 @@ def test_the_same_claim_by_uid_is_a_retry_whatever_its_spec_says(client: Client)
     assert decide(client, again, uid="again")["allowed"]
     assert QuotaRule.objects.get(name="all-gpus").in_use == 6
     assert Reservation.objects.count() == 1
+
+
+def test_a_retry_is_known_by_the_spec_as_stored_after_the_mutation(client: Client) -> None:
+    """The validating webhook sees (and stores the digest of) the spec the mutating webhook's
+    patch left; the mutating webhook sees the retry as sent, alternatives and all: it is the
+    same claim once the alternatives not chosen are out, and keeps the same mutation."""
+    make_team(
+        [
+            {"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 1},
+            {"name": "h100", "device_class": "gpu.nvidia.com", "limit": 0,
+             "selector": H100_OR_A100[0][2]},
+        ]
+    )  # fmt: skip
+    body = claim("retried", [first_available(*H100_OR_A100)])
+    mutate = "/admission/resourceclaims/mutate"
+    first = post(client, review(body, uid="first"), mutate).json()["response"]
+    patch = json.loads(base64.b64decode(first["patch"]))
+    stored = jsonpatch.apply_patch(body, patch)
+    assert decide(client, stored, uid="first")["allowed"]
+    retry = post(client, review(body, uid="retry"), mutate).json()["response"]
+    assert retry["allowed"] and retry["patch"] == first["patch"]
+    assert decide(client, stored, uid="retry")["allowed"]
+    assert QuotaRule.objects.get(name="all-gpus").in_use == 1
+    assert Reservation.objects.count() == 1
