@@ -196,8 +196,6 @@ def attribute(
             # Copied from an object the webhook never saw, which anyone could have written.
             return _unvouched(places, old, operation=operation, username=username, owner=owner)
         if operation == "UPDATE":
-            if owners is None:
-                return Attribution()
             # A controller keeps what was recorded; it adds none and changes none.
             return _controller_update(places, old, username=username)
         if owners is not None:
@@ -244,13 +242,14 @@ class _NoOwner:
 
 def _owners_creator(obj: dict[str, Any], owners: OwnerLookup, *, namespace: Any) -> str | _NoOwner:
     """The creator the controller owner of `obj` records ("" for none), read through
-    `owners`: what a controller may carry onto what it makes. `_NoOwner` when the owner is
-    not there (never was, or another object of its name: a different uid) or cannot be read;
-    the annotation the controller sent is then nobody's word."""
+    `owners` in the review's `namespace` (owner references are namespace-local): what a
+    controller may carry onto what it makes. `_NoOwner` when the owner is not there (never
+    was, or another object of its name: a different uid) or cannot be read; the annotation
+    the controller sent is then nobody's word."""
     metadata = obj.get("metadata") or {}
     reference = controller_reference(metadata.get("ownerReferences"))
     assert reference is not None  # its kind is among the configured ones
-    where = metadata.get("namespace") or namespace
+    where = namespace or metadata.get("namespace")
     what = f"{reference['kind']} {where}/{reference['name']}"
     try:
         found = owners.owner(str(where or "default"), reference)

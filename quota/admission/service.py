@@ -54,8 +54,10 @@ def review_claim(
 
     Guarantees: for every enforce rule, reservations plus allocations never exceed the limit,
     under any concurrency (one statement locks the team's rules and checks every limit); the
-    same claim (cluster, namespace, name) admitted twice reserves once; a dry run writes
-    nothing. No statement after the admission's first read, and no wait for a lock, runs past
+    same claim (cluster, namespace, name, and the same uid or spec) admitted twice reserves
+    once, and another claim under a live reservation's name is weighed as new with that
+    reservation counted (`decision.LiveReservation.made_for`); a dry run writes nothing. No
+    statement after the admission's first read, and no wait for a lock, runs past
     TALLY_WEBHOOK_DB_TIMEOUT_MS (the API server waits timeoutSeconds, 3 s); nothing waits on
     the database past `deadline` (`time.monotonic()`), and no reservation is made after it
     (`store.DeadlinePassed`, an `OperationalError`). A gang's first member is admitted only
