@@ -97,14 +97,18 @@ class LiveReservation:
         """Whether `claim` is the claim this reservation was made for: a create the API server
         (or its client) sent again. The same uid, or the same spec (as sent, or with the
         alternatives `removed` left out, as the mutating webhook's patch stores it);
-        a reservation from before digests were kept names no spec, and any is taken as its.
+        a reservation with no digest (made before digests were kept, or adopted by the sync)
+        takes any claim as its, but one of another uid than the claim the sync saw.
         Another claim under the same name (one deleted and made again differently, or a
         create of a name in use) is no retry: it is weighed as new."""
         metadata = claim.get("metadata")
         uid = metadata.get("uid") if isinstance(metadata, dict) else None
-        if self.claim_uid and isinstance(uid, str) and uid == self.claim_uid:
-            return True
-        if not self.spec_digest:
+        if self.claim_uid and isinstance(uid, str) and uid:
+            if uid == self.claim_uid:
+                return True
+            if not self.spec_digest:
+                return False  # another object, and no spec kept to find it the same
+        elif not self.spec_digest:
             return True
         return self.spec_digest in {spec_digest(claim), spec_digest(claim, removed=removed)}
 

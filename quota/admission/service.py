@@ -93,6 +93,14 @@ def review_claim(
             if plan.denial or dry_run or plan.team is None:
                 answer = plan.decision()
                 break
+            if live is not None and live.claim_uid:
+                # The name's reservation is a claim the sync has seen: it still exists (this
+                # create then fails, the name being taken) or was deleted meanwhile. Its hold
+                # stays, for only the sync can tell; the sync moves it to whichever claim has
+                # the name. This one fitted with it counted.
+                answer = plan.decision()
+                answer.warnings.append(_UNDER_A_TAKEN_NAME.format(namespace, name))
+                break
             try:
                 answer, recorded = _reserve_in_place(
                     cluster=cluster,
@@ -199,6 +207,12 @@ def _plan(
     return plan
 
 
+_UNDER_A_TAKEN_NAME = (
+    "another claim named {}/{} holds quota: this one fits beside it, and is counted once the "
+    "inventory sees which of them has the name"
+)
+
+
 def _reserve_in_place(
     *,
     cluster: Cluster,
@@ -211,7 +225,9 @@ def _reserve_in_place(
 ) -> tuple[Decision, bool]:
     """`_reserve`, after releasing the live reservation of another claim of the same name
     when `superseding` (`quota.services.supersede_reservation`), in one transaction: a
-    denial leaves that reservation as it was."""
+    denial leaves that reservation as it was. Only a reservation no claim was seen for yet is
+    superseded: if its claim exists after all, the sync's first sight of it gives the
+    reservation back to it, with its exact hold."""
     if not superseding:
         return _reserve(
             cluster=cluster,

@@ -679,3 +679,41 @@ def test_a_retry_is_known_by_the_spec_as_stored_after_the_mutation(client: Clien
     assert decide(client, stored, uid="retry")["allowed"]
     assert QuotaRule.objects.get(name="all-gpus").in_use == 1
     assert Reservation.objects.count() == 1
+
+
+def test_another_claim_under_the_name_of_a_claim_the_sync_saw_leaves_its_hold(
+    client: Client,
+) -> None:
+    """A create that names a claim the inventory has seen (it exists, and this create will
+    fail; or it was deleted meanwhile) is weighed beside it, and replaces nothing: only the
+    sync can tell which claim has the name."""
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 16}])
+    assert decide(client, claim("train", [gpu_request(6)]), uid="first")["allowed"]
+    Reservation.objects.update(claim_uid="claim-uid-1")  # the sync saw the claim
+    other = claim("train", [gpu_request(12)])
+    other["metadata"]["uid"] = "claim-uid-2"
+    denied = decide(client, other, uid="second")
+    assert not denied["allowed"]
+    assert "6 GPUs in use, 12 GPUs requested" in denied["status"]["message"]
+    smaller = claim("train", [gpu_request(1)])
+    smaller["metadata"]["uid"] = "claim-uid-3"
+    answer = decide(client, smaller, uid="third")
+    assert answer["allowed"] and "counted once the inventory sees" in answer["warnings"][-1]
+    live = Reservation.objects.get()
+    assert (live.claim_uid, live.lines.get().amount) == ("claim-uid-1", 6)
+    assert QuotaRule.objects.get(name="all-gpus").in_use == 6
+
+
+def test_a_reservation_with_no_spec_kept_still_tells_another_uid_apart(client: Client) -> None:
+    """An adopted reservation (or one from before specs were kept) has no digest: a create
+    of another uid than the claim the sync saw under its name is still no retry."""
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 16}])
+    assert decide(client, claim("train", [gpu_request(6)]), uid="first")["allowed"]
+    Reservation.objects.update(claim_uid="claim-uid-1", spec_digest="")
+    other = claim("train", [gpu_request(12)])
+    other["metadata"]["uid"] = "claim-uid-2"
+    assert not decide(client, other, uid="second")["allowed"]
+    again = claim("train", [gpu_request(12)])
+    again["metadata"]["uid"] = "claim-uid-1"
+    assert decide(client, again, uid="again")["allowed"]  # the claim the sync saw: a retry
+    assert QuotaRule.objects.get(name="all-gpus").in_use == 6
