@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import datetime
 from decimal import Decimal
 from enum import StrEnum
 from fractions import Fraction
@@ -42,14 +42,14 @@ from typing import Any
 
 from django.db.models import Case, CharField, F, Q, Sum, Value, When
 
-from billing.hours import MS_PER_HOUR, hour_start
+from billing.hours import MS_PER_HOUR
 from billing.models import UsageHour
+from billing.moments import MOMENT_HELP, parse_moment
 from billing.rounding import largest_remainders
 from billing.units import hours_label
 from inventory.models import Unit
 from teams.models import Team
 
-MOMENT_HELP = "a UTC date (2026-11-02, midnight) or a whole UTC hour (2026-11-02T14:00Z)"
 ZERO = Fraction(0)
 
 
@@ -65,22 +65,6 @@ class Window:
 
     def q(self) -> Q:
         return Q(hour__gte=self.start, hour__lt=self.end)
-
-
-def parse_moment(value: str) -> datetime:
-    """A window bound: a date (its midnight UTC) or an aware or naive (UTC) time on a whole
-    hour; `ValueError` saying why `value` is not one (usage is kept per hour)."""
-    text = value.strip()
-    try:
-        moment = datetime.fromisoformat(text.replace("z", "Z"))
-        moment = moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
-    except (ValueError, OverflowError):
-        raise ValueError(f"{value!r} is not {MOMENT_HELP}") from None
-    if moment != hour_start(moment):
-        raise ValueError(
-            f"{value!r} is not on a whole UTC hour: usage is kept per hour, give {MOMENT_HELP}"
-        )
-    return moment
 
 
 def parse_window(start: str, end: str) -> Window:

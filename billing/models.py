@@ -288,8 +288,11 @@ class UsageHour(models.Model):
         db_constraint=False,
         db_index=False,
     )
-    job = models.CharField(max_length=320, blank=True)  # "Kind/name" of the claim's owner
-    username = models.CharField(max_length=253, blank=True)
+    # "Kind/name" of the claim's owner, and who made the claim: whole, as the allocation keeps
+    # them (text, no limit): the API server bounds neither a username (a service account's is
+    # up to 339 characters; other authenticators' any length) nor an owner reference's name.
+    job = models.TextField(blank=True)
+    username = models.TextField(blank=True)
     allocated_gpu_ms = models.BigIntegerField()
     utilised_gpu_ms = models.BigIntegerField()
     unmeasured_gpu_ms = models.BigIntegerField()

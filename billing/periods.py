@@ -10,6 +10,8 @@ from datetime import UTC, date, datetime, timedelta
 
 from django.conf import settings
 
+from billing.moments import within_range
+
 MONTH, WEEK = "month", "week"
 PERIOD_LENGTHS = (MONTH, WEEK)
 _MONTH_TEXT = re.compile(r"(\d{4})-(\d{2})")
@@ -99,4 +101,8 @@ def parse_period(text: str) -> tuple[datetime, datetime]:
             first = date.fromisocalendar(int(week[1]), int(week[2]), 1)
     except ValueError as exc:
         raise PricingError(f"{text!r} is not a {length}: {exc}") from None
-    return period_bounds(datetime(first.year, first.month, first.day, tzinfo=UTC))
+    try:
+        start = within_range(datetime(first.year, first.month, first.day, tzinfo=UTC), text)
+    except ValueError as exc:
+        raise PricingError(str(exc)) from None
+    return period_bounds(start)

@@ -46,7 +46,7 @@ from fractions import Fraction
 from typing import Any, NamedTuple
 
 from django.conf import settings
-from django.db import connection, transaction
+from django.db import DataError, IntegrityError, connection, transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
@@ -328,14 +328,60 @@ def _rollup_run(first: datetime, count: int, now: datetime) -> int:
         if readings is not None:
             samples = prometheus.load_readings(readings, start_ms=window_start, end_ms=window_end)
         intervals = _intervals(first, count, window_start, window_end, left_out)
-        whole, partial = _split(intervals, window_start, window_end)
-        written = _insert_whole_hours(whole, window_start, window_end, samples)
-        rows = _partial_rows(partial, samples)
-        insert_rows(UsageHour, _USAGE_COLUMNS, rows, types=_USAGE_TYPES)
+        written = _write_usage(intervals, window_start, window_end, samples)
     if readings is not None:
         prometheus.mark_unsettled(start_ms=window_start, end_ms=window_end, now=now)
     if unanswered is not None:
         raise unanswered
+    return written
+
+
+# What the database refuses of a row, rather than failing for every row: a value that does
+# not fit its column, a check it fails.
+_REFUSED_ROW = (DataError, IntegrityError)
+
+
+def _write_usage(
+    intervals: list[_Interval], window_start: int, window_end: int, samples: str
+) -> int:
+    """Write the usage rows of `intervals` (in the run's transaction); how many.
+
+    One allocation whose rows the database refuses never keeps the others' from being
+    written: the run is written again one allocation at a time, each in a savepoint, and the
+    allocations refused are logged as an error by id, their hours without rows (every other
+    team's usage, and so its statements, still made). Only a refusal costs the savepoints.
+    """
+    try:
+        with transaction.atomic():
+            return _write_intervals(intervals, window_start, window_end, samples)
+    except _REFUSED_ROW:
+        pass
+    written = 0
+    refused: list[tuple[int, str]] = []
+    for interval in intervals:
+        try:
+            with transaction.atomic():
+                written += _write_intervals([interval], window_start, window_end, samples)
+        except _REFUSED_ROW as error:
+            refused.append((interval.allocation_id, str(error).splitlines()[0]))
+    log.error(
+        "usage of %s allocation(s) from %s to %s not rolled up, the database refused its rows "
+        "(the others' are written): %s",
+        len(refused),
+        hour_at(window_start // MS_PER_HOUR).isoformat(),
+        hour_at(-(-window_end // MS_PER_HOUR)).isoformat(),
+        "; ".join(f"allocation {pk}: {reason}" for pk, reason in refused),
+    )
+    return written
+
+
+def _write_intervals(
+    intervals: list[_Interval], window_start: int, window_end: int, samples: str
+) -> int:
+    whole, partial = _split(intervals, window_start, window_end)
+    written = _insert_whole_hours(whole, window_start, window_end, samples)
+    rows = _partial_rows(partial, samples)
+    insert_rows(UsageHour, _USAGE_COLUMNS, rows, types=_USAGE_TYPES)
     return written + len(rows)
 
 

@@ -27,6 +27,7 @@ from django.db.models import Count, F, Sum
 from billing.hours import HOUR, MS_PER_HOUR
 from billing.idle import DEFAULT_BELOW_PERCENT, below_percent_of, idle_hour
 from billing.models import SLICE_HOUR, UsageHour
+from billing.moments import parse_day
 from billing.pricing import RateCards, period_holding, rate_hours, round_money
 from billing.selectors import team_gpu_hours
 from billing.units import hours_label
@@ -50,16 +51,18 @@ def last_complete_week(now: datetime) -> datetime:
 
 def parse_week_start(value: str | None, *, now: datetime) -> datetime:
     """The week's first moment from `?start=YYYY-MM-DD` (any day: seven days from it), or the
-    last complete week when absent. A malformed day, or one after today, is a `WeekError`."""
+    last complete week when absent. A malformed day, one out of range (`billing.moments`) or
+    one after today is a `WeekError` naming the parameter."""
     if not value:
         return last_complete_week(now)
     try:
-        day = date.fromisoformat(value)
-    except ValueError:
-        raise WeekError(f"start: {value!r} is not a day like 2026-11-23 (YYYY-MM-DD)") from None
-    start = datetime.combine(day, time(), UTC)
+        start = parse_day(value)
+    except ValueError as exc:
+        raise WeekError(f"start: {exc}") from None
     if start > now:
-        raise WeekError(f"start: {day} is in the future; a week report starts today or before")
+        raise WeekError(
+            f"start: {start:%Y-%m-%d} is in the future; a week report starts today or before"
+        )
     return start
 
 

@@ -55,7 +55,9 @@ def insert_rows(
     connection = connections[DEFAULT_DB_ALIAS]
     table = connection.ops.quote_name(model._meta.db_table)
     quoted = ", ".join(connection.ops.quote_name(column) for column in columns)
-    with connection.cursor() as cursor:
+    # As Django's own cursors raise them (`django.db.DataError`, `IntegrityError`): callers
+    # tell a row the database refuses from other failures the same way whatever wrote it.
+    with connection.cursor() as cursor, connection.wrap_database_errors:
         copy_rows(cursor, f"{table} ({quoted})", rows, types)
 
 

@@ -23,7 +23,6 @@ from django.utils import timezone
 
 from billing.api.compare import FLEET_ROLES
 from billing.compare import (
-    MOMENT_HELP,
     WINDOW_PARAMETERS,
     CompareInputError,
     compare_windows,
@@ -31,6 +30,7 @@ from billing.compare import (
     parse_parameters,
     summary,
 )
+from billing.moments import MOMENT_HELP
 from frontend import selectors
 from frontend.views import forbidden, not_found
 from inventory.models import Unit

@@ -861,6 +861,14 @@ OWNER_READS: dict[tuple[str, str], tuple[str, Callable[[k8s.ApiClient], Any], st
     ("apps", "ReplicaSet"): ("replicasets.apps", k8s.AppsV1Api, "read_namespaced_replica_set"),
     ("batch", "Job"): ("jobs.batch", k8s.BatchV1Api, "read_namespaced_job"),
 }
+# The one core kind besides Pods that the workload webhook may find as an owner.
+WORKLOAD_READS: dict[tuple[str, str], tuple[str, Callable[[k8s.ApiClient], Any], str]] = {
+    ("", "ReplicationController"): (
+        "replicationcontrollers",
+        k8s.CoreV1Api,
+        "read_namespaced_replication_controller",
+    ),
+}
 
 
 class GangReader:
@@ -909,8 +917,28 @@ class GangReader:
         the same name. A forbidden kind and a pause after failures still hold."""
         return self._get(namespace, api_version, kind, name, fresh=True)
 
+    def get_checked(
+        self, namespace: str, api_version: str, kind: str, name: str
+    ) -> dict[str, Any] | None:
+        """The object of any kind served under a group and version (a built-in workload's, a
+        custom resource's), or None when the API server says it is not there (404, read
+        afresh: a cached 404 may be older than the object). Raises `owners.OwnerUnreadable`
+        when it cannot say: a failure, a timeout, a forbidden kind, a kind it cannot name."""
+        for fresh in (False, True):
+            obj = self._get(namespace, api_version, kind, name, fresh=fresh, checked=True)
+            if obj is not None:
+                return obj
+        return None
+
     def _get(
-        self, namespace: str, api_version: str, kind: str, name: str, *, fresh: bool
+        self,
+        namespace: str,
+        api_version: str,
+        kind: str,
+        name: str,
+        *,
+        fresh: bool,
+        checked: bool = False,
     ) -> dict[str, Any] | None:
         group = owners.api_group(api_version)
         version = api_version.rsplit("/", 1)[-1] if isinstance(api_version, str) else ""
@@ -921,12 +949,16 @@ class GangReader:
             if not fresh and cached is not None and now - cached[0] < self._ttl:
                 self._objects.move_to_end(key)
                 return cached[1]
-            if self._forbidden.get((group, kind), -self._ttl) > now - self._ttl:
-                return None
-            if now < self._paused_until:
-                return None
-        read, obj = self._read(group, version, kind, namespace, name)
-        if not read:
+            unreadable = (
+                self._forbidden.get((group, kind), -self._ttl) > now - self._ttl
+                or now < self._paused_until
+            )
+        if not unreadable:
+            read, obj = self._read(group, version, kind, namespace, name, any_kind=checked)
+            unreadable = not read
+        if unreadable:
+            if checked:
+                raise owners.OwnerUnreadable(f"{kind} {namespace}/{name} could not be read")
             return None
         with self._lock:
             self._objects[key] = (now, obj)
@@ -936,17 +968,22 @@ class GangReader:
         return obj
 
     def _call(
-        self, group: str, version: str, kind: str, namespace: str, name: str
+        self, group: str, version: str, kind: str, namespace: str, name: str, *, any_kind: bool
     ) -> urllib3.BaseHTTPResponse | None:
-        """The API's answer; None for a kind this reader does not read."""
+        """The API's answer; None for a kind this reader does not read (`any_kind`: every
+        kind of a group, by its conventional plural, and the core ReplicationController)."""
         kwargs: dict[str, Any] = {
             "_preload_content": False,
             "_request_timeout": self._request_timeout,
         }
-        if (group, kind) in OWNER_READS:
-            _, api, method = OWNER_READS[(group, kind)]
+        reads = {**OWNER_READS, **WORKLOAD_READS} if any_kind else OWNER_READS
+        if (group, kind) in reads:
+            _, api, method = reads[(group, kind)]
             return getattr(api(self._api_client), method)(name, namespace, **kwargs)
         plural = gangs.GANG_READS.get((group, kind))
+        if plural is None and any_kind:
+            # The plural every built-in workload and the custom resources Tally knows use.
+            plural = f"{kind.lower()}s"
         if plural is None or not group or not version:
             return None
         return k8s.CustomObjectsApi(self._api_client).get_namespaced_custom_object(
@@ -954,14 +991,15 @@ class GangReader:
         )
 
     def _read(
-        self, group: str, version: str, kind: str, namespace: str, name: str
+        self, group: str, version: str, kind: str, namespace: str, name: str, *, any_kind: bool
     ) -> tuple[bool, dict[str, Any] | None]:
-        """(whether the answer may be cached, the object)."""
+        """(whether the answer may be cached, the object); (False, None) for a kind it cannot
+        read when `any_kind` (one it could not say is not there)."""
         what = f"{kind} {namespace}/{name}"
         try:
-            response = self._call(group, version, kind, namespace, name)
+            response = self._call(group, version, kind, namespace, name, any_kind=any_kind)
             if response is None:
-                return True, None
+                return not any_kind, None
             obj = _json(response)
         except ApiException as exc:
             if exc.status == HTTP_NOT_FOUND:
@@ -1102,6 +1140,25 @@ def _resource_name(group: str, kind: str) -> str:
     if (group, kind) in OWNER_READS:
         return OWNER_READS[(group, kind)][0]
     return f"{gangs.GANG_READS.get((group, kind), kind.lower() + 's')}.{group}".rstrip(".")
+
+
+class WorkloadOwnerReader:
+    """Reads the controller owner of a workload for the workload webhook
+    (`quota.workloads.OwnerCheck`) through a `GangReader` (its cache, timeouts and pauses):
+    the owner, None when the API server says it is not there, `owners.OwnerUnreadable` when
+    it cannot say."""
+
+    def __init__(self, objects: GangReader) -> None:
+        self.objects = objects
+
+    def owner(self, namespace: str, reference: owners.OwnerReference) -> owners.Owner | None:
+        obj = self.objects.get_checked(
+            namespace,
+            str(reference.get("apiVersion") or ""),
+            str(reference["kind"]),
+            str(reference["name"]),
+        )
+        return owners.Owner.of(obj) if obj is not None else None
 
 
 class OwnerReader:

@@ -65,6 +65,10 @@ class Owner:
         )
 
 
+class OwnerUnreadable(Exception):
+    """An owner that could not be read: whether it exists is not known (not: it is not there)."""
+
+
 class OwnerLookup(Protocol):
     """Where the owners of claims are read from."""
 

@@ -68,7 +68,9 @@ class Reservation(models.Model):
     """What one admitted claim holds against its team's rules, from admission to deletion.
 
     A claim is identified by cluster, namespace and name: a create the API server retries
-    carries a new request uid but is the same claim, and reserves once.
+    carries a new request uid but is the same claim (the same uid, or the same spec:
+    `spec_digest`), and reserves once; another claim under a live reservation's name is
+    weighed as new.
     """
 
     cluster = models.CharField(max_length=63)
@@ -104,6 +106,9 @@ class Reservation(models.Model):
     # members are the live reservations of the same cluster, namespace and key. A default in
     # the database too, for the inserts of a pod of the previous version.
     gang_key = models.CharField(max_length=320, blank=True, default="", db_default="")
+    # A digest of the spec admitted (`decision.spec_digest`): a create of the same name is a
+    # retry only if it is the same claim (same uid, or same spec); "" before digests were kept.
+    spec_digest = models.CharField(max_length=64, blank=True, default="", db_default="")
 
     class Meta:
         constraints = [

@@ -550,6 +550,45 @@ def expire_reservations(*, now: datetime) -> int:
     return expired
 
 
+def supersede_reservation(*, cluster: str, namespace: str, name: str, at: datetime) -> bool:
+    """Release the live reservation of `namespace/name` in `cluster` for another claim now
+    created under its name, which the webhook weighed as new with this reservation counted
+    and found to fit (`quota.admission.service.review_claim`): the claim made under the name
+    takes the name's place in the ledger, as the sync would give it. Returns whether one was
+    released. Locks as the sync does: the usage lock and the team's rules, then the row.
+
+    Only the webhook calls it, inside the admission's transaction with the reservation that
+    replaces it, so a denial leaves the reservation as it was.
+    """
+    live = (
+        Reservation.objects.filter(cluster=cluster, namespace=namespace, name=name)
+        .exclude(state=ReservationState.RELEASED)
+        .values_list("team_id", flat=True)
+        .first()
+    )
+    if live is None:
+        return False
+    lock_usage(team_ids={live})
+    reservation = (
+        Reservation.objects.select_for_update()
+        .filter(cluster=cluster, namespace=namespace, name=name)
+        .exclude(state=ReservationState.RELEASED)
+        .first()
+    )
+    if reservation is None or not _release(reservation, at):
+        return False
+    log.warning(
+        "reservation %s of %s/%s in %s (claim uid %r) released: another claim of that name "
+        "was admitted as new",
+        reservation.pk,
+        namespace,
+        name,
+        cluster,
+        reservation.claim_uid,
+    )
+    return True
+
+
 # --- The recount ------------------------------------------------------------------------------
 
 

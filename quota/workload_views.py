@@ -3,9 +3,10 @@ namespaces: it records who made them (`quota.workloads`).
 
 Thin edge, as `quota.admission.views`: parse the AdmissionReview (a body that is none gets
 HTTP 400 with the reason), decide, answer. Unlike the claim webhooks it touches no database
-and never denies: its webhook fails open (`failurePolicy: Ignore`), so an object it cannot
-read, or a failure of its own, is an admission with a warning, never a 500; a workload is
-then attributed by its labels (`TALLY_CREATED_BY_LABELS`) or not at all.
+(it reads the owner of what a controller creates from the API server) and never denies: its
+webhook fails open (`failurePolicy: Ignore`), so an object it cannot read, or a failure of
+its own, is an admission with a warning, never a 500; a workload is then attributed by its
+labels (`TALLY_CREATED_BY_LABELS`) or not at all.
 """
 
 from __future__ import annotations
@@ -21,12 +22,23 @@ from django.views.decorators.http import require_POST
 
 from config import metrics
 from config.logging import PARSED_REVIEW
+from inventory import kube
+from inventory.owners import OwnerLookup
 from quota import workloads
+from quota.admission import service
 from quota.admission.views import BadReview, answer, parse_review
 
 log = logging.getLogger(__name__)
 WEBHOOK = "workloads"
 FAILED = "Tally did not record who created this object (an error; see its logs)"
+
+
+def owner_lookup() -> OwnerLookup | None:
+    """Where this webhook reads the owners of what controllers create: the API server,
+    through the claim webhook's reader (`service.gang_lookup`: cached, with the webhook's
+    short timeouts), when Tally reads one; else nowhere (None)."""
+    lookup = service.gang_lookup()
+    return kube.WorkloadOwnerReader(lookup) if isinstance(lookup, kube.GangReader) else None
 
 
 def respond(request: dict[str, Any]) -> dict[str, Any]:
@@ -38,6 +50,7 @@ def respond(request: dict[str, Any]) -> dict[str, Any]:
             request=request,
             kinds=frozenset(settings.TALLY_WORKLOAD_KINDS),
             controllers=settings.TALLY_WORKLOAD_CONTROLLERS,
+            owners=owner_lookup(),
         )
     except Exception:
         log.exception("admission %s: could not record the workload's creator", uid)

@@ -15,6 +15,11 @@ webhook vouched for where it was copied from. So a controller keeps or copies on
 object whose controller owner is of a kind the webhook records (the configured kinds: a Pod
 of a ReplicaSet, a Job of a CronJob); on what it makes for anything else (an Argo Workflow, a
 Katib Trial), or for nothing, a creator is not kept, and one it adds by an UPDATE is undone.
+And that owner must exist: it is read from the API server (`owners`, through the claim
+webhook's cached reader), and what the controller makes carries the creator the owner records,
+whatever the controller sent; an owner that is not there (a made-up reference, a namesake of
+another uid) or cannot be read vouches for nobody. A controller's UPDATE keeps the creator
+recorded before and adds none.
 Anyone else is the creator of what they create, whatever it says: a `tally.dev/created-by`
 naming someone else is replaced by the requester, with a warning. An UPDATE by anyone but a
 controller may not change a creator recorded before: it is put back (with a warning when
@@ -37,7 +42,14 @@ from typing import Any
 
 from jsonpatch import JsonPointer
 
-from inventory.owners import CREATED_BY_ANNOTATION, api_group, controller_reference, is_controller
+from inventory.owners import (
+    CREATED_BY_ANNOTATION,
+    OwnerLookup,
+    OwnerUnreadable,
+    api_group,
+    controller_reference,
+    is_controller,
+)
 
 # The result of one review, as `config.metrics.WEBHOOK_DECISIONS` counts it.
 UNCHANGED, ANNOTATED, REPLACED = "allowed", "annotated", "replaced"
@@ -143,12 +155,18 @@ def owner_key(obj: dict[str, Any]) -> str:
 
 
 def attribute(
-    *, request: dict[str, Any], kinds: Collection[str], controllers: Iterable[str]
+    *,
+    request: dict[str, Any],
+    kinds: Collection[str],
+    controllers: Iterable[str],
+    owners: OwnerLookup | None = None,
 ) -> Attribution:
     """The creator annotations a review's object needs (see the module's docstring).
 
     Only CREATEs and UPDATEs of `kinds` (not of their subresources) are touched. Never
-    raises on what `request` holds: what cannot be read is a warning and no patch.
+    raises on what `request` holds: what cannot be read is a warning and no patch. `owners`
+    reads the controller owner of what a controller creates (None: Tally reads no API
+    server, and a controller's creator is trusted by its owner's kind alone).
     """
     operation = request.get("operation")
     key = kind_key(request.get("kind"))
@@ -177,12 +195,17 @@ def attribute(
         if owner not in kinds:
             # Copied from an object the webhook never saw, which anyone could have written.
             return _unvouched(places, old, operation=operation, username=username, owner=owner)
-        if (
-            operation == "UPDATE"
-            or key in KEPT_AS_MADE
-            or not isinstance(top.value, str)
-            or not top.value
-        ):
+        if operation == "UPDATE":
+            # A controller keeps what was recorded; it adds none and changes none.
+            return _controller_update(places, old, username=username)
+        if owners is not None:
+            creator = _owners_creator(obj, owners, namespace=request.get("namespace"))
+            if isinstance(creator, _NoOwner):
+                return _unowned(places, username=username, why=creator.why)
+            return _owners_creator_carried(
+                [top] if key in KEPT_AS_MADE else places, creator=creator, username=username
+            )
+        if key in KEPT_AS_MADE or not isinstance(top.value, str) or not top.value:
             return Attribution()
         # What a controller makes carries its own creator into its templates.
         wanted: dict[_Place, str | None] = {
@@ -208,6 +231,73 @@ def attribute(
         else []
     )
     return _patched(wanted, warnings=warnings, result=REPLACED if changed else ANNOTATED)
+
+
+@dataclass(frozen=True)
+class _NoOwner:
+    """A controller's object whose controller owner is not there, or could not be read."""
+
+    why: str
+
+
+def _owners_creator(obj: dict[str, Any], owners: OwnerLookup, *, namespace: Any) -> str | _NoOwner:
+    """The creator the controller owner of `obj` records ("" for none), read through
+    `owners` in the review's `namespace` (owner references are namespace-local): what a
+    controller may carry onto what it makes. `_NoOwner` when the owner is not there (never
+    was, or another object of its name: a different uid) or cannot be read; the annotation
+    the controller sent is then nobody's word."""
+    metadata = obj.get("metadata") or {}
+    reference = controller_reference(metadata.get("ownerReferences"))
+    assert reference is not None  # its kind is among the configured ones
+    where = namespace or metadata.get("namespace")
+    what = f"{reference['kind']} {where}/{reference['name']}"
+    try:
+        found = owners.owner(str(where or "default"), reference)
+    except OwnerUnreadable:
+        return _NoOwner(f"its owner {what} could not be read")
+    if found is None or (found.uid and reference.get("uid") not in (None, "", found.uid)):
+        return _NoOwner(f"its owner {what} does not exist")
+    return found.created_by
+
+
+def _owners_creator_carried(places: list[_Place], *, creator: str, username: str) -> Attribution:
+    """A controller's new object carries the creator its owner records (`creator`, "" for
+    none: then none) at `places`: one it sent that differs is replaced, with a warning."""
+    wanted: dict[_Place, str | None] = {
+        place: creator or None for place in places if place.value != (creator or None)
+    }
+    forged = sorted({str(place.value) for place in wanted if place.value not in (None, "")})
+    warnings = [
+        f"{CREATED_BY_ANNOTATION} is the creator the owner records: set to {creator!r}, "
+        f"not {claimed!r} as {username} sent"
+        for claimed in forged
+    ]
+    return _patched(wanted, warnings=warnings, result=REPLACED if forged else ANNOTATED)
+
+
+def _unowned(places: list[_Place], *, username: str, why: str) -> Attribution:
+    """A controller's new object whose owner is not there or could not be read: no creator
+    it brings is kept."""
+    wanted: dict[_Place, str | None] = {p: None for p in places if p.value is not None}
+    if not wanted:
+        return Attribution()
+    warning = (
+        f"{CREATED_BY_ANNOTATION} was not kept: {username} made this object, but {why}, so "
+        "it cannot vouch for the creator it copied"
+    )
+    return _patched(wanted, warnings=[warning], result=REPLACED)
+
+
+def _controller_update(places: list[_Place], old: dict[str, Any], *, username: str) -> Attribution:
+    """A controller's UPDATE: a creator recorded before stays, none is added."""
+    wanted = _kept_on_update(places, old, written_by=None)
+    if not wanted:
+        return Attribution()
+    warning = (
+        f"{CREATED_BY_ANNOTATION} is recorded by Tally: {username} may not change it, the "
+        "value sent was not kept"
+    )
+    return _patched(wanted, warnings=[warning], result=REPLACED)
 
 
 def _kept_on_update(

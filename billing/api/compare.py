@@ -24,7 +24,6 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from billing.compare import (
-    MOMENT_HELP,
     ROW_COLUMNS,
     CompareInputError,
     Presence,
@@ -34,6 +33,7 @@ from billing.compare import (
     summary,
     total_row,
 )
+from billing.moments import MOMENT_HELP
 from inventory.models import Unit
 from teams.api import FINANCE, OPERATOR, AnyRole, CSVRenderer, request_role
 from teams.models import Team

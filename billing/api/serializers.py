@@ -8,7 +8,7 @@ chip-hours to GPU-hours."""
 from __future__ import annotations
 
 from collections.abc import Mapping
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from operator import attrgetter
 from typing import Any
@@ -20,10 +20,11 @@ from rest_framework import serializers
 from billing.api.filtersets import PERIOD_HELP, period_lookups
 from billing.hours import HOUR, MS_PER_HOUR
 from billing.models import Period, RateCard, Statement, StatementLine
+from billing.moments import MOMENT_HELP, RANGE_HELP, parse_moment
 from billing.pricing import period_holding, round_money
 from billing.units import hours_label
 from inventory.models import Unit
-from teams.api import ReadOnlyModelSerializer, VisibleTeamField, start_of_day
+from teams.api import ReadOnlyModelSerializer, VisibleTeamField
 from teams.models import Team
 
 
@@ -331,32 +332,22 @@ class UserUsageSerializer(UsageSerializer):
 
 # --- Billed usage per person and per job ---------------------------------------------------
 
-WINDOW_BOUND_HELP = (
-    "A UTC date (2026-11-02: its midnight) or an ISO 8601 date and time on the hour "
-    "(2026-11-02T14:00:00Z); usage is kept per hour."
-)
-
 
 class WindowBoundField(serializers.DateTimeField):
-    """A window's bound: a date (its midnight, UTC) or an aware date and time on the hour."""
-
-    default_error_messages = {
-        "not_on_the_hour": "{value} is not on the hour: usage is kept per whole UTC hour.",
-    }
+    """A window's bound (`billing.moments.parse_moment`): a date (its midnight, UTC) or a date
+    and time on the hour, in the range Tally counts in."""
 
     def __init__(self, **kwargs: Any) -> None:
-        super().__init__(help_text=WINDOW_BOUND_HELP, **kwargs)
+        help_text = f"{MOMENT_HELP}, {RANGE_HELP}; usage is kept per hour."
+        super().__init__(help_text=help_text, **kwargs)
 
     def to_internal_value(self, value: Any) -> datetime:
-        if isinstance(value, str) and len(value.strip()) == len("2026-11-02"):
-            try:
-                return start_of_day(date.fromisoformat(value.strip()))
-            except ValueError:
-                pass
-        moment = super().to_internal_value(value)
-        if (moment.minute, moment.second, moment.microsecond) != (0, 0, 0):
-            self.fail("not_on_the_hour", value=value)
-        return moment.astimezone(UTC)
+        if not isinstance(value, str):
+            self.fail("invalid", format=MOMENT_HELP)
+        try:
+            return parse_moment(value)
+        except ValueError as exc:
+            raise serializers.ValidationError(str(exc)) from None
 
 
 class BilledWindowSerializer(serializers.Serializer[Any]):

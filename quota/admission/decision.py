@@ -27,6 +27,8 @@ admitted claim holds until it is allocated, as the ledger's recount works it out
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -79,15 +81,81 @@ class RuleSnapshot:
 Rule = RuleSnapshot | QuotaRule
 
 
+@dataclass(frozen=True, kw_only=True)
+class LiveReservation:
+    """The live reservation found under an admitted claim's name: its team, and what says
+    which claim it was made for (the claim's uid once the sync has seen it, and the digest
+    of the spec admitted, `spec_digest`; "" where not known)."""
+
+    team_id: int
+    claim_uid: str
+    spec_digest: str
+
+    def made_for(
+        self, claim: dict[str, Any], *, removed: dict[str, list[str]] | None = None
+    ) -> bool:
+        """Whether `claim` is the claim this reservation was made for: a create the API server
+        (or its client) sent again. The same uid, or the same spec (as sent, or with the
+        alternatives `removed` left out, as the mutating webhook's patch stores it);
+        a reservation with no digest (made before digests were kept, or adopted by the sync)
+        takes any claim as its, but one of another uid than the claim the sync saw.
+        Another claim under the same name (one deleted and made again differently, or a
+        create of a name in use) is no retry: it is weighed as new."""
+        metadata = claim.get("metadata")
+        uid = metadata.get("uid") if isinstance(metadata, dict) else None
+        if self.claim_uid and isinstance(uid, str) and uid:
+            if uid == self.claim_uid:
+                return True
+            if not self.spec_digest:
+                return False  # another object, and no spec kept to find it the same
+        elif not self.spec_digest:
+            return True
+        return self.spec_digest in {spec_digest(claim), spec_digest(claim, removed=removed)}
+
+
+def spec_digest(claim: dict[str, Any], *, removed: dict[str, list[str]] | None = None) -> str:
+    """A digest of `claim`'s spec, as JSON with sorted keys (so the order a client wrote it
+    in does not matter), less the firstAvailable alternatives `removed` (by request)."""
+    spec = claim.get("spec")
+    if removed and isinstance(spec, dict):
+        spec = _without_alternatives(spec, removed)
+    text = json.dumps(spec, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _without_alternatives(spec: dict[str, Any], removed: dict[str, list[str]]) -> dict[str, Any]:
+    """`spec` with the firstAvailable alternatives `removed` (by request name) taken out, as
+    the mutating webhook's patch takes them out."""
+    devices = spec.get("devices")
+    if not isinstance(devices, dict) or not isinstance(devices.get("requests"), list):
+        return spec
+    kept = []
+    for request in devices["requests"]:
+        name = request.get("name") if isinstance(request, dict) else None
+        gone = set(removed.get(name, ())) if isinstance(name, str) else set()
+        alternatives = request.get("firstAvailable") if gone else None
+        if isinstance(alternatives, list):
+            request = {
+                **request,
+                "firstAvailable": [
+                    alt
+                    for alt in alternatives
+                    if not isinstance(alt, dict) or alt.get("name") not in gone
+                ],
+            }
+        kept.append(request)
+    return {**spec, "devices": {**devices, "requests": kept}}
+
+
 @dataclass
 class AdmissionState:
     """What one admission reads from the database, in one query: the namespace's team with its
-    rules and their current usage, and the team of a live reservation already made for the
-    same claim (a create the API server sent again)."""
+    rules and their current usage, and the live reservation already made under the claim's
+    name, if any (a create sent again, or another claim of the same name)."""
 
     team: Team | None
     rules: list[RuleSnapshot]
-    replayed_team_id: int | None
+    live: LiveReservation | None
     # How the team's gangs are admitted (`GangMode`; a team without a policy: enforce).
     gang_mode: str = GangMode.ENFORCE.value
     # What the claim may draw, by rule, from its gang's live hold (`store.gang_state`): counted
@@ -1044,6 +1112,7 @@ def reservation_fields(
         "created_at": at,
         "expires_at": at + timedelta(seconds=settings.TALLY_RESERVATION_TTL_SECONDS),
         "gang_key": plan.gang.gang.key if plan.gang is not None else "",
+        "spec_digest": spec_digest(claim),
     }
 
 

@@ -26,13 +26,14 @@ from decimal import Decimal
 from typing import Any
 
 from django.conf import settings
-from django.db import DatabaseError
+from django.db import DatabaseError, transaction
 from django.urls import get_resolver
 
 from inventory import gangs, kube
 from inventory.models import Cluster
 from inventory.owners import api_group
 from inventory.services import get_cluster
+from quota import services as quota_services
 from quota.admission import budgets, decision, shapes, store
 from quota.admission.decision import AdmissionState, Decision, Plan
 from quota.models import GangMode, Webhook
@@ -53,8 +54,10 @@ def review_claim(
 
     Guarantees: for every enforce rule, reservations plus allocations never exceed the limit,
     under any concurrency (one statement locks the team's rules and checks every limit); the
-    same claim (cluster, namespace, name) admitted twice reserves once; a dry run writes
-    nothing. No statement after the admission's first read, and no wait for a lock, runs past
+    same claim (cluster, namespace, name, and the same uid or spec) admitted twice reserves
+    once, and another claim under a live reservation's name is weighed as new with that
+    reservation counted (`decision.LiveReservation.made_for`); a dry run writes nothing. No
+    statement after the admission's first read, and no wait for a lock, runs past
     TALLY_WEBHOOK_DB_TIMEOUT_MS (the API server waits timeoutSeconds, 3 s); nothing waits on
     the database past `deadline` (`time.monotonic()`), and no reservation is made after it
     (`store.DeadlinePassed`, an `OperationalError`). A gang's first member is admitted only
@@ -74,27 +77,39 @@ def review_claim(
         gang: _Gang | None = None
         for _ in range(_GANG_ATTEMPTS):
             state = store.admission_state(cluster=cluster.name, namespace=namespace, name=name)
-            if state.replayed_team_id is not None:
-                # The API server may call again for the same claim (with a new uid): same
-                # answer, nothing reserved twice.
+            live = state.live
+            if live is not None and live.made_for(claim):
+                # The API server may call again for the same claim (with a new request uid):
+                # same answer, nothing reserved twice.
                 team = state.team
-                if team is None or team.pk != state.replayed_team_id:
-                    team = store.team_by_id(state.replayed_team_id)
+                if team is None or team.pk != live.team_id:
+                    team = store.team_by_id(live.team_id)
                 return Decision(allowed=True, team=team)
+            # Another claim under a live reservation's name is weighed as new, with that
+            # reservation still counted in its rules' usage.
             gang = gang or _gang_of(claim=claim, state=state)
             plan = _plan(cluster=cluster, claim=claim, state=state, gang=gang)
             recorded = False
             if plan.denial or dry_run or plan.team is None:
                 answer = plan.decision()
                 break
+            if live is not None and live.claim_uid:
+                # The name's reservation is a claim the sync has seen: it still exists (this
+                # create then fails, the name being taken) or was deleted meanwhile. Its hold
+                # stays, for only the sync can tell; the sync moves it to whichever claim has
+                # the name. This one fitted with it counted.
+                answer = plan.decision()
+                answer.warnings.append(_UNDER_A_TAKEN_NAME.format(namespace, name))
+                break
             try:
-                answer, recorded = _reserve(
+                answer, recorded = _reserve_in_place(
                     cluster=cluster,
                     claim=claim,
                     plan=plan,
                     username=username,
                     admission_uid=admission_uid,
                     at=at,
+                    superseding=live is not None,
                 )
                 break
             except store.GangHoldChanged:
@@ -135,11 +150,12 @@ def fit_alternatives(
         cluster = _cluster()
         namespace, name = decision.claim_name(claim)
         state = store.admission_state(cluster=cluster.name, namespace=namespace, name=name)
-        if state.replayed_team_id is not None:
+        if state.live is not None:
             chosen = store.chosen_alternatives(cluster=cluster.name, namespace=namespace, name=name)
-            return Decision(
-                allowed=True, team=state.team, removed=decision.not_chosen(claim, chosen)
-            )
+            removed = decision.not_chosen(claim, chosen)
+            # The same claim once the alternatives not chosen are out: keep them out.
+            if state.live.made_for(claim, removed=removed):
+                return Decision(allowed=True, team=state.team, removed=removed)
         answer = _plan(cluster=cluster, claim=claim, state=state).decision()
         if not answer.allowed and not dry_run:
             store.record(
@@ -189,6 +205,59 @@ def _plan(
         )
     plan.warnings.extend(gang.warnings)
     return plan
+
+
+_UNDER_A_TAKEN_NAME = (
+    "another claim named {}/{} holds quota: this one fits beside it, and is counted once the "
+    "inventory sees which of them has the name"
+)
+
+
+def _reserve_in_place(
+    *,
+    cluster: Cluster,
+    claim: dict[str, Any],
+    plan: Plan,
+    username: str,
+    admission_uid: str,
+    at: datetime,
+    superseding: bool,
+) -> tuple[Decision, bool]:
+    """`_reserve`, after releasing the live reservation of another claim of the same name
+    when `superseding` (`quota.services.supersede_reservation`), in one transaction: a
+    denial leaves that reservation as it was. Only a reservation no claim was seen for yet is
+    superseded: if its claim exists after all, the sync's first sight of it gives the
+    reservation back to it, with its exact hold."""
+    if not superseding:
+        return _reserve(
+            cluster=cluster,
+            claim=claim,
+            plan=plan,
+            username=username,
+            admission_uid=admission_uid,
+            at=at,
+        )
+    namespace, name = decision.claim_name(claim)
+    with transaction.atomic():
+        quota_services.supersede_reservation(
+            cluster=cluster.name, namespace=namespace, name=name, at=at
+        )
+        answer, recorded = _reserve(
+            cluster=cluster,
+            claim=claim,
+            plan=plan,
+            username=username,
+            admission_uid=admission_uid,
+            at=at,
+        )
+        if not answer.allowed:
+            transaction.set_rollback(True)
+    if answer.allowed:
+        answer.warnings.append(
+            f"a reservation Tally held for another claim named {namespace}/{name} was "
+            "replaced by this one's"
+        )
+    return answer, recorded
 
 
 def _reserve(

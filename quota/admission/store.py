@@ -54,6 +54,7 @@ from quota.admission.decision import (
     AdmissionState,
     Decision,
     GangState,
+    LiveReservation,
     Plan,
     Rule,
     RuleSnapshot,
@@ -280,7 +281,9 @@ def _set_back(own: tuple[str, str]) -> None:
 def _admission_state_sql(*, with_settings: bool, local: bool = False) -> str:
     """The admission's read (made once per process and kind); with the webhook's
     settings: set on the session, the session's own values read first (columns 12-13), or
-    (`local`) set for the transaction. Column 15: the team's gang policy (NULL: none)."""
+    (`local`) set for the transaction. Column 11: the live reservation under the claim's
+    name (its team id, claim uid and spec digest; NULL: none). Column 15: the team's gang
+    policy (NULL: none)."""
     quote = connection.ops.quote_name
     team, owner, rule, reservation, gangs = (
         quote(model._meta.db_table)
@@ -299,7 +302,7 @@ def _admission_state_sql(*, with_settings: bool, local: bool = False) -> str:
     return f"""
 SELECT t.id, t.slug, t.name,
        r.id, r.name, r.device_class, r.selector, r.unit, r.{quote("limit")}, r.mode, r.in_use,
-       (SELECT v.team_id FROM {reservation} v
+       (SELECT ARRAY[v.team_id::text, v.claim_uid, v.spec_digest] FROM {reservation} v
         WHERE v.cluster = %s AND v.namespace = %s AND v.name = %s AND NOT (v.state = 'released')
         LIMIT 1),
        {", ".join(f"o.{name}" for name in SESSION_SETTINGS)}, o.clock, g.mode
@@ -314,8 +317,8 @@ ORDER BY r.id
 
 def admission_state(*, cluster: str, namespace: str, name: str) -> AdmissionState:
     """The team owning `namespace`, its rules (ordered by id, usage as of now), its gang
-    policy and, when the claim `namespace/name` of `cluster` is already admitted, that
-    reservation's team id.
+    policy and, when a claim `namespace/name` of `cluster` is already admitted, its live
+    reservation (`LiveReservation`: which claim it was made for, and its team).
 
     One round trip with no ORM on the webhook's path.
     """
@@ -338,7 +341,12 @@ def admission_state(*, cluster: str, namespace: str, name: str) -> AdmissionStat
         limit.on_server = rows[0][14] + (limit.at - time.monotonic())
     team: Team | None = None
     rules: list[RuleSnapshot] = []
-    replayed: int | None = rows[0][11] if rows else None
+    found = rows[0][11] if rows else None
+    live = (
+        LiveReservation(team_id=int(found[0]), claim_uid=found[1], spec_digest=found[2])
+        if found
+        else None
+    )
     for row in rows:
         if row[0] is None:
             continue
@@ -360,7 +368,7 @@ def admission_state(*, cluster: str, namespace: str, name: str) -> AdmissionStat
     return AdmissionState(
         team=team,
         rules=rules,
-        replayed_team_id=replayed,
+        live=live,
         gang_mode=(rows[0][15] if rows else None) or GangMode.ENFORCE.value,
     )
 
@@ -572,6 +580,7 @@ _RESERVATION_COLUMNS = (
     "created_at",
     "expires_at",
     "gang_key",
+    "spec_digest",
 )
 # Their placeholders, in the same order.
 _RESERVATION_VALUES = ", ".join(

@@ -403,8 +403,11 @@ def test_each_lead_sees_only_their_team(cast: Cast, week: Week) -> None:
 @pytest.mark.parametrize(
     ("query", "field", "says"),
     [
-        ({"since": "yesterday"}, "since", "format"),
-        ({"since": "2026-11-02T10:30:00Z"}, "since", "not on the hour"),
+        ({"since": "yesterday"}, "since", "is not a UTC date"),
+        ({"since": "2026-11-02T10:30:00Z"}, "since", "not on a whole UTC hour"),
+        ({"since": "9999-12-31"}, "since", "out of range"),
+        ({"since": "9999-W52"}, "since", "out of range"),
+        ({"until": "0001-01-01"}, "until", "out of range"),
         ({"since": "2026-11-09", "until": "2026-11-02"}, "until", "not after since"),
         ({"since": "2020-01-01", "until": "2026-11-02"}, "until", "at most 400 days"),
         ({"period": "2026-W45", "since": "2026-11-02"}, "period", "not both"),

@@ -863,6 +863,9 @@ def test_meter_prometheus_reports_what_the_engine_gives(day_engine: str, team: T
         pytest.raises(CommandError, match="TALLY_PROMETHEUS_URL"),
     ):
         call_command("meter_prometheus")
+    # An hour past the calendar Tally counts in is named, not a traceback (issue 40, 5).
+    with prometheus_settings(day_engine), pytest.raises(CommandError, match=r"--hour: .*range"):
+        call_command("meter_prometheus", "--hour", "9999-12-31T23:00Z")
 
 
 class _PartialEngine(http.server.BaseHTTPRequestHandler):

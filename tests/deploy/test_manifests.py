@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 import kubernetes_validate
 import pytest
 import yaml
+from django.conf import settings
 from django.db import connection
 from django.urls import Resolver404, resolve
 
@@ -476,9 +477,17 @@ def test_every_kind_the_code_reads_is_granted_to_the_process_that_reads_it(
     assert "get" in web.get(("", "pods"), set())
     for (group, kind), name in GANG_READS.items():
         assert "get" in web.get((group, name), set()), f"{name}.{group} ({kind})"
-    # The webhook reads, one object at a time, and nothing else.
+    # The workload webhook reads the owner of what a controller makes: any configured kind.
+    owner_kinds = {
+        (kind.rpartition("/")[0], plural(kind.rpartition("/")[2]))
+        for kind in settings.TALLY_WORKLOAD_KINDS
+    }
+    for key in owner_kinds:
+        assert "get" in web.get(key, set()), key
+    # The webhooks read, one object at a time, and nothing else.
     assert web == {
-        key: {"get"} for key in [("", "pods"), *((g, n) for (g, _), n in GANG_READS.items())]
+        key: {"get"}
+        for key in [("", "pods"), *((g, n) for (g, _), n in GANG_READS.items()), *owner_kinds]
     }
     gang_role = role_grants(find(objects, "ClusterRole", "tally-gangs")["rules"])
     assert set().union(*gang_role.values()) == {"get"}

@@ -611,3 +611,109 @@ def test_decisions_are_counted_by_result_and_rule(client: Client) -> None:
     assert decide(client, claim("a", [gpu_request(1, "gpu.example.com")]))["allowed"]
     assert count("denied", "vfio") == denied_before + 1
     assert count("allowed", "") == allowed_before + 1
+
+
+def test_another_claim_under_a_live_reservations_name_is_weighed_as_new(
+    client: Client,
+) -> None:
+    """Issue 33, finding 5: the same name asking 12 GPUs, 6 in use, limit 16, was taken for a
+    retry of the first claim and allowed, uncounted."""
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 16}])
+    assert decide(client, claim("train", [gpu_request(6)]), uid="first")["allowed"]
+    bigger = claim("train", [gpu_request(12)])
+    for path in ("/admission/resourceclaims/mutate", "/admission/resourceclaims"):
+        answer = post(client, review(bigger, uid="second"), path).json()["response"]
+        assert not answer["allowed"], path
+        assert "6 GPUs in use, 12 GPUs requested, limit 16 GPUs" in answer["status"]["message"]
+    assert QuotaRule.objects.get(name="all-gpus").in_use == 6
+    assert Reservation.objects.get().lines.get().amount == 6
+
+
+def test_another_claim_that_fits_replaces_the_reservation_under_its_name(
+    client: Client,
+) -> None:
+    """A claim deleted and made again differently before the sync saw it go: the new one is
+    weighed with the old one counted, and, fitting, takes the name's reservation."""
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 16}])
+    assert decide(client, claim("train", [gpu_request(6)]), uid="first")["allowed"]
+    answer = decide(client, claim("train", [gpu_request(8)]), uid="second")
+    assert answer["allowed"]
+    assert "replaced by this one's" in " ".join(answer["warnings"])
+    assert QuotaRule.objects.get(name="all-gpus").in_use == 8
+    live = Reservation.objects.exclude(state="released").get()
+    assert live.lines.get().amount == 8 and live.admission_uid == "second"
+    assert Reservation.objects.filter(state="released").count() == 1
+
+
+def test_the_same_claim_by_uid_is_a_retry_whatever_its_spec_says(client: Client) -> None:
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 16}])
+    first = claim("train", [gpu_request(6)])
+    assert decide(client, first, uid="first")["allowed"]
+    Reservation.objects.update(claim_uid="claim-uid-1")  # the sync saw the claim
+    again = claim("train", [gpu_request(12)])
+    again["metadata"]["uid"] = "claim-uid-1"
+    assert decide(client, again, uid="again")["allowed"]
+    assert QuotaRule.objects.get(name="all-gpus").in_use == 6
+    assert Reservation.objects.count() == 1
+
+
+def test_a_retry_is_known_by_the_spec_as_stored_after_the_mutation(client: Client) -> None:
+    """The validating webhook sees (and stores the digest of) the spec the mutating webhook's
+    patch left; the mutating webhook sees the retry as sent, alternatives and all: it is the
+    same claim once the alternatives not chosen are out, and keeps the same mutation."""
+    make_team(
+        [
+            {"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 1},
+            {"name": "h100", "device_class": "gpu.nvidia.com", "limit": 0,
+             "selector": H100_OR_A100[0][2]},
+        ]
+    )  # fmt: skip
+    body = claim("retried", [first_available(*H100_OR_A100)])
+    mutate = "/admission/resourceclaims/mutate"
+    first = post(client, review(body, uid="first"), mutate).json()["response"]
+    patch = json.loads(base64.b64decode(first["patch"]))
+    stored = jsonpatch.apply_patch(body, patch)
+    assert decide(client, stored, uid="first")["allowed"]
+    retry = post(client, review(body, uid="retry"), mutate).json()["response"]
+    assert retry["allowed"] and retry["patch"] == first["patch"]
+    assert decide(client, stored, uid="retry")["allowed"]
+    assert QuotaRule.objects.get(name="all-gpus").in_use == 1
+    assert Reservation.objects.count() == 1
+
+
+def test_another_claim_under_the_name_of_a_claim_the_sync_saw_leaves_its_hold(
+    client: Client,
+) -> None:
+    """A create that names a claim the inventory has seen (it exists, and this create will
+    fail; or it was deleted meanwhile) is weighed beside it, and replaces nothing: only the
+    sync can tell which claim has the name."""
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 16}])
+    assert decide(client, claim("train", [gpu_request(6)]), uid="first")["allowed"]
+    Reservation.objects.update(claim_uid="claim-uid-1")  # the sync saw the claim
+    other = claim("train", [gpu_request(12)])
+    other["metadata"]["uid"] = "claim-uid-2"
+    denied = decide(client, other, uid="second")
+    assert not denied["allowed"]
+    assert "6 GPUs in use, 12 GPUs requested" in denied["status"]["message"]
+    smaller = claim("train", [gpu_request(1)])
+    smaller["metadata"]["uid"] = "claim-uid-3"
+    answer = decide(client, smaller, uid="third")
+    assert answer["allowed"] and "counted once the inventory sees" in answer["warnings"][-1]
+    live = Reservation.objects.get()
+    assert (live.claim_uid, live.lines.get().amount) == ("claim-uid-1", 6)
+    assert QuotaRule.objects.get(name="all-gpus").in_use == 6
+
+
+def test_a_reservation_with_no_spec_kept_still_tells_another_uid_apart(client: Client) -> None:
+    """An adopted reservation (or one from before specs were kept) has no digest: a create
+    of another uid than the claim the sync saw under its name is still no retry."""
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 16}])
+    assert decide(client, claim("train", [gpu_request(6)]), uid="first")["allowed"]
+    Reservation.objects.update(claim_uid="claim-uid-1", spec_digest="")
+    other = claim("train", [gpu_request(12)])
+    other["metadata"]["uid"] = "claim-uid-2"
+    assert not decide(client, other, uid="second")["allowed"]
+    again = claim("train", [gpu_request(12)])
+    again["metadata"]["uid"] = "claim-uid-1"
+    assert decide(client, again, uid="again")["allowed"]  # the claim the sync saw: a retry
+    assert QuotaRule.objects.get(name="all-gpus").in_use == 6

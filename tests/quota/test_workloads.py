@@ -27,6 +27,7 @@ from prometheus_client import REGISTRY
 
 from inventory import kube, owners
 from quota import workloads
+from quota.admission import service
 from tests.fake_kube import FakeKube
 
 PATH = "/admission/workloads/mutate"
@@ -963,3 +964,97 @@ def test_every_kind_the_built_in_controllers_make_pods_from_is_recorded(settings
     assert pod_sources <= set(settings.TALLY_WORKLOAD_KINDS)
     read = {f"{group}/{kind}" if group else kind for group, kind in owners.FOLLOWED_KINDS}
     assert read <= set(settings.TALLY_WORKLOAD_KINDS)
+
+
+# -- a controller's owner must exist (issue 40, finding 7) ------------------------------------
+
+JOB_CONTROLLER = "system:serviceaccount:kube-system:job-controller"
+KUBEFLOW_EVIL = "system:serviceaccount:kubeflow:evil"
+
+
+@pytest.fixture
+def owners_read(api_client: Any) -> Iterator[None]:
+    """The webhooks read the API server (the fake) with the real client, as in a cluster."""
+    service.use_gang_lookup(kube.GangReader(api_client, ttl_seconds=0))
+    yield
+    service.forget_caches()
+
+
+def _job(name: str, creator: str | None) -> Obj:
+    metadata: Obj = {"name": name, "namespace": NAMESPACE, "uid": f"uid-job-{name}"}
+    if creator:
+        metadata["annotations"] = {CREATED_BY: creator}
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": metadata}
+
+
+def _pod_of(job: Obj, name: str, **annotations: str) -> Obj:
+    return made_by(job, from_template("Pod", "v1", name, pod_template(**annotations)))
+
+
+@pytest.mark.usefixtures("owners_read")
+def test_a_controller_cannot_vouch_with_an_owner_that_does_not_exist(
+    client: Client, fake: FakeKube
+) -> None:
+    """`system:serviceaccount:kubeflow:evil` made a Pod with a made-up Job owner and kept
+    `tally.dev/created-by: victim`."""
+    ghost = _job("ghost", "victim")  # never created
+    pod, warnings = admitted(
+        client, _pod_of(ghost, "ghost-a", **{CREATED_BY: "victim"}), username=KUBEFLOW_EVIL
+    )
+    assert creator_at(pod) is None
+    assert any("its owner Job team-a/ghost does not exist" in w for w in warnings), warnings
+    # A namesake of another uid is no owner either.
+    fake.add({**_job("ghost", "victim"), "metadata": {**ghost["metadata"], "uid": "other"}})
+    pod, warnings = admitted(
+        client, _pod_of(ghost, "ghost-b", **{CREATED_BY: "victim"}), username=KUBEFLOW_EVIL
+    )
+    assert creator_at(pod) is None and warnings
+
+
+@pytest.mark.usefixtures("owners_read")
+def test_a_controller_carries_the_creator_its_owner_records(client: Client, fake: FakeKube) -> None:
+    job = _job("train", "alice")
+    fake.add(job)
+    pod, warnings = admitted(
+        client, _pod_of(job, "train-a", **{CREATED_BY: "alice"}), username=JOB_CONTROLLER
+    )
+    assert creator_at(pod) == "alice" and warnings == []
+    # What the owner does not record is not the controller's to add: the owner's is written.
+    pod, warnings = admitted(
+        client, _pod_of(job, "train-b", **{CREATED_BY: "victim"}), username=KUBEFLOW_EVIL
+    )
+    assert creator_at(pod) == "alice"
+    assert any("not 'victim'" in w for w in warnings), warnings
+    # An owner made before Tally records nobody: neither does what it makes.
+    before = _job("old", None)
+    fake.add(before)
+    pod, _ = admitted(
+        client, _pod_of(before, "old-a", **{CREATED_BY: "victim"}), username=JOB_CONTROLLER
+    )
+    assert creator_at(pod) is None
+
+
+@pytest.mark.usefixtures("owners_read")
+def test_an_owner_that_cannot_be_read_vouches_for_nobody(client: Client, fake: FakeKube) -> None:
+    job = _job("train", "alice")
+    fake.add(job)
+    fake.unavailable = True
+    pod, warnings = admitted(
+        client, _pod_of(job, "train-a", **{CREATED_BY: "alice"}), username=JOB_CONTROLLER
+    )
+    assert creator_at(pod) is None
+    assert any("could not be read" in w for w in warnings), warnings
+
+
+@pytest.mark.usefixtures("owners_read")
+def test_a_controller_may_not_change_a_recorded_creator_by_an_update(
+    client: Client, fake: FakeKube
+) -> None:
+    job = _job("train", "alice")
+    fake.add(job)
+    before = _pod_of(job, "train-a", **{CREATED_BY: "alice"})
+    before["metadata"]["annotations"] = {CREATED_BY: "alice"}
+    after = json.loads(json.dumps(before))
+    after["metadata"]["annotations"][CREATED_BY] = "victim"
+    pod, warnings = admitted(client, after, username=KUBEFLOW_EVIL, operation="UPDATE", old=before)
+    assert creator_at(pod) == "alice" and warnings

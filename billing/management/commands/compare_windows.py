@@ -15,7 +15,6 @@ from typing import Any
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from billing.compare import (
-    MOMENT_HELP,
     PART_NAMES,
     ROW_COLUMNS,
     Comparison,
@@ -26,6 +25,7 @@ from billing.compare import (
     summary,
     total_row,
 )
+from billing.moments import MOMENT_HELP
 from inventory.models import Unit
 from teams.api import write_csv
 from teams.models import Team

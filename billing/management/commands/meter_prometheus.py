@@ -19,6 +19,7 @@ from django.utils import timezone
 
 from billing import prometheus
 from billing.hours import HOUR, epoch_ms, hour_at, hour_start
+from billing.moments import within_range
 from billing.rollup import held_allocations
 from inventory.models import Cluster
 
@@ -50,7 +51,10 @@ class Command(BaseCommand):
                 raise CommandError(f"--hour: {options['hour']!r} is not ISO 8601") from error
             if moment.tzinfo is None:
                 raise CommandError("--hour: give a timezone (2026-11-10T09:00Z)")
-            start = hour_start(moment)
+            try:
+                start = hour_start(within_range(moment, options["hour"]))
+            except ValueError as error:
+                raise CommandError(f"--hour: {error}") from error
         else:
             start = hour_start(timezone.now()) - HOUR
         end = start + HOUR
