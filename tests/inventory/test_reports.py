@@ -182,6 +182,8 @@ def test_outliers_against_the_most_common_pair(mixed_versions: Cluster) -> None:
         "cuda_driver_version": "13.0.0",
         "source": "computed",
         "scope": "",
+        "row_id": None,
+        "driver": "",
     }
     assert [
         (
@@ -213,6 +215,8 @@ def test_outliers_against_an_operator_baseline(mixed_versions: Cluster) -> None:
         "cuda_driver_version": "12.8.0",
         "source": "set",
         "scope": "cluster",
+        "row_id": VersionBaseline.objects.get().pk,
+        "driver": "",
     }
     assert matrix["outlier_nodes"] == ["node-a", "node-b", "node-c", "node-mixed"]
 
@@ -701,7 +705,7 @@ def test_admin_action_sets_each_models_most_common_baseline(
     ] == [("busy", H100, *CURRENT)]
     assert [str(message) for message in response.context["messages"]] == [
         "empty: no GPU publishes a driver version",
-        f"busy: baseline of {H100} set to driver 580.82.7, CUDA 13.0.0",
+        f"busy: baseline of {H100} (gpu.nvidia.com) set to driver 580.82.7, CUDA 13.0.0",
     ]
     assert AuditEntry.objects.get().object_type == "version baseline"
 

@@ -158,7 +158,7 @@ def test_most_common_pairs_ignore_set_baselines_and_tie_to_the_newest() -> None:
     gpus(NodeFactory.create(cluster=cluster, name="n2"), 1, ("580.126.20", "13.0.0"))
     VersionBaseline.objects.create(cluster=cluster, driver_version="1.0")
     assert versions.most_common_version_pairs(cluster=cluster) == {
-        H100: {"driver_version": "580.126.20", "cuda_driver_version": "13.0.0"}
+        ("gpu.nvidia.com", H100): {"driver_version": "580.126.20", "cuda_driver_version": "13.0.0"}
     }
 
 
@@ -396,7 +396,12 @@ def test_migration_moves_the_cluster_baseline_into_a_cluster_wide_row() -> None:
     old_cluster.objects.create(name="pinned", baseline_driver_version="580.82.7")
     old_cluster.objects.create(name="unpinned")
 
-    MigrationExecutor(connection).migrate(after)
+    executor = MigrationExecutor(connection)
+    executor.migrate(after)
+    # The model as it was then: later migrations add columns (the baseline's driver).
+    baseline_then = executor.loader.project_state(after).apps.get_model(
+        "inventory", "VersionBaseline"
+    )
 
     assert [
         (
@@ -406,7 +411,7 @@ def test_migration_moves_the_cluster_baseline_into_a_cluster_wide_row() -> None:
             row.driver_version,
             row.cuda_driver_version,
         )
-        for row in VersionBaseline.objects.select_related("cluster")
+        for row in baseline_then.objects.select_related("cluster")
     ] == [("pinned", "", "", "580.82.7", "")]
     # The rest of the schema is back at the newest migrations for the tests that follow.
     MigrationExecutor(connection).migrate(MigrationExecutor(connection).loader.graph.leaf_nodes())
@@ -477,7 +482,10 @@ def test_an_already_expired_deviation_is_stored_with_a_warning_and_stays_an_outl
     warnings = [line for line in out.getvalue().splitlines() if line.startswith("warning:")]
     assert warnings == [
         "warning: versions.deviations[1] (cluster prod, dgx-canary) expired at "
-        "2020-01-31T00:00:00+00:00: stored as history, its GPUs count as outliers"
+        "2020-01-31T00:00:00+00:00: stored as history, its GPUs count as outliers",
+        # No node named so: a deviation that documents nothing is named too.
+        "warning: versions.deviations[0] (cluster prod, dgx-later) matches no node's GPUs off "
+        "their baseline: it documents nothing (check node, pool, versions, expiry)",
     ]
     stored = VersionDeviation.objects.get(node_name="dgx-canary")
     assert stored.expires_at == datetime(2020, 1, 31, tzinfo=UTC)
