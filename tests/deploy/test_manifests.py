@@ -474,9 +474,11 @@ def test_every_kind_the_code_reads_is_granted_to_the_process_that_reads_it(
     assert "get" in web.get(("", "pods"), set())
     for (group, kind), name in GANG_READS.items():
         assert "get" in web.get((group, name), set()), f"{name}.{group} ({kind})"
-    # The webhook reads, one object at a time, and nothing else.
+    # The webhook reads, one object at a time, and the fleet pages list Tally's
+    # DeviceTaintRules (their taint state, read back): nothing else.
     assert web == {
-        key: {"get"} for key in [("", "pods"), *((g, n) for (g, _), n in GANG_READS.items())]
+        **{key: {"get"} for key in [("", "pods"), *((g, n) for (g, _), n in GANG_READS.items())]},
+        ("resource.k8s.io", "devicetaintrules"): {"list"},
     }
     gang_role = role_grants(find(objects, "ClusterRole", "tally-gangs")["rules"])
     assert set().union(*gang_role.values()) == {"get"}
