@@ -1184,17 +1184,17 @@ def version_policy_effects(
         effects.warnings += [f"warning: {text}" for text in after["ambiguous"]]
     was = {_model_key(model): set(_outlier_nodes(model)) for model in before["models"]}
     for model in after["models"]:
-        outliers = set(_outlier_nodes(model))
-        if len(outliers) * 2 > len(model["nodes"]) and not outliers <= was.get(
+        straying = set(_outlier_nodes(model))
+        if len(straying) * 2 > len(model["nodes"]) and not straying <= was.get(
             _model_key(model), set()
         ):
             baseline = model["baseline"]
             effects.refusals.append(
-                f"versions: {len(outliers)} of {len(model['nodes'])} nodes of "
+                f"versions: {len(straying)} of {len(model['nodes'])} nodes of "
                 f"{model['product_name'] or 'unknown model'} ({model['driver']}) in cluster "
                 f"{model['cluster']} would be outliers of driver "
                 f"{baseline['driver_version'] or 'any'}, CUDA "
-                f"{baseline['cuda_driver_version'] or 'any'} ({', '.join(sorted(outliers))}); "
+                f"{baseline['cuda_driver_version'] or 'any'} ({', '.join(sorted(straying))}); "
                 "more than half of a model is more often a mistyped baseline than a fleet out "
                 "of line: check the versions (they run "
                 + ", ".join(

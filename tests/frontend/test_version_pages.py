@@ -175,11 +175,17 @@ def test_the_register_is_for_operators_in_the_portal_and_finance_too_in_the_api(
     assert anonymous.status_code == 302 and "/login/" in anonymous["Location"]
 
     url = "/api/v1/inventory/deviations/"
-    for who, status in ((None, 401), (lead, 403), (finance, 200), (operator, 200)):
+    tries: list[tuple[User | None, int]] = [
+        (None, 401),
+        (lead, 403),
+        (finance, 200),
+        (operator, 200),
+    ]
+    for caller, status in tries:
         client = APIClient()
-        if who is not None:
-            client.force_authenticate(who)
-        assert client.get(url).status_code == status, who
+        if caller is not None:
+            client.force_authenticate(caller)
+        assert client.get(url).status_code == status, caller
     client = APIClient()
     client.force_authenticate(finance)
     [row] = client.get(url).json()["results"]
