@@ -513,6 +513,14 @@ def test_command_json(busy_cluster: Cluster, mixed_versions: Cluster) -> None:
     assert "busy/a" in everything["driver_matrix"][0]["node_names"]
 
 
+def test_command_lists_gpus_whose_version_is_unknown_apart(mixed_versions: Cluster) -> None:
+    # H100s bound to vfio-pci for passthrough publish no version (tests/fixtures/dra).
+    gpus_on(NodeFactory.create(cluster=mixed_versions, name="vm-node-1"), 2, ("", ""))
+    text = run_report("--cluster", "prod")
+    assert "Version unknown, neither on a baseline nor outliers (1)\n  vm-node-1" in text
+    assert "Outlier nodes, undocumented (2)\n  node-mixed\n  node-old" in text
+
+
 def test_command_table(mixed_versions: Cluster) -> None:
     text = run_report("--cluster", "prod")
 
@@ -524,6 +532,7 @@ def test_command_table(mixed_versions: Cluster) -> None:
         in text
     )
     assert "Outlier nodes, undocumented (2)\n  node-mixed\n  node-old" in text
+    assert "Version unknown, neither on a baseline nor outliers (0)\n  none" in text
     assert "Documented deviations (0)\n  none" in text
     assert "Fragmentation" in text
 
