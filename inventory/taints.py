@@ -270,13 +270,16 @@ def apply_version_taints(
             client.close()
 
 
-def _existing(api_client: ApiClient, api_version: str) -> dict[str, dict[str, Any]]:
+def _existing(
+    api_client: ApiClient, api_version: str, timeout: tuple[float, float] | None = None
+) -> dict[str, dict[str, Any]]:
     return {
         rule["metadata"]["name"]: rule
         for rule in kube.list_device_taint_rules(
             api_client=api_client,
             api_version=api_version,
             label_selector=f"{MANAGED_BY_LABEL}={MANAGED_BY}",
+            timeout=timeout,
         )
     }
 
@@ -368,12 +371,14 @@ class TaintState:
 def taint_state(*, cluster: Cluster, api_client: ApiClient) -> TaintState:
     """Read back Tally's DeviceTaintRules in the cluster and say, per planned target, whether
     the rule it asks for is there as planned. Never raises for the cluster's answers: an
-    unreachable or forbidding API is reported in `error`."""
+    unreachable or forbidding API is reported in `error`. Each request waits at most
+    `kube.PAGE_TIMEOUT_SECONDS`: a page waits for it."""
     plan = taint_plan(cluster=cluster)
     held = [(target, HELD) for target in plan.held]
+    timeout = kube.PAGE_TIMEOUT_SECONDS
     try:
-        api_version = kube.device_taint_rule_api_version(api_client=api_client)
-        existing = _existing(api_client, api_version)
+        api_version = kube.device_taint_rule_api_version(api_client=api_client, timeout=timeout)
+        existing = _existing(api_client, api_version, timeout)
     except (kube.KubeError, ApiException, OSError, urllib3.exceptions.HTTPError) as exc:
         return TaintState(
             rows=[(target, UNREAD) for target in plan.targets] + held, error=_short_error(exc)

@@ -4,6 +4,7 @@ portal and /api/v1/ show to the right people only."""
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -13,6 +14,7 @@ from django.contrib.auth.models import Group, User
 from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
+from kubernetes import client as k8s
 from rest_framework.test import APIClient
 
 from inventory import kube, taints
@@ -111,6 +113,32 @@ def test_an_unreadable_cluster_says_the_taint_state_is_unknown(
     page = portal(user("ops", group=OPERATORS_GROUP)).get(reverse("fleet")).content.decode()
     assert "Taint state unknown: the cluster's DeviceTaintRules could not be read" in page
     assert "unknown: the cluster could not be read" in page
+
+
+def test_an_api_server_that_does_not_answer_is_said_so_not_a_500(
+    cluster: Cluster, settings: LazySettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settings.TALLY_CLUSTER_NAME = "prod"
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+
+    def nowhere(**_: object) -> k8s.ApiClient:
+        configuration = k8s.Configuration()
+        configuration.host = f"http://127.0.0.1:{port}"
+        configuration.retries = 0
+        return k8s.ApiClient(configuration)
+
+    monkeypatch.setattr(kube, "api_client", nowhere)
+    operator = portal(user("ops", group=OPERATORS_GROUP))
+
+    response = operator.get(reverse("fleet"))
+
+    assert response.status_code == 200
+    assert response.context["taints"].error
+    assert "could not be read" in response.content.decode()
+    register = operator.get(reverse("fleet-deviations"))
+    assert register.status_code == 200
 
 
 def test_the_banner_and_the_outlier_count_agree_and_unknown_is_apart(
