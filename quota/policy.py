@@ -102,13 +102,13 @@ from billing.services import delete_rate_card, save_rate_card
 from inventory.models import Device, DeviceClass, DeviceKind, DriverProfile
 from inventory.models import Unit as DeviceUnit
 from inventory.profiles import UNITS, ProfileError, is_driver_name, validate_spec
-from inventory.versions import (
+from inventory.version_policy import (
     VersionPolicy,
     apply_version_policy,
     parse_version_policy,
-    version_matrix,
     version_policy_effects,
 )
+from inventory.versions import version_matrix
 from quota.cel import CELError, compile_selector
 from quota.models import (
     Budget,
@@ -942,7 +942,7 @@ def apply_policy(
     would be priced differently afterwards: a rate card that reaches into one keeps its
     price, idle factor and days there, and is not deleted; a new one may not reach into one
     (errors again). A `versions` section is reported by what it does (the nodes each baseline
-    judges, its outliers, what matches nothing: `inventory.versions.version_policy_effects`);
+    judges, its outliers, what matches nothing: `inventory.version_policy.version_policy_effects`);
     one that would make more than half of a model's nodes in a cluster outliers is an error
     unless `force`. A dry run reports the same changes and rolls them back.
     """

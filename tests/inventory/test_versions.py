@@ -16,7 +16,7 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from inventory import versions
+from inventory import version_policy, versions
 from inventory.models import Cluster, Node, VersionBaseline, VersionDeviation
 from inventory.selectors import fleet_report, version_matrix
 from inventory.taints import taint_targets
@@ -326,7 +326,7 @@ SECTION: dict[str, list[dict[str, object]]] = {
 
 
 def test_policy_section_errors_name_their_path() -> None:
-    specs, errors = versions.parse_version_policy(
+    specs, errors = version_policy.parse_version_policy(
         {
             "baselines": [{"productName": "x", "architecture": "y", "driverVersion": "1"}, 3],
             "deviations": [{"driverVersion": "1", "reason": "", "owner": "o", "expires": "soon"}],
@@ -334,7 +334,7 @@ def test_policy_section_errors_name_their_path() -> None:
         },
         "versions",
     )
-    assert specs == versions.VersionPolicy()
+    assert specs == version_policy.VersionPolicy()
     assert errors == [
         "versions: unknown key 'extra'",
         "versions.baselines[0]: give productName or architecture (or neither: the whole "
@@ -348,11 +348,11 @@ def test_policy_section_errors_name_their_path() -> None:
 
 
 def test_policy_section_applies_audited_and_again_changes_nothing() -> None:
-    specs, errors = versions.parse_version_policy(SECTION, "versions")
+    specs, errors = version_policy.parse_version_policy(SECTION, "versions")
     assert errors == []
     assert specs.deviations[0].expires_at == datetime(2027, 1, 31, tzinfo=UTC)
 
-    first = versions.apply_version_policy(specs=specs, actor="policy", prune=False)
+    first = version_policy.apply_version_policy(specs=specs, actor="policy", prune=False)
 
     assert [(e.action, e.object_type) for e in first.entries] == [
         ("create", "version baseline"),
@@ -360,20 +360,22 @@ def test_policy_section_applies_audited_and_again_changes_nothing() -> None:
         ("create", "version deviation"),
     ]
     assert set(VersionBaseline.objects.values_list("source", flat=True)) == {"policy"}
-    again = versions.apply_version_policy(specs=specs, actor="policy", prune=False)
+    again = version_policy.apply_version_policy(specs=specs, actor="policy", prune=False)
     assert (again.entries, again.notes) == ([], [])
 
 
 def test_policy_prune_deletes_only_what_the_file_wrote() -> None:
-    specs, _ = versions.parse_version_policy(SECTION, "versions")
-    versions.apply_version_policy(specs=specs, actor="policy", prune=False)
+    specs, _ = version_policy.parse_version_policy(SECTION, "versions")
+    version_policy.apply_version_policy(specs=specs, actor="policy", prune=False)
     prod = Cluster.objects.get(name="prod")
     VersionBaseline.objects.create(cluster=prod, driver_version="1.0", source="admin")
-    fewer, _ = versions.parse_version_policy({"baselines": SECTION["baselines"][:1]}, "versions")
+    fewer, _ = version_policy.parse_version_policy(
+        {"baselines": SECTION["baselines"][:1]}, "versions"
+    )
 
-    kept = versions.apply_version_policy(specs=fewer, actor="policy", prune=False)
+    kept = version_policy.apply_version_policy(specs=fewer, actor="policy", prune=False)
     assert kept.entries == [] and len(kept.notes) == 2
-    pruned = versions.apply_version_policy(specs=fewer, actor="policy", prune=True)
+    pruned = version_policy.apply_version_policy(specs=fewer, actor="policy", prune=True)
 
     assert [(e.action, e.object_type) for e in pruned.entries] == [
         ("delete", "version baseline"),
@@ -456,7 +458,7 @@ def test_the_policy_file_sets_baselines_and_deviations_and_the_api_shows_them(
 @pytest.mark.parametrize("expires", ["2027-02-30", "2027-01-01T25:00:00"])
 def test_an_expiry_that_is_no_real_time_is_an_error_naming_it(expires: str) -> None:
     deviation = {"node": "n1", "driverVersion": "1", "reason": "r", "owner": "o"}
-    _, errors = versions.parse_version_policy(
+    _, errors = version_policy.parse_version_policy(
         {"deviations": [{**deviation, "expires": expires}]}, "versions"
     )
     assert [e.split(":")[0] for e in errors] == ["versions.deviations[0].expires"]
