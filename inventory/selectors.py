@@ -276,9 +276,7 @@ def version_taint_state(*, cluster: Cluster | None = None) -> taints.TaintState 
         # No retries: a page waits for this read, and each try may wait its whole timeout.
         client = kube.api_client(retries=0)
     except kube.KubeError as exc:
-        plan = taints.taint_plan(cluster=own)
-        rows = [(target, taints.UNREAD) for target in plan.targets + plan.held]
-        return taints.TaintState(rows=rows, error=str(exc))
+        return taints.unread_state(plan=taints.taint_plan(cluster=own), error=str(exc))
     try:
         return taints.taint_state(cluster=own, api_client=client)
     finally:

@@ -380,15 +380,23 @@ def taint_state(*, cluster: Cluster, api_client: ApiClient) -> TaintState:
         api_version = kube.device_taint_rule_api_version(api_client=api_client, timeout=timeout)
         existing = _existing(api_client, api_version, timeout)
     except (kube.KubeError, ApiException, OSError, urllib3.exceptions.HTTPError) as exc:
-        return TaintState(
-            rows=[(target, UNREAD) for target in plan.targets] + held, error=_short_error(exc)
-        )
+        return unread_state(plan=plan, error=_short_error(exc))
     rows = []
     for target in plan.targets:
         current = existing.pop(target.rule_name, None)
         applied = current is not None and _same(current, target.rule(api_version))
         rows.append((target, APPLIED if applied else PLANNED))
     return TaintState(rows=rows + held, stale=sorted(existing))
+
+
+def unread_state(*, plan: TaintPlan, error: str) -> TaintState:
+    """The state when the cluster could not be read: what is planned is unknown there; what
+    the limit holds is held whatever the cluster holds."""
+    return TaintState(
+        rows=[(target, UNREAD) for target in plan.targets]
+        + [(target, HELD) for target in plan.held],
+        error=error,
+    )
 
 
 def _short_error(exc: Exception) -> str:

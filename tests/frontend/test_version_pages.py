@@ -18,7 +18,7 @@ from kubernetes import client as k8s
 from rest_framework.test import APIClient
 
 from inventory import kube, taints
-from inventory.models import Cluster, VersionDeviation
+from inventory.models import Cluster, VersionBaseline, VersionDeviation
 from teams.models import Membership, Role, Team
 from teams.selectors import FINANCE_GROUP, OPERATORS_GROUP
 from tests.deploy.fake_api import FakeApi
@@ -99,6 +99,24 @@ def test_the_fleet_page_reads_the_taint_state_from_the_cluster(
     [(target, state)] = after.context["taints"].rows
     assert state == "applied"
     assert 'class="taint-state"><span class="badge badge-ok">applied' in after.content.decode()
+
+
+def test_rules_the_limit_holds_are_shown_held_read_or_not(
+    api: FakeApi, cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A typo (508 for 580) would make every H100 node an outlier.
+    VersionBaseline.objects.create(cluster=cluster, driver_version="508.82.7")
+    operator = portal(user("ops", group=OPERATORS_GROUP))
+
+    read = operator.get(reverse("fleet")).context["taints"]
+    assert {state for _, state in read.rows} == {"held by the limit"} and len(read.rows) == 5
+
+    def unreachable(**_: object) -> None:
+        raise kube.KubeError("cannot load the Kubernetes configuration")
+
+    monkeypatch.setattr(kube, "api_client", unreachable)
+    unread = operator.get(reverse("fleet")).context["taints"]
+    assert unread.error and {state for _, state in unread.rows} == {"held by the limit"}
 
 
 def test_an_unreadable_cluster_says_the_taint_state_is_unknown(
