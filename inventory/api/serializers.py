@@ -43,6 +43,9 @@ class BaselineSerializer(VersionPairSerializer):
         allow_blank=True,
         help_text='A set baseline\'s scope ("product", "architecture", "cluster").',
     )
+    driver = serializers.CharField(
+        allow_blank=True, help_text="The DRA driver a set baseline names; empty: none."
+    )
 
 
 class DriverMatrixRowSerializer(VersionPairSerializer):
@@ -106,13 +109,22 @@ class OutlierSerializer(VersionPairSerializer):
 
 class ModelVersionsSerializer(serializers.Serializer[Any]):
     cluster = serializers.CharField()
+    driver = serializers.CharField(help_text="The DRA driver of the model's devices.")
     product_name = serializers.CharField(allow_blank=True)
     architecture = serializers.CharField(allow_blank=True)
     baseline = BaselineSerializer()
     gpus = serializers.IntegerField()
+    nodes = serializers.ListField(
+        child=serializers.CharField(), help_text="Nodes whose GPUs of the model publish versions."
+    )
     nodes_on_baseline = serializers.ListField(child=serializers.CharField())
     gpus_on_baseline = serializers.IntegerField()
     outliers = OutlierSerializer(many=True)
+    outlier_gpus = serializers.IntegerField(help_text="Outlier GPUs no deviation documents.")
+    documented_gpus = serializers.IntegerField(help_text="Outlier GPUs a deviation documents.")
+    unknown_gpus = serializers.IntegerField(
+        help_text="GPUs that publish no version the baseline pins: neither on it nor outliers."
+    )
 
 
 class FreeBlockSerializer(serializers.Serializer[Any]):
