@@ -140,6 +140,23 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     InterfaceError,
 )
 
+# What a read made for a page may fail with (the API unreachable, forbidding, no such API):
+# the page says so instead of failing.
+READ_ERRORS: tuple[type[BaseException], ...] = (
+    KubeError,
+    ApiException,
+    OSError,
+    urllib3.exceptions.HTTPError,
+)
+
+
+def describe_error(exc: BaseException) -> str:
+    """One short line for a person: the API's status and reason, or the error's first line."""
+    if isinstance(exc, ApiException):
+        return f"the Kubernetes API answered {exc.status} {exc.reason}"
+    text = str(exc)
+    return text.splitlines()[0][:300] if text else type(exc).__name__
+
 
 @dataclass(frozen=True)
 class Backoff:

@@ -40,9 +40,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-import urllib3
 from django.conf import settings
-from kubernetes.client.exceptions import ApiException
 
 from inventory import kube
 from inventory.models import Cluster
@@ -379,8 +377,8 @@ def taint_state(*, cluster: Cluster, api_client: ApiClient) -> TaintState:
     try:
         api_version = kube.device_taint_rule_api_version(api_client=api_client, timeout=timeout)
         existing = _existing(api_client, api_version, timeout)
-    except (kube.KubeError, ApiException, OSError, urllib3.exceptions.HTTPError) as exc:
-        return unread_state(plan=plan, error=_short_error(exc))
+    except kube.READ_ERRORS as exc:
+        return unread_state(plan=plan, error=kube.describe_error(exc))
     rows = []
     for target in plan.targets:
         current = existing.pop(target.rule_name, None)
@@ -397,12 +395,6 @@ def unread_state(*, plan: TaintPlan, error: str) -> TaintState:
         + [(target, HELD) for target in plan.held],
         error=error,
     )
-
-
-def _short_error(exc: Exception) -> str:
-    if isinstance(exc, ApiException):
-        return f"the Kubernetes API answered {exc.status} {exc.reason}"
-    return str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
 
 
 def _selected_pool(rule: dict[str, Any]) -> tuple[str, str]:
