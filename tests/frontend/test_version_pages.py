@@ -7,6 +7,7 @@ from __future__ import annotations
 import socket
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 from django.conf import LazySettings
@@ -242,3 +243,18 @@ def test_the_register_is_for_operators_in_the_portal_and_finance_too_in_the_api(
         "planned, not applied",
     )
     assert client.get(url, {"cluster": "nope"}).status_code == 404
+
+
+def test_the_registers_queries_do_not_grow_with_its_rows(
+    api: FakeApi, cluster: Cluster, django_assert_max_num_queries: Any
+) -> None:
+    finance = APIClient()
+    finance.force_authenticate(user("fin", group=FINANCE_GROUP))
+    url = "/api/v1/inventory/deviations/"
+    document_canary(cluster)
+    with django_assert_max_num_queries(10):
+        assert len(finance.get(url).json()["results"]) == 1
+    for index in range(20):
+        document_canary(cluster, days=index + 1, node=f"dgx-{index}")
+    with django_assert_max_num_queries(10):
+        assert len(finance.get(url).json()["results"]) == 21
