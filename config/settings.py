@@ -480,6 +480,11 @@ TALLY_GANG_RESERVATION_SECONDS = env.get_int("TALLY_GANG_RESERVATION_SECONDS", 9
 # A gang some of whose members hold devices while the others do not is reported stranded
 # (inventory.stranded) once it has been so for this long.
 TALLY_STRANDED_GANG_MINUTES = env.get_int("TALLY_STRANDED_GANG_MINUTES", 30, minimum=1)
+# apply_version_taints taints at most this share of a model's nodes in a cluster without
+# --force (inventory.taints.taint_plan): more is far more often a mistaken baseline.
+TALLY_VERSION_TAINT_MAX_PERCENT = env.get_int(
+    "TALLY_VERSION_TAINT_MAX_PERCENT", 50, minimum=0, maximum=100
+)
 
 # Workload webhook (quota.workloads): the kinds whose creation records its user in the
 # tally.dev/created-by annotation, "Kind" (core group) or "group/Kind"; keep in step with the

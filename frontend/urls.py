@@ -26,6 +26,7 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path("teams/<slug:slug>/alerts/<int:alert_id>/snooze/", views.snooze, name="alert-snooze"),
     path("fleet/", views.fleet_overview, name="fleet"),
     path("fleet/decisions/", views.decisions, name="decisions"),
+    path("fleet/deviations/", views.deviations, name="fleet-deviations"),
     path("compare/", compare.compare, name="compare"),
     # The week report (issue 19 item 3): a team's week, and the fleet's node x hour heatmap.
     path("teams/<slug:slug>/week/", week_views.team_week, name="team-week"),

@@ -277,6 +277,9 @@ def fleet_overview(request: HttpRequest) -> HttpResponse:
     nodes = [{**node, "outlier": node["node"] in outliers} for node in spread["nodes"]]
     context = {
         "versions": versions,
+        # Read back from the cluster: what is applied, not what was meant to be.
+        "taints": fleet.version_taint_state(cluster=cluster),
+        "own_cluster": settings.TALLY_CLUSTER_NAME,
         "spread": spread,
         "nodes": nodes,
         "partial_free": [
@@ -288,6 +291,19 @@ def fleet_overview(request: HttpRequest) -> HttpResponse:
         **_queue_context(request, now=timezone.now(), cluster=cluster),
     }
     return render(request, "frontend/fleet.html", context)
+
+
+@operator_required
+def deviations(request: HttpRequest) -> HttpResponse:
+    """The deviation register: every documented deviation, soonest to expire first, with the
+    state of its taint as the cluster holds it."""
+    cluster = selectors.fleet_scope()
+    context = {
+        "deviations": fleet.deviation_register(cluster=cluster),
+        "show_cluster": cluster is None,
+        "now": timezone.now(),
+    }
+    return render(request, "frontend/deviations.html", context)
 
 
 @operator_required

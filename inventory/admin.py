@@ -37,7 +37,12 @@ from inventory.models import (
     VersionBaseline,
     VersionDeviation,
 )
-from inventory.versions import deviation_is_active, most_common_version_pairs, set_baseline
+from inventory.versions import (
+    deviation_is_active,
+    most_common_version_pairs,
+    set_baseline,
+    version_drivers,
+)
 from teams.admin import ADMIN_CSS, AuditedAdmin
 
 
@@ -165,9 +170,10 @@ class ClusterAdmin(admin.ModelAdmin):
                     request, f"{cluster}: no GPU publishes a driver version", messages.WARNING
                 )
                 continue
-            for product, pair in pairs.items():
+            for (driver, product), pair in pairs.items():
                 set_baseline(
                     cluster=cluster,
+                    driver=driver,
                     product_name=product,
                     driver_version=pair["driver_version"],
                     cuda_driver_version=pair["cuda_driver_version"],
@@ -176,7 +182,8 @@ class ClusterAdmin(admin.ModelAdmin):
                 )
                 self.message_user(
                     request,
-                    f"{cluster}: baseline of {product or '(unknown model)'} set to driver "
+                    f"{cluster}: baseline of {product or '(unknown model)'} ({driver}) set to "
+                    "driver "
                     f"{pair['driver_version']}, CUDA {pair['cuda_driver_version'] or '(none)'}",
                     messages.SUCCESS,
                 )
@@ -187,6 +194,7 @@ class VersionBaselineForm(forms.ModelForm):
         model = VersionBaseline
         fields = (
             "cluster",
+            "driver",
             "product_name",
             "architecture",
             "driver_version",
@@ -198,6 +206,17 @@ class VersionBaselineForm(forms.ModelForm):
         cleaned: dict[str, Any] = super().clean() or {}
         if not cleaned.get("driver_version") and not cleaned.get("cuda_driver_version"):
             raise forms.ValidationError("Give the driver version, the CUDA version or both.")
+        cluster = cleaned.get("cluster")
+        scoped = any(cleaned.get(name) for name in ("driver", "product_name", "architecture"))
+        if (
+            cluster is not None
+            and not scoped
+            and len(drivers := version_drivers(cluster=cluster)) > 1
+        ):
+            raise forms.ValidationError(
+                f"{cluster} has devices of {len(drivers)} drivers ({', '.join(drivers)}): name "
+                "the driver a cluster-wide baseline judges."
+            )
         return cleaned
 
 
@@ -213,6 +232,7 @@ class VersionBaselineAdmin(AuditedAdmin):
 
     list_display = (
         "cluster",
+        "driver",
         "product_name",
         "architecture",
         "driver_version",
@@ -233,6 +253,7 @@ class VersionDeviationForm(forms.ModelForm):
         model = VersionDeviation
         fields = (
             "cluster",
+            "driver",
             "node_name",
             "pool",
             "driver_version",
@@ -263,6 +284,7 @@ class VersionDeviationAdmin(AuditedAdmin):
     form = VersionDeviationForm
     list_display = (
         "cluster",
+        "driver",
         "node_name",
         "pool",
         "driver_version",

@@ -69,6 +69,9 @@ LIST_READ_TIMEOUT_SECONDS = 60
 # A watch may stay silent for its whole timeoutSeconds; only a read stalled well past that
 # means the connection died without the server closing it.
 WATCH_READ_GRACE_SECONDS = 30
+# What a page waits for the API server at most (connect, read): a request worker is not held
+# for a minute by an API server that does not answer.
+PAGE_TIMEOUT_SECONDS = (3.0, 5.0)
 # How often a paged LIST starts over when its continue token expired between pages.
 LIST_ATTEMPTS = 3
 # Claims asked about in one query (a list of 100,000 claims is not one `IN`).
@@ -136,6 +139,23 @@ TRANSIENT_ERRORS: tuple[type[BaseException], ...] = (
     OperationalError,
     InterfaceError,
 )
+
+# What a read made for a page may fail with (the API unreachable, forbidding, no such API):
+# the page says so instead of failing.
+READ_ERRORS: tuple[type[BaseException], ...] = (
+    KubeError,
+    ApiException,
+    OSError,
+    urllib3.exceptions.HTTPError,
+)
+
+
+def describe_error(exc: BaseException) -> str:
+    """One short line for a person: the API's status and reason, or the error's first line."""
+    if isinstance(exc, ApiException):
+        return f"the Kubernetes API answered {exc.status} {exc.reason}"
+    text = str(exc)
+    return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
 @dataclass(frozen=True)
@@ -1433,14 +1453,17 @@ _RESOURCE_VERSION_APIS: dict[str, Callable[[k8s.ApiClient], Any]] = {
 }
 
 
-def device_taint_rule_api_version(*, api_client: k8s.ApiClient) -> str:
+def device_taint_rule_api_version(
+    *, api_client: k8s.ApiClient, timeout: tuple[float, float] | None = None
+) -> str:
     """The `apiVersion` (`resource.k8s.io/<version>`) the cluster serves DeviceTaintRules in.
 
     Reads the group's discovery document, then each served candidate version's resource list,
     since a version can be served without DeviceTaintRules (feature gate off). Raises
-    `KubeError` naming the versions tried when none serves them.
+    `KubeError` naming the versions tried when none serves them. `timeout`: (connect, read)
+    seconds per request, default the sync's.
     """
-    timeout = (CONNECT_TIMEOUT_SECONDS, LIST_READ_TIMEOUT_SECONDS)
+    timeout = timeout or (CONNECT_TIMEOUT_SECONDS, LIST_READ_TIMEOUT_SECONDS)
     try:
         group = _json(
             k8s.ResourceApi(api_client).get_api_group(
@@ -1479,9 +1502,14 @@ def _taint_rule_path(api_version: str) -> tuple[str, str, str]:
 
 
 def list_device_taint_rules(
-    *, api_client: k8s.ApiClient, api_version: str, label_selector: str
+    *,
+    api_client: k8s.ApiClient,
+    api_version: str,
+    label_selector: str,
+    timeout: tuple[float, float] | None = None,
 ) -> list[dict[str, Any]]:
-    """Every DeviceTaintRule matching `label_selector`, as JSON (all pages)."""
+    """Every DeviceTaintRule matching `label_selector`, as JSON (all pages); `timeout` as for
+    `device_taint_rule_api_version`."""
     api = k8s.CustomObjectsApi(api_client)
     rules: list[dict[str, Any]] = []
     continue_token: str | None = None
@@ -1493,7 +1521,7 @@ def list_device_taint_rules(
                 limit=settings.TALLY_SYNC_PAGE_SIZE,
                 _continue=continue_token,
                 _preload_content=False,
-                _request_timeout=(CONNECT_TIMEOUT_SECONDS, LIST_READ_TIMEOUT_SECONDS),
+                _request_timeout=timeout or (CONNECT_TIMEOUT_SECONDS, LIST_READ_TIMEOUT_SECONDS),
             )
         )
         for rule in page.get("items") or ():

@@ -9,6 +9,7 @@ from __future__ import annotations
 from django.db import models
 from django.db.models import Q
 
+from inventory.version_numbers import validate_version_text
 from teams.models import Team
 
 
@@ -180,14 +181,22 @@ class VersionBaseline(models.Model):
     """The driver/CUDA pair validated for one model or architecture in one cluster.
 
     An empty `product_name` and `architecture` is the cluster-wide baseline; the most specific
-    row that matches a device applies (product, then architecture, then cluster-wide).
+    row that matches a device applies (product, then architecture, then cluster-wide). A row
+    naming a DRA `driver` judges only that driver's devices (`inventory.versions`).
     """
 
     cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE, related_name="baselines")
+    driver = models.CharField(
+        max_length=253,
+        blank=True,
+        help_text="The DRA driver whose devices it judges (gpu.nvidia.com).",
+    )
     product_name = models.CharField(max_length=253, blank=True)
     architecture = models.CharField(max_length=64, blank=True)
-    driver_version = models.CharField(max_length=64, blank=True)
-    cuda_driver_version = models.CharField(max_length=64, blank=True)
+    driver_version = models.CharField(max_length=64, blank=True, validators=[validate_version_text])
+    cuda_driver_version = models.CharField(
+        max_length=64, blank=True, validators=[validate_version_text]
+    )
     source = models.CharField(max_length=16, default="admin")
     note = models.TextField(blank=True)
     updated_at = models.DateTimeField(auto_now=True)
@@ -195,14 +204,14 @@ class VersionBaseline(models.Model):
     class Meta:
         constraints = [
             models.UniqueConstraint(
-                fields=["cluster", "product_name", "architecture"],
-                name="versionbaseline_unique_scope",
+                fields=["cluster", "driver", "product_name", "architecture"],
+                name="versionbaseline_unique_driver_scope",
             ),
         ]
 
     def __str__(self) -> str:
         scope = self.product_name or self.architecture or "all models"
-        return f"{self.cluster} {scope}"
+        return f"{self.cluster} {self.driver + ' ' if self.driver else ''}{scope}"
 
 
 class VersionDeviation(models.Model):
@@ -210,10 +219,15 @@ class VersionDeviation(models.Model):
     driver/CUDA pair, why, who answers for it, and until when (issue 20)."""
 
     cluster = models.ForeignKey(Cluster, on_delete=models.CASCADE, related_name="deviations")
+    driver = models.CharField(
+        max_length=253, blank=True, help_text="The DRA driver of the devices; empty: any."
+    )
     node_name = models.CharField(max_length=253, blank=True)
     pool = models.CharField(max_length=253, blank=True)
-    driver_version = models.CharField(max_length=64, blank=True)
-    cuda_driver_version = models.CharField(max_length=64, blank=True)
+    driver_version = models.CharField(max_length=64, blank=True, validators=[validate_version_text])
+    cuda_driver_version = models.CharField(
+        max_length=64, blank=True, validators=[validate_version_text]
+    )
     reason = models.TextField()
     owner = models.CharField(max_length=253)
     expires_at = models.DateTimeField()

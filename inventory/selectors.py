@@ -37,9 +37,11 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
+from datetime import datetime
 from decimal import Decimal
 from typing import Any, NamedTuple, TypedDict
 
+from django.conf import settings
 from django.db.models import (
     BooleanField,
     Case,
@@ -57,7 +59,7 @@ from django.db.models import (
 from django.db.models.functions import Cast, Concat
 from kubernetes.utils import parse_quantity
 
-from inventory import versions
+from inventory import kube, taints, versions
 from inventory.capacity import CapacityError, capacity_name, largest_allowed, requested_amounts
 from inventory.checks import PoolGeneration, published_counter_sets, quantities, sync_warnings
 from inventory.models import Allocation, Cluster, Device, DeviceKind
@@ -257,6 +259,106 @@ def version_matrix(*, cluster: Cluster | None = None) -> VersionMatrix:
     See `inventory.versions.version_matrix`, which this is.
     """
     return versions.version_matrix(cluster=cluster)
+
+
+def version_taint_state(*, cluster: Cluster | None = None) -> taints.TaintState | None:
+    """The DeviceTaintRules Tally plans for the GPUs off their baseline, read back from the
+    cluster: applied, planned and not applied, or held by the limit (`taints.taint_state`).
+
+    Tally's Kubernetes client reaches the cluster it runs in (TALLY_CLUSTER_NAME) only: None
+    when that one is not covered (`cluster` another) or not synced yet. A cluster that cannot
+    be read is said so in the state's `error`, never raised.
+    """
+    own = Cluster.objects.filter(name=settings.TALLY_CLUSTER_NAME).first()
+    if own is None or (cluster is not None and cluster.pk != own.pk):
+        return None
+    try:
+        # No retries: a page waits for this read, and each try may wait its whole timeout.
+        client = kube.api_client(retries=0)
+    except kube.KubeError as exc:
+        return taints.unread_state(plan=taints.taint_plan(cluster=own), error=str(exc))
+    try:
+        return taints.taint_state(cluster=own, api_client=client)
+    finally:
+        client.close()
+
+
+class DeviationRow(TypedDict):
+    """One deviation of the register, with what it documents now and its taint's state."""
+
+    id: int
+    cluster: str
+    driver: str
+    node_name: str
+    pool: str
+    driver_version: str
+    cuda_driver_version: str
+    reason: str
+    owner: str
+    expires_at: datetime
+    expired: bool
+    # Physical GPUs off their baseline it documents now (0: it documents nothing).
+    documented_gpus: int
+    taint_state: str
+
+
+EXPIRED_STATE = "expired: its GPUs are outliers again"
+NOTHING_STATE = "no taint: it documents no GPU off its baseline"
+UNREAD_STATE = "unknown: Tally reads the taints of its own cluster only"
+
+
+def deviation_register(*, cluster: Cluster | None = None) -> list[DeviationRow]:
+    """Every deviation of the clusters covered, the active ones first, soonest to expire
+    first, then the expired ones, latest first; each with the GPUs it documents and the state
+    of the taint on them, read from the cluster (`version_taint_state`). For operators and
+    finance (fleet-wide: no team's data)."""
+    matrix = version_matrix(cluster=cluster)
+    state = version_taint_state(cluster=cluster)
+    own = settings.TALLY_CLUSTER_NAME
+    documented: dict[int, list[versions.Outlier]] = defaultdict(list)
+    for model in matrix["models"]:
+        for outlier in model["outliers"]:
+            if outlier["deviation"] is not None:
+                documented[outlier["deviation"]["id"]].append(outlier)
+    rows = []
+    for deviation in matrix["deviations"]:
+        outliers = documented.get(deviation["id"], [])
+        if deviation["expired"]:
+            taint = EXPIRED_STATE
+        elif not outliers:
+            taint = NOTHING_STATE
+        elif state is None or deviation["cluster"] != own:
+            taint = UNREAD_STATE
+        else:
+            states = {
+                state.of_pool(outlier["driver"], outlier["pool"]) or taints.PLANNED
+                for outlier in outliers
+            }
+            taint = "; ".join(sorted(states))
+            if state.error:
+                taint += f" ({state.error})"
+        rows.append(
+            DeviationRow(
+                id=deviation["id"],
+                cluster=deviation["cluster"],
+                driver=deviation["driver"],
+                node_name=deviation["node_name"],
+                pool=deviation["pool"],
+                driver_version=deviation["driver_version"],
+                cuda_driver_version=deviation["cuda_driver_version"],
+                reason=deviation["reason"],
+                owner=deviation["owner"],
+                expires_at=deviation["expires_at"],
+                expired=deviation["expired"],
+                documented_gpus=sum(outlier["gpus"] for outlier in outliers),
+                taint_state=taint,
+            )
+        )
+    active = sorted((r for r in rows if not r["expired"]), key=lambda r: (r["expires_at"], r["id"]))
+    expired = sorted(
+        (r for r in rows if r["expired"]), key=lambda r: (r["expires_at"], r["id"]), reverse=True
+    )
+    return active + expired
 
 
 def fragmentation(*, cluster: Cluster | None = None) -> Fragmentation:
@@ -764,13 +866,13 @@ def fleet_report(*, cluster: Cluster | None = None) -> dict[str, Any]:
     `mig_devices`, `capacity` (see `capacity_by_model`; per unit and model), `driver_matrix`
     (one row per cluster, model and pair: `nodes` is the node count, `node_names` the names,
     plus `gpus`, whether it is the model's `baseline`, and its `documented_nodes` and
-    `outlier_nodes`), `baseline`, `baselines`, `version_models` (per cluster and model:
-    baseline, GPUs on it, outliers), `outlier_nodes` (undocumented), `documented_nodes` and
-    `deviations` (see `version_matrix`; times in ISO 8601), `fragmentation` (the summary of
-    `fragmentation`, with its `free_blocks` per unit and model), `partly_used_nodes` (its node
-    rows in state "partly used"), `partial_gpus` (see `partial_gpus`), and `sync_warnings` (see
-    `inventory.checks.sync_warnings`). GPU shares and capacities are decimal strings, as JSON
-    has no exact decimals.
+    `outlier_nodes`), `baseline`, `baselines`, `version_models` (per cluster, driver and
+    model: baseline, GPUs on it, outliers), `outlier_nodes` (undocumented), `documented_nodes`,
+    `unknown_nodes`, `outlier_gpus` and `deviations` (see `version_matrix`; times in ISO
+    8601), `fragmentation` (the summary of `fragmentation`, with its `free_blocks` per unit
+    and model), `partly_used_nodes` (its node rows in state "partly used"), `partial_gpus`
+    (see `partial_gpus`), and `sync_warnings` (see `inventory.checks.sync_warnings`). GPU
+    shares and capacities are decimal strings, as JSON has no exact decimals.
     """
     capacity = capacity_by_model(cluster=cluster)
     matrix = version_matrix(cluster=cluster)
@@ -804,6 +906,8 @@ def fleet_report(*, cluster: Cluster | None = None) -> dict[str, Any]:
         "version_models": versions.jsonable(matrix["models"]),
         "outlier_nodes": matrix["outlier_nodes"],
         "documented_nodes": matrix["documented_nodes"],
+        "unknown_nodes": matrix["unknown_nodes"],
+        "outlier_gpus": matrix["outlier_gpus"],
         "deviations": versions.jsonable(matrix["deviations"]),
         "fragmentation": {
             "nodes_free": spread["nodes_free"],

@@ -40,10 +40,13 @@ The format (see docs/policy.example.yaml)::
       baselines:                   # the validated driver/CUDA pair, per cluster and model
       - cluster: prod              # optional: TALLY_CLUSTER_NAME
         productName: NVIDIA H100 80GB HBM3   # or architecture: Hopper; neither: cluster-wide
-        driverVersion: 580.82.07   # at least one of the two versions
-        cudaDriverVersion: "13.0"
+        driver: gpu.nvidia.com     # the DRA driver it judges; required cluster-wide where
+                                   # several drivers publish versions (docs/versions.md)
+        driverVersion: 580.82.07   # at least one of the two; as nvidia-smi or the driver
+        cudaDriverVersion: "13.0"  # spells it (580.82.7, 13.0.0): compared as versions
       deviations:                  # documented: tainted out of general scheduling, not flagged
       - node: dgx-canary           # node, pool, or both
+        driver: gpu.nvidia.com     # optional: any driver
         driverVersion: 570.172.08
         reason: canary for the 570 branch
         owner: gpu-platform
@@ -99,7 +102,13 @@ from billing.services import delete_rate_card, save_rate_card
 from inventory.models import Device, DeviceClass, DeviceKind, DriverProfile
 from inventory.models import Unit as DeviceUnit
 from inventory.profiles import UNITS, ProfileError, is_driver_name, validate_spec
-from inventory.versions import VersionPolicy, apply_version_policy, parse_version_policy
+from inventory.version_policy import (
+    VersionPolicy,
+    apply_version_policy,
+    parse_version_policy,
+    version_policy_effects,
+)
+from inventory.versions import version_matrix
 from quota.cel import CELError, compile_selector
 from quota.models import (
     Budget,
@@ -916,7 +925,9 @@ class _State:
         return [team for slug, team in sorted(self.teams.items()) if slug not in declared]
 
 
-def apply_policy(*, policy: Policy, prune: bool, actor: str, dry_run: bool = False) -> ApplyReport:
+def apply_policy(
+    *, policy: Policy, prune: bool, actor: str, dry_run: bool = False, force: bool = False
+) -> ApplyReport:
     """Make the teams, namespaces, memberships, rules, budgets and (when the file has `rates`)
     rate cards in the database match `policy`.
 
@@ -930,7 +941,10 @@ def apply_policy(*, policy: Policy, prune: bool, actor: str, dry_run: bool = Fal
     adopted), each change of a rule's usage noted in the report. No closed billing period
     would be priced differently afterwards: a rate card that reaches into one keeps its
     price, idle factor and days there, and is not deleted; a new one may not reach into one
-    (errors again). A dry run reports the same changes and rolls them back.
+    (errors again). A `versions` section is reported by what it does (the nodes each baseline
+    judges, its outliers, what matches nothing: `inventory.version_policy.version_policy_effects`);
+    one that would make more than half of a model's nodes in a cluster outliers is an error
+    unless `force`. A dry run reports the same changes and rolls them back.
     """
     report = ApplyReport(dry_run=dry_run, notes=list(policy.notes))
     with transaction.atomic():
@@ -938,7 +952,7 @@ def apply_policy(*, policy: Policy, prune: bool, actor: str, dry_run: bool = Fal
         errors = _conflicts(policy=policy, state=state, prune=prune)
         if errors:
             raise PolicyError(errors)
-        applier = _Applier(state=state, actor=actor, report=report)
+        applier = _Applier(state=state, actor=actor, report=report, force=force)
         try:
             applier.apply(policy=policy, prune=prune)
         except (ProtectedError, RestrictedError) as exc:
@@ -1045,7 +1059,8 @@ def _undeletable_teams(teams: list[Team]) -> list[str]:
 class _Applier:
     """The writes of one `apply_policy`, each audited and reported."""
 
-    def __init__(self, *, state: _State, actor: str, report: ApplyReport) -> None:
+    def __init__(self, *, state: _State, actor: str, report: ApplyReport, force: bool) -> None:
+        self.force = force
         self.state = state
         self.actor = actor
         self.report = report
@@ -1098,10 +1113,7 @@ class _Applier:
                 "--prune keeps them"
             )
         if policy.versions is not None:
-            changes = apply_version_policy(specs=policy.versions, actor=self.actor, prune=prune)
-            for entry in changes.entries:
-                self.report.add_entry(entry)
-            self.report.notes.extend(changes.notes)
+            self._versions(policy.versions, prune=prune)
         if policy.rates is None and prune and self.state.rate_cards:
             self.report.notes.append(
                 "rates: not declared, so the rate cards are not this file's: --prune keeps them"
@@ -1113,6 +1125,21 @@ class _Applier:
                 self.report.notes.append(
                     f"kept {obj._meta.verbose_name} {obj}: not declared (--prune deletes it)"
                 )
+
+    def _versions(self, specs: VersionPolicy, *, prune: bool) -> None:
+        before = version_matrix()
+        changes = apply_version_policy(specs=specs, actor=self.actor, prune=prune)
+        for entry in changes.entries:
+            self.report.add_entry(entry)
+        self.report.notes.extend(changes.notes)
+        effects = version_policy_effects(
+            specs=specs, rows=changes.rows, before=before, after=version_matrix()
+        )
+        errors = effects.errors + ([] if self.force else effects.refusals)
+        if errors:
+            raise PolicyError(errors)
+        self.report.notes += effects.lines + effects.warnings
+        self.report.notes += [f"forced: {refusal}" for refusal in effects.refusals]
 
     def _undeclared(self, policy: Policy, teams: list[tuple[TeamSpec, Team]]) -> list[models.Model]:
         """What the database holds and the file does not declare; teams last."""

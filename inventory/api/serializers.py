@@ -43,6 +43,9 @@ class BaselineSerializer(VersionPairSerializer):
         allow_blank=True,
         help_text='A set baseline\'s scope ("product", "architecture", "cluster").',
     )
+    driver = serializers.CharField(
+        allow_blank=True, help_text="The DRA driver a set baseline names; empty: none."
+    )
 
 
 class DriverMatrixRowSerializer(VersionPairSerializer):
@@ -64,12 +67,34 @@ class DriverMatrixRowSerializer(VersionPairSerializer):
 class DeviationSerializer(VersionPairSerializer):
     id = serializers.IntegerField()
     cluster = serializers.CharField()
+    driver = serializers.CharField(allow_blank=True, help_text="The DRA driver; empty: any.")
     node_name = serializers.CharField(allow_blank=True)
     pool = serializers.CharField(allow_blank=True)
     reason = serializers.CharField()
     owner = serializers.CharField()
     expires_at = serializers.DateTimeField()
     expired = serializers.BooleanField(help_text="Expired: its nodes are outliers again.")
+
+
+class DeviationRegisterSerializer(VersionPairSerializer):
+    """One row of the deviation register (`inventory.selectors.deviation_register`)."""
+
+    id = serializers.IntegerField()
+    cluster = serializers.CharField()
+    driver = serializers.CharField(allow_blank=True, help_text="The DRA driver; empty: any.")
+    node_name = serializers.CharField(allow_blank=True, help_text="The node; empty: any.")
+    pool = serializers.CharField(allow_blank=True, help_text="The DRA pool; empty: any.")
+    reason = serializers.CharField()
+    owner = serializers.CharField()
+    expires_at = serializers.DateTimeField()
+    expired = serializers.BooleanField(help_text="Expired: its GPUs are outliers again.")
+    documented_gpus = serializers.IntegerField(
+        help_text="Physical GPUs off their baseline it documents now (0: none)."
+    )
+    taint_state = serializers.CharField(
+        help_text='Its taint as read from the cluster: "applied", "planned, not applied", '
+        '"held by the limit", or why there is none or it is unknown.'
+    )
 
 
 class OutlierSerializer(VersionPairSerializer):
@@ -84,13 +109,22 @@ class OutlierSerializer(VersionPairSerializer):
 
 class ModelVersionsSerializer(serializers.Serializer[Any]):
     cluster = serializers.CharField()
+    driver = serializers.CharField(help_text="The DRA driver of the model's devices.")
     product_name = serializers.CharField(allow_blank=True)
     architecture = serializers.CharField(allow_blank=True)
     baseline = BaselineSerializer()
     gpus = serializers.IntegerField()
+    nodes = serializers.ListField(
+        child=serializers.CharField(), help_text="Nodes whose GPUs of the model publish versions."
+    )
     nodes_on_baseline = serializers.ListField(child=serializers.CharField())
     gpus_on_baseline = serializers.IntegerField()
     outliers = OutlierSerializer(many=True)
+    outlier_gpus = serializers.IntegerField(help_text="Outlier GPUs no deviation documents.")
+    documented_gpus = serializers.IntegerField(help_text="Outlier GPUs a deviation documents.")
+    unknown_gpus = serializers.IntegerField(
+        help_text="GPUs that publish no version the baseline pins: neither on it nor outliers."
+    )
 
 
 class FreeBlockSerializer(serializers.Serializer[Any]):
@@ -225,6 +259,14 @@ class FleetReportSerializer(serializers.Serializer[Any]):
     )
     documented_nodes = serializers.ListField(
         child=serializers.CharField(), help_text="Nodes whose outliers a deviation documents."
+    )
+    unknown_nodes = serializers.ListField(
+        child=serializers.CharField(),
+        help_text="Nodes whose GPUs publish no version their baseline pins: neither on it nor "
+        "outliers, never tainted.",
+    )
+    outlier_gpus = serializers.IntegerField(
+        help_text="Physical GPUs off their baseline that no deviation documents."
     )
     deviations = DeviationSerializer(many=True, help_text="The deviation register.")
     fragmentation = FragmentationSerializer()

@@ -17,9 +17,13 @@ from rest_framework.renderers import BrowsableAPIRenderer, JSONRenderer
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from inventory.api.serializers import CapacitySerializer, FleetReportSerializer
+from inventory.api.serializers import (
+    CapacitySerializer,
+    DeviationRegisterSerializer,
+    FleetReportSerializer,
+)
 from inventory.models import Cluster
-from inventory.selectors import capacity_by_model, fleet_report
+from inventory.selectors import capacity_by_model, deviation_register, fleet_report
 from teams.api import FinanceOrOperator, OrderingFilter, TallyViewSet
 
 CLUSTER_PARAMETER = OpenApiParameter(
@@ -89,3 +93,22 @@ class CapacityViewSet(mixins.ListModelMixin, TallyViewSet):
 
     def get_queryset(self) -> Any:
         return capacity_by_model(cluster=requested_cluster(self.request))
+
+
+@extend_schema(tags=["inventory"])
+class DeviationViewSet(mixins.ListModelMixin, TallyViewSet):
+    """The deviation register: nodes and pools allowed another driver/CUDA pair, why, whose,
+    until when, and the state of their taint as read from the cluster; the active ones first,
+    soonest to expire first, then the expired ones."""
+
+    permission_classes = [FinanceOrOperator]
+    serializer_class = DeviationRegisterSerializer
+    filter_backends = [RowOrderingFilter]
+    ordering_fields = ["expires_at", "cluster", "node_name", "owner"]
+
+    @extend_schema(parameters=[CLUSTER_PARAMETER])
+    def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        return super().list(request, *args, **kwargs)
+
+    def get_queryset(self) -> Any:
+        return deviation_register(cluster=requested_cluster(self.request))

@@ -28,7 +28,11 @@ TEAM_LISTS = {
     "/api/v1/usage/users/": "team",
 }
 SHARED_LISTS = ["/api/v1/rate-cards/", "/api/v1/periods/"]
-FLEET = ["/api/v1/inventory/summary/", "/api/v1/inventory/capacity/"]
+FLEET = [
+    "/api/v1/inventory/summary/",
+    "/api/v1/inventory/capacity/",
+    "/api/v1/inventory/deviations/",
+]
 DECISIONS = "/api/v1/decisions/"
 EVERY_GET = [*TEAM_LISTS, *SHARED_LISTS, *FLEET, DECISIONS]
 

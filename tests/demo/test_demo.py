@@ -256,7 +256,8 @@ def test_the_fleet_has_an_outlier_node_and_the_fleet_page_shows_it(demo: str) ->
         for row in versions["rows"]
     )
     html = page(as_user("operator"), reverse("fleet"))
-    assert "Outlier nodes (1)" in html and "gpu-h100-00001" in html
+    outlier_gpus = versions["outlier_gpus"]
+    assert f"{outlier_gpus} outlier GPUs</strong> on 1 node," in html and "gpu-h100-00001" in html
     report = StringIO()
     call_command("fleet_report", stdout=report)
     assert "Outlier nodes, undocumented (1)" in report.getvalue()

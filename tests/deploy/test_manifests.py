@@ -484,10 +484,14 @@ def test_every_kind_the_code_reads_is_granted_to_the_process_that_reads_it(
     }
     for key in owner_kinds:
         assert "get" in web.get(key, set()), key
-    # The webhooks read, one object at a time, and nothing else.
+    # The webhooks read, one object at a time, and the fleet pages list Tally's
+    # DeviceTaintRules (their taint state, read back): nothing else.
     assert web == {
-        key: {"get"}
-        for key in [("", "pods"), *((g, n) for (g, _), n in GANG_READS.items()), *owner_kinds]
+        **{
+            key: {"get"}
+            for key in [("", "pods"), *((g, n) for (g, _), n in GANG_READS.items()), *owner_kinds]
+        },
+        ("resource.k8s.io", "devicetaintrules"): {"list"},
     }
     gang_role = role_grants(find(objects, "ClusterRole", "tally-gangs")["rules"])
     assert set().union(*gang_role.values()) == {"get"}

@@ -185,6 +185,16 @@ def test_operator_finds_the_outlier_node(
     assert page.locator("#version-matrix tr.row-outlier").count() == 1
     _shot(page, artifacts, "fleet")
 
+    # The outlier banner links the deviation register (empty: nothing is documented yet).
+    page.locator("#version-banner").get_by_role("link", name="deviation register").click()
+    page.wait_for_load_state()
+    assert page.get_by_role("heading", name="Deviation register").is_visible()
+    assert page.locator("#deviation-register tbody tr").all_inner_texts() == [
+        "No deviation is documented: every GPU off its baseline is an outlier."
+    ]
+    page.get_by_role("link", name="Back to the fleet").click()
+    page.wait_for_load_state()
+
     page.get_by_role("link", name="Admission decisions").click()
     page.wait_for_load_state()
     assert page.locator("#decisions tbody tr").count() == 50

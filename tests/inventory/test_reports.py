@@ -182,6 +182,8 @@ def test_outliers_against_the_most_common_pair(mixed_versions: Cluster) -> None:
         "cuda_driver_version": "13.0.0",
         "source": "computed",
         "scope": "",
+        "row_id": None,
+        "driver": "",
     }
     assert [
         (
@@ -213,6 +215,8 @@ def test_outliers_against_an_operator_baseline(mixed_versions: Cluster) -> None:
         "cuda_driver_version": "12.8.0",
         "source": "set",
         "scope": "cluster",
+        "row_id": VersionBaseline.objects.get().pk,
+        "driver": "",
     }
     assert matrix["outlier_nodes"] == ["node-a", "node-b", "node-c", "node-mixed"]
 
@@ -509,6 +513,14 @@ def test_command_json(busy_cluster: Cluster, mixed_versions: Cluster) -> None:
     assert "busy/a" in everything["driver_matrix"][0]["node_names"]
 
 
+def test_command_lists_gpus_whose_version_is_unknown_apart(mixed_versions: Cluster) -> None:
+    # H100s bound to vfio-pci for passthrough publish no version (tests/fixtures/dra).
+    gpus_on(NodeFactory.create(cluster=mixed_versions, name="vm-node-1"), 2, ("", ""))
+    text = run_report("--cluster", "prod")
+    assert "Version unknown, neither on a baseline nor outliers (1)\n  vm-node-1" in text
+    assert "Outlier nodes, undocumented (2)\n  node-mixed\n  node-old" in text
+
+
 def test_command_table(mixed_versions: Cluster) -> None:
     text = run_report("--cluster", "prod")
 
@@ -520,6 +532,7 @@ def test_command_table(mixed_versions: Cluster) -> None:
         in text
     )
     assert "Outlier nodes, undocumented (2)\n  node-mixed\n  node-old" in text
+    assert "Version unknown, neither on a baseline nor outliers (0)\n  none" in text
     assert "Documented deviations (0)\n  none" in text
     assert "Fragmentation" in text
 
@@ -701,7 +714,7 @@ def test_admin_action_sets_each_models_most_common_baseline(
     ] == [("busy", H100, *CURRENT)]
     assert [str(message) for message in response.context["messages"]] == [
         "empty: no GPU publishes a driver version",
-        f"busy: baseline of {H100} set to driver 580.82.7, CUDA 13.0.0",
+        f"busy: baseline of {H100} (gpu.nvidia.com) set to driver 580.82.7, CUDA 13.0.0",
     ]
     assert AuditEntry.objects.get().object_type == "version baseline"
 

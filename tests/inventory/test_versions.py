@@ -16,7 +16,7 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from inventory import versions
+from inventory import version_policy, versions
 from inventory.models import Cluster, Node, VersionBaseline, VersionDeviation
 from inventory.selectors import fleet_report, version_matrix
 from inventory.taints import taint_targets
@@ -158,7 +158,7 @@ def test_most_common_pairs_ignore_set_baselines_and_tie_to_the_newest() -> None:
     gpus(NodeFactory.create(cluster=cluster, name="n2"), 1, ("580.126.20", "13.0.0"))
     VersionBaseline.objects.create(cluster=cluster, driver_version="1.0")
     assert versions.most_common_version_pairs(cluster=cluster) == {
-        H100: {"driver_version": "580.126.20", "cuda_driver_version": "13.0.0"}
+        ("gpu.nvidia.com", H100): {"driver_version": "580.126.20", "cuda_driver_version": "13.0.0"}
     }
 
 
@@ -326,7 +326,7 @@ SECTION: dict[str, list[dict[str, object]]] = {
 
 
 def test_policy_section_errors_name_their_path() -> None:
-    specs, errors = versions.parse_version_policy(
+    specs, errors = version_policy.parse_version_policy(
         {
             "baselines": [{"productName": "x", "architecture": "y", "driverVersion": "1"}, 3],
             "deviations": [{"driverVersion": "1", "reason": "", "owner": "o", "expires": "soon"}],
@@ -334,7 +334,7 @@ def test_policy_section_errors_name_their_path() -> None:
         },
         "versions",
     )
-    assert specs == versions.VersionPolicy()
+    assert specs == version_policy.VersionPolicy()
     assert errors == [
         "versions: unknown key 'extra'",
         "versions.baselines[0]: give productName or architecture (or neither: the whole "
@@ -348,11 +348,11 @@ def test_policy_section_errors_name_their_path() -> None:
 
 
 def test_policy_section_applies_audited_and_again_changes_nothing() -> None:
-    specs, errors = versions.parse_version_policy(SECTION, "versions")
+    specs, errors = version_policy.parse_version_policy(SECTION, "versions")
     assert errors == []
     assert specs.deviations[0].expires_at == datetime(2027, 1, 31, tzinfo=UTC)
 
-    first = versions.apply_version_policy(specs=specs, actor="policy", prune=False)
+    first = version_policy.apply_version_policy(specs=specs, actor="policy", prune=False)
 
     assert [(e.action, e.object_type) for e in first.entries] == [
         ("create", "version baseline"),
@@ -360,20 +360,22 @@ def test_policy_section_applies_audited_and_again_changes_nothing() -> None:
         ("create", "version deviation"),
     ]
     assert set(VersionBaseline.objects.values_list("source", flat=True)) == {"policy"}
-    again = versions.apply_version_policy(specs=specs, actor="policy", prune=False)
+    again = version_policy.apply_version_policy(specs=specs, actor="policy", prune=False)
     assert (again.entries, again.notes) == ([], [])
 
 
 def test_policy_prune_deletes_only_what_the_file_wrote() -> None:
-    specs, _ = versions.parse_version_policy(SECTION, "versions")
-    versions.apply_version_policy(specs=specs, actor="policy", prune=False)
+    specs, _ = version_policy.parse_version_policy(SECTION, "versions")
+    version_policy.apply_version_policy(specs=specs, actor="policy", prune=False)
     prod = Cluster.objects.get(name="prod")
     VersionBaseline.objects.create(cluster=prod, driver_version="1.0", source="admin")
-    fewer, _ = versions.parse_version_policy({"baselines": SECTION["baselines"][:1]}, "versions")
+    fewer, _ = version_policy.parse_version_policy(
+        {"baselines": SECTION["baselines"][:1]}, "versions"
+    )
 
-    kept = versions.apply_version_policy(specs=fewer, actor="policy", prune=False)
+    kept = version_policy.apply_version_policy(specs=fewer, actor="policy", prune=False)
     assert kept.entries == [] and len(kept.notes) == 2
-    pruned = versions.apply_version_policy(specs=fewer, actor="policy", prune=True)
+    pruned = version_policy.apply_version_policy(specs=fewer, actor="policy", prune=True)
 
     assert [(e.action, e.object_type) for e in pruned.entries] == [
         ("delete", "version baseline"),
@@ -396,7 +398,12 @@ def test_migration_moves_the_cluster_baseline_into_a_cluster_wide_row() -> None:
     old_cluster.objects.create(name="pinned", baseline_driver_version="580.82.7")
     old_cluster.objects.create(name="unpinned")
 
-    MigrationExecutor(connection).migrate(after)
+    executor = MigrationExecutor(connection)
+    executor.migrate(after)
+    # The model as it was then: later migrations add columns (the baseline's driver).
+    baseline_then = executor.loader.project_state(after).apps.get_model(
+        "inventory", "VersionBaseline"
+    )
 
     assert [
         (
@@ -406,7 +413,7 @@ def test_migration_moves_the_cluster_baseline_into_a_cluster_wide_row() -> None:
             row.driver_version,
             row.cuda_driver_version,
         )
-        for row in VersionBaseline.objects.select_related("cluster")
+        for row in baseline_then.objects.select_related("cluster")
     ] == [("pinned", "", "", "580.82.7", "")]
     # The rest of the schema is back at the newest migrations for the tests that follow.
     MigrationExecutor(connection).migrate(MigrationExecutor(connection).loader.graph.leaf_nodes())
@@ -451,7 +458,7 @@ def test_the_policy_file_sets_baselines_and_deviations_and_the_api_shows_them(
 @pytest.mark.parametrize("expires", ["2027-02-30", "2027-01-01T25:00:00"])
 def test_an_expiry_that_is_no_real_time_is_an_error_naming_it(expires: str) -> None:
     deviation = {"node": "n1", "driverVersion": "1", "reason": "r", "owner": "o"}
-    _, errors = versions.parse_version_policy(
+    _, errors = version_policy.parse_version_policy(
         {"deviations": [{**deviation, "expires": expires}]}, "versions"
     )
     assert [e.split(":")[0] for e in errors] == ["versions.deviations[0].expires"]
@@ -477,7 +484,10 @@ def test_an_already_expired_deviation_is_stored_with_a_warning_and_stays_an_outl
     warnings = [line for line in out.getvalue().splitlines() if line.startswith("warning:")]
     assert warnings == [
         "warning: versions.deviations[1] (cluster prod, dgx-canary) expired at "
-        "2020-01-31T00:00:00+00:00: stored as history, its GPUs count as outliers"
+        "2020-01-31T00:00:00+00:00: stored as history, its GPUs count as outliers",
+        # No node named so: a deviation that documents nothing is named too.
+        "warning: versions.deviations[0] (cluster prod, dgx-later) matches no node's GPUs off "
+        "their baseline: it documents nothing (check node, pool, versions, expiry)",
     ]
     stored = VersionDeviation.objects.get(node_name="dgx-canary")
     assert stored.expires_at == datetime(2020, 1, 31, tzinfo=UTC)

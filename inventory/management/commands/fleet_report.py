@@ -79,6 +79,9 @@ def render_table(report: dict[str, Any]) -> str:
         f"Outlier nodes, undocumented ({len(outliers)})"
         + "".join(f"\n  {name}" for name in outliers)
         + ("" if outliers else "\n  none"),
+        f"Version unknown, neither on a baseline nor outliers ({len(report['unknown_nodes'])})"
+        + "".join(f"\n  {name}" for name in report["unknown_nodes"])
+        + ("" if report["unknown_nodes"] else "\n  none"),
         _deviations_section(report["deviations"]),
         "Fragmentation\n"
         + _table(

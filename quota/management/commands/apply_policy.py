@@ -31,6 +31,12 @@ class Command(BaseCommand):
             "--dry-run", action="store_true", help="Report what would change; write nothing."
         )
         parser.add_argument(
+            "--force",
+            action="store_true",
+            help="Apply a versions section even where it makes more than half of a model's "
+            "nodes in a cluster outliers (refused without it).",
+        )
+        parser.add_argument(
             "--actor",
             default="apply_policy",
             help="Who the audit trail names for these changes (default: apply_policy).",
@@ -53,6 +59,7 @@ class Command(BaseCommand):
                 prune=options["prune"],
                 actor=options["actor"],
                 dry_run=options["dry_run"],
+                force=options["force"],
             )
         except PolicyError as exc:
             raise CommandError(
