@@ -138,8 +138,9 @@ class _Section:
     ) -> str:
         value = mapping.get(key, "")
         if isinstance(value, int | float) and not isinstance(value, bool) and "Version" in key:
-            # `cudaDriverVersion: 12.8` reads as a number: the text as written is meant.
-            value = str(value)
+            # `cudaDriverVersion: 12.8` reads as a number: the text as written is meant (the
+            # policy file's loader keeps it, `13.10` the number 13.1 is "13.10").
+            value = getattr(value, "written", str(value))
         if not isinstance(value, str):
             self.errors.append(f"{path}.{key}: must be a string, got {_kind(value)}")
             return ""

@@ -304,6 +304,13 @@ class ApplyReport:
 # --- Loading ----------------------------------------------------------------------------------
 
 
+class WrittenFloat(float):
+    """A YAML float that keeps its text as written: `cudaDriverVersion: 13.10` is the number
+    13.1 to YAML, but the version the operator meant is "13.10" (read through `.written`)."""
+
+    written: str
+
+
 class _UniqueKeyLoader(yaml.SafeLoader):
     """A safe loader that rejects a key given twice in one mapping instead of keeping the last."""
 
@@ -321,6 +328,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
 
+    def construct_written_float(self, node: yaml.ScalarNode) -> WrittenFloat:
+        number = WrittenFloat(self.construct_yaml_float(node))
+        number.written = str(self.construct_scalar(node))
+        return number
+
     def construct_timestamp(self, node: yaml.ScalarNode) -> Any:
         """A date or time, or the text as written when it is none (2026-13-01): reported with
         its path where a date is expected, not as a parse error of the whole file."""
@@ -328,6 +340,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
             return self.construct_yaml_timestamp(node)
         except ValueError:
             return self.construct_scalar(node)
+
+
+_UniqueKeyLoader.add_constructor(
+    "tag:yaml.org,2002:float", _UniqueKeyLoader.construct_written_float
+)
 
 
 _UniqueKeyLoader.add_constructor(

@@ -332,3 +332,20 @@ def test_the_admin_asks_for_the_driver_of_a_cluster_wide_baseline_in_a_mixed_fle
     response = admin_client.post(add, {**fields, "driver": "gpu.nvidia.com"})  # type: ignore[attr-defined]
     assert response.status_code == 302
     assert VersionBaseline.objects.get().driver == "gpu.nvidia.com"
+
+
+def test_an_unquoted_version_keeps_the_text_as_written(tmp_path: Path) -> None:
+    """YAML reads `cudaDriverVersion: 13.10` as the number 13.1: the baseline keeps "13.10", the
+    version the operator wrote (13.10 is not 13.1 as a version), and "12.80" stays "12.80"."""
+    fleet(*NVIDIA)
+    policy = write_policy(
+        tmp_path,
+        "  baselines:\n"
+        "  - {cluster: fx, driver: gpu.nvidia.com, driverVersion: 580.95.05,"
+        " cudaDriverVersion: 13.10}\n"
+        "  - {cluster: fx, driver: gpu.nvidia.com, productName: NVIDIA L4,"
+        " cudaDriverVersion: 12.80}\n",
+    )
+    call_command("apply_policy", policy, stdout=StringIO(), force=True)
+    written = sorted(VersionBaseline.objects.values_list("cuda_driver_version", flat=True))
+    assert written == ["12.80", "13.10"]
