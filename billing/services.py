@@ -215,6 +215,33 @@ def bill_period(
     )
 
 
+def open_charges(*, now: datetime) -> dict[tuple[str, str, str], Decimal]:
+    """The statements of every open period (the one holding `now` and any older one left
+    open) brought up to date with what is known at `now`, as `bill_period` does (the hours
+    marked elsewhere rolled up too: closed periods' late data lands in the open period as
+    adjustments): {(team slug, period label, currency): total}. It writes what `bill_period`
+    writes: a dry run calls it inside a transaction it rolls back."""
+    starts = {period_bounds(now)[0]}
+    for start, end in Period.objects.filter(closed_at__isnull=True, start__lte=now).values_list(
+        "start", "end"
+    ):
+        if period_bounds(start) == (start, end):  # else of another length: left to a person
+            starts.add(start)
+    charges: dict[tuple[str, str, str], Decimal] = {}
+    for start in sorted(starts):
+        run = bill_period(period_start=start, now=now)
+        for statement in run.statements:
+            charges[(statement.team.slug, run.period.label, statement.currency)] = statement.total
+    return charges
+
+
+def on_charges_requested(
+    sender: Any, *, now: datetime, **_: Any
+) -> dict[tuple[str, str, str], Decimal]:
+    """`inventory.signals.charges_requested` receiver: `open_charges`."""
+    return open_charges(now=now)
+
+
 def close_due_at(end: datetime) -> datetime | None:
     """When beat closes the period that ends at `end` (`close_due_periods`): on
     TALLY_CLOSE_PERIOD_DAY of the period after it; None when closing is turned off (0)."""

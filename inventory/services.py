@@ -31,7 +31,8 @@ from django.db.models import (
 
 from db.bulk import AnyOf, update_instances, update_rows
 from db.copy import bulk_insert
-from inventory import dra, owners, profiles
+from db.locks import advisory_xact_lock
+from inventory import checks, dra, owners, profiles
 from inventory.capacity import CapacityError, consumed_fraction
 from inventory.gangs import GangIndex, GangRef, gang_of_claim
 from inventory.models import (
@@ -66,6 +67,31 @@ class SyncReport:
     gone: Counter[str] = field(default_factory=Counter)
     skipped: Counter[str] = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)
+    # Device identities not taken because they are live in another cluster, by its name.
+    refused: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    # Allocations the cluster says began before its first sync, charged from it instead:
+    # how many, the earliest start given, and the first sync.
+    charged_later: int = 0
+    earliest_start: datetime | None = None
+    first_synced_at: datetime | None = None
+
+    def notes(self) -> list[str]:
+        """What the sync did not take as the cluster gave it, one line each: devices refused
+        and allocation starts moved. Empty when it took everything as given."""
+        lines = [
+            f"{len(identities)} device(s) refused: their identity is live in cluster {other} "
+            f"(one GPU is billed by one cluster): {checks.first_few(sorted(identities))}; they are "
+            f"taken once gone from {other}"
+            for other, identities in sorted(self.refused.items())
+        ]
+        if self.charged_later:
+            assert self.earliest_start is not None and self.first_synced_at is not None
+            lines.append(
+                f"{self.charged_later} allocation(s) began before the cluster's first sync "
+                f"(the earliest at {self.earliest_start:%Y-%m-%d %H:%M} UTC): charged from "
+                f"the first sync, {self.first_synced_at:%Y-%m-%d %H:%M} UTC"
+            )
+        return lines
 
     def summary(self) -> str:
         kinds = sorted({*self.created, *self.updated, *self.gone, *self.skipped})
@@ -120,8 +146,9 @@ def import_snapshot(
     seen: dict[str, set[str]] = defaultdict(set)
     owner_index = owners.OwnerIndex()
     gang_index = GangIndex()
-    writer = _Writer(cluster=cluster, at=at, report=report, jobs=jobs)
     with transaction.atomic():
+        _lock_device_identities()
+        writer = _Writer(cluster=cluster, at=at, report=report, jobs=jobs)
         for parsed in _parse_stream(objects, report, seen, owner_index, gang_index):
             writer.add(parsed)
         writer.flush()
@@ -262,13 +289,24 @@ def apply_watch_events(*, cluster: Cluster, events: Sequence[WatchEvent]) -> Syn
     if not events:
         return report
     with transaction.atomic():
-        writer = _Writer(cluster=cluster, at=events[-1].at, report=report, batched=True)
+        refused_pools = _refused_pools(cluster)
+        if refused_pools or any(event.obj.get("kind") == "ResourceSlice" for event in events):
+            _lock_device_identities()
+        writer = _Writer(
+            cluster=cluster,
+            at=events[-1].at,
+            report=report,
+            batched=True,
+            first_at=min(event.at for event in events),
+        )
         latest = events[0].at
         for run in _runs(cluster, events, report):
             # Marks (dirty hours) never go back in time from one run to the next, whatever
             # the order of the runs' events.
             latest = max(latest, *(event.at for event, _ in run.changes))
             _apply_run(writer, run, signalled_at=latest)
+        if refused_pools:
+            writer.retake_refused(refused_pools, signalled_at=latest)
         writer.note_fleet_change()
     return report
 
@@ -768,9 +806,12 @@ class _Writer:
         report: SyncReport,
         jobs: Mapping[str, owners.Resolution] | None = None,
         batched: bool = False,
+        first_at: datetime | None = None,
     ) -> None:
         self.cluster = cluster
         self.at = at
+        # Allocations are charged from no earlier than this (`_charged_start`).
+        self.first_synced_at = _note_first_sync(cluster, first_at or at)
         # When each object and pool changed, where not at `at` (watch events, see `_stamp`).
         self.stamps: Mapping[tuple[str, ...], datetime] = {}
         self.report = report
@@ -1124,6 +1165,7 @@ class _Writer:
             if (row := pool_rows.get(key)) is not None
             and row.complete
             and row.counted_generation == row.newest_generation == generation
+            and not row.refused
         }
         # The present devices as rows of the columns compared, not model instances: a slice
         # event recounts all of its pool's devices, and building each instance cost more than
@@ -1174,6 +1216,7 @@ class _Writer:
                 else:
                     counted_pools.append((pool_row, self._count(driver, pool_name, at_newest)))
             # else: the newest generation is incomplete; keep counting the last complete one.
+        self._refuse_devices_elsewhere(counted_pools, existing)
         known_pools = [row for row in pool_rows.values() if row.pk is not None]
         Pool.objects.bulk_create([row for row in pool_rows.values() if row.pk is None])
         update_instances(
@@ -1186,6 +1229,7 @@ class _Writer:
                 "slices_seen",
                 "updated_at",
                 "newest_generation_seen_at",
+                "refused",
             ],
         )
         node_times: dict[str, datetime] = {}
@@ -1242,6 +1286,56 @@ class _Writer:
         self.report.updated["Device"] += len(moved_generation)
         self.report.gone["Device"] += len(gone)
         self._follow_meter_changes(renamed, appeared)
+
+    def _refuse_devices_elsewhere(
+        self,
+        counted_pools: list[tuple[Pool, dict[str, dra.CountedDevice]]],
+        existing: Mapping[tuple[str, str], Mapping[str, Mapping[str, Any]]],
+    ) -> None:
+        """Leave out of the counted pools the devices whose identity (UUID or meter id) is
+        live in another cluster, and record them on their pool (`Pool.refused`) and in the
+        report: samples name a GPU by its identity alone, so a GPU taken by two clusters
+        would have its hours billed to both. A device this cluster holds already under the
+        same identity keeps it (first come, first served); a refused one is taken once the
+        other cluster has let it go, by the first sync that recounts its pool after that
+        (every sync recounts pools with refused devices). The caller holds the identity lock
+        (`_lock_device_identities`), so no other cluster takes one meanwhile."""
+        wanted: dict[str, list[tuple[Pool, str]]] = defaultdict(list)
+        for pool_row, desired in counted_pools:
+            pool_row.refused = {}
+            present = existing.get((pool_row.driver, pool_row.name), {})
+            for name, counted in desired.items():
+                known = present.get(name)
+                held = {known["meter_id"], known["uuid"]} if known is not None else set()
+                for identity in {counted.meter_id, counted.columns.get("uuid", "")} - {""}:
+                    if identity not in held:
+                        wanted[identity].append((pool_row, name))
+        if not wanted:
+            return
+        desired_of = {id(pool_row): desired for pool_row, desired in counted_pools}
+        for identity, other in identities_live_elsewhere(
+            cluster=self.cluster, identities=wanted
+        ).items():
+            for pool_row, name in wanted[identity]:
+                desired_of[id(pool_row)].pop(name, None)
+                pool_row.refused[name] = [identity, other]
+                self.report.refused[other].append(identity)
+                log.warning(
+                    "cluster %s: device %s/%s/%s refused: %s is live in cluster %s",
+                    self.cluster.name,
+                    pool_row.driver,
+                    pool_row.name,
+                    name,
+                    identity,
+                    other,
+                )
+
+    def retake_refused(self, pools: list[tuple[str, str]], *, signalled_at: datetime) -> None:
+        """Recount the pools with refused devices (a watch batch that did not touch them), so
+        a device is taken as soon as the other cluster has let it go."""
+        self.touched_pools |= set(pools)
+        self.reconcile_touched_pools()
+        self.send_claims_changed(at=signalled_at)
 
     def _present_devices(self, pools: Iterable[tuple[str, str]]) -> QuerySet[Device]:
         """The cluster's present devices of these drivers and pool names (a superset of the
@@ -1502,7 +1596,7 @@ class _Writer:
                 "job": jobs[key] or (stored.admitted_job if stored else ""),
                 "username": creators[key],
             }
-            start = min(parsed.allocated_at, at) if parsed.allocated_at else at
+            start = self._charged_start(min(parsed.allocated_at, at) if parsed.allocated_at else at)
             for result in parsed.results:
                 if result.admin_access:
                     continue  # admin access observes a device; it does not hold it
@@ -1545,6 +1639,20 @@ class _Writer:
         spans.extend((at, at) for at in sorted(set(ended.values())))
         reattributed = [pk for pk, (before, after) in refined.items() if before != after]
         self._claims_changed(list(claim_ids.values()), spans=spans, reattributed=reattributed)
+
+    def _charged_start(self, start: datetime) -> datetime:
+        """When an allocation that the cluster says began at `start` is charged from: no
+        earlier than the cluster's first sync. A first import of a running cluster holds
+        claims allocated months ago; their hours before Tally knew the cluster were never
+        measured, and billing them would rewrite closed periods (late-data adjustments)."""
+        floor = self.first_synced_at
+        if start >= floor:
+            return start
+        report = self.report
+        report.charged_later += 1
+        report.earliest_start = min(report.earliest_start or start, start)
+        report.first_synced_at = floor
+        return floor
 
     def _job(self, parsed: dra.ParsedClaim, stored: ResourceClaim | None) -> str:
         """The claim's job: as the caller followed its owners, else as recorded before for the
@@ -1822,6 +1930,45 @@ _DEVICE_FIELDS = (
     "cuda_driver_version",
     "cuda_compute_capability",
 )
+
+
+def _lock_device_identities() -> None:
+    """Take the lock on which cluster a device identity is live in (see `db.locks`): first in
+    the sync's transaction, before any lock its claims' writes take."""
+    advisory_xact_lock("inventory.device.identity", [0])
+
+
+def identities_live_elsewhere(*, cluster: Cluster, identities: Collection[str]) -> dict[str, str]:
+    """Of `identities` (UUIDs or meter ids), those a present device of another cluster has,
+    with that cluster's name."""
+    found: dict[str, str] = {}
+    for meter_id, uuid, other in (
+        Device.objects.filter(
+            Q(AnyOf("meter_id", identities)) | Q(AnyOf("uuid", identities)),
+            gone_at__isnull=True,
+        )
+        .exclude(cluster=cluster)
+        .values_list("meter_id", "uuid", "cluster__name")
+    ):
+        for identity in {meter_id, uuid} & set(identities):
+            found.setdefault(identity, other)
+    return found
+
+
+def _refused_pools(cluster: Cluster) -> list[tuple[str, str]]:
+    """The cluster's pools with devices refused (`Pool.refused`), as (driver, pool)."""
+    return sorted(
+        Pool.objects.filter(cluster=cluster).exclude(refused={}).values_list("driver", "name")
+    )
+
+
+def _note_first_sync(cluster: Cluster, at: datetime) -> datetime:
+    """Record `at` as the cluster's first sync unless one earlier is known; the first sync."""
+    first = cluster.first_synced_at
+    if first is None or at < first:
+        Cluster.objects.filter(pk=cluster.pk).update(first_synced_at=at)
+        cluster.first_synced_at = first = at
+    return first
 
 
 def _but_generation(spec: Any) -> Any:

@@ -21,3 +21,9 @@ claims_changed = Signal()
 # keeps the past under the new id (a Prometheus engine keeps DCGM's series by UUID) may roll
 # up the hours before it again.
 meters_changed = Signal()
+
+# Sent by a dry run (`sync_inventory --from-file ... --dry-run`) inside its transaction, which
+# it rolls back, before and after the change it tries, with `now`. A receiver that bills
+# returns the money as it stands once it has caught up with every change marked so far:
+# {(team slug, period label, currency): amount}. The dry run prints the difference.
+charges_requested = Signal()
