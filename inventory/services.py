@@ -1596,7 +1596,7 @@ class _Writer:
                 "job": jobs[key] or (stored.admitted_job if stored else ""),
                 "username": creators[key],
             }
-            start = self._charged_start(min(parsed.allocated_at, at) if parsed.allocated_at else at)
+            start = min(parsed.allocated_at, at) if parsed.allocated_at else at
             for result in parsed.results:
                 if result.admin_access:
                     continue  # admin access observes a device; it does not hold it
@@ -1618,7 +1618,7 @@ class _Writer:
                             device_name=result.device,
                             share_id=result.share_id,
                             consumed_capacity=result.consumed_capacity,
-                            start=start,
+                            start=self._charged_start(start),
                             **charged,
                         )
                     )
