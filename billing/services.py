@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Max
 from django.utils import timezone
 
 from billing import ingest, late_data, retention, rollup
@@ -240,6 +241,16 @@ def on_charges_requested(
 ) -> dict[tuple[str, str, str], Decimal]:
     """`inventory.signals.charges_requested` receiver: `open_charges`."""
     return open_charges(now=now)
+
+
+def closed_until() -> datetime | None:
+    """The end of the last closed period: usage before it is billed only as late data."""
+    return Period.objects.filter(closed_at__isnull=False).aggregate(end=Max("end"))["end"]
+
+
+def on_usage_closed_until(sender: Any, **_: Any) -> datetime | None:
+    """`inventory.signals.usage_closed_until` receiver: `closed_until`."""
+    return closed_until()
 
 
 def close_due_at(end: datetime) -> datetime | None:

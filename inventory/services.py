@@ -49,7 +49,7 @@ from inventory.models import (
     ResourceClaim,
     ResourceSlice,
 )
-from inventory.signals import claims_changed, meters_changed
+from inventory.signals import claims_changed, meters_changed, usage_closed_until
 from teams.models import TeamNamespace
 
 log = logging.getLogger(__name__)
@@ -69,11 +69,12 @@ class SyncReport:
     errors: list[str] = field(default_factory=list)
     # Device identities not taken because they are live in another cluster, by its name.
     refused: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
-    # Allocations the cluster says began before its first sync, charged from it instead:
-    # how many, the earliest start given, and the first sync.
+    # Allocations the cluster says began before its first sync, charged from later instead
+    # (`_Writer._charged_start`): how many, the earliest start given, from when, and why then.
     charged_later: int = 0
     earliest_start: datetime | None = None
-    first_synced_at: datetime | None = None
+    charged_from: datetime | None = None
+    charged_from_why: str = ""
 
     def notes(self) -> list[str]:
         """What the sync did not take as the cluster gave it, one line each: devices refused
@@ -85,11 +86,11 @@ class SyncReport:
             for other, identities in sorted(self.refused.items())
         ]
         if self.charged_later:
-            assert self.earliest_start is not None and self.first_synced_at is not None
+            assert self.earliest_start is not None and self.charged_from is not None
             lines.append(
                 f"{self.charged_later} allocation(s) began before the cluster's first sync "
                 f"(the earliest at {self.earliest_start:%Y-%m-%d %H:%M} UTC): charged from "
-                f"the first sync, {self.first_synced_at:%Y-%m-%d %H:%M} UTC"
+                f"{self.charged_from:%Y-%m-%d %H:%M} UTC, {self.charged_from_why}"
             )
         return lines
 
@@ -812,6 +813,7 @@ class _Writer:
         self.at = at
         # Allocations are charged from no earlier than this (`_charged_start`).
         self.first_synced_at = _note_first_sync(cluster, first_at or at)
+        self.charge_floor: tuple[datetime, str] | None = None  # read when first needed
         # When each object and pool changed, where not at `at` (watch events, see `_stamp`).
         self.stamps: Mapping[tuple[str, ...], datetime] = {}
         self.report = report
@@ -1641,17 +1643,35 @@ class _Writer:
         self._claims_changed(list(claim_ids.values()), spans=spans, reattributed=reattributed)
 
     def _charged_start(self, start: datetime) -> datetime:
-        """When an allocation that the cluster says began at `start` is charged from: no
-        earlier than the cluster's first sync. A first import of a running cluster holds
-        claims allocated months ago; their hours before Tally knew the cluster were never
-        measured, and billing them would rewrite closed periods (late-data adjustments)."""
-        floor = self.first_synced_at
+        """When an allocation that the cluster says began at `start` is charged from: where
+        it began before the cluster's first sync, from the first sync, or from the end of the
+        last closed billing period where that is later. A first import of a running cluster
+        holds claims allocated months ago; their hours before Tally knew the cluster were
+        never measured, and billing them would rewrite closed periods (late-data adjustments
+        from one command)."""
+        if start >= self.first_synced_at:
+            return start
+        if self.charge_floor is None:
+            closed_until = max(
+                (
+                    answer
+                    for _, answer in usage_closed_until.send(sender=Cluster)
+                    if isinstance(answer, datetime)
+                ),
+                default=None,
+            )
+            self.charge_floor = (
+                (closed_until, "the start of the oldest open billing period")
+                if closed_until is not None and closed_until > self.first_synced_at
+                else (self.first_synced_at, "the cluster's first sync")
+            )
+        floor, why = self.charge_floor
         if start >= floor:
             return start
         report = self.report
         report.charged_later += 1
         report.earliest_start = min(report.earliest_start or start, start)
-        report.first_synced_at = floor
+        report.charged_from, report.charged_from_why = floor, why
         return floor
 
     def _job(self, parsed: dra.ParsedClaim, stored: ResourceClaim | None) -> str:

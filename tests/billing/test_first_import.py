@@ -98,9 +98,24 @@ def test_a_first_import_charges_old_allocations_from_the_first_sync_not_closed_m
     assert Statement.objects.get().total > 0  # December's usage is billed
     assert (
         "2 allocation(s) began before the cluster's first sync (the earliest at 2026-11-10 "
-        "00:00 UTC): charged from the first sync, 2026-12-01 00:00 UTC"
+        "00:00 UTC): charged from 2026-12-01 00:00 UTC, the cluster's first sync"
     ) in said
     assert Cluster.objects.get(name="default").first_synced_at == FIRST_SYNC
+
+
+def test_an_import_dated_in_a_closed_month_charges_from_the_oldest_open_period(
+    tmp_path: Path,
+) -> None:
+    """A first import given `--at` in a closed month: its first sync is in the closed month,
+    so its old allocations are charged from the start of the oldest open period instead."""
+    close_november()
+
+    said = sync_file(
+        tmp_path, fleet({"node-a": ALLOCATED_IN_NOVEMBER}), datetime(2026, 11, 20, tzinfo=UTC)
+    )
+
+    assert set(Allocation.objects.values_list("start", flat=True)) == {NOVEMBER[1]}
+    assert "charged from 2026-12-01 00:00 UTC, the start of the oldest open billing period" in said
 
 
 def test_allocations_after_the_first_sync_keep_their_start(tmp_path: Path) -> None:
