@@ -814,6 +814,8 @@ class _Writer:
         # Allocations are charged from no earlier than this (`_charged_start`).
         self.first_synced_at = _note_first_sync(cluster, first_at or at)
         self.charge_floor: tuple[datetime, str] | None = None  # read when first needed
+        # Devices refused before and taken now (`_refuse_devices_elsewhere`), by key: when.
+        self.retaken: dict[tuple[str, str, str], datetime] = {}
         # When each object and pool changed, where not at `at` (watch events, see `_stamp`).
         self.stamps: Mapping[tuple[str, ...], datetime] = {}
         self.report = report
@@ -1303,6 +1305,7 @@ class _Writer:
         (every sync recounts pools with refused devices). The caller holds the identity lock
         (`_lock_device_identities`), so no other cluster takes one meanwhile."""
         wanted: dict[str, list[tuple[Pool, str]]] = defaultdict(list)
+        refused_before = {id(pool_row): pool_row.refused for pool_row, _ in counted_pools}
         for pool_row, desired in counted_pools:
             pool_row.refused = {}
             present = existing.get((pool_row.driver, pool_row.name), {})
@@ -1312,12 +1315,9 @@ class _Writer:
                 for identity in {counted.meter_id, counted.columns.get("uuid", "")} - {""}:
                     if identity not in held:
                         wanted[identity].append((pool_row, name))
-        if not wanted:
-            return
         desired_of = {id(pool_row): desired for pool_row, desired in counted_pools}
-        for identity, other in identities_live_elsewhere(
-            cluster=self.cluster, identities=wanted
-        ).items():
+        elsewhere = identities_live_elsewhere(cluster=self.cluster, identities=wanted)
+        for identity, other in elsewhere.items():
             for pool_row, name in wanted[identity]:
                 desired_of[id(pool_row)].pop(name, None)
                 pool_row.refused[name] = [identity, other]
@@ -1331,6 +1331,23 @@ class _Writer:
                     identity,
                     other,
                 )
+        for pool_row, desired in counted_pools:
+            at = self._stamp("Pool", pool_row.driver, pool_row.name)
+            for name in refused_before[id(pool_row)]:
+                if name in desired:
+                    self.retaken[(pool_row.driver, pool_row.name, name)] = at
+
+    def _charge_from_taking(self, allocations: list[Allocation]) -> list[Allocation]:
+        """Move the start of allocations of devices taken only now from another cluster
+        (`retaken`) to when they were taken: the hours before were the other cluster's, its
+        allocations billed them. Returns the allocations moved."""
+        moved = []
+        for allocation in allocations:
+            taken = self.retaken.get(_device_key(allocation))
+            if taken is not None and allocation.start < taken:
+                allocation.start = taken
+                moved.append(allocation)
+        return moved
 
     def retake_refused(self, pools: list[tuple[str, str]], *, signalled_at: datetime) -> None:
         """Recount the pools with refused devices (a watch batch that did not touch them), so
@@ -1626,7 +1643,7 @@ class _Writer:
                     )
             ended.update((allocation_id, at) for allocation_id in current.values())
         self._end_allocations(ended)
-        self._link(new_allocations)
+        self._charge_from_taking(self._link(new_allocations))
         teams = _namespace_teams({namespaces[a.claim_id] for a in new_allocations})
         for allocation in new_allocations:
             allocation.team_id = teams.get(namespaces[allocation.claim_id])
@@ -1843,6 +1860,7 @@ class _Writer:
         ]
         linked = self._link(unlinked)
         update_instances(Allocation, linked, ["device", *METERING_FIELDS])
+        update_instances(Allocation, self._charge_from_taking(linked), ["start"])
         if linked:
             # Metered from now on, from their start: all their hours so far change.
             self._claims_changed(
@@ -1983,11 +2001,17 @@ def _refused_pools(cluster: Cluster) -> list[tuple[str, str]]:
 
 
 def _note_first_sync(cluster: Cluster, at: datetime) -> datetime:
-    """Record `at` as the cluster's first sync unless one earlier is known; the first sync."""
+    """Record `at` as the cluster's first sync unless one earlier is stored; the first sync.
+    Conditional, as another process (an import beside the live sync) may have stored one."""
     first = cluster.first_synced_at
-    if first is None or at < first:
-        Cluster.objects.filter(pk=cluster.pk).update(first_synced_at=at)
-        cluster.first_synced_at = first = at
+    if first is not None and first <= at:
+        return first
+    Cluster.objects.filter(
+        Q(first_synced_at__isnull=True) | Q(first_synced_at__gt=at), pk=cluster.pk
+    ).update(first_synced_at=at)
+    first = Cluster.objects.values_list("first_synced_at", flat=True).get(pk=cluster.pk)
+    assert first is not None
+    cluster.first_synced_at = first
     return first
 
 

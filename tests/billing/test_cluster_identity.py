@@ -136,11 +136,16 @@ def test_a_node_that_moved_is_taken_once_it_has_left_the_first_cluster(tmp_path:
     assert set(Device.objects.filter(cluster=lab).values_list("pool", flat=True)) == {"node-c"}
 
     sync_file(tmp_path, "default", dump("node-a"), LAB_IMPORT + timedelta(hours=1))
-    said = sync_file(tmp_path, "lab", lab_fleet, LAB_IMPORT + timedelta(hours=2))
+    taken = LAB_IMPORT + timedelta(hours=2)
+    said = sync_file(tmp_path, "lab", lab_fleet, taken)
 
     assert "refused" not in said
     assert Device.objects.filter(cluster=lab, gone_at__isnull=True).count() == 4
     assert not Pool.objects.filter(cluster=lab).exclude(refused={}).exists()
+    # lab's claims on node-b, seen while default had it, are charged from when lab took it:
+    # the hours before were default's.
+    starts = dict(Allocation.objects.filter(cluster=lab).values_list("pool", "start"))
+    assert starts == {"node-b": taken, "node-c": LAB_IMPORT}
 
 
 def test_the_watch_takes_a_refused_device_once_the_other_cluster_let_it_go() -> None:
