@@ -1669,14 +1669,12 @@ class _Writer:
         if start >= self.first_synced_at:
             return start
         if self.charge_floor is None:
-            closed_until = max(
-                (
-                    answer
-                    for _, answer in usage_closed_until.send(sender=Cluster)
-                    if isinstance(answer, datetime)
-                ),
-                default=None,
-            )
+            answers: list[datetime] = []
+            for _, answer in usage_closed_until.send(sender=Cluster):
+                value: object = answer
+                if isinstance(value, datetime):
+                    answers.append(value)
+            closed_until = max(answers, default=None)
             self.charge_floor = (
                 (closed_until, "the start of the oldest open billing period")
                 if closed_until is not None and closed_until > self.first_synced_at

@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from datetime import timedelta
 from io import StringIO
 from typing import Any
@@ -125,7 +125,7 @@ class _Empty(http.server.BaseHTTPRequestHandler):
         pass
 
 
-def serve(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+def serve(handler: type[http.server.BaseHTTPRequestHandler]) -> Generator[str, None, None]:
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
     server.handle_error = lambda *_: None  # type: ignore[method-assign]  # a client gone: ours
     threading.Thread(target=server.serve_forever, daemon=True).start()

@@ -514,7 +514,7 @@ def test_series_are_matched_by_the_inventorys_identities(day_engine: str, team: 
 def test_a_selector_naming_the_cluster_scopes_every_query(day_engine: str, team: Team) -> None:
     allocations = the_day(team)
     held = Allocation.objects.filter(pk__in=[a.pk for a in allocations.values()])
-    window = {"start_ms": epoch_ms(at(9)), "end_ms": epoch_ms(at(10))}
+    window: dict[str, Any] = {"start_ms": epoch_ms(at(9)), "end_ms": epoch_ms(at(10))}
     with prometheus_settings(day_engine):
         everything = prometheus.window_readings(held=held, **window)
     with prometheus_settings(day_engine, TALLY_PROMETHEUS_SELECTOR='cluster="{cluster}"'):
@@ -915,7 +915,7 @@ def test_an_engine_that_does_not_answer_is_asked_once_a_window_one_in_part_per_c
 ) -> None:
     allocations = the_day(team)
     held = Allocation.objects.filter(pk__in=[a.pk for a in allocations.values()])
-    window = {"start_ms": epoch_ms(at(4)), "end_ms": epoch_ms(at(5))}
+    window: dict[str, Any] = {"start_ms": epoch_ms(at(4)), "end_ms": epoch_ms(at(5))}
     one_question_per_cluster = {
         "TALLY_METERING_SOURCE": f"samples,{PROM_CLUSTER}=prometheus,samples-west=prometheus",
         "TALLY_PROMETHEUS_SELECTOR": 'cluster="{cluster}"',
