@@ -812,7 +812,7 @@ class _Writer:
         self.cluster = cluster
         self.at = at
         # Allocations are charged from no earlier than this (`_charged_start`).
-        self.first_synced_at = _note_first_sync(cluster, first_at or at)
+        self.first_synced_at = note_first_sync(cluster=cluster, at=first_at or at)
         self.charge_floor: tuple[datetime, str] | None = None  # read when first needed
         # Devices refused before and taken now (`_refuse_devices_elsewhere`), by key: when.
         self.retaken: dict[tuple[str, str, str], datetime] = {}
@@ -1998,9 +1998,11 @@ def _refused_pools(cluster: Cluster) -> list[tuple[str, str]]:
     )
 
 
-def _note_first_sync(cluster: Cluster, at: datetime) -> datetime:
+def note_first_sync(*, cluster: Cluster, at: datetime) -> datetime:
     """Record `at` as the cluster's first sync unless one earlier is stored; the first sync.
-    Conditional, as another process (an import beside the live sync) may have stored one."""
+    Conditional, as another process (an import beside the live sync) may have stored one.
+    Every sync notes its own time; a caller that backfills a cluster's history on purpose
+    (the demo) notes when that history begins first."""
     first = cluster.first_synced_at
     if first is not None and first <= at:
         return first
