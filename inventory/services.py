@@ -1297,13 +1297,14 @@ class _Writer:
         existing: Mapping[tuple[str, str], Mapping[str, Mapping[str, Any]]],
     ) -> None:
         """Leave out of the counted pools the devices whose identity (UUID or meter id) is
-        live in another cluster, and record them on their pool (`Pool.refused`) and in the
-        report: samples name a GPU by its identity alone, so a GPU taken by two clusters
-        would have its hours billed to both. A device this cluster holds already under the
-        same identity keeps it (first come, first served); a refused one is taken once the
-        other cluster has let it go, by the first sync that recounts its pool after that
-        (every sync recounts pools with refused devices). The caller holds the identity lock
-        (`_lock_device_identities`), so no other cluster takes one meanwhile."""
+        live in another cluster, and record them on their pool (`Pool.refused`) and, when
+        newly refused, in the report and the log: samples name a GPU by its identity alone,
+        so a GPU taken by two clusters would have its hours billed to both. A device this
+        cluster holds already under the same identity keeps it (first come, first served);
+        a refused one is taken once the other cluster has let it go, by the first sync that
+        recounts its pool after that (every sync recounts pools with refused devices), and
+        its allocations here are charged from then (`retaken`). The caller holds the
+        identity lock (`_lock_device_identities`), so no other cluster takes one meanwhile."""
         wanted: dict[str, list[tuple[Pool, str]]] = defaultdict(list)
         refused_before = {id(pool_row): pool_row.refused for pool_row, _ in counted_pools}
         for pool_row, desired in counted_pools:
@@ -1321,6 +1322,10 @@ class _Writer:
             for pool_row, name in wanted[identity]:
                 desired_of[id(pool_row)].pop(name, None)
                 pool_row.refused[name] = [identity, other]
+                if refused_before[id(pool_row)].get(name) == [identity, other]:
+                    # Refused before, as now: said then, and stored (`inventory.checks`); a
+                    # watch recounts the pool at each batch, which would say it each time.
+                    continue
                 self.report.refused[other].append(identity)
                 log.warning(
                     "cluster %s: device %s/%s/%s refused: %s is live in cluster %s",

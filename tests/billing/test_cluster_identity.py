@@ -159,6 +159,15 @@ def test_the_watch_takes_a_refused_device_once_the_other_cluster_let_it_go() -> 
 
     assert report.refused == {"default": [uuid_of("node-a", "gpu-0")]}
     assert not Device.objects.filter(cluster=lab).exists()
+    # Said once: the next batches recount the pool and refuse it again, quietly (stored).
+    again = services.apply_watch_events(
+        cluster=lab,
+        events=[
+            services.WatchEvent("ADDED", claim("b", node="node-a", device="gpu-0"), LAB_IMPORT)
+        ],
+    )
+    assert again.refused == {} and not again.notes()
+    assert Pool.objects.get(cluster=lab).refused
     gone = services.WatchEvent("DELETED", resource_slice("node-a"), LAB_IMPORT)
     services.apply_watch_events(cluster=default, events=[gone])
     later = LAB_IMPORT + timedelta(minutes=5)
@@ -169,4 +178,10 @@ def test_the_watch_takes_a_refused_device_once_the_other_cluster_let_it_go() -> 
 
     taken = Device.objects.get(cluster=lab, gone_at__isnull=True)
     assert taken.uuid == uuid_of("node-a", "gpu-0")
-    assert Allocation.objects.get(cluster=lab).device == taken
+    # Claim b, seen while the GPU was refused, is charged from when it was taken.
+    assert set(
+        Allocation.objects.filter(cluster=lab).values_list("claim__name", "device", "start")
+    ) == {
+        ("b", taken.pk, later),
+        ("c", taken.pk, later),
+    }
