@@ -10,10 +10,18 @@ class BillingConfig(AppConfig):
         from billing.dirty import on_claims_changed
         from billing.idle import IdleCollector
         from billing.meter_changes import on_meters_changed
+        from billing.services import on_charges_requested, on_usage_closed_until
         from config.metrics import DATABASE_COLLECTORS
-        from inventory.signals import claims_changed, meters_changed
+        from inventory.signals import (
+            charges_requested,
+            claims_changed,
+            meters_changed,
+            usage_closed_until,
+        )
 
         DATABASE_COLLECTORS.append(IdleCollector())
 
         claims_changed.connect(on_claims_changed, dispatch_uid="billing.mark_dirty")
         meters_changed.connect(on_meters_changed, dispatch_uid="billing.meters_changed")
+        charges_requested.connect(on_charges_requested, dispatch_uid="billing.charges")
+        usage_closed_until.connect(on_usage_closed_until, dispatch_uid="billing.closed_until")

@@ -39,7 +39,10 @@ whichever source measured it. An engine that does not answer, or answers in part
 `EngineUnavailable` naming its clusters: the rollup writes nothing for their hours, which stay
 marked and are retried, never billed as idle; the other clusters' rows are written. Hours the
 engine may still be receiving (`TALLY_PROMETHEUS_SETTLE_SECONDS`) are marked to be rolled up
-again.
+again. An engine that answers with no reading of any device a cluster held is not believed at
+once (`billing.silence`). One rollup run spends at most TALLY_PROMETHEUS_RUN_DEADLINE_SECONDS
+asking engines (`RunBudget`): an engine that never answers holds a worker that long, not a
+timeout per hour; the hours not asked stay pending for the next run.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import logging
 import math
 import re
 import ssl
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -67,6 +71,7 @@ from django.db import connection
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
+from billing import silence
 from billing.dirty import mark_dirty
 from billing.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
 from billing.ingest import NAMED, PCI_ATTRIBUTE, PCI_KEY, resolve_named
@@ -119,7 +124,39 @@ class EngineUnavailable(Exception):
 
 class EngineUnreachable(EngineUnavailable):
     """The engine did not answer at all (refused, timed out): its other questions for the
-    window are not asked, each would wait as long."""
+    run are not asked, each would wait as long."""
+
+
+class EngineSilent(EngineUnavailable):
+    """The engine answered, with no reading of any device the clusters held, within the
+    grace (`billing.silence`): their hours stay pending, as for an engine that did not
+    answer."""
+
+
+class RunBudget:
+    """What one rollup run may still spend asking engines: it ends at a deadline
+    (TALLY_PROMETHEUS_RUN_DEADLINE_SECONDS from its start; each question's timeout is cut to
+    what is left), and it remembers the engines that did not answer, which are not asked again
+    in the run. Monotonic time: a clock step neither ends nor extends it."""
+
+    def __init__(self, seconds: float | None = None) -> None:
+        if seconds is None:
+            seconds = float(settings.TALLY_PROMETHEUS_RUN_DEADLINE_SECONDS)
+        self.seconds = seconds
+        self.deadline = time.monotonic() + seconds
+        self.unreachable: dict[str, EngineUnavailable] = {}  # engine URL -> how it failed
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def spent(self) -> EngineUnavailable | None:
+        """Why no more question may be asked, once the deadline has passed; else None."""
+        if self.left() > 0:
+            return None
+        return EngineUnavailable(
+            f"this run spent its {self.seconds:g} s asking metering engines "
+            "(TALLY_PROMETHEUS_RUN_DEADLINE_SECONDS): left pending for the next run"
+        )
 
 
 # --- Settings ---------------------------------------------------------------------------------
@@ -452,10 +489,19 @@ class Engine:
     """One engine's HTTP query API, at base URL `url`: instant queries (POSTed, as long
     queries need), with the settings' headers, CA bundle and timeout."""
 
-    def __init__(self, conf: Config, url: str) -> None:
+    def __init__(self, conf: Config, url: str, budget: RunBudget | None = None) -> None:
         self.conf = conf
         self.url = url
+        self.budget = budget
         self._ssl = ssl.create_default_context(cafile=conf.ca_file) if conf.ca_file else None
+
+    def _timeout(self, query: str) -> float:
+        """The question's timeout: the setting's, cut to what the run has left."""
+        if self.budget is None:
+            return self.conf.timeout_seconds
+        if (spent := self.budget.spent()) is not None:
+            raise EngineUnavailable(f"{self.url}: {query}: not asked: {spent}")
+        return min(self.conf.timeout_seconds, self.budget.left())
 
     def matrix(self, query: str, *, at_ms: int) -> list[Series]:
         """The range vector `query` evaluates to at `at_ms`; `EngineUnavailable` if the engine
@@ -470,16 +516,18 @@ class Engine:
                 **dict(self.conf.headers),
             },
         )
+        timeout = self._timeout(query)
         try:
-            with urllib.request.urlopen(
-                request, timeout=self.conf.timeout_seconds, context=self._ssl
-            ) as response:
+            with urllib.request.urlopen(request, timeout=timeout, context=self._ssl) as response:
                 answer: Any = orjson.loads(response.read())
         except urllib.error.HTTPError as error:
             raise EngineUnavailable(
                 f"{self.url}: {query}: HTTP {error.code}: {_error_text(error)}"
             ) from error
         except OSError as error:
+            if self.budget is not None and (spent := self.budget.spent()) is not None:
+                # Cut short by the run's deadline: not a sign the engine is down.
+                raise EngineUnavailable(f"{self.url}: {query}: cut short: {spent}") from error
             raise EngineUnreachable(f"{self.url}: {query}: did not answer: {error}") from error
         except ValueError as error:
             raise EngineUnavailable(f"{self.url}: {query}: not JSON: {error}") from error
@@ -767,9 +815,18 @@ class Readings:
     mixed: bool
     points: dict[str, list[tuple[int, float]]]
     unmatched: list[str] = field(default_factory=list)
+    # Clusters the engine gave no reading of any device held (`billing.silence`).
+    silences: list[silence.Silence] = field(default_factory=list)
 
 
-def window_readings(*, held: QuerySet[Allocation], start_ms: int, end_ms: int) -> Readings | None:
+def window_readings(
+    *,
+    held: QuerySet[Allocation],
+    start_ms: int,
+    end_ms: int,
+    now: datetime | None = None,
+    budget: RunBudget | None = None,
+) -> Readings | None:
     """The engines' readings of the devices of `held` (allocations held in `[start_ms,
     end_ms)`) whose cluster they meter, from a hold before the window to its end; None when
     no engine meters any of them (the rollup reads `billing_sample` as ever).
@@ -778,7 +835,9 @@ def window_readings(*, held: QuerySet[Allocation], start_ms: int, end_ms: int) -
     Where a question gets no full answer, `EngineUnavailable` names the clusters it was for
     (`clusters`) and carries the readings of the others (`answered`): one engine down holds
     back only its clusters' hours. An engine that did not answer at all is not asked again
-    for the window."""
+    in the run (`budget`, else the window), nor is any engine once the run's deadline passed.
+    A cluster of whose held devices the engine gave no reading is a silence
+    (`billing.silence`, in `silences`): held back too while within the grace of `now`."""
     conf = config()
     if not conf.used:
         return None
@@ -798,14 +857,16 @@ def window_readings(*, held: QuerySet[Allocation], start_ms: int, end_ms: int) -
     identities = _identities(Device.objects.filter(pk__in=device_ids), start_ms, end_ms)
     points: dict[str, list[tuple[int, float]]] = {}
     unmatched: list[str] = []
-    unreachable: dict[str, EngineUnavailable] = {}  # engine URL -> how it did not answer
+    budget = budget or RunBudget(seconds=math.inf)
+    unreachable = budget.unreachable
     held_back: dict[EngineUnavailable, list[str]] = defaultdict(list)  # why -> clusters
+    silences: list[silence.Silence] = []
     for url, extra, clusters in _questions(conf, sorted(by_cluster)):
-        error = unreachable.get(url)
+        error = unreachable.get(url) or budget.spent()
         if error is None:
             try:
                 found, why = _ask(
-                    Engine(conf, url),
+                    Engine(conf, url, budget),
                     extra=extra,
                     wanted=set().union(*(by_cluster[cluster] for cluster in clusters)),
                     identities=identities,
@@ -819,10 +880,28 @@ def window_readings(*, held: QuerySet[Allocation], start_ms: int, end_ms: int) -
             else:
                 points.update(found)  # each cluster's devices are its own: no overlap
                 unmatched.extend(why)
+                for cluster in clusters:
+                    if found.keys() & by_cluster[cluster] or not by_cluster[cluster]:
+                        continue
+                    silent = silence.silence(
+                        cluster=cluster,
+                        url=url,
+                        devices=len(by_cluster[cluster]),
+                        start_ms=start_ms,
+                        end_ms=end_ms,
+                        now=now,
+                    )
+                    silences.append(silent)
+                    if silent.pending:
+                        held_back[EngineSilent(silent.describe())].append(cluster)
                 continue
         held_back[error].extend(clusters)
     readings = Readings(
-        metered=set().union(*by_cluster.values()), mixed=mixed, points=points, unmatched=unmatched
+        metered=set().union(*by_cluster.values()),
+        mixed=mixed,
+        points=points,
+        unmatched=unmatched,
+        silences=silences,
     )
     if held_back:
         raise EngineUnavailable(

@@ -50,7 +50,7 @@ from django.db import DataError, IntegrityError, connection, transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
-from billing import prometheus
+from billing import prometheus, silence
 from billing.dirty import mark_dirty
 from billing.hours import (
     HOUR,
@@ -231,7 +231,9 @@ def rollup_hours(*, hours: Iterable[datetime], now: datetime | None = None) -> i
     it instead, through the same SQL. Where an engine cannot answer for a run, its clusters'
     rows of those hours are left as they were (the other clusters' are written), the hours are
     marked to be rolled up again, and `EngineUnavailable` names them, after the other runs are
-    done.
+    done. The engines are asked for at most TALLY_PROMETHEUS_RUN_DEADLINE_SECONDS in all
+    (`prometheus.RunBudget`): the runs after that are left so, for the next call to go on.
+    A silent engine (`billing.silence`) is reported as each run finds it.
     """
     now = now or timezone.now()
     starts = sorted({hour_start(hour) for hour in hours})
@@ -243,13 +245,16 @@ def rollup_hours(*, hours: Iterable[datetime], now: datetime | None = None) -> i
     per_run = min(per_run, prometheus.run_hours_limit() or per_run)
     written = 0
     unavailable: list[prometheus.EngineUnavailable] = []
+    budget = prometheus.RunBudget()
     for first, count in _runs(starts, per_run):
         try:
             with metrics.ROLLUP_DURATION.time():
-                written += _rollup_run(first, count, now)
+                written += _rollup_run(first, count, now, budget)
         except prometheus.EngineUnavailable as error:
             error.hours = [first + index * HOUR for index in range(count)]
             unavailable.append(error)
+            if budget.spent() is not None:
+                metrics.METERING_DEADLINE_HOURS.inc(count)
     # An hour rolled up only to `now` is marked after its rows are written (a new version: a
     # rollup that read its mark before takes this one not): so it is rolled up again once it
     # has ended, and until then no one counts it whole (`billing.selectors.team_gpu_hours`),
@@ -282,7 +287,7 @@ def _runs(starts: list[datetime], most: int) -> Iterator[tuple[datetime, int]]:
     yield first, count
 
 
-def _rollup_run(first: datetime, count: int, now: datetime) -> int:
+def _rollup_run(first: datetime, count: int, now: datetime, budget: prometheus.RunBudget) -> int:
     window_start = epoch_ms(first)
     window_end = min(epoch_ms(first + count * HOUR), epoch_ms(now))
     first_hour = window_start // MS_PER_HOUR
@@ -296,11 +301,15 @@ def _rollup_run(first: datetime, count: int, now: datetime) -> int:
                 held=held_allocations(first, first + count * HOUR),
                 start_ms=window_start,
                 end_ms=window_end,
+                now=now,
+                budget=budget,
             )
         except prometheus.EngineUnavailable as error:
             if error.answered is None:
                 raise
             readings, unanswered = error.answered, error
+        if readings is not None:
+            silence.report(readings.silences, now=now)
     left_out = unanswered.clusters if unanswered else frozenset()
     with transaction.atomic():
         # The hours' locks, in order, so two runs over overlapping hours never wait on each

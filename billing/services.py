@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.db import transaction
+from django.db.models import Max
 from django.utils import timezone
 
 from billing import ingest, late_data, retention, rollup
@@ -213,6 +214,43 @@ def bill_period(
         statements=statements,
         closed=close,
     )
+
+
+def open_charges(*, now: datetime) -> dict[tuple[str, str, str], Decimal]:
+    """The statements of every open period (the one holding `now` and any older one left
+    open) brought up to date with what is known at `now`, as `bill_period` does (the hours
+    marked elsewhere rolled up too: closed periods' late data lands in the open period as
+    adjustments): {(team slug, period label, currency): total}. It writes what `bill_period`
+    writes: a dry run calls it inside a transaction it rolls back."""
+    starts = {period_bounds(now)[0]}
+    for start, end in Period.objects.filter(closed_at__isnull=True, start__lte=now).values_list(
+        "start", "end"
+    ):
+        if period_bounds(start) == (start, end):  # else of another length: left to a person
+            starts.add(start)
+    charges: dict[tuple[str, str, str], Decimal] = {}
+    for start in sorted(starts):
+        run = bill_period(period_start=start, now=now)
+        for statement in run.statements:
+            charges[(statement.team.slug, run.period.label, statement.currency)] = statement.total
+    return charges
+
+
+def on_charges_requested(
+    sender: Any, *, now: datetime, **_: Any
+) -> dict[tuple[str, str, str], Decimal]:
+    """`inventory.signals.charges_requested` receiver: `open_charges`."""
+    return open_charges(now=now)
+
+
+def closed_until() -> datetime | None:
+    """The end of the last closed period: usage before it is billed only as late data."""
+    return Period.objects.filter(closed_at__isnull=False).aggregate(end=Max("end"))["end"]
+
+
+def on_usage_closed_until(sender: Any, **_: Any) -> datetime | None:
+    """`inventory.signals.usage_closed_until` receiver: `closed_until`."""
+    return closed_until()
 
 
 def close_due_at(end: datetime) -> datetime | None:

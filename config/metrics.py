@@ -219,6 +219,22 @@ QUOTA_DRIFT_FIXED = Counter(
     "tally_quota_drift_fixed",
     "Quota rules whose drifted usage a reconciliation set back to the recount.",
 )
+METERING_SILENT_HOURS = Bounded(
+    Counter,
+    "tally_metering_silent_hours",
+    "Hours a metering engine answered with no reading of any device a cluster held, by "
+    "cluster and outcome: pending (within TALLY_PROMETHEUS_SILENCE_GRACE_SECONDS, retried) or "
+    "unmeasured (billed without utilisation after it). Counted at each run that finds them.",
+    labels={
+        "cluster": Capped(pattern=re.compile(r"[-a-z0-9]{1,63}"), most=256),
+        "outcome": ("pending", "unmeasured"),
+    },
+)
+METERING_DEADLINE_HOURS = Counter(
+    "tally_metering_deadline_hours",
+    "Hours a rollup run left pending because it had spent TALLY_PROMETHEUS_RUN_DEADLINE_SECONDS "
+    "asking metering engines; the next run goes on.",
+)
 BILLING_LAST_SUCCESS = Gauge(
     "tally_billing_last_success_timestamp_seconds",
     "When the last billing run (rollup of the pending hours) succeeded, as a Unix time.",

@@ -617,6 +617,21 @@ TALLY_PROMETHEUS_QUERY_HOURS = env.get_int("TALLY_PROMETHEUS_QUERY_HOURS", 1, mi
 TALLY_PROMETHEUS_SETTLE_SECONDS = env.get_int(
     "TALLY_PROMETHEUS_SETTLE_SECONDS", 300, minimum=0, maximum=86400
 )
+# An engine that answers "success" with no reading of any device a cluster held in a window
+# (a wrong selector, a relabelling gone, a tenant without data) is not believed at once: the
+# window's hours stay pending, warned of, counted (tally_metering_silent_hours) and alerted
+# to the operators, for this long after they end; then they are billed unmeasured, still
+# warned of (billing/silence.py).
+TALLY_PROMETHEUS_SILENCE_GRACE_SECONDS = env.get_int(
+    "TALLY_PROMETHEUS_SILENCE_GRACE_SECONDS", 6 * 3600, minimum=0, maximum=30 * 86400
+)
+# The most time one rollup run (a beat run, run_billing) spends asking engines, whatever their
+# speed: each question's timeout is cut to what is left; questions after it are not asked and
+# their hours stay pending for the next run. An engine that did not answer at all is not asked
+# again in the same run.
+TALLY_PROMETHEUS_RUN_DEADLINE_SECONDS = env.get_int(
+    "TALLY_PROMETHEUS_RUN_DEADLINE_SECONDS", 120, minimum=1, maximum=3600
+)
 # Label matchers added to every query, e.g. `cluster="{cluster}"` ({cluster}: Tally's name).
 TALLY_PROMETHEUS_SELECTOR = env.get_str("TALLY_PROMETHEUS_SELECTOR", "") or ""
 TALLY_PROMETHEUS_EXPORTERS = env.get_list("TALLY_PROMETHEUS_EXPORTERS", ["dcgm", "amd", "intel"])

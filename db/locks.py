@@ -44,6 +44,11 @@ LockName = Literal[
     # alert sees a snooze or lift committed before it and two lifts never lock its rows in a
     # cycle; the key is a hash of the kind and key (a collision only makes two keys wait).
     "teams.alert.key",
+    # Which cluster a device identity (UUID or meter id) is live in (`inventory.services`): a
+    # sync that may take new devices holds it from the start of its transaction, so two
+    # clusters' syncs never both take one GPU; the key is 0. Taken first in the transaction,
+    # before any lock a claim's write takes (`quota.usage`), so no cycle.
+    "inventory.device.identity",
 ]
 
 INT4_MIN, INT4_MAX = -(2**31), 2**31 - 1

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -36,6 +36,7 @@ from kubernetes.utils import parse_quantity
 from inventory.models import Cluster, Device, Pool, ResourceSlice
 
 INCOMPLETE_POOL = "incomplete_pool"
+DEVICE_ELSEWHERE = "device_elsewhere"
 DUPLICATE_DEVICE = "duplicate_device"
 DUPLICATE_COUNTER_SET = "duplicate_counter_set"
 MISSING_COUNTER_SET = "missing_counter_set"
@@ -44,6 +45,7 @@ COUNTER_OVER_SET = "counter_over_set"
 # In the order a summary lists them, with how it names them.
 CHECKS = {
     INCOMPLETE_POOL: "incomplete pools",
+    DEVICE_ELSEWHERE: "pools with devices live in another cluster",
     DUPLICATE_DEVICE: "duplicate device names",
     DUPLICATE_COUNTER_SET: "duplicate counter sets",
     MISSING_COUNTER_SET: "missing counter sets",
@@ -77,7 +79,7 @@ def sync_warnings(*, cluster: Cluster | None = None) -> list[SyncWarning]:
     names in every generation present. Two queries, whatever the size of the fleet: the
     slices' device names and counters are picked out of their spec by PostgreSQL.
     """
-    findings = _incomplete_pools(cluster)
+    findings = _incomplete_pools(cluster) + _devices_elsewhere(cluster)
     generations: dict[tuple[str, str, str, int], list[dict[str, Any]]] = defaultdict(list)
     for row in _slice_rows(cluster):
         key = (row["cluster__name"], row["driver"], row["pool"], row["generation"])
@@ -169,6 +171,35 @@ def _incomplete_pools(cluster: Cluster | None) -> list[SyncWarning]:
                     f"pool {pool.driver}/{pool.name}: generation {pool.newest_generation} is "
                     f"incomplete ({pool.slices_seen} of {pool.slices_expected} slices seen); "
                     f"{counted}"
+                ),
+            )
+        )
+    return findings
+
+
+def _devices_elsewhere(cluster: Cluster | None) -> list[SyncWarning]:
+    """Pools with devices the sync refused, their identity live in another cluster
+    (`Pool.refused`): none of their hours are billed here."""
+    pools = Pool.objects.exclude(refused={})
+    if cluster is not None:
+        pools = pools.filter(cluster=cluster)
+    findings = []
+    for pool in pools.select_related("cluster").order_by("cluster__name", "driver", "name"):
+        names = sorted(pool.refused)
+        others = sorted({other for _, other in pool.refused.values()})
+        findings.append(
+            SyncWarning(
+                cluster=pool.cluster.name,
+                check=DEVICE_ELSEWHERE,
+                driver=pool.driver,
+                pool=pool.name,
+                generation=pool.counted_generation,
+                devices=names,
+                since=_iso(pool.updated_at),
+                message=(
+                    f"pool {pool.driver}/{pool.name}: {len(names)} device(s) not taken, their "
+                    f"UUID or meter id live in cluster {', '.join(others)}: "
+                    f"{first_few(names)}; none of their hours are billed here"
                 ),
             )
         )
@@ -301,7 +332,7 @@ class InvalidPool:
             others = f"; {self.others} more {problems}" if self.others else ""
             return (
                 f"{what} is published more than once in {generation} (slices "
-                f"{_named(list(self.slices))}){others}"
+                f"{first_few(list(self.slices))}){others}"
             )
         if self.check == MISSING_COUNTER_SET:
             what = f"counter set {self.counter_set!r} is published by no slice"
@@ -625,10 +656,10 @@ def _finding(where: SyncWarning, check: str, devices: list[str], problem: str) -
 def _devices(names: list[str]) -> str:
     """ "devices a, b" or "devices a, b, c and 4 more"."""
     noun = "device" if len(names) == 1 else "devices"
-    return f"{noun} {_named(names)}"
+    return f"{noun} {first_few(names)}"
 
 
-def _named(names: list[str]) -> str:
+def first_few(names: Sequence[str]) -> str:
     """ "a, b" or "a, b, c and 4 more"."""
     shown = ", ".join(names[:_NAMED])
     more = f" and {len(names) - _NAMED} more" if len(names) > _NAMED else ""

@@ -846,6 +846,8 @@ class KindSync:
     def _log_rejected(self, report: services.SyncReport) -> None:
         for error in report.errors:
             log.warning("%s: rejected: %s", self.kind, error)
+        for note in report.notes():  # devices refused, allocation starts moved
+            log.warning("%s: %s", self.kind, note)
 
 
 # Owners and gangs of claims (see inventory.owners, inventory.gangs) -----------------------

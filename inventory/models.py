@@ -21,6 +21,10 @@ class Cluster(models.Model):
     # Bumped by every sync that changes devices, device classes or nodes: the webhook's
     # workers reload their view of the fleet only when it moves.
     fleet_version = models.PositiveBigIntegerField(default=0)
+    # When the sync first stored anything of the cluster (the `at` of its first import or
+    # watch batch): an allocation the cluster says began earlier is charged from here, so a
+    # first import never bills hours before Tally knew the cluster (`inventory.services`).
+    first_synced_at = models.DateTimeField(null=True, blank=True)
 
     def __str__(self) -> str:
         return self.name
@@ -128,6 +132,10 @@ class Pool(models.Model):
     # When `newest_generation` was first seen (set by the sync when it changes): how long an
     # incomplete pool has waited for its slices, a rollout's seconds or a broken driver's days.
     newest_generation_seen_at = models.DateTimeField(null=True, blank=True)
+    # Devices of the counted generation not taken because their identity (UUID or meter id)
+    # is live in another cluster: {device name: [identity, that cluster's name]}. One GPU is
+    # billed by one cluster; the pool is recounted at each sync until they are taken.
+    refused = models.JSONField(default=dict, blank=True)
 
     class Meta:
         constraints = [

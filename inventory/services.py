@@ -31,7 +31,8 @@ from django.db.models import (
 
 from db.bulk import AnyOf, update_instances, update_rows
 from db.copy import bulk_insert
-from inventory import dra, owners, profiles
+from db.locks import advisory_xact_lock
+from inventory import checks, dra, owners, profiles
 from inventory.capacity import CapacityError, consumed_fraction
 from inventory.gangs import GangIndex, GangRef, gang_of_claim
 from inventory.models import (
@@ -48,7 +49,7 @@ from inventory.models import (
     ResourceClaim,
     ResourceSlice,
 )
-from inventory.signals import claims_changed, meters_changed
+from inventory.signals import claims_changed, meters_changed, usage_closed_until
 from teams.models import TeamNamespace
 
 log = logging.getLogger(__name__)
@@ -66,6 +67,32 @@ class SyncReport:
     gone: Counter[str] = field(default_factory=Counter)
     skipped: Counter[str] = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)
+    # Device identities not taken because they are live in another cluster, by its name.
+    refused: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
+    # Allocations the cluster says began before its first sync, charged from later instead
+    # (`_Writer._charged_start`): how many, the earliest start given, from when, and why then.
+    charged_later: int = 0
+    earliest_start: datetime | None = None
+    charged_from: datetime | None = None
+    charged_from_why: str = ""
+
+    def notes(self) -> list[str]:
+        """What the sync did not take as the cluster gave it, one line each: devices refused
+        and allocation starts moved. Empty when it took everything as given."""
+        lines = [
+            f"{len(identities)} device(s) refused: their identity is live in cluster {other} "
+            f"(one GPU is billed by one cluster): {checks.first_few(sorted(identities))}; they are "
+            f"taken once gone from {other}"
+            for other, identities in sorted(self.refused.items())
+        ]
+        if self.charged_later:
+            assert self.earliest_start is not None and self.charged_from is not None
+            lines.append(
+                f"{self.charged_later} allocation(s) began before the cluster's first sync "
+                f"(the earliest at {self.earliest_start:%Y-%m-%d %H:%M} UTC): charged from "
+                f"{self.charged_from:%Y-%m-%d %H:%M} UTC, {self.charged_from_why}"
+            )
+        return lines
 
     def summary(self) -> str:
         kinds = sorted({*self.created, *self.updated, *self.gone, *self.skipped})
@@ -120,8 +147,9 @@ def import_snapshot(
     seen: dict[str, set[str]] = defaultdict(set)
     owner_index = owners.OwnerIndex()
     gang_index = GangIndex()
-    writer = _Writer(cluster=cluster, at=at, report=report, jobs=jobs)
     with transaction.atomic():
+        _lock_device_identities()
+        writer = _Writer(cluster=cluster, at=at, report=report, jobs=jobs)
         for parsed in _parse_stream(objects, report, seen, owner_index, gang_index):
             writer.add(parsed)
         writer.flush()
@@ -262,13 +290,24 @@ def apply_watch_events(*, cluster: Cluster, events: Sequence[WatchEvent]) -> Syn
     if not events:
         return report
     with transaction.atomic():
-        writer = _Writer(cluster=cluster, at=events[-1].at, report=report, batched=True)
+        refused_pools = _refused_pools(cluster)
+        if refused_pools or any(event.obj.get("kind") == "ResourceSlice" for event in events):
+            _lock_device_identities()
+        writer = _Writer(
+            cluster=cluster,
+            at=events[-1].at,
+            report=report,
+            batched=True,
+            first_at=min(event.at for event in events),
+        )
         latest = events[0].at
         for run in _runs(cluster, events, report):
             # Marks (dirty hours) never go back in time from one run to the next, whatever
             # the order of the runs' events.
             latest = max(latest, *(event.at for event, _ in run.changes))
             _apply_run(writer, run, signalled_at=latest)
+        if refused_pools:
+            writer.retake_refused(refused_pools, signalled_at=latest)
         writer.note_fleet_change()
     return report
 
@@ -768,9 +807,15 @@ class _Writer:
         report: SyncReport,
         jobs: Mapping[str, owners.Resolution] | None = None,
         batched: bool = False,
+        first_at: datetime | None = None,
     ) -> None:
         self.cluster = cluster
         self.at = at
+        # Allocations are charged from no earlier than this (`_charged_start`).
+        self.first_synced_at = note_first_sync(cluster=cluster, at=first_at or at)
+        self.charge_floor: tuple[datetime, str] | None = None  # read when first needed
+        # Devices refused before and taken now (`_refuse_devices_elsewhere`), by key: when.
+        self.retaken: dict[tuple[str, str, str], datetime] = {}
         # When each object and pool changed, where not at `at` (watch events, see `_stamp`).
         self.stamps: Mapping[tuple[str, ...], datetime] = {}
         self.report = report
@@ -1124,6 +1169,7 @@ class _Writer:
             if (row := pool_rows.get(key)) is not None
             and row.complete
             and row.counted_generation == row.newest_generation == generation
+            and not row.refused
         }
         # The present devices as rows of the columns compared, not model instances: a slice
         # event recounts all of its pool's devices, and building each instance cost more than
@@ -1174,6 +1220,7 @@ class _Writer:
                 else:
                     counted_pools.append((pool_row, self._count(driver, pool_name, at_newest)))
             # else: the newest generation is incomplete; keep counting the last complete one.
+        self._refuse_devices_elsewhere(counted_pools, existing)
         known_pools = [row for row in pool_rows.values() if row.pk is not None]
         Pool.objects.bulk_create([row for row in pool_rows.values() if row.pk is None])
         update_instances(
@@ -1186,6 +1233,7 @@ class _Writer:
                 "slices_seen",
                 "updated_at",
                 "newest_generation_seen_at",
+                "refused",
             ],
         )
         node_times: dict[str, datetime] = {}
@@ -1242,6 +1290,76 @@ class _Writer:
         self.report.updated["Device"] += len(moved_generation)
         self.report.gone["Device"] += len(gone)
         self._follow_meter_changes(renamed, appeared)
+
+    def _refuse_devices_elsewhere(
+        self,
+        counted_pools: list[tuple[Pool, dict[str, dra.CountedDevice]]],
+        existing: Mapping[tuple[str, str], Mapping[str, Mapping[str, Any]]],
+    ) -> None:
+        """Leave out of the counted pools the devices whose identity (UUID or meter id) is
+        live in another cluster, and record them on their pool (`Pool.refused`) and, when
+        newly refused, in the report and the log: samples name a GPU by its identity alone,
+        so a GPU taken by two clusters would have its hours billed to both. A device this
+        cluster holds already under the same identity keeps it (first come, first served);
+        a refused one is taken once the other cluster has let it go, by the first sync that
+        recounts its pool after that (every sync recounts pools with refused devices), and
+        its allocations here are charged from then (`retaken`). The caller holds the
+        identity lock (`_lock_device_identities`), so no other cluster takes one meanwhile."""
+        wanted: dict[str, list[tuple[Pool, str]]] = defaultdict(list)
+        refused_before = {id(pool_row): pool_row.refused for pool_row, _ in counted_pools}
+        for pool_row, desired in counted_pools:
+            pool_row.refused = {}
+            present = existing.get((pool_row.driver, pool_row.name), {})
+            for name, counted in desired.items():
+                known = present.get(name)
+                held = {known["meter_id"], known["uuid"]} if known is not None else set()
+                for identity in {counted.meter_id, counted.columns.get("uuid", "")} - {""}:
+                    if identity not in held:
+                        wanted[identity].append((pool_row, name))
+        desired_of = {id(pool_row): desired for pool_row, desired in counted_pools}
+        elsewhere = identities_live_elsewhere(cluster=self.cluster, identities=wanted)
+        for identity, other in elsewhere.items():
+            for pool_row, name in wanted[identity]:
+                desired_of[id(pool_row)].pop(name, None)
+                pool_row.refused[name] = [identity, other]
+                if refused_before[id(pool_row)].get(name) == [identity, other]:
+                    # Refused before, as now: said then, and stored (`inventory.checks`); a
+                    # watch recounts the pool at each batch, which would say it each time.
+                    continue
+                self.report.refused[other].append(identity)
+                log.warning(
+                    "cluster %s: device %s/%s/%s refused: %s is live in cluster %s",
+                    self.cluster.name,
+                    pool_row.driver,
+                    pool_row.name,
+                    name,
+                    identity,
+                    other,
+                )
+        for pool_row, desired in counted_pools:
+            at = self._stamp("Pool", pool_row.driver, pool_row.name)
+            for name in refused_before[id(pool_row)]:
+                if name in desired:
+                    self.retaken[(pool_row.driver, pool_row.name, name)] = at
+
+    def _charge_from_taking(self, allocations: list[Allocation]) -> list[Allocation]:
+        """Move the start of allocations of devices taken only now from another cluster
+        (`retaken`) to when they were taken: the hours before were the other cluster's, its
+        allocations billed them. Returns the allocations moved."""
+        moved = []
+        for allocation in allocations:
+            taken = self.retaken.get(_device_key(allocation))
+            if taken is not None and allocation.start < taken:
+                allocation.start = taken
+                moved.append(allocation)
+        return moved
+
+    def retake_refused(self, pools: list[tuple[str, str]], *, signalled_at: datetime) -> None:
+        """Recount the pools with refused devices (a watch batch that did not touch them), so
+        a device is taken as soon as the other cluster has let it go."""
+        self.touched_pools |= set(pools)
+        self.reconcile_touched_pools()
+        self.send_claims_changed(at=signalled_at)
 
     def _present_devices(self, pools: Iterable[tuple[str, str]]) -> QuerySet[Device]:
         """The cluster's present devices of these drivers and pool names (a superset of the
@@ -1524,13 +1642,13 @@ class _Writer:
                             device_name=result.device,
                             share_id=result.share_id,
                             consumed_capacity=result.consumed_capacity,
-                            start=start,
+                            start=self._charged_start(start),
                             **charged,
                         )
                     )
             ended.update((allocation_id, at) for allocation_id in current.values())
         self._end_allocations(ended)
-        self._link(new_allocations)
+        self._charge_from_taking(self._link(new_allocations))
         teams = _namespace_teams({namespaces[a.claim_id] for a in new_allocations})
         for allocation in new_allocations:
             allocation.team_id = teams.get(namespaces[allocation.claim_id])
@@ -1545,6 +1663,36 @@ class _Writer:
         spans.extend((at, at) for at in sorted(set(ended.values())))
         reattributed = [pk for pk, (before, after) in refined.items() if before != after]
         self._claims_changed(list(claim_ids.values()), spans=spans, reattributed=reattributed)
+
+    def _charged_start(self, start: datetime) -> datetime:
+        """When an allocation that the cluster says began at `start` is charged from: where
+        it began before the cluster's first sync, from the first sync, or from the end of the
+        last closed billing period where that is later. A first import of a running cluster
+        holds claims allocated months ago; their hours before Tally knew the cluster were
+        never measured, and billing them would rewrite closed periods (late-data adjustments
+        from one command)."""
+        if start >= self.first_synced_at:
+            return start
+        if self.charge_floor is None:
+            answers: list[datetime] = []
+            for _, answer in usage_closed_until.send(sender=Cluster):
+                value: object = answer
+                if isinstance(value, datetime):
+                    answers.append(value)
+            closed_until = max(answers, default=None)
+            self.charge_floor = (
+                (closed_until, "the start of the oldest open billing period")
+                if closed_until is not None and closed_until > self.first_synced_at
+                else (self.first_synced_at, "the cluster's first sync")
+            )
+        floor, why = self.charge_floor
+        if start >= floor:
+            return start
+        report = self.report
+        report.charged_later += 1
+        report.earliest_start = min(report.earliest_start or start, start)
+        report.charged_from, report.charged_from_why = floor, why
+        return floor
 
     def _job(self, parsed: dra.ParsedClaim, stored: ResourceClaim | None) -> str:
         """The claim's job: as the caller followed its owners, else as recorded before for the
@@ -1715,6 +1863,7 @@ class _Writer:
         ]
         linked = self._link(unlinked)
         update_instances(Allocation, linked, ["device", *METERING_FIELDS])
+        update_instances(Allocation, self._charge_from_taking(linked), ["start"])
         if linked:
             # Metered from now on, from their start: all their hours so far change.
             self._claims_changed(
@@ -1822,6 +1971,53 @@ _DEVICE_FIELDS = (
     "cuda_driver_version",
     "cuda_compute_capability",
 )
+
+
+def _lock_device_identities() -> None:
+    """Take the lock on which cluster a device identity is live in (see `db.locks`): first in
+    the sync's transaction, before any lock its claims' writes take."""
+    advisory_xact_lock("inventory.device.identity", [0])
+
+
+def identities_live_elsewhere(*, cluster: Cluster, identities: Collection[str]) -> dict[str, str]:
+    """Of `identities` (UUIDs or meter ids), those a present device of another cluster has,
+    with that cluster's name."""
+    found: dict[str, str] = {}
+    for meter_id, uuid, other in (
+        Device.objects.filter(
+            Q(AnyOf("meter_id", identities)) | Q(AnyOf("uuid", identities)),
+            gone_at__isnull=True,
+        )
+        .exclude(cluster=cluster)
+        .values_list("meter_id", "uuid", "cluster__name")
+    ):
+        for identity in {meter_id, uuid} & set(identities):
+            found.setdefault(identity, other)
+    return found
+
+
+def _refused_pools(cluster: Cluster) -> list[tuple[str, str]]:
+    """The cluster's pools with devices refused (`Pool.refused`), as (driver, pool)."""
+    return sorted(
+        Pool.objects.filter(cluster=cluster).exclude(refused={}).values_list("driver", "name")
+    )
+
+
+def note_first_sync(*, cluster: Cluster, at: datetime) -> datetime:
+    """Record `at` as the cluster's first sync unless one earlier is stored; the first sync.
+    Conditional, as another process (an import beside the live sync) may have stored one.
+    Every sync notes its own time; a caller that backfills a cluster's history on purpose
+    (the demo) notes when that history begins first."""
+    first = cluster.first_synced_at
+    if first is not None and first <= at:
+        return first
+    Cluster.objects.filter(
+        Q(first_synced_at__isnull=True) | Q(first_synced_at__gt=at), pk=cluster.pk
+    ).update(first_synced_at=at)
+    first = Cluster.objects.values_list("first_synced_at", flat=True).get(pk=cluster.pk)
+    assert first is not None
+    cluster.first_synced_at = first
+    return first
 
 
 def _but_generation(spec: Any) -> Any:

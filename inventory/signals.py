@@ -21,3 +21,15 @@ claims_changed = Signal()
 # keeps the past under the new id (a Prometheus engine keeps DCGM's series by UUID) may roll
 # up the hours before it again.
 meters_changed = Signal()
+
+# Sent by a dry run (`sync_inventory --from-file ... --dry-run`) inside its transaction, which
+# it rolls back, before and after the change it tries, with `now`. A receiver that bills
+# returns the money as it stands once it has caught up with every change marked so far:
+# {(team slug, period label, currency): amount}. The dry run prints the difference.
+charges_requested = Signal()
+
+# Sent by the sync when an allocation began before its cluster's first sync, to learn until
+# when usage is closed to new charges: a receiver that bills returns the end of the last
+# closed billing period (None if none is closed). Such an allocation is charged from no
+# earlier than that, so an import never rewrites a closed period.
+usage_closed_until = Signal()

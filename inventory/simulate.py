@@ -13,7 +13,9 @@ its MIG devices claimed and the rest free (`partly_used_mig`).
 
 Everything is derived from `seed` (each node from its own random stream), so a fleet is the
 same on every run and `generate` can walk it several times, one kind after the other, without
-holding it in memory.
+holding it in memory. The GPUs' and MIG devices' UUIDs also depend on the cluster named
+(`cluster`): two clusters simulated with one seed are two fleets, as real GPUs are, not the
+same GPUs twice (which the sync would refuse in the second).
 """
 
 from __future__ import annotations
@@ -206,6 +208,7 @@ class NodePlan:
     cuda_driver_version: str
     created: datetime
     clique: str
+    cluster: str = ""
     devices: list[Device] = field(default_factory=list)
     counter_sets: list[dict[str, Any]] = field(default_factory=list)
     slice_names: list[str] = field(default_factory=list)
@@ -223,6 +226,7 @@ def generate(
     history: timedelta = CLAIM_HISTORY,
     outlier_nodes: Collection[int] = (),
     partly_used_mig: Collection[int] = (),
+    cluster: str = "",
 ) -> Iterator[dict[str, Any]]:
     """Yield the objects of a simulated fleet of `nodes` GPU nodes, one kind after the other.
 
@@ -233,7 +237,9 @@ def generate(
     Claims were created within `history` before `now`. The nodes at the indexes in
     `outlier_nodes` run an outlier driver; those in `partly_used_mig`, when their GPUs are
     static MIG and one is free, have about half the MIG devices of their first free GPU
-    claimed. Neither changes any other object of the fleet.
+    claimed. Neither changes any other object of the fleet. `cluster` names the cluster the
+    fleet is simulated for: its devices' UUIDs are the cluster's own (none, the default,
+    gives those of a fleet simulated before clusters mattered).
     """
     unknown = set(mix) - set(LAYOUTS)
     if unknown:
@@ -251,6 +257,7 @@ def generate(
                 history=history,
                 outlier=index in outlier_nodes,
                 partly_used_mig=index in partly_used_mig,
+                cluster=cluster,
             )
             if kind == "Node":
                 yield node_object(plan)
@@ -383,6 +390,7 @@ def plan_node(
     history: timedelta = CLAIM_HISTORY,
     outlier: bool = False,
     partly_used_mig: bool = False,
+    cluster: str = "",
 ) -> NodePlan:
     """The node at `index` of the fleet: its layout, devices and the claims placed on it.
 
@@ -411,6 +419,7 @@ def plan_node(
         cuda_driver_version=cuda_version,
         created=now - timedelta(days=rng.randint(20, 60), seconds=rng.randint(0, 86399)),
         clique=clique,
+        cluster=cluster,
     )
     _add_devices(plan, rng)
     pools = 2 if plan.counter_sets else 1
@@ -428,7 +437,7 @@ def _add_devices(plan: NodePlan, rng: random.Random) -> None:
     # A DGX-like board: two GPUs per PCIe root complex.
     for gpu in range(GPUS_PER_NODE):
         bus = 0x18 + gpu * 0x11
-        gpu_uuid = f"GPU-{_uuid(rng)}"
+        gpu_uuid = f"GPU-{_device_uuid(rng, plan.cluster)}"
         common = {
             "architecture": {"string": model.architecture},
             "brand": {"string": "Nvidia"},
@@ -475,7 +484,7 @@ def _add_devices(plan: NodePlan, rng: random.Random) -> None:
                 "type": {"string": "mig"},
             }
             if publishing == "mig":  # a partition that is not created yet has no UUID
-                attributes["uuid"] = {"string": f"MIG-{_uuid(rng)}"}
+                attributes["uuid"] = {"string": f"MIG-{_device_uuid(rng, plan.cluster)}"}
             name = f"gpu-{gpu}-mig-{profile.name.replace('.', '')}-{profile.profile_id}-{start}"
             entry = {
                 "attributes": _sorted(attributes),
@@ -819,6 +828,13 @@ def write_dump(objects: Iterable[dict[str, Any]], stream: TextSink, *, fmt: str 
 
 def _uuid(rng: random.Random) -> str:
     return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+
+
+def _device_uuid(rng: random.Random, cluster: str) -> str:
+    """A device's UUID: drawn from the node's stream whatever the cluster (so every other
+    draw stays as it was), then made the cluster's own where one is named."""
+    drawn = _uuid(rng)
+    return str(uuid.uuid5(uuid.NAMESPACE_URL, f"simulate/{cluster}/{drawn}")) if cluster else drawn
 
 
 def _suffix(rng: random.Random) -> str:

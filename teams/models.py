@@ -103,6 +103,7 @@ class AlertKind(models.TextChoices):
     IDLE_CLAIM = "idle_claim", "idle claim"
     STRANDED_GANG = "stranded_gang", "stranded gang"
     VERSION_OUTLIER = "version_outlier", "version outlier"
+    METERING_SILENT = "metering_silent", "metering engine silent"
 
 
 class AlertState(models.TextChoices):

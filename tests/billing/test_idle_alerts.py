@@ -296,6 +296,7 @@ def test_beat_runs_the_evaluation_as_a_task(alpha: Team, cluster: Cluster) -> No
         "idle_claim": {"raised": 1, "firing": 1, "resolved": 0},
         "stranded_gang": {"raised": 0, "firing": 0, "resolved": 0},
         "version_outlier": {"raised": 0, "firing": 0, "resolved": 0},
+        "metering_silent": {"raised": 0, "firing": 0, "resolved": 0},
         "sent": 1,
         "retrying": 0,
         "failed": 0,

@@ -514,7 +514,7 @@ def test_series_are_matched_by_the_inventorys_identities(day_engine: str, team: 
 def test_a_selector_naming_the_cluster_scopes_every_query(day_engine: str, team: Team) -> None:
     allocations = the_day(team)
     held = Allocation.objects.filter(pk__in=[a.pk for a in allocations.values()])
-    window = {"start_ms": epoch_ms(at(9)), "end_ms": epoch_ms(at(10))}
+    window: dict[str, Any] = {"start_ms": epoch_ms(at(9)), "end_ms": epoch_ms(at(10))}
     with prometheus_settings(day_engine):
         everything = prometheus.window_readings(held=held, **window)
     with prometheus_settings(day_engine, TALLY_PROMETHEUS_SELECTOR='cluster="{cluster}"'):
@@ -589,9 +589,11 @@ def test_an_engine_down_holds_back_only_its_clusters_hours(day_engine: str, team
     }
     assert usage(allocations["sampled"], hour)[1] == 12345
     assert DirtyHour.objects.filter(hour=hour).exists()
-    # Back: the marked hour is done, every cluster's row written again.
+    # Back: the marked hour is done, every cluster's row written again. The day's engine has
+    # no series of samples-west's device: a silence (`billing.silence`), believed only once
+    # the grace has passed.
     with engines_settings(f"{PROM_CLUSTER}={day_engine}, samples-west={day_engine}"):
-        assert hour in rollup.rollup_pending(now=hour + timedelta(hours=1, minutes=10), limit=5)
+        assert hour in rollup.rollup_pending(now=hour + timedelta(hours=7), limit=10)
     assert usage(allocations["sampled"], hour) == rows["sampled"]
     assert not DirtyHour.objects.filter(hour=hour).exists()
 
@@ -916,7 +918,7 @@ def test_an_engine_that_does_not_answer_is_asked_once_a_window_one_in_part_per_c
 ) -> None:
     allocations = the_day(team)
     held = Allocation.objects.filter(pk__in=[a.pk for a in allocations.values()])
-    window = {"start_ms": epoch_ms(at(4)), "end_ms": epoch_ms(at(5))}
+    window: dict[str, Any] = {"start_ms": epoch_ms(at(4)), "end_ms": epoch_ms(at(5))}
     one_question_per_cluster = {
         "TALLY_METERING_SOURCE": f"samples,{PROM_CLUSTER}=prometheus,samples-west=prometheus",
         "TALLY_PROMETHEUS_SELECTOR": 'cluster="{cluster}"',

@@ -388,7 +388,7 @@ def test_simulate_fleet_writes_a_dump_the_reader_reads_back(tmp_path: Path, fmt:
     path = tmp_path / f"fleet.{fmt}"
     call_command("simulate_fleet", nodes=5, seed=9, output=path, format=fmt, stderr=StringIO())
 
-    assert list(iter_objects(path)) == fleet(5, seed=9)
+    assert list(iter_objects(path)) == fleet(5, seed=9, cluster=settings.TALLY_CLUSTER_NAME)
 
 
 def test_simulate_fleet_writes_json_to_stdout(tmp_path: Path) -> None:
@@ -398,7 +398,33 @@ def test_simulate_fleet_writes_json_to_stdout(tmp_path: Path) -> None:
     path.write_text(out.getvalue())
 
     assert out.getvalue().startswith('{"apiVersion": "v1", "items": [')
-    assert list(iter_objects(path)) == fleet(2, seed=1)
+    assert list(iter_objects(path)) == fleet(2, seed=1, cluster=settings.TALLY_CLUSTER_NAME)
+
+
+def device_uuids(objects: list[dict[str, Any]]) -> list[str]:
+    return [
+        device["attributes"]["uuid"]["string"]
+        for piece in of_kind(objects, "ResourceSlice")
+        for device in piece["spec"].get("devices", [])
+        if "uuid" in device["attributes"]
+    ]
+
+
+def test_simulate_fleet_gives_each_cluster_its_own_gpus(tmp_path: Path) -> None:
+    """Issue 33: the README's two clusters simulated with one seed were the same GPUs twice,
+    which billed every sample to both. Each cluster's GPUs now have UUIDs of their own; the
+    rest of the fleet is drawn as before."""
+    paths = {name: tmp_path / f"{name}.json" for name in ("default", "lab")}
+    for name, path in paths.items():
+        call_command(
+            "simulate_fleet", nodes=6, seed=3, cluster=name, output=path, stderr=StringIO()
+        )
+    default, lab = (list(iter_objects(path)) for path in paths.values())
+
+    assert device_uuids(default) and len(device_uuids(lab)) == len(device_uuids(default))
+    assert not set(device_uuids(default)) & set(device_uuids(lab))
+    # Only the UUIDs differ: the same nodes, layouts and claims.
+    assert [obj["metadata"]["name"] for obj in default] == [obj["metadata"]["name"] for obj in lab]
 
 
 # --- importing it --------------------------------------------------------------------------

@@ -4,7 +4,8 @@ Reads the settings (`TALLY_METERING_SOURCE`, `TALLY_PROMETHEUS_*`) as the rollup
 engine for one hour (default: the hour just ended) what the rollup would ask, and prints, per
 device held then in a cluster the engine meters, how many readings it gave and over what
 span, then the devices it gave none for and the series it could not match to a device (a MIG
-instance whose GPU has two of its profile, an AMD GPU on a node the inventory does not know).
+instance whose GPU has two of its profile, an AMD GPU on a node the inventory does not know),
+and a warning for a cluster it gave no reading of at all (`billing.silence`).
 Writes nothing. Exits non-zero on a bad setting or an engine that does not answer.
 """
 
@@ -80,6 +81,8 @@ class Command(BaseCommand):
                 self.stdout.write(f"  {meter_id}: no readings (its hours are unmeasured)")
         for why in sorted(set(readings.unmatched)):
             self.stdout.write(f"  not matched: {why}")
+        for found in readings.silences:
+            self.stderr.write(f"warning: {found.describe()}")
 
 
 def _at(ms: int) -> str:

@@ -78,6 +78,9 @@ class Command(BaseCommand):
         if devices:
             self.stdout.write(f"Cluster {cluster.name} already has {devices} devices; no import.")
         else:
+            # The demo's history is made up as if Tally had synced the cluster all along: its
+            # claims are charged from when they began, not from this first import.
+            services.note_first_sync(cluster=cluster, at=now - timedelta(days=options["days"]))
             report = services.import_snapshot(
                 cluster=cluster,
                 objects=fleet_objects(

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
 from inventory import simulate
@@ -21,6 +22,13 @@ class Command(BaseCommand):
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--nodes", type=int, default=24, help="GPU nodes (default %(default)s)")
         parser.add_argument("--seed", type=int, default=0, help="the same seed, the same fleet")
+        parser.add_argument(
+            "--cluster",
+            default=settings.TALLY_CLUSTER_NAME,
+            help="the cluster the fleet is for, as sync_inventory --cluster names it (default: "
+            "TALLY_CLUSTER_NAME, %(default)s): its GPUs' UUIDs are its own, so two clusters "
+            "simulated with one seed do not share GPUs",
+        )
         parser.add_argument("--output", type=Path, metavar="PATH", help="file (default: stdout)")
         parser.add_argument("--format", choices=("json", "yaml"), default="json")
         parser.add_argument(
@@ -34,7 +42,10 @@ class Command(BaseCommand):
         if options["nodes"] < 0:
             raise CommandError("--nodes must be 0 or more")
         objects = simulate.generate(
-            nodes=options["nodes"], seed=options["seed"], mix=MIXES[options["mix"]]
+            nodes=options["nodes"],
+            seed=options["seed"],
+            mix=MIXES[options["mix"]],
+            cluster=options["cluster"],
         )
         output: Path | None = options["output"]
         if output is None:

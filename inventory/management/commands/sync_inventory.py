@@ -4,8 +4,10 @@ Live (the default): list and watch every kind until stopped (SIGTERM or Ctrl-C).
 `--once`: one list + import per kind, for a cron job. `--from-file`: import a dump (what
 `kubectl get -o yaml|json` prints) as a full snapshot of the kinds it contains, and of those
 `--kinds` names (a dump of a cluster with no claims left holds no ResourceClaim to say so).
-Each run ends with what the stored slices cannot be trusted on (`inventory.checks`): a line
-per finding on stderr and their count in the summary.
+`--from-file --dry-run`: what the import would change and the money it would move per team
+and period, with nothing written (`inventory.previews`). Each run ends with what the sync did
+not take as given (devices refused, allocation starts moved) and what the stored slices cannot
+be trusted on (`inventory.checks`): a line per finding on stderr and their count in the summary.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
 from config.metrics import start_metrics_server
-from inventory import checks, kube, leader, services
+from inventory import checks, kube, leader, previews, services
 from inventory.models import Cluster
 
 
@@ -70,6 +72,13 @@ class Command(BaseCommand):
             metavar="ISO8601",
             help="with --from-file: when the dump was taken (default: now; no offset means UTC)",
         )
+        parser.add_argument(
+            "--dry-run",
+            action="store_true",
+            help="with --from-file: print what the import would change (objects, allocations "
+            "started and ended, devices refused) and the money it would move per team and "
+            "period, and write nothing",
+        )
 
     def handle(self, *args: Any, **options: Any) -> None:
         # Every option is checked before anything is written.
@@ -82,11 +91,15 @@ class Command(BaseCommand):
             # empty List alike for "none left" and "not asked for"): --kinds names the kinds it
             # is a full snapshot of all the same, so the last claims of a cluster are released.
             kinds = _parse_kinds(options["kinds"]) if options["kinds"] else []
+            if options["dry_run"]:
+                self._preview_file(options["cluster"], options["from_file"], at, kinds)
+                return
             cluster = services.get_cluster(options["cluster"])
             self._import_file(cluster, options["from_file"], at, kinds)
             return
-        if options["at"] is not None:
-            raise CommandError("--at only applies to --from-file")
+        for option in ("at", "dry_run"):
+            if options[option]:
+                raise CommandError(f"--{option.replace('_', '-')} only applies to --from-file")
         if options["once"] and options["leader_elect"]:
             raise CommandError("--leader-elect does not apply to --once")
         kinds = _parse_kinds(options["kinds"])
@@ -103,12 +116,46 @@ class Command(BaseCommand):
         except DumpError as exc:
             raise CommandError(f"nothing imported: {exc}") from exc
         self._summarise(report)
-        self._warn(cluster)
+        self._warn(cluster, [report])
         for error in report.errors:
             self.stderr.write(f"rejected: {error}")
         if report.errors:
             raise CommandError(
                 f"{len(report.errors)} object(s) in {path} rejected; the rest was imported"
+            )
+
+    def _preview_file(self, cluster_name: str, path: Path, at: datetime, kinds: list[str]) -> None:
+        from inventory.dumps import DumpError, iter_objects
+
+        try:
+            preview = previews.preview_snapshot(
+                cluster_name=cluster_name,
+                objects=iter_objects(path),
+                at=at,
+                now=timezone.now(),
+                kinds=kinds,
+            )
+        except DumpError as exc:
+            raise CommandError(f"nothing would be imported: {exc}") from exc
+        report = preview.report
+        self.stdout.write(f"Dry run of {path} into cluster {cluster_name}: nothing written.")
+        self._summarise(report)
+        for note in report.notes():
+            self.stderr.write(f"warning: {note}")
+        for error in report.errors:
+            self.stderr.write(f"would reject: {error}")
+        if preview.unpriced:
+            for why in preview.unpriced:
+                self.stderr.write(f"warning: the money could not be worked out: {why}")
+            return
+        moved = preview.moved()
+        if not moved:
+            self.stdout.write("Money: none would move.")
+            return
+        self.stdout.write("Money it would move (team, period: before -> after):")
+        for (team, period, currency), before, after in moved:
+            self.stdout.write(
+                f"  {team} {period}: {before:.2f} -> {after:.2f} {currency} ({after - before:+.2f})"
             )
 
     def _sync(self, cluster: Cluster, kinds: list[str], options: dict[str, Any]) -> None:
@@ -129,7 +176,7 @@ class Command(BaseCommand):
             api_client.close()
         for report in reports.values():
             self._summarise(report)
-        self._warn(cluster)
+        self._warn(cluster, list(reports.values()))
         rejected = sum(len(report.errors) for report in reports.values())
         if rejected:
             # Each one was logged as it happened.
@@ -175,15 +222,22 @@ class Command(BaseCommand):
                 f"{report.skipped.get(kind, 0)} skipped"
             )
 
-    def _warn(self, cluster: Cluster) -> None:
-        """What the stored inventory cannot be trusted on, one line each on stderr, counted
-        on stdout. Warnings leave the exit status alone: the rows were stored as published."""
+    def _warn(self, cluster: Cluster, reports: list[services.SyncReport]) -> None:
+        """What the sync did not take as given (`SyncReport.notes`) and what the stored
+        inventory cannot be trusted on, one line each on stderr, counted on stdout. Warnings
+        leave the exit status alone: the rows were stored as published."""
+        notes = [note for report in reports for note in report.notes()]
+        for note in notes:
+            self.stderr.write(f"warning: {note}")
         warnings = checks.sync_warnings(cluster=cluster)
         now = timezone.now()
         for warning in warnings:
             self.stderr.write(f"warning: {warning['message']}")
             self.stderr.write(f"  {checks.describe_since(warning['since'], now=now)}")
-        self.stdout.write(f"Sync warnings: {checks.summarise(warnings)}")
+        summary = checks.summarise(warnings)
+        if notes:
+            summary = f"{len(notes)} from this run; stored: {summary}"
+        self.stdout.write(f"Sync warnings: {summary}")
 
 
 def _parse_at(value: str | None) -> datetime:
