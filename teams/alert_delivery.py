@@ -39,6 +39,7 @@ ALERT_NAMES = {
     AlertKind.IDLE_CLAIM: "TallyIdleClaim",
     AlertKind.STRANDED_GANG: "TallyStrandedGang",
     AlertKind.VERSION_OUTLIER: "TallyVersionOutlier",
+    AlertKind.METERING_SILENT: "TallyMeteringSilent",
 }
 _FIRST_RETRY = timedelta(minutes=1)
 _LAST_RETRY = timedelta(hours=1)

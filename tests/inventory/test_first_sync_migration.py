@@ -1,4 +1,4 @@
-"""Migration 0010 gives each cluster synced before it its first sync: the earliest time
+"""Migration 0011 gives each cluster synced before it its first sync: the earliest time
 anything of it was stored (issue 33: allocations older than it are charged from it)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import pytest
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 
-BEFORE = [("inventory", "0009_device_fillfactor")]
-AFTER = [("inventory", "0010_clusters_identity_and_first_sync")]
+BEFORE = [("inventory", "0010_versions_driver_scope")]
+AFTER = [("inventory", "0011_clusters_identity_and_first_sync")]
 T1 = datetime(2026, 10, 3, 8, tzinfo=UTC)
 T2 = datetime(2026, 11, 5, 9, tzinfo=UTC)
 

@@ -28,7 +28,7 @@ def first_syncs(apps: Any, schema_editor: Any) -> None:
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("inventory", "0009_device_fillfactor"),
+        ("inventory", "0010_versions_driver_scope"),
     ]
 
     operations = [
