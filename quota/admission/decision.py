@@ -235,6 +235,16 @@ def plan_claim(
     if not rules:
         return plan
     shapes = fleet()
+    problems = unweighable(requests, shapes)
+    if problems:
+        # Selectors Tally cannot evaluate (or not within its limits) say nothing of the
+        # devices the claim could be given: refused where a rule is enforced, never taken
+        # to select nothing in silence.
+        if any(rule.mode == Mode.ENFORCE for rule in rules):
+            plan.denial = "; ".join(f"{where}: {problem}" for where, problem in problems)
+            plan.reason = "Invalid"
+            return plan
+        plan.warnings.extend(f"{where} (warn only): {problem}" for where, problem in problems)
     plan.units = units(rules)
     for request in requests:
         alternatives = request.first_available or [request]
@@ -270,6 +280,42 @@ def plan_claim(
                 f"{_fmt(total, rule, unit)} of {_fmt(rule.limit, rule, unit)} with this claim"
             )
     return plan
+
+
+def unweighable(requests: list[dra.ParsedRequest], fleet: FleetShapes) -> list[tuple[str, str]]:
+    """Why the selectors of `requests` (every `firstAvailable` alternative) cannot be weighed:
+    one that does not compile or is too expensive (`cel.MAX_ESTIMATED_COST`, and
+    `cel.MAX_CLAIM_ESTIMATED_COST` for the claim's together), or a class's or its own that
+    cannot be evaluated on the fleet's shapes (`FleetShapes.unweighable`), each as (what, why).
+    Empty: none."""
+    problems: list[tuple[str, str]] = []
+    total = 0
+    for request in requests:
+        for alternative in request.first_available or [request]:
+            if alternative.admin_access:
+                continue  # observes devices: never weighed
+            where = f'request "{alternative.name}"'
+            compiled = True
+            for selector in alternative.selectors:
+                try:
+                    total += cel.compile_selector(selector).cost
+                except cel.CELError as exc:
+                    problems.append((where, str(exc)))
+                    compiled = False
+            if not compiled:
+                continue
+            problem = fleet.unweighable(alternative.device_class_name, tuple(alternative.selectors))
+            if problem:
+                problems.append((where, problem))
+    if total > cel.MAX_CLAIM_ESTIMATED_COST:
+        problems.append(
+            (
+                "the claim",
+                f"its selectors are too expensive together: their estimated cost is {total:,}, "
+                f"over Tally's limit of {cel.MAX_CLAIM_ESTIMATED_COST:,} for one claim",
+            )
+        )
+    return problems
 
 
 def unread_version(api_version: Any) -> str:

@@ -301,22 +301,66 @@ class FleetShapes:
         )
 
     def candidates(self, device_class: str, selectors: tuple[str, ...]) -> list[Shape]:
-        """The shapes a request of `device_class` with `selectors` could be given."""
+        """The shapes a request of `device_class` with `selectors` could be given; none where
+        they cannot be weighed (`unweighable` says why)."""
+        return self._weigh(device_class, selectors)[0]
+
+    def unweighable(self, device_class: str, selectors: tuple[str, ...]) -> str | None:
+        """Why a request of `device_class` with `selectors` cannot be weighed, or None: a
+        selector of the class or of its own that does not compile or ran past its steps on a
+        shape (`cel.MAX_EVALUATION_STEPS`), or its own selectors together running past
+        `cel.MAX_CLAIM_STEPS` over the class's shapes. Such a request is refused (or warned
+        of) by the webhook, never taken to select nothing in silence."""
+        return self._weigh(device_class, selectors)[1]
+
+    def _weigh(
+        self, device_class: str, selectors: tuple[str, ...]
+    ) -> tuple[list[Shape], str | None]:
         return self.derived(
             ("candidates", device_class, selectors),
             functools.partial(self._select, device_class, selectors),
         )
 
-    def _select(self, device_class: str, selectors: tuple[str, ...]) -> list[Shape]:
+    def _select(
+        self, device_class: str, selectors: tuple[str, ...]
+    ) -> tuple[list[Shape], str | None]:
         class_selectors = self.class_selectors.get(device_class)
         if class_selectors is None:
-            return []  # a class the inventory does not know selects nothing
-        expressions = [*class_selectors, *selectors]
-        return [
-            shape
-            for shape in self.shapes.values()
-            if all(self.match(expression, shape) for expression in expressions)
-        ]
+            return [], None  # a class the inventory does not know selects nothing
+        for expression in class_selectors:
+            try:
+                cel.compile_selector(expression)
+            except cel.CELError as exc:  # said by the sync too
+                return [], f'device class "{device_class}" cannot be weighed: {exc}'
+        # What the claim's own selectors take, summed over the shapes they are evaluated on:
+        # each evaluation's steps are remembered with its result, so the sum (and whether it
+        # runs past the limit) is the same whichever evaluations were done before.
+        steps = 0
+        selected = []
+        for shape in self.shapes.values():
+            for expression in class_selectors:
+                found = evaluate(expression, shape)
+                if found.refused:
+                    return [], f'device class "{device_class}" cannot be weighed: {found.refused}'
+                if not found.matched:
+                    break
+            else:
+                for expression in selectors:
+                    found = evaluate(expression, shape)
+                    steps += found.steps
+                    if found.refused:
+                        return [], found.refused
+                    if steps > cel.MAX_CLAIM_STEPS:
+                        return [], (
+                            f"its selectors take more than {cel.MAX_CLAIM_STEPS:,} evaluation "
+                            f'steps over the devices of class "{device_class}" (Tally\'s limit '
+                            "on one claim; the selectors are too expensive)"
+                        )
+                    if not found.matched:
+                        break
+                else:
+                    selected.append(shape)
+        return selected, None
 
 
 def _less(devices: Mapping[int, int], excluded: Mapping[int, int]) -> dict[int, int]:
@@ -334,28 +378,49 @@ refresher = Refresher("fleet-shapes")
 REFRESH_TIMEOUT_MS = 30_000
 # (when read, every cluster), for `every_fleet_shapes`.
 _clusters: list[tuple[float, list[Cluster]]] = []
-_matches: dict[tuple[str, int], bool] = {}
+_matches: dict[tuple[str, int], Match] = {}
 # Expressions x shapes stays small (rules and request selectors repeat); a process that has
 # seen this many distinct pairs starts afresh rather than grow without bound.
 MAX_REMEMBERED_MATCHES = 200_000
 
 
-def match(expression: str, shape: Shape) -> bool:
-    """Whether `expression` selects devices of `shape`; a bad expression selects none.
+@dataclass(frozen=True)
+class Match:
+    """One selector on one shape: whether it selects it, the steps that took, and `refused`:
+    why the selector cannot be weighed (it does not compile, or ran past its steps)."""
+
+    matched: bool
+    steps: int = 0
+    refused: str | None = None
+
+
+def evaluate(expression: str, shape: Shape) -> Match:
+    """`expression` on devices of `shape`.
 
     Remembered per (expression, shape id) by the process, across snapshots: a shape row never
     changes once written, so a selector is evaluated once per shape, however many requests ask
-    and however often the fleet is reloaded.
+    and however often the fleet is reloaded. A selector that runs past its steps does so again
+    on the same shape, so that is remembered too.
     """
     key = (expression, shape.id)
     result = _matches.get(key)
     if result is None:
         try:
-            result = cel.compile_selector(expression).matches(shape.view)
-        except cel.CELError:
-            result = False
+            selector = cel.compile_selector(expression)
+        except cel.CELError as exc:
+            result = Match(False, refused=str(exc))
+        else:
+            outcome = selector.run(shape.view)
+            refused = outcome.error if outcome.exceeded else None
+            result = Match(outcome.matched, outcome.steps, refused)
         _matches[key] = result
     return result
+
+
+def match(expression: str, shape: Shape) -> bool:
+    """Whether `expression` selects devices of `shape`; one that cannot be weighed selects
+    none (see `evaluate`, and `FleetShapes.unweighable` for what the webhook does then)."""
+    return evaluate(expression, shape).matched
 
 
 def covers(
@@ -365,19 +430,17 @@ def covers(
     class's selectors (as `class_selectors` holds them; none: every device) and the rule's
     own all select it. The class narrows what the rule covers; a claim naming another class
     that selects the same devices is still covered. A class the inventory does not know covers
-    no device; a selector that does not compile is left out (validated when the rule is
-    written; applied to the whole class if one is stored otherwise).
+    no device; a rule's selector that cannot be weighed (validated when the rule is written;
+    one stored otherwise, or one that runs past its steps on a shape) is left out: the rule
+    applies to its whole class.
     """
     expressions = class_selectors.get(device_class)
     if expressions is None or not all(match(expression, shape) for expression in expressions):
         return False
     if not selector:
         return True
-    try:
-        cel.compile_selector(selector)
-    except cel.CELError:
-        return True
-    return match(selector, shape)
+    found = evaluate(selector, shape)
+    return True if found.refused else found.matched
 
 
 def rule_unit(shapes: Iterable[Shape]) -> str:

@@ -104,6 +104,8 @@ class Command(BaseCommand):
             raise CommandError(f"nothing imported: {exc}") from exc
         self._summarise(report)
         self._warn(cluster)
+        for warning in report.warnings:
+            self.stderr.write(f"warning: {warning}")
         for error in report.errors:
             self.stderr.write(f"rejected: {error}")
         if report.errors:
@@ -129,6 +131,8 @@ class Command(BaseCommand):
             api_client.close()
         for report in reports.values():
             self._summarise(report)
+            for warning in report.warnings:
+                self.stderr.write(f"warning: {warning}")
         self._warn(cluster)
         rejected = sum(len(report.errors) for report in reports.values())
         if rejected:
