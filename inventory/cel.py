@@ -79,6 +79,11 @@ class CELError(ValueError):
     """A selector that cannot be compiled: a syntax error, an unknown function, variable or
     field, a type error, or one too expensive (`CELCostError`)."""
 
+    def brief(self) -> str:
+        """The message on one line, for an admission answer or a warning: without the
+        source line and caret under it."""
+        return str(self).splitlines()[0].removesuffix(":")
+
 
 class CELCostError(CELError):
     """A selector whose estimated cost is over `MAX_ESTIMATED_COST`."""

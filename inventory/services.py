@@ -903,8 +903,8 @@ class _Writer:
             except cel.CELError as exc:
                 warning = (
                     f'DeviceClass "{parsed.name}": spec.selectors[{index}] cannot be evaluated '
-                    f"by Tally: {exc}; claims of this class are refused where a quota rule is "
-                    "enforced"
+                    f"by Tally: {exc.brief()}; claims of this class are refused where a quota "
+                    "rule is enforced"
                 )
                 self.report.warnings.append(warning)
                 log.warning("%s", warning)

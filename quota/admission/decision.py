@@ -305,7 +305,7 @@ def unweighable(requests: list[dra.ParsedRequest], fleet: FleetShapes) -> list[t
                 try:
                     total += cel.compile_selector(selector).cost
                 except cel.CELError as exc:
-                    problems.append((where, str(exc)))
+                    problems.append((where, exc.brief()))
                     compiled = False
             if not compiled:
                 continue

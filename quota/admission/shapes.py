@@ -331,7 +331,7 @@ class FleetShapes:
             try:
                 cel.compile_selector(expression)
             except cel.CELError as exc:  # said by the sync too
-                return [], f'device class "{device_class}" cannot be weighed: {exc}'
+                return [], f'device class "{device_class}" cannot be weighed: {exc.brief()}'
         # What the claim's own selectors take, summed over the shapes they are evaluated on:
         # each evaluation's steps are remembered with its result, so the sum (and whether it
         # runs past the limit) is the same whichever evaluations were done before.
@@ -408,7 +408,7 @@ def evaluate(expression: str, shape: Shape) -> Match:
         try:
             selector = cel.compile_selector(expression)
         except cel.CELError as exc:
-            result = Match(False, refused=str(exc))
+            result = Match(False, refused=exc.brief())
         else:
             outcome = selector.run(shape.view)
             refused = outcome.error if outcome.exceeded else None

@@ -101,8 +101,9 @@ def test_selectors_that_beat_their_estimate_are_stopped_by_the_claims_steps(
         f"its selectors take more than {cel.MAX_CLAIM_STEPS:,} evaluation steps"
         in (answer["status"]["message"])
     )
-    # A fifth of the webhook's 2.5 s on an idle core; room for a busy machine.
-    assert elapsed < 2.0
+    # About half a second on an idle core (a fifth of the webhook's 2.5-s deadline): within
+    # the deadline on a busy machine too.
+    assert elapsed < 2.5
     # Asked again, the same answer from what was remembered, without evaluating again.
     started = time.perf_counter()
     again = _answer(client, _selecting(expressions))
