@@ -41,7 +41,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from decimal import Decimal, InvalidOperation
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import celpy
 import lark
@@ -1149,7 +1149,7 @@ class _Meter:
         self.limit = limit
 
 
-class _Evaluator(Evaluator):  # type: ignore[misc]
+class _Evaluator(Evaluator):
     """celpy's interpreter, metered, with CEL's macros as cel-go has them (over a list or a
     map's keys only; `all`/`exists` stop at the first answer and ignore errors the answer
     makes moot), `cel.bind`, and Kubernetes' `sets.*` functions."""
@@ -1180,7 +1180,7 @@ class _Evaluator(Evaluator):  # type: ignore[misc]
             return self._call(FUNCTIONS[f"sets.{name}"], self._values(tree), name)
         if name in ("min", "max", "reduce"):  # celpy takes these for macros; they are methods
             receiver = self.visit(receiver_tree)
-            return self.method_eval(receiver, name_token, self._values(tree))
+            return self.method_eval(receiver, cast(lark.Token, name_token), self._values(tree))
         return super().member_dot_arg(tree)
 
     def _values(self, tree: lark.Tree) -> list[Any]:

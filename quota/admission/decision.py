@@ -245,11 +245,11 @@ def plan_claim(
             plan.reason = "Invalid"
             return plan
         plan.warnings.extend(f"{where} (warn only): {problem}" for where, problem in problems)
-    for rule in rules:
+    for quota_rule in rules:
         # A rule of a class whose selectors cannot be evaluated covers no device it can name.
-        problem = shapes.unweighable(rule.device_class, ())
+        problem = shapes.unweighable(quota_rule.device_class, ())
         if problem:
-            plan.warnings.append(f'quota rule "{rule.name}" counts nothing: {problem}')
+            plan.warnings.append(f'quota rule "{quota_rule.name}" counts nothing: {problem}')
     plan.units = units(rules)
     for request in requests:
         alternatives = request.first_available or [request]
