@@ -45,6 +45,7 @@ from typing import Any, Final, cast
 
 import celpy
 import lark
+import re2
 from celpy import celtypes
 from celpy.celparser import CELParseError
 from celpy.evaluation import Activation, CELEvalError, Evaluator
@@ -431,10 +432,12 @@ def _reverse(receiver: Any) -> celtypes.StringType | celtypes.ListType:
     return celtypes.StringType(_string(receiver, "reverse")[::-1])
 
 
-def _regex(pattern: Any, function: str) -> re.Pattern[str] | CELEvalError:
+def _regex(pattern: Any, function: str) -> Any:
+    """`pattern` compiled by RE2, as cel-go's: linear in the text's length, whatever the
+    pattern (Python's `re` can take exponential time, which no step count would see)."""
     try:
-        return re.compile(_string(pattern, function))
-    except re.error as exc:
+        return re2.compile(_string(pattern, function))
+    except re2.error as exc:
         return _error(f"{function}: invalid regular expression {pattern!r}: {exc}")
 
 

@@ -385,3 +385,23 @@ def test_an_evaluation_that_beats_its_estimate_is_stopped() -> None:
         driver="dra.example.com", attributes={"ports": {"ints": list(range(64))}}, capacity={}
     )
     assert selector.run(short) == Evaluation(True, None, selector.run(short).steps)
+
+
+def test_regular_expressions_are_re2_in_linear_time() -> None:
+    # A pattern that backtracks exponentially in Python's `re`: one call, which no step
+    # count sees, would hold the worker for minutes on a 40-character string.
+    view = DeviceShape.from_device(
+        driver="dra.example.com", attributes={"name": {"string": "a" * 40 + "!"}}, capacity={}
+    )
+    started = time.perf_counter()
+    for expression in (
+        "device.attributes['dra.example.com'].name.find('(a+)+$') == ''",
+        "device.attributes['dra.example.com'].name.findAll('(a|aa)+$').size() == 0",
+        "!device.attributes['dra.example.com'].name.matches('^(a+)+$')",
+    ):
+        assert compile_selector(expression).evaluate(view) == (True, None), expression
+    assert time.perf_counter() - started < 1.0
+    matched, error = compile_selector(
+        "device.attributes['dra.example.com'].name.find('(?=a)') == ''"
+    ).evaluate(view)
+    assert not matched and error is not None and "invalid regular expression" in error
