@@ -1144,6 +1144,10 @@ class _StepLimitExceeded(Exception):
     by the interpreter's own handling of those)."""
 
 
+# Characters of a string (elements of a list) that cost one step.
+_SIZE_PER_STEP: Final = 100
+
+
 class _Meter:
     __slots__ = ("limit", "steps")
 
@@ -1169,7 +1173,14 @@ class _Evaluator(Evaluator):
         meter.steps += 1
         if meter.steps > meter.limit:
             raise _StepLimitExceeded
-        return super()._visit_tree(tree)
+        value = super()._visit_tree(tree)
+        if isinstance(value, str | bytes | list | dict):
+            # What a value holds is paid for too, as cel-go's actual cost counts it: a string
+            # doubled at each step is stopped at a megabyte or so, not a gigabyte later.
+            meter.steps += len(value) // _SIZE_PER_STEP
+            if meter.steps > meter.limit:
+                raise _StepLimitExceeded
+        return value
 
     def member_dot_arg(self, tree: lark.Tree) -> Any:
         receiver_tree, name_token = tree.children[:2]

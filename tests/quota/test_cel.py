@@ -405,3 +405,13 @@ def test_regular_expressions_are_re2_in_linear_time() -> None:
         "device.attributes['dra.example.com'].name.find('(?=a)') == ''"
     ).evaluate(view)
     assert not matched and error is not None and "invalid regular expression" in error
+
+
+def test_a_value_that_grows_at_each_step_is_stopped() -> None:
+    # Each step multiplies the string by ten: a dozen steps, but a terabyte, were they all run.
+    selector = compile_selector("'a'" + ".replace('a', 'aaaaaaaaaa')" * 12 + ".size() > 0")
+    assert selector.cost <= MAX_ESTIMATED_COST
+    started = time.perf_counter()
+    outcome = selector.run(DeviceShape.from_device(driver="x", attributes={}, capacity={}))
+    assert time.perf_counter() - started < 1.0
+    assert outcome.exceeded and "evaluation stopped after" in (outcome.error or "")
