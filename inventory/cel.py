@@ -649,6 +649,8 @@ class DeviceShape:
 
 # --- Type checking and cost estimation ---------------------------------------------------------
 
+# The API server's limit on a selector's length (`resourceapi.CELSelectorExpressionMaxLength`).
+MAX_EXPRESSION_LENGTH: Final = 10 * 1024
 # The API server's limit on a selector's estimated cost
 # (`resourceapi.CELSelectorExpressionMaxCost`).
 KUBERNETES_MAX_COST: Final = 1_000_000
@@ -1398,11 +1400,19 @@ def compile_selector(expression: str) -> CompiledSelector:
 
     Raises `CELError` with the expression (and the line and column of the problem where there
     is one) for a syntax error, an unknown function, variable or field of `device`, a type
-    error (a selector must be a bool), and `CELCostError` for one whose estimated cost is over
+    error (a selector must be a bool), one longer than `MAX_EXPRESSION_LENGTH` or nested too
+    deeply to parse, and `CELCostError` for one whose estimated cost is over
     `MAX_ESTIMATED_COST`.
     """
+    if len(expression) > MAX_EXPRESSION_LENGTH:
+        raise CELError(
+            f"CEL selector {expression[:40]!r}... is {len(expression):,} characters long, over "
+            f"the API server's limit of {MAX_EXPRESSION_LENGTH:,}"
+        )
     try:
         tree = _ENVIRONMENT.compile(expression)
+    except RecursionError as exc:
+        raise CELError(f"CEL selector {expression[:40]!r}... is nested too deeply") from exc
     except CELParseError as exc:
         detail = str(exc.args[0]).strip().splitlines()
         raise CELError(
@@ -1411,9 +1421,9 @@ def compile_selector(expression: str) -> CompiledSelector:
         ) from exc
     try:
         cost = _check(expression, tree)
+        program = _ENVIRONMENT.program(_collapse(tree), functions=FUNCTIONS)
     except RecursionError as exc:
-        raise CELError(f"CEL selector {expression!r} is nested too deeply") from exc
-    program = _ENVIRONMENT.program(_collapse(tree), functions=FUNCTIONS)
+        raise CELError(f"CEL selector {expression[:40]!r}... is nested too deeply") from exc
     return CompiledSelector(
         expression=expression, cost=cost, _program=program, _base=program.new_activation()
     )

@@ -415,3 +415,16 @@ def test_a_value_that_grows_at_each_step_is_stopped() -> None:
     outcome = selector.run(DeviceShape.from_device(driver="x", attributes={}, capacity={}))
     assert time.perf_counter() - started < 1.0
     assert outcome.exceeded and "evaluation stopped after" in (outcome.error or "")
+
+
+@pytest.mark.parametrize(
+    ("expression", "message"),
+    [
+        ("(" * 3000 + "true" + ")" * 3000, "is nested too deeply"),
+        (" && ".join(["device.driver == 'x'"] * 600), "over the API server's limit of 10,240"),
+    ],
+    ids=["deep", "long"],
+)
+def test_a_selector_too_long_or_too_deep_is_refused(expression: str, message: str) -> None:
+    with pytest.raises(CELError, match=message):
+        compile_selector(expression)
