@@ -695,7 +695,7 @@ _DEVICE_FIELDS: Final = {
 _RETURNS: Final[dict[str, str]] = {
     **{name: "bool" for name in ("isQuantity", "isSemver", "isGreaterThan", "isLessThan")},
     **{name: "bool" for name in ("isInteger", "includes", "isSorted", "startsWith")},
-    **{name: "bool" for name in ("endsWith", "contains", "matches", "has")},
+    **{name: "bool" for name in ("endsWith", "contains", "matches")},
     **{name: "bool" for name in ("sets.contains", "sets.equivalent", "sets.intersects")},
     **{name: "int" for name in ("compareTo", "sign", "asInteger", "major", "minor", "patch")},
     **{name: "int" for name in ("size", "indexOf", "lastIndexOf", "int")},
