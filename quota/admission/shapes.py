@@ -303,45 +303,56 @@ class FleetShapes:
     def candidates(self, device_class: str, selectors: tuple[str, ...]) -> list[Shape]:
         """The shapes a request of `device_class` with `selectors` could be given; none where
         they cannot be weighed (`unweighable` says why)."""
-        return self._weigh(device_class, selectors)[0]
+        return self.weigh(device_class, selectors).shapes
 
     def unweighable(self, device_class: str, selectors: tuple[str, ...]) -> str | None:
-        """Why a request of `device_class` with `selectors` cannot be weighed, or None: a
-        selector of the class or of its own that does not compile or ran past its steps on a
-        shape (`cel.MAX_EVALUATION_STEPS`), or its own selectors together running past
-        `cel.MAX_CLAIM_STEPS` over the class's shapes. Such a request is refused (or warned
-        of) by the webhook, never taken to select nothing in silence."""
-        return self._weigh(device_class, selectors)[1]
+        """Why a request of `device_class` with `selectors` cannot be weighed, or None (see
+        `weigh`). Such a request is refused (or warned of) by the webhook, never taken to
+        select nothing in silence."""
+        weighed = self.weigh(device_class, selectors)
+        if weighed.problem is None and weighed.steps > cel.MAX_CLAIM_STEPS:
+            return too_many_steps()
+        return weighed.problem
 
-    def _weigh(
-        self, device_class: str, selectors: tuple[str, ...]
-    ) -> tuple[list[Shape], str | None]:
-        return self.derived(
-            ("candidates", device_class, selectors),
-            functools.partial(self._select, device_class, selectors),
-        )
+    def weigh(
+        self, device_class: str, selectors: tuple[str, ...], *, budget: int = cel.MAX_CLAIM_STEPS
+    ) -> Weighed:
+        """The shapes a request of `device_class` with `selectors` could be given, with what
+        stops it being weighed: a selector of the class or of its own that does not compile
+        or ran past its steps on a shape (`cel.MAX_EVALUATION_STEPS`), or its own selectors
+        running past `budget` steps, summed over the class's shapes (then `steps` is past
+        `budget` and `shapes` empty). Worked out once per snapshot, unless stopped short of
+        `cel.MAX_CLAIM_STEPS` by a smaller budget (what is left of a claim's)."""
+        key = ("candidates", device_class, selectors)
+        weighed: Weighed | None = self._derived.get(key)
+        if weighed is None:
+            weighed = self._select(device_class, selectors, budget)
+            if weighed.steps <= budget or budget >= cel.MAX_CLAIM_STEPS:
+                self._derived[key] = weighed
+        return weighed
 
-    def _select(
-        self, device_class: str, selectors: tuple[str, ...]
-    ) -> tuple[list[Shape], str | None]:
+    def _select(self, device_class: str, selectors: tuple[str, ...], budget: int) -> Weighed:
         class_selectors = self.class_selectors.get(device_class)
         if class_selectors is None:
-            return [], None  # a class the inventory does not know selects nothing
+            return Weighed([])  # a class the inventory does not know selects nothing
         for expression in class_selectors:
             try:
                 cel.compile_selector(expression)
             except cel.CELError as exc:  # said by the sync too
-                return [], f'device class "{device_class}" cannot be weighed: {exc.brief()}'
-        # What the claim's own selectors take, summed over the shapes they are evaluated on:
+                return Weighed(
+                    [], f'device class "{device_class}" cannot be weighed: {exc.brief()}'
+                )
+        # What the request's own selectors take, summed over the shapes they are evaluated on:
         # each evaluation's steps are remembered with its result, so the sum (and whether it
-        # runs past the limit) is the same whichever evaluations were done before.
+        # runs past the budget) is the same whichever evaluations were done before.
         steps = 0
         selected = []
         for shape in self.shapes.values():
             for expression in class_selectors:
                 found = evaluate(expression, shape)
                 if found.refused:
-                    return [], f'device class "{device_class}" cannot be weighed: {found.refused}'
+                    problem = f'device class "{device_class}" cannot be weighed: {found.refused}'
+                    return Weighed([], problem)
                 if not found.matched:
                     break
             else:
@@ -349,18 +360,32 @@ class FleetShapes:
                     found = evaluate(expression, shape)
                     steps += found.steps
                     if found.refused:
-                        return [], found.refused
-                    if steps > cel.MAX_CLAIM_STEPS:
-                        return [], (
-                            f"its selectors take more than {cel.MAX_CLAIM_STEPS:,} evaluation "
-                            f'steps over the devices of class "{device_class}" (Tally\'s limit '
-                            "on one claim; the selectors are too expensive)"
-                        )
+                        return Weighed([], found.refused, steps)
+                    if steps > budget:
+                        return Weighed([], None, steps)
                     if not found.matched:
                         break
                 else:
                     selected.append(shape)
-        return selected, None
+        return Weighed(selected, None, steps)
+
+
+@dataclass(frozen=True)
+class Weighed:
+    """What `FleetShapes.weigh` found for a request: the shapes it could be given, why it
+    cannot be weighed (None: it can), and the steps its own selectors took over the shapes."""
+
+    shapes: list[Shape]
+    problem: str | None = None
+    steps: int = 0
+
+
+def too_many_steps() -> str:
+    """Why a claim whose selectors run past `cel.MAX_CLAIM_STEPS` is not weighed."""
+    return (
+        f"its selectors take more than {cel.MAX_CLAIM_STEPS:,} evaluation steps over the "
+        "devices of their classes (Tally's limit on one claim; the selectors are too expensive)"
+    )
 
 
 def _less(devices: Mapping[int, int], excluded: Mapping[int, int]) -> dict[int, int]:

@@ -165,3 +165,28 @@ def test_a_class_selector_tally_cannot_evaluate_is_a_warning_under_warn_rules(
         )
         for warning in answer["warnings"]
     )
+
+
+@pytest.mark.usefixtures("sync_report")
+def test_a_claims_steps_are_summed_over_its_alternatives(client: Client) -> None:
+    # Each alternative within the claim's steps on its own; all three together past them.
+    alternatives = [
+        {
+            "name": f"option-{i}",
+            "deviceClassName": "gpu.nvidia.com",
+            "selectors": [{"cel": {"expression": nested(25).replace("x + y", f"x + y + {i}")}}],
+        }
+        for i in range(3)
+    ]
+    total = sum(
+        cel.compile_selector(a["selectors"][0]["cel"]["expression"]).cost for a in alternatives
+    )
+    assert total <= cel.MAX_CLAIM_ESTIMATED_COST
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 8}])
+    started = time.perf_counter()
+    answer = _answer(client, claim("options", [{"name": "gpu", "firstAvailable": alternatives}]))
+    assert time.perf_counter() - started < 2.5
+    assert answer["allowed"] is False
+    assert answer["status"]["message"].startswith(
+        f"the claim: its selectors take more than {cel.MAX_CLAIM_STEPS:,} evaluation steps"
+    )
