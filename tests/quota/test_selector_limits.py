@@ -170,18 +170,16 @@ def test_a_class_selector_tally_cannot_evaluate_is_a_warning_under_warn_rules(
 @pytest.mark.usefixtures("sync_report")
 def test_a_claims_steps_are_summed_over_its_alternatives(client: Client) -> None:
     # Each alternative within the claim's steps on its own; all three together past them.
+    expressions = [nested(25).replace("x + y", f"x + y + {i}") for i in range(3)]
+    assert sum(cel.compile_selector(e).cost for e in expressions) <= cel.MAX_CLAIM_ESTIMATED_COST
     alternatives = [
         {
             "name": f"option-{i}",
             "deviceClassName": "gpu.nvidia.com",
-            "selectors": [{"cel": {"expression": nested(25).replace("x + y", f"x + y + {i}")}}],
+            "selectors": [{"cel": {"expression": expression}}],
         }
-        for i in range(3)
+        for i, expression in enumerate(expressions)
     ]
-    total = sum(
-        cel.compile_selector(a["selectors"][0]["cel"]["expression"]).cost for a in alternatives
-    )
-    assert total <= cel.MAX_CLAIM_ESTIMATED_COST
     make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 8}])
     started = time.perf_counter()
     answer = _answer(client, claim("options", [{"name": "gpu", "firstAvailable": alternatives}]))
