@@ -32,7 +32,7 @@ from django.db.models import (
 from db.bulk import AnyOf, update_instances, update_rows
 from db.copy import bulk_insert
 from db.locks import advisory_xact_lock
-from inventory import checks, dra, owners, profiles
+from inventory import cel, checks, dra, owners, profiles
 from inventory.capacity import CapacityError, consumed_fraction
 from inventory.gangs import GangIndex, GangRef, gang_of_claim
 from inventory.models import (
@@ -67,6 +67,9 @@ class SyncReport:
     gone: Counter[str] = field(default_factory=Counter)
     skipped: Counter[str] = field(default_factory=Counter)
     errors: list[str] = field(default_factory=list)
+    # Stored as published, but not to be trusted as it is (a class's selector Tally cannot
+    # evaluate): one line each, naming the object.
+    warnings: list[str] = field(default_factory=list)
     # Device identities not taken because they are live in another cluster, by its name.
     refused: dict[str, list[str]] = field(default_factory=lambda: defaultdict(list))
     # Allocations the cluster says began before its first sync, charged from later instead
@@ -103,6 +106,8 @@ class SyncReport:
             for kind in kinds
         ]
         parts.append(f"{len(self.errors)} rejected")
+        if self.warnings:
+            parts.append(f"{len(self.warnings)} warned of")
         return "; ".join(parts)
 
 
@@ -934,6 +939,20 @@ class _Writer:
         self.report.created["Node"] += len(new_nodes)
 
     def _write_device_class(self, parsed: dra.ParsedDeviceClass) -> None:
+        # Stored as the API server accepted it; a selector Tally cannot evaluate is said here,
+        # and the webhook refuses (or warns of) claims of the class rather than take it to
+        # select nothing.
+        for index, expression in enumerate(parsed.selectors):
+            try:
+                cel.compile_selector(expression)
+            except cel.CELError as exc:
+                warning = (
+                    f'DeviceClass "{parsed.name}": spec.selectors[{index}] cannot be evaluated '
+                    f"by Tally: {exc.brief()}; claims of this class are refused where a quota "
+                    "rule is enforced"
+                )
+                self.report.warnings.append(warning)
+                log.warning("%s", warning)
         values = {
             "uid": parsed.uid,
             "api_version": parsed.api_version,

@@ -43,7 +43,7 @@ from inventory.checks import InvalidPool
 from inventory.gangs import GangRef
 from inventory.profiles import hours_label, unit_label
 from quota import cel
-from quota.admission.shapes import NO_SHORTFALL, FleetShapes, Shape, rule_unit
+from quota.admission.shapes import NO_SHORTFALL, FleetShapes, Shape, rule_unit, too_many_steps
 from quota.models import GangMode, Mode, QuotaRule, ReservationState, Unit
 from teams.models import Team
 
@@ -303,6 +303,25 @@ def plan_claim(
     if not rules:
         return plan
     shapes = fleet()
+    for quota_rule in rules:
+        # A rule of a class whose selectors cannot be evaluated covers no device it can name.
+        problem = shapes.unweighable(quota_rule.device_class, ())
+        if problem:
+            plan.warnings.append(f'quota rule "{quota_rule.name}" counts nothing: {problem}')
+    problems = unweighable(requests, shapes)
+    if problems:
+        # Selectors Tally cannot evaluate (or not within its limits) say nothing of the
+        # devices the claim could be given: refused where a rule is enforced, never taken
+        # to select nothing in silence.
+        if any(rule.mode == Mode.ENFORCE for rule in rules):
+            plan.denial = "; ".join(f"{where}: {problem}" for where, problem in problems)
+            plan.reason = "Invalid"
+            return plan
+        # Not weighed at all (that could evaluate what was left unevaluated): counted on
+        # no rule until the sync sees what it was given.
+        plan.warnings.extend(f"{where} (warn only): {problem}" for where, problem in problems)
+        plan.warnings.append("the claim is counted on no quota rule until it is allocated")
+        return plan
     plan.units = units(rules)
     for request in requests:
         alternatives = request.first_available or [request]
@@ -338,6 +357,58 @@ def plan_claim(
                 f"{_fmt(total, rule, unit)} of {_fmt(rule.limit, rule, unit)} with this claim"
             )
     return plan
+
+
+def unweighable(requests: list[dra.ParsedRequest], fleet: FleetShapes) -> list[tuple[str, str]]:
+    """Why the selectors of `requests` (every `firstAvailable` alternative) cannot be weighed:
+    one that does not compile or is too expensive (`cel.MAX_ESTIMATED_COST`, and
+    `cel.MAX_CLAIM_ESTIMATED_COST` for the claim's together), a class's or its own that cannot
+    be evaluated on the fleet's shapes (`FleetShapes.weigh`), or all of them together taking
+    more than `cel.MAX_CLAIM_STEPS` over those shapes (evaluation stops there, so a claim takes
+    a worker for that long at most); each as (what, why). Empty: none. Worked out once per
+    fleet snapshot for requests that ask alike."""
+    asked = tuple(
+        (alternative.name, alternative.device_class_name, tuple(alternative.selectors))
+        for request in requests
+        for alternative in request.first_available or [request]
+        if not alternative.admin_access  # observes devices: never weighed
+    )
+    return fleet.derived(("unweighable", asked), functools.partial(_unweighable, asked, fleet))
+
+
+def _unweighable(
+    asked: tuple[tuple[str, str, tuple[str, ...]], ...], fleet: FleetShapes
+) -> list[tuple[str, str]]:
+    problems: list[tuple[str, str]] = []
+    total = 0
+    steps_left = cel.MAX_CLAIM_STEPS
+    for name, device_class, selectors in asked:
+        where = f'request "{name}"'
+        compiled = True
+        for selector in selectors:
+            try:
+                total += cel.compile_selector(selector).cost
+            except cel.CELError as exc:
+                problems.append((where, exc.brief()))
+                compiled = False
+        if not compiled:
+            continue
+        weighed = fleet.weigh(device_class, selectors, budget=steps_left)
+        if weighed.problem:
+            problems.append((where, weighed.problem))
+        steps_left -= weighed.steps
+        if steps_left < 0:
+            problems.append(("the claim", too_many_steps()))
+            return problems
+    if total > cel.MAX_CLAIM_ESTIMATED_COST:
+        problems.append(
+            (
+                "the claim",
+                f"its selectors are too expensive together: their estimated cost is {total:,}, "
+                f"over Tally's limit of {cel.MAX_CLAIM_ESTIMATED_COST:,} for one claim",
+            )
+        )
+    return problems
 
 
 def unread_version(api_version: Any) -> str:
@@ -449,7 +520,10 @@ def _budget_denies(
 def _asks_for(requests: list[dra.ParsedRequest], unit: str, fleet: FleetShapes) -> bool:
     """Whether any of `requests` (any `firstAvailable` alternative) could be given an
     accelerator of `unit` in `fleet`. A request no device of the inventory matches could be
-    given anything once the inventory knows more, so it counts as asking for every unit."""
+    given anything once the inventory knows more, so it counts as asking for every unit, as
+    does one whose selectors cannot be weighed (`unweighable`, which bounds their evaluation)."""
+    if unweighable(requests, fleet):
+        return True
     for request in requests:
         for alternative in request.first_available or [request]:
             if alternative.admin_access:

@@ -301,22 +301,91 @@ class FleetShapes:
         )
 
     def candidates(self, device_class: str, selectors: tuple[str, ...]) -> list[Shape]:
-        """The shapes a request of `device_class` with `selectors` could be given."""
-        return self.derived(
-            ("candidates", device_class, selectors),
-            functools.partial(self._select, device_class, selectors),
-        )
+        """The shapes a request of `device_class` with `selectors` could be given; none where
+        they cannot be weighed (`unweighable` says why)."""
+        return self.weigh(device_class, selectors).shapes
 
-    def _select(self, device_class: str, selectors: tuple[str, ...]) -> list[Shape]:
+    def unweighable(self, device_class: str, selectors: tuple[str, ...]) -> str | None:
+        """Why a request of `device_class` with `selectors` cannot be weighed, or None (see
+        `weigh`). Such a request is refused (or warned of) by the webhook, never taken to
+        select nothing in silence."""
+        weighed = self.weigh(device_class, selectors)
+        if weighed.problem is None and weighed.steps > cel.MAX_CLAIM_STEPS:
+            return too_many_steps()
+        return weighed.problem
+
+    def weigh(
+        self, device_class: str, selectors: tuple[str, ...], *, budget: int = cel.MAX_CLAIM_STEPS
+    ) -> Weighed:
+        """The shapes a request of `device_class` with `selectors` could be given, with what
+        stops it being weighed: a selector of the class or of its own that does not compile
+        or ran past its steps on a shape (`cel.MAX_EVALUATION_STEPS`), or its own selectors
+        running past `budget` steps, summed over the class's shapes (then `steps` is past
+        `budget` and `shapes` empty). Worked out once per snapshot, unless stopped short of
+        `cel.MAX_CLAIM_STEPS` by a smaller budget (what is left of a claim's)."""
+        key = ("candidates", device_class, selectors)
+        weighed: Weighed | None = self._derived.get(key)
+        if weighed is None:
+            weighed = self._select(device_class, selectors, budget)
+            if weighed.steps <= budget or budget >= cel.MAX_CLAIM_STEPS:
+                self._derived[key] = weighed
+        return weighed
+
+    def _select(self, device_class: str, selectors: tuple[str, ...], budget: int) -> Weighed:
         class_selectors = self.class_selectors.get(device_class)
         if class_selectors is None:
-            return []  # a class the inventory does not know selects nothing
-        expressions = [*class_selectors, *selectors]
-        return [
-            shape
-            for shape in self.shapes.values()
-            if all(self.match(expression, shape) for expression in expressions)
-        ]
+            return Weighed([])  # a class the inventory does not know selects nothing
+        for expression in class_selectors:
+            try:
+                cel.compile_selector(expression)
+            except cel.CELError as exc:  # said by the sync too
+                return Weighed(
+                    [], f'device class "{device_class}" cannot be weighed: {exc.brief()}'
+                )
+        # What the request's own selectors take, summed over the shapes they are evaluated on:
+        # each evaluation's steps are remembered with its result, so the sum (and whether it
+        # runs past the budget) is the same whichever evaluations were done before.
+        steps = 0
+        selected = []
+        for shape in self.shapes.values():
+            for expression in class_selectors:
+                found = evaluate(expression, shape)
+                if found.refused:
+                    problem = f'device class "{device_class}" cannot be weighed: {found.refused}'
+                    return Weighed([], problem)
+                if not found.matched:
+                    break
+            else:
+                for expression in selectors:
+                    found = evaluate(expression, shape)
+                    steps += found.steps
+                    if found.refused:
+                        return Weighed([], found.refused, steps)
+                    if steps > budget:
+                        return Weighed([], None, steps)
+                    if not found.matched:
+                        break
+                else:
+                    selected.append(shape)
+        return Weighed(selected, None, steps)
+
+
+@dataclass(frozen=True)
+class Weighed:
+    """What `FleetShapes.weigh` found for a request: the shapes it could be given, why it
+    cannot be weighed (None: it can), and the steps its own selectors took over the shapes."""
+
+    shapes: list[Shape]
+    problem: str | None = None
+    steps: int = 0
+
+
+def too_many_steps() -> str:
+    """Why a claim whose selectors run past `cel.MAX_CLAIM_STEPS` is not weighed."""
+    return (
+        f"its selectors take more than {cel.MAX_CLAIM_STEPS:,} evaluation steps over the "
+        "devices of their classes (Tally's limit on one claim; the selectors are too expensive)"
+    )
 
 
 def _less(devices: Mapping[int, int], excluded: Mapping[int, int]) -> dict[int, int]:
@@ -334,28 +403,49 @@ refresher = Refresher("fleet-shapes")
 REFRESH_TIMEOUT_MS = 30_000
 # (when read, every cluster), for `every_fleet_shapes`.
 _clusters: list[tuple[float, list[Cluster]]] = []
-_matches: dict[tuple[str, int], bool] = {}
+_matches: dict[tuple[str, int], Match] = {}
 # Expressions x shapes stays small (rules and request selectors repeat); a process that has
 # seen this many distinct pairs starts afresh rather than grow without bound.
 MAX_REMEMBERED_MATCHES = 200_000
 
 
-def match(expression: str, shape: Shape) -> bool:
-    """Whether `expression` selects devices of `shape`; a bad expression selects none.
+@dataclass(frozen=True)
+class Match:
+    """One selector on one shape: whether it selects it, the steps that took, and `refused`:
+    why the selector cannot be weighed (it does not compile, or ran past its steps)."""
+
+    matched: bool
+    steps: int = 0
+    refused: str | None = None
+
+
+def evaluate(expression: str, shape: Shape) -> Match:
+    """`expression` on devices of `shape`.
 
     Remembered per (expression, shape id) by the process, across snapshots: a shape row never
     changes once written, so a selector is evaluated once per shape, however many requests ask
-    and however often the fleet is reloaded.
+    and however often the fleet is reloaded. A selector that runs past its steps does so again
+    on the same shape, so that is remembered too.
     """
     key = (expression, shape.id)
     result = _matches.get(key)
     if result is None:
         try:
-            result = cel.compile_selector(expression).matches(shape.view)
-        except cel.CELError:
-            result = False
+            selector = cel.compile_selector(expression)
+        except cel.CELError as exc:
+            result = Match(False, refused=exc.brief())
+        else:
+            outcome = selector.run(shape.view)
+            refused = outcome.error if outcome.exceeded else None
+            result = Match(outcome.matched, outcome.steps, refused)
         _matches[key] = result
     return result
+
+
+def match(expression: str, shape: Shape) -> bool:
+    """Whether `expression` selects devices of `shape`; one that cannot be weighed selects
+    none (see `evaluate`, and `FleetShapes.unweighable` for what the webhook does then)."""
+    return evaluate(expression, shape).matched
 
 
 def covers(
@@ -365,19 +455,17 @@ def covers(
     class's selectors (as `class_selectors` holds them; none: every device) and the rule's
     own all select it. The class narrows what the rule covers; a claim naming another class
     that selects the same devices is still covered. A class the inventory does not know covers
-    no device; a selector that does not compile is left out (validated when the rule is
-    written; applied to the whole class if one is stored otherwise).
+    no device; a rule's selector that cannot be weighed (validated when the rule is written;
+    one stored otherwise, or one that runs past its steps on a shape) is left out: the rule
+    applies to its whole class.
     """
     expressions = class_selectors.get(device_class)
     if expressions is None or not all(match(expression, shape) for expression in expressions):
         return False
     if not selector:
         return True
-    try:
-        cel.compile_selector(selector)
-    except cel.CELError:
-        return True
-    return match(selector, shape)
+    found = evaluate(selector, shape)
+    return True if found.refused else found.matched
 
 
 def rule_unit(shapes: Iterable[Shape]) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import textwrap
 from decimal import Decimal
 from io import StringIO
@@ -425,6 +426,30 @@ def test_duplicate_rule_names_are_reported() -> None:
     assert caught.value.errors == [
         "teams[0].quotas[1].name: duplicate rule name 'h100' (also teams[0].quotas[0])"
     ]
+
+
+SIXTY = "[" + ", ".join(str(i) for i in range(60)) + "]"
+
+
+@pytest.mark.parametrize(
+    ("selector", "problem"),
+    [
+        # Not a bool: it passed before, and then covered nothing.
+        ("1", "must evaluate to bool or the unknown type, not int"),
+        ("device.driver", "must evaluate to bool or the unknown type, not string"),
+        # Within the API server's cost limit, not within Tally's.
+        (f"{SIXTY}.all(x, {SIXTY}.all(y, x + y >= 0))", "is too expensive: its estimated cost"),
+        ("device.attributes['gpu.nvidia.com'].type.frobnicate()", "undeclared reference to"),
+    ],
+)
+def test_a_selector_tally_cannot_evaluate_is_a_validation_error(
+    selector: str, problem: str
+) -> None:
+    with pytest.raises(PolicyError) as caught:
+        load_policy(VISION.replace("gpus: 8", f"gpus: 8\n    selector: {json.dumps(selector)}"))
+    [error] = caught.value.errors
+    assert error.startswith("teams[0].quotas[0].selector: bad CEL: ")
+    assert problem in error
 
 
 def test_bad_selector_error_names_the_position() -> None:

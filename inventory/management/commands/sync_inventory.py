@@ -140,7 +140,7 @@ class Command(BaseCommand):
         report = preview.report
         self.stdout.write(f"Dry run of {path} into cluster {cluster_name}: nothing written.")
         self._summarise(report)
-        for note in report.notes():
+        for note in (*report.notes(), *report.warnings):
             self.stderr.write(f"warning: {note}")
         for error in report.errors:
             self.stderr.write(f"would reject: {error}")
@@ -226,7 +226,7 @@ class Command(BaseCommand):
         """What the sync did not take as given (`SyncReport.notes`) and what the stored
         inventory cannot be trusted on, one line each on stderr, counted on stdout. Warnings
         leave the exit status alone: the rows were stored as published."""
-        notes = [note for report in reports for note in report.notes()]
+        notes = [note for report in reports for note in (*report.notes(), *report.warnings)]
         for note in notes:
             self.stderr.write(f"warning: {note}")
         warnings = checks.sync_warnings(cluster=cluster)
