@@ -991,7 +991,12 @@ def _columns(device: ParsedDevice, driver: str, profile: profiles.Profile) -> di
             break
     parts = [text(name) for name in profile.profile_parts]
     return {
-        "product_name": _first(device, driver, profile.model_attributes),
+        "product_name": profiles.fallback_model(
+            driver,
+            _first(device, driver, profile.model_attributes),
+            # Intel's driver: the `pciId` attribute, else the id ending the device's name.
+            (text("pciId"), device.name.rsplit("-", 1)[-1]),
+        ),
         "uuid": text("uuid"),
         "parent_uuid": text("parentUUID"),
         "device_type": text(profile.type_attribute),

@@ -618,3 +618,40 @@ def partition_profile_count(profile: str, product: str = "") -> int | None:
         upper = product.upper()
         return next((n for model, n in AMD_XCDS.items() if model in upper), None)
     return AMD_PARTITIONS.get(mode)
+
+
+# Intel's GPU driver looks a GPU's `model` up from its PCI device id and publishes "Unknown"
+# for an id its table lacks (Arc cards, in the releases seen): every such GPU would be billed
+# as one model "Unknown". Names of ids the driver's table has missed, from the Linux kernel's
+# PCI id lists; any other id is named "Intel GPU 0x<id>", a name a rate card can still price
+# and `inventory.checks` asks an operator to confirm.
+INTEL_DRIVER = "gpu.intel.com"
+INTEL_GPU_MODELS = {
+    "0x56a0": "Arc A770",
+    "0x56a1": "Arc A750",
+    "0x56a5": "Arc A380",
+    "0x56a6": "Arc A310",
+    "0x56c0": "Flex 170",
+    "0x56c1": "Flex 140",
+    "0x0bd5": "Max 1550",
+    "0x0bda": "Max 1100",
+    "0xe20b": "Arc B580",
+    "0xe20c": "Arc B570",
+}
+INTEL_UNNAMED_PREFIX = "Intel GPU 0x"
+_PCI_DEVICE_ID = re.compile(r"(?:0x)?(?P<id>[0-9a-f]{4})\Z")
+_UNNAMED_MODELS = frozenset({"", "unknown"})
+
+
+def fallback_model(driver: str, published: str, pci_ids: Iterable[str]) -> str:
+    """The model of a device whose driver published none (or "Unknown"): for Intel GPUs, the
+    name of its PCI device id (the first of `pci_ids` that is one), else "Intel GPU 0x<id>";
+    `published` as it is otherwise."""
+    if driver != INTEL_DRIVER or published.strip().lower() not in _UNNAMED_MODELS:
+        return published
+    for text in pci_ids:
+        match = _PCI_DEVICE_ID.fullmatch(text.strip().lower())
+        if match:
+            device_id = "0x" + match["id"]
+            return INTEL_GPU_MODELS.get(device_id, INTEL_UNNAMED_PREFIX + match["id"])
+    return published

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from django.test import override_settings
 
-from inventory import profiles, services
+from inventory import checks, profiles, services
 from inventory.dumps import iter_objects
 from inventory.models import Device, DriverProfile
 from tests.fixtures import DRA
@@ -24,6 +24,7 @@ VENDORS = DRA / "vendors"
 FIXTURES = (
     "amd-mi300x.yaml",
     "intel-gpu.yaml",
+    "intel-arc.yaml",
     "gaudi2.yaml",
     "tpu.yaml",
     "vgpu.yaml",
@@ -109,6 +110,24 @@ def test_intel_integrated_gpu_is_not_an_accelerator_and_the_discrete_one_is() ->
         "fx", "gpu.intel.com", "intel-node-1", "0000-03-00-0-0x56c0"
     )
     assert discrete.meter_id.startswith("dra-") and len(discrete.meter_id) == 36
+
+
+def test_intel_gpus_whose_driver_names_no_model_are_named_by_pci_id_and_warned_about() -> None:
+    load("intel-arc.yaml")
+    arc, unlisted = accelerators("gpu.intel.com")
+    # "Unknown" would price every unnamed model alike: a known id is named, another spelled.
+    assert arc.product_name == "Arc A770"
+    assert unlisted.product_name == "Intel GPU 0x56ff"  # no pciId: the id ending its name
+    (warning,) = [w for w in checks.sync_warnings() if w["check"] == checks.UNNAMED_MODEL]
+    assert warning["devices"] == ["0000-04-00-0-0x56ff"]
+    assert warning["message"].startswith(
+        "pool gpu.intel.com/arc-node-1: device 0000-04-00-0-0x56ff published no model name; "
+        "counted and billed as model 'Intel GPU 0x56ff'"
+    )
+    assert "models named by PCI id: 1" in checks.summarise([warning])
+    # A model the driver names is kept as published.
+    assert profiles.fallback_model("gpu.intel.com", "Flex 170", ["0x56a0"]) == "Flex 170"
+    assert profiles.fallback_model("gaudi.intel.com", "", ["0x1020"]) == ""
 
 
 @override_settings(TALLY_GPU_DRIVERS=frozenset())
@@ -246,7 +265,7 @@ def test_every_accelerator_has_a_unique_meter_id_that_survives_a_resync() -> Non
     present = Device.objects.filter(gone_at__isnull=True)
     accel = present.exclude(kind="other")
     meters = list(accel.values_list("meter_id", flat=True))
-    assert all(meters) and len(meters) == len(set(meters)) == 41
+    assert all(meters) and len(meters) == len(set(meters)) == 43
     assert set(present.filter(kind="other").values_list("meter_id", flat=True)) == {""}
     before = {d.pk: (d.meter_id, d.physical_gpu_key, d.gpu_share) for d in accel}
     load(*FIXTURES, at=AT + timedelta(hours=1))
