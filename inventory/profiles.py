@@ -42,6 +42,11 @@ Spec keys (all optional; lists are of attribute or capacity names, tried in orde
   `<board>-<GB><series>` such as A100-4C: that framebuffer of the board's). A whole device no
   rule applies to is 1; a partition no rule applies to is one of the partitions published with
   the same physical unit.
+- `unit_counters`: counters (names or patterns) that count physical units themselves: a
+  multi-host device (KEP-4815's TPU slices) consumes so many chips of each node from a counter
+  set that spans several nodes (`tpus-node-1: 4`). A device that consumes any of them counts
+  the units it consumes (a 4x4 slice over four nodes of four chips is 16 chips), not a share of
+  one unit. Default `gpus*`, `tpus*`, `chips*`.
 - `size_counters`: the counters (names, or patterns such as `memorySlice*`) whose share measures
   a partition's size, for the `counters` rule. Others are engines some partitions carry and
   others lack (NVIDIA's single JPEG and optical-flow engines): taking the GPU's only JPEG engine
@@ -65,6 +70,8 @@ from kubernetes.utils import parse_quantity
 UNITS = ("gpu", "tpu", "gaudi", "accelerator")
 SHARE_RULES = ("counters", "mig-profile", "partition-profile", "vgpu-profile")
 KINDS_OF_UNTYPED = ("accelerator", "other")
+# Counters that count whole units (see `unit_counters` above): chips or GPUs of one node.
+UNIT_COUNTERS = ("gpus*", "tpus*", "chips*")
 
 
 def unit_order(unit: str) -> int:
@@ -162,6 +169,7 @@ class Profile:
     profile_parts: tuple[str, ...] = ()
     share: tuple[str, ...] = ("counters",)
     size_counters: tuple[str, ...] = ()
+    unit_counters: tuple[str, ...] = UNIT_COUNTERS
     spec: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def kind_of(self, type_value: str) -> str | None:
@@ -193,6 +201,7 @@ _LIST_KEYS = (
     "profile_parts",
     "share",
     "size_counters",
+    "unit_counters",
 )
 _STRING_KEYS = ("unit", "type_attribute", "untyped", "profile_attribute")
 SPEC_KEYS = frozenset((*_LIST_KEYS, *_STRING_KEYS, "exclude", "description"))
@@ -284,7 +293,9 @@ BUILTIN_SPECS: dict[str, dict[str, Any]] = {
         "model_attributes": ["tpuGen"],
         "architecture_attributes": ["tpuGen"],
         "driver_version_attributes": [],
-        "share": [],
+        # A chip of one host consumes no counters and is 1; a multi-host slice published by a
+        # central controller (KEP-4815) counts the chips its per-node counters consume.
+        "share": ["counters"],
     },
 }
 

@@ -287,6 +287,7 @@ VENDOR_CARDS = {
     "Raptor Lake-P": "0.50",  # an integrated GPU: not an accelerator, never billed
     "Gaudi2": "2.00",
     "v4": "1.35",
+    "v5p": "2.10",
     "GRID A100-4C": "3.00",
     "NVIDIA A100-10C": "3.00",
     "Example Accelerator 80G": "2.00",
@@ -379,6 +380,12 @@ VENDOR_DAYS: dict[str, tuple[list[Any], dict[str, tuple[str, str, str]]]] = {
             )
         ],
         {"v4": ("tpu", "96", "129.60")},
+    ),
+    # KEP-4815's 4x4 slice over four nodes of four chips, a day: 16 chips, 384 TPU chip-hours
+    # x 2.10 (the largest fraction of its per-node counters would make it one chip).
+    "tpu-multi-host.yaml": (
+        [vendor_claim("tpu-4x4", [result(TPU, "tpu-pool", "tpu-4x4-1")], exactly(TPU))],
+        {"v5p": ("tpu", "384", "806.40")},
     ),
     # An A100-4C vGPU is a tenth of an A100 (2.4 GPU-h x 3.00); an A100-10C a quarter (6 GPU-h).
     "vgpu.yaml": (

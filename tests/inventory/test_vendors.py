@@ -27,6 +27,7 @@ FIXTURES = (
     "intel-arc.yaml",
     "gaudi2.yaml",
     "tpu.yaml",
+    "tpu-multi-host.yaml",
     "vgpu.yaml",
     "partitionable-counters.yaml",
     "consumable-capacity.yaml",
@@ -155,6 +156,26 @@ def test_tpu_chips_that_publish_one_host_uuid_stay_four_chips() -> None:
     }
 
 
+def test_a_multi_host_tpu_slice_counts_the_chips_of_every_node_it_spans() -> None:
+    load("tpu-multi-host.yaml")
+    slices = {d.name: d for d in accelerators("tpu.google.com")}
+    assert {name: d.gpu_share for name, d in slices.items()} == {
+        "tpu-4x4-1": Decimal(16),
+        "tpu-2x4-1": Decimal(8),
+        "tpu-2x4-2": Decimal(8),
+        **{f"tpu-2x2-{n}": Decimal(4) for n in range(1, 5)},
+    }
+    assert {(d.kind, d.unit, d.product_name) for d in slices.values()} == {("gpu", "tpu", "v5p")}
+    # Overlapping slices of one counter set: one physical key, never 7 units side by side.
+    assert physical_units(list(slices.values())) == 1
+    # A profile may say which counters count units; none named: the largest fraction, 1.
+    DriverProfile.objects.create(
+        driver="tpu.google.com", spec={"unit_counters": []}, source="admin"
+    )
+    load("tpu-multi-host.yaml", at=AT + timedelta(hours=1))
+    assert {d.gpu_share for d in accelerators("tpu.google.com")} == {Decimal(1)}
+
+
 def test_tpu_chips_stay_apart_even_where_a_profile_calls_uuid_an_identity() -> None:
     DriverProfile.objects.create(
         driver="tpu.google.com", spec={"identity_attributes": ["uuid"]}, source="admin"
@@ -265,7 +286,7 @@ def test_every_accelerator_has_a_unique_meter_id_that_survives_a_resync() -> Non
     present = Device.objects.filter(gone_at__isnull=True)
     accel = present.exclude(kind="other")
     meters = list(accel.values_list("meter_id", flat=True))
-    assert all(meters) and len(meters) == len(set(meters)) == 43
+    assert all(meters) and len(meters) == len(set(meters)) == 50
     assert set(present.filter(kind="other").values_list("meter_id", flat=True)) == {""}
     before = {d.pk: (d.meter_id, d.physical_gpu_key, d.gpu_share) for d in accel}
     load(*FIXTURES, at=AT + timedelta(hours=1))
