@@ -1042,7 +1042,7 @@ def _columns(device: ParsedDevice, driver: str, profile: profiles.Profile) -> di
         if memory is not None:
             break
     parts = [text(name) for name in profile.profile_parts]
-    return {
+    columns = {
         "product_name": profiles.fallback_model(
             driver,
             _first(device, driver, profile.model_attributes),
@@ -1059,3 +1059,24 @@ def _columns(device: ParsedDevice, driver: str, profile: profiles.Profile) -> di
         "cuda_driver_version": text("cudaDriverVersion"),
         "cuda_compute_capability": text("cudaComputeCapability"),
     }
+    if "vgpu-profile" in profile.share:
+        _vgpu_columns(columns)
+    return columns
+
+
+def _vgpu_columns(columns: dict[str, Any]) -> None:
+    """A vGPU is a share of a physical GPU, priced and limited as that GPU's model with the
+    vGPU type as its profile, as a MIG device is. On the host, NVIDIA's driver (VGPUSupport)
+    publishes the physical `productName` and the type as `profile` ("NVIDIA L40S-12Q"): the
+    profile becomes the type ("L40S-12Q", one word as rate cards name profiles). In a guest the
+    driver sees only the vGPU, its `productName` the type ("GRID A100-4C") and nothing of the
+    card: the model becomes the type's board ("NVIDIA A100"; which A100, PCIe or SXM, the
+    guest cannot tell) and the profile the type."""
+    published = columns["profile"]
+    vgpu = profiles.vgpu_type(published) if published else None
+    if vgpu is None and not published:
+        vgpu = profiles.vgpu_type(columns["product_name"])
+        if vgpu is not None:
+            columns["product_name"] = f"NVIDIA {vgpu[0]}"
+    if vgpu is not None:
+        columns["profile"] = vgpu[1]

@@ -599,6 +599,15 @@ VGPU_BOARD_MEMORY_GB = {
 _MIG_SLICES_BY_BOARD = {"A30": 4}
 
 
+def vgpu_type(name: str) -> tuple[str, str] | None:
+    """(board, type) of a vGPU type name as drivers publish it ("GRID A100-4C", "NVIDIA
+    L40S-12Q"): ("A100", "A100-4C"); None for a name that is no vGPU type (a GPU's own
+    product name, "NVIDIA A100-SXM4-40GB")."""
+    token = name.strip().split()[-1].upper() if name.strip() else ""
+    match = _VGPU_TYPE.match(token)
+    return (match["board"], token) if match else None
+
+
 def vgpu_fraction(name: str) -> Decimal | None:
     """The share of its physical GPU a vGPU type name gives, None if it is not one we know."""
     token = name.strip().split()[-1] if name.strip() else ""

@@ -288,8 +288,7 @@ VENDOR_CARDS = {
     "Gaudi2": "2.00",
     "v4": "1.35",
     "v5p": "2.10",
-    "GRID A100-4C": "3.00",
-    "NVIDIA A100-10C": "3.00",
+    "NVIDIA A100": "3.00",
     "Example Accelerator 80G": "2.00",
     "NVIDIA H100 80GB HBM3": "2.50",
 }
@@ -387,16 +386,14 @@ VENDOR_DAYS: dict[str, tuple[list[Any], dict[str, tuple[str, str, str]]]] = {
         [vendor_claim("tpu-4x4", [result(TPU, "tpu-pool", "tpu-4x4-1")], exactly(TPU))],
         {"v5p": ("tpu", "384", "806.40")},
     ),
-    # An A100-4C vGPU is a tenth of an A100 (2.4 GPU-h x 3.00); an A100-10C a quarter (6 GPU-h).
+    # An A100-4C vGPU is a tenth of an A100 (2.4 GPU-h), an A100-10C a quarter (6 GPU-h): both
+    # priced as the A100 they are shares of (8.4 GPU-h x 3.00).
     "vgpu.yaml": (
         [
             vendor_claim("vgpu-4c", [result(NVIDIA, "vgpu-vm-1", "gpu-0")], exactly(NVIDIA)),
             vendor_claim("vgpu-10c", [result(NVIDIA, "vgpu-vm-2", "gpu-0")], exactly(NVIDIA)),
         ],
-        {
-            "GRID A100-4C": ("gpu", "2.4", "7.20"),
-            "NVIDIA A100-10C": ("gpu", "6", "18.00"),
-        },
+        {"NVIDIA A100": ("gpu", "8.4", "25.20")},
     ),
     # A quarter and a half of the partitionable device, by their counters: 18 GPU-h x 2.00.
     "partitionable-counters.yaml": (
@@ -485,3 +482,38 @@ def test_a_days_statement_to_the_cent_for_each_vendor_fixture(team: Team, fixtur
     assert all(line.unmeasured_gpu_hours == line.allocated_gpu_hours for line in lines.values())
     (statement,) = statements
     assert statement.total == sum(Decimal(amount) for _, _, amount in expected.values())
+
+
+def test_a_vgpu_type_with_a_card_of_its_own_is_priced_per_vgpu_hour_as_a_mig_profile(
+    team: Team,
+) -> None:
+    # The guest's A100-10C is a quarter of an A100: its own card prices an hour of the vGPU,
+    # as a MIG profile's card prices an hour of its slice; the A100's card the rest.
+    card("NVIDIA A100", "3.00")
+    RateCard.objects.create(
+        product_name="NVIDIA A100",
+        profile="A100-10C",
+        per_gpu_hour=Decimal("1.00"),
+        idle_factor=Decimal(1),
+        currency="USD",
+        valid_from=date(2026, 1, 1),
+    )
+    slices = list(iter_objects(DRA / "vendors" / "vgpu.yaml"))
+    claims, _ = VENDOR_DAYS["vgpu.yaml"]
+    cluster = inventory_services.get_cluster("fx")
+    kinds = ["ResourceSlice", "DeviceClass", "ResourceClaim"]
+    inventory_services.import_snapshot(
+        cluster=cluster, objects=[*slices, *claims], at=DAY, kinds=kinds
+    )
+    inventory_services.import_snapshot(
+        cluster=cluster, objects=slices, at=DAY + timedelta(days=1), kinds=kinds
+    )
+    (statement,) = close_october()
+    lines = {
+        (line.product_name, line.profile): (line.allocated_gpu_hours.normalize(), line.amount)
+        for line in statement.lines.filter(kind="usage")
+    }
+    assert lines == {
+        ("NVIDIA A100", ""): (Decimal("2.4"), Decimal("7.20")),  # the A100-4C, no card of its own
+        ("NVIDIA A100", "A100-10C"): (Decimal(6), Decimal("24.00")),  # 24 vGPU-hours x 1.00
+    }

@@ -29,6 +29,7 @@ FIXTURES = (
     "tpu.yaml",
     "tpu-multi-host.yaml",
     "vgpu.yaml",
+    "vgpu-host.yaml",
     "partitionable-counters.yaml",
     "consumable-capacity.yaml",
 )
@@ -188,17 +189,39 @@ def test_tpu_chips_stay_apart_even_where_a_profile_calls_uuid_an_identity() -> N
 def test_vgpu_profiles_count_their_fraction_of_the_physical_gpu() -> None:
     load("vgpu.yaml")
     (small,) = accelerators("gpu.nvidia.com", "vgpu-vm-1")
-    assert (small.product_name, small.kind, small.gpu_share) == (
-        "GRID A100-4C",
+    # A guest sees the vGPU type as its product name: the model is the type's board, the
+    # type its profile, as a MIG device's (rate cards and quotas name the GPU, not the type).
+    assert (small.product_name, small.profile, small.kind, small.gpu_share) == (
+        "NVIDIA A100",
+        "A100-4C",
         "partition",
         Decimal("0.1"),
     )
     tens = accelerators("gpu.nvidia.com", "vgpu-vm-2")
-    assert {(d.product_name, d.gpu_share) for d in tens} == {("NVIDIA A100-10C", Decimal("0.25"))}
+    assert {(d.product_name, d.profile, d.gpu_share) for d in tens} == {
+        ("NVIDIA A100", "A100-10C", Decimal("0.25"))
+    }
     # The guest sees its vGPU's own UUID, and samples name it by that.
     assert {d.meter_id for d in tens} == {d.uuid for d in tens}
     assert physical_units(tens) == 2
     assert small.gpu_share + sum(d.gpu_share for d in tens) == Decimal("0.6")
+
+
+def test_vgpu_slots_published_on_the_host_are_shares_of_their_physical_gpu() -> None:
+    load("vgpu-host.yaml")
+    devices = {d.name: d for d in accelerators("gpu.nvidia.com")}
+    gpu = devices.pop("gpu-0")
+    assert (gpu.kind, gpu.gpu_share, gpu.meter_id) == ("gpu", 1, gpu.uuid)
+    assert {
+        name: (d.kind, d.product_name, d.profile, d.gpu_share, d.physical_gpu_key)
+        for name, d in devices.items()
+    } == {
+        "vgpu-gpu-0-12q-0": ("partition", "NVIDIA L40S", "L40S-12Q", Decimal("0.25"), gpu.uuid),
+        "vgpu-gpu-0-12q-1": ("partition", "NVIDIA L40S", "L40S-12Q", Decimal("0.25"), gpu.uuid),
+        "vgpu-gpu-0-24q-0": ("partition", "NVIDIA L40S", "L40S-24Q", Decimal("0.5"), gpu.uuid),
+    }
+    # The slots carry their GPU's uuid; the GPU meters by it, each slot by a formed identity.
+    assert all(d.meter_id.startswith("dra-") for d in devices.values())
 
 
 def test_partition_share_is_the_scarcest_counter_not_the_first() -> None:
@@ -286,7 +309,7 @@ def test_every_accelerator_has_a_unique_meter_id_that_survives_a_resync() -> Non
     present = Device.objects.filter(gone_at__isnull=True)
     accel = present.exclude(kind="other")
     meters = list(accel.values_list("meter_id", flat=True))
-    assert all(meters) and len(meters) == len(set(meters)) == 50
+    assert all(meters) and len(meters) == len(set(meters)) == 54
     assert set(present.filter(kind="other").values_list("meter_id", flat=True)) == {""}
     before = {d.pk: (d.meter_id, d.physical_gpu_key, d.gpu_share) for d in accel}
     load(*FIXTURES, at=AT + timedelta(hours=1))
