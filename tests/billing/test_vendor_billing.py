@@ -517,3 +517,41 @@ def test_a_vgpu_type_with_a_card_of_its_own_is_priced_per_vgpu_hour_as_a_mig_pro
         ("NVIDIA A100", ""): (Decimal("2.4"), Decimal("7.20")),  # the A100-4C, no card of its own
         ("NVIDIA A100", "A100-10C"): (Decimal(6), Decimal("24.00")),  # 24 vGPU-hours x 1.00
     }
+
+
+def test_a_time_sliced_claim_shared_by_three_pods_is_billed_once_as_its_whole_gpu(
+    team: Team,
+) -> None:
+    # docs/concepts/sharing.md, "Who is charged what": time-slicing is the driver's business
+    # inside one claim; the claim holds the whole GPU, and the pods sharing it are not charged
+    # one by one.
+    (template,) = iter_objects(DRA / "claims" / "a100-time-sliced.yaml")
+    pods = [{"resource": "pods", "name": f"worker-{n}", "uid": f"pod-{n}"} for n in range(3)]
+    shared = vendor_claim(
+        "a100-shared", [result(NVIDIA, "gpu-node-1", "gpu-1")], template["spec"]["spec"]
+    )
+    shared["spec"] = template["spec"]["spec"]
+    shared["status"]["reservedFor"] = pods
+    card("NVIDIA A100-PCIE-40GB", "2.00")
+    slices = [
+        *iter_objects(DRA / "deviceclasses-nvidia.yaml"),
+        *iter_objects(DRA / "nvidia-slices.yaml"),
+    ]
+    cluster = inventory_services.get_cluster("fx")
+    kinds = ["ResourceSlice", "DeviceClass", "ResourceClaim"]
+    report = inventory_services.import_snapshot(
+        cluster=cluster, objects=[*slices, shared], at=DAY, kinds=kinds
+    )
+    assert report.errors == []
+    inventory_services.import_snapshot(
+        cluster=cluster, objects=slices, at=DAY + timedelta(days=1), kinds=kinds
+    )
+    (allocation,) = Allocation.objects.all()
+    assert (allocation.device_name, allocation.gpu_share, allocation.team) == ("gpu-1", 1, team)
+    (statement,) = close_october()
+    (line,) = statement.lines.filter(kind="usage")
+    assert (line.product_name, line.allocated_gpu_hours.normalize(), line.amount) == (
+        "NVIDIA A100-PCIE-40GB",
+        Decimal(24),
+        Decimal("48.00"),
+    )
