@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from django.test import override_settings
 
-from inventory import checks, profiles, services
+from inventory import checks, profiles, selectors, services
 from inventory.dumps import iter_objects
 from inventory.models import Device, DriverProfile
+from tests.factories import AllocationFactory
 from tests.fixtures import DRA
 
 pytestmark = pytest.mark.django_db
@@ -167,8 +168,19 @@ def test_a_multi_host_tpu_slice_counts_the_chips_of_every_node_it_spans() -> Non
         **{f"tpu-2x2-{n}": Decimal(4) for n in range(1, 5)},
     }
     assert {(d.kind, d.unit, d.product_name) for d in slices.values()} == {("gpu", "tpu", "v5p")}
-    # Overlapping slices of one counter set: one physical key, never 7 units side by side.
+    # Overlapping slices of one counter set: one physical key, never 7 units side by side;
+    # the fleet counts the 16 chips the set holds, 8 of them held by a 2x4 slice.
     assert physical_units(list(slices.values())) == 1
+    AllocationFactory.create(device=slices["tpu-2x4-2"], end=None)
+    (row,) = selectors.capacity_by_model()
+    assert (row["unit"], row["product_name"], row["gpus"], row["allocated"], row["free"]) == (
+        "tpu",
+        "v5p",
+        16,
+        8,
+        8,
+    )
+    assert row["equivalents"] == 16
     # A profile may say which counters count units; none named: the largest fraction, 1.
     DriverProfile.objects.create(
         driver="tpu.google.com", spec={"unit_counters": []}, source="admin"
