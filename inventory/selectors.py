@@ -252,16 +252,16 @@ def capacity_by_model(*, cluster: Cluster | None = None) -> list[CapacityRow]:
         )
     spanning = any(row["spanning"] for row in counts)
     for extra in _multi_host_units(cluster) if spanning else ():
-        total = totals.get((unit_order(extra["unit"]), extra["unit"], extra["product_name"]))
-        if total is None or extra["units"] is None:
+        spanned = totals.get((unit_order(extra["unit"]), extra["unit"], extra["product_name"]))
+        if spanned is None or extra["units"] is None:
             continue
         # Counted above as one unit; it holds `units`, of which `held` are taken.
         units = int(extra["units"])
         held = min(units, math.ceil(extra["held"] or 0))
-        total["gpus"] += units - 1
-        total["allocated"] += held - (1 if held else 0)
-        total["free"] += (units - 1) - (held - (1 if held else 0))
-        total["equivalents"] += units - 1
+        spanned["gpus"] += units - 1
+        spanned["allocated"] += held - (1 if held else 0)
+        spanned["free"] += (units - 1) - (held - (1 if held else 0))
+        spanned["equivalents"] += units - 1
     return [totals[key] for key in sorted(totals)]
 
 
