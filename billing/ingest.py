@@ -548,6 +548,20 @@ MAX_NAME_LENGTH = 253
 PCI_KEY = "\x01"
 PCI_BUS_ID = re.compile(r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
 PCI_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
+# Where a device's PCI address is read from, in order: the standard attribute, else AMD's own
+# `pciAddr` (auto-partition and vfio devices that publish only it), as the inventory's AMD
+# profile reads a GPU's address (`inventory.profiles`, physical_unit_attributes).
+PCI_ATTRIBUTES = (PCI_ATTRIBUTE, "pciAddr", "gpu.amd.com/pciAddr")
+
+
+def pci_address(attributes: dict[str, Any]) -> str | None:
+    """The PCI address a stored device's attributes publish, lower-case; None without one."""
+    for name in PCI_ATTRIBUTES:
+        value = attributes.get(name)
+        address = value.get("string") if isinstance(value, dict) else None
+        if isinstance(address, str) and address:
+            return address.lower()
+    return None
 
 
 class NamedDevice(NamedTuple):
@@ -1922,7 +1936,7 @@ def resolve_named(
             driver__in={name.driver for name in named_here.values()},
         )
         if by_address:
-            devices = devices.filter(attributes__has_key=PCI_ATTRIBUTE)
+            devices = devices.filter(attributes__has_any_keys=list(PCI_ATTRIBUTES))
         else:
             devices = devices.filter(name__in={name.device for name in named_here.values()})
         if agent is not None:
@@ -1947,11 +1961,10 @@ def resolve_named(
             "attributes" if by_address else "pk",
         ):
             if by_address:
-                bus_id = attributes[PCI_ATTRIBUTE]
-                bus_id = bus_id.get("string") if isinstance(bus_id, dict) else None
-                if not isinstance(bus_id, str):
+                bus_id = pci_address(attributes)
+                if bus_id is None:
                     continue
-                found[node_name, driver, PCI_KEY + bus_id.lower()].append(
+                found[node_name, driver, PCI_KEY + bus_id].append(
                     _Match(pool, meter_id or uuid, device, kind)
                 )
             else:
@@ -2021,7 +2034,8 @@ def resolve_named(
             refused[key] = (
                 "device",
                 f"{label} is not in the inventory (no device of that driver publishes "
-                f"{PCI_ATTRIBUTE} {name.pci[0]} there); run sync_inventory first",
+                f"{' or '.join(PCI_ATTRIBUTES[:2])} {name.pci[0]} there); run sync_inventory "
+                "first",
             )
             continue
         if agent is None:

@@ -34,6 +34,7 @@ from django.db.models.functions import Coalesce
 from kubernetes.utils import parse_quantity
 
 from inventory.models import Cluster, Device, Pool, ResourceSlice
+from inventory.profiles import INTEL_UNNAMED_PREFIX
 
 INCOMPLETE_POOL = "incomplete_pool"
 DEVICE_ELSEWHERE = "device_elsewhere"
@@ -42,6 +43,7 @@ DUPLICATE_COUNTER_SET = "duplicate_counter_set"
 MISSING_COUNTER_SET = "missing_counter_set"
 UNKNOWN_COUNTER = "unknown_counter"
 COUNTER_OVER_SET = "counter_over_set"
+UNNAMED_MODEL = "unnamed_model"
 # In the order a summary lists them, with how it names them.
 CHECKS = {
     INCOMPLETE_POOL: "incomplete pools",
@@ -51,6 +53,7 @@ CHECKS = {
     MISSING_COUNTER_SET: "missing counter sets",
     UNKNOWN_COUNTER: "unknown counters",
     COUNTER_OVER_SET: "counters over their set",
+    UNNAMED_MODEL: "models named by PCI id",
 }
 # Device names a message spells out before it says "and N more".
 _NAMED = 3
@@ -79,7 +82,7 @@ def sync_warnings(*, cluster: Cluster | None = None) -> list[SyncWarning]:
     names in every generation present. Two queries, whatever the size of the fleet: the
     slices' device names and counters are picked out of their spec by PostgreSQL.
     """
-    findings = _incomplete_pools(cluster) + _devices_elsewhere(cluster)
+    findings = _incomplete_pools(cluster) + _devices_elsewhere(cluster) + _unnamed_models(cluster)
     generations: dict[tuple[str, str, str, int], list[dict[str, Any]]] = defaultdict(list)
     for row in _slice_rows(cluster):
         key = (row["cluster__name"], row["driver"], row["pool"], row["generation"])
@@ -200,6 +203,43 @@ def _devices_elsewhere(cluster: Cluster | None) -> list[SyncWarning]:
                     f"pool {pool.driver}/{pool.name}: {len(names)} device(s) not taken, their "
                     f"UUID or meter id live in cluster {', '.join(others)}: "
                     f"{first_few(names)}; none of their hours are billed here"
+                ),
+            )
+        )
+    return findings
+
+
+def _unnamed_models(cluster: Cluster | None) -> list[SyncWarning]:
+    """Per pool, the present GPUs whose driver published no model name, named by their PCI
+    device id (`inventory.profiles.fallback_model`): billed and limited under that name, which
+    no person chose. One query."""
+    devices = Device.objects.filter(
+        gone_at__isnull=True, product_name__startswith=INTEL_UNNAMED_PREFIX
+    )
+    if cluster is not None:
+        devices = devices.filter(cluster=cluster)
+    groups: dict[tuple[str, str, str, str], list[tuple[str, datetime]]] = defaultdict(list)
+    for cluster_name, driver, pool, model, name, first_seen in devices.values_list(
+        "cluster__name", "driver", "pool", "product_name", "name", "first_seen"
+    ):
+        groups[cluster_name, driver, pool, model].append((name, first_seen))
+    findings = []
+    for (cluster_name, driver, pool, model), members in sorted(groups.items()):
+        names = sorted(name for name, _ in members)
+        findings.append(
+            SyncWarning(
+                cluster=cluster_name,
+                check=UNNAMED_MODEL,
+                driver=driver,
+                pool=pool,
+                generation=None,
+                devices=names,
+                since=_iso(min(seen for _, seen in members)),
+                message=(
+                    f"pool {driver}/{pool}: {_devices(names)} published no model name; counted and "
+                    f"billed as model {model!r} from the PCI device id. Give that id's model "
+                    "name to Tally's maintainers (inventory.profiles.INTEL_GPU_MODELS), and "
+                    "price and limit it under that name until then"
                 ),
             )
         )

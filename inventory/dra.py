@@ -574,6 +574,9 @@ _MIG_PROFILE = re.compile(r"^(?P<slices>\d+)g\.")
 # Compute slices of a whole GPU, by product; MIG-capable GPUs not listed here have 7.
 _MIG_SLICES_BY_PRODUCT = {"A30": 4}
 _SHARE_QUANTUM = Decimal("0.000001")
+# The most units one device counts: what the gpu_share columns (NUMERIC(9, 6)) hold. A
+# multi-host slice of more chips (counters can describe up to 2 sets of 32 nodes) counts this.
+MAX_DEVICE_UNITS = Decimal(999)
 
 
 @dataclass(slots=True)
@@ -896,10 +899,48 @@ def size_counters(
     return measures
 
 
+def _unit_amounts(
+    consumed: dict[str, Decimal], total: dict[str, Decimal], unit_counters: Iterable[str]
+) -> dict[str, Decimal]:
+    """Of the counters consumed from one set, those that count whole units (the profile's
+    `unit_counters`: a multi-host set's chips per node), each at most what the set has."""
+    patterns = tuple(unit_counters)
+    return {
+        name: min(amount, total[name])
+        for name, amount in consumed.items()
+        if amount > 0 and total.get(name, 0) > 0 and _matches(name, patterns)
+    }
+
+
+def counter_units(
+    device: ParsedDevice, totals: dict[str, dict[str, Decimal]], unit_counters: Iterable[str] = ()
+) -> Decimal:
+    """The most units a device's counters can make it: per set it consumes from, the units the
+    set's unit counters hold where it takes any (a four-node TPU set of 16 chips), else one
+    (a GPU's counter set is that GPU). At least 1."""
+    units = Decimal(0)
+    patterns = tuple(unit_counters)
+    for consumption in device.consumes_counters:
+        total = totals.get(consumption["counterSet"]) or {}
+        consumed = _amounts(consumption.get("counters"))
+        taken = _unit_amounts(consumed, total, patterns)
+        units += (
+            sum((total[name] for name in total if _matches(name, patterns)), Decimal(0))
+            if taken
+            else 1
+        )
+    return max(units, Decimal(1))
+
+
+def _matches(name: str, patterns: tuple[str, ...]) -> bool:
+    return any(fnmatchcase(name, pattern) for pattern in patterns)
+
+
 def counter_share(
     device: ParsedDevice,
     totals: dict[str, dict[str, Decimal]],
     measures: dict[str, frozenset[str]] | None = None,
+    unit_counters: Iterable[str] = (),
 ) -> Decimal | None:
     """The share of its physical unit a device consumes through shared counters (KEP-4815).
 
@@ -910,14 +951,23 @@ def counter_share(
     Numbered positions of one kind (memory slices) weigh together as the share of them taken:
     one slice of eight is an eighth. A counter consumed at 0 is not taken. None when it
     consumes nothing countable.
+
+    A set whose counters count units themselves (`unit_counters`: a multi-host TPU slice's
+    chips per node) gives the units consumed, not a fraction: KEP-4815's 4x4 slice takes 4
+    chips of each of four nodes, 16 chips, where the largest fraction would make it one.
     """
     share: Decimal | None = None
+    patterns = tuple(unit_counters)
     for consumption in device.consumes_counters:
         total = totals.get(consumption["counterSet"])
         if not total:
             continue
         measured = (measures or {}).get(consumption["counterSet"]) or frozenset(total)
         consumed = _amounts(consumption.get("counters"))
+        units = _unit_amounts(consumed, total, patterns)
+        if units:
+            share = (share or Decimal(0)) + sum(units.values(), Decimal(0))
+            continue
         positions = _positions(total, measured)
         fractions = [
             amount / total[name]
@@ -948,7 +998,7 @@ def _share(
     share: Decimal | None = None
     for rule in profile.share:
         if rule == "counters":
-            share = counter_share(device, totals, measures)
+            share = counter_share(device, totals, measures, profile.unit_counters)
         elif rule == "mig-profile" and kind == "mig":
             match = _MIG_PROFILE.match(columns["profile"])
             if match:
@@ -973,8 +1023,10 @@ def _share(
         share = Decimal(1) / partitions if kind == "partition" and partitions else Decimal(1)
     if kind == "gpu" and share == 1:
         return Decimal(1)
-    # At most one unit per counter set it consumes from (a device may span several GPUs).
-    return min(share, Decimal(max(1, len(device.consumes_counters)))).quantize(_SHARE_QUANTUM)
+    # At most one unit per counter set it consumes from (a device may span several GPUs), or
+    # the units a multi-host set holds.
+    bound = min(counter_units(device, totals, profile.unit_counters), MAX_DEVICE_UNITS)
+    return min(share, bound).quantize(_SHARE_QUANTUM)
 
 
 def _columns(device: ParsedDevice, driver: str, profile: profiles.Profile) -> dict[str, Any]:
@@ -990,8 +1042,13 @@ def _columns(device: ParsedDevice, driver: str, profile: profiles.Profile) -> di
         if memory is not None:
             break
     parts = [text(name) for name in profile.profile_parts]
-    return {
-        "product_name": _first(device, driver, profile.model_attributes),
+    columns = {
+        "product_name": profiles.fallback_model(
+            driver,
+            _first(device, driver, profile.model_attributes),
+            # Intel's driver: the `pciId` attribute, else the id ending the device's name.
+            (text("pciId"), device.name.rsplit("-", 1)[-1]),
+        ),
         "uuid": text("uuid"),
         "parent_uuid": text("parentUUID"),
         "device_type": text(profile.type_attribute),
@@ -1002,3 +1059,24 @@ def _columns(device: ParsedDevice, driver: str, profile: profiles.Profile) -> di
         "cuda_driver_version": text("cudaDriverVersion"),
         "cuda_compute_capability": text("cudaComputeCapability"),
     }
+    if "vgpu-profile" in profile.share:
+        _vgpu_columns(columns)
+    return columns
+
+
+def _vgpu_columns(columns: dict[str, Any]) -> None:
+    """A vGPU is a share of a physical GPU, priced and limited as that GPU's model with the
+    vGPU type as its profile, as a MIG device is. On the host, NVIDIA's driver (VGPUSupport)
+    publishes the physical `productName` and the type as `profile` ("NVIDIA L40S-12Q"): the
+    profile becomes the type ("L40S-12Q", one word as rate cards name profiles). In a guest the
+    driver sees only the vGPU, its `productName` the type ("GRID A100-4C") and nothing of the
+    card: the model becomes the type's board ("NVIDIA A100"; which A100, PCIe or SXM, the
+    guest cannot tell) and the profile the type."""
+    published = columns["profile"]
+    vgpu = profiles.vgpu_type(published) if published else None
+    if vgpu is None and not published:
+        vgpu = profiles.vgpu_type(columns["product_name"])
+        if vgpu is not None:
+            columns["product_name"] = f"NVIDIA {vgpu[0]}"
+    if vgpu is not None:
+        columns["profile"] = vgpu[1]

@@ -42,6 +42,11 @@ Spec keys (all optional; lists are of attribute or capacity names, tried in orde
   `<board>-<GB><series>` such as A100-4C: that framebuffer of the board's). A whole device no
   rule applies to is 1; a partition no rule applies to is one of the partitions published with
   the same physical unit.
+- `unit_counters`: counters (names or patterns) that count physical units themselves: a
+  multi-host device (KEP-4815's TPU slices) consumes so many chips of each node from a counter
+  set that spans several nodes (`tpus-node-1: 4`). A device that consumes any of them counts
+  the units it consumes (a 4x4 slice over four nodes of four chips is 16 chips), not a share of
+  one unit. Default `gpus*`, `tpus*`, `chips*`.
 - `size_counters`: the counters (names, or patterns such as `memorySlice*`) whose share measures
   a partition's size, for the `counters` rule. Others are engines some partitions carry and
   others lack (NVIDIA's single JPEG and optical-flow engines): taking the GPU's only JPEG engine
@@ -65,6 +70,8 @@ from kubernetes.utils import parse_quantity
 UNITS = ("gpu", "tpu", "gaudi", "accelerator")
 SHARE_RULES = ("counters", "mig-profile", "partition-profile", "vgpu-profile")
 KINDS_OF_UNTYPED = ("accelerator", "other")
+# Counters that count whole units (see `unit_counters` above): chips or GPUs of one node.
+UNIT_COUNTERS = ("gpus*", "tpus*", "chips*")
 
 
 def unit_order(unit: str) -> int:
@@ -162,6 +169,7 @@ class Profile:
     profile_parts: tuple[str, ...] = ()
     share: tuple[str, ...] = ("counters",)
     size_counters: tuple[str, ...] = ()
+    unit_counters: tuple[str, ...] = UNIT_COUNTERS
     spec: Mapping[str, Any] = field(default_factory=dict, compare=False)
 
     def kind_of(self, type_value: str) -> str | None:
@@ -193,6 +201,7 @@ _LIST_KEYS = (
     "profile_parts",
     "share",
     "size_counters",
+    "unit_counters",
 )
 _STRING_KEYS = ("unit", "type_attribute", "untyped", "profile_attribute")
 SPEC_KEYS = frozenset((*_LIST_KEYS, *_STRING_KEYS, "exclude", "description"))
@@ -284,7 +293,9 @@ BUILTIN_SPECS: dict[str, dict[str, Any]] = {
         "model_attributes": ["tpuGen"],
         "architecture_attributes": ["tpuGen"],
         "driver_version_attributes": [],
-        "share": [],
+        # A chip of one host consumes no counters and is 1; a multi-host slice published by a
+        # central controller (KEP-4815) counts the chips its per-node counters consume.
+        "share": ["counters"],
     },
 }
 
@@ -588,6 +599,15 @@ VGPU_BOARD_MEMORY_GB = {
 _MIG_SLICES_BY_BOARD = {"A30": 4}
 
 
+def vgpu_type(name: str) -> tuple[str, str] | None:
+    """(board, type) of a vGPU type name as drivers publish it ("GRID A100-4C", "NVIDIA
+    L40S-12Q"): ("A100", "A100-4C"); None for a name that is no vGPU type (a GPU's own
+    product name, "NVIDIA A100-SXM4-40GB")."""
+    token = name.strip().split()[-1].upper() if name.strip() else ""
+    match = _VGPU_TYPE.match(token)
+    return (match["board"], token) if match else None
+
+
 def vgpu_fraction(name: str) -> Decimal | None:
     """The share of its physical GPU a vGPU type name gives, None if it is not one we know."""
     token = name.strip().split()[-1] if name.strip() else ""
@@ -618,3 +638,40 @@ def partition_profile_count(profile: str, product: str = "") -> int | None:
         upper = product.upper()
         return next((n for model, n in AMD_XCDS.items() if model in upper), None)
     return AMD_PARTITIONS.get(mode)
+
+
+# Intel's GPU driver looks a GPU's `model` up from its PCI device id and publishes "Unknown"
+# for an id its table lacks (Arc cards, in the releases seen): every such GPU would be billed
+# as one model "Unknown". Names of ids the driver's table has missed, from the Linux kernel's
+# PCI id lists; any other id is named "Intel GPU 0x<id>", a name a rate card can still price
+# and `inventory.checks` asks an operator to confirm.
+INTEL_DRIVER = "gpu.intel.com"
+INTEL_GPU_MODELS = {
+    "0x56a0": "Arc A770",
+    "0x56a1": "Arc A750",
+    "0x56a5": "Arc A380",
+    "0x56a6": "Arc A310",
+    "0x56c0": "Flex 170",
+    "0x56c1": "Flex 140",
+    "0x0bd5": "Max 1550",
+    "0x0bda": "Max 1100",
+    "0xe20b": "Arc B580",
+    "0xe20c": "Arc B570",
+}
+INTEL_UNNAMED_PREFIX = "Intel GPU 0x"
+_PCI_DEVICE_ID = re.compile(r"(?:0x)?(?P<id>[0-9a-f]{4})\Z")
+_UNNAMED_MODELS = frozenset({"", "unknown"})
+
+
+def fallback_model(driver: str, published: str, pci_ids: Iterable[str]) -> str:
+    """The model of a device whose driver published none (or "Unknown"): for Intel GPUs, the
+    name of its PCI device id (the first of `pci_ids` that is one), else "Intel GPU 0x<id>";
+    `published` as it is otherwise."""
+    if driver != INTEL_DRIVER or published.strip().lower() not in _UNNAMED_MODELS:
+        return published
+    for text in pci_ids:
+        match = _PCI_DEVICE_ID.fullmatch(text.strip().lower())
+        if match:
+            device_id = "0x" + match["id"]
+            return INTEL_GPU_MODELS.get(device_id, INTEL_UNNAMED_PREFIX + match["id"])
+    return published

@@ -35,6 +35,7 @@ When `cluster` is None a function covers all clusters; node names are then writt
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Mapping
 from datetime import datetime
@@ -215,6 +216,8 @@ def capacity_by_model(*, cluster: Cluster | None = None) -> list[CapacityRow]:
                 distinct=True,
                 filter=Q(kind__in=(DeviceKind.GPU, DeviceKind.MIG)) & ~Q(physical_gpu_key=""),
             ),
+            # Multi-host devices that count several units (see `_multi_host_units`).
+            spanning=Count("pk", filter=Q(node__isnull=True, gpu_share__gt=1)),
             partition_share=Sum(
                 "gpu_share",
                 filter=Q(kind=DeviceKind.PARTITION)
@@ -249,7 +252,42 @@ def capacity_by_model(*, cluster: Cluster | None = None) -> list[CapacityRow]:
         total["equivalents"] += row["whole"] + min(
             row["partition_share"] or Decimal(0), Decimal(partition_only)
         )
+    spanning = any(row["spanning"] for row in counts)
+    for extra in _multi_host_units(cluster) if spanning else ():
+        spanned = totals.get((unit_order(extra["unit"]), extra["unit"], extra["product_name"]))
+        if spanned is None or extra["units"] is None:
+            continue
+        # Counted above as one unit; it holds `units`, of which `held` are taken.
+        units = int(extra["units"])
+        held = min(units, math.ceil(extra["held"] or 0))
+        spanned["gpus"] += units - 1
+        spanned["allocated"] += held - (1 if held else 0)
+        spanned["free"] += (units - 1) - (held - (1 if held else 0))
+        spanned["equivalents"] += units - 1
     return [totals[key] for key in sorted(totals)]
+
+
+def _multi_host_units(cluster: Cluster | None) -> QuerySet[Device, dict[str, Any]]:
+    """Physical keys that hold several units: those of a multi-host device (KEP-4815, no node
+    of its own: it spans several) that counts more than one unit, a 4x4 TPU slice over four
+    nodes 16 chips. Per key, the units its largest such device counts and the units its held
+    devices take. A device that spans two GPUs of one node (it has a node) is not one: each
+    GPU is a key of its own already."""
+    spanning = (
+        _present_gpu_devices(cluster)
+        .filter(node__isnull=True, gpu_share__gt=1)
+        .values("physical_gpu_key")
+    )
+    return (
+        _present_gpu_devices(cluster)
+        .filter(physical_gpu_key__in=spanning)
+        .values("cluster_id", "unit", "product_name", "physical_gpu_key")
+        .annotate(
+            units=Max("gpu_share", filter=Q(node__isnull=True)),
+            held=Sum("gpu_share", filter=Q(pk__in=_held_device_ids())),
+        )
+        .order_by()
+    )
 
 
 def version_matrix(*, cluster: Cluster | None = None) -> VersionMatrix:

@@ -98,3 +98,12 @@ def test_the_readme_is_a_front_door_whose_links_resolve() -> None:
     assert any(link.startswith("docs/") for link in local)
     missing = [link for link in local if not (REPO / link).exists()]
     assert missing == []
+
+
+def test_the_sharing_page_says_who_is_charged_for_each_way_of_sharing() -> None:
+    """Issue 36: MPS, time-slicing, shared claims and consumable capacity were charged but
+    documented nowhere; the sharing page's table says who pays what for each."""
+    page = (REPO / "docs" / "concepts" / "sharing.md").read_text()
+    section = page.split("## Who is charged what", 1)[1]
+    for way in ("Time-slicing", "MPS", "A shared claim", "Consumable capacity", "`adminAccess`"):
+        assert f"| **{way}**" in section, way

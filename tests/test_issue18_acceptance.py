@@ -485,7 +485,7 @@ def test_the_operators_fleet_report_counts_every_vendor_in_its_own_unit(tmp_path
     assert capacity == {
         ("GPUs", MI300X): (3, "3", 2),
         ("GPUs", "Max 1550"): (1, "1", 1),
-        ("GPUs", "NVIDIA A100-10C"): (1, "0.25", 1),
+        ("GPUs", "NVIDIA A100"): (1, "0.25", 1),  # the guest's A100-10C vGPU
         ("GPUs", "NVIDIA A100-SXM4-40GB"): (1, "1", 0),
         ("GPUs", "NVIDIA L40S"): (1, "1", 1),
         ("TPU chips", "v5p"): (4, "4", 4),
@@ -937,6 +937,6 @@ def test_a_mixed_fleet_of_dgx_nodes_and_vgpu_vms_flags_only_the_real_outlier(
         for model in report["version_models"]
     }
     assert baselines == {
-        "GRID A100-4C": ("550.90.7", 4, 4),
+        "NVIDIA A100": ("550.90.7", 4, 4),  # the VMs' A100-4C vGPUs
         "NVIDIA H100 80GB HBM3": ("580.95.5", 24, 32),
     }

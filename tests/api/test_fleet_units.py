@@ -20,8 +20,8 @@ VENDORS = ("tpu.yaml", "gaudi2.yaml", "vgpu.yaml", "amd-mi300x.yaml")
 # unit, unit_label, product_name, physical units, equivalents: what the vendors' fixtures publish.
 CAPACITY = [
     ("gpu", "GPUs", "AMD_Instinct_MI300X_OAM", 9, "9.000000"),  # 8 whole, 1 in CPX partitions
-    ("gpu", "GPUs", "GRID A100-4C", 1, "0.100000"),  # a VM's vGPU: a tenth of an A100
-    ("gpu", "GPUs", "NVIDIA A100-10C", 2, "0.500000"),
+    # VMs' vGPUs (an A100-4C, two A100-10C): shares of A100s, under the GPU's model.
+    ("gpu", "GPUs", "NVIDIA A100", 3, "0.600000"),
     ("tpu", "TPU chips", "v4", 4, "4.000000"),
     ("gaudi", "Gaudi cards", "Gaudi2", 8, "8.000000"),
 ]
@@ -65,8 +65,7 @@ def test_capacity_orders_by_unit_and_equivalents(cast: Cast) -> None:
     assert keys == [
         ("gaudi", "Gaudi2"),
         ("gpu", "AMD_Instinct_MI300X_OAM"),
-        ("gpu", "NVIDIA A100-10C"),
-        ("gpu", "GRID A100-4C"),
+        ("gpu", "NVIDIA A100"),
         ("tpu", "v4"),
     ]
     refused = client.get("/api/v1/inventory/capacity/", {"ordering": "unit_label"})

@@ -382,9 +382,16 @@ AMD = "gpu.amd.com"
 BUS = "0000:11:00.0"
 
 
-def amd_device(node: Any, name: str, *, kind: str, bus: str = BUS) -> Device:
+def amd_device(
+    node: Any,
+    name: str,
+    *,
+    kind: str,
+    bus: str = BUS,
+    address_attribute: str = "resource.kubernetes.io/pciBusID",
+) -> Device:
     """A device as AMD's driver publishes it: no uuid, the GPU's PCI address on the GPU and
-    on each of its partitions."""
+    on each of its partitions (under `address_attribute`)."""
     device = DeviceFactory.create(
         node=node,
         driver=AMD,
@@ -394,7 +401,7 @@ def amd_device(node: Any, name: str, *, kind: str, bus: str = BUS) -> Device:
         meter_id="",
         attributes={
             "type": {"string": "amdgpu" if kind == DeviceKind.GPU else "amdgpu-partition"},
-            "resource.kubernetes.io/pciBusID": {"string": bus},
+            address_attribute: {"string": bus},
         },
     )
     device.meter_id = formed_meter_id(device.cluster.name, AMD, device.pool, name)
@@ -438,6 +445,19 @@ def test_partitions_named_by_pci_address_and_index_are_stored_under_their_meter_
     assert sorted(row[0] for row in stored()) == sorted(
         [parts[1].meter_id, parts[0].meter_id, whole.meter_id]
     )
+
+
+def test_a_gpu_that_publishes_only_amds_pciaddr_is_found_by_its_address() -> None:
+    # AMD's auto-partition and vfio devices may carry `pciAddr` without the standard
+    # attribute; the inventory ties them to their GPU by it, and so does the ingest.
+    node = NodeFactory.create()
+    whole = amd_device(node, "gpu-0", kind=DeviceKind.GPU, address_attribute="pciAddr")
+    token = issue_agent_token(cluster=node.cluster, node=node.name, actor="ops")
+    answer = post(token, node.name, [by_pci(BUS.upper(), T0), by_pci("0000:99:00.0", T0)])
+    assert answer["accepted"] == 1, answer
+    assert [row[0] for row in stored()] == [whole.meter_id]
+    reason = answer["rejected"][0]["reason"]
+    assert "publishes resource.kubernetes.io/pciBusID or pciAddr 0000:99:00.0" in reason
 
 
 @pytest.mark.parametrize(

@@ -287,8 +287,8 @@ VENDOR_CARDS = {
     "Raptor Lake-P": "0.50",  # an integrated GPU: not an accelerator, never billed
     "Gaudi2": "2.00",
     "v4": "1.35",
-    "GRID A100-4C": "3.00",
-    "NVIDIA A100-10C": "3.00",
+    "v5p": "2.10",
+    "NVIDIA A100": "3.00",
     "Example Accelerator 80G": "2.00",
     "NVIDIA H100 80GB HBM3": "2.50",
 }
@@ -380,16 +380,20 @@ VENDOR_DAYS: dict[str, tuple[list[Any], dict[str, tuple[str, str, str]]]] = {
         ],
         {"v4": ("tpu", "96", "129.60")},
     ),
-    # An A100-4C vGPU is a tenth of an A100 (2.4 GPU-h x 3.00); an A100-10C a quarter (6 GPU-h).
+    # KEP-4815's 4x4 slice over four nodes of four chips, a day: 16 chips, 384 TPU chip-hours
+    # x 2.10 (the largest fraction of its per-node counters would make it one chip).
+    "tpu-multi-host.yaml": (
+        [vendor_claim("tpu-4x4", [result(TPU, "tpu-pool", "tpu-4x4-1")], exactly(TPU))],
+        {"v5p": ("tpu", "384", "806.40")},
+    ),
+    # An A100-4C vGPU is a tenth of an A100 (2.4 GPU-h), an A100-10C a quarter (6 GPU-h): both
+    # priced as the A100 they are shares of (8.4 GPU-h x 3.00).
     "vgpu.yaml": (
         [
             vendor_claim("vgpu-4c", [result(NVIDIA, "vgpu-vm-1", "gpu-0")], exactly(NVIDIA)),
             vendor_claim("vgpu-10c", [result(NVIDIA, "vgpu-vm-2", "gpu-0")], exactly(NVIDIA)),
         ],
-        {
-            "GRID A100-4C": ("gpu", "2.4", "7.20"),
-            "NVIDIA A100-10C": ("gpu", "6", "18.00"),
-        },
+        {"NVIDIA A100": ("gpu", "8.4", "25.20")},
     ),
     # A quarter and a half of the partitionable device, by their counters: 18 GPU-h x 2.00.
     "partitionable-counters.yaml": (
@@ -478,3 +482,76 @@ def test_a_days_statement_to_the_cent_for_each_vendor_fixture(team: Team, fixtur
     assert all(line.unmeasured_gpu_hours == line.allocated_gpu_hours for line in lines.values())
     (statement,) = statements
     assert statement.total == sum(Decimal(amount) for _, _, amount in expected.values())
+
+
+def test_a_vgpu_type_with_a_card_of_its_own_is_priced_per_vgpu_hour_as_a_mig_profile(
+    team: Team,
+) -> None:
+    # The guest's A100-10C is a quarter of an A100: its own card prices an hour of the vGPU,
+    # as a MIG profile's card prices an hour of its slice; the A100's card the rest.
+    card("NVIDIA A100", "3.00")
+    RateCard.objects.create(
+        product_name="NVIDIA A100",
+        profile="A100-10C",
+        per_gpu_hour=Decimal("1.00"),
+        idle_factor=Decimal(1),
+        currency="USD",
+        valid_from=date(2026, 1, 1),
+    )
+    slices = list(iter_objects(DRA / "vendors" / "vgpu.yaml"))
+    claims, _ = VENDOR_DAYS["vgpu.yaml"]
+    cluster = inventory_services.get_cluster("fx")
+    kinds = ["ResourceSlice", "DeviceClass", "ResourceClaim"]
+    inventory_services.import_snapshot(
+        cluster=cluster, objects=[*slices, *claims], at=DAY, kinds=kinds
+    )
+    inventory_services.import_snapshot(
+        cluster=cluster, objects=slices, at=DAY + timedelta(days=1), kinds=kinds
+    )
+    (statement,) = close_october()
+    lines = {
+        (line.product_name, line.profile): (line.allocated_gpu_hours.normalize(), line.amount)
+        for line in statement.lines.filter(kind="usage")
+    }
+    assert lines == {
+        ("NVIDIA A100", ""): (Decimal("2.4"), Decimal("7.20")),  # the A100-4C, no card of its own
+        ("NVIDIA A100", "A100-10C"): (Decimal(6), Decimal("24.00")),  # 24 vGPU-hours x 1.00
+    }
+
+
+def test_a_time_sliced_claim_shared_by_three_pods_is_billed_once_as_its_whole_gpu(
+    team: Team,
+) -> None:
+    # docs/concepts/sharing.md, "Who is charged what": time-slicing is the driver's business
+    # inside one claim; the claim holds the whole GPU, and the pods sharing it are not charged
+    # one by one.
+    (template,) = iter_objects(DRA / "claims" / "a100-time-sliced.yaml")
+    pods = [{"resource": "pods", "name": f"worker-{n}", "uid": f"pod-{n}"} for n in range(3)]
+    shared = vendor_claim(
+        "a100-shared", [result(NVIDIA, "gpu-node-1", "gpu-1")], template["spec"]["spec"]
+    )
+    shared["spec"] = template["spec"]["spec"]
+    shared["status"]["reservedFor"] = pods
+    card("NVIDIA A100-PCIE-40GB", "2.00")
+    slices = [
+        *iter_objects(DRA / "deviceclasses-nvidia.yaml"),
+        *iter_objects(DRA / "nvidia-slices.yaml"),
+    ]
+    cluster = inventory_services.get_cluster("fx")
+    kinds = ["ResourceSlice", "DeviceClass", "ResourceClaim"]
+    report = inventory_services.import_snapshot(
+        cluster=cluster, objects=[*slices, shared], at=DAY, kinds=kinds
+    )
+    assert report.errors == []
+    inventory_services.import_snapshot(
+        cluster=cluster, objects=slices, at=DAY + timedelta(days=1), kinds=kinds
+    )
+    (allocation,) = Allocation.objects.all()
+    assert (allocation.device_name, allocation.gpu_share, allocation.team) == ("gpu-1", 1, team)
+    (statement,) = close_october()
+    (line,) = statement.lines.filter(kind="usage")
+    assert (line.product_name, line.allocated_gpu_hours.normalize(), line.amount) == (
+        "NVIDIA A100-PCIE-40GB",
+        Decimal(24),
+        Decimal("48.00"),
+    )

@@ -793,8 +793,8 @@ def test_capacity_and_free_blocks_are_per_unit_and_model_from_the_vendor_fixture
     ]
     assert rows == [
         ("GPUs", "AMD_Instinct_MI300X_OAM", 9, Decimal(9)),  # 8 whole, 1 in eight CPX partitions
-        ("GPUs", "GRID A100-4C", 1, Decimal("0.1")),  # a VM's vGPU: a tenth of an A100
-        ("GPUs", "NVIDIA A100-10C", 2, Decimal("0.5")),
+        # VMs' vGPUs (an A100-4C, two A100-10C): shares of A100s, under the GPU's model.
+        ("GPUs", "NVIDIA A100", 3, Decimal("0.6")),
         ("TPU chips", "v4", 4, Decimal(4)),
         ("Gaudi cards", "Gaudi2", 8, Decimal(8)),
     ]

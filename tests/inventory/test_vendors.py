@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from django.test import override_settings
 
-from inventory import profiles, services
+from inventory import checks, profiles, selectors, services
 from inventory.dumps import iter_objects
 from inventory.models import Device, DriverProfile
+from tests.factories import AllocationFactory
 from tests.fixtures import DRA
 
 pytestmark = pytest.mark.django_db
@@ -24,9 +25,12 @@ VENDORS = DRA / "vendors"
 FIXTURES = (
     "amd-mi300x.yaml",
     "intel-gpu.yaml",
+    "intel-arc.yaml",
     "gaudi2.yaml",
     "tpu.yaml",
+    "tpu-multi-host.yaml",
     "vgpu.yaml",
+    "vgpu-host.yaml",
     "partitionable-counters.yaml",
     "consumable-capacity.yaml",
 )
@@ -111,6 +115,24 @@ def test_intel_integrated_gpu_is_not_an_accelerator_and_the_discrete_one_is() ->
     assert discrete.meter_id.startswith("dra-") and len(discrete.meter_id) == 36
 
 
+def test_intel_gpus_whose_driver_names_no_model_are_named_by_pci_id_and_warned_about() -> None:
+    load("intel-arc.yaml")
+    arc, unlisted = accelerators("gpu.intel.com")
+    # "Unknown" would price every unnamed model alike: a known id is named, another spelled.
+    assert arc.product_name == "Arc A770"
+    assert unlisted.product_name == "Intel GPU 0x56ff"  # no pciId: the id ending its name
+    (warning,) = [w for w in checks.sync_warnings() if w["check"] == checks.UNNAMED_MODEL]
+    assert warning["devices"] == ["0000-04-00-0-0x56ff"]
+    assert warning["message"].startswith(
+        "pool gpu.intel.com/arc-node-1: device 0000-04-00-0-0x56ff published no model name; "
+        "counted and billed as model 'Intel GPU 0x56ff'"
+    )
+    assert "models named by PCI id: 1" in checks.summarise([warning])
+    # A model the driver names is kept as published.
+    assert profiles.fallback_model("gpu.intel.com", "Flex 170", ["0x56a0"]) == "Flex 170"
+    assert profiles.fallback_model("gaudi.intel.com", "", ["0x1020"]) == ""
+
+
 @override_settings(TALLY_GPU_DRIVERS=frozenset())
 def test_gaudi_cards_count_without_being_listed_as_gpu_drivers() -> None:
     load("gaudi2.yaml")
@@ -136,6 +158,37 @@ def test_tpu_chips_that_publish_one_host_uuid_stay_four_chips() -> None:
     }
 
 
+def test_a_multi_host_tpu_slice_counts_the_chips_of_every_node_it_spans() -> None:
+    load("tpu-multi-host.yaml")
+    slices = {d.name: d for d in accelerators("tpu.google.com")}
+    assert {name: d.gpu_share for name, d in slices.items()} == {
+        "tpu-4x4-1": Decimal(16),
+        "tpu-2x4-1": Decimal(8),
+        "tpu-2x4-2": Decimal(8),
+        **{f"tpu-2x2-{n}": Decimal(4) for n in range(1, 5)},
+    }
+    assert {(d.kind, d.unit, d.product_name) for d in slices.values()} == {("gpu", "tpu", "v5p")}
+    # Overlapping slices of one counter set: one physical key, never 7 units side by side;
+    # the fleet counts the 16 chips the set holds, 8 of them held by a 2x4 slice.
+    assert physical_units(list(slices.values())) == 1
+    AllocationFactory.create(device=slices["tpu-2x4-2"], end=None)
+    (row,) = selectors.capacity_by_model()
+    assert (row["unit"], row["product_name"], row["gpus"], row["allocated"], row["free"]) == (
+        "tpu",
+        "v5p",
+        16,
+        8,
+        8,
+    )
+    assert row["equivalents"] == 16
+    # A profile may say which counters count units; none named: the largest fraction, 1.
+    DriverProfile.objects.create(
+        driver="tpu.google.com", spec={"unit_counters": []}, source="admin"
+    )
+    load("tpu-multi-host.yaml", at=AT + timedelta(hours=1))
+    assert {d.gpu_share for d in accelerators("tpu.google.com")} == {Decimal(1)}
+
+
 def test_tpu_chips_stay_apart_even_where_a_profile_calls_uuid_an_identity() -> None:
     DriverProfile.objects.create(
         driver="tpu.google.com", spec={"identity_attributes": ["uuid"]}, source="admin"
@@ -148,17 +201,39 @@ def test_tpu_chips_stay_apart_even_where_a_profile_calls_uuid_an_identity() -> N
 def test_vgpu_profiles_count_their_fraction_of_the_physical_gpu() -> None:
     load("vgpu.yaml")
     (small,) = accelerators("gpu.nvidia.com", "vgpu-vm-1")
-    assert (small.product_name, small.kind, small.gpu_share) == (
-        "GRID A100-4C",
+    # A guest sees the vGPU type as its product name: the model is the type's board, the
+    # type its profile, as a MIG device's (rate cards and quotas name the GPU, not the type).
+    assert (small.product_name, small.profile, small.kind, small.gpu_share) == (
+        "NVIDIA A100",
+        "A100-4C",
         "partition",
         Decimal("0.1"),
     )
     tens = accelerators("gpu.nvidia.com", "vgpu-vm-2")
-    assert {(d.product_name, d.gpu_share) for d in tens} == {("NVIDIA A100-10C", Decimal("0.25"))}
+    assert {(d.product_name, d.profile, d.gpu_share) for d in tens} == {
+        ("NVIDIA A100", "A100-10C", Decimal("0.25"))
+    }
     # The guest sees its vGPU's own UUID, and samples name it by that.
     assert {d.meter_id for d in tens} == {d.uuid for d in tens}
     assert physical_units(tens) == 2
     assert small.gpu_share + sum(d.gpu_share for d in tens) == Decimal("0.6")
+
+
+def test_vgpu_slots_published_on_the_host_are_shares_of_their_physical_gpu() -> None:
+    load("vgpu-host.yaml")
+    devices = {d.name: d for d in accelerators("gpu.nvidia.com")}
+    gpu = devices.pop("gpu-0")
+    assert (gpu.kind, gpu.gpu_share, gpu.meter_id) == ("gpu", 1, gpu.uuid)
+    assert {
+        name: (d.kind, d.product_name, d.profile, d.gpu_share, d.physical_gpu_key)
+        for name, d in devices.items()
+    } == {
+        "vgpu-gpu-0-12q-0": ("partition", "NVIDIA L40S", "L40S-12Q", Decimal("0.25"), gpu.uuid),
+        "vgpu-gpu-0-12q-1": ("partition", "NVIDIA L40S", "L40S-12Q", Decimal("0.25"), gpu.uuid),
+        "vgpu-gpu-0-24q-0": ("partition", "NVIDIA L40S", "L40S-24Q", Decimal("0.5"), gpu.uuid),
+    }
+    # The slots carry their GPU's uuid; the GPU meters by it, each slot by a formed identity.
+    assert all(d.meter_id.startswith("dra-") for d in devices.values())
 
 
 def test_partition_share_is_the_scarcest_counter_not_the_first() -> None:
@@ -246,7 +321,7 @@ def test_every_accelerator_has_a_unique_meter_id_that_survives_a_resync() -> Non
     present = Device.objects.filter(gone_at__isnull=True)
     accel = present.exclude(kind="other")
     meters = list(accel.values_list("meter_id", flat=True))
-    assert all(meters) and len(meters) == len(set(meters)) == 41
+    assert all(meters) and len(meters) == len(set(meters)) == 54
     assert set(present.filter(kind="other").values_list("meter_id", flat=True)) == {""}
     before = {d.pk: (d.meter_id, d.physical_gpu_key, d.gpu_share) for d in accel}
     load(*FIXTURES, at=AT + timedelta(hours=1))

@@ -172,6 +172,28 @@ def test_tpu_claims_count_chips_and_say_so(client: Client, vendor: Callable) -> 
     assert in_use("tpu") == 3
 
 
+def _tpus(chips: int) -> str:
+    return f"device.capacity['tpu.google.com'].tpus == quantity('{chips}')"
+
+
+def test_a_multi_host_tpu_slice_counts_the_chips_its_counters_consume(
+    client: Client, vendor: Callable
+) -> None:
+    # KEP-4815: a 4x4 slice takes four chips of each of four nodes; not "1 of 8".
+    vendor("tpu-multi-host")
+    make_team([{"name": "tpu", "device_class": TPU, "limit": 8}])
+    denied = decide(client, claim("slice-4x4", [exactly(TPU, 1, _tpus(16))]))
+    assert denied["status"]["message"] == (
+        'team "research": quota rule "tpu" (enforce) would be exceeded: 0 TPU chips in use, '
+        "16 TPU chips requested, limit 8 TPU chips"
+    )
+    # A 2x4 half is 8 chips: it fits exactly, and then a 2x2 host (4 chips) does not.
+    assert decide(client, claim("slice-2x4", [exactly(TPU, 1, _tpus(8))]))["allowed"]
+    assert reserved("slice-2x4") == {"tpu": Decimal("8")}
+    assert not decide(client, claim("slice-2x2", [exactly(TPU, 1, _tpus(4))]))["allowed"]
+    assert in_use("tpu") == 8
+
+
 # --- Intel Gaudi2: eight cards ------------------------------------------------------------------
 
 GAUDI = "gaudi.intel.com"
