@@ -1,0 +1,107 @@
+"""Roles from the identity provider's groups: what a single sign-on login grants.
+
+The policy file's `sso.groups` (stored as `SsoGroupRole` rows by `quota.policy.apply_policy`)
+says which group of the identity provider makes its members a team's lead or member, finance,
+or operator. `apply_sso_groups` runs at every single sign-on login, so a user removed from a
+group in the identity provider loses the role at their next login.
+
+Only what the mapping names is the identity provider's to decide: a user's membership in a
+team no `sso.groups` line names, and the finance or operators group when no line gives that
+role, are left as the policy file's `leads:`/`members:` and the admin made them. Superusers are
+operators whatever their groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from django.contrib.auth import get_user_model
+from django.contrib.auth.models import Group
+from django.db import transaction
+
+from teams import audit
+from teams.models import AuditEntry, Membership, Role, SsoGroupRole, SsoRole
+from teams.selectors import FINANCE_GROUP, OPERATORS_GROUP
+
+# The Tally-wide roles and the Django group each is (teams.selectors.user_role reads them).
+_WIDE_ROLES = ((SsoRole.FINANCE, FINANCE_GROUP), (SsoRole.OPERATOR, OPERATORS_GROUP))
+
+
+def apply_sso_groups(*, user: Any, groups: Iterable[str], actor: str) -> list[AuditEntry]:
+    """Give `user` exactly the roles the `sso.groups` mapping grants for `groups` (the
+    identity provider's claim), in the teams and Tally-wide roles the mapping names.
+
+    Guarantees: one transaction under a lock on the user's row (two logins of one user at once
+    apply one after the other); every membership created, changed or deleted and every change
+    of the user's finance/operators groups is audited as `actor`; applying the same groups again
+    writes nothing. Lead wins over member when several groups name one team. Without any
+    `sso.groups` line nothing is changed. Returns the audit entries written.
+    """
+    claimed = set(groups)
+    entries: list[AuditEntry] = []
+    with transaction.atomic():
+        rules = list(SsoGroupRole.objects.all())
+        if not rules:
+            return entries
+        get_user_model().objects.select_for_update().filter(pk=user.pk).first()
+        given = [rule for rule in rules if rule.group in claimed]
+        entries += _apply_team_roles(user=user, rules=rules, given=given, actor=actor)
+        entries += _apply_wide_roles(user=user, rules=rules, given=given, actor=actor)
+    return entries
+
+
+def _apply_team_roles(
+    *, user: Any, rules: list[SsoGroupRole], given: list[SsoGroupRole], actor: str
+) -> list[AuditEntry]:
+    managed = {rule.team_id for rule in rules if rule.team_id is not None}
+    wanted: dict[int, str] = {}
+    for rule in given:
+        if rule.team_id is not None and wanted.get(rule.team_id) != Role.LEAD:
+            wanted[rule.team_id] = Role.LEAD if rule.role == SsoRole.LEAD else Role.MEMBER
+    held = {
+        membership.team_id: membership
+        for membership in Membership.objects.select_related("team", "user").filter(
+            user=user, team_id__in=managed
+        )
+    }
+    entries: list[AuditEntry] = []
+    for team_id in sorted(managed):
+        membership, role = held.get(team_id), wanted.get(team_id)
+        if membership is None and role is not None:
+            new = Membership(team_id=team_id, user=user, role=role)
+            entries.append(audit.create(actor=actor, obj=new))
+        elif membership is not None and role is None:
+            entries += audit.delete(actor=actor, obj=membership)
+        elif membership is not None and membership.role != role:
+            before = audit.snapshot(membership)
+            membership.role = role
+            if (entry := audit.update(actor=actor, obj=membership, before=before)) is not None:
+                entries.append(entry)
+    return entries
+
+
+def _apply_wide_roles(
+    *, user: Any, rules: list[SsoGroupRole], given: list[SsoGroupRole], actor: str
+) -> list[AuditEntry]:
+    before = sorted(user.groups.values_list("name", flat=True))
+    for role, group_name in _WIDE_ROLES:
+        if not any(rule.role == role for rule in rules):
+            continue  # no line gives this role: not the identity provider's to take away
+        group, _ = Group.objects.get_or_create(name=group_name)
+        if any(rule.role == role for rule in given):
+            user.groups.add(group)
+        else:
+            user.groups.remove(group)
+    after = sorted(user.groups.values_list("name", flat=True))
+    if after == before:
+        return []
+    return [
+        audit.record(
+            actor=actor,
+            action="update",
+            obj=user,
+            before={"groups": before},
+            after={"groups": after},
+        )
+    ]
