@@ -1,0 +1,160 @@
+"""The policy file's `sso.groups` (quota/policy.py) and what a sign-in grants from it
+(teams/sso.py): checked with path-named errors, applied and audited, re-evaluated at each
+sign-in, and kept apart from what the file's own `leads:`/`members:` and the admin decide."""
+
+from __future__ import annotations
+
+import textwrap
+from typing import Any
+
+import pytest
+from django.contrib.auth.models import Group, User
+
+from quota.policy import PolicyError, apply_policy, load_policy
+from teams.models import AuditEntry, Membership, Role, SsoGroupRole, Team
+from teams.selectors import FINANCE_GROUP, OPERATORS_GROUP, user_role
+from teams.sso import apply_sso_groups
+
+pytestmark = pytest.mark.django_db
+
+TEAMS = """
+teams:
+- slug: vision
+  name: Vision
+  namespaces: [vision]
+  leads: [file-lead]
+- slug: speech
+  name: Speech
+  namespaces: [speech]
+"""
+MAPPING = (
+    TEAMS
+    + """
+sso:
+  groups:
+  - {group: vision-leads, team: vision, role: lead}
+  - {group: vision-all, team: vision, role: member}
+  - {group: finops, role: finance}
+  - {group: platform, role: operator}
+"""
+)
+
+
+def apply_text(text: str, *, prune: bool = False) -> Any:
+    return apply_policy(policy=load_policy(textwrap.dedent(text)), prune=prune, actor="tester")
+
+
+def errors_of(text: str) -> list[str]:
+    with pytest.raises(PolicyError) as caught:
+        load_policy(textwrap.dedent(text))
+    return list(caught.value.errors)
+
+
+def test_every_bad_line_is_named_by_its_path() -> None:
+    errors = errors_of(
+        TEAMS
+        + """
+sso:
+  groups:
+  - {group: a, team: vision, role: boss}
+  - {group: b, role: lead}
+  - {group: c, team: nowhere, role: member}
+  - {group: d, team: vision, role: finance}
+  - {group: "", role: operator}
+  - {team: vision, role: lead, colour: blue}
+  - {group: e, team: vision, role: lead}
+  - {group: e, team: vision, role: lead}
+"""
+    )
+    assert errors == [
+        "sso.groups[0].role: must be one of lead, member, finance, operator, got 'boss'",
+        "sso.groups[1].team: required: a lead is one of a team",
+        "sso.groups[2].team: no team 'nowhere' in `teams` (declared: speech, vision)",
+        "sso.groups[3].team: not allowed: finance is a role across every team",
+        "sso.groups[4].group: must not be empty",
+        "sso.groups[5]: unknown key 'colour'",
+        "sso.groups[5].group: required",
+        "sso.groups[7]: the same line as sso.groups[6]",
+    ]
+    assert errors_of(TEAMS + "sso: {groups: finops}\n") == ["sso.groups: must be a list, got str"]
+    assert errors_of(TEAMS + "sso: [a]\n") == ["sso: must be a mapping, got list"]
+
+
+def test_the_mapping_is_applied_audited_and_idempotent() -> None:
+    report = apply_text(MAPPING)
+    assert sorted(str(row) for row in SsoGroupRole.objects.all()) == [
+        "finops → finance",
+        "platform → operator",
+        "vision-all → member of vision",
+        "vision-leads → lead of vision",
+    ]
+    assert AuditEntry.objects.filter(object_type="SSO group role", action="create").count() == 4
+    assert sum(1 for line in report.changes if line.startswith("created SSO group role")) == 4
+    assert not apply_text(MAPPING).changed
+
+
+def test_a_line_the_file_drops_is_kept_without_prune_and_deleted_with_it() -> None:
+    apply_text(MAPPING)
+    fewer = TEAMS + "sso:\n  groups:\n  - {group: finops, role: finance}\n"
+    report = apply_text(fewer)
+    assert SsoGroupRole.objects.count() == 4
+    assert any("kept SSO group role platform → operator" in note for note in report.notes)
+    apply_text(fewer, prune=True)
+    assert [str(row) for row in SsoGroupRole.objects.all()] == ["finops → finance"]
+    # Without `sso:` the stored mapping is not the file's to change.
+    apply_text(TEAMS, prune=True)
+    assert SsoGroupRole.objects.count() == 1
+
+
+def test_prune_keeps_the_memberships_single_sign_on_gave() -> None:
+    apply_text(MAPPING)
+    signed_in = User.objects.create_user("ana")
+    apply_sso_groups(user=signed_in, groups=["vision-leads"], actor="sso:ana")
+    apply_text(MAPPING, prune=True)
+    assert Membership.objects.filter(user=signed_in, role=Role.LEAD).exists()
+    assert Membership.objects.filter(user__username="file-lead").exists()
+
+
+def test_a_sign_in_grants_the_mapped_roles_and_takes_those_no_longer_given() -> None:
+    apply_text(MAPPING)
+    user = User.objects.create_user("ana")
+    apply_sso_groups(user=user, groups=["vision-all", "vision-leads", "finops"], actor="sso:ana")
+    assert {m.team.slug: m.role for m in Membership.objects.filter(user=user)} == {
+        "vision": Role.LEAD  # lead wins over member
+    }
+    assert set(user.groups.values_list("name", flat=True)) == {FINANCE_GROUP}
+    assert user_role(User.objects.get(pk=user.pk)) == "finance"
+
+    entries = apply_sso_groups(user=user, groups=["vision-all"], actor="sso:ana")
+    assert Membership.objects.get(user=user).role == Role.MEMBER
+    assert not user.groups.exists()
+    assert {(e.object_type, e.action) for e in entries} == {
+        ("membership", "update"),
+        ("user", "update"),
+    }
+    assert apply_sso_groups(user=user, groups=["vision-all"], actor="sso:ana") == []
+
+    apply_sso_groups(user=user, groups=["platform"], actor="sso:ana")
+    assert not Membership.objects.filter(user=user).exists()
+    assert user_role(User.objects.get(pk=user.pk)) == "operator"
+
+
+def test_what_the_mapping_does_not_name_is_left_alone() -> None:
+    apply_text(TEAMS + "sso:\n  groups:\n  - {group: vision-leads, team: vision, role: lead}\n")
+    user = User.objects.create_user("ana")
+    speech = Team.objects.get(slug="speech")
+    Membership.objects.create(team=speech, user=user, role=Role.LEAD)
+    finance, _ = Group.objects.get_or_create(name=FINANCE_GROUP)
+    user.groups.add(finance)
+    apply_sso_groups(user=user, groups=[], actor="sso:ana")
+    # Speech is named by no line, nor is finance or operator: the admin's to decide.
+    assert Membership.objects.filter(user=user, team=speech, role=Role.LEAD).exists()
+    assert user.groups.filter(name=FINANCE_GROUP).exists()
+    assert not user.groups.filter(name=OPERATORS_GROUP).exists()
+
+
+def test_without_any_mapping_a_sign_in_changes_nothing() -> None:
+    apply_text(TEAMS)
+    user = User.objects.get(username="file-lead")
+    assert apply_sso_groups(user=user, groups=["anything"], actor="sso:file-lead") == []
+    assert Membership.objects.filter(user=user, role=Role.LEAD).exists()
