@@ -52,6 +52,7 @@ INSTALLED_APPS = [
     "frontend",
     "demo",
     "config.webhook_auth.WebhookAuthConfig",  # the check that the webhooks know their caller
+    "config.metrics_auth.MetricsAuthConfig",  # the check that /metrics has a token
 ]
 
 MIDDLEWARE = [
@@ -474,6 +475,9 @@ if env.get_bool("SECURE_PROXY_SSL_HEADER", False):
 
 # Operations.
 TALLY_METRICS_TOKEN = env.get_str("TALLY_METRICS_TOKEN")
+# Without a token: scrapes from loopback and private addresses answered (on your own machine),
+# or every scrape refused (the default with DEBUG off; check tally.W002). config/metrics_auth.py.
+TALLY_METRICS_ANONYMOUS = env.get_bool("TALLY_METRICS_ANONYMOUS", DEBUG)
 # "port=/path/prefix" pairs: a listener that serves only those paths (e.g. 8443=/admission/).
 TALLY_LISTENERS = env.get_list("TALLY_LISTENERS", [])
 
