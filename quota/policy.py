@@ -1000,8 +1000,10 @@ class _State:
 
 
 def apply_policy(*, policy: Policy, prune: bool, actor: str, dry_run: bool = False) -> ApplyReport:
-    """Make the teams, namespaces, memberships, rules, budgets and (when the file has `rates`)
-    rate cards in the database match `policy`.
+    """Make the teams, namespaces, memberships, rules, budgets and (when the file has `rates`,
+    `drivers`, `versions` or `sso`) rate cards, driver profiles, version baselines and single
+    sign-on group roles in the database match `policy`. Memberships a sign-in gave
+    (`teams.sso`) are never pruned: the next sign-in is theirs to take.
 
     Guarantees: all or nothing, in one transaction; every create, update and delete is audited
     as `actor`; applying the same policy again changes nothing; without `prune` nothing is
@@ -1202,13 +1204,15 @@ class _Applier:
     def _undeclared(self, policy: Policy, teams: list[tuple[TeamSpec, Team]]) -> list[models.Model]:
         """What the database holds and the file does not declare; teams last."""
         undeclared: list[models.Model] = []
-        sso_teams = self._sso_teams(policy)
         for spec, team in teams:
             roles = spec.roles()
             rule_names = {rule_spec.name for rule_spec in spec.rules}
             memberships = self.state.memberships.get(team.pk, {})
-            if team.pk not in sso_teams:  # else the sign-ins' too (teams.sso): none pruned
-                undeclared += [m for name, m in memberships.items() if name not in roles]
+            undeclared += [
+                membership
+                for name, membership in memberships.items()
+                if name not in roles and not membership.granted_by_sso  # the sign-ins' to take
+            ]
             rules = self.state.rules.get(team.pk, {})
             undeclared += [rule for name, rule in rules.items() if name not in rule_names]
             budget = self.state.budgets.get(team.pk)
@@ -1264,14 +1268,6 @@ class _Applier:
                 self.report.notes.append(
                     f"kept SSO group role {row}: not declared (--prune deletes it)"
                 )
-
-    def _sso_teams(self, policy: Policy) -> set[int]:
-        """The teams whose memberships single sign-on also gives (`teams.sso`)."""
-        if policy.sso_groups is None:
-            rows = SsoGroupRole.objects.filter(team__isnull=False)
-            return set(rows.values_list("team_id", flat=True))
-        slugs = {spec.team for spec in policy.sso_groups if spec.team is not None}
-        return {team.pk for slug, team in self.state.teams.items() if slug in slugs}
 
     def _policy_profiles(self) -> list[DriverProfile]:
         """The stored driver profiles a policy file wrote; those written by hand are not its."""
@@ -1331,7 +1327,7 @@ class _Applier:
                 current.get(username),
                 Membership,
                 identity={"team": team, "user": users[username]},
-                values={"role": role},
+                values={"role": role, "granted_by_sso": False},
             )
 
     def _rules(self, spec: TeamSpec, team: Team) -> None:

@@ -36,6 +36,10 @@ class Membership(models.Model):
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships"
     )
     role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+    # Given by the identity provider's groups at a sign-in (teams.sso), not by the policy file
+    # or the admin: the next sign-in takes it when the groups no longer give it, and
+    # `apply_policy --prune` leaves it. The file declaring the user makes it the file's.
+    granted_by_sso = models.BooleanField(default=False)
 
     class Meta:
         constraints = [

@@ -5,9 +5,9 @@ says which group of the identity provider makes its members a team's lead or mem
 or operator. `apply_sso_groups` runs at every single sign-on login, so a user removed from a
 group in the identity provider loses the role at their next login.
 
-Only what the mapping names is the identity provider's to decide: a user's membership in a
-team no `sso.groups` line names, and the finance or operators group when no line gives that
-role, are left as the policy file's `leads:`/`members:` and the admin made them. Superusers are
+Only what sign-ins gave is theirs to take: a membership the policy file (`leads:`/`members:`)
+or the admin made is left as it is (`Membership.granted_by_sso` tells them apart), and so is
+the finance or operators group when no `sso.groups` line gives that role. Superusers are
 operators whatever their groups.
 """
 
@@ -29,51 +29,46 @@ _WIDE_ROLES = ((SsoRole.FINANCE, FINANCE_GROUP), (SsoRole.OPERATOR, OPERATORS_GR
 
 
 def apply_sso_groups(*, user: Any, groups: Iterable[str], actor: str) -> list[AuditEntry]:
-    """Give `user` exactly the roles the `sso.groups` mapping grants for `groups` (the
-    identity provider's claim), in the teams and Tally-wide roles the mapping names.
+    """Give `user` the roles the `sso.groups` mapping grants for `groups` (the identity
+    provider's claim), and take those an earlier sign-in gave that the groups no longer do.
 
     Guarantees: one transaction under a lock on the user's row (two logins of one user at once
     apply one after the other); every membership created, changed or deleted and every change
     of the user's finance/operators groups is audited as `actor`; applying the same groups again
-    writes nothing. Lead wins over member when several groups name one team. Without any
-    `sso.groups` line nothing is changed. Returns the audit entries written.
+    writes nothing. Lead wins over member when several groups name one team. Returns the audit
+    entries written.
     """
     claimed = set(groups)
     entries: list[AuditEntry] = []
     with transaction.atomic():
         rules = list(SsoGroupRole.objects.all())
-        if not rules:
-            return entries
         get_user_model().objects.select_for_update().filter(pk=user.pk).first()
         given = [rule for rule in rules if rule.group in claimed]
-        entries += _apply_team_roles(user=user, rules=rules, given=given, actor=actor)
+        entries += _apply_team_roles(user=user, given=given, actor=actor)
         entries += _apply_wide_roles(user=user, rules=rules, given=given, actor=actor)
     return entries
 
 
-def _apply_team_roles(
-    *, user: Any, rules: list[SsoGroupRole], given: list[SsoGroupRole], actor: str
-) -> list[AuditEntry]:
-    managed = {rule.team_id for rule in rules if rule.team_id is not None}
+def _apply_team_roles(*, user: Any, given: list[SsoGroupRole], actor: str) -> list[AuditEntry]:
     wanted: dict[int, str] = {}
     for rule in given:
         if rule.team_id is not None and wanted.get(rule.team_id) != Role.LEAD:
             wanted[rule.team_id] = Role.LEAD if rule.role == SsoRole.LEAD else Role.MEMBER
     held = {
         membership.team_id: membership
-        for membership in Membership.objects.select_related("team", "user").filter(
-            user=user, team_id__in=managed
-        )
+        for membership in Membership.objects.select_related("team", "user").filter(user=user)
     }
     entries: list[AuditEntry] = []
-    for team_id in sorted(managed):
+    for team_id in sorted(wanted.keys() | held.keys()):
         membership, role = held.get(team_id), wanted.get(team_id)
-        if membership is None and role is not None:
-            new = Membership(team_id=team_id, user=user, role=role)
+        if membership is None:
+            new = Membership(team_id=team_id, user=user, role=role, granted_by_sso=True)
             entries.append(audit.create(actor=actor, obj=new))
-        elif membership is not None and role is None:
+        elif not membership.granted_by_sso:
+            continue  # the policy file's or the admin's: not a sign-in's to change
+        elif role is None:
             entries += audit.delete(actor=actor, obj=membership)
-        elif membership is not None and membership.role != role:
+        elif membership.role != role:
             before = audit.snapshot(membership)
             membership.role = role
             if (entry := audit.update(actor=actor, obj=membership, before=before)) is not None:

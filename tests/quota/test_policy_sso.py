@@ -147,14 +147,34 @@ def test_what_the_mapping_does_not_name_is_left_alone() -> None:
     finance, _ = Group.objects.get_or_create(name=FINANCE_GROUP)
     user.groups.add(finance)
     apply_sso_groups(user=user, groups=[], actor="sso:ana")
-    # Speech is named by no line, nor is finance or operator: the admin's to decide.
+    # The admin's membership of speech is not a sign-in's; no line gives finance or operator.
     assert Membership.objects.filter(user=user, team=speech, role=Role.LEAD).exists()
     assert user.groups.filter(name=FINANCE_GROUP).exists()
     assert not user.groups.filter(name=OPERATORS_GROUP).exists()
 
 
-def test_without_any_mapping_a_sign_in_changes_nothing() -> None:
-    apply_text(TEAMS)
+def test_a_sign_in_never_takes_what_the_file_gave() -> None:
+    apply_text(MAPPING)
     user = User.objects.get(username="file-lead")
     assert apply_sso_groups(user=user, groups=["anything"], actor="sso:file-lead") == []
+    assert Membership.objects.filter(user=user, role=Role.LEAD, granted_by_sso=False).exists()
+
+
+def test_the_file_declaring_a_signed_in_member_makes_the_membership_its_own() -> None:
+    apply_text(MAPPING)
+    user = User.objects.create_user("ana")
+    apply_sso_groups(user=user, groups=["vision-leads"], actor="sso:ana")
+    apply_text(MAPPING.replace("leads: [file-lead]", "leads: [file-lead, ana]"))
+    assert Membership.objects.get(user=user).granted_by_sso is False
+    apply_sso_groups(user=user, groups=[], actor="sso:ana")
     assert Membership.objects.filter(user=user, role=Role.LEAD).exists()
+
+
+def test_what_sign_ins_gave_goes_when_the_mapping_no_longer_gives_it() -> None:
+    apply_text(MAPPING)
+    user = User.objects.create_user("ana")
+    apply_sso_groups(user=user, groups=["vision-leads"], actor="sso:ana")
+    apply_text(TEAMS + "sso: {groups: []}\n", prune=True)
+    assert SsoGroupRole.objects.count() == 0
+    apply_sso_groups(user=user, groups=["vision-leads"], actor="sso:ana")
+    assert not Membership.objects.filter(user=user).exists()

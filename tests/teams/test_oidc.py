@@ -115,8 +115,8 @@ def test_a_lead_signs_in_and_lands_on_the_team_page_with_the_role_of_the_groups_
     user = User.objects.get(username="vision-lead")  # created at the first sign-in
     assert user.email == "vision-lead@example.com"
     assert not user.has_usable_password()
-    roles = {m.team.slug: m.role for m in Membership.objects.filter(user=user)}
-    assert roles == {"vision": Role.LEAD}
+    roles = {m.team.slug: (m.role, m.granted_by_sso) for m in Membership.objects.filter(user=user)}
+    assert roles == {"vision": (Role.LEAD, True)}
     # Again: the same user, nothing more.
     again = sign_in(live_server, "vision-lead")
     assert urlsplit(again.url).path == "/teams/vision/"
@@ -126,9 +126,11 @@ def test_a_lead_signs_in_and_lands_on_the_team_page_with_the_role_of_the_groups_
 def test_a_role_the_groups_no_longer_give_is_taken_at_the_next_sign_in(
     live_server: LiveServer, sso: Provider
 ) -> None:
-    # `stranger` once led speech; the provider now puts them in no group the mapping names.
+    # An earlier sign-in made `stranger` speech's lead; the provider now puts them in no group
+    # the mapping names.
     stranger = User.objects.create_user("stranger")
-    Membership.objects.create(team=Team.objects.get(slug="speech"), user=stranger, role=Role.LEAD)
+    speech = Team.objects.get(slug="speech")
+    Membership.objects.create(team=speech, user=stranger, role=Role.LEAD, granted_by_sso=True)
     landed = sign_in(live_server, "stranger")
     # A user whose groups map to no team: a page that says so, not a 500.
     assert landed.status_code == 403
