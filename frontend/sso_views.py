@@ -34,7 +34,7 @@ def sign_in_failed(request: HttpRequest, reason: str, *, status: int) -> HttpRes
     return render(request, "registration/sso_failed.html", {"reason": reason}, status=status)
 
 
-class SignInView(OIDCAuthenticationRequestView):  # type: ignore[misc]
+class SignInView(OIDCAuthenticationRequestView):
     """Starts a sign-in: to the provider's authorization endpoint."""
 
     def __init__(self, **kwargs: Any) -> None:
@@ -56,7 +56,7 @@ class SignInView(OIDCAuthenticationRequestView):  # type: ignore[misc]
         return response
 
 
-class CallbackView(OIDCAuthenticationCallbackView):  # type: ignore[misc]
+class CallbackView(OIDCAuthenticationCallbackView):
     """The provider's answer: the user signed in and sent home, or a page saying why not."""
 
     def get(self, request: HttpRequest) -> HttpResponse:

@@ -109,7 +109,7 @@ def claimed_groups(claims: dict[str, Any]) -> list[str]:
     return []
 
 
-class OidcBackend(OIDCAuthenticationBackend):  # type: ignore[misc]
+class OidcBackend(OIDCAuthenticationBackend):
     """mozilla-django-oidc's backend with the provider's endpoints discovered, users matched
     and created by username, and roles given by the groups claim at each sign-in."""
 
@@ -171,9 +171,9 @@ class OidcBackend(OIDCAuthenticationBackend):  # type: ignore[misc]
         return f"username {self.username(claims)!r}"
 
     def create_user(self, claims: dict[str, Any]) -> Any:
-        return self.UserModel.objects.create_user(
-            self.username(claims), email=claims.get("email") or ""
-        )
+        username = self.username(claims)
+        assert username is not None  # verify_claims refused the sign-in otherwise
+        return self.UserModel.objects.create_user(username, email=claims.get("email") or "")
 
     def get_or_create_user(self, access_token: str, id_token: str, payload: dict[str, Any]) -> Any:
         user = super().get_or_create_user(access_token, id_token, payload)

@@ -62,6 +62,7 @@ def _apply_team_roles(*, user: Any, given: list[SsoGroupRole], actor: str) -> li
     for team_id in sorted(wanted.keys() | held.keys()):
         membership, role = held.get(team_id), wanted.get(team_id)
         if membership is None:
+            assert role is not None  # a team neither held nor wanted is not in the loop
             new = Membership(team_id=team_id, user=user, role=role, granted_by_sso=True)
             entries.append(audit.create(actor=actor, obj=new))
         elif not membership.granted_by_sso:
