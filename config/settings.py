@@ -292,6 +292,8 @@ AXES_LOCKOUT_CALLABLE = "teams.lockout.lockout_response"
 # The client's address as the API's throttles see it (TALLY_TRUSTED_PROXIES).
 AXES_CLIENT_IP_CALLABLE = "teams.throttles.client_ip"
 AXES_VERBOSE = False  # no banner on every manage.py command; failures are still logged
+# A refused single sign-on answer is recorded as a failure from its address: not its code.
+AXES_SENSITIVE_PARAMETERS = ["code", "state", "id_token_hint"]
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "home"
 LOGOUT_REDIRECT_URL = "login"

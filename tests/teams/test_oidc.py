@@ -16,6 +16,7 @@ from urllib.parse import parse_qs, urlencode, urljoin, urlsplit
 
 import pytest
 import requests
+from axes.models import AccessAttempt
 from django.contrib.auth.models import User
 from pytest_django.fixtures import SettingsWrapper
 from pytest_django.live_server_helper import LiveServer
@@ -182,6 +183,11 @@ def test_a_username_tally_cannot_use_is_refused_with_a_page(
     assert refused.status_code == 403
     assert REFUSED in unescape(refused.text)
     assert not User.objects.filter(username="no spaces allowed").exists()
+    # Counted as a failed login from the address (no username), without the code and state.
+    (attempt,) = AccessAttempt.objects.all()
+    assert attempt.username is None and attempt.path_info == "/oidc/callback/"
+    assert "code=********************" in attempt.get_data
+    assert "state=********************" in attempt.get_data
 
 
 def test_logout_ends_the_provider_session_too(live_server: LiveServer, sso: Provider) -> None:
