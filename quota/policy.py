@@ -508,6 +508,9 @@ def _sso(checker: _Checker, value: Any, teams: list[TeamSpec]) -> tuple[SsoGroup
             )
             continue
         team = line.get("team")
+        if team is not None and not isinstance(team, str):
+            checker.error(f"{path}.team", f"must be a team's slug, got {_kind(team)}")
+            continue
         if role in SSO_TEAM_ROLES:
             if team is None:
                 checker.error(f"{path}.team", f"required: a {role} is one of a team")

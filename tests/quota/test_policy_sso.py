@@ -64,6 +64,8 @@ sso:
   - {team: vision, role: lead, colour: blue}
   - {group: e, team: vision, role: lead}
   - {group: e, team: vision, role: lead}
+  - {group: f, team: [vision], role: lead}
+  - {group: [g], role: [lead]}
 """
     )
     assert errors == [
@@ -75,6 +77,9 @@ sso:
         "sso.groups[5]: unknown key 'colour'",
         "sso.groups[5].group: required",
         "sso.groups[7]: the same line as sso.groups[6]",
+        "sso.groups[8].team: must be a team's slug, got list",
+        "sso.groups[9].group: must be a string, got list",
+        "sso.groups[9].role: must be one of lead, member, finance, operator, got ['lead']",
     ]
     assert errors_of(TEAMS + "sso: {groups: finops}\n") == ["sso.groups: must be a list, got str"]
     assert errors_of(TEAMS + "sso: [a]\n") == ["sso: must be a mapping, got list"]
