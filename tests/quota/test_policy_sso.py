@@ -5,10 +5,12 @@ sign-in, and kept apart from what the file's own `leads:`/`members:` and the adm
 from __future__ import annotations
 
 import textwrap
+import threading
 from typing import Any
 
 import pytest
 from django.contrib.auth.models import Group, User
+from django.db import connection, transaction
 
 from quota.policy import PolicyError, apply_policy, load_policy
 from teams.models import AuditEntry, Membership, Role, SsoGroupRole, Team
@@ -183,3 +185,42 @@ def test_what_sign_ins_gave_goes_when_the_mapping_no_longer_gives_it() -> None:
     assert SsoGroupRole.objects.count() == 0
     apply_sso_groups(user=user, groups=["vision-leads"], actor="sso:ana")
     assert not Membership.objects.filter(user=user).exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_sign_ins_of_one_user_at_once_apply_one_after_the_other() -> None:
+    apply_text(MAPPING)
+    user = User.objects.create_user("ana")
+    first_holds, release = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def first() -> None:
+        try:
+            with transaction.atomic():
+                apply_sso_groups(user=user, groups=["vision-leads"], actor="sso:ana")
+                first_holds.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    def second() -> None:
+        try:
+            apply_sso_groups(user=user, groups=["vision-leads"], actor="sso:ana")
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    first_thread = threading.Thread(target=first)
+    first_thread.start()
+    assert first_holds.wait(10)
+    second_thread = threading.Thread(target=second)
+    second_thread.start()
+    second_thread.join(0.5)
+    assert second_thread.is_alive()  # waiting for the first sign-in to commit
+    release.set()
+    first_thread.join(10)
+    second_thread.join(10)
+    # It then saw the first's membership: no second insert, no unique violation.
+    assert errors == []
+    assert Membership.objects.filter(user=user).count() == 1
