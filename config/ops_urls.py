@@ -6,14 +6,13 @@
   `redis://`/`rediss://` `CELERY_BROKER_URL`), each within a short timeout. 200 or 503 with a
   JSON body naming each check's result, so a failing probe says what failed.
 - `/metrics`: Prometheus exposition (see `config.metrics`). Not public: with
-  `TALLY_METRICS_TOKEN` set it needs `Authorization: Bearer <token>`; without one it answers
-  only loopback and private (RFC 1918/4193) client addresses.
+  `TALLY_METRICS_TOKEN` set it needs `Authorization: Bearer <token>`; without one it refuses
+  every scrape unless `TALLY_METRICS_ANONYMOUS` (DEBUG's default) lets loopback and private
+  addresses in (`config.metrics_auth`).
 """
 
 from __future__ import annotations
 
-import hmac
-import ipaddress
 import logging
 from collections.abc import Callable
 
@@ -25,6 +24,7 @@ from django.urls import URLPattern, URLResolver, path
 from django.views.decorators.cache import never_cache
 
 from config import metrics
+from config.metrics_auth import metrics_refusal
 
 log = logging.getLogger(__name__)
 
@@ -95,33 +95,6 @@ def readyz(request: HttpRequest) -> JsonResponse:
         {"status": "unavailable" if failed else "ok", "checks": results, "failed": failed},
         status=503 if failed else 200,
     )
-
-
-def _bearer_token(request: HttpRequest) -> str:
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
-
-
-def _is_internal(address: str) -> bool:
-    try:
-        ip = ipaddress.ip_address(address)
-    except ValueError:
-        return False
-    return ip.is_loopback or ip.is_private
-
-
-def metrics_refusal(request: HttpRequest) -> HttpResponse | None:
-    """Why `request` may not read the metrics, as the answer to send; None when it may."""
-    token = getattr(settings, "TALLY_METRICS_TOKEN", None)
-    if token:
-        if hmac.compare_digest(_bearer_token(request).encode(), str(token).encode()):
-            return None
-        response = HttpResponse("metrics need a bearer token\n", status=401)
-        response["WWW-Authenticate"] = 'Bearer realm="tally-metrics"'
-        return response
-    if _is_internal(str(request.META.get("REMOTE_ADDR", ""))):
-        return None
-    return HttpResponse("metrics are served to internal addresses only\n", status=403)
 
 
 @never_cache

@@ -52,6 +52,7 @@ INSTALLED_APPS = [
     "frontend",
     "demo",
     "config.webhook_auth.WebhookAuthConfig",  # the check that the webhooks know their caller
+    "config.metrics_auth.MetricsAuthConfig",  # the check that /metrics has a token
 ]
 
 MIDDLEWARE = [
@@ -291,9 +292,42 @@ AXES_LOCKOUT_CALLABLE = "teams.lockout.lockout_response"
 # The client's address as the API's throttles see it (TALLY_TRUSTED_PROXIES).
 AXES_CLIENT_IP_CALLABLE = "teams.throttles.client_ip"
 AXES_VERBOSE = False  # no banner on every manage.py command; failures are still logged
+# A refused single sign-on answer is recorded as a failure from its address: not its code.
+AXES_SENSITIVE_PARAMETERS = ["code", "state", "id_token_hint"]
 LOGIN_URL = "login"
 LOGIN_REDIRECT_URL = "home"
 LOGOUT_REDIRECT_URL = "login"
+
+# Single sign-on with OpenID Connect (teams/oidc.py, through mozilla-django-oidc): off unless
+# TALLY_OIDC_ISSUER is set. The provider's endpoints come from its discovery document; the
+# groups claim gives teams and roles by the policy file's `sso.groups` (teams/sso.py), again at
+# every sign-in. Password logins (and their limits above) stay as they are.
+TALLY_OIDC_ISSUER = (env.get_str("TALLY_OIDC_ISSUER") or "").rstrip("/")
+OIDC_RP_CLIENT_ID = env.get_str("TALLY_OIDC_CLIENT_ID") or ""
+OIDC_RP_CLIENT_SECRET = env.get_str("TALLY_OIDC_CLIENT_SECRET") or ""  # or ..._FILE
+OIDC_RP_SCOPES = env.get_str("TALLY_OIDC_SCOPES", "openid email profile groups") or "openid"
+OIDC_RP_SIGN_ALGO = (env.get_str("TALLY_OIDC_SIGN_ALGO") or "RS256").upper()  # RS* or ES*
+TALLY_OIDC_USERNAME_CLAIM = env.get_str("TALLY_OIDC_USERNAME_CLAIM", "preferred_username") or ""
+TALLY_OIDC_GROUPS_CLAIM = env.get_str("TALLY_OIDC_GROUPS_CLAIM", "groups") or ""
+OIDC_USE_PKCE = True
+OIDC_STORE_ID_TOKEN = True  # the provider's logout takes it as id_token_hint
+OIDC_TIMEOUT = env.get_int("TALLY_OIDC_TIMEOUT_SECONDS", 10, minimum=1)
+if TALLY_OIDC_ISSUER:
+    if not TALLY_OIDC_ISSUER.startswith(("https://", "http://")):
+        raise ImproperlyConfigured(
+            f"TALLY_OIDC_ISSUER={TALLY_OIDC_ISSUER!r} is not a URL: give the provider's issuer, "
+            "e.g. https://login.example.com/realms/main"
+        )
+    for _name, _value in (
+        ("TALLY_OIDC_CLIENT_ID", OIDC_RP_CLIENT_ID),
+        ("TALLY_OIDC_CLIENT_SECRET", OIDC_RP_CLIENT_SECRET),
+    ):
+        if not _value:
+            raise ImproperlyConfigured(
+                f"{_name} (or {_name}_FILE) must be set with TALLY_OIDC_ISSUER: the client "
+                "Tally is registered as at the identity provider"
+            )
+    AUTHENTICATION_BACKENDS.append("teams.oidc.OidcBackend")
 
 # Celery: Redis in production; the default is kombu's filesystem transport, which needs no
 # server and still lets the web process and a separate worker exchange tasks.
@@ -443,6 +477,9 @@ if env.get_bool("SECURE_PROXY_SSL_HEADER", False):
 
 # Operations.
 TALLY_METRICS_TOKEN = env.get_str("TALLY_METRICS_TOKEN")
+# Without a token: scrapes from loopback and private addresses answered (on your own machine),
+# or every scrape refused (the default with DEBUG off; check tally.W002). config/metrics_auth.py.
+TALLY_METRICS_ANONYMOUS = env.get_bool("TALLY_METRICS_ANONYMOUS", DEBUG)
 # "port=/path/prefix" pairs: a listener that serves only those paths (e.g. 8443=/admission/).
 TALLY_LISTENERS = env.get_list("TALLY_LISTENERS", [])
 

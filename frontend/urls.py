@@ -1,20 +1,21 @@
 """The portal's pages (see frontend/views.py)."""
 
-from django.contrib.auth import views as auth_views
 from django.urls import URLPattern, URLResolver, path
 
-from frontend import compare, views
+from frontend import compare, sso_views, views
 from frontend import week as week_views
 from teams.login import LoginForm
 
 urlpatterns: list[URLPattern | URLResolver] = [
     path(
         "login/",
-        auth_views.LoginView.as_view(
-            authentication_form=LoginForm, redirect_authenticated_user=True
-        ),
+        views.LoginView.as_view(authentication_form=LoginForm, redirect_authenticated_user=True),
         name="login",
     ),
+    # Single sign-on (frontend/sso_views.py; 404 unless TALLY_OIDC_ISSUER is set). The names
+    # are mozilla-django-oidc's: it reverses the callback's to build the redirect URI.
+    path("oidc/authenticate/", sso_views.SignInView.as_view(), name="oidc_authentication_init"),
+    path("oidc/callback/", sso_views.CallbackView.as_view(), name="oidc_authentication_callback"),
     path("logout/", views.LogoutView.as_view(), name="logout"),
     path("", views.home, name="home"),
     path("teams/<slug:slug>/", views.team, name="team"),

@@ -35,6 +35,7 @@ from inventory import selectors as fleet
 from inventory.models import Cluster
 from inventory.profiles import unit_label
 from quota import pending
+from teams import oidc
 from teams.alerts import may_snooze, may_snooze_team, snooze_alert
 from teams.api import API_PREFIX, write_csv
 from teams.models import Alert, Team
@@ -80,9 +81,19 @@ def csrf_failure(request: HttpRequest, reason: str = "") -> HttpResponse:
     return forbidden(request, CSRF_REASON)
 
 
+class LoginView(auth_views.LoginView):
+    """Django's password login, offering "Sign in with SSO" when single sign-on is configured."""
+
+    def get_context_data(self, **kwargs: Any) -> dict[str, Any]:
+        context: dict[str, Any] = super().get_context_data(**kwargs)
+        context["sso_enabled"] = oidc.is_enabled()
+        return context
+
+
 class LogoutView(auth_views.LogoutView):
     """Django's (a POST logs out), with a page on GET whose button posts: a typed or followed
-    /logout/ link gets a form, not an empty 405. Not logged in: to the login page."""
+    /logout/ link gets a form, not an empty 405. Not logged in: to the login page. A single
+    sign-on user is then sent to the identity provider to end its session too."""
 
     http_method_names = ["get", "post", "options"]
 
@@ -90,6 +101,11 @@ class LogoutView(auth_views.LogoutView):
         if not request.user.is_authenticated:
             return redirect("login")
         return render(request, "registration/logout.html")
+
+    def post(self, request: HttpRequest, *args: Any, **kwargs: Any) -> HttpResponse:
+        provider_logout = oidc.provider_logout_url(request)  # before the session is gone
+        response: HttpResponse = super().post(request, *args, **kwargs)
+        return redirect(provider_logout) if provider_logout else response
 
 
 def operator_required(view: _View) -> _View:

@@ -128,6 +128,8 @@ class MembershipInline(admin.TabularInline):
     model = Membership
     extra = 0
     autocomplete_fields = ("user",)
+    # Set by sign-ins only (teams.sso): one added here is the admin's, which no sign-in takes.
+    readonly_fields = ("granted_by_sso",)
 
 
 class InUseMixin:

@@ -36,6 +36,11 @@ The format (see docs/policy.example.yaml)::
         model_attributes: [model]
       gpu.intel.com:               # keys given here replace the built-in profile's
         exclude: []                # count integrated GPUs too
+    sso:                           # optional; absent: the group mapping is left as it is
+      groups:                      # the identity provider's `groups` claim, at each SSO login
+      - {group: ml-vision-leads, team: vision, role: lead}     # lead | member: in `team`
+      - {group: ml-vision, team: vision, role: member}
+      - {group: finops, role: finance}                        # finance | operator: no team
     versions:                      # optional; absent: baselines and deviations are left alone
       baselines:                   # the validated driver/CUDA pair, per cluster and model
       - cluster: prod              # optional: TALLY_CLUSTER_NAME
@@ -122,9 +127,23 @@ from quota.models import (
 )
 from quota.services import lock_usage, recount_usage, set_budget
 from teams import audit
-from teams.models import AuditEntry, IdleAlertPolicy, Membership, Role, Team, TeamNamespace
+from teams.models import (
+    SSO_TEAM_ROLES,
+    AuditEntry,
+    IdleAlertPolicy,
+    Membership,
+    Role,
+    SsoGroupRole,
+    SsoRole,
+    Team,
+    TeamNamespace,
+)
 
-_TOP_KEYS = ("teams", "rates", "drivers", "versions")
+_TOP_KEYS = ("teams", "rates", "drivers", "versions", "sso")
+_SSO_KEYS = ("groups",)
+_SSO_GROUP_KEYS = ("group", "team", "role")
+# An identity provider's group names are its own: any string, within SsoGroupRole.group.
+_SSO_GROUP_MAX_LENGTH = 255
 _TEAM_KEYS = (
     "slug",
     "name",
@@ -245,6 +264,20 @@ class TeamSpec:
 
 
 @dataclass(frozen=True)
+class SsoGroupSpec:
+    """One line of `sso.groups`: the identity provider's `group` makes its members `role`
+    (in the team `team`, for lead and member)."""
+
+    group: str
+    role: SsoRole
+    team: str | None
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        return (self.group, self.role, self.team or "")
+
+
+@dataclass(frozen=True)
 class Policy:
     """A checked policy file. `notes` are warnings. `rates` is None when the file has no
     `rates` key: the rate cards are then not the file's to manage."""
@@ -256,6 +289,8 @@ class Policy:
     drivers: dict[str, dict[str, Any]] | None = None
     # Version baselines and documented deviations; None when the file has no `versions` key.
     versions: VersionPolicy | None = None
+    # The identity provider's groups -> roles; None when the file has no `sso` key.
+    sso_groups: tuple[SsoGroupSpec, ...] | None = None
 
 
 @dataclass
@@ -460,6 +495,7 @@ def load_policy(text: str) -> Policy:
         if (team := _team(checker, value, f"teams[{index}]", device_classes)) is not None
     ]
     _check_unique(checker, teams)
+    sso_groups = _sso(checker, top["sso"], teams) if "sso" in top else None
     if checker.errors:
         raise PolicyError(checker.errors)
     return Policy(
@@ -468,7 +504,57 @@ def load_policy(text: str) -> Policy:
         notes=tuple(notes),
         drivers=drivers,
         versions=version_policy,
+        sso_groups=sso_groups,
     )
+
+
+def _sso(checker: _Checker, value: Any, teams: list[TeamSpec]) -> tuple[SsoGroupSpec, ...]:
+    """The `sso:` section: each `groups` line checked, its team one the file declares."""
+    section = checker.mapping(value, "sso", keys=_SSO_KEYS, required=("groups",))
+    if section is None or "groups" not in section:
+        return ()
+    if not isinstance(section["groups"], list):
+        checker.error("sso.groups", f"must be a list, got {_kind(section['groups'])}")
+        return ()
+    declared = {spec.slug for spec in teams}
+    specs: dict[tuple[str, str, str], str] = {}
+    lines = []
+    for index, item in enumerate(section["groups"]):
+        path = f"sso.groups[{index}]"
+        line = checker.mapping(item, path, keys=_SSO_GROUP_KEYS, required=("group", "role"))
+        if line is None or "group" not in line or "role" not in line:
+            continue
+        group = checker.string(line, "group", path, max_length=_SSO_GROUP_MAX_LENGTH)
+        if isinstance(line["group"], str) and not group.strip():
+            checker.error(f"{path}.group", "must not be empty")
+        role = line["role"]
+        if role not in SsoRole.values:
+            checker.error(
+                f"{path}.role", f"must be one of {', '.join(SsoRole.values)}, got {role!r}"
+            )
+            continue
+        team = line.get("team")
+        if team is not None and not isinstance(team, str):
+            checker.error(f"{path}.team", f"must be a team's slug, got {_kind(team)}")
+            continue
+        if role in SSO_TEAM_ROLES:
+            if team is None:
+                checker.error(f"{path}.team", f"required: a {role} is one of a team")
+                continue
+            if team not in declared:
+                known = ", ".join(sorted(declared)) or "none"
+                checker.error(f"{path}.team", f"no team {team!r} in `teams` (declared: {known})")
+                continue
+        elif team is not None:
+            checker.error(f"{path}.team", f"not allowed: {role} is a role across every team")
+            continue
+        spec = SsoGroupSpec(group=group, role=SsoRole(role), team=team)
+        if spec.key in specs:
+            checker.error(path, f"the same line as {specs[spec.key]}")
+            continue
+        specs[spec.key] = path
+        lines.append(spec)
+    return tuple(lines)
 
 
 def _drivers(checker: _Checker, value: Any) -> dict[str, dict[str, Any]]:
@@ -945,8 +1031,10 @@ class _State:
 def apply_policy(
     *, policy: Policy, prune: bool, actor: str, dry_run: bool = False, force: bool = False
 ) -> ApplyReport:
-    """Make the teams, namespaces, memberships, rules, budgets and (when the file has `rates`)
-    rate cards in the database match `policy`.
+    """Make the teams, namespaces, memberships, rules, budgets and (when the file has `rates`,
+    `drivers`, `versions` or `sso`) rate cards, driver profiles, version baselines and single
+    sign-on group roles in the database match `policy`. Memberships a sign-in gave
+    (`teams.sso`) are never pruned: the next sign-in is theirs to take.
 
     Guarantees: all or nothing, in one transaction; every create, update and delete is audited
     as `actor`; applying the same policy again changes nothing; without `prune` nothing is
@@ -1131,6 +1219,8 @@ class _Applier:
             )
         if policy.versions is not None:
             self._versions(policy.versions, prune=prune)
+        if policy.sso_groups is not None:
+            self._sso_groups(policy.sso_groups, {spec.slug: team for spec, team in teams}, prune)
         if policy.rates is None and prune and self.state.rate_cards:
             self.report.notes.append(
                 "rates: not declared, so the rate cards are not this file's: --prune keeps them"
@@ -1165,7 +1255,11 @@ class _Applier:
             roles = spec.roles()
             rule_names = {rule_spec.name for rule_spec in spec.rules}
             memberships = self.state.memberships.get(team.pk, {})
-            undeclared += [m for name, m in memberships.items() if name not in roles]
+            undeclared += [
+                membership
+                for name, membership in memberships.items()
+                if name not in roles and not membership.granted_by_sso  # the sign-ins' to take
+            ]
             rules = self.state.rules.get(team.pk, {})
             undeclared += [rule for name, rule in rules.items() if name not in rule_names]
             budget = self.state.budgets.get(team.pk)
@@ -1196,6 +1290,31 @@ class _Applier:
                 row for row in self._policy_profiles() if row.driver not in policy.drivers
             ]
         return undeclared + list(self.state.undeclared_teams(policy))
+
+    def _sso_groups(
+        self, specs: tuple[SsoGroupSpec, ...], teams: dict[str, Team], prune: bool
+    ) -> None:
+        """Make the stored `sso.groups` lines match the file's; lines it no longer has are
+        deleted with `prune` (the role is then taken at each user's next sign-in), else noted."""
+        stored = {
+            (row.group, row.role, row.team.slug if row.team else ""): row
+            for row in SsoGroupRole.objects.select_related("team").select_for_update(of=("self",))
+        }
+        for spec in specs:
+            if spec.key not in stored:
+                team = teams[spec.team] if spec.team is not None else None
+                row = SsoGroupRole(group=spec.group, role=spec.role, team=team)
+                self.report.add_entry(audit.create(actor=self.actor, obj=row))
+        declared = {spec.key for spec in specs}
+        for key, row in sorted(stored.items()):
+            if key in declared:
+                continue
+            if prune:
+                self._delete(row)
+            else:
+                self.report.notes.append(
+                    f"kept SSO group role {row}: not declared (--prune deletes it)"
+                )
 
     def _policy_profiles(self) -> list[DriverProfile]:
         """The stored driver profiles a policy file wrote; those written by hand are not its."""
@@ -1255,7 +1374,7 @@ class _Applier:
                 current.get(username),
                 Membership,
                 identity={"team": team, "user": users[username]},
-                values={"role": role},
+                values={"role": role, "granted_by_sso": False},
             )
 
     def _rules(self, spec: TeamSpec, team: Team) -> None:

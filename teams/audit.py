@@ -24,7 +24,15 @@ ACTIONS = ("create", "update", "delete")
 UNAUDITED_FIELDS = frozenset({"in_use"})
 # Deleted with their parent: audited one by one before it, not left to the cascade.
 AUDITED_CHILDREN: dict[type[models.Model], tuple[str, ...]] = {
-    Team: ("namespaces", "memberships", "rules", "budget", "gang_policy", "idle_alert_policy"),
+    Team: (
+        "namespaces",
+        "memberships",
+        "rules",
+        "budget",
+        "gang_policy",
+        "idle_alert_policy",
+        "sso_group_roles",
+    ),
 }
 
 

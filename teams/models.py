@@ -36,6 +36,10 @@ class Membership(models.Model):
         settings.AUTH_USER_MODEL, on_delete=models.CASCADE, related_name="memberships"
     )
     role = models.CharField(max_length=16, choices=Role.choices, default=Role.MEMBER)
+    # Given by the identity provider's groups at a sign-in (teams.sso), not by the policy file
+    # or the admin: the next sign-in takes it when the groups no longer give it, and
+    # `apply_policy --prune` leaves it. The file declaring the user makes it the file's.
+    granted_by_sso = models.BooleanField(default=False)
 
     class Meta:
         constraints = [
@@ -44,6 +48,50 @@ class Membership(models.Model):
 
     def __str__(self) -> str:
         return f"{self.user} ({self.role} of {self.team})"
+
+
+class SsoRole(models.TextChoices):
+    """What a group of the identity provider makes its members: a team's lead or member, or
+    finance or operator across every team (the `finance` and `operators` Django groups)."""
+
+    LEAD = "lead", "team lead"
+    MEMBER = "member", "member"
+    FINANCE = "finance", "finance"
+    OPERATOR = "operator", "operator"
+
+
+# The roles that are a team's; the others are Tally-wide.
+SSO_TEAM_ROLES = (SsoRole.LEAD, SsoRole.MEMBER)
+
+
+class SsoGroupRole(models.Model):
+    """One line of the policy file's `sso.groups`: members of the identity provider's group
+    `group` get `role` (in `team` for lead and member) at each single sign-on login."""
+
+    group = models.CharField(max_length=255)
+    role = models.CharField(max_length=16, choices=SsoRole.choices)
+    team = models.ForeignKey(
+        Team, on_delete=models.CASCADE, null=True, blank=True, related_name="sso_group_roles"
+    )
+
+    class Meta:
+        verbose_name = "SSO group role"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["group", "role", "team"],
+                name="sso_group_role_unique",
+                nulls_distinct=False,
+            ),
+            models.CheckConstraint(
+                condition=models.Q(role__in=["lead", "member"], team__isnull=False)
+                | models.Q(role__in=["finance", "operator"], team__isnull=True),
+                name="sso_group_role_team_iff_team_role",
+            ),
+        ]
+
+    def __str__(self) -> str:
+        where = f" of {self.team}" if self.team_id else ""
+        return f"{self.group} → {self.role}{where}"
 
 
 class TeamNamespace(models.Model):

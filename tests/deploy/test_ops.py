@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any
 from unittest import mock
 
@@ -73,15 +76,57 @@ def test_metrics_without_a_token_answer_internal_addresses_only(
     client: Client, settings: SettingsWrapper
 ) -> None:
     settings.TALLY_METRICS_TOKEN = None
+    settings.TALLY_METRICS_ANONYMOUS = True
     assert client.get("/metrics", REMOTE_ADDR="127.0.0.1").status_code == 200
     assert client.get("/metrics", REMOTE_ADDR="10.42.0.7").status_code == 200
     assert client.get("/metrics", REMOTE_ADDR="8.8.8.8").status_code == 403
+
+
+def test_metrics_without_a_token_refuse_every_scrape_unless_anonymous_is_allowed(
+    client: Client, settings: SettingsWrapper
+) -> None:
+    settings.TALLY_METRICS_TOKEN = None
+    settings.TALLY_METRICS_ANONYMOUS = False
+    for address in ("127.0.0.1", "10.42.0.7", "8.8.8.8"):
+        response = client.get("/metrics", REMOTE_ADDR=address)
+        assert response.status_code == 403
+        assert b"set TALLY_METRICS_TOKEN" in response.content
+        assert b"# TYPE" not in response.content
+
+
+def test_anonymous_metrics_are_allowed_by_default_with_debug_only() -> None:
+    def anonymous(debug: str) -> str:
+        code = "from django.conf import settings; print(settings.TALLY_METRICS_ANONYMOUS)"
+        environment = {k: v for k, v in os.environ.items() if not k.startswith("TALLY_METRICS")}
+        result = subprocess.run(
+            [sys.executable, "-c", f"import django; django.setup(); {code}"],
+            env={**environment, "DEBUG": debug, "SECRET_KEY": "t"},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return result.stdout.strip()
+
+    assert anonymous("true") == "True"
+    assert anonymous("false") == "False"
+
+
+def test_check_deploy_warns_when_metrics_have_no_token(settings: SettingsWrapper) -> None:
+    from django.core import checks
+
+    settings.TALLY_METRICS_TOKEN = None
+    warnings = [m.id for m in checks.run_checks(include_deployment_checks=True)]
+    assert "tally.W002" in warnings
+    settings.TALLY_METRICS_TOKEN = "s3cret"
+    warnings = [m.id for m in checks.run_checks(include_deployment_checks=True)]
+    assert "tally.W002" not in warnings
 
 
 def test_metrics_expose_the_counters_and_outstanding_reservations(
     client: Client, settings: SettingsWrapper, fleet: Any
 ) -> None:
     settings.TALLY_METRICS_TOKEN = None
+    settings.TALLY_METRICS_ANONYMOUS = True
     metrics.WEBHOOK_DECISIONS.labels(webhook="validate", result="denied", rule="gpus").inc()
     metrics.WEBHOOK_LATENCY.labels(webhook="validate").observe(0.02)
     text = client.get("/metrics").content.decode()
@@ -143,6 +188,7 @@ def test_the_port_split_through_the_client(client: Client, settings: SettingsWra
     if "config.listeners.ListenerMiddleware" not in settings.MIDDLEWARE:
         settings.MIDDLEWARE = ["config.listeners.ListenerMiddleware", *settings.MIDDLEWARE]
     settings.TALLY_METRICS_TOKEN = None
+    settings.TALLY_METRICS_ANONYMOUS = True
     assert client.get("/metrics", SERVER_PORT="8000").status_code == 404
     assert client.get("/metrics", SERVER_PORT="9090").status_code == 200
     assert client.post("/admission/resourceclaims", SERVER_PORT="8444").status_code == 404
