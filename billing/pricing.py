@@ -223,7 +223,7 @@ def usage_lines_by_team(
     under None) in one pass over the period's usage rows: a team's rows are spread over the
     whole table, so reading them team by team reads the table once per team. `cards` caches
     rate cards across calls."""
-    rows = _usage_rows(period, by_team=True)
+    rows = _usage_rows(period, by=("team_id",))
     if teams is not None:
         rows = rows.filter(team__in=teams)
     by_team: dict[int | None, list[dict[str, Any]]] = defaultdict(list)
@@ -233,8 +233,22 @@ def usage_lines_by_team(
     return {team_id: _lines(team_rows, cards=cards) for team_id, team_rows in by_team.items()}
 
 
-def _usage_rows(period: Period, *, by_team: bool = False) -> Any:
-    """The period's usage rows summed per model, unit, day and device share (and team)."""
+def unowned_lines(
+    *, period: Period, cards: RateCards | None = None
+) -> dict[tuple[str, str], list[LineFigures]]:
+    """The period's usage of no team (hours of a namespace no team owned then), per namespace
+    and cluster name, priced as a team's would be (list price): what finance is shown as
+    unowned usage, so that team totals and these add up to the fleet's."""
+    rows = _usage_rows(period, by=("namespace", "cluster__name")).filter(team__isnull=True)
+    by_place: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        by_place[row.pop("namespace"), row.pop("cluster__name")].append(row)
+    cards = _period_cards(period) if cards is None else cards
+    return {place: _lines(place_rows, cards=cards) for place, place_rows in by_place.items()}
+
+
+def _usage_rows(period: Period, *, by: tuple[str, ...] = ()) -> Any:
+    """The period's usage rows summed per model, unit, day and device share (and `by`)."""
     return (
         UsageHour.objects.filter(hour__gte=period.start, hour__lt=period.end)
         .annotate(day=TruncDate("hour", tzinfo=UTC))
@@ -242,7 +256,7 @@ def _usage_rows(period: Period, *, by_team: bool = False) -> Any:
         # row's: a consumable share of a slice (KEP-5075) holds part of the slice, and pays
         # that part of the slice's price.
         .values(
-            *(("team_id",) if by_team else ()),
+            *by,
             "product_name",
             "profile",
             "unit",

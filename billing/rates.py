@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from datetime import UTC, date
+from datetime import UTC, date, datetime, time
 from decimal import Decimal
 from typing import Any, NamedTuple, Protocol
 
@@ -115,6 +115,15 @@ def closed_periods(*, lock: bool = False) -> list[ClosedPeriod]:
         advisory_xact_lock("billing.rate_cards", [0])
     periods = Period.objects.select_for_update() if lock else Period.objects.all()
     return [ClosedPeriod.of(period) for period in periods.order_by("start") if period.is_closed]
+
+
+def open_since(*, lock: bool = False) -> datetime | None:
+    """Where the hours no closed period holds begin: the end of the last closed period, None
+    while none is closed. With `lock`, as `closed_periods`: none closes before this commits."""
+    periods = closed_periods(lock=lock)
+    if not periods:
+        return None
+    return datetime.combine(max(period.end for period in periods), time(), UTC)
 
 
 def rate_change_error(

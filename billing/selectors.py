@@ -18,12 +18,19 @@ from billing.hours import HOUR, MS_PER_HOUR, ONE_MS, epoch_ms, hour_start
 from billing.idle import idle_hour_q
 from billing.models import SLICE_HOUR, DirtyHour, Period, RateCard, Sample, UsageHour
 from billing.periods import period_bounds
-from billing.pricing import MINOR_UNITS, LineKey, RateCards, rate_hours, round_money
+from billing.pricing import (
+    MINOR_UNITS,
+    LineKey,
+    RateCards,
+    rate_hours,
+    round_money,
+    unowned_lines,
+)
 from billing.rollup import held_allocations, rolled_through
 from billing.rounding import largest_remainders
 from billing.units import hours_label
 from inventory.models import Allocation, Unit
-from teams.models import Team
+from teams.models import Team, TeamNamespace
 
 # Marked hours a budget read counts from the allocations hour by hour; past that many, from the
 # first of them on.
@@ -32,7 +39,8 @@ MOST_MARKED_SPANS = 8
 
 def team_gpu_hours(*, team: Team, period: Period, now: datetime, unit: str = Unit.GPU) -> Decimal:
     """Hours of `unit` (GPU-hours by default; TPU chip-hours, Gaudi card-hours) the team has
-    held in the period up to `now`, charged to it when they started (`Allocation.team`).
+    held in the period up to `now`, charged to it hour by hour as the namespaces they ran in
+    were its (`teams.ownership`).
     Hours of other units are left out: they never add up with these.
 
     An hour's rolled-up rows are counted where they are known to be whole: up to the hour
@@ -73,9 +81,11 @@ def team_gpu_hours(*, team: Team, period: Period, now: datetime, unit: str = Uni
 def _held_ms(*, team: Team, unit: str, spans: list[tuple[datetime, datetime]]) -> Decimal:
     """Milliseconds of `unit` the team's allocations held within `spans` (disjoint), each at
     its share, counted from the allocations as the rollup counts them: those of a device that
-    kept a meter id (`rollup.held_allocations`). Adjacent spans are read as one, and each
-    span apart, so that it reads by the allocations' `end` index only those that end in it
-    or later (a few minutes' and the open ones, for the hours since the last rollup)."""
+    kept a meter id (`rollup.held_allocations`), over the times the team owned their namespace
+    (its dated ownerships, whose bounds are hour starts: the rollup's hour-by-hour rule).
+    Adjacent spans are read as one, and each span apart, so that it reads by the allocations'
+    `end` index only those that end in it or later (a few minutes' and the open ones, for the
+    hours since the last rollup)."""
     merged: list[tuple[datetime, datetime]] = []
     for since, until in sorted(spans):
         if merged and merged[-1][1] == since:
@@ -89,16 +99,20 @@ def _held_ms(*, team: Team, unit: str, spans: list[tuple[datetime, datetime]]) -
     for since, until in merged:
         sql, held_params = (
             held_allocations(since, until)
-            .filter(team=team, unit=unit)
-            .values_list("start", "end", "gpu_share")
+            .filter(unit=unit)
+            .annotate(claim_namespace=F("claim__namespace"))
+            .values_list("start", "end", "gpu_share", "claim_namespace")
             .query.sql_with_params()
         )
         parts.append(
-            'SELECT (extract(epoch FROM LEAST(COALESCE(a."end", %s), %s))'
-            " - extract(epoch FROM GREATEST(a.start, %s))) * 1000 * a.gpu_share AS ms"
-            f" FROM ({sql}) AS a"
+            'SELECT GREATEST(0, extract(epoch FROM LEAST(COALESCE(a."end", %s), %s,'
+            " COALESCE(owned.valid_until, %s)))"
+            " - extract(epoch FROM GREATEST(a.start, %s, COALESCE(owned.valid_from, %s))))"
+            " * 1000 * a.gpu_share AS ms"
+            f" FROM ({sql}) AS a JOIN {TeamNamespace._meta.db_table} AS owned"
+            " ON owned.namespace = a.claim_namespace AND owned.team_id = %s"
         )
-        params += [until, until, since, *held_params]
+        params += [until, until, until, since, since, *held_params, team.pk]
     with connection.cursor() as cursor:
         cursor.execute(
             f"SELECT COALESCE(SUM(ms), 0) FROM ({' UNION ALL '.join(parts)}) AS held",
@@ -421,7 +435,10 @@ def idle_holders(*, team: Team, now: datetime, below_percent: Decimal | int) -> 
     latest = Sample.objects.filter(device_uuid=OuterRef("meter_id")).order_by("-ts_ms")
     allocations = {
         row["pk"]: row
-        for row in Allocation.objects.filter(team=team, end__isnull=True)
+        for row in Allocation.objects.filter(
+            claim__namespace__in=TeamNamespace.objects.filter(team=team).values("namespace"),
+            end__isnull=True,
+        )
         .annotate(
             gpu_util=Subquery(latest.values("gpu_util")[:1]),
             sampled_ms=Subquery(latest.values("ts_ms")[:1]),
@@ -482,3 +499,53 @@ def idle_holders(*, team: Team, now: datetime, below_percent: Decimal | int) -> 
     for holder in claims.values():
         holder.devices.sort()
     return sorted(claims.values(), key=lambda h: (h.idle_since, h.namespace, h.claim_name))
+
+
+# --- Usage of no team -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnownedUsage:
+    """Hours of one unit in a namespace of one cluster that no team owned when they were held
+    (`teams.ownership`), in a period, and what they cost at list price in one currency
+    (`currency` empty: no rate card prices them)."""
+
+    namespace: str
+    cluster: str
+    unit: str
+    currency: str
+    allocated_gpu_hours: Decimal
+    utilised_gpu_hours: Decimal
+    unmeasured_gpu_hours: Decimal
+    list_price: Decimal
+
+
+def unowned_usage(*, period: Period) -> list[UnownedUsage]:
+    """The period's usage of no team per namespace, cluster, unit and currency, priced as a
+    team's statement lines would be (`billing.pricing.unowned_lines`): the teams' statements
+    plus these are the fleet's usage, nothing dropped. For finance and operators only (it names
+    namespaces of every team and none)."""
+    found: dict[tuple[str, str, str, str], list[Decimal]] = {}
+    for (namespace, cluster), lines in unowned_lines(period=period).items():
+        for line in lines:
+            figures = found.setdefault(
+                (namespace, cluster, line.unit, line.currency), [Decimal(0)] * 4
+            )
+            figures[0] += line.allocated
+            figures[1] += line.utilised
+            figures[2] += line.unmeasured
+            figures[3] += line.amount
+    return [
+        UnownedUsage(
+            namespace=namespace,
+            cluster=cluster,
+            unit=unit,
+            currency=currency,
+            allocated_gpu_hours=allocated,
+            utilised_gpu_hours=utilised,
+            unmeasured_gpu_hours=unmeasured,
+            list_price=price,
+        )
+        for (namespace, cluster, unit, currency), figures in sorted(found.items())
+        for allocated, utilised, unmeasured, price in [figures]
+    ]

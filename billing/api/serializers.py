@@ -479,3 +479,26 @@ class BilledJobSerializer(BilledUsageSerializer):
     usernames = serializers.ListField(
         child=serializers.CharField(), read_only=True, help_text="Who ran the job's claims."
     )
+
+
+class UnownedQuerySerializer(serializers.Serializer[Any]):
+    """The query of `billed/unowned`: a period (the current one when not given)."""
+
+    period = PeriodField(required=False)
+    ordering = serializers.CharField(required=False)
+
+
+class UnownedUsageSerializer(serializers.Serializer[Any]):
+    """Hours no team owned (`billing.selectors.UnownedUsage`): the namespace no team owned
+    when they were held, its cluster, and their cost at list price."""
+
+    namespace = serializers.CharField(read_only=True)
+    cluster = serializers.CharField(read_only=True)
+    unit = serializers.CharField(read_only=True)
+    currency = serializers.CharField(
+        read_only=True, help_text="Empty where no rate card prices the hours."
+    )
+    allocated_gpu_hours = serializers.DecimalField(max_digits=24, decimal_places=6, read_only=True)
+    utilised_gpu_hours = serializers.DecimalField(max_digits=24, decimal_places=6, read_only=True)
+    unmeasured_gpu_hours = serializers.DecimalField(max_digits=24, decimal_places=6, read_only=True)
+    list_price = BilledMoneyField(help_text="What the hours cost at the rate cards' prices.")

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 from django.db.models import F, Prefetch, QuerySet, Sum
 from django.db.models.functions import Trunc
+from django.utils import timezone
 from django_filters.rest_framework import DjangoFilterBackend
 from django_filters.utils import translate_validation
 from drf_spectacular.utils import extend_schema
@@ -45,13 +46,16 @@ from billing.api.serializers import (
     RateCardSerializer,
     StatementDetailSerializer,
     StatementSerializer,
+    UnownedQuerySerializer,
+    UnownedUsageSerializer,
     UsageSerializer,
     UsageSeriesSerializer,
     UserUsageSerializer,
 )
 from billing.models import LineKind, Period, RateCard, Statement, StatementLine, UsageHour
 from billing.periods import PricingError
-from billing.selectors import BilledRow, BilledUsage, billed_usage
+from billing.pricing import period_holding
+from billing.selectors import BilledRow, BilledUsage, billed_usage, unowned_usage
 from billing.services import add_adjustment, close_period
 from config.parsers import JsonParser
 from teams.api import (
@@ -343,3 +347,26 @@ def ordered(rows: list[BilledRow], ordering: str, allowed: dict[str, str]) -> li
         present.sort(key=attrgetter(name), reverse=term.startswith("-"))
         rows = present + missing
     return rows
+
+
+@extend_schema(tags=["billing"])
+class UnownedUsageViewSet(TallyViewSet):
+    """Usage of no team in a period (finance, operators): per namespace, cluster, unit and
+    currency, the hours no team owned the namespace in, and their cost at list price. The
+    teams' statements plus these are the fleet's usage."""
+
+    serializer_class = UnownedUsageSerializer
+    permission_classes = [FinanceOrOperator]
+    filter_backends = []
+
+    @extend_schema(parameters=[UnownedQuerySerializer])
+    def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        query = UnownedQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        asked = query.validated_data
+        period = asked.get("period") or period_holding(timezone.now())
+        rows = unowned_usage(period=period) if period.pk is not None else []
+        names = UnownedUsageSerializer().fields
+        rows = ordered(rows, asked.get("ordering", ""), {name: name for name in names})
+        page = self.paginate_queryset(rows)
+        return self.get_paginated_response(self.get_serializer(page, many=True).data)

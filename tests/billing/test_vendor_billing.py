@@ -455,9 +455,9 @@ def test_a_days_statement_to_the_cent_for_each_vendor_fixture(team: Team, fixtur
         cluster=cluster, objects=[*slices, *claims], at=DAY, kinds=kinds
     )
     assert report.errors == []
-    assert Allocation.objects.filter(team=team).count() == sum(
-        len(claim["status"]["allocation"]["devices"]["results"]) for claim in claims
-    )
+    assert Allocation.objects.filter(
+        claim__namespace__in=team.namespaces.values("namespace")
+    ).count() == sum(len(claim["status"]["allocation"]["devices"]["results"]) for claim in claims)
     # A day later the claims are gone: their allocations end.
     report = inventory_services.import_snapshot(
         cluster=cluster, objects=slices, at=DAY + timedelta(days=1), kinds=kinds
