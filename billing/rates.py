@@ -14,11 +14,11 @@ from datetime import UTC, date, datetime, time
 from decimal import Decimal
 from typing import Any, NamedTuple, Protocol
 
+from billing.currencies import currency_error
 from billing.models import Period, RateCard
 from billing.periods import PricingError
 from db.locks import advisory_xact_lock
 
-CURRENCY = re.compile(r"[A-Z]{3}\Z")  # ISO 4217
 # A device's `profile` attribute as drivers publish it (3g.40gb, 1g.10gb+me): one word.
 _PROFILE = re.compile(r"\S+\Z")
 
@@ -37,8 +37,8 @@ def rate_card_value_errors(values: Mapping[str, Any]) -> dict[str, str]:
     if profile and not _PROFILE.match(profile):
         errors["profile"] = f"{profile!r} is not a device profile such as 3g.40gb (one word)"
     currency = values.get("currency")
-    if currency is not None and not CURRENCY.match(currency):
-        errors["currency"] = f"{currency!r} is not an ISO 4217 code such as USD"
+    if currency is not None and (error := currency_error(currency)):
+        errors["currency"] = error
     per_gpu_hour = values.get("per_gpu_hour")
     if per_gpu_hour is not None and per_gpu_hour <= 0:
         errors["per_gpu_hour"] = f"must be positive, got {per_gpu_hour}"

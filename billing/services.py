@@ -22,6 +22,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from billing import ingest, late_data, retention, rollup
+from billing.currencies import currency_error
 from billing.hours import hours_between
 from billing.models import (
     AgentToken,
@@ -107,11 +108,15 @@ def add_adjustment(
 
     Guarantees: the amount is rounded to the currency's minor unit; the period's row is locked,
     so it cannot close (nor its statements be recomputed) while the line is added; a closed
-    period or an empty reason is refused (`PricingError`, nothing written); the statement's
-    total includes the line; the line is audited as `actor` in the same transaction.
+    period, an empty reason or a currency not in ISO 4217 is refused (`PricingError`, nothing
+    written); the statement's total includes the line; the line is audited as `actor` in the
+    same transaction.
     """
     if not reason.strip():
         raise PricingError("an adjustment needs a reason")
+    currency = currency.upper()
+    if error := currency_error(currency):
+        raise PricingError(error)
     with transaction.atomic():
         locked = Period.objects.select_for_update().get(pk=period.pk)
         if locked.is_closed:

@@ -18,6 +18,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from billing.api.filtersets import PERIOD_HELP, period_lookups
+from billing.currencies import currency_error
 from billing.hours import HOUR, MS_PER_HOUR
 from billing.models import Period, RateCard, Statement, StatementLine
 from billing.pricing import period_holding, round_money
@@ -265,6 +266,8 @@ class AdjustmentInputSerializer(serializers.Serializer[Any]):
     )
 
     def validate_currency(self, value: str) -> str:
+        if error := currency_error(value.upper()):
+            raise serializers.ValidationError(error)
         return value.upper()
 
     def validate_amount(self, value: Decimal) -> Decimal:
