@@ -538,6 +538,24 @@ def _late_data_adjustments(
     return adjustments
 
 
+def frozen_usage_lines(
+    *, periods: Iterable[Period], team_ids: Iterable[int]
+) -> dict[tuple[int, datetime, LineKey], LineFigures]:
+    """The usage lines of the teams' frozen statements of the closed `periods`, per team,
+    period start and line: what those periods billed, which every surface shows for them
+    (late data is in the adjustments of the open period that billed it)."""
+    lines = StatementLine.objects.filter(
+        kind=LineKind.USAGE,
+        statement__period__in=[period for period in periods if period.is_closed],
+        statement__team_id__in=list(team_ids),
+    ).select_related("statement__period")
+    return {
+        (line.statement.team_id, line.statement.period.start, figures.key): figures
+        for line in lines
+        for figures in [_stored_figures(line)]
+    }
+
+
 def _stored_figures(stored: StatementLine) -> LineFigures:
     return LineFigures(
         product_name=stored.product_name,

@@ -6,7 +6,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
 from fractions import Fraction
 from typing import Any
 
@@ -20,8 +20,10 @@ from billing.models import SLICE_HOUR, DirtyHour, Period, RateCard, Sample, Usag
 from billing.periods import period_bounds
 from billing.pricing import (
     MINOR_UNITS,
+    LineFigures,
     LineKey,
     RateCards,
+    frozen_usage_lines,
     rate_hours,
     round_money,
     unowned_lines,
@@ -239,14 +241,14 @@ def apportion(total: Decimal, shares: Mapping[Any, Fraction], currency: str) -> 
     return {key: Decimal(count) * minor_unit(currency) for key, count in units.items()}
 
 
-def period_pieces(since: datetime, until: datetime) -> list[tuple[datetime, datetime]]:
+def period_pieces(
+    since: datetime, until: datetime, *, periods: list[Period] | None = None
+) -> list[tuple[datetime, datetime]]:
     """`[since, until)` cut where billing periods start: the part of each period in it, as
-    `billing.pricing.period_holding` finds the periods (stored ones first), in one query."""
-    stored = list(
-        Period.objects.filter(start__lt=until, end__gt=since)
-        .order_by("start")
-        .values_list("start", "end")
-    )
+    `billing.pricing.period_holding` finds the periods (stored ones first), in one query
+    (none when given the `stored_periods` of the window)."""
+    periods = stored_periods(since, until) if periods is None else periods
+    stored = [(period.start, period.end) for period in periods]
     pieces = []
     moment = since
     while moment < until:
@@ -261,6 +263,11 @@ def period_pieces(since: datetime, until: datetime) -> list[tuple[datetime, date
     return pieces
 
 
+def stored_periods(since: datetime, until: datetime) -> list[Period]:
+    """The stored periods that overlap `[since, until)`, in order."""
+    return list(Period.objects.filter(start__lt=until, end__gt=since).order_by("start"))
+
+
 def billed_usage(
     *, teams: Iterable[Team], since: datetime, until: datetime, cards: RateCards | None = None
 ) -> BilledUsage:
@@ -272,11 +279,23 @@ def billed_usage(
     to the cent, what the statements' usage lines of those periods add up to (adjustments are
     not usage of the window and are left out).
 
+    A closed period in the window shows its frozen statement: each of its lines' hours and
+    amount as frozen, shared out among the holders by their usage (`_frozen_holders`), and
+    a team's usage there that no frozen line billed (data that came after the close, billed
+    as adjustments in an open period) is left out. A closed period only partly in the window
+    is shown as its usage rows price it.
+
     Two queries (periods, and rate cards unless `cards` holds the window's) plus one for the
     usage, grouped per holder, model, unit, day and share in SQL, however many hours there
     are."""
     team_slugs = {team.pk: team.slug for team in teams}
-    pieces = period_pieces(since, until)
+    periods = stored_periods(since, until)
+    pieces = period_pieces(since, until, periods=periods)
+    closed = [
+        period for period in periods if period.is_closed and (period.start, period.end) in pieces
+    ]
+    frozen = frozen_usage_lines(periods=closed, team_ids=team_slugs)
+    closed_starts = {period.start for period in closed}
     cards = cards or RateCards(
         first_day=since.astimezone(UTC).date(),
         last_day=(until - ONE_MS).astimezone(UTC).date(),
@@ -332,10 +351,16 @@ def billed_usage(
     people: dict[tuple[int, str, str, str], BilledRow] = {}
     jobs: dict[tuple[int, str, str, str, str], BilledRow] = {}
     for (team_id, line), holders in usage.items():
-        _, key = line
+        piece, key = line
         card = line_cards[line]
         unit, currency = key[2], (card.currency if card else "")
-        money = _line_parts(holders, key) if card is not None else {}
+        frozen_line = frozen.get((team_id, piece, key))
+        if piece in closed_starts:
+            if frozen_line is None:
+                continue  # not in the period's statement: billed later, as an adjustment
+            holders = _frozen_holders(holders, frozen_line)
+        total = frozen_line.amount if frozen_line is not None else None
+        money = _line_parts(holders, key, total=total) if card is not None else {}
         for holder, (allocated, utilised, unmeasured) in holders.items():
             _, username, namespace, job = holder
             targets = (
@@ -374,9 +399,31 @@ def billed_usage(
     )
 
 
-def _line_parts(holders: Mapping[_Holder, list[int]], key: LineKey) -> dict[Any, Decimal]:
+def _frozen_holders(
+    holders: Mapping[_Holder, list[int]], line: LineFigures
+) -> dict[_Holder, list[int]]:
+    """The holders' milliseconds (allocated, utilised, unmeasured) scaled to a frozen line's
+    hours, each figure shared out by largest remainders, so they add up to the line."""
+    scaled: dict[_Holder, list[int]] = {holder: [0, 0, 0] for holder in holders}
+    for index, hours in enumerate((line.allocated, line.utilised, line.unmeasured)):
+        target = int((hours * MS_PER_HOUR).to_integral_value(ROUND_HALF_UP))
+        whole = sum(figures[index] for figures in holders.values())
+        if not whole:
+            continue
+        parts = {
+            holder: Fraction(figures[index] * target, whole) for holder, figures in holders.items()
+        }
+        for holder, share in largest_remainders(parts, target).items():
+            scaled[holder][index] = share
+    return scaled
+
+
+def _line_parts(
+    holders: Mapping[_Holder, list[int]], key: LineKey, *, total: Decimal | None = None
+) -> dict[Any, Decimal]:
     """A priced line's amount (as `billing.pricing.usage_lines` computes it: exact, rounded
-    once) shared out among its holders and the parts of their bill."""
+    once; `total`: a frozen line's amount) shared out among its holders and the parts of their
+    bill."""
     _, _, _, currency, rate, idle_factor, share = key
     assert rate is not None and idle_factor is not None
     exact: dict[Any, Fraction] = {}
@@ -394,7 +441,15 @@ def _line_parts(holders: Mapping[_Holder, list[int]], key: LineKey) -> dict[Any,
     billable = rate_hours(allocated, share) - (1 - Fraction(idle_factor)) * rate_hours(
         allocated - utilised - unmeasured, share
     )
-    return apportion(round_money(Fraction(rate) * billable, currency), exact, currency)
+    if total is None:
+        return apportion(round_money(Fraction(rate) * billable, currency), exact, currency)
+    whole = sum(exact.values(), Fraction(0))
+    if not whole:
+        return {}
+    # The frozen amount shared in the proportions of the exact parts.
+    return apportion(
+        total, {part: value * Fraction(total) / whole for part, value in exact.items()}, currency
+    )
 
 
 def _row_order(row: BilledRow) -> tuple[Any, ...]:
