@@ -31,7 +31,7 @@ from django.db.models import F, Q, Sum
 from django.db.models.functions import TruncDate
 from django.utils import timezone
 
-from billing import late_data
+from billing import late_data, shock
 from billing.hours import MS_PER_HOUR
 from billing.models import (
     SLICE_HOUR,
@@ -334,7 +334,11 @@ def _hours(value: Decimal) -> Decimal:
 
 
 def refresh_statements(
-    *, period: Period, teams: list[Team] | None = None, closing: bool = False
+    *,
+    period: Period,
+    teams: list[Team] | None = None,
+    closing: bool = False,
+    cause: str = "a statement refresh",
 ) -> list[Statement]:
     """Recompute the usage lines of an open period's statements, and the adjustments for data
     that arrived late for closed periods. Rerunning it changes nothing; a closed period's
@@ -350,6 +354,9 @@ def refresh_statements(
     last refresh, every team): the marks it read are deleted, those of this period and of the
     closed periods it read, as the statements about to be frozen account for them; a mark
     made since stays.
+
+    Money that jumps, or a closed period's that changes, raises an operator alert naming
+    `cause`, what ran this refresh (`billing.shock`).
     """
     if closing and teams is not None:
         raise ValueError("a closing refresh is every team's")
@@ -378,6 +385,7 @@ def refresh_statements(
             for before in reread
         }
         billed = _billed_lines(period, reread, teams=chosen)
+        adjustments_before = _closed_adjustments(period, chosen)
         statements = _write_statements(
             period,
             {
@@ -388,11 +396,36 @@ def refresh_statements(
             },
             reread=reread,
         )
+        shock.check_statements(
+            period=period,
+            statements=statements,
+            adjustments_before=adjustments_before,
+            adjustments_after=_closed_adjustments(period, chosen),
+            cause=cause,
+            now=timezone.now(),
+        )
         if closing:
             late_data.clear_marks(
                 mark for read in [period, *reread] for mark in marks.get(read.pk, [])
             )
     return statements
+
+
+def _closed_adjustments(period: Period, teams: list[Team]) -> dict[tuple[int, int, str], Decimal]:
+    """What `period`'s statements bill for closed periods' late data, per team, closed period
+    and currency."""
+    return {
+        (team_id, corrected, currency): total
+        for team_id, corrected, currency, total in StatementLine.objects.filter(
+            statement__period=period,
+            statement__team__in=teams,
+            kind=LineKind.ADJUSTMENT,
+            corrects_period__isnull=False,
+        )
+        .values_list("statement__team_id", "corrects_period_id", "statement__currency")
+        .annotate(total=Sum("amount"))
+        .order_by()
+    }
 
 
 ClosedUsage = dict[Period, dict[int | None, list[LineFigures]]]

@@ -85,7 +85,9 @@ def close_period(*, period: Period, actor: str) -> list[Statement]:
                 f"period {locked.label} has not ended yet: it ends {locked.end:%Y-%m-%d %H:%M} UTC"
             )
         before = audit.snapshot(locked)
-        statements = refresh_statements(period=locked, closing=True)
+        statements = refresh_statements(
+            period=locked, closing=True, cause=f"the close of {locked.label} by {actor}"
+        )
         locked.closed_at = timezone.now()
         locked.closed_by = actor
         audit.update(actor=actor, obj=locked, before=before)
@@ -208,7 +210,9 @@ def bill_period(
     if close:
         statements = close_period(period=period, actor=actor)
     else:
-        statements = refresh_statements(period=period)
+        statements = refresh_statements(
+            period=period, cause=f"a billing run of {label} by {actor or 'run_billing'}"
+        )
     return BillingRun(
         period=period,
         adopted_samples=adopted,
@@ -286,7 +290,7 @@ def refresh_usage(*, now: datetime) -> list[datetime]:
     ingest.adopt_unknown_samples(now=now)
     retention.purge_unknown_device_samples(now=now)  # in batches
     hours = rollup.rollup_pending(now=now)
-    refresh_statements(period=period_for(now))
+    refresh_statements(period=period_for(now), cause="beat's periodic refresh (refresh_usage)")
     return hours
 
 

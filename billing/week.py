@@ -377,8 +377,8 @@ def _bill(
     is shared out to the cent once, by largest remainders (`billing.selectors.apportion`), so
     the people, the jobs and the total of a week all add up to the same money, and each job's
     is what `billed/jobs` shows for the window."""
-    for figures in folded.values():
-        figures.billed, figures.billed_idle = {}, {}
+    for group in folded.values():
+        group.billed, group.billed_idle = {}, {}
     for row in billed.jobs if by == "job" else billed.people:
         figures = folded.get(("" if by is None else getattr(row, by), row.unit))
         if figures is None or not row.priced:

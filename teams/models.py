@@ -145,6 +145,7 @@ class AlertKind(models.TextChoices):
     IDLE_CLAIM = "idle_claim", "idle claim"
     STRANDED_GANG = "stranded_gang", "stranded gang"
     VERSION_OUTLIER = "version_outlier", "version outlier"
+    BILL_SHOCK = "bill_shock", "bill shock"
 
 
 class AlertState(models.TextChoices):

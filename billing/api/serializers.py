@@ -505,3 +505,16 @@ class UnownedUsageSerializer(serializers.Serializer[Any]):
     utilised_gpu_hours = serializers.DecimalField(max_digits=24, decimal_places=6, read_only=True)
     unmeasured_gpu_hours = serializers.DecimalField(max_digits=24, decimal_places=6, read_only=True)
     list_price = BilledMoneyField(help_text="What the hours cost at the rate cards' prices.")
+
+    class Meta:
+        # The names `?ordering=` takes (each a field of `UnownedUsage`).
+        fields = (
+            "namespace",
+            "cluster",
+            "unit",
+            "currency",
+            "allocated_gpu_hours",
+            "utilised_gpu_hours",
+            "unmeasured_gpu_hours",
+            "list_price",
+        )

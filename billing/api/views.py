@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import UTC
 from operator import attrgetter
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from django.db.models import F, Prefetch, QuerySet, Sum
 from django.db.models.functions import Trunc
@@ -68,6 +68,7 @@ from teams.api import (
 from teams.models import Team
 
 LINE_ORDER = ("kind", "product_name", "profile", "id")
+_Row = TypeVar("_Row")
 
 
 @extend_schema(tags=["billing"])
@@ -325,7 +326,7 @@ class BilledJobViewSet(BilledUsageViewSet):
         return usage.jobs
 
 
-def ordered(rows: list[BilledRow], ordering: str, allowed: dict[str, str]) -> list[BilledRow]:
+def ordered(rows: list[_Row], ordering: str, allowed: dict[str, str]) -> list[_Row]:
     """`rows` by `?ordering=`, of the public names `allowed` maps to row attributes (`-`
     descending; null values last either way); as they are when it is empty. An unknown name
     is a 400 naming the allowed ones, as `teams.api.OrderingFilter` answers."""
@@ -366,7 +367,7 @@ class UnownedUsageViewSet(TallyViewSet):
         asked = query.validated_data
         period = asked.get("period") or period_holding(timezone.now())
         rows = unowned_usage(period=period) if period.pk is not None else []
-        names = UnownedUsageSerializer().fields
-        rows = ordered(rows, asked.get("ordering", ""), {name: name for name in names})
+        names = {name: name for name in UnownedUsageSerializer.Meta.fields}
+        rows = ordered(rows, asked.get("ordering", ""), names)
         page = self.paginate_queryset(rows)
         return self.get_paginated_response(self.get_serializer(page, many=True).data)

@@ -16,7 +16,7 @@ def _hour(moment: datetime) -> datetime:
     return moment.astimezone(UTC).replace(minute=0, second=0, microsecond=0)
 
 
-def keep_attribution(apps, schema_editor):  # type: ignore[no-untyped-def]
+def keep_attribution(apps, schema_editor):
     allocation_model = apps.get_model("inventory", "Allocation")
     ownership_model = apps.get_model("teams", "TeamNamespace")
     now = _hour(datetime.now(UTC))
