@@ -1116,7 +1116,8 @@ class _Applier:
                 self._delete(obj)
             else:
                 self.report.notes.append(
-                    f"kept {obj._meta.verbose_name} {obj}: not declared (--prune deletes it)"
+                    f"kept {obj._meta.verbose_name} {obj}: not declared (--prune "
+                    f"{'releases' if isinstance(obj, TeamNamespace) else 'deletes'} it)"
                 )
 
     def _undeclared(self, policy: Policy, teams: list[tuple[TeamSpec, Team]]) -> list[models.Model]:

@@ -183,7 +183,8 @@ def test_without_prune_nothing_is_removed() -> None:
         assert [row[0] for row in after[kind]] == [row[0] for row in before[kind]], kind
     assert not AuditEntry.objects.filter(action="delete").exists()
     assert "kept team nlp: not declared (--prune deletes it)" in report.notes
-    assert "kept team namespace vision-dev: not declared (--prune deletes it)" in report.notes
+    # Released, not deleted: its hours stay vision's (dated ownership).
+    assert "kept team namespace vision-dev: not declared (--prune releases it)" in report.notes
 
 
 def test_prune_removes_what_the_file_no_longer_declares(tmp_path: Path) -> None:
