@@ -87,10 +87,17 @@ def _run(*, teams: int, history_days: int, jobs: int, marked_hours_ago: int) -> 
     made = Team.objects.bulk_create(
         Team(slug=f"team-{i:03d}", name=f"Team {i:03d}") for i in range(teams)
     )
+    # Each claim's namespace owned by one of the teams since always (`teams.ownership`).
     with connection.cursor() as cursor:
         cursor.execute(
-            "UPDATE inventory_allocation SET team_id = (%s::bigint[])[1 + id %% %s]",
-            [[team.pk for team in made], teams],
+            "UPDATE inventory_resourceclaim "
+            "SET namespace = 'team-' || lpad((id %% %s)::text, 3, '0')",
+            [teams],
+        )
+        cursor.execute(
+            "INSERT INTO teams_teamnamespace (team_id, namespace) "
+            "SELECT id, slug FROM teams_team WHERE id = ANY(%s)",
+            [[team.pk for team in made]],
         )
     period = period_for(NOW)
     rolled_through = NOW.replace(minute=0) - 2 * HOUR
@@ -102,12 +109,12 @@ def _run(*, teams: int, history_days: int, jobs: int, marked_hours_ago: int) -> 
             """
             INSERT INTO inventory_allocation (
                 cluster_id, claim_id, request, driver, pool, device_name, share_id,
-                consumed_capacity, start, "end", team_id, job, username, meter_id, unit,
+                consumed_capacity, start, "end", job, username, meter_id, unit,
                 product_name, profile, device_share, gpu_share, device_id
             )
             SELECT a.cluster_id, a.claim_id, a.request, a.driver, a.pool, a.device_name,
                    a.share_id, a.consumed_capacity, s, s + make_interval(secs => %(job)s),
-                   a.team_id, a.job, a.username, a.meter_id, a.unit, a.product_name,
+                   a.job, a.username, a.meter_id, a.unit, a.product_name,
                    a.profile, a.device_share, a.gpu_share, a.device_id
             FROM inventory_allocation a
             CROSS JOIN generate_series(
@@ -132,9 +139,10 @@ def _run(*, teams: int, history_days: int, jobs: int, marked_hours_ago: int) -> 
                 allocated_gpu_ms, utilised_gpu_ms, unmeasured_gpu_ms
             )
             SELECT h, a.id, a.cluster_id, a.meter_id, a.product_name, a.profile, a.gpu_share,
-                   a.unit, c.namespace, c.name, a.team_id, a.job, a.username, held, 0, held
+                   a.unit, c.namespace, c.name, o.team_id, a.job, a.username, held, 0, held
             FROM inventory_allocation a
             JOIN inventory_resourceclaim c ON c.id = a.claim_id
+            JOIN teams_teamnamespace o ON o.namespace = c.namespace
             CROSS JOIN LATERAL generate_series(
                 date_trunc('hour', GREATEST(a.start, %(start)s)),
                 LEAST(COALESCE(a."end", %(through)s), %(through)s) - interval '1 millisecond',
@@ -191,7 +199,7 @@ def _run(*, teams: int, history_days: int, jobs: int, marked_hours_ago: int) -> 
 
     held = Decimal(0)
     for start, end, share in Allocation.objects.filter(
-        team=team, unit=Unit.GPU, device__isnull=False, start__lt=NOW
+        claim__namespace=team.slug, unit=Unit.GPU, device__isnull=False, start__lt=NOW
     ).values_list("start", "end", "gpu_share"):
         since, until = max(start, period.start), min(end or NOW, NOW)
         if since < until:

@@ -95,15 +95,21 @@ def _run(*, teams: int, first: datetime) -> int:
     from billing.pricing import period_for, refresh_statements
     from billing.services import close_period
     from inventory.models import Allocation
-    from teams.models import Team
+    from teams.models import Team, TeamNamespace
 
     made = Team.objects.bulk_create(
         Team(slug=f"team-{i:03d}", name=f"Team {i:03d}") for i in range(teams)
     )
-    team_ids = [team.pk for team in made]
-    allocations = list(Allocation.objects.order_by("pk").values_list("pk", flat=True))
-    for i, pk in enumerate(allocations):
-        Allocation.objects.filter(pk=pk).update(team_id=team_ids[i % teams])
+    # Each claim's namespace owned by one of the teams since always (`teams.ownership`).
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "UPDATE inventory_resourceclaim "
+            "SET namespace = 'team-' || lpad((id %% %s)::text, 3, '0')",
+            [teams],
+        )
+    TeamNamespace.objects.bulk_create(
+        TeamNamespace(team=team, namespace=team.slug) for team in made
+    )
     for product, rate in RATES.items():
         RateCard.objects.create(
             product_name=product,
@@ -126,13 +132,14 @@ def _run(*, teams: int, first: datetime) -> int:
                 allocated_gpu_ms, utilised_gpu_ms, unmeasured_gpu_ms
             )
             SELECT h, a.id, a.cluster_id, a.meter_id, a.product_name, a.profile, a.gpu_share,
-                   a.unit, c.namespace, c.name, a.team_id, a.job, a.username,
+                   a.unit, c.namespace, c.name, o.team_id, a.job, a.username,
                    %(hour)s,
                    CASE WHEN (a.id + n) %% 11 = 0 THEN 0
                         ELSE ((a.id * 7919 + n * 104729) %% 1000) * 3000 END,
                    CASE WHEN (a.id + n) %% 11 = 0 THEN %(hour)s ELSE 0 END
             FROM inventory_allocation a
             JOIN inventory_resourceclaim c ON c.id = a.claim_id
+            JOIN teams_teamnamespace o ON o.namespace = c.namespace
             CROSS JOIN generate_series(%(start)s::timestamptz, %(last)s::timestamptz,
                                        interval '1 hour') WITH ORDINALITY AS g(h, n)
             WHERE a.device_id IS NOT NULL
@@ -148,7 +155,7 @@ def _run(*, teams: int, first: datetime) -> int:
         cursor.execute("VACUUM (ANALYZE) billing_usagehour")
         cursor.execute("VACUUM (ANALYZE) inventory_allocation")
     print(
-        f"usage rows: {rows:,} ({len(allocations):,} GPUs x "
+        f"usage rows: {rows:,} ({Allocation.objects.count():,} GPUs x "
         f"{(MONTH_END - first) // HOUR} hours, {teams} teams), written and analyzed "
         f"in {time.perf_counter() - began:.1f} s",
         flush=True,

@@ -7,7 +7,7 @@ class BillingConfig(AppConfig):
 
     def ready(self) -> None:
         # At ready(), as Django has it: the receiver's module imports models.
-        from billing.dirty import on_claims_changed
+        from billing.dirty import on_claims_changed, on_ownership_changed
         from billing.idle import IdleCollector
         from billing.meter_changes import on_meters_changed
         from billing.services import on_charges_requested, on_usage_closed_until
@@ -18,6 +18,7 @@ class BillingConfig(AppConfig):
             meters_changed,
             usage_closed_until,
         )
+        from teams.ownership import ownership_changed
 
         DATABASE_COLLECTORS.append(IdleCollector())
 
@@ -25,3 +26,4 @@ class BillingConfig(AppConfig):
         meters_changed.connect(on_meters_changed, dispatch_uid="billing.meters_changed")
         charges_requested.connect(on_charges_requested, dispatch_uid="billing.charges")
         usage_closed_until.connect(on_usage_closed_until, dispatch_uid="billing.closed_until")
+        ownership_changed.connect(on_ownership_changed, dispatch_uid="billing.ownership_changed")

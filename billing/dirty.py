@@ -11,6 +11,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from django.db import connection
+from django.db.models import Q
 
 from billing import retention
 from billing.hours import hour_start, hours_between
@@ -163,3 +164,18 @@ def on_claims_changed(
         mark_claims_dirty(claim_ids=claim_ids, at=at)
         return
     mark_changes_dirty(at=at, spans=spans, reattributed=reattributed, unfilled=unfilled)
+
+
+def on_ownership_changed(
+    sender: Any, *, namespace: str, since: datetime | None, at: datetime, **_: Any
+) -> None:
+    """`teams.ownership.ownership_changed` receiver: the hours of the namespace's allocations
+    from `since` (every hour where None) are rolled up again, charged to their new owner."""
+    allocations = Allocation.objects.filter(claim__namespace=namespace)
+    if since is not None:
+        allocations = allocations.filter(Q(end__isnull=True) | Q(end__gt=since))
+    intervals = [
+        (start if since is None else max(start, since), end)
+        for start, end in allocations.values_list("start", "end")
+    ]
+    mark_dirty(hours=span_hours(intervals, at=at), at=at)

@@ -416,6 +416,12 @@ class Statement(models.Model):
     currency = models.CharField(max_length=3)
     total = models.DecimalField(max_digits=MONEY_DIGITS, decimal_places=MONEY_PLACES, default=0)
     computed_at = models.DateTimeField()
+    # The total as of `baseline_at`, at most an hour before the last refresh: what a refresh's
+    # total is compared with to see a jump (`billing.shock`). Null: not refreshed yet.
+    baseline_total = models.DecimalField(
+        max_digits=MONEY_DIGITS, decimal_places=MONEY_PLACES, default=0
+    )
+    baseline_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:
         constraints = [

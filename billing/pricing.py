@@ -31,7 +31,7 @@ from django.db.models import F, Q, Sum
 from django.db.models.functions import TruncDate
 from django.utils import timezone
 
-from billing import late_data
+from billing import late_data, shock
 from billing.hours import MS_PER_HOUR
 from billing.models import (
     SLICE_HOUR,
@@ -223,7 +223,7 @@ def usage_lines_by_team(
     under None) in one pass over the period's usage rows: a team's rows are spread over the
     whole table, so reading them team by team reads the table once per team. `cards` caches
     rate cards across calls."""
-    rows = _usage_rows(period, by_team=True)
+    rows = _usage_rows(period, by=("team_id",))
     if teams is not None:
         rows = rows.filter(team__in=teams)
     by_team: dict[int | None, list[dict[str, Any]]] = defaultdict(list)
@@ -233,8 +233,22 @@ def usage_lines_by_team(
     return {team_id: _lines(team_rows, cards=cards) for team_id, team_rows in by_team.items()}
 
 
-def _usage_rows(period: Period, *, by_team: bool = False) -> Any:
-    """The period's usage rows summed per model, unit, day and device share (and team)."""
+def unowned_lines(
+    *, period: Period, cards: RateCards | None = None
+) -> dict[tuple[str, str], list[LineFigures]]:
+    """The period's usage of no team (hours of a namespace no team owned then), per namespace
+    and cluster name, priced as a team's would be (list price): what finance is shown as
+    unowned usage, so that team totals and these add up to the fleet's."""
+    rows = _usage_rows(period, by=("namespace", "cluster__name")).filter(team__isnull=True)
+    by_place: dict[tuple[str, str], list[dict[str, Any]]] = defaultdict(list)
+    for row in rows:
+        by_place[row.pop("namespace"), row.pop("cluster__name")].append(row)
+    cards = _period_cards(period) if cards is None else cards
+    return {place: _lines(place_rows, cards=cards) for place, place_rows in by_place.items()}
+
+
+def _usage_rows(period: Period, *, by: tuple[str, ...] = ()) -> Any:
+    """The period's usage rows summed per model, unit, day and device share (and `by`)."""
     return (
         UsageHour.objects.filter(hour__gte=period.start, hour__lt=period.end)
         .annotate(day=TruncDate("hour", tzinfo=UTC))
@@ -242,7 +256,7 @@ def _usage_rows(period: Period, *, by_team: bool = False) -> Any:
         # row's: a consumable share of a slice (KEP-5075) holds part of the slice, and pays
         # that part of the slice's price.
         .values(
-            *(("team_id",) if by_team else ()),
+            *by,
             "product_name",
             "profile",
             "unit",
@@ -320,7 +334,11 @@ def _hours(value: Decimal) -> Decimal:
 
 
 def refresh_statements(
-    *, period: Period, teams: list[Team] | None = None, closing: bool = False
+    *,
+    period: Period,
+    teams: list[Team] | None = None,
+    closing: bool = False,
+    cause: str = "a statement refresh",
 ) -> list[Statement]:
     """Recompute the usage lines of an open period's statements, and the adjustments for data
     that arrived late for closed periods. Rerunning it changes nothing; a closed period's
@@ -336,6 +354,9 @@ def refresh_statements(
     last refresh, every team): the marks it read are deleted, those of this period and of the
     closed periods it read, as the statements about to be frozen account for them; a mark
     made since stays.
+
+    Money that jumps, or a closed period's that changes, raises an operator alert naming
+    `cause`, what ran this refresh (`billing.shock`).
     """
     if closing and teams is not None:
         raise ValueError("a closing refresh is every team's")
@@ -364,6 +385,7 @@ def refresh_statements(
             for before in reread
         }
         billed = _billed_lines(period, reread, teams=chosen)
+        adjustments_before = _closed_adjustments(period, chosen)
         statements = _write_statements(
             period,
             {
@@ -374,11 +396,36 @@ def refresh_statements(
             },
             reread=reread,
         )
+        shock.check_statements(
+            period=period,
+            statements=statements,
+            adjustments_before=adjustments_before,
+            adjustments_after=_closed_adjustments(period, chosen),
+            cause=cause,
+            now=timezone.now(),
+        )
         if closing:
             late_data.clear_marks(
                 mark for read in [period, *reread] for mark in marks.get(read.pk, [])
             )
     return statements
+
+
+def _closed_adjustments(period: Period, teams: list[Team]) -> dict[tuple[int, int, str], Decimal]:
+    """What `period`'s statements bill for closed periods' late data, per team, closed period
+    and currency."""
+    return {
+        (team_id, corrected, currency): total
+        for team_id, corrected, currency, total in StatementLine.objects.filter(
+            statement__period=period,
+            statement__team__in=teams,
+            kind=LineKind.ADJUSTMENT,
+            corrects_period__isnull=False,
+        )
+        .values_list("statement__team_id", "corrects_period_id", "statement__currency")
+        .annotate(total=Sum("amount"))
+        .order_by()
+    }
 
 
 ClosedUsage = dict[Period, dict[int | None, list[LineFigures]]]
@@ -522,6 +569,24 @@ def _late_data_adjustments(
             if delta.allocated or delta.utilised or delta.unmeasured or delta.amount:
                 adjustments.append((delta, closed))
     return adjustments
+
+
+def frozen_usage_lines(
+    *, periods: Iterable[Period], team_ids: Iterable[int]
+) -> dict[tuple[int, datetime, LineKey], LineFigures]:
+    """The usage lines of the teams' frozen statements of the closed `periods`, per team,
+    period start and line: what those periods billed, which every surface shows for them
+    (late data is in the adjustments of the open period that billed it)."""
+    lines = StatementLine.objects.filter(
+        kind=LineKind.USAGE,
+        statement__period__in=[period for period in periods if period.is_closed],
+        statement__team_id__in=list(team_ids),
+    ).select_related("statement__period")
+    return {
+        (line.statement.team_id, line.statement.period.start, figures.key): figures
+        for line in lines
+        for figures in [_stored_figures(line)]
+    }
 
 
 def _stored_figures(stored: StatementLine) -> LineFigures:

@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from datetime import UTC, date
+from datetime import UTC, date, datetime, time
 from decimal import Decimal
 from typing import Any, NamedTuple, Protocol
 
+from billing.currencies import currency_error
 from billing.models import Period, RateCard
 from billing.periods import PricingError
 from db.locks import advisory_xact_lock
 
-CURRENCY = re.compile(r"[A-Z]{3}\Z")  # ISO 4217
 # A device's `profile` attribute as drivers publish it (3g.40gb, 1g.10gb+me): one word.
 _PROFILE = re.compile(r"\S+\Z")
 
@@ -37,8 +37,8 @@ def rate_card_value_errors(values: Mapping[str, Any]) -> dict[str, str]:
     if profile and not _PROFILE.match(profile):
         errors["profile"] = f"{profile!r} is not a device profile such as 3g.40gb (one word)"
     currency = values.get("currency")
-    if currency is not None and not CURRENCY.match(currency):
-        errors["currency"] = f"{currency!r} is not an ISO 4217 code such as USD"
+    if currency is not None and (error := currency_error(currency)):
+        errors["currency"] = error
     per_gpu_hour = values.get("per_gpu_hour")
     if per_gpu_hour is not None and per_gpu_hour <= 0:
         errors["per_gpu_hour"] = f"must be positive, got {per_gpu_hour}"
@@ -115,6 +115,15 @@ def closed_periods(*, lock: bool = False) -> list[ClosedPeriod]:
         advisory_xact_lock("billing.rate_cards", [0])
     periods = Period.objects.select_for_update() if lock else Period.objects.all()
     return [ClosedPeriod.of(period) for period in periods.order_by("start") if period.is_closed]
+
+
+def open_since(*, lock: bool = False) -> datetime | None:
+    """Where the hours no closed period holds begin: the end of the last closed period, None
+    while none is closed. With `lock`, as `closed_periods`: none closes before this commits."""
+    periods = closed_periods(lock=lock)
+    if not periods:
+        return None
+    return datetime.combine(max(period.end for period in periods), time(), UTC)
 
 
 def rate_change_error(

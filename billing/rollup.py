@@ -20,8 +20,11 @@ sample's utilisation holds from its timestamp until the device's next sample, fo
 `TALLY_SAMPLE_HOLD_SECONDS`, and a mean's (an agent's minute mean) for at most the time its
 readings covered (`Sample.covered_ms`); allocated time that no sample covers is unmeasured.
 Rolling up hours replaces their rows, so reruns and duplicate deliveries give the same rows.
-Who is charged (team, job, user) is read from the allocation too: a namespace moved to another
-team or a claim released since never changes a rerun's rows.
+The job and person charged are read from the allocation too (fixed when it started), and the
+team per hour from the namespace's dated ownership (`teams.ownership`): each allocation's
+interval is cut where its namespace changed owner (always at an hour's start), and each part
+charged to the team that owned it then, or to no team (unowned usage). A namespace moved to
+another team or a claim released since never changes a rerun's rows.
 
 The work is in the database. Each sample carries its gap to the device's next one (kept by
 `billing.ingest`), so a run of consecutive hours is rolled up from one unordered pass over its
@@ -66,6 +69,7 @@ from config import metrics
 from db import locks
 from db.copy import insert_rows, json_rows
 from inventory.models import Allocation
+from teams.ownership import owned_spans
 
 MICRO = 1_000_000  # shares of a GPU are kept to the millionth
 # Utilisation is summed in millionths of a percent, each reading rounded to one (half to even,
@@ -86,7 +90,8 @@ class _Interval(NamedTuple):
     cluster_id: int
     claim_namespace: str
     claim_name: str
-    # Who is charged, as the allocation has kept it since it started (never looked up now).
+    # The team that owned the namespace over this part of the allocation (None: no team), and
+    # the job and person the allocation has kept since it started.
     team_id: int | None
     job: str
     username: str
@@ -399,7 +404,6 @@ _INTERVAL_FIELDS = (
     "cluster_id",
     "claim__namespace",
     "claim__name",
-    "team_id",
     "job",
     "username",
     "meter_id",
@@ -431,7 +435,7 @@ def _intervals(
     rows = held.order_by("pk").values_list(*_INTERVAL_FIELDS)
     intervals = []
     for (
-        pk, cluster_id, namespace, name, team_id, job, username, meter_id, meter_id_now,
+        pk, cluster_id, namespace, name, job, username, meter_id, meter_id_now,
         product, profile, unit, share, start_at, end_at,
     ) in rows:  # fmt: skip
         start = max(epoch_ms(start_at), window_start)
@@ -444,7 +448,7 @@ def _intervals(
                 cluster_id=cluster_id,
                 claim_namespace=namespace,
                 claim_name=name,
-                team_id=team_id,
+                team_id=None,
                 job=job,
                 username=username,
                 device_uuid=meter_id,
@@ -457,7 +461,34 @@ def _intervals(
                 share=share,
             )
         )
-    return intervals
+    return _by_owner(intervals, first, first + count * HOUR)
+
+
+def _by_owner(intervals: list[_Interval], start: datetime, end: datetime) -> list[_Interval]:
+    """The intervals cut where their namespace changed owner within `[start, end)`, each part
+    charged to the team that owned the namespace over it (None where no team did). Owners
+    change at hour starts, so no hour is cut."""
+    spans = owned_spans(
+        namespaces={interval.claim_namespace for interval in intervals}, start=start, end=end
+    )
+    charged = []
+    for interval in intervals:
+        at = interval.start_ms
+        for span in spans.get(interval.claim_namespace, ()):
+            span_start = interval.start_ms if span.start is None else epoch_ms(span.start)
+            span_end = interval.end_ms if span.end is None else epoch_ms(span.end)
+            part_start, part_end = max(at, span_start), min(interval.end_ms, span_end)
+            if part_end <= part_start:
+                continue
+            if part_start > at:
+                charged.append(interval._replace(start_ms=at, end_ms=part_start))
+            charged.append(
+                interval._replace(start_ms=part_start, end_ms=part_end, team_id=span.team_id)
+            )
+            at = part_end
+        if at < interval.end_ms:
+            charged.append(interval._replace(start_ms=at))
+    return charged
 
 
 class _Piece(NamedTuple):

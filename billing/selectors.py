@@ -6,7 +6,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from decimal import Decimal
+from decimal import ROUND_HALF_UP, Decimal
 from fractions import Fraction
 from typing import Any
 
@@ -18,12 +18,21 @@ from billing.hours import HOUR, MS_PER_HOUR, ONE_MS, epoch_ms, hour_start
 from billing.idle import idle_hour_q
 from billing.models import SLICE_HOUR, DirtyHour, Period, RateCard, Sample, UsageHour
 from billing.periods import period_bounds
-from billing.pricing import MINOR_UNITS, LineKey, RateCards, rate_hours, round_money
+from billing.pricing import (
+    MINOR_UNITS,
+    LineFigures,
+    LineKey,
+    RateCards,
+    frozen_usage_lines,
+    rate_hours,
+    round_money,
+    unowned_lines,
+)
 from billing.rollup import held_allocations, rolled_through
 from billing.rounding import largest_remainders
 from billing.units import hours_label
 from inventory.models import Allocation, Unit
-from teams.models import Team
+from teams.models import Team, TeamNamespace
 
 # Marked hours a budget read counts from the allocations hour by hour; past that many, from the
 # first of them on.
@@ -32,7 +41,8 @@ MOST_MARKED_SPANS = 8
 
 def team_gpu_hours(*, team: Team, period: Period, now: datetime, unit: str = Unit.GPU) -> Decimal:
     """Hours of `unit` (GPU-hours by default; TPU chip-hours, Gaudi card-hours) the team has
-    held in the period up to `now`, charged to it when they started (`Allocation.team`).
+    held in the period up to `now`, charged to it hour by hour as the namespaces they ran in
+    were its (`teams.ownership`).
     Hours of other units are left out: they never add up with these.
 
     An hour's rolled-up rows are counted where they are known to be whole: up to the hour
@@ -73,9 +83,11 @@ def team_gpu_hours(*, team: Team, period: Period, now: datetime, unit: str = Uni
 def _held_ms(*, team: Team, unit: str, spans: list[tuple[datetime, datetime]]) -> Decimal:
     """Milliseconds of `unit` the team's allocations held within `spans` (disjoint), each at
     its share, counted from the allocations as the rollup counts them: those of a device that
-    kept a meter id (`rollup.held_allocations`). Adjacent spans are read as one, and each
-    span apart, so that it reads by the allocations' `end` index only those that end in it
-    or later (a few minutes' and the open ones, for the hours since the last rollup)."""
+    kept a meter id (`rollup.held_allocations`), over the times the team owned their namespace
+    (its dated ownerships, whose bounds are hour starts: the rollup's hour-by-hour rule).
+    Adjacent spans are read as one, and each span apart, so that it reads by the allocations'
+    `end` index only those that end in it or later (a few minutes' and the open ones, for the
+    hours since the last rollup)."""
     merged: list[tuple[datetime, datetime]] = []
     for since, until in sorted(spans):
         if merged and merged[-1][1] == since:
@@ -89,16 +101,20 @@ def _held_ms(*, team: Team, unit: str, spans: list[tuple[datetime, datetime]]) -
     for since, until in merged:
         sql, held_params = (
             held_allocations(since, until)
-            .filter(team=team, unit=unit)
-            .values_list("start", "end", "gpu_share")
+            .filter(unit=unit)
+            .annotate(claim_namespace=F("claim__namespace"))
+            .values_list("start", "end", "gpu_share", "claim_namespace")
             .query.sql_with_params()
         )
         parts.append(
-            'SELECT (extract(epoch FROM LEAST(COALESCE(a."end", %s), %s))'
-            " - extract(epoch FROM GREATEST(a.start, %s))) * 1000 * a.gpu_share AS ms"
-            f" FROM ({sql}) AS a"
+            'SELECT GREATEST(0, extract(epoch FROM LEAST(COALESCE(a."end", %s), %s,'
+            " COALESCE(owned.valid_until, %s)))"
+            " - extract(epoch FROM GREATEST(a.start, %s, COALESCE(owned.valid_from, %s))))"
+            " * 1000 * a.gpu_share AS ms"
+            f" FROM ({sql}) AS a JOIN {TeamNamespace._meta.db_table} AS owned"
+            " ON owned.namespace = a.claim_namespace AND owned.team_id = %s"
         )
-        params += [until, until, since, *held_params]
+        params += [until, until, until, since, since, *held_params, team.pk]
     with connection.cursor() as cursor:
         cursor.execute(
             f"SELECT COALESCE(SUM(ms), 0) FROM ({' UNION ALL '.join(parts)}) AS held",
@@ -225,14 +241,14 @@ def apportion(total: Decimal, shares: Mapping[Any, Fraction], currency: str) -> 
     return {key: Decimal(count) * minor_unit(currency) for key, count in units.items()}
 
 
-def period_pieces(since: datetime, until: datetime) -> list[tuple[datetime, datetime]]:
+def period_pieces(
+    since: datetime, until: datetime, *, periods: list[Period] | None = None
+) -> list[tuple[datetime, datetime]]:
     """`[since, until)` cut where billing periods start: the part of each period in it, as
-    `billing.pricing.period_holding` finds the periods (stored ones first), in one query."""
-    stored = list(
-        Period.objects.filter(start__lt=until, end__gt=since)
-        .order_by("start")
-        .values_list("start", "end")
-    )
+    `billing.pricing.period_holding` finds the periods (stored ones first), in one query
+    (none when given the `stored_periods` of the window)."""
+    periods = stored_periods(since, until) if periods is None else periods
+    stored = [(period.start, period.end) for period in periods]
     pieces = []
     moment = since
     while moment < until:
@@ -247,6 +263,11 @@ def period_pieces(since: datetime, until: datetime) -> list[tuple[datetime, date
     return pieces
 
 
+def stored_periods(since: datetime, until: datetime) -> list[Period]:
+    """The stored periods that overlap `[since, until)`, in order."""
+    return list(Period.objects.filter(start__lt=until, end__gt=since).order_by("start"))
+
+
 def billed_usage(
     *, teams: Iterable[Team], since: datetime, until: datetime, cards: RateCards | None = None
 ) -> BilledUsage:
@@ -258,11 +279,23 @@ def billed_usage(
     to the cent, what the statements' usage lines of those periods add up to (adjustments are
     not usage of the window and are left out).
 
+    A closed period in the window shows its frozen statement: each of its lines' hours and
+    amount as frozen, shared out among the holders by their usage (`_frozen_holders`), and
+    a team's usage there that no frozen line billed (data that came after the close, billed
+    as adjustments in an open period) is left out. A closed period only partly in the window
+    is shown as its usage rows price it.
+
     Two queries (periods, and rate cards unless `cards` holds the window's) plus one for the
     usage, grouped per holder, model, unit, day and share in SQL, however many hours there
     are."""
     team_slugs = {team.pk: team.slug for team in teams}
-    pieces = period_pieces(since, until)
+    periods = stored_periods(since, until)
+    pieces = period_pieces(since, until, periods=periods)
+    closed = [
+        period for period in periods if period.is_closed and (period.start, period.end) in pieces
+    ]
+    frozen = frozen_usage_lines(periods=closed, team_ids=team_slugs)
+    closed_starts = {period.start for period in closed}
     cards = cards or RateCards(
         first_day=since.astimezone(UTC).date(),
         last_day=(until - ONE_MS).astimezone(UTC).date(),
@@ -318,10 +351,16 @@ def billed_usage(
     people: dict[tuple[int, str, str, str], BilledRow] = {}
     jobs: dict[tuple[int, str, str, str, str], BilledRow] = {}
     for (team_id, line), holders in usage.items():
-        _, key = line
+        piece, key = line
         card = line_cards[line]
         unit, currency = key[2], (card.currency if card else "")
-        money = _line_parts(holders, key) if card is not None else {}
+        frozen_line = frozen.get((team_id, piece, key))
+        if piece in closed_starts:
+            if frozen_line is None:
+                continue  # not in the period's statement: billed later, as an adjustment
+            holders = _frozen_holders(holders, frozen_line)
+        total = frozen_line.amount if frozen_line is not None else None
+        money = _line_parts(holders, key, total=total) if card is not None else {}
         for holder, (allocated, utilised, unmeasured) in holders.items():
             _, username, namespace, job = holder
             targets = (
@@ -360,9 +399,31 @@ def billed_usage(
     )
 
 
-def _line_parts(holders: Mapping[_Holder, list[int]], key: LineKey) -> dict[Any, Decimal]:
+def _frozen_holders(
+    holders: Mapping[_Holder, list[int]], line: LineFigures
+) -> dict[_Holder, list[int]]:
+    """The holders' milliseconds (allocated, utilised, unmeasured) scaled to a frozen line's
+    hours, each figure shared out by largest remainders, so they add up to the line."""
+    scaled: dict[_Holder, list[int]] = {holder: [0, 0, 0] for holder in holders}
+    for index, hours in enumerate((line.allocated, line.utilised, line.unmeasured)):
+        target = int((hours * MS_PER_HOUR).to_integral_value(ROUND_HALF_UP))
+        whole = sum(figures[index] for figures in holders.values())
+        if not whole:
+            continue
+        parts = {
+            holder: Fraction(figures[index] * target, whole) for holder, figures in holders.items()
+        }
+        for holder, share in largest_remainders(parts, target).items():
+            scaled[holder][index] = share
+    return scaled
+
+
+def _line_parts(
+    holders: Mapping[_Holder, list[int]], key: LineKey, *, total: Decimal | None = None
+) -> dict[Any, Decimal]:
     """A priced line's amount (as `billing.pricing.usage_lines` computes it: exact, rounded
-    once) shared out among its holders and the parts of their bill."""
+    once; `total`: a frozen line's amount) shared out among its holders and the parts of their
+    bill."""
     _, _, _, currency, rate, idle_factor, share = key
     assert rate is not None and idle_factor is not None
     exact: dict[Any, Fraction] = {}
@@ -380,7 +441,15 @@ def _line_parts(holders: Mapping[_Holder, list[int]], key: LineKey) -> dict[Any,
     billable = rate_hours(allocated, share) - (1 - Fraction(idle_factor)) * rate_hours(
         allocated - utilised - unmeasured, share
     )
-    return apportion(round_money(Fraction(rate) * billable, currency), exact, currency)
+    if total is None:
+        return apportion(round_money(Fraction(rate) * billable, currency), exact, currency)
+    whole = sum(exact.values(), Fraction(0))
+    if not whole:
+        return {}
+    # The frozen amount shared in the proportions of the exact parts.
+    return apportion(
+        total, {part: value * Fraction(total) / whole for part, value in exact.items()}, currency
+    )
 
 
 def _row_order(row: BilledRow) -> tuple[Any, ...]:
@@ -421,7 +490,10 @@ def idle_holders(*, team: Team, now: datetime, below_percent: Decimal | int) -> 
     latest = Sample.objects.filter(device_uuid=OuterRef("meter_id")).order_by("-ts_ms")
     allocations = {
         row["pk"]: row
-        for row in Allocation.objects.filter(team=team, end__isnull=True)
+        for row in Allocation.objects.filter(
+            claim__namespace__in=TeamNamespace.objects.filter(team=team).values("namespace"),
+            end__isnull=True,
+        )
         .annotate(
             gpu_util=Subquery(latest.values("gpu_util")[:1]),
             sampled_ms=Subquery(latest.values("ts_ms")[:1]),
@@ -482,3 +554,53 @@ def idle_holders(*, team: Team, now: datetime, below_percent: Decimal | int) -> 
     for holder in claims.values():
         holder.devices.sort()
     return sorted(claims.values(), key=lambda h: (h.idle_since, h.namespace, h.claim_name))
+
+
+# --- Usage of no team -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class UnownedUsage:
+    """Hours of one unit in a namespace of one cluster that no team owned when they were held
+    (`teams.ownership`), in a period, and what they cost at list price in one currency
+    (`currency` empty: no rate card prices them)."""
+
+    namespace: str
+    cluster: str
+    unit: str
+    currency: str
+    allocated_gpu_hours: Decimal
+    utilised_gpu_hours: Decimal
+    unmeasured_gpu_hours: Decimal
+    list_price: Decimal
+
+
+def unowned_usage(*, period: Period) -> list[UnownedUsage]:
+    """The period's usage of no team per namespace, cluster, unit and currency, priced as a
+    team's statement lines would be (`billing.pricing.unowned_lines`): the teams' statements
+    plus these are the fleet's usage, nothing dropped. For finance and operators only (it names
+    namespaces of every team and none)."""
+    found: dict[tuple[str, str, str, str], list[Decimal]] = {}
+    for (namespace, cluster), lines in unowned_lines(period=period).items():
+        for line in lines:
+            figures = found.setdefault(
+                (namespace, cluster, line.unit, line.currency), [Decimal(0)] * 4
+            )
+            figures[0] += line.allocated
+            figures[1] += line.utilised
+            figures[2] += line.unmeasured
+            figures[3] += line.amount
+    return [
+        UnownedUsage(
+            namespace=namespace,
+            cluster=cluster,
+            unit=unit,
+            currency=currency,
+            allocated_gpu_hours=allocated,
+            utilised_gpu_hours=utilised,
+            unmeasured_gpu_hours=unmeasured,
+            list_price=price,
+        )
+        for (namespace, cluster, unit, currency), figures in sorted(found.items())
+        for allocated, utilised, unmeasured, price in [figures]
+    ]

@@ -23,6 +23,7 @@ from django.db.models import Max
 from django.utils import timezone
 
 from billing import ingest, late_data, retention, rollup
+from billing.currencies import currency_error
 from billing.hours import hours_between
 from billing.models import (
     AgentToken,
@@ -85,7 +86,9 @@ def close_period(*, period: Period, actor: str) -> list[Statement]:
                 f"period {locked.label} has not ended yet: it ends {locked.end:%Y-%m-%d %H:%M} UTC"
             )
         before = audit.snapshot(locked)
-        statements = refresh_statements(period=locked, closing=True)
+        statements = refresh_statements(
+            period=locked, closing=True, cause=f"the close of {locked.label} by {actor}"
+        )
         locked.closed_at = timezone.now()
         locked.closed_by = actor
         audit.update(actor=actor, obj=locked, before=before)
@@ -108,11 +111,15 @@ def add_adjustment(
 
     Guarantees: the amount is rounded to the currency's minor unit; the period's row is locked,
     so it cannot close (nor its statements be recomputed) while the line is added; a closed
-    period or an empty reason is refused (`PricingError`, nothing written); the statement's
-    total includes the line; the line is audited as `actor` in the same transaction.
+    period, an empty reason or a currency not in ISO 4217 is refused (`PricingError`, nothing
+    written); the statement's total includes the line; the line is audited as `actor` in the
+    same transaction.
     """
     if not reason.strip():
         raise PricingError("an adjustment needs a reason")
+    currency = currency.upper()
+    if error := currency_error(currency):
+        raise PricingError(error)
     with transaction.atomic():
         locked = Period.objects.select_for_update().get(pk=period.pk)
         if locked.is_closed:
@@ -204,7 +211,9 @@ def bill_period(
     if close:
         statements = close_period(period=period, actor=actor)
     else:
-        statements = refresh_statements(period=period)
+        statements = refresh_statements(
+            period=period, cause=f"a billing run of {label} by {actor or 'run_billing'}"
+        )
     return BillingRun(
         period=period,
         adopted_samples=adopted,
@@ -319,7 +328,7 @@ def refresh_usage(*, now: datetime) -> list[datetime]:
     ingest.adopt_unknown_samples(now=now)
     retention.purge_unknown_device_samples(now=now)  # in batches
     hours = rollup.rollup_pending(now=now)
-    refresh_statements(period=period_for(now))
+    refresh_statements(period=period_for(now), cause="beat's periodic refresh (refresh_usage)")
     return hours
 
 

@@ -6,8 +6,9 @@ the last complete ISO week (Monday to Monday). Every figure comes from the rolle
 `UsageHour` rows: allocated time from allocations, split by samples into utilised, idle and
 unmeasured. Costs are billed costs, priced as statements price them (`billing.pricing`: the
 rate card of each day, idle time at its idle factor, a MIG profile's own card per slice-hour),
-exact until they are rounded once per row and currency; so a person's or job's cost can differ
-by a cent from its share of the statement's lines, which are rounded per model.
+exact until rounded once per statement line; the people's and jobs' costs are each line's
+amount shared out to the cent (`billing.selectors.billed_usage`, largest remainders), so they
+add up to the week's total exactly and a job's cost is what `billed/jobs` shows.
 
 Hours of different units (GPU-hours, TPU chip-hours) are never added: rows are per unit.
 """
@@ -29,7 +30,7 @@ from billing.idle import DEFAULT_BELOW_PERCENT, below_percent_of, idle_hour
 from billing.models import SLICE_HOUR, UsageHour
 from billing.moments import parse_day
 from billing.pricing import RateCards, period_holding, rate_hours, round_money
-from billing.selectors import team_gpu_hours
+from billing.selectors import BilledUsage, billed_usage, team_gpu_hours
 from billing.units import hours_label
 from inventory.models import Cluster, Device
 from teams.models import Team
@@ -82,6 +83,11 @@ class Figures:
     exact_idle_cost: dict[str, Fraction] = field(default_factory=lambda: defaultdict(Fraction))
     # Milliseconds of models without a rate card: in the hours, not in the cost.
     unpriced_ms: int = 0
+    # What the statements bill for a person, a job or the team, per currency (`_bill`): their
+    # lines' amounts shared out to the cent, so the rows add up to the total exactly and a
+    # job's cost is `billed/jobs`'. None: priced here and rounded once (an idle claim).
+    billed: dict[str, Decimal] | None = None
+    billed_idle: dict[str, Decimal] | None = None
 
     @property
     def idle_ms(self) -> int:
@@ -114,12 +120,17 @@ class Figures:
 
     @property
     def cost(self) -> dict[str, Decimal]:
-        """Billed cost per currency, rounded once to the currency's minor unit."""
+        """Billed cost per currency: as the statements bill it where known, else rounded
+        once to the currency's minor unit."""
+        if self.billed is not None:
+            return dict(sorted(self.billed.items()))
         return {cur: round_money(v, cur) for cur, v in sorted(self.exact_cost.items())}
 
     @property
     def idle_cost(self) -> dict[str, Decimal]:
         """What the idle time was billed (rate x idle factor x idle hours), per currency."""
+        if self.billed_idle is not None:
+            return dict(sorted(self.billed_idle.items()))
         return {cur: round_money(v, cur) for cur, v in sorted(self.exact_idle_cost.items())}
 
     @property
@@ -361,6 +372,29 @@ def _fold(usage: Iterable[tuple[_Cell, Figures]], by: str | None) -> dict[tuple[
     return folded
 
 
+def _bill(
+    folded: dict[tuple[str, str], Figures], billed: BilledUsage, by: str | None
+) -> dict[tuple[str, str], Figures]:
+    """Set on each of `folded` (per `by`, as `_fold`) the money the statements bill for it:
+    the rows of `billed_usage` (people, or jobs when `by` is `job`) summed into it. Each line
+    is shared out to the cent once, by largest remainders (`billing.selectors.apportion`), so
+    the people, the jobs and the total of a week all add up to the same money, and each job's
+    is what `billed/jobs` shows for the window."""
+    for group in folded.values():
+        group.billed, group.billed_idle = {}, {}
+    for row in billed.jobs if by == "job" else billed.people:
+        figures = folded.get(("" if by is None else getattr(row, by), row.unit))
+        if figures is None or not row.priced:
+            continue
+        assert figures.billed is not None and figures.billed_idle is not None
+        for target, amount in (
+            (figures.billed, row.billed),
+            (figures.billed_idle, row.billed_idle),
+        ):
+            target[row.currency] = target.get(row.currency, Decimal(0)) + (amount or 0)
+    return folded
+
+
 def _rows(
     week: dict[tuple[str, str], Figures], previous: dict[tuple[str, str], Figures]
 ) -> list[Row]:
@@ -483,15 +517,23 @@ def team_week(
     end = start + WEEK
     usage = _usage(team, start, end)
     before = _usage(team, start - WEEK, start)
+    billed = billed_usage(teams=[team], since=start, until=end)
+    billed_before = billed_usage(teams=[team], since=start - WEEK, until=start)
+
+    def rows(by: str | None) -> list[Row]:
+        return _rows(
+            _bill(_fold(usage, by), billed, by), _bill(_fold(before, by), billed_before, by)
+        )
+
     below_percent = below_percent_of(team)
     return TeamWeek(
         team=team,
         start=start,
         end=end,
         now=now,
-        totals=_rows(_fold(usage, None), _fold(before, None)),
-        people=_rows(_fold(usage, "username"), _fold(before, "username")),
-        jobs=_rows(_fold(usage, "job"), _fold(before, "job")),
+        totals=rows(None),
+        people=rows("username"),
+        jobs=rows("job"),
         idle_claims=_idle_claims(usage, idle_claims, below_percent),
         budget=None if budget is None else _budget(team, budget, start, end, now),
         idle_below_percent=below_percent,

@@ -61,6 +61,7 @@ router.register("usage", billing.UsageViewSet, basename="usage")
 # Per person and per job, with what the statements bill for them (issue 19, item 2).
 router.register("billed/people", billing.BilledUsageViewSet, basename="billed-people")
 router.register("billed/jobs", billing.BilledJobViewSet, basename="billed-jobs")
+router.register("billed/unowned", billing.UnownedUsageViewSet, basename="billed-unowned")
 router.register("inventory/capacity", inventory.CapacityViewSet, basename="inventory-capacity")
 router.register("inventory/deviations", inventory.DeviationViewSet, basename="inventory-deviations")
 router.register("pending/claims", demand.PendingClaimViewSet, basename="pending-claims")

@@ -624,6 +624,9 @@ TALLY_INGEST_UNKNOWN_RETENTION_DAYS = env.get_int(
 TALLY_ROLLUP_EVERY_SECONDS = env.get_int("TALLY_ROLLUP_EVERY_SECONDS", 300, minimum=10)
 # The most hours one rollup run does (newest first); the rest wait for the next runs.
 TALLY_ROLLUP_HOURS_PER_RUN = env.get_int("TALLY_ROLLUP_HOURS_PER_RUN", 200, minimum=1)
+# Bill shock (billing/shock.py): an operator alert when a team's open-period total grows by
+# more than this percent within an hour; 0: never (a closed period's money changing always is).
+TALLY_BILL_SHOCK_PERCENT = env.get_int("TALLY_BILL_SHOCK_PERCENT", 50, minimum=0)
 # Consecutive hours are rolled up together, their samples read in one pass, up to this many
 # allocation-hours a transaction (a 1,000-GPU fleet: 250 hours; 100,000 GPUs: 2 hours).
 TALLY_ROLLUP_DEVICE_HOURS = env.get_int("TALLY_ROLLUP_DEVICE_HOURS", 250_000, minimum=1)

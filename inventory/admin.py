@@ -500,13 +500,12 @@ class AllocationAdmin(SyncedAdmin):
         "request",
         "device_name",
         "device",
-        "team",
         "job",
         "username",
         "start",
         "end",
     )
-    list_filter = (EndedFilter, "cluster", "driver", "team")
+    list_filter = (EndedFilter, "cluster", "driver")
     search_fields = (
         "claim__name",
         "job",
@@ -517,7 +516,7 @@ class AllocationAdmin(SyncedAdmin):
         "device__product_name",
         "device__node__name",
     )
-    list_select_related = ("claim", "device", "cluster", "team")
+    list_select_related = ("claim", "device", "cluster")
     show_full_result_count = False
 
 

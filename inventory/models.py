@@ -10,7 +10,6 @@ from django.db import models
 from django.db.models import Q
 
 from inventory.version_numbers import validate_version_text
-from teams.models import Team
 
 
 class Cluster(models.Model):
@@ -417,12 +416,12 @@ class Allocation(models.Model):
     `device` is linked when the device is known; the driver/pool/device names are kept either
     way so an allocation seen before its ResourceSlice is never lost.
 
-    Who is charged for it is fixed when it starts, here, so that moving the namespace to
-    another team, releasing the claim or rolling its hours up again never changes it: `team`
-    owned the claim's namespace then (null: no team did), `job` is the claim's job as the sync
-    resolved it (else as the webhook saw it), `username` who created the claim, as the webhook
-    saw it (filled once, when quota records it). Billing reads these, never the live
-    namespaces or reservations.
+    The job and the person charged for it are fixed when it starts, here, so that releasing
+    the claim or rolling its hours up again never changes them: `job` is the claim's job as the
+    sync resolved it (else as the webhook saw it), `username` who created the claim, as the
+    webhook saw it (filled once, when quota records it). The team is not kept here: each hour
+    is charged to the team that owned the claim's namespace in that hour (`teams.ownership`,
+    dated), so a claim running before its namespace had an owner is not lost to billing.
 
     What it is metered and counted by is fixed the same way, from its device when it starts
     (or when the device is linked, for an allocation seen before it): a device that gains a
@@ -444,10 +443,6 @@ class Allocation(models.Model):
     consumed_capacity = models.JSONField(default=dict, blank=True)
     start = models.DateTimeField(db_index=True)
     end = models.DateTimeField(null=True, blank=True, db_index=True)
-    # PROTECT: a team that was ever charged is kept, as its usage and statements keep it.
-    team = models.ForeignKey(
-        Team, on_delete=models.PROTECT, null=True, blank=True, related_name="allocations"
-    )
     job = models.TextField(blank=True)  # "Kind/name"
     username = models.TextField(blank=True)
     # The device's meter id, unit, model and MIG or partition profile when it started ("" until

@@ -50,7 +50,6 @@ from inventory.models import (
     ResourceSlice,
 )
 from inventory.signals import claims_changed, meters_changed, usage_closed_until
-from teams.models import TeamNamespace
 
 log = logging.getLogger(__name__)
 
@@ -1625,13 +1624,11 @@ class _Writer:
         self.claims_written.update(claim_ids.values())
         new_allocations: list[Allocation] = []
         ended: dict[int, datetime] = {}
-        namespaces: dict[int, str] = {}
         for key, parsed in by_key.items():
             claim_id = claim_ids[key]
             at = self._stamp("ResourceClaim", key)
-            namespaces[claim_id] = parsed.namespace
             current = open_allocations.get(claim_id, {})
-            # Who is charged, fixed now (see `Allocation`; the team below). The webhook's
+            # Who is charged, fixed now (see `Allocation`; the team is per hour). The webhook's
             # record of who created a claim seen for the first time reaches it just after
             # this, through quota's handler of `claims_changed`, which fills it in.
             stored = existing.get(key)
@@ -1668,9 +1665,6 @@ class _Writer:
             ended.update((allocation_id, at) for allocation_id in current.values())
         self._end_allocations(ended)
         self._charge_from_taking(self._link(new_allocations))
-        teams = _namespace_teams({namespaces[a.claim_id] for a in new_allocations})
-        for allocation in new_allocations:
-            allocation.team_id = teams.get(namespaces[allocation.claim_id])
         bulk_insert(Allocation, new_allocations)
         self.report.created["Allocation"] += len(new_allocations)
         # Usage changes from a new allocation's start and from an ended one's end (`at`); a
@@ -2093,17 +2087,6 @@ def _claim_fields(parsed: dra.ParsedClaim, *, job: str) -> dict[str, Any]:
         "resource_version": parsed.resource_version,
         "created_at": parsed.created_at,
     }
-
-
-def _namespace_teams(namespaces: set[str]) -> dict[str, int]:
-    """The team owning each of `namespaces` now, by id (a namespace no team owns is left out)."""
-    if not namespaces:
-        return {}
-    return dict(
-        TeamNamespace.objects.filter(AnyOf("namespace", namespaces)).values_list(
-            "namespace", "team_id"
-        )
-    )
 
 
 def _refine_allocation_jobs(refined: dict[int, tuple[str, str]]) -> None:

@@ -29,6 +29,7 @@ from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
+from billing.rates import open_since
 from quota import services
 from quota.cel import CELError, compile_selector
 from quota.models import (
@@ -45,6 +46,7 @@ from quota.models import (
 )
 from teams.admin import ADMIN_CSS, AuditedAdmin, ReadOnlyAdmin, bytes_text, number_text
 from teams.models import Membership, Team, TeamNamespace
+from teams.ownership import assign_namespace, release_namespace
 
 
 def quantity_text(amount: Decimal, unit: str) -> str:
@@ -120,8 +122,12 @@ class QuotaRuleInlineForm(QuotaRuleForm):
 
 
 class TeamNamespaceInline(admin.TabularInline):
+    """The namespaces the team owns now (saved through `teams.ownership`, dated)."""
+
     model = TeamNamespace
     extra = 0
+    fields = ("namespace", "valid_from")
+    readonly_fields = ("valid_from",)
 
 
 class MembershipInline(admin.TabularInline):
@@ -170,6 +176,25 @@ class TeamAdmin(AuditedAdmin):
     def save_related(self, request: HttpRequest, form: Any, formsets: Any, change: bool) -> None:
         super().save_related(request, form, formsets, change)
         services.recount_usage(teams=[form.instance], at=timezone.now())
+
+    def save_formset(self, request: HttpRequest, form: Any, formset: Any, change: bool) -> None:
+        """The namespaces through `teams.ownership`, as `apply_policy` writes them: dated, a
+        removed one released (its past hours stay the team's), a renamed one released and the
+        new name owned, a namespace's first owner taking its hours in the open periods."""
+        if formset.model is not TeamNamespace:
+            super().save_formset(request, form, formset, change)
+            return
+        actor, now = request.user.get_username(), timezone.now()
+        formset.save(commit=False)
+        renamed = [obj for obj, fields in formset.changed_objects if "namespace" in fields]
+        for obj in [*formset.deleted_objects, *renamed]:
+            release_namespace(ownership=TeamNamespace.dated.get(pk=obj.pk), actor=actor, at=now)
+        added = [*formset.new_objects, *renamed]
+        since = open_since(lock=True) if added else None
+        for obj in added:
+            assign_namespace(
+                namespace=obj.namespace, team=form.instance, actor=actor, at=now, open_since=since
+            )
 
     def delete_model(self, request: HttpRequest, obj: Team) -> None:
         with transaction.atomic():

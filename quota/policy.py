@@ -99,6 +99,7 @@ from billing.models import RateCard
 from billing.rates import (
     ClosedPeriod,
     closed_periods,
+    open_since,
     overlap,
     rate_card_value_errors,
     rate_change_error,
@@ -138,6 +139,7 @@ from teams.models import (
     Team,
     TeamNamespace,
 )
+from teams.ownership import assign_namespace, release_namespace
 
 _TOP_KEYS = ("teams", "rates", "drivers", "versions", "sso")
 _SSO_KEYS = ("groups",)
@@ -1171,6 +1173,9 @@ class _Applier:
         self.report = report
         # Teams whose rules or namespaces changed: their usage is recounted.
         self.recount: set[int] = set()
+        # Where the open billing periods begin (`billing.rates.open_since`), read once, with
+        # the periods locked, when a namespace gets its first owner; None: not read yet.
+        self._open_since: tuple[datetime | None] | None = None
         # Model -> the unit its rate cards price an hour of (`_rate_name`); None: not read yet.
         self._product_units: dict[str, str] | None = None
 
@@ -1230,7 +1235,8 @@ class _Applier:
                 self._delete(obj)
             else:
                 self.report.notes.append(
-                    f"kept {obj._meta.verbose_name} {obj}: not declared (--prune deletes it)"
+                    f"kept {obj._meta.verbose_name} {obj}: not declared (--prune "
+                    f"{'releases' if isinstance(obj, TeamNamespace) else 'deletes'} it)"
                 )
 
     def _versions(self, specs: VersionPolicy, *, prune: bool) -> None:
@@ -1354,18 +1360,26 @@ class _Applier:
         return team
 
     def _namespace(self, team: Team, name: str) -> None:
-        namespace = self.state.namespaces.get(name)
-        if namespace is None:
-            namespace = TeamNamespace(team=team, namespace=name)
-            self.report.add_entry(audit.create(actor=self.actor, obj=namespace))
-            self.state.namespaces[name] = namespace
-            self.recount.add(team.pk)
-        elif namespace.team_id != team.pk:
-            # Moved from another team: one row changes owner, so the namespace is never unowned.
-            self.recount |= {namespace.team_id, team.pk}
-            before = audit.snapshot(namespace)
-            namespace.team = team
-            self._update(namespace, before)
+        """`team` owns the namespace from this hour (`teams.ownership`: dated, so the hours
+        before stay charged to whoever owned them; a first owner takes its hours in the open
+        periods). Moved from another team, the namespace is never unowned in between."""
+        current = self.state.namespaces.get(name)
+        if current is not None and current.team_id == team.pk:
+            return
+        self.recount |= {team.pk} if current is None else {current.team_id, team.pk}
+        if self._open_since is None:
+            self._open_since = (open_since(lock=True),)
+        ownership, entries = assign_namespace(
+            namespace=name,
+            team=team,
+            actor=self.actor,
+            at=timezone.now(),
+            open_since=self._open_since[0],
+        )
+        for entry in entries:
+            self.report.add_entry(entry)
+        ownership.team = team
+        self.state.namespaces[name] = ownership
 
     def _memberships(self, spec: TeamSpec, team: Team, users: dict[str, Any]) -> None:
         current = self.state.memberships.get(team.pk, {})
@@ -1472,6 +1486,10 @@ class _Applier:
     def _delete(self, obj: models.Model) -> None:
         if isinstance(obj, TeamNamespace):
             self.recount.add(obj.team_id)  # its claims count for no team now
+            # Released, not deleted: the hours it owned stay its own.
+            for entry in release_namespace(ownership=obj, actor=self.actor, at=timezone.now()):
+                self.report.add_entry(entry)
+            return
         entries = []
         # The cascade would delete a team's budget unaudited.
         if isinstance(obj, Team) and (budget := self.state.budgets.get(obj.pk)) is not None:

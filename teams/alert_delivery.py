@@ -40,6 +40,7 @@ ALERT_NAMES = {
     AlertKind.STRANDED_GANG: "TallyStrandedGang",
     AlertKind.VERSION_OUTLIER: "TallyVersionOutlier",
     AlertKind.METERING_SILENT: "TallyMeteringSilent",
+    AlertKind.BILL_SHOCK: "TallyBillShock",
 }
 _FIRST_RETRY = timedelta(minutes=1)
 _LAST_RETRY = timedelta(hours=1)

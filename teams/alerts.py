@@ -172,6 +172,13 @@ def resolve_missing(*, kind: AlertKind, live_keys: Iterable[str], now: datetime)
         )
         if key not in live
     ]
+    return resolve_alerts(pks=stale, now=now)
+
+
+def resolve_alerts(*, pks: Iterable[int], now: datetime) -> list[Alert]:
+    """Resolve the firing alerts numbered `pks`, as `resolve_missing` does; the alerts
+    resolved."""
+    stale = list(pks)
     resolved = []
     with transaction.atomic():
         # Still firing once locked (the condition is checked again on the locked row).

@@ -94,11 +94,53 @@ class SsoGroupRole(models.Model):
         return f"{self.group} → {self.role}{where}"
 
 
+class CurrentOwnerships(models.Manager["TeamNamespace"]):
+    """The ownerships in force now (`valid_until` null): what quotas, the webhook and the
+    pages mean by "the team's namespaces". Billing reads every dated row, through
+    `TeamNamespace.dated` (`teams.ownership`)."""
+
+    def get_queryset(self) -> models.QuerySet[TeamNamespace]:
+        return super().get_queryset().filter(valid_until__isnull=True)
+
+
 class TeamNamespace(models.Model):
-    """A Kubernetes namespace and the team that owns it; a namespace has one owner."""
+    """A team's ownership of a Kubernetes namespace over `[valid_from, valid_until)`.
+
+    Dated so that an hour of usage is charged to the team that owned the namespace in that
+    hour, and a later move or release never changes who paid for an hour before it
+    (`teams.ownership`, the only writer). Both bounds are hour starts; `valid_from` null: since
+    before ownership was dated (the rows of an install before migration 0004) or, for a
+    namespace's first owner while no billing period was closed, since the beginning.
+    `valid_until` null: owned now; at most one such row per namespace. Rows are never deleted
+    but with their team (a team with usage cannot be deleted)."""
 
     team = models.ForeignKey(Team, on_delete=models.CASCADE, related_name="namespaces")
-    namespace = models.CharField(max_length=63, unique=True)
+    namespace = models.CharField(max_length=63)
+    valid_from = models.DateTimeField(null=True, blank=True)
+    valid_until = models.DateTimeField(null=True, blank=True)
+
+    # Every row, dated; `objects` (the current ones) is the default manager, which reverse
+    # relations (`team.namespaces`) and the admin use.
+    dated = models.Manager()
+    objects = CurrentOwnerships()
+
+    class Meta:
+        base_manager_name = "dated"
+        default_manager_name = "objects"
+        constraints = [
+            models.UniqueConstraint(
+                fields=["namespace"],
+                condition=models.Q(valid_until__isnull=True),
+                name="teamnamespace_one_owner_now",
+            ),
+            models.CheckConstraint(
+                condition=models.Q(valid_from__isnull=True)
+                | models.Q(valid_until__isnull=True)
+                | models.Q(valid_until__gte=models.F("valid_from")),
+                name="teamnamespace_valid_order",
+            ),
+        ]
+        indexes = [models.Index(fields=["namespace", "valid_from"], name="teamnamespace_dated")]
 
     def __str__(self) -> str:
         return self.namespace
@@ -152,6 +194,7 @@ class AlertKind(models.TextChoices):
     STRANDED_GANG = "stranded_gang", "stranded gang"
     VERSION_OUTLIER = "version_outlier", "version outlier"
     METERING_SILENT = "metering_silent", "metering engine silent"
+    BILL_SHOCK = "bill_shock", "bill shock"
 
 
 class AlertState(models.TextChoices):

@@ -26,6 +26,7 @@ from django.utils import timezone
 
 from inventory.models import Allocation, Cluster, Device, DeviceKind, Node, ResourceClaim
 from inventory.services import allocation_metering
+from teams.models import Team, TeamNamespace
 
 GPU_DRIVER = "gpu.nvidia.com"
 GIB = 2**30
@@ -195,11 +196,26 @@ class ResourceClaimFactory(factory.django.DjangoModelFactory[ResourceClaim]):
     first_seen = factory.LazyFunction(timezone.now)
 
 
+def own_namespace(*, team: Team, namespace: str) -> TeamNamespace:
+    """`team` owns `namespace` since always (a test's set-up: the dated writer is
+    `teams.ownership`); refused when another team owns it now, so two tests' ideas of who owns
+    it never mix silently."""
+    current = TeamNamespace.objects.filter(namespace=namespace).first()
+    if current is None:
+        return TeamNamespace.objects.create(team=team, namespace=namespace)
+    if current.team_id != team.pk:
+        raise ValueError(f"namespace {namespace!r} is owned by {current.team}, not {team}")
+    return current
+
+
 class AllocationFactory(factory.django.DjangoModelFactory[Allocation]):
-    """`device` held by a new claim of the same cluster since now (open: `end` is null)."""
+    """`device` held by a new claim of the same cluster since now (open: `end` is null).
+    `team=`: that team owns the claim's namespace since always, so its hours are charged to
+    it (`own_namespace`)."""
 
     class Meta:
         model = Allocation
+        skip_postgeneration_save = True
 
     device = factory.SubFactory(DeviceFactory)
     cluster = factory.SelfAttribute("device.cluster")
@@ -219,6 +235,11 @@ class AllocationFactory(factory.django.DjangoModelFactory[Allocation]):
     device_share = factory.LazyAttribute(lambda allocation: allocation.metering["device_share"])
     gpu_share = factory.LazyAttribute(lambda allocation: allocation.metering["gpu_share"])
 
+    @factory.post_generation
+    def team(allocation: Allocation, create: bool, extracted: Team | None, **_: Any) -> None:
+        if create and extracted is not None:
+            own_namespace(team=extracted, namespace=allocation.claim.namespace)
+
     class Params:
         metering = factory.LazyAttribute(
             lambda allocation: allocation_metering(
@@ -227,3 +248,9 @@ class AllocationFactory(factory.django.DjangoModelFactory[Allocation]):
                 consumed_capacity=allocation.consumed_capacity,
             )
         )
+
+
+def owner_of(allocation: Allocation) -> Team | None:
+    """The team that owns the allocation's namespace now (whom its new hours are charged to)."""
+    current = TeamNamespace.objects.filter(namespace=allocation.claim.namespace).first()
+    return current.team if current is not None else None

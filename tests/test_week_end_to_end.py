@@ -319,15 +319,15 @@ def test_the_webhook_and_the_sync_charge_each_hour_to_who_made_the_workload(
         ("train-h8zxc-gpu-m4tzr", "bob", "Job/train"),
     ]
     allocations = Allocation.objects.order_by("start").values_list(
-        "claim__name", "device__node__name", "device__name", "team__slug", "username", "job",
+        "claim__name", "device__node__name", "device__name", "claim__namespace", "username", "job",
         "start", "end",
     )  # fmt: skip
     assert list(allocations) == [
-        ("serve-5d8f-x2kq9-gpu-q2wfx", "node-a", "gpu-0", "vision", "alice", "Deployment/serve",
+        ("serve-5d8f-x2kq9-gpu-q2wfx", "node-a", "gpu-0", NAMESPACE, "alice", "Deployment/serve",
          MONDAY, NEXT_MONDAY),
-        ("train-h8zxc-gpu-m4tzr", "node-a", "gpu-1", "vision", "bob", "Job/train",
+        ("train-h8zxc-gpu-m4tzr", "node-a", "gpu-1", NAMESPACE, "bob", "Job/train",
          TUESDAY, THURSDAY_1230),
-        ("serve-5d8f-y7w4m-gpu-k9plb", "node-b", "gpu-0", "vision", "alice", "Deployment/serve",
+        ("serve-5d8f-y7w4m-gpu-k9plb", "node-b", "gpu-0", NAMESPACE, "alice", "Deployment/serve",
          WEDNESDAY, SUNDAY),
     ]  # fmt: skip
     # Every usage row carries its person: none of the week's GPU-hours is nobody's.

@@ -18,6 +18,7 @@ from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from billing.api.filtersets import PERIOD_HELP, period_lookups
+from billing.currencies import currency_error
 from billing.hours import HOUR, MS_PER_HOUR
 from billing.models import Period, RateCard, Statement, StatementLine
 from billing.moments import MOMENT_HELP, RANGE_HELP, parse_moment
@@ -266,6 +267,8 @@ class AdjustmentInputSerializer(serializers.Serializer[Any]):
     )
 
     def validate_currency(self, value: str) -> str:
+        if error := currency_error(value.upper()):
+            raise serializers.ValidationError(error)
         return value.upper()
 
     def validate_amount(self, value: Decimal) -> Decimal:
@@ -470,3 +473,39 @@ class BilledJobSerializer(BilledUsageSerializer):
     usernames = serializers.ListField(
         child=serializers.CharField(), read_only=True, help_text="Who ran the job's claims."
     )
+
+
+class UnownedQuerySerializer(serializers.Serializer[Any]):
+    """The query of `billed/unowned`: a period (the current one when not given)."""
+
+    period = PeriodField(required=False)
+    ordering = serializers.CharField(required=False)
+
+
+class UnownedUsageSerializer(serializers.Serializer[Any]):
+    """Hours no team owned (`billing.selectors.UnownedUsage`): the namespace no team owned
+    when they were held, its cluster, and their cost at list price."""
+
+    namespace = serializers.CharField(read_only=True)
+    cluster = serializers.CharField(read_only=True)
+    unit = serializers.CharField(read_only=True)
+    currency = serializers.CharField(
+        read_only=True, help_text="Empty where no rate card prices the hours."
+    )
+    allocated_gpu_hours = serializers.DecimalField(max_digits=24, decimal_places=6, read_only=True)
+    utilised_gpu_hours = serializers.DecimalField(max_digits=24, decimal_places=6, read_only=True)
+    unmeasured_gpu_hours = serializers.DecimalField(max_digits=24, decimal_places=6, read_only=True)
+    list_price = BilledMoneyField(help_text="What the hours cost at the rate cards' prices.")
+
+    class Meta:
+        # The names `?ordering=` takes (each a field of `UnownedUsage`).
+        fields = (
+            "namespace",
+            "cluster",
+            "unit",
+            "currency",
+            "allocated_gpu_hours",
+            "utilised_gpu_hours",
+            "unmeasured_gpu_hours",
+            "list_price",
+        )

@@ -10,10 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from datetime import UTC
 from operator import attrgetter
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 from django.db.models import F, Prefetch, QuerySet, Sum
 from django.db.models.functions import Trunc
+from django.utils import timezone
 from django_filters.rest_framework import DjangoFilterBackend
 from django_filters.utils import translate_validation
 from drf_spectacular.utils import extend_schema
@@ -45,13 +46,16 @@ from billing.api.serializers import (
     RateCardSerializer,
     StatementDetailSerializer,
     StatementSerializer,
+    UnownedQuerySerializer,
+    UnownedUsageSerializer,
     UsageSerializer,
     UsageSeriesSerializer,
     UserUsageSerializer,
 )
 from billing.models import LineKind, Period, RateCard, Statement, StatementLine, UsageHour
 from billing.periods import PricingError
-from billing.selectors import BilledRow, BilledUsage, billed_usage
+from billing.pricing import period_holding
+from billing.selectors import BilledRow, BilledUsage, billed_usage, unowned_usage
 from billing.services import add_adjustment, close_period
 from config.parsers import JsonParser
 from teams.api import (
@@ -64,6 +68,7 @@ from teams.api import (
 from teams.models import Team
 
 LINE_ORDER = ("kind", "product_name", "profile", "id")
+_Row = TypeVar("_Row")
 
 
 @extend_schema(tags=["billing"])
@@ -321,7 +326,7 @@ class BilledJobViewSet(BilledUsageViewSet):
         return usage.jobs
 
 
-def ordered(rows: list[BilledRow], ordering: str, allowed: dict[str, str]) -> list[BilledRow]:
+def ordered(rows: list[_Row], ordering: str, allowed: dict[str, str]) -> list[_Row]:
     """`rows` by `?ordering=`, of the public names `allowed` maps to row attributes (`-`
     descending; null values last either way); as they are when it is empty. An unknown name
     is a 400 naming the allowed ones, as `teams.api.OrderingFilter` answers."""
@@ -343,3 +348,26 @@ def ordered(rows: list[BilledRow], ordering: str, allowed: dict[str, str]) -> li
         present.sort(key=attrgetter(name), reverse=term.startswith("-"))
         rows = present + missing
     return rows
+
+
+@extend_schema(tags=["billing"])
+class UnownedUsageViewSet(TallyViewSet):
+    """Usage of no team in a period (finance, operators): per namespace, cluster, unit and
+    currency, the hours no team owned the namespace in, and their cost at list price. The
+    teams' statements plus these are the fleet's usage."""
+
+    serializer_class = UnownedUsageSerializer
+    permission_classes = [FinanceOrOperator]
+    filter_backends = []
+
+    @extend_schema(parameters=[UnownedQuerySerializer])
+    def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:
+        query = UnownedQuerySerializer(data=request.query_params)
+        query.is_valid(raise_exception=True)
+        asked = query.validated_data
+        period = asked.get("period") or period_holding(timezone.now())
+        rows = unowned_usage(period=period) if period.pk is not None else []
+        names = {name: name for name in UnownedUsageSerializer.Meta.fields}
+        rows = ordered(rows, asked.get("ordering", ""), names)
+        page = self.paginate_queryset(rows)
+        return self.get_paginated_response(self.get_serializer(page, many=True).data)

@@ -307,7 +307,7 @@ SELECT t.id, t.slug, t.name,
         LIMIT 1),
        {", ".join(f"o.{name}" for name in SESSION_SETTINGS)}, o.clock, g.mode
 FROM ({driver}) o
-LEFT JOIN {owner} n ON n.namespace = %s
+LEFT JOIN {owner} n ON n.namespace = %s AND n.valid_until IS NULL
 LEFT JOIN {team} t ON t.id = n.team_id
 LEFT JOIN {gangs} g ON g.team_id = t.id
 LEFT JOIN {rule} r ON r.team_id = t.id

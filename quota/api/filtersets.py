@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import django_filters
+from django.db.models import QuerySet
 
 from quota.models import AdmissionDecision, QuotaRule
 from teams.api import DateRangeFilterSet, TeamSlugFilter
-from teams.models import Team
+from teams.models import Team, TeamNamespace
 
 
 class TeamFilterSet(django_filters.FilterSet):
-    namespace = django_filters.CharFilter(
-        field_name="namespaces__namespace", label="A namespace the team owns"
-    )
+    namespace = django_filters.CharFilter(label="A namespace the team owns", method="owning")
+
+    def owning(self, queryset: QuerySet[Team], name: str, value: str) -> QuerySet[Team]:
+        """Teams owning `value` now: a join would match its past owners too (ownership is
+        dated, `teams.ownership`)."""
+        return queryset.filter(
+            pk__in=TeamNamespace.objects.filter(namespace=value).values("team_id")
+        )
 
     class Meta:
         model = Team

@@ -28,7 +28,12 @@ from billing.selectors import apportion, billed_usage, minor_unit
 from inventory.models import Allocation, Unit
 from teams.models import Team, TeamNamespace
 from tests.api.cast import Cast
-from tests.factories import AllocationFactory, ClusterFactory, DeviceFactory, ResourceClaimFactory
+from tests.factories import (
+    AllocationFactory,
+    ClusterFactory,
+    DeviceFactory,
+    ResourceClaimFactory,
+)
 
 pytestmark = pytest.mark.django_db
 
@@ -74,8 +79,8 @@ def _hours(
     unmeasured: int = 0,
 ) -> None:
     """`hours` consecutive usage rows of `allocation` from `start`, each with these figures;
-    the allocation keeps who is charged, as the rollup copies it to the rows."""
-    Allocation.objects.filter(pk=allocation.pk).update(team=team, username=username, job=job)
+    the allocation keeps the job and person, as the rollup copies them to the rows."""
+    Allocation.objects.filter(pk=allocation.pk).update(username=username, job=job)
     UsageHour.objects.bulk_create(
         UsageHour(
             hour=start + timedelta(hours=offset),

@@ -111,6 +111,9 @@ def test_only_finance_and_operators_add_adjustments(
         ({"team": "al\x00pha"}, "team"),
         ({"period": 999999}, "period"),
         ({"currency": "EURO"}, "currency"),
+        # Three letters, but no currency (issue 33, finding 7: a "NAN" statement was made).
+        ({"currency": "NAN"}, "currency"),
+        ({"currency": "usx"}, "currency"),
         ({"amount": "0"}, "amount"),
         ({"amount": "NaN"}, "amount"),
     ],

@@ -76,7 +76,9 @@ def test_a_days_statement_of_cpx_and_dpx_shares_to_the_cent() -> None:
         cluster=cluster, objects=[*slices, *claims], at=DAY, kinds=kinds
     )
     assert report.errors == []
-    allocations = Allocation.objects.filter(team=team).order_by("device_name", "share_id")
+    allocations = Allocation.objects.filter(
+        claim__namespace__in=team.namespaces.values("namespace")
+    ).order_by("device_name", "share_id")
     assert [(a.device_name, a.gpu_share, a.profile) for a in allocations] == [
         ("gpu-0-cpx-nps1", Decimal("0.125"), "cpx_nps1"),
         ("gpu-0-cpx-nps1", Decimal("0.125"), "cpx_nps1"),

@@ -184,7 +184,11 @@ def test_budget_edit_is_audited(ops_client: Client) -> None:
     ("changes", "field", "message"),
     [
         ({"valid_until": "2025-12-01"}, "valid_until", "2025-12-01 is not after from (2026-01-01)"),
-        ({"currency": "usd"}, "currency", "'usd' is not an ISO 4217 code such as USD"),
+        (
+            {"currency": "usd"},
+            "currency",
+            "'usd' is not an ISO 4217 currency code such as USD, EUR or JPY",
+        ),
         ({"per_gpu_hour": "-3"}, "per_gpu_hour", "must be positive, got -3"),
         ({"per_gpu_hour": "0"}, "per_gpu_hour", "must be positive, got 0"),
         ({"idle_factor": "5"}, "idle_factor", "5 is not between 0 and 1"),

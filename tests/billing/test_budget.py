@@ -28,7 +28,8 @@ from inventory.models import Device, Unit
 from quota.admission.shapes import forget_fleet_shapes
 from quota.models import Budget
 from quota.policy import PolicyError, apply_policy, load_policy
-from teams.models import Team, TeamNamespace
+from teams.models import Team
+from teams.ownership import assign_namespace
 from tests.factories import AllocationFactory, DeviceFactory, ResourceClaimFactory
 from tests.fixtures import DRA
 from tests.quota.fixtures import AT, claim, decide, fleet_objects, gpu_request, make_team
@@ -118,9 +119,12 @@ def test_usage_counts_open_allocations_not_yet_rolled_up() -> None:
     now = timezone.now()
     hours = team_gpu_hours(team=team, period=period_for(now), now=now)
     assert abs(hours - Decimal("0.5")) < Decimal("0.01")
-    # Its namespace moved to another team since: still charged to the team it started with.
-    TeamNamespace.objects.filter(namespace="research").update(team=make_team([], slug="other"))
-    assert abs(team_gpu_hours(team=team, period=period_for(now), now=now) - hours) < Decimal("0.01")
+    # Its namespace moved to another team this hour: from the hour's start the hours are the
+    # other team's (ownership is dated, per hour), and none is counted twice or lost.
+    other = make_team([], slug="other")
+    assign_namespace(namespace="research", team=other, actor="test", at=now, open_since=None)
+    assert team_gpu_hours(team=team, period=period_for(now), now=now) == 0
+    assert team_gpu_hours(team=other, period=period_for(now), now=now) == hours
 
 
 def test_the_hours_since_the_last_rollup_count_whether_or_not_it_has_run() -> None:

@@ -270,7 +270,7 @@ class DirtyMarksMachine(RuleBasedStateMachine):
         held = Decimal(0)
         for start, end, share in (
             rollup.held_allocations(period.start, self.now)
-            .filter(team=team, unit=Unit.GPU)
+            .filter(claim__namespace="vision", unit=Unit.GPU)  # vision's since always
             .values_list("start", "end", "gpu_share")
         ):
             since, until = max(start, period.start), min(end or self.now, self.now)

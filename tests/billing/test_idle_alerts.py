@@ -28,7 +28,13 @@ from billing.tasks import evaluate_alerts as evaluate_alerts_task
 from inventory.models import Allocation, Cluster, Device
 from teams.models import Alert, AlertDelivery, AlertKind, IdleAlertPolicy, Team
 from tests.api.cast import Cast, cast
-from tests.factories import AllocationFactory, ClusterFactory, DeviceFactory, ResourceClaimFactory
+from tests.factories import (
+    AllocationFactory,
+    ClusterFactory,
+    DeviceFactory,
+    ResourceClaimFactory,
+    owner_of,
+)
 
 __all__ = ["cast"]
 
@@ -172,7 +178,7 @@ def usage(
         unit="gpu",
         namespace=allocation.claim.namespace,
         claim_name=allocation.claim.name,
-        team=allocation.team,
+        team=owner_of(allocation),
         job=allocation.job,
         username=allocation.username,
         allocated_gpu_ms=MS_PER_HOUR,

@@ -22,7 +22,7 @@ from billing.week import team_week
 from inventory.models import Allocation, Cluster
 from teams.models import IdleAlertPolicy, Team
 from tests.billing.test_idle_alerts import claim_holding
-from tests.factories import ClusterFactory
+from tests.factories import ClusterFactory, owner_of
 
 pytestmark = pytest.mark.django_db
 
@@ -44,7 +44,7 @@ def _hours(allocation: Allocation, figures: list[tuple[int, int, int]]) -> None:
             gpu_share=device.gpu_share,
             namespace=allocation.claim.namespace,
             claim_name=allocation.claim.name,
-            team=allocation.team,
+            team=owner_of(allocation),
             job=allocation.job,
             username=allocation.username,
             allocated_gpu_ms=allocated,

@@ -38,7 +38,7 @@ from billing.models import (
 from billing.pricing import period_for, refresh_statements
 from inventory.models import Allocation
 from teams.models import Team
-from tests.factories import AllocationFactory
+from tests.factories import AllocationFactory, owner_of
 
 pytestmark = pytest.mark.django_db
 
@@ -71,11 +71,21 @@ def make_ledger() -> Ledger:
     )
     allocations = [
         AllocationFactory.create(
-            start=JAN, end=MAY, team=Team.objects.create(slug=f"team-{i}", name=f"Team {i}")
+            start=JAN,
+            end=MAY,
+            claim__namespace=f"team-{i}",
+            team=Team.objects.create(slug=f"team-{i}", name=f"Team {i}"),
         )
         for i in range(2)
     ]
     return Ledger(allocations, [period_for(month) for month in (JAN, FEB, MAR, APR)])
+
+
+def team_of(allocation: Allocation) -> Team:
+    """The team the allocation's hours are charged to: its namespace's, since always."""
+    team = owner_of(allocation)
+    assert team is not None
+    return team
 
 
 @pytest.fixture
@@ -96,9 +106,9 @@ def use(allocation: Allocation, hour: datetime, *, utilised: int = 0, unmeasured
             "profile": allocation.profile,
             "gpu_share": allocation.gpu_share,
             "unit": allocation.unit,
-            "namespace": "team-a",
+            "namespace": allocation.claim.namespace,
             "claim_name": "train",
-            "team_id": allocation.team_id,
+            "team_id": team_of(allocation).pk,
             "allocated_gpu_ms": MS_PER_HOUR,
             "utilised_gpu_ms": utilised,
             "unmeasured_gpu_ms": unmeasured,
@@ -229,7 +239,7 @@ def test_a_closed_period_is_read_again_only_once_marked(ledger: Ledger) -> None:
     assert marked(jan)
     refresh_statements(period=feb)
     assert [(team, corrected, utilised) for team, corrected, utilised, _ in adjustments(feb)] == [
-        (gpu.team_id, jan.pk, Decimal(0))  # one hour's utilisation taken back, one added
+        (team_of(gpu).pk, jan.pk, Decimal(0))  # one hour's utilisation taken back, one added
     ]
     (line,) = StatementLine.objects.filter(statement__period=feb, kind=LineKind.ADJUSTMENT)
     assert line.allocated_gpu_hours == Decimal(1)  # the hour written late
@@ -247,7 +257,7 @@ def test_a_close_clears_the_marks_it_read_and_freezes_the_adjustments(ledger: Le
     services.close_period(period=feb, actor="finance")
     assert not marked(jan) and not marked(feb)
     frozen = adjustments(feb)
-    assert [(team, corrected) for team, corrected, _, _ in frozen] == [(gpu.team_id, jan.pk)]
+    assert [(team, corrected) for team, corrected, _, _ in frozen] == [(team_of(gpu).pk, jan.pk)]
     refresh_statements(period=mar)
     assert adjustments(mar) == [], "January's late data is billed once, in February"
     assert lines_of(mar) == full_read(mar)
@@ -264,7 +274,7 @@ def test_adjustments_for_a_period_not_read_again_are_kept(ledger: Ledger) -> Non
     refresh_statements(period=mar)
     billed_in_march = adjustments(mar)
     assert [(team, corrected) for team, corrected, _, _ in billed_in_march] == [
-        (gpu.team_id, jan.pk)
+        (team_of(gpu).pk, jan.pk)
     ]
     services.close_period(period=feb, actor="finance")
     assert adjustments(feb) == [], "March billed it already"
@@ -420,7 +430,7 @@ def test_a_mark_made_after_the_close_read_the_marks_survives_it() -> None:
     ledger = make_ledger()
     gpu = late_january(ledger)
     refresh_statements(period=ledger.periods[1])
-    statement = Statement.objects.get(period=ledger.periods[1], team=gpu.team)
+    statement = Statement.objects.get(period=ledger.periods[1], team=team_of(gpu))
     holder = Connection(lambda: list(Statement.objects.select_for_update().filter(pk=statement.pk)))
     assert holder.done_work.wait(timeout=30)
     closer = closing(ledger.periods[1])

@@ -34,8 +34,9 @@ from inventory import services as inventory_services
 from inventory.models import Allocation, Cluster, Device, ResourceClaim
 from quota.models import Reservation
 from teams.models import AuditEntry, Team, TeamNamespace
+from teams.ownership import assign_namespace
 from teams.selectors import FINANCE_GROUP
-from tests.factories import AllocationFactory, DeviceFactory
+from tests.factories import AllocationFactory, DeviceFactory, owner_of
 from tests.quota.fixtures import claim, decide, gpu_request, make_team
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -313,7 +314,8 @@ def usage_rows() -> list[tuple[Any, ...]]:
 
 def charged(allocation: Allocation) -> tuple[str | None, str, str]:
     allocation.refresh_from_db()
-    return (allocation.team.slug if allocation.team else None, allocation.job, allocation.username)
+    team = owner_of(allocation)
+    return (team.slug if team else None, allocation.job, allocation.username)
 
 
 @pytest.mark.django_db
@@ -369,26 +371,39 @@ def test_the_webhooks_record_fills_the_user_and_an_empty_job_once_never_over(
 
 @pytest.mark.django_db
 @pytest.mark.usefixtures("fleet")
-def test_a_namespace_moved_to_another_team_keeps_the_team_of_allocations_already_started() -> None:
+def test_a_namespace_moved_to_another_team_charges_each_hour_to_its_owner_then() -> None:
     make_team([])
     sync(claim_object("before-gpu", uid="uid-before", device="gpu-0"), WEEK_START)
     rollup.rollup_hours(hours=[WEEK_START], now=WEEK_START + timedelta(hours=2))
     nlp = Team.objects.create(slug="nlp", name="NLP")
-    TeamNamespace.objects.filter(namespace="research").update(team=nlp)
+    # Moved during hour 1: from that hour on the namespace is nlp's, hour 0 stays research's.
+    assign_namespace(
+        namespace="research",
+        team=nlp,
+        actor="test",
+        at=WEEK_START + timedelta(hours=1, minutes=20),
+        open_since=None,
+    )
     sync(
         claim_object("after-gpu", uid="uid-after", device="gpu-1"), WEEK_START + timedelta(hours=1)
     )
     hours = hours_between(WEEK_START, WEEK_START + timedelta(hours=3))
     rollup.rollup_hours(hours=hours, now=WEEK_START + timedelta(hours=4))
-    teams = set(UsageHour.objects.values_list("claim_name", "team__slug"))
-    assert teams == {("before-gpu", "research"), ("after-gpu", "nlp")}
+    teams = set(UsageHour.objects.values_list("claim_name", "hour", "team__slug"))
+    assert teams == {
+        ("before-gpu", WEEK_START, "research"),
+        ("before-gpu", WEEK_START + timedelta(hours=1), "nlp"),
+        ("before-gpu", WEEK_START + timedelta(hours=2), "nlp"),
+        ("after-gpu", WEEK_START + timedelta(hours=1), "nlp"),
+        ("after-gpu", WEEK_START + timedelta(hours=2), "nlp"),
+    }
     # Released, and every rollup run again, twice: who is charged never changes.
     sync(claim_object("before-gpu", uid="uid-before"), WEEK_START + timedelta(hours=2), "DELETED")
     rollup.rollup_hours(hours=hours, now=WEEK_START + timedelta(hours=5))
     once = usage_rows()
     assert {(row[1], row[2]) for row in once} == {
         (Allocation.objects.get(claim__name=name).pk, team)
-        for name, team in (("before-gpu", "research"), ("after-gpu", "nlp"))
+        for name, team in (("before-gpu", "research"), ("before-gpu", "nlp"), ("after-gpu", "nlp"))
     }
     assert len(once) == 2 + 2  # before-gpu: hours 0 and 1; after-gpu: hours 1 and 2
     for _ in range(2):

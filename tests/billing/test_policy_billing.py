@@ -171,7 +171,7 @@ def test_every_error_is_reported_with_its_path_and_nothing_is_applied() -> None:
     assert errors == [
         "rates[0]: unknown key 'perGPUHour'",
         "rates[0].perGpuHour: required",
-        "rates[0].currency: 'usd' is not an ISO 4217 code such as USD",
+        "rates[0].currency: 'usd' is not an ISO 4217 currency code such as USD, EUR or JPY",
         "rates[0].from: '2026-13-01' is not a date (YYYY-MM-DD)",
         "rates[1].perGpuHour: '2.12345' has more than 4 decimal places",
         "rates[1].idleFactor: 1.5 is not between 0 and 1",

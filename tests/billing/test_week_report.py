@@ -46,7 +46,13 @@ from inventory.models import Allocation
 from quota.models import Budget
 from teams.api import write_csv
 from teams.models import Membership, Role, Team, TeamNamespace
-from tests.factories import AllocationFactory, DeviceFactory, MigDeviceFactory, NodeFactory
+from tests.factories import (
+    AllocationFactory,
+    DeviceFactory,
+    MigDeviceFactory,
+    NodeFactory,
+    owner_of,
+)
 
 H = 3_600_000
 SLICE_SHARE = Decimal("0.428571")
@@ -65,7 +71,7 @@ def _rows(
 ) -> list[UsageHour]:
     """Consecutive hours from `first`: (allocated, utilised, unmeasured) ms each."""
     device = allocation.device
-    assert device is not None and allocation.team is not None
+    assert device is not None and owner_of(allocation) is not None
     return [
         UsageHour(
             hour=first + timedelta(hours=n),
@@ -77,7 +83,7 @@ def _rows(
             gpu_share=device.gpu_share,
             namespace=allocation.claim.namespace,
             claim_name=allocation.claim.name,
-            team=allocation.team,
+            team=owner_of(allocation),
             job=job,
             username=user,
             allocated_gpu_ms=allocated,

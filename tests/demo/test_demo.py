@@ -32,6 +32,7 @@ from inventory import selectors as fleet
 from inventory.models import Allocation, Device, DeviceKind, ResourceClaim
 from quota.models import AdmissionDecision, Reservation
 from teams.models import Team
+from tests.factories import owner_of
 
 pytestmark = pytest.mark.django_db
 
@@ -275,12 +276,13 @@ def test_a_mig_gpu_is_partly_used_and_its_team_sees_the_slice(demo: str) -> None
     partly = [gpu for gpu in gpus if gpu["held"] < gpu["slices"]]
     assert partly, list(gpus)
 
-    slice_held = Allocation.objects.select_related("device", "claim", "team").get(
+    slice_held = Allocation.objects.select_related("device", "claim").get(
         end__isnull=True, device__physical_gpu_key=partly[0]["physical_gpu_key"]
     )
-    assert slice_held.team is not None and slice_held.device is not None
-    lead = as_user(f"lead-{slice_held.team.slug}")
-    html = page(lead, reverse("team", kwargs={"slug": slice_held.team.slug}))
+    team = owner_of(slice_held)
+    assert team is not None and slice_held.device is not None
+    lead = as_user(f"lead-{team.slug}")
+    html = page(lead, reverse("team", kwargs={"slug": team.slug}))
     assert slice_held.claim.name in html and slice_held.device.profile in html
     node = slice_held.device.node
     assert node is not None

@@ -237,7 +237,6 @@ def rows(cluster: Cluster) -> dict[str, list[str]]:
             "gpu_share",
             "job",
             "username",
-            "team_id",
         ),
         "devices": Device.objects.filter(cluster=cluster).values_list(
             "pool",

@@ -307,6 +307,19 @@ def test_a_namespace_moved_to_another_team_counts_for_its_new_team() -> None:
     assert_ledger_true()
 
 
+def test_the_webhook_decides_a_moved_namespace_by_its_current_owner_only() -> None:
+    """Ownership is dated (issue 33): the namespace's past owner is kept, and the webhook's
+    read must take only the current one's rules."""
+    apply(policy(team("vision", ("vision", "shared"), H100_RULE), team("nlp", ("nlp",), H100_RULE)))
+    hold_h100s("vision")  # vision holds 8 of its 8; nlp none of its 8
+    apply(policy(VISION_H100, team("nlp", ("nlp", "shared"), H100_RULE)))
+
+    assert admit("more", "shared")  # nlp's namespace now, and nlp has room
+    assert not admit("more", "vision")  # vision is full
+    assert in_use("nlp") == {"h100": 1}
+    assert_ledger_true()
+
+
 def test_a_namespace_added_to_a_team_adopts_its_allocated_claims() -> None:
     apply(policy(VISION_H100))
     hold_h100s("vision-dev", 3)

@@ -184,7 +184,8 @@ def test_without_prune_nothing_is_removed() -> None:
         assert [row[0] for row in after[kind]] == [row[0] for row in before[kind]], kind
     assert not AuditEntry.objects.filter(action="delete").exists()
     assert "kept team nlp: not declared (--prune deletes it)" in report.notes
-    assert "kept team namespace vision-dev: not declared (--prune deletes it)" in report.notes
+    # Released, not deleted: its hours stay vision's (dated ownership).
+    assert "kept team namespace vision-dev: not declared (--prune releases it)" in report.notes
 
 
 def test_prune_removes_what_the_file_no_longer_declares(tmp_path: Path) -> None:
@@ -198,6 +199,9 @@ def test_prune_removes_what_the_file_no_longer_declares(tmp_path: Path) -> None:
 
     assert list(Team.objects.values_list("slug", flat=True)) == ["vision"]
     assert list(TeamNamespace.objects.values_list("namespace", flat=True)) == ["vision"]
+    # vision-dev released, not deleted: its past hours stay vision's (dated ownership).
+    released = TeamNamespace.dated.get(namespace="vision-dev")
+    assert (released.team.slug, released.valid_until is not None) == ("vision", True)
     assert set(Membership.objects.values_list("user__username", flat=True)) == {
         "lead-vision",
         "alice",
@@ -211,7 +215,6 @@ def test_prune_removes_what_the_file_no_longer_declares(tmp_path: Path) -> None:
     assert deleted == {
         ("team", "nlp"),
         ("team namespace", "nlp"),
-        ("team namespace", "vision-dev"),
         ("membership", "lead-nlp (lead of nlp)"),
         ("membership", "carol (member of nlp)"),
         ("membership", "bob (member of vision)"),
@@ -307,18 +310,22 @@ def test_unit_change_is_refused_while_in_use() -> None:
 
 def test_namespace_moves_between_declared_teams() -> None:
     run(EXAMPLE)
-    namespace_id = TeamNamespace.objects.get(namespace="vision-dev").pk
     text = EXAMPLE.read_text().replace("[vision, vision-dev]", "[vision]")
     text = text.replace("namespaces: [nlp]", "namespaces: [nlp, vision-dev]")
 
     apply_text(text)
 
+    # Dated: vision's ownership ends at this hour, nlp's begins there; never unowned between.
     moved = TeamNamespace.objects.get(namespace="vision-dev")
-    assert (moved.pk, moved.team.slug) == (namespace_id, "nlp")
-    entry = AuditEntry.objects.get(action="update", object_type="team namespace")
-    assert entry.before is not None
-    assert entry.after is not None
-    assert (entry.before["team"], entry.after["team"]) == ("vision", "nlp")
+    assert moved.team.slug == "nlp" and moved.valid_from is not None
+    ended = AuditEntry.objects.get(action="update", object_type="team namespace")
+    assert ended.before is not None and ended.after is not None
+    assert (ended.before["team"], ended.before["valid_until"]) == ("vision", None)
+    assert ended.after["valid_until"] == moved.valid_from.isoformat()
+    created = AuditEntry.objects.get(
+        action="create", object_type="team namespace", object_repr="vision-dev", pk__gt=ended.pk
+    )
+    assert created.after is not None and created.after["team"] == "nlp"
 
 
 def test_namespace_of_an_undeclared_team(tmp_path: Path) -> None:

@@ -168,7 +168,8 @@ def test_team_inlines_are_audited(ops_client: Client) -> None:
     entries = set(AuditEntry.objects.values_list("actor", "action", "object_type", "object_repr"))
     assert entries == {
         ("ops-admin", "update", "team", "vision"),
-        ("ops-admin", "delete", "team namespace", "vision"),
+        # Released, not deleted: ownership is dated, the hours it owned stay the team's.
+        ("ops-admin", "update", "team namespace", "vision"),
         ("ops-admin", "create", "team namespace", "vision-dev"),
         ("ops-admin", "update", "membership", "alice (lead of vision)"),
     }
