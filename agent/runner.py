@@ -551,15 +551,9 @@ class Sender:
 
     def _post(self, node: str, samples: list[dict[str, Any]]) -> tuple[int, str | None, bytes]:
         """(status, Retry-After header, body) of one POST; raises on transport errors."""
+        body, headers = ingest_request(node, samples, token=self._token())
         request = urllib.request.Request(
-            self.config.ingest_url,
-            data=json.dumps({"node": node, "samples": samples}).encode(),
-            method="POST",
-            headers={
-                "Content-Type": "application/json",
-                "Authorization": f"Bearer {self._token()}",
-                "User-Agent": "tally-agent",
-            },
+            self.config.ingest_url, data=body, method="POST", headers=headers
         )
         try:
             with urllib.request.urlopen(
@@ -629,6 +623,20 @@ class Sender:
                 "buffered": len(self.buffer),
             },
         )
+
+
+def ingest_request(
+    node: str, samples: list[dict[str, Any]], *, token: str
+) -> tuple[bytes, dict[str, str]]:
+    """(body, headers) of the POST that delivers `samples` of `node` (`bench.ingest_http`
+    sends the same)."""
+    body = json.dumps({"node": node, "samples": samples}).encode()
+    headers = {
+        "Content-Type": "application/json",
+        "Authorization": f"Bearer {token}",
+        "User-Agent": "tally-agent",
+    }
+    return body, headers
 
 
 def _retry_after_seconds(value: str | None) -> float | None:

@@ -11,7 +11,7 @@ history ending at the start of the current hour) with `import_snapshot`, then `V
 (ANALYZE)`s it, as autovacuum would (off on the development server). The same slices and
 claims, and the claims' Pods with their ReplicaSets and Jobs (`simulate.generate(owners=
 True)`), are loaded into a local API server that speaks list, watch and get
-(`tests.fake_kube.FakeKube`, the suite's). The server and the producer run in a process of
+(`devtools.fake_kube.FakeKube`, the suite's). The server and the producer run in a process of
 their own, as an API server is not in the syncer's process: loaded in this one, its Python
 took the sync's CPU; nor does this process keep the fleet's objects once they are served (a
 syncer holds none of them, and here each full garbage collection walked them). Then:
@@ -413,7 +413,7 @@ def _serve(
 ) -> None:
     """The API server's process: load `served`, answer the sync, produce the changes when
     told, and report the owner reads made before and since."""
-    from tests import fake_kube
+    from devtools import fake_kube
 
     # Loading the server takes minutes at full size; it must outlive the whole run.
     with fake_kube.FakeKube(max_lifetime_seconds=24 * 3600) as fake:

@@ -46,12 +46,12 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from decimal import Decimal
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from bench.inventory import REPO, _conninfo, _database_name, _drop_database, _recreate_database
 
@@ -501,27 +501,49 @@ def _free_port() -> int:
 
 
 def _start_gunicorn(
-    url: str, *, workers: int, threads: int, port: int, app: str
+    url: str,
+    *,
+    workers: int,
+    threads: int,
+    port: int,
+    app: str,
+    settings: str = "bench.settings",
+    deployed: bool = False,
+    environ: dict[str, str] | None = None,
+    log: IO[bytes] | None = None,
 ) -> subprocess.Popen[bytes]:
+    """gunicorn serving `app` with `settings` on `port`; `deployed`: with the image's
+    configuration (deploy/gunicorn.conf.py: its worker class, timeouts, hooks), only the
+    address, workers and threads given here. `environ` is added to the environment; its
+    output goes to `log` (None: this process's)."""
     env = {
         **os.environ,
-        "DJANGO_SETTINGS_MODULE": "bench.settings",
+        "DJANGO_SETTINGS_MODULE": settings,
         "DATABASE_URL": url,
         "DEBUG": "false",
         "ALLOWED_HOSTS": "127.0.0.1",
         "SECRET_KEY": os.environ.get("SECRET_KEY") or "bench-only-secret-key",
+        **(environ or {}),
     }
     command = [
         sys.executable, "-m", "gunicorn", app,
-        "--bind", f"127.0.0.1:{port}", "--workers", str(workers),
-        "--worker-class", "gthread" if threads > 1 else "sync", "--threads", str(threads),
-        "--backlog", "2048", "--timeout", "60", "--graceful-timeout", "5",
-        "--worker-tmp-dir", "/dev/shm", "--log-level", "warning",
+        "--bind", f"127.0.0.1:{port}", "--workers", str(workers), "--threads", str(threads),
+        "--log-level", "warning",
     ]  # fmt: skip
-    kind = f"gthread workers of {threads} threads" if threads > 1 else "sync workers"
+    if deployed:
+        command += ["--config", str(REPO / "deploy" / "gunicorn.conf.py")]
+        kind = f"workers of {threads} threads as deployed (deploy/gunicorn.conf.py)"
+    else:
+        command += [
+            "--worker-class", "gthread" if threads > 1 else "sync", "--backlog", "2048",
+            "--timeout", "60", "--graceful-timeout", "5", "--worker-tmp-dir", "/dev/shm",
+        ]  # fmt: skip
+        kind = f"gthread workers of {threads} threads" if threads > 1 else "sync workers"
     print(f"gunicorn: {workers} {kind} on 127.0.0.1:{port}", flush=True)
     # Its own process group, so that the master and its workers can be stopped together.
-    process = subprocess.Popen(command, cwd=REPO, env=env, start_new_session=True)
+    process = subprocess.Popen(
+        command, cwd=REPO, env=env, start_new_session=True, stdout=log, stderr=log
+    )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         if process.poll() is not None:
@@ -675,10 +697,14 @@ class Run:
         return 1000 * ordered[max(0, math.ceil(share * len(ordered)) - 1)]
 
 
-def _payload(path: str, body: bytes) -> bytes:
+JSON_HEADERS = {"Content-Type": "application/json", "Accept": "application/json"}
+
+
+def _payload(path: str, body: bytes, headers: Mapping[str, str] = JSON_HEADERS) -> bytes:
+    fields = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
     head = (
-        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-        f"Accept: application/json\r\nConnection: close\r\nContent-Length: {len(body)}\r\n\r\n"
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{fields}"
+        f"Connection: close\r\nContent-Length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body
 
@@ -689,7 +715,10 @@ async def _drive(
     loop = asyncio.get_running_loop()
     run.responses = [None] * len(payloads)
     indexes: Iterator[int] = iter(range(len(payloads)))
-    start = loop.time() + 0.05
+    # Paced, the first request is due a little later, once every client waits; at full speed
+    # the clients start at once, and so does the clock (an offset here would leave it out of
+    # the wall time: a short turn's throughput overstated, a very short one's infinite).
+    start = loop.time() + (0.05 if rate else 0.0)
     finished = start
 
     async def client() -> None:
@@ -751,6 +780,7 @@ class Leg:
     bodies: list[bytes]
     meter: _CpuMeter
     turns: list[Run] = field(default_factory=list)  # each turn's own run, in order
+    headers: list[Mapping[str, str]] | None = None  # each body's, else JSON_HEADERS
 
 
 def drive_alternately(
@@ -769,11 +799,10 @@ def drive_alternately(
     for turn in range(rounds):
         order = list(zip(merged, legs, strict=True))
         for total, leg in order if turn % 2 == 0 else reversed(order):
-            part = leg.bodies[
-                turn * len(leg.bodies) // rounds : (turn + 1) * len(leg.bodies) // rounds
-            ]
-            run = drive(leg.label, leg.port, leg.path, part, clients=clients, rate=rate,
-                        meter=leg.meter, limit_s=limit_s, quiet=True)  # fmt: skip
+            part = slice(turn * len(leg.bodies) // rounds, (turn + 1) * len(leg.bodies) // rounds)
+            run = drive(leg.label, leg.port, leg.path, leg.bodies[part], clients=clients,
+                        rate=rate, meter=leg.meter, limit_s=limit_s, quiet=True,
+                        headers=leg.headers[part] if leg.headers else None)  # fmt: skip
             leg.turns.append(run)
             _add(total, run)
     for total in merged:
@@ -806,10 +835,14 @@ def drive(
     meter: _CpuMeter,
     limit_s: float,
     quiet: bool = False,
+    headers: list[Mapping[str, str]] | None = None,
 ) -> Run:
-    """Send `bodies` to `path` (paced at `rate`, else at full speed) and measure; print what
-    was measured unless `quiet`."""
-    payloads = [_payload(path, body) for body in bodies]
+    """Send `bodies` to `path` (paced at `rate`, else at full speed), each with its
+    `headers` (default JSON_HEADERS), and measure; print what was measured unless `quiet`."""
+    payloads = [
+        _payload(path, body, *([headers[index]] if headers else []))
+        for index, body in enumerate(bodies)
+    ]
     run = Run(label, len(payloads), rate)
     if rate:
         limit_s = min(limit_s, len(payloads) / rate * 1.5 + 30)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from django.conf import settings
@@ -18,6 +19,7 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
 from billing import ingest
+from billing.models import AgentToken
 from config import metrics
 from config.inputs import BadInput, parse_json
 
@@ -87,7 +89,19 @@ def ingest_samples(request: HttpRequest) -> JsonResponse:
         )
 
 
-def _ingest(request: HttpRequest) -> JsonResponse:
+@dataclass(frozen=True)
+class Batch:
+    """A batch as the ingest takes it: the agent's token, the node, the samples unchecked."""
+
+    agent: AgentToken
+    node: str
+    samples: list[Any]
+
+
+def read_batch(request: HttpRequest) -> Batch | JsonResponse:
+    """The authenticated and parsed batch of `request`, or the 4xx answer that says what is
+    wrong with it. Everything the endpoint does before it validates and stores the samples
+    (`bench.ingest_urls` serves a floor made of it alone)."""
     token = _bearer_token(request)
     if not token:
         return _error(
@@ -123,6 +137,14 @@ def _ingest(request: HttpRequest) -> JsonResponse:
         return _error(
             413, f"{len(samples)} samples in one batch; send at most {_max_samples()} at a time"
         )
+    return Batch(agent=agent, node=node, samples=samples)
+
+
+def _ingest(request: HttpRequest) -> JsonResponse:
+    batch = read_batch(request)
+    if isinstance(batch, JsonResponse):
+        return batch
+    agent, node, samples = batch.agent, batch.node, batch.samples
     received_at = timezone.now()
     valid, rejected = ingest.validate_samples(samples, now=received_at)
     report = ingest.ingest(node=node, samples=valid, received_at=received_at, agent=agent)

@@ -131,3 +131,25 @@ def test_the_agent_and_db_know_no_app() -> None:
     for module, imported in IMPORTS.items():
         if module.split(".")[0] in ("agent", "db"):
             assert {name.split(".")[0] for name in imported} <= {module.split(".")[0]}, module
+
+
+def _top_level_imports(path: Path) -> set[str]:
+    """The top-level package of every absolute import in `path`, inside functions too."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+@pytest.mark.parametrize("package", ["bench", "devtools"])
+def test_benchmarks_and_devtools_import_nothing_of_the_tests(package: str) -> None:
+    """The benchmarks run without the suite (what they share with it is in `devtools`)."""
+    wrong = sorted(
+        str(path.relative_to(REPO))
+        for path in (REPO / package).rglob("*.py")
+        if "tests" in _top_level_imports(path)
+    )
+    assert wrong == []

@@ -1,6 +1,6 @@
 """A week end to end on PostgreSQL (issue 19, "## Tests"): workloads created through the
 workload webhook by several people, the objects the controllers make from them served by
-`tests.fake_kube` and imported by the real sync, claims made from templates charged through
+`devtools.fake_kube` and imported by the real sync, claims made from templates charged through
 their owners, a week of samples sent to the agents' endpoint, the rollup, the statements, and
 then per person and per job figures to the hour and the cent, by the API (JSON and CSV), the
 week report and its page, and the statement they add up to.
@@ -55,11 +55,11 @@ from billing.models import RateCard, Statement, UsageHour
 from billing.rollup import rollup_hours
 from billing.services import issue_agent_token
 from billing.week import WEEK_CSV_COLUMNS
+from devtools.fake_kube import FakeKube
 from frontend.week import week_report
 from inventory import kube, services
 from inventory.models import Allocation, Cluster, Device, ResourceClaim
 from teams.models import Membership, Role, Team, TeamNamespace
-from tests.fake_kube import FakeKube
 from tests.inventory.test_kube_sync import claim, resource_slice
 from tests.quota.test_workloads import (
     CREATED_BY,

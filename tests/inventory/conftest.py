@@ -1,4 +1,4 @@
-"""Fixtures of the sync tests: `tests.fake_kube` serving, and the real client talking to it."""
+"""Fixtures of the sync tests: `devtools.fake_kube` serving, and the real client talking to it."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
+from devtools.fake_kube import FakeKube
 from inventory import kube, services
 from inventory.models import Cluster
-from tests.fake_kube import FakeKube
 
 
 @pytest.fixture

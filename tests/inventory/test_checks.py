@@ -13,11 +13,11 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.test import Client
 
+from devtools.fake_kube import FakeKube
 from inventory import checks, services
 from inventory.dumps import iter_objects
 from inventory.models import Cluster, Device
 from inventory.selectors import fleet_report
-from tests.fake_kube import FakeKube
 from tests.fixtures import DRA
 
 pytestmark = pytest.mark.django_db

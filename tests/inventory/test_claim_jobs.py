@@ -1,4 +1,4 @@
-"""A claim's job: its Pod's controller, read through the real client from `tests.fake_kube`,
+"""A claim's job: its Pod's controller, read through the real client from `devtools.fake_kube`,
 or from the Pods, ReplicaSets and Jobs of a dump.
 
 Owner references are written as the API server writes them: the resource-claim controller
@@ -19,9 +19,9 @@ import pytest
 import yaml
 from django.core.management import call_command
 
+from devtools.fake_kube import FakeKube
 from inventory import kube, owners, services
 from inventory.models import Cluster, ResourceClaim
-from tests.fake_kube import FakeKube
 from tests.inventory.test_kube_sync import (
     claim,
     running_sync,

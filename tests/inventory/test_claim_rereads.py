@@ -13,10 +13,10 @@ import pytest
 from django.db import OperationalError
 from django.utils import timezone
 
+from devtools.fake_kube import FakeKube
 from inventory import gangs, kube, services
 from inventory.dumps import iter_objects
 from inventory.models import Cluster, ResourceClaim
-from tests.fake_kube import FakeKube
 from tests.inventory.test_gangs import FIXTURES, Clock, claim_loop, named, serve
 
 CLAIM = "train-workers-0-0-x7k2p-gpus-4m8rt"

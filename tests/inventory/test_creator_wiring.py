@@ -2,8 +2,8 @@ from typing import Any
 
 import pytest
 
+from devtools.fake_kube import FakeKube
 from inventory.models import Allocation, Cluster, ResourceClaim
-from tests.fake_kube import FakeKube
 from tests.inventory.test_claim_jobs import (
     add_deployment_pods,
     list_claims,

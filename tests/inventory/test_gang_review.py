@@ -12,11 +12,11 @@ from typing import Any
 
 import pytest
 
+from devtools.fake_kube import KINDS, FakeKube
 from inventory import gangs, kube, services
 from inventory.dumps import iter_objects
 from inventory.gangs import gang_of_claim
 from inventory.models import ResourceClaim
-from tests.fake_kube import KINDS, FakeKube
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gangs"
 

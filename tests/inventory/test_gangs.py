@@ -1,5 +1,5 @@
 """A claim's gang (issue 20, item 1): from each declared source, read through the real client
-from `tests.fake_kube` (`kube.GangReader`), through the sync, and from dumps (`GangIndex`).
+from `devtools.fake_kube` (`kube.GangReader`), through the sync, and from dumps (`GangIndex`).
 
 The objects are the project's fixtures in `tests/fixtures/gangs/`, written from each project's
 documentation: the declaring object, Pods as its controller makes them, their claims.
@@ -19,11 +19,11 @@ import pytest
 from django.conf import settings
 from django.urls import reverse
 
+from devtools.fake_kube import KINDS, FakeKube
 from inventory import gangs, kube, services
 from inventory.dumps import iter_objects
 from inventory.gangs import GangIndex, GangRef, GangRole, gang_of_claim, gang_of_pod
 from inventory.models import Cluster, Gang, ResourceClaim, SyncState
-from tests.fake_kube import KINDS, FakeKube
 from tests.inventory.test_kube_sync import running_sync, wait_until, wait_watching
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "gangs"

@@ -1,4 +1,4 @@
-"""The live sync, through the real `kubernetes` client, against `tests.fake_kube` over HTTP.
+"""The live sync, through the real `kubernetes` client, against `devtools.fake_kube` over HTTP.
 
 Tests whose sync runs in threads use `transaction=True`, so the threads' writes are visible.
 The sync retries a failed write, and `wait_until` polls again after a failed read.
@@ -27,6 +27,7 @@ from django.core.management import CommandError, call_command
 from django.db import OperationalError, connection
 
 from db.embedded import postgres_url
+from devtools.fake_kube import FakeKube, RecordedRequest
 from inventory import kube, services
 from inventory.models import (
     Allocation,
@@ -39,7 +40,6 @@ from inventory.models import (
     SyncState,
 )
 from tests.conftest import REPO
-from tests.fake_kube import FakeKube, RecordedRequest
 from tests.fixtures import DRA
 
 DRIVER = "gpu.nvidia.com"

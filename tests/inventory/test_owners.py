@@ -1,5 +1,5 @@
 """Who is charged for a claim when its owners cannot vouch for anyone (`owners.claim_creator`),
-through the sync as it runs: the real kubernetes client against `tests.fake_kube`, and the
+through the sync as it runs: the real kubernetes client against `devtools.fake_kube`, and the
 ResourceClaims and Allocations it writes to PostgreSQL.
 
 A claim made from a template carries the ResourceClaimTemplate's annotations and labels,
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
+from devtools.fake_kube import FakeKube
 from inventory.models import Allocation, Cluster, ResourceClaim
-from tests.fake_kube import FakeKube
 from tests.inventory.test_claim_jobs import (
     add_deployment_pods,
     list_claims,

@@ -15,10 +15,10 @@ import pytest
 from django.db import OperationalError
 from django.utils import timezone
 
+from devtools.fake_kube import FakeKube
 from inventory import kube, services
 from inventory.dumps import iter_objects
 from inventory.models import Cluster, ResourceClaim, SyncState
-from tests.fake_kube import FakeKube
 from tests.inventory.test_gangs import FIXTURES, Clock, claim_loop, named, serve
 from tests.waits import wait_until
 

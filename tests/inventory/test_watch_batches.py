@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from billing.models import DirtyHour
+from devtools.fake_kube import FakeKube
 from inventory import kube, owners, services
 from inventory.gangs import GangRef
 from inventory.models import (
@@ -35,7 +36,6 @@ from inventory.models import (
     ResourceSlice,
     SyncState,
 )
-from tests.fake_kube import FakeKube
 from tests.waits import wait_until
 
 DRIVER = "gpu.nvidia.com"

@@ -26,6 +26,7 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
+from devtools.fake_kube import KINDS, FakeKube
 from inventory import gangs, kube
 from inventory import services as inventory_services
 from inventory.dumps import iter_objects
@@ -41,7 +42,6 @@ from quota.models import (
     ReservationLine,
 )
 from quota.policy import PolicyError, apply_policy, load_policy
-from tests.fake_kube import KINDS, FakeKube
 from tests.quota.fixtures import AT, claim, gpu_request, make_team, post, review
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("fleet")]

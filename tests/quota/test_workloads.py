@@ -1,6 +1,6 @@
 """The person behind every GPU-hour (issue 19, item 1): the workload webhook writes who made a
 workload on it and on its pod templates, and a claim made from a template finds that person
-through its owners, read with the real kubernetes client from `tests.fake_kube`.
+through its owners, read with the real kubernetes client from `devtools.fake_kube`.
 
 Reviews are sent as the API server sends them, through the real URL; the patch each answer
 carries is applied with `jsonpatch` to the object sent, as the API server applies it, so a
@@ -25,10 +25,10 @@ import pytest
 from django.test import Client
 from prometheus_client import REGISTRY
 
+from devtools.fake_kube import FakeKube
 from inventory import kube, owners
 from quota import workloads
 from quota.admission import service
-from tests.fake_kube import FakeKube
 
 PATH = "/admission/workloads/mutate"
 CREATED_BY = "tally.dev/created-by"
