@@ -106,11 +106,18 @@ class _QueryDeadline:
 def _unbound_connections() -> None:
     """Close the connections an earlier request of this thread left a statement_timeout on: the
     next statement connects afresh, with the server's own settings. Operators' requests are
-    few; a reconnect now and then is cheaper than a RESET's care in an outage."""
+    few; a reconnect now and then is cheaper than a RESET's care in an outage. A connection
+    inside a transaction (ATOMIC_REQUESTS, a test's) is not closed, which would end the
+    transaction under its owner: its setting is reset in it instead (and again next time,
+    since a rollback would take the reset back)."""
     for wrapper in connections.all(initialized_only=True):
         raw = wrapper.connection
-        if raw is not None and getattr(wrapper, "_tally_timed", None) is raw:
+        if raw is None or getattr(wrapper, "_tally_timed", None) is not raw:
+            continue
+        if raw.info.transaction_status == pq.TransactionStatus.IDLE:
             wrapper.close()
+        else:
+            raw.execute("RESET statement_timeout")
 
 
 class RequestDeadlineMiddleware:

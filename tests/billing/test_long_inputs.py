@@ -31,6 +31,7 @@ def _held(team: Team, *, claim_name: str = "", **fields: str) -> Allocation:
         device=DeviceFactory.create(),
         start=T10 - timedelta(days=1),
         team=team,
+        claim__namespace=team.slug,  # each team's claims in a namespace it owns
         **fields,
     )
     if claim_name:
