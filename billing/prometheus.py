@@ -74,7 +74,7 @@ from django.utils import timezone
 from billing import silence
 from billing.dirty import mark_dirty
 from billing.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
-from billing.ingest import NAMED, PCI_ATTRIBUTE, PCI_KEY, resolve_named
+from billing.ingest import NAMED, PCI_ATTRIBUTES, PCI_KEY, pci_address, resolve_named
 from billing.mig_instances import covering
 from billing.models import MigInstance
 from db.copy import copy_rows
@@ -682,19 +682,19 @@ class InstanceMeters:
 
 
 def _amd_buses(nodes: set[str], start_ms: int) -> dict[str, list[str]]:
-    """Per node, the PCI addresses of its AMD GPUs in address order (partitions share one)."""
+    """Per node, the PCI addresses of its AMD GPUs in address order (partitions share one),
+    read as the inventory and the ingest read them (`pciBusID`, else `pciAddr`)."""
     buses: dict[str, set[str]] = defaultdict(set)
     start = hour_at(start_ms // MS_PER_HOUR)
     for node, attributes in Device.objects.filter(
         Q(gone_at__isnull=True) | Q(gone_at__gt=start),
         node__name__in=nodes,
         driver=AMD_DRIVER,
-        attributes__has_key=PCI_ATTRIBUTE,
+        attributes__has_any_keys=list(PCI_ATTRIBUTES),
     ).values_list("node__name", "attributes"):
-        value = attributes[PCI_ATTRIBUTE]
-        bus = value.get("string") if isinstance(value, dict) else None
-        if isinstance(bus, str):
-            buses[node].add(bus.lower())
+        bus = pci_address(attributes)
+        if bus is not None:
+            buses[node].add(bus)
     return {node: sorted(found) for node, found in buses.items()}
 
 
