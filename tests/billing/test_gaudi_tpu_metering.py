@@ -1,0 +1,126 @@
+"""A day of Gaudi and of TPU utilisation reaches a statement, through the node agent reading
+each vendor's exporter (`agent.exporters`: GAUDI, TPU) and posting to the ingest.
+
+The inventory is the vendors' own fixtures (tests/fixtures/dra/vendors/gaudi2.yaml, tpu.yaml)
+with a claim holding every device for a day; the exporters' text is the project's recordings
+(tests/agent/fixtures/gaudi-hl225.prom, tpu-v4-gke.prom), scraped once a minute. Devices the
+exporter reports are billed as measured (utilised at what it read), the others unmeasured,
+never idle.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from django.test import Client
+from django.urls import path
+
+from agent.exporters import GAUDI, TPU, ExporterProfile, parse_metrics
+from billing import views
+from billing.models import Sample
+from billing.services import issue_agent_token
+from inventory import services as inventory_services
+from inventory.dumps import iter_objects
+from tests.billing.test_vendor_billing import (
+    DAY,
+    VENDOR_CARDS,
+    VENDOR_DAYS,
+    card,
+    close_october,
+    usage_lines,
+)
+from tests.fixtures import DRA
+
+urlpatterns = [path("ingest/samples", views.ingest_samples)]
+
+pytestmark = [pytest.mark.django_db, pytest.mark.urls(__name__)]
+
+AGENT_FIXTURES = Path(__file__).resolve().parent.parent / "agent" / "fixtures"
+SCRAPE = timedelta(minutes=1)
+
+
+@pytest.fixture
+def team() -> Any:
+    from teams.models import Team, TeamNamespace
+
+    team = Team.objects.create(slug="research", name="Research")
+    TeamNamespace.objects.create(team=team, namespace="research")
+    return team
+
+
+def a_day_held(fixture: str) -> Any:
+    """The fixture's devices synced and held by its claims for the day (VENDOR_DAYS)."""
+    slices = [
+        obj
+        for obj in iter_objects(DRA / "vendors" / fixture)
+        if obj["kind"] in ("ResourceSlice", "DeviceClass")
+    ]
+    claims, _ = VENDOR_DAYS[fixture]
+    for product, price in VENDOR_CARDS.items():
+        card(product, price)
+    cluster = inventory_services.get_cluster("fx")
+    kinds = ["ResourceSlice", "DeviceClass", "ResourceClaim"]
+    for objects, at in ((slices + claims, DAY), (slices, DAY + timedelta(days=1))):
+        report = inventory_services.import_snapshot(
+            cluster=cluster, objects=objects, at=at, kinds=kinds
+        )
+        assert report.errors == []
+    return cluster
+
+
+def agent_scrapes_the_day(
+    cluster: Any, node: str, recording: str, profile: ExporterProfile
+) -> None:
+    """The node agent's readings of the recording, once a minute over the day, posted as it
+    posts them (a batch every 500 samples)."""
+    text = (AGENT_FIXTURES / recording).read_text()
+    token = issue_agent_token(cluster=cluster, node=node, actor="ops")
+    samples: list[dict[str, Any]] = []
+    at = DAY
+    while at < DAY + timedelta(days=1):
+        samples.extend(reading.as_sample() for reading in parse_metrics(text, profile, at=at))
+        at += SCRAPE
+    for start in range(0, len(samples), 500):
+        response = Client().post(
+            "/ingest/samples",
+            data=json.dumps({"node": node, "samples": samples[start : start + 500]}),
+            content_type="application/json",
+            headers={"Authorization": f"Bearer {token}"},
+        )
+        assert response.status_code == 200, response.content
+        answer = response.json()
+        assert answer["rejected"] == [] and answer["unknown_devices"] == [], answer
+
+
+@pytest.mark.parametrize(
+    ("fixture", "node", "recording", "profile", "product", "utilised", "unmeasured"),
+    [
+        # Two of eight cards report, at 87 % and 12.5 %: 0.995 x 24 utilised card-hours; six
+        # cards a day unmeasured.
+        ("gaudi2.yaml", "gaudi-node-1", "gaudi-hl225.prom", GAUDI, "Gaudi2", "23.88", "144"),
+        # accel0 at 90 % (the node series), accel1 at 64 %, accel3 idle; accel2 unmeasured.
+        ("tpu.yaml", "tpu-v4-node-1", "tpu-v4-gke.prom", TPU, "v4", "36.96", "24"),
+    ],
+)
+def test_a_day_of_exporter_readings_through_the_agent_reaches_the_statement(
+    team: Any,
+    fixture: str,
+    node: str,
+    recording: str,
+    profile: ExporterProfile,
+    product: str,
+    utilised: str,
+    unmeasured: str,
+) -> None:
+    cluster = a_day_held(fixture)
+    agent_scrapes_the_day(cluster, node, recording, profile)
+    assert Sample.objects.exists()
+    line = usage_lines(close_october())[product]
+    assert line.allocated_gpu_hours == Decimal(VENDOR_DAYS[fixture][1][product][1])
+    assert line.utilised_gpu_hours.normalize() == Decimal(utilised)
+    assert line.unmeasured_gpu_hours.normalize() == Decimal(unmeasured)
