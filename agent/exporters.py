@@ -124,12 +124,59 @@ class Metric:
 @dataclass(frozen=True)
 class ExporterProfile:
     """What to read from one exporter: utilisation metrics in order of preference, memory
-    metrics, and `key(labels, context)`: the device a series is of, or None to skip it."""
+    metrics, and `key(labels, context)`: the device a series is of, or None to skip it.
+
+    The one description of an exporter, read by the node agent (a scrape) and by the
+    Prometheus source (`billing.prometheus`, the same series in an engine): `labels` are the
+    roles a label plays there (`role` -> the exporter's label) and `skip` the labels whose
+    series are not a device's own; `prometheus_metrics()` and `prometheus_labels()` are the
+    source's defaults (settings TALLY_PROMETHEUS_<NAME>_METRICS and _LABELS), which an
+    operator who relabels may override. `named` exporters name devices by driver and PCI
+    address or device name, which `key` reads from the labels its roles give."""
 
     name: str
     utilisation: tuple[Metric, ...]
     memory: tuple[Metric, ...]
     key: Callable[[Mapping[str, str], ScrapeContext], DeviceKey | None]
+    labels: Mapping[str, str] = field(default_factory=dict)
+    skip: tuple[str, ...] = ()
+    # Roles an operator may give besides `labels`'s (DCGM: `mig_uuid`, a label some relabel).
+    more_roles: tuple[str, ...] = ()
+    named: bool = False
+
+    @property
+    def roles(self) -> frozenset[str]:
+        """The roles a label may play in the Prometheus source's settings."""
+        return frozenset({*self.labels, *self.more_roles, "skip"})
+
+    def prometheus_metrics(self) -> str:
+        """The utilisation metrics as the Prometheus source's setting spells them:
+        `name{label="value"}*scale, ...` (scale to percent, left out where 1)."""
+        return ", ".join(_spelled(metric) for metric in self.utilisation)
+
+    def prometheus_labels(self) -> str:
+        """The label roles as the Prometheus source's setting spells them: `role=label, ...`
+        and `skip=a|b`."""
+        parts = [f"{role}={label}" for role, label in self.labels.items()]
+        if self.skip:
+            parts.append(f"skip={'|'.join(self.skip)}")
+        return ", ".join(parts)
+
+    def native(self, labels: Mapping[str, str], roles: Mapping[str, str]) -> dict[str, str]:
+        """A series' labels as this exporter writes them, from an engine's series whose labels
+        play `roles` (`role` -> the label it has in the engine)."""
+        found = {}
+        for role, label in roles.items():
+            own = self.labels.get(role)
+            if own and label in labels:
+                found[own] = labels[label]
+        return found
+
+
+def _spelled(metric: Metric) -> str:
+    matchers = ", ".join(f'{name}="{value}"' for name, value in metric.where.items())
+    scale = f"*{metric.scale:g}" if metric.scale != 1 else ""
+    return metric.name + (f"{{{matchers}}}" if matchers else "") + scale
 
 
 @dataclass
@@ -168,6 +215,13 @@ DCGM = ExporterProfile(
     ),
     memory=(Metric("DCGM_FI_DEV_FB_USED", scale=MIB),),
     key=_dcgm_key,
+    labels={
+        "uuid": "UUID",
+        "node": "Hostname",
+        "gpu_instance": "GPU_I_ID",
+        "mig_profile": "GPU_I_PROFILE",
+    },
+    more_roles=("mig_uuid",),
 )
 
 
@@ -209,6 +263,13 @@ AMD = ExporterProfile(
     utilisation=(Metric("gpu_gfx_activity", source="gfx_activity"),),
     memory=(Metric("gpu_used_vram", scale=MIB),),
     key=_amd_key,
+    labels={
+        "serial": "serial_number",
+        "gpu_id": "gpu_id",
+        "node": "hostname",
+        "partition": "gpu_partition_id",
+        "partition_type": "gpu_compute_partition_type",
+    },
 )
 
 
@@ -254,6 +315,9 @@ INTEL = ExporterProfile(
     ),
     memory=(Metric("xpum_memory_used_bytes", summed=True),),
     key=_intel_key,
+    labels={"pci_bus_id": "pci_bdf", "node": "node"},
+    skip=("sub_dev", "card"),
+    named=True,
 )
 
 # Gaudi
@@ -271,6 +335,8 @@ GAUDI = ExporterProfile(
     utilisation=(Metric("habanalabs_utilization", source="habanalabs_utilization"),),
     memory=(Metric("habanalabs_memory_used_bytes"),),
     key=_gaudi_key,
+    labels={"pci_bus_id": "bus_id", "node": "node"},
+    named=True,
 )
 
 
@@ -301,6 +367,8 @@ TPU = ExporterProfile(
     ),
     memory=(Metric("memory_used_node"), Metric("memory_used")),
     key=_tpu_key,
+    labels={"chip": "accelerator_id", "node": "node"},
+    named=True,
 )
 
 PROFILES = {profile.name: profile for profile in (DCGM, AMD, INTEL, GAUDI, TPU)}
