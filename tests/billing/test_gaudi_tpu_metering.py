@@ -1,5 +1,7 @@
 """A day of Gaudi and of TPU utilisation reaches a statement, through the node agent reading
-each vendor's exporter (`agent.exporters`: GAUDI, TPU) and posting to the ingest.
+each vendor's exporter (`agent.exporters`: GAUDI, TPU) and posting to the ingest, and through
+the Prometheus source (`billing.prometheus`) reading the same series from a real Prometheus,
+backfilled with promtool as tests/billing/test_prometheus_source.py does.
 
 The inventory is the vendors' own fixtures (tests/fixtures/dra/vendors/gaudi2.yaml, tpu.yaml)
 with a claim holding every device for a day; the exporters' text is the project's recordings
@@ -11,21 +13,26 @@ never idle.
 from __future__ import annotations
 
 import json
+import subprocess
+from collections.abc import Iterator
 from datetime import timedelta
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
 import pytest
-from django.test import Client
+from django.test import Client, override_settings
 from django.urls import path
+from prometheus_client.parser import text_string_to_metric_families
 
 from agent.exporters import GAUDI, TPU, ExporterProfile, parse_metrics
 from billing import views
+from billing.hours import epoch_ms
 from billing.models import Sample
 from billing.services import issue_agent_token
 from inventory import services as inventory_services
 from inventory.dumps import iter_objects
+from tests.billing.test_prometheus_source import Key, _binaries, _serve, openmetrics
 from tests.billing.test_vendor_billing import (
     DAY,
     VENDOR_CARDS,
@@ -42,6 +49,52 @@ pytestmark = [pytest.mark.django_db, pytest.mark.urls(__name__)]
 
 AGENT_FIXTURES = Path(__file__).resolve().parent.parent / "agent" / "fixtures"
 SCRAPE = timedelta(minutes=1)
+# Where each recording was scraped: the node label a scrape job adds to the exporter's series
+# (relabelled from the pod's node, as the operator guide says), the cluster label an engine
+# shared by clusters adds.
+RECORDINGS = {
+    "gaudi-hl225.prom": (GAUDI, "gaudi-node-1"),
+    "tpu-v4-gke.prom": (TPU, "tpu-v4-node-1"),
+}
+
+
+def recorded_day() -> dict[Key, list[tuple[int, str]]]:
+    """Every utilisation series of the recordings, at its recorded value once a minute from
+    a few minutes before the day to its end, labelled with its node and cluster."""
+    series: dict[Key, list[tuple[int, str]]] = {}
+    for recording, (profile, node) in RECORDINGS.items():
+        wanted = {metric.name for metric in profile.utilisation}
+        text = (AGENT_FIXTURES / recording).read_text()
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name not in wanted:
+                    continue
+                labels = dict(sample.labels) | {"node": node, "cluster": "fx"}
+                first = epoch_ms(DAY - 5 * SCRAPE)
+                points = [
+                    (first + step * 60_000, repr(float(sample.value)))
+                    for step in range(24 * 60 + 5)
+                ]
+                series[sample.name, tuple(sorted(labels.items()))] = points
+    return series
+
+
+@pytest.fixture(scope="module")
+def vendor_engine(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A Prometheus holding the recorded day of the Gaudi and TPU exporters; its base URL."""
+    server, promtool = _binaries()
+    data = tmp_path_factory.mktemp("prometheus-vendors")
+    (data / "day.om").write_text(openmetrics(recorded_day()))
+    subprocess.run(
+        [promtool, "tsdb", "create-blocks-from", "openmetrics", str(data / "day.om"),
+         str(data / "tsdb")],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    url, process = _serve(server, data, "global:\n  scrape_interval: 1h\n")
+    yield url
+    process.terminate()
+    process.wait(timeout=30)
 
 
 @pytest.fixture
@@ -121,6 +174,31 @@ def test_a_day_of_exporter_readings_through_the_agent_reaches_the_statement(
     agent_scrapes_the_day(cluster, node, recording, profile)
     assert Sample.objects.exists()
     line = usage_lines(close_october())[product]
+    assert line.allocated_gpu_hours == Decimal(VENDOR_DAYS[fixture][1][product][1])
+    assert line.utilised_gpu_hours.normalize() == Decimal(utilised)
+    assert line.unmeasured_gpu_hours.normalize() == Decimal(unmeasured)
+
+
+@pytest.mark.parametrize(
+    ("fixture", "product", "utilised", "unmeasured"),
+    [
+        ("gaudi2.yaml", "Gaudi2", "23.88", "144"),
+        ("tpu.yaml", "v4", "36.96", "24"),
+    ],
+)
+def test_the_same_day_through_the_prometheus_source_reaches_the_statement(
+    vendor_engine: str, team: Any, fixture: str, product: str, utilised: str, unmeasured: str
+) -> None:
+    """The engine's series named as the agent names them (the profile's own key), the same
+    figures as through the agent, no sample sent."""
+    a_day_held(fixture)
+    with override_settings(
+        TALLY_METERING_SOURCE="samples,fx=prometheus",
+        TALLY_PROMETHEUS_URL=vendor_engine,
+        TALLY_PROMETHEUS_EXPORTERS=["gaudi", "tpu"],
+    ):
+        line = usage_lines(close_october())[product]
+    assert not Sample.objects.exists()
     assert line.allocated_gpu_hours == Decimal(VENDOR_DAYS[fixture][1][product][1])
     assert line.utilised_gpu_hours.normalize() == Decimal(utilised)
     assert line.unmeasured_gpu_hours.normalize() == Decimal(unmeasured)
