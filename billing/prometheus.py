@@ -789,9 +789,9 @@ def match_series(
                 key = _named(node, AMD_DRIVER, buses[index], partition if partitioned else "")
             else:
                 why.append(f"AMD GPU {serial or '?'} on {node or '?'}: no AMD PCI address for it")
-        elif node and (own := PROFILES[exporter.name]).named:
+        elif node and (seam := PROFILES[exporter.name]).named:
             # Named by driver and PCI address or device name, as the agent names it.
-            device = own.key(own.native(labels, exporter.labels), ScrapeContext())
+            device = seam.key(seam.native(labels, exporter.labels), ScrapeContext())
             if device is not None and device.driver and device.pci_bus_id:
                 partition = "" if device.partition is None else str(device.partition)
                 key = _named(node, device.driver, device.pci_bus_id, partition)
