@@ -25,13 +25,14 @@ from django.test import Client, override_settings
 from django.urls import path
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.exporters import GAUDI, TPU, ExporterProfile, parse_metrics
-from billing import views
+from agent.exporters import GAUDI, PROFILES, TPU, ExporterProfile, parse_metrics
+from billing import prometheus, views
 from billing.hours import epoch_ms
 from billing.models import Sample
 from billing.services import issue_agent_token
 from inventory import services as inventory_services
 from inventory.dumps import iter_objects
+from inventory.models import Device
 from tests.billing.test_prometheus_source import Key, _binaries, _serve, openmetrics
 from tests.billing.test_vendor_billing import (
     DAY,
@@ -202,3 +203,42 @@ def test_the_same_day_through_the_prometheus_source_reaches_the_statement(
     assert line.allocated_gpu_hours == Decimal(VENDOR_DAYS[fixture][1][product][1])
     assert line.utilised_gpu_hours.normalize() == Decimal(utilised)
     assert line.unmeasured_gpu_hours.normalize() == Decimal(unmeasured)
+
+
+# --- the seam, without an engine -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_the_prometheus_source_asks_for_what_the_agent_reads(name: str) -> None:
+    """The source's default metrics are the agent profile's utilisation metrics, in its order
+    and at its scale: written once, in `agent.exporters`."""
+    with override_settings(TALLY_PROMETHEUS_EXPORTERS=sorted(PROFILES)):
+        (exporter,) = [one for one in prometheus.config().exporters if one.name == name]
+    profile = PROFILES[name]
+    assert [(m.selector.partition("{")[0], m.scale) for m in exporter.metrics] == [
+        (metric.name, metric.scale) for metric in profile.utilisation
+    ]
+    assert exporter.skip == profile.skip
+    assert set(exporter.labels.values()) == set(profile.labels.values())
+
+
+def test_tpu_series_relabelled_by_the_operator_are_named_through_their_roles(team: Any) -> None:
+    """Label names are settings: a node under another label, a chip under another, still name
+    the chip the agent would (a chip of another node, or an id without index, names none)."""
+    cluster = a_day_held("tpu.yaml")
+    labels = "chip=tpu_chip, node=kubernetes_node"
+    with override_settings(
+        TALLY_PROMETHEUS_EXPORTERS=["tpu"], TALLY_PROMETHEUS_EXPORTER_LABELS={"tpu": labels}
+    ):
+        (exporter,) = prometheus.config().exporters
+    series = [
+        prometheus.Series(labels={"tpu_chip": chip, "kubernetes_node": node}, points=[(0, 5.0)])
+        for chip, node in (
+            ("4804690994094478883-2", "tpu-v4-node-1"),
+            ("4804690994094478883", "tpu-v4-node-1"),
+            ("4804690994094478883-2", "tpu-v4-node-9"),
+        )
+    ]
+    meters, _ = prometheus.match_series(exporter, series, prometheus.Identities(), 0)
+    accel2 = Device.objects.get(cluster=cluster, name="accel2")
+    assert meters == [accel2.meter_id, None, None]
