@@ -1,5 +1,6 @@
 """Vendors' Prometheus exporters as sources: NVIDIA's dcgm-exporter, AMD's device-metrics
-exporter, Intel's XPU Manager exporter, each read from its `/metrics` text on this node.
+exporter, Intel's XPU Manager exporter, Intel Gaudi's metric exporter and the TPU metrics
+GKE's TPU device plugin serves, each read from its `/metrics` text on this node.
 
 An `ExporterProfile` says which metrics give utilisation and memory and how a series names
 its device; `parse_metrics` turns one scrape (parsed by prometheus_client's text parser)
@@ -39,6 +40,20 @@ What each profile relies on (checked against the vendors' code and docs, not gue
   `xpum_engine_group_ratio{type="compute"}` (the exporter scales XPU Manager's percentage by
   0.01: a ratio), else `xpum_engine_ratio`; memory `xpum_memory_used_bytes`, per tile, so
   summed over the tiles.
+- **Gaudi** (Intel Gaudi Prometheus metric exporter, `habanalabs_*`, port 41611): a card's
+  series carry its PCI address as `bus_id`. Intel's Gaudi DRA driver (`gaudi.intel.com`)
+  publishes no uuid and no PCI attribute, but names each card by its PCI address
+  (`0000-0f-00-0-0x1020`: the address with hyphens, then the PCI device id), so a series is
+  named by `driver` + `pci_bus_id` and the ingest reads the address from the device's name.
+  Utilisation `habanalabs_utilization` (%), memory `habanalabs_memory_used_bytes`.
+- **TPU** (GKE's TPU device plugin, `/metrics` on port 2112): a chip's series carry
+  `accelerator_id` = `<VM instance id>-<chip index>`; Google's TPU DRA driver
+  (`tpu.google.com`) names chip N `accelN` (its `uuid` is the host's, the same on every
+  chip), so a series is named by `driver` + `device` `accel<index>`. Utilisation
+  `duty_cycle_node` (%, every chip, held or not), else `duty_cycle` (%, the chips a
+  container holds); memory `memory_used_node`, else `memory_used` (bytes). On a multi-host
+  slice the index may be the chip's in the slice, not on the host: such a series names no
+  chip the node's inventory has and the ingest refuses it (unmeasured, never misplaced).
 
 The ingest resolves `driver` + `pci_bus_id` (+ `partition`) through the inventory to the
 device's meter id (`billing.ingest`).
@@ -63,6 +78,8 @@ from agent.readings import GpuReading
 MIB = 1024 * 1024
 AMD_DRIVER = "gpu.amd.com"
 INTEL_DRIVER = "gpu.intel.com"
+GAUDI_DRIVER = "gaudi.intel.com"
+TPU_DRIVER = "tpu.google.com"
 _BDF = re.compile(r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
 
 
@@ -82,6 +99,7 @@ class DeviceKey:
     driver: str | None = None
     pci_bus_id: str | None = None
     partition: int | None = None
+    device: str | None = None  # the device's name in its ResourceSlice
 
     @property
     def reported_uuid(self) -> str:
@@ -106,12 +124,59 @@ class Metric:
 @dataclass(frozen=True)
 class ExporterProfile:
     """What to read from one exporter: utilisation metrics in order of preference, memory
-    metrics, and `key(labels, context)`: the device a series is of, or None to skip it."""
+    metrics, and `key(labels, context)`: the device a series is of, or None to skip it.
+
+    The one description of an exporter, read by the node agent (a scrape) and by the
+    Prometheus source (`billing.prometheus`, the same series in an engine): `labels` are the
+    roles a label plays there (`role` -> the exporter's label) and `skip` the labels whose
+    series are not a device's own; `prometheus_metrics()` and `prometheus_labels()` are the
+    source's defaults (settings TALLY_PROMETHEUS_<NAME>_METRICS and _LABELS), which an
+    operator who relabels may override. `named` exporters name devices by driver and PCI
+    address or device name, which `key` reads from the labels its roles give."""
 
     name: str
     utilisation: tuple[Metric, ...]
     memory: tuple[Metric, ...]
     key: Callable[[Mapping[str, str], ScrapeContext], DeviceKey | None]
+    labels: Mapping[str, str] = field(default_factory=dict)
+    skip: tuple[str, ...] = ()
+    # Roles an operator may give besides `labels`'s (DCGM: `mig_uuid`, a label some relabel).
+    more_roles: tuple[str, ...] = ()
+    named: bool = False
+
+    @property
+    def roles(self) -> frozenset[str]:
+        """The roles a label may play in the Prometheus source's settings."""
+        return frozenset({*self.labels, *self.more_roles, "skip"})
+
+    def prometheus_metrics(self) -> str:
+        """The utilisation metrics as the Prometheus source's setting spells them:
+        `name{label="value"}*scale, ...` (scale to percent, left out where 1)."""
+        return ", ".join(_spelled(metric) for metric in self.utilisation)
+
+    def prometheus_labels(self) -> str:
+        """The label roles as the Prometheus source's setting spells them: `role=label, ...`
+        and `skip=a|b`."""
+        parts = [f"{role}={label}" for role, label in self.labels.items()]
+        if self.skip:
+            parts.append(f"skip={'|'.join(self.skip)}")
+        return ", ".join(parts)
+
+    def native(self, labels: Mapping[str, str], roles: Mapping[str, str]) -> dict[str, str]:
+        """A series' labels as this exporter writes them, from an engine's series whose labels
+        play `roles` (`role` -> the label it has in the engine)."""
+        found = {}
+        for role, label in roles.items():
+            own = self.labels.get(role)
+            if own and label in labels:
+                found[own] = labels[label]
+        return found
+
+
+def _spelled(metric: Metric) -> str:
+    matchers = ", ".join(f'{name}="{value}"' for name, value in metric.where.items())
+    scale = f"*{metric.scale:g}" if metric.scale != 1 else ""
+    return metric.name + (f"{{{matchers}}}" if matchers else "") + scale
 
 
 @dataclass
@@ -150,6 +215,13 @@ DCGM = ExporterProfile(
     ),
     memory=(Metric("DCGM_FI_DEV_FB_USED", scale=MIB),),
     key=_dcgm_key,
+    labels={
+        "uuid": "UUID",
+        "node": "Hostname",
+        "gpu_instance": "GPU_I_ID",
+        "mig_profile": "GPU_I_PROFILE",
+    },
+    more_roles=("mig_uuid",),
 )
 
 
@@ -191,6 +263,13 @@ AMD = ExporterProfile(
     utilisation=(Metric("gpu_gfx_activity", source="gfx_activity"),),
     memory=(Metric("gpu_used_vram", scale=MIB),),
     key=_amd_key,
+    labels={
+        "serial": "serial_number",
+        "gpu_id": "gpu_id",
+        "node": "hostname",
+        "partition": "gpu_partition_id",
+        "partition_type": "gpu_compute_partition_type",
+    },
 )
 
 
@@ -236,9 +315,63 @@ INTEL = ExporterProfile(
     ),
     memory=(Metric("xpum_memory_used_bytes", summed=True),),
     key=_intel_key,
+    labels={"pci_bus_id": "pci_bdf", "node": "node"},
+    skip=("sub_dev", "card"),
+    named=True,
 )
 
-PROFILES = {profile.name: profile for profile in (DCGM, AMD, INTEL)}
+# Gaudi
+
+
+def _gaudi_key(labels: Mapping[str, str], context: ScrapeContext) -> DeviceKey | None:
+    bus = labels.get("bus_id", "")
+    if not _BDF.fullmatch(bus):
+        return None
+    return DeviceKey(node=labels.get("node") or None, driver=GAUDI_DRIVER, pci_bus_id=bus.lower())
+
+
+GAUDI = ExporterProfile(
+    name="gaudi",
+    utilisation=(Metric("habanalabs_utilization", source="habanalabs_utilization"),),
+    memory=(Metric("habanalabs_memory_used_bytes"),),
+    key=_gaudi_key,
+    labels={"pci_bus_id": "bus_id", "node": "node"},
+    named=True,
+)
+
+
+# TPU
+
+_CHIP = re.compile(r".+-([0-9]{1,4})")
+
+
+def tpu_chip(accelerator_id: str) -> str | None:
+    """The DRA device name (`accelN`) of the chip an `accelerator_id` (`<instance>-<index>`)
+    names; None for one that is not of that shape."""
+    match = _CHIP.fullmatch(accelerator_id)
+    return f"accel{int(match.group(1))}" if match else None
+
+
+def _tpu_key(labels: Mapping[str, str], context: ScrapeContext) -> DeviceKey | None:
+    chip = tpu_chip(labels.get("accelerator_id", ""))
+    if chip is None:
+        return None
+    return DeviceKey(node=labels.get("node") or None, driver=TPU_DRIVER, device=chip)
+
+
+TPU = ExporterProfile(
+    name="tpu",
+    utilisation=(
+        Metric("duty_cycle_node", source="duty_cycle"),
+        Metric("duty_cycle", source="duty_cycle"),
+    ),
+    memory=(Metric("memory_used_node"), Metric("memory_used")),
+    key=_tpu_key,
+    labels={"chip": "accelerator_id", "node": "node"},
+    named=True,
+)
+
+PROFILES = {profile.name: profile for profile in (DCGM, AMD, INTEL, GAUDI, TPU)}
 
 
 # Parsing
@@ -322,6 +455,7 @@ def parse_metrics(
                 driver=key.driver,
                 pci_bus_id=key.pci_bus_id,
                 partition=key.partition,
+                device=key.device,
             )
         )
     return readings
@@ -336,7 +470,7 @@ def _sort_key(key: DeviceKey) -> tuple[str, str, str, int, int]:
     return (
         key.node or "",
         key.uuid or key.parent_uuid or "",
-        key.pci_bus_id or "",
+        key.pci_bus_id or key.device or "",
         -1 if key.gpu_instance_id is None else key.gpu_instance_id,
         -1 if key.partition is None else key.partition,
     )

@@ -79,7 +79,7 @@ configuration (environment variables, defaults in brackets):
   TALLY_NODE_NAME                  this node's name [the host name]
   TALLY_AGENT_SOURCE               nvml, dcgm or exporter [nvml]
   TALLY_EXPORTER_URL               this node's exporter's /metrics (exporter)
-  TALLY_EXPORTER_PROFILE           dcgm, amd or intel: which exporter it is (exporter)
+  TALLY_EXPORTER_PROFILE           dcgm, amd, intel, gaudi or tpu: which exporter (exporter)
   TALLY_EXPORTER_WITH_NVML         true: read NVML too, for MIG devices (exporter, dcgm) [false]
   TALLY_AGENT_SYS_ROOT             the host's /sys, to find AMD GPUs' PCI addresses [/sys]
   TALLY_PROMETHEUS_URL             Prometheus with the DCGM exporter's metrics (dcgm)
@@ -162,8 +162,8 @@ class Config:
                 "TALLY_AGENT_SOURCE=exporter"
             )
         profile = (env.get("TALLY_EXPORTER_PROFILE") or "dcgm").strip().lower()
-        if profile not in ("dcgm", "amd", "intel"):
-            raise ConfigError("TALLY_EXPORTER_PROFILE must be dcgm, amd or intel")
+        if profile not in ("dcgm", "amd", "intel", "gaudi", "tpu"):
+            raise ConfigError("TALLY_EXPORTER_PROFILE must be dcgm, amd, intel, gaudi or tpu")
         with_nvml = (env.get("TALLY_EXPORTER_WITH_NVML") or "false").strip().lower()
         if with_nvml not in ("true", "false"):
             raise ConfigError("TALLY_EXPORTER_WITH_NVML must be true or false")

@@ -55,7 +55,7 @@ from typing import Any, NamedTuple, TypedDict
 from django.conf import settings
 from django.db import connection, models, transaction
 from django.db.backends.utils import CursorWrapper
-from django.db.models import Exists, OuterRef
+from django.db.models import Exists, OuterRef, Q
 from django.db.models.fields.json import KT
 from django.utils import timezone
 from psycopg.errors import UniqueViolation
@@ -554,13 +554,25 @@ PCI_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
 PCI_ATTRIBUTES = (PCI_ATTRIBUTE, "pciAddr", "gpu.amd.com/pciAddr")
 
 
-def pci_address(attributes: dict[str, Any]) -> str | None:
-    """The PCI address a stored device's attributes publish, lower-case; None without one."""
-    for name in PCI_ATTRIBUTES:
-        value = attributes.get(name)
+# A device named by its PCI address, with hyphens (`0000-0f-00-0`, optionally followed by
+# `-<PCI device id>`): how Intel's Gaudi DRA driver names its cards, which publish no PCI
+# attribute. PostgreSQL's regex for the query; the same in Python for the value.
+PCI_NAME_SQL = r"^[0-9a-fA-F]{4}-[0-9a-fA-F]{2}-[0-9a-fA-F]{2}-[0-7](-|$)"
+PCI_NAME = re.compile(r"([0-9a-fA-F]{4})-([0-9a-fA-F]{2})-([0-9a-fA-F]{2})-([0-7])(?:-.*)?")
+
+
+def pci_address(attributes: dict[str, Any], name: str = "") -> str | None:
+    """The PCI address a stored device's attributes publish, else (given its `name`) the one
+    its name spells (Gaudi cards), lower-case; None without one."""
+    for attribute in PCI_ATTRIBUTES:
+        value = attributes.get(attribute)
         address = value.get("string") if isinstance(value, dict) else None
         if isinstance(address, str) and address:
             return address.lower()
+    match = PCI_NAME.fullmatch(name)
+    if match:
+        domain, bus, slot, function = match.groups()
+        return f"{domain}:{bus}:{slot}.{function}".lower()
     return None
 
 
@@ -1936,7 +1948,9 @@ def resolve_named(
             driver__in={name.driver for name in named_here.values()},
         )
         if by_address:
-            devices = devices.filter(attributes__has_any_keys=list(PCI_ATTRIBUTES))
+            devices = devices.filter(
+                Q(attributes__has_any_keys=list(PCI_ATTRIBUTES)) | Q(name__regex=PCI_NAME_SQL)
+            )
         else:
             devices = devices.filter(name__in={name.device for name in named_here.values()})
         if agent is not None:
@@ -1961,7 +1975,7 @@ def resolve_named(
             "attributes" if by_address else "pk",
         ):
             if by_address:
-                bus_id = pci_address(attributes)
+                bus_id = pci_address(attributes, device)
                 if bus_id is None:
                     continue
                 found[node_name, driver, PCI_KEY + bus_id].append(

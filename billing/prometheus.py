@@ -71,10 +71,11 @@ from django.db import connection
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
+from agent.exporters import PROFILES, ScrapeContext
 from billing import silence
 from billing.dirty import mark_dirty
 from billing.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
-from billing.ingest import NAMED, PCI_ATTRIBUTE, PCI_KEY, resolve_named
+from billing.ingest import NAMED, PCI_ATTRIBUTES, PCI_KEY, pci_address, resolve_named
 from billing.mig_instances import covering
 from billing.models import MigInstance
 from db.copy import copy_rows
@@ -84,16 +85,14 @@ log = logging.getLogger(__name__)
 
 SOURCES = ("samples", "prometheus")
 AMD_DRIVER = "gpu.amd.com"
-INTEL_DRIVER = "gpu.intel.com"
 # The readings of one rollup run, shaped as the rollup reads `billing_sample`.
 READINGS_TABLE = "tally_prometheus_readings"
 _READINGS_TYPES = ("text", "int8", "float8", "int8")
 
-# Per exporter: the settings naming its metrics and labels, and the roles a label may play.
+# Per exporter: the roles a label may play (its metrics, labels and how a series names its
+# device are the exporter's profile's, `agent.exporters`, the node agent's too).
 EXPORTER_ROLES: dict[str, frozenset[str]] = {
-    "dcgm": frozenset({"uuid", "node", "gpu_instance", "mig_profile", "mig_uuid", "skip"}),
-    "amd": frozenset({"serial", "gpu_id", "node", "partition", "partition_type", "skip"}),
-    "intel": frozenset({"pci_bus_id", "node", "skip"}),
+    name: profile.roles for name, profile in PROFILES.items()
 }
 _METRIC = re.compile(
     r"\s*(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)\s*(?:\{(?P<matchers>[^{}]*)\})?"
@@ -367,8 +366,10 @@ def config() -> Config:
         tuple(settings.TALLY_PROMETHEUS_EXPORTERS),
         tuple(
             (
-                settings.TALLY_PROMETHEUS_EXPORTER_METRICS[name],
-                settings.TALLY_PROMETHEUS_EXPORTER_LABELS[name],
+                settings.TALLY_PROMETHEUS_EXPORTER_METRICS.get(name)
+                or PROFILES[name].prometheus_metrics(),
+                settings.TALLY_PROMETHEUS_EXPORTER_LABELS.get(name)
+                or PROFILES[name].prometheus_labels(),
             )
             for name in EXPORTER_ROLES
         ),
@@ -682,19 +683,19 @@ class InstanceMeters:
 
 
 def _amd_buses(nodes: set[str], start_ms: int) -> dict[str, list[str]]:
-    """Per node, the PCI addresses of its AMD GPUs in address order (partitions share one)."""
+    """Per node, the PCI addresses of its AMD GPUs in address order (partitions share one),
+    read as the inventory and the ingest read them (`pciBusID`, else `pciAddr`)."""
     buses: dict[str, set[str]] = defaultdict(set)
     start = hour_at(start_ms // MS_PER_HOUR)
     for node, attributes in Device.objects.filter(
         Q(gone_at__isnull=True) | Q(gone_at__gt=start),
         node__name__in=nodes,
         driver=AMD_DRIVER,
-        attributes__has_key=PCI_ATTRIBUTE,
+        attributes__has_any_keys=list(PCI_ATTRIBUTES),
     ).values_list("node__name", "attributes"):
-        value = attributes[PCI_ATTRIBUTE]
-        bus = value.get("string") if isinstance(value, dict) else None
-        if isinstance(bus, str):
-            buses[node].add(bus.lower())
+        bus = pci_address(attributes)
+        if bus is not None:
+            buses[node].add(bus)
     return {node: sorted(found) for node, found in buses.items()}
 
 
@@ -788,9 +789,14 @@ def match_series(
                 key = _named(node, AMD_DRIVER, buses[index], partition if partitioned else "")
             else:
                 why.append(f"AMD GPU {serial or '?'} on {node or '?'}: no AMD PCI address for it")
-        else:
-            bus = exporter.label(labels, "pci_bus_id")
-            key = _named(node, INTEL_DRIVER, bus, "") if node and bus else None
+        elif node and (seam := PROFILES[exporter.name]).named:
+            # Named by driver and PCI address or device name, as the agent names it.
+            device = seam.key(seam.native(labels, exporter.labels), ScrapeContext())
+            if device is not None and device.driver and device.pci_bus_id:
+                partition = "" if device.partition is None else str(device.partition)
+                key = _named(node, device.driver, device.pci_bus_id, partition)
+            elif device is not None and device.driver and device.device:
+                key = NAMED + NAMED.join((node, device.driver, "", device.device))
         keys.append(key)
     named = {key for key in keys if isinstance(key, str) and key.startswith(NAMED)}
     resolved: dict[str, str] = {}

@@ -13,6 +13,7 @@ import dj_database_url
 from celery.schedules import crontab
 from django.core.exceptions import ImproperlyConfigured
 
+from agent.exporters import PROFILES as EXPORTER_PROFILES
 from config import env
 from config.logging import library_loggers, quiet_django
 
@@ -675,36 +676,18 @@ TALLY_PROMETHEUS_RUN_DEADLINE_SECONDS = env.get_int(
 # Label matchers added to every query, e.g. `cluster="{cluster}"` ({cluster}: Tally's name).
 TALLY_PROMETHEUS_SELECTOR = env.get_str("TALLY_PROMETHEUS_SELECTOR", "") or ""
 TALLY_PROMETHEUS_EXPORTERS = env.get_list("TALLY_PROMETHEUS_EXPORTERS", ["dcgm", "amd", "intel"])
-# Per exporter: utilisation metrics in order of preference (`name{matchers}*scale`, to percent)
-# and which label plays which role (`role=label`; `skip=a|b`: series with those are not read).
+# Per exporter (dcgm, amd, intel, gaudi, tpu): utilisation metrics in order of preference
+# (`name{matchers}*scale`, to percent) and which label plays which role (`role=label`;
+# `skip=a|b`: series with those are not read). Defaults: the exporter's own, as the node agent
+# reads them (`agent.exporters`, written once there).
 TALLY_PROMETHEUS_EXPORTER_METRICS = {
-    "dcgm": env.get_str(
-        "TALLY_PROMETHEUS_DCGM_METRICS", "DCGM_FI_PROF_GR_ENGINE_ACTIVE*100, DCGM_FI_DEV_GPU_UTIL"
-    )
-    or "",
-    "amd": env.get_str("TALLY_PROMETHEUS_AMD_METRICS", "gpu_gfx_activity") or "",
-    "intel": env.get_str(
-        "TALLY_PROMETHEUS_INTEL_METRICS",
-        'xpum_engine_group_ratio{type="compute"}*100, xpum_engine_ratio*100',
-    )
-    or "",
+    name: env.get_str(f"TALLY_PROMETHEUS_{name.upper()}_METRICS", profile.prometheus_metrics())
+    or ""
+    for name, profile in EXPORTER_PROFILES.items()
 }
 TALLY_PROMETHEUS_EXPORTER_LABELS = {
-    "dcgm": env.get_str(
-        "TALLY_PROMETHEUS_DCGM_LABELS",
-        "uuid=UUID, node=Hostname, gpu_instance=GPU_I_ID, mig_profile=GPU_I_PROFILE",
-    )
-    or "",
-    "amd": env.get_str(
-        "TALLY_PROMETHEUS_AMD_LABELS",
-        "serial=serial_number, gpu_id=gpu_id, node=hostname, partition=gpu_partition_id, "
-        "partition_type=gpu_compute_partition_type",
-    )
-    or "",
-    "intel": env.get_str(
-        "TALLY_PROMETHEUS_INTEL_LABELS", "pci_bus_id=pci_bdf, node=node, skip=sub_dev|card"
-    )
-    or "",
+    name: env.get_str(f"TALLY_PROMETHEUS_{name.upper()}_LABELS", profile.prometheus_labels()) or ""
+    for name, profile in EXPORTER_PROFILES.items()
 }
 CELERY_BEAT_SCHEDULE["billing-rollup-pending"] = {
     "task": "billing.tasks.rollup_pending",

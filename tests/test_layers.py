@@ -20,7 +20,7 @@ ALLOWED: dict[str, set[str]] = {
     "agent": set(),
     "teams": {"db"},
     "inventory": {"db", "teams"},
-    "billing": {"db", "teams", "inventory"},
+    "billing": {"db", "teams", "inventory", "agent"},
     "quota": {"db", "teams", "inventory", "billing"},
     "frontend": {"db", "teams", "inventory", "billing", "quota"},
     "demo": {"db", "teams", "inventory", "billing", "quota"},
@@ -124,6 +124,37 @@ def test_no_import_cycle_inside_a_package(package: str) -> None:
         if module not in state:
             visit(module, [module])
     assert cycles == []
+
+
+# Of the agent, apps (and the settings) import only the exporters' profiles: the one place an
+# exporter's metrics, labels and device matching are written, read by the node agent and by
+# the Prometheus source alike. The agent itself knows no app and no Django.
+AGENT_SEAMS = {"agent.exporters"}
+
+
+def test_apps_import_of_the_agent_only_the_exporters_seam() -> None:
+    wrong = [
+        f"{module} -> {name}"
+        for module, imported in sorted(IMPORTS.items())
+        if module.split(".")[0] != "agent"
+        for name in sorted(imported)
+        if name.split(".")[0] == "agent" and name not in AGENT_SEAMS
+    ]
+    assert wrong == []
+
+
+def test_the_exporters_seam_needs_no_django() -> None:
+    source = MODULES["agent.exporters"].read_text()
+    assert "django" not in {
+        name.split(".")[0]
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for name in (
+            [alias.name for alias in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+        )
+    }
 
 
 def test_the_agent_and_db_know_no_app() -> None:

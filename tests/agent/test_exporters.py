@@ -15,7 +15,9 @@ import pytest
 from agent.exporters import (
     AMD,
     DCGM,
+    GAUDI,
     INTEL,
+    TPU,
     ExporterError,
     ExporterSource,
     amd_bus_ids,
@@ -199,6 +201,36 @@ def test_intel_devices_by_pci_address_with_tiles_summed_and_cards_skipped() -> N
     assert (flex.node, flex.driver, flex.uuid) == ("xpu-node-1", "gpu.intel.com", "")
     assert flex.as_sample()["driver"] == "gpu.intel.com"
     assert flex.as_sample()["pci_bus_id"] == "0000:03:00.0"
+
+
+# Gaudi
+
+
+def test_gaudi_cards_by_pci_address_from_the_exporters_bus_id() -> None:
+    readings = parse_metrics(fixture("gaudi-hl225.prom"), GAUDI, at=AT)
+    assert [(r.pci_bus_id, r.gpu_util, r.mem_used_bytes) for r in readings] == [
+        ("0000:0f:00.0", 87.0, 80 * 2**30),
+        ("0000:17:00.0", 12.5, 2**30),
+    ]  # the card without a bus_id names no device
+    sample = readings[0].as_sample()
+    assert (sample["driver"], sample["pci_bus_id"]) == ("gaudi.intel.com", "0000:0f:00.0")
+    assert "uuid" not in sample and readings[0].util_source == "habanalabs_utilization"
+
+
+# TPU
+
+
+def test_tpu_chips_by_their_index_on_the_host_node_series_first() -> None:
+    readings = {r.device: r for r in parse_metrics(fixture("tpu-v4-gke.prom"), TPU, at=AT)}
+    # accel2 reports nothing; an accelerator_id without a chip index names no chip.
+    assert set(readings) == {"accel0", "accel1", "accel3"}
+    # The node's series (every chip) before the container's (chips a container holds).
+    assert readings["accel0"].gpu_util == 90.0
+    assert readings["accel0"].mem_used_bytes == 20 * 2**30
+    assert (readings["accel3"].gpu_util, readings["accel3"].mem_used_bytes) == (0.0, None)
+    sample = readings["accel1"].as_sample()
+    assert (sample["driver"], sample["device"]) == ("tpu.google.com", "accel1")
+    assert "uuid" not in sample and "pci_bus_id" not in sample
 
 
 def test_text_the_parser_refuses_is_an_exporter_error() -> None:

@@ -844,6 +844,30 @@ def test_amd_partitions_are_named_by_their_gpus_address_even_with_a_gpu_missing(
     assert (meters, why) == (expected, [])
 
 
+def test_amd_gpus_publishing_only_pciaddr_are_matched_by_it(team: Team) -> None:
+    """AMD's auto-partition and vfio devices publish the GPU's address as `pciAddr` only: the
+    engine's series are matched to them as the ingest matches an agent's samples."""
+    node = NodeFactory.create(name="mi300x-node-3")
+    devices = [
+        named_device(node, AMD, f"gpu-{index}-spx-nps1", bus, "AMD_Instinct_MI300X_OAM")
+        for index, bus in enumerate(("0000:0c:00.0", "0000:8c:00.0"))
+    ]
+    for device in devices:
+        bus = device.attributes[PCI]
+        Device.objects.filter(pk=device.pk).update(attributes={"pciAddr": bus})
+    exporter = prometheus.config().exporters[1]
+    series = [
+        prometheus.Series(
+            labels={"gpu_id": str(gpu), "serial_number": f"69225100108{gpu}",
+                    "hostname": node.name, "gpu_compute_partition_type": "spx"},
+            points=[(0, 50.0)],
+        )
+        for gpu in (0, 1)
+    ]  # fmt: skip
+    meters, why = prometheus.match_series(exporter, series, prometheus.Identities(), 0)
+    assert (meters, why) == ([device.meter_id for device in devices], [])
+
+
 def test_meter_prometheus_reports_what_the_engine_gives(day_engine: str, team: Team) -> None:
     allocations = the_day(team)
     out = StringIO()
