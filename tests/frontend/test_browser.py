@@ -168,6 +168,11 @@ def test_team_lead_sees_charts_and_downloads_the_statement(
     page.goto(f"{live_server.url}/teams/vision/")
     assert page.evaluate("document.documentElement.scrollWidth") <= NARROW["width"]
     assert _chart(page, "usage-chart")["width"] > 0
+    # The team's recent denials, each with why, inside its own scrolling box.
+    assert page.get_by_role("heading", name="Denials and warnings").is_visible()
+    denials = page.locator("table.objections tbody tr")
+    assert denials.count() == 10
+    assert "quota gpus exceeded: 17 > 16" in denials.first.inner_text()
     _shot(page, artifacts, "team-narrow")
 
 
@@ -201,6 +206,14 @@ def test_operator_finds_the_outlier_node(
     _shot(page, artifacts, "decisions")
     page.get_by_role("link", name="Older").click()
     assert page.locator("#decisions tbody tr").count() == 10
+
+    # Filtered to one team's denials: 10 of team A's 30 (every third is denied).
+    page.get_by_label("Team").select_option("vision")
+    page.get_by_label("Outcome").select_option("denied")
+    page.get_by_role("button", name="Filter").click()
+    page.wait_for_load_state()
+    assert page.locator("#decisions tbody tr").count() == 10
+    assert set(page.locator("#decisions tbody tr td:nth-child(3)").all_inner_texts()) == {"vision"}
 
 
 @pytest.mark.parametrize("viewport", [WIDE, PHONE], ids=["1280", "390"])

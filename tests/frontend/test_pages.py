@@ -37,9 +37,10 @@ CAST = ("lead_a", "member_a", "lead_b", "finance", "operator")
 # how far beat has rolled up, the hours marked, the rows, the allocations since), the
 # burn-down and usage aggregates (2), idle per model and its rate cards (1 + 4 for the three
 # models seen: a MIG profile without its own card takes two lookups), wasters, live claims
-# (count and rows), statements; the nav asks the role again and lists the lead's teams
+# (count and rows), statements, recent denials and warnings (rows, count, and the people of
+# those a controller made: 3); the nav asks the role again and lists the lead's teams
 # (3 + 4). The same however much usage there is.
-MAX_TEAM_PAGE_QUERIES = 32
+MAX_TEAM_PAGE_QUERIES = 35
 
 
 def _client(portal: Portal, who: str | None) -> Client:
