@@ -28,7 +28,7 @@ from django.utils import timezone
 from django.views.decorators.http import require_POST
 
 from billing.hours import HOUR, hour_start
-from billing.idle import below_percent_of
+from billing.idle import below_percent_of, idle_policy_of
 from billing.stranded import priced_stranded_gangs
 from frontend import selectors
 from inventory import checks
@@ -186,6 +186,8 @@ def team(request: HttpRequest, team: Team) -> HttpResponse:
         "billing_csv": _billing_csv_links(team=team, since=since, until=billing.until),
         "idle_now": selectors.idle_now(team=team, now=now, below_percent=idle_below),
         "idle_below_percent": idle_below,
+        "idle_rule": idle_policy_of(team),
+        "idle_default_on": bool(settings.TALLY_IDLE_ALERT_DEFAULT_FOR_HOURS),
         "wasters": selectors.top_wasters(team=team, since=since, until=until),
         "claims": claims,
         "claims_total": claims_total,
