@@ -17,6 +17,7 @@ urlpatterns: list[URLPattern | URLResolver] = [
     ),
     path("logout/", views.LogoutView.as_view(), name="logout"),
     path("", views.home, name="home"),
+    path("favicon.ico", views.favicon, name="favicon"),
     path("teams/<slug:slug>/", views.team, name="team"),
     path(
         "teams/<slug:slug>/statements/<int:period_id>.csv",

@@ -23,9 +23,10 @@ from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
+from django.templatetags.static import static
 from django.urls import reverse
 from django.utils import timezone
-from django.views.decorators.http import require_POST
+from django.views.decorators.http import require_GET, require_POST
 
 from billing.hours import HOUR, hour_start
 from billing.idle import below_percent_of, idle_policy_of
@@ -378,3 +379,10 @@ class DecisionFilterForm(forms.Form):
             if until is None
             else datetime.combine(until + timedelta(days=1), time(), UTC),
         )
+
+
+@require_GET
+def favicon(request: HttpRequest) -> HttpResponse:
+    """`/favicon.ico`, which browsers ask of every page without an icon link (the admin's, the
+    API's): the portal's icon, by its static (hashed, cached) URL. Public: it says nothing."""
+    return redirect(static("frontend/favicon.ico"))

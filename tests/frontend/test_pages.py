@@ -597,3 +597,10 @@ def test_fleet_page_lists_tpu_chips_apart_from_gpus_and_free_blocks_per_model(
         blocks,
     )
     assert [b["unit"] for b in response.context["spread"]["free_blocks"]][-1] == "tpu"
+
+
+def test_favicon_is_served_to_anyone(db: None) -> None:
+    """Browsers ask every site for /favicon.ico: it was a 404 on every page."""
+    response = Client().get("/favicon.ico")
+    assert response.status_code == 302
+    assert response["Location"].endswith(".ico") and "frontend/favicon" in response["Location"]
