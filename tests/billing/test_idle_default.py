@@ -4,14 +4,16 @@ team page says which rule is in force, or that alerts are off and how to turn th
 
 from __future__ import annotations
 
+import re
 from decimal import Decimal
 
 import pytest
 from django.test import Client, override_settings
 from django.urls import reverse
 
+from billing.alerts import idle_claim_alerts
 from billing.idle import idle_claims, idle_policies
-from inventory.models import Cluster
+from inventory.models import Allocation, Cluster
 from teams.models import IdleAlertPolicy
 from tests.api.cast import Cast, cast
 from tests.billing.test_idle_alerts import NOW, claim_holding, hours_of
@@ -95,3 +97,18 @@ def test_the_team_page_says_alerts_are_off_and_how_to_turn_them_on(cast: Cast) -
         IdleAlertPolicy.objects.all().delete()
         text = _team_page(cast)
     assert "Idle alerts are <strong>off</strong>" in text and "idleAlert: off" not in text
+
+
+@override_settings(TALLY_IDLE_ALERT_DEFAULT_BELOW_PERCENT=5, TALLY_IDLE_ALERT_DEFAULT_FOR_HOURS=4)
+def test_an_idle_slice_is_alerted_in_figures_people_read(cluster: Cluster, cast: Cast) -> None:
+    """Issue 35, finding 9: a seventh of a GPU read "0.142857 GPUs" and its idle hours
+    "3.961555 idle GPU-hours"; both are shown to two decimals at most."""
+    [allocation] = claim_holding(cluster, cast.alpha, "slice", 1)
+    Allocation.objects.filter(pk=allocation.pk).update(gpu_share=Decimal("0.142857"))
+    allocation.refresh_from_db()
+    hours_of(allocation, [(0.0096113, 0)] * 4)
+    [alert] = idle_claim_alerts(now=NOW)
+    assert alert.subject == "Idle claim alpha/slice: 0.14 GPUs under 5% for 4 h"
+    assert "holds 0.14 GPUs" in alert.description
+    assert "3.96 idle GPU-hours" in alert.description
+    assert not re.search(r"\d\.\d{3}", alert.subject + alert.description)
