@@ -355,7 +355,9 @@ class DecisionFilterForm(forms.Form):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         teams = Team.objects.order_by("slug").values_list("slug", flat=True)
-        self.fields["team"].choices = [
+        team = self.fields["team"]
+        assert isinstance(team, forms.ChoiceField)
+        team.choices = [
             ("", "any"),
             *((slug, slug) for slug in teams),
             (NO_TEAM, "no team"),

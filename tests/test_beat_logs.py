@@ -15,7 +15,7 @@ from billing import tasks
 
 pytestmark = pytest.mark.django_db(transaction=True)
 
-SCHEDULED = sorted({entry["task"] for entry in settings.CELERY_BEAT_SCHEDULE.values()})
+SCHEDULED = sorted({str(entry["task"]) for entry in settings.CELERY_BEAT_SCHEDULE.values()})
 
 
 @pytest.mark.parametrize("name", SCHEDULED)

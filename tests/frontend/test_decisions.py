@@ -59,7 +59,7 @@ def _template_claim_warned(portal: Portal) -> AdmissionDecision:
 
 
 def _rows(html: str, table_class: str) -> list[str]:
-    table = re.search(rf'<table class="{table_class}">(.*?)</table>', html, re.S)
+    table = re.search(rf'<table class="{table_class}[^"]*">(.*?)</table>', html, re.S)
     assert table is not None, f"no {table_class} table"
     rows = re.findall(r"<tr>(.*?)</tr>", table.group(1).split("<tbody>")[1], re.S)
     return [unescape(re.sub(r"\s+", " ", re.sub(r"<[^>]+>", " ", row))).strip() for row in rows]
