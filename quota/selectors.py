@@ -57,6 +57,11 @@ def visible_decisions(*, user: Any) -> QuerySet[AdmissionDecision]:
     return decisions.none()
 
 
+def outcome_filter(outcome: str) -> Q:
+    """The decisions that came to `outcome` (one of `OUTCOMES`)."""
+    return _OUTCOME_FILTERS[outcome]
+
+
 def filter_decisions(
     decisions: QuerySet[AdmissionDecision], *, by: DecisionFilter
 ) -> QuerySet[AdmissionDecision]:
@@ -66,7 +71,7 @@ def filter_decisions(
     elif by.team:
         decisions = decisions.filter(team__slug=by.team)
     if by.outcome:
-        decisions = decisions.filter(_OUTCOME_FILTERS[by.outcome])
+        decisions = decisions.filter(outcome_filter(by.outcome))
     if by.since is not None:
         decisions = decisions.filter(at__gte=by.since)
     if by.until is not None:

@@ -187,6 +187,9 @@ def test_decisions_name_the_person_to_their_teams_lead_only(
     template = next(row for row in rows if row["id"] == decision.pk)
     assert (template["username"], template["person"]) == (controller, "la")
     assert {row["person"] for row in rows if row["id"] != decision.pk} == {""}
+    warned = lead_a.get(DECISIONS, {"outcome": "warned"}).json()["results"]
+    assert [row["id"] for row in warned] == [decision.pk]
+    assert lead_a.get(DECISIONS, {"outcome": "nope"}).status_code == 400
     # The wrong lead, asking for the team by name, gets none of it; a member, nothing at all.
     beta_lead = seeded.cast.client("lead_b").get(DECISIONS, {"team": "alpha"}).json()
     assert beta_lead["results"] == []
