@@ -22,7 +22,6 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
@@ -31,7 +30,7 @@ from billing.models import SLICE_HOUR
 from billing.pricing import rate_for, rate_hours, round_money
 from billing.silence import silence_alerts
 from billing.stranded import PricedGang, priced_stranded_gangs
-from inventory.profiles import hours_label, unit_label
+from inventory.profiles import hours_label, shown_number, unit_label
 from inventory.versions import Outlier, version_matrix
 from teams.alert_delivery import DeliveryReport, deliver_pending
 from teams.alerts import (
@@ -102,15 +101,16 @@ def idle_claim_alerts(*, now: datetime) -> list[RaisedAlert]:
 
 def _idle_alert(claim: IdleClaim, leads: list[str]) -> RaisedAlert:
     policy = claim.policy
-    held = f"{_number(claim.units_held)} {unit_label(claim.unit, plural=claim.units_held != 1)}"
+    plural = claim.units_held != 1
+    held = f"{shown_number(claim.units_held)} {unit_label(claim.unit, plural=plural)}"
     hours = hours_label(claim.unit)
     who = ", ".join(claim.usernames) or "unknown"
     cost = _idle_cost(claim)
     description = (
         f"Claim {claim.namespace}/{claim.claim_name} in cluster {claim.cluster} holds {held} "
         f"and used {claim.utilised_percent}% of them from {_time(claim.since)} to "
-        f"{_time(claim.until)} UTC (under {_number(policy.below_percent)}% in each of those "
-        f"{policy.for_hours} hours): {claim.idle_unit_hours.normalize():f} idle {hours}"
+        f"{_time(claim.until)} UTC (under {shown_number(policy.below_percent)}% in each of those "
+        f"{policy.for_hours} hours): {shown_number(claim.idle_unit_hours)} idle {hours}"
         + (f", billed {cost}" if cost else "")
         + ".\n"
         f"User: {who}. Job: {claim.job or 'none'}.\n"
@@ -123,7 +123,7 @@ def _idle_alert(claim: IdleClaim, leads: list[str]) -> RaisedAlert:
         team=claim.team,
         subject=(
             f"Idle claim {claim.namespace}/{claim.claim_name}: {held} under "
-            f"{_number(policy.below_percent)}% for {policy.for_hours} h"
+            f"{shown_number(policy.below_percent)}% for {policy.for_hours} h"
         ),
         description=description,
         labels={
@@ -170,18 +170,18 @@ def stranded_gang_alerts(*, now: datetime) -> list[RaisedAlert]:
 
 def _stranded_alert(priced: PricedGang, team: Team | None, recipients: list[str]) -> RaisedAlert:
     gang = priced.gang
-    held = f"{_number(gang.units_held)} {gang.unit_label}"
+    held = f"{shown_number(gang.units_held)} {gang.unit_label}"
     cost = ", ".join(f"{amount} {currency}" for currency, amount in priced.cost.items())
     if priced.unpriced_unit_hours:
         cost = (cost + ", " if cost else "") + (
-            f"{priced.unpriced_unit_hours.normalize():f} {gang.hours_label} unpriced"
+            f"{shown_number(priced.unpriced_unit_hours)} {gang.hours_label} unpriced"
         )
     description = (
         f"Gang {gang.key} ({gang.source}) in {gang.cluster}/{gang.namespace} needs {gang.size} "
         f"members running together; {gang.members_holding} hold {gang.devices_held} devices "
         f"({held}) while {gang.size - gang.members_holding} wait or are missing, since "
         f"{_time(gang.stranded_since)} UTC ({_duration(gang.stranded_seconds)}). Held so far: "
-        f"{priced.unit_hours.normalize():f} {gang.hours_label}"
+        f"{shown_number(priced.unit_hours)} {gang.hours_label}"
         + (f", {cost} at list price." if cost else ".")
         + "\nNo other job can use those devices meanwhile: complete the gang or delete it."
     )
@@ -260,10 +260,6 @@ def version_outlier_alerts(*, now: datetime) -> list[RaisedAlert]:
 
 def _pair(driver_version: str, cuda_driver_version: str) -> str:
     return f"driver {driver_version or 'any'}, CUDA {cuda_driver_version or 'any'}"
-
-
-def _number(value: Decimal) -> str:
-    return f"{value.normalize():f}"
 
 
 def _time(moment: datetime) -> str:

@@ -2,16 +2,18 @@
 
 A team's policy (`teams.models.IdleAlertPolicy`, the policy file's `idleAlert`) says a claim is
 idle when in each of the last `for_hours` hours it used less than `below_percent` of what it
-held. The figures are the ledger's (`UsageHour`, per allocation and hour): the claim's open
-allocations summed per hour.
+held; a team whose policy says nothing has the default rule (TALLY_IDLE_ALERT_DEFAULT_*), one
+whose policy says `idleAlert: off` none (`idle_policies`, `idle_policy_of`). The figures are
+the ledger's (`UsageHour`, per allocation and hour): the claim's open allocations summed per
+hour.
 
 One rule says what an idle hour is, everywhere Tally names idle claims (the alerts, the team
 page's idle holders, the week report's longest idle claims): `idle_hour` (`idle_hour_q` in
-SQL), at the team's `below_percent` (`below_percent_of`; `DEFAULT_BELOW_PERCENT` without a
-policy). Unmeasured time counts as busy (an hour no sample covers is not known to be idle), so
-an hour is idle when utilised + unmeasured < below_percent of allocated; and an hour the rollup
-has no row for (not yet rolled up, or the claim did not hold it) is not idle either. The hours
-are those up to the last one rolled up, so an evaluation running before the rollup of the hour
+SQL), at the team's `below_percent` (`below_percent_of`; the default's without a policy).
+Unmeasured time counts as busy (an hour no sample covers is not known to be idle), so an hour
+is idle when utilised + unmeasured < below_percent of allocated; and an hour the rollup has no
+row for (not yet rolled up, or the claim did not hold it) is not idle either. The hours are
+those up to the last one rolled up, so an evaluation running before the rollup of the hour
 just ended sees the same claims idle as the one after it.
 
 `IdleCollector` gives Prometheus the idle unit-hours per team over the last rolled-up day.
@@ -25,6 +27,8 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 
+from django.conf import settings
+from django.core.exceptions import ObjectDoesNotExist
 from django.db.models import F, Max, Q, Sum
 from django.db.models.lookups import GreaterThan, LessThan
 from django.utils import timezone
@@ -36,8 +40,6 @@ from billing.models import UsageHour
 from inventory.models import Allocation, ResourceClaim
 from teams.models import IdleAlertPolicy, Team
 
-# The percent under which an hour is idle for a team with no idle-alert policy.
-DEFAULT_BELOW_PERCENT = 5
 HUNDREDTH = Decimal("0.01")
 MILLIONTH = Decimal("0.000001")
 # The window of `tally_idle_unit_hours`.
@@ -100,7 +102,7 @@ def rolled_up_until(now: datetime) -> datetime | None:
 def idle_claims(*, now: datetime) -> list[IdleClaim]:
     """The claims idle now by their team's policy, by team, namespace and name. Four queries,
     whatever the number of claims."""
-    policies = {policy.team_id: policy for policy in IdleAlertPolicy.objects.select_related("team")}
+    policies = {policy.team_id: policy for policy in idle_policies()}
     until = rolled_up_until(now)
     if not policies or until is None:
         return []
@@ -215,11 +217,42 @@ def idle_hour_q(below_percent: Decimal | int) -> Q:
     )
 
 
+def default_policy(team: Team) -> IdleAlertPolicy | None:
+    """The rule of a team whose policy has no `idleAlert` (unsaved: nothing is written for
+    it), from TALLY_IDLE_ALERT_DEFAULT_*; None where the default is off (hours 0)."""
+    hours = settings.TALLY_IDLE_ALERT_DEFAULT_FOR_HOURS
+    if not hours:
+        return None
+    below = Decimal(settings.TALLY_IDLE_ALERT_DEFAULT_BELOW_PERCENT)
+    return IdleAlertPolicy(team=team, team_id=team.pk, below_percent=below, for_hours=hours)
+
+
+def _in_force(team: Team) -> IdleAlertPolicy | None:
+    """`team`'s own policy, or the default; None: off. Reads the team's cached policy."""
+    try:
+        policy: IdleAlertPolicy = team.idle_alert_policy
+    except ObjectDoesNotExist:
+        return default_policy(team)
+    return policy if policy.enabled else None
+
+
+def idle_policies() -> list[IdleAlertPolicy]:
+    """The idle-alert rule in force of every team alerted: its own, or the default where its
+    policy says nothing; none for a team whose policy says `idleAlert: off`. One query."""
+    teams = Team.objects.select_related("idle_alert_policy").order_by("slug")
+    return [policy for team in teams if (policy := _in_force(team)) is not None]
+
+
+def idle_policy_of(team: Team) -> IdleAlertPolicy | None:
+    """`team`'s idle-alert rule in force (see `idle_policies`); None: alerts are off."""
+    return _in_force(team)
+
+
 def below_percent_of(team: Team) -> Decimal | int:
     """The percent under which `team`'s hours are idle: its idle-alert policy's
-    (`idleAlert.belowPercent`), else `DEFAULT_BELOW_PERCENT`."""
+    (`idleAlert.belowPercent`, kept when it is off), else the default's."""
     policy = IdleAlertPolicy.objects.filter(team=team).values_list("below_percent", flat=True)
-    return next(iter(policy), DEFAULT_BELOW_PERCENT)
+    return next(iter(policy), settings.TALLY_IDLE_ALERT_DEFAULT_BELOW_PERCENT)
 
 
 class IdleCollector(Collector):

@@ -1,11 +1,13 @@
 """Billing jobs for Celery beat (`CELERY_BEAT_SCHEDULE` in config/settings.py). Each takes ISO
 dates, calls one service, and owns its retries.
 
-All are idempotent: rerunning one, or Celery delivering one twice, changes nothing.
+All are idempotent: rerunning one, or Celery delivering one twice, changes nothing. Each run
+logs what it did in one INFO line (beat itself logs only "Sending due task").
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from datetime import datetime
 from typing import Any
@@ -17,6 +19,8 @@ from billing import alerts, retention, services
 from billing.periods import PricingError
 from config import metrics
 
+log = logging.getLogger(__name__)
+
 
 @shared_task(autoretry_for=(Exception,), retry_backoff=True, max_retries=5, acks_late=True)
 def rollup_pending() -> list[str]:
@@ -26,6 +30,8 @@ def rollup_pending() -> list[str]:
     they stay marked, for the next run, and are never billed as idle meanwhile."""
     hours = services.refresh_usage(now=timezone.now())
     metrics.BILLING_LAST_SUCCESS.set(time.time())
+    span = f" ({min(hours):%Y-%m-%d %H:00} to {max(hours):%Y-%m-%d %H:00} UTC)" if hours else ""
+    log.info("rollup: %d hour(s) rolled up%s; open period's statements refreshed", len(hours), span)
     return [hour.isoformat() for hour in hours]
 
 
@@ -48,7 +54,9 @@ def close_previous_period(now: str | None = None) -> str | None:
     """
     moment = datetime.fromisoformat(now) if now else timezone.now()
     runs = services.close_due_periods(now=moment, actor="celery beat (TALLY_CLOSE_PERIOD_DAY)")
-    return ", ".join(run.period.label for run in runs) or None
+    closed = ", ".join(run.period.label for run in runs) or None
+    log.info("close periods: %s", f"closed {closed}" if closed else "none due")
+    return closed
 
 
 @shared_task(autoretry_for=(Exception,), retry_backoff=True, max_retries=3, acks_late=True)
@@ -58,6 +66,17 @@ def sample_retention() -> dict[str, object]:
     TALLY_INGEST_UNKNOWN_RETENTION_DAYS (`retention.apply_sample_retention`); what it did, for
     the task's result. Beat runs it hourly; reruns change nothing."""
     report = retention.apply_sample_retention(now=timezone.now())
+    log.info(
+        "sample retention: %d day partition(s) created, %d dropped, %d kept, %d busy; "
+        "%d row(s) moved out of DEFAULT, %d left there; %d unknown-device sample(s) deleted",
+        len(report.created),
+        len(report.dropped),
+        len(report.kept),
+        len(report.busy),
+        report.moved_from_default,
+        sum(report.left_in_default.values()),
+        report.unknown_device_samples_deleted,
+    )
     return {
         "created": [day.isoformat() for day in report.created],
         "dropped": [day.isoformat() for day in report.dropped],
@@ -75,4 +94,18 @@ def evaluate_alerts() -> dict[str, Any]:
     version outliers), then send the notifications due (`alerts.run_alerts`); per kind what
     was raised, firing and resolved, and what was sent. Beat runs it every
     TALLY_ALERT_EVERY_SECONDS; reruns raise and send nothing more."""
-    return alerts.run_alerts(now=timezone.now()).summary()
+    summary = alerts.run_alerts(now=timezone.now()).summary()
+    kinds = "; ".join(
+        f"{kind} {counts['raised']} raised, {counts['firing']} firing, "
+        f"{counts['resolved']} resolved"
+        for kind, counts in summary.items()
+        if isinstance(counts, dict)
+    )
+    log.info(
+        "alerts: %s; notifications %d sent, %d retrying, %d failed",
+        kinds,
+        summary["sent"],
+        summary["retrying"],
+        summary["failed"],
+    )
+    return summary

@@ -26,7 +26,7 @@ from typing import Any, NamedTuple
 from django.db.models import Count, F, Sum
 
 from billing.hours import HOUR, MS_PER_HOUR
-from billing.idle import DEFAULT_BELOW_PERCENT, below_percent_of, idle_hour
+from billing.idle import below_percent_of, idle_hour
 from billing.models import SLICE_HOUR, UsageHour
 from billing.moments import parse_day
 from billing.pricing import RateCards, period_holding, rate_hours, round_money
@@ -282,8 +282,8 @@ class TeamWeek:
     jobs: list[Row]
     idle_claims: list[IdleClaim]
     budget: WeekBudget | None
-    # An hour is idle below this percent of the time held (the team's `idleAlert`, or 5).
-    idle_below_percent: Decimal | int = DEFAULT_BELOW_PERCENT
+    # An hour is idle below this percent of the time held (`billing.idle.below_percent_of`).
+    idle_below_percent: Decimal | int
 
     @property
     def complete(self) -> bool:

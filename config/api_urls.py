@@ -87,7 +87,8 @@ class SchemaView(SpectacularAPIView):
 
 class DocsView(SpectacularRedocView):
     """Redoc from the sidecar's static files, without the web fonts drf-spectacular's page
-    loads from Google: it works offline. A visitor not logged in is sent to the login page."""
+    loads from Google and with no image from Redocly's CDN: it works offline. A visitor not
+    logged in is sent to the login page."""
 
     permission_classes = [AllowAny]  # checked in get(), to redirect rather than answer 401
     template_name = "api/redoc.html"
@@ -97,7 +98,14 @@ class DocsView(SpectacularRedocView):
         if not docs_readable(request):
             return redirect_to_login(request.get_full_path())
         response: HttpResponseBase = super().get(request, *args, **kwargs)
+        # Redoc's bundle draws Redocly's logo from its CDN (an <img> in the sidebar's footer,
+        # which no option turns off): the browser is told to fetch no image, font or data
+        # from anywhere but here, so nothing leaves this site (the image is then left out).
+        response["Content-Security-Policy"] = DOCS_CONTENT_POLICY
         return response
+
+
+DOCS_CONTENT_POLICY = "img-src 'self' data:; font-src 'self' data:; connect-src 'self'"
 
 
 urlpatterns: list[URLPattern | URLResolver] = [

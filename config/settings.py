@@ -787,6 +787,16 @@ TALLY_ALERT_DELIVERY_ATTEMPTS = env.get_int("TALLY_ALERT_DELIVERY_ATTEMPTS", 8, 
 # Who fleet-wide alerts (version outliers, gangs of no team) go to; empty: the staff users.
 TALLY_OPERATOR_EMAILS = env.get_list("TALLY_OPERATOR_EMAILS", [])
 TALLY_ALERT_EVERY_SECONDS = env.get_int("TALLY_ALERT_EVERY_SECONDS", 300, minimum=10)
+# The idle-alert rule of a team whose policy has no `idleAlert`: a claim utilised below this
+# percent of what it holds in each of the last this many rolled-up hours is alerted to its
+# person and the team's leads. Hours 0: no default (only teams with an `idleAlert` are alerted).
+# The percent is also where the pages draw the line for teams with no `idleAlert`.
+TALLY_IDLE_ALERT_DEFAULT_BELOW_PERCENT = env.get_int(
+    "TALLY_IDLE_ALERT_DEFAULT_BELOW_PERCENT", 5, minimum=1, maximum=100
+)
+TALLY_IDLE_ALERT_DEFAULT_FOR_HOURS = env.get_int(
+    "TALLY_IDLE_ALERT_DEFAULT_FOR_HOURS", 24, minimum=0, maximum=744
+)
 CELERY_BEAT_SCHEDULE["alerts-evaluate"] = {
     "task": "billing.tasks.evaluate_alerts",
     "schedule": TALLY_ALERT_EVERY_SECONDS,

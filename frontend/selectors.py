@@ -14,7 +14,7 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
-from django.db.models import F, OuterRef, QuerySet, Subquery, Sum
+from django.db.models import F, OuterRef, Subquery, Sum
 from django.db.models.functions import TruncDate
 
 from billing.hours import MS_PER_HOUR
@@ -40,7 +40,7 @@ from billing.units import hours_label, units_label
 from inventory.models import Allocation, Cluster, Unit
 from inventory.profiles import unit_label
 from quota.admission.shapes import every_fleet, rule_units
-from quota.models import AdmissionDecision, Budget, QuotaRule
+from quota.models import Budget, QuotaRule
 from quota.models import Unit as RuleUnit
 from teams.models import Alert, AlertState, Team, TeamNamespace
 from teams.selectors import user_role, visible_teams
@@ -588,10 +588,3 @@ def statement_rows(*, team: Team, period_id: int) -> tuple[Period, list[list[str
         for line in lines
     ]
     return period, rows
-
-
-def admission_decisions(*, user: Any) -> QuerySet[AdmissionDecision]:
-    """The webhook's decisions, newest first; operators only (others get none)."""
-    if not is_operator(user):
-        return AdmissionDecision.objects.none()
-    return AdmissionDecision.objects.select_related("team").order_by("-at", "-pk")

@@ -6,12 +6,15 @@ quota's (billing sits below quota and never imports it).
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime
 
 from celery import shared_task
 from django.utils import timezone
 
 from frontend.week import send_last_week_reports
+
+log = logging.getLogger(__name__)
 
 
 @shared_task(autoretry_for=(Exception,), retry_backoff=True, max_retries=5, acks_late=True)
@@ -22,4 +25,8 @@ def send_week_reports(now: str | None = None) -> list[str]:
     do, and one run twice, or two at once, sends nothing twice. `now` (ISO 8601) stands in for
     the clock."""
     moment = datetime.fromisoformat(now) if now else timezone.now()
-    return send_last_week_reports(now=moment)
+    sent = send_last_week_reports(now=moment)
+    log.info(
+        "week reports: sent to %d team(s)%s", len(sent), f" ({', '.join(sent)})" if sent else ""
+    )
+    return sent

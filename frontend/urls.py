@@ -18,6 +18,7 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path("oidc/callback/", sso_views.CallbackView.as_view(), name="oidc_authentication_callback"),
     path("logout/", views.LogoutView.as_view(), name="logout"),
     path("", views.home, name="home"),
+    path("favicon.ico", views.favicon, name="favicon"),
     path("teams/<slug:slug>/", views.team, name="team"),
     path(
         "teams/<slug:slug>/statements/<int:period_id>.csv",

@@ -10,11 +10,12 @@ on).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, time, timedelta
 from functools import wraps
 from typing import Any, Protocol
 from urllib.parse import urlencode
 
+from django import forms
 from django.conf import settings
 from django.contrib import messages
 from django.contrib.auth import views as auth_views
@@ -22,12 +23,13 @@ from django.contrib.auth.decorators import login_required
 from django.core.paginator import Paginator
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect, render
+from django.templatetags.static import static
 from django.urls import reverse
 from django.utils import timezone
-from django.views.decorators.http import require_POST
+from django.views.decorators.http import require_GET, require_POST
 
 from billing.hours import HOUR, hour_start
-from billing.idle import below_percent_of
+from billing.idle import below_percent_of, idle_policy_of
 from billing.stranded import priced_stranded_gangs
 from frontend import selectors
 from inventory import checks
@@ -35,6 +37,15 @@ from inventory import selectors as fleet
 from inventory.models import Cluster
 from inventory.profiles import unit_label
 from quota import pending
+from quota.selectors import (
+    NO_TEAM,
+    OUTCOMES,
+    DecisionFilter,
+    filter_decisions,
+    team_objections,
+    visible_decisions,
+    with_people,
+)
 from teams import oidc
 from teams.alerts import may_snooze, may_snooze_team, snooze_alert
 from teams.api import API_PREFIX, write_csv
@@ -44,6 +55,8 @@ USAGE_WINDOWS = (7, 30)
 # The longest waiting pending claims a page lists (the API lists them all).
 PENDING_CLAIMS_SHOWN = 25
 DECISIONS_PER_PAGE = 50
+# The team page lists this many of the team's most recent denials and warnings.
+TEAM_OBJECTIONS = 10
 # Rows of a per-person or per-job CSV the team page links to (the API's largest page).
 BILLING_CSV_ROWS = 1000
 # The snoozes the team page offers (the API takes any number of hours up to a week); 0 lifts one.
@@ -161,6 +174,7 @@ def team(request: HttpRequest, team: Team) -> HttpResponse:
     # Whole hours, as the API's CSV takes them: the hour under way is in both.
     billing = selectors.team_billing(team=team, since=since, until=hour_start(now) + HOUR)
     alerts, alerts_total = selectors.firing_alerts(team=team)
+    objections, objections_total = team_objections(team=team, limit=TEAM_OBJECTIONS)
     chart_data: dict[str, Any] = {
         "usage": {
             "labels": [day.day.isoformat() for day in usage.days],
@@ -189,12 +203,17 @@ def team(request: HttpRequest, team: Team) -> HttpResponse:
         "billing_csv": _billing_csv_links(team=team, since=since, until=billing.until),
         "idle_now": selectors.idle_now(team=team, now=now, below_percent=idle_below),
         "idle_below_percent": idle_below,
+        "idle_rule": idle_policy_of(team),
+        "idle_default_on": bool(settings.TALLY_IDLE_ALERT_DEFAULT_FOR_HOURS),
         "wasters": selectors.top_wasters(team=team, since=since, until=until),
         "claims": claims,
         "claims_total": claims_total,
         "statements": selectors.team_statements(team=team),
         "alerts": alerts,
         "alerts_total": alerts_total,
+        "objections": objections,
+        "objections_total": objections_total,
+        "decision_retention_days": settings.TALLY_DECISION_RETENTION_DAYS,
         "may_snooze": bool(alerts) and may_snooze_team(user=request.user, team_id=team.pk),
         "snooze_choices": SNOOZE_CHOICES,
         "now": now,
@@ -324,6 +343,64 @@ def deviations(request: HttpRequest) -> HttpResponse:
 
 @operator_required
 def decisions(request: HttpRequest) -> HttpResponse:
-    paginator = Paginator(selectors.admission_decisions(user=request.user), DECISIONS_PER_PAGE)
-    page = paginator.get_page(request.GET.get("page"))
-    return render(request, "frontend/decisions.html", {"page": page})
+    """The decision log, newest first, filtered by team, outcome and time, 50 a page; a
+    filter that does not parse is said so and filters nothing."""
+    form = DecisionFilterForm(request.GET)
+    by = form.cleaned() if form.is_valid() else DecisionFilter()
+    chosen = filter_decisions(visible_decisions(user=request.user), by=by)
+    page = Paginator(chosen, DECISIONS_PER_PAGE).get_page(request.GET.get("page"))
+    with_people(page.object_list)
+    query = request.GET.copy()
+    query.pop("page", None)
+    context = {"page": page, "form": form, "filters": query.urlencode()}
+    return render(request, "frontend/decisions.html", context)
+
+
+class DecisionFilterForm(forms.Form):
+    """The decision log's filters, as `GET` parameters: team slug (`-`: no team), outcome,
+    and a window of days `[since, until]` in UTC, both ends included."""
+
+    team = forms.ChoiceField(required=False)
+    outcome = forms.ChoiceField(
+        required=False,
+        choices=[("", "any"), *((outcome, outcome) for outcome in OUTCOMES)],
+    )
+    since = forms.DateField(required=False, widget=forms.DateInput(attrs={"type": "date"}))
+    until = forms.DateField(required=False, widget=forms.DateInput(attrs={"type": "date"}))
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        teams = Team.objects.order_by("slug").values_list("slug", flat=True)
+        team = self.fields["team"]
+        assert isinstance(team, forms.ChoiceField)
+        team.choices = [
+            ("", "any"),
+            *((slug, slug) for slug in teams),
+            (NO_TEAM, "no team"),
+        ]
+
+    def clean(self) -> dict[str, Any]:
+        cleaned = super().clean() or {}
+        since, until = cleaned.get("since"), cleaned.get("until")
+        if since and until and until < since:
+            raise forms.ValidationError("The window ends before it starts.")
+        return cleaned
+
+    def cleaned(self) -> DecisionFilter:
+        data = self.cleaned_data
+        since, until = data.get("since"), data.get("until")
+        return DecisionFilter(
+            team=data.get("team") or "",
+            outcome=data.get("outcome") or "",
+            since=None if since is None else datetime.combine(since, time(), UTC),
+            until=None
+            if until is None
+            else datetime.combine(until + timedelta(days=1), time(), UTC),
+        )
+
+
+@require_GET
+def favicon(request: HttpRequest) -> HttpResponse:
+    """`/favicon.ico`, which browsers ask of every page without an icon link (the admin's, the
+    API's): the portal's icon, by its static (hashed, cached) URL. Public: it says nothing."""
+    return redirect(static("frontend/favicon.ico"))

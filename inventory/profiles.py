@@ -61,7 +61,7 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
-from decimal import Decimal
+from decimal import ROUND_HALF_EVEN, Decimal
 from typing import Any
 
 from django.conf import settings
@@ -93,6 +93,18 @@ def unit_label(unit: str, plural: bool = True) -> str:
     "accelerators" rather than failing a message."""
     singular, many, _ = _UNIT_LABELS.get(unit, _UNIT_LABELS["accelerator"])
     return many if plural else singular
+
+
+# Figures shown to people (pages, alerts, emails): two decimals at most.
+SHOWN = Decimal("0.01")
+
+
+def shown_number(value: Decimal) -> str:
+    """`value` as people read it: two decimals at most, without trailing zeros or an exponent
+    (3.999996 reads 4, 0.142857 reads 0.14, 3.50 reads 3.5, 100 reads 100). For display only:
+    the ledger's figures are never rounded by it."""
+    text = f"{value.quantize(SHOWN, rounding=ROUND_HALF_EVEN).normalize():f}"
+    return "0" if text == "-0" else text
 
 
 def hours_label(unit: str) -> str:

@@ -28,7 +28,8 @@ The format (see docs/policy.example.yaml)::
                                    # cannot fit whole warned of) | off (claims decided alone)
       idleAlert: {belowPercent: 5, forHours: 4}   # optional; a claim utilised below 5% of
                                    # what it holds in each of the last 4 rolled-up hours is
-                                   # alerted to its user and the leads (billing.alerts)
+                                   # alerted to its user and the leads (billing.alerts);
+                                   # `off`: never; absent: TALLY_IDLE_ALERT_DEFAULT_*
     drivers:                       # optional; absent: driver profiles are left as they are
       npu.example.com:             # a DRA driver Tally has no built-in profile for
         unit: accelerator          # gpu | tpu | gaudi | accelerator
@@ -87,6 +88,7 @@ from decimal import ROUND_DOWN, Decimal, InvalidOperation
 from typing import Any, TypeVar
 
 import yaml
+from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
 from django.core.validators import validate_slug
@@ -217,6 +219,8 @@ class IdleAlertSpec:
     path: str
     below_percent: Decimal
     for_hours: int
+    # False: `idleAlert: off` (the percent and hours are then the defaults, kept for the pages).
+    enabled: bool = True
 
 
 @dataclass(frozen=True)
@@ -808,6 +812,17 @@ def _budget(checker: _Checker, value: Any, path: str) -> BudgetSpec | None:
 
 
 def _idle_alert(checker: _Checker, value: Any, path: str) -> IdleAlertSpec | None:
+    # YAML reads an unquoted `off` as false.
+    if value is False or value == "off":
+        return IdleAlertSpec(
+            path=path,
+            below_percent=Decimal(settings.TALLY_IDLE_ALERT_DEFAULT_BELOW_PERCENT),
+            for_hours=max(settings.TALLY_IDLE_ALERT_DEFAULT_FOR_HOURS, 1),
+            enabled=False,
+        )
+    if not isinstance(value, dict):
+        checker.error(path, f"must be a mapping or off, got {_kind(value)}")
+        return None
     mapping = checker.mapping(value, path, keys=_IDLE_ALERT_KEYS, required=_IDLE_ALERT_KEYS)
     if mapping is None or any(key not in mapping for key in _IDLE_ALERT_KEYS):
         return None
@@ -1206,6 +1221,7 @@ class _Applier:
                     values={
                         "below_percent": spec.idle_alert.below_percent,
                         "for_hours": spec.idle_alert.for_hours,
+                        "enabled": spec.idle_alert.enabled,
                     },
                 )
         for rate_spec in policy.rates or ():
@@ -1276,7 +1292,7 @@ class _Applier:
                 undeclared.append(gang_policy)  # deleted: the team's gangs are enforced
             idle_alert_policy = self.state.idle_alert_policies.get(team.pk)
             if spec.idle_alert is None and idle_alert_policy is not None:
-                undeclared.append(idle_alert_policy)  # deleted: no idle alerts for the team
+                undeclared.append(idle_alert_policy)  # deleted: the default rule applies
         declared_slugs = {spec.slug for spec in policy.teams}
         declared_namespaces = {name for spec in policy.teams for name in spec.namespaces}
         undeclared += [

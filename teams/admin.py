@@ -273,7 +273,8 @@ class AlertAdmin(ReadOnlyAdmin):
 
 @admin.register(IdleAlertPolicy)
 class IdleAlertPolicyAdmin(ReadOnlyAdmin):
-    """Set by the policy file's `idleAlert` (quota.policy); shown here."""
+    """Set by the policy file's `idleAlert` (quota.policy); shown here. A team with no row has
+    the default rule (TALLY_IDLE_ALERT_DEFAULT_*); `enabled` off is `idleAlert: off`."""
 
-    list_display = ("team", "below_percent", "for_hours")
+    list_display = ("team", "enabled", "below_percent", "for_hours")
     list_select_related = ("team",)

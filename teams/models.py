@@ -165,12 +165,17 @@ class AuditEntry(models.Model):
 
 
 class IdleAlertPolicy(models.Model):
-    """When a team's claims count as idle (the policy file's `idle_alert`): utilised below
-    `below_percent` of allocated in every one of the last `for_hours` rolled-up hours."""
+    """When a team's claims count as idle (the policy file's `idleAlert`): utilised below
+    `below_percent` of allocated in every one of the last `for_hours` rolled-up hours. A team
+    with none has the default rule (`billing.idle.idle_policies`)."""
 
     team = models.OneToOneField(Team, on_delete=models.CASCADE, related_name="idle_alert_policy")
     below_percent = models.DecimalField(max_digits=5, decimal_places=2)
     for_hours = models.PositiveIntegerField()
+    # False: `idleAlert: off`, the team is never alerted of idle claims (without a row it gets
+    # the default rule, TALLY_IDLE_ALERT_DEFAULT_*); `below_percent` still says where its pages
+    # draw the line.
+    enabled = models.BooleanField(default=True, db_default=True)
 
     class Meta:
         verbose_name_plural = "idle alert policies"
@@ -185,6 +190,8 @@ class IdleAlertPolicy(models.Model):
         ]
 
     def __str__(self) -> str:
+        if not self.enabled:
+            return f"{self.team}: off"
         percent = f"{Decimal(self.below_percent).normalize():f}"
         return f"{self.team}: below {percent}% for {self.for_hours} h"
 

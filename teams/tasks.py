@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import timedelta
 from importlib import import_module
 
@@ -12,6 +13,8 @@ from django.utils import timezone
 
 from teams.tokens import delete_expired_tokens
 
+log = logging.getLogger(__name__)
+
 
 @shared_task
 def clear_expired_logins() -> None:
@@ -21,8 +24,17 @@ def clear_expired_logins() -> None:
     for ever)."""
     now = timezone.now()
     import_module(settings.SESSION_ENGINE).SessionStore.clear_expired()
-    delete_expired_tokens()
-    AccessAttempt.objects.filter(attempt_time__lte=now - settings.AXES_COOLOFF_TIME).delete()
-    AccessLog.objects.filter(
+    tokens = delete_expired_tokens()
+    attempts, _ = AccessAttempt.objects.filter(
+        attempt_time__lte=now - settings.AXES_COOLOFF_TIME
+    ).delete()
+    records, _ = AccessLog.objects.filter(
         attempt_time__lte=now - timedelta(days=settings.TALLY_LOGIN_LOG_DAYS)
     ).delete()
+    log.info(
+        "clear expired logins: expired sessions cleared; %d token(s), %d failed-login count(s), "
+        "%d login record(s) deleted",
+        tokens,
+        attempts,
+        records,
+    )

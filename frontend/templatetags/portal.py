@@ -3,18 +3,17 @@ filters that round figures for people (exports keep the exact values)."""
 
 from __future__ import annotations
 
-from decimal import ROUND_HALF_EVEN, Decimal, InvalidOperation
+from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 from typing import Any
 
 from django import template
 
 from frontend import selectors
+from inventory.profiles import shown_number
 
 register = template.Library()
 
-# Figures shown to people: two decimals at most, so 3.999996 GPU-equivalents reads 4.
-SHOWN = Decimal("0.01")
 # Slice shares read as a fraction of the GPU when one this small is exact to the stored digits.
 MAX_SHARE_DENOMINATOR = 16
 SHARE_TOLERANCE = Decimal("0.000001")
@@ -50,11 +49,7 @@ def rounded(value: Any) -> Any:
     """`value` to two decimals at most, without trailing zeros or an exponent: 3.999996 reads
     4, 3.50 reads 3.5, 100 reads 100. Anything not a number is shown as it is."""
     number = _decimal(value)
-    if number is None:
-        return value
-    shown = number.quantize(SHOWN, rounding=ROUND_HALF_EVEN).normalize()
-    text = f"{shown:f}"
-    return "0" if text == "-0" else text
+    return value if number is None else shown_number(number)
 
 
 @register.filter

@@ -6,6 +6,7 @@ import django_filters
 from django.db.models import QuerySet
 
 from quota.models import AdmissionDecision, QuotaRule
+from quota.selectors import OUTCOMES, outcome_filter
 from teams.api import DateRangeFilterSet, TeamSlugFilter
 from teams.models import Team, TeamNamespace
 
@@ -36,6 +37,16 @@ class QuotaRuleFilterSet(django_filters.FilterSet):
 class AdmissionDecisionFilterSet(DateRangeFilterSet):
     date_field = "at"
     team = TeamSlugFilter()
+    outcome = django_filters.ChoiceFilter(
+        choices=[(outcome, outcome) for outcome in OUTCOMES],
+        method="filter_outcome",
+        label="denied, warned (admitted with a warning) or allowed, as the portal names them",
+    )
+
+    def filter_outcome(
+        self, queryset: QuerySet[AdmissionDecision], name: str, value: str
+    ) -> QuerySet[AdmissionDecision]:
+        return queryset.filter(outcome_filter(value)) if value else queryset
 
     class Meta:
         model = AdmissionDecision

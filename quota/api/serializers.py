@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
@@ -9,6 +11,7 @@ from inventory.models import Unit as DeviceUnit
 from inventory.profiles import unit_label
 from quota.admission.shapes import FleetShapes, every_fleet, rule_units
 from quota.models import AdmissionDecision, QuotaRule, Unit
+from quota.selectors import with_people
 from teams.api import ReadOnlyModelSerializer
 from teams.models import Team
 
@@ -84,14 +87,28 @@ class QuotaRuleSerializer(ReadOnlyModelSerializer):
         return unit_label(self.get_device_unit(rule))
 
 
+class _DecisionsWithPeople(serializers.ListSerializer[Any]):
+    """A page of decisions, their people found in one query (`with_people`)."""
+
+    def to_representation(self, data: Any) -> list[Any]:
+        return super().to_representation(with_people(data.all() if hasattr(data, "all") else data))
+
+
 class AdmissionDecisionSerializer(ReadOnlyModelSerializer):
     team: serializers.SlugRelatedField[Team] = serializers.SlugRelatedField(
         slug_field="slug", read_only=True, allow_null=True
     )
     warnings = serializers.ListField(child=serializers.CharField(), read_only=True)
+    person = serializers.CharField(
+        read_only=True,
+        help_text="Who made the claim: `username`, unless a controller made it for someone "
+        "(a Pod's claim from a template), then the person the workload webhook recorded "
+        "(`tally.dev/created-by`) where the claim reached the inventory.",
+    )
 
     class Meta:
         model = AdmissionDecision
+        list_serializer_class = _DecisionsWithPeople
         fields = (
             "id",
             "at",
@@ -99,6 +116,7 @@ class AdmissionDecisionSerializer(ReadOnlyModelSerializer):
             "namespace",
             "name",
             "username",
+            "person",
             "team",
             "webhook",
             "allowed",

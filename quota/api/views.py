@@ -15,9 +15,9 @@ from quota.api.serializers import (
     TeamSerializer,
 )
 from quota.models import AdmissionDecision, QuotaRule
-from teams.api import OPERATOR, OperatorOrLead, TallyViewSet, TeamScopedViewSet, request_role
+from quota.selectors import visible_decisions
+from teams.api import OperatorOrLead, TallyViewSet, TeamScopedViewSet
 from teams.models import Membership, Role, Team, TeamNamespace
-from teams.selectors import visible_teams
 
 
 @extend_schema(tags=["teams"])
@@ -84,7 +84,4 @@ class AdmissionDecisionViewSet(mixins.ListModelMixin, TallyViewSet):
     ordering_aliases = {"team": "team__slug"}
 
     def get_queryset(self) -> QuerySet[AdmissionDecision]:
-        decisions = AdmissionDecision.objects.select_related("team")
-        if request_role(self.request) == OPERATOR:
-            return decisions
-        return decisions.filter(team__in=visible_teams(user=self.request.user))
+        return visible_decisions(user=self.request.user)

@@ -4,14 +4,17 @@
 from __future__ import annotations
 
 import io
+from typing import Any
 
 import pytest
 from django.core.management import call_command
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from billing.models import Statement
 from quota.models import AdmissionDecision
 from tests.api.cast import Seeded
+from tests.factories import ResourceClaimFactory
 
 pytestmark = pytest.mark.django_db
 
@@ -34,6 +37,8 @@ FLEET = [
     "/api/v1/inventory/deviations/",
 ]
 DECISIONS = "/api/v1/decisions/"
+# Session/role, the teams the lead may see, count, page, the people of the page's claims.
+MAX_DECISION_LIST_QUERIES = 6
 EVERY_GET = [*TEAM_LISTS, *SHARED_LISTS, *FLEET, DECISIONS]
 
 
@@ -156,3 +161,37 @@ def test_decisions_say_which_webhook_decided(seeded: Seeded) -> None:
         ("beta", "mutate"),
         (None, "validate"),
     }
+
+
+def test_decisions_name_the_person_to_their_teams_lead_only(
+    seeded: Seeded, django_assert_max_num_queries: Any
+) -> None:
+    """A template claim's decision names the resource-claim controller; the lead reads who
+    made the workload (as the sync recorded it on the claim), and only their own teams'."""
+    controller = "system:serviceaccount:kube-system:resource-claim-controller"
+    decision = AdmissionDecision.objects.create(
+        at=timezone.now(),
+        uid="uid-template",
+        namespace="alpha-ns",
+        name="pod-0-gpu-abcde",
+        username=controller,
+        team=seeded.cast.alpha,
+        allowed=True,
+        warnings=["near the limit"],
+    )
+    ResourceClaimFactory(namespace="alpha-ns", name="pod-0-gpu-abcde", created_by="la")
+    lead_a = seeded.cast.client("lead_a")
+    with django_assert_max_num_queries(MAX_DECISION_LIST_QUERIES):
+        rows = lead_a.get(DECISIONS).json()["results"]
+    assert {row["team"] for row in rows} == {"alpha"}
+    template = next(row for row in rows if row["id"] == decision.pk)
+    assert (template["username"], template["person"]) == (controller, "la")
+    assert {row["person"] for row in rows if row["id"] != decision.pk} == {""}
+    warned = lead_a.get(DECISIONS, {"outcome": "warned"}).json()["results"]
+    assert [row["id"] for row in warned] == [decision.pk]
+    assert lead_a.get(DECISIONS, {"outcome": "nope"}).status_code == 400
+    # The wrong lead, asking for the team by name, gets none of it; a member, nothing at all.
+    beta_lead = seeded.cast.client("lead_b").get(DECISIONS, {"team": "alpha"}).json()
+    assert beta_lead["results"] == []
+    assert seeded.cast.client("member_a").get(DECISIONS).status_code == 403
+    assert seeded.cast.client(None).get(DECISIONS).status_code in (401, 403)

@@ -26,6 +26,7 @@ from django.urls import reverse
 
 from billing import tasks
 from billing.hours import epoch_ms, hour_start
+from billing.idle import idle_claims
 from billing.models import DirtyHour, Period, Statement, StatementLine, UsageHour
 from frontend import selectors as portal
 from inventory import selectors as fleet
@@ -325,3 +326,15 @@ def test_a_claim_idle_for_days_tops_its_teams_wasters(demo: str) -> None:
     assert wasters[0].claim_name == claim.name
     html = page(as_user(f"lead-{team.slug}"), reverse("team", kwargs={"slug": team.slug}))
     assert claim.name in html
+
+
+def test_idle_alerts_are_on_by_default_for_the_demos_teams(demo: str) -> None:
+    """Issue 35, finding 2: vision and speech have no `idleAlert` in the demo's policy, yet
+    their claims idle for days are alerted (the default rule) and their pages say so."""
+    with time_machine.travel(LOADED_AT, tick=False):
+        alerted = {(claim.team.slug, claim.claim_name) for claim in idle_claims(now=LOADED_AT)}
+    teams = {slug for slug, _ in alerted}
+    assert {"vision", "speech"} <= teams, alerted
+    assert any(slug == "speech" and name.startswith("tts-serve") for slug, name in alerted)
+    html = page(as_user("lead-speech"), reverse("team", kwargs={"slug": "speech"}))
+    assert "Tally&#x27;s default rule" in html or "Tally's default rule" in html

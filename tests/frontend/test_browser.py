@@ -168,6 +168,11 @@ def test_team_lead_sees_charts_and_downloads_the_statement(
     page.goto(f"{live_server.url}/teams/vision/")
     assert page.evaluate("document.documentElement.scrollWidth") <= NARROW["width"]
     assert _chart(page, "usage-chart")["width"] > 0
+    # The team's recent denials, each with why, inside its own scrolling box.
+    assert page.get_by_role("heading", name="Denials and warnings").is_visible()
+    denials = page.locator("table.objections tbody tr")
+    assert denials.count() == 10
+    assert "quota gpus exceeded: 17 > 16" in denials.first.inner_text()
     _shot(page, artifacts, "team-narrow")
 
 
@@ -201,6 +206,14 @@ def test_operator_finds_the_outlier_node(
     _shot(page, artifacts, "decisions")
     page.get_by_role("link", name="Older").click()
     assert page.locator("#decisions tbody tr").count() == 10
+
+    # Filtered to one team's denials: 10 of team A's 30 (every third is denied).
+    page.get_by_label("Team").select_option("vision")
+    page.get_by_label("Outcome").select_option("denied")
+    page.get_by_role("button", name="Filter").click()
+    page.wait_for_load_state()
+    assert page.locator("#decisions tbody tr").count() == 10
+    assert set(page.locator("#decisions tbody tr td:nth-child(3)").all_inner_texts()) == {"vision"}
 
 
 @pytest.mark.parametrize("viewport", [WIDE, PHONE], ids=["1280", "390"])
@@ -343,3 +356,38 @@ def test_operator_sees_sync_warnings_and_a_partly_used_a100_node(
     ]
     assert page.evaluate(OVERFLOWING) == []
     _shot(page, artifacts, "fleet-sync-warnings")
+
+
+def test_the_api_docs_load_nothing_from_outside_and_every_page_has_its_icon(
+    page: Any, live_server: LiveServer, live_portal: Portal
+) -> None:
+    """Issue 35, finding 9: Redoc's bundle asked Redocly's CDN for its logo, and
+    `/favicon.ico` was a 404 on every page. Every request the browser makes is watched: any
+    to another host is recorded (and refused, as offline)."""
+    here = live_server.url.split("//", 1)[1]
+    outside: list[str] = []
+
+    def watch(route: Any) -> None:
+        url = route.request.url
+        if url.split("//", 1)[-1].split("/", 1)[0] == here or url.startswith(("data:", "blob:")):
+            route.continue_()
+        else:
+            outside.append(url)
+            route.abort()
+
+    page.route("**/*", watch)
+    _log_in(page, live_server, "lead_a")
+    page.goto(f"{live_server.url}/api/docs/")
+    page.get_by_role("heading", name=re.compile("Tally")).first.wait_for()
+    page.get_by_text("API docs by Redocly").wait_for()  # the footer whose logo it was
+    page.wait_for_load_state("networkidle")
+    assert outside == []
+
+    # What the browser asks for on a page with no icon link (the admin's, the API's).
+    icon = page.request.get(f"{live_server.url}/favicon.ico")
+    assert icon.status == 200
+    assert icon.headers["content-type"] in ("image/x-icon", "image/vnd.microsoft.icon")
+    assert icon.body()[:4] == b"\x00\x00\x01\x00"  # an ICO file
+    page.goto(f"{live_server.url}/teams/vision/")
+    linked = page.locator("link[rel=icon]").get_attribute("href")
+    assert linked is not None and page.request.get(f"{live_server.url}{linked}").ok

@@ -37,10 +37,11 @@ CAST = ("lead_a", "member_a", "lead_b", "finance", "operator")
 # how far beat has rolled up, the hours marked, the rows, the allocations since), the
 # burn-down and usage aggregates (2), idle per model and its rate cards (1 + 4 for the three
 # models seen: a MIG profile without its own card takes two lookups), wasters, live claims
-# (count and rows), statements; the nav asks the role again and lists the lead's teams
+# (count and rows), statements, recent denials and warnings (rows, count, and the people of
+# those a controller made: 3); the nav asks the role again and lists the lead's teams
 # (3 + 4); the idle holders' hours (1: the seed's open claims in the team's namespace are its
 # own since ownership is dated, issue 33). The same however much usage there is.
-MAX_TEAM_PAGE_QUERIES = 33
+MAX_TEAM_PAGE_QUERIES = 36
 
 
 def _client(portal: Portal, who: str | None) -> Client:
@@ -597,3 +598,10 @@ def test_fleet_page_lists_tpu_chips_apart_from_gpus_and_free_blocks_per_model(
         blocks,
     )
     assert [b["unit"] for b in response.context["spread"]["free_blocks"]][-1] == "tpu"
+
+
+def test_favicon_is_served_to_anyone(db: None) -> None:
+    """Browsers ask every site for /favicon.ico: it was a 404 on every page."""
+    response = Client().get("/favicon.ico")
+    assert response.status_code == 302
+    assert response["Location"].endswith(".ico") and "frontend/favicon" in response["Location"]

@@ -73,7 +73,7 @@ def errors_of(idle_alert: str) -> list[str]:
             "{belowPercent: 5, forHours: 4, for_hours: 4}",
             ["teams[0].idleAlert: unknown key 'for_hours'"],
         ),
-        ("5", ["teams[0].idleAlert: must be a mapping, got int"]),
+        ("5", ["teams[0].idleAlert: must be a mapping or off, got int"]),
     ],
 )
 def test_a_bad_idle_alert_is_an_error_naming_its_path(value: str, expected: list[str]) -> None:
@@ -136,3 +136,18 @@ def test_the_example_file_declares_an_idle_alert() -> None:
     policy = load_policy(EXAMPLE.read_text())
     declared = [team.idle_alert for team in policy.teams if team.idle_alert is not None]
     assert declared and all(spec.for_hours >= 1 for spec in declared)
+
+
+def test_idle_alert_off_is_kept_as_off_and_back_on_with_a_rule() -> None:
+    """`idleAlert: off` (YAML's false, or the string) turns the team's alerts off, which
+    without a row would be the default rule's; a rule later turns them back on."""
+    report = apply_policy(policy=load_policy(policy_text("off")), prune=False, actor="ops")
+    assert "created idle alert policy vision: off" in report.changes
+    assert not IdleAlertPolicy.objects.get(team__slug="vision").enabled
+    assert not apply_policy(
+        policy=load_policy(policy_text("'off'")), prune=False, actor="ops"
+    ).changed
+    apply_policy(
+        policy=load_policy(policy_text("{belowPercent: 5, forHours: 4}")), prune=False, actor="ops"
+    )
+    assert IdleAlertPolicy.objects.get(team__slug="vision").enabled

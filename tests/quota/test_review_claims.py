@@ -216,3 +216,26 @@ def test_url_that_cannot_be_reached_is_an_error(tmp_path: Path) -> None:
     claims = write_yaml(tmp_path / "claims.yaml", claim("c", [gpu_request(1)]))
     with pytest.raises(CommandError, match=r"cannot reach http://127\.0\.0\.1:9/admission/"):
         call_command("review_claims", str(claims), "--url", "http://127.0.0.1:9", stdout=StringIO())
+
+
+def test_files_with_no_claim_are_an_error_naming_what_they_held(tmp_path: Path) -> None:
+    """Issue 35, finding 9: it said "0 claims" and exited 0, as if every claim had passed."""
+    make_team(RULES)
+    pods = tmp_path / "pods.yaml"
+    pods.write_text(
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: a}\n---\n"
+        "apiVersion: v1\nkind: Pod\nmetadata: {name: b}\n---\n"
+        "apiVersion: v1\nkind: ConfigMap\nmetadata: {name: c}\n"
+    )
+    out = StringIO()
+    expected = (
+        rf"^no ResourceClaim or ResourceClaimTemplate in {re.escape(str(pods))} "
+        r"\(read: 1 ConfigMap, 2 Pod\); give the files that hold the claims to review$"
+    )
+    with pytest.raises(CommandError, match=expected):
+        call_command("review_claims", str(pods), stdout=out, stderr=StringIO())
+    assert "0 claims: 0 allowed, 0 denied" in out.getvalue()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(CommandError, match=r"\(read: nothing\)"):
+        call_command("review_claims", str(empty), stdout=StringIO(), stderr=StringIO())

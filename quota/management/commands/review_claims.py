@@ -12,6 +12,7 @@ import json
 import urllib.error
 import urllib.request
 import uuid
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -87,6 +88,8 @@ class Command(BaseCommand):
         send = _sender(options["url"])
         counts = {"allowed": 0, "denied": 0}
         unreadable = 0
+        # Kinds of what was read but is no claim, to say what the files held instead.
+        others: Counter[str] = Counter()
         for path in _files(options["paths"]):
             try:
                 objects = list(iter_objects(path))
@@ -96,6 +99,7 @@ class Command(BaseCommand):
                 continue
             for obj in objects:
                 if obj.get("kind") not in CLAIM_KINDS:
+                    others[str(obj.get("kind") or "no kind")] += 1
                     continue
                 claim = claim_to_create(obj, namespace=options["namespace"])
                 verdict = review(
@@ -110,6 +114,14 @@ class Command(BaseCommand):
         )
         if unreadable:
             raise CommandError(f"{unreadable} file(s) could not be read")
+        if not counts["allowed"] + counts["denied"]:
+            # Nothing was reviewed: a wrong path or file is no pass.
+            held = ", ".join(f"{n} {kind}" for kind, n in sorted(others.items())) or "nothing"
+            named = ", ".join(str(path) for path in options["paths"])
+            raise CommandError(
+                f"no ResourceClaim or ResourceClaimTemplate in {named} (read: {held}); "
+                "give the files that hold the claims to review"
+            )
 
 
 def _require_migrated() -> None:
