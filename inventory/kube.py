@@ -952,6 +952,15 @@ class GangReader:
                 return obj
         return None
 
+    def said_absent(self, namespace: str, api_version: str, kind: str, name: str) -> bool:
+        """Whether the API server's last answer for the object, still fresh in the cache, was
+        that it is not there (404): not the same as a read that failed or was not made."""
+        group = owners.api_group(api_version)
+        version = api_version.rsplit("/", 1)[-1] if isinstance(api_version, str) else ""
+        with self._lock:
+            cached = self._objects.get((group, version, kind, namespace, name))
+        return cached is not None and cached[1] is None and self._clock() - cached[0] < self._ttl
+
     def _get(
         self,
         namespace: str,
@@ -1201,8 +1210,14 @@ class OwnerReader:
         key = (str(reference.get("uid") or ""), api_version, kind, namespace, name)
         if key not in self._owners:
             obj = self.objects.get(namespace, api_version, kind, name)
-            self._owners[key] = owners.Owner.of(obj) if obj is not None else None
+            self._owners[key] = owners.Owner.of(obj) if obj is not None else self._absent(key)
         return self._owners[key]
+
+    def _absent(self, key: tuple[str, ...]) -> owners.Owner | None:
+        """An owner not read: `owners.GONE` when the API server said it is not there (the 404
+        the read just cached), None when it could not say (forbidden, failing, paused)."""
+        _, api_version, kind, namespace, name = key
+        return owners.GONE if self.objects.said_absent(namespace, api_version, kind, name) else None
 
 
 @dataclass(frozen=True)

@@ -65,6 +65,14 @@ class Owner:
         )
 
 
+# What a lookup answers for an owner the API server says is not there (404, read afresh): a
+# controller reference to nothing. A controller names itself on what it makes, so one that
+# names an object that does not exist is made up (issue 40: a controller's service account
+# creating a Pod "owned" by a Job that never was, with another person's `created-by`), and
+# nothing below it vouches for anyone.
+GONE = Owner(uid="", controller=None)
+
+
 class OwnerUnreadable(Exception):
     """An owner that could not be read: whether it exists is not known (not: it is not there)."""
 
@@ -162,7 +170,8 @@ def resolve_job(
     The resolution's `created_by` is the `tally.dev/created-by` annotation of the nearest
     owner read that has one (`annotated_by`), else the value of the first of
     `creator_labels` that an owner read carries, the nearest owner's for that label
-    (`labelled_by`): the list is in order of trust.
+    (`labelled_by`): the list is in order of trust. Where an owner named on the way does not
+    exist (`GONE`), the objects that named it vouch for nobody: the created-by is "".
     """
     reference = controller_reference(owner_references)
     chain = [job_of(reference)] if reference is not None else []
@@ -173,6 +182,9 @@ def resolve_job(
             complete = True
             break
         owner = lookup.owner(namespace, reference)
+        if owner is GONE:
+            read.clear()  # what names a made-up owner names no one
+            break
         if owner is None or (owner.uid and reference.get("uid") not in (None, "", owner.uid)):
             # Gone, unreadable, or a namesake made after the claim's owner was deleted.
             break

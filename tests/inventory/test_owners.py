@@ -17,9 +17,11 @@ from devtools.fake_kube import FakeKube
 from inventory.models import Allocation, Cluster, ResourceClaim
 from tests.inventory.test_claim_jobs import (
     add_deployment_pods,
+    job,
     list_claims,
     pod,
     reference,
+    replica_set,
     template_claim,
 )
 
@@ -81,6 +83,8 @@ def test_a_pod_read_later_names_its_creator_where_the_template_was_not_believed(
     fake.add(forged(template_claim(reference("Pod", "web-1", "v1"), name="web-gpu")))
     list_claims(api_client, cluster)
     assert ResourceClaim.objects.get().created_by == ""
+    # The Pod's ReplicaSet exists: one naming an owner that does not vouches for nobody (below).
+    fake.add(replica_set("web"))
     late = pod("web-1", owner=reference("ReplicaSet", "web", "apps/v1"))
     late["metadata"]["annotations"] = {CREATED_BY: "mallory"}
     fake.add(late)
@@ -107,3 +111,26 @@ def test_a_claim_nothing_owns_is_named_by_its_labels_never_its_annotation(
     list_claims(api_client, cluster)
 
     assert charged() == {"annotated": ("", [""]), "labelled": ("dave", ["dave"])}
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("job_exists", [True, False])
+def test_a_pod_naming_a_job_that_does_not_exist_vouches_for_nobody(
+    fake: FakeKube, api_client: Any, cluster: Cluster, job_exists: bool
+) -> None:
+    """Issue 40: a controller's service account made a Pod "owned" by a Job that never was and
+    kept `tally.dev/created-by: victim` on it. The sync reads the Job: one the API server says
+    does not exist vouches for nobody, so the claim's hours are charged to no person (its team
+    still pays); a Job that exists lets the Pod's annotation stand, as before."""
+    if job_exists:
+        fake.add(job("train"))
+    trainer = pod("train-0", owner=reference("Job", "train", "batch/v1"))
+    trainer["metadata"]["annotations"] = {CREATED_BY: "victim"}
+    fake.add(trainer)
+    fake.add(template_claim(reference("Pod", "train-0", "v1"), name="train-gpu"))
+
+    report = list_claims(api_client, cluster)
+
+    assert report.errors == []
+    expected = "victim" if job_exists else ""
+    assert charged() == {"train-gpu": (expected, [expected])}
