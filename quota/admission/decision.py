@@ -249,8 +249,17 @@ def plan_claim(
     fleet: Callable[[], FleetShapes],
     budget: Callable[[Team], BudgetUse | None],
     units: Callable[[Sequence[Rule]], dict[int, str]],
+    narrow: bool = False,
 ) -> Plan:
     """Weigh `claim` against its team's rules and budget as `state` read them.
+
+    A `firstAvailable` request holds what the scheduler could give it. With `narrow` (the
+    mutating webhook) it keeps only its first alternative that fits, and holds what that one
+    takes. Without (the validating webhook, which sees the claim as the scheduler will) every
+    alternative left must fit, and it holds on each rule the most any one alternative takes
+    there: whichever the scheduler picks takes no more on any rule, so this never under-counts
+    and `reserved + allocated <= limit` holds for every enforce rule. Not every alternative at
+    once: a GPU-or-Gaudi request holds one of each, not two of either.
 
     `fleet` and `budget` give the fleet's shapes and a team's budget use; each is asked only
     when the plan needs it (a claim of no team, or past its budget, needs neither). `units`
@@ -323,6 +332,9 @@ def plan_claim(
         plan.warnings.append("the claim is counted on no quota rule until it is allocated")
         return plan
     plan.units = units(rules)
+    # Alternatives are removed by request name: a claim that names two requests alike (the API
+    # server refuses it after the mutating webhook) is left whole.
+    narrow = narrow and len({request.name for request in requests}) == len(requests)
     for request in requests:
         alternatives = request.first_available or [request]
         demands = [
@@ -339,12 +351,30 @@ def plan_claim(
                 )
             plan.reason = "QuotaExceeded"
             return plan
+        # The mutating webhook keeps one alternative, the first that fits, so the claim holds
+        # only what that one takes. Left to the validating webhook, every alternative stays in
+        # the claim and the scheduler may give any of them: each must fit, and the request
+        # holds on each rule the most any one of them takes there (`_add_most`).
+        kept = fitting[:1] if narrow else demands
+        unfit = next((d for d in kept if d not in fitting), None)
+        if unfit is not None:
+            rule, asked = exceeded(plan, unfit) or (rules[0], Decimal(0))
+            plan.denial = (
+                over_limit(plan.team, rule, asked, plan.units.get(rule.pk))
+                + f" by alternative {unfit.name!r} of request {request.name!r}, which the "
+                "scheduler may give the claim (remove it, or let Tally's mutating webhook "
+                "remove the alternatives over quota)"
+            )
+            plan.rule, plan.reason = rule.name, "QuotaExceeded"
+            return plan
         if request.first_available:
-            plan.chosen[request.name] = [d.name for d in fitting]
-            skipped = [d.name for d in demands if d not in fitting]
+            plan.chosen[request.name] = [d.name for d in kept]
+            # By name, as the patch removes them (a name given twice, which the API server
+            # refuses after this webhook, is kept whole).
+            skipped = [d.name for d in demands if d.name not in plan.chosen[request.name]]
             if skipped:
                 plan.removed[request.name] = skipped
-        _add_most(plan.reserve, fitting)
+        _add_most(plan.reserve, kept)
     for rule_id, amount in plan.reserve.items():
         rule = plan.rules[rule_id]
         total = rule.in_use + _fresh(plan, rule_id, amount)

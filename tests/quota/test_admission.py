@@ -22,6 +22,7 @@ from quota.management.commands.review_claims import CLAIM_KINDS, OBJECT_FILES
 from quota.models import AdmissionDecision, QuotaRule, Reservation, ReservationLine
 from tests.fixtures import CLAIMS, DRA
 from tests.quota.fixtures import (
+    admit,
     claim,
     decide,
     gpu_request,
@@ -355,8 +356,8 @@ def test_first_available_falls_back_when_the_preferred_model_is_over_quota(clien
     assert patch[1]["path"] == "/metadata/annotations"
     assert json.loads(patch[1]["value"]["tally.dev/removed-alternatives"]) == {"gpu": ["h100"]}
     assert Reservation.objects.count() == 0  # mutation only reads
-    # The validating webhook admits: one alternative fits, and reserves on the A100 rule.
-    assert decide(client, body)["allowed"]
+    # The validating webhook admits the claim as patched, and reserves on the A100 rule.
+    assert decide(client, jsonpatch.apply_patch(body, patch))["allowed"]
     assert QuotaRule.objects.get(name="a100").in_use == 1
     assert QuotaRule.objects.get(name="h100").in_use == 1
     assert Reservation.objects.get().chosen == {"gpu": ["a100"]}
@@ -378,7 +379,7 @@ def test_a_create_sent_again_gets_the_same_mutation_however_full_the_team_is(
     answers = []
     for uid in ("first", "retry"):
         answers.append(post(client, review(body, uid=uid), "/admission/resourceclaims/mutate"))
-        assert decide(client, body, uid=uid)["allowed"]
+        assert admit(client, body, uid=uid)["allowed"]
     first, retry = (answer.json()["response"] for answer in answers)
     assert first["allowed"] and retry["allowed"], retry
     assert retry["patch"] == first["patch"]  # the H100 alternative removed both times
