@@ -20,7 +20,9 @@ what it does not name), `adminAccess` nothing. Amounts are in the unit of
 the devices a rule covers (GPUs, TPU chips, Gaudi cards; "accelerators" when they differ), and
 messages say which. Rules bind devices, not class names:
 a request counts on every rule that covers a device it could be given (the rule's device
-class's selectors and its own), whatever class the request names. `claim_amounts` is what an
+class's selectors and its own), whatever class the request names; one whose class matches no
+device yet counts whole devices on the rules of its class and of its class's driver, and one
+whose class names no driver either is denied under enforce (`demand`). `claim_amounts` is what an
 admitted claim holds until it is allocated, as the ledger's recount works it out again.
 """
 
@@ -182,6 +184,11 @@ class Demand:
     name: str
     amounts: dict[int, Decimal]
     devices: int
+    # Said with a denial it causes: why it counts what it does (a class no device matches yet).
+    note: str = ""
+    # Why Tally cannot tell which rules it would count on (a class that matches no device and
+    # names no driver): denied where an enforce rule binds the team, never counted 0 in silence.
+    unbound: str = ""
 
 
 @dataclass
@@ -340,10 +347,19 @@ def plan_claim(
         demands = [
             demand(alternative, rules, shapes, plan.warnings) for alternative in alternatives
         ]
+        unbound = [d.unbound for d in demands if d.unbound]
+        if unbound and any(rule.mode == Mode.ENFORCE for rule in rules):
+            plan.denial = "; ".join(unbound) + (
+                "; it could be given devices an enforce quota rule limits, uncounted"
+            )
+            plan.reason = "Invalid"
+            return plan
+        plan.warnings.extend(f"{problem} (warn only); it counts on none" for problem in unbound)
         fitting = [d for d in demands if exceeded(plan, d) is None]
         if not fitting:
             rule, asked = exceeded(plan, demands[0]) or (rules[0], Decimal(0))
             plan.denial = over_limit(plan.team, rule, asked, plan.units.get(rule.pk))
+            plan.denial += demands[0].note
             plan.rule = rule.name
             if len(demands) > 1:
                 plan.denial += (
@@ -721,11 +737,19 @@ def demand(
                     f'quota rule "{rule.name}" has a bad selector, applied to its whole class: '
                     f"{error}"
                 )
+    if not candidates and not fleet.class_drivers(request.device_class_name):
+        known = request.device_class_name in fleet.class_selectors
+        result.unbound = (
+            f'request "{request.name}": no device in the inventory matches class '
+            f'"{request.device_class_name}", '
+            + ("and its selectors name no driver" if known else "which the inventory does not know")
+            + ", so Tally cannot tell which quota rules it would count on"
+        )
     if not per_device_on:
         return result
     if not candidates:
-        # Nothing to weigh it by: it counts as whole devices on every rule of its class, the
-        # most it could take, until the sync sees what it was given.
+        # Nothing to weigh it by: it counts as whole devices on every rule of its class and of
+        # its driver, the most it could take, until the sync sees what it was given.
         units = {fleet.unit(r.device_class, r.selector) for r in rules if r.pk in per_device_on}
         whole = units.pop() if len(units) == 1 else "accelerator"
         asking = (
@@ -733,12 +757,15 @@ def demand(
             if asked
             else ""
         )
-        warnings.append(
-            f'request "{request.name}": no device of class "{request.device_class_name}"'
-            f"{asking} in the inventory matches it; until it is allocated, each device it asks "
-            f"for counts as one whole {unit_label(whole, plural=False)} (and no memory) on "
-            "every quota rule of its class"
+        drivers = ", ".join(sorted(fleet.class_drivers(request.device_class_name)))
+        of_driver = f" and of its driver {drivers}" if drivers else ""
+        result.note = (
+            f' (request "{request.name}": no device of class "{request.device_class_name}"'
+            f"{asking} in the inventory matches it; until allocated, each device it asks for "
+            f"counts as a whole {unit_label(whole, plural=False)} (no memory) on every quota "
+            f"rule of its class{of_driver})"
         )
+        warnings.append(result.note.removeprefix(" (").removesuffix(")"))
     if request.allocation_mode != "All":
         if request.count == 1 or not candidates:
             # One device: the most one of them counts, wherever it is. None known: whole ones.
@@ -1107,9 +1134,14 @@ def _per_device_on(
 ) -> Decimal | None:
     """The most one device of `candidates` that `rule` covers counts on it; None when it
     covers none of them (it does not limit the request). A request that no known device
-    matches is limited by the rules of the class it names, as whole devices."""
+    matches is limited, as whole devices, by the rules of the class it names and by those of
+    its class's driver (`FleetShapes.class_drivers`): the devices that match it when they
+    appear (a MIG profile configured later, GPUs bound to vfio) are that driver's."""
     if not candidates:
-        if rule.device_class != request_class:
+        drivers = fleet.class_drivers(request_class)
+        if rule.device_class != request_class and not (
+            drivers & fleet.rule_drivers(rule.device_class, rule.selector)
+        ):
             return None
         return Decimal(1) if rule.unit == Unit.GPUS else Decimal(0)
     each = _per_shape_on(rule, candidates, fleet, capacity_requests)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import re
 import threading
 import time
 from collections import defaultdict
@@ -180,6 +181,8 @@ class InvalidPools:
 
 
 NO_INVALID_POOLS = InvalidPools()
+# `device.driver == 'name'` in a selector: the driver whose devices it is written for.
+_DRIVER_NAMED = re.compile(r"""device\.driver\s*==\s*(['"])([^'"]+)\1""")
 
 
 @dataclass
@@ -298,6 +301,28 @@ class FleetShapes:
                 self.shapes[shape_id].kind != "other"
                 for shape_id in self.covered(device_class, selector)
             ),
+        )
+
+    def class_drivers(self, device_class: str) -> frozenset[str]:
+        """The drivers whose devices `device_class` is written for, as its selectors name them
+        (`device.driver == '...'`): where a class matches no device yet, what could match it
+        once devices appear. Empty: the inventory does not know the class, or it names none."""
+        return self.derived(
+            ("class drivers", device_class),
+            lambda: frozenset(
+                match[2]
+                for expression in self.class_selectors.get(device_class, ())
+                for match in _DRIVER_NAMED.finditer(expression)
+            ),
+        )
+
+    def rule_drivers(self, device_class: str, selector: str) -> frozenset[str]:
+        """The drivers of the devices a quota rule of `device_class` and `selector` covers, and
+        those its class names (`class_drivers`)."""
+        return self.derived(
+            ("rule drivers", device_class, selector),
+            lambda: self.class_drivers(device_class)
+            | {self.shapes[shape_id].driver for shape_id in self.covered(device_class, selector)},
         )
 
     def candidates(self, device_class: str, selectors: tuple[str, ...]) -> list[Shape]:
