@@ -186,6 +186,8 @@ class Demand:
     devices: int
     # Said with a denial it causes: why it counts what it does (a class no device matches yet).
     note: str = ""
+    # The ids of the shapes it could be given: which of them a rule that denies it binds.
+    shapes: frozenset[int] = frozenset()
     # Why Tally cannot tell which rules it would count on (a class that matches no device and
     # names no driver): denied where an enforce rule binds the team, never counted 0 in silence.
     unbound: str = ""
@@ -359,7 +361,7 @@ def plan_claim(
         if not fitting:
             rule, asked = exceeded(plan, demands[0]) or (rules[0], Decimal(0))
             plan.denial = over_limit(plan.team, rule, asked, plan.units.get(rule.pk))
-            plan.denial += demands[0].note
+            plan.denial += demands[0].note + _binds(shapes, rule, demands[0])
             plan.rule = rule.name
             if len(demands) > 1:
                 plan.denial += (
@@ -379,7 +381,7 @@ def plan_claim(
                 over_limit(plan.team, rule, asked, plan.units.get(rule.pk))
                 + f" by alternative {unfit.name!r} of request {request.name!r}, which the "
                 "scheduler may give the claim (remove it, or let Tally's mutating webhook "
-                "remove the alternatives over quota)"
+                "remove the alternatives over quota)" + _binds(shapes, rule, unfit)
             )
             plan.rule, plan.reason = rule.name, "QuotaExceeded"
             return plan
@@ -594,6 +596,21 @@ def exceeded(plan: Plan, demand: Demand) -> tuple[Rule, Decimal] | None:
     return None
 
 
+def _binds(fleet: FleetShapes, rule: Rule, demand: Demand) -> str:
+    """Why `rule` weighs a request that could be given devices it does not cover ("any two
+    NVIDIA GPUs" on a T4 rule): the models it binds, which the request could be given. ""
+    when it covers everything the request could be given (the request asks for its models)."""
+    covered = demand.shapes & fleet.covered(rule.device_class, rule.selector)
+    if not covered or covered == demand.shapes:
+        return ""
+    models = sorted({fleet.shapes[shape_id].model or "unnamed devices" for shape_id in covered})
+    return (
+        f"; the rule binds {', '.join(models)}, which request {demand.name!r} could be given "
+        f"(a selector that leaves {'them' if len(models) > 1 else 'it'} out of the request "
+        "leaves the rule out too)"
+    )
+
+
 def _fresh(plan: Plan, rule_id: int, amount: Decimal) -> Decimal:
     """What `amount` on a rule adds to its usage: what the gang's hold does not cover."""
     return max(amount - plan.credit.get(rule_id, Decimal(0)), Decimal(0))
@@ -700,6 +717,7 @@ def demand(
         )
         return result
     matched, candidates = candidates, placeable
+    result.shapes = frozenset(shape.id for shape in candidates)
     per_device_on: dict[int, Decimal] = {}
     keys: dict[int, tuple[Any, ...]] = {}
     for rule in rules:

@@ -34,7 +34,7 @@ from django.conf import settings
 from django.db import connection
 from kubernetes.utils import parse_quantity
 
-from inventory import checks
+from inventory import checks, dra, profiles
 from inventory.checks import InvalidPool, published_counter_sets
 from inventory.models import (
     Cluster,
@@ -69,6 +69,8 @@ class Shape:
     unit: str = Unit.GPU
     # As published (`{name: {"value", "requestPolicy"}}`): what a consumable share takes.
     capacity: dict[str, Any] = field(default_factory=dict, compare=False)
+    # The model its driver's profile reads ("NVIDIA H100 80GB HBM3", "Gaudi2"); "" if none.
+    model: str = field(default="", compare=False)
 
     @classmethod
     def from_row(cls, row: DeviceShape, *, memory_bytes: int | None) -> Shape:
@@ -82,6 +84,7 @@ class Shape:
             shareable=row.allow_multiple_allocations,
             unit=row.unit,
             capacity=row.capacity,
+            model=_model(row),
             view=cel.DeviceShape.from_device(
                 driver=row.driver,
                 attributes=row.attributes,
@@ -1004,6 +1007,24 @@ def invalid_pools(*, cluster_id: int) -> InvalidPools:
 
 def _forget_pool_checks(cluster_id: int) -> None:
     _pool_checks.pop(cluster_id, None)
+
+
+def _model(row: DeviceShape) -> str:
+    """The model a device of `row` publishes, as its driver's built-in profile reads it (what
+    denials name: no database read on the webhook's path)."""
+    device = dra.ParsedDevice(
+        name="",
+        attributes=row.attributes if isinstance(row.attributes, dict) else {},
+        capacity={},
+        extra={},
+        consumes_counters=[],
+        node_name="",
+    )
+    for name in profiles.builtin_profile(row.driver).model_attributes:
+        value = device.attribute(name, row.driver)
+        if value is not None and not isinstance(value, list) and str(value):
+            return str(value)
+    return ""
 
 
 def shape_of(row: DeviceShape) -> Shape:

@@ -32,6 +32,8 @@ from tests.quota.fixtures import (
     gpu_request,
     load_yaml_objects,
     make_team,
+    nvidia_gpu,
+    nvidia_slice,
     post,
     review,
 )
@@ -726,22 +728,30 @@ def test_a_reservation_with_no_spec_kept_still_tells_another_uid_apart(client: C
     assert QuotaRule.objects.get(name="all-gpus").in_use == 6
 
 
-def _with_classes(*classes: tuple[str, str]) -> None:
-    """The fleet with DeviceClasses (name, selector) that match none of its devices."""
+def _with(*objects: dict[str, Any]) -> None:
+    """The fleet with more `objects` imported."""
     forget_fleet_shapes()
-    extra = [
-        {
-            "apiVersion": "resource.k8s.io/v1",
-            "kind": "DeviceClass",
-            "metadata": {"name": name},
-            "spec": {"selectors": [{"cel": {"expression": expression}}]},
-        }
-        for name, expression in classes
-    ]
     report = inventory_services.import_snapshot(
-        cluster=inventory_services.get_cluster("default"), objects=[*fleet_objects(), *extra], at=AT
+        cluster=inventory_services.get_cluster("default"),
+        objects=[*fleet_objects(), *objects],
+        at=AT,
     )
     assert report.errors == []
+
+
+def _with_classes(*classes: tuple[str, str]) -> None:
+    """The fleet with DeviceClasses (name, selector) that match none of its devices."""
+    _with(
+        *(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "DeviceClass",
+                "metadata": {"name": name},
+                "spec": {"selectors": [{"cel": {"expression": expression}}]},
+            }
+            for name, expression in classes
+        )
+    )
 
 
 MIG_7G = (
@@ -793,3 +803,32 @@ def test_a_class_that_matches_no_device_and_names_no_driver_is_refused(
     else:
         assert answer["allowed"]
         assert problem + " (warn only); it counts on none" in answer["warnings"]
+
+
+def test_a_denial_by_a_model_rule_says_the_claim_could_be_given_that_model(client: Client) -> None:
+    """Issue 36, finding 4: any two NVIDIA GPUs were denied by a one-T4 rule while eight H100s
+    were free, and the message did not say why the T4 rule applied."""
+    h100 = [nvidia_gpu(i, "h100-b", "NVIDIA H100 80GB HBM3", "80Gi") for i in range(8)]
+    t4s = [nvidia_gpu(i, "t4-a", "Tesla T4", "16Gi") for i in range(4)]
+    _with(nvidia_slice("h100-b", h100), nvidia_slice("t4-a", t4s))
+    t4 = "device.attributes['gpu.nvidia.com'].productName == 'Tesla T4'"
+    make_team(
+        [
+            {"name": "t4", "device_class": "gpu.nvidia.com", "selector": t4, "limit": 1},
+            {"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 16},
+        ]
+    )
+    denied = decide(client, claim("any-two", [gpu_request(2)]))
+    assert denied["status"]["message"] == (
+        'team "research": quota rule "t4" (enforce) would be exceeded: 0 GPUs in use, 2 GPUs '
+        "requested, limit 1 GPU; the rule binds Tesla T4, which request 'gpu' could be given (a "
+        "selector that leaves it out of the request leaves the rule out too)"
+    )
+    # Asking for T4s alone, the rule is plainly the claim's own: nothing more to say.
+    only_t4 = decide(
+        client, claim("two-t4", [gpu_request(2, selectors=[{"cel": {"expression": t4}}])])
+    )
+    assert only_t4["status"]["message"].endswith("limit 1 GPU")
+    not_t4 = f"!({t4})"
+    h100s = gpu_request(2, selectors=[{"cel": {"expression": not_t4}}])
+    assert decide(client, claim("two-h100", [h100s]))["allowed"]
