@@ -1152,13 +1152,17 @@ def _per_device_on(
 ) -> Decimal | None:
     """The most one device of `candidates` that `rule` covers counts on it; None when it
     covers none of them (it does not limit the request). A request that no known device
-    matches is limited, as whole devices, by the rules of the class it names and by those of
-    its class's driver (`FleetShapes.class_drivers`): the devices that match it when they
-    appear (a MIG profile configured later, GPUs bound to vfio) are that driver's."""
+    matches is limited, as whole devices, by the rules of the class it names, by those of its
+    class's driver (`FleetShapes.class_drivers`): the devices that match it when they appear (a
+    MIG profile configured later, GPUs bound to vfio) are that driver's, and by those whose
+    class names no driver, which may cover them too."""
     if not candidates:
+        # A rule whose class names no driver ("any accelerator") may cover its devices too.
         drivers = fleet.class_drivers(request_class)
-        if rule.device_class != request_class and not (
-            drivers & fleet.rule_drivers(rule.device_class, rule.selector)
+        if (
+            rule.device_class != request_class
+            and fleet.class_drivers(rule.device_class)
+            and not drivers & fleet.rule_drivers(rule.device_class, rule.selector)
         ):
             return None
         return Decimal(1) if rule.unit == Unit.GPUS else Decimal(0)

@@ -832,3 +832,15 @@ def test_a_denial_by_a_model_rule_says_the_claim_could_be_given_that_model(clien
     not_t4 = f"!({t4})"
     h100s = gpu_request(2, selectors=[{"cel": {"expression": not_t4}}])
     assert decide(client, claim("two-h100", [h100s]))["allowed"]
+
+
+def test_a_class_that_matches_no_device_counts_on_rules_of_any_driver(client: Client) -> None:
+    """A rule whose class names no driver (every accelerator) may cover the devices such a
+    class will match: it counts there too."""
+    _with_classes(MIG_7G, ("any", "true"))
+    make_team([{"name": "anything", "device_class": "any", "limit": 1}])
+    denied = decide(client, claim("two", [gpu_request(2, MIG_7G[0])]))
+    assert denied["status"]["message"].startswith(
+        'team "research": quota rule "anything" (enforce) would be exceeded: 0 GPUs in use, '
+        "2 GPUs requested, limit 1 GPU"
+    )
