@@ -836,10 +836,10 @@ def test_a_denial_by_a_model_rule_says_the_claim_could_be_given_that_model(clien
 
 def test_a_class_that_matches_no_device_counts_on_rules_of_any_driver(client: Client) -> None:
     """A rule whose class names no driver (every accelerator) may cover the devices such a
-    class will match: it counts there too."""
-    _with_classes(MIG_7G, ("any", "true"))
+    class will match, even of a driver with no device in the inventory yet: it counts there."""
+    _with_classes(("new-accel", "device.driver == 'accel.example.com'"), ("any", "true"))
     make_team([{"name": "anything", "device_class": "any", "limit": 1}])
-    denied = decide(client, claim("two", [gpu_request(2, MIG_7G[0])]))
+    denied = decide(client, claim("two", [gpu_request(2, "new-accel")]))
     assert denied["status"]["message"].startswith(
         'team "research": quota rule "anything" (enforce) would be exceeded: 0 GPUs in use, '
         "2 GPUs requested, limit 1 GPU"
