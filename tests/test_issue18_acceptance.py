@@ -60,7 +60,7 @@ from quota.admission.shapes import forget_fleet_shapes
 from quota.models import QuotaRule, Reservation
 from teams.models import Membership, Role, Team
 from teams.selectors import FINANCE_GROUP
-from tests.quota.fixtures import claim, decide, make_team
+from tests.quota.fixtures import admit, claim, decide, make_team
 
 pytestmark = pytest.mark.django_db
 
@@ -594,7 +594,7 @@ def test_typical_claims_count_what_they_can_take_in_the_unit_of_their_devices(
             ],
         }
     ]
-    assert decide(client, claim("vgpu", choice))["allowed"]
+    assert admit(client, claim("vgpu", choice))["allowed"]  # both webhooks: one-12q kept
     assert reserved("vgpu") == {"vgpu": Decimal("0.25")}
     # A vGPU guest: All of the VM is its one A100-10C, a quarter of an A100.
     guest = "device.attributes['gpu.nvidia.com'].productName == 'NVIDIA A100-10C'"

@@ -20,7 +20,9 @@ what it does not name), `adminAccess` nothing. Amounts are in the unit of
 the devices a rule covers (GPUs, TPU chips, Gaudi cards; "accelerators" when they differ), and
 messages say which. Rules bind devices, not class names:
 a request counts on every rule that covers a device it could be given (the rule's device
-class's selectors and its own), whatever class the request names. `claim_amounts` is what an
+class's selectors and its own), whatever class the request names; one whose class matches no
+device yet counts whole devices on the rules of its class and of its class's driver, and one
+whose class names no driver either is denied under enforce (`demand`). `claim_amounts` is what an
 admitted claim holds until it is allocated, as the ledger's recount works it out again.
 """
 
@@ -182,6 +184,13 @@ class Demand:
     name: str
     amounts: dict[int, Decimal]
     devices: int
+    # Said with a denial it causes: why it counts what it does (a class no device matches yet).
+    note: str = ""
+    # The ids of the shapes it could be given: which of them a rule that denies it binds.
+    shapes: frozenset[int] = frozenset()
+    # Why Tally cannot tell which rules it would count on (a class that matches no device and
+    # names no driver): denied where an enforce rule binds the team, never counted 0 in silence.
+    unbound: str = ""
 
 
 @dataclass
@@ -249,8 +258,17 @@ def plan_claim(
     fleet: Callable[[], FleetShapes],
     budget: Callable[[Team], BudgetUse | None],
     units: Callable[[Sequence[Rule]], dict[int, str]],
+    narrow: bool = False,
 ) -> Plan:
     """Weigh `claim` against its team's rules and budget as `state` read them.
+
+    A `firstAvailable` request holds what the scheduler could give it. With `narrow` (the
+    mutating webhook) it keeps only its first alternative that fits, and holds what that one
+    takes. Without (the validating webhook, which sees the claim as the scheduler will) every
+    alternative left must fit, and it holds on each rule the most any one alternative takes
+    there: whichever the scheduler picks takes no more on any rule, so this never under-counts
+    and `reserved + allocated <= limit` holds for every enforce rule. Not every alternative at
+    once: a GPU-or-Gaudi request holds one of each, not two of either.
 
     `fleet` and `budget` give the fleet's shapes and a team's budget use; each is asked only
     when the plan needs it (a claim of no team, or past its budget, needs neither). `units`
@@ -323,15 +341,27 @@ def plan_claim(
         plan.warnings.append("the claim is counted on no quota rule until it is allocated")
         return plan
     plan.units = units(rules)
+    # Alternatives are removed by request name: a claim that names two requests alike (the API
+    # server refuses it after the mutating webhook) is left whole.
+    narrow = narrow and len({request.name for request in requests}) == len(requests)
     for request in requests:
         alternatives = request.first_available or [request]
         demands = [
             demand(alternative, rules, shapes, plan.warnings) for alternative in alternatives
         ]
+        unbound = [d.unbound for d in demands if d.unbound]
+        if unbound and any(rule.mode == Mode.ENFORCE for rule in rules):
+            plan.denial = "; ".join(unbound) + (
+                "; it could be given devices an enforce quota rule limits, uncounted"
+            )
+            plan.reason = "Invalid"
+            return plan
+        plan.warnings.extend(f"{problem} (warn only); it counts on none" for problem in unbound)
         fitting = [d for d in demands if exceeded(plan, d) is None]
         if not fitting:
             rule, asked = exceeded(plan, demands[0]) or (rules[0], Decimal(0))
             plan.denial = over_limit(plan.team, rule, asked, plan.units.get(rule.pk))
+            plan.denial += demands[0].note + _binds(shapes, rule, demands[0])
             plan.rule = rule.name
             if len(demands) > 1:
                 plan.denial += (
@@ -339,12 +369,30 @@ def plan_claim(
                 )
             plan.reason = "QuotaExceeded"
             return plan
+        # The mutating webhook keeps one alternative, the first that fits, so the claim holds
+        # only what that one takes. Left to the validating webhook, every alternative stays in
+        # the claim and the scheduler may give any of them: each must fit, and the request
+        # holds on each rule the most any one of them takes there (`_add_most`).
+        kept = fitting[:1] if narrow else demands
+        unfit = next((d for d in kept if d not in fitting), None)
+        if unfit is not None:
+            rule, asked = exceeded(plan, unfit) or (rules[0], Decimal(0))
+            plan.denial = (
+                over_limit(plan.team, rule, asked, plan.units.get(rule.pk))
+                + f" by alternative {unfit.name!r} of request {request.name!r}, which the "
+                "scheduler may give the claim (remove it, or let Tally's mutating webhook "
+                "remove the alternatives over quota)" + _binds(shapes, rule, unfit)
+            )
+            plan.rule, plan.reason = rule.name, "QuotaExceeded"
+            return plan
         if request.first_available:
-            plan.chosen[request.name] = [d.name for d in fitting]
-            skipped = [d.name for d in demands if d not in fitting]
+            plan.chosen[request.name] = [d.name for d in kept]
+            # By name, as the patch removes them (a name given twice, which the API server
+            # refuses after this webhook, is kept whole).
+            skipped = [d.name for d in demands if d.name not in plan.chosen[request.name]]
             if skipped:
                 plan.removed[request.name] = skipped
-        _add_most(plan.reserve, fitting)
+        _add_most(plan.reserve, kept)
     for rule_id, amount in plan.reserve.items():
         rule = plan.rules[rule_id]
         total = rule.in_use + _fresh(plan, rule_id, amount)
@@ -548,6 +596,21 @@ def exceeded(plan: Plan, demand: Demand) -> tuple[Rule, Decimal] | None:
     return None
 
 
+def _binds(fleet: FleetShapes, rule: Rule, demand: Demand) -> str:
+    """Why `rule` weighs a request that could be given devices it does not cover ("any two
+    NVIDIA GPUs" on a T4 rule): the models it binds, which the request could be given. ""
+    when it covers everything the request could be given (the request asks for its models)."""
+    covered = demand.shapes & fleet.covered(rule.device_class, rule.selector)
+    if not covered or covered == demand.shapes:
+        return ""
+    models = sorted({fleet.shapes[shape_id].model or "unnamed devices" for shape_id in covered})
+    return (
+        f"; the rule binds {', '.join(models)}, which request {demand.name!r} could be given "
+        f"(a selector that leaves {'them' if len(models) > 1 else 'it'} out of the request "
+        "leaves the rule out too)"
+    )
+
+
 def _fresh(plan: Plan, rule_id: int, amount: Decimal) -> Decimal:
     """What `amount` on a rule adds to its usage: what the gang's hold does not cover."""
     return max(amount - plan.credit.get(rule_id, Decimal(0)), Decimal(0))
@@ -654,6 +717,7 @@ def demand(
         )
         return result
     matched, candidates = candidates, placeable
+    result.shapes = frozenset(shape.id for shape in candidates)
     per_device_on: dict[int, Decimal] = {}
     keys: dict[int, tuple[Any, ...]] = {}
     for rule in rules:
@@ -691,11 +755,19 @@ def demand(
                     f'quota rule "{rule.name}" has a bad selector, applied to its whole class: '
                     f"{error}"
                 )
+    if not candidates and not fleet.class_drivers(request.device_class_name):
+        known = request.device_class_name in fleet.class_selectors
+        result.unbound = (
+            f'request "{request.name}": no device in the inventory matches class '
+            f'"{request.device_class_name}", '
+            + ("and its selectors name no driver" if known else "which the inventory does not know")
+            + ", so Tally cannot tell which quota rules it would count on"
+        )
     if not per_device_on:
         return result
     if not candidates:
-        # Nothing to weigh it by: it counts as whole devices on every rule of its class, the
-        # most it could take, until the sync sees what it was given.
+        # Nothing to weigh it by: it counts as whole devices on every rule of its class and of
+        # its driver, the most it could take, until the sync sees what it was given.
         units = {fleet.unit(r.device_class, r.selector) for r in rules if r.pk in per_device_on}
         whole = units.pop() if len(units) == 1 else "accelerator"
         asking = (
@@ -703,12 +775,15 @@ def demand(
             if asked
             else ""
         )
-        warnings.append(
-            f'request "{request.name}": no device of class "{request.device_class_name}"'
-            f"{asking} in the inventory matches it; until it is allocated, each device it asks "
-            f"for counts as one whole {unit_label(whole, plural=False)} (and no memory) on "
-            "every quota rule of its class"
+        drivers = ", ".join(sorted(fleet.class_drivers(request.device_class_name)))
+        of_driver = f" and of its driver {drivers}" if drivers else ""
+        result.note = (
+            f' (request "{request.name}": no device of class "{request.device_class_name}"'
+            f"{asking} in the inventory matches it; until allocated, each device it asks for "
+            f"counts as a whole {unit_label(whole, plural=False)} (no memory) on every quota "
+            f"rule of its class{of_driver})"
         )
+        warnings.append(result.note.removeprefix(" (").removesuffix(")"))
     if request.allocation_mode != "All":
         if request.count == 1 or not candidates:
             # One device: the most one of them counts, wherever it is. None known: whole ones.
@@ -1077,9 +1152,18 @@ def _per_device_on(
 ) -> Decimal | None:
     """The most one device of `candidates` that `rule` covers counts on it; None when it
     covers none of them (it does not limit the request). A request that no known device
-    matches is limited by the rules of the class it names, as whole devices."""
+    matches is limited, as whole devices, by the rules of the class it names, by those of its
+    class's driver (`FleetShapes.class_drivers`): the devices that match it when they appear (a
+    MIG profile configured later, GPUs bound to vfio) are that driver's, and by those whose
+    class names no driver, which may cover them too."""
     if not candidates:
-        if rule.device_class != request_class:
+        # A rule whose class names no driver ("any accelerator") may cover its devices too.
+        drivers = fleet.class_drivers(request_class)
+        if (
+            rule.device_class != request_class
+            and fleet.class_drivers(rule.device_class)
+            and not drivers & fleet.rule_drivers(rule.device_class, rule.selector)
+        ):
             return None
         return Decimal(1) if rule.unit == Unit.GPUS else Decimal(0)
     each = _per_shape_on(rule, candidates, fleet, capacity_requests)

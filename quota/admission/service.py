@@ -1,6 +1,6 @@
 """The admission's two services: `review_claim` (the validating webhook) decides a claim's
 CREATE and reserves what it can take, atomically; `fit_alternatives` (the mutating webhook)
-says which `firstAvailable` alternatives fit, reserving nothing.
+keeps one `firstAvailable` alternative per request, the first that fits, reserving nothing.
 
 Each reads through `store`, weighs the claim with `decision` against the fleet's `shapes` and
 the team's `budgets`, and writes through `store`.
@@ -53,7 +53,9 @@ def review_claim(
     """Decide the CREATE of `claim` and, unless `dry_run`, reserve what it can take.
 
     Guarantees: for every enforce rule, reservations plus allocations never exceed the limit,
-    under any concurrency (one statement locks the team's rules and checks every limit); the
+    whichever `firstAvailable` alternative the scheduler gives (every one left in the claim
+    must fit, and each rule holds the most any one takes there: `decision.plan_claim`), under
+    any concurrency (one statement locks the team's rules and checks every limit); the
     same claim (cluster, namespace, name, and the same uid or spec) admitted twice reserves
     once, and another claim under a live reservation's name is weighed as new with that
     reservation counted (`decision.LiveReservation.made_for`); a dry run writes nothing. No
@@ -134,7 +136,9 @@ def fit_alternatives(
     at: datetime,
     deadline: float | None = None,
 ) -> Decision:
-    """Which firstAvailable alternatives fit the team's quota now; nothing is reserved.
+    """Which firstAvailable alternative each request keeps (the first that fits the team's
+    quota now; the others are removed, so the claim holds only what it takes); nothing is
+    reserved.
 
     A denial is recorded (unless `dry_run`): the API server calls this webhook first and,
     when it denies, never calls the validating one, which records every other decision. A
@@ -156,7 +160,7 @@ def fit_alternatives(
             # The same claim once the alternatives not chosen are out: keep them out.
             if state.live.made_for(claim, removed=removed):
                 return Decision(allowed=True, team=state.team, removed=removed)
-        answer = _plan(cluster=cluster, claim=claim, state=state).decision()
+        answer = _plan(cluster=cluster, claim=claim, state=state, narrow=True).decision()
         if not answer.allowed and not dry_run:
             store.record(
                 answer,
@@ -176,8 +180,10 @@ def _plan(
     claim: dict[str, Any],
     state: AdmissionState,
     gang: _Gang | None = None,
+    narrow: bool = False,
 ) -> Plan:
-    """Weigh `claim` as `state` read its team, with its gang (found now unless `gang` is)."""
+    """Weigh `claim` as `state` read its team, with its gang (found now unless `gang` is);
+    `narrow`: keeping one alternative of each firstAvailable request (`decision.plan_claim`)."""
     if gang is None:
         gang = _gang_of(claim=claim, state=state)
     gang_state = None
@@ -191,6 +197,7 @@ def _plan(
         fleet=functools.partial(shapes.fleet_shapes, cluster=cluster),
         budget=budgets.budget_use,
         units=lambda rules: shapes.rule_units(rules, shapes.every_fleet_shapes()),
+        narrow=narrow,
     )
     if gang.ref is not None and gang_state is not None:
         decision.weigh_gang(

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import re
 import threading
 import time
 from collections import defaultdict
@@ -33,7 +34,7 @@ from django.conf import settings
 from django.db import connection
 from kubernetes.utils import parse_quantity
 
-from inventory import checks
+from inventory import checks, dra, profiles
 from inventory.checks import InvalidPool, published_counter_sets
 from inventory.models import (
     Cluster,
@@ -68,6 +69,8 @@ class Shape:
     unit: str = Unit.GPU
     # As published (`{name: {"value", "requestPolicy"}}`): what a consumable share takes.
     capacity: dict[str, Any] = field(default_factory=dict, compare=False)
+    # The model its driver's profile reads ("NVIDIA H100 80GB HBM3", "Gaudi2"); "" if none.
+    model: str = field(default="", compare=False)
 
     @classmethod
     def from_row(cls, row: DeviceShape, *, memory_bytes: int | None) -> Shape:
@@ -81,6 +84,7 @@ class Shape:
             shareable=row.allow_multiple_allocations,
             unit=row.unit,
             capacity=row.capacity,
+            model=_model(row),
             view=cel.DeviceShape.from_device(
                 driver=row.driver,
                 attributes=row.attributes,
@@ -180,6 +184,8 @@ class InvalidPools:
 
 
 NO_INVALID_POOLS = InvalidPools()
+# `device.driver == 'name'` in a selector: the driver whose devices it is written for.
+_DRIVER_NAMED = re.compile(r"""device\.driver\s*==\s*(['"])([^'"]+)\1""")
 
 
 @dataclass
@@ -298,6 +304,28 @@ class FleetShapes:
                 self.shapes[shape_id].kind != "other"
                 for shape_id in self.covered(device_class, selector)
             ),
+        )
+
+    def class_drivers(self, device_class: str) -> frozenset[str]:
+        """The drivers whose devices `device_class` is written for, as its selectors name them
+        (`device.driver == '...'`): where a class matches no device yet, what could match it
+        once devices appear. Empty: the inventory does not know the class, or it names none."""
+        return self.derived(
+            ("class drivers", device_class),
+            lambda: frozenset(
+                match[2]
+                for expression in self.class_selectors.get(device_class, ())
+                for match in _DRIVER_NAMED.finditer(expression)
+            ),
+        )
+
+    def rule_drivers(self, device_class: str, selector: str) -> frozenset[str]:
+        """The drivers of the devices a quota rule of `device_class` and `selector` covers, and
+        those its class names (`class_drivers`)."""
+        return self.derived(
+            ("rule drivers", device_class, selector),
+            lambda: self.class_drivers(device_class)
+            | {self.shapes[shape_id].driver for shape_id in self.covered(device_class, selector)},
         )
 
     def candidates(self, device_class: str, selectors: tuple[str, ...]) -> list[Shape]:
@@ -979,6 +1007,24 @@ def invalid_pools(*, cluster_id: int) -> InvalidPools:
 
 def _forget_pool_checks(cluster_id: int) -> None:
     _pool_checks.pop(cluster_id, None)
+
+
+def _model(row: DeviceShape) -> str:
+    """The model a device of `row` publishes, as its driver's built-in profile reads it (what
+    denials name: no database read on the webhook's path)."""
+    device = dra.ParsedDevice(
+        name="",
+        attributes=row.attributes if isinstance(row.attributes, dict) else {},
+        capacity={},
+        extra={},
+        consumes_counters=[],
+        node_name="",
+    )
+    for name in profiles.builtin_profile(row.driver).model_attributes:
+        value = device.attribute(name, row.driver)
+        if value is not None and not isinstance(value, list) and str(value):
+            return str(value)
+    return ""
 
 
 def shape_of(row: DeviceShape) -> Shape:

@@ -309,7 +309,8 @@ def _mutation(uid: str, claim: dict[str, Any], decision: Decision) -> dict[str, 
     warnings = [
         *decision.warnings,
         *(
-            f"request {name!r}: alternatives {', '.join(alts)} removed: over the team's quota"
+            f"request {name!r}: alternatives {', '.join(alts)} removed: only the first "
+            "alternative that fits the team's quota is kept, and it alone holds quota"
             for name, alts in decision.removed.items()
         ),
     ]

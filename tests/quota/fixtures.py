@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import json
 import uuid
 from datetime import UTC, datetime
@@ -9,6 +10,7 @@ from decimal import Decimal
 from pathlib import Path
 from typing import Any
 
+import jsonpatch
 import pytest
 import yaml
 from django.test import Client
@@ -186,6 +188,20 @@ def decide(client: Client, obj: dict[str, Any], **kwargs: Any) -> dict[str, Any]
     assert response.status_code == 200, response.content
     body: dict[str, Any] = response.json()["response"]
     return body
+
+
+def admit(client: Client, obj: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    """The answer to `obj` as the API server gets it with both webhooks: the mutating one's
+    (when it denies), else the validating one's for the claim with its patch applied."""
+    mutation = post(client, review(obj, **kwargs), "/admission/resourceclaims/mutate")
+    assert mutation.status_code == 200, mutation.content
+    answer: dict[str, Any] = mutation.json()["response"]
+    if not answer["allowed"]:
+        return answer
+    if "patch" in answer:
+        patch = json.loads(base64.b64decode(answer["patch"]))
+        obj = jsonpatch.apply_patch(obj, patch)
+    return decide(client, obj, **kwargs)
 
 
 def load_yaml_objects(path: Path) -> list[dict[str, Any]]:

@@ -16,17 +16,24 @@ from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
 from hypothesis import strategies as st
 
+from inventory import services as inventory_services
 from inventory.dumps import iter_objects
+from quota.admission.shapes import forget_fleet_shapes
 from quota.admission.views import REMOVED_ANNOTATION, BadReview, parse_review
 from quota.management.commands.review_claims import CLAIM_KINDS, OBJECT_FILES
 from quota.models import AdmissionDecision, QuotaRule, Reservation, ReservationLine
 from tests.fixtures import CLAIMS, DRA
 from tests.quota.fixtures import (
+    AT,
+    admit,
     claim,
     decide,
+    fleet_objects,
     gpu_request,
     load_yaml_objects,
     make_team,
+    nvidia_gpu,
+    nvidia_slice,
     post,
     review,
 )
@@ -70,9 +77,11 @@ FIXTURE_CLAIMS: dict[tuple[str, str], str | dict[str, str]] = {
         'quota rule "all-gpus" (enforce) would be exceeded: '
         "0 GPUs in use, 4 GPUs requested, limit 2 GPUs"
     ),
+    # No vfio device in the fleet yet: two whole GPUs on every rule of the NVIDIA driver (they
+    # could be H100s bound to vfio), so the H100 rule, the first, denies (issue 36, finding 3).
     ("vfio-pair.yaml", "vm-two-gpus"): (
-        'quota rule "vfio" (enforce) would be exceeded: '
-        "0 GPUs in use, 2 GPUs requested, limit 1 GPU"
+        'quota rule "h100" (enforce) would be exceeded: '
+        "0 GPUs in use, 2 GPUs requested, limit 1 GPU (request"
     ),
     ("malformed-selector.yaml", "misindented-selector"): (
         "cannot read the claim: spec.devices.requests[0].exactly.selectors[0].cel: is missing"
@@ -355,8 +364,8 @@ def test_first_available_falls_back_when_the_preferred_model_is_over_quota(clien
     assert patch[1]["path"] == "/metadata/annotations"
     assert json.loads(patch[1]["value"]["tally.dev/removed-alternatives"]) == {"gpu": ["h100"]}
     assert Reservation.objects.count() == 0  # mutation only reads
-    # The validating webhook admits: one alternative fits, and reserves on the A100 rule.
-    assert decide(client, body)["allowed"]
+    # The validating webhook admits the claim as patched, and reserves on the A100 rule.
+    assert decide(client, jsonpatch.apply_patch(body, patch))["allowed"]
     assert QuotaRule.objects.get(name="a100").in_use == 1
     assert QuotaRule.objects.get(name="h100").in_use == 1
     assert Reservation.objects.get().chosen == {"gpu": ["a100"]}
@@ -378,7 +387,7 @@ def test_a_create_sent_again_gets_the_same_mutation_however_full_the_team_is(
     answers = []
     for uid in ("first", "retry"):
         answers.append(post(client, review(body, uid=uid), "/admission/resourceclaims/mutate"))
-        assert decide(client, body, uid=uid)["allowed"]
+        assert admit(client, body, uid=uid)["allowed"]
     first, retry = (answer.json()["response"] for answer in answers)
     assert first["allowed"] and retry["allowed"], retry
     assert retry["patch"] == first["patch"]  # the H100 alternative removed both times
@@ -605,11 +614,11 @@ def test_decisions_are_counted_by_result_and_rule(client: Client) -> None:
         return REGISTRY.get_sample_value("tally_webhook_decisions_total", labels) or 0.0
 
     make_team(RULES)
-    denied_before, allowed_before = count("denied", "vfio"), count("allowed", "")
+    denied_before, allowed_before = count("denied", "h100"), count("allowed", "")
     vfio = gpu_request(2, "vfio.gpu.nvidia.com")
     assert not decide(client, claim("v", [vfio]))["allowed"]
     assert decide(client, claim("a", [gpu_request(1, "gpu.example.com")]))["allowed"]
-    assert count("denied", "vfio") == denied_before + 1
+    assert count("denied", "h100") == denied_before + 1  # two vfio GPUs could be H100s
     assert count("allowed", "") == allowed_before + 1
 
 
@@ -717,3 +726,121 @@ def test_a_reservation_with_no_spec_kept_still_tells_another_uid_apart(client: C
     again["metadata"]["uid"] = "claim-uid-1"
     assert decide(client, again, uid="again")["allowed"]  # the claim the sync saw: a retry
     assert QuotaRule.objects.get(name="all-gpus").in_use == 6
+
+
+def _with(*objects: dict[str, Any]) -> None:
+    """The fleet with more `objects` imported."""
+    forget_fleet_shapes()
+    report = inventory_services.import_snapshot(
+        cluster=inventory_services.get_cluster("default"),
+        objects=[*fleet_objects(), *objects],
+        at=AT,
+    )
+    assert report.errors == []
+
+
+def _with_classes(*classes: tuple[str, str]) -> None:
+    """The fleet with DeviceClasses (name, selector) that match none of its devices."""
+    _with(
+        *(
+            {
+                "apiVersion": "resource.k8s.io/v1",
+                "kind": "DeviceClass",
+                "metadata": {"name": name},
+                "spec": {"selectors": [{"cel": {"expression": expression}}]},
+            }
+            for name, expression in classes
+        )
+    )
+
+
+MIG_7G = (
+    "mig-7g.80gb.nvidia.com",  # a profile not configured on any GPU yet
+    "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].profile == '7g.80gb'",
+)
+NO_DRIVER = ("passthrough.example.com", "device.attributes['gpu.nvidia.com'].type == 'vfio'")
+
+
+def test_a_class_that_matches_no_device_counts_on_its_drivers_rules(client: Client) -> None:
+    """Issue 36, finding 3: a claim through a class no device matches today (a MIG profile not
+    configured yet) counted 0, with no warning, and could be allocated uncounted once such
+    devices appear."""
+    _with_classes(MIG_7G)
+    make_team([{"name": "mig", "device_class": "mig.nvidia.com", "limit": 1}])
+    answer = decide(client, claim("seven", [gpu_request(1, MIG_7G[0])]))
+    assert answer["allowed"]
+    assert 'no device of class "mig-7g.80gb.nvidia.com" in the inventory matches it' in " ".join(
+        answer["warnings"]
+    )
+    assert QuotaRule.objects.get(name="mig").in_use == 1
+    denied = decide(client, claim("another", [gpu_request(1, MIG_7G[0])]))
+    assert denied["status"]["message"] == (
+        'team "research": quota rule "mig" (enforce) would be exceeded: 1 GPU in use, 1 GPU '
+        'requested, limit 1 GPU (request "gpu": no device of class "mig-7g.80gb.nvidia.com" in '
+        "the inventory matches it; until allocated, each device it asks for counts as a whole "
+        "GPU (no memory) on every quota rule of its class and of its driver gpu.nvidia.com)"
+    )
+
+
+@pytest.mark.parametrize("mode", ["enforce", "warn"])
+def test_a_class_that_matches_no_device_and_names_no_driver_is_refused(
+    client: Client, mode: str
+) -> None:
+    """Nothing says which rules such a class's devices will fall under: denied, naming the
+    class, where an enforce rule binds the team; admitted with a warning where none does."""
+    _with_classes(NO_DRIVER)
+    make_team([{"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 8, "mode": mode}])
+    answer = decide(client, claim("vm", [gpu_request(1, NO_DRIVER[0])]))
+    problem = (
+        'request "gpu": no device in the inventory matches class "passthrough.example.com", and '
+        "its selectors name no driver, so Tally cannot tell which quota rules it would count on"
+    )
+    if mode == "enforce":
+        assert answer["status"]["message"] == (
+            problem + "; it could be given devices an enforce quota rule limits, uncounted"
+        )
+        assert not Reservation.objects.exists()
+    else:
+        assert answer["allowed"]
+        assert problem + " (warn only); it counts on none" in answer["warnings"]
+
+
+def test_a_denial_by_a_model_rule_says_the_claim_could_be_given_that_model(client: Client) -> None:
+    """Issue 36, finding 4: any two NVIDIA GPUs were denied by a one-T4 rule while eight H100s
+    were free, and the message did not say why the T4 rule applied."""
+    h100 = [nvidia_gpu(i, "h100-b", "NVIDIA H100 80GB HBM3", "80Gi") for i in range(8)]
+    t4s = [nvidia_gpu(i, "t4-a", "Tesla T4", "16Gi") for i in range(4)]
+    _with(nvidia_slice("h100-b", h100), nvidia_slice("t4-a", t4s))
+    t4 = "device.attributes['gpu.nvidia.com'].productName == 'Tesla T4'"
+    make_team(
+        [
+            {"name": "t4", "device_class": "gpu.nvidia.com", "selector": t4, "limit": 1},
+            {"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 16},
+        ]
+    )
+    denied = decide(client, claim("any-two", [gpu_request(2)]))
+    assert denied["status"]["message"] == (
+        'team "research": quota rule "t4" (enforce) would be exceeded: 0 GPUs in use, 2 GPUs '
+        "requested, limit 1 GPU; the rule binds Tesla T4, which request 'gpu' could be given (a "
+        "selector that leaves it out of the request leaves the rule out too)"
+    )
+    # Asking for T4s alone, the rule is plainly the claim's own: nothing more to say.
+    only_t4 = decide(
+        client, claim("two-t4", [gpu_request(2, selectors=[{"cel": {"expression": t4}}])])
+    )
+    assert only_t4["status"]["message"].endswith("limit 1 GPU")
+    not_t4 = f"!({t4})"
+    h100s = gpu_request(2, selectors=[{"cel": {"expression": not_t4}}])
+    assert decide(client, claim("two-h100", [h100s]))["allowed"]
+
+
+def test_a_class_that_matches_no_device_counts_on_rules_of_any_driver(client: Client) -> None:
+    """A rule whose class names no driver (every accelerator) may cover the devices such a
+    class will match, even of a driver with no device in the inventory yet: it counts there."""
+    _with_classes(("new-accel", "device.driver == 'accel.example.com'"), ("any", "true"))
+    make_team([{"name": "anything", "device_class": "any", "limit": 1}])
+    denied = decide(client, claim("two", [gpu_request(2, "new-accel")]))
+    assert denied["status"]["message"].startswith(
+        'team "research": quota rule "anything" (enforce) would be exceeded: 0 GPUs in use, '
+        "2 GPUs requested, limit 1 GPU"
+    )

@@ -249,8 +249,8 @@ def test_a_request_no_device_can_satisfy_counts_whole_and_says_why(client: Clien
     assert answer["allowed"]
     assert answer["warnings"][0] == (
         'request "share": no device of class "gpu.nvidia.com" with capacity cores: 101 in the '
-        "inventory matches it; until it is allocated, each device it asks for counts as one "
-        "whole GPU (and no memory) on every quota rule of its class"
+        "inventory matches it; until allocated, each device it asks for counts as a whole GPU "
+        "(no memory) on every quota rule of its class and of its driver gpu.nvidia.com"
     )
     assert _reserved("big") == {"gpus": 1}
 

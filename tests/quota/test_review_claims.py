@@ -141,7 +141,8 @@ def test_a_policy_applied_gives_denials_with_reasons_and_fallbacks(tmp_path: Pat
     )
     assert fallback["namespace"] == "vision"  # --namespace wins over the file's
     assert (
-        "request 'gpu': alternatives h100 removed: over the team's quota" in (fallback["warnings"])
+        "request 'gpu': alternatives h100 removed: only the first alternative that fits the "
+        "team's quota is kept, and it alone holds quota" in fallback["warnings"]
     )
     assert (a100["name"], a100["decision"]) == ("one-a100", "ALLOWED")
     assert summary == "3 claims: 2 allowed, 1 denied (dry run, nothing reserved)"

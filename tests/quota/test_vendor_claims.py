@@ -28,7 +28,7 @@ from quota.admission.shapes import forget_fleet_shapes
 from quota.models import AdmissionDecision, QuotaRule, Reservation
 from teams.selectors import OPERATORS_GROUP
 from tests.fixtures import DRA
-from tests.quota.fixtures import AT, claim, decide, make_team
+from tests.quota.fixtures import AT, admit, claim, decide, make_team
 
 pytestmark = pytest.mark.django_db
 
@@ -130,7 +130,7 @@ def test_amd_all_and_first_available_and_admin_access(client: Client, vendor: Ca
     fallback = first_available(
         "gpu", exactly(AMD, 3, AMD_WHOLE, name="whole"), exactly(AMD, 2, AMD_CPX, name="cpx")
     )
-    answer = decide(client, claim("fallback", [fallback]))
+    answer = admit(client, claim("fallback", [fallback]))
     assert answer["allowed"]
     assert reserved("fallback") == {"amd": Decimal("0.25")}
     assert Reservation.objects.get(name="fallback").chosen == {"gpu": ["cpx"]}
@@ -162,7 +162,7 @@ def test_tpu_claims_count_chips_and_say_so(client: Client, vendor: Callable) -> 
         exactly(TPU, allocationMode="All", name="host"),
         exactly(TPU, 1, name="one"),
     )
-    answer = decide(client, claim("host-or-one", [host]))
+    answer = admit(client, claim("host-or-one", [host]))
     assert answer["allowed"]
     assert reserved("host-or-one") == {"tpu": Decimal("1")}
     assert 'quota rule "tpu" is at 3 TPU chips of 3 TPU chips with this claim' in warned(answer)
@@ -267,6 +267,73 @@ def test_intel_discrete_counts_and_integrated_does_not(client: Client, vendor: C
     assert not decide(client, claim("flex-2", [exactly(INTEL, 1)]))["allowed"]
 
 
+# --- firstAvailable across vendors: an Intel GPU, else a Gaudi card ----------------------------
+
+
+@pytest.fixture
+def intel_and_gaudi() -> None:
+    """Intel's discrete and integrated GPUs and eight Gaudi2 cards in one cluster, with a team
+    allowed one Intel GPU and one Gaudi card."""
+    forget_fleet_shapes()
+    report = inventory_services.import_snapshot(
+        cluster=inventory_services.get_cluster("default"),
+        objects=[
+            *iter_objects(VENDORS / "intel-gpu.yaml"),
+            *iter_objects(VENDORS / "gaudi2.yaml"),
+        ],
+        at=AT,
+    )
+    assert report.errors == []
+    make_team(
+        [
+            {"name": "intel", "device_class": INTEL, "limit": 1},
+            {"name": "gaudi", "device_class": GAUDI, "limit": 1},
+        ]
+    )
+
+
+GPU_OR_GAUDI = first_available(
+    "accel", exactly(INTEL, 1, name="gpu"), exactly(GAUDI, 1, name="gaudi")
+)
+
+
+@pytest.mark.usefixtures("intel_and_gaudi")
+def test_first_available_holds_only_the_alternative_the_mutating_webhook_keeps(
+    client: Client,
+) -> None:
+    """Issue 36, finding 2: the gpu-or-gaudi claim held 1 on the Intel rule and 1 on the Gaudi
+    rule, and a one-Gaudi claim was denied ("1 Gaudi card in use")."""
+    assert admit(client, claim("gpu-or-gaudi", [GPU_OR_GAUDI]))["allowed"]
+    assert reserved("gpu-or-gaudi") == {"intel": Decimal("1")}
+    assert Reservation.objects.get(name="gpu-or-gaudi").chosen == {"accel": ["gpu"]}
+    assert admit(client, claim("one-gaudi", [exactly(GAUDI, 1)]))["allowed"]
+    assert (in_use("intel"), in_use("gaudi")) == (1, 1)
+
+
+@pytest.mark.usefixtures("intel_and_gaudi")
+def test_without_the_mutating_webhook_every_alternative_must_fit(client: Client) -> None:
+    """Left in the claim, either alternative may be allocated: it holds the most each takes on
+    each rule (one of each, never more than the alternative allocated takes there), and is
+    denied while one of them is over quota (it was admitted holding only the Gaudi card, and
+    could be given the Intel GPU past its rule's limit)."""
+    assert decide(client, claim("both", [GPU_OR_GAUDI]))["allowed"]
+    assert reserved("both") == {"intel": Decimal("1"), "gaudi": Decimal("1")}
+    Reservation.objects.get(name="both").lines.all().delete()
+    QuotaRule.objects.update(in_use=0)
+    QuotaRule.objects.filter(name="intel").update(in_use=1)  # the team's Intel GPU is taken
+    denied = decide(client, claim("either", [GPU_OR_GAUDI]))
+    assert denied["status"]["message"] == (
+        'team "research": quota rule "intel" (enforce) would be exceeded: 1 GPU in use, '
+        "1 GPU requested, limit 1 GPU by alternative 'gpu' of request 'accel', which the "
+        "scheduler may give the claim (remove it, or let Tally's mutating webhook remove the "
+        "alternatives over quota)"
+    )
+    assert in_use("gaudi") == 0
+    # Through both webhooks the Intel alternative is removed and the Gaudi card held.
+    assert admit(client, claim("either", [GPU_OR_GAUDI]))["allowed"]
+    assert reserved("either") == {"gaudi": Decimal("1")}
+
+
 # --- KEP-4815: one accelerator published whole, in halves and in quarters (several counters) --
 
 PARTS = "gpu.partitions.example.com"
@@ -292,7 +359,7 @@ def test_kep_4815_partitions_count_their_largest_counter_fraction(
         exactly(PARTS, 1, _hbm("80Gi"), name="whole"),
         exactly(PARTS, 1, _hbm("16Gi"), name="quarter"),
     )
-    assert decide(client, claim("choice", [choice]))["allowed"]
+    assert admit(client, claim("choice", [choice]))["allowed"]
     assert Reservation.objects.get(name="choice").chosen == {"part": ["quarter"]}
     assert in_use("parts") == 1
 
