@@ -22,7 +22,15 @@ from django.test import Client
 
 from inventory import dra, services
 from inventory.dumps import iter_objects
-from inventory.models import Allocation, Device, DeviceClass, Pool, ResourceClaim, ResourceSlice
+from inventory.models import (
+    Allocation,
+    Cluster,
+    Device,
+    DeviceClass,
+    Pool,
+    ResourceClaim,
+    ResourceSlice,
+)
 from quota.cel import CELError, compile_selector
 from quota.management.commands.review_claims import CLAIM_KINDS, OBJECT_FILES
 from quota.models import AdmissionDecision, QuotaRule, Reservation
@@ -209,7 +217,12 @@ def test_v1_claim_round_trip_and_admin_access_is_not_an_allocation(upstream: Pat
 
     held = copy.deepcopy(raw)
     held["status"]["allocation"]["devices"]["results"][0]["adminAccess"] = False
-    services.import_snapshot(cluster=services.get_cluster("up"), objects=[held], at=AT)
+    # A cluster known since before the claim's allocation (2005): its start is the claim's own
+    # allocationTimestamp, not moved to a first sync after it (issue 33).
+    cluster = services.get_cluster("up")
+    Cluster.objects.filter(pk=cluster.pk).update(first_synced_at=datetime(2000, 1, 1, tzinfo=UTC))
+    cluster.refresh_from_db()
+    services.import_snapshot(cluster=cluster, objects=[held], at=AT)
     allocation = Allocation.objects.get()
     assert (allocation.driver, allocation.pool, allocation.device_name) == (
         "driverValue",
