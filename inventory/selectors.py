@@ -38,7 +38,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Mapping
-from datetime import datetime
 from decimal import Decimal
 from typing import Any, NamedTuple, TypedDict
 
@@ -65,7 +64,7 @@ from inventory.capacity import CapacityError, capacity_name, largest_allowed, re
 from inventory.checks import PoolGeneration, published_counter_sets, quantities, sync_warnings
 from inventory.models import Allocation, Cluster, Device, DeviceKind
 from inventory.profiles import unit_label, unit_order
-from inventory.versions import VersionMatrix
+from inventory.versions import DeviationInfo, VersionMatrix
 
 # Shares are stored to 6 places, so seven 1g slices sum to 0.999999: within this of 1 a GPU
 # is fully held.
@@ -321,20 +320,9 @@ def version_taint_state(*, cluster: Cluster | None = None) -> taints.TaintState 
         client.close()
 
 
-class DeviationRow(TypedDict):
+class DeviationRow(DeviationInfo):
     """One deviation of the register, with what it documents now and its taint's state."""
 
-    id: int
-    cluster: str
-    driver: str
-    node_name: str
-    pool: str
-    driver_version: str
-    cuda_driver_version: str
-    reason: str
-    owner: str
-    expires_at: datetime
-    expired: bool
     # Physical GPUs off their baseline it documents now (0: it documents nothing).
     documented_gpus: int
     taint_state: str
