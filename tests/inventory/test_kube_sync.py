@@ -18,13 +18,14 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 from django.core.management import CommandError, call_command
 from django.db import OperationalError, connection
+from django.utils import timezone
 
 from db.embedded import postgres_url
 from devtools.fake_kube import FakeKube, RecordedRequest
@@ -559,6 +560,19 @@ def test_command_rejects_a_bad_at() -> None:
     dump = DRA / "example-driver-slices.yaml"
     with pytest.raises(CommandError, match="--at"):
         call_command("sync_inventory", "--from-file", str(dump), "--at", "yesterday")
+    assert not Cluster.objects.exists()
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize("at", ["0001-01-01T00:00:00Z", "2999-01-01T00:00:00Z", "future"])
+def test_command_refuses_a_snapshot_dated_before_1970_or_ahead_of_now(at: str) -> None:
+    """A dump dated ahead would release the claims it lacks in the future (charged until
+    then); one dated in year 1 is a typo. Both are refused before anything is written."""
+    if at == "future":
+        at = (timezone.now() + timedelta(hours=1)).isoformat()
+    dump = DRA / "example-driver-slices.yaml"
+    with pytest.raises(CommandError, match="a dump is a snapshot taken in the past"):
+        call_command("sync_inventory", "--from-file", str(dump), "--at", at)
     assert not Cluster.objects.exists()
 
 

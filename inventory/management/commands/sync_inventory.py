@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import signal
 import threading
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -240,6 +240,12 @@ class Command(BaseCommand):
         self.stdout.write(f"Sync warnings: {summary}")
 
 
+# The earliest `--at`, and how far past this machine's clock one may be (the clocks of the
+# machine that took the dump and of this one).
+EARLIEST_AT = datetime(1970, 1, 1, tzinfo=UTC)
+AT_CLOCK_SKEW = timedelta(minutes=5)
+
+
 def _parse_at(value: str | None) -> datetime:
     if value is None:
         return timezone.now()
@@ -249,7 +255,16 @@ def _parse_at(value: str | None) -> datetime:
         raise CommandError(
             f"--at {value!r} is not an ISO 8601 time (e.g. 2025-06-01T12:00:00Z)"
         ) from exc
-    return at if timezone.is_aware(at) else at.replace(tzinfo=UTC)
+    at = at if timezone.is_aware(at) else at.replace(tzinfo=UTC)
+    # A snapshot is of a moment that has been: one dated ahead would release the claims it
+    # lacks in the future, charging them until then; one before 1970 is a typo (year 1).
+    latest = timezone.now() + AT_CLOCK_SKEW
+    if not EARLIEST_AT <= at <= latest:
+        raise CommandError(
+            f"--at {value!r} is outside {EARLIEST_AT:%Y-%m-%d} to now "
+            f"({latest:%Y-%m-%dT%H:%M}Z at the latest): a dump is a snapshot taken in the past"
+        )
+    return at
 
 
 def _parse_kinds(values: list[str] | None) -> list[str]:
