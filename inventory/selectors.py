@@ -365,17 +365,7 @@ def deviation_register(*, cluster: Cluster | None = None) -> list[DeviationRow]:
                 taint += f" ({state.error})"
         rows.append(
             DeviationRow(
-                id=deviation["id"],
-                cluster=deviation["cluster"],
-                driver=deviation["driver"],
-                node_name=deviation["node_name"],
-                pool=deviation["pool"],
-                driver_version=deviation["driver_version"],
-                cuda_driver_version=deviation["cuda_driver_version"],
-                reason=deviation["reason"],
-                owner=deviation["owner"],
-                expires_at=deviation["expires_at"],
-                expired=deviation["expired"],
+                **deviation,
                 documented_gpus=sum(outlier["gpus"] for outlier in outliers),
                 taint_state=taint,
             )

@@ -158,6 +158,14 @@ class _Section:
             self.errors.append(f"{path}.{key}: {error}")
         return value
 
+    def version_pair(self, mapping: dict[str, Any], path: str) -> tuple[str, str]:
+        """The driver and CUDA versions a baseline or deviation pins: at least one of them."""
+        driver = self.version(mapping, "driverVersion", path)
+        cuda = self.version(mapping, "cudaDriverVersion", path)
+        if not driver and not cuda:
+            self.errors.append(f"{path}: give driverVersion, cudaDriverVersion or both")
+        return driver, cuda
+
     def driver(self, mapping: dict[str, Any], path: str) -> str:
         name = self.string(mapping, "driver", path, max_length=253)
         if name and not is_driver_name(name):
@@ -228,14 +236,11 @@ def _baseline_spec(section: _Section, value: Any, path: str) -> BaselineSpec | N
     dra_driver = section.driver(mapping, path)
     product = section.string(mapping, "productName", path, max_length=253)
     architecture = section.string(mapping, "architecture", path, max_length=64)
-    driver = section.version(mapping, "driverVersion", path)
-    cuda = section.version(mapping, "cudaDriverVersion", path)
+    driver, cuda = section.version_pair(mapping, path)
     if product and architecture:
         section.errors.append(
             f"{path}: give productName or architecture (or neither: the whole cluster), not both"
         )
-    if not driver and not cuda:
-        section.errors.append(f"{path}: give driverVersion, cudaDriverVersion or both")
     spec = BaselineSpec(
         path=path,
         cluster=section.cluster(mapping, path),
@@ -257,12 +262,9 @@ def _deviation_spec(section: _Section, value: Any, path: str) -> DeviationSpec |
     dra_driver = section.driver(mapping, path)
     node = section.string(mapping, "node", path, max_length=253)
     pool = section.string(mapping, "pool", path, max_length=253)
-    driver = section.version(mapping, "driverVersion", path)
-    cuda = section.version(mapping, "cudaDriverVersion", path)
+    driver, cuda = section.version_pair(mapping, path)
     if not node and not pool:
         section.errors.append(f"{path}: give node, pool or both")
-    if not driver and not cuda:
-        section.errors.append(f"{path}: give driverVersion, cudaDriverVersion or both")
     reason = section.string(mapping, "reason", path, max_length=10_000, required=True)
     owner = section.string(mapping, "owner", path, max_length=253, required=True)
     expires = _expiry(mapping.get("expires"))
