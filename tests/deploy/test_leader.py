@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
 
 import pytest
 
@@ -19,12 +18,6 @@ class Clock:
 
     def __call__(self) -> float:
         return self.now
-
-
-@pytest.fixture
-def api() -> Iterator[FakeApi]:
-    with FakeApi() as fake:
-        yield fake
 
 
 def elector(api: FakeApi, identity: str, clock: Clock) -> leader.LeaderElector:

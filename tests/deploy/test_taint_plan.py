@@ -3,7 +3,6 @@ follows deviations as they are removed; through the real client against the fake
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import timedelta
 from io import StringIO
 
@@ -15,36 +14,10 @@ from django.utils import timezone
 from inventory import kube, taints
 from inventory.models import Cluster, VersionBaseline, VersionDeviation
 from tests.deploy.fake_api import FakeApi
-from tests.factories import ClusterFactory, DeviceFactory, NodeFactory
+from tests.deploy.taint_fleet import OLD, rules
+from tests.factories import DeviceFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
-
-# The NVIDIA DRA driver's spelling; the factory's devices run 580.82.7 / 13.0.0.
-OLD = {"driver_version": "570.172.8", "cuda_driver_version": "12.8.0"}
-
-
-@pytest.fixture
-def api() -> Iterator[FakeApi]:
-    with FakeApi() as fake:
-        yield fake
-
-
-@pytest.fixture
-def cluster() -> Cluster:
-    """Four H100 nodes: three on the baseline pair, node-old on an older driver."""
-    cluster = ClusterFactory.create(name="prod")
-    for name in ("node-a", "node-b", "node-c"):
-        DeviceFactory.create_batch(2, node=NodeFactory.create(cluster=cluster, name=name))
-    DeviceFactory.create_batch(2, node=NodeFactory.create(cluster=cluster, name="node-old"), **OLD)
-    return cluster
-
-
-def rules(api: FakeApi) -> dict[str, dict]:
-    return {
-        name: rule
-        for name in api.names("DeviceTaintRule")
-        if (rule := api.get("DeviceTaintRule", name)) is not None
-    }
 
 
 def mistype_the_baseline(cluster: Cluster) -> None:

@@ -3,7 +3,6 @@ in the API version the fake server's discovery says it serves."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import timedelta
 
 import pytest
@@ -13,35 +12,10 @@ from django.utils import timezone
 from inventory import kube, taints
 from inventory.models import Cluster, Device, VersionDeviation
 from tests.deploy.fake_api import FakeApi
+from tests.deploy.taint_fleet import OLD, rules
 from tests.factories import ClusterFactory, DeviceFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db
-
-OLD = {"driver_version": "570.172.8", "cuda_driver_version": "12.8.0"}
-
-
-@pytest.fixture
-def api() -> Iterator[FakeApi]:
-    with FakeApi() as fake:
-        yield fake
-
-
-@pytest.fixture
-def cluster() -> Cluster:
-    """Three nodes on the baseline pair, one (node-old) on an older driver."""
-    cluster = ClusterFactory.create(name="prod")
-    for name in ("node-a", "node-b", "node-c"):
-        DeviceFactory.create_batch(2, node=NodeFactory.create(cluster=cluster, name=name))
-    DeviceFactory.create_batch(2, node=NodeFactory.create(cluster=cluster, name="node-old"), **OLD)
-    return cluster
-
-
-def rules(api: FakeApi) -> dict[str, dict]:
-    return {
-        name: rule
-        for name in api.names("DeviceTaintRule")
-        if (rule := api.get("DeviceTaintRule", name)) is not None
-    }
 
 
 def test_an_outlier_node_gets_a_no_schedule_rule(api: FakeApi, cluster: Cluster) -> None:
