@@ -24,6 +24,7 @@ print("\n".join(tomllib.load(open("pyproject.toml", "rb"))["project"]["dependenc
 PY
 RUN pip install -r /tmp/requirements.txt
 COPY config ./config
+COPY core ./core
 COPY db ./db
 COPY teams ./teams
 COPY inventory ./inventory

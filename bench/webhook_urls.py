@@ -14,8 +14,8 @@ from django.urls import path
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
-from config.logging import PARSED_REVIEW
 from config.urls import urlpatterns as project_urlpatterns
+from core.logging import PARSED_REVIEW
 
 
 @csrf_exempt

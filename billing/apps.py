@@ -11,7 +11,7 @@ class BillingConfig(AppConfig):
         from billing.idle import IdleCollector
         from billing.meter_changes import on_meters_changed
         from billing.services import on_charges_requested, on_usage_closed_until
-        from config.metrics import DATABASE_COLLECTORS
+        from core.metrics import DATABASE_COLLECTORS
         from inventory.signals import (
             charges_requested,
             claims_changed,

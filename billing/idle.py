@@ -258,7 +258,7 @@ def below_percent_of(team: Team) -> Decimal | int:
 class IdleCollector(Collector):
     """`tally_idle_unit_hours` by team and unit: allocated less utilised and unmeasured time
     over the last METRIC_HOURS rolled-up hours, from the database at scrape time (see
-    `config.metrics`); one aggregate query over those hours' rows."""
+    `core.metrics`); one aggregate query over those hours' rows."""
 
     def __init__(self, clock: Callable[[], datetime] = timezone.now) -> None:
         self.clock = clock

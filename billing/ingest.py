@@ -123,7 +123,7 @@ class SampleRow(NamedTuple):
 
 class Rejection(TypedDict):
     """A sample left out of a batch: its position, why (naming the field), and `label`, why in
-    one word of `config.metrics.INGEST_REJECT_REASONS` (for the metric; not sent back)."""
+    one word of `core.metrics.INGEST_REJECT_REASONS` (for the metric; not sent back)."""
 
     index: int
     reason: str

@@ -65,7 +65,7 @@ from billing.hours import (
     sample_hold_ms,
 )
 from billing.models import DirtyHour, RollupProgress, UsageHour
-from config import metrics
+from core import metrics
 from db import locks
 from db.copy import insert_rows, json_rows
 from inventory.models import Allocation

@@ -17,7 +17,7 @@ from django.utils import timezone
 
 from billing import alerts, retention, services
 from billing.periods import PricingError
-from config import metrics
+from core import metrics
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from django.views.decorators.csrf import csrf_exempt
 
 from billing import ingest
 from billing.models import AgentToken
-from config import metrics
-from config.inputs import BadInput, parse_json
+from core import metrics
+from core.inputs import BadInput, parse_json
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.http import HttpRequest, HttpResponse
 from psycopg import errors, pq
 
-from config.logging import ADMISSION_PREFIX
+from core.logging import ADMISSION_PREFIX
 from db.postgresql import deadline
 
 log = logging.getLogger(__name__)

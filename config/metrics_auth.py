@@ -7,7 +7,7 @@
   says what to set, and `manage.py check --deploy` warns (`tally.W002`). Inside a cluster every
   pod has a private address, so "internal only" is no protection there.
 
-The worker's and the syncer's own metrics ports (`config.metrics.start_metrics_server`) serve
+The worker's and the syncer's own metrics ports (`core.metrics.start_metrics_server`) serve
 plain HTTP without a token; the `tally-metrics` NetworkPolicy admits only the monitoring
 namespace to them.
 """

@@ -5,7 +5,7 @@
 - `/readyz`: the database answers, and Redis does where it is the broker (`REDIS_URL`, or a
   `redis://`/`rediss://` `CELERY_BROKER_URL`), each within a short timeout. 200 or 503 with a
   JSON body naming each check's result, so a failing probe says what failed.
-- `/metrics`: Prometheus exposition (see `config.metrics`). Not public: with
+- `/metrics`: Prometheus exposition (see `core.metrics`). Not public: with
   `TALLY_METRICS_TOKEN` set it needs `Authorization: Bearer <token>`; without one it refuses
   every scrape unless `TALLY_METRICS_ANONYMOUS` (DEBUG's default) lets loopback and private
   addresses in (`config.metrics_auth`).
@@ -23,8 +23,8 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import URLPattern, URLResolver, path
 from django.views.decorators.cache import never_cache
 
-from config import metrics
 from config.metrics_auth import metrics_refusal
+from core import metrics
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from django.urls import Resolver404, resolve
 
-from config.logging import ADMISSION_PREFIX
+from core.logging import ADMISSION_PREFIX
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 # Holds the Unix time until which this browser reads from the primary. Forging it only moves

@@ -14,8 +14,8 @@ from celery.schedules import crontab
 from django.core.exceptions import ImproperlyConfigured
 
 from agent.exporters import PROFILES as EXPORTER_PROFILES
-from config import env
-from config.logging import library_loggers, quiet_django
+from core import env
+from core.logging import library_loggers, quiet_django
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 VAR_DIR = BASE_DIR / "var"
@@ -57,7 +57,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
-    "config.logging.RequestIdMiddleware",
+    "core.logging.RequestIdMiddleware",
     "django.middleware.security.SecurityMiddleware",
     # Each listener serves only its paths (webhook, ingest, metrics): see deploy/README.md.
     "config.listeners.ListenerMiddleware",
@@ -405,9 +405,9 @@ REST_FRAMEWORK = {
     "EXCEPTION_HANDLER": "teams.api.exception_handler",
     # An unknown `?format=` is a 406 naming the endpoint's formats, not DRF's 404.
     "DEFAULT_CONTENT_NEGOTIATION_CLASS": "teams.negotiation.ContentNegotiation",
-    # JSON through `config.inputs`: bounded in size and depth, a 400 with a reason.
+    # JSON through `core.inputs`: bounded in size and depth, a 400 with a reason.
     "DEFAULT_PARSER_CLASSES": [
-        "config.parsers.JsonParser",
+        "core.parsers.JsonParser",
         "rest_framework.parsers.FormParser",
         "rest_framework.parsers.MultiPartParser",
     ],
@@ -456,7 +456,7 @@ LOGGING = {
     "loggers": library_loggers(LOG_LEVEL),
 }
 if env.get_choice("LOG_FORMAT", "plain", ("plain", "json")) == "json":
-    from config.logging import logging_config
+    from core.logging import logging_config
 
     LOGGING = logging_config(LOG_LEVEL)
 # Each Django line once (not again by Django's own DEBUG console handler); 403s as one line.

@@ -25,7 +25,7 @@ from django.conf import settings
 from django.core import checks
 from django.http import HttpRequest, HttpResponse
 
-from config.logging import ADMISSION_PREFIX
+from core.logging import ADMISSION_PREFIX
 
 log = logging.getLogger(__name__)
 # gunicorn puts the client's socket (an ssl.SSLSocket under TLS) in the WSGI environ.

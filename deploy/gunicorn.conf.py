@@ -53,7 +53,7 @@ max_requests = 5000
 max_requests_jitter = 500
 # The root filesystem is read-only: the heartbeat files go to memory.
 worker_tmp_dir = "/dev/shm"
-accesslog = None  # config.logging.RequestIdMiddleware logs each request, as JSON
+accesslog = None  # core.logging.RequestIdMiddleware logs each request, as JSON
 errorlog = "-"
 # No proxy inside the pod speaks for a client: TLS ends here and Tally is served at the root.
 # gunicorn would otherwise take SCRIPT_NAME/PATH_INFO (which move the routed path away from the
@@ -120,7 +120,7 @@ def webhook_ports() -> frozenset[int]:
     """The ports TALLY_LISTENERS assigns the admission webhooks to (none: every port serves
     everything, as in development, and the webhooks share the threads)."""
     from config.listeners import parse_listeners
-    from config.logging import ADMISSION_PREFIX
+    from core.logging import ADMISSION_PREFIX
 
     entries = [e for e in os.environ.get("TALLY_LISTENERS", "").split(",") if e.strip()]
     return frozenset(

@@ -6,7 +6,7 @@ class InventoryConfig(AppConfig):
     verbose_name = "GPU inventory"
 
     def ready(self) -> None:
-        from config.metrics import DATABASE_COLLECTORS
+        from core.metrics import DATABASE_COLLECTORS
         from inventory.stranded import StrandedGangCollector
 
         DATABASE_COLLECTORS.append(StrandedGangCollector())

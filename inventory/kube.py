@@ -56,7 +56,7 @@ from kubernetes import config as k8s_config
 from kubernetes.client.exceptions import ApiException
 from kubernetes.config.config_exception import ConfigException
 
-from config import metrics
+from core import metrics
 from db.bulk import AnyOf
 from inventory import gangs, owners, services
 from inventory.models import Cluster, ResourceClaim, SyncState

@@ -271,7 +271,7 @@ def stranded_by_team(gangs: Iterable[StrandedGang]) -> dict[tuple[str, str], lis
 class StrandedGangCollector(Collector):
     """`tally_stranded_gangs`, `tally_stranded_gang_devices` and
     `tally_stranded_gang_units` by team and unit, from the database at scrape time (see
-    `config.metrics`). `clock` gives the time stretches are measured to."""
+    `core.metrics`). `clock` gives the time stretches are measured to."""
 
     def __init__(self, clock: Callable[[], datetime] = timezone.now) -> None:
         self.clock = clock

@@ -8,7 +8,7 @@ class QuotaConfig(AppConfig):
     verbose_name = "Quotas"
 
     def ready(self) -> None:
-        from config.metrics import DATABASE_COLLECTORS
+        from core.metrics import DATABASE_COLLECTORS
         from inventory.signals import claims_changed
         from quota.metrics import ReservationCollector
         from quota.pending import PendingDemandCollector

@@ -1,4 +1,4 @@
-"""Quota's metrics read from the database at scrape time (see `config.metrics`)."""
+"""Quota's metrics read from the database at scrape time (see `core.metrics`)."""
 
 from __future__ import annotations
 

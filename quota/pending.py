@@ -284,7 +284,7 @@ class _Weigher:
 class PendingDemandCollector(Collector):
     """`tally_pending_claims` and `tally_pending_demand_units` by team, device class and unit,
     and `tally_pending_longest_wait_seconds` by team, from the database at scrape time (see
-    `config.metrics`). A class no cluster publishes is labelled "other". `clock` gives the
+    `core.metrics`). A class no cluster publishes is labelled "other". `clock` gives the
     time waits are counted to."""
 
     def __init__(self, clock: Callable[[], datetime] = timezone.now) -> None:

@@ -39,7 +39,7 @@ from django.conf import settings
 from django.db import transaction
 from django.db.models import F, Q
 
-from config import metrics
+from core import metrics
 from db.bulk import AnyOf
 from db.locks import advisory_xact_lock
 from inventory.models import Allocation, Cluster, Gang, ResourceClaim

@@ -20,8 +20,8 @@ from django.http import HttpRequest, HttpResponse
 from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 
-from config import metrics
-from config.logging import PARSED_REVIEW
+from core import metrics
+from core.logging import PARSED_REVIEW
 from inventory import kube
 from inventory.owners import OwnerLookup
 from quota import workloads

@@ -51,7 +51,7 @@ from inventory.owners import (
     is_controller,
 )
 
-# The result of one review, as `config.metrics.WEBHOOK_DECISIONS` counts it.
+# The result of one review, as `core.metrics.WEBHOOK_DECISIONS` counts it.
 UNCHANGED, ANNOTATED, REPLACED = "allowed", "annotated", "replaced"
 
 # Where each kind keeps the templates of what it makes, as paths to their annotations ("*":

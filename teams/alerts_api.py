@@ -17,7 +17,7 @@ from rest_framework.exceptions import PermissionDenied
 from rest_framework.request import Request
 from rest_framework.response import Response
 
-from config.parsers import JsonParser
+from core.parsers import JsonParser
 from teams.alerts import may_snooze, snooze_alert, visible_alerts
 from teams.api import ReadOnlyModelSerializer, TallyViewSet
 from teams.models import Alert, AlertKind, AlertState

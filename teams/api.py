@@ -43,7 +43,7 @@ from rest_framework.response import Response
 from rest_framework.views import APIView
 from rest_framework.views import exception_handler as drf_exception_handler
 
-from config.logging import REQUEST_ID_HEADER
+from core.logging import REQUEST_ID_HEADER
 from teams.models import Team
 from teams.selectors import user_role, visible_teams
 

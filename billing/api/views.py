@@ -57,7 +57,7 @@ from billing.periods import PricingError
 from billing.pricing import period_holding
 from billing.selectors import BilledRow, BilledUsage, billed_usage, unowned_usage
 from billing.services import add_adjustment, close_period
-from config.parsers import JsonParser
+from core.parsers import JsonParser
 from teams.api import (
     FinanceOrOperator,
     OrderingFilter,

@@ -3,7 +3,7 @@
 Thin edges: parse the AdmissionReview, call one service (`service.review_claim`, or
 `service.fit_alternatives` for the mutating webhook), answer. Every well-formed review gets
 a well-formed answer that echoes its uid; a body that is no AdmissionReview (not JSON, nested
-past `config.inputs`' limit, a number past a double) gets HTTP 400 with the reason, and a
+past `core.inputs`' limit, a number past a double) gets HTTP 400 with the reason, and a
 claim that is malformed a denial naming the field. Nothing here answers 500.
 
 Only a database that cannot be reached in time (an `OperationalError` or `InterfaceError`:
@@ -30,9 +30,9 @@ from django.views.decorators.csrf import csrf_exempt
 from django.views.decorators.http import require_POST
 from jsonpatch import JsonPointer
 
-from config import metrics
-from config.inputs import BadInput, parse_json
-from config.logging import PARSED_REVIEW
+from core import metrics
+from core.inputs import BadInput, parse_json
+from core.logging import PARSED_REVIEW
 from quota.admission import service
 from quota.admission.decision import Decision
 

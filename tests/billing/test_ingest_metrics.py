@@ -15,7 +15,7 @@ from django.test import Client
 from django.utils import timezone
 from prometheus_client import REGISTRY, Counter
 
-from config import metrics
+from core import metrics
 from inventory.kube import RESOURCES
 from inventory.models import Device
 from tests.billing.test_ingest import issue_token

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from config.inputs import BadInput, parse_json
+from core.inputs import BadInput, parse_json
 
 
 @pytest.mark.parametrize(

@@ -14,7 +14,7 @@ from django.contrib.auth.models import User
 from django.test import Client
 from django.utils.log import configure_logging
 
-from config.logging import logging_config, quiet_django
+from core.logging import logging_config, quiet_django
 
 pytestmark = pytest.mark.django_db
 

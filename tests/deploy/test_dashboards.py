@@ -4,7 +4,7 @@ promql-parser, and with promtool where it is installed) and names only metrics T
 and the two Kustomize components render to what Grafana's sidecar and the Prometheus Operator
 read.
 
-The exported names come from what `/metrics` serves (`config.metrics.render`, the database's
+The exported names come from what `/metrics` serves (`core.metrics.render`, the database's
 collectors included), parsed as Prometheus parses it, never from a list written here. Rendering
 needs kubectl, as in test_manifests.py (skipped, saying so, without it); the promtool check is
 skipped where promtool is missing, unless TALLY_PROMETHEUS_TESTS=required (.ci/run).
@@ -29,7 +29,7 @@ import yaml
 from prometheus_client import GC_COLLECTOR, PLATFORM_COLLECTOR, PROCESS_COLLECTOR
 from prometheus_client.parser import text_string_to_metric_families
 
-from config import metrics
+from core import metrics
 from tests.deploy.test_cloudnativepg import problems
 from tests.deploy.test_manifests import (
     DEPLOY,

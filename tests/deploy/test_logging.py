@@ -12,15 +12,15 @@ import pytest
 from django.test import Client
 from pytest_django.fixtures import SettingsWrapper
 
-from config.logging import JsonFormatter, RequestContextFilter, bound, logging_config
+from core.logging import JsonFormatter, RequestContextFilter, bound, logging_config
 
 pytestmark = pytest.mark.django_db
 
 
 @pytest.fixture
 def json_lines(settings: SettingsWrapper) -> Iterator[io.StringIO]:
-    if "config.logging.RequestIdMiddleware" not in settings.MIDDLEWARE:
-        settings.MIDDLEWARE = ["config.logging.RequestIdMiddleware", *settings.MIDDLEWARE]
+    if "core.logging.RequestIdMiddleware" not in settings.MIDDLEWARE:
+        settings.MIDDLEWARE = ["core.logging.RequestIdMiddleware", *settings.MIDDLEWARE]
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter())

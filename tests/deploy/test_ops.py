@@ -14,8 +14,9 @@ from django.db import OperationalError
 from django.test import Client
 from pytest_django.fixtures import SettingsWrapper
 
-from config import metrics, ops_urls
+from config import ops_urls
 from config.listeners import ListenerMiddleware, parse_listeners
+from core import metrics
 from quota.models import Reservation
 
 pytestmark = pytest.mark.django_db

@@ -15,8 +15,8 @@ from django.http import HttpResponse
 from django.test import RequestFactory
 from django.urls import resolve
 
-from config.logging import ADMISSION_PREFIX
 from config.webhook_auth import WebhookCallerMiddleware
+from core.logging import ADMISSION_PREFIX
 from quota.workloads import TEMPLATE_ANNOTATIONS
 from tests.deploy.test_manifests import (
     KUBERNETES_VERSION,

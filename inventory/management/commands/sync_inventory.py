@@ -23,7 +23,7 @@ from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
-from config.metrics import start_metrics_server
+from core.metrics import start_metrics_server
 from inventory import checks, kube, leader, previews, services
 from inventory.models import Cluster
 

@@ -1,8 +1,8 @@
-"""The API's JSON parser: request bodies read through `config.inputs`, bounded in size and
+"""The API's JSON parser: request bodies read through `core.inputs`, bounded in size and
 depth, so that a body nested thousands deep or holding an integer of thousands of digits is a
 400 with a reason, never a 500 (DRF's own parser lets the stdlib's `RecursionError` through).
 
-A helper of the project package: it imports Django, DRF and `config.inputs`, never an app.
+A helper of the project package: it imports Django, DRF and `core.inputs`, never an app.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from rest_framework import renderers, status
 from rest_framework.exceptions import APIException, ParseError
 from rest_framework.parsers import BaseParser
 
-from config.inputs import BadInput, parse_json
+from core.inputs import BadInput, parse_json
 
 
 class RequestTooLarge(APIException):
@@ -27,7 +27,7 @@ class RequestTooLarge(APIException):
 class JsonParser(BaseParser):
     """`application/json` bodies of at most DATA_UPLOAD_MAX_MEMORY_SIZE bytes (413 beyond:
     DRF reads the stream itself, so Django's own check of that limit never runs), parsed by
-    `config.inputs.parse_json` (400 naming the problem). JSON is UTF-8 (RFC 8259)."""
+    `core.inputs.parse_json` (400 naming the problem). JSON is UTF-8 (RFC 8259)."""
 
     media_type = "application/json"
     renderer_class = renderers.JSONRenderer

@@ -22,7 +22,7 @@ from typing import Any
 from django.http import HttpRequest, HttpResponse
 from pythonjsonlogger.json import JsonFormatter as _BaseJsonFormatter
 
-from config.inputs import parse_json
+from core.inputs import parse_json
 
 REQUEST_ID_HEADER = "X-Request-Id"
 ADMISSION_PREFIX = "/admission/"
@@ -61,9 +61,9 @@ def admission_uid(request: HttpRequest) -> str | None:
     try:
         if int(request.headers.get("Content-Length") or 0) > _ADMISSION_BODY_LIMIT:
             return None
-        # Bounded (config.inputs): a body nested thousands deep is refused, not a crash here.
+        # Bounded (core.inputs): a body nested thousands deep is refused, not a crash here.
         review = parse_json(request.body)
-    except ValueError:  # config.inputs.BadInput among them
+    except ValueError:  # core.inputs.BadInput among them
         return None  # the view answers 400 with the reason
     # Parsed once, as the view would: the webhook's view reads it from here.
     setattr(request, PARSED_REVIEW, review)
@@ -152,8 +152,8 @@ def logging_config(level: str) -> dict[str, Any]:
     return {
         "version": 1,
         "disable_existing_loggers": False,
-        "filters": {"request_context": {"()": "config.logging.RequestContextFilter"}},
-        "formatters": {"json": {"()": "config.logging.JsonFormatter"}},
+        "filters": {"request_context": {"()": "core.logging.RequestContextFilter"}},
+        "formatters": {"json": {"()": "core.logging.JsonFormatter"}},
         "handlers": {
             "console": {
                 "class": "logging.StreamHandler",
@@ -189,7 +189,7 @@ def quiet_django(config: dict[str, Any]) -> dict[str, Any]:
         **config,
         "filters": {
             **config.get("filters", {}),
-            "one_line_forbidden": {"()": "config.logging.OneLineForbidden"},
+            "one_line_forbidden": {"()": "core.logging.OneLineForbidden"},
         },
         "loggers": {
             **config.get("loggers", {}),
