@@ -675,7 +675,9 @@ TALLY_PROMETHEUS_RUN_DEADLINE_SECONDS = env.get_int(
 )
 # Label matchers added to every query, e.g. `cluster="{cluster}"` ({cluster}: Tally's name).
 TALLY_PROMETHEUS_SELECTOR = env.get_str("TALLY_PROMETHEUS_SELECTOR", "") or ""
-TALLY_PROMETHEUS_EXPORTERS = env.get_list("TALLY_PROMETHEUS_EXPORTERS", ["dcgm", "amd", "intel"])
+TALLY_PROMETHEUS_EXPORTERS = env.get_list(
+    "TALLY_PROMETHEUS_EXPORTERS", ["dcgm", "amd", "intel", "gaudi", "tpu"]
+)
 # Per exporter (dcgm, amd, intel, gaudi, tpu): utilisation metrics in order of preference
 # (`name{matchers}*scale`, to percent) and which label plays which role (`role=label`;
 # `skip=a|b`: series with those are not read). Defaults: the exporter's own, as the node agent

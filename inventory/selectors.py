@@ -289,6 +289,86 @@ def _multi_host_units(cluster: Cluster | None) -> QuerySet[Device, dict[str, Any
     )
 
 
+def _multi_host_keys(cluster: Cluster | None) -> QuerySet[Device, dict[str, Any]]:
+    """Physical keys of multi-host sets (KEP-4815: a device with no node of its own that
+    spans several and counts more than one unit), as a subquery."""
+    return (
+        _present_gpu_devices(cluster)
+        .filter(node__isnull=True, gpu_share__gt=1)
+        .values("physical_gpu_key")
+    )
+
+
+def _multi_host_free_blocks(cluster: Cluster | None) -> dict[tuple[str, str], int]:
+    """Per unit and model, the most whole units one device of a multi-host set a claim could
+    be given now counts (a 4x4 TPU slice over four nodes, a half of it, one host's 2x2): an
+    unheld one whose counters fit in what the set's held devices leave (a 2x4 half of a 4x4
+    slice whose other half is held: 8). Where its pool's counter set is not stored, one is
+    placeable when no held device consumes a counter it consumes. Two queries."""
+    devices = list(
+        _present_gpu_devices(cluster)
+        .filter(physical_gpu_key__in=_multi_host_keys(cluster))
+        .annotate(
+            held=Case(
+                When(pk__in=_held_device_ids(), then=True),
+                default=False,
+                output_field=BooleanField(),
+            )
+        )
+        .values(
+            "cluster_id",
+            "driver",
+            "pool",
+            "pool_generation",
+            "physical_gpu_key",
+            "unit",
+            "product_name",
+            "gpu_share",
+            "extra__consumesCounters",
+            "held",
+        )
+    )
+    if not devices:
+        return {}
+    totals = published_counter_sets(
+        generations={
+            (d["cluster_id"], d["driver"], d["pool"], d["pool_generation"]) for d in devices
+        }
+    )
+    held: dict[tuple[int, str], dict[tuple[str, str], Decimal]] = defaultdict(
+        lambda: defaultdict(Decimal)
+    )
+    for device in devices:
+        if device["held"]:
+            consumed = held[(device["cluster_id"], device["physical_gpu_key"])]
+            for counter_set, counters in _consumed(device).items():
+                for counter, amount in counters.items():
+                    consumed[(counter_set, counter)] += amount
+    blocks: dict[tuple[str, str], int] = defaultdict(int)
+    for device in devices:
+        if device["held"]:
+            continue
+        taken = held.get((device["cluster_id"], device["physical_gpu_key"]), {})
+        published = totals.get(
+            (device["cluster_id"], device["driver"], device["pool"], device["pool_generation"]),
+            {},
+        )
+        fits = all(
+            (
+                taken.get((counter_set, counter), Decimal(0)) + amount
+                <= published[counter_set][counter]
+            )
+            if counter in published.get(counter_set, {})
+            else not taken.get((counter_set, counter))
+            for counter_set, counters in _consumed(device).items()
+            for counter, amount in counters.items()
+        )
+        if fits:
+            key = (device["unit"], device["product_name"])
+            blocks[key] = max(blocks[key], int(device["gpu_share"]))
+    return dict(blocks)
+
+
 def version_matrix(*, cluster: Cluster | None = None) -> VersionMatrix:
     """Which driver/CUDA pairs run where, per cluster and GPU model: the baseline (set or
     computed), the nodes and GPUs on it, the outliers and the deviations documenting them.
@@ -398,7 +478,22 @@ def fragmentation(*, cluster: Cluster | None = None) -> Fragmentation:
     per_node_and_model = (
         _present_gpu_devices(cluster)
         .filter(node__isnull=False)
-        .values("cluster__name", "node_id", "node__name", "node__clique", "unit", "product_name")
+        .annotate(
+            multi_host=Case(
+                When(physical_gpu_key__in=_multi_host_keys(cluster), then=True),
+                default=False,
+                output_field=BooleanField(),
+            )
+        )
+        .values(
+            "cluster__name",
+            "node_id",
+            "node__name",
+            "node__clique",
+            "unit",
+            "product_name",
+            "multi_host",
+        )
         .annotate(gpus=_count_gpus(), allocated=_count_gpus(allocated=True))
         .order_by()
     )
@@ -423,6 +518,10 @@ def fragmentation(*, cluster: Cluster | None = None) -> Fragmentation:
                 largest_free_clique_block=0,
             ),
         )
+        if row["multi_host"]:
+            # A host of a multi-host set: its free chips are weighed with the set's slices
+            # below, as what it offers depends on what the set's other slices hold.
+            continue
         block["largest_free_block"] = max(block["largest_free_block"], free)
         # Clique ids are only meaningful within a cluster; a node without one is its own group.
         group = row["node__clique"] or ("node", row["node_id"])
@@ -430,6 +529,21 @@ def fragmentation(*, cluster: Cluster | None = None) -> Fragmentation:
     for (unit, product, _, _), free in free_by_model_clique.items():
         block = blocks[(unit_order(unit), unit, product)]
         block["largest_free_clique_block"] = max(block["largest_free_clique_block"], free)
+    # A multi-host device (a 4x4 TPU slice over four nodes) is one block of all the units it
+    # counts, on its own interconnect: on no node row, but a claim can be given it whole.
+    for (unit, product), units in _multi_host_free_blocks(cluster).items():
+        block = blocks.setdefault(
+            (unit_order(unit), unit, product),
+            FreeBlock(
+                unit=unit,
+                unit_label=unit_label(unit),
+                product_name=product,
+                largest_free_block=0,
+                largest_free_clique_block=0,
+            ),
+        )
+        block["largest_free_block"] = max(block["largest_free_block"], units)
+        block["largest_free_clique_block"] = max(block["largest_free_clique_block"], units)
     free_blocks = [blocks[key] for key in sorted(blocks)]
     partial = partial_gpus(cluster=cluster)
     partial_by_node: dict[str, list[PartialGpu]] = defaultdict(list)
