@@ -44,7 +44,7 @@ from billing.pricing import (
     round_money,
 )
 from billing.rounding import largest_remainders
-from billing.selectors import apportion, period_pieces, stored_periods
+from billing.selectors import apportion, minor_unit, period_pieces, stored_periods
 from billing.units import hours_label
 from teams.models import Team
 
@@ -187,8 +187,6 @@ def _usage_rows(
     """A line's rows, one per holder: its usage priced and rounded once as the statements
     price it (or a frozen line's hours and amount), shared out among the holders."""
     product, line_profile, unit, currency, rate, idle_factor, share = line.key
-    if frozen is not None:
-        holders = _scaled(holders, frozen) if holders else {}
     exact = {
         holder: _exact_amount(figures, rate=rate, idle_factor=idle_factor, share=share)
         for holder, figures in holders.items()
@@ -197,6 +195,7 @@ def _usage_rows(
         total = frozen.amount
     else:
         total = round_money(sum(exact.values(), Fraction(0)), currency)
+    hours = _line_hours(holders, frozen)
     billed = _shared(total, exact, {h: Fraction(f[0]) for h, f in holders.items()}, currency)
     period_start, period_end = _billing_period(line.piece[0], periods)
     common = {
@@ -232,7 +231,7 @@ def _usage_rows(
                     share=share,
                     currency=currency,
                 ),
-                BilledCost=_number(total),
+                BilledCost=_money(total, currency),
                 ChargeDescription=_usage_description(line.key, line_sku),
                 ChargePeriodStart=_moment(line.piece[0]),
                 ChargePeriodEnd=_moment(line.piece[1]),
@@ -245,7 +244,7 @@ def _usage_rows(
             )
         ]
     rows = []
-    for holder, (allocated, utilised, unmeasured) in holders.items():
+    for holder, (allocated, utilised, unmeasured) in hours.items():
         day, cluster, namespace, job, username, profile = holder
         sku = f"{product} {profile}".strip()
         day_start = _midnight(day)
@@ -254,14 +253,14 @@ def _usage_rows(
                 team,
                 **common,
                 **_quantities(
-                    allocated=Decimal(allocated) / MS_PER_HOUR,
-                    utilised=Decimal(utilised) / MS_PER_HOUR,
-                    unmeasured=Decimal(unmeasured) / MS_PER_HOUR,
+                    allocated=allocated,
+                    utilised=utilised,
+                    unmeasured=unmeasured,
                     rate=rate,
                     share=share,
                     currency=currency,
                 ),
-                BilledCost=_number(billed[holder]),
+                BilledCost=_money(billed[holder], currency),
                 ChargeDescription=_usage_description(line.key, sku),
                 ChargePeriodStart=_moment(max(day_start, line.piece[0])),
                 ChargePeriodEnd=_moment(min(day_start + timedelta(days=1), line.piece[1])),
@@ -274,16 +273,25 @@ def _usage_rows(
     return rows
 
 
-def _scaled(holders: Mapping[_Holder, _Figures], line: LineFigures) -> dict[_Holder, _Figures]:
-    """The holders' milliseconds scaled to a frozen line's hours, each figure shared out by
-    largest remainders so that they add up to the line's (in their proportions now)."""
-    scaled: dict[_Holder, _Figures] = {holder: [0, 0, 0] for holder in holders}
-    for index, hours in enumerate((line.allocated, line.utilised, line.unmeasured)):
-        target = int((hours * MS_PER_HOUR).to_integral_value(ROUND_HALF_UP))
+def _line_hours(
+    holders: Mapping[_Holder, _Figures], frozen: LineFigures | None
+) -> dict[_Holder, tuple[Decimal, Decimal, Decimal]]:
+    """The line's hours (allocated, utilised, unmeasured; a frozen line's as frozen, else its
+    usage's, rounded to the microhour as a statement line keeps them) shared out among the
+    holders in proportion to their milliseconds, by largest remainders: each row's hours are
+    whole microhours, and a line's rows add up to the line's hours exactly."""
+    shared: dict[_Holder, list[Decimal]] = {holder: [] for holder in holders}
+    for index in range(3):
+        if frozen is not None:
+            line_hours = (frozen.allocated, frozen.utilised, frozen.unmeasured)[index]
+        else:
+            ms = sum(figures[index] for figures in holders.values())
+            line_hours = _hours(Decimal(ms) / MS_PER_HOUR)
+        micro = int(line_hours / HOURS_PLACES)
         weights = {holder: Fraction(figures[index]) for holder, figures in holders.items()}
-        for holder, part in _whole_parts(target, weights).items():
-            scaled[holder][index] = part
-    return scaled
+        for holder, part in _whole_parts(micro, weights).items():
+            shared[holder].append(part * HOURS_PLACES)
+    return {holder: (figures[0], figures[1], figures[2]) for holder, figures in shared.items()}
 
 
 def _whole_parts(total: int, weights: Mapping[_Holder, Fraction]) -> dict[_Holder, int]:
@@ -349,8 +357,8 @@ def _quantities(
     return {
         "ConsumedQuantity": _number(_hours(allocated)),
         "PricingQuantity": _number(pricing_quantity),
-        "ListCost": _number(list_cost),
-        "ContractedCost": _number(list_cost),
+        "ListCost": _money(list_cost, currency),
+        "ContractedCost": _money(list_cost, currency),
         "x_AllocatedHours": _number(_hours(allocated)),
         "x_UtilisedHours": _number(_hours(utilised)),
         "x_IdleHours": _number(_hours(allocated - utilised - unmeasured)),
@@ -375,7 +383,7 @@ def _adjustment_row(line: StatementLine) -> FocusRow:
     the difference), or finance's own. Neither is usage, so neither has consumed or pricing
     quantities (the specification's nullability), and its costs are its amount."""
     statement, period, corrected = line.statement, line.statement.period, line.corrects_period
-    amount = _number(line.amount)
+    amount = _money(line.amount, line.statement.currency)
     charged = corrected or period
     return _row(
         statement.team,
@@ -528,6 +536,11 @@ def _focus_unit(label: str) -> str:
 
 def _hours(value: Decimal) -> Decimal:
     return value.quantize(HOURS_PLACES, rounding=ROUND_HALF_UP)
+
+
+def _money(value: Decimal, currency: str) -> str:
+    """An amount to its currency's minor unit (stored amounts keep three places)."""
+    return _number(value.quantize(minor_unit(currency)))
 
 
 def _number(value: Decimal) -> str:
