@@ -6,6 +6,7 @@ period's rows add up to its statements only all together.
 
 from __future__ import annotations
 
+from decimal import Decimal
 from typing import Any
 
 from drf_spectacular.utils import extend_schema
@@ -14,7 +15,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from billing.api.serializers import BilledWindowSerializer
-from billing.focus import focus_rows
+from billing.focus import FocusRow, focus_rows
 from billing.focus_columns import COLUMNS, DATE_TIME, DECIMAL, FOCUS_VERSION, JSON, FocusColumn
 from billing.periods import period_label
 from teams.api import FinanceOrOperator, TallyViewSet
@@ -33,12 +34,45 @@ class FocusQuerySerializer(BilledWindowSerializer):
     job = None
     unit = None
     currency = None
-    ordering = None
+    ordering = serializers.CharField(
+        required=False,
+        help_text="Columns to sort the rows by, comma-separated (a leading '-' for descending); "
+        "by default by billing period, team, currency, category and day.",
+    )
+
+    def validate_ordering(self, ordering: str) -> list[str]:
+        terms = [term.strip() for term in ordering.split(",") if term.strip()]
+        for term in terms:
+            if term.removeprefix("-") not in COLUMN_TYPES:
+                raise serializers.ValidationError(
+                    f"cannot order by {term.removeprefix('-')!r}: order by one of "
+                    f"{', '.join(COLUMN_TYPES)} (a leading '-' for descending)"
+                )
+        return terms
 
     def validate_team(self, slug: str) -> str:
         if not Team.objects.filter(slug=slug).exists():
             raise serializers.ValidationError(f"No team {slug!r}.")
         return slug
+
+
+COLUMN_TYPES = {column.name: column.data_type for column in COLUMNS}
+
+
+def ordered(rows: list[FocusRow], terms: list[str]) -> list[FocusRow]:
+    """`rows` sorted by the columns `terms` name (`-` descending; nulls last either way),
+    Decimal columns as numbers."""
+    for term in reversed(terms):
+        name = term.removeprefix("-")
+        present = [row for row in rows if row[name] is not None]
+        missing = [row for row in rows if row[name] is None]
+        number = COLUMN_TYPES[name] == DECIMAL
+        present.sort(
+            key=lambda row: Decimal(row[name] or 0) if number else (row[name] or ""),
+            reverse=term.startswith("-"),
+        )
+        rows = present + missing
+    return rows
 
 
 def _field(column: FocusColumn) -> serializers.Field[Any, Any, Any, Any]:
@@ -90,6 +124,7 @@ class FocusViewSet(TallyViewSet):
         if "team" in asked:
             teams = teams.filter(slug=asked["team"])
         rows = focus_rows(teams=list(teams), since=asked["since"], until=asked["until"])
+        rows = ordered(rows, asked.get("ordering", []))
         response = Response(rows, headers={FOCUS_VERSION_HEADER: FOCUS_VERSION})
         if getattr(request.accepted_renderer, "format", "") == "csv":
             name = f"focus-{period_label(asked['since'], asked['until'])}.csv"

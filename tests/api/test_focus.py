@@ -436,6 +436,15 @@ def test_a_window_is_priced_as_the_billed_usage_is(cast: Cast, closed: Closed) -
     assert {row["SubAccountId"] for row in _json(cast, team="beta", period="2026-W46")} == {"beta"}
 
 
+def test_rows_sort_by_any_column(cast: Cast, closed: Closed) -> None:
+    rows = _json(cast, period="2026-W45", ordering="-BilledCost,SkuId")
+    costs = [Decimal(row["BilledCost"]) for row in rows]
+    assert costs == sorted(costs, reverse=True) and len(set(costs)) > 3
+    # Nulls last either way.
+    rows = _json(cast, period="2026-W46", ordering="ChargeClass")
+    assert rows[0]["ChargeClass"] == "Correction" and rows[-1]["ChargeClass"] is None
+
+
 @pytest.mark.parametrize(
     ("who", "status"),
     [(None, 401), ("lead_a", 403), ("member_a", 403), ("lead_b", 403), ("operator", 200)],
@@ -458,6 +467,7 @@ def test_finance_and_operators_only(
         ({"since": "yesterday", "until": "2026-11-02"}, "since", ""),
         ({"since": "2020-01-01", "until": "2026-11-02"}, "until", "at most"),
         ({"team": "gamma", "period": "2026-W45"}, "team", "gamma"),
+        ({"ordering": "billed", "period": "2026-W45"}, "ordering", "cannot order by 'billed'"),
     ],
 )
 def test_bad_queries_are_400s_naming_the_parameter(
