@@ -28,12 +28,13 @@ class FocusQuerySerializer(BilledWindowSerializer):
     """The export's window: `period` (`2026-11`), or `since`/`until`; the current period when
     neither is given. `team` narrows it to one team (its slug)."""
 
-    # The billed-usage endpoints' row filters: a FOCUS dataset is every row of its window.
-    username = None
-    namespace = None
-    job = None
-    unit = None
-    currency = None
+    # The billed-usage endpoints' row filters, removed (DRF's way: None): a FOCUS dataset is
+    # every row of its window.
+    username = None  # type: ignore[assignment]
+    namespace = None  # type: ignore[assignment]
+    job = None  # type: ignore[assignment]
+    unit = None  # type: ignore[assignment]
+    currency = None  # type: ignore[assignment]
     ordering = serializers.CharField(
         required=False,
         help_text="Columns to sort the rows by, comma-separated (a leading '-' for descending); "
@@ -111,7 +112,7 @@ class FocusViewSet(TallyViewSet):
     permission_classes = [FinanceOrOperator]
     serializer_class = FocusRowSerializer
     filter_backends = []
-    pagination_class = None
+    pagination_class = None  # type: ignore[assignment]  # not paged: see the module
 
     @extend_schema(
         parameters=[FocusQuerySerializer], responses={200: FocusRowSerializer(many=True)}

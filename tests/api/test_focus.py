@@ -409,7 +409,7 @@ def test_csv_is_the_json_rows_under_the_column_header(cast: Cast, closed: Closed
 
 def test_two_whole_periods_add_up_to_both_statements(cast: Cast, closed: Closed) -> None:
     rows = _json(cast, since="2026-11-02", until="2026-11-16")
-    totals = defaultdict(Decimal)
+    totals: dict[tuple[str, str], Decimal] = defaultdict(Decimal)
     for period in (closed.closed, closed.next):
         for key, total in _statement_totals(period).items():
             totals[key] += total
