@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from billing import pricing, services
 from billing.focus_columns import COLUMNS, FOCUS_VERSION
 from billing.hours import MS_PER_HOUR
-from billing.models import LineKind, Period, Statement, StatementLine
+from billing.models import LineKind, Period, Statement, StatementLine, UsageHour
 from billing.selectors import billed_usage
 from teams.models import Team
 from tests.api.cast import Cast
@@ -263,6 +263,15 @@ def closed(cast: Cast, settings: LazySettings) -> Closed:
         job="Job/next",
         utilised=MS_PER_HOUR * 2 // 7,
     )
+    # And beta on a model no rate card prices (billed at zero, on its USD statement).
+    _hours(
+        _allocation("beta-ml", "unpriced", product_name="AMD Instinct MI300X"),
+        week.beta,
+        start=NEXT_MONDAY + timedelta(days=3),
+        hours=2,
+        username="nora",
+        job="Job/mi300",
+    )
     following = pricing.period_for(NEXT_MONDAY)
     pricing.refresh_statements(period=following)
     services.add_adjustment(
@@ -394,6 +403,35 @@ def test_the_next_period_has_the_corrections_and_adds_up(cast: Cast, closed: Clo
     ]
     assert (own["BilledCost"], own["ChargeDescription"]) == ("-12.34", "goodwill for the outage")
     assert own["ChargeFrequency"] == "One-Time"
+    (unpriced,) = [row for row in rows if row["SkuId"] == "AMD Instinct MI300X"]
+    assert (unpriced["BilledCost"], unpriced["ListUnitPrice"], unpriced["PricingCategory"]) == (
+        "0.00",
+        "0",
+        "Other",
+    )
+    assert unpriced["SkuPriceId"] == "unpriced:AMD Instinct MI300X"
+    assert unpriced["ConsumedQuantity"] == "2.000000"
+
+
+def test_a_frozen_line_without_usage_now_is_one_row_for_its_period(
+    cast: Cast, closed: Closed
+) -> None:
+    """Beta's usage of the closed week deleted since (as a re-import can): its frozen line is
+    still billed, as one row for the whole week."""
+    UsageHour.objects.filter(team=closed.week.beta, hour__lt=NEXT_MONDAY).delete()
+    rows = _json(cast, period="2026-W45")
+    assert _billed(rows) == _statement_totals(closed.closed)
+    (beta,) = [row for row in rows if row["SubAccountId"] == "beta"]
+    check_row(beta)
+    assert (beta["ChargePeriodStart"], beta["ChargePeriodEnd"]) == (
+        "2026-11-02T00:00:00Z",
+        "2026-11-09T00:00:00Z",
+    )
+    assert (beta["BilledCost"], beta["ConsumedQuantity"], beta["Tags"]) == (
+        "14.50",
+        "5.000000",
+        None,
+    )
 
 
 def test_csv_is_the_json_rows_under_the_column_header(cast: Cast, closed: Closed) -> None:
