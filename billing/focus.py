@@ -279,7 +279,7 @@ def _line_hours(
     """The line's hours (allocated, utilised, unmeasured; a frozen line's as frozen, else its
     usage's, rounded to the microhour as a statement line keeps them) shared out among the
     holders in proportion to their milliseconds, by largest remainders: each row's hours are
-    whole microhours, and a line's rows add up to the line's hours exactly. None without
+    whole microhours, and a line's rows add up to the line's hours exactly. Empty without
     holders (a frozen line no usage row has now is one row of its own hours)."""
     if not holders:
         return {}
