@@ -19,7 +19,7 @@ from rest_framework.request import Request
 from rest_framework.routers import DefaultRouter
 from rest_framework.views import APIView
 
-from billing.api import compare
+from billing.api import compare, focus
 from billing.api import views as billing
 from inventory.api import views as inventory
 from quota.api import demand, stranded
@@ -62,6 +62,8 @@ router.register("usage", billing.UsageViewSet, basename="usage")
 router.register("billed/people", billing.BilledUsageViewSet, basename="billed-people")
 router.register("billed/jobs", billing.BilledJobViewSet, basename="billed-jobs")
 router.register("billed/unowned", billing.UnownedUsageViewSet, basename="billed-unowned")
+# What the statements bill as a FOCUS 1.2 dataset, for finance's cost tools (issue 39).
+router.register("billed/focus", focus.FocusViewSet, basename="billed-focus")
 router.register("inventory/capacity", inventory.CapacityViewSet, basename="inventory-capacity")
 router.register("inventory/deviations", inventory.DeviationViewSet, basename="inventory-deviations")
 router.register("pending/claims", demand.PendingClaimViewSet, basename="pending-claims")
