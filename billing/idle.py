@@ -35,13 +35,12 @@ from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from billing.hours import HOUR, MS_PER_HOUR, hour_start
+from billing.hours import HOUR, MS_PER_HOUR, hour_start, hours_from_ms, idle_of
 from billing.models import UsageHour
 from inventory.models import Allocation, ResourceClaim
 from teams.models import IdleAlertPolicy, Team
 
-HUNDREDTH = Decimal("0.01")
-MILLIONTH = Decimal("0.000001")
+HUNDREDTH = Decimal("0.01")  # of a percent
 # The window of `tally_idle_unit_hours`.
 METRIC_HOURS = 24
 
@@ -86,11 +85,11 @@ class IdleClaim:
 
     @property
     def idle_ms(self) -> int:
-        return self.allocated_ms - self.utilised_ms - self.unmeasured_ms
+        return idle_of(self.allocated_ms, self.utilised_ms, self.unmeasured_ms)
 
     @property
     def idle_unit_hours(self) -> Decimal:
-        return (Decimal(self.idle_ms) / MS_PER_HOUR).quantize(MILLIONTH, ROUND_HALF_UP)
+        return hours_from_ms(self.idle_ms)
 
 
 def rolled_up_until(now: datetime) -> datetime | None:
@@ -286,7 +285,7 @@ class IdleCollector(Collector):
                 .order_by("team_id", "unit")
             )
             for row in rows:
-                idle = row["allocated"] - row["utilised"] - row["unmeasured"]
+                idle = idle_of(row["allocated"], row["utilised"], row["unmeasured"])
                 team = slugs.get(row["team_id"], "") if row["team_id"] is not None else ""
                 family.add_metric([team, row["unit"]], idle / MS_PER_HOUR)
         yield family

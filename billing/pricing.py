@@ -32,7 +32,7 @@ from django.db.models.functions import TruncDate
 from django.utils import timezone
 
 from billing import late_data, shock
-from billing.hours import MS_PER_HOUR
+from billing.hours import KEPT_HOURS, MS_PER_HOUR, hours_from_ms, idle_of
 from billing.models import (
     SLICE_HOUR,
     LineKind,
@@ -160,7 +160,7 @@ class _Usage:
 
     @property
     def idle_ms(self) -> int:
-        return self.allocated_ms - self.utilised_ms - self.unmeasured_ms
+        return idle_of(self.allocated_ms, self.utilised_ms, self.unmeasured_ms)
 
 
 LineKey = tuple[str, str, str, str, Decimal | None, Decimal | None, Decimal | None]
@@ -187,7 +187,7 @@ class LineFigures:
 
     @property
     def idle(self) -> Decimal:
-        return self.allocated - self.utilised - self.unmeasured
+        return idle_of(self.allocated, self.utilised, self.unmeasured)
 
     @property
     def key(self) -> LineKey:
@@ -318,9 +318,9 @@ def _lines(rows: Iterable[dict[str, Any]], *, cards: RateCards) -> list[LineFigu
         total.unmeasured_ms += row["unmeasured"]
     for key, line in lines.items():
         total = totals[key]
-        line.allocated = Decimal(total.allocated_ms) / MS_PER_HOUR
-        line.utilised = Decimal(total.utilised_ms) / MS_PER_HOUR
-        line.unmeasured = Decimal(total.unmeasured_ms) / MS_PER_HOUR
+        line.allocated = hours_from_ms(total.allocated_ms, places=None)
+        line.utilised = hours_from_ms(total.utilised_ms, places=None)
+        line.unmeasured = hours_from_ms(total.unmeasured_ms, places=None)
         if line.rate is not None and line.idle_factor is not None:
             billable = rate_hours(total.allocated_ms, line.gpu_share) - (
                 1 - Fraction(line.idle_factor)
@@ -330,7 +330,7 @@ def _lines(rows: Iterable[dict[str, Any]], *, cards: RateCards) -> list[LineFigu
 
 
 def _hours(value: Decimal) -> Decimal:
-    return value.quantize(Decimal("0.000001"), rounding=ROUND_HALF_UP)
+    return value.quantize(KEPT_HOURS, rounding=ROUND_HALF_UP)
 
 
 def refresh_statements(

@@ -14,7 +14,7 @@ from django.db import connection
 from django.db.models import F, Max, Min, OuterRef, Subquery, Sum
 from django.db.models.functions import TruncDate
 
-from billing.hours import HOUR, MS_PER_HOUR, ONE_MS, epoch_ms, hour_start
+from billing.hours import HOUR, MS_PER_HOUR, ONE_MS, epoch_ms, hour_start, hours_from_ms, idle_of
 from billing.idle import idle_hour_q
 from billing.models import SLICE_HOUR, DirtyHour, Period, RateCard, Sample, UsageHour
 from billing.periods import period_bounds
@@ -77,7 +77,7 @@ def team_gpu_hours(*, team: Team, period: Period, now: datetime, unit: str = Uni
     spans = [(hour, hour + HOUR) for hour in marked]
     if since < until:
         spans.append((since, until))
-    return (Decimal(rolled) + _held_ms(team=team, unit=unit, spans=spans)) / MS_PER_HOUR
+    return hours_from_ms(Decimal(rolled) + _held_ms(team=team, unit=unit, spans=spans), places=None)
 
 
 def _held_ms(*, team: Team, unit: str, spans: list[tuple[datetime, datetime]]) -> Decimal:
@@ -158,7 +158,7 @@ class BilledRow:
 
     @property
     def idle_ms(self) -> int:
-        return self.allocated_ms - self.utilised_ms - self.unmeasured_ms
+        return idle_of(self.allocated_ms, self.utilised_ms, self.unmeasured_ms)
 
     @property
     def hours(self) -> str:
@@ -167,19 +167,19 @@ class BilledRow:
 
     @property
     def allocated_hours(self) -> Decimal:
-        return Decimal(self.allocated_ms) / MS_PER_HOUR
+        return hours_from_ms(self.allocated_ms, places=None)
 
     @property
     def utilised_hours(self) -> Decimal:
-        return Decimal(self.utilised_ms) / MS_PER_HOUR
+        return hours_from_ms(self.utilised_ms, places=None)
 
     @property
     def idle_hours(self) -> Decimal:
-        return Decimal(self.idle_ms) / MS_PER_HOUR
+        return hours_from_ms(self.idle_ms, places=None)
 
     @property
     def unmeasured_hours(self) -> Decimal:
-        return Decimal(self.unmeasured_ms) / MS_PER_HOUR
+        return hours_from_ms(self.unmeasured_ms, places=None)
 
     @property
     def priced(self) -> bool:
@@ -373,7 +373,7 @@ def billed_usage(
                     BilledRow(team_slugs[team_id], unit, currency, namespace=namespace, job=job),
                 ),
             )
-            idle_ms = allocated - utilised - unmeasured
+            idle_ms = idle_of(allocated, utilised, unmeasured)
             for target in targets:
                 target.allocated_ms += allocated
                 target.utilised_ms += utilised
@@ -433,13 +433,13 @@ def _line_parts(
             total + figure
             for total, figure in zip(totals, (allocated, utilised, unmeasured), strict=True)
         ]
-        idle = allocated - utilised - unmeasured
+        idle = idle_of(allocated, utilised, unmeasured)
         exact[holder, UTILISED] = Fraction(rate) * rate_hours(utilised, share)
         exact[holder, UNMEASURED] = Fraction(rate) * rate_hours(unmeasured, share)
         exact[holder, IDLE] = Fraction(rate) * Fraction(idle_factor) * rate_hours(idle, share)
     allocated, utilised, unmeasured = totals
     billable = rate_hours(allocated, share) - (1 - Fraction(idle_factor)) * rate_hours(
-        allocated - utilised - unmeasured, share
+        idle_of(allocated, utilised, unmeasured), share
     )
     if total is None:
         return apportion(round_money(Fraction(rate) * billable, currency), exact, currency)
