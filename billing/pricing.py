@@ -17,7 +17,6 @@ Periods are calendar months in UTC, or ISO weeks (Monday 00:00 UTC) with
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -43,12 +42,14 @@ from billing.models import (
     UsageHour,
 )
 from billing.periods import PricingError, period_bounds, period_label, period_length
+
+# Money's rounding is billing.rounding's; the names stay importable here.
+from billing.rounding import MINOR_UNITS as MINOR_UNITS
+from billing.rounding import round_money as round_money
 from db.locks import advisory_xact_lock
 from teams.models import Team
 
 ZERO = Decimal(0)
-# ISO 4217 currencies whose minor unit is not the cent.
-MINOR_UNITS = {"JPY": 0, "KRW": 0, "ISK": 0, "CLP": 0, "BHD": 3, "KWD": 3, "JOD": 3, "OMR": 3}
 
 
 def period_for(moment: datetime) -> Period:
@@ -91,14 +92,6 @@ def period_holding(moment: datetime) -> Period:
     start = max([start, *(period.end for period in overlapping if period.end <= moment)])
     end = min([end, *(period.start for period in overlapping if period.start > moment)])
     return Period(start=start, end=end)
-
-
-def round_money(amount: Decimal | Fraction, currency: str) -> Decimal:
-    """`amount`, exact, rounded half-up (half away from zero) to the currency's minor unit."""
-    exponent = Decimal(1).scaleb(-MINOR_UNITS.get(currency.upper(), 2))
-    units = Fraction(amount) / Fraction(exponent)
-    rounded = math.floor(abs(units) + Fraction(1, 2))
-    return (Decimal(rounded if units >= 0 else -rounded) * exponent).quantize(exponent)
 
 
 def rate_hours(gpu_ms: int, slice_share: Decimal | None) -> Fraction:

@@ -19,17 +19,18 @@ from billing.idle import claim_hours, idle_hour_q
 from billing.models import SLICE_HOUR, DirtyHour, Period, RateCard, Sample, UsageHour
 from billing.periods import period_bounds
 from billing.pricing import (
-    MINOR_UNITS,
     LineFigures,
     LineKey,
     RateCards,
     frozen_usage_lines,
     rate_hours,
-    round_money,
     unowned_lines,
 )
 from billing.rollup import held_allocations, rolled_through
-from billing.rounding import largest_remainders
+
+# Money's rounding is billing.rounding's; `minor_unit` stays importable here.
+from billing.rounding import apportion, largest_remainders, round_money
+from billing.rounding import minor_unit as minor_unit
 from billing.units import hours_label
 from inventory.models import Allocation, ResourceClaim, Unit
 from teams.models import Team, TeamNamespace
@@ -220,25 +221,6 @@ class BilledUsage:
     until: datetime
     people: list[BilledRow]
     jobs: list[BilledRow]
-
-
-def minor_unit(currency: str) -> Decimal:
-    """The currency's smallest amount: 0.01 USD, 1 JPY, 0.001 KWD (as `round_money` rounds)."""
-    return Decimal(1).scaleb(-MINOR_UNITS.get(currency.upper(), 2))
-
-
-def apportion(total: Decimal, shares: Mapping[Any, Fraction], currency: str) -> dict[Any, Decimal]:
-    """`total` (a rounded amount) shared out among `shares` (exact amounts adding up to it
-    before its rounding) in whole minor units of `currency`, so that the parts add up to
-    `total` exactly: each share rounded down, and the units left over given to the shares
-    that lost the most by it (the largest remainders; ties in key order)."""
-    unit = Fraction(minor_unit(currency))
-    scaled = {key: share / unit for key, share in shares.items()}
-    try:
-        units = largest_remainders(scaled, int(Fraction(total) / unit))
-    except ValueError:
-        raise ValueError(f"{total} {currency} is not the rounded sum of the shares given") from None
-    return {key: Decimal(count) * minor_unit(currency) for key, count in units.items()}
 
 
 def period_pieces(

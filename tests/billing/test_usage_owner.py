@@ -110,4 +110,4 @@ def test_hours_from_milliseconds() -> None:
     # 18 s is 0.005 h: half up by default, half even where a page asks for it.
     assert hours_from_ms(18_000, SHOWN_HOURS) == Decimal("0.01")
     assert hours_from_ms(18_000, SHOWN_HOURS, "ROUND_HALF_EVEN") == Decimal("0.00")
-    assert KEPT_HOURS == Decimal("0.000001")
+    assert Decimal("0.000001") == KEPT_HOURS
