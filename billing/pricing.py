@@ -102,28 +102,35 @@ def rate_hours(gpu_ms: int, slice_share: Decimal | None) -> Fraction:
 
 
 def rate_for(product_name: str, profile: str, on: date) -> RateCard | None:
-    """The rate card for a model on a day. A MIG device takes its profile's card (a price per
-    hour of the slice), else its GPU's (a price per GPU-hour: its GPU-hours are already its
-    share of the GPU)."""
-    cards = RateCard.objects.filter(product_name=product_name, valid_from__lte=on).exclude(
-        valid_until__lte=on
-    )
-    if profile:
-        card = cards.filter(profile=profile).order_by("-valid_from").first()
-        if card is not None:
-            return card
-    return cards.filter(profile="").order_by("-valid_from").first()
+    """The rate card for a model on a day, by the one rule (`RateCards.on`): the cards of that
+    model in force that day read in one query, then chosen as every other price is."""
+    cards = RateCards(first_day=on, last_day=on, product_names=[product_name])
+    return cards.on(product_name, profile, on)
 
 
 class RateCards:
-    """The rate cards in force on any day of `[first_day, last_day]`, read once; `on` picks a
-    model's card for a day as `rate_for` does (the profile's own card, else the GPU's, the
-    newest in force), without a query per model and day."""
+    """The rate cards in force on any day of `[first_day, last_day]` (of `product_names`
+    only, when given), read once; `on` picks a model's card for a day, without a query per
+    model and day. The one definition of which card prices an hour (`rate_for` asks it too):
 
-    def __init__(self, *, first_day: date, last_day: date) -> None:
-        self.cards = list(
-            RateCard.objects.filter(valid_from__lte=last_day).exclude(valid_until__lte=first_day)
+    1. the cards of the model in force that day (`valid_from` <= day < `valid_until`);
+    2. for a MIG device, its profile's own card (a price per hour of the slice), else its
+       GPU's, the card without a profile (a price per GPU-hour: a slice's GPU-hours are
+       already its share of the GPU);
+    3. of those, the one that came into force last (the latest `valid_from`); two from the
+       same day (in two currencies) by the one written last (the highest id).
+    """
+
+    def __init__(
+        self, *, first_day: date, last_day: date, product_names: Iterable[str] | None = None
+    ) -> None:
+        cards = RateCard.objects.filter(valid_from__lte=last_day).exclude(
+            valid_until__lte=first_day
         )
+        if product_names is not None:
+            cards = cards.filter(product_name__in=list(product_names))
+        # Rule 3's order: later cards overwrite earlier ones in `_choose`.
+        self.cards = list(cards.order_by("valid_from", "pk"))
         self.chosen: dict[tuple[str, str, date], RateCard | None] = {}
 
     def on(self, product_name: str, profile: str, day: date) -> RateCard | None:
@@ -132,17 +139,15 @@ class RateCards:
         return self.chosen[product_name, profile, day]
 
     def _choose(self, product_name: str, profile: str, day: date) -> RateCard | None:
-        valid = [
-            card
-            for card in self.cards
-            if card.product_name == product_name
-            and card.valid_from <= day
-            and not (card.valid_until is not None and card.valid_until <= day)
-        ]
         newest: dict[str, RateCard] = {}
-        for card in sorted(valid, key=lambda card: card.valid_from):
-            newest[card.profile] = card
-        return (newest.get(profile) if profile else None) or newest.get("")
+        for card in self.cards:  # rule 3: oldest first, so the newest is kept per profile
+            if (
+                card.product_name == product_name  # rule 1
+                and card.valid_from <= day
+                and not (card.valid_until is not None and card.valid_until <= day)
+            ):
+                newest[card.profile] = card
+        return (newest.get(profile) if profile else None) or newest.get("")  # rule 2
 
 
 @dataclass
