@@ -20,8 +20,8 @@ from billing.hours import KEPT_HOURS, SHOWN_HOURS, hours_from_ms, idle_expressio
 ROOT = Path(__file__).resolve().parents[2]
 # The product's packages (bench/ keeps its own hand-priced oracle on purpose: it checks the
 # statements against arithmetic written apart from them).
-PACKAGES = ("agent", "core", "db", "teams", "inventory", "metering", "billing", "quota")
-PACKAGES += ("frontend", "demo", "config")
+PACKAGES: tuple[str, ...] = ("agent", "core", "db", "teams", "inventory", "metering")
+PACKAGES += ("billing", "quota", "frontend", "demo", "config")
 OWNER = Path(inspect.getsourcefile(idle_of) or "").resolve()
 
 # allocated ... - ... utilised/unmeasured ... - ... unmeasured/utilised, in SQL text.
