@@ -35,14 +35,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from decimal import Decimal
+from decimal import ROUND_HALF_EVEN, Decimal
 from enum import StrEnum
 from fractions import Fraction
 from typing import Any
 
 from django.db.models import Case, CharField, F, Q, Sum, Value, When
 
-from billing.hours import MS_PER_HOUR
+from billing.hours import KEPT_HOURS, hours_from_ms, idle_of
 from billing.models import UsageHour
 from billing.moments import MOMENT_HELP, parse_moment
 from billing.rounding import largest_remainders
@@ -111,7 +111,7 @@ class Hours:
 
     @property
     def idle_ms(self) -> int:
-        return self.measured_ms - self.utilised_ms
+        return idle_of(self.allocated_ms, self.utilised_ms, self.unmeasured_ms)
 
     @property
     def ratio(self) -> Fraction | None:
@@ -319,7 +319,7 @@ def compare_windows(
 
 # --- Shown figures ----------------------------------------------------------------------------
 
-HOUR_PLACES = Decimal("0.000001")
+HOUR_PLACES = KEPT_HOURS
 PART_NAMES = ("mix", "efficiency", "entering", "leaving")
 
 
@@ -340,7 +340,7 @@ def shown_parts(parts: Sequence[Fraction], places: int) -> tuple[list[Decimal], 
 
 
 def hours_of(milliseconds: int) -> Decimal:
-    return (Decimal(milliseconds) / MS_PER_HOUR).quantize(HOUR_PLACES)
+    return hours_from_ms(milliseconds, KEPT_HOURS, ROUND_HALF_EVEN)
 
 
 def points(value: Fraction | None, places: int) -> Decimal | None:

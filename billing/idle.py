@@ -4,17 +4,20 @@ A team's policy (`teams.models.IdleAlertPolicy`, the policy file's `idleAlert`) 
 idle when in each of the last `for_hours` hours it used less than `below_percent` of what it
 held; a team whose policy says nothing has the default rule (TALLY_IDLE_ALERT_DEFAULT_*), one
 whose policy says `idleAlert: off` none (`idle_policies`, `idle_policy_of`). The figures are
-the ledger's (`UsageHour`, per allocation and hour): the claim's open allocations summed per
-hour.
+the ledger's (`UsageHour`, per allocation and hour), summed per claim and hour; a claim is
+alerted only while it holds devices (an open allocation).
 
 One rule says what an idle hour is, everywhere Tally names idle claims (the alerts, the team
-page's idle holders, the week report's longest idle claims): `idle_hour` (`idle_hour_q` in
-SQL), at the team's `below_percent` (`below_percent_of`; the default's without a policy).
-Unmeasured time counts as busy (an hour no sample covers is not known to be idle), so an hour
-is idle when utilised + unmeasured < below_percent of allocated; and an hour the rollup has no
-row for (not yet rolled up, or the claim did not hold it) is not idle either. The hours are
-those up to the last one rolled up, so an evaluation running before the rollup of the hour
-just ended sees the same claims idle as the one after it.
+page's idle holders, the week report's longest idle claims): it is an hour of a claim, the
+claim as a whole: the team's usage rows of that hour for every allocation of the claim (open,
+or released since) added up (`claim_hours`), judged by `idle_hour` (`idle_hour_q` in SQL) at
+the team's `below_percent` (`below_percent_of`; the default's without a policy). Unmeasured
+time counts as busy (an hour no sample covers is not known to be idle), so an hour is idle
+when utilised + unmeasured < below_percent of allocated; and an hour the rollup has no row for
+(not yet rolled up, or the claim did not hold it) is not idle either. A claim holding one idle
+device and one busy one is busy while the sum is; a device of it is never idle on its own.
+The alerts read the hours up to the last one rolled up, so an evaluation running before the
+rollup of the hour just ended sees the same claims idle as the one after it.
 
 `IdleCollector` gives Prometheus the idle unit-hours per team over the last rolled-up day.
 """
@@ -26,22 +29,22 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
+from typing import Any
 
 from django.conf import settings
 from django.core.exceptions import ObjectDoesNotExist
-from django.db.models import F, Max, Q, Sum
+from django.db.models import F, Max, Q, QuerySet, Sum
 from django.db.models.lookups import GreaterThan, LessThan
 from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from billing.hours import HOUR, MS_PER_HOUR, hour_start
+from billing.hours import HOUR, MS_PER_HOUR, hour_start, hours_from_ms, idle_of
 from billing.models import UsageHour
 from inventory.models import Allocation, ResourceClaim
 from teams.models import IdleAlertPolicy, Team
 
-HUNDREDTH = Decimal("0.01")
-MILLIONTH = Decimal("0.000001")
+HUNDREDTH = Decimal("0.01")  # of a percent
 # The window of `tally_idle_unit_hours`.
 METRIC_HOURS = 24
 
@@ -86,11 +89,11 @@ class IdleClaim:
 
     @property
     def idle_ms(self) -> int:
-        return self.allocated_ms - self.utilised_ms - self.unmeasured_ms
+        return idle_of(self.allocated_ms, self.utilised_ms, self.unmeasured_ms)
 
     @property
     def idle_unit_hours(self) -> Decimal:
-        return (Decimal(self.idle_ms) / MS_PER_HOUR).quantize(MILLIONTH, ROUND_HALF_UP)
+        return hours_from_ms(self.idle_ms)
 
 
 def rolled_up_until(now: datetime) -> datetime | None:
@@ -108,19 +111,15 @@ def idle_claims(*, now: datetime) -> list[IdleClaim]:
         return []
     longest = max(policy.for_hours for policy in policies.values())
     hours: dict[tuple[int, int], dict[datetime, tuple[int, int, int]]] = defaultdict(dict)
-    for row in (
+    held_now = Allocation.objects.filter(end__isnull=True).values("claim_id")
+    for row in claim_hours(
         UsageHour.objects.filter(
             hour__gte=until - timedelta(hours=longest),
             hour__lt=until,
             team_id__in=policies,
-            allocation__end__isnull=True,
-        )
-        .values("team_id", "allocation__claim_id", "hour")
-        .annotate(
-            allocated=Sum("allocated_gpu_ms"),
-            utilised=Sum("utilised_gpu_ms"),
-            unmeasured=Sum("unmeasured_gpu_ms"),
-        )
+            allocation__claim_id__in=held_now,
+        ),
+        "team_id",
     ):
         assert row["team_id"] is not None
         hours[(row["team_id"], row["allocation__claim_id"])][row["hour"]] = (
@@ -207,14 +206,32 @@ def idle_hour(allocated: int, utilised: int, unmeasured: int, below_percent: Dec
     return allocated > 0 and (utilised + unmeasured) * 100 < below_percent * allocated
 
 
-def idle_hour_q(below_percent: Decimal | int) -> Q:
-    """`idle_hour` over a `UsageHour` row, for a query."""
-    return Q(GreaterThan(F("allocated_gpu_ms"), 0)) & Q(
-        LessThan(
-            (F("utilised_gpu_ms") + F("unmeasured_gpu_ms")) * 100,
-            F("allocated_gpu_ms") * below_percent,
-        )
+def idle_hour_q(
+    below_percent: Decimal | int,
+    allocated: str = "allocated_gpu_ms",
+    utilised: str = "utilised_gpu_ms",
+    unmeasured: str = "unmeasured_gpu_ms",
+) -> Q:
+    """`idle_hour` over a `UsageHour` row, for a query; or over the named annotations (a
+    claim's hour from `claim_hours`: then a HAVING condition)."""
+    return Q(GreaterThan(F(allocated), 0)) & Q(
+        LessThan((F(utilised) + F(unmeasured)) * 100, F(allocated) * below_percent)
     )
+
+
+def claim_hours(rows: QuerySet[UsageHour], *by: str) -> QuerySet[UsageHour, dict[str, Any]]:
+    """`rows` added up per claim and hour (and the fields `by`): the hours the idle rule
+    judges, as dicts with `allocation__claim_id`, `hour`, `by`'s fields and the claim's
+    `allocated`, `utilised` and `unmeasured` milliseconds (`idle_hour`, or `idle_hour_q` with
+    those names)."""
+    return rows.values(*by, "allocation__claim_id", "hour").annotate(**CLAIM_HOUR_SUMS)
+
+
+CLAIM_HOUR_SUMS: dict[str, Any] = {
+    "allocated": Sum("allocated_gpu_ms"),
+    "utilised": Sum("utilised_gpu_ms"),
+    "unmeasured": Sum("unmeasured_gpu_ms"),
+}
 
 
 def default_policy(team: Team) -> IdleAlertPolicy | None:
@@ -286,7 +303,7 @@ class IdleCollector(Collector):
                 .order_by("team_id", "unit")
             )
             for row in rows:
-                idle = row["allocated"] - row["utilised"] - row["unmeasured"]
+                idle = idle_of(row["allocated"], row["utilised"], row["unmeasured"])
                 team = slugs.get(row["team_id"], "") if row["team_id"] is not None else ""
                 family.add_metric([team, row["unit"]], idle / MS_PER_HOUR)
         yield family

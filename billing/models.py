@@ -10,6 +10,7 @@ from django.contrib.postgres.indexes import BrinIndex
 from django.db import models
 from django.db.models import Q
 
+from billing.hours import idle_of
 from billing.periods import period_label
 from billing.units import hours_label
 from inventory.models import Allocation, Cluster, Unit
@@ -308,7 +309,7 @@ class UsageHour(models.Model):
 
     @property
     def idle_gpu_ms(self) -> int:
-        return self.allocated_gpu_ms - self.utilised_gpu_ms - self.unmeasured_gpu_ms
+        return idle_of(self.allocated_gpu_ms, self.utilised_gpu_ms, self.unmeasured_gpu_ms)
 
 
 # What a rate is the price of: a GPU-hour, or an hour of one MIG slice (a profile's own card).

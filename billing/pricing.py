@@ -17,7 +17,6 @@ Periods are calendar months in UTC, or ISO weeks (Monday 00:00 UTC) with
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
@@ -32,7 +31,7 @@ from django.db.models.functions import TruncDate
 from django.utils import timezone
 
 from billing import late_data, shock
-from billing.hours import MS_PER_HOUR
+from billing.hours import KEPT_HOURS, MS_PER_HOUR, hours_from_ms, idle_of
 from billing.models import (
     SLICE_HOUR,
     LineKind,
@@ -43,12 +42,14 @@ from billing.models import (
     UsageHour,
 )
 from billing.periods import PricingError, period_bounds, period_label, period_length
+
+# Money's rounding is billing.rounding's; the names stay importable here.
+from billing.rounding import MINOR_UNITS as MINOR_UNITS
+from billing.rounding import round_money as round_money
 from db.locks import advisory_xact_lock
 from teams.models import Team
 
 ZERO = Decimal(0)
-# ISO 4217 currencies whose minor unit is not the cent.
-MINOR_UNITS = {"JPY": 0, "KRW": 0, "ISK": 0, "CLP": 0, "BHD": 3, "KWD": 3, "JOD": 3, "OMR": 3}
 
 
 def period_for(moment: datetime) -> Period:
@@ -93,14 +94,6 @@ def period_holding(moment: datetime) -> Period:
     return Period(start=start, end=end)
 
 
-def round_money(amount: Decimal | Fraction, currency: str) -> Decimal:
-    """`amount`, exact, rounded half-up (half away from zero) to the currency's minor unit."""
-    exponent = Decimal(1).scaleb(-MINOR_UNITS.get(currency.upper(), 2))
-    units = Fraction(amount) / Fraction(exponent)
-    rounded = math.floor(abs(units) + Fraction(1, 2))
-    return (Decimal(rounded if units >= 0 else -rounded) * exponent).quantize(exponent)
-
-
 def rate_hours(gpu_ms: int, slice_share: Decimal | None) -> Fraction:
     """`gpu_ms` GPU-milliseconds in the hours a rate card prices, exactly: GPU-hours, or hours
     of one MIG slice for a profile's own card (`slice_share`: the slice's share of its GPU)."""
@@ -109,28 +102,35 @@ def rate_hours(gpu_ms: int, slice_share: Decimal | None) -> Fraction:
 
 
 def rate_for(product_name: str, profile: str, on: date) -> RateCard | None:
-    """The rate card for a model on a day. A MIG device takes its profile's card (a price per
-    hour of the slice), else its GPU's (a price per GPU-hour: its GPU-hours are already its
-    share of the GPU)."""
-    cards = RateCard.objects.filter(product_name=product_name, valid_from__lte=on).exclude(
-        valid_until__lte=on
-    )
-    if profile:
-        card = cards.filter(profile=profile).order_by("-valid_from").first()
-        if card is not None:
-            return card
-    return cards.filter(profile="").order_by("-valid_from").first()
+    """The rate card for a model on a day, by the one rule (`RateCards.on`): the cards of that
+    model in force that day read in one query, then chosen as every other price is."""
+    cards = RateCards(first_day=on, last_day=on, product_names=[product_name])
+    return cards.on(product_name, profile, on)
 
 
 class RateCards:
-    """The rate cards in force on any day of `[first_day, last_day]`, read once; `on` picks a
-    model's card for a day as `rate_for` does (the profile's own card, else the GPU's, the
-    newest in force), without a query per model and day."""
+    """The rate cards in force on any day of `[first_day, last_day]` (of `product_names`
+    only, when given), read once; `on` picks a model's card for a day, without a query per
+    model and day. The one definition of which card prices an hour (`rate_for` asks it too):
 
-    def __init__(self, *, first_day: date, last_day: date) -> None:
-        self.cards = list(
-            RateCard.objects.filter(valid_from__lte=last_day).exclude(valid_until__lte=first_day)
+    1. the cards of the model in force that day (`valid_from` <= day < `valid_until`);
+    2. for a MIG device, its profile's own card (a price per hour of the slice), else its
+       GPU's, the card without a profile (a price per GPU-hour: a slice's GPU-hours are
+       already its share of the GPU);
+    3. of those, the one that came into force last (the latest `valid_from`); two from the
+       same day (in two currencies) by the one written last (the highest id).
+    """
+
+    def __init__(
+        self, *, first_day: date, last_day: date, product_names: Iterable[str] | None = None
+    ) -> None:
+        cards = RateCard.objects.filter(valid_from__lte=last_day).exclude(
+            valid_until__lte=first_day
         )
+        if product_names is not None:
+            cards = cards.filter(product_name__in=list(product_names))
+        # Rule 3's order: later cards overwrite earlier ones in `_choose`.
+        self.cards = list(cards.order_by("valid_from", "pk"))
         self.chosen: dict[tuple[str, str, date], RateCard | None] = {}
 
     def on(self, product_name: str, profile: str, day: date) -> RateCard | None:
@@ -139,17 +139,15 @@ class RateCards:
         return self.chosen[product_name, profile, day]
 
     def _choose(self, product_name: str, profile: str, day: date) -> RateCard | None:
-        valid = [
-            card
-            for card in self.cards
-            if card.product_name == product_name
-            and card.valid_from <= day
-            and not (card.valid_until is not None and card.valid_until <= day)
-        ]
         newest: dict[str, RateCard] = {}
-        for card in sorted(valid, key=lambda card: card.valid_from):
-            newest[card.profile] = card
-        return (newest.get(profile) if profile else None) or newest.get("")
+        for card in self.cards:  # rule 3: oldest first, so the newest is kept per profile
+            if (
+                card.product_name == product_name  # rule 1
+                and card.valid_from <= day
+                and not (card.valid_until is not None and card.valid_until <= day)
+            ):
+                newest[card.profile] = card
+        return (newest.get(profile) if profile else None) or newest.get("")  # rule 2
 
 
 @dataclass
@@ -160,7 +158,7 @@ class _Usage:
 
     @property
     def idle_ms(self) -> int:
-        return self.allocated_ms - self.utilised_ms - self.unmeasured_ms
+        return idle_of(self.allocated_ms, self.utilised_ms, self.unmeasured_ms)
 
 
 LineKey = tuple[str, str, str, str, Decimal | None, Decimal | None, Decimal | None]
@@ -187,7 +185,7 @@ class LineFigures:
 
     @property
     def idle(self) -> Decimal:
-        return self.allocated - self.utilised - self.unmeasured
+        return idle_of(self.allocated, self.utilised, self.unmeasured)
 
     @property
     def key(self) -> LineKey:
@@ -318,9 +316,9 @@ def _lines(rows: Iterable[dict[str, Any]], *, cards: RateCards) -> list[LineFigu
         total.unmeasured_ms += row["unmeasured"]
     for key, line in lines.items():
         total = totals[key]
-        line.allocated = Decimal(total.allocated_ms) / MS_PER_HOUR
-        line.utilised = Decimal(total.utilised_ms) / MS_PER_HOUR
-        line.unmeasured = Decimal(total.unmeasured_ms) / MS_PER_HOUR
+        line.allocated = hours_from_ms(total.allocated_ms, places=None)
+        line.utilised = hours_from_ms(total.utilised_ms, places=None)
+        line.unmeasured = hours_from_ms(total.unmeasured_ms, places=None)
         if line.rate is not None and line.idle_factor is not None:
             billable = rate_hours(total.allocated_ms, line.gpu_share) - (
                 1 - Fraction(line.idle_factor)
@@ -330,7 +328,7 @@ def _lines(rows: Iterable[dict[str, Any]], *, cards: RateCards) -> list[LineFigu
 
 
 def _hours(value: Decimal) -> Decimal:
-    return value.quantize(Decimal("0.000001"), rounding=ROUND_HALF_UP)
+    return value.quantize(KEPT_HOURS, rounding=ROUND_HALF_UP)
 
 
 def refresh_statements(

@@ -11,27 +11,28 @@ from fractions import Fraction
 from typing import Any
 
 from django.db import connection
-from django.db.models import F, Max, Min, OuterRef, Subquery, Sum
+from django.db.models import F, OuterRef, Subquery, Sum
 from django.db.models.functions import TruncDate
 
-from billing.hours import HOUR, MS_PER_HOUR, ONE_MS, epoch_ms, hour_start
-from billing.idle import idle_hour_q
+from billing.hours import HOUR, MS_PER_HOUR, ONE_MS, epoch_ms, hour_start, hours_from_ms, idle_of
+from billing.idle import claim_hours, idle_hour_q
 from billing.models import SLICE_HOUR, DirtyHour, Period, RateCard, Sample, UsageHour
 from billing.periods import period_bounds
 from billing.pricing import (
-    MINOR_UNITS,
     LineFigures,
     LineKey,
     RateCards,
     frozen_usage_lines,
     rate_hours,
-    round_money,
     unowned_lines,
 )
 from billing.rollup import held_allocations, rolled_through
-from billing.rounding import largest_remainders
+
+# Money's rounding is billing.rounding's; `minor_unit` stays importable here.
+from billing.rounding import apportion, largest_remainders, round_money
+from billing.rounding import minor_unit as minor_unit
 from billing.units import hours_label
-from inventory.models import Allocation, Unit
+from inventory.models import Allocation, ResourceClaim, Unit
 from teams.models import Team, TeamNamespace
 
 # Marked hours a budget read counts from the allocations hour by hour; past that many, from the
@@ -77,7 +78,7 @@ def team_gpu_hours(*, team: Team, period: Period, now: datetime, unit: str = Uni
     spans = [(hour, hour + HOUR) for hour in marked]
     if since < until:
         spans.append((since, until))
-    return (Decimal(rolled) + _held_ms(team=team, unit=unit, spans=spans)) / MS_PER_HOUR
+    return hours_from_ms(Decimal(rolled) + _held_ms(team=team, unit=unit, spans=spans), places=None)
 
 
 def _held_ms(*, team: Team, unit: str, spans: list[tuple[datetime, datetime]]) -> Decimal:
@@ -158,7 +159,7 @@ class BilledRow:
 
     @property
     def idle_ms(self) -> int:
-        return self.allocated_ms - self.utilised_ms - self.unmeasured_ms
+        return idle_of(self.allocated_ms, self.utilised_ms, self.unmeasured_ms)
 
     @property
     def hours(self) -> str:
@@ -167,19 +168,19 @@ class BilledRow:
 
     @property
     def allocated_hours(self) -> Decimal:
-        return Decimal(self.allocated_ms) / MS_PER_HOUR
+        return hours_from_ms(self.allocated_ms, places=None)
 
     @property
     def utilised_hours(self) -> Decimal:
-        return Decimal(self.utilised_ms) / MS_PER_HOUR
+        return hours_from_ms(self.utilised_ms, places=None)
 
     @property
     def idle_hours(self) -> Decimal:
-        return Decimal(self.idle_ms) / MS_PER_HOUR
+        return hours_from_ms(self.idle_ms, places=None)
 
     @property
     def unmeasured_hours(self) -> Decimal:
-        return Decimal(self.unmeasured_ms) / MS_PER_HOUR
+        return hours_from_ms(self.unmeasured_ms, places=None)
 
     @property
     def priced(self) -> bool:
@@ -220,25 +221,6 @@ class BilledUsage:
     until: datetime
     people: list[BilledRow]
     jobs: list[BilledRow]
-
-
-def minor_unit(currency: str) -> Decimal:
-    """The currency's smallest amount: 0.01 USD, 1 JPY, 0.001 KWD (as `round_money` rounds)."""
-    return Decimal(1).scaleb(-MINOR_UNITS.get(currency.upper(), 2))
-
-
-def apportion(total: Decimal, shares: Mapping[Any, Fraction], currency: str) -> dict[Any, Decimal]:
-    """`total` (a rounded amount) shared out among `shares` (exact amounts adding up to it
-    before its rounding) in whole minor units of `currency`, so that the parts add up to
-    `total` exactly: each share rounded down, and the units left over given to the shares
-    that lost the most by it (the largest remainders; ties in key order)."""
-    unit = Fraction(minor_unit(currency))
-    scaled = {key: share / unit for key, share in shares.items()}
-    try:
-        units = largest_remainders(scaled, int(Fraction(total) / unit))
-    except ValueError:
-        raise ValueError(f"{total} {currency} is not the rounded sum of the shares given") from None
-    return {key: Decimal(count) * minor_unit(currency) for key, count in units.items()}
 
 
 def period_pieces(
@@ -373,7 +355,7 @@ def billed_usage(
                     BilledRow(team_slugs[team_id], unit, currency, namespace=namespace, job=job),
                 ),
             )
-            idle_ms = allocated - utilised - unmeasured
+            idle_ms = idle_of(allocated, utilised, unmeasured)
             for target in targets:
                 target.allocated_ms += allocated
                 target.utilised_ms += utilised
@@ -433,13 +415,13 @@ def _line_parts(
             total + figure
             for total, figure in zip(totals, (allocated, utilised, unmeasured), strict=True)
         ]
-        idle = allocated - utilised - unmeasured
+        idle = idle_of(allocated, utilised, unmeasured)
         exact[holder, UTILISED] = Fraction(rate) * rate_hours(utilised, share)
         exact[holder, UNMEASURED] = Fraction(rate) * rate_hours(unmeasured, share)
         exact[holder, IDLE] = Fraction(rate) * Fraction(idle_factor) * rate_hours(idle, share)
     allocated, utilised, unmeasured = totals
     billable = rate_hours(allocated, share) - (1 - Fraction(idle_factor)) * rate_hours(
-        allocated - utilised - unmeasured, share
+        idle_of(allocated, utilised, unmeasured), share
     )
     if total is None:
         return apportion(round_money(Fraction(rate) * billable, currency), exact, currency)
@@ -460,15 +442,15 @@ def _row_order(row: BilledRow) -> tuple[Any, ...]:
 
 # --- Who holds idle devices now ---------------------------------------------------------------
 
-# How far back the hours of an open allocation are read to find when it went idle.
+# How far back the hours of a claim are read to find when it went idle.
 IDLE_LOOKBACK = timedelta(days=14)
 
 
 @dataclass
 class IdleHolder:
-    """A claim that holds devices whose recent hours are idle: who and which job it bills,
-    the idle devices, and since when all of them have been idle (`since_clipped`: idle for
-    all of the `IDLE_LOOKBACK` read, perhaps longer)."""
+    """A claim that holds devices and whose recent hours are idle (the claim as a whole, see
+    `billing.idle`): who and which job it bills, the devices it holds, and since when it has
+    been idle (`since_clipped`: idle for all of the `IDLE_LOOKBACK` read, perhaps longer)."""
 
     namespace: str
     claim_name: str
@@ -481,16 +463,18 @@ class IdleHolder:
 
 
 def idle_holders(*, team: Team, now: datetime, below_percent: Decimal | int) -> list[IdleHolder]:
-    """The team's open allocations whose rolled-up hours since their last busy one are idle
-    (`billing.idle.idle_hour` at `below_percent`: unmeasured time counts as busy), grouped per
-    claim, longest idle first. A device whose latest sample, taken after its last rolled-up
-    hour, is busy computes again and is left out. Two queries."""
+    """The team's claims holding devices (open allocations in its namespaces) whose last
+    rolled-up hour, and every one since their last busy one, is idle by the idle rule
+    (`billing.idle`: the claim's hour as a whole, all its allocations' rows of the hour charged
+    to the team, judged by `idle_hour` at `below_percent`; unmeasured time counts as busy), with
+    the devices they hold, longest idle first. A claim a device of which has a sample taken
+    after the claim's last rolled-up hour at or above the percent computes again and is left
+    out. Two queries."""
     lookback = hour_start(now) - IDLE_LOOKBACK
-    idle_hour = idle_hour_q(below_percent)
     latest = Sample.objects.filter(device_uuid=OuterRef("meter_id")).order_by("-ts_ms")
-    allocations = {
-        row["pk"]: row
-        for row in Allocation.objects.filter(
+    held: dict[int, list[dict[str, Any]]] = defaultdict(list)
+    for row in (
+        Allocation.objects.filter(
             claim__namespace__in=TeamNamespace.objects.filter(team=team).values("namespace"),
             end__isnull=True,
         )
@@ -499,7 +483,7 @@ def idle_holders(*, team: Team, now: datetime, below_percent: Decimal | int) -> 
             sampled_ms=Subquery(latest.values("ts_ms")[:1]),
         )
         .values(
-            "pk",
+            "claim_id",
             "claim__namespace",
             "claim__name",
             "device_name",
@@ -509,51 +493,54 @@ def idle_holders(*, team: Team, now: datetime, below_percent: Decimal | int) -> 
             "gpu_util",
             "sampled_ms",
         )
-    }
-    claims: dict[tuple[str, str], IdleHolder] = {}
-    for hours in (
-        UsageHour.objects.filter(allocation_id__in=list(allocations), hour__gte=lookback)
-        .values("allocation_id")
-        .annotate(
-            first_hour=Min("hour"),
-            last_hour=Max("hour"),
-            last_busy=Max("hour", filter=~idle_hour),
-        )
-        .order_by()
+        .order_by("start", "pk")
     ):
-        if hours["last_busy"] == hours["last_hour"]:
+        held[row["claim_id"]].append(row)
+    rows = UsageHour.objects.filter(
+        allocation__claim_id=OuterRef("pk"), team=team, hour__gte=lookback
+    )
+    busy_hours = claim_hours(rows).exclude(
+        idle_hour_q(below_percent, "allocated", "utilised", "unmeasured")
+    )
+    claims: list[IdleHolder] = []
+    for hours in (
+        ResourceClaim.objects.filter(pk__in=list(held))
+        .annotate(
+            first_hour=Subquery(rows.order_by("hour").values("hour")[:1]),
+            last_hour=Subquery(rows.order_by("-hour").values("hour")[:1]),
+            last_busy=Subquery(busy_hours.order_by("-hour").values("hour")[:1]),
+        )
+        .values("pk", "first_hour", "last_hour", "last_busy")
+    ):
+        if hours["last_hour"] is None or hours["last_busy"] == hours["last_hour"]:
             continue
-        row = allocations[hours["allocation_id"]]
-        util, sampled_ms = row["gpu_util"], row["sampled_ms"]
-        busy_again = util is not None and util >= below_percent
-        if busy_again and sampled_ms >= epoch_ms(hours["last_hour"] + HOUR):
+        allocations = held[hours["pk"]]
+        sampled = [row for row in allocations if row["gpu_util"] is not None]
+        if any(
+            row["gpu_util"] >= below_percent
+            and row["sampled_ms"] >= epoch_ms(hours["last_hour"] + HOUR)
+            for row in sampled
+        ):
             continue  # computing again since its last rolled-up hour
+        first = allocations[0]
         if hours["last_busy"] is not None:
             since, clipped = hours["last_busy"] + HOUR, False
         else:
-            since = max(row["start"], hours["first_hour"])
-            clipped = row["start"] < lookback
-        key = (row["claim__namespace"], row["claim__name"])
-        holder = claims.setdefault(
-            key,
+            since = max(first["start"], hours["first_hour"])
+            clipped = first["start"] < lookback
+        claims.append(
             IdleHolder(
-                namespace=key[0],
-                claim_name=key[1],
-                username=row["username"],
-                job=row["job"],
-                devices=[],
+                namespace=first["claim__namespace"],
+                claim_name=first["claim__name"],
+                username=first["username"],
+                job=first["job"],
+                devices=sorted(row["device_name"] for row in allocations),
                 idle_since=since,
                 since_clipped=clipped,
-            ),
+                latest_util=max((row["gpu_util"] for row in sampled), default=None),
+            )
         )
-        holder.devices.append(row["device_name"])
-        if since > holder.idle_since:
-            holder.idle_since, holder.since_clipped = since, clipped
-        if util is not None and (holder.latest_util is None or util > holder.latest_util):
-            holder.latest_util = util
-    for holder in claims.values():
-        holder.devices.sort()
-    return sorted(claims.values(), key=lambda h: (h.idle_since, h.namespace, h.claim_name))
+    return sorted(claims, key=lambda h: (h.idle_since, h.namespace, h.claim_name))
 
 
 # --- Usage of no team -------------------------------------------------------------------------

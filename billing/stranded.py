@@ -12,18 +12,16 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import datetime
-from decimal import ROUND_HALF_UP, Decimal
+from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
-from billing.hours import MS_PER_HOUR
+from billing.hours import MS_PER_HOUR, hours_from_ms
 from billing.models import SLICE_HOUR
 from billing.pricing import RateCards, round_money
 from inventory.models import Cluster
 from inventory.stranded import StrandedGang, stranded_gangs
 from teams.models import Team
-
-MILLIONTH = Decimal("0.000001")
 
 
 @dataclass(frozen=True)
@@ -72,4 +70,4 @@ def priced_stranded_gangs(
 
 
 def _hours(unit_ms: Decimal) -> Decimal:
-    return (unit_ms / MS_PER_HOUR).quantize(MILLIONTH, ROUND_HALF_UP)
+    return hours_from_ms(unit_ms)

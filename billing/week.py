@@ -19,13 +19,13 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time, timedelta
-from decimal import Decimal
+from decimal import ROUND_HALF_EVEN, Decimal
 from fractions import Fraction
 from typing import Any, NamedTuple
 
 from django.db.models import Count, F, Sum
 
-from billing.hours import HOUR, MS_PER_HOUR
+from billing.hours import HOUR, SHOWN_HOURS, hours_from_ms, idle_of
 from billing.idle import below_percent_of, idle_hour
 from billing.models import SLICE_HOUR, UsageHour
 from billing.moments import parse_day
@@ -36,7 +36,7 @@ from inventory.models import Cluster, Device
 from teams.models import Team
 
 WEEK = timedelta(days=7)
-HOURS = Decimal("0.01")
+HOURS = SHOWN_HOURS
 LONGEST_IDLE_SHOWN = 10
 
 
@@ -68,7 +68,7 @@ def parse_week_start(value: str | None, *, now: datetime) -> datetime:
 
 
 def _hours(milliseconds: int) -> Decimal:
-    return (Decimal(milliseconds) / MS_PER_HOUR).quantize(HOURS)
+    return hours_from_ms(milliseconds, SHOWN_HOURS, ROUND_HALF_EVEN)
 
 
 @dataclass
@@ -91,7 +91,7 @@ class Figures:
 
     @property
     def idle_ms(self) -> int:
-        return self.allocated_ms - self.utilised_ms - self.unmeasured_ms
+        return idle_of(self.allocated_ms, self.utilised_ms, self.unmeasured_ms)
 
     @property
     def allocated(self) -> Decimal:

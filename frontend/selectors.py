@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
-from decimal import Decimal
+from decimal import ROUND_HALF_EVEN, Decimal
 from fractions import Fraction
 from typing import Any
 
 from django.db.models import F, OuterRef, Subquery, Sum
 from django.db.models.functions import TruncDate
 
-from billing.hours import MS_PER_HOUR
+from billing.hours import SHOWN_HOURS, hours_from_ms, idle_expression, idle_of
 from billing.models import (
     GPU_HOUR,
     SLICE_HOUR,
@@ -45,7 +45,7 @@ from quota.models import Unit as RuleUnit
 from teams.models import Alert, AlertState, Team, TeamNamespace
 from teams.selectors import user_role, visible_teams
 
-HOURS = Decimal("0.01")
+HOURS = SHOWN_HOURS
 # Live claims shown on a team page; a team holding more sees the first ones and the count.
 LIVE_CLAIMS_SHOWN = 200
 # The firing alerts the team page lists.
@@ -86,7 +86,7 @@ def usage_window(*, now: datetime, days: int) -> tuple[datetime, datetime]:
 
 
 def _hours(milliseconds: int | Decimal | None) -> Decimal:
-    return (Decimal(milliseconds or 0) / MS_PER_HOUR).quantize(HOURS)
+    return hours_from_ms(milliseconds or 0, SHOWN_HOURS, ROUND_HALF_EVEN)
 
 
 def _hours_of(hours: Fraction) -> Decimal:
@@ -94,7 +94,7 @@ def _hours_of(hours: Fraction) -> Decimal:
 
 
 def _idle_ms() -> Any:
-    return Sum(F("allocated_gpu_ms") - F("utilised_gpu_ms") - F("unmeasured_gpu_ms"))
+    return Sum(idle_expression())
 
 
 @dataclass(frozen=True)
@@ -204,7 +204,7 @@ def _days(totals: dict[date, dict[str, int]], since: datetime, until: datetime) 
     last_day = (until - timedelta(microseconds=1)).astimezone(UTC).date()
     while day <= last_day:
         row = totals.get(day, {"allocated": 0, "utilised": 0, "unmeasured": 0})
-        idle_ms = row["allocated"] - row["utilised"] - row["unmeasured"]
+        idle_ms = idle_of(row["allocated"], row["utilised"], row["unmeasured"])
         days.append(
             DayUsage(
                 day=day,

@@ -12,7 +12,7 @@ from datetime import UTC
 from operator import attrgetter
 from typing import Any, ClassVar, TypeVar
 
-from django.db.models import F, Prefetch, QuerySet, Sum
+from django.db.models import Prefetch, QuerySet, Sum
 from django.db.models.functions import Trunc
 from django.utils import timezone
 from django_filters.rest_framework import DjangoFilterBackend
@@ -52,6 +52,7 @@ from billing.api.serializers import (
     UsageSeriesSerializer,
     UserUsageSerializer,
 )
+from billing.hours import idle_expression
 from billing.models import LineKind, Period, RateCard, Statement, StatementLine, UsageHour
 from billing.periods import PricingError
 from billing.pricing import period_holding
@@ -224,7 +225,7 @@ class UsageViewSet(mixins.ListModelMixin, TeamScopedViewSet):
                 utilised_ms=Sum("utilised_gpu_ms"),
                 unmeasured_ms=Sum("unmeasured_gpu_ms"),
             )
-            .annotate(idle_ms=F("allocated_ms") - F("utilised_ms") - F("unmeasured_ms"))
+            .annotate(idle_ms=idle_expression("allocated_ms", "utilised_ms", "unmeasured_ms"))
             .order_by()
         )
         return OrderingFilter().filter_queryset(self.request, groups, self)

@@ -19,12 +19,13 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
 from billing import periods, pricing
+from billing.hours import KEPT_HOURS
 from billing.models import SLICE_HOUR, LineKind, Period, Statement, StatementLine
 from billing.units import hours_label
 from inventory.models import Unit
 from teams.models import Team
 
-HOURS = Decimal("0.000001")
+HOURS = KEPT_HOURS
 RATE = Decimal("0.0001")
 SHARE = Decimal("0.000001")
 TEAMS_NAMED = 20
