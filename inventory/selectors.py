@@ -730,7 +730,7 @@ def _shared_use(
 
     The part is, per capacity, what the shares consumed over its value, the most of any
     capacity, at most 1. A share that names no capacity of the device holds all of it, as
-    billing meters it (`inventory.services.allocation_metering`); so does anything held on a
+    billing meters it (`inventory.claim_sync.allocation_metering`); so does anything held on a
     device with no capacity to share."""
     capacity = device["capacity"] or {}
     values = quantities(capacity)
