@@ -18,6 +18,11 @@ from django.db.models import (
 from db.bulk import AnyOf, update_instances, update_rows
 from db.copy import bulk_insert
 from inventory import dra, owners
+from inventory.attribution import (
+    allocation_attribution,
+    fill_allocation_attribution,
+    refine_allocation_jobs,
+)
 from inventory.capacity import CapacityError, consumed_fraction
 from inventory.models import (
     Allocation,
@@ -108,7 +113,7 @@ class ClaimWriter(WriterState):
                 claims_to_update[tuple(changed)].append(claim)
         for columns, changed_claims in claims_to_update.items():
             update_instances(ResourceClaim, changed_claims, columns)
-        _refine_allocation_jobs(refined)
+        refine_allocation_jobs(refined)
         bulk_insert(ResourceClaim, claims_to_create)
         self.report.created["ResourceClaim"] += len(claims_to_create)
         # The ids of the claims read above are known; only those just created are read.
@@ -130,10 +135,11 @@ class ClaimWriter(WriterState):
             # record of who created a claim seen for the first time reaches it just after
             # this, through quota's handler of `claims_changed`, which fills it in.
             stored = existing.get(key)
-            charged = {
-                "job": jobs[key] or (stored.admitted_job if stored else ""),
-                "username": creators[key],
-            }
+            charged = allocation_attribution(
+                job=jobs[key],
+                admitted_job=stored.admitted_job if stored else "",
+                creator=creators[key],
+            )
             start = min(parsed.allocated_at, at) if parsed.allocated_at else at
             for result in parsed.results:
                 if result.admin_access:
@@ -245,8 +251,8 @@ class ClaimWriter(WriterState):
                 claim.created_by = creator
             changed.append(claim)
         update_instances(ResourceClaim, changed, ["job", "created_by"])
-        _refine_allocation_jobs(refined)
-        _fill_allocation_creators(creators)
+        refine_allocation_jobs(refined)
+        fill_allocation_attribution(creators)
         # Claims written by this snapshot were counted and signalled already.
         others = [claim.pk for claim in changed if claim.pk not in self.claims_written]
         self.report.updated["ResourceClaim"] += len(others)
@@ -431,37 +437,6 @@ def _claim_fields(parsed: dra.ParsedClaim, *, job: str) -> dict[str, Any]:
         "resource_version": parsed.resource_version,
         "created_at": parsed.created_at,
     }
-
-
-def _refine_allocation_jobs(refined: dict[int, tuple[str, str]]) -> None:
-    """Per claim id, (job before, job now): the claim's allocations charged to the job before
-    are charged to the job now. The sync follows a claim's owners further as it learns them
-    (`Pod/web-5d9f-x`, then `Deployment/web`), for the same owner references: the same
-    workload, named better. An allocation charged to anything else keeps it."""
-    refined = {claim_id: jobs for claim_id, jobs in refined.items() if jobs[0] != jobs[1]}
-    if not refined:
-        return
-    changed = []
-    for allocation in Allocation.objects.filter(AnyOf("claim_id", refined)).only(
-        "pk", "claim", "job"
-    ):
-        before, after = refined[allocation.claim_id]
-        if allocation.job == before:
-            allocation.job = after
-            changed.append(allocation)
-    update_instances(Allocation, changed, ["job"])
-
-
-def _fill_allocation_creators(creators: dict[int, str]) -> None:
-    """Per claim id, the person its owners name: its allocations that name nobody are charged
-    to that person (one that names someone keeps it: fixed when it started)."""
-    changed = []
-    for allocation in Allocation.objects.filter(AnyOf("claim_id", creators), username="").only(
-        "pk", "claim", "username"
-    ):
-        allocation.username = creators[allocation.claim_id]
-        changed.append(allocation)
-    update_instances(Allocation, changed, ["username"])
 
 
 # What an allocation is metered and counted by (`Allocation`), and the device columns they come
