@@ -5,9 +5,9 @@
   followed the claim's owners to, else the one the admission webhook saw; the person the
   claim's owners name (`inventory.owners.claim_creator`). Later knowledge only names the same
   workload better (`refine_allocation_jobs`) or fills in what was still empty
-  (`fill_allocation_attribution`: the sync's owners read after a dump's claims, or quota's
-  record of who created the claim, which reaches it just after the sync wrote it); it never
-  overwrites a person or a job that was known.
+  (`fill_allocation_attribution`: the sync's owners read after a dump's claims;
+  `fill_claim_attribution`: quota's record of who created the claim, which reaches it just
+  after the sync wrote it); it never overwrites a person or a job that was known.
 - The **team** is not kept on the allocation: each part of it is charged to the team that
   owned the claim's namespace over that part (`charge_by_team`, from the dated ownership of
   `teams.ownership`), so that a later move or release never changes who paid for an hour.
@@ -68,6 +68,16 @@ def fill_allocation_attribution(
             setattr(allocation, column, values[allocation.claim_id])
             changed.append(allocation)
         update_instances(Allocation, changed, [column])
+
+
+def fill_claim_attribution(claim_id: int, *, person: str, job: str) -> None:
+    """`fill_allocation_attribution` for one claim, one UPDATE per value given: quota's record
+    of who created the claim and the object it was made for, which reaches the claim just
+    after the sync wrote its allocations."""
+    if person:
+        Allocation.objects.filter(claim_id=claim_id, username="").update(username=person)
+    if job:
+        Allocation.objects.filter(claim_id=claim_id, job="").update(job=job)
 
 
 class Charged(Protocol):
