@@ -16,7 +16,7 @@ their own, as an API server is not in the syncer's process: loaded in this one, 
 took the sync's CPU; nor does this process keep the fleet's objects once they are served (a
 syncer holds none of them, and here each full garbage collection walked them). Then:
 
-1. The real sync (`inventory.kube.sync`, one list + watch loop per kind, through the
+1. The real sync (`inventory.kube_sync.sync`, one list + watch loop per kind, through the
    `kubernetes` client, for ResourceClaim and ResourceSlice) lists each kind once, reading
    every claim's owners and gang as a syncer does at its start (timed, not measured as lag),
    then watches. Once both kinds watch, a producer changes objects at `--rate` a second for
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, *, database: str) -> int:
     from django.db import connections
 
-    from inventory import kube, services, simulate
+    from inventory import kube, kube_owners, kube_sync, services, simulate
     from inventory.models import SyncState
 
     began = time.perf_counter()
@@ -177,10 +177,10 @@ def _run(args: argparse.Namespace, *, database: str) -> int:
 
         api_client = kube.api_client(kubeconfig=str(kubeconfig))
         rereads = _steady_rereads(random.Random(args.seed))
-        kube.RereadSchedule = rereads  # type: ignore[misc]  # the sync's loops make theirs
+        kube_owners.RereadSchedule = rereads  # type: ignore[misc]  # the sync's loops make theirs
         stop = threading.Event()
         syncer = threading.Thread(
-            target=kube.sync,
+            target=kube_sync.sync,
             kwargs={"api_client": api_client, "cluster": cluster, "kinds": KINDS, "stop": stop},
             name="sync",
             daemon=True,
@@ -258,7 +258,7 @@ def _run(args: argparse.Namespace, *, database: str) -> int:
         f"{_pct(floor_samples, 99):.2f} s, at the producer's end {floor_end_lag:.2f} s"
     )
     claim_changes = len(emitted.versions["ResourceClaim"])
-    steady = list_reads.get("Pod", 0) / kube.GANG_REREAD_MAX_SECONDS * args.seconds
+    steady = list_reads.get("Pod", 0) / kube_owners.GANG_REREAD_MAX_SECONDS * args.seconds
     print(
         "reads from the API server: at the first list "
         + _reads_line(list_reads)
@@ -266,7 +266,7 @@ def _run(args: argparse.Namespace, *, database: str) -> int:
         + _reads_line(run_reads)
         + f" ({run_reads.get('Pod', 0) / max(claim_changes, 1):.3f} Pods a claim change; "
         f"~{steady:,.0f} Pods in {args.seconds} s in a steady state, each claim's Pod read "
-        f"once every {kube.GANG_REREAD_MAX_SECONDS:.0f} s)"
+        f"once every {kube_owners.GANG_REREAD_MAX_SECONDS:.0f} s)"
     )
     per_thousand = 1000 / max(applied_events, 1)
     print(
@@ -289,19 +289,23 @@ def _run(args: argparse.Namespace, *, database: str) -> int:
 
 
 def _steady_rereads(rng: random.Random) -> Any:
-    """The sync's schedule of Pod re-reads (`kube.RereadSchedule`) as in a syncer that has
+    """The sync's schedule of Pod re-reads (`kube_owners.RereadSchedule`) as in a syncer that has
     run a while: each read while `backdating` (the first list) is dated back by a random share
     of the wait it gets, so the claims come due spread over their waits, at the rate a
     steady state reads them (each claim's Pod once per wait), and not all at once at the
     list's time plus the wait, nor never within the run."""
-    from inventory import kube
+    from inventory import kube_owners
 
-    class SteadyRereads(kube.RereadSchedule):
+    class SteadyRereads(kube_owners.RereadSchedule):
         backdating = True
 
         def read(self, claim: dict[str, Any], now: float, *, settled: bool) -> None:
             if type(self).backdating:
-                wait = kube.GANG_REREAD_MAX_SECONDS if settled else kube.GANG_REREAD_SECONDS
+                wait = (
+                    kube_owners.GANG_REREAD_MAX_SECONDS
+                    if settled
+                    else kube_owners.GANG_REREAD_SECONDS
+                )
                 now -= rng.uniform(0, wait)
             super().read(claim, now, settled=settled)
 

@@ -68,8 +68,8 @@ from billing.models import DirtyHour, RollupProgress, UsageHour
 from core import metrics
 from db import locks
 from db.copy import insert_rows, json_rows
+from inventory.attribution import charge_by_team
 from inventory.models import Allocation
-from teams.ownership import owned_spans
 
 MICRO = 1_000_000  # shares of a GPU are kept to the millionth
 # Utilisation is summed in millionths of a percent, each reading rounded to one (half to even,
@@ -461,34 +461,7 @@ def _intervals(
                 share=share,
             )
         )
-    return _by_owner(intervals, first, first + count * HOUR)
-
-
-def _by_owner(intervals: list[_Interval], start: datetime, end: datetime) -> list[_Interval]:
-    """The intervals cut where their namespace changed owner within `[start, end)`, each part
-    charged to the team that owned the namespace over it (None where no team did). Owners
-    change at hour starts, so no hour is cut."""
-    spans = owned_spans(
-        namespaces={interval.claim_namespace for interval in intervals}, start=start, end=end
-    )
-    charged = []
-    for interval in intervals:
-        at = interval.start_ms
-        for span in spans.get(interval.claim_namespace, ()):
-            span_start = interval.start_ms if span.start is None else epoch_ms(span.start)
-            span_end = interval.end_ms if span.end is None else epoch_ms(span.end)
-            part_start, part_end = max(at, span_start), min(interval.end_ms, span_end)
-            if part_end <= part_start:
-                continue
-            if part_start > at:
-                charged.append(interval._replace(start_ms=at, end_ms=part_start))
-            charged.append(
-                interval._replace(start_ms=part_start, end_ms=part_end, team_id=span.team_id)
-            )
-            at = part_end
-        if at < interval.end_ms:
-            charged.append(interval._replace(start_ms=at))
-    return charged
+    return charge_by_team(intervals, start=first, end=first + count * HOUR, ms=epoch_ms)
 
 
 class _Piece(NamedTuple):

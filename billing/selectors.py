@@ -32,7 +32,8 @@ from billing.rollup import held_allocations, rolled_through
 from billing.rounding import apportion, largest_remainders, round_money
 from billing.rounding import minor_unit as minor_unit
 from billing.units import hours_label
-from inventory.models import Allocation, ResourceClaim, Unit
+from inventory.models import ResourceClaim, Unit
+from inventory.selectors import team_open_allocations
 from teams.models import Team, TeamNamespace
 
 # Marked hours a budget read counts from the allocations hour by hour; past that many, from the
@@ -474,10 +475,7 @@ def idle_holders(*, team: Team, now: datetime, below_percent: Decimal | int) -> 
     latest = Sample.objects.filter(device_uuid=OuterRef("meter_id")).order_by("-ts_ms")
     held: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for row in (
-        Allocation.objects.filter(
-            claim__namespace__in=TeamNamespace.objects.filter(team=team).values("namespace"),
-            end__isnull=True,
-        )
+        team_open_allocations(team)
         .annotate(
             gpu_util=Subquery(latest.values("gpu_util")[:1]),
             sampled_ms=Subquery(latest.values("ts_ms")[:1]),

@@ -2,6 +2,10 @@
 
 Every reader fails with `ImproperlyConfigured` naming the variable when its value is bad, so a
 misconfigured pod stops at start-up instead of serving with a surprising default.
+
+Written here rather than taken from django-environ (`FileAwareEnv`), which lets `NAME_FILE`
+silently win over `NAME` when both are set, keeps a secret file's trailing newline, and fails
+on an unreadable file with a bare OSError that does not name the variable (issue 37).
 """
 
 from __future__ import annotations

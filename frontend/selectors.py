@@ -37,12 +37,13 @@ from billing.selectors import (
     team_gpu_hours,
 )
 from billing.units import hours_label, units_label
-from inventory.models import Allocation, Cluster, Unit
+from inventory.models import Cluster, Unit
 from inventory.profiles import unit_label
+from inventory.selectors import team_open_allocations
 from quota.admission.shapes import every_fleet, rule_units
 from quota.models import Budget, QuotaRule
 from quota.models import Unit as RuleUnit
-from teams.models import Alert, AlertState, Team, TeamNamespace
+from teams.models import Alert, AlertState, Team
 from teams.selectors import user_role, visible_teams
 
 HOURS = SHOWN_HOURS
@@ -477,10 +478,7 @@ def live_claims(*, team: Team, limit: int = LIVE_CLAIMS_SHOWN) -> tuple[list[Liv
     latest utilisation sample; and how many there are in all."""
     latest = Sample.objects.filter(device_uuid=OuterRef("device__meter_id")).order_by("-ts_ms")
     allocations = (
-        Allocation.objects.filter(
-            end__isnull=True,
-            claim__namespace__in=TeamNamespace.objects.filter(team=team).values("namespace"),
-        )
+        team_open_allocations(team)
         .annotate(
             gpu_util=Subquery(latest.values("gpu_util")[:1]),
             sampled_ms=Subquery(latest.values("ts_ms")[:1]),

@@ -40,9 +40,9 @@ Kueue's group label and count, Volcano's group annotation and the training opera
 (for a Pod no training job controls). Anyone who may create Pods in a namespace can join or
 make such a gang there; gangs are per namespace, so that reaches only the namespace's own.
 
-Objects come from a `GangLookup`: the API server (`inventory.kube.GangReader`, cached; it lives
-there because only `inventory.kube` talks to the API; it also reads the ResourceClaimTemplates
-of a gang's roles, `GANG_READS`) or the objects of a dump (`GangIndex`).
+Objects come from a `GangLookup`: the API server (`inventory.kube_owners.GangReader`, cached;
+it lives there because only the `inventory.kube*` modules talk to the API; it also reads the
+ResourceClaimTemplates of a gang's roles, `GANG_READS`) or the objects of a dump (`GangIndex`).
 Everything read is untrusted: a field of the wrong type, a count that is negative, zero or
 absurd (over `MAX_GANG_SIZE`), a name no API server would accept, or a loop gives no gang
 (None) rather than an exception, so a claim without a trustworthy gang is decided alone.
@@ -166,7 +166,7 @@ class GangLookup(Protocol):
 
 @runtime_checkable
 class FreshLookup(GangLookup, Protocol):
-    """A lookup that keeps what it read (`inventory.kube.GangReader`) and can read again."""
+    """A lookup that keeps what it read (`inventory.kube_owners.GangReader`) and can read again."""
 
     def get_fresh(
         self, namespace: str, api_version: str, kind: str, name: str

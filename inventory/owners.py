@@ -6,7 +6,7 @@ followed (a ReplicaSet to its Deployment, a Job to its CronJob or JobSet) as far
 can be read. Where they cannot (no API server, a Pod already gone, no permission), the job
 stays at the last owner known, never less than the claim's own controller.
 
-The owners come from an `OwnerLookup`: the API server (`inventory.kube.OwnerReader`) or the
+The owners come from an `OwnerLookup`: the API server (`inventory.kube_owners.OwnerReader`) or the
 objects of a dump (`OwnerIndex`). A job is written "Kind/name", as usage rows hold it; owner
 references are namespace-local, so it is the claim's namespace that places it.
 

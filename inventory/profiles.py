@@ -62,10 +62,23 @@ import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from decimal import ROUND_HALF_EVEN, Decimal
-from typing import Any
+from typing import Annotated, Any
 
 from django.conf import settings
 from kubernetes.utils import parse_quantity
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from inventory.schemas import PROBLEM, Problem, path_of, problem, problems
 
 UNITS = ("gpu", "tpu", "gaudi", "accelerator")
 SHARE_RULES = ("counters", "mig-profile", "partition-profile", "vgpu-profile")
@@ -312,128 +325,51 @@ BUILTIN_SPECS: dict[str, dict[str, Any]] = {
 }
 
 
-def _text(value: Any, path: str) -> str:
-    """`value` if it is a string PostgreSQL can store in the spec's JSON (no NUL character)."""
-    if not isinstance(value, str):
-        raise ProfileError(path, "must be a string")
+def _no_nul(value: str) -> str:
+    """A string PostgreSQL can store in the spec's JSON (no NUL character)."""
     if "\x00" in value:
-        raise ProfileError(path, "must not contain a NUL character")
+        raise problem("must not contain a NUL character")
     return value
 
 
-def _names(value: Any, path: str) -> list[str]:
-    if isinstance(value, str) or not isinstance(value, list):
-        raise ProfileError(path, "must be a list of names")
-    for index, item in enumerate(value):
-        if not _text(item, f"{path}[{index}]").strip():
-            raise ProfileError(f"{path}[{index}]", "must be a non-empty string")
-    return list(value)
+def _non_empty(value: str) -> str:
+    if not value.strip():
+        raise problem("must be a non-empty string")
+    return value
 
 
-def _shown(key: str) -> str:
-    """A key as errors name it: quoted when it holds a line break or other control character,
-    so that the error stays one line."""
-    return key if key.isprintable() else repr(key)
+def _one_of(choices: tuple[str, ...]) -> AfterValidator:
+    def check(value: str) -> str:
+        if value not in choices:
+            raise problem(f"must be one of {', '.join(choices)}", _LATER)
+        return value
+
+    return AfterValidator(check)
 
 
-def _keys(mapping: dict[Any, Any], path: str) -> None:
-    """Refuse a key that is no string (YAML reads `1:` or `true:` as a number or boolean)."""
-    for key in mapping:
-        if not isinstance(key, str):
-            raise ProfileError(f"{path}[{key!r}]", "a key must be a string")
-        _text(key, f"{path}.{key!r}")
+def _share_rule(value: str) -> str:
+    if value not in SHARE_RULES:
+        raise problem(f"{value!r} is not a share rule (known: {', '.join(SHARE_RULES)})", _LATER)
+    return value
 
 
-def validate_spec(spec: Any, path: str = "") -> dict[str, Any]:
-    """A driver profile spec checked and normalised; `ProfileError` names the bad field.
-
-    `path` prefixes the field in messages (the policy file passes `drivers.<driver>`).
-    """
-    where = (lambda key: f"{path}.{key}") if path else (lambda key: key)
-    if not isinstance(spec, dict):
-        raise ProfileError(path or "spec", "must be a mapping of profile keys")
-    _keys(spec, path or "spec")
-    unknown = sorted(set(spec) - SPEC_KEYS)
-    if unknown:
-        raise ProfileError(
-            where(_shown(unknown[0])),
-            f"is not a profile key (known: {', '.join(sorted(SPEC_KEYS))})",
-        )
-    clean: dict[str, Any] = {}
-    for key in (*_STRING_KEYS, "description"):
-        if key in spec:
-            clean[key] = _text(spec[key], where(key)).strip()
-    if "unit" in clean and clean["unit"] not in UNITS:
-        raise ProfileError(where("unit"), f"must be one of {', '.join(UNITS)}")
-    if "untyped" in clean and clean["untyped"] not in KINDS_OF_UNTYPED:
-        raise ProfileError(where("untyped"), f"must be one of {', '.join(KINDS_OF_UNTYPED)}")
-    for key in _LIST_KEYS:
-        if key in spec:
-            clean[key] = _names(spec[key], where(key))
-    for index, rule in enumerate(clean.get("share", [])):
-        if rule not in SHARE_RULES:
-            raise ProfileError(
-                f"{where('share')}[{index}]",
-                f"{rule!r} is not a share rule (known: {', '.join(SHARE_RULES)})",
-            )
-    kinds: dict[str, str] = {}
-    for key in ("whole_types", "mig_types", "partition_types"):
-        for value in clean.get(key, []):
-            if value in kinds:
-                raise ProfileError(where(key), f"type {value!r} is also in {kinds[value]}")
-            kinds[value] = key
-    if "exclude" in spec:
-        clean["exclude"] = _exclusions(spec["exclude"], where("exclude"))
-    return clean
-
-
-def _exclusions(value: Any, path: str) -> list[dict[str, Any]]:
-    if not isinstance(value, list):
-        raise ProfileError(path, "must be a list of {attribute|capacity: NAME, equals: VALUE}")
-    entries = []
-    for index, entry in enumerate(value):
-        entry_path = f"{path}[{index}]"
-        if not isinstance(entry, dict):
-            raise ProfileError(entry_path, "must be a mapping with attribute or capacity, equals")
-        _keys(entry, entry_path)
-        extra = sorted(set(entry) - {"attribute", "capacity", "equals"})
-        if extra:
-            raise ProfileError(
-                f"{entry_path}.{_shown(extra[0])}", "is not attribute, capacity or equals"
-            )
-        if ("attribute" in entry) == ("capacity" in entry):
-            raise ProfileError(entry_path, "must name exactly one of attribute or capacity")
-        key = "attribute" if "attribute" in entry else "capacity"
-        if not _text(entry[key], f"{entry_path}.{key}").strip():
-            raise ProfileError(f"{entry_path}.{key}", "must be a non-empty string")
-        if "equals" not in entry:
-            raise ProfileError(f"{entry_path}.equals", "is required")
-        equals_path = f"{entry_path}.equals"
-        if key == "capacity":
-            equals: Any = _quantity_text(entry["equals"], equals_path)
-        else:
-            equals = _attribute_value(entry["equals"], equals_path)
-        entries.append({key: entry[key].strip(), "equals": equals})
-    return entries
-
-
-def _quantity_text(value: Any, path: str) -> str:
+def _quantity_text(value: Any) -> str:
     """A capacity to compare with, as the text stored and parsed again by every sync: a
     finite quantity ("0", "16Gi", 0.5). A boolean, NaN or infinity is none; a number is kept
     as its plain decimal text, which parses back to the same value."""
     if isinstance(value, bool) or not isinstance(value, str | int | float):
-        raise ProfileError(path, f"{value!r} is not a quantity")
+        raise problem(f"{value!r} is not a quantity")
     if isinstance(value, str):
-        _text(value, path)
+        _no_nul(value)
     if isinstance(value, float) and not math.isfinite(value):
-        raise ProfileError(path, f"{value!r} is not a finite quantity")
+        raise problem(f"{value!r} is not a finite quantity")
     try:
         # A float by its shortest text (0.1, not the binary fraction nearest to it).
         parsed = Decimal(parse_quantity(str(value) if isinstance(value, float) else value))
     except (ValueError, TypeError, ArithmeticError):
-        raise ProfileError(path, f"{value!r} is not a quantity") from None
+        raise problem(f"{value!r} is not a quantity") from None
     if not parsed.is_finite():
-        raise ProfileError(path, f"{value!r} is not a finite quantity")
+        raise problem(f"{value!r} is not a finite quantity")
     return value.strip() if isinstance(value, str) else format(parsed, "f")
 
 
@@ -441,20 +377,174 @@ def _quantity_text(value: Any, path: str) -> str:
 _INT64 = range(-(2**63), 2**63)
 
 
-def _attribute_value(value: Any, path: str) -> str | int | bool:
+def _attribute_value(value: Any) -> str | int | bool:
     """An attribute value to compare with: what a DRA attribute can hold. A float, a date or
     a list is none (and NaN could not even be stored)."""
     if isinstance(value, bool):
         return value
     if isinstance(value, int):
         if value not in _INT64:
-            raise ProfileError(path, f"{value} is out of range for a DRA integer attribute")
+            raise problem(f"{value} is out of range for a DRA integer attribute")
         return value
     if isinstance(value, str):
-        return _text(value, path)
-    raise ProfileError(
-        path, f"must be a string, integer or boolean (a DRA attribute value), not {value!r}"
+        return _no_nul(value)
+    raise problem(f"must be a string, integer or boolean (a DRA attribute value), not {value!r}")
+
+
+# A check that comes after every field's type is checked (`validate_spec`'s order).
+_LATER = "later"
+_Text = Annotated[str, Strict(), AfterValidator(_no_nul)]
+_Stripped = Annotated[_Text, AfterValidator(str.strip)]
+_Name = Annotated[_Text, AfterValidator(_non_empty)]
+_Names = Annotated[list[_Name], Strict()]
+_EXCLUDE_HINT = "must be a list of {attribute|capacity: NAME, equals: VALUE}"
+
+
+class _Exclusion(BaseModel):
+    """`{attribute: NAME, equals: VALUE}` or `{capacity: NAME, equals: QUANTITY}`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    attribute: Annotated[_Name, AfterValidator(str.strip)] = ""
+    capacity: Annotated[_Name, AfterValidator(str.strip)] = ""
+    equals: Any
+
+    @model_validator(mode="before")
+    @classmethod
+    def _exactly_one(cls, value: Any) -> Any:
+        # After its keys are checked (pydantic's: strings, known), as `validate_spec` reads.
+        if (
+            isinstance(value, dict)
+            and set(value) <= {"attribute", "capacity", "equals"}
+            and ("attribute" in value) == ("capacity" in value)
+        ):
+            raise problem("must name exactly one of attribute or capacity")
+        return value
+
+    @field_validator("equals")
+    @classmethod
+    def _equals(cls, value: Any, info: ValidationInfo) -> Any:
+        if info.data.get("capacity"):
+            return _quantity_text(value)
+        if info.data.get("attribute"):
+            return _attribute_value(value)
+        return value  # its name was refused: that is the entry's error
+
+    def clean(self) -> dict[str, Any]:
+        key = "capacity" if "capacity" in self.model_fields_set else "attribute"
+        return {key: getattr(self, key), "equals": self.equals}
+
+
+class _Spec(BaseModel):
+    """A driver profile spec (see the module docstring); every key optional."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    unit: Annotated[_Stripped, _one_of(UNITS)] = ""
+    type_attribute: _Stripped = ""
+    untyped: Annotated[_Stripped, _one_of(KINDS_OF_UNTYPED)] = ""
+    profile_attribute: _Stripped = ""
+    description: _Stripped = ""
+    whole_types: _Names = Field(default_factory=list)
+    mig_types: _Names = Field(default_factory=list)
+    partition_types: _Names = Field(default_factory=list)
+    identity_attributes: _Names = Field(default_factory=list)
+    parent_identity_attributes: _Names = Field(default_factory=list)
+    physical_unit_attributes: _Names = Field(default_factory=list)
+    model_attributes: _Names = Field(default_factory=list)
+    architecture_attributes: _Names = Field(default_factory=list)
+    driver_version_attributes: _Names = Field(default_factory=list)
+    memory_capacities: _Names = Field(default_factory=list)
+    profile_parts: _Names = Field(default_factory=list)
+    share: Annotated[list[Annotated[_Name, AfterValidator(_share_rule)]], Strict()] = Field(
+        default_factory=list
     )
+    size_counters: _Names = Field(default_factory=list)
+    unit_counters: _Names = Field(default_factory=list)
+    exclude: Annotated[list[_Exclusion], Strict()] = Field(default_factory=list)
+
+
+_FIELDS = tuple(_Spec.model_fields)
+_STRING_FIELDS = frozenset((*_STRING_KEYS, "description"))
+
+
+def _first_problem(exc: ValidationError, path: str) -> ProfileError:
+    """The error `validate_spec` reports of those pydantic found: the first in the order the
+    spec is read (keys, strings, their values, lists, share rules, exclusions)."""
+    ranked: list[tuple[tuple[int | str, ...], str, str]] = []
+    for order, found in enumerate(problems(exc)):
+        rank: tuple[int | str, ...]
+        loc, kind = found.loc, found.kind
+        field_name = loc[0] if loc and isinstance(loc[0], str) else ""
+        position = _FIELDS.index(field_name) if field_name in _FIELDS else -1
+        if not loc:
+            rank, where, message = (0,), path or "spec", "must be a mapping of profile keys"
+        elif kind == "invalid_key" and len(loc) == 1:
+            rank, where = (1, order), f"{path or 'spec'}[{found.input!r}]"
+            message = "a key must be a string"
+        elif kind == "extra_forbidden" and "\x00" in str(loc[-1]):
+            rank = (1, order) if position < 0 else (7, order)
+            where = f"{path_of(path, loc[:-1]) or 'spec'}.{loc[-1]!r}"
+            message = "must not contain a NUL character"
+        elif kind == "extra_forbidden" and position < 0:
+            where = path_of(path, loc)
+            message = f"is not a profile key (known: {', '.join(sorted(SPEC_KEYS))})"
+            rank = (2, str(loc[0]))
+        else:
+            where, message = path_of(path, loc), _worded(found)
+            if field_name in _STRING_FIELDS:
+                rank = (4 if kind == _LATER else 3, position, order)
+            elif field_name == "exclude":
+                rank = (7, order)
+                if len(loc) == 2 and kind == "model_type":
+                    message = "must be a mapping with attribute or capacity, equals"
+                elif len(loc) == 1:
+                    message = _EXCLUDE_HINT
+            else:
+                rank = (5 if kind != _LATER else 6, position, order)
+        ranked.append((rank, where, message))
+    _, where, message = min(ranked)
+    return ProfileError(where, message)
+
+
+def _worded(found: Problem) -> str:
+    """A pydantic error in `validate_spec`'s words."""
+    if found.kind in (PROBLEM, _LATER):
+        return found.message
+    if found.kind == "missing":
+        return "is required"
+    if found.kind == "extra_forbidden":
+        return "is not attribute, capacity or equals"
+    if found.kind == "list_type":
+        return "must be a list of names"
+    if found.kind == "invalid_key":
+        return "a key must be a string"
+    return "must be a string"
+
+
+def validate_spec(spec: Any, path: str = "") -> dict[str, Any]:
+    """A driver profile spec checked and normalised (`_Spec`); `ProfileError` names the bad
+    field, the first in the order the spec is read.
+
+    `path` prefixes the field in messages (the policy file passes `drivers.<driver>`).
+    """
+    if not isinstance(spec, dict):
+        raise ProfileError(path or "spec", "must be a mapping of profile keys")
+    try:
+        checked = _Spec.model_validate(spec)
+    except ValidationError as exc:
+        raise _first_problem(exc, path) from None
+    clean = checked.model_dump(exclude_unset=True, exclude={"exclude"})
+    kinds: dict[str, str] = {}
+    for key in ("whole_types", "mig_types", "partition_types"):
+        for value in clean.get(key, []):
+            if value in kinds:
+                where = f"{path}.{key}" if path else key
+                raise ProfileError(where, f"type {value!r} is also in {kinds[value]}")
+            kinds[value] = key
+    if "exclude" in checked.model_fields_set:
+        clean["exclude"] = [entry.clean() for entry in checked.exclude]
+    return {key: clean[key] for key in _FIELDS if key in clean}
 
 
 def _build(driver: str, source: str, spec: Mapping[str, Any]) -> Profile:

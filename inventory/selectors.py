@@ -65,6 +65,7 @@ from inventory.checks import PoolGeneration, published_counter_sets, quantities,
 from inventory.models import Allocation, Cluster, Device, DeviceKind
 from inventory.profiles import unit_label, unit_order
 from inventory.versions import DeviationInfo, VersionMatrix
+from teams.models import Team, TeamNamespace
 
 # Shares are stored to 6 places, so seven 1g slices sum to 0.999999: within this of 1 a GPU
 # is fully held.
@@ -844,7 +845,7 @@ def _shared_use(
 
     The part is, per capacity, what the shares consumed over its value, the most of any
     capacity, at most 1. A share that names no capacity of the device holds all of it, as
-    billing meters it (`inventory.services.allocation_metering`); so does anything held on a
+    billing meters it (`inventory.claim_sync.allocation_metering`); so does anything held on a
     device with no capacity to share."""
     capacity = device["capacity"] or {}
     values = quantities(capacity)
@@ -1116,3 +1117,13 @@ def _count_gpus(*, allocated: bool = False) -> Count:
 
 def _node_label(cluster_name: str, node_name: str, qualify: bool) -> str:
     return f"{cluster_name}/{node_name}" if qualify else node_name
+
+
+def team_open_allocations(team: Team) -> QuerySet[Allocation]:
+    """The allocations still held by claims in the namespaces `team` owns now (the current
+    ownerships, `TeamNamespace.objects`): what a team's pages show as its open allocations
+    (the team page's idle holders, its live claims). The one place this is worked out."""
+    return Allocation.objects.filter(
+        end__isnull=True,
+        claim__namespace__in=TeamNamespace.objects.filter(team=team).values("namespace"),
+    )

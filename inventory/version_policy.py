@@ -12,9 +12,10 @@ and (unless forced) one that makes most of a model's nodes outliers. Judging its
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, time
-from typing import Any
+from typing import Annotated, Any
 
 from django.conf import settings
 from django.core.exceptions import ValidationError
@@ -22,9 +23,20 @@ from django.core.validators import validate_slug
 from django.db import transaction
 from django.utils import timezone
 from django.utils.dateparse import parse_date, parse_datetime
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainValidator,
+    Strict,
+)
+from pydantic import ValidationError as PydanticValidationError
 
 from inventory.models import Cluster, VersionBaseline, VersionDeviation
 from inventory.profiles import is_driver_name
+from inventory.schemas import PROBLEM, problem, problems
 from inventory.version_numbers import version_error
 from inventory.versions import POLICY_SOURCE, ModelVersions, VersionMatrix
 from teams import audit
@@ -112,73 +124,181 @@ class VersionPolicyChanges:
     rows: dict[str, int] = field(default_factory=dict)
 
 
-class _Section:
-    """Reads one mapping of the section, collecting errors named by their path."""
+def _as_written(value: Any) -> Any:
+    """`cudaDriverVersion: 12.8` reads as a number: the text as written is meant (the policy
+    file's loader keeps it, `13.10` the number 13.1 is "13.10")."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        return getattr(value, "written", str(value))
+    return value
 
-    def __init__(self, errors: list[str]) -> None:
-        self.errors = errors
 
-    def mapping(self, value: Any, path: str, keys: tuple[str, ...]) -> dict[str, Any] | None:
-        if not isinstance(value, dict):
-            self.errors.append(f"{path}: must be a mapping, got {_kind(value)}")
-            return None
-        for key in value:
-            if key not in keys:
-                self.errors.append(f"{path}: unknown key {key!r}")
-        return value
+def _text(max_length: int, *, required: bool = False) -> Callable[[str], str]:
+    """The check of a string: stripped, at most `max_length` characters; `required`: not
+    empty."""
 
-    def string(
-        self,
-        mapping: dict[str, Any],
-        key: str,
-        path: str,
-        *,
-        max_length: int,
-        required: bool = False,
-    ) -> str:
-        value = mapping.get(key, "")
-        if isinstance(value, int | float) and not isinstance(value, bool) and "Version" in key:
-            # `cudaDriverVersion: 12.8` reads as a number: the text as written is meant (the
-            # policy file's loader keeps it, `13.10` the number 13.1 is "13.10").
-            value = getattr(value, "written", str(value))
-        if not isinstance(value, str):
-            self.errors.append(f"{path}.{key}: must be a string, got {_kind(value)}")
-            return ""
+    def check(value: str) -> str:
         value = value.strip()
         if required and not value:
-            self.errors.append(f"{path}.{key}: required")
+            raise problem("required")
         if len(value) > max_length:
-            self.errors.append(f"{path}.{key}: longer than {max_length} characters")
+            raise problem(f"longer than {max_length} characters")
         return value
 
-    def version(self, mapping: dict[str, Any], key: str, path: str) -> str:
-        """A version as written (kept for display), refused when it is no version."""
-        value = self.string(mapping, key, path, max_length=64)
-        if error := version_error(value):
-            self.errors.append(f"{path}.{key}: {error}")
-        return value
+    return check
 
-    def version_pair(self, mapping: dict[str, Any], path: str) -> tuple[str, str]:
-        """The driver and CUDA versions a baseline or deviation pins: at least one of them."""
-        driver = self.version(mapping, "driverVersion", path)
-        cuda = self.version(mapping, "cudaDriverVersion", path)
-        if not driver and not cuda:
-            self.errors.append(f"{path}: give driverVersion, cudaDriverVersion or both")
-        return driver, cuda
 
-    def driver(self, mapping: dict[str, Any], path: str) -> str:
-        name = self.string(mapping, "driver", path, max_length=253)
-        if name and not is_driver_name(name):
-            self.errors.append(f"{path}.driver: {name!r} is not a DRA driver name (a DNS name)")
-        return name
+def _version(value: str) -> str:
+    """A version as written (kept for display), refused when it is no version."""
+    if error := version_error(value):
+        raise problem(error)
+    return value
 
-    def cluster(self, mapping: dict[str, Any], path: str) -> str:
-        name = self.string(mapping, "cluster", path, max_length=63) or settings.TALLY_CLUSTER_NAME
-        try:
-            validate_slug(name)
-        except ValidationError:
-            self.errors.append(f"{path}.cluster: {name!r} is not a cluster name (a slug)")
-        return name
+
+def _driver(name: str) -> str:
+    if name and not is_driver_name(name):
+        raise problem(f"{name!r} is not a DRA driver name (a DNS name)")
+    return name
+
+
+def _cluster(name: str) -> str:
+    name = name or settings.TALLY_CLUSTER_NAME
+    try:
+        validate_slug(name)
+    except ValidationError:
+        raise problem(f"{name!r} is not a cluster name (a slug)") from None
+    return name
+
+
+def _expires(value: Any) -> datetime:
+    expires = _expiry(value)
+    if expires is None:
+        raise problem("required, a date (2027-01-31: expires at its start, UTC) or a date and time")
+    return expires
+
+
+_Text63 = Annotated[str, Strict(), AfterValidator(_text(63))]
+_Text64 = Annotated[str, Strict(), AfterValidator(_text(64))]
+_Text253 = Annotated[str, Strict(), AfterValidator(_text(253))]
+_Note = Annotated[str, Strict(), AfterValidator(_text(10_000))]
+_Reason = Annotated[str, Strict(), AfterValidator(_text(10_000, required=True))]
+_Owner = Annotated[str, Strict(), AfterValidator(_text(253, required=True))]
+_Version = Annotated[_Text64, BeforeValidator(_as_written), AfterValidator(_version)]
+_Driver = Annotated[_Text253, AfterValidator(_driver)]
+_Cluster = Annotated[_Text63, AfterValidator(_cluster)]
+_GIVEN = Field(default="", validate_default=True)
+
+
+class _Baseline(BaseModel):
+    """One of `versions.baselines`: the pair a cluster's GPUs (of a driver, a model or an
+    architecture) should run."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    driver: _Driver = ""
+    product_name: _Text253 = Field(default="", alias="productName")
+    architecture: _Text64 = ""
+    driver_version: _Version = Field(default="", alias="driverVersion")
+    cuda_driver_version: _Version = Field(default="", alias="cudaDriverVersion")
+    cluster: _Cluster = _GIVEN
+    note: _Note = ""
+
+
+class _Deviation(BaseModel):
+    """One of `versions.deviations`: a node or pool documented to run another pair."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    driver: _Driver = ""
+    node_name: _Text253 = Field(default="", alias="node")
+    pool: _Text253 = ""
+    driver_version: _Version = Field(default="", alias="driverVersion")
+    cuda_driver_version: _Version = Field(default="", alias="cudaDriverVersion")
+    reason: _Reason = _GIVEN
+    owner: _Owner = _GIVEN
+    expires_at: Annotated[datetime, PlainValidator(_expires)] = Field(
+        default=None, alias="expires", validate_default=True
+    )
+    cluster: _Cluster = _GIVEN
+
+
+class _Top(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    baselines: Annotated[list[Any], Strict()] | None = None
+    deviations: Annotated[list[Any], Strict()] | None = None
+
+
+def _given(mapping: Any, key: str) -> str:
+    """What the section reads for `key` of an item where its own check failed: nothing."""
+    value = _as_written(mapping.get(key, "")) if isinstance(mapping, dict) else ""
+    return value.strip() if isinstance(value, str) else ""
+
+
+# Checks across an item's fields, each after the field named (the order errors are listed in).
+_PAIR = "give driverVersion, cudaDriverVersion or both"
+
+
+def _no_pair(item: dict[str, Any]) -> bool:
+    return not _given(item, "driverVersion") and not _given(item, "cudaDriverVersion")
+
+
+def _model_and_architecture(item: dict[str, Any]) -> bool:
+    return bool(_given(item, "productName") and _given(item, "architecture"))
+
+
+def _no_node_or_pool(item: dict[str, Any]) -> bool:
+    return not _given(item, "node") and not _given(item, "pool")
+
+
+_CROSS: dict[type[BaseModel], list[tuple[str, Callable[[dict[str, Any]], bool], str]]] = {
+    _Baseline: [
+        ("cudaDriverVersion", _no_pair, _PAIR),
+        (
+            "cudaDriverVersion",
+            _model_and_architecture,
+            "give productName or architecture (or neither: the whole cluster), not both",
+        ),
+    ],
+    _Deviation: [
+        ("cudaDriverVersion", _no_pair, _PAIR),
+        ("cudaDriverVersion", _no_node_or_pool, "give node, pool or both"),
+    ],
+}
+
+
+def _item(
+    model: type[_Baseline] | type[_Deviation], value: Any, path: str, errors: list[str]
+) -> Any:
+    """`value` checked by `model`, or None with its errors (named by path) added to `errors`,
+    in the order the item is read: unknown keys, then each field and the checks across them."""
+    # Errors name a field by its key in the file (a default validated: by its own name).
+    keys = {name: field.alias or name for name, field in model.model_fields.items()}
+    order = list(keys.values())
+    found: list[tuple[tuple[int, int, int], str]] = []
+    checked = None
+    try:
+        checked = model.model_validate(value)
+    except PydanticValidationError as exc:
+        for index, error in enumerate(problems(exc)):
+            if not error.loc:
+                found.append(((0, 0, index), f"{path}: must be a mapping, got {_kind(value)}"))
+            elif error.kind in ("extra_forbidden", "invalid_key"):
+                key = error.loc[0] if error.kind == "extra_forbidden" else error.input
+                found.append(((1, 0, index), f"{path}: unknown key {key!r}"))
+            else:
+                key = keys.get(str(error.loc[0]), str(error.loc[0]))
+                message = (
+                    error.message
+                    if error.kind == PROBLEM
+                    else (f"must be a string, got {_kind(error.input)}")
+                )
+                found.append(((2, order.index(key), 2 * index), f"{path}.{key}: {message}"))
+    if isinstance(value, dict):
+        for index, (after, fails, message) in enumerate(_CROSS[model]):
+            if fails(value):
+                found.append(((2, order.index(after), 2 * index + 1 + 1000), f"{path}: {message}"))
+    errors.extend(message for _, message in sorted(found))
+    return checked if not found else None
 
 
 def parse_version_policy(value: Any, path: str) -> tuple[VersionPolicy, list[str]]:
@@ -189,20 +309,65 @@ def parse_version_policy(value: Any, path: str) -> tuple[VersionPolicy, list[str
     creates them.
     """
     errors: list[str] = []
-    section = _Section(errors)
-    top = section.mapping(value, path, _SECTION_KEYS)
-    if top is None:
-        return VersionPolicy(), errors
-    baselines = [
-        spec
-        for index, item in enumerate(_list(top, "baselines", path, errors))
-        if (spec := _baseline_spec(section, item, f"{path}.baselines[{index}]")) is not None
-    ]
-    deviations = [
-        deviation
-        for index, item in enumerate(_list(top, "deviations", path, errors))
-        if (deviation := _deviation_spec(section, item, f"{path}.deviations[{index}]")) is not None
-    ]
+    if not isinstance(value, dict):
+        return VersionPolicy(), [f"{path}: must be a mapping, got {_kind(value)}"]
+    lists: dict[str, list[Any]] = {"baselines": [], "deviations": []}
+    wrong: dict[str, str] = {}
+    try:
+        top = _Top.model_validate(value)
+        lists = {key: getattr(top, key) or [] for key in lists}
+    except PydanticValidationError as exc:
+        for error in problems(exc):
+            key = error.loc[0] if error.kind == "extra_forbidden" else None
+            if error.kind == "invalid_key":
+                key = error.input
+            if key is not None and key not in lists:
+                errors.append(f"{path}: unknown key {key!r}")
+            else:
+                wrong[str(error.loc[0])] = (
+                    f"{path}.{error.loc[0]}: must be a list, got {_kind(error.input)}"
+                )
+        for key in lists:
+            if key not in wrong and isinstance(value.get(key), list):
+                lists[key] = value[key]
+    baselines: list[BaselineSpec] = []
+    deviations: list[DeviationSpec] = []
+    if "baselines" in wrong:
+        errors.append(wrong["baselines"])
+    for index, item in enumerate(lists["baselines"]):
+        where = f"{path}.baselines[{index}]"
+        if (baseline := _item(_Baseline, item, where, errors)) is not None:
+            baselines.append(
+                BaselineSpec(
+                    path=where,
+                    cluster=baseline.cluster,
+                    driver=baseline.driver,
+                    product_name=baseline.product_name,
+                    architecture=baseline.architecture,
+                    driver_version=baseline.driver_version,
+                    cuda_driver_version=baseline.cuda_driver_version,
+                    note=baseline.note,
+                )
+            )
+    if "deviations" in wrong:
+        errors.append(wrong["deviations"])
+    for index, item in enumerate(lists["deviations"]):
+        where = f"{path}.deviations[{index}]"
+        if (deviation := _item(_Deviation, item, where, errors)) is not None:
+            deviations.append(
+                DeviationSpec(
+                    path=where,
+                    cluster=deviation.cluster,
+                    driver=deviation.driver,
+                    node_name=deviation.node_name,
+                    pool=deviation.pool,
+                    driver_version=deviation.driver_version,
+                    cuda_driver_version=deviation.cuda_driver_version,
+                    reason=deviation.reason,
+                    owner=deviation.owner,
+                    expires_at=deviation.expires_at,
+                )
+            )
     _check_unique([(spec.path, spec.key) for spec in baselines], "baseline", errors)
     _check_unique([(spec.path, spec.key) for spec in deviations], "deviation", errors)
     return VersionPolicy(baselines=tuple(baselines), deviations=tuple(deviations)), errors
@@ -216,78 +381,6 @@ def _check_unique(
         if key in first:
             errors.append(f"{path}: the same {what} as {first[key]}")
         first.setdefault(key, path)
-
-
-def _list(top: dict[str, Any], key: str, path: str, errors: list[str]) -> list[Any]:
-    value = top.get(key, [])
-    if value is None:
-        return []
-    if not isinstance(value, list):
-        errors.append(f"{path}.{key}: must be a list, got {_kind(value)}")
-        return []
-    return value
-
-
-def _baseline_spec(section: _Section, value: Any, path: str) -> BaselineSpec | None:
-    mapping = section.mapping(value, path, _BASELINE_KEYS)
-    if mapping is None:
-        return None
-    before = len(section.errors)
-    dra_driver = section.driver(mapping, path)
-    product = section.string(mapping, "productName", path, max_length=253)
-    architecture = section.string(mapping, "architecture", path, max_length=64)
-    driver, cuda = section.version_pair(mapping, path)
-    if product and architecture:
-        section.errors.append(
-            f"{path}: give productName or architecture (or neither: the whole cluster), not both"
-        )
-    spec = BaselineSpec(
-        path=path,
-        cluster=section.cluster(mapping, path),
-        driver=dra_driver,
-        product_name=product,
-        architecture=architecture,
-        driver_version=driver,
-        cuda_driver_version=cuda,
-        note=section.string(mapping, "note", path, max_length=10_000),
-    )
-    return spec if len(section.errors) == before else None
-
-
-def _deviation_spec(section: _Section, value: Any, path: str) -> DeviationSpec | None:
-    mapping = section.mapping(value, path, _DEVIATION_KEYS)
-    if mapping is None:
-        return None
-    before = len(section.errors)
-    dra_driver = section.driver(mapping, path)
-    node = section.string(mapping, "node", path, max_length=253)
-    pool = section.string(mapping, "pool", path, max_length=253)
-    driver, cuda = section.version_pair(mapping, path)
-    if not node and not pool:
-        section.errors.append(f"{path}: give node, pool or both")
-    reason = section.string(mapping, "reason", path, max_length=10_000, required=True)
-    owner = section.string(mapping, "owner", path, max_length=253, required=True)
-    expires = _expiry(mapping.get("expires"))
-    if expires is None:
-        section.errors.append(
-            f"{path}.expires: required, a date (2027-01-31: expires at its start, UTC) "
-            "or a date and time"
-        )
-    spec_cluster = section.cluster(mapping, path)
-    if len(section.errors) != before or expires is None:
-        return None
-    return DeviationSpec(
-        path=path,
-        cluster=spec_cluster,
-        driver=dra_driver,
-        node_name=node,
-        pool=pool,
-        driver_version=driver,
-        cuda_driver_version=cuda,
-        reason=reason,
-        owner=owner,
-        expires_at=expires,
-    )
 
 
 def _expiry(value: Any) -> datetime | None:

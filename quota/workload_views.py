@@ -22,7 +22,7 @@ from django.views.decorators.http import require_POST
 
 from core import metrics
 from core.logging import PARSED_REVIEW
-from inventory import kube
+from inventory import kube_owners
 from inventory.owners import OwnerLookup
 from quota import workloads
 from quota.admission import service
@@ -38,7 +38,11 @@ def owner_lookup() -> OwnerLookup | None:
     through the claim webhook's reader (`service.gang_lookup`: cached, with the webhook's
     short timeouts), when Tally reads one; else nowhere (None)."""
     lookup = service.gang_lookup()
-    return kube.WorkloadOwnerReader(lookup) if isinstance(lookup, kube.GangReader) else None
+    return (
+        kube_owners.WorkloadOwnerReader(lookup)
+        if isinstance(lookup, kube_owners.GangReader)
+        else None
+    )
 
 
 def respond(request: dict[str, Any]) -> dict[str, Any]:

@@ -24,8 +24,8 @@ from typing import Any
 import factory
 from django.utils import timezone
 
+from inventory.claim_sync import allocation_metering
 from inventory.models import Allocation, Cluster, Device, DeviceKind, Node, ResourceClaim
-from inventory.services import allocation_metering
 from teams.models import Team, TeamNamespace
 
 GPU_DRIVER = "gpu.nvidia.com"

@@ -57,7 +57,7 @@ from billing.services import issue_agent_token
 from billing.week import WEEK_CSV_COLUMNS
 from devtools.fake_kube import FakeKube
 from frontend.week import week_report
-from inventory import kube, services
+from inventory import kube, kube_sync, services
 from inventory.models import Allocation, Cluster, Device, ResourceClaim
 from teams.models import Membership, Role, Team, TeamNamespace
 from tests.inventory.test_kube_sync import claim, resource_slice
@@ -161,7 +161,7 @@ class Scenario:
 def _sync(api_client: Any, cluster: Cluster, at: datetime, *kinds: str) -> None:
     """One list of `kinds` by the real sync, at `at` (when allocations start and end)."""
     with time_machine.travel(at, tick=False):
-        reports = kube.sync(api_client=api_client, cluster=cluster, kinds=kinds, once=True)
+        reports = kube_sync.sync(api_client=api_client, cluster=cluster, kinds=kinds, once=True)
     assert all(report.errors == [] for report in reports.values()), reports
 
 

@@ -29,7 +29,7 @@ from django.conf import settings
 from django.db import DatabaseError, transaction
 from django.urls import get_resolver
 
-from inventory import gangs, kube
+from inventory import gangs, kube, kube_owners
 from inventory.models import Cluster
 from inventory.owners import api_group
 from inventory.services import get_cluster
@@ -486,7 +486,7 @@ _lookups: dict[str, gangs.GangLookup | None] = {}
 
 def gang_lookup() -> gangs.GangLookup | None:
     """Where this process reads Pods and the objects that declare gangs: the API server
-    (`inventory.kube.GangReader`, cached) when Tally runs in a cluster or KUBECONFIG names
+    (`inventory.kube_owners.GangReader`, cached) when Tally runs in a cluster or KUBECONFIG names
     one, else nowhere (None: no gangs, every claim decided alone). Made once per process."""
     if "lookup" not in _lookups:
         _lookups["lookup"] = _api_server_lookup()
@@ -502,8 +502,8 @@ def _api_server_lookup() -> gangs.GangLookup | None:
     if not (os.environ.get("KUBERNETES_SERVICE_HOST") or os.environ.get("KUBECONFIG")):
         return None
     try:
-        return kube.GangReader(
-            kube.api_client(retries=0), request_timeout=kube.WEBHOOK_READ_TIMEOUT_SECONDS
+        return kube_owners.GangReader(
+            kube.api_client(retries=0), request_timeout=kube_owners.WEBHOOK_READ_TIMEOUT_SECONDS
         )
     except kube.KubeError as exc:
         log.warning("gangs cannot be read, claims are decided alone: %s", exc)

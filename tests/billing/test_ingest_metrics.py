@@ -16,7 +16,7 @@ from django.utils import timezone
 from prometheus_client import REGISTRY, Counter
 
 from core import metrics
-from inventory.kube import RESOURCES
+from inventory.kube_sync import RESOURCES
 from inventory.models import Device
 from tests.billing.test_ingest import issue_token
 from tests.factories import DeviceFactory

@@ -28,9 +28,10 @@ from django.db import connection
 from django.urls import Resolver404, resolve
 
 from db.embedded import postgres_url
-from inventory import kube
+from inventory import kube_owners
 from inventory.gangs import GANG_KINDS, GANG_READS
-from inventory.kube import OWNER_READS, RESOURCES
+from inventory.kube_owners import OWNER_READS
+from inventory.kube_sync import RESOURCES
 
 REPO = Path(__file__).resolve().parents[2]
 DEPLOY = REPO / "deploy"
@@ -499,12 +500,12 @@ def test_every_kind_the_code_reads_is_granted_to_the_process_that_reads_it(
 
 def test_the_reader_names_the_rbac_resource_the_manifests_grant() -> None:
     """The 403 the reader logs names what to grant: the same names as the ClusterRole's."""
-    assert kube._resource_name("jobset.x-k8s.io", "JobSet") == "jobsets.jobset.x-k8s.io"
+    assert kube_owners._resource_name("jobset.x-k8s.io", "JobSet") == "jobsets.jobset.x-k8s.io"
     assert (
-        kube._resource_name("resource.k8s.io", "ResourceClaimTemplate")
+        kube_owners._resource_name("resource.k8s.io", "ResourceClaimTemplate")
         == "resourceclaimtemplates.resource.k8s.io"
     )
-    assert kube._resource_name("", "Pod") == "pods"
+    assert kube_owners._resource_name("", "Pod") == "pods"
 
 
 def test_production_runs_several_web_pods_with_a_budget() -> None:

@@ -15,7 +15,7 @@ import pytest
 from django.db import connection
 from django.db.migrations.executor import MigrationExecutor
 
-from inventory import profiles, services
+from inventory import claim_sync, profiles, services
 from inventory.models import Allocation, Device
 from tests.factories import DeviceFactory, MigDeviceFactory, OtherDeviceFactory
 
@@ -86,7 +86,7 @@ def sync(objects: list[dict[str, Any]], at: datetime) -> None:
 
 def metering(allocation: Allocation) -> tuple[Any, ...]:
     allocation.refresh_from_db()
-    return tuple(getattr(allocation, name) for name in services.METERING_FIELDS)
+    return tuple(getattr(allocation, name) for name in claim_sync.METERING_FIELDS)
 
 
 def test_an_allocation_keeps_its_devices_meter_id_when_the_device_gains_a_uuid() -> None:

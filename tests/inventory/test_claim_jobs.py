@@ -20,7 +20,7 @@ import yaml
 from django.core.management import call_command
 
 from devtools.fake_kube import FakeKube
-from inventory import kube, owners, services
+from inventory import kube_sync, owners, services
 from inventory.models import Cluster, ResourceClaim
 from tests.inventory.test_kube_sync import (
     claim,
@@ -100,7 +100,9 @@ def add_deployment_pods(fake: FakeKube, rs_name: str, *pod_names: str) -> list[d
 
 
 def list_claims(api_client: Any, cluster: Cluster) -> services.SyncReport:
-    reports = kube.sync(api_client=api_client, cluster=cluster, kinds=["ResourceClaim"], once=True)
+    reports = kube_sync.sync(
+        api_client=api_client, cluster=cluster, kinds=["ResourceClaim"], once=True
+    )
     return reports["ResourceClaim"]
 
 

@@ -1,7 +1,7 @@
 """When the sync reads a claim's Pod again (issue 22): a claim a read left unsettled (its Pod in
 no gang, or gone) waits longer after each read that finds nothing new, up to a bound, so a
 large fleet's watch stream does not read a Pod per event; a new Pod starts over at once, and a
-gang declared late is still found (issue 20) within the bound `kube.RereadSchedule` states.
+gang declared late is still found (issue 20) within the bound `kube_owners.RereadSchedule` states.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from django.db import OperationalError
 from django.utils import timezone
 
 from devtools.fake_kube import FakeKube
-from inventory import gangs, kube, services
+from inventory import gangs, kube_owners, kube_sync, services
 from inventory.dumps import iter_objects
 from inventory.models import Cluster, ResourceClaim
 from tests.inventory.test_gangs import FIXTURES, Clock, claim_loop, named, serve
@@ -35,7 +35,7 @@ def claim_obj(uid: str = "claim-1", pod_uid: str = "pod-1") -> dict[str, Any]:
 
 
 def test_the_wait_doubles_up_to_its_bound_and_starts_over_for_a_new_pod() -> None:
-    schedule = kube.RereadSchedule(first_seconds=30, max_seconds=300)
+    schedule = kube_owners.RereadSchedule(first_seconds=30, max_seconds=300)
     claim = claim_obj()
     now = 0.0
     assert schedule.due(claim, now)  # never read here
@@ -122,7 +122,7 @@ def test_a_gang_declared_minutes_late_is_found_within_the_bound(
     loop = claim_loop(api_client, cluster, clock)
     first_read = clock.now
     late = 300.0
-    bound = late + min(late + kube.GANG_REREAD_SECONDS, kube.GANG_REREAD_MAX_SECONDS)
+    bound = late + min(late + kube_owners.GANG_REREAD_SECONDS, kube_owners.GANG_REREAD_MAX_SECONDS)
     found_at = None
     while clock.now - first_read <= bound:
         if clock.now - first_read >= late and found_at is None:
@@ -229,7 +229,7 @@ def test_a_claim_whose_pod_declares_no_gang_is_read_again_only_at_the_bound(
     loop.relist()
     first_read = clock.now
     assert pod_reads(fake) == 1
-    while clock.now - first_read < kube.GANG_REREAD_MAX_SECONDS - 15:
+    while clock.now - first_read < kube_owners.GANG_REREAD_MAX_SECONDS - 15:
         clock.now += 15
         loop.relist()
     assert pod_reads(fake) == 1  # never due in 5 minutes of lists every 15 s
@@ -240,10 +240,10 @@ def test_a_claim_whose_pod_declares_no_gang_is_read_again_only_at_the_bound(
 
     # The Pod as the JobSet's Job made it (its labels), the JobSet not made yet: due 30 s on.
     fake.modify(named(objects, POD))
-    clock.now += kube.GANG_REREAD_MAX_SECONDS
+    clock.now += kube_owners.GANG_REREAD_MAX_SECONDS
     loop.relist()
     assert pod_reads(fake) == 3
-    clock.now += kube.GANG_REREAD_SECONDS
+    clock.now += kube_owners.GANG_REREAD_SECONDS
     loop.relist()
     assert pod_reads(fake) == 4
 
@@ -277,10 +277,10 @@ def test_a_batch_the_database_failed_records_the_claims_job_and_gang_when_applie
 
     # What the claim gets when nothing fails, in another cluster.
     other = services.get_cluster("control")
-    kube.KindSync(
+    kube_sync.KindSync(
         api_client=api_client,
         cluster=other,
-        resource=kube.RESOURCES["ResourceClaim"],
+        resource=kube_sync.RESOURCES["ResourceClaim"],
         clock=Clock(),
     )._apply([_claim_event(objects)], RESOURCE_VERSION)
     expected = _stored_claim()
@@ -288,10 +288,10 @@ def test_a_batch_the_database_failed_records_the_claims_job_and_gang_when_applie
     assert expected[1] is not None  # the JobSet's gang
 
     clock = Clock()
-    loop = kube.KindSync(
+    loop = kube_sync.KindSync(
         api_client=api_client,
         cluster=cluster,
-        resource=kube.RESOURCES["ResourceClaim"],
+        resource=kube_sync.RESOURCES["ResourceClaim"],
         clock=clock,
     )
     apply = services.apply_watch_events

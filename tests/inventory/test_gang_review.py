@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from devtools.fake_kube import KINDS, FakeKube
-from inventory import gangs, kube, services
+from inventory import gangs, kube_owners, kube_sync, services
 from inventory.dumps import iter_objects
 from inventory.gangs import gang_of_claim
 from inventory.models import ResourceClaim
@@ -83,7 +83,7 @@ def test_a_pod_recreated_under_its_name_is_read_again(fake: FakeKube, api_client
     fake.add_custom(lws(), "leaderworkersets")
     old = leader("uid-old")
     fake.add(copy.deepcopy(old))
-    reader = kube.GangReader(api_client, ttl_seconds=30, clock=Clock())
+    reader = kube_owners.GangReader(api_client, ttl_seconds=30, clock=Clock())
     assert gang_of_claim(claim_for(old), reader) is not None
 
     fake.delete("Pod", "serve-0", "ml")
@@ -102,7 +102,7 @@ def test_the_webhook_reads_a_recreated_pod_again_too(fake: FakeKube, api_client:
     fake.add_custom(lws(), "leaderworkersets")
     old = leader("uid-old")
     fake.add(copy.deepcopy(old))
-    reader = kube.GangReader(api_client, ttl_seconds=30, clock=Clock())
+    reader = kube_owners.GangReader(api_client, ttl_seconds=30, clock=Clock())
     assert gang_of_claim(claim_for(old), _Watched(reader)) is not None
 
     fake.delete("Pod", "serve-0", "ml")
@@ -132,10 +132,10 @@ def test_a_gang_unreadable_when_its_claim_was_first_seen_is_read_on_a_later_list
     cluster = services.get_cluster("lab")
     objects = list(iter_objects(FIXTURES / "jobset.yaml"))
     served(objects, fake, kinds=(*KINDS, "Job"))  # everything but the JobSet
-    kube.sync(api_client=api_client, cluster=cluster, kinds=["ResourceClaim"], once=True)
+    kube_sync.sync(api_client=api_client, cluster=cluster, kinds=["ResourceClaim"], once=True)
     assert ResourceClaim.objects.exists()
     assert not ResourceClaim.objects.filter(gang__isnull=False).exists()
 
     served(objects, fake, kinds=("JobSet",))  # readable now
-    kube.sync(api_client=api_client, cluster=cluster, kinds=["ResourceClaim"], once=True)
+    kube_sync.sync(api_client=api_client, cluster=cluster, kinds=["ResourceClaim"], once=True)
     assert set(ResourceClaim.objects.values_list("gang__key", flat=True)) == {"JobSet/train"}

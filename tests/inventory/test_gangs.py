@@ -1,5 +1,6 @@
 """A claim's gang (issue 20, item 1): from each declared source, read through the real client
-from `devtools.fake_kube` (`kube.GangReader`), through the sync, and from dumps (`GangIndex`).
+from `devtools.fake_kube` (`kube_owners.GangReader`), through the sync, and from dumps
+(`GangIndex`).
 
 The objects are the project's fixtures in `tests/fixtures/gangs/`, written from each project's
 documentation: the declaring object, Pods as its controller makes them, their claims.
@@ -20,7 +21,7 @@ from django.conf import settings
 from django.urls import reverse
 
 from devtools.fake_kube import KINDS, FakeKube
-from inventory import gangs, kube, services
+from inventory import gang_sync, gangs, kube, kube_owners, kube_sync, services
 from inventory.dumps import iter_objects
 from inventory.gangs import GangIndex, GangRef, GangRole, gang_of_claim, gang_of_pod
 from inventory.models import Cluster, Gang, ResourceClaim, SyncState
@@ -124,7 +125,7 @@ def index_of(objects: list[dict[str, Any]]) -> GangIndex:
 
 
 def list_claims(api_client: Any, cluster: Cluster) -> None:
-    kube.sync(api_client=api_client, cluster=cluster, kinds=["ResourceClaim"], once=True)
+    kube_sync.sync(api_client=api_client, cluster=cluster, kinds=["ResourceClaim"], once=True)
 
 
 def stored_gang(claim: str) -> GangRef | None:
@@ -149,7 +150,7 @@ def test_the_gang_of_a_claim_through_the_api_server(
     objects = case.objects
     serve(fake, objects)
 
-    found = gang_of_claim(named(objects, case.claim), kube.GangReader(api_client))
+    found = gang_of_claim(named(objects, case.claim), kube_owners.GangReader(api_client))
 
     assert found == case.gang
     assert [r.status for r in fake.reads("Pod")] == [200]
@@ -288,13 +289,13 @@ def test_a_gang_ends_when_no_member_claim_is_live_and_opens_again(cluster: Clust
 @pytest.mark.django_db
 def test_record_gang_is_an_upsert(cluster: Cluster) -> None:
     ref = GangRef("jobset", "JobSet/train", 2, (), "")
-    first = services.record_gang(cluster=cluster, namespace="ml", ref=ref, at=AT)
+    first = gang_sync.record_gang(cluster=cluster, namespace="ml", ref=ref, at=AT)
     grown = GangRef("jobset", "JobSet/train", 3, (), "")
-    again = services.record_gang(cluster=cluster, namespace="ml", ref=grown, at=AT)
+    again = gang_sync.record_gang(cluster=cluster, namespace="ml", ref=grown, at=AT)
 
     assert first.pk == again.pk and again.size == 3 and Gang.objects.count() == 1
     # No claim has joined it yet: it has not started, so it does not end.
-    assert services.end_gangs(cluster=cluster, at=AT) == 0
+    assert gang_sync.end_gangs(cluster=cluster, at=AT) == 0
     assert Gang.objects.get().ended_at is None
 
 
@@ -612,7 +613,7 @@ def serve_jobset(fake: FakeKube) -> list[dict[str, Any]]:
 def test_the_reader_caches_for_its_ttl(fake: FakeKube, api_client: Any) -> None:
     objects = serve_jobset(fake)
     clock = Clock()
-    reader = kube.GangReader(api_client, ttl_seconds=30, clock=clock)
+    reader = kube_owners.GangReader(api_client, ttl_seconds=30, clock=clock)
     claim = named(objects, "train-workers-0-0-x7k2p-gpus-4m8rt")
 
     assert gang_of_claim(claim, reader) == gang_of_claim(claim, reader) is not None
@@ -625,7 +626,7 @@ def test_the_reader_caches_for_its_ttl(fake: FakeKube, api_client: Any) -> None:
 
 def test_the_reader_keeps_at_most_max_entries(fake: FakeKube, api_client: Any) -> None:
     serve_jobset(fake)
-    reader = kube.GangReader(api_client, max_entries=2)
+    reader = kube_owners.GangReader(api_client, max_entries=2)
     pods = ["train-workers-0-0-x7k2p", "train-workers-1-0-q9m4z", "missing"]
 
     for name in pods:
@@ -638,7 +639,7 @@ def test_the_reader_keeps_at_most_max_entries(fake: FakeKube, api_client: Any) -
 def test_a_forbidden_kind_is_asked_once_per_ttl(fake: FakeKube, api_client: Any) -> None:
     objects = serve_jobset(fake)
     fake.forbidden = {"jobsets.jobset.x-k8s.io"}
-    reader = kube.GangReader(api_client)
+    reader = kube_owners.GangReader(api_client)
 
     for name in ("train-workers-0-0-x7k2p-gpus-4m8rt", "train-workers-1-0-q9m4z-gpus-p2v6d"):
         assert gang_of_claim(named(objects, name), reader) is None
@@ -649,7 +650,7 @@ def test_a_forbidden_kind_is_asked_once_per_ttl(fake: FakeKube, api_client: Any)
 def test_a_kind_not_served_is_no_gang_and_cached(fake: FakeKube, api_client: Any) -> None:
     objects = [o for o in iter_objects(FIXTURES / "jobset.yaml") if o["kind"] != "JobSet"]
     serve(fake, objects)
-    reader = kube.GangReader(api_client)
+    reader = kube_owners.GangReader(api_client)
 
     for name in ("train-workers-0-0-x7k2p-gpus-4m8rt", "train-workers-1-0-q9m4z-gpus-p2v6d"):
         assert gang_of_claim(named(objects, name), reader) is None
@@ -662,23 +663,23 @@ def test_an_api_server_in_trouble_is_left_alone_for_a_while(
 ) -> None:
     fake.unavailable = True
     clock = Clock()
-    reader = kube.GangReader(api_client, ttl_seconds=30, clock=clock)
+    reader = kube_owners.GangReader(api_client, ttl_seconds=30, clock=clock)
 
     for index in range(6):
         assert reader.get("ml", "v1", "Pod", f"p-{index}") is None
-    assert len(fake.requests) == kube.OWNER_READ_FAILURES
+    assert len(fake.requests) == kube_owners.OWNER_READ_FAILURES
 
     fake.unavailable = False
     clock.now += 31
     assert reader.get("ml", "v1", "Pod", "p-9") is None  # asked again: 404 now
-    assert len(fake.requests) == kube.OWNER_READ_FAILURES + 1
+    assert len(fake.requests) == kube_owners.OWNER_READ_FAILURES + 1
 
 
 def test_a_namesake_pod_is_read_again_each_time_and_gives_no_gang(
     fake: FakeKube, api_client: Any
 ) -> None:
     objects = serve_jobset(fake)
-    reader = kube.GangReader(api_client, ttl_seconds=30, clock=Clock())
+    reader = kube_owners.GangReader(api_client, ttl_seconds=30, clock=Clock())
     claim = copy.deepcopy(named(objects, "train-workers-0-0-x7k2p-gpus-4m8rt"))
     claim["metadata"]["ownerReferences"][0]["uid"] = "a-pod-gone-before-this-one"
 
@@ -692,7 +693,7 @@ def test_a_namesake_pod_is_read_again_each_time_and_gives_no_gang(
 
 def test_a_forbidden_pod_is_not_read_again_for_a_namesake(fake: FakeKube, api_client: Any) -> None:
     objects = serve_jobset(fake)
-    reader = kube.GangReader(api_client, ttl_seconds=30, clock=Clock())
+    reader = kube_owners.GangReader(api_client, ttl_seconds=30, clock=Clock())
     claim = copy.deepcopy(named(objects, "train-workers-0-0-x7k2p-gpus-4m8rt"))
     claim["metadata"]["ownerReferences"][0]["uid"] = "a-pod-gone-before-this-one"
     assert gang_of_claim(claim, reader) is None
@@ -704,11 +705,11 @@ def test_a_forbidden_pod_is_not_read_again_for_a_namesake(fake: FakeKube, api_cl
     assert [r.status for r in fake.reads("Pod")] == [200, 200, 403]
 
 
-def claim_loop(api_client: Any, cluster: Cluster, clock: Clock) -> kube.KindSync:
-    return kube.KindSync(
+def claim_loop(api_client: Any, cluster: Cluster, clock: Clock) -> kube_sync.KindSync:
+    return kube_sync.KindSync(
         api_client=api_client,
         cluster=cluster,
-        resource=kube.RESOURCES["ResourceClaim"],
+        resource=kube_sync.RESOURCES["ResourceClaim"],
         clock=clock,
     )
 
@@ -726,7 +727,7 @@ def test_a_claim_in_no_gang_is_read_again_on_a_later_list_once_per_ttl(
     pod_reads = len(fake.reads("Pod"))
     serve(fake, [named(objects, "train")])  # the JobSet, readable now
 
-    clock.now += kube.GANG_CACHE_SECONDS - 1
+    clock.now += kube_owners.GANG_CACHE_SECONDS - 1
     loop.relist()
     assert len(fake.reads("Pod")) == pod_reads  # within the reader's ttl: not read again
     assert not ResourceClaim.objects.filter(gang__isnull=False).exists()
@@ -737,7 +738,7 @@ def test_a_claim_in_no_gang_is_read_again_on_a_later_list_once_per_ttl(
     assert len(fake.reads("Pod")) == pod_reads + 2
 
     # In a gang now: not read again, however much later.
-    clock.now += 10 * kube.GANG_CACHE_SECONDS
+    clock.now += 10 * kube_owners.GANG_CACHE_SECONDS
     loop.relist()
     assert len(fake.reads("Pod")) == pod_reads + 2
 
@@ -803,7 +804,9 @@ def test_a_reader_waits_no_longer_than_its_request_timeout(fake: FakeKube, tmp_p
 
     fake.on_request = stall
     client = kube.api_client(kubeconfig=str(fake.write_kubeconfig(tmp_path / "kc")), retries=0)
-    reader = kube.GangReader(client, request_timeout=kube.WEBHOOK_READ_TIMEOUT_SECONDS)
+    reader = kube_owners.GangReader(
+        client, request_timeout=kube_owners.WEBHOOK_READ_TIMEOUT_SECONDS
+    )
     try:
         started = time.monotonic()
         found = reader.get("ml", "v1", "Pod", "train-workers-0-0-x7k2p")
@@ -815,7 +818,7 @@ def test_a_reader_waits_no_longer_than_its_request_timeout(fake: FakeKube, tmp_p
     # Well short of what else would end the wait: the reader's default timeout, the fake's
     # lifetime. One try: a retry would show as a second request.
     bound = 5.0
-    assert bound < kube.OWNER_READ_TIMEOUT_SECONDS[1]
+    assert bound < kube_owners.OWNER_READ_TIMEOUT_SECONDS[1]
     assert elapsed < bound
     assert len(fake.requests) == 1
-    assert sum(kube.WEBHOOK_READ_TIMEOUT_SECONDS) < settings.TALLY_WEBHOOK_DEADLINE_MS / 1000
+    assert sum(kube_owners.WEBHOOK_READ_TIMEOUT_SECONDS) < settings.TALLY_WEBHOOK_DEADLINE_MS / 1000

@@ -29,7 +29,7 @@ from django.utils import timezone
 
 from db.embedded import postgres_url
 from devtools.fake_kube import FakeKube, RecordedRequest
-from inventory import kube, services
+from inventory import kube, kube_sync, services
 from inventory.models import (
     Allocation,
     Cluster,
@@ -140,7 +140,7 @@ def running_sync(api_client: Any, cluster: Cluster, *kinds: str) -> Iterator[Non
     """The live sync in a background thread, stopped (and checked stopped) on exit."""
     stop = threading.Event()
     thread = threading.Thread(
-        target=kube.sync,
+        target=kube_sync.sync,
         kwargs={
             "api_client": api_client,
             "cluster": cluster,
@@ -208,7 +208,9 @@ def test_once_lists_in_pages_and_imports_every_object(
     for name in nodes:
         fake.add(resource_slice(name))
 
-    reports = kube.sync(api_client=api_client, cluster=cluster, kinds=["ResourceSlice"], once=True)
+    reports = kube_sync.sync(
+        api_client=api_client, cluster=cluster, kinds=["ResourceSlice"], once=True
+    )
 
     pages = fake.lists("ResourceSlice")
     assert [request.query.get("limit") for request in pages] == ["2", "2", "2"]
@@ -235,7 +237,7 @@ def test_list_starts_over_when_its_continue_token_expires(
 
     fake.on_request = change_and_compact_between_pages
 
-    kube.sync(api_client=api_client, cluster=cluster, kinds=["ResourceSlice"], once=True)
+    kube_sync.sync(api_client=api_client, cluster=cluster, kinds=["ResourceSlice"], once=True)
 
     statuses = [
         (request.status, "continue" in request.query) for request in fake.lists("ResourceSlice")

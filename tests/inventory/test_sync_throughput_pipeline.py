@@ -1,5 +1,5 @@
 """The watch reads the next batch's owners while the one before it is written (issue 22):
-`kube.KindSync._follow_stream`. What must hold as before: batches are written in their order,
+`kube_sync.KindSync._follow_stream`. What must hold as before: batches are written in their order,
 each after the one before it committed, and a claim whose Pod was read for a batch that does
 not commit is read again when the watch brings it again, so it is written with its job and gang.
 """
@@ -16,7 +16,7 @@ from django.db import OperationalError
 from django.utils import timezone
 
 from devtools.fake_kube import FakeKube
-from inventory import kube, services
+from inventory import kube, kube_owners, kube_sync, services
 from inventory.dumps import iter_objects
 from inventory.models import Cluster, ResourceClaim, SyncState
 from tests.inventory.test_gangs import FIXTURES, Clock, claim_loop, named, serve
@@ -31,11 +31,11 @@ class ScriptedStream:
     exception among them, as what broke the stream), then the end of the stream (or at once
     once stopped)."""
 
-    def __init__(self, batches: list[list[kube._Received] | Exception]) -> None:
+    def __init__(self, batches: list[list[kube_sync._Received] | Exception]) -> None:
         self._batches = list(batches)
         self._stopped = threading.Event()
 
-    def take(self, limit: int, *, wait: bool = True) -> list[kube._Received]:
+    def take(self, limit: int, *, wait: bool = True) -> list[kube_sync._Received]:
         if self._stopped.is_set() or not self._batches:
             return []
         batch = self._batches.pop(0)
@@ -47,17 +47,17 @@ class ScriptedStream:
         self._stopped.set()
 
 
-def received(objects: list[dict[str, Any]], name: str, version: str) -> kube._Received:
+def received(objects: list[dict[str, Any]], name: str, version: str) -> kube_sync._Received:
     """The claim's ADDED event as the watch delivers it (a fresh object each delivery)."""
     obj = copy.deepcopy(named(objects, name))
     obj["metadata"]["resourceVersion"] = version
-    return kube._Received({"type": "ADDED", "object": obj}, timezone.now())
+    return kube_sync._Received({"type": "ADDED", "object": obj}, timezone.now())
 
 
-def follow(loop: kube.KindSync, batches: list[list[kube._Received] | Exception]) -> None:
+def follow(loop: kube_sync.KindSync, batches: list[list[kube_sync._Received] | Exception]) -> None:
     """One watch request that brings `batches`, as `KindSync.watch` follows it."""
-    loop._owner_reader = kube.OwnerReader(loop._api_client)  # a reader per watch request
-    loop._follow_stream(cast(kube._WatchReader, ScriptedStream(batches)), threading.Event())
+    loop._owner_reader = kube_owners.OwnerReader(loop._api_client)  # a reader per watch request
+    loop._follow_stream(cast(kube_sync._WatchReader, ScriptedStream(batches)), threading.Event())
 
 
 def pod_reads(fake: FakeKube, pod: str) -> int:
@@ -203,13 +203,13 @@ def test_a_batch_prepared_when_the_sync_stops_is_read_again_when_it_comes_again(
         stop.set()
         return apply(**kwargs)
 
-    loop._owner_reader = kube.OwnerReader(api_client)
+    loop._owner_reader = kube_owners.OwnerReader(api_client)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(services, "apply_watch_events", stopping)
         stream = ScriptedStream(
             [[received(objects, FIRST_CLAIM, "5")], [received(objects, SECOND_CLAIM, "6")]]
         )
-        loop._follow_stream(cast(kube._WatchReader, stream), stop)
+        loop._follow_stream(cast(kube_sync._WatchReader, stream), stop)
 
     assert set(stored(cluster)) == {FIRST_CLAIM}
     assert stored_version(cluster) == "5"

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 from billing.models import DirtyHour
 from devtools.fake_kube import FakeKube
-from inventory import kube, owners, services
+from inventory import kube, kube_sync, owners, services
 from inventory.gangs import GangRef
 from inventory.models import (
     Allocation,
@@ -468,7 +468,7 @@ def test_an_unknown_event_type_writes_nothing() -> None:
 def running_sync(api_client: Any, cluster: Cluster, kind: str) -> Iterator[None]:
     stop = threading.Event()
     thread = threading.Thread(
-        target=kube.sync,
+        target=kube_sync.sync,
         kwargs={
             "api_client": api_client,
             "cluster": cluster,

@@ -25,7 +25,7 @@ from django.db.models import Sum
 from django.test import Client
 from django.utils import timezone
 
-from inventory import gangs
+from inventory import gang_sync, gangs
 from inventory import services as inventory_services
 from inventory.models import ResourceClaim
 from quota import services
@@ -539,7 +539,7 @@ def test_a_member_admitted_alone_joins_its_gang_when_the_sync_reads_it(cluster: 
     seen(body)
     sync = inventory_services.get_cluster(settings.TALLY_CLUSTER_NAME)
     ref = gangs.GangRef(source="jobset", key="JobSet/train", size=2, roles=(), role="workers")
-    gang = inventory_services.record_gang(cluster=sync, namespace="ml", ref=ref, at=AT)
+    gang = gang_sync.record_gang(cluster=sync, namespace="ml", ref=ref, at=AT)
     claim_row = ResourceClaim.objects.get(name="train-0")
     ResourceClaim.objects.filter(pk=claim_row.pk).update(gang=gang)
     services.sync_reservations(cluster=sync, claim_ids=[claim_row.pk], at=timezone.now())

@@ -1,7 +1,7 @@
 """Gang-aware admission (issue 20, item 2): a gang is admitted whole or not at all.
 
 The gangs are read as the webhook reads them in a cluster: the real kubernetes client over the
-fake API server (`inventory.kube.GangReader`), serving JobSets and their Pods. After every
+fake API server (`inventory.kube_owners.GangReader`), serving JobSets and their Pods. After every
 step the ledger is checked: each rule's usage is what the live reservations and gang holds
 hold, and a recount from scratch finds no drift.
 """
@@ -27,7 +27,7 @@ from django.urls import reverse
 from django.utils import timezone
 
 from devtools.fake_kube import KINDS, FakeKube
-from inventory import gangs, kube
+from inventory import gangs, kube, kube_owners
 from inventory import services as inventory_services
 from inventory.dumps import iter_objects
 from quota import services
@@ -63,10 +63,10 @@ def fake() -> Iterator[FakeKube]:
 
 
 @pytest.fixture
-def reader(fake: FakeKube, tmp_path: Path) -> Iterator[kube.GangReader]:
+def reader(fake: FakeKube, tmp_path: Path) -> Iterator[kube_owners.GangReader]:
     """The webhook's gang lookup: the real client over the fake API server."""
     client = kube.api_client(kubeconfig=str(fake.write_kubeconfig(tmp_path / "kubeconfig")))
-    lookup = kube.GangReader(client)
+    lookup = kube_owners.GangReader(client)
     service.use_gang_lookup(lookup)
     yield lookup
     client.close()
@@ -206,7 +206,7 @@ def team_of_16(mode: str | None = None) -> None:
 
 
 def test_a_jobset_that_cannot_fit_whole_is_denied_whole_and_holds_nothing(
-    fake: FakeKube, reader: kube.GangReader
+    fake: FakeKube, reader: kube_owners.GangReader
 ) -> None:
     objects = issue_jobset()
     serve(fake, list(objects.values()))
@@ -230,7 +230,7 @@ def test_a_jobset_that_cannot_fit_whole_is_denied_whole_and_holds_nothing(
 
 
 def test_a_gang_that_fits_holds_for_its_other_member_which_draws_from_the_hold(
-    fake: FakeKube, reader: kube.GangReader
+    fake: FakeKube, reader: kube_owners.GangReader
 ) -> None:
     objects = issue_jobset()
     serve(fake, list(objects.values()))
@@ -270,7 +270,7 @@ def test_a_gang_that_fits_holds_for_its_other_member_which_draws_from_the_hold(
 
 
 def test_a_dry_run_weighs_the_gang_and_holds_nothing(
-    fake: FakeKube, reader: kube.GangReader
+    fake: FakeKube, reader: kube_owners.GangReader
 ) -> None:
     objects = issue_jobset()
     serve(fake, list(objects.values()))
@@ -285,7 +285,7 @@ def test_a_dry_run_weighs_the_gang_and_holds_nothing(
 
 
 def test_two_gangs_that_fit_one_after_the_other_are_both_admitted(
-    fake: FakeKube, reader: kube.GangReader
+    fake: FakeKube, reader: kube_owners.GangReader
 ) -> None:
     first, second = jobset("a", workers=2, gpus=4), jobset("b", workers=2, gpus=4)
     serve(fake, first + second)
@@ -419,7 +419,7 @@ def leader_worker_set(name: str, *, size: int, namespace: str = "ml") -> list[di
 
 
 def test_a_gangs_demand_is_the_sum_over_its_roles_templates_read_from_the_api_server(
-    fake: FakeKube, reader: kube.GangReader
+    fake: FakeKube, reader: kube_owners.GangReader
 ) -> None:
     """A LeaderWorkerSet group of 3: the leader's template asks for 1 GPU, the workers' for 8
     each. The whole gang takes 17 GPUs, read from the two templates on the API server: not
@@ -455,7 +455,7 @@ def test_a_gangs_demand_is_the_sum_over_its_roles_templates_read_from_the_api_se
 
 
 def test_a_template_that_cannot_be_read_falls_back_to_the_claim_times_the_gang(
-    fake: FakeKube, reader: kube.GangReader
+    fake: FakeKube, reader: kube_owners.GangReader
 ) -> None:
     """Without RBAC on resourceclaimtemplates the gang is weighed as this claim's demand times
     its size: a worker's 8 x 3 = 24 does not fit 17, which the templates' 17 would."""
@@ -489,7 +489,7 @@ def race(calls: list[Callable[[], Any]]) -> list[Any]:
 
 @pytest.mark.django_db(transaction=True)
 def test_racing_gangs_that_each_need_12_of_16_gpus_admit_exactly_one(
-    fake: FakeKube, reader: kube.GangReader
+    fake: FakeKube, reader: kube_owners.GangReader
 ) -> None:
     gangs_racing = [jobset(f"g{i}", workers=2, gpus=6) for i in range(5)]
     serve(fake, [obj for objects in gangs_racing for obj in objects])
@@ -513,7 +513,7 @@ def test_racing_gangs_that_each_need_12_of_16_gpus_admit_exactly_one(
 @pytest.mark.django_db(transaction=True)
 @pytest.mark.parametrize("limit", [16, 64], ids=["room-for-one-gang", "room-for-four"])
 def test_the_members_of_one_gang_racing_make_one_hold(
-    fake: FakeKube, reader: kube.GangReader, limit: int
+    fake: FakeKube, reader: kube_owners.GangReader, limit: int
 ) -> None:
     """With room for several copies of the gang, members that each planned to be the first
     pass every limit: the one hold a gang may have decides, and the others draw from it."""
@@ -547,7 +547,9 @@ def snapshot(claims: list[dict[str, Any]], at: Any) -> None:
     assert report.errors == []
 
 
-def test_the_hold_is_released_when_the_gang_ends(fake: FakeKube, reader: kube.GangReader) -> None:
+def test_the_hold_is_released_when_the_gang_ends(
+    fake: FakeKube, reader: kube_owners.GangReader
+) -> None:
     objects = jobset("short", workers=3, gpus=4)
     serve(fake, objects)
     team_of_16()
@@ -570,7 +572,7 @@ def test_the_hold_is_released_when_the_gang_ends(fake: FakeKube, reader: kube.Ga
 
 
 def test_what_a_gang_holds_for_members_that_never_appear_expires(
-    fake: FakeKube, reader: kube.GangReader, settings: Any
+    fake: FakeKube, reader: kube_owners.GangReader, settings: Any
 ) -> None:
     settings.TALLY_GANG_RESERVATION_SECONDS = 60
     objects = issue_jobset()
@@ -597,7 +599,7 @@ def test_what_a_gang_holds_for_members_that_never_appear_expires(
 
 
 def test_a_hold_its_members_have_drawn_whole_does_not_expire(
-    fake: FakeKube, reader: kube.GangReader
+    fake: FakeKube, reader: kube_owners.GangReader
 ) -> None:
     objects = issue_jobset()
     serve(fake, list(objects.values()))
@@ -615,7 +617,7 @@ def test_a_hold_its_members_have_drawn_whole_does_not_expire(
 
 
 def test_warn_admits_each_claim_alone_with_a_warning_naming_the_gang(
-    fake: FakeKube, reader: kube.GangReader
+    fake: FakeKube, reader: kube_owners.GangReader
 ) -> None:
     objects = issue_jobset()
     serve(fake, list(objects.values()))
@@ -636,7 +638,7 @@ def test_warn_admits_each_claim_alone_with_a_warning_naming_the_gang(
 
 
 def test_off_decides_claims_alone_and_reads_no_gang(
-    fake: FakeKube, reader: kube.GangReader
+    fake: FakeKube, reader: kube_owners.GangReader
 ) -> None:
     objects = issue_jobset()
     serve(fake, list(objects.values()))
@@ -692,7 +694,7 @@ RESEARCH = """
 
 
 def test_turning_a_teams_gangs_off_releases_its_gang_holds_at_once(
-    fake: FakeKube, reader: kube.GangReader
+    fake: FakeKube, reader: kube_owners.GangReader
 ) -> None:
     objects = issue_jobset()
     serve(fake, list(objects.values()))
@@ -723,7 +725,7 @@ def test_turning_a_teams_gangs_off_releases_its_gang_holds_at_once(
 
 
 def test_turning_gangs_off_in_the_admin_releases_the_holds_at_once(
-    fake: FakeKube, reader: kube.GangReader, django_user_model: Any
+    fake: FakeKube, reader: kube_owners.GangReader, django_user_model: Any
 ) -> None:
     objects = issue_jobset()
     serve(fake, list(objects.values()))
@@ -745,7 +747,7 @@ def test_turning_gangs_off_in_the_admin_releases_the_holds_at_once(
 
 
 def test_the_recount_releases_the_holds_of_a_team_whose_gangs_are_off(
-    fake: FakeKube, reader: kube.GangReader
+    fake: FakeKube, reader: kube_owners.GangReader
 ) -> None:
     """Gangs turned off by another way than the policy file (the admin): the periodic
     reconcile finds the hold drifted and releases it."""
@@ -764,7 +766,7 @@ def test_the_recount_releases_the_holds_of_a_team_whose_gangs_are_off(
 
 
 def test_a_hold_stays_when_a_policy_apply_leaves_the_gangs_enforced(
-    fake: FakeKube, reader: kube.GangReader
+    fake: FakeKube, reader: kube_owners.GangReader
 ) -> None:
     objects = issue_jobset()
     serve(fake, list(objects.values()))
@@ -777,7 +779,7 @@ def test_a_hold_stays_when_a_policy_apply_leaves_the_gangs_enforced(
 
 
 def test_a_gang_hold_is_released_when_its_namespace_moves_to_another_team(
-    fake: FakeKube, reader: kube.GangReader
+    fake: FakeKube, reader: kube_owners.GangReader
 ) -> None:
     """The hold was weighed on the old team's rules for a job that is no longer the old
     team's: it is released (not kept charging the old team, not moved onto the new team's
@@ -816,7 +818,7 @@ def test_a_gang_hold_is_released_when_its_namespace_moves_to_another_team(
 
 
 def test_a_pod_that_cannot_be_read_leaves_the_claim_decided_alone_with_a_warning(
-    fake: FakeKube, reader: kube.GangReader
+    fake: FakeKube, reader: kube_owners.GangReader
 ) -> None:
     objects = issue_jobset()  # not served: the API server has no such Pod
     team_of_16()
@@ -857,7 +859,7 @@ def test_an_api_server_slow_to_answer_leaves_the_claim_decided_alone_within_the_
         release.set()
     # Well short of what else would end the wait: the reader's default timeout, the stall.
     bound = 5.0
-    assert bound < kube.OWNER_READ_TIMEOUT_SECONDS[1]
+    assert bound < kube_owners.OWNER_READ_TIMEOUT_SECONDS[1]
     assert elapsed < bound
     assert answer["allowed"]  # within the deadline
     assert any("could not read this claim's gang" in w for w in answer["warnings"])

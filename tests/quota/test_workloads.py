@@ -26,7 +26,7 @@ from django.test import Client
 from prometheus_client import REGISTRY
 
 from devtools.fake_kube import FakeKube
-from inventory import kube, owners
+from inventory import kube, kube_owners, owners
 from quota import workloads
 from quota.admission import service
 
@@ -601,7 +601,7 @@ def resolve(api_client: Any, claim: Obj, labels: tuple[str, ...] = ()) -> owners
     return owners.resolve_job(
         namespace=NAMESPACE,
         owner_references=claim["metadata"]["ownerReferences"],
-        lookup=kube.OwnerReader(api_client),
+        lookup=kube_owners.OwnerReader(api_client),
         creator_labels=labels,
     )
 
@@ -975,7 +975,7 @@ KUBEFLOW_EVIL = "system:serviceaccount:kubeflow:evil"
 @pytest.fixture
 def owners_read(api_client: Any) -> Iterator[None]:
     """The webhooks read the API server (the fake) with the real client, as in a cluster."""
-    service.use_gang_lookup(kube.GangReader(api_client, ttl_seconds=0))
+    service.use_gang_lookup(kube_owners.GangReader(api_client, ttl_seconds=0))
     yield
     service.forget_caches()
 

@@ -28,7 +28,7 @@ from billing import alerts
 from billing.pricing import round_money
 from demo.admission import deny_a_claim
 from demo.usage import load_demo_usage
-from inventory import services, simulate
+from inventory import services, simulate, sync_state
 from inventory.models import Cluster, Device
 from quota import policy
 from teams.selectors import FINANCE_GROUP, OPERATORS_GROUP
@@ -80,7 +80,7 @@ class Command(BaseCommand):
         else:
             # The demo's history is made up as if Tally had synced the cluster all along: its
             # claims are charged from when they began, not from this first import.
-            services.note_first_sync(cluster=cluster, at=now - timedelta(days=options["days"]))
+            sync_state.note_first_sync(cluster=cluster, at=now - timedelta(days=options["days"]))
             report = services.import_snapshot(
                 cluster=cluster,
                 objects=fleet_objects(

@@ -24,7 +24,7 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
 from core.metrics import start_metrics_server
-from inventory import checks, kube, leader, previews, services
+from inventory import checks, kube, kube_sync, leader, previews, services
 from inventory.models import Cluster
 
 
@@ -167,7 +167,9 @@ class Command(BaseCommand):
             raise CommandError(str(exc)) from exc
         try:
             if options["once"]:
-                reports = kube.sync(api_client=api_client, cluster=cluster, kinds=kinds, once=True)
+                reports = kube_sync.sync(
+                    api_client=api_client, cluster=cluster, kinds=kinds, once=True
+                )
             else:
                 reports = self._run_live(api_client, cluster, kinds, options)
         except kube.KubeError as exc:
@@ -203,7 +205,9 @@ class Command(BaseCommand):
             start_metrics_server(options["metrics_port"])
 
         def work(stop_working: threading.Event) -> dict[str, services.SyncReport]:
-            return kube.sync(api_client=api_client, cluster=cluster, kinds=kinds, stop=stop_working)
+            return kube_sync.sync(
+                api_client=api_client, cluster=cluster, kinds=kinds, stop=stop_working
+            )
 
         if not options["leader_elect"]:
             return work(stop)
