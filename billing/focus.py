@@ -32,7 +32,7 @@ from django.db.models import F, Sum
 from django.db.models.functions import TruncDate
 
 from billing.focus_columns import COLUMN_NAMES
-from billing.hours import MS_PER_HOUR, ONE_MS
+from billing.hours import MS_PER_HOUR, ONE_MS, idle_of
 from billing.models import SLICE_HOUR, LineKind, Period, RateCard, StatementLine, UsageHour
 from billing.periods import period_bounds, period_label
 from billing.pricing import (
@@ -43,8 +43,8 @@ from billing.pricing import (
     rate_hours,
     round_money,
 )
-from billing.rounding import largest_remainders
-from billing.selectors import apportion, minor_unit, period_pieces, stored_periods
+from billing.rounding import apportion, largest_remainders, minor_unit
+from billing.selectors import period_pieces, stored_periods
 from billing.units import hours_label
 from teams.models import Team
 
@@ -339,7 +339,7 @@ def _exact_amount(
     if rate is None or idle_factor is None:
         return Fraction(0)
     allocated, utilised, unmeasured = figures
-    idle = allocated - utilised - unmeasured
+    idle = idle_of(allocated, utilised, unmeasured)
     billable = rate_hours(allocated, share) - (1 - Fraction(idle_factor)) * rate_hours(idle, share)
     return Fraction(rate) * billable
 
@@ -364,7 +364,7 @@ def _quantities(
         "ContractedCost": _money(list_cost, currency),
         "x_AllocatedHours": _number(_hours(allocated)),
         "x_UtilisedHours": _number(_hours(utilised)),
-        "x_IdleHours": _number(_hours(allocated - utilised - unmeasured)),
+        "x_IdleHours": _number(_hours(idle_of(allocated, utilised, unmeasured))),
         "x_UnmeasuredHours": _number(_hours(unmeasured)),
     }
 
