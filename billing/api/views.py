@@ -256,7 +256,7 @@ class UserUsageViewSet(UsageViewSet):
 
 @extend_schema(tags=["usage"])
 class BilledUsageViewSet(mixins.ListModelMixin, TeamScopedViewSet):
-    """Hours per person in a window (`since`/`until`, or a `period`; by default the current
+    """Hours per person in a window (`start`/`end`, or a `period`; by default the current
     period), each unit apart, and what the statements bill for them per currency: utilised,
     idle (at the idle factor) and unmeasured, to the cent. Each statement line's amount is
     shared out among the rows it bills, so a team's rows add up to its statements' usage
@@ -264,6 +264,7 @@ class BilledUsageViewSet(mixins.ListModelMixin, TeamScopedViewSet):
 
     serializer_class: type[BilledUsageSerializer] = BilledPersonSerializer
     filter_backends = []  # the window query is validated by `BilledWindowSerializer`
+    query_serializer = BilledWindowSerializer
     keys: ClassVar[tuple[str, ...]] = ("team", "username")
     # Filters on a row's keys, as the query names them.
     row_filters: ClassVar[tuple[str, ...]] = ("username", "unit", "currency")
@@ -282,7 +283,7 @@ class BilledUsageViewSet(mixins.ListModelMixin, TeamScopedViewSet):
         teams = self.get_queryset()
         if "team" in asked:
             teams = teams.filter(slug=asked["team"])
-        usage = billed_usage(teams=list(teams), since=asked["since"], until=asked["until"])
+        usage = billed_usage(teams=list(teams), since=asked["start"], until=asked["end"])
         rows = [
             row
             for row in self.rows(usage)
@@ -359,6 +360,7 @@ class UnownedUsageViewSet(TallyViewSet):
     serializer_class = UnownedUsageSerializer
     permission_classes = [FinanceOrOperator]
     filter_backends = []
+    query_serializer = UnownedQuerySerializer
 
     @extend_schema(parameters=[UnownedQuerySerializer])
     def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:

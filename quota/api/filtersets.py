@@ -5,9 +5,11 @@ from __future__ import annotations
 import django_filters
 from django.db.models import QuerySet
 
+from billing.api.filtersets import WindowFilterSet
+from billing.windows import WINDOW_PERIOD_HELP
 from quota.models import AdmissionDecision, QuotaRule
 from quota.selectors import OUTCOMES, outcome_filter
-from teams.api import DateRangeFilterSet, TeamSlugFilter
+from teams.api import TeamSlugFilter
 from teams.models import Team, TeamNamespace
 
 
@@ -34,8 +36,12 @@ class QuotaRuleFilterSet(django_filters.FilterSet):
         fields = ("device_class", "unit", "mode")
 
 
-class AdmissionDecisionFilterSet(DateRangeFilterSet):
+class AdmissionDecisionFilterSet(WindowFilterSet):
+    """Decisions made in the window (`start`/`end`, or a `period`)."""
+
     date_field = "at"
+    window_period = True
+    period = django_filters.CharFilter(method="in_window", label=WINDOW_PERIOD_HELP)
     team = TeamSlugFilter()
     outcome = django_filters.ChoiceFilter(
         choices=[(outcome, outcome) for outcome in OUTCOMES],
