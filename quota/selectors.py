@@ -34,12 +34,12 @@ _OUTCOME_FILTERS = {
 @dataclass(frozen=True)
 class DecisionFilter:
     """The decision log's filters; empty fields filter nothing. `team` is a slug (`NO_TEAM`
-    for namespaces no team owns), `[since, until)` half-open."""
+    for namespaces no team owns), `[start, end)` half-open."""
 
     team: str = ""
     outcome: str = ""
-    since: datetime | None = None
-    until: datetime | None = None
+    start: datetime | None = None
+    end: datetime | None = None
 
 
 NO_TEAM = "-"
@@ -72,10 +72,10 @@ def filter_decisions(
         decisions = decisions.filter(team__slug=by.team)
     if by.outcome:
         decisions = decisions.filter(outcome_filter(by.outcome))
-    if by.since is not None:
-        decisions = decisions.filter(at__gte=by.since)
-    if by.until is not None:
-        decisions = decisions.filter(at__lt=by.until)
+    if by.start is not None:
+        decisions = decisions.filter(at__gte=by.start)
+    if by.end is not None:
+        decisions = decisions.filter(at__lt=by.end)
     return decisions
 
 

@@ -106,9 +106,9 @@ def test_the_decision_log_filters_by_team_outcome_and_time(
     assert warned[0].person == "maria"
     today = portal.now.date().isoformat()
     tomorrow = (portal.now + timedelta(days=1)).date().isoformat()
-    assert client.get(url, {"since": tomorrow}).context["page"].paginator.count == 0
+    assert client.get(url, {"start": tomorrow}).context["page"].paginator.count == 0
     assert (
-        client.get(url, {"since": today, "until": today}).context["page"].paginator.count
+        client.get(url, {"start": today, "end": tomorrow}).context["page"].paginator.count
         == AdmissionDecision.objects.filter(at__date=portal.now.date()).count()
     )
 
@@ -136,14 +136,17 @@ def test_the_decision_log_pages_keep_the_filters(portal: Portal) -> None:
 
 def test_a_filter_that_does_not_parse_is_said_and_filters_nothing(portal: Portal) -> None:
     client = _client(portal, "operator")
-    response = client.get(reverse("decisions"), {"since": "yesterday", "team": "nope"})
+    response = client.get(reverse("decisions"), {"start": "yesterday", "team": "nope"})
     assert response.status_code == 200
     html = response.content.decode()
-    assert "Enter a valid date." in html and "Select a valid choice." in html
+    assert "&#x27;yesterday&#x27; is not a UTC date" in html and "Select a valid choice." in html
     assert response.context["page"].paginator.count == DECISIONS
-    backwards = {"since": "2026-02-02", "until": "2026-02-01"}
+    # The API's words for a reversed or empty window (billing.windows).
+    backwards = {"start": "2026-02-02", "end": "2026-02-01"}
     reversed_window = client.get(reverse("decisions"), backwards)
-    assert "The window ends before it starts." in reversed_window.content.decode()
+    assert "the window is reversed" in reversed_window.content.decode()
+    empty = client.get(reverse("decisions"), {"start": "2026-02-02", "end": "2026-02-02"})
+    assert "the window is empty" in empty.content.decode()
 
 
 def test_the_decision_log_is_still_for_operators_only(portal: Portal) -> None:
