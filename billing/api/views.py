@@ -14,6 +14,7 @@ from typing import Any, ClassVar, TypeVar
 
 from django.db.models import F, Prefetch, QuerySet, Sum
 from django.db.models.functions import Trunc
+from django.http import HttpResponse, HttpResponseBase
 from django.utils import timezone
 from django_filters.rest_framework import DjangoFilterBackend
 from django_filters.utils import translate_validation
@@ -57,8 +58,14 @@ from billing.periods import PricingError
 from billing.pricing import period_holding
 from billing.selectors import BilledRow, BilledUsage, billed_usage, unowned_usage
 from billing.services import add_adjustment, close_period
+from billing.statement_csv import (
+    statement_csv_filename,
+    statement_lines,
+    write_statement_csv,
+)
 from core.parsers import JsonParser
 from teams.api import (
+    CSVRenderer,
     FinanceOrOperator,
     OrderingFilter,
     TallyViewSet,
@@ -118,6 +125,22 @@ class StatementViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamSco
 
     def get_serializer_class(self) -> type[StatementSerializer]:
         return StatementDetailSerializer if self.action == "retrieve" else StatementSerializer
+
+    def retrieve(self, request: Request, *args: Any, **kwargs: Any) -> HttpResponseBase:
+        """A statement with its lines; in CSV (`?format=csv`), its lines one per row, as the
+        portal's download gives them (`billing.statement_csv`: the same writer)."""
+        if request.accepted_renderer.format != CSVRenderer.format:
+            return super().retrieve(request, *args, **kwargs)
+        statement: Statement = self.get_object()
+        name = statement_csv_filename(
+            team_slug=statement.team.slug,
+            period_label=statement.period.label,
+            currency=statement.currency,
+        )
+        response = HttpResponse(content_type="text/csv; charset=utf-8")
+        response["Content-Disposition"] = f'attachment; filename="{name}"'
+        write_statement_csv(response, statement_lines(statement.lines.all()))
+        return response
 
     def scope(self, teams: QuerySet[Team]) -> QuerySet[Statement]:
         statements = Statement.objects.filter(team__in=teams).select_related("team", "period")
