@@ -539,9 +539,7 @@ def team_statements(*, team: Team) -> list[Statement]:
 CSV_COLUMNS = STATEMENT_CSV_COLUMNS
 
 
-def statement_csv_lines(
-    *, team: Team, period_id: int
-) -> tuple[Period, list[StatementLine]] | None:
+def statement_csv_lines(*, team: Team, period_id: int) -> tuple[Period, list[StatementLine]] | None:
     """The period and the lines (`billing.statement_csv.statement_lines`) of the team's
     statements for it; None when the team has no statement for that period."""
     lines = list(

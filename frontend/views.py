@@ -43,6 +43,7 @@ from quota.selectors import (
     NO_TEAM,
     OUTCOMES,
     DecisionFilter,
+    decision_clusters,
     filter_decisions,
     team_objections,
     visible_decisions,
@@ -351,8 +352,9 @@ def deviations(request: HttpRequest) -> HttpResponse:
 
 @operator_required
 def decisions(request: HttpRequest) -> HttpResponse:
-    """The decision log, newest first, filtered by team, outcome and time, 50 a page; a
-    filter that does not parse is said so and filters nothing."""
+    """The decision log, newest first, filtered by team, outcome, time and (once there is more
+    than one) cluster, 50 a page; a filter that does not parse is said so and filters
+    nothing."""
     form = DecisionFilterForm(request.GET)
     by = form.cleaned() if form.is_valid() else DecisionFilter()
     chosen = filter_decisions(visible_decisions(user=request.user), by=by)
@@ -360,14 +362,20 @@ def decisions(request: HttpRequest) -> HttpResponse:
     with_people(page.object_list)
     query = request.GET.copy()
     query.pop("page", None)
-    context = {"page": page, "form": form, "filters": query.urlencode()}
+    context = {
+        "page": page,
+        "form": form,
+        "filters": query.urlencode(),
+        "show_cluster": "cluster" in form.fields,
+    }
     return render(request, "frontend/decisions.html", context)
 
 
 class DecisionFilterForm(forms.Form):
     """The decision log's filters, as `GET` parameters: team slug (`-`: no team), outcome,
-    and a window `[start, end)` in UTC read by the API's parser (`billing.windows`), so the
-    page and `/api/v1/decisions/` take the same window and refuse the same ones."""
+    cluster (only once there is more than one), and a window `[start, end)` in UTC read by
+    the API's parser (`billing.windows`), so the page and `/api/v1/decisions/` take the same
+    window and refuse the same ones."""
 
     team = forms.ChoiceField(required=False)
     outcome = forms.ChoiceField(
@@ -395,6 +403,11 @@ class DecisionFilterForm(forms.Form):
             *((slug, slug) for slug in teams),
             (NO_TEAM, "no team"),
         ]
+        clusters = decision_clusters()
+        if len(clusters) > 1:
+            self.fields["cluster"] = forms.ChoiceField(
+                required=False, choices=[("", "any"), *((name, name) for name in clusters)]
+            )
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean() or {}
@@ -411,6 +424,7 @@ class DecisionFilterForm(forms.Form):
         return DecisionFilter(
             team=data.get("team") or "",
             outcome=data.get("outcome") or "",
+            cluster=data.get("cluster") or "",
             start=window.start,
             end=window.end,
         )

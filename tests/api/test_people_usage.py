@@ -417,7 +417,7 @@ def test_each_lead_sees_only_their_team(cast: Cast, week: Week) -> None:
         ({"start": "2026-11-09", "end": "2026-11-09"}, "end", "the window is empty"),
         ({"start": "2020-01-01", "end": "2026-11-02"}, "end", "at most 400 days"),
         ({"period": "2026-W45", "start": "2026-11-02"}, "period", "not both"),
-        ({"period": "1999-13"}, "period", "is not a month"),
+        ({"period": "1999-W54"}, "period", "is not a week"),
         # The names before issue 35, for one release: errors name them as given.
         ({"since": "yesterday"}, "since", "is not a UTC date"),
         ({"since": "2026-11-09", "start": "2026-11-02"}, "since", "give start alone"),

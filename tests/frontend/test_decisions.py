@@ -13,7 +13,7 @@ from django.test import Client
 from django.urls import reverse
 
 from quota.models import AdmissionDecision
-from tests.factories import ResourceClaimFactory
+from tests.factories import ClusterFactory, ResourceClaimFactory
 from tests.frontend.seed import DECISIONS, Portal
 
 CONTROLLER = "system:serviceaccount:kube-system:resource-claim-controller"
@@ -152,3 +152,20 @@ def test_a_filter_that_does_not_parse_is_said_and_filters_nothing(portal: Portal
 def test_the_decision_log_is_still_for_operators_only(portal: Portal) -> None:
     for who in ("lead_a", "member_a", "finance"):
         assert _client(portal, who).get(reverse("decisions")).status_code == 403
+
+
+def test_the_decision_log_filters_by_cluster_once_there_are_two(portal: Portal) -> None:
+    client = _client(portal, "operator")
+    # One cluster: no cluster column, no filter.
+    single = client.get(reverse("decisions"))
+    assert "cluster" not in single.context["form"].fields
+    assert "<th scope=\"col\">Cluster</th>" not in single.content.decode()
+    ClusterFactory(name="zz-east")
+    AdmissionDecision.objects.filter(uid="uid-1").update(cluster="zz-east")
+    AdmissionDecision.objects.exclude(uid="uid-1").update(cluster=portal.cluster.name)
+    page = client.get(reverse("decisions"), {"cluster": "zz-east"})
+    assert [d.uid for d in page.context["page"]] == ["uid-1"]
+    html = page.content.decode()
+    assert "<th scope=\"col\">Cluster</th>" in html and "<td>zz-east</td>" in html
+    others = client.get(reverse("decisions"), {"cluster": portal.cluster.name})
+    assert others.context["page"].paginator.count == DECISIONS - 1
