@@ -35,8 +35,8 @@ from billing.compare import (
     summary,
 )
 from billing.hours import MS_PER_HOUR
-from billing.moments import parse_moment
 from billing.models import UsageHour
+from billing.moments import parse_moment
 from inventory.models import Unit
 from teams.models import Team
 
