@@ -124,10 +124,10 @@ def parse_window(
             both = f"{names[START]}/{names[END]}"
             raise WindowError({names[PERIOD]: f"give a period or {both}, not both"})
         try:
-            start, end = period_window(given[PERIOD])
+            first, last = period_window(given[PERIOD])
         except ValueError as exc:
             raise WindowError({names[PERIOD]: str(exc)}) from None
-        return Window(start, end)
+        return Window(first, last)
     bounds: dict[str, datetime] = {}
     for key in (START, END):
         if not given[key]:

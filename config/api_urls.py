@@ -32,7 +32,7 @@ from teams.api import StrictQueryParameters, unknown_endpoint
 class APIRootView(StrictQueryParameters, routers.APIRootView):
     """The API root, which takes no query parameter but `format` (`StrictQueryParameters`)."""
 
-    filter_backends = []
+    filter_backends: ClassVar[list[Any]] = []
 
 
 class Router(DefaultRouter):

@@ -23,7 +23,6 @@ from django.http import (
     Http404,
     HttpRequest,
     HttpResponse,
-    HttpResponseBase,
     HttpResponsePermanentRedirect,
     JsonResponse,
 )
@@ -292,8 +291,8 @@ DEPRECATED_PARAMETERS = {"from": "start", "to": "end", "since": "start", "until"
 COMMON_PARAMETERS = frozenset({"format"})
 
 
-class StrictQueryParameters:
-    """A mixin for API views: a query parameter the endpoint does not take is a 400 naming it
+class StrictQueryParameters(APIView):
+    """A base of API views: a query parameter the endpoint does not take is a 400 naming it
     and the ones it takes, rather than silently ignored (a misspelt filter would answer with
     everything). The names taken are the declared ones, as the schema documents them: the
     filterset's filters, the other filter backends' and the paginator's parameters, the
@@ -319,7 +318,7 @@ class StrictQueryParameters:
         return names
 
     def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
-        super().initial(request, *args, **kwargs)  # type: ignore[misc]
+        super().initial(request, *args, **kwargs)
         allowed = self.allowed_query_parameters()
         self._rename_deprecated(request, allowed)
         unknown = sorted(set(request.query_params) - allowed)
@@ -348,7 +347,8 @@ class StrictQueryParameters:
             if new in query:
                 raise ValidationError({name: [f"deprecated name of {new}: give {new} alone"]})
             query.setlist(new, query.pop(name))
-        request._request.GET = query
+        query._mutable = False  # as Django's own: read-only, like the query it replaces
+        request._request.GET = query  # type: ignore[assignment]  # the stubs' immutable type
         self.deprecated_used = {name: DEPRECATED_PARAMETERS[name] for name in old}
 
     def handle_exception(self, exc: Exception) -> Response:
@@ -357,13 +357,12 @@ class StrictQueryParameters:
         if used and isinstance(exc, ValidationError) and isinstance(exc.detail, dict):
             given = {new: old for old, new in used.items()}
             exc.detail = {given.get(name, name): why for name, why in exc.detail.items()}
-        response: Response = super().handle_exception(exc)  # type: ignore[misc]
-        return response
+        return super().handle_exception(exc)
 
     def finalize_response(
-        self, request: Request, response: HttpResponseBase, *args: Any, **kwargs: Any
-    ) -> HttpResponseBase:
-        response = super().finalize_response(request, response, *args, **kwargs)  # type: ignore[misc]
+        self, request: Request, response: Response, *args: Any, **kwargs: Any
+    ) -> Response:
+        response = super().finalize_response(request, response, *args, **kwargs)
         used: dict[str, str] = getattr(self, "deprecated_used", {})
         if used:
             response["Deprecation"] = "true"

@@ -126,7 +126,11 @@ class StatementViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamSco
     def get_serializer_class(self) -> type[StatementSerializer]:
         return StatementDetailSerializer if self.action == "retrieve" else StatementSerializer
 
-    def retrieve(self, request: Request, *args: Any, **kwargs: Any) -> HttpResponseBase:
+    # A CSV statement is a plain Django response (DRF passes it through): its rows are the
+    # statement's lines, not the serializer's one object.
+    def retrieve(  # type: ignore[override]
+        self, request: Request, *args: Any, **kwargs: Any
+    ) -> HttpResponseBase:
         """A statement with its lines; in CSV (`?format=csv`), its lines one per row, as the
         portal's download gives them (`billing.statement_csv`: the same writer)."""
         if request.accepted_renderer.format != CSVRenderer.format:
