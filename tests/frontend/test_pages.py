@@ -552,12 +552,13 @@ def test_a_csrf_failure_is_the_portals_403_with_what_to_do(
     assert response.status_code == 403 and _template_names(response)[0] == "403.html"
     assert b"form token is missing or expired: reload the page and try again" in response.content
     assert client.get(reverse("home")).status_code == 302  # not logged out
-    # Under /api/ JSON: DRF's views check CSRF for session users themselves, other paths here.
+    # Under /api/ JSON: DRF's views check CSRF for session users themselves. A path no
+    # endpoint has acts on nothing: a JSON 404 for a session as for a token (issue 35).
     api = client.post("/api/v1/adjustments/", {}, content_type="application/json")
     assert api.status_code == 403 and api.json()["detail"].startswith("CSRF Failed")
     unknown = client.post("/api/v1/nothing/", {})
-    assert unknown.status_code == 403 and unknown["Content-Type"] == "application/json"
-    assert "form token is missing or expired" in unknown.json()["detail"]
+    assert unknown.status_code == 404 and unknown["Content-Type"] == "application/json"
+    assert unknown.json()["detail"] == "No API endpoint at /api/v1/nothing/."
 
 
 def test_the_burn_down_table_rounds_every_column_alike(portal: Portal) -> None:
