@@ -496,6 +496,7 @@ def test_the_command_prints_the_week_as_text_csv_and_json(week_scenario: Team) -
         (["--team", "vision", "--start", "2026-13-01"], "--start: '2026-13-01' is not a day"),
         (["--team", "vision", "--start", "9999-12-31"], "--start: '9999-12-31' is out of range"),
         (["--team", "vision", "--end", "2026-11-23"], "--end: give --start too"),
+        (["--team", "vision", "--start", "2999-01-04"], "--start: 2999-01-04 is in the future"),
         (
             ["--team", "vision", "--start", "2026-11-16", "--end", "2026-11-09"],
             "--end: the window is reversed",
