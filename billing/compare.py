@@ -42,9 +42,9 @@ from typing import Any
 
 from django.db.models import Case, CharField, F, Q, Sum, Value, When
 
+from billing import windows
 from billing.hours import KEPT_HOURS, hours_from_ms, idle_of
 from billing.models import UsageHour
-from billing.moments import MOMENT_HELP, parse_moment
 from billing.rounding import largest_remainders
 from billing.units import hours_label
 from inventory.models import Unit
@@ -68,12 +68,12 @@ class Window:
 
 
 def parse_window(start: str, end: str) -> Window:
-    """`[start, end)` from two `parse_moment` bounds; `ValueError` when either is not one or
-    the window is empty."""
-    window = Window(parse_moment(start), parse_moment(end))
-    if window.end <= window.start:
-        raise ValueError(f"the window must end after it starts: {end!r} is not after {start!r}")
-    return window
+    """`[start, end)` from two bounds, through the one window parser
+    (`billing.windows.parse_window`); `ValueError` when either is not one or the window is
+    reversed or empty."""
+    window = windows.parse_window({"start": start, "end": end}, with_period=False, required=True)
+    assert window.start is not None and window.end is not None
+    return Window(window.start, window.end)
 
 
 def parse_unit(value: str) -> str:
@@ -483,7 +483,12 @@ def total_row(comparison: Comparison, places: int = 4) -> dict[str, Any]:
 
 # --- Input ------------------------------------------------------------------------------------
 
-WINDOW_PARAMETERS = ("before_start", "before_end", "after_start", "after_end")
+SIDES = ("before", "after")
+WINDOW_PARAMETERS = tuple(
+    f"{side}_{bound}" for side in SIDES for bound in (windows.START, windows.END)
+)
+# A side's window may be a billing period instead (`before_period=2026-10`).
+PERIOD_PARAMETERS = tuple(f"{side}_{windows.PERIOD}" for side in SIDES)
 
 
 class CompareInputError(ValueError):
@@ -496,25 +501,19 @@ class CompareInputError(ValueError):
 
 def parse_parameters(params: Mapping[str, str]) -> tuple[Window, Window, str]:
     """The windows and unit of the API's and the portal's query parameters (`before_start`,
-    `before_end`, `after_start`, `after_end`, `unit`, default gpu); `CompareInputError` naming
-    every parameter at fault."""
+    `before_end` or `before_period`, the same for `after`, and `unit`, default gpu), each
+    window through `billing.windows.parse_window`; `CompareInputError` naming every parameter
+    at fault."""
     errors: dict[str, str] = {}
-    moments: dict[str, datetime] = {}
-    for name in WINDOW_PARAMETERS:
-        value = params.get(name, "")
-        if not value.strip():
-            errors[name] = f"required: {MOMENT_HELP}"
-            continue
+    found: dict[str, Window] = {}
+    for side in SIDES:
         try:
-            moments[name] = parse_moment(value)
-        except ValueError as exc:
-            errors[name] = str(exc)
-    for side in ("before", "after"):
-        start, end = moments.get(f"{side}_start"), moments.get(f"{side}_end")
-        if start is not None and end is not None and end <= start:
-            errors[f"{side}_end"] = (
-                f"the {side} window must end after it starts ({start:%Y-%m-%dT%H:%MZ})"
-            )
+            window = windows.parse_window(params, prefix=f"{side}_", required=True)
+        except windows.WindowError as exc:
+            errors.update(exc.errors)
+            continue
+        assert window.start is not None and window.end is not None
+        found[side] = Window(window.start, window.end)
     unit = params.get("unit") or Unit.GPU
     try:
         parse_unit(unit)
@@ -522,5 +521,4 @@ def parse_parameters(params: Mapping[str, str]) -> tuple[Window, Window, str]:
         errors["unit"] = str(exc)
     if errors:
         raise CompareInputError(errors)
-    before = Window(moments["before_start"], moments["before_end"])
-    return before, Window(moments["after_start"], moments["after_end"]), unit
+    return found["before"], found["after"], unit

@@ -14,6 +14,7 @@ from django.http import HttpResponseBase
 from django.urls import URLPattern, URLResolver, include, path, re_path
 from drf_spectacular.utils import extend_schema
 from drf_spectacular.views import SpectacularAPIView, SpectacularRedocView
+from rest_framework import routers
 from rest_framework.permissions import AllowAny, BasePermission
 from rest_framework.request import Request
 from rest_framework.routers import DefaultRouter
@@ -25,7 +26,13 @@ from inventory.api import views as inventory
 from quota.api import demand, stranded
 from quota.api import views as quota
 from teams import alerts_api
-from teams.api import unknown_endpoint
+from teams.api import StrictQueryParameters, unknown_endpoint
+
+
+class APIRootView(StrictQueryParameters, routers.APIRootView):
+    """The API root, which takes no query parameter but `format` (`StrictQueryParameters`)."""
+
+    filter_backends: ClassVar[list[Any]] = []
 
 
 class Router(DefaultRouter):
@@ -36,6 +43,7 @@ class Router(DefaultRouter):
         "inventory/summary": "inventory-summary",
         "compare": "api-compare",
     }
+    APIRootView = APIRootView
 
     def get_api_root_view(self, api_urls: Any = None) -> Any:
         listed = {

@@ -36,6 +36,7 @@ from billing.selectors import (
     idle_holders,
     team_gpu_hours,
 )
+from billing.statement_csv import STATEMENT_CSV_COLUMNS, statement_lines
 from billing.units import hours_label, units_label
 from inventory.models import Cluster, Unit
 from inventory.profiles import unit_label
@@ -532,57 +533,19 @@ def team_statements(*, team: Team) -> list[Statement]:
     return statements
 
 
-CSV_COLUMNS = (
-    "period_start",
-    "currency",
-    "kind",
-    "product_name",
-    "profile",
-    "allocated_gpu_hours",
-    "utilised_gpu_hours",
-    "idle_gpu_hours",
-    "unmeasured_gpu_hours",
-    "rate",
-    "idle_factor",
-    "amount",
-    "reason",
-    "unit",  # what `rate` is the price of: a GPU-hour (TPU chip-hour...), or a MIG slice-hour
-    "gpu_share",  # for a price per slice-hour: the slice's share of its GPU
-    "hours",  # what the line's hours count: GPU-hours, TPU chip-hours, Gaudi card-hours
-)
+# The statement CSV's columns: the API's too (`billing.statement_csv`).
+CSV_COLUMNS = STATEMENT_CSV_COLUMNS
 
 
-def statement_rows(*, team: Team, period_id: int) -> tuple[Period, list[list[str]]] | None:
-    """The period and the CSV rows (in `CSV_COLUMNS` order) of the team's statements for it;
-    None when the team has no statement for that period."""
+def statement_csv_lines(*, team: Team, period_id: int) -> tuple[Period, list[StatementLine]] | None:
+    """The period and the lines (`billing.statement_csv.statement_lines`) of the team's
+    statements for it; None when the team has no statement for that period."""
     lines = list(
-        StatementLine.objects.filter(statement__team=team, statement__period_id=period_id)
-        .select_related("statement__period")
-        .order_by("statement__currency", "kind", "product_name", "profile", "pk")
+        statement_lines(
+            StatementLine.objects.filter(statement__team=team, statement__period_id=period_id)
+        )
     )
     if not lines:
         period = Period.objects.filter(pk=period_id, statements__team=team).first()
         return (period, []) if period is not None else None
-    period = lines[0].statement.period
-    rows = [
-        [
-            period.start.date().isoformat(),
-            line.statement.currency,
-            line.kind,
-            line.product_name,
-            line.profile,
-            str(line.allocated_gpu_hours),
-            str(line.utilised_gpu_hours),
-            str(line.idle_gpu_hours),
-            str(line.unmeasured_gpu_hours),
-            "" if line.rate is None else str(line.rate),
-            "" if line.idle_factor is None else str(line.idle_factor),
-            f"{round_money(line.amount, line.statement.currency):f}",
-            line.reason,
-            "" if line.rate is None else line.rate_unit,
-            "" if line.gpu_share is None else str(line.gpu_share),
-            line.hours_label,
-        ]
-        for line in lines
-    ]
-    return period, rows
+    return lines[0].statement.period, lines

@@ -10,7 +10,7 @@ on).
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from datetime import UTC, datetime, time, timedelta
+from datetime import datetime, timedelta
 from functools import wraps
 from typing import Any, Protocol
 from urllib.parse import urlencode
@@ -30,7 +30,9 @@ from django.views.decorators.http import require_GET, require_POST
 
 from billing.hours import HOUR, hour_start
 from billing.idle import below_percent_of, idle_policy_of
+from billing.statement_csv import statement_csv_filename, write_statement_csv
 from billing.stranded import priced_stranded_gangs
+from billing.windows import Window, WindowError, parse_window
 from frontend import selectors
 from inventory import checks
 from inventory import selectors as fleet
@@ -41,6 +43,7 @@ from quota.selectors import (
     NO_TEAM,
     OUTCOMES,
     DecisionFilter,
+    decision_clusters,
     filter_decisions,
     team_objections,
     visible_decisions,
@@ -256,8 +259,8 @@ def _billing_csv_links(*, team: Team, since: datetime, until: datetime) -> dict[
     query = urlencode(
         {
             "team": team.slug,
-            "since": since.strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "until": until.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "start": since.strftime("%Y-%m-%dT%H:%M:%SZ"),
+            "end": until.strftime("%Y-%m-%dT%H:%M:%SZ"),
             "format": "csv",
             "page_size": BILLING_CSV_ROWS,
         }
@@ -270,11 +273,17 @@ def _billing_csv_links(*, team: Team, since: datetime, until: datetime) -> dict[
 
 @team_required
 def statement_csv(request: HttpRequest, team: Team, period_id: int) -> HttpResponse:
-    found = selectors.statement_rows(team=team, period_id=period_id)
+    """The team's statements of a period as CSV: the API's statement CSV, by the same writer
+    (`billing.statement_csv`), one row per line of each currency's statement."""
+    found = selectors.statement_csv_lines(team=team, period_id=period_id)
     if found is None:
         return not_found(request)
-    period, rows = found
-    return csv_attachment(f"tally-{team.slug}-{period.label}.csv", selectors.CSV_COLUMNS, rows)
+    period, lines = found
+    name = statement_csv_filename(team_slug=team.slug, period_label=period.label)
+    response = HttpResponse(content_type="text/csv; charset=utf-8")
+    response["Content-Disposition"] = f'attachment; filename="{name}"'
+    write_statement_csv(response, lines)
+    return response
 
 
 def csv_attachment(
@@ -343,8 +352,9 @@ def deviations(request: HttpRequest) -> HttpResponse:
 
 @operator_required
 def decisions(request: HttpRequest) -> HttpResponse:
-    """The decision log, newest first, filtered by team, outcome and time, 50 a page; a
-    filter that does not parse is said so and filters nothing."""
+    """The decision log, newest first, filtered by team, outcome, time and (once there is more
+    than one) cluster, 50 a page; a filter that does not parse is said so and filters
+    nothing."""
     form = DecisionFilterForm(request.GET)
     by = form.cleaned() if form.is_valid() else DecisionFilter()
     chosen = filter_decisions(visible_decisions(user=request.user), by=by)
@@ -352,21 +362,36 @@ def decisions(request: HttpRequest) -> HttpResponse:
     with_people(page.object_list)
     query = request.GET.copy()
     query.pop("page", None)
-    context = {"page": page, "form": form, "filters": query.urlencode()}
+    context = {
+        "page": page,
+        "form": form,
+        "filters": query.urlencode(),
+        "show_cluster": "cluster" in form.fields,
+    }
     return render(request, "frontend/decisions.html", context)
 
 
 class DecisionFilterForm(forms.Form):
     """The decision log's filters, as `GET` parameters: team slug (`-`: no team), outcome,
-    and a window of days `[since, until]` in UTC, both ends included."""
+    cluster (only once there is more than one), and a window `[start, end)` in UTC read by
+    the API's parser (`billing.windows`), so the page and `/api/v1/decisions/` take the same
+    window and refuse the same ones."""
 
     team = forms.ChoiceField(required=False)
     outcome = forms.ChoiceField(
         required=False,
         choices=[("", "any"), *((outcome, outcome) for outcome in OUTCOMES)],
     )
-    since = forms.DateField(required=False, widget=forms.DateInput(attrs={"type": "date"}))
-    until = forms.DateField(required=False, widget=forms.DateInput(attrs={"type": "date"}))
+    start = forms.CharField(
+        required=False,
+        label="Start (UTC)",
+        widget=forms.DateInput(attrs={"type": "date"}),
+    )
+    end = forms.CharField(
+        required=False,
+        label="End (UTC, exclusive)",
+        widget=forms.DateInput(attrs={"type": "date"}),
+    )
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -378,24 +403,30 @@ class DecisionFilterForm(forms.Form):
             *((slug, slug) for slug in teams),
             (NO_TEAM, "no team"),
         ]
+        clusters = decision_clusters()
+        if len(clusters) > 1:
+            self.fields["cluster"] = forms.ChoiceField(
+                required=False, choices=[("", "any"), *((name, name) for name in clusters)]
+            )
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean() or {}
-        since, until = cleaned.get("since"), cleaned.get("until")
-        if since and until and until < since:
-            raise forms.ValidationError("The window ends before it starts.")
+        try:
+            cleaned["window"] = parse_window(cleaned, with_period=False)
+        except WindowError as exc:
+            for name, reason in exc.errors.items():
+                self.add_error(name, reason)
         return cleaned
 
     def cleaned(self) -> DecisionFilter:
         data = self.cleaned_data
-        since, until = data.get("since"), data.get("until")
+        window: Window = data["window"]
         return DecisionFilter(
             team=data.get("team") or "",
             outcome=data.get("outcome") or "",
-            since=None if since is None else datetime.combine(since, time(), UTC),
-            until=None
-            if until is None
-            else datetime.combine(until + timedelta(days=1), time(), UTC),
+            cluster=data.get("cluster") or "",
+            start=window.start,
+            end=window.end,
         )
 
 

@@ -285,6 +285,10 @@ class AdmissionDecision(models.Model):
     dry_run = models.BooleanField(default=False)
     message = models.TextField(blank=True)
     warnings = models.JSONField(default=list, blank=True)
+    # The cluster whose API server asked (the webhook's TALLY_CLUSTER_NAME), by name as
+    # `Reservation.cluster`; empty where unknown: decisions made before it was recorded and
+    # not matched to a reservation, or inserted by a pod of the previous version.
+    cluster = models.CharField(max_length=63, blank=True, default="", db_default="")
 
     def __str__(self) -> str:
         return f"{self.namespace}/{self.name}: {'allowed' if self.allowed else 'denied'}"

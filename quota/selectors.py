@@ -12,7 +12,7 @@ from typing import Any
 from django.conf import settings
 from django.db.models import Q, QuerySet
 
-from inventory.models import ResourceClaim
+from inventory.models import Cluster, ResourceClaim
 from inventory.owners import is_controller
 from quota.models import AdmissionDecision
 from teams.models import Team
@@ -34,27 +34,34 @@ _OUTCOME_FILTERS = {
 @dataclass(frozen=True)
 class DecisionFilter:
     """The decision log's filters; empty fields filter nothing. `team` is a slug (`NO_TEAM`
-    for namespaces no team owns), `[since, until)` half-open."""
+    for namespaces no team owns), `cluster` a cluster's name, `[start, end)` half-open."""
 
     team: str = ""
     outcome: str = ""
-    since: datetime | None = None
-    until: datetime | None = None
+    cluster: str = ""
+    start: datetime | None = None
+    end: datetime | None = None
 
 
 NO_TEAM = "-"
 
 
 def visible_decisions(*, user: Any) -> QuerySet[AdmissionDecision]:
-    """The decisions `user` may read, newest first: operators all (namespaces of no team
-    too), leads their teams', anyone else none."""
+    """The decisions `user` may read, newest first: operators and finance all (namespaces of
+    no team too), leads their teams', anyone else none."""
     decisions = AdmissionDecision.objects.select_related("team").order_by("-at", "-pk")
     role = user_role(user)
-    if role == "operator":
+    if role in ("operator", "finance"):
         return decisions
     if role == "lead":
         return decisions.filter(team__in=visible_teams(user=user))
     return decisions.none()
+
+
+def decision_clusters() -> list[str]:
+    """The clusters a decision may name, by name: the decision log filters by one of them
+    once there is more than one."""
+    return list(Cluster.objects.order_by("name").values_list("name", flat=True))
 
 
 def outcome_filter(outcome: str) -> Q:
@@ -72,10 +79,12 @@ def filter_decisions(
         decisions = decisions.filter(team__slug=by.team)
     if by.outcome:
         decisions = decisions.filter(outcome_filter(by.outcome))
-    if by.since is not None:
-        decisions = decisions.filter(at__gte=by.since)
-    if by.until is not None:
-        decisions = decisions.filter(at__lt=by.until)
+    if by.cluster:
+        decisions = decisions.filter(cluster=by.cluster)
+    if by.start is not None:
+        decisions = decisions.filter(at__gte=by.start)
+    if by.end is not None:
+        decisions = decisions.filter(at__lt=by.end)
     return decisions
 
 

@@ -28,6 +28,7 @@ from django.http import (
 )
 from django.urls import Resolver404, resolve
 from django.views import defaults
+from django.views.decorators.csrf import csrf_exempt
 from django_filters.rest_framework import DjangoFilterBackend
 from drf_spectacular.openapi import AutoSchema
 from drf_spectacular.plumbing import ResolvedComponent
@@ -162,32 +163,6 @@ def start_of_day(day: date) -> datetime:
     return datetime.combine(day, time.min, tzinfo=UTC)
 
 
-class DayBoundFilter(django_filters.DateFilter):
-    """A date compared with a datetime field as midnight UTC (aware, so no naive warnings)."""
-
-    def filter(self, qs: QuerySet[Any], value: date | None) -> QuerySet[Any]:
-        return super().filter(qs, start_of_day(value) if value else value)
-
-
-class DateRangeFilterSet(django_filters.FilterSet):
-    """Adds `from` (inclusive) and `to` (exclusive) UTC dates on `date_field`: the half-open
-    interval `[from, to)`. (`from` is a Python keyword, hence not a class attribute.)"""
-
-    date_field: ClassVar[str] = ""
-
-    @classmethod
-    def get_filters(cls) -> dict[str, django_filters.Filter]:
-        found = super().get_filters()
-        if cls.date_field:
-            found["from"] = DayBoundFilter(
-                field_name=cls.date_field, lookup_expr="gte", label="From this UTC date, inclusive"
-            )
-            found["to"] = DayBoundFilter(
-                field_name=cls.date_field, lookup_expr="lt", label="Up to this UTC date, exclusive"
-            )
-        return found
-
-
 class TeamSlugFilter(django_filters.CharFilter):
     """A team by slug, on the lookup path to the team (`team__slug`, `statement__team__slug`)."""
 
@@ -307,7 +282,98 @@ class ReadOnlyModelSerializer(serializers.ModelSerializer[Any]):
         return fields
 
 
-class TallyViewSet(viewsets.GenericViewSet[Any]):
+# --- Query parameters -------------------------------------------------------------------------
+
+# The names the window parameters had before issue 35 (`billing.windows`): accepted for one
+# release where the endpoint takes the new name, with `Deprecation` and `Warning` headers.
+DEPRECATED_PARAMETERS = {"from": "start", "to": "end", "since": "start", "until": "end"}
+# Taken by every endpoint: DRF's choice of renderer.
+COMMON_PARAMETERS = frozenset({"format"})
+
+
+class StrictQueryParameters(APIView):
+    """A base of API views: a query parameter the endpoint does not take is a 400 naming it
+    and the ones it takes, rather than silently ignored (a misspelt filter would answer with
+    everything). The names taken are the declared ones, as the schema documents them: the
+    filterset's filters, the other filter backends' and the paginator's parameters, the
+    fields of `query_serializer` and `query_parameters` for views that read the query
+    themselves, and `format`."""
+
+    query_parameters: ClassVar[tuple[str, ...]] = ()
+    query_serializer: ClassVar[type[serializers.BaseSerializer[Any]] | None] = None
+
+    def allowed_query_parameters(self) -> set[str]:
+        names = set(COMMON_PARAMETERS) | set(self.query_parameters)
+        if self.query_serializer is not None:
+            names |= set(self.query_serializer().fields)  # type: ignore[attr-defined]
+        paginator = getattr(self, "paginator", None)
+        if paginator is not None:
+            names |= {p["name"] for p in paginator.get_schema_operation_parameters(self)}
+        for backend in getattr(self, "filter_backends", ()):
+            if issubclass(backend, DjangoFilterBackend):
+                filterset = getattr(self, "filterset_class", None)
+                names |= set(filterset.base_filters) if filterset is not None else set()
+            else:
+                names |= {p["name"] for p in backend().get_schema_operation_parameters(self)}
+        return names
+
+    def initial(self, request: Request, *args: Any, **kwargs: Any) -> None:
+        super().initial(request, *args, **kwargs)
+        allowed = self.allowed_query_parameters()
+        self._rename_deprecated(request, allowed)
+        unknown = sorted(set(request.query_params) - allowed)
+        if unknown:
+            taken = ", ".join(sorted(allowed))
+            raise ValidationError(
+                {
+                    name: [f"unknown query parameter; this endpoint takes {taken}"]
+                    for name in unknown
+                }
+            )
+
+    def _rename_deprecated(self, request: Request, allowed: set[str]) -> None:
+        """Old names of parameters this endpoint takes, renamed to the new ones in the query
+        (the filters and serializers know only the new), remembered for the headers."""
+        old = [
+            name
+            for name in request.query_params
+            if DEPRECATED_PARAMETERS.get(name) in allowed and name not in allowed
+        ]
+        if not old:
+            return
+        query = request.query_params.copy()
+        for name in old:
+            new = DEPRECATED_PARAMETERS[name]
+            if new in query:
+                raise ValidationError({name: [f"deprecated name of {new}: give {new} alone"]})
+            query.setlist(new, query.pop(name))
+        query._mutable = False  # as Django's own: read-only, like the query it replaces
+        request._request.GET = query  # type: ignore[assignment]  # the stubs' immutable type
+        self.deprecated_used = {name: DEPRECATED_PARAMETERS[name] for name in old}
+
+    def handle_exception(self, exc: Exception) -> Response:
+        # A bad value given under an old name: the error names the parameter as given.
+        used: dict[str, str] = getattr(self, "deprecated_used", {})
+        if used and isinstance(exc, ValidationError) and isinstance(exc.detail, dict):
+            given = {new: old for old, new in used.items()}
+            exc.detail = {given.get(name, name): why for name, why in exc.detail.items()}
+        return super().handle_exception(exc)
+
+    def finalize_response(
+        self, request: Request, response: Response, *args: Any, **kwargs: Any
+    ) -> Response:
+        response = super().finalize_response(request, response, *args, **kwargs)
+        used: dict[str, str] = getattr(self, "deprecated_used", {})
+        if used:
+            response["Deprecation"] = "true"
+            response["Warning"] = ", ".join(
+                f'299 - "query parameter {old} is deprecated: use {new}"'
+                for old, new in used.items()
+            )
+        return response
+
+
+class TallyViewSet(StrictQueryParameters, viewsets.GenericViewSet[Any]):
     """Paginated, filtered and ordered, in JSON or CSV; readable by anyone with a role."""
 
     permission_classes = [AnyRole]
@@ -379,10 +445,14 @@ def exception_handler(exc: Exception, context: Mapping[str, Any]) -> Response | 
     return response
 
 
+@csrf_exempt
 def unknown_endpoint(request: HttpRequest) -> HttpResponse:
     """A path under /api/ that no endpoint has: a JSON 404 whatever DEBUG says. Without its
     trailing slash, a GET or HEAD of an endpoint redirects, as Django's APPEND_SLASH would (a
-    catch-all path hides the endpoint from it)."""
+    catch-all path hides the endpoint from it). Exempt from the CSRF check, as every API view
+    is (DRF's session authentication checks it for cookie logins): it acts on nothing, and a
+    token client's POST to a path that does not exist must learn that, not "reload the
+    page"."""
     detail = f"No API endpoint at {request.path}"
     path = request.path_info
     if settings.APPEND_SLASH and not path.endswith("/"):

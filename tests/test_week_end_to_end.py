@@ -87,7 +87,7 @@ DEPLOYMENT_CONTROLLER = "system:serviceaccount:kube-system:deployment-controller
 JOB_CONTROLLER = "system:serviceaccount:kube-system:job-controller"
 PEOPLE = "/api/v1/billed/people/"
 JOBS = "/api/v1/billed/jobs/"
-WINDOW = {"since": "2026-11-02", "until": "2026-11-09"}
+WINDOW = {"start": "2026-11-02", "end": "2026-11-09"}
 
 Obj = dict[str, Any]
 

@@ -24,7 +24,9 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from billing.compare import (
+    PERIOD_PARAMETERS,
     ROW_COLUMNS,
+    WINDOW_PARAMETERS,
     CompareInputError,
     Presence,
     compare_windows,
@@ -34,8 +36,16 @@ from billing.compare import (
     total_row,
 )
 from billing.moments import MOMENT_HELP
+from billing.windows import PERIOD_HELP
 from inventory.models import Unit
-from teams.api import FINANCE, OPERATOR, AnyRole, CSVRenderer, request_role
+from teams.api import (
+    FINANCE,
+    OPERATOR,
+    AnyRole,
+    CSVRenderer,
+    StrictQueryParameters,
+    request_role,
+)
 from teams.models import Team
 from teams.selectors import visible_teams
 
@@ -134,14 +144,23 @@ def _moment(name: str, side: str, bound: str) -> OpenApiParameter:
     return OpenApiParameter(
         name,
         OpenApiTypes.STR,
-        required=True,
         description=f"The {side} window's {bound}: {MOMENT_HELP}."
-        + (" Exclusive." if bound == "end" else ""),
+        + (" Exclusive." if bound == "end" else "")
+        + f" Required unless {side}_period is given.",
+    )
+
+
+def _period(side: str) -> OpenApiParameter:
+    return OpenApiParameter(
+        f"{side}_period",
+        OpenApiTypes.STR,
+        description=f"The {side} window as one billing period, instead of its start and end. "
+        + PERIOD_HELP,
     )
 
 
 @extend_schema(tags=["usage"])
-class CompareView(GenericAPIView[Any]):
+class CompareView(StrictQueryParameters, GenericAPIView[Any]):
     """Did it help? Utilisation (utilised over measured hours) of a team or the fleet in two
     windows, and its change split into workload mix, the jobs' own efficiency, and jobs
     entering and leaving, which add up exactly to it; per job, each one's part."""
@@ -149,6 +168,8 @@ class CompareView(GenericAPIView[Any]):
     permission_classes = [AnyRole]
     serializer_class = CompareRowSerializer  # a CSV's columns
     renderer_classes = [JSONRenderer, BrowsableAPIRenderer, CSVRenderer]
+    filter_backends = []
+    query_parameters = ("team", *WINDOW_PARAMETERS, *PERIOD_PARAMETERS, "unit")
 
     @extend_schema(
         operation_id="compare",
@@ -160,8 +181,10 @@ class CompareView(GenericAPIView[Any]):
             ),
             _moment("before_start", "before", "start"),
             _moment("before_end", "before", "end"),
+            _period("before"),
             _moment("after_start", "after", "start"),
             _moment("after_end", "after", "end"),
+            _period("after"),
             OpenApiParameter(
                 "unit", OpenApiTypes.STR, enum=Unit.values, description="Default gpu."
             ),

@@ -3,41 +3,25 @@
 from __future__ import annotations
 
 from datetime import date
-from typing import Any
+from typing import Any, ClassVar
 
 import django_filters
 from django.db.models import Q, QuerySet
 from rest_framework.exceptions import ValidationError
 
 from billing.models import Period, RateCard, Statement, StatementLine, UsageHour
-from billing.periods import PricingError, is_period_label, parse_period
-from teams.api import DateRangeFilterSet, TeamSlugFilter, next_day, start_of_day
-
-PERIOD_HELP = (
-    "A billing period: its name as the commands give it (2026-11, or 2026-W47 when "
-    "TALLY_BILLING_PERIOD=week), its id, or its start as a UTC date (2026-10-01)."
+from billing.windows import (
+    END_HELP,
+    PERIOD_HELP,
+    START_HELP,
+    WINDOW_PERIOD_HELP,
+    WindowError,
+    parse_window,
+    period_lookups,
 )
+from teams.api import TeamSlugFilter
 
-
-def period_lookups(value: str) -> dict[str, Any]:
-    """Lookups on Period for a period given by name (`2026-11`, `2026-W47`), id, or start date
-    (the period starting that day); `ValueError` saying why `value` is none of them."""
-    value = value.strip()
-    if value.isascii() and value.isdigit():
-        return {"pk": int(value)}
-    # Before dates: Python reads 2026-W47 as a date too (its Monday).
-    if is_period_label(value):
-        try:
-            start, _ = parse_period(value)
-        except PricingError as exc:
-            raise ValueError(str(exc)) from None
-        return {"start": start}
-    try:
-        day = start_of_day(date.fromisoformat(value))
-    except ValueError:
-        raise ValueError(f"{value!r} is not a period. {PERIOD_HELP}") from None
-    after = next_day(day)
-    return {"start__gte": day, **({"start__lt": after} if after else {})}
+__all__ = ["PERIOD_HELP", "period_lookups"]
 
 
 def period_filter_lookups(value: str) -> dict[str, Any]:
@@ -46,6 +30,27 @@ def period_filter_lookups(value: str) -> dict[str, Any]:
         return period_lookups(value)
     except ValueError as exc:
         raise ValidationError({"period": [str(exc)]}) from None
+
+
+class WindowFilterSet(django_filters.FilterSet):
+    """Rows whose `date_field` lies in the window of `start`/`end` (and, with `window_period`,
+    `period`), parsed once by `billing.windows.parse_window`: a bad bound, a reversed or empty
+    window is a 400 naming the parameter."""
+
+    date_field: ClassVar[str] = ""
+    window_period: ClassVar[bool] = False
+    start = django_filters.CharFilter(method="in_window", label=START_HELP)
+    end = django_filters.CharFilter(method="in_window", label=END_HELP)
+
+    def in_window(self, queryset: QuerySet[Any], name: str, value: str) -> QuerySet[Any]:
+        return queryset  # the window is applied once, in `filter_queryset`
+
+    def filter_queryset(self, queryset: QuerySet[Any]) -> QuerySet[Any]:
+        try:
+            window = parse_window(self.data, with_period=self.window_period)
+        except WindowError as exc:
+            raise ValidationError({name: [reason] for name, reason in exc.errors.items()}) from None
+        return window.filter(super().filter_queryset(queryset), self.date_field)
 
 
 class PeriodFilter(django_filters.CharFilter):
@@ -65,21 +70,6 @@ class PeriodFilter(django_filters.CharFilter):
         )
 
 
-class UsagePeriodFilter(django_filters.CharFilter):
-    """Usage hours within one period `[start, end)`."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(label=PERIOD_HELP, **kwargs)
-
-    def filter(self, qs: QuerySet[Any], value: str) -> QuerySet[Any]:
-        if not value:
-            return qs
-        period = Period.objects.filter(**period_filter_lookups(value)).first()
-        if period is None:
-            return qs.none()
-        return qs.filter(hour__gte=period.start, hour__lt=period.end)
-
-
 PRODUCT_HELP = "GPU model: the device's productName attribute"
 
 
@@ -97,7 +87,9 @@ class RateCardFilterSet(django_filters.FilterSet):
         )
 
 
-class PeriodFilterSet(DateRangeFilterSet):
+class PeriodFilterSet(WindowFilterSet):
+    """Periods starting in the window."""
+
     date_field = "start"
     closed = django_filters.BooleanFilter(
         field_name="closed_at", lookup_expr="isnull", exclude=True, label="Closed or open"
@@ -108,7 +100,9 @@ class PeriodFilterSet(DateRangeFilterSet):
         fields: tuple[str, ...] = ()
 
 
-class StatementFilterSet(DateRangeFilterSet):
+class StatementFilterSet(WindowFilterSet):
+    """Statements of periods starting in the window."""
+
     date_field = "period__start"
     team = TeamSlugFilter()
     period = PeriodFilter("period")
@@ -118,7 +112,9 @@ class StatementFilterSet(DateRangeFilterSet):
         fields = ("currency",)
 
 
-class StatementLineFilterSet(DateRangeFilterSet):
+class StatementLineFilterSet(WindowFilterSet):
+    """Lines of statements of periods starting in the window."""
+
     date_field = "statement__period__start"
     team = TeamSlugFilter("statement__team__slug")
     period = PeriodFilter("statement__period")
@@ -130,10 +126,13 @@ class StatementLineFilterSet(DateRangeFilterSet):
         fields = ("kind", "profile")
 
 
-class UsageFilterSet(DateRangeFilterSet):
+class UsageFilterSet(WindowFilterSet):
+    """Usage hours in the window (`start`/`end`, or a `period`)."""
+
     date_field = "hour"
+    window_period = True
+    period = django_filters.CharFilter(method="in_window", label=WINDOW_PERIOD_HELP)
     team = TeamSlugFilter()
-    period = UsagePeriodFilter()
     product_name = django_filters.CharFilter(label=PRODUCT_HELP)
     cluster = django_filters.CharFilter(field_name="cluster__name")
 

@@ -21,9 +21,18 @@ from billing.api.filtersets import PERIOD_HELP, period_lookups
 from billing.currencies import currency_error
 from billing.hours import HOUR, MS_PER_HOUR
 from billing.models import Period, RateCard, Statement, StatementLine
-from billing.moments import MOMENT_HELP, RANGE_HELP, parse_moment
 from billing.pricing import period_holding, round_money
 from billing.units import hours_label
+from billing.windows import (
+    END,
+    END_HELP,
+    PERIOD,
+    START,
+    START_HELP,
+    WINDOW_PERIOD_HELP,
+    WindowError,
+    parse_window,
+)
 from inventory.models import Unit
 from teams.api import ReadOnlyModelSerializer, VisibleTeamField
 from teams.models import Team
@@ -336,31 +345,15 @@ class UserUsageSerializer(UsageSerializer):
 # --- Billed usage per person and per job ---------------------------------------------------
 
 
-class WindowBoundField(serializers.DateTimeField):
-    """A window's bound (`billing.moments.parse_moment`): a date (its midnight, UTC) or a date
-    and time on the hour, in the range Tally counts in."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        help_text = f"{MOMENT_HELP}, {RANGE_HELP}; usage is kept per hour."
-        super().__init__(help_text=help_text, **kwargs)
-
-    def to_internal_value(self, value: Any) -> datetime:
-        if not isinstance(value, str):
-            self.fail("invalid", format=MOMENT_HELP)
-        try:
-            return parse_moment(value)
-        except ValueError as exc:
-            raise serializers.ValidationError(str(exc)) from None
-
-
 class BilledWindowSerializer(serializers.Serializer[Any]):
-    """The query of the billed-usage endpoints: a window (`since`/`until`, or a `period`; the
-    current period when neither is given) and which rows to show. Filters pick rows after
+    """The query of the billed-usage endpoints: a window (`start`/`end`, or a `period`; the
+    current period when neither is given, or from `start` to the current period's end) and
+    which rows to show, parsed by `billing.windows.parse_window`. Filters pick rows after
     pricing, so a row's money is the same whatever else is asked."""
 
-    since = WindowBoundField(required=False)
-    until = WindowBoundField(required=False)
-    period = PeriodField(required=False)
+    start = serializers.CharField(required=False, help_text=START_HELP)
+    end = serializers.CharField(required=False, help_text=END_HELP)
+    period = serializers.CharField(required=False, help_text=WINDOW_PERIOD_HELP)
     team = serializers.CharField(required=False, help_text="Team slug")
     username = serializers.CharField(required=False)
     namespace = serializers.CharField(required=False)
@@ -370,25 +363,30 @@ class BilledWindowSerializer(serializers.Serializer[Any]):
     ordering = serializers.CharField(required=False)
 
     def validate(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        period: Period | None = attrs.pop("period", None)
-        if period is not None:
-            if "since" in attrs or "until" in attrs:
-                raise serializers.ValidationError(
-                    {"period": ["Give a period or since/until, not both."]}
-                )
-            attrs["since"], attrs["until"] = period.start, period.end
-        elif "since" not in attrs or "until" not in attrs:
+        try:
+            window = parse_window(attrs)
+        except WindowError as exc:
+            raise serializers.ValidationError(
+                {name: [reason] for name, reason in exc.errors.items()}
+            ) from None
+        for name in (START, END, PERIOD):
+            attrs.pop(name, None)
+        start, end = window.start, window.end
+        if start is None or end is None:
             current = period_holding(timezone.now())
-            attrs.setdefault("since", current.start)
-            attrs.setdefault("until", max(current.end, attrs["since"] + HOUR))
-        if attrs["until"] <= attrs["since"]:
+            if start is None:
+                start = current.start
+                if end is not None and end <= start:
+                    raise serializers.ValidationError(
+                        {"end": [f"{end:%Y-%m-%dT%H:%MZ} is not after the current period's "
+                                 f"start ({start:%Y-%m-%dT%H:%MZ}): give start too"]}
+                    )  # fmt: skip
+            end = end or max(current.end, start + HOUR)
+        if end - start > MAX_WINDOW:
             raise serializers.ValidationError(
-                {"until": [f"{attrs['until']:%Y-%m-%dT%H:%MZ} is not after since."]}
+                {"end": [f"A window is at most {MAX_WINDOW.days} days long."]}
             )
-        if attrs["until"] - attrs["since"] > MAX_WINDOW:
-            raise serializers.ValidationError(
-                {"until": [f"A window is at most {MAX_WINDOW.days} days long."]}
-            )
+        attrs["start"], attrs["end"] = start, end
         return attrs
 
 

@@ -14,6 +14,7 @@ from typing import Any, ClassVar, TypeVar
 
 from django.db.models import Prefetch, QuerySet, Sum
 from django.db.models.functions import Trunc
+from django.http import HttpResponse, HttpResponseBase
 from django.utils import timezone
 from django_filters.rest_framework import DjangoFilterBackend
 from django_filters.utils import translate_validation
@@ -58,8 +59,14 @@ from billing.periods import PricingError
 from billing.pricing import period_holding
 from billing.selectors import BilledRow, BilledUsage, billed_usage, unowned_usage
 from billing.services import add_adjustment, close_period
+from billing.statement_csv import (
+    statement_csv_filename,
+    statement_lines,
+    write_statement_csv,
+)
 from core.parsers import JsonParser
 from teams.api import (
+    CSVRenderer,
     FinanceOrOperator,
     OrderingFilter,
     TallyViewSet,
@@ -119,6 +126,26 @@ class StatementViewSet(mixins.ListModelMixin, mixins.RetrieveModelMixin, TeamSco
 
     def get_serializer_class(self) -> type[StatementSerializer]:
         return StatementDetailSerializer if self.action == "retrieve" else StatementSerializer
+
+    # A CSV statement is a plain Django response (DRF passes it through): its rows are the
+    # statement's lines, not the serializer's one object.
+    def retrieve(  # type: ignore[override]
+        self, request: Request, *args: Any, **kwargs: Any
+    ) -> HttpResponseBase:
+        """A statement with its lines; in CSV (`?format=csv`), its lines one per row, as the
+        portal's download gives them (`billing.statement_csv`: the same writer)."""
+        if request.accepted_renderer.format != CSVRenderer.format:
+            return super().retrieve(request, *args, **kwargs)
+        statement: Statement = self.get_object()
+        name = statement_csv_filename(
+            team_slug=statement.team.slug,
+            period_label=statement.period.label,
+            currency=statement.currency,
+        )
+        response = HttpResponse(content_type="text/csv; charset=utf-8")
+        response["Content-Disposition"] = f'attachment; filename="{name}"'
+        write_statement_csv(response, statement_lines(statement.lines.all()))
+        return response
 
     def scope(self, teams: QuerySet[Team]) -> QuerySet[Statement]:
         statements = Statement.objects.filter(team__in=teams).select_related("team", "period")
@@ -257,7 +284,7 @@ class UserUsageViewSet(UsageViewSet):
 
 @extend_schema(tags=["usage"])
 class BilledUsageViewSet(mixins.ListModelMixin, TeamScopedViewSet):
-    """Hours per person in a window (`since`/`until`, or a `period`; by default the current
+    """Hours per person in a window (`start`/`end`, or a `period`; by default the current
     period), each unit apart, and what the statements bill for them per currency: utilised,
     idle (at the idle factor) and unmeasured, to the cent. Each statement line's amount is
     shared out among the rows it bills, so a team's rows add up to its statements' usage
@@ -265,6 +292,7 @@ class BilledUsageViewSet(mixins.ListModelMixin, TeamScopedViewSet):
 
     serializer_class: type[BilledUsageSerializer] = BilledPersonSerializer
     filter_backends = []  # the window query is validated by `BilledWindowSerializer`
+    query_serializer = BilledWindowSerializer
     keys: ClassVar[tuple[str, ...]] = ("team", "username")
     # Filters on a row's keys, as the query names them.
     row_filters: ClassVar[tuple[str, ...]] = ("username", "unit", "currency")
@@ -283,7 +311,7 @@ class BilledUsageViewSet(mixins.ListModelMixin, TeamScopedViewSet):
         teams = self.get_queryset()
         if "team" in asked:
             teams = teams.filter(slug=asked["team"])
-        usage = billed_usage(teams=list(teams), since=asked["since"], until=asked["until"])
+        usage = billed_usage(teams=list(teams), since=asked["start"], until=asked["end"])
         rows = [
             row
             for row in self.rows(usage)
@@ -360,6 +388,7 @@ class UnownedUsageViewSet(TallyViewSet):
     serializer_class = UnownedUsageSerializer
     permission_classes = [FinanceOrOperator]
     filter_backends = []
+    query_serializer = UnownedQuerySerializer
 
     @extend_schema(parameters=[UnownedQuerySerializer])
     def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:

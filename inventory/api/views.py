@@ -24,7 +24,7 @@ from inventory.api.serializers import (
 )
 from inventory.models import Cluster
 from inventory.selectors import capacity_by_model, deviation_register, fleet_report
-from teams.api import FinanceOrOperator, OrderingFilter, TallyViewSet
+from teams.api import FinanceOrOperator, OrderingFilter, StrictQueryParameters, TallyViewSet
 
 CLUSTER_PARAMETER = OpenApiParameter(
     "cluster", str, description="One cluster by name; all clusters when absent."
@@ -42,12 +42,14 @@ def requested_cluster(request: Request) -> Cluster | None:
 
 
 @extend_schema(tags=["inventory"])
-class FleetSummaryView(GenericAPIView[Any]):
+class FleetSummaryView(StrictQueryParameters, GenericAPIView[Any]):
     """The fleet report: capacity by model, the driver/CUDA matrix and its outlier nodes, and
     how the free GPUs are fragmented."""
 
     permission_classes = [FinanceOrOperator]
     serializer_class = FleetReportSerializer
+    filter_backends = []
+    query_parameters = ("cluster",)
     renderer_classes = [JSONRenderer, BrowsableAPIRenderer]
 
     @extend_schema(parameters=[CLUSTER_PARAMETER])
@@ -77,6 +79,7 @@ class CapacityViewSet(mixins.ListModelMixin, TallyViewSet):
     permission_classes = [FinanceOrOperator]
     serializer_class = CapacitySerializer
     filter_backends = [RowOrderingFilter]
+    query_parameters = ("cluster",)
     ordering_fields = [
         "unit",
         "product_name",
@@ -104,6 +107,7 @@ class DeviationViewSet(mixins.ListModelMixin, TallyViewSet):
     permission_classes = [FinanceOrOperator]
     serializer_class = DeviationRegisterSerializer
     filter_backends = [RowOrderingFilter]
+    query_parameters = ("cluster",)
     ordering_fields = ["expires_at", "cluster", "node_name", "owner"]
 
     @extend_schema(parameters=[CLUSTER_PARAMETER])

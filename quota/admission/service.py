@@ -122,7 +122,13 @@ def review_claim(
         if dry_run or recorded:
             return answer  # a dry run leaves nothing behind, not even its decision
         store.record(
-            answer, namespace=namespace, name=name, username=username, uid=admission_uid, at=at
+            answer,
+            namespace=namespace,
+            name=name,
+            username=username,
+            uid=admission_uid,
+            at=at,
+            cluster=cluster.name,
         )
         return answer
 
@@ -169,6 +175,7 @@ def fit_alternatives(
                 username=username,
                 uid=admission_uid,
                 at=at,
+                cluster=cluster.name,
                 webhook=Webhook.MUTATE,
             )
         return answer

@@ -504,7 +504,8 @@ def chosen_alternatives(*, cluster: str, namespace: str, name: str) -> Any:
 
 # The columns of `AdmissionDecision` both of the webhook's inserts write, in this order.
 _DECISION_COLUMNS = (
-    "at, uid, namespace, name, username, webhook, team_id, allowed, dry_run, message, warnings"
+    "at, uid, namespace, name, username, webhook, team_id, allowed, dry_run, message, warnings, "
+    "cluster"
 )
 
 
@@ -516,6 +517,7 @@ def record(
     username: str,
     uid: str,
     at: datetime,
+    cluster: str,
     webhook: Webhook = Webhook.VALIDATE,
 ) -> None:
     """Keep a webhook's answer for operators, for a decision whose claim holds no quota (one
@@ -530,7 +532,7 @@ def record(
     fetch_prepared(
         _record_sql(restore=ending.restore, durability=ending.durable),
         [at, uid, namespace, name, username, webhook.value, team_id, decision.allowed,
-         decision.message, json.dumps(decision.warnings), *ending.params],
+         decision.message, json.dumps(decision.warnings), cluster, *ending.params],
     )  # fmt: skip
     if ending.restore:
         restored()
@@ -549,7 +551,7 @@ def _record_sql(*, restore: bool, durability: bool) -> str:
     ]
     return (
         f"INSERT INTO {table} ({_DECISION_COLUMNS}) "
-        "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, false, %s, %s::jsonb) "
+        "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, false, %s, %s::jsonb, %s) "
         f"RETURNING {', '.join(returning)}"
     )
 
@@ -617,12 +619,12 @@ def _endings(*, restore: bool, durability: bool) -> str:
 
 
 def _recorded_cte() -> str:
-    """The CTE that records an admitted claim's decision (seven parameters:
+    """The CTE that records an admitted claim's decision (eight parameters:
     `_decision_params`) when the statement's verdict is 'fits'."""
     decision = connection.ops.quote_name(AdmissionDecision._meta.db_table)
     return f"""recorded AS (
     INSERT INTO {decision} ({_DECISION_COLUMNS})
-    SELECT %s, %s, %s, %s, %s, '{Webhook.VALIDATE.value}', %s, true, false, '', %s::jsonb
+    SELECT %s, %s, %s, %s, %s, '{Webhook.VALIDATE.value}', %s, true, false, '', %s::jsonb, %s
     FROM verdict WHERE verdict.outcome = 'fits'
     RETURNING id
 )"""
@@ -637,6 +639,7 @@ def _decision_params(fields: dict[str, Any], plan: Plan, username: str) -> list[
         username,
         fields["team_id"],
         json.dumps(plan.warnings),
+        fields["cluster"],
     ]
 
 

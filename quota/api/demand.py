@@ -127,6 +127,7 @@ class RowViewSet(mixins.ListModelMixin, TallyViewSet):
 
     filter_backends = [RowFilter, RowOrderingFilter]
     row_filters: tuple[str, ...] = ()
+    query_parameters = ("cluster",)
 
     @extend_schema(parameters=[CLUSTER_PARAMETER])
     def list(self, request: Request, *args: Any, **kwargs: Any) -> Response:

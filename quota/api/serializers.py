@@ -118,6 +118,7 @@ class AdmissionDecisionSerializer(ReadOnlyModelSerializer):
             "username",
             "person",
             "team",
+            "cluster",
             "webhook",
             "allowed",
             "dry_run",

@@ -16,7 +16,7 @@ from quota.api.serializers import (
 )
 from quota.models import AdmissionDecision, QuotaRule
 from quota.selectors import visible_decisions
-from teams.api import OperatorOrLead, TallyViewSet, TeamScopedViewSet
+from teams.api import AnyRole, TallyViewSet, TeamScopedViewSet
 from teams.models import Membership, Role, Team, TeamNamespace
 
 
@@ -73,13 +73,14 @@ class QuotaRuleViewSet(mixins.ListModelMixin, TeamScopedViewSet):
 
 @extend_schema(tags=["quota"])
 class AdmissionDecisionViewSet(mixins.ListModelMixin, TallyViewSet):
-    """The webhook's decisions, newest first: operators see all (namespaces of no team too),
-    leads those of their teams."""
+    """The webhook's decisions, newest first: operators and finance see all (namespaces of no
+    team too), leads those of their teams (`?team=` another team is a 404); each with the
+    person behind the claim and the cluster whose API server asked."""
 
     serializer_class = AdmissionDecisionSerializer
     filterset_class = AdmissionDecisionFilterSet
-    permission_classes = [OperatorOrLead]
-    ordering_fields = ("at", "namespace", "name", "team", "allowed")
+    permission_classes = [AnyRole]
+    ordering_fields = ("at", "namespace", "name", "team", "cluster", "allowed")
     ordering = ("-at", "-id")
     ordering_aliases = {"team": "team__slug"}
 

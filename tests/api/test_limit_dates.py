@@ -120,21 +120,21 @@ def test_the_compare_page_names_a_bound_at_the_limits(
 @pytest.mark.parametrize(
     "since", ["9999-12-31", "9999-12-31T23:00:00Z", "9999-W52", "0001-01-01", "1969-12-31"]
 )
-def test_billed_usage_since_out_of_range_is_a_400_naming_since(
+def test_billed_usage_start_out_of_range_is_a_400_naming_start(
     cast: Cast, endpoint: str, since: str
 ) -> None:
-    response = cast.client("finance").get(endpoint, {"since": since})
+    response = cast.client("finance").get(endpoint, {"start": since})
     assert response.status_code == 400, response.content
-    assert "out of range" in " ".join(response.json()["since"])
+    assert "out of range" in " ".join(response.json()["start"])
 
 
 @pytest.mark.parametrize("endpoint", ["/api/v1/billed/people/", "/api/v1/billed/jobs/"])
 @pytest.mark.parametrize(
     "query",
     [
-        {"since": "9999-01-01"},
-        {"since": "9998-12-31", "until": "9999-01-01"},
-        {"since": "1970-01-01", "until": "1970-01-02"},
+        {"start": "9999-01-01"},
+        {"start": "9998-12-31", "end": "9999-01-01"},
+        {"start": "1970-01-01", "end": "1970-01-02"},
     ],
 )
 def test_billed_usage_at_the_edges_of_the_range_is_answered(
@@ -150,7 +150,17 @@ def test_billed_usage_at_the_edges_of_the_range_is_answered(
 DATE_FORMATS = ("date", "date-time")
 # Query parameters that take a date or a period in plain strings (no format in the schema).
 DATE_NAMES = frozenset(
-    {"period", "before_start", "before_end", "after_start", "after_end", "since", "until"}
+    {
+        "period",
+        "start",
+        "end",
+        "before_start",
+        "before_end",
+        "before_period",
+        "after_start",
+        "after_end",
+        "after_period",
+    }
 )
 
 

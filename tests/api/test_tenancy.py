@@ -109,12 +109,21 @@ def test_fleet_summary(seeded: Seeded) -> None:
     )
 
 
-def test_decisions_operators_all_leads_their_teams_finance_none(seeded: Seeded) -> None:
+def test_decisions_operators_and_finance_all_leads_their_teams(seeded: Seeded) -> None:
     operator = seeded.cast.client("operator").get(DECISIONS).json()
     assert {row["team"] for row in operator["results"]} == {"alpha", "beta", None}
     lead = seeded.cast.client("lead_b").get(DECISIONS).json()
     assert [(row["team"], row["allowed"]) for row in lead["results"]] == [("beta", False)]
-    assert seeded.cast.client("finance").get(DECISIONS).status_code == 403
+    # Issue 35: finance reads every decision too (it was a 403).
+    finance = seeded.cast.client("finance").get(DECISIONS).json()
+    assert finance["results"] == operator["results"]
+    # A lead naming their own team gets it; another team is not found, as if there were none.
+    own = seeded.cast.client("lead_b").get(DECISIONS, {"team": "beta"}).json()
+    assert own["results"] == lead["results"]
+    other = seeded.cast.client("lead_b").get(DECISIONS, {"team": "alpha"})
+    assert other.status_code == 404
+    assert other.json() == {"detail": "No team 'alpha' that you may see."}
+    assert seeded.cast.client("finance").get(DECISIONS, {"team": "alpha"}).status_code == 200
 
 
 def test_other_teams_objects_are_not_found(seeded: Seeded) -> None:
@@ -151,6 +160,22 @@ def test_token_authentication(seeded: Seeded) -> None:
     assert teams_in(response.json(), "slug") == {"alpha"}
     wrong = client.get("/api/v1/teams/", HTTP_AUTHORIZATION="Token not-a-token")
     assert wrong.status_code == 401
+
+
+def test_decisions_name_their_cluster_and_filter_by_it(seeded: Seeded) -> None:
+    AdmissionDecision.objects.filter(team=seeded.cast.beta).update(cluster="east")
+    AdmissionDecision.objects.filter(team=seeded.cast.alpha).update(cluster="west")
+    client = seeded.cast.client("operator")
+    rows = client.get(DECISIONS).json()["results"]
+    assert {(row["team"], row["cluster"]) for row in rows} == {
+        ("alpha", "west"),
+        ("beta", "east"),
+        (None, ""),
+    }
+    east = client.get(DECISIONS, {"cluster": "east"}).json()["results"]
+    assert {row["team"] for row in east} == {"beta"}
+    lead_a = seeded.cast.client("lead_a").get(DECISIONS, {"cluster": "east"}).json()
+    assert lead_a["results"] == []  # beta's cluster holds none of alpha's
 
 
 def test_decisions_say_which_webhook_decided(seeded: Seeded) -> None:
@@ -191,7 +216,7 @@ def test_decisions_name_the_person_to_their_teams_lead_only(
     assert [row["id"] for row in warned] == [decision.pk]
     assert lead_a.get(DECISIONS, {"outcome": "nope"}).status_code == 400
     # The wrong lead, asking for the team by name, gets none of it; a member, nothing at all.
-    beta_lead = seeded.cast.client("lead_b").get(DECISIONS, {"team": "alpha"}).json()
-    assert beta_lead["results"] == []
+    beta_lead = seeded.cast.client("lead_b").get(DECISIONS, {"team": "alpha"})
+    assert beta_lead.status_code == 404 and "results" not in beta_lead.json()
     assert seeded.cast.client("member_a").get(DECISIONS).status_code == 403
     assert seeded.cast.client(None).get(DECISIONS).status_code in (401, 403)

@@ -29,7 +29,6 @@ from billing.compare import (
     compare_windows,
     decompose,
     job_rows,
-    parse_moment,
     parse_parameters,
     parse_window,
     shown_parts,
@@ -37,6 +36,7 @@ from billing.compare import (
 )
 from billing.hours import MS_PER_HOUR
 from billing.models import UsageHour
+from billing.moments import parse_moment
 from inventory.models import Unit
 from teams.models import Team
 
@@ -224,8 +224,10 @@ def test_bounds_are_dates_or_whole_utc_hours() -> None:
         parse_moment("last week")
     with pytest.raises(ValueError, match="is not a UTC date"):
         parse_moment("0001-01-01T00:00+01:00")
-    with pytest.raises(ValueError, match="must end after it starts"):
+    with pytest.raises(ValueError, match="the window is reversed"):
         parse_window("2026-11-09", "2026-11-02")
+    with pytest.raises(ValueError, match="the window is empty"):
+        parse_window("2026-11-09", "2026-11-09")
 
 
 def test_parameters_name_each_one_at_fault() -> None:
@@ -240,7 +242,7 @@ def test_parameters_name_each_one_at_fault() -> None:
         )
     errors = caught.value.errors
     assert set(errors) == {"before_end", "after_start", "after_end", "unit"}
-    assert "must end after it starts" in errors["before_end"]
+    assert "the window is reversed" in errors["before_end"]
     assert "'soon' is not" in errors["after_start"]
     assert errors["after_end"].startswith("required")
     assert "gpu, tpu" in errors["unit"]
@@ -440,11 +442,11 @@ def test_the_command_writes_json_and_csv(scenario: tuple[Team, Team]) -> None:
         (["--team", "nope", *WINDOW_ARGS], "--team: no team 'nope'"),
         (
             ["--team", "alpha", "--before", "2026-11-09", "2026-11-02", *WINDOW_ARGS[3:]],
-            "--before: the window must end after it starts",
+            "--before: end: the window is reversed",
         ),
         (
             ["--fleet", *WINDOW_ARGS[:3], "--after", "2026-11-09T10:30", "2026-11-16"],
-            "--after: '2026-11-09T10:30' is not on a whole UTC hour",
+            "--after: start: '2026-11-09T10:30' is not on a whole UTC hour",
         ),
         (["--fleet", *WINDOW_ARGS, "--unit", "qpu"], "--unit: 'qpu' is not a unit"),
     ],

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import csv
 import io
+import json
+import re
 import threading
 import time
 from datetime import UTC, date, datetime, timedelta
@@ -28,6 +30,7 @@ import pytest
 from django.contrib.auth.models import User
 from django.core import mail
 from django.core.mail.backends.locmem import EmailBackend as LocmemBackend
+from django.core.management import CommandError, call_command
 from django.db import connection
 from django.test import override_settings
 
@@ -443,3 +446,74 @@ def test_hours_without_a_rate_card_are_counted_not_priced(week_scenario: Team) -
     assert ben.week.cost == {} and ben.week.cost_text == "—"
     send_week_report(report=report, now=NOW)
     assert "54.00 GPU-hours of models without a rate card" in mail.outbox[0].body
+
+
+# --- manage.py week_report (issue 35, item 9) ---------------------------------------------------
+
+
+def _command(*args: str) -> str:
+    out = io.StringIO()
+    call_command("week_report", *args, stdout=out)
+    return out.getvalue()
+
+
+def test_the_command_prints_the_week_as_text_csv_and_json(week_scenario: Team) -> None:
+    report = week_report(team=week_scenario, start=WEEK, now=NOW)
+    text = _command("--team", "vision", "--week", "2026-W47")
+    assert text.startswith(f"{week_scenario.name}: the week from 2026-11-16 00:00 UTC")
+    assert "allocated 58.29 (+48.29)" in text and "ben-notebook" in text
+    # CSV: the email's attachment, byte for byte.
+    expected = io.StringIO()
+    write_csv(expected, columns=WEEK_CSV_COLUMNS, rows=week_csv_rows(report))
+    assert _command("--team", "vision", "--start", "2026-11-16", "--format", "csv") == (
+        expected.getvalue()
+    )
+    shown = json.loads(_command("--team", "vision", "--week", "2026-W47", "--format", "json"))
+    assert (shown["team"], shown["start"], shown["end"]) == (
+        "vision",
+        "2026-11-16T00:00:00Z",
+        "2026-11-23T00:00:00Z",
+    )
+    rows = {(row["section"], row["name"]): row for row in shown["rows"]}
+    assert rows["total", ""]["allocated_hours"] == "58.29"
+    assert rows["person", "ana"]["previous_allocated_hours"] == "10.00"
+    assert shown["budget"]["period_label"] == "2026-11"
+    # --start with its --end: the same week.
+    assert (
+        _command(
+            "--team", "vision", "--start", "2026-11-16", "--end", "2026-11-23", "--format", "csv"
+        )
+        == expected.getvalue()
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--team", "nope"], "--team: no team 'nope'"),
+        (["--team", "vision", "--week", "2026-47"], "--week: '2026-47' is not an ISO week"),
+        (["--team", "vision", "--week", "2026-W47", "--start", "2026-11-16"], "not both"),
+        (["--team", "vision", "--start", "2026-13-01"], "--start: '2026-13-01' is not a day"),
+        (["--team", "vision", "--start", "9999-12-31"], "--start: '9999-12-31' is out of range"),
+        (["--team", "vision", "--end", "2026-11-23"], "--end: give --start too"),
+        (["--team", "vision", "--start", "2999-01-04"], "--start: 2999-01-04 is in the future"),
+        (
+            ["--team", "vision", "--start", "2026-11-16", "--end", "2026-11-09"],
+            "--end: the window is reversed",
+        ),
+        (
+            ["--team", "vision", "--start", "2026-11-16", "--end", "2026-11-16"],
+            "--end: the window is empty",
+        ),
+        (
+            ["--team", "vision", "--start", "2026-11-16", "--end", "2026-11-20"],
+            "--end: a week report covers seven days: from 2026-11-16, --end is 2026-11-23",
+        ),
+    ],
+)
+def test_the_command_exits_2_naming_the_bad_option(
+    week_scenario: Team, args: list[str], message: str
+) -> None:
+    with pytest.raises(CommandError, match=re.escape(message)) as caught:
+        _command(*args)
+    assert caught.value.returncode == 2

@@ -13,7 +13,7 @@ from django.test import Client
 from django.urls import reverse
 
 from quota.models import AdmissionDecision
-from tests.factories import ResourceClaimFactory
+from tests.factories import ClusterFactory, ResourceClaimFactory
 from tests.frontend.seed import DECISIONS, Portal
 
 CONTROLLER = "system:serviceaccount:kube-system:resource-claim-controller"
@@ -106,9 +106,9 @@ def test_the_decision_log_filters_by_team_outcome_and_time(
     assert warned[0].person == "maria"
     today = portal.now.date().isoformat()
     tomorrow = (portal.now + timedelta(days=1)).date().isoformat()
-    assert client.get(url, {"since": tomorrow}).context["page"].paginator.count == 0
+    assert client.get(url, {"start": tomorrow}).context["page"].paginator.count == 0
     assert (
-        client.get(url, {"since": today, "until": today}).context["page"].paginator.count
+        client.get(url, {"start": today, "end": tomorrow}).context["page"].paginator.count
         == AdmissionDecision.objects.filter(at__date=portal.now.date()).count()
     )
 
@@ -136,16 +136,36 @@ def test_the_decision_log_pages_keep_the_filters(portal: Portal) -> None:
 
 def test_a_filter_that_does_not_parse_is_said_and_filters_nothing(portal: Portal) -> None:
     client = _client(portal, "operator")
-    response = client.get(reverse("decisions"), {"since": "yesterday", "team": "nope"})
+    response = client.get(reverse("decisions"), {"start": "yesterday", "team": "nope"})
     assert response.status_code == 200
     html = response.content.decode()
-    assert "Enter a valid date." in html and "Select a valid choice." in html
+    assert "&#x27;yesterday&#x27; is not a UTC date" in html and "Select a valid choice." in html
     assert response.context["page"].paginator.count == DECISIONS
-    backwards = {"since": "2026-02-02", "until": "2026-02-01"}
+    # The API's words for a reversed or empty window (billing.windows).
+    backwards = {"start": "2026-02-02", "end": "2026-02-01"}
     reversed_window = client.get(reverse("decisions"), backwards)
-    assert "The window ends before it starts." in reversed_window.content.decode()
+    assert "the window is reversed" in reversed_window.content.decode()
+    empty = client.get(reverse("decisions"), {"start": "2026-02-02", "end": "2026-02-02"})
+    assert "the window is empty" in empty.content.decode()
 
 
 def test_the_decision_log_is_still_for_operators_only(portal: Portal) -> None:
     for who in ("lead_a", "member_a", "finance"):
         assert _client(portal, who).get(reverse("decisions")).status_code == 403
+
+
+def test_the_decision_log_filters_by_cluster_once_there_are_two(portal: Portal) -> None:
+    client = _client(portal, "operator")
+    # One cluster: no cluster column, no filter.
+    single = client.get(reverse("decisions"))
+    assert "cluster" not in single.context["form"].fields
+    assert '<th scope="col">Cluster</th>' not in single.content.decode()
+    ClusterFactory(name="zz-east")
+    AdmissionDecision.objects.filter(uid="uid-1").update(cluster="zz-east")
+    AdmissionDecision.objects.exclude(uid="uid-1").update(cluster=portal.cluster.name)
+    page = client.get(reverse("decisions"), {"cluster": "zz-east"})
+    assert [d.uid for d in page.context["page"]] == ["uid-1"]
+    html = page.content.decode()
+    assert '<th scope="col">Cluster</th>' in html and "<td>zz-east</td>" in html
+    others = client.get(reverse("decisions"), {"cluster": portal.cluster.name})
+    assert others.context["page"].paginator.count == DECISIONS - 1

@@ -11,6 +11,7 @@ from typing import Any
 
 import jsonpatch
 import pytest
+from django.conf import settings
 from django.test import Client
 from hypothesis import HealthCheck, given
 from hypothesis import settings as hypothesis_settings
@@ -165,6 +166,10 @@ def test_denial_names_team_rule_usage_request_and_limit(client: Client) -> None:
     )
     assert QuotaRule.objects.get(name="all-gpus").in_use == 2
     assert AdmissionDecision.objects.filter(allowed=False).count() == 1
+    # The validating webhook's denial names its cluster (issue 35), as its admissions do.
+    assert set(AdmissionDecision.objects.values_list("cluster", flat=True)) == {
+        settings.TALLY_CLUSTER_NAME
+    }
 
 
 def test_a_denial_counts_what_the_whole_claim_asks_of_the_rule(client: Client) -> None:

@@ -16,6 +16,7 @@ import json
 from typing import Any
 
 import pytest
+from django.conf import settings
 from django.db import DataError, IntegrityError, InternalError, OperationalError, ProgrammingError
 from django.test import Client
 
@@ -72,6 +73,9 @@ def test_a_create_is_recorded_once_whichever_webhook_decides(client: Client) -> 
     assert (fits.allowed, over.allowed) == (True, False)
     recorded = AdmissionDecision.objects.order_by("pk").values_list("name", "webhook", "allowed")
     assert list(recorded) == [("fits", "validate", True), ("over", "mutate", False)]
+    # Both inserts (the reserving statement's and a denial's) name the webhook's cluster.
+    clusters = AdmissionDecision.objects.values_list("cluster", flat=True)
+    assert set(clusters) == {settings.TALLY_CLUSTER_NAME}
 
 
 def test_the_mutating_webhook_records_nothing_it_allows_or_a_dry_run(client: Client) -> None:
