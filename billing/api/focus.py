@@ -25,7 +25,7 @@ FOCUS_VERSION_HEADER = "X-Focus-Version"
 
 
 class FocusQuerySerializer(BilledWindowSerializer):
-    """The export's window: `period` (`2026-11`), or `since`/`until`; the current period when
+    """The export's window: `period` (`2026-11`), or `start`/`end`; the current period when
     neither is given. `team` narrows it to one team (its slug)."""
 
     # The billed-usage endpoints' row filters, removed (DRF's way: None): a FOCUS dataset is
@@ -113,6 +113,7 @@ class FocusViewSet(TallyViewSet):
     serializer_class = FocusRowSerializer
     filter_backends = []
     pagination_class = None  # type: ignore[assignment]  # not paged: see the module
+    query_serializer = FocusQuerySerializer
 
     @extend_schema(
         parameters=[FocusQuerySerializer], responses={200: FocusRowSerializer(many=True)}
@@ -124,10 +125,10 @@ class FocusViewSet(TallyViewSet):
         teams = Team.objects.order_by("slug")
         if "team" in asked:
             teams = teams.filter(slug=asked["team"])
-        rows = focus_rows(teams=list(teams), since=asked["since"], until=asked["until"])
+        rows = focus_rows(teams=list(teams), since=asked["start"], until=asked["end"])
         rows = ordered(rows, asked.get("ordering", []))
         response = Response(rows, headers={FOCUS_VERSION_HEADER: FOCUS_VERSION})
         if getattr(request.accepted_renderer, "format", "") == "csv":
-            name = f"focus-{period_label(asked['since'], asked['until'])}.csv"
+            name = f"focus-{period_label(asked['start'], asked['end'])}.csv"
             response["Content-Disposition"] = f'attachment; filename="{name}"'
         return response

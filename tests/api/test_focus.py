@@ -446,7 +446,7 @@ def test_csv_is_the_json_rows_under_the_column_header(cast: Cast, closed: Closed
 
 
 def test_two_whole_periods_add_up_to_both_statements(cast: Cast, closed: Closed) -> None:
-    rows = _json(cast, since="2026-11-02", until="2026-11-16")
+    rows = _json(cast, start="2026-11-02", end="2026-11-16")
     totals: dict[tuple[str, str], Decimal] = defaultdict(Decimal)
     for period in (closed.closed, closed.next):
         for key, total in _statement_totals(period).items():
@@ -459,7 +459,7 @@ def test_a_window_is_priced_as_the_billed_usage_is(cast: Cast, closed: Closed) -
     adjustment (they belong to the whole period's statement)."""
     since = NEXT_MONDAY + timedelta(days=1, hours=6)
     until = NEXT_MONDAY + timedelta(days=2, hours=3)
-    rows = _json(cast, since="2026-11-10T06:00:00Z", until="2026-11-11T03:00:00Z")
+    rows = _json(cast, start="2026-11-10T06:00:00Z", end="2026-11-11T03:00:00Z")
     for row in rows:
         check_row(row)
         assert "2026-11-10T06:00:00Z" <= row["ChargePeriodStart"] < row["ChargePeriodEnd"]
@@ -500,10 +500,10 @@ def test_finance_and_operators_only(
     ("query", "field", "says"),
     [
         ({"period": "2026-13"}, "period", "2026-13"),
-        ({"period": "2026-W45", "since": "2026-11-02"}, "period", "not both"),
-        ({"since": "2026-11-09", "until": "2026-11-02"}, "until", "not after since"),
-        ({"since": "yesterday", "until": "2026-11-02"}, "since", ""),
-        ({"since": "2020-01-01", "until": "2026-11-02"}, "until", "at most"),
+        ({"period": "2026-W45", "start": "2026-11-02"}, "period", "not both"),
+        ({"start": "2026-11-09", "end": "2026-11-02"}, "end", "reversed"),
+        ({"start": "yesterday", "end": "2026-11-02"}, "start", ""),
+        ({"start": "2020-01-01", "end": "2026-11-02"}, "end", "at most"),
         ({"team": "gamma", "period": "2026-W45"}, "team", "gamma"),
         ({"ordering": "billed", "period": "2026-W45"}, "ordering", "cannot order by 'billed'"),
     ],

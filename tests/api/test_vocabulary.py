@@ -86,6 +86,7 @@ WINDOWED = [
     "/api/v1/usage/users/",
     "/api/v1/billed/people/",
     "/api/v1/billed/jobs/",
+    "/api/v1/billed/focus/",
     "/api/v1/periods/",
     "/api/v1/statements/",
     "/api/v1/statement-lines/",
