@@ -117,7 +117,6 @@ from inventory.version_policy import (
     version_policy_effects,
 )
 from inventory.versions import version_matrix
-from quota.cel import CELError, compile_selector
 from quota.models import (
     Budget,
     GangMode,
@@ -128,6 +127,7 @@ from quota.models import (
     ReservationState,
     Unit,
 )
+from quota.rules import RuleValues, save_rule, selector_error, unit_change_error
 from quota.services import lock_usage, recount_usage, set_budget
 from teams import audit
 from teams.models import (
@@ -686,11 +686,9 @@ def _rule(
         hint = f"; did you mean {close[0]!r}?" if close else ""
         checker.error(f"{path}.deviceClass", f"unknown device class {device_class!r}{hint}")
     selector = checker.string(mapping, "selector", path, max_length=100_000)
-    if selector.strip():
-        try:
-            compile_selector(selector)
-        except CELError as exc:
-            checker.error(f"{path}.selector", f"bad CEL: {exc}")
+    selector_problem = selector_error(selector)
+    if selector_problem is not None:
+        checker.error(f"{path}.selector", selector_problem)
     mode_value = mapping.get("mode", Mode.ENFORCE.value)
     if mode_value not in Mode.values:
         checker.error(
@@ -1107,12 +1105,9 @@ def _conflicts(*, policy: Policy, state: _State, prune: bool) -> list[str]:
         team = state.teams.get(spec.slug)
         rules = state.rules.get(team.pk, {}) if team is not None else {}
         for rule_spec in spec.rules:
-            rule = rules.get(rule_spec.name)
-            if rule is not None and rule.unit != rule_spec.unit and rule.in_use > 0:
-                errors.append(
-                    f"{rule_spec.path}: cannot change the unit of rule {rule_spec.name!r} "
-                    f"from {rule.unit} to {rule_spec.unit} while {rule.in_use} is in use"
-                )
+            error = unit_change_error(stored=rules.get(rule_spec.name), unit=rule_spec.unit)
+            if error is not None:
+                errors.append(f"{rule_spec.path}: {error}")
         if prune:
             declared_rules = {rule_spec.name for rule_spec in spec.rules}
             for name, rule in sorted(rules.items()):
@@ -1410,19 +1405,24 @@ class _Applier:
     def _rules(self, spec: TeamSpec, team: Team) -> None:
         current = self.state.rules.get(team.pk, {})
         for rule_spec in spec.rules:
-            _, changed = self._put(
-                current.get(rule_spec.name),
-                QuotaRule,
-                identity={"team": team, "name": rule_spec.name},
-                values={
-                    "device_class": rule_spec.device_class,
-                    "selector": rule_spec.selector,
-                    "unit": rule_spec.unit,
-                    "limit": rule_spec.limit,
-                    "mode": rule_spec.mode,
-                },
+            # Through the one service every rule is saved by (the admin's too); the team's
+            # usage is recounted once, after its namespaces moved (`apply_policy`).
+            saved = save_rule(
+                team=team,
+                stored=current.get(rule_spec.name),
+                values=RuleValues(
+                    name=rule_spec.name,
+                    device_class=rule_spec.device_class,
+                    selector=rule_spec.selector,
+                    unit=rule_spec.unit,
+                    limit=rule_spec.limit,
+                    mode=rule_spec.mode,
+                ),
+                actor=self.actor,
+                recount=False,
             )
-            if changed:
+            if saved.entry is not None:
+                self.report.add_entry(saved.entry)
                 self.recount.add(team.pk)
 
     def _budget(self, spec: BudgetSpec, team: Team) -> None:
