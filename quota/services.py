@@ -43,6 +43,7 @@ from django.db.models import Q
 from core import metrics
 from db.bulk import AnyOf
 from db.locks import advisory_xact_lock
+from inventory.creators import record_claim_creator
 from inventory.models import Allocation, Cluster, Gang, ResourceClaim
 from inventory.models import Unit as DeviceUnit
 from inventory.owners import is_controller
@@ -463,7 +464,7 @@ def _record_creator(claim: ResourceClaim, reservation: Reservation) -> None:
     """The claim keeps who created it and the object it was made for, as the webhook saw
     them, so that billing reads them from the inventory rather than from quota's tables; and
     its allocations that the sync wrote before this record reached the claim take them as who
-    is charged: filled once, where still empty, never overwritten."""
+    is charged (`inventory.creators.record_claim_creator`, which writes the inventory's rows)."""
     job = f"{reservation.owner_kind}/{reservation.owner_name}" if reservation.owner_kind else ""
     controllers = settings.TALLY_WORKLOAD_CONTROLLERS
     username = reservation.username
@@ -471,12 +472,7 @@ def _record_creator(claim: ResourceClaim, reservation: Reservation) -> None:
         # Adopted, or a claim a controller made from a template: nobody to charge here; the
         # person the sync found through the claim's owners (inventory.owners) stays.
         username = "" if is_controller(claim.created_by, controllers) else claim.created_by
-    if (claim.created_by, claim.admitted_job) != (username, job):
-        ResourceClaim.objects.filter(pk=claim.pk).update(created_by=username, admitted_job=job)
-        if username:
-            Allocation.objects.filter(claim=claim, username="").update(username=username)
-        if job:
-            Allocation.objects.filter(claim=claim, job="").update(job=job)
+    record_claim_creator(claim=claim, created_by=username, admitted_job=job)
 
 
 def expire_reservations(*, now: datetime) -> int:
