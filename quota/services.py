@@ -9,7 +9,7 @@ and every change that can change what a rule counts (a rule, a namespace, its te
 in the same transaction, so usage never depends on the order in which claims, syncs and policy
 changes arrived. `reconcile_usage` recounts every rule and reports (and fixes) any drift.
 
-A gang admitted whole (`quota.admission.decision.weigh_gang`) also holds, until its members
+A gang admitted whole (`quota.admission.gang_weighing.weigh_gang`) also holds, until its members
 have drawn it, what it reserved for them: a live `GangReservation`'s lines count on the rules
 beside the reservations' lines, and the recount counts them too.
 
@@ -48,7 +48,8 @@ from inventory.models import Allocation, Cluster, Gang, ResourceClaim
 from inventory.models import Unit as DeviceUnit
 from inventory.owners import is_controller
 from quota import ledger
-from quota.admission.decision import claim_amounts, per_device
+from quota.admission.decision import claim_amounts
+from quota.admission.demand import per_device
 from quota.admission.shapes import FleetShapes, Shape, covers, load_fleet, shape_of
 from quota.models import (
     Budget,

@@ -51,7 +51,7 @@ from django.db import (
 from db.postgresql import deadline
 from db.prepared import fetch_prepared
 from quota import ledger
-from quota.admission.decision import (
+from quota.admission.plans import (
     AdmissionState,
     Decision,
     GangState,

@@ -93,9 +93,13 @@ def _writes(tree: ast.AST, *, in_quota: bool) -> Iterator[tuple[int, str]]:
                 yield node.lineno, "save(update_fields=[... in_use ...])"
         text = _sql_text(node)
         if text is not None and SQL_SETS_IN_USE.search(text):
-            yield node.lineno, "SQL that sets in_use"
+            yield getattr(node, "lineno", 0), "SQL that sets in_use"
         if isinstance(node, ast.JoinedStr):
-            literal = "".join(part.value for part in node.values if isinstance(part, ast.Constant))
+            literal = "".join(
+                part.value
+                for part in node.values
+                if isinstance(part, ast.Constant) and isinstance(part.value, str)
+            )
             if SQL_SETS_IN_USE.search(literal):
                 yield node.lineno, "SQL that sets in_use"
             for before, after in zip(node.values, node.values[1:], strict=False):
