@@ -474,13 +474,15 @@ def _reset_quota_state() -> None:
     """Forget every reservation and decision, as if no claim had been admitted yet."""
     from django.db import connection
 
+    from quota.ledger import forget_usage
     from quota.models import AdmissionDecision, QuotaRule, Reservation, ReservationLine
 
     _wait_until_idle()
     tables = [m._meta.db_table for m in (ReservationLine, Reservation, AdmissionDecision)]
     with connection.cursor() as cursor:
         cursor.execute(f"TRUNCATE {', '.join(tables)}")
-        cursor.execute(f"UPDATE {QuotaRule._meta.db_table} SET in_use = 0")
+    forget_usage()
+    with connection.cursor() as cursor:
         # The rules' row versions left by the run before (each admission updates its rules)
         # go, so that every run starts from the same tables.
         cursor.execute(f"VACUUM ANALYZE {QuotaRule._meta.db_table}")

@@ -157,9 +157,9 @@ def on_claims_changed(
     """`inventory.signals.claims_changed` receiver: the hours the change touched are rolled up
     again; every hour of the claims' allocations where the sender does not say which.
 
-    `unfilled` is compared with the allocations as they are when this runs: quota's receiver,
-    which may fill them in, runs before this one (`quota` is before `billing` in
-    INSTALLED_APPS; tests/billing/test_dirty_marks.py checks it)."""
+    `unfilled` is compared with the allocations as they are when this runs: quota's receiver
+    calls this after its own step, which may fill them in (quota/apps.py;
+    tests/billing/test_dirty_marks.py checks it)."""
     if spans is None:
         mark_claims_dirty(claim_ids=claim_ids, at=at)
         return

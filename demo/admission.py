@@ -12,7 +12,7 @@ from typing import Any
 
 from inventory.simulate import API_VERSION, DRIVER, WORKLOADS
 from quota.admission import service
-from quota.admission.decision import Decision
+from quota.admission.plans import Decision
 from quota.models import AdmissionDecision
 from teams.models import TeamNamespace
 

@@ -1,9 +1,9 @@
 """Quota in Django admin: teams, their rules and budgets for operators, everything else
 read-only.
 
-Edits of teams, memberships, namespaces and rules go through `teams.audit`, so each writes an
-audit entry naming the admin user, and a rule's `in_use` is never saved from here (it is
-read-only, and an update saves only the fields that changed). A save that may change what a
+Edits of teams, memberships and namespaces go through `teams.audit`, so each writes an audit
+entry naming the admin user; a rule is saved through `quota.rules.save_rule`, as the policy
+file saves it (checked, audited, its `in_use` never saved from here). A save that may change what a
 team's rules count (a rule, a namespace) takes the usage lock first and recounts the team's
 usage from the ledger in the same transaction (`quota.services.lock_usage`, `recount_usage`),
 as `apply_policy` does. A budget is set through `quota.services.set_budget`, as
@@ -30,8 +30,7 @@ from django.utils.html import format_html
 from django.utils.safestring import SafeString
 
 from billing.rates import open_since
-from quota import services
-from quota.cel import CELError, compile_selector
+from quota import rules, services
 from quota.models import (
     AdmissionDecision,
     Budget,
@@ -44,6 +43,7 @@ from quota.models import (
     ReservationLine,
     Unit,
 )
+from teams import audit
 from teams.admin import ADMIN_CSS, AuditedAdmin, ReadOnlyAdmin, bytes_text, number_text
 from teams.models import Membership, Team, TeamNamespace
 from teams.ownership import assign_namespace, release_namespace
@@ -91,21 +91,42 @@ class QuotaRuleForm(forms.ModelForm):
 
     def clean_selector(self) -> str:
         selector = str(self.cleaned_data.get("selector") or "").strip()
-        if selector:
-            try:
-                compile_selector(selector)
-            except CELError as exc:
-                raise forms.ValidationError(f"bad CEL: {exc}") from exc
+        error = rules.selector_error(selector)
+        if error is not None:
+            raise forms.ValidationError(error)
         return selector
 
     def clean(self) -> dict[str, Any]:
         cleaned = super().clean() or {}
-        rule = self.instance
-        if rule.pk and "unit" in self.changed_data and rule.in_use > 0:
-            self.add_error(
-                "unit", f"cannot change the unit while {rule.in_use} {rule.unit} is in use"
-            )
+        if "unit" in self.changed_data and "unit" in cleaned:
+            # The instance is the rule as stored until the form's values are put on it, after
+            # `clean`.
+            error = rules.unit_change_error(stored=self.instance, unit=cleaned["unit"])
+            if error is not None:
+                self.add_error("unit", error)
         return cleaned
+
+
+def save_rule_from_admin(request: HttpRequest, obj: QuotaRule, *, recount: bool) -> None:
+    """Save the rule the admin's form filled in through `quota.rules.save_rule`, as the policy
+    file does; the form's object takes the saved row's key (its messages and links)."""
+    stored = QuotaRule.objects.filter(pk=obj.pk).first() if obj.pk else None
+    saved = rules.save_rule(
+        team=obj.team,
+        stored=stored,
+        values=rules.RuleValues(
+            name=obj.name,
+            device_class=obj.device_class,
+            selector=obj.selector,
+            unit=obj.unit,
+            limit=obj.limit,
+            mode=obj.mode,
+        ),
+        actor=request.user.get_username(),
+        recount=recount,
+    )
+    obj.pk = saved.rule.pk
+    obj._state.adding = False
 
 
 class QuotaRuleInlineForm(QuotaRuleForm):
@@ -180,7 +201,12 @@ class TeamAdmin(AuditedAdmin):
     def save_formset(self, request: HttpRequest, form: Any, formset: Any, change: bool) -> None:
         """The namespaces through `teams.ownership`, as `apply_policy` writes them: dated, a
         removed one released (its past hours stay the team's), a renamed one released and the
-        new name owned, a namespace's first owner taking its hours in the open periods."""
+        new name owned, a namespace's first owner taking its hours in the open periods. The
+        rules through `quota.rules.save_rule`, as `apply_policy` saves them (the team's usage
+        is recounted once, in `save_related`)."""
+        if formset.model is QuotaRule:
+            self._save_rules(request, formset)
+            return
         if formset.model is not TeamNamespace:
             super().save_formset(request, form, formset, change)
             return
@@ -195,6 +221,14 @@ class TeamAdmin(AuditedAdmin):
             assign_namespace(
                 namespace=obj.namespace, team=form.instance, actor=actor, at=now, open_since=since
             )
+
+    def _save_rules(self, request: HttpRequest, formset: Any) -> None:
+        actor = request.user.get_username()
+        formset.save(commit=False)
+        for obj in formset.deleted_objects:
+            audit.delete(actor=actor, obj=obj)
+        for obj in [*formset.new_objects, *(obj for obj, _ in formset.changed_objects)]:
+            save_rule_from_admin(request, obj, recount=False)
 
     def delete_model(self, request: HttpRequest, obj: Team) -> None:
         with transaction.atomic():
@@ -225,6 +259,9 @@ class RecountedAdmin(AuditedAdmin):
 
 @admin.register(QuotaRule)
 class QuotaRuleAdmin(InUseMixin, RecountedAdmin):
+    """A rule, saved through `quota.rules.save_rule` (checked, audited, the team's usage
+    recounted), as the policy file saves it."""
+
     form = QuotaRuleForm
     list_display = ("team", "name", "device_class", "unit", "limit_shown", "in_use_shown", "mode")
     list_filter = ("unit", "mode", "device_class", "team")
@@ -237,6 +274,9 @@ class QuotaRuleAdmin(InUseMixin, RecountedAdmin):
         return ("team", "in_use_shown") if obj is not None else ("in_use_shown",)
 
     recount_after_delete = False  # its reservation lines go with it
+
+    def save_model(self, request: HttpRequest, obj: QuotaRule, form: Any, change: bool) -> None:
+        save_rule_from_admin(request, obj, recount=True)
 
 
 class ReservationLineInline(admin.TabularInline):

@@ -44,7 +44,7 @@ class QuotaRule(models.Model):
     limit = models.DecimalField(max_digits=24, decimal_places=6)
     mode = models.CharField(max_length=16, choices=Mode.choices, default=Mode.ENFORCE)
     # Sum of the live reservation lines and live gang reservation lines on this rule; only
-    # quota.services and the webhook's quota.admission.store write it.
+    # quota.ledger writes it (for quota.services and the webhook's quota.admission.store).
     in_use = models.DecimalField(max_digits=24, decimal_places=6, default=0)
 
     class Meta:

@@ -6,7 +6,7 @@ observes its devices, yet it waits for nothing). It has waited since it last sto
 devices, else since it was created (`created_at`, else when the sync first saw it): a claim
 that was allocated and then deallocated is waiting again.
 
-What a request asks for is weighed as the webhook weighs it (`quota.admission.decision.demand`)
+What a request asks for is weighed as the webhook weighs it (`quota.admission.demand.demand`)
 against a rule that covers the request's own device class: the devices of the fleet it could
 be given (its class's selectors and its own, less those that cannot provide its capacity
 requests), each counted as the most of its unit it can take (a MIG device its share of its
@@ -36,7 +36,8 @@ from prometheus_client.registry import Collector
 from inventory import dra
 from inventory.models import Allocation, Cluster, Device, DeviceClass, ResourceClaim
 from inventory.profiles import unit_label
-from quota.admission.decision import RuleSnapshot, demand
+from quota.admission.demand import demand
+from quota.admission.plans import RuleSnapshot
 from quota.admission.shapes import FleetShapes, load_fleet, rule_unit
 from quota.models import Mode, Unit
 from teams.models import Team, TeamNamespace

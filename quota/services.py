@@ -9,7 +9,7 @@ and every change that can change what a rule counts (a rule, a namespace, its te
 in the same transaction, so usage never depends on the order in which claims, syncs and policy
 changes arrived. `reconcile_usage` recounts every rule and reports (and fixes) any drift.
 
-A gang admitted whole (`quota.admission.decision.weigh_gang`) also holds, until its members
+A gang admitted whole (`quota.admission.gang_weighing.weigh_gang`) also holds, until its members
 have drawn it, what it reserved for them: a live `GangReservation`'s lines count on the rules
 beside the reservations' lines, and the recount counts them too.
 
@@ -20,6 +20,7 @@ its hold. `expire_reservations` frees what was reserved for claims that never ap
 what gangs held for members that did not appear in time; `set_budget` gives a team its budget
 (in hours of one unit).
 
+The ledger itself (`in_use` and the lines) is written through `quota.ledger`, its only writer.
 Every write of usage here takes `lock_usage` first: the usage lock, then the rules it changes
 in id order, the order in which the webhook's reserving statement locks a team's rules, so the
 two serialize and never wait on each other in a cycle.
@@ -37,25 +38,26 @@ from typing import Any
 
 from django.conf import settings
 from django.db import transaction
-from django.db.models import F, Q
+from django.db.models import Q
 
 from core import metrics
 from db.bulk import AnyOf
 from db.locks import advisory_xact_lock
+from inventory.creators import record_claim_creator
 from inventory.models import Allocation, Cluster, Gang, ResourceClaim
 from inventory.models import Unit as DeviceUnit
 from inventory.owners import is_controller
-from quota.admission.decision import claim_amounts, per_device
+from quota import ledger
+from quota.admission.decision import claim_amounts
+from quota.admission.demand import per_device
 from quota.admission.shapes import FleetShapes, Shape, covers, load_fleet, shape_of
 from quota.models import (
     Budget,
     GangMode,
     GangPolicy,
     GangReservation,
-    GangReservationLine,
     QuotaRule,
     Reservation,
-    ReservationLine,
     ReservationState,
 )
 from teams import audit
@@ -186,44 +188,6 @@ def _open_allocations(claim_ids: Iterable[int]) -> dict[int, list[Allocation]]:
     return by_claim
 
 
-# What holds amounts on rules: a claim's reservation, or a gang's hold.
-Holder = Reservation | GangReservation
-
-
-def _change_lines(holder: Holder, amounts: dict[int, Decimal]) -> None:
-    """Make the reservation's (or gang hold's) lines `amounts`, moving each rule's `in_use` by
-    the difference. The rules are locked already (`lock_usage`)."""
-    stored = {line.rule_id: line.amount for line in holder.lines.all()}
-    _write_lines(holder, stored, amounts)
-    for rule_id in sorted(set(stored) | set(amounts)):
-        delta = amounts.get(rule_id, Decimal(0)) - stored.get(rule_id, Decimal(0))
-        if delta:
-            QuotaRule.objects.filter(pk=rule_id).update(in_use=F("in_use") + delta)
-
-
-def _write_lines(holder: Holder, stored: dict[int, Decimal], amounts: dict[int, Decimal]) -> None:
-    """Make the reservation's (or gang hold's) lines, `stored` now, `amounts`: only what
-    differs is written."""
-    lines = (
-        ReservationLine.objects.filter(reservation=holder)
-        if isinstance(holder, Reservation)
-        else GangReservationLine.objects.filter(gang_reservation=holder)
-    )
-    gone = [rule_id for rule_id in stored if rule_id not in amounts]
-    if gone:
-        lines.filter(rule_id__in=gone).delete()
-    for rule_id, amount in amounts.items():
-        if rule_id not in stored:
-            if isinstance(holder, Reservation):
-                ReservationLine.objects.create(reservation=holder, rule_id=rule_id, amount=amount)
-            else:
-                GangReservationLine.objects.create(
-                    gang_reservation=holder, rule_id=rule_id, amount=amount
-                )
-        elif stored[rule_id] != amount:
-            lines.filter(rule_id=rule_id).update(amount=amount)
-
-
 def _release(reservation: Reservation, at: datetime) -> bool:
     """Release a live reservation: what it holds is freed, or, for a member of a gang still
     live, given back to the gang (`_give_back_to_gang`). The rules are locked already."""
@@ -234,7 +198,7 @@ def _release(reservation: Reservation, at: datetime) -> bool:
     ):
         if reservation.gang_key and _give_back_to_gang(reservation, at):
             return True
-        _change_lines(reservation, {})
+        ledger.change_lines(reservation, {})
         if reservation.gang_key:
             _end_gang(reservation, at)
         return True
@@ -291,8 +255,8 @@ def _give_back_to_gang(member: Reservation, at: datetime) -> bool:
         return False
     given = {line.rule_id: line.amount for line in member.lines.all()}
     held = {line.rule_id: line.amount for line in hold.lines.all()}
-    _write_lines(member, given, {})
-    _write_lines(
+    ledger.write_lines(member, given, {})
+    ledger.write_lines(
         hold,
         held,
         {
@@ -335,7 +299,7 @@ def _release_hold(hold: GangReservation, at: datetime) -> bool:
         .exclude(state=ReservationState.RELEASED)
         .update(state=ReservationState.RELEASED, released_at=at)
     ):
-        _change_lines(hold, {})
+        ledger.change_lines(hold, {})
         return True
     return False
 
@@ -478,7 +442,7 @@ def _follow(
         if owner is not None
         else {}
     )
-    _change_lines(reservation, held)
+    ledger.change_lines(reservation, held)
     Reservation.objects.filter(pk=reservation.pk).update(**fields)
 
 
@@ -501,7 +465,7 @@ def _record_creator(claim: ResourceClaim, reservation: Reservation) -> None:
     """The claim keeps who created it and the object it was made for, as the webhook saw
     them, so that billing reads them from the inventory rather than from quota's tables; and
     its allocations that the sync wrote before this record reached the claim take them as who
-    is charged: filled once, where still empty, never overwritten."""
+    is charged (`inventory.creators.record_claim_creator`, which writes the inventory's rows)."""
     job = f"{reservation.owner_kind}/{reservation.owner_name}" if reservation.owner_kind else ""
     controllers = settings.TALLY_WORKLOAD_CONTROLLERS
     username = reservation.username
@@ -509,12 +473,7 @@ def _record_creator(claim: ResourceClaim, reservation: Reservation) -> None:
         # Adopted, or a claim a controller made from a template: nobody to charge here; the
         # person the sync found through the claim's owners (inventory.owners) stays.
         username = "" if is_controller(claim.created_by, controllers) else claim.created_by
-    if (claim.created_by, claim.admitted_job) != (username, job):
-        ResourceClaim.objects.filter(pk=claim.pk).update(created_by=username, admitted_job=job)
-        if username:
-            Allocation.objects.filter(claim=claim, username="").update(username=username)
-        if job:
-            Allocation.objects.filter(claim=claim, job="").update(job=job)
+    record_claim_creator(claim=claim, created_by=username, admitted_job=job)
 
 
 def expire_reservations(*, now: datetime) -> int:
@@ -849,7 +808,7 @@ class _Recount:
         if fix:
             for entry in usage:
                 if entry.stored != entry.recounted:
-                    QuotaRule.objects.filter(pk=entry.rule.pk).update(in_use=entry.recounted)
+                    ledger.set_usage(rule_id=entry.rule.pk, in_use=entry.recounted)
         return usage
 
     def _write(self, holding: _Holding, stored: dict[int, Decimal]) -> None:
@@ -864,7 +823,7 @@ class _Recount:
             GangReservation.objects.filter(pk=subject.pk).exclude(
                 state=ReservationState.RELEASED
             ).update(state=ReservationState.RELEASED, released_at=self.at)
-        _write_lines(subject, stored, lines)
+        ledger.write_lines(subject, stored, lines)
 
 
 def reconcile_usage(*, at: datetime, fix: bool) -> list[RuleUsage]:

@@ -2,8 +2,12 @@
 
 Every create, update and delete of those made by `apply_policy` or the admin goes through
 `create`, `update` or `delete` here, which write the change and its `AuditEntry` in one
-transaction. A rule's `in_use` is not audited: it is not in a snapshot, and `update` saves only
-the fields whose snapshot changed, so it never overwrites the count `quota.services` keeps.
+transaction. A field an app keeps itself under concurrency (a quota rule's `in_use`, which
+`quota.ledger` writes) is registered as unaudited (`register_unaudited`): it is not in a
+snapshot, and `update` saves only the fields whose snapshot changed, so it never overwrites it.
+
+The apps above teams register what of theirs a team's deletion takes with it
+(`register_children`, from their `AppConfig.ready`): teams imports none of them.
 """
 
 from __future__ import annotations
@@ -20,20 +24,34 @@ from django.utils import timezone
 from teams.models import AuditEntry, Team
 
 ACTIONS = ("create", "update", "delete")
-# Kept by quota.services under concurrency; never part of a snapshot, never saved from here.
-UNAUDITED_FIELDS = frozenset({"in_use"})
-# Deleted with their parent: audited one by one before it, not left to the cascade.
-AUDITED_CHILDREN: dict[type[models.Model], tuple[str, ...]] = {
-    Team: (
-        "namespaces",
-        "memberships",
-        "rules",
-        "budget",
-        "gang_policy",
-        "idle_alert_policy",
-        "sso_group_roles",
-    ),
+# Model -> fields kept by their app under concurrency; never part of a snapshot, never saved
+# from here (`register_unaudited`).
+_UNAUDITED: dict[type[models.Model], frozenset[str]] = {}
+# Deleted with their parent: audited one by one before it, not left to the cascade; teams'
+# own here, the apps' above it registered (`register_children`), in that order.
+_AUDITED_CHILDREN: dict[type[models.Model], tuple[str, ...]] = {
+    Team: ("namespaces", "memberships", "idle_alert_policy", "sso_group_roles"),
 }
+
+
+def register_children(parent: type[models.Model], *relations: str) -> None:
+    """Audit the objects of `relations` (reverse relations' names on `parent`) one by one
+    when a `parent` is deleted, before it, rather than leaving them to the cascade. Called by
+    an app above teams for its models that hang off a team (quota's rules, budget, gang
+    policy); registering one twice keeps it once."""
+    known = _AUDITED_CHILDREN.get(parent, ())
+    _AUDITED_CHILDREN[parent] = known + tuple(name for name in relations if name not in known)
+
+
+def register_unaudited(model: type[models.Model], *fields: str) -> None:
+    """Leave `fields` of `model` out of its snapshots, and so never save them from here: its
+    app keeps them itself (quota's `QuotaRule.in_use`)."""
+    _UNAUDITED[model] = _UNAUDITED.get(model, frozenset()) | frozenset(fields)
+
+
+def audited_children(parent: type[models.Model]) -> tuple[str, ...]:
+    """The relations of `parent` whose objects a deletion audits one by one, in order."""
+    return _AUDITED_CHILDREN.get(parent, ())
 
 
 def _children(obj: models.Model, relation: str) -> list[models.Model]:
@@ -53,8 +71,9 @@ def snapshot(obj: models.Model) -> dict[str, Any]:
     decimals as strings with the field's decimal places, dates in ISO 8601.
     """
     values: dict[str, Any] = {}
+    unaudited = _UNAUDITED.get(type(obj), frozenset())
     for field in obj._meta.concrete_fields:
-        if field.name in UNAUDITED_FIELDS:
+        if field.name in unaudited:
             continue
         if field.is_relation:
             related = getattr(obj, field.name)
@@ -132,7 +151,7 @@ def delete(*, actor: str, obj: models.Model) -> list[AuditEntry]:
     """
     entries: list[AuditEntry] = []
     with transaction.atomic(savepoint=False):
-        for relation in AUDITED_CHILDREN.get(type(obj), ()):
+        for relation in audited_children(type(obj)):
             for child in _children(obj, relation):
                 entries.extend(delete(actor=actor, obj=child))
         before = snapshot(obj)

@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from billing.pricing import period_holding
 from billing.selectors import team_gpu_hours
-from quota.admission.decision import BudgetUse
+from quota.admission.plans import BudgetUse
 from quota.models import Budget
 from teams.models import Team
 

@@ -6,7 +6,7 @@ Each reads through `store`, weighs the claim with `decision` against the fleet's
 the team's `budgets`, and writes through `store`.
 
 A claim made from a template for a Pod in a gang (`inventory.gangs`) is weighed with its gang,
-as its team's gang policy says (`decision.weigh_gang`). The gang is read through this process's
+as its team's gang policy says (`gang_weighing.weigh_gang`). The gang is read through this process's
 `gang_lookup`: the API server when Tally runs in a cluster (or KUBECONFIG names one), else
 none, and claims are decided alone. A gang that cannot be read never fails an admission: the
 claim is decided alone, with a warning.
@@ -34,8 +34,8 @@ from inventory.models import Cluster
 from inventory.owners import api_group
 from inventory.services import get_cluster
 from quota import services as quota_services
-from quota.admission import budgets, decision, shapes, store
-from quota.admission.decision import AdmissionState, Decision, Plan
+from quota.admission import budgets, decision, gang_weighing, plans, shapes, store
+from quota.admission.plans import AdmissionState, Decision, Plan
 from quota.models import GangMode, Webhook
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def review_claim(
     any concurrency (one statement locks the team's rules and checks every limit); the
     same claim (cluster, namespace, name, and the same uid or spec) admitted twice reserves
     once, and another claim under a live reservation's name is weighed as new with that
-    reservation counted (`decision.LiveReservation.made_for`); a dry run writes nothing. No
+    reservation counted (`plans.LiveReservation.made_for`); a dry run writes nothing. No
     statement after the admission's first read, and no wait for a lock, runs past
     TALLY_WEBHOOK_DB_TIMEOUT_MS (the API server waits timeoutSeconds, 3 s); nothing waits on
     the database past `deadline` (`time.monotonic()`), and no reservation is made after it
@@ -66,7 +66,7 @@ def review_claim(
     if the whole gang fits, in the same one statement (no two gangs admitted into room for
     one); its other members draw from what it held, and a member beyond the hold (the gang
     grew) is admitted only if the rest of the gang fits too, topping the hold up
-    (`decision.weigh_gang`). Members admitted alone before their gang could be read count as
+    (`gang_weighing.weigh_gang`). Members admitted alone before their gang could be read count as
     the gang's.
     """
     with (
@@ -75,7 +75,7 @@ def review_claim(
         store.admission_transaction(),
     ):
         cluster = _cluster()
-        namespace, name = decision.claim_name(claim)
+        namespace, name = plans.claim_name(claim)
         gang: _Gang | None = None
         for _ in range(_GANG_ATTEMPTS):
             state = store.admission_state(cluster=cluster.name, namespace=namespace, name=name)
@@ -118,7 +118,7 @@ def review_claim(
                 continue  # another member made the gang's hold, or it was released: again
         else:
             assert plan.team is not None and plan.gang is not None
-            answer = decision.gang_changed(plan)
+            answer = gang_weighing.gang_changed(plan)
         if dry_run or recorded:
             return answer  # a dry run leaves nothing behind, not even its decision
         store.record(
@@ -158,7 +158,7 @@ def fit_alternatives(
         store.admission_transaction(),
     ):
         cluster = _cluster()
-        namespace, name = decision.claim_name(claim)
+        namespace, name = plans.claim_name(claim)
         state = store.admission_state(cluster=cluster.name, namespace=namespace, name=name)
         if state.live is not None:
             chosen = store.chosen_alternatives(cluster=cluster.name, namespace=namespace, name=name)
@@ -195,7 +195,7 @@ def _plan(
         gang = _gang_of(claim=claim, state=state)
     gang_state = None
     if gang.ref is not None:
-        namespace, _ = decision.claim_name(claim)
+        namespace, _ = plans.claim_name(claim)
         gang_state = store.gang_state(cluster=cluster.name, namespace=namespace, key=gang.ref.key)
         state.credit = dict(gang_state.held) if gang_state.hold_id is not None else {}
     plan = decision.plan_claim(
@@ -207,7 +207,7 @@ def _plan(
         narrow=narrow,
     )
     if gang.ref is not None and gang_state is not None:
-        decision.weigh_gang(
+        gang_weighing.weigh_gang(
             plan,
             gang=gang.ref,
             mode=state.gang_mode,
@@ -251,7 +251,7 @@ def _reserve_in_place(
             admission_uid=admission_uid,
             at=at,
         )
-    namespace, name = decision.claim_name(claim)
+    namespace, name = plans.claim_name(claim)
     with transaction.atomic():
         quota_services.supersede_reservation(
             cluster=cluster.name, namespace=namespace, name=name, at=at
@@ -313,12 +313,12 @@ def _reserve(
         if not gang.whole:
             return decision.over_quota(plan, rule, asked), False
         if gang.hold_id is not None:
-            return decision.gang_over_quota(plan, rule), False
-        namespace, _ = decision.claim_name(claim)
+            return gang_weighing.gang_over_quota(plan, rule), False
+        namespace, _ = plans.claim_name(claim)
         if store.gang_state(cluster=cluster.name, namespace=namespace, key=gang.gang.key).hold_id:
             # Another member of the gang admitted it meanwhile: this one draws from its hold.
             raise store.GangHoldChanged
-        return decision.gang_over_quota(plan, rule), False
+        return gang_weighing.gang_over_quota(plan, rule), False
     if not plan.reserve:
         store.reserve_uncounted(fields)
         return admitted, False
@@ -431,9 +431,9 @@ def _gang_demand(
 ) -> dict[int, Decimal]:
     """What the whole gang of `claim` can take on each of its team's rules, from the claim
     templates of its roles (read through the gang's lookup) or, failing them, from the claim
-    (`decision.gang_demand`)."""
+    (`gang_weighing.gang_demand`)."""
     assert gang.ref is not None and gang.lookup is not None
-    namespace, _ = decision.claim_name(claim)
+    namespace, _ = plans.claim_name(claim)
     names = {name for role in gang.ref.roles for name in role.claim_templates}
     templates: dict[str, dict[int, Decimal] | None] = {}
     rules = list(plan.rules.values())
@@ -453,7 +453,7 @@ def _gang_demand(
             rules=rules,
             fleet=shapes.fleet_shapes(cluster=cluster),
         )
-    return decision.gang_demand(gang=gang.ref, own=plan.reserve, templates=templates)
+    return gang_weighing.gang_demand(gang=gang.ref, own=plan.reserve, templates=templates)
 
 
 # At most this many Pods are read to find a gang's members admitted alone (`_admitted_alone`):
@@ -461,12 +461,12 @@ def _gang_demand(
 _ADOPTION_READS = 32
 
 
-def _admitted_alone(*, cluster: Cluster, claim: dict[str, Any], gang: _Gang) -> decision.Adopted:
+def _admitted_alone(*, cluster: Cluster, claim: dict[str, Any], gang: _Gang) -> plans.Adopted:
     """The members of the gang of `claim` that were admitted alone, before the gang could be
     read: the latest live reservations of the namespace made for Pods with no gang (at most
     `_ADOPTION_READS`), whose Pod is in the gang as read now."""
     assert gang.ref is not None and gang.lookup is not None
-    namespace, name = decision.claim_name(claim)
+    namespace, name = plans.claim_name(claim)
     ids: list[int] = []
     amounts: dict[int, Decimal] = {}
     for candidate in store.gangless_pod_claims(
@@ -485,7 +485,7 @@ def _admitted_alone(*, cluster: Cluster, claim: dict[str, Any], gang: _Gang) -> 
         ids.append(candidate.id)
         for rule_id, amount in candidate.amounts.items():
             amounts[rule_id] = amounts.get(rule_id, Decimal(0)) + amount
-    return decision.Adopted(ids=tuple(ids), amounts=amounts)
+    return plans.Adopted(ids=tuple(ids), amounts=amounts)
 
 
 _lookups: dict[str, gangs.GangLookup | None] = {}

@@ -50,7 +50,8 @@ from django.db import (
 
 from db.postgresql import deadline
 from db.prepared import fetch_prepared
-from quota.admission.decision import (
+from quota import ledger
+from quota.admission.plans import (
     AdmissionState,
     Decision,
     GangState,
@@ -655,9 +656,7 @@ def _reserve_sql(rules: int, *, restore: bool, durability: bool) -> str:
     before it had its locks: nothing reserved). CASE tests them in this order, so the clock
     is read after every lock is taken, and the commit follows at once (autocommit)."""
     quote = connection.ops.quote_name
-    rule, reservation, line = (
-        quote(model._meta.db_table) for model in (QuotaRule, Reservation, ReservationLine)
-    )
+    rule, reservation = (quote(model._meta.db_table) for model in (QuotaRule, Reservation))
     limit = quote("limit")
     values = ", ".join(["(%s::bigint, %s::numeric, %s::boolean)"] * rules)
     return f"""
@@ -686,14 +685,8 @@ kept AS (
     ON CONFLICT (cluster, namespace, name) WHERE NOT (state = 'released') DO NOTHING
     RETURNING id
 ),
-counted AS (
-    UPDATE {rule} r SET in_use = r.in_use + a.amount FROM asked a, kept
-    WHERE r.id = a.rule_id RETURNING r.id
-),
-lines AS (
-    INSERT INTO {line} (reservation_id, rule_id, amount)
-    SELECT kept.id, a.rule_id, a.amount FROM kept, asked a RETURNING id
-),
+{ledger.counted_cte(source="asked a", amount="a.amount")},
+{ledger.lines_cte(source="asked a", amount="a.amount")},
 {_recorded_cte()}
 SELECT verdict.outcome, over.id, over.in_use, over.amount,
        (SELECT count(*) FROM counted), (SELECT count(*) FROM lines),
@@ -780,9 +773,9 @@ def _gang_reserve_sql(rules: int, *, draw: bool, restore: bool, durability: bool
       member made meanwhile violates the unique live hold: the statement fails whole.
     """
     quote = connection.ops.quote_name
-    rule, reservation, line, hold, hold_line = (
+    rule, reservation, hold, hold_line = (
         quote(model._meta.db_table)
-        for model in (QuotaRule, Reservation, ReservationLine, GangReservation, GangReservationLine)
+        for model in (QuotaRule, Reservation, GangReservation, GangReservationLine)
     )
     limit = quote("limit")
     if draw:
@@ -814,12 +807,7 @@ split AS (
         )
         # A hold topped up for members to come keeps them TALLY_GANG_RESERVATION_SECONDS
         # more, for the gang's size as read now (two parameters: the new expiry, the size).
-        holding = f"""drawn AS (
-    INSERT INTO {hold_line} (gang_reservation_id, rule_id, amount)
-    SELECT hold.id, s.rule_id, s.after FROM split s, kept, hold WHERE s.after <> s.held
-    ON CONFLICT (gang_reservation_id, rule_id) DO UPDATE SET amount = EXCLUDED.amount
-    RETURNING id
-),
+        holding = f"""{ledger.hold_lines_drawn_cte()},
 refreshed AS (
     UPDATE {hold} g SET expires_at = GREATEST(g.expires_at, %s), size = %s FROM kept, hold
     WHERE g.id = hold.id AND EXISTS (SELECT 1 FROM split WHERE after > held)
@@ -837,11 +825,7 @@ refreshed AS (
     SELECT %s, %s, %s, %s, %s, %s, '{ReservationState.RESERVED.value}', %s, %s, NULL FROM kept
     RETURNING id
 ),
-held AS (
-    INSERT INTO {hold_line} (gang_reservation_id, rule_id, amount)
-    SELECT made.id, s.rule_id, s.counted - COALESCE(s.line, 0) FROM made, split s
-    RETURNING id
-)"""
+{ledger.hold_lines_made_cte()}"""
     return f"""
 WITH {asked},
 locked AS (
@@ -870,14 +854,8 @@ kept AS (
     RETURNING id
 ),
 {holding},
-counted AS (
-    UPDATE {rule} r SET in_use = r.in_use + s.counted FROM split s, kept
-    WHERE r.id = s.rule_id AND s.counted <> 0 RETURNING r.id
-),
-lines AS (
-    INSERT INTO {line} (reservation_id, rule_id, amount)
-    SELECT kept.id, s.rule_id, s.line FROM kept, split s WHERE s.line IS NOT NULL RETURNING id
-),
+{ledger.counted_cte(source="split s", amount="s.counted", skip_zero=True)},
+{ledger.lines_cte(source="split s", amount="s.line", skip_null=True)},
 {_recorded_cte()}
 SELECT verdict.outcome, over.id, over.in_use, over.amount,
        (SELECT count(*) FROM counted), (SELECT count(*) FROM lines),

@@ -34,7 +34,7 @@ from core import metrics
 from core.inputs import BadInput, parse_json
 from core.logging import PARSED_REVIEW
 from quota.admission import service
-from quota.admission.decision import Decision
+from quota.admission.plans import Decision
 
 log = logging.getLogger(__name__)
 API_VERSION = "admission.k8s.io/v1"

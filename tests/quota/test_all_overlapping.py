@@ -29,7 +29,7 @@ from inventory import services as inventory_services
 from inventory.dra import parse_claim_requests
 from inventory.dumps import iter_objects
 from inventory.models import Device
-from quota.admission.decision import demand
+from quota.admission.demand import demand
 from quota.admission.shapes import NO_SHORTFALL, fleet_shapes, forget_fleet_shapes
 from quota.models import QuotaRule, Reservation
 from quota.services import recount_usage

@@ -20,7 +20,7 @@ from django.test import Client
 from inventory import services as inventory_services
 from inventory.dra import parse_claim_requests
 from inventory.dumps import iter_objects
-from quota.admission.decision import demand
+from quota.admission.demand import demand
 from quota.admission.shapes import fleet_shapes, forget_fleet_shapes
 from quota.models import QuotaRule, Reservation
 from tests.fixtures import DRA
