@@ -21,10 +21,10 @@ from decimal import Decimal, InvalidOperation
 from typing import Any
 
 from django import forms
-from django.contrib import admin
+from django.contrib import admin, messages
 from django.db import transaction
 from django.db.models import QuerySet
-from django.http import HttpRequest
+from django.http import HttpRequest, HttpResponse, HttpResponseRedirect
 from django.utils import timezone
 from django.utils.html import format_html
 from django.utils.safestring import SafeString
@@ -179,8 +179,29 @@ class QuotaRuleInline(InUseMixin, admin.TabularInline):
     readonly_fields = ("in_use_shown",)
 
 
+class RuleRefusalMixin:
+    """A rule the form passed but `save_rule` refused (a claim admitted between the form's
+    check and the save put its unit in use): the page again with the reason and nothing
+    saved (the admin's transaction rolled back), never a 500."""
+
+    def changeform_view(
+        self,
+        request: HttpRequest,
+        object_id: str | None = None,
+        form_url: str = "",
+        extra_context: dict[str, Any] | None = None,
+    ) -> HttpResponse:
+        try:
+            return super().changeform_view(  # type: ignore[misc]
+                request, object_id, form_url, extra_context
+            )
+        except rules.RuleError as exc:
+            messages.error(request, f"Nothing was saved: {exc.field}: {exc}")
+            return HttpResponseRedirect(request.get_full_path())
+
+
 @admin.register(Team)
-class TeamAdmin(AuditedAdmin):
+class TeamAdmin(RuleRefusalMixin, AuditedAdmin):
     list_display = ("slug", "name", "cost_centre", "created_at")
     search_fields = ("slug", "name", "cost_centre", "namespaces__namespace")
     inlines = (TeamNamespaceInline, MembershipInline, QuotaRuleInline)
@@ -258,7 +279,7 @@ class RecountedAdmin(AuditedAdmin):
 
 
 @admin.register(QuotaRule)
-class QuotaRuleAdmin(InUseMixin, RecountedAdmin):
+class QuotaRuleAdmin(RuleRefusalMixin, InUseMixin, RecountedAdmin):
     """A rule, saved through `quota.rules.save_rule` (checked, audited, the team's usage
     recounted), as the policy file saves it."""
 

@@ -16,6 +16,7 @@ from django.db import transaction
 from django.test import Client
 from django.urls import reverse
 
+from quota.admin import QuotaRuleForm
 from quota.models import QuotaRule
 from quota.policy import PolicyError, apply_policy, load_policy
 from quota.rules import RuleError, RuleValues, save_rule
@@ -212,3 +213,42 @@ def test_the_service_itself_refuses_what_its_callers_check(team: Team) -> None:
     assert str(caught.value).startswith("bad CEL: ")
     assert QuotaRule.objects.get(pk=rule.pk).limit == 8
     assert not AuditEntry.objects.exists()
+
+
+def test_a_unit_put_in_use_after_the_forms_check_is_a_message_not_a_500(
+    ops_client: Client, team: Team, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A claim admitted between the admin form's check and the save puts the rule's unit in
+    use: the service refuses it, and the admin says so with nothing saved."""
+    rule = QuotaRuleFactory.create(team=team, name="h100", device_class="gpu.nvidia.com")
+    checked = QuotaRuleForm.clean
+
+    def clean_then_admitted(form: QuotaRuleForm) -> dict[str, Any]:
+        cleaned = checked(form)
+        QuotaRule.objects.filter(pk=rule.pk).update(in_use=1)  # the racing admission
+        return cleaned
+
+    monkeypatch.setattr(QuotaRuleForm, "clean", clean_then_admitted)
+    url = reverse("admin:quota_quotarule_change", args=[rule.pk])
+    response = ops_client.post(
+        url,
+        {
+            "name": "h100",
+            "device_class": "gpu.nvidia.com",
+            "selector": "",
+            "unit": "memory",
+            "limit": "85899345920",
+            "mode": "enforce",
+        },
+        follow=True,
+    )
+
+    assert response.status_code == 200
+    shown = [str(message) for message in response.context["messages"]]
+    assert shown == [
+        "Nothing was saved: unit: cannot change the unit of rule 'h100' from gpus to memory "
+        "while 1.000000 is in use"
+    ]
+    rule.refresh_from_db()
+    assert rule.unit == "gpus"
+    assert not AuditEntry.objects.filter(object_type="quota rule").exists()
