@@ -1,18 +1,18 @@
-"""Believable usage for the demo fleet: samples for every hour its claims have held a device,
-then billed as Celery beat and `run_billing` bill, so the portal has charts and statements the
-moment the service starts, and billing again at that moment changes nothing.
+"""Believable usage for the demo fleet: samples for every hour its claims have held a device, then
+billed as Celery beat and `run_billing` bill, so the portal has charts and statements the moment
+the service starts, and billing again at that moment changes nothing.
 
-Every allocation is sampled from its start to `now`, every ten minutes (at most the sample
-hold, TALLY_SAMPLE_HOLD_SECONDS, which `dev.py serve` sets to ten minutes for the demo: five
-weeks of two clusters every two minutes would be two million samples), and a claim still
-held once more at `now`, so no held hour is unmeasured, nor the first minutes after the load.
-One claim, the one of whole GPUs held longest, is the demo's forgotten job: allocated and
-near idle since it started. Jobs follow the history's changes (`Slowdown`): below their usual
-level until a change. The samples are written in
-bulk, each with its gap to its device's next one as `ingest` keeps it (`billing.ingest`'s
-`fill_gaps` would find nothing to change), but for those of an agent that could not report
-(`Outage`): held back, to be sent late through `ingest` once the period they fall in has
-closed (`deliver_late_samples`), which makes the late-data adjustment of the next statement.
+Every allocation is sampled from its start to `now`, every ten minutes (at most the sample hold,
+TALLY_SAMPLE_HOLD_SECONDS, which `dev.py serve` sets to ten minutes for the demo: five weeks of
+two clusters every two minutes would be two million samples), and a claim still held once more
+at `now`, so no held hour is unmeasured, nor the first minutes after the load. One claim of
+whole GPUs, held for a week or more (`_forgotten_claim`), is the demo's forgotten job: allocated
+and near idle since it started. Jobs follow the history's changes (`Slowdown`): below their
+usual level until a change. The samples are written in bulk, each with its gap to its device's
+next one as `ingest` keeps it (`billing.ingest`'s `fill_gaps` would find nothing to change), but
+for those of an agent that could not report (`Outage`): held back, to be sent late through
+`ingest` once the period they fall in has closed (`deliver_late_samples`), which makes the
+late-data adjustment of the next statement.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ PATTERNS: dict[str, tuple[float, float]] = {
     "notebook": (12, 15),
 }
 FORGOTTEN = (0.5, 1.0)  # the idle claim's: next to nothing, for days
+FORGOTTEN_FOR = timedelta(days=7)
 STEP = timedelta(minutes=10)
 SAMPLE_COLUMNS = ("device_uuid", "ts_ms", "gpu_util", "node", "received_at", "gap_ms")
 SAMPLE_TYPES = ("text", "bigint", "float8", "text", "timestamptz", "bigint")
@@ -109,7 +110,7 @@ def load_demo_usage(
         .select_related("device", "device__node", "claim", "cluster")
         .order_by("pk")
     )
-    idle_claim = _forgotten_claim(allocations)
+    idle_claim = _forgotten_claim(allocations, now=now)
     patterns: dict[int, tuple[float, float]] = {}
     for allocation in allocations:  # one pattern per claim
         if allocation.claim_id not in patterns:
@@ -231,18 +232,27 @@ def deliver_late_samples(
     return LateDelivery(report=report, run=run)
 
 
-def _forgotten_claim(allocations: Iterable[Allocation]) -> ResourceClaim | None:
-    """The open claim of whole GPUs held longest (the first such claim on a tie)."""
-    open_whole = [
-        allocation
-        for allocation in allocations
-        if allocation.end is None
-        and allocation.device is not None
-        and allocation.device.kind == DeviceKind.GPU
-    ]
-    if not open_whole:
+def _forgotten_claim(allocations: Iterable[Allocation], *, now: datetime) -> ResourceClaim | None:
+    """The open claim of whole GPUs that would waste most: of those held for `FORGOTTEN_FOR`
+    (a week: the team page's wasters look at one), the one of most GPUs, then held longest,
+    then first; else the one held longest."""
+    claims: dict[int, list[Allocation]] = defaultdict(list)
+    for allocation in allocations:
+        device = allocation.device
+        if allocation.end is None and device is not None and device.kind == DeviceKind.GPU:
+            claims[allocation.claim_id].append(allocation)
+    if not claims:
         return None
-    return min(open_whole, key=lambda allocation: (allocation.start, allocation.pk)).claim
+
+    def since(held: list[Allocation]) -> tuple[datetime, int]:
+        return min((allocation.start, allocation.pk) for allocation in held)
+
+    long_held = [held for held in claims.values() if since(held)[0] <= now - FORGOTTEN_FOR]
+    if long_held:
+        chosen = min(long_held, key=lambda held: (-len(held), since(held)))
+    else:
+        chosen = min(claims.values(), key=since)
+    return chosen[0].claim
 
 
 def bill_periods(*, since: datetime, now: datetime) -> list[services.BillingRun]:
