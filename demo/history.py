@@ -182,7 +182,8 @@ def simulated_fleet(
         partly_used_mig=range(nodes) if first else (),
         cluster=cluster,
     )
-    fleet, claims = [], []
+    fleet: list[dict[str, Any]] = []
+    claims: list[dict[str, Any]] = []
     for obj in objects:
         (claims if obj["kind"] == "ResourceClaim" else fleet).append(obj)
     driver_name = ""

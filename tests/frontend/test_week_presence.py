@@ -68,8 +68,8 @@ def test_a_node_first_seen_after_its_devices_were_held_has_its_units(operator: C
     """Issue 35: the demo's nodes were first seen at its load, their allocations began days
     before; the week showed 0 units for every node and every held hour at full shade."""
     team = Team.objects.create(slug="vision", name="Vision")
-    node = NodeFactory(name="gpu-h100-late", first_seen=NOW)
-    first, second = (DeviceFactory(node=node, first_seen=NOW) for _ in range(2))
+    node = NodeFactory.create(name="gpu-h100-late", first_seen=NOW)
+    first, second = (DeviceFactory.create(node=node, first_seen=NOW) for _ in range(2))
     held(first, team, MONDAY, 24 * 7)
     held(second, team, MONDAY + timedelta(days=3), 24 * 4)
 
@@ -84,8 +84,8 @@ def test_a_node_first_seen_after_its_devices_were_held_has_its_units(operator: C
 
 def test_a_held_hour_is_shaded_by_the_units_present_then(operator: Client) -> None:
     team = Team.objects.create(slug="vision", name="Vision")
-    node = NodeFactory(name="gpu-h100-half", first_seen=NOW)
-    first, second = (DeviceFactory(node=node, first_seen=NOW) for _ in range(2))
+    node = NodeFactory.create(name="gpu-h100-half", first_seen=NOW)
+    first, second = (DeviceFactory.create(node=node, first_seen=NOW) for _ in range(2))
     # The first GPU was held on Monday only, the second from Tuesday: both there since.
     allocation = held(first, team, MONDAY, 24)
     Allocation.objects.filter(pk=allocation.pk).update(end=MONDAY + timedelta(days=1))
@@ -105,10 +105,15 @@ def test_this_weeks_units_follow_presence_and_stop_at_now(operator: Client) -> N
     """`?start=` of this week: a node the sync first saw on Tuesday 06:00 has no units on
     Monday, its 8 from Tuesday 06:00, and none in the hours after now; a GPU gone on Tuesday
     18:00 is no longer counted after it."""
-    node = NodeFactory(name="gpu-h200-new", first_seen=NOW - timedelta(days=1, hours=4, minutes=30))
+    node = NodeFactory.create(
+        name="gpu-h200-new", first_seen=NOW - timedelta(days=1, hours=4, minutes=30)
+    )
     seen = node.first_seen
     assert seen == datetime(2026, 12, 1, 6, 0, tzinfo=UTC)
-    gpus = [DeviceFactory(node=node, first_seen=seen, product_name="NVIDIA H200") for _ in range(8)]
+    gpus = [
+        DeviceFactory.create(node=node, first_seen=seen, product_name="NVIDIA H200")
+        for _ in range(8)
+    ]
     Device.objects.filter(pk=gpus[0].pk).update(gone_at=seen + timedelta(hours=12))
 
     allocated = heatmap(operator, "2026-11-30")
@@ -125,12 +130,12 @@ def test_this_weeks_units_follow_presence_and_stop_at_now(operator: Client) -> N
 
 
 def test_a_free_node_present_all_week_is_a_row(operator: Client) -> None:
-    used = NodeFactory(name="gpu-h100-used", first_seen=MONDAY - timedelta(days=30))
-    free = NodeFactory(
+    used = NodeFactory.create(name="gpu-h100-used", first_seen=MONDAY - timedelta(days=30))
+    free = NodeFactory.create(
         name="gpu-h200-free", cluster=used.cluster, first_seen=MONDAY - timedelta(days=30)
     )
     for _ in range(8):
-        DeviceFactory(node=free, first_seen=free.first_seen, product_name="NVIDIA H200")
+        DeviceFactory.create(node=free, first_seen=free.first_seen, product_name="NVIDIA H200")
 
     allocated = heatmap(operator)
 

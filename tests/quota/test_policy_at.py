@@ -47,7 +47,7 @@ def test_a_policy_applied_as_of_a_moment_is_dated_then() -> None:
     created = AuditEntry.objects.filter(action="create", object_type="team")
     assert {entry.at for entry in created} == {START}
     cut = AuditEntry.objects.get(action="update", object_type="quota rule")
-    assert cut.at == CUT
+    assert cut.at == CUT and cut.before is not None and cut.after is not None
     assert (Decimal(cut.before["limit"]), Decimal(cut.after["limit"])) == (32, 24)
     hour = datetime(2026, 11, 26, 14, tzinfo=UTC)
     shared = TeamNamespace.dated.filter(namespace="shared")
