@@ -81,6 +81,7 @@ def _json_safe(field: models.Field, value: Any) -> Any:
         return str(value)
     return value
 
+
 # The moment entries are dated while `dated` is in force; None: when they are written.
 _DATED: ContextVar[datetime.datetime | None] = ContextVar("audit_dated", default=None)
 
