@@ -42,7 +42,6 @@ from inventory.gangs import KUEUE_POD_GROUP_LABEL, KUEUE_TOTAL_COUNT_ANNOTATION
 from inventory.simulate import API_VERSION, CREATED_BY, DRIVER
 
 DAYS = 35
-WEEK = timedelta(days=7)
 # The second cluster: its own fleet (another seed, its own GPU UUIDs), synced beside the first
 # since it joined, two weeks before the load.
 SECOND_CLUSTER = "lab"
