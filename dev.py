@@ -93,6 +93,9 @@ def serve(argv: list[str]) -> int:
     """Migrate, load the demo fleet and users, then run the web server and a Celery worker."""
     port = argv[0] if argv else os.environ.get("PORT", "8000")
     env = {**os.environ, "DEBUG": os.environ.get("DEBUG", "true")}
+    # The demo's simulated agents report every 10 minutes (`demo.usage`): five weeks of two
+    # clusters at the default 2-minute hold would be 2 million samples and minutes to load.
+    env.setdefault("TALLY_SAMPLE_HOLD_SECONDS", "600")
     manage: list[str | Path] = [PYTHON, "manage.py"]
     run(*manage, "migrate", "--noinput", env=env)
     run(*manage, "load_demo", env=env)

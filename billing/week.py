@@ -23,7 +23,7 @@ from decimal import ROUND_HALF_EVEN, Decimal
 from fractions import Fraction
 from typing import Any, NamedTuple
 
-from django.db.models import Count, F, Sum
+from django.db.models import F, Sum
 
 from billing.hours import HOUR, SHOWN_HOURS, hours_from_ms, idle_of
 from billing.idle import below_percent_of, idle_hour
@@ -32,7 +32,8 @@ from billing.moments import parse_day
 from billing.pricing import RateCards, period_holding, rate_hours, round_money
 from billing.selectors import BilledUsage, billed_usage, team_gpu_hours
 from billing.units import hours_label
-from inventory.models import Cluster, Device
+from inventory.models import Cluster
+from inventory.presence import hourly_units
 from teams.models import Team
 
 WEEK = timedelta(days=7)
@@ -630,20 +631,28 @@ def week_csv_rows(report: TeamWeek) -> list[list[Any]]:
 @dataclass
 class HeatRow:
     """One node's hours: device-equivalents allocated and utilised in each hour (the hour's
-    GPU-milliseconds over an hour), against the units it had during the week."""
+    GPU-milliseconds over an hour), against the units the node had in each hour
+    (`capacities`, from the devices' presence: `inventory.presence`)."""
 
     node: str
     unit: str
-    capacity: int
+    capacities: list[int]
     allocated: list[Decimal]
     utilised: list[Decimal]
     unmeasured: list[Decimal]
 
-    def shade(self, value: Decimal) -> int:
-        """`value` as a percentage of the node's capacity, 0 to 100, for the cell's shade."""
-        if self.capacity <= 0:
+    @property
+    def capacity(self) -> int:
+        """The most units the node had in any hour of the week."""
+        return max(self.capacities, default=0)
+
+    def shade(self, value: Decimal, hour: int) -> int:
+        """`value` as a percentage of the node's units in hour `hour` (its index in the
+        week), 0 to 100, for the cell's shade: full where usage met no unit present."""
+        capacity = self.capacities[hour]
+        if capacity <= 0:
             return 100 if value > 0 else 0
-        return int(min(value * 100 / self.capacity, Decimal(100)))
+        return int(min(value * 100 / capacity, Decimal(100)))
 
 
 @dataclass
@@ -663,21 +672,19 @@ def _node_label(cluster: str, node: str | None, qualify: bool) -> str:
     return f"{cluster}/{name}" if qualify else name
 
 
-def fleet_week(*, start: datetime, cluster: Cluster | None = None) -> FleetWeek:
+def fleet_week(*, start: datetime, now: datetime, cluster: Cluster | None = None) -> FleetWeek:
     """Per node (and unit) and hour of the week `[start, start + 7 days)`: the device-equivalents
     allocated and utilised (a device held half the hour counts 0.5), and the units the node had
-    (physical units present at some time in the week). `cluster` None: every cluster, nodes
-    named `cluster/node`. Usage of devices without a node is one row, `(no node)`."""
+    in each hour: the physical units present at some moment of it, before `now`
+    (`inventory.presence.hourly_units`, from the devices' first seen and gone times and their
+    allocations). A node with units present in the week is a row, held or not. `cluster`
+    None: every cluster, nodes named `cluster/node`. Usage of devices without a node is one
+    row, `(no node)`."""
     end = start + WEEK
     qualify = cluster is None and Cluster.objects.count() > 1
     usage = UsageHour.objects.filter(hour__gte=start, hour__lt=end)
-    devices = (
-        Device.objects.filter(first_seen__lt=end, node__isnull=False)
-        .exclude(gone_at__lte=start)
-        .exclude(physical_gpu_key="")
-    )
     if cluster is not None:
-        usage, devices = usage.filter(cluster=cluster), devices.filter(cluster=cluster)
+        usage = usage.filter(cluster=cluster)
     hours = [start + n * HOUR for n in range(7 * 24)]
     index = {hour: n for n, hour in enumerate(hours)}
     rows: dict[tuple[str, str], HeatRow] = {}
@@ -685,15 +692,15 @@ def fleet_week(*, start: datetime, cluster: Cluster | None = None) -> FleetWeek:
     def row(node: str, unit: str) -> HeatRow:
         if (node, unit) not in rows:
             empty = [Decimal("0.00")] * len(hours)
-            rows[node, unit] = HeatRow(node, unit, 0, list(empty), list(empty), list(empty))
+            rows[node, unit] = HeatRow(
+                node, unit, [0] * len(hours), list(empty), list(empty), list(empty)
+            )
         return rows[node, unit]
 
-    for cluster_name, node, unit, units in (
-        devices.values_list("cluster__name", "node__name", "unit")
-        .annotate(units=Count("physical_gpu_key", distinct=True))
-        .order_by()
-    ):
-        row(_node_label(cluster_name, node, qualify), unit).capacity += units
+    present = hourly_units(start=start, hours=len(hours), now=now, cluster=cluster)
+    for node_units, counts in present.items():
+        heat = row(_node_label(node_units.cluster, node_units.node, qualify), node_units.unit)
+        heat.capacities = [a + b for a, b in zip(heat.capacities, counts, strict=True)]
     for cluster_name, node, unit, hour, allocated, utilised, unmeasured in (
         usage.values_list("cluster__name", "allocation__device__node__name", "unit", "hour")
         .annotate(Sum("allocated_gpu_ms"), Sum("utilised_gpu_ms"), Sum("unmeasured_gpu_ms"))
@@ -711,12 +718,13 @@ FLEET_CSV_COLUMNS = ("node", "unit", "capacity", "hour", "allocated", "utilised"
 
 
 def fleet_csv_rows(report: FleetWeek) -> list[list[Any]]:
-    """One row per node, unit and hour with usage (hours without any are left out)."""
+    """One row per node, unit and hour with usage (hours without any are left out); its
+    capacity is the units the node had in that hour."""
     return [
         [
             row.node,
             row.unit,
-            row.capacity,
+            row.capacities[n],
             hour.isoformat(),
             row.allocated[n],
             row.utilised[n],

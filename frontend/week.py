@@ -117,10 +117,10 @@ def _heat_cells(values: list[Decimal], row: week.HeatRow, hours: list[datetime])
     return [
         {
             "value": value,
-            "alpha": f"{row.shade(value) / 100:.2f}",
-            "title": f"{row.node} {hour:%a %d %H}:00: {value} of {row.capacity}",
+            "alpha": f"{row.shade(value, n) / 100:.2f}",
+            "title": f"{row.node} {hour:%a %d %H}:00: {value} of {row.capacities[n]}",
         }
-        for value, hour in zip(values, hours, strict=True)
+        for n, (value, hour) in enumerate(zip(values, hours, strict=True))
     ]
 
 
@@ -131,7 +131,7 @@ def fleet_week(request: HttpRequest) -> HttpResponse:
         start = week.parse_week_start(request.GET.get("start"), now=now)
     except week.WeekError as error:
         return _bad_week(request, error, "frontend/fleet_week.html")
-    report = week.fleet_week(start=start, cluster=selectors.fleet_scope())
+    report = week.fleet_week(start=start, now=now, cluster=selectors.fleet_scope())
     page = Paginator(report.rows, HEATMAP_NODES_PER_PAGE).get_page(request.GET.get("page"))
     rows = [
         {
@@ -159,7 +159,7 @@ def fleet_week_csv(request: HttpRequest) -> HttpResponse:
         start = week.parse_week_start(request.GET.get("start"), now=now)
     except week.WeekError as error:
         return HttpResponse(f"{error}\n", status=400, content_type="text/plain; charset=utf-8")
-    report = week.fleet_week(start=start, cluster=selectors.fleet_scope())
+    report = week.fleet_week(start=start, now=now, cluster=selectors.fleet_scope())
     return csv_attachment(
         f"tally-fleet-week-{start:%Y-%m-%d}.csv",
         week.FLEET_CSV_COLUMNS,

@@ -15,6 +15,9 @@ from __future__ import annotations
 import datetime
 import enum
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from decimal import Decimal
 from typing import Any
 
@@ -98,6 +101,22 @@ def _json_safe(field: models.Field, value: Any) -> Any:
     return value
 
 
+# The moment entries are dated while `dated` is in force; None: when they are written.
+_DATED: ContextVar[datetime.datetime | None] = ContextVar("audit_dated", default=None)
+
+
+@contextmanager
+def dated(at: datetime.datetime) -> Iterator[None]:
+    """Date the entries written inside at `at` rather than when they are written: for changes
+    made as of another moment (`quota.policy.apply_policy(at=...)`, with which the demo lays
+    down its history)."""
+    token = _DATED.set(at)
+    try:
+        yield
+    finally:
+        _DATED.reset(token)
+
+
 def record(
     *,
     actor: str,
@@ -112,7 +131,7 @@ def record(
     if action not in ACTIONS:
         raise ValueError(f"unknown audit action {action!r}; expected one of {ACTIONS}")
     return AuditEntry.objects.create(
-        at=timezone.now(),
+        at=_DATED.get() or timezone.now(),
         actor=actor,
         action=action,
         object_type=str(obj._meta.verbose_name),

@@ -136,7 +136,13 @@ class _State:
 
 
 def apply_policy(
-    *, policy: Policy, prune: bool, actor: str, dry_run: bool = False, force: bool = False
+    *,
+    policy: Policy,
+    prune: bool,
+    actor: str,
+    dry_run: bool = False,
+    force: bool = False,
+    at: datetime | None = None,
 ) -> ApplyReport:
     """Make the teams, namespaces, memberships, rules, budgets and (when the file has `rates`,
     `drivers`, `versions` or `sso`) rate cards, driver profiles, version baselines and single
@@ -157,20 +163,25 @@ def apply_policy(
     judges, its outliers, what matches nothing: `inventory.version_policy.version_policy_effects`);
     one that would make more than half of a model's nodes in a cluster outliers is an error
     unless `force`. A dry run reports the same changes and rolls them back.
+
+    `at` (default now) is the moment the changes are made as of: a namespace changes owner
+    from its hour, usage is recounted as of it, and the audit entries are dated it. For
+    history laid down after the fact, in time order (the demo, `manage.py load_demo`).
     """
     report = ApplyReport(dry_run=dry_run, notes=list(policy.notes))
-    with transaction.atomic():
+    moment = timezone.now() if at is None else at
+    with transaction.atomic(), audit.dated(moment):
         state = _State.load(lock_periods=policy.rates is not None)
         errors = _conflicts(policy=policy, state=state, prune=prune)
         if errors:
             raise PolicyError(errors)
-        applier = _Applier(state=state, actor=actor, report=report, force=force)
+        applier = _Applier(state=state, actor=actor, report=report, force=force, at=moment)
         try:
             applier.apply(policy=policy, prune=prune)
         except (ProtectedError, RestrictedError) as exc:
             # Held further down a cascade than `_undeletable_teams` looks.
             raise PolicyError([f"not deleted: {exc.args[0]}"]) from exc
-        for usage in recount_usage(teams=applier.recount, at=timezone.now()):
+        for usage in recount_usage(teams=applier.recount, at=moment):
             if usage.stored != usage.recounted:
                 report.notes.append(
                     f"usage of quota rule {usage.rule} recounted: "
@@ -268,8 +279,11 @@ def _undeletable_teams(teams: list[Team]) -> list[str]:
 class _Applier:
     """The writes of one `apply_policy`, each audited and reported."""
 
-    def __init__(self, *, state: _State, actor: str, report: ApplyReport, force: bool) -> None:
+    def __init__(
+        self, *, state: _State, actor: str, report: ApplyReport, force: bool, at: datetime
+    ) -> None:
         self.force = force
+        self.at = at
         self.state = state
         self.actor = actor
         self.report = report
@@ -476,7 +490,7 @@ class _Applier:
             namespace=name,
             team=team,
             actor=self.actor,
-            at=timezone.now(),
+            at=self.at,
             open_since=self._open_since[0],
         )
         for entry in entries:
@@ -595,7 +609,7 @@ class _Applier:
         if isinstance(obj, TeamNamespace):
             self.recount.add(obj.team_id)  # its claims count for no team now
             # Released, not deleted: the hours it owned stay its own.
-            for entry in release_namespace(ownership=obj, actor=self.actor, at=timezone.now()):
+            for entry in release_namespace(ownership=obj, actor=self.actor, at=self.at):
                 self.report.add_entry(entry)
             return
         entries = []

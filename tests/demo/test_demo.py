@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from io import StringIO
@@ -20,48 +21,70 @@ import time_machine
 from django.contrib.auth import get_user_model
 from django.core.management import CommandError, call_command
 from django.db import transaction
-from django.db.models import Count, Q, Sum
+from django.db.models import Count, F, Q, Sum
 from django.test import Client, override_settings
 from django.urls import reverse
 
-from billing import tasks
+from billing import tasks, week
+from billing.compare import compare_windows, parse_parameters, summary
 from billing.hours import epoch_ms, hour_start
 from billing.idle import idle_claims
-from billing.models import DirtyHour, Period, Statement, StatementLine, UsageHour
+from billing.ingest import fill_gaps
+from billing.models import (
+    DirtyHour,
+    LineKind,
+    Period,
+    Sample,
+    Statement,
+    StatementLine,
+    UsageHour,
+)
+from billing.pricing import usage_lines
 from frontend import selectors as portal
+from frontend.compare import default_parameters
+from frontend.week import week_report
 from inventory import selectors as fleet
-from inventory.models import Allocation, Device, DeviceKind, ResourceClaim
+from inventory.models import Allocation, Cluster, Device, DeviceKind, ResourceClaim
+from inventory.stranded import stranded_gangs
 from quota.models import AdmissionDecision, Reservation
-from teams.models import Team
+from quota.pending import pending_claims, pending_demand
+from teams.models import AuditEntry, Team
 from tests.factories import owner_of
 
 pytestmark = pytest.mark.django_db
 
 # A moment of the demo's life: mid-hour, three days into December, so November (the period
-# before) is due to close (TALLY_CLOSE_PERIOD_DAY=3) and the week of history spans both.
+# before) is due to close (TALLY_CLOSE_PERIOD_DAY=3) and the five weeks of history span
+# October, November and December.
 LOADED_AT = datetime(2026, 12, 3, 21, 30, 17, 250_000, tzinfo=UTC)
 CSRF = re.compile(r'(name="csrfmiddlewaretoken" value=|csrf[-_]token[^"]*" content=)"[^"]*"')
 
 
-@pytest.fixture(scope="module")
-def demo(django_db_setup: None, django_db_blocker: Any) -> Iterator[str]:
-    """`load_demo` as `dev.py serve` runs it, at `LOADED_AT` with the clock stopped there; its
-    output."""
+@contextmanager
+def loaded_demo() -> Iterator[str]:
+    """`load_demo` as `dev.py serve` runs it (its sample hold), at `LOADED_AT` with the clock
+    stopped there, in a transaction rolled back at the end; its output."""
     out = StringIO()
     with (
         time_machine.travel(LOADED_AT, tick=False),
         override_settings(
             TALLY_BILLING_PERIOD="month",
             TALLY_CLOSE_PERIOD_DAY=3,
-            TALLY_SAMPLE_HOLD_SECONDS=120,
+            TALLY_SAMPLE_HOLD_SECONDS=600,
             PASSWORD_HASHERS=["django.contrib.auth.hashers.MD5PasswordHasher"],
         ),
-        django_db_blocker.unblock(),
         transaction.atomic(),
     ):
         call_command("load_demo", stdout=out)
         yield out.getvalue()
         transaction.set_rollback(True)
+
+
+@pytest.fixture(scope="module")
+def demo(django_db_setup: None, django_db_blocker: Any) -> Iterator[str]:
+    """The demo, loaded once for the module; its output."""
+    with django_db_blocker.unblock(), loaded_demo() as out:
+        yield out
 
 
 def as_user(username: str) -> Client:
@@ -158,20 +181,20 @@ def test_every_hour_the_claims_held_is_measured_and_rolled_up(demo: str) -> None
     assert list(DirtyHour.objects.values_list("hour", flat=True)) == [hour_start(LOADED_AT)]
 
 
-def test_the_previous_period_is_closed_and_the_current_one_billed_to_now(demo: str) -> None:
+def test_the_earlier_periods_are_closed_and_the_current_one_billed_to_now(demo: str) -> None:
     periods = list(Period.objects.order_by("start"))
 
     assert [(period.label, period.is_closed) for period in periods] == [
+        ("2026-10", True),
         ("2026-11", True),
         ("2026-12", False),
     ]
-    assert periods[0].closed_by == "load_demo"
+    assert {period.closed_by for period in periods[:2]} == {"load_demo"}
     for period in periods:
         assert Statement.objects.filter(period=period).exclude(total=0).exists(), period
+    assert "Period 2026-10 billed and closed:" in demo
     assert "Period 2026-11 billed and closed:" in demo
     assert "Period 2026-12 billed to 2026-12-03 21:30 UTC, open:" in demo
-    # The frozen statements are what their period's usage prices now: nothing to adjust.
-    assert not StatementLine.objects.filter(corrects_period__isnull=False).exists()
 
 
 def test_billing_again_changes_nothing(demo: str) -> None:
@@ -338,3 +361,189 @@ def test_idle_alerts_are_on_by_default_for_the_demos_teams(demo: str) -> None:
     assert any(slug == "speech" and name.startswith("tts-serve") for slug, name in alerted)
     html = page(as_user("lead-speech"), reverse("team", kwargs={"slug": "speech"}))
     assert "Tally&#x27;s default rule" in html or "Tally's default rule" in html
+
+
+# --- its history (issue 35, item 3) -----------------------------------------------------------
+
+
+def test_the_week_report_compares_two_real_weeks(demo: str) -> None:
+    """The last complete week against the week before: both hold usage, and the change is not
+    a comparison with zeros."""
+    start = week.last_complete_week(LOADED_AT)
+    changed = {}
+    for team in Team.objects.order_by("slug"):
+        report = week_report(team=team, start=start, now=LOADED_AT)
+        (total,) = [row for row in report.totals if row.unit == "gpu"]
+        assert total.week.allocated_ms > 0 and total.previous.allocated_ms > 0, team.slug
+        if total.allocated_delta and total.cost_delta:
+            changed[team.slug] = total
+    assert changed, "no team's week changed"
+    # Vision's jobs used their GPUs better after its quota was cut (on the week's Thursday).
+    vision = changed["vision"]
+    now, before = vision.week.utilisation, vision.previous.utilisation
+    assert now is not None and before is not None and now > before
+    html = page(as_user("lead-vision"), reverse("team-week", kwargs={"slug": "vision"}) + "?start=")
+    assert f"{vision.allocated_change} from {vision.previous.allocated}" in html
+
+
+def test_did_it_help_explains_a_change_over_the_default_windows(demo: str) -> None:
+    """The default windows (the last 7 days against the 7 before) meet at the quota cut:
+    vision's utilisation rose, because its jobs used their devices better."""
+    params = default_parameters(LOADED_AT)
+    before, after, unit = parse_parameters(params)
+    assert before.end == after.start == datetime(2026, 11, 26, tzinfo=UTC)
+    for team in [None, *Team.objects.order_by("slug")]:
+        head = summary(compare_windows(team=team, before=before, after=after, unit=unit), 2)
+        assert head["change_pp"] is not None, team
+    vision = Team.objects.get(slug="vision")
+    head = summary(compare_windows(team=vision, before=before, after=after, unit=unit), 2)
+    assert head["change_pp"] > 0 and head["parts_pp"]["efficiency"] > 0, head
+    html = page(as_user("lead-vision"), reverse("compare") + "?team=vision")
+    assert "Utilisation rose" in html and "no change to explain" not in html
+
+
+def test_the_quota_cut_and_the_driver_upgrade_happened_part_way(demo: str) -> None:
+    cut = AuditEntry.objects.get(object_type="quota rule", action="update")
+    assert cut.at == datetime(2026, 11, 26, tzinfo=UTC) and cut.actor == "load_demo"
+    assert cut.before is not None and cut.after is not None
+    assert (Decimal(cut.before["limit"]), Decimal(cut.after["limit"])) == (32, 24)
+    created = AuditEntry.objects.filter(object_type="team", action="create")
+    assert {entry.at for entry in created} == {LOADED_AT - timedelta(days=35)}
+    upgraded = Device.objects.filter(node__name="gpu-h200-00003", kind=DeviceKind.GPU)
+    assert {(d.driver_version, d.pool_generation) for d in upgraded} == {("580.82.7", 2)}
+    assert "Driver of gpu-h200-00003 upgraded 2026-11-15" in demo
+
+
+def test_the_closed_month_has_statements_and_a_late_data_adjustment_that_reconciles(
+    demo: str,
+) -> None:
+    """The agent of one node could not report for 12 hours of November; its samples arrived
+    after November closed, and December's statements adjust for them, line by line."""
+    november = Period.objects.get(start=datetime(2026, 11, 1, tzinfo=UTC))
+    december = Period.objects.get(start=datetime(2026, 12, 1, tzinfo=UTC))
+    assert november.is_closed
+    assert re.search(r"Late data: the agent of gpu-[a-z0-9-]+ sent [1-9]\d* samples", demo)
+    adjustments = StatementLine.objects.filter(
+        kind=LineKind.ADJUSTMENT, corrects_period=november, statement__period=december
+    )
+    assert adjustments.exists()
+    for team in Team.objects.filter(statements__period=november).distinct():
+        frozen = StatementLine.objects.filter(
+            statement__team=team, statement__period=november, kind=LineKind.USAGE
+        ).aggregate(total=Sum("amount"))["total"]
+        adjusted = adjustments.filter(statement__team=team).aggregate(total=Sum("amount"))[
+            "total"
+        ] or Decimal(0)
+        priced_now = sum(
+            (line.amount for line in usage_lines(team=team, period=november)), Decimal(0)
+        )
+        assert frozen + adjusted == priced_now, team.slug
+    for statement in Statement.objects.filter(period=december):
+        lines = statement.lines.aggregate(total=Sum("amount"))["total"]
+        assert statement.total == lines, statement
+    # The statement shows the line and why.
+    line = adjustments.select_related("statement__team").first()
+    assert line is not None and line.reason == "late data for 2026-11-01..2026-12-01"
+    csv = page(
+        as_user("finance"),
+        reverse(
+            "statement-csv",
+            kwargs={"slug": line.statement.team.slug, "period_id": december.pk},
+        ),
+    )
+    assert "late data for 2026-11-01..2026-12-01" in csv
+
+
+def test_a_stranded_gang_and_the_claims_it_waits_for(demo: str) -> None:
+    operator = get_user_model().objects.get(username="operator")
+    (gang,) = stranded_gangs(user=operator, now=LOADED_AT)
+    assert (gang.cluster, gang.namespace, gang.key) == (
+        "lab",
+        "nlp",
+        "PodGroup.kueue.x-k8s.io/llama-pretrain-multi",
+    )
+    assert (gang.size, gang.members_holding, gang.members_present, gang.devices_held) == (
+        4,
+        1,
+        4,
+        4,
+    )
+    held_from = LOADED_AT.replace(microsecond=0) - timedelta(days=2, hours=3, seconds=-40)
+    assert gang.stranded_since == held_from
+    waiting = pending_claims(user=operator, now=LOADED_AT)
+    assert {(claim.cluster, claim.namespace, claim.name) for claim in waiting} >= {
+        ("lab", "nlp", f"llama-pretrain-multi-{n}-gpus") for n in (1, 2, 3)
+    }
+    assert pending_demand(user=operator, now=LOADED_AT)
+
+
+def test_two_clusters_each_claim_in_one(demo: str) -> None:
+    clusters = dict(Cluster.objects.values_list("name", "first_synced_at"))
+    assert clusters == {
+        "default": LOADED_AT - timedelta(days=35),
+        "lab": LOADED_AT - timedelta(days=14),
+    }
+    for name in clusters:
+        assert ResourceClaim.objects.filter(cluster__name=name).exists(), name
+        assert Allocation.objects.filter(cluster__name=name).exists(), name
+    in_several = (
+        ResourceClaim.objects.values("uid")
+        .annotate(clusters=Count("cluster", distinct=True))
+        .filter(clusters__gt=1)
+    )
+    assert not in_several.exists()
+    assert (
+        not ResourceClaim.objects.values("namespace", "name")
+        .annotate(clusters=Count("cluster", distinct=True))
+        .filter(clusters__gt=1)
+    )
+    # Each cluster's GPUs are its own: no UUID in both.
+    uuids = Device.objects.exclude(uuid="").values("uuid")
+    assert not uuids.annotate(clusters=Count("cluster", distinct=True)).filter(clusters__gt=1)
+    # Every allocation is of a claim and a device of its own cluster.
+    assert not Allocation.objects.exclude(claim__cluster=F("cluster")).exists()
+    assert not Allocation.objects.exclude(device__cluster=F("cluster")).exists()
+
+
+def test_every_device_was_first_seen_when_its_cluster_joined(demo: str) -> None:
+    for cluster in Cluster.objects.all():
+        seen = set(Device.objects.filter(cluster=cluster).values_list("first_seen", flat=True))
+        assert seen == {cluster.first_synced_at}, cluster.name
+
+
+def test_the_heatmap_of_the_last_week_has_every_node_and_its_units(demo: str) -> None:
+    """Issue 35, finding 4: every node's units were 0 on the demo's week (first seen at the
+    load), held hours all dark, the free H200 node missing."""
+    start = week.last_complete_week(LOADED_AT)
+    html = page(as_user("operator"), reverse("fleet-week") + f"?start={start:%Y-%m-%d}")
+    allocated = html[html.index('id="heatmap-allocated"') : html.index('id="utilised-heading"')]
+    nodes = Device.objects.exclude(physical_gpu_key="").values_list("cluster__name", "node__name")
+    assert len(re.findall(r'<tr data-node="', allocated)) == len(set(nodes))
+    assert re.search(r'title="default/gpu-h200-00004 Mon 23 00:00: 0.00 of 8"', allocated)
+    assert ' of 0"' not in allocated
+    # A full node's held hours are full, a partly held one's not.
+    assert re.search(
+        r'rgba\(10,88,202,1.00\)" title="default/gpu-h200-00003 \w+ \d+ \d+:00: 8.00 of 8"',
+        allocated,
+    )
+    assert re.search(r'rgba\(10,88,202,0.[0-9]{2}\)" title="default/gpu-a100-00007 ', allocated)
+
+
+def test_the_samples_gaps_are_what_ingest_keeps(demo: str) -> None:
+    """The demo writes each sample's gap to its device's next one; working them out again as
+    `ingest` does changes none."""
+    uuids = list(
+        Sample.objects.order_by("device_uuid").values_list("device_uuid", flat=True).distinct()[:5]
+    )
+    before = list(
+        Sample.objects.filter(device_uuid__in=uuids)
+        .order_by("device_uuid", "ts_ms")
+        .values_list("ts_ms", "gap_ms")
+    )
+    fill_gaps(uuids)
+    after = list(
+        Sample.objects.filter(device_uuid__in=uuids)
+        .order_by("device_uuid", "ts_ms")
+        .values_list("ts_ms", "gap_ms")
+    )
+    assert len(before) > 1000 and after == before

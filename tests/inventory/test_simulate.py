@@ -13,9 +13,10 @@ import pytest
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.management import call_command
+from django.test import override_settings
 from django.utils import timezone
 
-from demo.management.commands.load_demo import fleet_objects
+from demo.history import simulated_fleet
 from inventory import simulate
 from inventory.dumps import iter_objects
 from inventory.models import Allocation, Device, ResourceClaim
@@ -431,30 +432,37 @@ def test_simulate_fleet_gives_each_cluster_its_own_gpus(tmp_path: Path) -> None:
 
 
 @pytest.mark.django_db
+@override_settings(TALLY_SAMPLE_HOLD_SECONDS=600)  # as `dev.py serve` runs the demo
 def test_load_demo_creates_the_operator_and_imports_once() -> None:
     out = StringIO()
-    call_command("load_demo", nodes=4, days=1, stdout=out)
+    call_command("load_demo", nodes=4, days=20, stdout=out)
 
     operator = get_user_model().objects.get(username="operator")
     assert operator.is_superuser and operator.is_staff and operator.check_password("operator")
     assert "operator / operator" in out.getvalue()
+    default = {"cluster__name": settings.TALLY_CLUSTER_NAME}
     devices, claims, held = (
-        Device.objects.count(),
-        ResourceClaim.objects.count(),
-        Allocation.objects.count(),
+        Device.objects.filter(**default).count(),
+        ResourceClaim.objects.filter(**default).count(),
+        Allocation.objects.filter(**default).count(),
     )
-    expected = list(fleet_objects(nodes=4, seed=0, now=timezone.now(), days=1))
-    assert devices == len(devices_by_pool(expected))
-    assert claims == len(of_kind(expected, "ResourceClaim"))
-    assert held == len(allocations(expected))
-    assert Device.objects.filter(cluster__name=settings.TALLY_CLUSTER_NAME).count() == devices
+    expected = simulated_fleet(
+        cluster="", nodes=4, seed=0, now=timezone.now(), days=20, driver_node=3
+    )
+    assert devices == len(devices_by_pool(expected.fleet))
+    assert claims == len(expected.claims)
+    assert held == len(allocations(expected.claims))
+    assert Device.objects.count() > devices  # the second cluster's too
 
     operator.set_password("changed")
     operator.save()
     again = StringIO()
-    call_command("load_demo", nodes=4, days=1, stdout=again)
+    call_command("load_demo", nodes=4, days=20, stdout=again)
 
-    assert (Device.objects.count(), ResourceClaim.objects.count()) == (devices, claims)
+    assert (
+        Device.objects.filter(**default).count(),
+        ResourceClaim.objects.filter(**default).count(),
+    ) == (devices, claims)
     assert get_user_model().objects.get(username="operator").check_password("changed")
     assert "no import" in again.getvalue()
     # The demo's claims are charged to their workloads: Deployments serve, Jobs train.

@@ -1,19 +1,24 @@
-"""`manage.py load_demo`: demo logins, teams, prices, a simulated fleet and a week of usage.
+"""`manage.py load_demo`: demo logins, teams and prices, and five weeks of two simulated
+clusters with their usage, laid down in time order through the services production runs
+(`demo.history`).
 
 The fleet shows what Tally is for: a node on an outlier driver, a MIG GPU partly used, a claim
-the quota denied in the decision log, and a claim idle for days. Its claims' every hour up to
-now is sampled, rolled up and priced, and the periods are billed (the previous one closed
-when due) as beat and `run_billing` bill them, so that running either changes nothing but the
+the quota denied in the decision log, a claim idle for days, a stranded gang and the claims it
+waits for in a second cluster; its history a driver upgrade and a quota cut part-way, so the
+week report and "did it help" compare real weeks, a closed month with its statements, and
+late data that arrived after the close as an adjustment line. Its claims' every hour up to now
+is sampled, rolled up and priced, and the periods are billed (every one before the current one
+closed) as beat and `run_billing` bill them, so that running either changes nothing but the
 hours the open claims hold after the load (unmeasured: no agent reports in the demo).
 
 Idempotent: users that exist are left alone (passwords included), the policy is applied (a
-second time changes nothing), and the fleet and its usage are loaded only while the cluster
-has no devices, so running it again changes nothing.
+second time changes nothing), and the history is loaded only while the cluster has no
+devices, so running it again changes nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
 from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -25,10 +30,19 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
 from billing import alerts
+from billing.periods import period_bounds
 from billing.pricing import round_money
+from billing.services import BillingRun
+from demo import history
 from demo.admission import deny_a_claim
-from demo.usage import load_demo_usage
-from inventory import services, simulate, sync_state
+from demo.usage import (
+    Slowdown,
+    bill_periods,
+    deliver_late_samples,
+    load_demo_usage,
+    outage_on,
+)
+from inventory import services, sync_state
 from inventory.models import Cluster, Device
 from quota import policy
 from teams.selectors import FINANCE_GROUP, OPERATORS_GROUP
@@ -39,80 +53,151 @@ DEMO_USERS = (
     ("operator", "operator", OPERATORS_GROUP, True),
     ("finance", "finance", FINANCE_GROUP, False),
 )
-# The node (by index) on an outlier driver: at 5% a draw, an 8-node fleet rarely has one.
-OUTLIER_NODE = 1
-
-
-def fleet_objects(*, nodes: int, seed: int, now: datetime, days: int) -> Iterator[dict[str, Any]]:
-    """The demo's simulated fleet: claims made within `days` before `now`, the outlier node,
-    and on every static-MIG node with a free GPU, one GPU partly used."""
-    return simulate.generate(
-        nodes=nodes,
-        seed=seed,
-        now=now,
-        owners=True,
-        history=timedelta(days=days),
-        outlier_nodes=(OUTLIER_NODE,),
-        partly_used_mig=range(nodes),
-    )
+# Jobs before the history's changes ran at these shares of their usual level: on the node of
+# the old driver, and vision's before its quota was cut (its people reviewed their claims).
+OLD_DRIVER_PACE = 0.35
+BEFORE_QUOTA_CUT_PACE = 0.5
+# The late data: the agent of one node could not report for these hours before the end of
+# the closed period; its samples arrive after the close.
+OUTAGE = timedelta(hours=12)
+OUTAGE_BEFORE_END = timedelta(hours=6)
 
 
 class Command(BaseCommand):
-    help = "Create the demo logins, teams and prices; import a simulated fleet and its usage."
+    help = (
+        "Create the demo logins, teams and prices; lay down five weeks of two simulated "
+        "clusters and their usage."
+    )
 
     def add_arguments(self, parser: CommandParser) -> None:
         parser.add_argument("--nodes", type=int, default=8, help="GPU nodes (default %(default)s)")
         parser.add_argument("--seed", type=int, default=0, help="the fleet's seed")
         parser.add_argument(
-            "--days", type=int, default=7, help="days of history: claims began within them"
+            "--days",
+            type=int,
+            default=history.DAYS,
+            help="days of history (default %(default)s): claims began within them",
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        if not 1 <= options["days"] <= 366:
-            raise CommandError(f"--days {options['days']}: give 1 to 366 days of history")
+        low = history.DRIVER_CHANGE_DAYS + 2
+        if not low <= options["days"] <= 366:
+            raise CommandError(
+                f"--days {options['days']}: give {low} to 366 days of history (the driver "
+                f"change is {history.DRIVER_CHANGE_DAYS} days before today)"
+            )
+        began = time.monotonic()
         cluster = services.get_cluster(settings.TALLY_CLUSTER_NAME)
         devices = Device.objects.filter(cluster=cluster).count()
         now = timezone.now()
-        # Teams first, so that the claims the fleet brings are attributed and counted.
-        self._apply_policy()
         if devices:
+            self._apply_policy(DEMO_POLICY.read_text(), at=None)
             self.stdout.write(f"Cluster {cluster.name} already has {devices} devices; no import.")
-        else:
-            # The demo's history is made up as if Tally had synced the cluster all along: its
-            # claims are charged from when they began, not from this first import.
-            sync_state.note_first_sync(cluster=cluster, at=now - timedelta(days=options["days"]))
-            report = services.import_snapshot(
-                cluster=cluster,
-                objects=fleet_objects(
-                    nodes=options["nodes"], seed=options["seed"], now=now, days=options["days"]
-                ),
-                at=now,
-            )
-            if report.errors:
-                raise CommandError(f"the simulated fleet had rejected objects: {report.errors[:3]}")
-            self.stdout.write(f"Imported a simulated fleet: {report.summary()}.")
+            self.stdout.write("Demo logins: " + ", ".join(self._create_users()))
+            return
+        changes = history.timeline(now=now, days=options["days"])
+        second = services.get_cluster(history.SECOND_CLUSTER)
+        fleets = self._fleets(options, now=now, cluster=cluster, second=second)
+        # Teams first, as the policy was then, so that the claims the fleet brings are
+        # attributed and counted from the start.
+        self._apply_policy(history.earlier_policy(DEMO_POLICY.read_text()), at=changes.start)
+        for synced, fleet in fleets:
+            # The history is made up as if Tally had synced the clusters all along.
+            sync_state.note_first_sync(cluster=synced, at=fleet.since)
+        moments = sorted({m for _, fleet in fleets for m in changes.syncs(fleet.since)})
+        for moment in moments:
+            if moment == changes.quota_change:
+                self._apply_policy(DEMO_POLICY.read_text(), at=moment)
+            for synced, fleet in fleets:
+                if moment not in changes.syncs(fleet.since):
+                    continue
+                report = services.import_snapshot(
+                    cluster=synced,
+                    objects=fleet.at(moment, changes),
+                    at=moment,
+                    kinds=services.KINDS,
+                )
+                if report.errors:
+                    raise CommandError(
+                        f"the simulated fleet had rejected objects: {report.errors[:3]}"
+                    )
+            if moment == changes.now:
+                for synced, fleet in fleets:
+                    self.stdout.write(
+                        f"Cluster {synced.name}: synced {len(changes.syncs(fleet.since))} times "
+                        f"from {fleet.since:%Y-%m-%d %H:%M} UTC, {len(fleet.claims)} claims."
+                    )
+        self.stdout.write(
+            f"Driver of {fleets[0][1].driver_node} upgraded {changes.driver_change:%Y-%m-%d}; "
+            f"quota {history.CHANGED_TEAM}/{history.CHANGED_RULE} cut from "
+            f"{history.EARLIER_GPUS} GPUs {changes.quota_change:%Y-%m-%d}."
+        )
         users = self._create_users()
-        if not devices:
-            self._usage(cluster=cluster, now=now, seed=options["seed"])
+        self._usage(
+            clusters=[cluster, second],
+            changes=changes,
+            seed=options["seed"],
+            driver_node=fleets[0][1].driver_node,
+        )
         self.stdout.write("Demo logins: " + ", ".join(users))
+        self.stdout.write(f"Loaded in {time.monotonic() - began:.1f} s.")
 
-    def _usage(self, *, cluster: Cluster, now: datetime, seed: int) -> None:
-        usage = load_demo_usage(cluster=cluster, now=now, seed=seed)
-        self.stdout.write(f"Generated {usage.samples} utilisation samples.")
-        for run in usage.runs:
-            totals = ", ".join(
-                f"{round_money(total, currency)} {currency}"
-                for currency, total in run.totals.items()
+    def _fleets(
+        self, options: dict[str, Any], *, now: datetime, cluster: Cluster, second: Cluster
+    ) -> list[tuple[Cluster, history.Fleet]]:
+        first = history.simulated_fleet(
+            cluster="",
+            nodes=options["nodes"],
+            seed=options["seed"],
+            now=now,
+            days=options["days"],
+            driver_node=history.DRIVER_NODE if options["nodes"] > history.DRIVER_NODE else None,
+        )
+        lab = history.simulated_fleet(
+            cluster=second.name,
+            nodes=history.SECOND_CLUSTER_NODES,
+            seed=options["seed"] + 1,
+            now=now,
+            days=min(options["days"], history.SECOND_CLUSTER_DAYS),
+            driver_node=None,
+        )
+        return [(cluster, first), (second, history.stranded_gang(lab, now=now))]
+
+    def _usage(
+        self, *, clusters: list[Cluster], changes: history.Timeline, seed: int, driver_node: str
+    ) -> None:
+        now = changes.now
+        current, _ = period_bounds(now)
+        outage = outage_on(
+            cluster=clusters[0],
+            start=current - OUTAGE_BEFORE_END - OUTAGE,
+            end=current - OUTAGE_BEFORE_END,
+        )
+        slowdowns = [Slowdown(changes.quota_change, BEFORE_QUOTA_CUT_PACE, namespace="vision")]
+        if driver_node:
+            slowdowns.append(
+                Slowdown(
+                    changes.driver_change,
+                    OLD_DRIVER_PACE,
+                    cluster=clusters[0].name,
+                    node=driver_node,
+                )
             )
-            how = (
-                "billed and closed"
-                if run.period.is_closed
-                else (f"billed to {now:%Y-%m-%d %H:%M} UTC, open")
+        usage = load_demo_usage(
+            clusters=clusters, now=now, seed=seed, slowdowns=slowdowns, outage=outage
+        )
+        self.stdout.write(f"Generated {usage.samples} utilisation samples.")
+        for run in bill_periods(since=changes.start, now=now):
+            self._report_run(run, now=now)
+        if outage is not None and usage.late:
+            late = deliver_late_samples(
+                cluster=clusters[0], outage=outage, samples=usage.late, now=now
             )
             self.stdout.write(
-                f"Period {run.period.label} {how}: {run.usage_rows} usage rows, "
-                f"total {totals or 'nothing'}."
+                f"Late data: the agent of {outage.node} sent {late.report.accepted} samples of "
+                f"{outage.start:%Y-%m-%d %H:%M} to {outage.end:%H:%M} UTC after the close."
             )
+            self._report_run(late.run, now=now)
         if usage.idle_claim is not None:
             claim = usage.idle_claim
             self.stdout.write(f"Idle since it began: claim {claim.namespace}/{claim.name}.")
@@ -131,15 +216,31 @@ class Command(BaseCommand):
         else:
             self.stdout.write(f"Denied {denied.namespace}/{denied.name}: {denied.message}")
 
-    def _apply_policy(self) -> None:
+    def _report_run(self, run: BillingRun, *, now: datetime) -> None:
+        totals = ", ".join(
+            f"{round_money(total, currency)} {currency}" for currency, total in run.totals.items()
+        )
+        how = (
+            "billed and closed"
+            if run.period.is_closed
+            else f"billed to {now:%Y-%m-%d %H:%M} UTC, open"
+        )
+        self.stdout.write(
+            f"Period {run.period.label} {how}: {run.usage_rows} usage rows, "
+            f"total {totals or 'nothing'}."
+        )
+
+    def _apply_policy(self, text: str, *, at: datetime | None) -> None:
         try:
-            loaded = policy.load_policy(DEMO_POLICY.read_text())
+            loaded = policy.load_policy(text)
             report = policy.apply_policy(
-                policy=loaded, prune=False, actor="load_demo", dry_run=False
+                policy=loaded, prune=False, actor="load_demo", dry_run=False, at=at
             )
         except policy.PolicyError as exc:
             raise CommandError(f"{DEMO_POLICY}: {exc}") from exc
-        self.stdout.write(f"Applied {DEMO_POLICY.name}: {report.summary()}")
+        when = "" if at is None else f" as of {at:%Y-%m-%d %H:%M} UTC"
+        earlier = " (as it was)" if text != DEMO_POLICY.read_text() else ""
+        self.stdout.write(f"Applied {DEMO_POLICY.name}{earlier}{when}: {report.summary()}")
 
     def _create_users(self) -> list[str]:
         user_model = get_user_model()
