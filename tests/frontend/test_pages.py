@@ -40,8 +40,9 @@ CAST = ("lead_a", "member_a", "lead_b", "finance", "operator")
 # (count and rows), statements, recent denials and warnings (rows, count, and the people of
 # those a controller made: 3); the nav asks the role again and lists the lead's teams
 # (3 + 4); the idle holders' hours (1: the seed's open claims in the team's namespace are its
-# own since ownership is dated, issue 33). The same however much usage there is.
-MAX_TEAM_PAGE_QUERIES = 36
+# own since ownership is dated, issue 33); the clusters, to know whether to name them (1,
+# issue 35). The same however much usage there is.
+MAX_TEAM_PAGE_QUERIES = 37
 
 
 def _client(portal: Portal, who: str | None) -> Client:
