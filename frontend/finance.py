@@ -78,7 +78,11 @@ class PeriodSpend:
 
     @property
     def state(self) -> str:
-        return "closed" if self.is_closed else "open"
+        """`closed`, `open`, or `not billed`: an ended period nothing was billed in (no row,
+        nothing to close)."""
+        if self.is_closed:
+            return "closed"
+        return "not billed" if self.stored is None and self.has_ended else "open"
 
     @property
     def has_ended(self) -> bool:
@@ -95,8 +99,10 @@ class PeriodSpend:
     @property
     def closes_on(self) -> datetime | None:
         """When beat closes it (TALLY_CLOSE_PERIOD_DAY of the next period); None when closed,
-        or when closing is turned off."""
-        return None if self.is_closed else close_due_at(self.end)
+        when it was never billed and has ended, or when closing is turned off."""
+        if self.is_closed or (self.stored is None and self.has_ended):
+            return None
+        return close_due_at(self.end)
 
     @property
     def may_close(self) -> bool:

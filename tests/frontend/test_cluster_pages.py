@@ -95,7 +95,7 @@ def test_with_two_clusters_the_team_page_names_each_claims_cluster(portal: Porta
     assert any(LAB in row for row in rows) and any("default" in row for row in rows)
     # The filter, keeping the page's window.
     assert 'id="cluster-filter"' in page
-    narrowed = client.get(url, {"cluster": LAB, "days": 30})
+    narrowed = client.get(url, {"cluster": LAB, "days": "30"})
     assert narrowed.status_code == 200
     assert narrowed.context["days"] == 30
     assert {claim.cluster for claim in narrowed.context["claims"]} == {LAB}

@@ -88,6 +88,8 @@ def test_finance_trend_covers_six_periods_and_its_csv_is_the_same_table(portal: 
     assert by_label[closed.label]["total"] == f"{closed.totals['USD']:f}"
     assert by_label[closed.label]["state"] == "closed"
     assert by_label[periods[-1].label]["total"] == "0"
+    assert by_label[periods[-1].label]["state"] == "not billed"
+    assert by_label[periods[-1].label]["closes_on"] == ""
 
 
 def test_finance_closes_an_ended_period_after_a_confirmation_and_it_is_audited(
