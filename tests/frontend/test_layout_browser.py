@@ -70,8 +70,8 @@ BREAKS_AFTER = """(selector) => [...document.querySelectorAll(selector)].map(el 
     }
     return [el.textContent, after];
 })"""
-# Where a long name may break: after these, never between two letters or digits.
-NAME_BREAKS = set("./:-_")
+# Where a long name may break: after a hyphen, never inside a word.
+NAME_BREAKS = {"-"}
 
 
 def _page(chromium: Any, viewport: dict[str, int]) -> Iterator[Any]:
