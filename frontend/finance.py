@@ -297,6 +297,7 @@ def close(request: HttpRequest, period_id: int) -> HttpResponse:
             "at"
         ],
         "closes_on": None if period.is_closed else close_due_at(period.end),
+        "now": now,
         "refusal": refusal,
     }
     return render(request, "frontend/period_close.html", context, status=400 if refusal else 200)

@@ -15,7 +15,7 @@ import pytest
 from django.contrib.auth.models import User
 from pytest_django.live_server_helper import LiveServer
 
-from billing.models import UsageHour
+from billing.models import Period, UsageHour
 from frontend import selectors
 from tests.frontend.conftest import watched_page
 from tests.frontend.seed import PASSWORD, Portal
@@ -174,3 +174,33 @@ def test_finance_and_operator_homes_fit(
             page.screenshot(
                 path=str(artifacts / f"home-{who}-{viewport['width']}.png"), full_page=True
             )
+
+
+def test_finance_closes_a_period_from_its_home_on_a_phone(
+    phone: Any, live_server: LiveServer, live_portal: Portal, artifacts: Path
+) -> None:
+    """The close as finance does it: the home's Close… link, the confirmation page (which fits
+    a phone), its button; the period is closed by them and the home says so."""
+    period = live_portal.closed_period
+    Period.objects.filter(pk=period.pk).update(closed_at=None, closed_by="")
+    finance = User.objects.get(username="finance")
+    finance.set_password(PASSWORD)
+    finance.save()
+    _log_in(phone, live_server, "finance")
+    phone.get_by_role("link", name=f"Close {period.label}…").click()
+    phone.wait_for_load_state()
+    assert phone.get_by_role("heading", level=1).inner_text() == f"Close {period.label}"
+    _fits(phone, PHONE["width"])
+    assert phone.locator("#close-statements tbody tr:not(.total-row)").count() == 2
+    assert "All teams" in phone.locator("#close-statements tr.total-row").inner_text()
+    phone.screenshot(path=str(artifacts / "period-close-390.png"), full_page=True)
+    phone.get_by_role("button", name=f"Close {period.label} and freeze its statements").click()
+    phone.wait_for_load_state()
+    assert (
+        f"Closed {period.label}: 2 statements frozen, by finance."
+        in phone.locator(".messages").inner_text()
+    )
+    period.refresh_from_db()
+    assert period.is_closed and period.closed_by == "finance"
+    row = phone.locator("#period-states tbody tr", has_text=period.label)
+    assert "closed" in row.inner_text()
