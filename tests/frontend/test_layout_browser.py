@@ -20,6 +20,7 @@ from frontend import selectors
 from tests.frontend.conftest import watched_page
 from tests.frontend.seed import PASSWORD, Portal
 from tests.frontend.test_browser import LONG_CLAIM, LONG_OWNER, PHONE, WIDE
+from tests.frontend.test_cluster_pages import _second_cluster
 
 pytestmark = pytest.mark.browser
 
@@ -204,3 +205,30 @@ def test_finance_closes_a_period_from_its_home_on_a_phone(
     assert period.is_closed and period.closed_by == "finance"
     row = phone.locator("#period-states tbody tr", has_text=period.label)
     assert "closed" in row.inner_text()
+
+
+@pytest.mark.parametrize("viewport", [WIDE, PHONE], ids=["1280", "390"])
+def test_the_cluster_column_fits_the_team_page(
+    chromium: Any,
+    live_server: LiveServer,
+    live_portal: Portal,
+    artifacts: Path,
+    viewport: dict[str, int],
+) -> None:
+    """With two clusters the team page's lists gain a Cluster column and a filter: still
+    nothing cut off, at either width."""
+    _second_cluster(live_portal)
+    for page in _page(chromium, viewport):
+        _log_in(page, live_server, "lead_a")
+        page.goto(f"{live_server.url}/teams/vision/")
+        assert page.locator("#cluster-filter").is_visible()
+        assert page.locator("#live-claims tbody td[data-label='Cluster']").count() > 0
+        _fits(page, viewport["width"])
+        page.get_by_label("Cluster").select_option("lab")
+        page.get_by_role("button", name="Show").click()
+        page.wait_for_load_state()
+        assert page.url.endswith("?cluster=lab")
+        cells = page.locator("#live-claims tbody td[data-label='Cluster']").all_inner_texts()
+        assert cells and set(cells) == {"lab"}
+        _fits(page, viewport["width"])
+        page.screenshot(path=str(artifacts / f"team-clusters-{viewport['width']}.png"))
