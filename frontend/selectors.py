@@ -472,14 +472,19 @@ class LiveClaim:
     since: datetime
     gpu_util: float | None
     sampled_at: datetime | None
+    cluster: str = ""
 
 
-def live_claims(*, team: Team, limit: int = LIVE_CLAIMS_SHOWN) -> tuple[list[LiveClaim], int]:
-    """Open allocations of claims in the team's namespaces, with the device's node and its
-    latest utilisation sample; and how many there are in all."""
+def live_claims(
+    *, team: Team, limit: int = LIVE_CLAIMS_SHOWN, cluster: Cluster | None = None
+) -> tuple[list[LiveClaim], int]:
+    """Open allocations of claims in the team's namespaces (of `cluster`, when given), with
+    the device's node and its latest utilisation sample and the claim's cluster; and how many
+    there are in all."""
     latest = Sample.objects.filter(device_uuid=OuterRef("device__meter_id")).order_by("-ts_ms")
     allocations = (
         team_open_allocations(team)
+        .filter(**({} if cluster is None else {"cluster": cluster}))
         .annotate(
             gpu_util=Subquery(latest.values("gpu_util")[:1]),
             sampled_ms=Subquery(latest.values("ts_ms")[:1]),
@@ -494,8 +499,9 @@ def live_claims(*, team: Team, limit: int = LIVE_CLAIMS_SHOWN) -> tuple[list[Liv
             "start",
             "gpu_util",
             "sampled_ms",
+            "cluster__name",
         )
-        .order_by("claim__namespace", "claim__name", "device_name")
+        .order_by("claim__namespace", "claim__name", "cluster__name", "device_name")
     )
     total = allocations.count()
     claims = [
@@ -514,6 +520,7 @@ def live_claims(*, team: Team, limit: int = LIVE_CLAIMS_SHOWN) -> tuple[list[Liv
                 if row["sampled_ms"] is not None
                 else None
             ),
+            cluster=row["cluster__name"],
         )
         for row in allocations[:limit]
     ]

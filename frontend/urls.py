@@ -2,7 +2,7 @@
 
 from django.urls import URLPattern, URLResolver, path
 
-from frontend import compare, sso_views, views
+from frontend import compare, finance, homes, sso_views, views
 from frontend import week as week_views
 from teams.login import LoginForm
 
@@ -17,7 +17,10 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path("oidc/authenticate/", sso_views.SignInView.as_view(), name="oidc_authentication_init"),
     path("oidc/callback/", sso_views.CallbackView.as_view(), name="oidc_authentication_callback"),
     path("logout/", views.LogoutView.as_view(), name="logout"),
-    path("", views.home, name="home"),
+    path("", homes.home, name="home"),
+    # Finance's close of a billing period, and its spend trend (issue 35, finding 7).
+    path("periods/<int:period_id>/close/", finance.close, name="period-close"),
+    path("periods/trend.csv", finance.trend_csv, name="period-trend-csv"),
     path("favicon.ico", views.favicon, name="favicon"),
     path("teams/<slug:slug>/", views.team, name="team"),
     path(

@@ -33,7 +33,7 @@ from billing.idle import below_percent_of, idle_policy_of
 from billing.statement_csv import statement_csv_filename, write_statement_csv
 from billing.stranded import priced_stranded_gangs
 from billing.windows import Window, WindowError, parse_window
-from frontend import selectors
+from frontend import clusters, selectors
 from inventory import checks
 from inventory import selectors as fleet
 from inventory.models import Cluster
@@ -165,10 +165,13 @@ def home(request: HttpRequest) -> HttpResponse:
 
 @team_required
 def team(request: HttpRequest, team: Team) -> HttpResponse:
+    scope = clusters.cluster_scope(request)
+    if scope.error:
+        return clusters.bad_request(request, scope.error)
     days = 30 if request.GET.get("days") == "30" else 7
     now = timezone.now()
     since, until = selectors.usage_window(now=now, days=days)
-    claims, claims_total = selectors.live_claims(team=team)
+    claims, claims_total = selectors.live_claims(team=team, cluster=scope.chosen)
     usage_units = selectors.daily_usage_by_unit(team=team, since=since, until=until)
     # The chart draws the first unit (GPUs when the team used any); tables show every unit.
     usage = usage_units[0]
@@ -177,7 +180,11 @@ def team(request: HttpRequest, team: Team) -> HttpResponse:
     # Whole hours, as the API's CSV takes them: the hour under way is in both.
     billing = selectors.team_billing(team=team, since=since, until=hour_start(now) + HOUR)
     alerts, alerts_total = selectors.firing_alerts(team=team)
-    objections, objections_total = team_objections(team=team, limit=TEAM_OBJECTIONS)
+    objections, objections_total = team_objections(
+        team=team,
+        limit=TEAM_OBJECTIONS,
+        cluster=scope.chosen.name if scope.chosen is not None else None,
+    )
     chart_data: dict[str, Any] = {
         "usage": {
             "labels": [day.day.isoformat() for day in usage.days],
@@ -221,7 +228,8 @@ def team(request: HttpRequest, team: Team) -> HttpResponse:
         "snooze_choices": SNOOZE_CHOICES,
         "now": now,
         "chart_data": chart_data,
-        **_queue_context(request, now=now, team=team),
+        **_queue_context(request, now=now, team=team, cluster=scope.chosen),
+        **clusters.context(request, scope),
     }
     return render(request, "frontend/team.html", context)
 
@@ -303,7 +311,7 @@ def _queue_context(
     column shown) or one team's page."""
     claims = pending.pending_claims(user=request.user, now=now, cluster=cluster, team=team)
     return {
-        "pending_demand": pending.summarize(claims),
+        "pending_demand": clusters.demand_by_cluster(claims),
         "pending_claims": claims[:PENDING_CLAIMS_SHOWN],
         "pending_total": len(claims),
         "stranded": priced_stranded_gangs(user=request.user, now=now, cluster=cluster, team=team),
@@ -314,7 +322,10 @@ def _queue_context(
 
 @operator_required
 def fleet_overview(request: HttpRequest) -> HttpResponse:
-    cluster = selectors.fleet_scope()
+    scope = clusters.cluster_scope(request)
+    if scope.error:
+        return clusters.bad_request(request, scope.error)
+    cluster = scope.chosen or selectors.fleet_scope()
     versions = fleet.version_matrix(cluster=cluster)
     outliers = set(versions["outlier_nodes"])
     spread = fleet.fragmentation(cluster=cluster)
@@ -329,10 +340,11 @@ def fleet_overview(request: HttpRequest) -> HttpResponse:
         "partial_free": [
             (share, unit_label(unit)) for unit, share in spread["partial_free_by_unit"].items()
         ],
-        "capacity": fleet.capacity_by_model(cluster=cluster),
+        "capacity": clusters.capacity(cluster=cluster, multi=scope.multi),
         "sync_warnings": checks.sync_warnings(cluster=cluster),
         "show_cluster": cluster is None,
         **_queue_context(request, now=timezone.now(), cluster=cluster),
+        **clusters.context(request, scope),
     }
     return render(request, "frontend/fleet.html", context)
 

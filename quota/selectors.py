@@ -88,13 +88,17 @@ def filter_decisions(
     return decisions
 
 
-def team_objections(*, team: Team, limit: int) -> tuple[list[AdmissionDecision], int]:
-    """The team's `limit` most recent denials and warnings, newest first, each with its
-    `person` (`with_people`), and how many there are in all (decisions are kept
-    TALLY_DECISION_RETENTION_DAYS)."""
+def team_objections(
+    *, team: Team, limit: int, cluster: str | None = None
+) -> tuple[list[AdmissionDecision], int]:
+    """The team's `limit` most recent denials and warnings (of `cluster`, when given), newest
+    first, each with its `person` (`with_people`), and how many there are in all (decisions
+    are kept TALLY_DECISION_RETENTION_DAYS)."""
     objections = AdmissionDecision.objects.filter(team=team).filter(
         _OUTCOME_FILTERS[DENIED] | _OUTCOME_FILTERS[WARNED]
     )
+    if cluster is not None:
+        objections = objections.filter(cluster=cluster)
     recent = list(objections.order_by("-at", "-pk")[:limit])
     total = len(recent) if len(recent) < limit else objections.count()
     return with_people(recent), total

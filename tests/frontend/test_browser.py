@@ -180,7 +180,7 @@ def test_operator_finds_the_outlier_node(
     page: Any, live_server: LiveServer, live_portal: Portal, artifacts: Path
 ) -> None:
     _log_in(page, live_server, "operator")
-    assert page.get_by_role("heading", name="Teams").is_visible()
+    assert page.get_by_role("heading", name="Teams", exact=True).is_visible()
     page.get_by_role("link", name="Fleet", exact=True).click()
     page.wait_for_load_state()
     assert page.locator(".outlier-node").all_inner_texts() == [OUTLIER_NODE]

@@ -40,8 +40,9 @@ CAST = ("lead_a", "member_a", "lead_b", "finance", "operator")
 # (count and rows), statements, recent denials and warnings (rows, count, and the people of
 # those a controller made: 3); the nav asks the role again and lists the lead's teams
 # (3 + 4); the idle holders' hours (1: the seed's open claims in the team's namespace are its
-# own since ownership is dated, issue 33). The same however much usage there is.
-MAX_TEAM_PAGE_QUERIES = 36
+# own since ownership is dated, issue 33); the clusters, to know whether to name them (1,
+# issue 35). The same however much usage there is.
+MAX_TEAM_PAGE_QUERIES = 37
 
 
 def _client(portal: Portal, who: str | None) -> Client:
@@ -216,10 +217,13 @@ def test_fleet_page_lists_a_partly_used_mig_gpu(portal: Portal) -> None:
     page = response.content.decode()
     table = page[page.index('id="partial-gpus"') :]
     assert re.search(
-        rf"<th scope=\"row\">{node.name}</th>\s*<td><code>GPU-part</code></td>"
-        r"\s*<td>NVIDIA A100-SXM4-80GB</td>\s*<td class=\"num\">3/7</td>"
-        r"\s*<td class=\"num\">4/7 GPU</td>"
-        r"\s*<td>3g.40gb: 1</td>\s*<td>3g.40gb: 1</td>\s*<td>3g.40gb</td>",
+        rf"<th scope=\"row\">{node.name}</th>\s*<td data-label=\"GPU\"><code>GPU-part</code></td>"
+        r"\s*<td data-label=\"Model\">NVIDIA A100-SXM4-80GB</td>"
+        r"\s*<td data-label=\"Held\" class=\"num\">3/7</td>"
+        r"\s*<td data-label=\"Free\" class=\"num\">4/7 GPU</td>"
+        r"\s*<td data-label=\"Held devices\">3g.40gb: 1</td>"
+        r"\s*<td data-label=\"Free slices\">3g.40gb: 1</td>"
+        r"\s*<td data-label=\"Largest placeable\">3g.40gb</td>",
         table,
     )
 
@@ -269,10 +273,14 @@ def test_fleet_page_shows_a_node_with_one_slice_held_as_partly_used(portal: Port
 
     table = page[page.index('id="nodes"') : page.index('id="partial-heading"')]
     assert re.search(
-        r"<th scope=\"row\">a100-solo</th>\s*<td>—</td>\s*<td class=\"num\">1</td>"
-        r"\s*<td class=\"num\">1</td>\s*<td class=\"num\">0</td>"
-        r"\s*<td class=\"num\">0.86 GPUs</td>\s*<td>1g.5gb: 6</td>\s*<td>1g.5gb</td>"
-        r"\s*<td>partly used, 1 partly held</td>",
+        r"<th scope=\"row\">a100-solo</th>\s*<td data-label=\"Clique\">—</td>"
+        r"\s*<td data-label=\"GPUs\" class=\"num\">1</td>"
+        r"\s*<td data-label=\"Allocated\" class=\"num\">1</td>"
+        r"\s*<td data-label=\"Free\" class=\"num\">0</td>"
+        r"\s*<td data-label=\"Free share\" class=\"num\">0.86 GPUs</td>"
+        r"\s*<td data-label=\"Free slices\">1g.5gb: 6</td>"
+        r"\s*<td data-label=\"Largest placeable\">1g.5gb</td>"
+        r"\s*<td data-label=\"State\">partly used, 1 partly held</td>",
         table,
     )
 
@@ -591,15 +599,17 @@ def test_fleet_page_lists_tpu_chips_apart_from_gpus_and_free_blocks_per_model(
     tpu = page[page.index('<h3 id="capacity-tpu-heading">TPU chips</h3>') :]
     tpu = tpu[: tpu.index("</table>")]
     assert re.search(
-        r'<th scope="row">v5p</th>\s*<td class="num">4</td>\s*<td class="num">4</td>', tpu
+        r'<th scope="row">v5p</th>\s*<td data-label="TPU chips" class="num">4</td>'
+        r'\s*<td data-label="Capacity" class="num">4</td>',
+        tpu,
     )
     gpus = page[page.index('id="capacity-gpu"') :]
     assert "v5p" not in gpus[: gpus.index("</table>")]
     blocks = page[page.index('id="free-blocks"') :]
     blocks = blocks[: blocks.index("</table>")]
     assert re.search(
-        r'<th scope="row">v5p</th>\s*<td class="num">4 TPU chips</td>'
-        r'\s*<td class="num">4 TPU chips</td>',
+        r'<th scope="row">v5p</th>\s*<td data-label="On a node" class="num">4 TPU chips</td>'
+        r'\s*<td data-label="In an NVLink clique" class="num">4 TPU chips</td>',
         blocks,
     )
     assert [b["unit"] for b in response.context["spread"]["free_blocks"]][-1] == "tpu"

@@ -129,7 +129,7 @@ def test_fleet_page_shows_every_teams_queue(queue: Queue) -> None:
     response = _client(queue.portal, "operator").get(reverse("fleet"))
     assert response.status_code == 200
     assert response.context["show_team"]
-    vision = [r for r in response.context["pending_demand"] if r.team == "vision"]
+    vision = [r for _, r in response.context["pending_demand"] if r.team == "vision"]
     gpus = next(r for r in vision if r.device_class == "gpu.nvidia.com")
     assert gpus.devices >= 4 and gpus.longest_wait_seconds >= 3 * 3600
     assert [p.gang.key for p in response.context["stranded"]] == ["JobSet/train"]

@@ -176,7 +176,7 @@ def test_the_banner_and_the_outlier_count_agree_and_unknown_is_apart(
     # Green banner, and the model's outlier count says 0 with it; the 2 are documented.
     assert (h100["outlier_gpus"], h100["documented_gpus"]) == (0, 2)
     assert 'class="notice notice-ok" role="status" id="version-banner"' in page
-    assert '<td class="num outlier-gpus">0</td>' in page
+    assert '<td data-label="Outlier GPUs" class="num outlier-gpus">0</td>' in page
     assert documented.context["versions"]["unknown_nodes"] == ["vm-1"]
     assert '<code class="unknown-node">vm-1</code>' in page
     assert reverse("fleet-deviations") in page
