@@ -15,8 +15,8 @@ from django.urls import reverse
 from inventory import services as inventory_services
 from inventory import simulate
 from inventory.models import Allocation, Cluster
-from quota.models import AdmissionDecision
 from quota.admission.shapes import forget_fleet_shapes
+from quota.models import AdmissionDecision
 from tests.factories import ResourceClaimFactory
 from tests.frontend.seed import Portal
 from tests.frontend.test_queue_pages import add_queue
