@@ -545,7 +545,7 @@ def _check_usage() -> tuple[float, float, int]:
     """Allocated GPU-hours, measured (not unmeasured) share of them, and rows, over all hours."""
     from django.db.models import Count, Sum
 
-    from billing.models import UsageHour
+    from metering.models import UsageHour
 
     totals = UsageHour.objects.aggregate(
         allocated=Sum("allocated_gpu_ms"), unmeasured=Sum("unmeasured_gpu_ms"), rows=Count("id")

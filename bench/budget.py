@@ -78,10 +78,10 @@ def _run(*, teams: int, history_days: int, jobs: int, marked_hours_ago: int) -> 
 
     from billing import rollup
     from billing.dirty import mark_dirty
-    from billing.models import DirtyHour
     from billing.pricing import period_for
     from billing.selectors import team_gpu_hours
     from inventory.models import Allocation, Unit
+    from metering.models import DirtyHour
     from teams.models import Team
 
     made = Team.objects.bulk_create(

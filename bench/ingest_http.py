@@ -169,7 +169,7 @@ def _stored(sent: list[Request], gpus: list[Gpu], *, steps: int, times: set[int]
     at the times sent."""
     from django.db.models import Count, Max, Min
 
-    from billing.models import Sample
+    from metering.models import Sample
 
     _wait_until_idle()
     rows = Sample.objects.count()

@@ -137,7 +137,7 @@ def _run(engine: str, uuids: list[str], *, interval: int, step: int) -> int:
     from billing import ingest, prometheus, rollup
     from billing.hours import epoch_ms
     from billing.ingest import SampleRow
-    from billing.models import UsageHour
+    from metering.models import UsageHour
 
     hours = [DAY + timedelta(hours=n) for n in range(24)]
     now = DAY + timedelta(days=2)

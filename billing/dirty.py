@@ -15,10 +15,10 @@ from django.db.models import Q
 
 from billing import retention
 from billing.hours import hour_start, hours_between
-from billing.models import DirtyHour
 from db.bulk import AnyOf
 from db.copy import json_rows
 from inventory.models import Allocation
+from metering.models import DirtyHour
 
 log = logging.getLogger(__name__)
 

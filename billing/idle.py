@@ -36,8 +36,8 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from billing.hours import HOUR, MS_PER_HOUR, hour_start
-from billing.models import UsageHour
 from inventory.models import Allocation, ResourceClaim
+from metering.models import UsageHour
 from teams.models import IdleAlertPolicy, Team
 
 HUNDREDTH = Decimal("0.01")

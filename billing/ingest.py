@@ -74,11 +74,11 @@ from billing.mig_instances import (
     spells_of_any_cluster,
 )
 from billing.mig_samples import GpuInstance, MigPlacement, partitions_at
-from billing.models import AgentToken, DcgmInstance, MigInstance, Sample, UnknownDeviceSample
 from db.copy import copy_rows, json_rows
 from db.locks import advisory_xact_lock, text_key
 from inventory import profiles
 from inventory.models import Device, DeviceKind
+from metering.models import AgentToken, DcgmInstance, MigInstance, Sample, UnknownDeviceSample
 
 MAX_UUID_LENGTH = 128
 MAX_BIGINT = 2**63 - 1

@@ -47,10 +47,10 @@ from django.db.backends.utils import CursorWrapper
 from django.db.transaction import TransactionManagementError
 
 from billing.hours import sample_hold_ms
-from billing.models import DcgmInstance, MigInstance, Sample
 from db.bulk import update_rows
 from db.copy import json_rows
 from db.locks import text_key, xact_lock_sql
+from metering.models import DcgmInstance, MigInstance, Sample
 
 _TABLE = MigInstance._meta.db_table
 _KEY_COLUMNS = "cluster_id, node, parent_uuid, gpu_instance_id"

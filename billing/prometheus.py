@@ -77,9 +77,9 @@ from billing.dirty import mark_dirty
 from billing.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
 from billing.ingest import NAMED, PCI_ATTRIBUTES, PCI_KEY, pci_address, resolve_named
 from billing.mig_instances import covering
-from billing.models import MigInstance
 from db.copy import copy_rows
 from inventory.models import Allocation, Device, DeviceKind
+from metering.models import MigInstance
 
 log = logging.getLogger(__name__)
 

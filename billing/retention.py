@@ -34,7 +34,8 @@ from django.db.models import Q
 from django.utils import timezone
 from psycopg.errors import LockNotAvailable
 
-from billing.models import DirtyHour, Period, UnknownDeviceSample
+from billing.models import Period
+from metering.models import DirtyHour, UnknownDeviceSample
 
 log = logging.getLogger(__name__)
 

@@ -64,11 +64,11 @@ from billing.hours import (
     hours_between,
     sample_hold_ms,
 )
-from billing.models import DirtyHour, RollupProgress, UsageHour
 from core import metrics
 from db import locks
 from db.copy import insert_rows, json_rows
 from inventory.models import Allocation
+from metering.models import DirtyHour, RollupProgress, UsageHour
 from teams.ownership import owned_spans
 
 MICRO = 1_000_000  # shares of a GPU are kept to the millionth

@@ -16,7 +16,7 @@ from django.db.models.functions import TruncDate
 
 from billing.hours import HOUR, MS_PER_HOUR, ONE_MS, epoch_ms, hour_start
 from billing.idle import idle_hour_q
-from billing.models import SLICE_HOUR, DirtyHour, Period, RateCard, Sample, UsageHour
+from billing.models import SLICE_HOUR, Period, RateCard
 from billing.periods import period_bounds
 from billing.pricing import (
     MINOR_UNITS,
@@ -32,6 +32,7 @@ from billing.rollup import held_allocations, rolled_through
 from billing.rounding import largest_remainders
 from billing.units import hours_label
 from inventory.models import Allocation, Unit
+from metering.models import DirtyHour, Sample, UsageHour
 from teams.models import Team, TeamNamespace
 
 # Marked hours a budget read counts from the allocations hour by hour; past that many, from the

@@ -19,9 +19,9 @@ from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
 from billing import ingest
-from billing.models import AgentToken
 from core import metrics
 from core.inputs import BadInput, parse_json
+from metering.models import AgentToken
 
 log = logging.getLogger(__name__)
 

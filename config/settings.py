@@ -49,6 +49,7 @@ INSTALLED_APPS = [
     "teams",
     "inventory",
     "quota",
+    "metering",
     "billing",
     "frontend",
     "demo",

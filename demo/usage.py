@@ -18,10 +18,10 @@ from datetime import datetime, timedelta
 
 from billing import ingest, services
 from billing.hours import epoch_ms, sample_hold_ms
-from billing.models import Sample
 from billing.periods import period_bounds
 from db.copy import insert_rows
 from inventory.models import Allocation, Cluster, DeviceKind, ResourceClaim
+from metering.models import Sample
 
 # How a job uses its GPUs: a level and how much it wanders, in percent.
 PATTERNS: dict[str, tuple[float, float]] = {

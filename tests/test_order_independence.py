@@ -20,9 +20,9 @@ from django.db import connection
 from billing import ingest, prometheus, rollup
 from billing.hours import epoch_ms
 from billing.ingest import SampleRow
-from billing.models import UsageHour
 from inventory import checks, services
 from inventory.models import Device
+from metering.models import UsageHour
 from tests.factories import AllocationFactory, DeviceFactory
 
 pytestmark = pytest.mark.django_db

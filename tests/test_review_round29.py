@@ -23,9 +23,9 @@ from django.utils import timezone
 
 from billing import prometheus
 from billing.hours import epoch_ms
-from billing.models import MigInstance
 from billing.services import issue_agent_token
 from inventory.models import Device
+from metering.models import MigInstance
 from teams.alerts import RaisedAlert, raise_alert
 from teams.models import Alert, AlertKind, AlertState
 from tests.api.cast import Cast, cast

@@ -47,7 +47,11 @@ from hypothesis import strategies as st
 from billing import ingest, prometheus, rollup
 from billing.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
 from billing.ingest import adopt_unknown_samples
-from billing.models import (
+from billing.retention import purge_unknown_device_samples
+from billing.services import issue_agent_token
+from inventory import services as inventory_services
+from inventory.models import Device
+from metering.models import (
     AgentToken,
     DcgmInstance,
     DirtyHour,
@@ -56,10 +60,6 @@ from billing.models import (
     UnknownDeviceSample,
     UsageHour,
 )
-from billing.retention import purge_unknown_device_samples
-from billing.services import issue_agent_token
-from inventory import services as inventory_services
-from inventory.models import Device
 from quota.admission import shapes
 from tests.billing.test_dcgm_mig_adoption import (
     A100,

@@ -51,7 +51,7 @@ from django.urls import reverse
 
 from billing import pricing
 from billing.hours import HOUR
-from billing.models import RateCard, Statement, UsageHour
+from billing.models import RateCard, Statement
 from billing.rollup import rollup_hours
 from billing.services import issue_agent_token
 from billing.week import WEEK_CSV_COLUMNS
@@ -59,6 +59,7 @@ from devtools.fake_kube import FakeKube
 from frontend.week import week_report
 from inventory import kube, services
 from inventory.models import Allocation, Cluster, Device, ResourceClaim
+from metering.models import UsageHour
 from teams.models import Membership, Role, Team, TeamNamespace
 from tests.inventory.test_kube_sync import claim, resource_slice
 from tests.quota.test_workloads import (

@@ -9,8 +9,9 @@ import django_filters
 from django.db.models import Q, QuerySet
 from rest_framework.exceptions import ValidationError
 
-from billing.models import Period, RateCard, Statement, StatementLine, UsageHour
+from billing.models import Period, RateCard, Statement, StatementLine
 from billing.periods import PricingError, is_period_label, parse_period
+from metering.models import UsageHour
 from teams.api import DateRangeFilterSet, TeamSlugFilter, next_day, start_of_day
 
 PERIOD_HELP = (

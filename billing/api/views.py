@@ -52,12 +52,13 @@ from billing.api.serializers import (
     UsageSeriesSerializer,
     UserUsageSerializer,
 )
-from billing.models import LineKind, Period, RateCard, Statement, StatementLine, UsageHour
+from billing.models import LineKind, Period, RateCard, Statement, StatementLine
 from billing.periods import PricingError
 from billing.pricing import period_holding
 from billing.selectors import BilledRow, BilledUsage, billed_usage, unowned_usage
 from billing.services import add_adjustment, close_period
 from core.parsers import JsonParser
+from metering.models import UsageHour
 from teams.api import (
     FinanceOrOperator,
     OrderingFilter,

@@ -21,9 +21,10 @@ from django.core.management import call_command
 from billing import ingest, pricing, rollup, services
 from billing.hours import epoch_ms
 from billing.ingest import SampleRow
-from billing.models import RateCard, StatementLine, UsageHour
+from billing.models import RateCard, StatementLine
 from billing.periods import PricingError
 from inventory import services as inventory_services
+from metering.models import UsageHour
 from teams.models import Team, TeamNamespace
 
 pytestmark = pytest.mark.django_db

@@ -36,8 +36,8 @@ from billing.compare import (
     summary,
 )
 from billing.hours import MS_PER_HOUR
-from billing.models import UsageHour
 from inventory.models import Unit
+from metering.models import UsageHour
 from teams.models import Team
 
 H = MS_PER_HOUR

@@ -29,13 +29,13 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from billing import dirty, ingest, rollup
 from billing.hours import HOUR, MS_PER_HOUR, epoch_ms, hour_start
 from billing.ingest import SampleRow
-from billing.models import DirtyHour, UsageHour
 from billing.pricing import period_holding
 from billing.selectors import team_gpu_hours
 from inventory import owners
 from inventory import services as inventory_services
 from inventory.models import Allocation, ResourceClaim, Unit
 from inventory.signals import claims_changed
+from metering.models import DirtyHour, UsageHour
 from quota.models import Reservation, ReservationState
 from teams.models import Team, TeamNamespace
 from tests.billing.test_chargeback import SLICE, T10

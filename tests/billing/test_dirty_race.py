@@ -14,8 +14,8 @@ from datetime import timedelta
 import pytest
 
 from billing import dirty
-from billing.models import DirtyHour, UsageHour
 from billing.rollup import rollup_pending
+from metering.models import DirtyHour, UsageHour
 from tests.billing.test_idle_alerts import T0, claim_holding, devices_of, samples
 from tests.billing.test_late_data_marks import Connection, OnItsOwn, waited_for
 from tests.factories import ClusterFactory

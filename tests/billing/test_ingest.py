@@ -35,10 +35,10 @@ from billing.ingest import (
     touched_hours,
     validate_samples,
 )
-from billing.models import AgentToken, DirtyHour, Sample, UnknownDeviceSample
 from billing.retention import purge_unknown_device_samples as purge_unknown_samples
 from billing.services import issue_agent_token
 from inventory.models import Cluster, Device
+from metering.models import AgentToken, DirtyHour, Sample, UnknownDeviceSample
 from teams.models import AuditEntry
 from tests.factories import DeviceFactory, MigDeviceFactory
 

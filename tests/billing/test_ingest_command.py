@@ -15,8 +15,8 @@ from django.utils import timezone
 
 from billing.hours import epoch_ms
 from billing.ingest import authenticate
-from billing.models import AgentToken, Sample, UnknownDeviceSample
 from inventory.models import Device
+from metering.models import AgentToken, Sample, UnknownDeviceSample
 from teams.models import AuditEntry
 from tests.factories import DeviceFactory, MigDeviceFactory
 

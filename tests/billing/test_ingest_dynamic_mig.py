@@ -29,11 +29,11 @@ from agent.nvml import NvmlSource
 from billing import rollup
 from billing.hours import epoch_ms
 from billing.ingest import adopt_unknown_samples
-from billing.models import DirtyHour, MigInstance, Sample, UnknownDeviceSample, UsageHour
 from billing.services import issue_agent_token
 from inventory import services
 from inventory.dumps import iter_objects
 from inventory.models import Allocation, Cluster, Device
+from metering.models import DirtyHour, MigInstance, Sample, UnknownDeviceSample, UsageHour
 from tests.agent.nvml_fake import GIB, FakeDevice, install
 from tests.factories import MigDeviceFactory
 from tests.fixtures import DRA

@@ -12,8 +12,8 @@ import pytest
 from django.db import connection
 
 from billing import rollup
-from billing.models import UsageHour
 from inventory.models import Allocation
+from metering.models import UsageHour
 from teams.models import Team
 from tests.factories import AllocationFactory, DeviceFactory
 

@@ -17,8 +17,8 @@ import pytest
 from pytest_django.fixtures import SettingsWrapper
 
 from billing.hours import hours_between
-from billing.models import DirtyHour
 from inventory.models import Allocation, Device
+from metering.models import DirtyHour
 from tests.billing.test_meter_id_day import DAY, NOON, UUID, claim, resource_slice, watch
 
 pytestmark = pytest.mark.django_db

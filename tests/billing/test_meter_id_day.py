@@ -18,10 +18,10 @@ from django.urls import path
 from django.utils import timezone
 
 from billing import rollup, views
-from billing.models import DirtyHour, Sample, UsageHour
 from billing.services import issue_agent_token
 from inventory import services
 from inventory.models import Allocation, Device
+from metering.models import DirtyHour, Sample, UsageHour
 from tests.inventory.test_allocation_metering import gpu
 
 urlpatterns = [path("ingest/samples", views.ingest_samples)]

@@ -29,7 +29,7 @@ from prometheus_client import REGISTRY
 
 from billing import prometheus, rollup
 from billing.alerts import evaluate_alerts
-from billing.models import DirtyHour, UsageHour
+from metering.models import DirtyHour, UsageHour
 from teams.models import Alert, AlertKind, AlertState, Team
 from tests.billing.test_prometheus_source import (
     PROM_CLUSTER,

@@ -18,9 +18,9 @@ from django.test import Client
 from django.utils import timezone
 
 from billing.hours import epoch_ms
-from billing.models import MigInstance, Sample
 from billing.services import issue_agent_token
 from inventory.models import Device
+from metering.models import MigInstance, Sample
 from tests.factories import DeviceFactory, MigDeviceFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db

@@ -42,11 +42,12 @@ from agent.readings import format_ts
 from billing import ingest, prometheus, rollup
 from billing.hours import epoch_ms, hour_start
 from billing.ingest import SampleRow
-from billing.models import DirtyHour, MigInstance, RateCard, Sample, UsageHour
+from billing.models import RateCard
 from billing.pricing import period_for, usage_lines
 from billing.services import issue_agent_token
 from inventory import profiles
 from inventory.models import Allocation, Device
+from metering.models import DirtyHour, MigInstance, Sample, UsageHour
 from teams.models import Team, TeamNamespace
 from tests.factories import (
     AllocationFactory,

@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from billing import ingest, rollup
-from billing.models import Sample, UsageHour
 from inventory import services as inventory_services
+from metering.models import Sample, UsageHour
 from tests.billing.test_chargeback import SLICE, claim, snapshot
 
 pytestmark = pytest.mark.django_db

@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 from billing import ingest, rollup
 from billing.hours import epoch_ms
 from billing.ingest import SampleRow
-from billing.models import UsageHour
 from inventory.models import Allocation, Device
+from metering.models import UsageHour
 from teams.models import Team
 from tests.factories import AllocationFactory, DeviceFactory, MigDeviceFactory
 

@@ -21,8 +21,8 @@ from hypothesis import strategies as st
 
 from billing import rollup
 from billing.hours import MS_PER_HOUR, epoch_ms
-from billing.models import Sample, UsageHour
 from inventory.models import Allocation, Device
+from metering.models import Sample, UsageHour
 from tests.factories import AllocationFactory, DeviceFactory
 
 pytestmark = pytest.mark.django_db

@@ -17,9 +17,9 @@ from agent.readings import GpuReading
 from billing import rollup
 from billing.hours import epoch_ms
 from billing.ingest import adopt_unknown_samples, ingest, validate_samples
-from billing.models import Sample, UnknownDeviceSample, UsageHour
 from billing.services import issue_agent_token
 from inventory.models import Allocation, Device
+from metering.models import Sample, UnknownDeviceSample, UsageHour
 from tests.factories import AllocationFactory, DeviceFactory
 
 pytestmark = pytest.mark.django_db

@@ -21,7 +21,7 @@ from django.utils import timezone
 from billing.dirty import mark_dirty
 from billing.hours import epoch_ms, sample_hold_ms
 from billing.ingest import SampleRow, ingest
-from billing.models import DirtyHour, Period, Sample, UnknownDeviceSample
+from billing.models import Period
 from billing.periods import period_bounds
 from billing.retention import (
     DEFAULT_PARTITION,
@@ -35,6 +35,7 @@ from billing.retention import (
 )
 from billing.tasks import sample_retention
 from inventory.models import Device
+from metering.models import DirtyHour, Sample, UnknownDeviceSample
 from tests.factories import DeviceFactory
 
 pytestmark = pytest.mark.django_db

@@ -22,12 +22,13 @@ from billing.api.serializers import FlatStatementLineSerializer
 from billing.hours import epoch_ms
 from billing.ingest import SampleRow
 from billing.management.commands.statement import statement_json, statement_text
-from billing.models import RateCard, Statement, StatementLine, UsageHour
+from billing.models import RateCard, Statement, StatementLine
 from frontend import selectors as portal
 from inventory import profiles
 from inventory import services as inventory_services
 from inventory.dumps import iter_objects
 from inventory.models import Allocation, Device, DeviceKind, Unit
+from metering.models import UsageHour
 from teams.models import Team, TeamNamespace
 from tests.factories import AllocationFactory, DeviceFactory, NodeFactory
 from tests.fixtures import DRA
