@@ -48,7 +48,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from bench.database import fresh_database
-from billing.hours import MS_PER_HOUR
+from metering.hours import MS_PER_HOUR
 
 DEFAULT_URL = "postgres://postgres@127.0.0.1:5432/tally_bench_billing"
 WEEK_START = datetime(2026, 3, 2, tzinfo=UTC)  # a Monday, long past

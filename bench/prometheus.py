@@ -135,8 +135,8 @@ def _run(engine: str, uuids: list[str], *, interval: int, step: int) -> int:
     from django.test import override_settings
 
     from billing import ingest, prometheus, rollup
-    from billing.hours import epoch_ms
     from billing.ingest import SampleRow
+    from metering.hours import epoch_ms
     from metering.models import UsageHour
 
     hours = [DAY + timedelta(hours=n) for n in range(24)]

@@ -14,10 +14,10 @@ from django.db import connection
 from django.db.models import Q
 
 from billing import retention
-from billing.hours import hour_start, hours_between
 from db.bulk import AnyOf
 from db.copy import json_rows
 from inventory.models import Allocation
+from metering.hours import hour_start, hours_between
 from metering.models import DirtyHour
 
 log = logging.getLogger(__name__)

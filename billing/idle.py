@@ -35,8 +35,8 @@ from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from billing.hours import HOUR, MS_PER_HOUR, hour_start
 from inventory.models import Allocation, ResourceClaim
+from metering.hours import HOUR, MS_PER_HOUR, hour_start
 from metering.models import UsageHour
 from teams.models import IdleAlertPolicy, Team
 

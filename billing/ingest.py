@@ -61,7 +61,6 @@ from django.utils import timezone
 from psycopg.errors import UniqueViolation
 
 from billing.dirty import mark_dirty
-from billing.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
 from billing.mig_instances import (
     InstanceKey,
     Point,
@@ -78,6 +77,7 @@ from db.copy import copy_rows, json_rows
 from db.locks import advisory_xact_lock, text_key
 from inventory import profiles
 from inventory.models import Device, DeviceKind
+from metering.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
 from metering.models import AgentToken, DcgmInstance, MigInstance, Sample, UnknownDeviceSample
 
 MAX_UUID_LENGTH = 128

@@ -46,10 +46,10 @@ from django.db import connection
 from django.db.backends.utils import CursorWrapper
 from django.db.transaction import TransactionManagementError
 
-from billing.hours import sample_hold_ms
 from db.bulk import update_rows
 from db.copy import json_rows
 from db.locks import text_key, xact_lock_sql
+from metering.hours import sample_hold_ms
 from metering.models import DcgmInstance, MigInstance, Sample
 
 _TABLE = MigInstance._meta.db_table

@@ -37,8 +37,8 @@ from typing import Any, NamedTuple
 
 from django.db.models import Q
 
-from billing.hours import EPOCH, ONE_MS, epoch_ms
 from inventory.models import Device, DeviceKind
+from metering.hours import EPOCH, ONE_MS, epoch_ms
 
 # A counter of one memory slice: the driver's `memory-slice-3`, or KEP-4815's example's
 # `memorySlice3`.

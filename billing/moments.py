@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from datetime import UTC, date, datetime, time
 
-from billing.hours import EPOCH, hour_start
+from metering.hours import EPOCH, hour_start
 
 # Usage is counted in milliseconds from the Unix epoch: nothing is recorded before it.
 EARLIEST = EPOCH

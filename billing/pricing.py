@@ -32,10 +32,10 @@ from django.db.models.functions import TruncDate
 from django.utils import timezone
 
 from billing import late_data, shock
-from billing.hours import MS_PER_HOUR
 from billing.models import SLICE_HOUR, LineKind, Period, RateCard, Statement, StatementLine
 from billing.periods import PricingError, period_bounds, period_label, period_length
 from db.locks import advisory_xact_lock
+from metering.hours import MS_PER_HOUR
 from metering.models import UsageHour
 from teams.models import Team
 

@@ -74,11 +74,11 @@ from django.utils import timezone
 from agent.exporters import PROFILES, ScrapeContext
 from billing import silence
 from billing.dirty import mark_dirty
-from billing.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
 from billing.ingest import NAMED, PCI_ATTRIBUTES, PCI_KEY, pci_address, resolve_named
 from billing.mig_instances import covering
 from db.copy import copy_rows
 from inventory.models import Allocation, Device, DeviceKind
+from metering.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
 from metering.models import MigInstance
 
 log = logging.getLogger(__name__)

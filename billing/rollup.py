@@ -55,7 +55,11 @@ from django.utils import timezone
 
 from billing import prometheus, silence
 from billing.dirty import mark_dirty
-from billing.hours import (
+from core import metrics
+from db import locks
+from db.copy import insert_rows, json_rows
+from inventory.models import Allocation
+from metering.hours import (
     HOUR,
     MS_PER_HOUR,
     epoch_ms,
@@ -64,10 +68,6 @@ from billing.hours import (
     hours_between,
     sample_hold_ms,
 )
-from core import metrics
-from db import locks
-from db.copy import insert_rows, json_rows
-from inventory.models import Allocation
 from metering.models import DirtyHour, RollupProgress, UsageHour
 from teams.ownership import owned_spans
 

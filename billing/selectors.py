@@ -14,7 +14,6 @@ from django.db import connection
 from django.db.models import F, Max, Min, OuterRef, Subquery, Sum
 from django.db.models.functions import TruncDate
 
-from billing.hours import HOUR, MS_PER_HOUR, ONE_MS, epoch_ms, hour_start
 from billing.idle import idle_hour_q
 from billing.models import SLICE_HOUR, Period, RateCard
 from billing.periods import period_bounds
@@ -32,6 +31,7 @@ from billing.rollup import held_allocations, rolled_through
 from billing.rounding import largest_remainders
 from billing.units import hours_label
 from inventory.models import Allocation, Unit
+from metering.hours import HOUR, MS_PER_HOUR, ONE_MS, epoch_ms, hour_start
 from metering.models import DirtyHour, Sample, UsageHour
 from teams.models import Team, TeamNamespace
 

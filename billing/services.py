@@ -24,7 +24,6 @@ from django.utils import timezone
 
 from billing import ingest, late_data, retention, rollup
 from billing.currencies import currency_error
-from billing.hours import hours_between
 from billing.models import LineKind, Period, RateCard, Statement, StatementLine
 from billing.periods import PricingError, period_bounds, period_label
 from billing.pricing import already_closed, period_for, refresh_statements, round_money
@@ -39,6 +38,7 @@ from billing.rates import (
     rate_change_error,
 )
 from inventory.models import Cluster
+from metering.hours import hours_between
 from metering.models import AgentToken, DirtyHour, UsageHour
 from teams import audit
 from teams.models import AuditEntry, Team

@@ -24,8 +24,8 @@ from datetime import datetime, timedelta
 
 from django.conf import settings
 
-from billing.hours import MS_PER_HOUR, epoch_ms, hour_at
 from core import metrics
+from metering.hours import MS_PER_HOUR, epoch_ms, hour_at
 from teams.alerts import RaisedAlert, SyncReport, operator_recipients, raise_alert, resolve_missing
 from teams.models import Alert, AlertKind, AlertState
 

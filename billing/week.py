@@ -25,7 +25,6 @@ from typing import Any, NamedTuple
 
 from django.db.models import Count, F, Sum
 
-from billing.hours import HOUR, MS_PER_HOUR
 from billing.idle import below_percent_of, idle_hour
 from billing.models import SLICE_HOUR
 from billing.moments import parse_day
@@ -33,6 +32,7 @@ from billing.pricing import RateCards, period_holding, rate_hours, round_money
 from billing.selectors import BilledUsage, billed_usage, team_gpu_hours
 from billing.units import hours_label
 from inventory.models import Cluster, Device
+from metering.hours import HOUR, MS_PER_HOUR
 from metering.models import UsageHour
 from teams.models import Team
 

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from billing import ingest, services
-from billing.hours import epoch_ms, sample_hold_ms
 from billing.periods import period_bounds
 from db.copy import insert_rows
 from inventory.models import Allocation, Cluster, DeviceKind, ResourceClaim
+from metering.hours import epoch_ms, sample_hold_ms
 from metering.models import Sample
 
 # How a job uses its GPUs: a level and how much it wanders, in percent.

@@ -17,7 +17,6 @@ from typing import Any
 from django.db.models import F, OuterRef, Subquery, Sum
 from django.db.models.functions import TruncDate
 
-from billing.hours import MS_PER_HOUR
 from billing.models import GPU_HOUR, SLICE_HOUR, Period, Statement, StatementLine, unit_hour
 from billing.pricing import RateCards, period_holding, rate_hours, round_money
 from billing.selectors import (
@@ -30,6 +29,7 @@ from billing.selectors import (
 from billing.units import hours_label, units_label
 from inventory.models import Allocation, Cluster, Unit
 from inventory.profiles import unit_label
+from metering.hours import MS_PER_HOUR
 from metering.models import Sample, UsageHour
 from quota.admission.shapes import every_fleet, rule_units
 from quota.models import Budget, QuotaRule

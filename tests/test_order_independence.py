@@ -18,10 +18,10 @@ import pytest
 from django.db import connection
 
 from billing import ingest, prometheus, rollup
-from billing.hours import epoch_ms
 from billing.ingest import SampleRow
 from inventory import checks, services
 from inventory.models import Device
+from metering.hours import epoch_ms
 from metering.models import UsageHour
 from tests.factories import AllocationFactory, DeviceFactory
 

@@ -16,12 +16,12 @@ from django.test import Client
 from django.utils import timezone
 
 from billing import rollup
-from billing.hours import epoch_ms
 from billing.ingest import adopt_unknown_samples, ingest, validate_samples
 from billing.services import issue_agent_token
 from inventory import services
 from inventory.dumps import iter_objects
 from inventory.models import Cluster, Device
+from metering.hours import epoch_ms
 from metering.models import Sample, UsageHour
 from tests.factories import AllocationFactory, DeviceFactory, NodeFactory
 from tests.fixtures import DRA

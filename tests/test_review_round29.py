@@ -22,9 +22,9 @@ from django.urls import reverse
 from django.utils import timezone
 
 from billing import prometheus
-from billing.hours import epoch_ms
 from billing.services import issue_agent_token
 from inventory.models import Device
+from metering.hours import epoch_ms
 from metering.models import MigInstance
 from teams.alerts import RaisedAlert, raise_alert
 from teams.models import Alert, AlertKind, AlertState

@@ -45,12 +45,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from billing import ingest, prometheus, rollup
-from billing.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
 from billing.ingest import adopt_unknown_samples
 from billing.retention import purge_unknown_device_samples
 from billing.services import issue_agent_token
 from inventory import services as inventory_services
 from inventory.models import Device
+from metering.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
 from metering.models import (
     AgentToken,
     DcgmInstance,

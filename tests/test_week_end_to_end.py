@@ -50,7 +50,6 @@ from django.test import Client
 from django.urls import reverse
 
 from billing import pricing
-from billing.hours import HOUR
 from billing.models import RateCard, Statement
 from billing.rollup import rollup_hours
 from billing.services import issue_agent_token
@@ -59,6 +58,7 @@ from devtools.fake_kube import FakeKube
 from frontend.week import week_report
 from inventory import kube, services
 from inventory.models import Allocation, Cluster, Device, ResourceClaim
+from metering.hours import HOUR
 from metering.models import UsageHour
 from teams.models import Membership, Role, Team, TeamNamespace
 from tests.inventory.test_kube_sync import claim, resource_slice

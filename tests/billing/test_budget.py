@@ -16,7 +16,6 @@ from pytest_django.fixtures import SettingsWrapper
 
 from billing import rollup
 from billing.dirty import mark_dirty
-from billing.hours import HOUR, MS_PER_HOUR, hour_start
 from billing.models import Period
 from billing.periods import PricingError, period_bounds, period_label
 from billing.pricing import period_for, period_holding
@@ -25,6 +24,7 @@ from billing.selectors import MOST_MARKED_SPANS, team_gpu_hours
 from inventory import services as inventory_services
 from inventory.dumps import iter_objects
 from inventory.models import Device, Unit
+from metering.hours import HOUR, MS_PER_HOUR, hour_start
 from metering.models import UsageHour
 from quota.admission.shapes import forget_fleet_shapes
 from quota.models import Budget

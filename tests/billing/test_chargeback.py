@@ -19,11 +19,11 @@ import pytest
 from django.core.management import call_command
 
 from billing import ingest, pricing, rollup, services
-from billing.hours import epoch_ms
 from billing.ingest import SampleRow
 from billing.models import RateCard, StatementLine
 from billing.periods import PricingError
 from inventory import services as inventory_services
+from metering.hours import epoch_ms
 from metering.models import UsageHour
 from teams.models import Team, TeamNamespace
 

@@ -35,8 +35,8 @@ from billing.compare import (
     shown_parts,
     summary,
 )
-from billing.hours import MS_PER_HOUR
 from inventory.models import Unit
+from metering.hours import MS_PER_HOUR
 from metering.models import UsageHour
 from teams.models import Team
 

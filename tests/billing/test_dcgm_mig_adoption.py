@@ -30,11 +30,11 @@ from hypothesis import strategies as st
 
 from agent.readings import GpuReading
 from billing import ingest, prometheus, services
-from billing.hours import epoch_ms, sample_hold_ms
 from billing.ingest import adopt_unknown_samples
 from billing.models import RateCard
 from billing.services import issue_agent_token
 from inventory.models import Device
+from metering.hours import epoch_ms, sample_hold_ms
 from metering.models import AgentToken, MigInstance, Sample, UnknownDeviceSample, UsageHour
 from teams.models import Team, TeamNamespace
 from tests.billing.test_late_data_marks import Connection, OnItsOwn, waited_for

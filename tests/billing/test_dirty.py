@@ -9,9 +9,9 @@ import pytest
 from django.utils import timezone
 
 from billing import dirty, rollup, services
-from billing.hours import HOUR, MS_PER_HOUR, hour_start
 from billing.pricing import period_holding
 from billing.selectors import team_gpu_hours
+from metering.hours import HOUR, MS_PER_HOUR, hour_start
 from metering.models import DirtyHour, UsageHour
 from teams.models import Team, TeamNamespace
 from tests.billing.test_chargeback import SLICE, T10, claim, snapshot

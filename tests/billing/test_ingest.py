@@ -23,7 +23,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from billing import services, views
-from billing.hours import epoch_ms
 from billing.ingest import (
     SampleRow,
     _Bounds,
@@ -38,6 +37,7 @@ from billing.ingest import (
 from billing.retention import purge_unknown_device_samples as purge_unknown_samples
 from billing.services import issue_agent_token
 from inventory.models import Cluster, Device
+from metering.hours import epoch_ms
 from metering.models import AgentToken, DirtyHour, Sample, UnknownDeviceSample
 from teams.models import AuditEntry
 from tests.factories import DeviceFactory, MigDeviceFactory

@@ -27,12 +27,12 @@ from django.utils import timezone
 from agent.exporters import DCGM, ExporterSource
 from agent.nvml import NvmlSource
 from billing import rollup
-from billing.hours import epoch_ms
 from billing.ingest import adopt_unknown_samples
 from billing.services import issue_agent_token
 from inventory import services
 from inventory.dumps import iter_objects
 from inventory.models import Allocation, Cluster, Device
+from metering.hours import epoch_ms
 from metering.models import DirtyHour, MigInstance, Sample, UnknownDeviceSample, UsageHour
 from tests.agent.nvml_fake import GIB, FakeDevice, install
 from tests.factories import MigDeviceFactory

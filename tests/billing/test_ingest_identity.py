@@ -25,12 +25,12 @@ from agent.exporters import AMD as AMD_PROFILE
 from agent.exporters import INTEL as INTEL_PROFILE
 from agent.exporters import parse_metrics
 from billing import views
-from billing.hours import epoch_ms
 from billing.ingest import adopt_unknown_samples, formed_meter_id, validate_samples
 from billing.services import issue_agent_token
 from inventory import services
 from inventory.dumps import iter_objects
 from inventory.models import Cluster, Device, DeviceKind
+from metering.hours import epoch_ms
 from metering.models import Sample, UnknownDeviceSample
 from tests.factories import DeviceFactory, NodeFactory, OtherDeviceFactory
 from tests.fixtures import DRA

@@ -11,8 +11,8 @@ from datetime import datetime, timedelta
 import pytest
 from pytest_django.fixtures import SettingsWrapper
 
-from billing.hours import hours_between
 from inventory.models import Allocation
+from metering.hours import hours_between
 from metering.models import DirtyHour
 from tests.billing.test_meter_id_day import DAY, NOON, UUID, claim, resource_slice, watch
 

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from billing import ingest, pricing, rollup
-from billing.hours import epoch_ms
 from billing.ingest import SampleRow
 from inventory import services
 from inventory.models import Allocation, Device
+from metering.hours import epoch_ms
 from metering.models import UsageHour
 from quota.policy import apply_policy, load_policy
 from teams.models import Team, TeamNamespace

@@ -17,9 +17,9 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from billing.hours import epoch_ms
 from billing.services import issue_agent_token
 from inventory.models import Device
+from metering.hours import epoch_ms
 from metering.models import MigInstance, Sample
 from tests.factories import DeviceFactory, MigDeviceFactory, NodeFactory
 

@@ -21,9 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from billing import ingest, rollup
-from billing.hours import epoch_ms
 from billing.ingest import SampleRow
 from inventory.models import Allocation, Device
+from metering.hours import epoch_ms
 from metering.models import UsageHour
 from teams.models import Team
 from tests.factories import AllocationFactory, DeviceFactory, MigDeviceFactory

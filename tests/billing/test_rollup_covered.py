@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from billing import rollup
-from billing.hours import MS_PER_HOUR, epoch_ms
 from inventory.models import Allocation, Device
+from metering.hours import MS_PER_HOUR, epoch_ms
 from metering.models import Sample, UsageHour
 from tests.factories import AllocationFactory, DeviceFactory
 

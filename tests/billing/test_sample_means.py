@@ -15,10 +15,10 @@ from django.utils import timezone
 from agent.means import Averager
 from agent.readings import GpuReading
 from billing import rollup
-from billing.hours import epoch_ms
 from billing.ingest import adopt_unknown_samples, ingest, validate_samples
 from billing.services import issue_agent_token
 from inventory.models import Allocation, Device
+from metering.hours import epoch_ms
 from metering.models import Sample, UnknownDeviceSample, UsageHour
 from tests.factories import AllocationFactory, DeviceFactory
 

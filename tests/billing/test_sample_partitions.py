@@ -19,7 +19,6 @@ from django.test import override_settings
 from django.utils import timezone
 
 from billing.dirty import mark_dirty
-from billing.hours import epoch_ms, sample_hold_ms
 from billing.ingest import SampleRow, ingest
 from billing.models import Period
 from billing.periods import period_bounds
@@ -35,6 +34,7 @@ from billing.retention import (
 )
 from billing.tasks import sample_retention
 from inventory.models import Device
+from metering.hours import epoch_ms, sample_hold_ms
 from metering.models import DirtyHour, Sample, UnknownDeviceSample
 from tests.factories import DeviceFactory
 

@@ -19,7 +19,6 @@ from django.utils import timezone
 
 from billing import ingest, pricing, rollup, services
 from billing.api.serializers import FlatStatementLineSerializer
-from billing.hours import epoch_ms
 from billing.ingest import SampleRow
 from billing.management.commands.statement import statement_json, statement_text
 from billing.models import RateCard, Statement, StatementLine
@@ -28,6 +27,7 @@ from inventory import profiles
 from inventory import services as inventory_services
 from inventory.dumps import iter_objects
 from inventory.models import Allocation, Device, DeviceKind, Unit
+from metering.hours import epoch_ms
 from metering.models import UsageHour
 from teams.models import Team, TeamNamespace
 from tests.factories import AllocationFactory, DeviceFactory, NodeFactory

@@ -25,12 +25,12 @@ from django.test import Client, override_settings
 from django.urls import reverse
 
 from billing import tasks
-from billing.hours import epoch_ms, hour_start
 from billing.idle import idle_claims
 from billing.models import Period, Statement, StatementLine
 from frontend import selectors as portal
 from inventory import selectors as fleet
 from inventory.models import Allocation, Device, DeviceKind, ResourceClaim
+from metering.hours import epoch_ms, hour_start
 from metering.models import DirtyHour, UsageHour
 from quota.models import AdmissionDecision, Reservation
 from teams.models import Team

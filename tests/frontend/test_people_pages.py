@@ -18,10 +18,10 @@ from django.urls import reverse
 from django.utils import timezone
 
 from billing import ingest
-from billing.hours import HOUR, MS_PER_HOUR, epoch_ms, hour_start
 from billing.ingest import SampleRow
 from billing.selectors import IDLE_LOOKBACK
 from inventory.models import Unit
+from metering.hours import HOUR, MS_PER_HOUR, epoch_ms, hour_start
 from quota.models import Budget
 from teams.models import IdleAlertPolicy
 from tests.api.cast import Cast, cast

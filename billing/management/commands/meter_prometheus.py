@@ -19,10 +19,10 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
 from billing import prometheus
-from billing.hours import HOUR, epoch_ms, hour_at, hour_start
 from billing.moments import within_range
 from billing.rollup import held_allocations
 from inventory.models import Cluster
+from metering.hours import HOUR, epoch_ms, hour_at, hour_start
 
 
 class Command(BaseCommand):
