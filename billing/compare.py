@@ -42,12 +42,12 @@ from typing import Any
 
 from django.db.models import Case, CharField, F, Q, Sum, Value, When
 
-from billing.moments import MOMENT_HELP, parse_moment
 from billing.rounding import largest_remainders
 from billing.units import hours_label
 from inventory.models import Unit
 from metering.hours import MS_PER_HOUR
 from metering.models import UsageHour
+from metering.moments import MOMENT_HELP, parse_moment
 from teams.models import Team
 
 ZERO = Fraction(0)

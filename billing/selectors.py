@@ -27,12 +27,12 @@ from billing.pricing import (
     round_money,
     unowned_lines,
 )
-from billing.rollup import held_allocations, rolled_through
 from billing.rounding import largest_remainders
 from billing.units import hours_label
 from inventory.models import Allocation, Unit
 from metering.hours import HOUR, MS_PER_HOUR, ONE_MS, epoch_ms, hour_start
 from metering.models import DirtyHour, Sample, UsageHour
+from metering.rollup import held_allocations, rolled_through
 from teams.models import Team, TeamNamespace
 
 # Marked hours a budget read counts from the allocations hour by hour; past that many, from the

@@ -634,7 +634,7 @@ TALLY_BILL_SHOCK_PERCENT = env.get_int("TALLY_BILL_SHOCK_PERCENT", 50, minimum=0
 TALLY_ROLLUP_DEVICE_HOURS = env.get_int("TALLY_ROLLUP_DEVICE_HOURS", 250_000, minimum=1)
 # Where utilisation comes from (billing/prometheus.py): `samples` (the agents' raw samples),
 # `prometheus` (a Prometheus-compatible engine's query API), or a default with exceptions per
-# cluster: `samples,gpu-east=prometheus`. Parsed and checked by `billing.prometheus.config()`
+# cluster: `samples,gpu-east=prometheus`. Parsed and checked by `metering.prometheus.config()`
 # (`manage.py meter_prometheus --check`); a bad value names its variable.
 TALLY_METERING_SOURCE = env.get_str("TALLY_METERING_SOURCE", "samples") or "samples"
 TALLY_PROMETHEUS_URL = env.get_str("TALLY_PROMETHEUS_URL", "") or ""
@@ -713,7 +713,7 @@ CELERY_BEAT_SCHEDULE["billing-close-period"] = {
     "schedule": crontab(minute="20"),
 }
 
-# Retention (`billing.retention`, `quota.retention`). Raw samples are partitioned by UTC day:
+# Retention (`metering.retention`, `quota.retention`). Raw samples are partitioned by UTC day:
 # partitions are made this many days ahead, and a day is dropped once older than
 # TALLY_SAMPLE_RETENTION_DAYS, its periods closed and its hours rolled up. Longer than the
 # ingest window: a late sample for a dropped day would have its hour rolled up again without

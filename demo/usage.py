@@ -16,10 +16,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from billing import ingest, services
+from billing import services
 from billing.periods import period_bounds
 from db.copy import insert_rows
 from inventory.models import Allocation, Cluster, DeviceKind, ResourceClaim
+from metering import ingest
 from metering.hours import epoch_ms, sample_hold_ms
 from metering.models import Sample
 

@@ -44,7 +44,7 @@ class Sample(models.Model):
     the rollup sums spans without ordering the samples again.
 
     The table is partitioned by range of `ts_ms`, one partition per UTC day (migration 0007),
-    so a day ages out as one dropped table (`billing.retention`); queries that bound `ts_ms`
+    so a day ages out as one dropped table (`metering.retention`); queries that bound `ts_ms`
     read only their days' partitions. The database's primary key is (id, ts_ms), as a
     partitioned table's must hold its partition key; Django keeps `id` alone as the primary
     key (ids come from one sequence, so they are unique), because its admin refuses models
@@ -66,7 +66,7 @@ class Sample(models.Model):
     covered_ms = models.BigIntegerField(null=True, blank=True)
     # Set on a sample DCGM named by its GPU instance (`<parent UUID>::gi<N>`): N. It is stored
     # under the device its GPU instance was at its instant (the spells, `MigInstance`), and
-    # moved when they change (`billing.ingest`); null: a sample sent under its device's own id.
+    # moved when they change (`metering.ingest`); null: a sample sent under its device's own id.
     placed_gpu_instance = models.IntegerField(null=True, blank=True)
 
     class Meta:
@@ -93,7 +93,7 @@ class UnknownDeviceSample(models.Model):
     TALLY_INGEST_UNKNOWN_RETENTION_DAYS is deleted. `agent_token` is null for samples an
     operator loaded (`ingest_samples`). `node` is the node that sent the sample (a node's
     token's own node): a token's samples are adopted only for a device where that token may
-    send (`billing.ingest.adopt_unknown_samples`).
+    send (`metering.ingest.adopt_unknown_samples`).
     """
 
     device_uuid = models.CharField(max_length=128, db_index=True)
@@ -105,12 +105,12 @@ class UnknownDeviceSample(models.Model):
     received_at = models.DateTimeField(db_index=True)
     # As on `Sample`: a mean's covered time, kept so it holds as long once adopted.
     covered_ms = models.BigIntegerField(null=True, blank=True)
-    # A dynamic MIG device's sample (`billing.mig_samples`): its GPU and placement as the agent
+    # A dynamic MIG device's sample (`metering.mig_samples`): its GPU and placement as the agent
     # sent them (`parent_uuid`, `start`, `size`, `profile`, `profile_id`), so it is adopted by
     # the partition at that placement once the sync has it.
     mig_placement = models.JSONField(null=True, blank=True)
     # A MIG device's GPU instance as the agent sent it (`parent_uuid`, `gpu_instance_id`), so
-    # the device it is adopted under records it (`billing.mig_instances`), as `ingest` would.
+    # the device it is adopted under records it (`metering.mig_instances`), as `ingest` would.
     gpu_instance = models.JSONField(null=True, blank=True)
     # The cluster the sample is of: a token's, its token's; a DCGM sample named by its GPU
     # instance (`<parent UUID>::gi<N>`) set aside without a token (an operator's, or one set
@@ -133,7 +133,7 @@ class UnknownDeviceSample(models.Model):
         constraints = [
             # Per sending node and cluster: a token's samples under the identity of a device on
             # another node (never adopted), or of a GPU instance on another cluster's node of
-            # the same name, must not crowd out that device's own (`billing.ingest`). An
+            # the same name, must not crowd out that device's own (`metering.ingest`). An
             # operator's of no known cluster (null) are one scope.
             models.UniqueConstraint(
                 fields=["device_uuid", "ts_ms", "node", "cluster"],
@@ -149,13 +149,13 @@ class UnknownDeviceSample(models.Model):
 class MigInstance(models.Model):
     """A spell of a GPU instance id of a GPU: which MIG device (`meter_id`) it was from the
     first to the last sample time a run of that device's samples gave it, with no sample of
-    another device under that id between (`billing.mig_instances`).
+    another device under that id between (`metering.mig_instances`).
 
     DCGM names a MIG device by its parent's UUID and its GPU instance id (`GPU_I_ID`), never
     by the MIG UUID, and NVIDIA's DRA driver publishes no GPU instance ids: these rows are how
     the Prometheus source tells apart two MIG devices of one profile on one GPU
-    (`billing.prometheus`), and how the ingest stores an agent's DCGM samples named
-    `<parent UUID>::gi<N>` (`billing.ingest`). An id reused A, B, A gives three spells, so a
+    (`metering.prometheus`), and how the ingest stores an agent's DCGM samples named
+    `<parent UUID>::gi<N>` (`metering.ingest`). An id reused A, B, A gives three spells, so a
     reading between is never claimed by both. A GPU instance is keyed by cluster, node (the
     inventory's, where its GPU is), parent and id; its spells are the runs of all its samples
     in time order, whatever order their batches came in, from agents, backfills and adopted
@@ -174,7 +174,7 @@ class MigInstance(models.Model):
         db_table = "billing_miginstance"
         constraints = [
             # Spells of one device under one GPU instance never overlap: one starts once. The
-            # order serves `billing.mig_instances`, which reads a GPU instance's spells by time.
+            # order serves `metering.mig_instances`, which reads a GPU instance's spells by time.
             models.UniqueConstraint(
                 fields=[
                     "cluster",
@@ -189,9 +189,9 @@ class MigInstance(models.Model):
         ]
         indexes = [
             # A GPU instance's spells ending from a time on: the ones a batch falls in or
-            # next to, however many its id was reused for before (`billing.mig_instances`).
+            # next to, however many its id was reused for before (`metering.mig_instances`).
             models.Index(fields=["cluster", "node", "parent_uuid", "gpu_instance_id", "last_ms"]),
-            # A GPU's spells about a window (`billing.prometheus`).
+            # A GPU's spells about a window (`metering.prometheus`).
             models.Index(fields=["parent_uuid", "last_ms"]),
         ]
 
@@ -203,7 +203,7 @@ class DcgmInstance(models.Model):
     """A GPU instance DCGM sent samples of under `<parent UUID>::gi<N>` (an agent that could not
     tell its MIG device), on a node: the first and last instants sent. Those samples are stored
     under the device the GPU instance was at each instant, by its spells (`MigInstance`), and
-    placed again where the spells change (`billing.ingest`); this row tells the spells' writer
+    placed again where the spells change (`metering.ingest`); this row tells the spells' writer
     that there are such samples to look for, and when, so that where DCGM sent none (the
     usual case) a batch that extends a spell looks for none."""
 
@@ -228,7 +228,7 @@ class DcgmInstance(models.Model):
 class DirtyHour(models.Model):
     """An hour whose usage must be rolled up again: late samples or allocations touched it.
 
-    `version` is new at every mark (`billing.dirty.mark_dirty`, from a sequence): a rollup takes
+    `version` is new at every mark (`metering.dirty.mark_dirty`, from a sequence): a rollup takes
     away only the marks it read, at the version it read, so a mark made while it ran, whatever
     its `marked_at` says, outlives it."""
 

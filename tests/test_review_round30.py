@@ -44,13 +44,11 @@ from django.test.utils import CaptureQueriesContext
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from billing import ingest, prometheus, rollup
-from billing.ingest import adopt_unknown_samples
-from billing.retention import purge_unknown_device_samples
-from billing.services import issue_agent_token
 from inventory import services as inventory_services
 from inventory.models import Device
+from metering import ingest, prometheus, rollup
 from metering.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
+from metering.ingest import adopt_unknown_samples
 from metering.models import (
     AgentToken,
     DcgmInstance,
@@ -60,6 +58,8 @@ from metering.models import (
     UnknownDeviceSample,
     UsageHour,
 )
+from metering.retention import purge_unknown_device_samples
+from metering.services import issue_agent_token
 from quota.admission import shapes
 from tests.billing.test_dcgm_mig_adoption import (
     A100,

@@ -33,8 +33,8 @@ from billing.compare import (
     summary,
     total_row,
 )
-from billing.moments import MOMENT_HELP
 from inventory.models import Unit
+from metering.moments import MOMENT_HELP
 from teams.api import FINANCE, OPERATOR, AnyRole, CSVRenderer, request_role
 from teams.models import Team
 from teams.selectors import visible_teams

@@ -20,11 +20,11 @@ from rest_framework import serializers
 from billing.api.filtersets import PERIOD_HELP, period_lookups
 from billing.currencies import currency_error
 from billing.models import Period, RateCard, Statement, StatementLine
-from billing.moments import MOMENT_HELP, RANGE_HELP, parse_moment
 from billing.pricing import period_holding, round_money
 from billing.units import hours_label
 from inventory.models import Unit
 from metering.hours import HOUR, MS_PER_HOUR
+from metering.moments import MOMENT_HELP, RANGE_HELP, parse_moment
 from teams.api import ReadOnlyModelSerializer, VisibleTeamField
 from teams.models import Team
 
@@ -337,7 +337,7 @@ class UserUsageSerializer(UsageSerializer):
 
 
 class WindowBoundField(serializers.DateTimeField):
-    """A window's bound (`billing.moments.parse_moment`): a date (its midnight, UTC) or a date
+    """A window's bound (`metering.moments.parse_moment`): a date (its midnight, UTC) or a date
     and time on the hour, in the range Tally counts in."""
 
     def __init__(self, **kwargs: Any) -> None:

@@ -121,8 +121,8 @@ def test_a_rate_card_overlapping_another_is_refused_naming_it(ops_client: Client
 def test_mig_instances_and_dirty_marks_are_listed_read_only(ops_client: Client) -> None:
     from datetime import UTC, datetime
 
-    from billing.dirty import mark_dirty
     from inventory.services import get_cluster
+    from metering.dirty import mark_dirty
     from metering.models import MigInstance
 
     mark_dirty(hours={datetime(2026, 11, 30, 6, tzinfo=UTC)}, at=datetime(2026, 12, 1, tzinfo=UTC))

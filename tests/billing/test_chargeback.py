@@ -18,12 +18,13 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 
-from billing import ingest, pricing, rollup, services
-from billing.ingest import SampleRow
+from billing import pricing, services
 from billing.models import RateCard, StatementLine
 from billing.periods import PricingError
 from inventory import services as inventory_services
+from metering import ingest, rollup
 from metering.hours import epoch_ms
+from metering.ingest import SampleRow
 from metering.models import UsageHour
 from teams.models import Team, TeamNamespace
 

@@ -29,13 +29,14 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from agent.readings import GpuReading
-from billing import ingest, prometheus, services
-from billing.ingest import adopt_unknown_samples
+from billing import services
 from billing.models import RateCard
-from billing.services import issue_agent_token
 from inventory.models import Device
+from metering import ingest, prometheus
 from metering.hours import epoch_ms, sample_hold_ms
+from metering.ingest import adopt_unknown_samples
 from metering.models import AgentToken, MigInstance, Sample, UnknownDeviceSample, UsageHour
+from metering.services import issue_agent_token
 from teams.models import Team, TeamNamespace
 from tests.billing.test_late_data_marks import Connection, OnItsOwn, waited_for
 from tests.billing.test_mig_instance_spells import agent_of, migs

@@ -8,9 +8,10 @@ from decimal import Decimal
 import pytest
 from django.utils import timezone
 
-from billing import dirty, rollup, services
+from billing import services
 from billing.pricing import period_holding
 from billing.selectors import team_gpu_hours
+from metering import dirty, rollup
 from metering.hours import HOUR, MS_PER_HOUR, hour_start
 from metering.models import DirtyHour, UsageHour
 from teams.models import Team, TeamNamespace

@@ -26,15 +26,15 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from billing import dirty, ingest, rollup
-from billing.ingest import SampleRow
 from billing.pricing import period_holding
 from billing.selectors import team_gpu_hours
 from inventory import owners
 from inventory import services as inventory_services
 from inventory.models import Allocation, ResourceClaim, Unit
 from inventory.signals import claims_changed
+from metering import dirty, ingest, rollup
 from metering.hours import HOUR, MS_PER_HOUR, epoch_ms, hour_start
+from metering.ingest import SampleRow
 from metering.models import DirtyHour, UsageHour
 from quota.models import Reservation, ReservationState
 from teams.models import Team, TeamNamespace

@@ -13,9 +13,9 @@ from datetime import timedelta
 
 import pytest
 
-from billing import dirty
-from billing.rollup import rollup_pending
+from metering import dirty
 from metering.models import DirtyHour, UsageHour
+from metering.rollup import rollup_pending
 from tests.billing.test_idle_alerts import T0, claim_holding, devices_of, samples
 from tests.billing.test_late_data_marks import Connection, OnItsOwn, waited_for
 from tests.factories import ClusterFactory

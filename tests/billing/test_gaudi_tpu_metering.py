@@ -26,13 +26,13 @@ from django.urls import path
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.exporters import GAUDI, PROFILES, TPU, ExporterProfile, parse_metrics
-from billing import prometheus, views
-from billing.services import issue_agent_token
 from inventory import services as inventory_services
 from inventory.dumps import iter_objects
 from inventory.models import Device
+from metering import prometheus, views
 from metering.hours import epoch_ms
 from metering.models import Sample
+from metering.services import issue_agent_token
 from tests.billing.test_prometheus_source import Key, _binaries, _serve, openmetrics
 from tests.billing.test_vendor_billing import (
     DAY,

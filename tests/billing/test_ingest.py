@@ -22,8 +22,11 @@ from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from billing import services, views
-from billing.ingest import (
+from billing import services
+from inventory.models import Cluster, Device
+from metering import views
+from metering.hours import epoch_ms
+from metering.ingest import (
     SampleRow,
     _Bounds,
     adopt_unknown_samples,
@@ -34,11 +37,9 @@ from billing.ingest import (
     touched_hours,
     validate_samples,
 )
-from billing.retention import purge_unknown_device_samples as purge_unknown_samples
-from billing.services import issue_agent_token
-from inventory.models import Cluster, Device
-from metering.hours import epoch_ms
 from metering.models import AgentToken, DirtyHour, Sample, UnknownDeviceSample
+from metering.retention import purge_unknown_device_samples as purge_unknown_samples
+from metering.services import issue_agent_token
 from teams.models import AuditEntry
 from tests.factories import DeviceFactory, MigDeviceFactory
 

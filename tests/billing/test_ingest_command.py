@@ -13,9 +13,9 @@ import pytest
 from django.core.management import CommandError, call_command
 from django.utils import timezone
 
-from billing.ingest import authenticate
 from inventory.models import Device
 from metering.hours import epoch_ms
+from metering.ingest import authenticate
 from metering.models import AgentToken, Sample, UnknownDeviceSample
 from teams.models import AuditEntry
 from tests.factories import DeviceFactory, MigDeviceFactory

@@ -26,14 +26,14 @@ from django.utils import timezone
 
 from agent.exporters import DCGM, ExporterSource
 from agent.nvml import NvmlSource
-from billing import rollup
-from billing.ingest import adopt_unknown_samples
-from billing.services import issue_agent_token
 from inventory import services
 from inventory.dumps import iter_objects
 from inventory.models import Allocation, Cluster, Device
+from metering import rollup
 from metering.hours import epoch_ms
+from metering.ingest import adopt_unknown_samples
 from metering.models import DirtyHour, MigInstance, Sample, UnknownDeviceSample, UsageHour
+from metering.services import issue_agent_token
 from tests.agent.nvml_fake import GIB, FakeDevice, install
 from tests.factories import MigDeviceFactory
 from tests.fixtures import DRA

@@ -24,14 +24,14 @@ from django.utils import timezone
 from agent.exporters import AMD as AMD_PROFILE
 from agent.exporters import INTEL as INTEL_PROFILE
 from agent.exporters import parse_metrics
-from billing import views
-from billing.ingest import adopt_unknown_samples, formed_meter_id, validate_samples
-from billing.services import issue_agent_token
 from inventory import services
 from inventory.dumps import iter_objects
 from inventory.models import Cluster, Device, DeviceKind
+from metering import views
 from metering.hours import epoch_ms
+from metering.ingest import adopt_unknown_samples, formed_meter_id, validate_samples
 from metering.models import Sample, UnknownDeviceSample
+from metering.services import issue_agent_token
 from tests.factories import DeviceFactory, NodeFactory, OtherDeviceFactory
 from tests.fixtures import DRA
 

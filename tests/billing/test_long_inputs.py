@@ -11,8 +11,8 @@ from datetime import UTC, datetime, timedelta
 import pytest
 from django.db import connection
 
-from billing import rollup
 from inventory.models import Allocation
+from metering import rollup
 from metering.models import UsageHour
 from teams.models import Team
 from tests.factories import AllocationFactory, DeviceFactory
@@ -75,7 +75,7 @@ def test_a_row_the_database_refuses_leaves_the_others_rolled_up(
             "ALTER TABLE billing_usagehour ADD CONSTRAINT test_refused "
             "CHECK (claim_name <> 'poison')"
         )
-    with caplog.at_level(logging.ERROR, logger="billing.rollup"):
+    with caplog.at_level(logging.ERROR, logger="metering.rollup"):
         written = rollup.rollup_hours(hours=[T10], now=T10 + timedelta(hours=2))
     assert set(_rows()) == {allocation.pk for allocation in healthy}
     assert written == 2

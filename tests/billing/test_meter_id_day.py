@@ -17,11 +17,11 @@ from django.test import Client
 from django.urls import path
 from django.utils import timezone
 
-from billing import rollup, views
-from billing.services import issue_agent_token
 from inventory import services
 from inventory.models import Allocation, Device
+from metering import rollup, views
 from metering.models import DirtyHour, Sample, UsageHour
+from metering.services import issue_agent_token
 from tests.inventory.test_allocation_metering import gpu
 
 urlpatterns = [path("ingest/samples", views.ingest_samples)]

@@ -17,11 +17,12 @@ from typing import Any
 
 import pytest
 
-from billing import ingest, pricing, rollup
-from billing.ingest import SampleRow
+from billing import pricing
 from inventory import services
 from inventory.models import Allocation, Device
+from metering import ingest, rollup
 from metering.hours import epoch_ms
+from metering.ingest import SampleRow
 from metering.models import UsageHour
 from quota.policy import apply_policy, load_policy
 from teams.models import Team, TeamNamespace

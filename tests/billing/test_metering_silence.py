@@ -27,8 +27,8 @@ import pytest
 from django.core.management import call_command
 from prometheus_client import REGISTRY
 
-from billing import prometheus, rollup
 from billing.alerts import evaluate_alerts
+from metering import prometheus, rollup
 from metering.models import DirtyHour, UsageHour
 from teams.models import Alert, AlertKind, AlertState, Team
 from tests.billing.test_prometheus_source import (
@@ -69,7 +69,7 @@ def test_a_real_engine_answering_no_series_keeps_the_hours_pending_then_bills_th
     pending_before = silent_hours("pending")
 
     with prometheus_settings(day_engine, TALLY_PROMETHEUS_SELECTOR=NOWHERE):
-        caplog.set_level(logging.WARNING, logger="billing.silence")
+        caplog.set_level(logging.WARNING, logger="metering.silence")
         done = rollup.rollup_pending(now=WITHIN_GRACE, limit=1)
 
     # Within the grace: not billed, still to do, and said three ways.

@@ -26,13 +26,13 @@ from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from billing import ingest, prometheus
-from billing.ingest import adopt_unknown_samples
-from billing.mig_instances import Point, Spell, spells_of, split_overlapping_spells
-from billing.services import issue_agent_token
 from inventory.models import Device
+from metering import ingest, prometheus
 from metering.hours import epoch_ms, sample_hold_ms
+from metering.ingest import adopt_unknown_samples
+from metering.mig_instances import Point, Spell, spells_of, split_overlapping_spells
 from metering.models import AgentToken, MigInstance, UnknownDeviceSample
+from metering.services import issue_agent_token
 from tests.billing import test_ingest_dynamic_mig as dynamic
 from tests.billing.test_late_data_marks import Connection, OnItsOwn, waited_for
 from tests.factories import DeviceFactory, MigDeviceFactory, NodeFactory

@@ -17,10 +17,10 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from billing.services import issue_agent_token
 from inventory.models import Device
 from metering.hours import epoch_ms
 from metering.models import MigInstance, Sample
+from metering.services import issue_agent_token
 from tests.factories import DeviceFactory, MigDeviceFactory, NodeFactory
 
 pytestmark = pytest.mark.django_db

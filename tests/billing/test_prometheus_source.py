@@ -39,15 +39,15 @@ from django.utils import timezone
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.readings import format_ts
-from billing import ingest, prometheus, rollup
-from billing.ingest import SampleRow
 from billing.models import RateCard
 from billing.pricing import period_for, usage_lines
-from billing.services import issue_agent_token
 from inventory import profiles
 from inventory.models import Allocation, Device
+from metering import ingest, prometheus, rollup
 from metering.hours import epoch_ms, hour_start
+from metering.ingest import SampleRow
 from metering.models import DirtyHour, MigInstance, Sample, UsageHour
+from metering.services import issue_agent_token
 from teams.models import Team, TeamNamespace
 from tests.factories import (
     AllocationFactory,

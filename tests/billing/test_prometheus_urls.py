@@ -8,7 +8,7 @@ import pytest
 from django.core.exceptions import ImproperlyConfigured
 from django.test import override_settings
 
-from billing import prometheus
+from metering import prometheus
 
 BAD_URLS = [
     ("http:///api", "it names no host"),

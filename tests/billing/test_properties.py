@@ -11,8 +11,8 @@ from django.db.models import Sum
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from billing import ingest, rollup
 from inventory import services as inventory_services
+from metering import ingest, rollup
 from metering.models import Sample, UsageHour
 from tests.billing.test_chargeback import SLICE, claim, snapshot
 

@@ -20,10 +20,10 @@ from django.test import override_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from billing import ingest, rollup
-from billing.ingest import SampleRow
 from inventory.models import Allocation, Device
+from metering import ingest, rollup
 from metering.hours import epoch_ms
+from metering.ingest import SampleRow
 from metering.models import UsageHour
 from teams.models import Team
 from tests.factories import AllocationFactory, DeviceFactory, MigDeviceFactory

@@ -19,8 +19,8 @@ from django.db import transaction
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from billing import rollup
 from inventory.models import Allocation, Device
+from metering import rollup
 from metering.hours import MS_PER_HOUR, epoch_ms
 from metering.models import Sample, UsageHour
 from tests.factories import AllocationFactory, DeviceFactory

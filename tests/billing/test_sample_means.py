@@ -14,12 +14,12 @@ from django.utils import timezone
 
 from agent.means import Averager
 from agent.readings import GpuReading
-from billing import rollup
-from billing.ingest import adopt_unknown_samples, ingest, validate_samples
-from billing.services import issue_agent_token
 from inventory.models import Allocation, Device
+from metering import rollup
 from metering.hours import epoch_ms
+from metering.ingest import adopt_unknown_samples, ingest, validate_samples
 from metering.models import Sample, UnknownDeviceSample, UsageHour
+from metering.services import issue_agent_token
 from tests.factories import AllocationFactory, DeviceFactory
 
 pytestmark = pytest.mark.django_db

@@ -18,11 +18,14 @@ from django.db import connection, connections
 from django.test import override_settings
 from django.utils import timezone
 
-from billing.dirty import mark_dirty
-from billing.ingest import SampleRow, ingest
 from billing.models import Period
 from billing.periods import period_bounds
-from billing.retention import (
+from inventory.models import Device
+from metering.dirty import mark_dirty
+from metering.hours import epoch_ms, sample_hold_ms
+from metering.ingest import SampleRow, ingest
+from metering.models import DirtyHour, Sample, UnknownDeviceSample
+from metering.retention import (
     DEFAULT_PARTITION,
     create_day_partition,
     day_bounds_ms,
@@ -32,10 +35,7 @@ from billing.retention import (
     sample_partitions,
     why_kept,
 )
-from billing.tasks import sample_retention
-from inventory.models import Device
-from metering.hours import epoch_ms, sample_hold_ms
-from metering.models import DirtyHour, Sample, UnknownDeviceSample
+from metering.tasks import sample_retention
 from tests.factories import DeviceFactory
 
 pytestmark = pytest.mark.django_db

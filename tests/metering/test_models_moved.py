@@ -15,7 +15,8 @@ from django.db.migrations.executor import MigrationExecutor
 
 from metering.models import Sample, UsageHour
 
-BEFORE = [("billing", "0017_ledger_bill_shock"), ("metering", None)]
+BILLING_BEFORE = ("billing", "0017_ledger_bill_shock")
+BEFORE = [BILLING_BEFORE, ("metering", None)]
 RECEIVED = datetime(2026, 12, 1, 12, tzinfo=UTC)
 
 
@@ -31,7 +32,7 @@ def test_a_sample_stored_before_the_move_is_a_metering_sample_after_it() -> None
     permission = Permission.objects.get(codename="view_sample")
     executor = _migrate(BEFORE)
     try:
-        old = executor.loader.project_state([BEFORE[0]]).apps
+        old = executor.loader.project_state([BILLING_BEFORE]).apps
         assert "metering" not in old.all_models
         old_sample = old.get_model("billing", "Sample")
         assert old_sample._meta.db_table == "billing_sample"

@@ -16,7 +16,7 @@ whole step. Metric names, scales and the labels a series names its device by are
   relabels one (`mig_uuid=`), else by its parent's `UUID` and `GPU_I_ID`: DCGM does not know
   MIG UUIDs and the inventory does not know GPU instance ids, but the node agents send each
   MIG device's with its samples, kept as each device's spells under each GPU instance
-  (`billing.mig_instances`), so each reading goes to the device that GPU instance was at its
+  (`metering.mig_instances`), so each reading goes to the device that GPU instance was at its
   time (an id reused A, B, A maps by time to each spell's own device). A reading no spell
   covers falls back to `GPU_I_PROFILE`, which names a MIG device when its GPU has one of that
   profile.
@@ -28,7 +28,7 @@ whole step. Metric names, scales and the labels a series names its device by are
   `xpum_engine_ratio`; a GPU by `node` and `pci_bdf`; tile and card series skipped.
 
 Devices named by PCI address are resolved as the ingest resolves samples naming them
-(`billing.ingest.resolve_named`), so one device has one meter id whichever source measured it.
+(`metering.ingest.resolve_named`), so one device has one meter id whichever source measured it.
 A device with several series (two scrape jobs, several engines) reads their maximum at one
 instant, from the first of its exporter's metrics that has a reading then.
 
@@ -40,7 +40,7 @@ whichever source measured it. An engine that does not answer, or answers in part
 marked and are retried, never billed as idle; the other clusters' rows are written. Hours the
 engine may still be receiving (`TALLY_PROMETHEUS_SETTLE_SECONDS`) are marked to be rolled up
 again. An engine that answers with no reading of any device a cluster held is not believed at
-once (`billing.silence`). One rollup run spends at most TALLY_PROMETHEUS_RUN_DEADLINE_SECONDS
+once (`metering.silence`). One rollup run spends at most TALLY_PROMETHEUS_RUN_DEADLINE_SECONDS
 asking engines (`RunBudget`): an engine that never answers holds a worker that long, not a
 timeout per hour; the hours not asked stay pending for the next run.
 """
@@ -72,13 +72,13 @@ from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from agent.exporters import PROFILES, ScrapeContext
-from billing import silence
-from billing.dirty import mark_dirty
-from billing.ingest import NAMED, PCI_ATTRIBUTES, PCI_KEY, pci_address, resolve_named
-from billing.mig_instances import covering
 from db.copy import copy_rows
 from inventory.models import Allocation, Device, DeviceKind
+from metering import silence
+from metering.dirty import mark_dirty
 from metering.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
+from metering.ingest import NAMED, PCI_ATTRIBUTES, PCI_KEY, pci_address, resolve_named
+from metering.mig_instances import covering
 from metering.models import MigInstance
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ class EngineUnreachable(EngineUnavailable):
 
 class EngineSilent(EngineUnavailable):
     """The engine answered, with no reading of any device the clusters held, within the
-    grace (`billing.silence`): their hours stay pending, as for an engine that did not
+    grace (`metering.silence`): their hours stay pending, as for an engine that did not
     answer."""
 
 
@@ -664,7 +664,7 @@ class InstanceMeters:
     """The devices one GPU instance was (`Identities.instances`: their spells), for a DCGM MIG
     series: a reading goes to the device whose spell, held as a sample holds, covers its
     instant and began last (an id reused goes to the later device from its first sample:
-    `billing.mig_instances.covering`, the rule the ingest places an agent's DCGM samples by);
+    `metering.mig_instances.covering`, the rule the ingest places an agent's DCGM samples by);
     none, where an agent reported the GPU instance near the window (it has spells): to no
     device, as the ingest sets such a sample aside (between two devices' spells, or past the
     last, it may have been neither); where none did (no NVML agent on the node): to
@@ -730,7 +730,7 @@ def _is_number(value: str) -> bool:
 
 
 def _named(node: str, driver: str, bus: str, partition: str) -> str:
-    """The key `billing.ingest.resolve_named` resolves a device named by PCI address by."""
+    """The key `metering.ingest.resolve_named` resolves a device named by PCI address by."""
     return NAMED + NAMED.join((node, driver, "", f"{PCI_KEY}{bus.lower()}{PCI_KEY}{partition}"))
 
 
@@ -821,7 +821,7 @@ class Readings:
     mixed: bool
     points: dict[str, list[tuple[int, float]]]
     unmatched: list[str] = field(default_factory=list)
-    # Clusters the engine gave no reading of any device held (`billing.silence`).
+    # Clusters the engine gave no reading of any device held (`metering.silence`).
     silences: list[silence.Silence] = field(default_factory=list)
 
 
@@ -843,7 +843,7 @@ def window_readings(
     back only its clusters' hours. An engine that did not answer at all is not asked again
     in the run (`budget`, else the window), nor is any engine once the run's deadline passed.
     A cluster of whose held devices the engine gave no reading is a silence
-    (`billing.silence`, in `silences`): held back too while within the grace of `now`."""
+    (`metering.silence`, in `silences`): held back too while within the grace of `now`."""
     conf = config()
     if not conf.used:
         return None

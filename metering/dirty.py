@@ -1,5 +1,5 @@
 """Hours marked to be rolled up again: late samples, samples adopted late, and allocations the
-sync saw (or saw change) after their hours were rolled up. `billing.rollup.rollup_pending`
+sync saw (or saw change) after their hours were rolled up. `metering.rollup.rollup_pending`
 works the marks off."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from typing import Any
 from django.db import connection
 from django.db.models import Q
 
-from billing import retention
 from db.bulk import AnyOf
 from db.copy import json_rows
 from inventory.models import Allocation
+from metering import retention
 from metering.hours import hour_start, hours_between
 from metering.models import DirtyHour
 
@@ -28,7 +28,7 @@ def mark_dirty(*, hours: set[datetime], at: datetime) -> None:
     while a rollup runs outlives it). One upsert, in hour order, so concurrent marks never
     deadlock.
 
-    Hours of a day whose samples retention has dropped (`billing.retention`) are not marked:
+    Hours of a day whose samples retention has dropped (`metering.retention`) are not marked:
     rolled up again without their samples, their measured time would turn unmeasured and
     bill a closed period's usage anew. Such a day is past TALLY_SAMPLE_RETENTION_DAYS, which
     is longer than any late sample may be (TALLY_INGEST_MAX_AGE_DAYS); only a claim the sync

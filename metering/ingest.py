@@ -20,10 +20,10 @@ naming a device of another node before the sync learns it plants nothing there. 
 device NVIDIA's driver made when a claim was prepared (dynamic MIG) has a UUID no
 ResourceSlice carries: its sample, giving its parent GPU and placement (`mig_placement`), is
 stored under the partition device published at that placement on the sending node when it
-was taken (`billing.mig_samples`), at once or, the partition not synced yet, once adopted.
+was taken (`metering.mig_samples`), at once or, the partition not synced yet, once adopted.
 A MIG sample also gives its GPU instance id (`gpu_instance_id`, with `parent_uuid`): the
 device each GPU instance's samples were stored under, and when, is recorded as spells
-(`billing.mig_instances`), by which the Prometheus source matches DCGM's MIG series: from an
+(`metering.mig_instances`), by which the Prometheus source matches DCGM's MIG series: from an
 agent's batch, an operator's backfill and samples set aside once adopted alike (a sample set
 aside keeps its GPU instance), under the node the inventory puts the device on. By the same
 spells and the same rule, an agent's DCGM samples of MIG devices it could not tell, named
@@ -60,8 +60,13 @@ from django.db.models.fields.json import KT
 from django.utils import timezone
 from psycopg.errors import UniqueViolation
 
-from billing.dirty import mark_dirty
-from billing.mig_instances import (
+from db.copy import copy_rows, json_rows
+from db.locks import advisory_xact_lock, text_key
+from inventory import profiles
+from inventory.models import Device, DeviceKind
+from metering.dirty import mark_dirty
+from metering.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
+from metering.mig_instances import (
     InstanceKey,
     Point,
     Respelled,
@@ -72,12 +77,7 @@ from billing.mig_instances import (
     spells_covering,
     spells_of_any_cluster,
 )
-from billing.mig_samples import GpuInstance, MigPlacement, partitions_at
-from db.copy import copy_rows, json_rows
-from db.locks import advisory_xact_lock, text_key
-from inventory import profiles
-from inventory.models import Device, DeviceKind
-from metering.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
+from metering.mig_samples import GpuInstance, MigPlacement, partitions_at
 from metering.models import AgentToken, DcgmInstance, MigInstance, Sample, UnknownDeviceSample
 
 MAX_UUID_LENGTH = 128
@@ -107,7 +107,7 @@ class SampleRow(NamedTuple):
     """One valid sample, as stored: `processes` is JSON text (or None), `covered_ms` a mean's
     covered time in whole milliseconds (None: a single reading). `placement`, which a MIG
     device's sample may give, finds the partition device a MIG UUID the inventory does not
-    know was made for (`billing.mig_samples`); it is kept only with a sample set aside.
+    know was made for (`metering.mig_samples`); it is kept only with a sample set aside.
     `instance`, its GPU instance, is recorded for the device the sample is stored under
     (`MigInstance`)."""
 
@@ -1402,7 +1402,7 @@ def ingest(
 
 
 class _InstanceSample(NamedTuple):
-    """A stored MIG sample's GPU instance, to be recorded (`billing.mig_instances`): the device
+    """A stored MIG sample's GPU instance, to be recorded (`metering.mig_instances`): the device
     it was stored under, when, and who sent it: the agent token's cluster (None: an operator's
     backfill) and the node it sent for."""
 
@@ -1467,7 +1467,7 @@ def _instance_points(
 # The placement of an agent's DCGM samples of MIG devices it could not tell, named
 # `<parent UUID>::gi<N>` (`agent.dcgm`): each is stored in `billing_sample` under the device
 # that GPU instance was at its instant, by the spells the NVML agents' samples record
-# (`billing.mig_instances.covering`, the Prometheus source's rule), and kept aside while no
+# (`metering.mig_instances.covering`, the Prometheus source's rule), and kept aside while no
 # spell says (`UnknownDeviceSample`). Where the spells change (a late batch, an id reused A,
 # B, A whose B comes last), the samples whose device changed are moved: out of `billing_sample`
 # or out of the aside, to their new device or aside. So what is stored is what all the
@@ -1573,7 +1573,7 @@ class _Placements:
             else:
                 # Without its token (a stored sample keeps none), in the cluster it was placed
                 # in; received now, so that it waits its retention from the move, as one
-                # arriving now would (`billing.retention`).
+                # arriving now would (`metering.retention`).
                 gpu = GpuInstance(key.parent_uuid, key.gpu_instance_id)
                 kept = [*taken[:4], received_at.isoformat(), *taken[5:]]
                 aside.append(
@@ -1815,7 +1815,7 @@ def _placed_mig_samples(
     """Of samples of devices the inventory does not know (with their positions), those of
     MIG devices NVIDIA's driver made for a claim (dynamic MIG), under the meter id of the
     partition device published for their placement when they were taken
-    (`billing.mig_samples.partitions_at`), and the rest. Only a partition on `node`, in the
+    (`metering.mig_samples.partitions_at`), and the rest. Only a partition on `node`, in the
     token's cluster, is matched: a device `_misplaced` allows the token, so naming a parent
     GPU elsewhere stores nothing there."""
     placements = {row.placement for _, row in unknown if row.placement is not None}
@@ -2224,7 +2224,7 @@ def adopt_unknown_samples(*, now: datetime) -> int:
     DCGM's samples named by that GPU instance are placed again where its spells changed (those
     are never adopted here: no device carries their name); and DCGM's samples set aside that a
     spell covers now are placed (`_place_set_aside`). The others stay aside until they expire
-    (`billing.retention.purge_unknown_device_samples`).
+    (`metering.retention.purge_unknown_device_samples`).
 
     A sample already in `Sample` for the same device and instant wins; the one set aside is
     dropped. An adopted mean keeps its covered time. Hours the moved samples count in are

@@ -17,7 +17,7 @@ from django.core.management.base import (
 )
 from django.utils import timezone
 
-from billing.ingest import (
+from metering.ingest import (
     IngestReport,
     InvalidSample,
     SampleRow,

@@ -17,14 +17,14 @@ give all at once, whatever order, or however concurrently, their batches come in
   between a spell's ends are not kept here). So a split is exact where a device's meter id is
   one GPU instance for all its samples (a MIG UUID always is; a dynamic MIG partition's meter
   id made again under another id within one of its spells would have that spell split at its
-  samples under the other id too), and while those samples are kept (`billing.retention`).
+  samples under the other id too), and while those samples are kept (`metering.retention`).
 
 Rows written before spells, one per device widened over the others', are split the same way
 at each other's ends by migration 0012 (`split_overlapping_spells`).
 
 Which device a GPU instance was at an instant (`covering`) is one rule for both readers of
-the spells: the Prometheus source's DCGM MIG series (`billing.prometheus`) and the agents'
-DCGM samples named `<parent UUID>::gi<N>` (`billing.ingest`). The device is the one whose spell
+the spells: the Prometheus source's DCGM MIG series (`metering.prometheus`) and the agents'
+DCGM samples named `<parent UUID>::gi<N>` (`metering.ingest`). The device is the one whose spell
 covers the instant, from its first sample to a hold (TALLY_SAMPLE_HOLD_SECONDS) past its last,
 as a sample's utilisation holds; of two covering it (a hold reaching into the next spell), the
 one that began last, so an id handed on goes to the new device from its first sample. Between
@@ -209,7 +209,7 @@ def lock_instances(cursor: CursorWrapper, instances: Iterable[tuple[str, str, in
 
     A GPU instance is named here by its node, GPU UUID and id (`InstanceKey.instance`), not
     its cluster: an operator's DCGM sample, whose cluster its spells tell, waits for every
-    writer of them. Taken before the devices' locks (`billing.ingest`), by every writer that
+    writer of them. Taken before the devices' locks (`metering.ingest`), by every writer that
     takes both."""
     if not connection.in_atomic_block:
         raise TransactionManagementError("GPU instances' spells are merged in a transaction")

@@ -1,6 +1,6 @@
 """`POST /ingest/samples`: the node agents' utilisation samples.
 
-A thin edge: authenticate the bearer token, parse the body, call `billing.ingest`, answer
+A thin edge: authenticate the bearer token, parse the body, call `metering.ingest`, answer
 JSON. Bad input gets a 4xx with `{"error": ...}`, never a 500; a bad sample is reported in
 `rejected` and the rest of the batch is stored.
 """
@@ -18,9 +18,9 @@ from django.http import HttpRequest, JsonResponse
 from django.utils import timezone
 from django.views.decorators.csrf import csrf_exempt
 
-from billing import ingest
 from core import metrics
 from core.inputs import BadInput, parse_json
+from metering import ingest
 from metering.models import AgentToken
 
 log = logging.getLogger(__name__)

@@ -27,13 +27,13 @@ charged to the team that owned it then, or to no team (unowned usage). A namespa
 another team or a claim released since never changes a rerun's rows.
 
 The work is in the database. Each sample carries its gap to the device's next one (kept by
-`billing.ingest`), so a run of consecutive hours is rolled up from one unordered pass over its
+`metering.ingest`), so a run of consecutive hours is rolled up from one unordered pass over its
 samples, summed per device and hour, then joined to the allocations that hold those hours
 whole and written by one INSERT ... SELECT. Only the hours an allocation starts or ends in
 are measured piece by piece, and their rows made here.
 
 Clusters that TALLY_METERING_SOURCE meters from a Prometheus-compatible engine are read from
-it: `billing.prometheus` puts the engine's readings in a table shaped like `billing_sample`,
+it: `metering.prometheus` puts the engine's readings in a table shaped like `billing_sample`,
 and the same SQL reads that instead, so the hold and rounding rules are the same.
 """
 
@@ -53,12 +53,12 @@ from django.db import DataError, IntegrityError, connection, transaction
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
-from billing import prometheus, silence
-from billing.dirty import mark_dirty
 from core import metrics
 from db import locks
 from db.copy import insert_rows, json_rows
 from inventory.models import Allocation
+from metering import prometheus, silence
+from metering.dirty import mark_dirty
 from metering.hours import (
     HOUR,
     MS_PER_HOUR,
@@ -232,13 +232,13 @@ def rollup_hours(*, hours: Iterable[datetime], now: datetime | None = None) -> i
     hour, so two workers rolling up the same hours one after the other give the same rows.
     An hour still in progress is rolled up to `now`, and marked to be rolled up again. A run's
     samples are read in one pass.
-    Clusters metered by a Prometheus-compatible engine (`billing.prometheus`) are read from
+    Clusters metered by a Prometheus-compatible engine (`metering.prometheus`) are read from
     it instead, through the same SQL. Where an engine cannot answer for a run, its clusters'
     rows of those hours are left as they were (the other clusters' are written), the hours are
     marked to be rolled up again, and `EngineUnavailable` names them, after the other runs are
     done. The engines are asked for at most TALLY_PROMETHEUS_RUN_DEADLINE_SECONDS in all
     (`prometheus.RunBudget`): the runs after that are left so, for the next call to go on.
-    A silent engine (`billing.silence`) is reported as each run finds it.
+    A silent engine (`metering.silence`) is reported as each run finds it.
     """
     now = now or timezone.now()
     starts = sorted({hour_start(hour) for hour in hours})
@@ -708,7 +708,7 @@ def rollup_pending(*, now: datetime, limit: int | None = None) -> list[datetime]
     A first sync of a cluster whose claims began months ago marks thousands of hours: they
     are worked off over the next runs, recent hours first, each run bounded. What is left
     stays marked, as does an hour the metering engine could not be asked about
-    (`billing.prometheus.EngineUnavailable`): it is retried, never billed as idle.
+    (`metering.prometheus.EngineUnavailable`): it is retried, never billed as idle.
 
     Hours that ended since the last run's hour just ended and before this one's (no worker ran
     when they ended) are marked first, so they are worked off as any marked hour; the hour

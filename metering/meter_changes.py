@@ -31,10 +31,10 @@ from typing import Any
 from django.conf import settings
 from django.core.exceptions import ImproperlyConfigured
 
-from billing import prometheus
-from billing.dirty import mark_dirty, span_hours
 from db.bulk import AnyOf
 from inventory.models import Allocation, Cluster
+from metering import prometheus
+from metering.dirty import mark_dirty, span_hours
 
 log = logging.getLogger(__name__)
 

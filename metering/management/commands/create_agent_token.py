@@ -7,9 +7,9 @@ from typing import Any
 from django.conf import settings
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from billing.services import issue_agent_token
 from inventory.models import Cluster, Node
 from inventory.services import get_cluster
+from metering.services import issue_agent_token
 
 
 class Command(BaseCommand):

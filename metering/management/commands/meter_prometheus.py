@@ -5,7 +5,7 @@ engine for one hour (default: the hour just ended) what the rollup would ask, an
 device held then in a cluster the engine meters, how many readings it gave and over what
 span, then the devices it gave none for and the series it could not match to a device (a MIG
 instance whose GPU has two of its profile, an AMD GPU on a node the inventory does not know),
-and a warning for a cluster it gave no reading of at all (`billing.silence`).
+and a warning for a cluster it gave no reading of at all (`metering.silence`).
 Writes nothing. Exits non-zero on a bad setting or an engine that does not answer.
 """
 
@@ -18,11 +18,11 @@ from django.core.exceptions import ImproperlyConfigured
 from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
-from billing import prometheus
-from billing.moments import within_range
-from billing.rollup import held_allocations
 from inventory.models import Cluster
+from metering import prometheus
 from metering.hours import HOUR, epoch_ms, hour_at, hour_start
+from metering.moments import within_range
+from metering.rollup import held_allocations
 
 
 class Command(BaseCommand):

@@ -9,7 +9,9 @@ the days made, is left there and reported). A day is dropped, as one table, once
 than TALLY_SAMPLE_RETENTION_DAYS, and only when
 
 - every billing period it overlaps is closed (closing rolls the period's hours up one last
-  time and freezes its statements; a day no period was stored for yet is not billed yet), and
+  time and freezes its statements; a day no period was stored for yet is not billed yet):
+  billing says so, through `RETENTION_HOLDS` (billing's AppConfig adds
+  `billing.services.why_samples_kept`), metering knowing no period, and
 - none of the hours its samples count in is marked dirty (`billing.models.DirtyHour`): late
   samples or allocations waiting for the rollup still need them. A sample holds into the
   next hour, so the first hour of the next day counts too.
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime, timedelta
 
@@ -34,7 +37,6 @@ from django.db.models import Q
 from django.utils import timezone
 from psycopg.errors import LockNotAvailable
 
-from billing.models import Period
 from metering.models import DirtyHour, UnknownDeviceSample
 
 log = logging.getLogger(__name__)
@@ -44,6 +46,12 @@ DEFAULT_PARTITION = "billing_sample_default"
 MS_PER_DAY = 86_400_000
 _EPOCH_DAY = date(1970, 1, 1)
 _BOUNDS = re.compile(r"FOR VALUES FROM \('?(-?\d+)'?\) TO \('?(-?\d+)'?\)")
+
+# What else keeps a day's samples past TALLY_SAMPLE_RETENTION_DAYS: each is asked about the
+# day's `[start, end)` and answers why its samples must stay ("" when they may go). The apps
+# above metering add theirs when ready: billing, that the day is not billed by closed periods
+# yet (`billing.services.why_samples_kept`).
+RETENTION_HOLDS: list[Callable[[datetime, datetime], str]] = []
 
 
 def partition_name(day: date) -> str:
@@ -134,21 +142,9 @@ def why_kept(day: date, *, now: datetime) -> str:
         return f"younger than TALLY_SAMPLE_RETENTION_DAYS ({cutoff} and later are kept)"
     start = datetime(day.year, day.month, day.day, tzinfo=UTC)
     end = start + timedelta(days=1)
-    periods = list(
-        Period.objects.filter(start__lt=end, end__gt=start)
-        .order_by("start")
-        .values_list("start", "end", "closed_at")
-    )
-    open_periods = [f"{p_start:%Y-%m-%d}" for p_start, _, closed in periods if closed is None]
-    if open_periods:
-        return f"period from {', '.join(open_periods)} is open"
-    covered = start
-    for p_start, p_end, _ in periods:
-        if p_start > covered:
-            break
-        covered = max(covered, p_end)
-    if covered < end:
-        return f"not billed yet: no closed period covers {covered:%Y-%m-%d %H:%M} UTC"
+    for hold in RETENTION_HOLDS:
+        if why := hold(start, end):
+            return why
     # A sample holds into the next hour: the next day's first hour counts it too.
     dirty = DirtyHour.objects.filter(hour__gte=start, hour__lte=end).order_by("hour").first()
     if dirty is not None:

@@ -19,7 +19,7 @@ placement when the sample was taken: on the sending node, of that parent GPU, pu
 without a UUID, taking exactly those memory slices, of that profile and profile id where the
 sample gives them. No such device, or several: nothing is matched, and the sample is set
 aside with its placement (never guessed), to be matched again once the sync has learnt more
-(`billing.ingest.adopt_unknown_samples`).
+(`metering.ingest.adopt_unknown_samples`).
 
 Matched against the inventory of the sample's instant, not of the moment it arrives: a late
 sample of a partition withdrawn since (its node drained, its driver restarted) still finds
