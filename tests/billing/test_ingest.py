@@ -28,7 +28,6 @@ from metering import views
 from metering.hours import epoch_ms
 from metering.ingest import (
     SampleRow,
-    _Bounds,
     adopt_unknown_samples,
     authenticate,
     ingest,
@@ -37,6 +36,7 @@ from metering.ingest import (
     touched_hours,
     validate_samples,
 )
+from metering.ingest.gaps import Bounds as _Bounds
 from metering.models import AgentToken, DirtyHour, Sample, UnknownDeviceSample
 from metering.retention import purge_unknown_device_samples as purge_unknown_samples
 from metering.services import issue_agent_token
