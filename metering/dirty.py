@@ -159,7 +159,7 @@ def on_claims_changed(
 
     `unfilled` is compared with the allocations as they are when this runs: quota's receiver,
     which may fill them in, runs before this one (`quota` is before `billing` in
-    INSTALLED_APPS; tests/billing/test_dirty_marks.py checks it)."""
+    INSTALLED_APPS; tests/metering/test_dirty_marks.py checks it)."""
     if spans is None:
         mark_claims_dirty(claim_ids=claim_ids, at=at)
         return

@@ -18,7 +18,7 @@ allocation's end and the new row, the node may have been rebuilt and its cards m
 engine then holds readings under the UUID from another slot at that time. Readings tell their
 slot only by their own labels (DCGM's `pci_bus_id` and `Hostname`): matching those against the
 device's PCI address, as the Prometheus source matches AMD's and Intel's, would measure it,
-without guessing (`tests/billing/test_meter_changes_republish.py`).
+without guessing (`tests/metering/test_meter_changes_republish.py`).
 """
 
 from __future__ import annotations

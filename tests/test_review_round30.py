@@ -61,7 +61,13 @@ from metering.models import (
 from metering.retention import purge_unknown_device_samples
 from metering.services import issue_agent_token
 from quota.admission import shapes
-from tests.billing.test_dcgm_mig_adoption import (
+from tests.factories import (
+    ClusterFactory,
+    DeviceFactory,
+    MigDeviceFactory,
+    NodeFactory,
+)
+from tests.metering.test_dcgm_mig_adoption import (
     A100,
     NODE,
     NOW,
@@ -78,13 +84,7 @@ from tests.billing.test_dcgm_mig_adoption import (
     send,
     state,
 )
-from tests.billing.test_ingest_dynamic_mig import load as load_dynamic
-from tests.factories import (
-    ClusterFactory,
-    DeviceFactory,
-    MigDeviceFactory,
-    NodeFactory,
-)
+from tests.metering.test_ingest_dynamic_mig import load as load_dynamic
 from tests.quota.fixtures import AT, claim, decide
 from tests.quota.test_unpublished_counters import (
     GPU,

@@ -1,7 +1,7 @@
 """A day of Gaudi and of TPU utilisation reaches a statement, through the node agent reading
 each vendor's exporter (`agent.exporters`: GAUDI, TPU) and posting to the ingest, and through
 the Prometheus source (`billing.prometheus`) reading the same series from a real Prometheus,
-backfilled with promtool as tests/billing/test_prometheus_source.py does.
+backfilled with promtool as tests/metering/test_prometheus_source.py does.
 
 The inventory is the vendors' own fixtures (tests/fixtures/dra/vendors/gaudi2.yaml, tpu.yaml)
 with a claim holding every device for a day; the exporters' text is the project's recordings
@@ -33,7 +33,6 @@ from metering import prometheus, views
 from metering.hours import epoch_ms
 from metering.models import Sample
 from metering.services import issue_agent_token
-from tests.billing.test_prometheus_source import Key, _binaries, _serve, openmetrics
 from tests.billing.test_vendor_billing import (
     DAY,
     VENDOR_CARDS,
@@ -43,6 +42,7 @@ from tests.billing.test_vendor_billing import (
     usage_lines,
 )
 from tests.fixtures import DRA
+from tests.metering.test_prometheus_source import Key, _binaries, _serve, openmetrics
 
 urlpatterns = [path("ingest/samples", views.ingest_samples)]
 

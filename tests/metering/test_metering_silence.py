@@ -31,7 +31,7 @@ from billing.alerts import evaluate_alerts
 from metering import prometheus, rollup
 from metering.models import DirtyHour, UsageHour
 from teams.models import Alert, AlertKind, AlertState, Team
-from tests.billing.test_prometheus_source import (
+from tests.metering.test_prometheus_source import (
     PROM_CLUSTER,
     at,
     billed_clusters,

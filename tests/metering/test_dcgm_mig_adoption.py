@@ -39,7 +39,6 @@ from metering.models import AgentToken, MigInstance, Sample, UnknownDeviceSample
 from metering.services import issue_agent_token
 from teams.models import Team, TeamNamespace
 from tests.billing.test_late_data_marks import Connection, OnItsOwn, waited_for
-from tests.billing.test_mig_instance_spells import agent_of, migs
 from tests.factories import (
     AllocationFactory,
     ClusterFactory,
@@ -47,6 +46,7 @@ from tests.factories import (
     MigDeviceFactory,
     NodeFactory,
 )
+from tests.metering.test_mig_instance_spells import agent_of, migs
 
 pytestmark = pytest.mark.django_db
 

@@ -18,8 +18,8 @@ from prometheus_client import REGISTRY, Counter
 from core import metrics
 from inventory.kube import RESOURCES
 from inventory.models import Device
-from tests.billing.test_ingest import issue_token
 from tests.factories import DeviceFactory
+from tests.metering.test_ingest import issue_token
 
 pytestmark = pytest.mark.django_db
 

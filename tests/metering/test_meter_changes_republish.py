@@ -19,7 +19,7 @@ from pytest_django.fixtures import SettingsWrapper
 from inventory.models import Allocation, Device
 from metering.hours import hours_between
 from metering.models import DirtyHour
-from tests.billing.test_meter_id_day import DAY, NOON, UUID, claim, resource_slice, watch
+from tests.metering.test_meter_id_day import DAY, NOON, UUID, claim, resource_slice, watch
 
 pytestmark = pytest.mark.django_db
 
