@@ -1,7 +1,7 @@
-"""Utilisation samples, hourly usage, rate cards, periods and statements.
+"""Rate cards, periods, statements, their late-data marks and week reports: what usage costs.
 
-GPU time is kept as integer GPU-milliseconds (a MIG device's milliseconds times its share of
-its GPU) so that sums are exact; money is Decimal, rounded once per statement line.
+The usage they price (samples, `UsageHour`) is metering's (`metering.models`). Hours are
+Decimal hours of GPU time; money is Decimal, rounded once per statement line.
 """
 
 from __future__ import annotations

@@ -33,9 +33,9 @@ from metering.ingest import adopt_unknown_samples
 from metering.mig_instances import Point, Spell, spells_of, split_overlapping_spells
 from metering.models import AgentToken, MigInstance, UnknownDeviceSample
 from metering.services import issue_agent_token
-from tests.billing import test_ingest_dynamic_mig as dynamic
 from tests.billing.test_late_data_marks import Connection, OnItsOwn, waited_for
 from tests.factories import DeviceFactory, MigDeviceFactory, NodeFactory
+from tests.metering import test_ingest_dynamic_mig as dynamic
 
 pytestmark = pytest.mark.django_db
 
