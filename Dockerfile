@@ -28,6 +28,7 @@ COPY core ./core
 COPY db ./db
 COPY teams ./teams
 COPY inventory ./inventory
+COPY metering ./metering
 COPY billing ./billing
 COPY quota ./quota
 COPY frontend ./frontend

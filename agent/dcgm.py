@@ -18,7 +18,7 @@ not know MIG UUIDs (NVIDIA/dcgm-exporter#171). So a MIG device is reported as
 `mig_profile` set. Nothing in the inventory knows that key (NVIDIA's DRA driver does not
 publish the GPU instance id): the ingest stores such a sample under the MIG device that GPU
 instance was at its instant, as the NVML agents' samples of that GPU say (their spells,
-`billing.mig_instances`), and keeps it aside until they do. Without NVML agents on the
+`metering.mig_instances`), and keeps it aside until they do. Without NVML agents on the
 nodes, nothing says, and the samples are never billed. The node agent can name the series
 itself (`TALLY_AGENT_SOURCE=exporter`, `TALLY_EXPORTER_PROFILE=dcgm`,
 `TALLY_EXPORTER_WITH_NVML=true`): NVML reports each MIG device's UUID with its parent and

@@ -19,7 +19,7 @@ What each profile relies on (checked against the vendors' code and docs, not gue
   device's own UUID and reports both: `with_mig_instances` matches (parent UUID, GPU
   instance id) to that UUID. A MIG series NVML did not see keeps the key
   `<parent UUID>::gi<N>` (stored by the ingest under the device that GPU instance was then,
-  by the spells NVML's samples record, `billing.mig_instances`). Utilisation:
+  by the spells NVML's samples record, `metering.mig_instances`). Utilisation:
   `DCGM_FI_PROF_GR_ENGINE_ACTIVE` (ratio), else `DCGM_FI_DEV_GPU_UTIL` (%); memory
   `DCGM_FI_DEV_FB_USED` (MiB).
 - **AMD** (ROCm device-metrics-exporter): every series carries `gpu_id`, `serial_number`,
@@ -56,7 +56,7 @@ What each profile relies on (checked against the vendors' code and docs, not gue
   chip the node's inventory has and the ingest refuses it (unmeasured, never misplaced).
 
 The ingest resolves `driver` + `pci_bus_id` (+ `partition`) through the inventory to the
-device's meter id (`billing.ingest`).
+device's meter id (`metering.ingest`).
 """
 
 from __future__ import annotations
@@ -127,7 +127,7 @@ class ExporterProfile:
     metrics, and `key(labels, context)`: the device a series is of, or None to skip it.
 
     The one description of an exporter, read by the node agent (a scrape) and by the
-    Prometheus source (`billing.prometheus`, the same series in an engine): `labels` are the
+    Prometheus source (`metering.prometheus`, the same series in an engine): `labels` are the
     roles a label plays there (`role` -> the exporter's label) and `skip` the labels whose
     series are not a device's own; `prometheus_metrics()` and `prometheus_labels()` are the
     source's defaults (settings TALLY_PROMETHEUS_<NAME>_METRICS and _LABELS), which an

@@ -11,14 +11,14 @@ every GPU is allocated all week. Then:
 
 1. **Ingest**: a sample per GPU every `--interval` seconds for `--days` days (1,000 GPUs, a
    minute, a week: 10,080,000 samples), as the agents post them (one node per request, at
-   most `--batch` samples), through `billing.ingest.validate_samples` and `billing.ingest.ingest`
+   most `--batch` samples), through `metering.ingest.validate_samples` and `metering.ingest.ingest`
    (the view's two calls, minus HTTP and JSON). The sample dicts are made on the fly and that
    time is left out; samples/s counts validate + ingest only. CPU seconds are given for this
    process and for its PostgreSQL backend (and the server's background processes) from /proc.
 2. `VACUUM (ANALYZE)`: what autovacuum would have done after such a load (it is off on the
    development server), then a `CHECKPOINT` (the ingest's pages written out, so the rollup
    does not wait on them); timed, not counted.
-3. **Rollup**: `billing.rollup.rollup_pending`, the Celery task's rollup, over every hour
+3. **Rollup**: `metering.rollup.rollup_pending`, the Celery task's rollup, over every hour
    the ingest marked (the whole period), timed; then the **floor**, one `GROUP BY device,
    hour` over the same samples, every row fetched (run twice, the faster counted). The
    rollup's rows are checked: allocated GPU-hours == GPUs x hours, measured coverage ~100%
@@ -48,7 +48,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from bench.database import fresh_database
-from billing.hours import MS_PER_HOUR
+from metering.hours import MS_PER_HOUR
 
 DEFAULT_URL = "postgres://postgres@127.0.0.1:5432/tally_bench_billing"
 WEEK_START = datetime(2026, 3, 2, tzinfo=UTC)  # a Monday, long past
@@ -403,7 +403,7 @@ def _run(
 ) -> int:
     from django.db import connection
 
-    from billing import ingest, rollup
+    from metering import ingest, rollup
 
     connection.ensure_connection()
     backend_pid = connection.connection.info.backend_pid
@@ -545,7 +545,7 @@ def _check_usage() -> tuple[float, float, int]:
     """Allocated GPU-hours, measured (not unmeasured) share of them, and rows, over all hours."""
     from django.db.models import Count, Sum
 
-    from billing.models import UsageHour
+    from metering.models import UsageHour
 
     totals = UsageHour.objects.aggregate(
         allocated=Sum("allocated_gpu_ms"), unmeasured=Sum("unmeasured_gpu_ms"), rows=Count("id")

@@ -76,12 +76,12 @@ def main(argv: list[str] | None = None) -> int:
 def _run(*, teams: int, history_days: int, jobs: int, marked_hours_ago: int) -> int:
     from django.db import connection
 
-    from billing import rollup
-    from billing.dirty import mark_dirty
-    from billing.models import DirtyHour
     from billing.pricing import period_for
     from billing.selectors import team_gpu_hours
     from inventory.models import Allocation, Unit
+    from metering import rollup
+    from metering.dirty import mark_dirty
+    from metering.models import DirtyHour
     from teams.models import Team
 
     made = Team.objects.bulk_create(

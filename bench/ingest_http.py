@@ -18,7 +18,7 @@ deployment's `TALLY_LISTENERS` (the ingest on a listener of its own), JSON logs 
 files, and `bench.ingest_settings`:
 the project's settings and URLs plus `POST /ingest/floor`, which takes the same requests
 through the same stack (listener, middleware, token lookup, JSON parse, the batch's shape:
-`billing.views.read_batch`) and stores nothing. After a warm-up (each node's first request,
+`metering.views.read_batch`) and stores nothing. After a warm-up (each node's first request,
 to both), the floor and `POST /ingest/samples` take `--rounds` turns each at full speed
 (`--clients` connections), alternately, so the machine's drift weighs on both alike; then
 samples/s of each, their ratio, and the CPU a sample costs. Checks: every request answered
@@ -122,8 +122,8 @@ def requests(
 
 
 def _issue_tokens(nodes: set[str]) -> dict[str, str]:
-    from billing.services import issue_agent_token
     from inventory import services as inventory_services
+    from metering.services import issue_agent_token
 
     cluster = inventory_services.get_cluster("default")
     return {node: issue_agent_token(cluster=cluster, node=node, actor="bench") for node in nodes}
@@ -169,7 +169,7 @@ def _stored(sent: list[Request], gpus: list[Gpu], *, steps: int, times: set[int]
     at the times sent."""
     from django.db.models import Count, Max, Min
 
-    from billing.models import Sample
+    from metering.models import Sample
 
     _wait_until_idle()
     rows = Sample.objects.count()

@@ -2,7 +2,7 @@
 
 Served only by `bench.ingest_settings` (never by `config.urls`): the floor authenticates the
 agent's token, reads and parses the batch and checks its shape exactly as `/ingest/samples`
-does (`billing.views.read_batch`, the same code), under the same listener (`/ingest/`), then
+does (`metering.views.read_batch`, the same code), under the same listener (`/ingest/`), then
 answers without validating or storing a sample: what is left is the cost of the stack, the
 token lookup and the JSON.
 """
@@ -13,8 +13,8 @@ from django.http import HttpRequest, JsonResponse
 from django.urls import path
 from django.views.decorators.csrf import csrf_exempt
 
-from billing.views import read_batch
 from config.urls import urlpatterns as project_urlpatterns
+from metering.views import read_batch
 
 FLOOR_PATH = "/ingest/floor"
 

@@ -12,11 +12,11 @@ are, so its name must contain `bench`; dropped at the end unless `--keep`).
    start), and a day of DCGM readings per GPU every `--interval` seconds, written as
    OpenMetrics, backfilled with `promtool tsdb create-blocks-from openmetrics` and served by
    `prometheus` on a free local port (timed, not counted).
-2. **Rollup from Prometheus**: `billing.rollup.rollup_hours` over the day's 24 hours with
+2. **Rollup from Prometheus**: `metering.rollup.rollup_hours` over the day's 24 hours with
    `TALLY_METERING_SOURCE=prometheus` (and `TALLY_PROMETHEUS_STEP_SECONDS=--step`).
-3. **Engine floor**: the same queries alone (`billing.prometheus.fetch`, every hour of every
+3. **Engine floor**: the same queries alone (`metering.prometheus.fetch`, every hour of every
    metric), answered and parsed, nothing written: what any client of the engine must pay.
-4. **Samples path**: the same readings ingested as samples (`billing.ingest.ingest`, not timed)
+4. **Samples path**: the same readings ingested as samples (`metering.ingest.ingest`, not timed)
    and the same hours rolled up from them (`TALLY_METERING_SOURCE=samples`), timed; with
    `--step 0` the two rollups' rows are checked equal.
 5. Prints the figures and the ratios rollup/engine floor and rollup/samples rollup.
@@ -134,10 +134,10 @@ def _serve(binary: str, workdir: Path) -> tuple[str, subprocess.Popen[bytes]]:
 def _run(engine: str, uuids: list[str], *, interval: int, step: int) -> int:
     from django.test import override_settings
 
-    from billing import ingest, prometheus, rollup
-    from billing.hours import epoch_ms
-    from billing.ingest import SampleRow
-    from billing.models import UsageHour
+    from metering import ingest, prometheus, rollup
+    from metering.hours import epoch_ms
+    from metering.ingest import SampleRow
+    from metering.models import UsageHour
 
     hours = [DAY + timedelta(hours=n) for n in range(24)]
     now = DAY + timedelta(days=2)

@@ -1,17 +1,17 @@
 """Billing in Django admin: rate cards editable, the rest read-only; every write is a
 `billing.services` call, which audits it.
 
-Samples, usage, periods and statements are written by services only. A period is closed
-through its "Close period" action, which calls `billing.services.close_period` (as do
-`run_billing --close` and, on TALLY_CLOSE_PERIOD_DAY, Celery beat, whose schedule is edited
-under "Periodic tasks": django-celery-beat's own admin). Rate cards are saved and deleted by
-`billing.services`, whose rules for a card's values (`rate_card_value_errors`: an ISO 4217
-currency, a positive price, an idle factor from 0 to 1, an end after the start) the form
-shows on each field; one that a closed period was priced with keeps its price, idle factor and
-days there (the same rule `apply_policy` follows), and is not deleted; the form says so
-before the save does. Nor may a card overlap another of its model and profile (one price a
-day, in any currency, as the policy file requires). Agent tokens show their hash: the token
-itself is never stored. Money shows in its currency's minor unit (`1,388.89 USD`); the API and
+Periods and statements are written by services only (samples and usage are metering's:
+`metering.admin`). A period is closed through its "Close period" action, which calls
+`billing.services.close_period` (as do `run_billing --close` and, on
+TALLY_CLOSE_PERIOD_DAY, Celery beat, whose schedule is edited under "Periodic tasks":
+django-celery-beat's own admin). Rate cards are saved and deleted by `billing.services`,
+whose rules for a card's values (`rate_card_value_errors`: an ISO 4217 currency, a positive
+price, an idle factor from 0 to 1, an end after the start) the form shows on each field; one
+that a closed period was priced with keeps its price, idle factor and days there (the same
+rule `apply_policy` follows), and is not deleted; the form says so before the save does. Nor
+may a card overlap another of its model and profile (one price a day, in any currency, as the
+policy file requires). Money shows in its currency's minor unit (`1,388.89 USD`); the API and
 the exports keep exact figures.
 """
 
@@ -25,18 +25,7 @@ from django.contrib import admin, messages
 from django.db.models import QuerySet
 from django.http import HttpRequest
 
-from billing.models import (
-    AgentToken,
-    DirtyHour,
-    MigInstance,
-    Period,
-    RateCard,
-    Sample,
-    Statement,
-    StatementLine,
-    UnknownDeviceSample,
-    UsageHour,
-)
+from billing.models import Period, RateCard, Statement, StatementLine
 from billing.periods import PricingError
 from billing.pricing import round_money
 from billing.rates import (
@@ -58,71 +47,6 @@ def money_text(amount: Decimal, currency: str) -> str:
 def hours_text(hours: Decimal) -> str:
     """GPU-hours to the hundredth, grouped: `123,456.12`."""
     return f"{hours:,.2f}"
-
-
-@admin.register(AgentToken)
-class AgentTokenAdmin(ReadOnlyAdmin):
-    list_display = ("cluster", "node", "created_at", "revoked_at")
-    list_filter = ("cluster",)
-    search_fields = ("node", "token_sha256")
-    fields = ("cluster", "node", "token_sha256", "created_at", "revoked_at")
-
-
-@admin.register(Sample)
-class SampleAdmin(ReadOnlyAdmin):
-    list_display = ("device_uuid", "ts_ms", "gpu_util", "mem_used_bytes", "node", "received_at")
-    search_fields = ("device_uuid", "node")
-    show_full_result_count = False
-
-
-@admin.register(UnknownDeviceSample)
-class UnknownDeviceSampleAdmin(SampleAdmin):
-    pass
-
-
-@admin.register(DirtyHour)
-class DirtyHourAdmin(ReadOnlyAdmin):
-    list_display = ("hour", "marked_at", "version")
-    ordering = ("-hour",)
-
-
-@admin.register(MigInstance)
-class MigInstanceAdmin(ReadOnlyAdmin):
-    """A GPU instance's spells, one device's each, in time order."""
-
-    list_display = (
-        "cluster",
-        "node",
-        "parent_uuid",
-        "gpu_instance_id",
-        "meter_id",
-        "first_ms",
-        "last_ms",
-    )
-    list_filter = ("cluster",)
-    search_fields = ("node", "parent_uuid", "meter_id")
-    list_select_related = ("cluster",)
-    ordering = ("cluster", "node", "parent_uuid", "gpu_instance_id", "first_ms")
-
-
-@admin.register(UsageHour)
-class UsageHourAdmin(ReadOnlyAdmin):
-    list_display = (
-        "hour",
-        "team",
-        "namespace",
-        "claim_name",
-        "product_name",
-        "profile",
-        "allocated_gpu_ms",
-        "utilised_gpu_ms",
-    )
-    list_filter = ("team", "product_name")
-    search_fields = ("namespace", "claim_name", "device_uuid", "job", "username")
-    list_select_related = ("team",)
-    date_hierarchy = "hour"
-    ordering = ("-hour",)
-    show_full_result_count = False
 
 
 class RateCardForm(forms.ModelForm):

@@ -12,7 +12,7 @@ notifications (`teams.alert_delivery`), after the alerts are stored.
 - Version outliers (`inventory.versions`): one per node (or, for devices of no node, per
   pool) with GPUs on an undocumented driver/CUDA pair, to the operators; resolved when
   documented or fixed; a deviation that expires makes its node an outlier again.
-- Silent metering engines (`billing.silence`): raised by the rollup as it finds a cluster
+- Silent metering engines (`metering.silence`): raised by the rollup as it finds a cluster
   whose engine answered with no reading, to the operators; key the cluster; resolved here
   once no rollup has found it silent for an hour.
 """
@@ -28,10 +28,10 @@ from typing import Any
 from billing.idle import IdleClaim, idle_claims
 from billing.models import SLICE_HOUR
 from billing.pricing import rate_for, rate_hours, round_money
-from billing.silence import silence_alerts
 from billing.stranded import PricedGang, priced_stranded_gangs
 from inventory.profiles import hours_label, shown_number, unit_label
 from inventory.versions import Outlier, version_matrix
+from metering.silence import silence_alerts
 from teams.alert_delivery import DeliveryReport, deliver_pending
 from teams.alerts import (
     RaisedAlert,

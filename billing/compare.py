@@ -43,11 +43,11 @@ from typing import Any
 from django.db.models import Case, CharField, F, Q, Sum, Value, When
 
 from billing import windows
-from billing.hours import KEPT_HOURS, hours_from_ms, idle_of
-from billing.models import UsageHour
 from billing.rounding import largest_remainders
 from billing.units import hours_label
 from inventory.models import Unit
+from metering.hours import KEPT_HOURS, hours_from_ms, idle_of
+from metering.models import UsageHour
 from teams.models import Team
 
 ZERO = Fraction(0)

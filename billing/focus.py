@@ -32,8 +32,7 @@ from django.db.models import F, Sum
 from django.db.models.functions import TruncDate
 
 from billing.focus_columns import COLUMN_NAMES
-from billing.hours import MS_PER_HOUR, ONE_MS, idle_of
-from billing.models import SLICE_HOUR, LineKind, Period, RateCard, StatementLine, UsageHour
+from billing.models import SLICE_HOUR, LineKind, Period, RateCard, StatementLine
 from billing.periods import period_bounds, period_label
 from billing.pricing import (
     LineFigures,
@@ -46,6 +45,8 @@ from billing.pricing import (
 from billing.rounding import apportion, largest_remainders, minor_unit
 from billing.selectors import period_pieces, stored_periods
 from billing.units import hours_label
+from metering.hours import MS_PER_HOUR, ONE_MS, idle_of
+from metering.models import UsageHour
 from teams.models import Team
 
 # Who provides, publishes and invoices the service, and the one billing account: Tally.

@@ -39,9 +39,9 @@ from django.utils import timezone
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from billing.hours import HOUR, MS_PER_HOUR, hour_start, hours_from_ms, idle_of
-from billing.models import UsageHour
 from inventory.models import Allocation, ResourceClaim
+from metering.hours import HOUR, MS_PER_HOUR, hour_start, hours_from_ms, idle_of
+from metering.models import UsageHour
 from teams.models import IdleAlertPolicy, Team
 
 HUNDREDTH = Decimal("0.01")  # of a percent

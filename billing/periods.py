@@ -10,7 +10,7 @@ from datetime import UTC, date, datetime, timedelta
 
 from django.conf import settings
 
-from billing.moments import within_range
+from metering.moments import within_range
 
 MONTH, WEEK = "month", "week"
 PERIOD_LENGTHS = (MONTH, WEEK)

@@ -31,22 +31,15 @@ from django.db.models.functions import TruncDate
 from django.utils import timezone
 
 from billing import late_data, shock
-from billing.hours import KEPT_HOURS, MS_PER_HOUR, hours_from_ms, idle_of
-from billing.models import (
-    SLICE_HOUR,
-    LineKind,
-    Period,
-    RateCard,
-    Statement,
-    StatementLine,
-    UsageHour,
-)
+from billing.models import SLICE_HOUR, LineKind, Period, RateCard, Statement, StatementLine
 from billing.periods import PricingError, period_bounds, period_label, period_length
 
 # Money's rounding is billing.rounding's; the names stay importable here.
 from billing.rounding import MINOR_UNITS as MINOR_UNITS
 from billing.rounding import round_money as round_money
 from db.locks import advisory_xact_lock
+from metering.hours import KEPT_HOURS, MS_PER_HOUR, hours_from_ms, idle_of
+from metering.models import UsageHour
 from teams.models import Team
 
 ZERO = Decimal(0)

@@ -14,9 +14,8 @@ from django.db import connection
 from django.db.models import F, OuterRef, Subquery, Sum
 from django.db.models.functions import TruncDate
 
-from billing.hours import HOUR, MS_PER_HOUR, ONE_MS, epoch_ms, hour_start, hours_from_ms, idle_of
 from billing.idle import claim_hours, idle_hour_q
-from billing.models import SLICE_HOUR, DirtyHour, Period, RateCard, Sample, UsageHour
+from billing.models import SLICE_HOUR, Period, RateCard
 from billing.periods import period_bounds
 from billing.pricing import (
     LineFigures,
@@ -26,14 +25,14 @@ from billing.pricing import (
     rate_hours,
     unowned_lines,
 )
-from billing.rollup import held_allocations, rolled_through
-
-# Money's rounding is billing.rounding's; `minor_unit` stays importable here.
 from billing.rounding import apportion, largest_remainders, round_money
 from billing.rounding import minor_unit as minor_unit
 from billing.units import hours_label
 from inventory.models import ResourceClaim, Unit
 from inventory.selectors import team_open_allocations
+from metering.hours import HOUR, MS_PER_HOUR, ONE_MS, epoch_ms, hour_start, hours_from_ms, idle_of
+from metering.models import DirtyHour, Sample, UsageHour
+from metering.rollup import held_allocations, rolled_through
 from teams.models import Team, TeamNamespace
 
 # Marked hours a budget read counts from the allocations hour by hour; past that many, from the

@@ -9,7 +9,6 @@ check, a lock or the audit.
 
 from __future__ import annotations
 
-import secrets
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -22,19 +21,9 @@ from django.db import transaction
 from django.db.models import Max
 from django.utils import timezone
 
-from billing import ingest, late_data, retention, rollup
+from billing import late_data
 from billing.currencies import currency_error
-from billing.hours import hours_between
-from billing.models import (
-    AgentToken,
-    DirtyHour,
-    LineKind,
-    Period,
-    RateCard,
-    Statement,
-    StatementLine,
-    UsageHour,
-)
+from billing.models import LineKind, Period, RateCard, Statement, StatementLine
 from billing.periods import PricingError, period_bounds, period_label
 from billing.pricing import already_closed, period_for, refresh_statements, round_money
 from billing.rates import (
@@ -47,7 +36,9 @@ from billing.rates import (
     rate_card_value_errors,
     rate_change_error,
 )
-from inventory.models import Cluster
+from metering import ingest, retention, rollup
+from metering.hours import hours_between
+from metering.models import DirtyHour, UsageHour
 from teams import audit
 from teams.models import AuditEntry, Team
 
@@ -257,6 +248,28 @@ def closed_until() -> datetime | None:
     return Period.objects.filter(closed_at__isnull=False).aggregate(end=Max("end"))["end"]
 
 
+def why_samples_kept(start: datetime, end: datetime) -> str:
+    """Why the samples of `[start, end)` (a UTC day) must stay for billing: a period over it
+    still open, or part of it in no closed period yet (not billed); "" when closed periods
+    cover it all. Metering's retention asks (`metering.retention.RETENTION_HOLDS`)."""
+    periods = list(
+        Period.objects.filter(start__lt=end, end__gt=start)
+        .order_by("start")
+        .values_list("start", "end", "closed_at")
+    )
+    open_periods = [f"{p_start:%Y-%m-%d}" for p_start, _, closed in periods if closed is None]
+    if open_periods:
+        return f"period from {', '.join(open_periods)} is open"
+    covered = start
+    for p_start, p_end, _ in periods:
+        if p_start > covered:
+            break
+        covered = max(covered, p_end)
+    if covered < end:
+        return f"not billed yet: no closed period covers {covered:%Y-%m-%d %H:%M} UTC"
+    return ""
+
+
 def on_usage_closed_until(sender: Any, **_: Any) -> datetime | None:
     """`inventory.signals.usage_closed_until` receiver: `closed_until`."""
     return closed_until()
@@ -444,23 +457,3 @@ def _mark_repriced(before: RateCard, after: RateCard, closed: list[ClosedPeriod]
 
 def _rate_values(card: RateCard) -> dict[str, Any]:
     return {name: getattr(card, name) for name in RATE_CARD_FIELDS}
-
-
-# --- Agent tokens -----------------------------------------------------------------------------
-
-
-def issue_agent_token(*, cluster: Cluster, node: str, actor: str) -> str:
-    """Create a bearer token for the agent on `node` ("*": an agent that reports for every
-    node) and return it. Only its SHA-256 is stored, so it cannot be shown again; the token's
-    creation is audited as `actor` (the hash, never the token)."""
-    token = secrets.token_urlsafe(32)
-    audit.create(
-        actor=actor,
-        obj=AgentToken(
-            cluster=cluster,
-            node=node,
-            token_sha256=ingest.token_sha256(token),
-            created_at=timezone.now(),
-        ),
-    )
-    return token

@@ -16,11 +16,11 @@ from decimal import Decimal
 from fractions import Fraction
 from typing import Any
 
-from billing.hours import MS_PER_HOUR, hours_from_ms
 from billing.models import SLICE_HOUR
 from billing.pricing import RateCards, round_money
 from inventory.models import Cluster
 from inventory.stranded import StrandedGang, stranded_gangs
+from metering.hours import MS_PER_HOUR, hours_from_ms
 from teams.models import Team
 
 

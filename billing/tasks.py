@@ -15,7 +15,7 @@ from typing import Any
 from celery import shared_task
 from django.utils import timezone
 
-from billing import alerts, retention, services
+from billing import alerts, services
 from billing.periods import PricingError
 from core import metrics
 
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 def rollup_pending() -> list[str]:
     """Roll up the hours marked dirty and the hour just ended, then refresh the open period's
     statements (`services.refresh_usage`); the hours rolled up, ISO 8601. Hours a
-    Prometheus-compatible engine did not answer for (`billing.prometheus`) are not among them:
+    Prometheus-compatible engine did not answer for (`metering.prometheus`) are not among them:
     they stay marked, for the next run, and are never billed as idle meanwhile."""
     hours = services.refresh_usage(now=timezone.now())
     metrics.BILLING_LAST_SUCCESS.set(time.time())
@@ -57,35 +57,6 @@ def close_previous_period(now: str | None = None) -> str | None:
     closed = ", ".join(run.period.label for run in runs) or None
     log.info("close periods: %s", f"closed {closed}" if closed else "none due")
     return closed
-
-
-@shared_task(autoretry_for=(Exception,), retry_backoff=True, max_retries=3, acks_late=True)
-def sample_retention() -> dict[str, object]:
-    """Keep the samples' day partitions made ahead, move stray rows out of DEFAULT, drop the
-    days past TALLY_SAMPLE_RETENTION_DAYS that may go, and delete the samples set aside past
-    TALLY_INGEST_UNKNOWN_RETENTION_DAYS (`retention.apply_sample_retention`); what it did, for
-    the task's result. Beat runs it hourly; reruns change nothing."""
-    report = retention.apply_sample_retention(now=timezone.now())
-    log.info(
-        "sample retention: %d day partition(s) created, %d dropped, %d kept, %d busy; "
-        "%d row(s) moved out of DEFAULT, %d left there; %d unknown-device sample(s) deleted",
-        len(report.created),
-        len(report.dropped),
-        len(report.kept),
-        len(report.busy),
-        report.moved_from_default,
-        sum(report.left_in_default.values()),
-        report.unknown_device_samples_deleted,
-    )
-    return {
-        "created": [day.isoformat() for day in report.created],
-        "dropped": [day.isoformat() for day in report.dropped],
-        "moved_from_default": report.moved_from_default,
-        "left_in_default": {day.isoformat(): n for day, n in report.left_in_default.items()},
-        "kept": {day.isoformat(): why for day, why in report.kept.items()},
-        "busy": [day.isoformat() for day in report.busy],
-        "unknown_device_samples_deleted": report.unknown_device_samples_deleted,
-    }
 
 
 @shared_task(autoretry_for=(Exception,), retry_backoff=True, max_retries=3, acks_late=True)

@@ -25,15 +25,16 @@ from typing import Any, NamedTuple
 
 from django.db.models import F, Sum
 
-from billing.hours import HOUR, SHOWN_HOURS, hours_from_ms, idle_of
 from billing.idle import below_percent_of, idle_hour
-from billing.models import SLICE_HOUR, UsageHour
-from billing.moments import parse_day
+from billing.models import SLICE_HOUR
 from billing.pricing import RateCards, period_holding, rate_hours, round_money
 from billing.selectors import BilledUsage, billed_usage, team_gpu_hours
 from billing.units import hours_label
 from inventory.models import Cluster
 from inventory.presence import hourly_units
+from metering.hours import HOUR, SHOWN_HOURS, hours_from_ms, idle_of
+from metering.models import UsageHour
+from metering.moments import parse_day
 from teams.models import Team
 
 WEEK = timedelta(days=7)
@@ -53,7 +54,7 @@ def last_complete_week(now: datetime) -> datetime:
 
 def parse_week_start(value: str | None, *, now: datetime) -> datetime:
     """The week's first moment from `?start=YYYY-MM-DD` (any day: seven days from it), or the
-    last complete week when absent. A malformed day, one out of range (`billing.moments`) or
+    last complete week when absent. A malformed day, one out of range (`metering.moments`) or
     one after today is a `WeekError` naming the parameter."""
     if not value:
         return last_complete_week(now)

@@ -19,8 +19,8 @@ from typing import Any
 from django.db.models import Q, QuerySet
 
 from billing.models import Period
-from billing.moments import MOMENT_HELP, parse_moment
 from billing.periods import PricingError, is_period_label, parse_period
+from metering.moments import MOMENT_HELP, parse_moment
 from teams.api import next_day, start_of_day
 
 START, END, PERIOD = "start", "end", "period"

@@ -49,6 +49,7 @@ INSTALLED_APPS = [
     "teams",
     "inventory",
     "quota",
+    "metering",
     "billing",
     "frontend",
     "demo",
@@ -631,9 +632,9 @@ TALLY_BILL_SHOCK_PERCENT = env.get_int("TALLY_BILL_SHOCK_PERCENT", 50, minimum=0
 # Consecutive hours are rolled up together, their samples read in one pass, up to this many
 # allocation-hours a transaction (a 1,000-GPU fleet: 250 hours; 100,000 GPUs: 2 hours).
 TALLY_ROLLUP_DEVICE_HOURS = env.get_int("TALLY_ROLLUP_DEVICE_HOURS", 250_000, minimum=1)
-# Where utilisation comes from (billing/prometheus.py): `samples` (the agents' raw samples),
+# Where utilisation comes from (metering/prometheus.py): `samples` (the agents' raw samples),
 # `prometheus` (a Prometheus-compatible engine's query API), or a default with exceptions per
-# cluster: `samples,gpu-east=prometheus`. Parsed and checked by `billing.prometheus.config()`
+# cluster: `samples,gpu-east=prometheus`. Parsed and checked by `metering.prometheus.config()`
 # (`manage.py meter_prometheus --check`); a bad value names its variable.
 TALLY_METERING_SOURCE = env.get_str("TALLY_METERING_SOURCE", "samples") or "samples"
 TALLY_PROMETHEUS_URL = env.get_str("TALLY_PROMETHEUS_URL", "") or ""
@@ -662,7 +663,7 @@ TALLY_PROMETHEUS_SETTLE_SECONDS = env.get_int(
 # (a wrong selector, a relabelling gone, a tenant without data) is not believed at once: the
 # window's hours stay pending, warned of, counted (tally_metering_silent_hours) and alerted
 # to the operators, for this long after they end; then they are billed unmeasured, still
-# warned of (billing/silence.py).
+# warned of (metering/silence.py).
 TALLY_PROMETHEUS_SILENCE_GRACE_SECONDS = env.get_int(
     "TALLY_PROMETHEUS_SILENCE_GRACE_SECONDS", 6 * 3600, minimum=0, maximum=30 * 86400
 )
@@ -714,7 +715,7 @@ CELERY_BEAT_SCHEDULE["billing-close-period"] = {
     "schedule": crontab(minute="20"),
 }
 
-# Retention (`billing.retention`, `quota.retention`). Raw samples are partitioned by UTC day:
+# Retention (`metering.retention`, `quota.retention`). Raw samples are partitioned by UTC day:
 # partitions are made this many days ahead, and a day is dropped once older than
 # TALLY_SAMPLE_RETENTION_DAYS, its periods closed and its hours rolled up. Longer than the
 # ingest window: a late sample for a dropped day would have its hour rolled up again without

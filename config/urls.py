@@ -1,7 +1,7 @@
 from django.contrib import admin
 from django.urls import include, path
 
-from billing import views as billing_views
+from metering import views as metering_views
 from quota import workload_views
 from quota.admission import views as admission_views
 from teams.login import AdminLoginForm
@@ -18,7 +18,7 @@ urlpatterns = [
     path("admission/resourceclaims/mutate", admission_views.mutate, name="admission-mutate"),
     # Who created a workload (Pods and what makes them), for claims made from its templates.
     path("admission/workloads/mutate", workload_views.mutate, name="admission-workloads"),
-    path("ingest/samples", billing_views.ingest_samples, name="ingest-samples"),
+    path("ingest/samples", metering_views.ingest_samples, name="ingest-samples"),
     path("admin/", admin.site.urls),
     path("api/", include("config.api_urls")),
     path("", include("config.ops_urls")),

@@ -5,6 +5,8 @@ hash, an hour since the epoch). PostgreSQL's two-key form takes the name's class
 first key: a stable hash of the name (the same in every process and release), so callers
 never write a bare number and two kinds of lock never share keys by accident. Every name is
 declared in `LockName`; two names whose ids would collide are refused when this module loads.
+A name outlives a move of the code that takes it (the `billing.*` locks metering takes, since
+issue 37): processes of two releases running side by side must take the same lock.
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ from django.db.backends.utils import CursorWrapper
 from django.db.transaction import TransactionManagementError
 
 LockName = Literal[
-    # One device's samples while their gaps are worked out (`billing.ingest`); the key is a
+    # One device's samples while their gaps are worked out (`metering.ingest`); the key is a
     # hash of the device's UUID (a collision only makes two devices wait on each other).
     "billing.ingest.device",
     # One GPU instance's spells while a batch's samples are merged into them
-    # (`billing.mig_instances`); the key is a hash of the instance (a collision only makes two
+    # (`metering.mig_instances`); the key is a hash of the instance (a collision only makes two
     # instances wait on each other). Taken after the batch's device locks.
     "billing.ingest.mig_instance",
-    # One hour's usage rows while they are rolled up (`billing.rollup`); the key is the hour
+    # One hour's usage rows while they are rolled up (`metering.rollup`); the key is the hour
     # since the epoch.
     "billing.rollup.hour",
     # Quota usage outside the webhook: the rules' `in_use` and reservation lines written by a

@@ -9,7 +9,7 @@ at `now`, so no held hour is unmeasured, nor the first minutes after the load. O
 whole GPUs, held for a week or more (`_forgotten_claim`), is the demo's forgotten job: allocated
 and near idle since it started. Jobs follow the history's changes (`Slowdown`): below their
 usual level until a change. The samples are written in bulk, each with its gap to its device's
-next one as `ingest` keeps it (`billing.ingest`'s `fill_gaps` would find nothing to change), but
+next one as `ingest` keeps it (`metering.ingest`'s `fill_gaps` would find nothing to change), but
 for those of an agent that could not report (`Outage`): held back, to be sent late through
 `ingest` once the period they fall in has closed (`deliver_late_samples`), which makes the
 late-data adjustment of the next statement.
@@ -26,12 +26,14 @@ from datetime import UTC, datetime, timedelta
 from itertools import pairwise
 from typing import Any
 
-from billing import ingest, services
-from billing.hours import epoch_ms, sample_hold_ms
-from billing.models import Sample
+from billing import services
 from billing.periods import period_bounds
 from db.copy import insert_rows
 from inventory.models import Allocation, Cluster, DeviceKind, ResourceClaim
+from metering import ingest
+from metering import services as metering_services
+from metering.hours import epoch_ms, sample_hold_ms
+from metering.models import Sample
 
 # How a job uses its GPUs: a level and how much it wanders, in percent.
 PATTERNS: dict[str, tuple[float, float]] = {
@@ -221,7 +223,7 @@ def deliver_late_samples(
     them (its own token, checked and stored by `ingest`), then the open period billed as
     `run_billing` bills it, which rolls up the hours they touched and, for a closed period's,
     adds the adjustment lines of the late data."""
-    token = services.issue_agent_token(cluster=cluster, node=outage.node, actor=ACTOR)
+    token = metering_services.issue_agent_token(cluster=cluster, node=outage.node, actor=ACTOR)
     agent = ingest.authenticate(token)
     rows, rejected = ingest.validate_samples(samples, now=now)
     if rejected:

@@ -30,11 +30,11 @@ from billing.compare import (
     parse_parameters,
     summary,
 )
-from billing.moments import MOMENT_HELP
 from frontend import selectors
 from frontend.views import forbidden, not_found
 from inventory.models import Unit
 from inventory.profiles import unit_label
+from metering.moments import MOMENT_HELP
 from teams.models import Team
 
 PLACES = 2

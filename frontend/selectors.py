@@ -17,17 +17,7 @@ from typing import Any
 from django.db.models import F, OuterRef, Subquery, Sum
 from django.db.models.functions import TruncDate
 
-from billing.hours import SHOWN_HOURS, hours_from_ms, idle_expression, idle_of
-from billing.models import (
-    GPU_HOUR,
-    SLICE_HOUR,
-    Period,
-    Sample,
-    Statement,
-    StatementLine,
-    UsageHour,
-    unit_hour,
-)
+from billing.models import GPU_HOUR, SLICE_HOUR, Period, Statement, StatementLine, unit_hour
 from billing.pricing import RateCards, period_holding, rate_hours, round_money
 from billing.selectors import (
     BilledRow,
@@ -41,6 +31,8 @@ from billing.units import hours_label, units_label
 from inventory.models import Cluster, Unit
 from inventory.profiles import unit_label
 from inventory.selectors import team_open_allocations
+from metering.hours import SHOWN_HOURS, hours_from_ms, idle_expression, idle_of
+from metering.models import Sample, UsageHour
 from quota.admission.shapes import every_fleet, rule_units
 from quota.models import Budget, QuotaRule
 from quota.models import Unit as RuleUnit

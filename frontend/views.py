@@ -28,7 +28,6 @@ from django.urls import reverse
 from django.utils import timezone
 from django.views.decorators.http import require_GET, require_POST
 
-from billing.hours import HOUR, hour_start
 from billing.idle import below_percent_of, idle_policy_of
 from billing.statement_csv import statement_csv_filename, write_statement_csv
 from billing.stranded import priced_stranded_gangs
@@ -38,6 +37,7 @@ from inventory import checks
 from inventory import selectors as fleet
 from inventory.models import Cluster
 from inventory.profiles import unit_label
+from metering.hours import HOUR, hour_start
 from quota import pending
 from quota.selectors import (
     NO_TEAM,

@@ -32,10 +32,10 @@ def _claims_changed(
     """What follows the claims the sync saw, in this order: the reservations (allocated
     exactly, or released), which also fill in who is charged on allocations the sync wrote
     without one (`quota.services.sync_reservations`); then the hours the change touched,
-    marked to be rolled up again (`billing.dirty.on_claims_changed`), which compares the
+    marked to be rolled up again (`metering.dirty.on_claims_changed`), which compares the
     allocations the sender sent `unfilled` with what they hold once quota has filled them in.
     Run the other way round, hours an allocation was charged to nobody would stay so."""
-    from billing.dirty import on_claims_changed
+    from metering.dirty import on_claims_changed
     from quota.services import sync_reservations
 
     sync_reservations(cluster=cluster, claim_ids=claim_ids, at=at)

@@ -3,7 +3,7 @@ reservations (and gang holds) with their lines after TALLY_RESERVATION_RETENTION
 
 Only history goes: a reservation still reserved or allocated, or a gang hold still held, is
 never touched, whatever its age, so the rules' usage and its recount are unchanged. Deleted in
-batches (`billing.retention.delete_in_batches`), each its own transaction.
+batches (`metering.retention.delete_in_batches`), each its own transaction.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from datetime import datetime, timedelta
 from django.conf import settings
 from django.db.models import Q
 
-from billing.retention import delete_in_batches
+from metering.retention import delete_in_batches
 from quota.models import AdmissionDecision, GangReservation, Reservation, ReservationState
 
 

@@ -52,10 +52,10 @@ from django.test import Client
 from django.utils import timezone
 
 from billing.models import RateCard
-from billing.services import issue_agent_token
 from inventory import profiles
 from inventory import services as inventory_services
 from inventory.models import Device
+from metering.services import issue_agent_token
 from quota.admission.shapes import forget_fleet_shapes
 from quota.models import QuotaRule, Reservation
 from teams.models import Membership, Role, Team

@@ -24,10 +24,11 @@ ALLOWED: dict[str, set[str]] = {
     "agent": set(),
     "teams": {"core", "db"},
     "inventory": {"core", "db", "teams"},
-    "billing": {"core", "db", "teams", "inventory", "agent"},
-    "quota": {"core", "db", "teams", "inventory", "billing"},
-    "frontend": {"core", "db", "teams", "inventory", "billing", "quota"},
-    "demo": {"core", "db", "teams", "inventory", "billing", "quota"},
+    "metering": {"core", "db", "teams", "inventory", "agent"},
+    "billing": {"core", "db", "teams", "inventory", "agent", "metering"},
+    "quota": {"core", "db", "teams", "inventory", "metering", "billing"},
+    "frontend": {"core", "db", "teams", "inventory", "metering", "billing", "quota"},
+    "demo": {"core", "db", "teams", "inventory", "metering", "billing", "quota"},
 }
 PACKAGES = {*ALLOWED, "config"}
 

@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 from django.db import connection
 
-from billing import ingest, prometheus, rollup
-from billing.hours import epoch_ms
-from billing.ingest import SampleRow
-from billing.models import UsageHour
 from inventory import checks, services
 from inventory.models import Device
+from metering import ingest, prometheus, rollup
+from metering.hours import epoch_ms
+from metering.ingest import SampleRow
+from metering.models import UsageHour
 from tests.factories import AllocationFactory, DeviceFactory
 
 pytestmark = pytest.mark.django_db

@@ -15,14 +15,14 @@ import pytest
 from django.test import Client
 from django.utils import timezone
 
-from billing import rollup
-from billing.hours import epoch_ms
-from billing.ingest import adopt_unknown_samples, ingest, validate_samples
-from billing.models import Sample, UsageHour
-from billing.services import issue_agent_token
 from inventory import services
 from inventory.dumps import iter_objects
 from inventory.models import Cluster, Device
+from metering import rollup
+from metering.hours import epoch_ms
+from metering.ingest import adopt_unknown_samples, ingest, validate_samples
+from metering.models import Sample, UsageHour
+from metering.services import issue_agent_token
 from tests.factories import AllocationFactory, DeviceFactory, NodeFactory
 from tests.fixtures import DRA
 

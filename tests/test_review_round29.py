@@ -21,11 +21,11 @@ from django.test import Client, override_settings
 from django.urls import reverse
 from django.utils import timezone
 
-from billing import prometheus
-from billing.hours import epoch_ms
-from billing.models import MigInstance
-from billing.services import issue_agent_token
 from inventory.models import Device
+from metering import prometheus
+from metering.hours import epoch_ms
+from metering.models import MigInstance
+from metering.services import issue_agent_token
 from teams.alerts import RaisedAlert, raise_alert
 from teams.models import Alert, AlertKind, AlertState
 from tests.api.cast import Cast, cast

@@ -1,6 +1,6 @@
 """Review round 30: an adversarial look at two commits, DCGM MIG samples named
-`<parent UUID>::gi<N>` placed by their GPU instance's spells (98e1c81: `billing.ingest`,
-`billing.mig_instances`, migration billing 0013), and pools whose devices consume unpublished
+`<parent UUID>::gi<N>` placed by their GPU instance's spells (98e1c81: `metering.ingest`,
+`metering.mig_instances`, migration billing 0013), and pools whose devices consume unpublished
 counter sets counted by no quota rule, cached by their slices' marks (5f9c172:
 `quota.admission.shapes`, `quota.admission.decision`, `inventory.checks`).
 
@@ -44,10 +44,12 @@ from django.test.utils import CaptureQueriesContext
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from billing import ingest, prometheus, rollup
-from billing.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
-from billing.ingest import adopt_unknown_samples
-from billing.models import (
+from inventory import services as inventory_services
+from inventory.models import Device
+from metering import ingest, prometheus, rollup
+from metering.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
+from metering.ingest import adopt_unknown_samples
+from metering.models import (
     AgentToken,
     DcgmInstance,
     DirtyHour,
@@ -56,12 +58,16 @@ from billing.models import (
     UnknownDeviceSample,
     UsageHour,
 )
-from billing.retention import purge_unknown_device_samples
-from billing.services import issue_agent_token
-from inventory import services as inventory_services
-from inventory.models import Device
+from metering.retention import purge_unknown_device_samples
+from metering.services import issue_agent_token
 from quota.admission import shapes
-from tests.billing.test_dcgm_mig_adoption import (
+from tests.factories import (
+    ClusterFactory,
+    DeviceFactory,
+    MigDeviceFactory,
+    NodeFactory,
+)
+from tests.metering.test_dcgm_mig_adoption import (
     A100,
     NODE,
     NOW,
@@ -78,13 +84,7 @@ from tests.billing.test_dcgm_mig_adoption import (
     send,
     state,
 )
-from tests.billing.test_ingest_dynamic_mig import load as load_dynamic
-from tests.factories import (
-    ClusterFactory,
-    DeviceFactory,
-    MigDeviceFactory,
-    NodeFactory,
-)
+from tests.metering.test_ingest_dynamic_mig import load as load_dynamic
 from tests.quota.fixtures import AT, claim, decide
 from tests.quota.test_unpublished_counters import (
     GPU,

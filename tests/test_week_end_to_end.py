@@ -50,15 +50,16 @@ from django.test import Client
 from django.urls import reverse
 
 from billing import pricing
-from billing.hours import HOUR
-from billing.models import RateCard, Statement, UsageHour
-from billing.rollup import rollup_hours
-from billing.services import issue_agent_token
+from billing.models import RateCard, Statement
 from billing.week import WEEK_CSV_COLUMNS
 from devtools.fake_kube import FakeKube
 from frontend.week import week_report
 from inventory import kube, kube_sync, services
 from inventory.models import Allocation, Cluster, Device, ResourceClaim
+from metering.hours import HOUR
+from metering.models import UsageHour
+from metering.rollup import rollup_hours
+from metering.services import issue_agent_token
 from teams.models import Membership, Role, Team, TeamNamespace
 from tests.inventory.test_kube_sync import claim, resource_slice
 from tests.quota.test_workloads import (

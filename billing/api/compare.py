@@ -35,17 +35,10 @@ from billing.compare import (
     summary,
     total_row,
 )
-from billing.moments import MOMENT_HELP
 from billing.windows import PERIOD_HELP
 from inventory.models import Unit
-from teams.api import (
-    FINANCE,
-    OPERATOR,
-    AnyRole,
-    CSVRenderer,
-    StrictQueryParameters,
-    request_role,
-)
+from metering.moments import MOMENT_HELP
+from teams.api import FINANCE, OPERATOR, AnyRole, CSVRenderer, StrictQueryParameters, request_role
 from teams.models import Team
 from teams.selectors import visible_teams
 

@@ -9,7 +9,7 @@ import django_filters
 from django.db.models import Q, QuerySet
 from rest_framework.exceptions import ValidationError
 
-from billing.models import Period, RateCard, Statement, StatementLine, UsageHour
+from billing.models import Period, RateCard, Statement, StatementLine
 from billing.windows import (
     END_HELP,
     PERIOD_HELP,
@@ -19,6 +19,7 @@ from billing.windows import (
     parse_window,
     period_lookups,
 )
+from metering.models import UsageHour
 from teams.api import TeamSlugFilter
 
 __all__ = ["PERIOD_HELP", "period_lookups"]

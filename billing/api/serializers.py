@@ -19,7 +19,6 @@ from rest_framework import serializers
 
 from billing.api.filtersets import PERIOD_HELP, period_lookups
 from billing.currencies import currency_error
-from billing.hours import HOUR, MS_PER_HOUR
 from billing.models import Period, RateCard, Statement, StatementLine
 from billing.pricing import period_holding, round_money
 from billing.units import hours_label
@@ -34,6 +33,7 @@ from billing.windows import (
     parse_window,
 )
 from inventory.models import Unit
+from metering.hours import HOUR, MS_PER_HOUR
 from teams.api import ReadOnlyModelSerializer, VisibleTeamField
 from teams.models import Team
 

@@ -53,8 +53,7 @@ from billing.api.serializers import (
     UsageSeriesSerializer,
     UserUsageSerializer,
 )
-from billing.hours import idle_expression
-from billing.models import LineKind, Period, RateCard, Statement, StatementLine, UsageHour
+from billing.models import LineKind, Period, RateCard, Statement, StatementLine
 from billing.periods import PricingError
 from billing.pricing import period_holding
 from billing.selectors import BilledRow, BilledUsage, billed_usage, unowned_usage
@@ -65,6 +64,8 @@ from billing.statement_csv import (
     write_statement_csv,
 )
 from core.parsers import JsonParser
+from metering.hours import idle_expression
+from metering.models import UsageHour
 from teams.api import (
     CSVRenderer,
     FinanceOrOperator,

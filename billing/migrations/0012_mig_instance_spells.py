@@ -11,7 +11,7 @@ from typing import Any
 
 from django.db import migrations, models
 
-from billing.mig_instances import split_overlapping_spells
+from metering.mig_instances import split_overlapping_spells
 
 
 def split_overlapping(apps: Any, schema_editor: Any) -> None:

@@ -14,9 +14,9 @@ from django.utils import timezone
 from drf_spectacular.utils import extend_schema
 from rest_framework import serializers
 
-from billing.hours import MS_PER_HOUR
 from billing.stranded import PricedGang, priced_stranded_gangs
 from inventory.api.views import requested_cluster
+from metering.hours import MS_PER_HOUR
 from quota.api.demand import RowViewSet
 
 

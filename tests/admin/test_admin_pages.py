@@ -121,9 +121,9 @@ def test_a_rate_card_overlapping_another_is_refused_naming_it(ops_client: Client
 def test_mig_instances_and_dirty_marks_are_listed_read_only(ops_client: Client) -> None:
     from datetime import UTC, datetime
 
-    from billing.dirty import mark_dirty
-    from billing.models import MigInstance
     from inventory.services import get_cluster
+    from metering.dirty import mark_dirty
+    from metering.models import MigInstance
 
     mark_dirty(hours={datetime(2026, 11, 30, 6, tzinfo=UTC)}, at=datetime(2026, 12, 1, tzinfo=UTC))
     MigInstance.objects.create(
@@ -135,8 +135,8 @@ def test_mig_instances_and_dirty_marks_are_listed_read_only(ops_client: Client) 
         first_ms=0,
         last_ms=60_000,
     )
-    listed = _text(ops_client.get(reverse("admin:billing_miginstance_changelist")).content)
+    listed = _text(ops_client.get(reverse("admin:metering_miginstance_changelist")).content)
     assert "GPU-a100" in listed and "MIG-one" in listed
-    marks = ops_client.get(reverse("admin:billing_dirtyhour_changelist"))
+    marks = ops_client.get(reverse("admin:metering_dirtyhour_changelist"))
     assert marks.status_code == 200 and "Nov. 30, 2026, 6 a.m." in _text(marks.content)
-    assert ops_client.get(reverse("admin:billing_miginstance_add")).status_code == 403
+    assert ops_client.get(reverse("admin:metering_miginstance_add")).status_code == 403

@@ -18,9 +18,10 @@ from django.utils import timezone
 from rest_framework.test import APIClient
 
 from billing import pricing, services
-from billing.hours import MS_PER_HOUR
-from billing.models import Period, RateCard, UsageHour
+from billing.models import Period, RateCard
 from inventory.models import Allocation
+from metering.hours import MS_PER_HOUR
+from metering.models import UsageHour
 from quota.models import AdmissionDecision, QuotaRule
 from teams.models import Membership, Role, Team, TeamNamespace
 from teams.selectors import FINANCE_GROUP, OPERATORS_GROUP

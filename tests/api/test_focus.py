@@ -30,9 +30,10 @@ from hypothesis import strategies as st
 
 from billing import pricing, services
 from billing.focus_columns import COLUMNS, FOCUS_VERSION
-from billing.hours import MS_PER_HOUR
-from billing.models import LineKind, Period, Statement, StatementLine, UsageHour
+from billing.models import LineKind, Period, Statement, StatementLine
 from billing.selectors import billed_usage
+from metering.hours import MS_PER_HOUR
+from metering.models import UsageHour
 from teams.models import Team
 from tests.api.cast import Cast
 from tests.api.test_people_usage import (

@@ -3,7 +3,7 @@ that takes one: a 400 naming the parameter, never a 500 (issue 40, finding 5).
 
 Python's datetimes end at 9999-12-31 and begin at 0001-01-01; a window bound there used to
 overflow in the arithmetic after parsing (the week before a week, a window's end). Tally
-counts time from 1970-01-01 to 9999-01-01 (`billing.moments`): out of that range is a 400,
+counts time from 1970-01-01 to 9999-01-01 (`metering.moments`): out of that range is a 400,
 its edges are answered.
 
 The fuzz is schemathesis over every operation of the API that takes a date, with date and

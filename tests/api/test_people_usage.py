@@ -22,10 +22,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from billing import pricing
-from billing.hours import MS_PER_HOUR
-from billing.models import Period, RateCard, Statement, UsageHour
+from billing.models import Period, RateCard, Statement
 from billing.selectors import apportion, billed_usage, minor_unit
 from inventory.models import Allocation, Unit
+from metering.hours import MS_PER_HOUR
+from metering.models import UsageHour
 from teams.models import Team, TeamNamespace
 from tests.api.cast import Cast
 from tests.factories import (

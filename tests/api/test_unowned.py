@@ -10,7 +10,7 @@ from decimal import Decimal
 import pytest
 from django.db.models import Sum
 
-from billing.models import UsageHour
+from metering.models import UsageHour
 from tests.api.cast import Seeded, seed_usage
 
 pytestmark = pytest.mark.django_db

@@ -15,16 +15,9 @@ from django.test import Client, RequestFactory
 from django.urls import reverse
 from django.utils import timezone
 
-from billing.models import (
-    AgentToken,
-    Period,
-    RateCard,
-    Sample,
-    Statement,
-    UnknownDeviceSample,
-    UsageHour,
-)
+from billing.models import Period, RateCard, Statement
 from billing.periods import period_bounds
+from metering.models import AgentToken, Sample, UnknownDeviceSample, UsageHour
 from quota.models import Budget
 from teams.models import AuditEntry
 from tests.quota.factories import TeamFactory
@@ -32,14 +25,14 @@ from tests.quota.factories import TeamFactory
 pytestmark = pytest.mark.django_db
 
 MODELS = (
-    "agenttoken",
-    "sample",
-    "unknowndevicesample",
-    "dirtyhour",
-    "usagehour",
-    "ratecard",
-    "period",
-    "statement",
+    "metering_agenttoken",
+    "metering_sample",
+    "metering_unknowndevicesample",
+    "metering_dirtyhour",
+    "metering_usagehour",
+    "billing_ratecard",
+    "billing_period",
+    "billing_statement",
 )
 
 
@@ -64,7 +57,7 @@ def rate_card(**changes: object) -> RateCard:
 
 @pytest.mark.parametrize("model", MODELS)
 def test_changelists_open(ops_client: Client, model: str) -> None:
-    response = ops_client.get(reverse(f"admin:billing_{model}_changelist"))
+    response = ops_client.get(reverse(f"admin:{model}_changelist"))
     assert response.status_code == 200
 
 

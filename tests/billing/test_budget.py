@@ -14,17 +14,18 @@ from django.test import Client
 from django.utils import timezone
 from pytest_django.fixtures import SettingsWrapper
 
-from billing import rollup
-from billing.dirty import mark_dirty
-from billing.hours import HOUR, MS_PER_HOUR, hour_start
-from billing.models import Period, UsageHour
+from billing.models import Period
 from billing.periods import PricingError, period_bounds, period_label
 from billing.pricing import period_for, period_holding
-from billing.rollup import rollup_hours
 from billing.selectors import MOST_MARKED_SPANS, team_gpu_hours
 from inventory import services as inventory_services
 from inventory.dumps import iter_objects
 from inventory.models import Device, Unit
+from metering import rollup
+from metering.dirty import mark_dirty
+from metering.hours import HOUR, MS_PER_HOUR, hour_start
+from metering.models import UsageHour
+from metering.rollup import rollup_hours
 from quota.admission.shapes import forget_fleet_shapes
 from quota.models import Budget
 from quota.policy import PolicyError, apply_policy, load_policy

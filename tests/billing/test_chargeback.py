@@ -1,7 +1,7 @@
 """Allocated versus utilised GPU-hours, priced: a scenario worked out by hand, to the cent.
 
 The fleet and its claims come from dump files loaded with `sync_inventory --from-file --at`,
-as an operator replays a cluster's history; the samples go through `billing.ingest`, as the
+as an operator replays a cluster's history; the samples go through `metering.ingest`, as the
 node agents' do.
 """
 
@@ -18,12 +18,14 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 
-from billing import ingest, pricing, rollup, services
-from billing.hours import epoch_ms
-from billing.ingest import SampleRow
-from billing.models import RateCard, StatementLine, UsageHour
+from billing import pricing, services
+from billing.models import RateCard, StatementLine
 from billing.periods import PricingError
 from inventory import services as inventory_services
+from metering import ingest, rollup
+from metering.hours import epoch_ms
+from metering.ingest import SampleRow
+from metering.models import UsageHour
 from teams.models import Team, TeamNamespace
 
 pytestmark = pytest.mark.django_db

@@ -18,14 +18,14 @@ from typing import Any
 import pytest
 from django.core.management import call_command
 
-from billing import ingest
-from billing.hours import epoch_ms
-from billing.ingest import SampleRow
 from billing.models import RateCard, Statement
 from billing.pricing import round_money
 from billing.services import bill_period
 from inventory import services
 from inventory.models import Allocation, Device, Pool
+from metering import ingest
+from metering.hours import epoch_ms
+from metering.ingest import SampleRow
 from tests.inventory.test_kube_sync import claim, gpu, resource_slice
 from tests.quota.factories import TeamNamespaceFactory
 

@@ -13,8 +13,10 @@ from django.core.management import CommandError, call_command
 from django.utils import timezone
 from pytest_django.fixtures import SettingsWrapper
 
-from billing import periods, rollup
-from billing.models import Period, RateCard, UsageHour
+from billing import periods
+from billing.models import Period, RateCard
+from metering import rollup
+from metering.models import UsageHour
 from teams.models import Team
 from tests.billing.test_chargeback import T10, scenario, send_samples
 

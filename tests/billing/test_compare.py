@@ -34,10 +34,10 @@ from billing.compare import (
     shown_parts,
     summary,
 )
-from billing.hours import MS_PER_HOUR
-from billing.models import UsageHour
-from billing.moments import parse_moment
 from inventory.models import Unit
+from metering.hours import MS_PER_HOUR
+from metering.models import UsageHour
+from metering.moments import parse_moment
 from teams.models import Team
 
 H = MS_PER_HOUR

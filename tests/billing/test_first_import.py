@@ -21,10 +21,11 @@ import time_machine
 from django.core.management import call_command
 from django.utils import timezone
 
-from billing.models import DirtyHour, LineKind, Period, Statement, StatementLine, UsageHour
+from billing.models import LineKind, Period, Statement, StatementLine
 from billing.pricing import round_money
 from billing.services import bill_period
 from inventory.models import Allocation, Cluster, Device, ResourceClaim
+from metering.models import DirtyHour, UsageHour
 from tests.billing.test_cluster_identity import send_samples, vision  # noqa: F401 (fixture)
 from tests.inventory.test_kube_sync import claim, resource_slice
 

@@ -10,9 +10,9 @@ from datetime import timedelta
 import pytest
 
 from billing import services
-from billing.hours import MS_PER_HOUR
 from billing.models import LineKind, Statement, StatementLine
 from billing.selectors import billed_usage
+from metering.hours import MS_PER_HOUR
 from teams.models import Team
 from tests.billing.test_ledger import hold, month, seed_billing
 from tests.factories import DeviceFactory

@@ -1,7 +1,7 @@
 """A day of Gaudi and of TPU utilisation reaches a statement, through the node agent reading
 each vendor's exporter (`agent.exporters`: GAUDI, TPU) and posting to the ingest, and through
-the Prometheus source (`billing.prometheus`) reading the same series from a real Prometheus,
-backfilled with promtool as tests/billing/test_prometheus_source.py does.
+the Prometheus source (`metering.prometheus`) reading the same series from a real Prometheus,
+backfilled with promtool as tests/metering/test_prometheus_source.py does.
 
 The inventory is the vendors' own fixtures (tests/fixtures/dra/vendors/gaudi2.yaml, tpu.yaml)
 with a claim holding every device for a day; the exporters' text is the project's recordings
@@ -26,14 +26,13 @@ from django.urls import path
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent.exporters import GAUDI, PROFILES, TPU, ExporterProfile, parse_metrics
-from billing import prometheus, views
-from billing.hours import epoch_ms
-from billing.models import Sample
-from billing.services import issue_agent_token
 from inventory import services as inventory_services
 from inventory.dumps import iter_objects
 from inventory.models import Device
-from tests.billing.test_prometheus_source import Key, _binaries, _serve, openmetrics
+from metering import prometheus, views
+from metering.hours import epoch_ms
+from metering.models import Sample
+from metering.services import issue_agent_token
 from tests.billing.test_vendor_billing import (
     DAY,
     VENDOR_CARDS,
@@ -43,6 +42,7 @@ from tests.billing.test_vendor_billing import (
     usage_lines,
 )
 from tests.fixtures import DRA
+from tests.metering.test_prometheus_source import Key, _binaries, _serve, openmetrics
 
 urlpatterns = [path("ingest/samples", views.ingest_samples)]
 

@@ -18,14 +18,15 @@ from django.db import connection
 from django.test import override_settings
 from prometheus_client import CollectorRegistry, generate_latest
 
-from billing import ingest, rollup
 from billing.alerts import evaluate_alerts, run_alerts
-from billing.hours import MS_PER_HOUR, epoch_ms
 from billing.idle import IdleCollector, idle_claims
-from billing.ingest import SampleRow
-from billing.models import RateCard, UsageHour
+from billing.models import RateCard
 from billing.tasks import evaluate_alerts as evaluate_alerts_task
 from inventory.models import Allocation, Cluster, Device
+from metering import ingest, rollup
+from metering.hours import MS_PER_HOUR, epoch_ms
+from metering.ingest import SampleRow
+from metering.models import UsageHour
 from teams.models import Alert, AlertDelivery, AlertKind, IdleAlertPolicy, Team
 from tests.api.cast import Cast, cast
 from tests.factories import (

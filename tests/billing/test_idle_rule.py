@@ -14,12 +14,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from billing.hours import HOUR
 from billing.idle import idle_claims, idle_hour, idle_hour_q
-from billing.models import UsageHour
 from billing.selectors import idle_holders
 from billing.week import team_week
 from inventory.models import Allocation, Cluster
+from metering.hours import HOUR
+from metering.models import UsageHour
 from teams.models import IdleAlertPolicy, Team
 from tests.billing.test_idle_alerts import claim_holding
 from tests.factories import AllocationFactory, ClusterFactory, DeviceFactory, owner_of

@@ -24,19 +24,13 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from pytest_django.fixtures import SettingsWrapper
 
-from billing import late_data, rollup, services
-from billing.hours import MS_PER_HOUR
-from billing.models import (
-    LineKind,
-    Period,
-    RateCard,
-    Statement,
-    StatementLine,
-    UsageChange,
-    UsageHour,
-)
+from billing import late_data, services
+from billing.models import LineKind, Period, RateCard, Statement, StatementLine, UsageChange
 from billing.pricing import period_for, refresh_statements
 from inventory.models import Allocation
+from metering import rollup
+from metering.hours import MS_PER_HOUR
+from metering.models import UsageHour
 from teams.models import Team
 from tests.factories import AllocationFactory, owner_of
 

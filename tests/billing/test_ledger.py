@@ -25,13 +25,15 @@ from django.db import connection
 from django.test import Client
 from rest_framework.test import APIClient
 
-from billing import rollup, services, tasks
-from billing.hours import MS_PER_HOUR, hours_between
-from billing.models import LineKind, Period, RateCard, Statement, StatementLine, UsageHour
+from billing import services, tasks
+from billing.models import LineKind, Period, RateCard, Statement, StatementLine
 from billing.periods import PricingError
 from billing.pricing import period_for, refresh_statements
 from inventory import services as inventory_services
 from inventory.models import Allocation, Cluster, Device, ResourceClaim
+from metering import rollup
+from metering.hours import MS_PER_HOUR, hours_between
+from metering.models import UsageHour
 from quota.models import Reservation
 from teams.models import AuditEntry, Team, TeamNamespace
 from teams.ownership import assign_namespace

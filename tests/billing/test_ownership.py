@@ -18,12 +18,14 @@ from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from billing import ingest, rollup, services
-from billing.hours import epoch_ms, hours_between
-from billing.ingest import SampleRow
-from billing.models import Period, RateCard, Statement, StatementLine, UsageHour
+from billing import services
+from billing.models import Period, RateCard, Statement, StatementLine
 from billing.selectors import unowned_usage
 from inventory import services as inventory_services
+from metering import ingest, rollup
+from metering.hours import epoch_ms, hours_between
+from metering.ingest import SampleRow
+from metering.models import UsageHour
 from quota.policy import apply_policy, load_policy
 from teams.models import AuditEntry, Team, TeamNamespace
 from teams.ownership import assign_namespace

@@ -1,5 +1,5 @@
 """Usage arithmetic has one owner (issue 37): idle = allocated - utilised - unmeasured is
-written once, in `billing.hours` (`idle_of`, `idle_expression` for queries), and every other
+written once, in `metering.hours` (`idle_of`, `idle_expression` for queries), and every other
 module calls it. This test reads the product's source and fails where the subtraction is
 written again, in Python, in an ORM expression (`F("allocated...") - F("utilised...") - ...`)
 or in raw SQL."""
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from django.db.models import F
 
-from billing.hours import KEPT_HOURS, SHOWN_HOURS, hours_from_ms, idle_expression, idle_of
+from metering.hours import KEPT_HOURS, SHOWN_HOURS, hours_from_ms, idle_expression, idle_of
 
 ROOT = Path(__file__).resolve().parents[2]
 # The product's packages (bench/ keeps its own hand-priced oracle on purpose: it checks the
@@ -79,7 +79,7 @@ def test_the_idle_formula_is_written_only_by_its_owner() -> None:
         if path != OWNER
         for line in copies_in(path.read_text())
     ]
-    assert copies == [], f"write `billing.hours.idle_of` / `idle_expression` instead: {copies}"
+    assert copies == [], f"write `metering.hours.idle_of` / `idle_expression` instead: {copies}"
     # The owner does write it (the check would notice its own formula).
     assert copies_in(OWNER.read_text())
 

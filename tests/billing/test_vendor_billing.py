@@ -17,17 +17,19 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from billing import ingest, pricing, rollup, services
+from billing import pricing, services
 from billing.api.serializers import FlatStatementLineSerializer
-from billing.hours import epoch_ms
-from billing.ingest import SampleRow
 from billing.management.commands.statement import statement_json, statement_text
-from billing.models import RateCard, Statement, StatementLine, UsageHour
+from billing.models import RateCard, Statement, StatementLine
 from frontend import selectors as portal
 from inventory import profiles
 from inventory import services as inventory_services
 from inventory.dumps import iter_objects
 from inventory.models import Allocation, Device, DeviceKind, Unit
+from metering import ingest, rollup
+from metering.hours import epoch_ms
+from metering.ingest import SampleRow
+from metering.models import UsageHour
 from teams.models import Team, TeamNamespace
 from tests.factories import AllocationFactory, DeviceFactory, NodeFactory
 from tests.fixtures import DRA

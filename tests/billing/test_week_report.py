@@ -34,7 +34,7 @@ from django.core.management import CommandError, call_command
 from django.db import connection
 from django.test import override_settings
 
-from billing.models import RateCard, UsageHour, WeekReport
+from billing.models import RateCard, WeekReport
 from billing.week import (
     WEEK_CSV_COLUMNS,
     WeekError,
@@ -46,6 +46,7 @@ from billing.week_mail import send_week_report
 from frontend.tasks import send_week_reports
 from frontend.week import week_report
 from inventory.models import Allocation
+from metering.models import UsageHour
 from quota.models import Budget
 from teams.api import write_csv
 from teams.models import Membership, Role, Team, TeamNamespace

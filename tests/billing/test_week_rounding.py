@@ -11,9 +11,10 @@ from decimal import Decimal
 
 import pytest
 
-from billing.models import RateCard, UsageHour
+from billing.models import RateCard
 from billing.selectors import billed_usage
 from billing.week import team_week
+from metering.models import UsageHour
 from teams.models import Team
 from tests.billing.test_week_report import WEEK, H, _rows
 from tests.factories import AllocationFactory, DeviceFactory

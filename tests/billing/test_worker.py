@@ -11,8 +11,9 @@ from django.db.models import Sum
 from django.utils import timezone
 
 from billing import tasks
-from billing.dirty import mark_dirty
-from billing.models import Period, RateCard, Statement, UsageHour
+from billing.models import Period, RateCard, Statement
+from metering.dirty import mark_dirty
+from metering.models import UsageHour
 from teams.models import Team, TeamNamespace
 from tests.billing.test_chargeback import SLICE, T10, claim, load_dump, send_samples
 

@@ -10,9 +10,9 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from billing.models import Sample
 from db.bulk import update_instances, update_rows
 from inventory.models import Cluster, DeviceShape, Pool
+from metering.models import Sample
 from teams.models import AuditEntry
 
 pytestmark = pytest.mark.django_db

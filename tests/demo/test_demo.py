@@ -27,18 +27,8 @@ from django.urls import reverse
 
 from billing import tasks, week
 from billing.compare import compare_windows, parse_parameters, summary
-from billing.hours import epoch_ms, hour_start
 from billing.idle import idle_claims
-from billing.ingest import fill_gaps
-from billing.models import (
-    DirtyHour,
-    LineKind,
-    Period,
-    Sample,
-    Statement,
-    StatementLine,
-    UsageHour,
-)
+from billing.models import LineKind, Period, Statement, StatementLine
 from billing.pricing import usage_lines
 from frontend import selectors as portal
 from frontend.compare import default_parameters
@@ -46,6 +36,9 @@ from frontend.week import week_report
 from inventory import selectors as fleet
 from inventory.models import Allocation, Cluster, Device, DeviceKind, ResourceClaim
 from inventory.stranded import stranded_gangs
+from metering.hours import epoch_ms, hour_start
+from metering.ingest import fill_gaps
+from metering.models import DirtyHour, Sample, UsageHour
 from quota.models import AdmissionDecision, Reservation
 from quota.pending import pending_claims, pending_demand
 from teams.models import AuditEntry, Team

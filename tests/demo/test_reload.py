@@ -10,9 +10,9 @@ from django.db.models import Count, F, Sum
 from django.db.models.functions import Round
 
 from billing import week
-from billing.models import Sample, UsageHour
 from frontend.week import week_report
 from inventory.models import Allocation, Device, Gang, ResourceClaim
+from metering.models import Sample, UsageHour
 from teams.models import AuditEntry, Team
 from tests.demo.test_demo import LOADED_AT, figures, loaded_demo
 

@@ -15,11 +15,13 @@ from decimal import Decimal
 from django.contrib.auth.models import Group, User
 from django.utils import timezone
 
-from billing import ingest, periods, pricing, services
-from billing.models import Period, RateCard, Sample, UsageHour
+from billing import periods, pricing, services
+from billing.models import Period, RateCard
 from inventory import services as inventory_services
 from inventory import simulate
 from inventory.models import Allocation, Cluster, Device, VersionBaseline
+from metering import ingest
+from metering.models import Sample, UsageHour
 from quota.admission.shapes import forget_fleet_shapes
 from quota.models import AdmissionDecision, Budget, QuotaRule
 from teams.models import Membership, Role, Team, TeamNamespace

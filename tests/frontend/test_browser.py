@@ -20,9 +20,10 @@ import pytest
 from django.conf import LazySettings
 from pytest_django.live_server_helper import LiveServer
 
-from billing.models import RateCard, UsageHour
+from billing.models import RateCard
 from frontend import selectors
 from inventory.services import apply_watch_event
+from metering.models import UsageHour
 from quota.models import QuotaRule
 from tests.factories import AllocationFactory, DeviceFactory, MigDeviceFactory, NodeFactory
 from tests.frontend.conftest import watched_page

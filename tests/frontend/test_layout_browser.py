@@ -15,8 +15,9 @@ import pytest
 from django.contrib.auth.models import User
 from pytest_django.live_server_helper import LiveServer
 
-from billing.models import Period, UsageHour
+from billing.models import Period
 from frontend import selectors
+from metering.models import UsageHour
 from tests.frontend.conftest import watched_page
 from tests.frontend.seed import PASSWORD, Portal
 from tests.frontend.test_browser import LONG_CLAIM, LONG_OWNER, PHONE, WIDE

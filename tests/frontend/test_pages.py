@@ -21,11 +21,12 @@ from django.utils import timezone
 
 import frontend
 from billing import pricing, services
-from billing.models import RateCard, UsageHour
+from billing.models import RateCard
 from frontend import selectors
 from frontend.templatetags.portal import gpu_fraction, rounded
 from inventory.models import Node
 from inventory.services import apply_watch_event
+from metering.models import UsageHour
 from quota.models import QuotaRule
 from teams.models import Membership, Role
 from tests.factories import AllocationFactory, DeviceFactory, MigDeviceFactory, NodeFactory

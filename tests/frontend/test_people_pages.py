@@ -17,11 +17,11 @@ from django.test import Client
 from django.urls import reverse
 from django.utils import timezone
 
-from billing import ingest
-from billing.hours import HOUR, MS_PER_HOUR, epoch_ms, hour_start
-from billing.ingest import SampleRow
 from billing.selectors import IDLE_LOOKBACK
 from inventory.models import Unit
+from metering import ingest
+from metering.hours import HOUR, MS_PER_HOUR, epoch_ms, hour_start
+from metering.ingest import SampleRow
 from quota.models import Budget
 from teams.models import IdleAlertPolicy
 from tests.api.cast import Cast, cast

@@ -17,8 +17,8 @@ from django.contrib.auth.models import Group, User
 from django.test import Client
 from django.urls import reverse
 
-from billing.models import UsageHour
 from inventory.models import Allocation, Device, Node
+from metering.models import UsageHour
 from teams.models import Team
 from teams.selectors import OPERATORS_GROUP
 from tests.billing.test_week_report import _rows

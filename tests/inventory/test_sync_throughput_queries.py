@@ -9,11 +9,11 @@ import pytest
 from django.db import connection
 from django.test.utils import CaptureQueriesContext
 
-from billing import dirty
-from billing.models import DirtyHour
 from db.bulk import AnyOf
 from inventory import services
 from inventory.models import Allocation, Cluster, ResourceClaim
+from metering import dirty
+from metering.models import DirtyHour
 from quota.services import sync_reservations
 
 pytestmark = pytest.mark.django_db

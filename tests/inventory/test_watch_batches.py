@@ -21,7 +21,6 @@ from django.db import OperationalError, connection, transaction
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from billing.models import DirtyHour
 from devtools.fake_kube import FakeKube
 from inventory import kube, kube_sync, owners, services
 from inventory.gangs import GangRef
@@ -36,6 +35,7 @@ from inventory.models import (
     ResourceSlice,
     SyncState,
 )
+from metering.models import DirtyHour
 from tests.waits import wait_until
 
 DRIVER = "gpu.nvidia.com"

@@ -10,7 +10,7 @@ from django.db import connection
 from django.test import Client
 from django.test.utils import CaptureQueriesContext
 
-from billing.models import UsageHour
+from metering.models import UsageHour
 from quota.models import Budget
 from teams.models import Team, TeamNamespace
 from tests.quota.fixtures import claim, decide, gpu_request, make_team

@@ -25,8 +25,8 @@ from billing.compare import (
     summary,
     total_row,
 )
-from billing.moments import MOMENT_HELP
 from inventory.models import Unit
+from metering.moments import MOMENT_HELP
 from teams.api import write_csv
 from teams.models import Team
 

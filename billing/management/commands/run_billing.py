@@ -16,7 +16,7 @@ from django.utils import timezone
 
 from billing import periods, pricing, services
 from billing.models import Period
-from billing.prometheus import EngineUnavailable
+from metering.prometheus import EngineUnavailable
 
 
 def default_actor() -> str:

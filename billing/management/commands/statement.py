@@ -19,10 +19,10 @@ from django.core.management.base import BaseCommand, CommandError, CommandParser
 from django.utils import timezone
 
 from billing import periods, pricing
-from billing.hours import KEPT_HOURS
 from billing.models import SLICE_HOUR, LineKind, Period, Statement, StatementLine
 from billing.units import hours_label
 from inventory.models import Unit
+from metering.hours import KEPT_HOURS
 from teams.models import Team
 
 HOURS = KEPT_HOURS

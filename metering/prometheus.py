@@ -1,0 +1,1040 @@
+"""Utilisation from a Prometheus-compatible engine (Prometheus, Thanos, Mimir, VictoriaMetrics):
+the metering source of clusters that already scrape their exporters, instead of raw samples.
+
+`TALLY_METERING_SOURCE` says which clusters it meters (`prometheus`, or `samples` with some
+clusters set apart: `samples,gpu-east=prometheus`), and `TALLY_PROMETHEUS_URL` the engine, or
+`TALLY_PROMETHEUS_URLS` one per cluster (`gpu-east=http://...`; the others: the single URL's).
+For each window the rollup works on, each engine's HTTP query API (`/api/v1/query`) is asked
+for the utilisation series of each exporter (`TALLY_PROMETHEUS_EXPORTERS`): with a range
+selector, the readings the engine holds as scraped (`TALLY_PROMETHEUS_STEP_SECONDS=0`), or with
+a subquery, one mean per step (`avg_over_time(m[60s])[1h:60s]`), a reading per step for the
+whole step. Metric names, scales and the labels a series names its device by are settings
+(defaults: the exporters'):
+
+- DCGM: `DCGM_FI_PROF_GR_ENGINE_ACTIVE` (ratio, x100), else `DCGM_FI_DEV_GPU_UTIL` (percent);
+  a whole GPU by `UUID`; a MIG device by a label carrying its own UUID where the operator
+  relabels one (`mig_uuid=`), else by its parent's `UUID` and `GPU_I_ID`: DCGM does not know
+  MIG UUIDs and the inventory does not know GPU instance ids, but the node agents send each
+  MIG device's with its samples, kept as each device's spells under each GPU instance
+  (`metering.mig_instances`), so each reading goes to the device that GPU instance was at its
+  time (an id reused A, B, A maps by time to each spell's own device). A reading no spell
+  covers falls back to `GPU_I_PROFILE`, which names a MIG device when its GPU has one of that
+  profile.
+- AMD device-metrics-exporter: `gpu_gfx_activity` (percent); a GPU by `hostname` and
+  `serial_number`: a node's GPUs numbered by their lowest `gpu_id` are its AMD devices' PCI
+  addresses in order (what the node agent reads from sysfs, here from the inventory), a
+  partition by `gpu_partition_id` when the compute partition type is not SPX.
+- Intel XPU Manager exporter: `xpum_engine_group_ratio{type="compute"}` (ratio, x100), else
+  `xpum_engine_ratio`; a GPU by `node` and `pci_bdf`; tile and card series skipped.
+
+Devices named by PCI address are resolved as the ingest resolves samples naming them
+(`metering.ingest.resolve_named`), so one device has one meter id whichever source measured it.
+A device with several series (two scrape jobs, several engines) reads their maximum at one
+instant, from the first of its exporter's metrics that has a reading then.
+
+The readings go into a temporary table shaped like `billing_sample` (device, instant,
+utilisation, gap to the device's next reading) and the rollup's own SQL reads it: the hold, the
+unmeasured time, the rounding and the reruns are the rollup's, so an hour is billed the same
+whichever source measured it. An engine that does not answer, or answers in part, raises
+`EngineUnavailable` naming its clusters: the rollup writes nothing for their hours, which stay
+marked and are retried, never billed as idle; the other clusters' rows are written. Hours the
+engine may still be receiving (`TALLY_PROMETHEUS_SETTLE_SECONDS`) are marked to be rolled up
+again. An engine that answers with no reading of any device a cluster held is not believed at
+once (`metering.silence`). One rollup run spends at most TALLY_PROMETHEUS_RUN_DEADLINE_SECONDS
+asking engines (`RunBudget`): an engine that never answers holds a worker that long, not a
+timeout per hour; the hours not asked stay pending for the next run.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import re
+import ssl
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections import defaultdict
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from functools import lru_cache
+from typing import Any
+
+import orjson
+from django.conf import settings
+from django.core import checks
+from django.core.exceptions import ImproperlyConfigured
+from django.db import connection
+from django.db.models import Q, QuerySet
+from django.utils import timezone
+
+from agent.exporters import PROFILES, ScrapeContext
+from db.copy import copy_rows
+from inventory.models import Allocation, Device, DeviceKind
+from metering import silence
+from metering.dirty import mark_dirty
+from metering.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
+from metering.ingest import NAMED, PCI_ATTRIBUTES, PCI_KEY, pci_address, resolve_named
+from metering.mig_instances import covering
+from metering.models import MigInstance
+
+log = logging.getLogger(__name__)
+
+SOURCES = ("samples", "prometheus")
+AMD_DRIVER = "gpu.amd.com"
+# The readings of one rollup run, shaped as the rollup reads `billing_sample`.
+READINGS_TABLE = "tally_prometheus_readings"
+_READINGS_TYPES = ("text", "int8", "float8", "int8")
+
+# Per exporter: the roles a label may play (its metrics, labels and how a series names its
+# device are the exporter's profile's, `agent.exporters`, the node agent's too).
+EXPORTER_ROLES: dict[str, frozenset[str]] = {
+    name: profile.roles for name, profile in PROFILES.items()
+}
+_METRIC = re.compile(
+    r"\s*(?P<name>[A-Za-z_:][A-Za-z0-9_:]*)\s*(?:\{(?P<matchers>[^{}]*)\})?"
+    r"\s*(?:\*\s*(?P<scale>[0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?))?\s*(?:,|$)"
+)
+_LABEL_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class EngineUnavailable(Exception):
+    """An engine could not be asked, or answered with an error or in part: the hours it was
+    asked for (`hours`, filled in by the rollup) stay pending. From `window_readings`, also
+    the clusters whose engine failed (`clusters`) and the readings of the clusters whose
+    engines answered (`answered`), which the rollup bills."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        hours: Sequence[datetime] = (),
+        clusters: Iterable[str] = (),
+        answered: Readings | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.hours = list(hours)
+        self.clusters = frozenset(clusters)
+        self.answered = answered
+
+
+class EngineUnreachable(EngineUnavailable):
+    """The engine did not answer at all (refused, timed out): its other questions for the
+    run are not asked, each would wait as long."""
+
+
+class EngineSilent(EngineUnavailable):
+    """The engine answered, with no reading of any device the clusters held, within the
+    grace (`metering.silence`): their hours stay pending, as for an engine that did not
+    answer."""
+
+
+class RunBudget:
+    """What one rollup run may still spend asking engines: it ends at a deadline
+    (TALLY_PROMETHEUS_RUN_DEADLINE_SECONDS from its start; each question's timeout is cut to
+    what is left), and it remembers the engines that did not answer, which are not asked again
+    in the run. Monotonic time: a clock step neither ends nor extends it."""
+
+    def __init__(self, seconds: float | None = None) -> None:
+        if seconds is None:
+            seconds = float(settings.TALLY_PROMETHEUS_RUN_DEADLINE_SECONDS)
+        self.seconds = seconds
+        self.deadline = time.monotonic() + seconds
+        self.unreachable: dict[str, EngineUnavailable] = {}  # engine URL -> how it failed
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def spent(self) -> EngineUnavailable | None:
+        """Why no more question may be asked, once the deadline has passed; else None."""
+        if self.left() > 0:
+            return None
+        return EngineUnavailable(
+            f"this run spent its {self.seconds:g} s asking metering engines "
+            "(TALLY_PROMETHEUS_RUN_DEADLINE_SECONDS): left pending for the next run"
+        )
+
+
+# --- Settings ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Metric:
+    """One utilisation metric: its PromQL vector selector and the factor to percent."""
+
+    selector: str
+    scale: float
+
+
+@dataclass(frozen=True)
+class Exporter:
+    """What to ask of one exporter's series: metrics in order of preference, and which label
+    plays which role (`uuid` -> `UUID`); a series carrying a `skip` label is not read."""
+
+    name: str
+    metrics: tuple[Metric, ...]
+    labels: Mapping[str, str]
+    skip: tuple[str, ...] = ()
+
+    def label(self, labels: Mapping[str, str], role: str) -> str:
+        name = self.labels.get(role)
+        return labels.get(name, "") if name else ""
+
+
+@dataclass(frozen=True)
+class Config:
+    """The Prometheus source's settings, parsed (`config()`)."""
+
+    default_source: str
+    cluster_sources: Mapping[str, str]
+    url: str  # the engine of every cluster `cluster_urls` does not name
+    cluster_urls: Mapping[str, str]
+    headers: tuple[tuple[str, str], ...]
+    timeout_seconds: float
+    step_seconds: int
+    query_hours: int
+    settle_ms: int
+    selector: str  # label matchers added to every metric's; `{cluster}`: the cluster's name
+    exporters: tuple[Exporter, ...]
+    ca_file: str = ""
+
+    def source(self, cluster: str) -> str:
+        return self.cluster_sources.get(cluster, self.default_source)
+
+    def url_for(self, cluster: str) -> str:
+        """The base URL of the engine that meters `cluster`."""
+        return self.cluster_urls.get(cluster, self.url)
+
+    @property
+    def used(self) -> bool:
+        """Whether any cluster may be metered by the engine."""
+        return self.default_source == "prometheus" or "prometheus" in self.cluster_sources.values()
+
+
+def parse_sources(value: str) -> tuple[str, dict[str, str]]:
+    """`TALLY_METERING_SOURCE`: a default source and `cluster=source` exceptions."""
+    default, per_cluster = "", {}
+    for item in (part.strip() for part in value.split(",")):
+        if not item:
+            continue
+        cluster, _, source = item.rpartition("=")
+        source = source.strip().lower()
+        if source not in SOURCES:
+            raise ImproperlyConfigured(
+                f"TALLY_METERING_SOURCE: {source!r} is not a source ({', '.join(SOURCES)})"
+            )
+        if not cluster:
+            if default:
+                raise ImproperlyConfigured("TALLY_METERING_SOURCE: give one default source")
+            default = source
+        elif cluster.strip() in per_cluster:
+            raise ImproperlyConfigured(f"TALLY_METERING_SOURCE: cluster {cluster!r} given twice")
+        else:
+            per_cluster[cluster.strip()] = source
+    return default or "samples", per_cluster
+
+
+def _url_fault(url: str) -> str:
+    """Why `url` is not an engine's base URL, or "" when it is: http(s) with a host (the
+    API's path is added to it, so no query or fragment either)."""
+    if not url.startswith(("http://", "https://")):
+        return "it must start with http:// or https://"
+    if any(char.isspace() or not char.isprintable() for char in url):
+        return "it holds a space or a control character (percent-encode them in a path)"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        parts.port  # noqa: B018 (read for its check)
+    except ValueError as error:  # a port that is no number from 0 to 65535, a bad IPv6 address
+        return str(error)
+    if not parts.hostname:
+        return "it names no host (http://prometheus:9090, not http:///api or http://:9090)"
+    if parts.query or parts.fragment:
+        return "a base URL has no query or fragment: the API's path is added to it"
+    return ""
+
+
+def _base_url(value: str, *, variable: str, optional: bool = False) -> str:
+    """`value` as an engine's base URL (no trailing slash; "" for none, where `optional`), or
+    `ImproperlyConfigured` naming `variable` (and the cluster, in TALLY_PROMETHEUS_URLS) and
+    what is wrong with it: a URL given is checked whether or not it is used."""
+    url = value.strip()
+    fault = _url_fault(url) if url or not optional else ""
+    if fault:
+        raise ImproperlyConfigured(
+            f"{variable}={url!r} is not a base URL (http://... or https://...): {fault}"
+        )
+    return url.rstrip("/")
+
+
+def parse_urls(value: str) -> dict[str, str]:
+    """`TALLY_PROMETHEUS_URLS`: `cluster=URL, ...`, the engine of each cluster named."""
+    urls: dict[str, str] = {}
+    for item in (part.strip() for part in value.split(",")):
+        if not item:
+            continue
+        cluster, equals, text = (part.strip() for part in item.partition("="))
+        if not equals or not cluster:
+            raise ImproperlyConfigured(
+                f"TALLY_PROMETHEUS_URLS: {item!r} is not cluster=URL "
+                "(e.g. gpu-east=http://prometheus.gpu-east:9090, comma-separated)"
+            )
+        if cluster in urls:
+            raise ImproperlyConfigured(f"TALLY_PROMETHEUS_URLS: cluster {cluster!r} given twice")
+        urls[cluster] = _base_url(text, variable=f"TALLY_PROMETHEUS_URLS: {cluster}")
+    return urls
+
+
+def parse_metrics(variable: str, value: str) -> tuple[Metric, ...]:
+    """`name{matchers}*scale, ...` (matchers and scale optional) as metrics."""
+    metrics, position = [], 0
+    text = value.strip()
+    while position < len(text):
+        match = _METRIC.match(text, position)
+        if match is None or match.end() == position:
+            raise ImproperlyConfigured(
+                f"{variable}: {text[position:]!r} is not a metric like "
+                'name{label="value"}*100 (comma-separated)'
+            )
+        matchers = (match.group("matchers") or "").strip().rstrip(",")
+        metrics.append(
+            Metric(
+                selector=match.group("name") + (f"{{{matchers}}}" if matchers else ""),
+                scale=float(match.group("scale") or 1),
+            )
+        )
+        position = match.end()
+    if not metrics:
+        raise ImproperlyConfigured(f"{variable}: name at least one metric")
+    return tuple(metrics)
+
+
+def parse_labels(
+    variable: str, value: str, roles: frozenset[str]
+) -> tuple[dict[str, str], tuple[str, ...]]:
+    """`role=label, ...` (`skip=a|b`: labels whose series are not read)."""
+    labels: dict[str, str] = {}
+    skip: tuple[str, ...] = ()
+    for item in (part.strip() for part in value.split(",")):
+        if not item:
+            continue
+        role, equals, name = (part.strip() for part in item.partition("="))
+        if not equals or role not in roles:
+            raise ImproperlyConfigured(
+                f"{variable}: {item!r} is not role=label with a role of {', '.join(sorted(roles))}"
+            )
+        names = tuple(name.split("|")) if role == "skip" else (name,)
+        bad = [part for part in names if not _LABEL_NAME.fullmatch(part)]
+        if bad:
+            raise ImproperlyConfigured(f"{variable}: {bad[0]!r} is not a Prometheus label name")
+        if role == "skip":
+            skip = names
+        else:
+            labels[role] = name
+    return labels, skip
+
+
+def _headers(value: str) -> tuple[tuple[str, str], ...]:
+    headers = []
+    for line in value.splitlines():
+        if not line.strip():
+            continue
+        name, colon, content = line.partition(":")
+        if not colon or not re.fullmatch(r"[A-Za-z0-9-]+", name.strip()):
+            raise ImproperlyConfigured(
+                "TALLY_PROMETHEUS_HEADERS: each line is `Name: value`, e.g. "
+                "`Authorization: Bearer ...` or `X-Scope-OrgID: tenant`"
+            )
+        headers.append((name.strip(), content.strip()))
+    return tuple(headers)
+
+
+def config() -> Config:
+    """The settings, parsed; `ImproperlyConfigured` naming the variable at fault."""
+    return _config(
+        settings.TALLY_METERING_SOURCE,
+        settings.TALLY_PROMETHEUS_URL,
+        settings.TALLY_PROMETHEUS_URLS,
+        settings.TALLY_PROMETHEUS_HEADERS,
+        settings.TALLY_PROMETHEUS_TIMEOUT_SECONDS,
+        settings.TALLY_PROMETHEUS_STEP_SECONDS,
+        settings.TALLY_PROMETHEUS_QUERY_HOURS,
+        settings.TALLY_PROMETHEUS_SETTLE_SECONDS,
+        settings.TALLY_PROMETHEUS_SELECTOR,
+        tuple(settings.TALLY_PROMETHEUS_EXPORTERS),
+        tuple(
+            (
+                settings.TALLY_PROMETHEUS_EXPORTER_METRICS.get(name)
+                or PROFILES[name].prometheus_metrics(),
+                settings.TALLY_PROMETHEUS_EXPORTER_LABELS.get(name)
+                or PROFILES[name].prometheus_labels(),
+            )
+            for name in EXPORTER_ROLES
+        ),
+        settings.TALLY_PROMETHEUS_CA_FILE,
+        settings.TALLY_SAMPLE_HOLD_SECONDS,
+    )
+
+
+@lru_cache(maxsize=8)
+def _config(
+    source: str,
+    url: str,
+    urls: str,
+    headers: str,
+    timeout: int,
+    step: int,
+    query_hours: int,
+    settle: int,
+    selector: str,
+    exporters: tuple[str, ...],
+    specs: tuple[tuple[str, str], ...],
+    ca_file: str,
+    hold_seconds: int,
+) -> Config:
+    default, per_cluster = parse_sources(source)
+    cluster_urls = parse_urls(urls)
+    elsewhere = [
+        cluster for cluster in cluster_urls if per_cluster.get(cluster, default) != "prometheus"
+    ]
+    if elsewhere:
+        raise ImproperlyConfigured(
+            f"TALLY_PROMETHEUS_URLS: cluster {elsewhere[0]!r} is not metered by prometheus "
+            "(TALLY_METERING_SOURCE): give it `=prometheus` there, or drop its URL"
+        )
+    # The default engine meters every cluster metered by prometheus without its own URL.
+    unnamed = [
+        cluster
+        for cluster, name in per_cluster.items()
+        if name == "prometheus" and cluster not in cluster_urls
+    ]
+    default_url = _base_url(url, variable="TALLY_PROMETHEUS_URL", optional=True)
+    if not default_url and (default == "prometheus" or unnamed):
+        whom = (
+            "every cluster TALLY_PROMETHEUS_URLS does not name"
+            if default == "prometheus"
+            else f"cluster(s) {', '.join(unnamed)}, which TALLY_PROMETHEUS_URLS does not name"
+        )
+        raise ImproperlyConfigured(
+            "TALLY_PROMETHEUS_URL: set it to the engine's base URL (http://... or https://...) "
+            f"when TALLY_METERING_SOURCE names prometheus: it meters {whom}"
+        )
+    if step > hold_seconds:
+        raise ImproperlyConfigured(
+            f"TALLY_PROMETHEUS_STEP_SECONDS={step} is longer than TALLY_SAMPLE_HOLD_SECONDS="
+            f"{hold_seconds}: each step's mean would cover only the hold, the rest unmeasured"
+        )
+    unknown = [name for name in exporters if name not in EXPORTER_ROLES]
+    if unknown:
+        raise ImproperlyConfigured(
+            f"TALLY_PROMETHEUS_EXPORTERS: {unknown[0]!r} is not one of {', '.join(EXPORTER_ROLES)}"
+        )
+    if "{" in selector.replace("{cluster}", "") or "}" in selector.replace("{cluster}", ""):
+        raise ImproperlyConfigured(
+            'TALLY_PROMETHEUS_SELECTOR: label matchers without braces, e.g. cluster="{cluster}"'
+        )
+    parsed = []
+    for name, (metrics, labels) in zip(EXPORTER_ROLES, specs, strict=True):
+        if name not in exporters:
+            continue
+        upper = name.upper()
+        roles, skip = parse_labels(f"TALLY_PROMETHEUS_{upper}_LABELS", labels, EXPORTER_ROLES[name])
+        parsed.append(
+            Exporter(
+                name=name,
+                metrics=parse_metrics(f"TALLY_PROMETHEUS_{upper}_METRICS", metrics),
+                labels=roles,
+                skip=skip,
+            )
+        )
+    return Config(
+        default_source=default,
+        cluster_sources=per_cluster,
+        url=default_url or "",
+        cluster_urls=cluster_urls,
+        headers=_headers(headers),
+        timeout_seconds=float(timeout),
+        step_seconds=step,
+        query_hours=query_hours,
+        settle_ms=settle * 1000,
+        selector=selector.strip().strip(","),
+        exporters=tuple(parsed),
+        ca_file=ca_file,
+    )
+
+
+@checks.register()
+def check_settings(**_: Any) -> list[checks.CheckMessage]:
+    """`manage.py check` (and every start that runs the checks) names a bad setting."""
+    try:
+        config()
+    except ImproperlyConfigured as error:
+        return [checks.Error(str(error), id="billing.E101")]
+    return []
+
+
+# --- The engine -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Series:
+    """One series of a range query: its labels and its (ms since the epoch, value) points."""
+
+    labels: Mapping[str, str]
+    points: list[tuple[int, float]]
+
+
+class Engine:
+    """One engine's HTTP query API, at base URL `url`: instant queries (POSTed, as long
+    queries need), with the settings' headers, CA bundle and timeout."""
+
+    def __init__(self, conf: Config, url: str, budget: RunBudget | None = None) -> None:
+        self.conf = conf
+        self.url = url
+        self.budget = budget
+        self._ssl = ssl.create_default_context(cafile=conf.ca_file) if conf.ca_file else None
+
+    def _timeout(self, query: str) -> float:
+        """The question's timeout: the setting's, cut to what the run has left."""
+        if self.budget is None:
+            return self.conf.timeout_seconds
+        if (spent := self.budget.spent()) is not None:
+            raise EngineUnavailable(f"{self.url}: {query}: not asked: {spent}")
+        return min(self.conf.timeout_seconds, self.budget.left())
+
+    def matrix(self, query: str, *, at_ms: int) -> list[Series]:
+        """The range vector `query` evaluates to at `at_ms`; `EngineUnavailable` if the engine
+        cannot be asked, refuses, or answers with warnings (a partial answer: a store down)."""
+        body = urllib.parse.urlencode({"query": query, "time": f"{at_ms / 1000:.3f}"}).encode()
+        request = urllib.request.Request(
+            f"{self.url}/api/v1/query",
+            data=body,
+            method="POST",
+            headers={
+                "Content-Type": "application/x-www-form-urlencoded",
+                **dict(self.conf.headers),
+            },
+        )
+        timeout = self._timeout(query)
+        try:
+            with urllib.request.urlopen(request, timeout=timeout, context=self._ssl) as response:
+                answer: Any = orjson.loads(response.read())
+        except urllib.error.HTTPError as error:
+            raise EngineUnavailable(
+                f"{self.url}: {query}: HTTP {error.code}: {_error_text(error)}"
+            ) from error
+        except OSError as error:
+            if self.budget is not None and (spent := self.budget.spent()) is not None:
+                # Cut short by the run's deadline: not a sign the engine is down.
+                raise EngineUnavailable(f"{self.url}: {query}: cut short: {spent}") from error
+            raise EngineUnreachable(f"{self.url}: {query}: did not answer: {error}") from error
+        except ValueError as error:
+            raise EngineUnavailable(f"{self.url}: {query}: not JSON: {error}") from error
+        if not isinstance(answer, dict) or answer.get("status") != "success":
+            text = answer if not isinstance(answer, dict) else answer.get("error")
+            raise EngineUnavailable(f"{self.url}: {query}: the engine answered an error: {text}")
+        if answer.get("warnings"):
+            warnings = "; ".join(answer["warnings"])
+            raise EngineUnavailable(f"{self.url}: {query}: a partial answer: {warnings}")
+        data = answer.get("data") or {}
+        if data.get("resultType") != "matrix":
+            raise EngineUnavailable(
+                f"{self.url}: {query}: expected a matrix, got {data.get('resultType')}"
+            )
+        series = []
+        for result in data.get("result") or []:
+            values = ((ts, float(value)) for ts, value in result.get("values") or [])
+            points = [(round(ts * 1000), value) for ts, value in values if math.isfinite(value)]
+            series.append(Series(labels=result.get("metric") or {}, points=points))
+        return series
+
+
+def _error_text(error: urllib.error.HTTPError) -> str:
+    try:
+        body: Any = json.load(error)
+        return f"{body.get('errorType')}: {body.get('error')}"
+    except (OSError, ValueError, AttributeError):
+        return str(error.reason)
+
+
+def _selector(metric: Metric, extra: str) -> str:
+    if not extra:
+        return metric.selector
+    if metric.selector.endswith("}"):
+        return f"{metric.selector[:-1]}, {extra}}}"
+    return f"{metric.selector}{{{extra}}}"
+
+
+def fetch(
+    engine: Engine, exporter: Exporter, metric: Metric, *, extra: str, start_ms: int, end_ms: int
+) -> list[Series]:
+    """The readings of `metric` in `[start_ms, end_ms)`, in chunks of at most
+    TALLY_PROMETHEUS_QUERY_HOURS: as scraped (step 0), or one mean per step, each reading
+    placed at the start of the step it is the mean of. Points outside the window are left out
+    (chunk edges may repeat one; the caller keeps one per instant)."""
+    conf = engine.conf
+    selector = _selector(metric, extra)
+    step_ms = conf.step_seconds * 1000
+    chunk_ms = conf.query_hours * MS_PER_HOUR
+    found: list[Series] = []
+    chunk_start = start_ms
+    while chunk_start < end_ms:
+        chunk_end = min(chunk_start + chunk_ms, end_ms)
+        length = chunk_end - chunk_start
+        if step_ms:
+            # Steps ending at chunk_start + step ... chunk_end + step: their means cover the
+            # chunk; a step's mean is over (t - step, t], placed at t - step.
+            query = f"avg_over_time({selector}[{step_ms}ms])[{length}ms:{step_ms}ms]"
+            series = engine.matrix(query, at_ms=chunk_end + step_ms - 1)
+            shift = step_ms
+        else:
+            query = f"{selector}[{length}ms]"
+            series = engine.matrix(query, at_ms=chunk_end - 1)
+            shift = 0
+        for one in series:
+            points = [
+                (ts - shift, value)
+                for ts, value in one.points
+                if chunk_start <= ts - shift < chunk_end
+            ]
+            if points:
+                found.append(Series(labels=one.labels, points=points))
+        chunk_start = chunk_end
+    return found
+
+
+# --- Devices ----------------------------------------------------------------------------------
+
+
+def _percent(value: float, scale: float) -> float:
+    # As the node agent sends it: counters over slightly different windows can overshoot.
+    return round(min(100.0, max(0.0, value * scale)), 2)
+
+
+@dataclass
+class Identities:
+    """The window's devices as series name them."""
+
+    by_uuid: dict[str, str] = field(default_factory=dict)  # published uuid -> meter id
+    # (parent uuid, GPU instance id) -> the devices it was, spell by spell: (first ms, last ms,
+    # meter id)
+    instances: dict[tuple[str, int], list[tuple[int, int, str]]] = field(default_factory=dict)
+    mig: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    amd_buses: dict[str, list[str]] = field(default_factory=dict)  # node -> PCI addresses
+
+
+def _identities(devices: QuerySet[Device], start_ms: int, end_ms: int) -> Identities:
+    """`devices` by UUID, every MIG device of their parents not gone before the window (a
+    profile names a MIG device only where its GPU has one of that profile), and the devices
+    their parents' GPU instances were about the window, as the agents saw them."""
+    present = Q(gone_at__isnull=True) | Q(gone_at__gt=hour_at(start_ms // MS_PER_HOUR))
+    found = Identities()
+    rows = list(devices.values_list("uuid", "meter_id", "parent_uuid", "kind", "cluster_id"))
+    parents = {parent for _, _, parent, kind, _ in rows if kind == DeviceKind.MIG and parent}
+    clusters = {cluster_id for *_, cluster_id in rows}
+    # Of devices publishing one UUID (a GPU offered as `gpu` and as `vfio`), the series goes to
+    # the one metered by it, whatever order the rows come in: it is put last.
+    for uuid, meter_id, *_ in sorted(rows, key=lambda row: (row[1] == row[0], row[1])):
+        if uuid and meter_id:
+            found.by_uuid[uuid] = meter_id
+    mig: dict[tuple[str, str], list[str]] = defaultdict(list)
+    for parent, profile, meter_id in Device.objects.filter(
+        present, parent_uuid__in=parents, kind=DeviceKind.MIG
+    ).values_list("parent_uuid", "profile", "meter_id"):
+        mig[parent, profile].append(meter_id)
+    found.mig = dict(mig)
+    instances: dict[tuple[str, int], list[tuple[int, int, str]]] = defaultdict(list)
+    # Only what the devices' own clusters' agents recorded: another cluster's GPU of the same
+    # UUID (a token naming it) never claims these series.
+    for parent, instance_id, first_ms, last_ms, meter_id in MigInstance.objects.filter(
+        cluster_id__in=clusters,
+        parent_uuid__in=parents,
+        first_ms__lt=end_ms,
+        last_ms__gte=start_ms - 2 * sample_hold_ms(),
+    ).values_list("parent_uuid", "gpu_instance_id", "first_ms", "last_ms", "meter_id"):
+        instances[parent, instance_id].append((first_ms, last_ms, meter_id))
+    found.instances = {key: sorted(spans) for key, spans in instances.items()}
+    return found
+
+
+@dataclass(frozen=True)
+class InstanceMeters:
+    """The devices one GPU instance was (`Identities.instances`: their spells), for a DCGM MIG
+    series: a reading goes to the device whose spell, held as a sample holds, covers its
+    instant and began last (an id reused goes to the later device from its first sample:
+    `metering.mig_instances.covering`, the rule the ingest places an agent's DCGM samples by);
+    none, where an agent reported the GPU instance near the window (it has spells): to no
+    device, as the ingest sets such a sample aside (between two devices' spells, or past the
+    last, it may have been neither); where none did (no NVML agent on the node): to
+    `fallback`, the device the series' profile names, if any. Two spells beginning at the
+    same instant cannot be told apart: that reading is not matched."""
+
+    spans: Sequence[tuple[int, int, str]]
+    fallback: str | None
+    hold_ms: int
+
+    def meter_at(self, ts: int) -> str | None:
+        meters = covering(self.spans, ts, self.hold_ms)
+        if not meters:
+            return None if self.spans else self.fallback
+        return next(iter(meters)) if len(meters) == 1 else None
+
+
+def _amd_buses(nodes: set[str], start_ms: int) -> dict[str, list[str]]:
+    """Per node, the PCI addresses of its AMD GPUs in address order (partitions share one),
+    read as the inventory and the ingest read them (`pciBusID`, else `pciAddr`)."""
+    buses: dict[str, set[str]] = defaultdict(set)
+    start = hour_at(start_ms // MS_PER_HOUR)
+    for node, attributes in Device.objects.filter(
+        Q(gone_at__isnull=True) | Q(gone_at__gt=start),
+        node__name__in=nodes,
+        driver=AMD_DRIVER,
+        attributes__has_any_keys=list(PCI_ATTRIBUTES),
+    ).values_list("node__name", "attributes"):
+        bus = pci_address(attributes)
+        if bus is not None:
+            buses[node].add(bus)
+    return {node: sorted(found) for node, found in buses.items()}
+
+
+def _amd_indexes(exporter: Exporter, series: Iterable[Series]) -> dict[tuple[str, str], int]:
+    """(node, serial) -> physical GPU index. amd-smi (and so the exporter) numbers a node's
+    GPUs, or their partitions, in PCI address order, a GPU's partitions one after another
+    under its serial: a GPU's lowest `gpu_id` over its number of partitions is its index (a
+    GPU missing from the window shifts no other)."""
+    lowest: dict[tuple[str, str], int] = {}
+    partitions: dict[tuple[str, str], int] = defaultdict(lambda: 1)
+    for one in series:
+        node = exporter.label(one.labels, "node")
+        serial = exporter.label(one.labels, "serial") or exporter.label(one.labels, "gpu_id")
+        gpu_id = exporter.label(one.labels, "gpu_id")
+        partition = exporter.label(one.labels, "partition")
+        if serial and _is_number(gpu_id):
+            key = (node, serial)
+            lowest[key] = min(int(gpu_id), lowest.get(key, int(gpu_id)))
+            if _is_number(partition):
+                partitions[key] = max(partitions[key], int(partition) + 1)
+    return {key: gpu_id // partitions[key] for key, gpu_id in lowest.items()}
+
+
+# A label value read as a number: ASCII digits only. `str.isdigit` also takes superscripts
+# ("²"), which `int` refuses, and other scripts' digits, which no exporter writes.
+_NUMBER = re.compile(r"[0-9]+")
+
+
+def _is_number(value: str) -> bool:
+    """Whether a label value is a whole number `int` reads, in ASCII digits."""
+    return _NUMBER.fullmatch(value) is not None
+
+
+def _named(node: str, driver: str, bus: str, partition: str) -> str:
+    """The key `metering.ingest.resolve_named` resolves a device named by PCI address by."""
+    return NAMED + NAMED.join((node, driver, "", f"{PCI_KEY}{bus.lower()}{PCI_KEY}{partition}"))
+
+
+def match_series(
+    exporter: Exporter,
+    series: Sequence[Series],
+    identities: Identities,
+    start_ms: int,
+) -> tuple[list[str | InstanceMeters | None], list[str]]:
+    """Each series' meter id (None: not a device the inventory knows; `InstanceMeters`: a
+    DCGM MIG series, each reading's by its instant), and why each unmatched one is (for
+    `meter_prometheus --check`)."""
+    keys: list[str | InstanceMeters | None] = []
+    why: list[str] = []
+    if exporter.name == "amd":
+        indexes = _amd_indexes(exporter, series)
+        nodes = {node for node, _ in indexes}
+        identities.amd_buses.update(_amd_buses(nodes - identities.amd_buses.keys(), start_ms))
+    for one in series:
+        labels = one.labels
+        key: str | InstanceMeters | None = None
+        if any(name in labels for name in exporter.skip):
+            keys.append(None)
+            continue
+        node = exporter.label(labels, "node")
+        if exporter.name == "dcgm":
+            uuid = exporter.label(labels, "uuid")
+            instance = exporter.label(labels, "gpu_instance")
+            if _is_number(instance):
+                own = exporter.label(labels, "mig_uuid")
+                profile = exporter.label(labels, "mig_profile")
+                candidates = (
+                    [identities.by_uuid[own]] if own in identities.by_uuid
+                    else identities.mig.get((uuid, profile), [])
+                )  # fmt: skip
+                key = candidates[0] if len(candidates) == 1 else None
+                spans = identities.instances.get((uuid, int(instance)))
+                if spans and own not in identities.by_uuid:
+                    key = InstanceMeters(spans=spans, fallback=key, hold_ms=sample_hold_ms())
+                elif key is None:
+                    why.append(
+                        f"MIG {profile or '?'} (GPU instance {instance}) of {uuid}: no agent "
+                        f"sent that GPU instance's device, and {len(candidates)} MIG devices of "
+                        "that profile on that GPU in the inventory"
+                    )
+            else:
+                key = identities.by_uuid.get(uuid)
+        elif exporter.name == "amd":
+            serial = exporter.label(labels, "serial") or exporter.label(labels, "gpu_id")
+            index = indexes.get((node, serial))
+            buses = identities.amd_buses.get(node, [])
+            if index is not None and index < len(buses):
+                kind = exporter.label(labels, "partition_type").lower()
+                partition = exporter.label(labels, "partition")
+                partitioned = kind not in ("", "spx") and _is_number(partition)
+                key = _named(node, AMD_DRIVER, buses[index], partition if partitioned else "")
+            else:
+                why.append(f"AMD GPU {serial or '?'} on {node or '?'}: no AMD PCI address for it")
+        elif node and (seam := PROFILES[exporter.name]).named:
+            # Named by driver and PCI address or device name, as the agent names it.
+            device = seam.key(seam.native(labels, exporter.labels), ScrapeContext())
+            if device is not None and device.driver and device.pci_bus_id:
+                partition = "" if device.partition is None else str(device.partition)
+                key = _named(node, device.driver, device.pci_bus_id, partition)
+            elif device is not None and device.driver and device.device:
+                key = NAMED + NAMED.join((node, device.driver, "", device.device))
+        keys.append(key)
+    named = {key for key in keys if isinstance(key, str) and key.startswith(NAMED)}
+    resolved: dict[str, str] = {}
+    if named:
+        resolved, refused, _ = resolve_named(named, node="", agent=None)
+        why.extend(reason for _, reason in refused.values())
+    return [
+        resolved.get(key) if isinstance(key, str) and key.startswith(NAMED) else key for key in keys
+    ], why
+
+
+# --- Readings for the rollup ------------------------------------------------------------------
+
+
+@dataclass
+class Readings:
+    """A window's readings from the engine: per meter id, (ms since the epoch, percent)
+    sorted by time; `metered` the meter ids the engine meters in it; `mixed` whether some
+    allocations held in the window are metered by samples."""
+
+    metered: set[str]
+    mixed: bool
+    points: dict[str, list[tuple[int, float]]]
+    unmatched: list[str] = field(default_factory=list)
+    # Clusters the engine gave no reading of any device held (`metering.silence`).
+    silences: list[silence.Silence] = field(default_factory=list)
+
+
+def window_readings(
+    *,
+    held: QuerySet[Allocation],
+    start_ms: int,
+    end_ms: int,
+    now: datetime | None = None,
+    budget: RunBudget | None = None,
+) -> Readings | None:
+    """The engines' readings of the devices of `held` (allocations held in `[start_ms,
+    end_ms)`) whose cluster they meter, from a hold before the window to its end; None when
+    no engine meters any of them (the rollup reads `billing_sample` as ever).
+
+    Each cluster's engine is asked (`TALLY_PROMETHEUS_URLS`, else `TALLY_PROMETHEUS_URL`).
+    Where a question gets no full answer, `EngineUnavailable` names the clusters it was for
+    (`clusters`) and carries the readings of the others (`answered`): one engine down holds
+    back only its clusters' hours. An engine that did not answer at all is not asked again
+    in the run (`budget`, else the window), nor is any engine once the run's deadline passed.
+    A cluster of whose held devices the engine gave no reading is a silence
+    (`metering.silence`, in `silences`): held back too while within the grace of `now`."""
+    conf = config()
+    if not conf.used:
+        return None
+    by_cluster: dict[str, set[str]] = defaultdict(set)
+    device_ids: set[int] = set()
+    mixed = False
+    for cluster, meter_id, meter_now, device_id in held.values_list(
+        "cluster__name", "meter_id", "device__meter_id", "device_id"
+    ):
+        if conf.source(cluster) != "prometheus":
+            mixed = True
+            continue
+        by_cluster[cluster] |= {meter_id, meter_now} - {""}
+        device_ids.add(device_id)
+    if not by_cluster:
+        return None
+    identities = _identities(Device.objects.filter(pk__in=device_ids), start_ms, end_ms)
+    points: dict[str, list[tuple[int, float]]] = {}
+    unmatched: list[str] = []
+    budget = budget or RunBudget(seconds=math.inf)
+    unreachable = budget.unreachable
+    held_back: dict[EngineUnavailable, list[str]] = defaultdict(list)  # why -> clusters
+    silences: list[silence.Silence] = []
+    for url, extra, clusters in _questions(conf, sorted(by_cluster)):
+        error = unreachable.get(url) or budget.spent()
+        if error is None:
+            try:
+                found, why = _ask(
+                    Engine(conf, url, budget),
+                    extra=extra,
+                    wanted=set().union(*(by_cluster[cluster] for cluster in clusters)),
+                    identities=identities,
+                    start_ms=start_ms,
+                    end_ms=end_ms,
+                )
+            except EngineUnreachable as failure:
+                error = unreachable[url] = failure
+            except EngineUnavailable as failure:
+                error = failure
+            else:
+                points.update(found)  # each cluster's devices are its own: no overlap
+                unmatched.extend(why)
+                for cluster in clusters:
+                    if found.keys() & by_cluster[cluster] or not by_cluster[cluster]:
+                        continue
+                    silent = silence.silence(
+                        cluster=cluster,
+                        url=url,
+                        devices=len(by_cluster[cluster]),
+                        start_ms=start_ms,
+                        end_ms=end_ms,
+                        now=now,
+                    )
+                    silences.append(silent)
+                    if silent.pending:
+                        held_back[EngineSilent(silent.describe())].append(cluster)
+                continue
+        held_back[error].extend(clusters)
+    readings = Readings(
+        metered=set().union(*by_cluster.values()),
+        mixed=mixed,
+        points=points,
+        unmatched=unmatched,
+        silences=silences,
+    )
+    if held_back:
+        raise EngineUnavailable(
+            "; ".join(f"cluster {', '.join(names)}: {why}" for why, names in held_back.items()),
+            clusters=[name for names in held_back.values() for name in names],
+            answered=readings,
+        )
+    return readings
+
+
+def _questions(conf: Config, clusters: list[str]) -> list[tuple[str, str, list[str]]]:
+    """(engine URL, label matchers, clusters) of each question for a window: one per cluster
+    where the selector names it, else one per engine for all the clusters it meters."""
+    if "{cluster}" in conf.selector:
+        return [
+            (conf.url_for(cluster), conf.selector.replace("{cluster}", _quoted(cluster)), [cluster])
+            for cluster in clusters
+        ]
+    per_engine: dict[str, list[str]] = defaultdict(list)
+    for cluster in clusters:
+        per_engine[conf.url_for(cluster)].append(cluster)
+    return [(url, conf.selector, named) for url, named in per_engine.items()]
+
+
+def _ask(
+    engine: Engine,
+    *,
+    extra: str,
+    wanted: set[str],
+    identities: Identities,
+    start_ms: int,
+    end_ms: int,
+) -> tuple[dict[str, list[tuple[int, float]]], list[str]]:
+    """One question to one engine: the readings of the meter ids `wanted`, sorted by time,
+    and why the series not matched were not; `EngineUnavailable` if it cannot answer."""
+    start = start_ms - sample_hold_ms()
+    # meter id -> instant -> (rank of the metric, percent): at each instant the first of the
+    # exporter's metrics that has a reading, as the agent reads a scrape; of its series, the
+    # maximum.
+    found: dict[str, dict[int, tuple[int, float]]] = defaultdict(dict)
+    unmatched: list[str] = []
+    for exporter in engine.conf.exporters:
+        for rank, metric in enumerate(exporter.metrics):
+            series = fetch(engine, exporter, metric, extra=extra, start_ms=start, end_ms=end_ms)
+            meters, why = match_series(exporter, series, identities, start_ms)
+            unmatched.extend(why)
+            for one, meter in zip(series, meters, strict=True):
+                if meter is None or (isinstance(meter, str) and meter not in wanted):
+                    continue
+                for ts, value in one.points:
+                    meter_id = meter if isinstance(meter, str) else meter.meter_at(ts)
+                    if meter_id is None or meter_id not in wanted:
+                        continue
+                    instants = found[meter_id]
+                    reading = (-rank, _percent(value, metric.scale))
+                    if reading > instants.get(ts, (-rank - 1, 0.0)):
+                        instants[ts] = reading
+    points = {
+        meter_id: [(ts, percent) for ts, (_, percent) in sorted(instants.items())]
+        for meter_id, instants in found.items()
+    }
+    return points, unmatched
+
+
+def _quoted(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"')
+
+
+def readings_rows(readings: Readings) -> Iterable[tuple[str, int, float, int | None]]:
+    """Rows of `READINGS_TABLE`: each reading with its gap to the device's next (None for the
+    last: the hold applies, as to a device's latest sample)."""
+    for meter_id, points in readings.points.items():
+        for index, (ts, percent) in enumerate(points):
+            following = points[index + 1][0] - ts if index + 1 < len(points) else None
+            yield meter_id, ts, percent, following
+
+
+def load_readings(readings: Readings, *, start_ms: int, end_ms: int) -> str:
+    """Write `readings` into a temporary table the rollup reads instead of `billing_sample`
+    (with the samples of the window's other devices where some clusters send samples, means
+    with their covered time; an engine's readings have none); its name. Inside the rollup's
+    transaction."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"DROP TABLE IF EXISTS {READINGS_TABLE}; "
+            f"CREATE TEMP TABLE {READINGS_TABLE} (device_uuid text, ts_ms bigint, "
+            "gpu_util double precision, gap_ms bigint, covered_ms bigint) ON COMMIT DROP"
+        )
+        copy_rows(
+            cursor,
+            f"{READINGS_TABLE} (device_uuid, ts_ms, gpu_util, gap_ms)",
+            readings_rows(readings),
+            _READINGS_TYPES,
+        )
+        if readings.mixed:
+            cursor.execute(
+                f"INSERT INTO {READINGS_TABLE} "
+                "SELECT device_uuid, ts_ms, gpu_util, gap_ms, covered_ms FROM billing_sample "
+                "WHERE ts_ms >= %(start)s AND ts_ms < %(end)s "
+                "AND gpu_util IS NOT NULL AND NOT device_uuid = ANY(%(metered)s)",
+                {
+                    "start": start_ms - sample_hold_ms(),
+                    "end": end_ms,
+                    "metered": sorted(readings.metered),
+                },
+            )
+        cursor.execute(f"ANALYZE {READINGS_TABLE}")
+    return READINGS_TABLE
+
+
+def run_hours_limit() -> int | None:
+    """The most hours one rollup run may cover when the engine meters some cluster (its
+    readings are held in memory: TALLY_PROMETHEUS_QUERY_HOURS), else None."""
+    conf = config()
+    return conf.query_hours if conf.used else None
+
+
+def mark_unsettled(*, start_ms: int, end_ms: int, now: datetime) -> None:
+    """Mark the window's hours that ended less than TALLY_PROMETHEUS_SETTLE_SECONDS before
+    `now` (or have not ended) to be rolled up again: the engine may still be receiving them
+    (remote write, a scrape retried). Marked as of the wall clock, so the run that rolls them
+    up now leaves the mark."""
+    settled = epoch_ms(now) - config().settle_ms
+    hours = {
+        hour_at(hour)
+        for hour in range(start_ms // MS_PER_HOUR, (end_ms - 1) // MS_PER_HOUR + 1)
+        if (hour + 1) * MS_PER_HOUR > settled
+    }
+    if hours:
+        mark_dirty(hours=hours, at=timezone.now())
