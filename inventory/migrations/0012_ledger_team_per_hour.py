@@ -60,6 +60,8 @@ class Migration(migrations.Migration):
     dependencies = [
         ("inventory", "0011_clusters_identity_and_first_sync"),
         ("teams", "0006_ledger_dated_ownership"),
+        # billing's 0003 sets `Allocation.team` from the usage rows, which this drops.
+        ("billing", "0003_bounded_unknown_samples_charged_allocations"),
     ]
 
     operations = [
