@@ -290,7 +290,7 @@ def _multi_host_units(cluster: Cluster | None) -> QuerySet[Device, dict[str, Any
     )
 
 
-def _multi_host_keys(cluster: Cluster | None) -> QuerySet[Device, dict[str, Any]]:
+def _multi_host_keys(cluster: Cluster | None) -> QuerySet[Device, Any]:
     """Physical keys of multi-host sets (KEP-4815: a device with no node of its own that
     spans several and counts more than one unit), as a subquery."""
     return (
