@@ -11,7 +11,7 @@ from django.db.models import Q
 
 from billing.periods import period_label
 from billing.units import hours_label
-from inventory.models import Unit
+from inventory.models import SHARE_DIGITS, SHARE_PLACES, Unit
 from teams.models import Team
 
 # What a rate is the price of: a GPU-hour, or an hour of one MIG slice (a profile's own card).
@@ -162,7 +162,9 @@ class StatementLine(models.Model):
     unmeasured_gpu_hours = models.DecimalField(max_digits=16, decimal_places=6)
     rate = models.DecimalField(max_digits=12, decimal_places=4, null=True, blank=True)
     idle_factor = models.DecimalField(max_digits=5, decimal_places=4, null=True, blank=True)
-    gpu_share = models.DecimalField(max_digits=9, decimal_places=6, null=True, blank=True)
+    gpu_share = models.DecimalField(
+        max_digits=SHARE_DIGITS, decimal_places=SHARE_PLACES, null=True, blank=True
+    )
     amount = models.DecimalField(max_digits=MONEY_DIGITS, decimal_places=MONEY_PLACES)
     # Adjustments: the closed period they correct (or none, for finance's own), and why.
     corrects_period = models.ForeignKey(

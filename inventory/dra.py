@@ -574,9 +574,9 @@ _MIG_PROFILE = re.compile(r"^(?P<slices>\d+)g\.")
 # Compute slices of a whole GPU, by product; MIG-capable GPUs not listed here have 7.
 _MIG_SLICES_BY_PRODUCT = {"A30": 4}
 _SHARE_QUANTUM = Decimal("0.000001")
-# The most units one device counts: what the gpu_share columns (NUMERIC(9, 6)) hold. A
-# multi-host slice of more chips (counters can describe up to 2 sets of 32 nodes) counts this.
-MAX_DEVICE_UNITS = Decimal(999)
+# The most units one device counts: what the share columns hold (`inventory.models`'
+# SHARE_DIGITS, SHARE_PLACES: NUMERIC(12, 6)). A multi-host slice of more counts this.
+MAX_DEVICE_UNITS = Decimal(999_999)
 
 
 @dataclass(slots=True)

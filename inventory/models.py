@@ -11,6 +11,12 @@ from django.db.models import Q
 
 from inventory.version_numbers import validate_version_text
 
+# How a device's share of its unit is stored, wherever it is (devices, shapes, allocations,
+# usage rows, statement lines): to the millionth, up to 999,999 units, so a multi-host slice
+# of a whole TPU pod (thousands of chips) counts what it holds.
+SHARE_DIGITS = 12
+SHARE_PLACES = 6
+
 
 class Cluster(models.Model):
     """One Kubernetes cluster whose DRA objects Tally syncs."""
@@ -260,7 +266,7 @@ class DeviceShape(models.Model):
     driver = models.CharField(max_length=253)
     kind = models.CharField(max_length=16, choices=DeviceKind.choices)
     unit = models.CharField(max_length=16, choices=Unit.choices, default=Unit.GPU)
-    gpu_share = models.DecimalField(max_digits=9, decimal_places=6, default=0)
+    gpu_share = models.DecimalField(max_digits=SHARE_DIGITS, decimal_places=SHARE_PLACES, default=0)
     attributes = models.JSONField(default=dict, blank=True)
     capacity = models.JSONField(default=dict, blank=True)
     allow_multiple_allocations = models.BooleanField(default=False)
@@ -300,7 +306,7 @@ class Device(models.Model):
     # What `gpu_share` counts (GPUs, TPU chips, Gaudi cards).
     unit = models.CharField(max_length=16, choices=Unit.choices, default=Unit.GPU)
     # Units: 1 for a whole accelerator, a MIG device's or partition's share of its parent.
-    gpu_share = models.DecimalField(max_digits=9, decimal_places=6, default=0)
+    gpu_share = models.DecimalField(max_digits=SHARE_DIGITS, decimal_places=SHARE_PLACES, default=0)
     # What samples name the device by and billing meters it by: its published UUID (a MIG
     # device's own), else an identity formed from cluster, driver, pool and device name
     # (`inventory.profiles.meter_id`). Empty for devices that are not accelerators.
@@ -454,8 +460,10 @@ class Allocation(models.Model):
     # The device's share of its unit, and the part of that this allocation holds: less for a
     # consumable share (KEP-5075), by the capacity it consumed; 0 for a device that is not an
     # accelerator. Usage rows count `gpu_share`; pricing reads `device_share`.
-    device_share = models.DecimalField(max_digits=9, decimal_places=6, default=0)
-    gpu_share = models.DecimalField(max_digits=9, decimal_places=6, default=0)
+    device_share = models.DecimalField(
+        max_digits=SHARE_DIGITS, decimal_places=SHARE_PLACES, default=0
+    )
+    gpu_share = models.DecimalField(max_digits=SHARE_DIGITS, decimal_places=SHARE_PLACES, default=0)
 
     class Meta:
         constraints = [

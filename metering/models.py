@@ -11,7 +11,7 @@ from __future__ import annotations
 from django.contrib.postgres.indexes import BrinIndex
 from django.db import models
 
-from inventory.models import Allocation, Cluster, Unit
+from inventory.models import SHARE_DIGITS, SHARE_PLACES, Allocation, Cluster, Unit
 from metering.hours import idle_of
 from teams.models import Team
 
@@ -288,7 +288,7 @@ class UsageHour(models.Model):
     device_uuid = models.CharField(max_length=128)
     product_name = models.CharField(max_length=253, blank=True)
     profile = models.CharField(max_length=64, blank=True)
-    gpu_share = models.DecimalField(max_digits=9, decimal_places=6)
+    gpu_share = models.DecimalField(max_digits=SHARE_DIGITS, decimal_places=SHARE_PLACES)
     # What the figures count, copied from the device: hours of different units never add up.
     unit = models.CharField(max_length=16, choices=Unit.choices, default=Unit.GPU)
     namespace = models.CharField(max_length=253)

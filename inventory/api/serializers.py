@@ -7,6 +7,7 @@ from typing import Any
 from rest_framework import serializers
 
 from inventory.checks import CHECKS
+from inventory.models import SHARE_DIGITS, SHARE_PLACES
 from inventory.versions import COMPUTED, SET
 
 # `unit` is a CharField, not a ChoiceField: DRF Spectacular names one enum per set of choices,
@@ -184,7 +185,9 @@ class PartlyUsedNodeSerializer(serializers.Serializer[Any]):
     largest_placeable = serializers.CharField(
         allow_blank=True, help_text='The largest device a claim could get now ("3g.40gb").'
     )
-    largest_placeable_share = serializers.DecimalField(max_digits=9, decimal_places=6)
+    largest_placeable_share = serializers.DecimalField(
+        max_digits=SHARE_DIGITS, decimal_places=SHARE_PLACES
+    )
 
 
 class PartialGpuSerializer(serializers.Serializer[Any]):
@@ -194,8 +197,8 @@ class PartialGpuSerializer(serializers.Serializer[Any]):
     product_name = serializers.CharField(allow_blank=True)
     unit = serializers.CharField(help_text="What the shares count (gpu, tpu, gaudi, ...).")
     unit_label = serializers.CharField(help_text='The unit\'s name ("GPU", "TPU chip").')
-    held_share = serializers.DecimalField(max_digits=9, decimal_places=6)
-    free_share = serializers.DecimalField(max_digits=9, decimal_places=6)
+    held_share = serializers.DecimalField(max_digits=SHARE_DIGITS, decimal_places=SHARE_PLACES)
+    free_share = serializers.DecimalField(max_digits=SHARE_DIGITS, decimal_places=SHARE_PLACES)
     held_label = serializers.CharField(help_text='"3/7" for sevenths, else a percentage.')
     free_label = serializers.CharField(help_text='"4/7" for sevenths, else a percentage.')
     held_devices = serializers.DictField(
@@ -221,7 +224,9 @@ class PartialGpuSerializer(serializers.Serializer[Any]):
     largest_placeable = serializers.CharField(
         allow_blank=True, help_text="The largest of them; empty when none is."
     )
-    largest_placeable_share = serializers.DecimalField(max_digits=9, decimal_places=6)
+    largest_placeable_share = serializers.DecimalField(
+        max_digits=SHARE_DIGITS, decimal_places=SHARE_PLACES
+    )
 
 
 class SyncWarningSerializer(serializers.Serializer[Any]):
