@@ -50,15 +50,15 @@ from bench.billing import GPUS_PER_NODE, Gpu, _load_fleet
 from bench.database import fresh_database
 from bench.inventory import _database_name
 from bench.webhook import (
+    CpuMeter,
     Leg,
     Run,
-    _CpuMeter,
-    _free_port,
-    _start_gunicorn,
-    _stop,
-    _wait_until_idle,
     drive,
     drive_alternately,
+    free_port,
+    start_gunicorn,
+    stop,
+    wait_until_idle,
 )
 
 DEFAULT_URL = "postgres://postgres@127.0.0.1:5432/tally_bench_ingest_http"
@@ -171,7 +171,7 @@ def _stored(sent: list[Request], gpus: list[Gpu], *, steps: int, times: set[int]
 
     from metering.models import Sample
 
-    _wait_until_idle()
+    wait_until_idle()
     rows = Sample.objects.count()
     per_device = dict(Sample.objects.values_list("device_uuid").annotate(n=Count("id")).order_by())
     span = Sample.objects.aggregate(first=Min("ts_ms"), last=Max("ts_ms"))
@@ -256,7 +256,7 @@ def _measure(
     measured: list[Request],
     end: datetime,
 ) -> int:
-    port = _free_port()
+    port = free_port()
     workdir = Path(tempfile.mkdtemp(prefix="tally-bench-ingest-"))
     log = (workdir / "gunicorn.log").open("wb")
     # As deployed (deploy/base): JSON logs at info (a line a request), the metrics kept in
@@ -268,13 +268,13 @@ def _measure(
         "PROMETHEUS_MULTIPROC_DIR": str(workdir / "prometheus"),
     }
     print(f"gunicorn's output: {log.name}", flush=True)
-    process = _start_gunicorn(
+    process = start_gunicorn(
         url, workers=args.workers, threads=args.threads, port=port, app="config.wsgi:application",
         settings="bench.ingest_settings", deployed=True, environ=environ, log=log,
     )  # fmt: skip
     load = [os.getloadavg()[0]]
     try:
-        meter = _CpuMeter(process.pid, _database_name(url))
+        meter = CpuMeter(process.pid, _database_name(url))
         kw: dict[str, Any] = {"clients": args.clients, "limit_s": args.time_limit}
         print("warm-up (not measured):", flush=True)
         for label, path in (("floor", FLOOR_PATH), ("ingest", INGEST_PATH)):
@@ -293,7 +293,7 @@ def _measure(
         )
         load.append(os.getloadavg()[0])
     finally:
-        _stop(process)
+        stop(process)
         log.close()
         print("gunicorn stopped", flush=True)
     floor_samples, checks = _answered(floor, measured, stored=False)

@@ -69,8 +69,8 @@ from typing import Any
 import urllib3
 
 from bench.database import fresh_database
+from bench.driver import cpu_seconds, processes
 from bench.inventory import _database_name
-from bench.webhook import _cpu_seconds, _processes
 
 DEFAULT_URL = "postgres://postgres@127.0.0.1:5432/tally_bench_sync"
 # The fleet's history ends now, as a live cluster's does: a change's hours are this week's,
@@ -207,7 +207,7 @@ def _run(args: argparse.Namespace, *, database: str) -> int:
 
         emitted = _Emitted(changes, args.rate)
         before = _applied_events(cluster)
-        cpu_meter = _CpuMeter(database)
+        cpu_meter = CpuMeter(database)
         cpu_before = cpu_meter.sample()
         load_at_start = os.getloadavg()[0]
         rereads.backdating = False
@@ -221,7 +221,7 @@ def _run(args: argparse.Namespace, *, database: str) -> int:
         drained = _wait_drained(emitted, applied, args.drain)
         drain_s = time.monotonic() - produced_at
         applying_s = time.monotonic() - began_applying
-        cpu = _CpuMeter.spent(cpu_before, cpu_meter.sample())
+        cpu = CpuMeter.spent(cpu_before, cpu_meter.sample())
         load_at_end = os.getloadavg()[0]
         after = _applied_events(cluster)
         control.send("stop")
@@ -325,7 +325,7 @@ def _wait_listed(cluster: Any, server: Any) -> bool:
     return False
 
 
-class _CpuMeter:
+class CpuMeter:
     """CPU seconds this process (the sync, and the lag sampling beside it) and the bench
     database's backends have used."""
 
@@ -335,7 +335,7 @@ class _CpuMeter:
     def sample(self) -> dict[str, dict[int, float]]:
         return {
             "sync": {0: time.process_time()},
-            "postgres": _cpu_seconds(_processes(cmdline=self._marker)),
+            "postgres": cpu_seconds(processes(cmdline=self._marker)),
         }
 
     @staticmethod
