@@ -256,6 +256,23 @@ class FleetShapes:
             if self.shape_devices.get(shape.id, 0) > self.invalid.devices_of(shape.id)
         ]
 
+    def most_of_drivers(self, drivers: frozenset[str]) -> int:
+        """The most devices of `drivers` one node reaches, of those the scheduler can give (its
+        own and those published without a node); 0: the fleet has none. What an `All` request
+        through a class that matches no device yet could be given, at most, once such devices
+        appear (`quota.admission.demand`)."""
+
+        def most() -> int:
+            on_nodes, off_node = self.placeable_by_node()
+            ids = {shape_id for shape_id, shape in self.shapes.items() if shape.driver in drivers}
+            everywhere = sum(n for shape_id, n in off_node.items() if shape_id in ids)
+            return everywhere + max(
+                (sum(n for shape_id, n in node.items() if shape_id in ids) for node in on_nodes),
+                default=0,
+            )
+
+        return self.derived(("most of drivers", drivers), most)
+
     def placeable_by_node(self) -> tuple[tuple[Mapping[int, int], ...], Mapping[int, int]]:
         """The present devices the scheduler can give, by shape id (those of the pools it
         allocates nothing from left out: `invalid`): each distinct set a node holds of its own,
