@@ -142,6 +142,7 @@ def plan_claim(
         plan.warnings.append("the claim is counted on no quota rule until it is allocated")
         return plan
     plan.units = units(rules)
+    plan.fleet = shapes
     # Alternatives are removed by request name: a claim that names two requests alike (the API
     # server refuses it after the mutating webhook) is left whole.
     narrow = narrow and len({request.name for request in requests}) == len(requests)
@@ -198,6 +199,7 @@ def plan_claim(
             if skipped:
                 plan.removed[request.name] = skipped
         _add_most(plan.reserve, kept)
+        plan.demands.extend(kept)
     for rule_id, amount in plan.reserve.items():
         rule = plan.rules[rule_id]
         total = rule.in_use + _fresh(plan, rule_id, amount)
@@ -498,16 +500,27 @@ def over_limit(team: Team, rule: Rule, asked: Decimal, unit: str | None = None) 
 
 def over_quota(plan: Plan, rule: Rule, asked: Decimal) -> Decision:
     """The denial of a planned claim that a rule's usage, as the reservation found it, no
-    longer allows."""
+    longer allows: with the note the first weighing's denial would have carried (why the
+    request counts what it does, the models the rule binds that it could be given)."""
     assert plan.team is not None
     return Decision(
         allowed=False,
-        message=over_limit(plan.team, rule, asked, plan.units.get(rule.pk)),
+        message=over_limit(plan.team, rule, asked, plan.units.get(rule.pk)) + _note(plan, rule),
         reason="QuotaExceeded",
         warnings=plan.warnings,
         team=plan.team,
         rule=rule.name,
     )
+
+
+def _note(plan: Plan, rule: Rule) -> str:
+    """What a denial by `rule` says of the first of the plan's requests that takes something
+    on it, as `plan_claim`'s own denial does; "" when none does."""
+    for weighed in plan.demands:
+        if weighed.amounts.get(rule.pk):
+            binds = _binds(plan.fleet, rule, weighed) if plan.fleet is not None else ""
+            return weighed.note + binds
+    return ""
 
 
 def rules_changed(team: Team) -> Decision:

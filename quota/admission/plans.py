@@ -11,13 +11,16 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inventory import dra
 from inventory.gangs import GangRef
 from inventory.profiles import unit_label
 from quota.models import GangMode, QuotaRule, Unit
 from teams.models import Team
+
+if TYPE_CHECKING:
+    from quota.admission.shapes import FleetShapes
 
 NEAR_LIMIT = Decimal("0.8")
 # The resource.k8s.io versions whose ResourceClaim layout Tally reads (`dra.parse_claim_requests`):
@@ -216,6 +219,10 @@ class Plan:
     credit: dict[int, Decimal] = field(default_factory=dict)
     # Requests narrowed to the models that fit (`Narrowing`), by request name.
     narrowed: dict[str, Narrowing] = field(default_factory=dict)
+    # What each request (each alternative kept) takes, and the fleet it was weighed on: what a
+    # denial at reservation says of a rule that binds models the claim need not be given.
+    demands: list[Demand] = field(default_factory=list)
+    fleet: FleetShapes | None = None
     # The claim's gang, and what admitting it reserves for the gang (`weigh_gang`).
     gang: GangPlan | None = None
 

@@ -16,6 +16,8 @@ from django.test import Client
 
 from inventory import dra
 from inventory import services as inventory_services
+from inventory.services import get_cluster
+from quota.admission import service, store
 from quota.admission.plans import NARROWED_ANNOTATION
 from quota.admission.shapes import forget_fleet_shapes
 from quota.models import AdmissionDecision, NarrowingPolicy, QuotaRule, Reservation, Webhook
@@ -245,3 +247,31 @@ def test_a_bad_option_is_an_error_naming_its_path() -> None:
     with pytest.raises(PolicyError) as raised:
         load_policy(TEAM + "  narrowToFit: sometimes\n")
     assert raised.value.errors == ["teams[0].narrowToFit: must be true or false, got str"]
+
+
+def test_the_recheck_at_reservation_names_the_model_the_rule_binds() -> None:
+    """Issue 36, finding 4, under the lock: a claim that fitted when weighed, denied when the
+    reservation finds a T4 rule's usage grown meanwhile, says why that rule applies to it, as
+    the first weighing's denial does."""
+    make_team(
+        [
+            {"name": "t4", "device_class": "gpu.nvidia.com", "selector": T4, "limit": 4},
+            {"name": "all-gpus", "device_class": "gpu.nvidia.com", "limit": 16},
+        ]
+    )
+    cluster = get_cluster("default")
+    body = claim("any-two", [gpu_request(2)])
+    state = store.admission_state(cluster=cluster.name, namespace="research", name="any-two")
+    plan = service._plan(cluster=cluster, claim=body, state=state)
+    assert plan.denial == ""  # 0 of 4 T4s in use when it was weighed
+    QuotaRule.objects.filter(name="t4").update(in_use=3)  # meanwhile another took 3
+    decision, recorded = service._reserve(
+        cluster=cluster, claim=body, plan=plan, username="alice", admission_uid="u", at=AT
+    )
+    assert not decision.allowed and not recorded
+    assert decision.message == (
+        'team "research": quota rule "t4" (enforce) would be exceeded: 3 GPUs in use, 2 GPUs '
+        "requested, limit 4 GPUs; the rule binds Tesla T4, which request 'gpu' could be given (a "
+        "selector that leaves it out of the request leaves the rule out too)"
+    )
+    assert not Reservation.objects.exists()
