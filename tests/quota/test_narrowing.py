@@ -12,7 +12,9 @@ from typing import Any
 
 import jsonpatch
 import pytest
+from django.contrib.auth import get_user_model
 from django.test import Client
+from django.urls import reverse
 
 from inventory import dra
 from inventory import services as inventory_services
@@ -275,3 +277,18 @@ def test_the_recheck_at_reservation_names_the_model_the_rule_binds() -> None:
         "selector that leaves it out of the request leaves the rule out too)"
     )
     assert not Reservation.objects.exists()
+
+
+def test_the_admin_sets_the_option_audited(client: Client) -> None:
+    team = make_team([])
+    user = get_user_model().objects.create_superuser("ops-admin", "ops@example.com", "x")
+    client.force_login(user)
+    response = client.post(
+        reverse("admin:quota_narrowingpolicy_add"), {"team": team.pk, "narrow_to_fit": "on"}
+    )
+    assert response.status_code == 302, response.content
+    assert NarrowingPolicy.objects.get(team=team).narrow_to_fit is True
+    entry = AuditEntry.objects.get(object_type="narrowing policy")
+    assert (entry.action, entry.object_repr) == ("create", "research: narrow to fit on")
+    changelist = client.get(reverse("admin:quota_narrowingpolicy_changelist"))
+    assert changelist.status_code == 200
