@@ -292,3 +292,19 @@ def test_the_admin_sets_the_option_audited(client: Client) -> None:
     assert (entry.action, entry.object_repr) == ("create", "research: narrow to fit on")
     changelist = client.get(reverse("admin:quota_narrowingpolicy_changelist"))
     assert changelist.status_code == 200
+
+
+def test_a_narrowed_create_sent_again_is_narrowed_alike_and_reserves_once(client: Client) -> None:
+    """The API server sends a retried create to the mutating webhook again, unpatched: while the
+    kept models still have room it gets the same patch, and the validating webhook finds the
+    patched claim the one it admitted (same spec): nothing reserved twice."""
+    narrowing_team()
+    body = claim("any-two", [gpu_request(2)])
+    answers = []
+    for uid in ("first", "retry"):
+        answer = post(client, review(body, uid=uid), MUTATE).json()["response"]
+        answers.append(answer)
+        assert decide(client, patched(body, answer), uid=uid)["allowed"]
+    assert answers[0]["patch"] == answers[1]["patch"]
+    assert Reservation.objects.count() == 1
+    assert QuotaRule.objects.get(name="h100").in_use == 2
