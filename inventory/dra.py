@@ -457,13 +457,19 @@ def _parse_request(fields: dict[str, Any], path: str, reader: _Reader) -> Parsed
     )
 
 
+def flat_requests(api_version: str) -> bool:
+    """Whether a claim of `api_version` writes a request's class, selectors and count on the
+    request itself (v1alpha3, v1beta1), not under its `exactly` (v1beta2, v1)."""
+    return api_version.endswith(("/v1beta1", "/v1alpha3"))
+
+
 def parse_claim_requests(
     spec: dict[str, Any], api_version: str, reader: _Reader | None = None
 ) -> list[ParsedRequest]:
     """The requests of a claim spec (or a template's inner spec), in the v1 shape."""
     reader = reader or _Reader("ResourceClaim")
     devices = reader.mapping(spec, "devices", "spec")
-    flat = api_version.endswith(("/v1beta1", "/v1alpha3"))
+    flat = flat_requests(api_version)
     requests = []
     for index, request in enumerate(reader.listing(devices, "requests", "spec.devices")):
         path = f"spec.devices.requests[{index}]"

@@ -38,6 +38,7 @@ from quota.models import (
     GangReservation,
     GangReservationLine,
     Mode,
+    NarrowingPolicy,
     QuotaRule,
     Reservation,
     ReservationLine,
@@ -388,6 +389,21 @@ class GangPolicyAdmin(RecountedAdmin):
     # Turning a team's gangs off releases its gang holds in the same transaction, as the
     # policy file does (`recount_usage`), not at the next periodic recount.
     recount_after_delete = True
+
+
+@admin.register(NarrowingPolicy)
+class NarrowingPolicyAdmin(AuditedAdmin):
+    """Whether the mutating webhook narrows a team's claims to the models that fit (the policy
+    file's `narrowToFit`); a team without one is never narrowed. Usage does not depend on it:
+    nothing is recounted."""
+
+    list_display = ("team", "narrow_to_fit")
+    list_filter = ("narrow_to_fit",)
+    search_fields = ("team__slug", "team__name")
+    list_select_related = ("team",)
+
+    def get_readonly_fields(self, request: HttpRequest, obj: Any = None) -> tuple[str, ...]:
+        return ("team",) if obj is not None else ()
 
 
 @admin.register(ReservationLine)

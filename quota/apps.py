@@ -16,9 +16,10 @@ class QuotaConfig(AppConfig):
         from teams import audit
         from teams.models import Team
 
-        # A team's deletion audits its rules, budget and gang policy one by one; a rule's
-        # usage is the ledger's (quota.ledger), never in an audit snapshot nor saved by one.
-        audit.register_children(Team, "rules", "budget", "gang_policy")
+        # A team's deletion audits its rules, budget, gang and narrowing policies one by one; a
+        # rule's usage is the ledger's (quota.ledger), never in an audit snapshot nor saved by
+        # one.
+        audit.register_children(Team, "rules", "budget", "gang_policy", "narrowing_policy")
         audit.register_unaudited(QuotaRule, "in_use")
         DATABASE_COLLECTORS.append(ReservationCollector())
         DATABASE_COLLECTORS.append(PendingDemandCollector())

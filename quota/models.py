@@ -175,6 +175,22 @@ class GangPolicy(models.Model):
         return f"{self.team}: gangs {self.mode}"
 
 
+class NarrowingPolicy(models.Model):
+    """Whether the mutating webhook may narrow a team's claims that could land on several
+    models to the models whose quota rules have room (the policy file's `narrowToFit`): a
+    selector is added to the request, so "any GPU" takes the free H100s instead of being
+    denied by a full T4 rule. A team without one is never narrowed."""
+
+    team = models.OneToOneField(Team, on_delete=models.CASCADE, related_name="narrowing_policy")
+    narrow_to_fit = models.BooleanField(default=False)
+
+    class Meta:
+        verbose_name_plural = "narrowing policies"
+
+    def __str__(self) -> str:
+        return f"{self.team}: narrow to fit {'on' if self.narrow_to_fit else 'off'}"
+
+
 class GangReservation(models.Model):
     """What a gang admitted whole holds for its members not yet admitted (the hold).
 

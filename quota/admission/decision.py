@@ -11,8 +11,9 @@ data all of them share; `quota.admission.gang_weighing` weighs a gang whole.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timedelta
 from decimal import Decimal
 from typing import Any
@@ -27,11 +28,13 @@ from quota.admission.plans import (
     CLAIM_API_VERSIONS,
     CLAIM_VERSIONS,
     CONTROLLER_USERS,
+    NARROWED_ANNOTATION,
     NEAR_LIMIT,
     AdmissionState,
     BudgetUse,
     Decision,
     Demand,
+    Narrowing,
     Plan,
     Rule,
     RuleSnapshot,
@@ -39,7 +42,7 @@ from quota.admission.plans import (
     claim_name,
     spec_digest,
 )
-from quota.admission.shapes import FleetShapes, too_many_steps
+from quota.admission.shapes import FleetShapes, model_selector, too_many_steps
 from quota.models import Mode, ReservationState
 from teams.models import Team
 
@@ -57,11 +60,14 @@ def plan_claim(
 
     A `firstAvailable` request holds what the scheduler could give it. With `narrow` (the
     mutating webhook) it keeps only its first alternative that fits, and holds what that one
-    takes. Without (the validating webhook, which sees the claim as the scheduler will) every
-    alternative left must fit, and it holds on each rule the most any one alternative takes
-    there: whichever the scheduler picks takes no more on any rule, so this never under-counts
-    and `reserved + allocated <= limit` holds for every enforce rule. Not every alternative at
-    once: a GPU-or-Gaudi request holds one of each, not two of either.
+    takes; and, where the team narrows to fit (`AdmissionState.narrow_to_fit`), a request that
+    does not fit but could be given devices of several models is narrowed to the models whose
+    rules have room (`_narrow_to_fit`), a selector added. Without (the validating webhook,
+    which sees the claim as the scheduler will) every alternative left must fit, and it holds
+    on each rule the most any one alternative takes there: whichever the scheduler picks takes
+    no more on any rule, so this never under-counts and `reserved + allocated <= limit` holds
+    for every enforce rule. Not every alternative at once: a GPU-or-Gaudi request holds one of
+    each, not two of either.
 
     `fleet` and `budget` give the fleet's shapes and a team's budget use; each is asked only
     when the plan needs it (a claim of no team, or past its budget, needs neither). `units`
@@ -107,6 +113,8 @@ def plan_claim(
     if requests is None:
         _weigh_unread(plan, state.rules, unread, budget)
         return plan
+    if not narrow:
+        plan.warnings.extend(_narrowed_before(claim))
     if _budget_denies(plan, requests, budget, fleet):
         return plan
     rules = state.rules
@@ -134,6 +142,7 @@ def plan_claim(
         plan.warnings.append("the claim is counted on no quota rule until it is allocated")
         return plan
     plan.units = units(rules)
+    plan.fleet = shapes
     # Alternatives are removed by request name: a claim that names two requests alike (the API
     # server refuses it after the mutating webhook) is left whole.
     narrow = narrow and len({request.name for request in requests}) == len(requests)
@@ -151,6 +160,10 @@ def plan_claim(
             return plan
         plan.warnings.extend(f"{problem} (warn only); it counts on none" for problem in unbound)
         fitting = [d for d in demands if exceeded(plan, d) is None]
+        if not fitting and narrow and state.narrow_to_fit and not request.first_available:
+            narrowed = _narrow_to_fit(plan, request, demands[0], rules, shapes)
+            if narrowed is not None:
+                demands = fitting = [narrowed]
         if not fitting:
             rule, asked = exceeded(plan, demands[0]) or (rules[0], Decimal(0))
             plan.denial = over_limit(plan.team, rule, asked, plan.units.get(rule.pk))
@@ -186,6 +199,7 @@ def plan_claim(
             if skipped:
                 plan.removed[request.name] = skipped
         _add_most(plan.reserve, kept)
+        plan.demands.extend(kept)
     for rule_id, amount in plan.reserve.items():
         rule = plan.rules[rule_id]
         total = rule.in_use + _fresh(plan, rule_id, amount)
@@ -380,14 +394,18 @@ def exceeded(plan: Plan, demand: Demand) -> tuple[Rule, Decimal] | None:
     """The first enforce rule this demand would take past its limit, with what the claim asks
     of it (this demand and the claim's requests before it, as the reservation would; of a
     gang's member, beyond what it draws from the gang's hold)."""
+    return next(_exceeding(plan, demand), None)
+
+
+def _exceeding(plan: Plan, demand: Demand) -> Iterator[tuple[Rule, Decimal]]:
+    """Each enforce rule this demand would take past its limit (`exceeded`), in its order."""
     for rule_id, amount in demand.amounts.items():
         rule = plan.rules[rule_id]
         if rule.mode != Mode.ENFORCE:
             continue
         asked = _fresh(plan, rule_id, plan.reserve.get(rule_id, Decimal(0)) + amount)
         if rule.in_use + asked > rule.limit and (asked > 0 or rule_id not in plan.credit):
-            return rule, asked
-    return None
+            yield rule, asked
 
 
 def _binds(fleet: FleetShapes, rule: Rule, demand: Demand) -> str:
@@ -403,6 +421,65 @@ def _binds(fleet: FleetShapes, rule: Rule, demand: Demand) -> str:
         f"(a selector that leaves {'them' if len(models) > 1 else 'it'} out of the request "
         "leaves the rule out too)"
     )
+
+
+def _narrow_to_fit(
+    plan: Plan,
+    request: dra.ParsedRequest,
+    unfit: Demand,
+    rules: Sequence[Rule],
+    fleet: FleetShapes,
+) -> Demand | None:
+    """What `request` takes once narrowed to the models of its candidate devices whose rules
+    have room (the team's `narrowToFit`): "any two NVIDIA GPUs", which a full T4 rule denies,
+    narrowed to the free H100s. Recorded in `plan.narrowed` (the selector the mutating webhook
+    adds, the models it keeps), with a warning; None where it cannot be narrowed: its devices
+    are of one model, or some publish no model a selector can name (as a string, under the
+    same attribute: a selector reading an attribute a device lacks fails its allocation), or
+    no model fits. Models are taken in order of name, each kept if the request, narrowed to
+    it and those kept before, still fits: the selector keeps every model that can be given."""
+    models = {fleet.shapes[shape_id].model for shape_id in unfit.shapes}
+    attributes = {fleet.shapes[shape_id].model_attribute for shape_id in unfit.shapes}
+    if len(models) < 2 or "" in models or len(attributes) != 1 or "" in attributes:
+        return None
+    (attribute,) = attributes
+    full = sorted({rule.name for rule, _ in _exceeding(plan, unfit)})
+    kept: list[str] = []
+    best: tuple[Demand, list[str], str] | None = None
+    for model in sorted(models):
+        selector = model_selector(attribute, [*kept, model])
+        warnings: list[str] = []
+        narrowed = dataclasses.replace(request, selectors=[*request.selectors, selector])
+        candidate = demand(narrowed, rules, fleet, warnings)
+        if candidate.shapes and exceeded(plan, candidate) is None:
+            kept.append(model)
+            best = candidate, warnings, selector
+    if best is None:
+        return None
+    narrowed_demand, warnings, selector = best
+    plan.narrowed[request.name] = Narrowing(
+        selector=selector, models=tuple(kept), rules=tuple(full)
+    )
+    plan.warnings.extend(warnings)
+    plan.warnings.append(
+        f"request {request.name!r} narrowed to {', '.join(kept)} (a selector added; the "
+        "team narrows to fit): as sent it could be given devices that quota rule"
+        f"{'s' if len(full) > 1 else ''} {', '.join(full)} ha{'ve' if len(full) > 1 else 's'} "
+        "no room for"
+    )
+    return narrowed_demand
+
+
+def _narrowed_before(claim: dict[str, Any]) -> list[str]:
+    """What the mutating webhook narrowed in `claim`, as its annotation says (the validating
+    webhook records it with its decision); the annotation is the claim's, its selectors are
+    weighed as any others."""
+    metadata = claim.get("metadata")
+    annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
+    value = annotations.get(NARROWED_ANNOTATION) if isinstance(annotations, dict) else None
+    if not isinstance(value, str) or not value:
+        return []
+    return [f"the claim was narrowed to the models that fit ({NARROWED_ANNOTATION}: {value})"]
 
 
 def _fresh(plan: Plan, rule_id: int, amount: Decimal) -> Decimal:
@@ -423,16 +500,27 @@ def over_limit(team: Team, rule: Rule, asked: Decimal, unit: str | None = None) 
 
 def over_quota(plan: Plan, rule: Rule, asked: Decimal) -> Decision:
     """The denial of a planned claim that a rule's usage, as the reservation found it, no
-    longer allows."""
+    longer allows: with the note the first weighing's denial would have carried (why the
+    request counts what it does, the models the rule binds that it could be given)."""
     assert plan.team is not None
     return Decision(
         allowed=False,
-        message=over_limit(plan.team, rule, asked, plan.units.get(rule.pk)),
+        message=over_limit(plan.team, rule, asked, plan.units.get(rule.pk)) + _note(plan, rule),
         reason="QuotaExceeded",
         warnings=plan.warnings,
         team=plan.team,
         rule=rule.name,
     )
+
+
+def _note(plan: Plan, rule: Rule) -> str:
+    """What a denial by `rule` says of the first of the plan's requests that takes something
+    on it, as `plan_claim`'s own denial does; "" when none does."""
+    for weighed in plan.demands:
+        if weighed.amounts.get(rule.pk):
+            binds = _binds(plan.fleet, rule, weighed) if plan.fleet is not None else ""
+            return weighed.note + binds
+    return ""
 
 
 def rules_changed(team: Team) -> Decision:

@@ -161,8 +161,11 @@ def demand(
             if asked
             else ""
         )
-        drivers = ", ".join(sorted(fleet.class_drivers(request.device_class_name)))
+        class_drivers = fleet.class_drivers(request.device_class_name)
+        drivers = ", ".join(sorted(class_drivers))
         of_driver = f" and of its driver {drivers}" if drivers else ""
+        if request.allocation_mode == "All":
+            return _all_of_no_device(request, result, per_device_on, fleet, whole, warnings)
         result.note = (
             f' (request "{request.name}": no device of class "{request.device_class_name}"'
             f"{asking} in the inventory matches it; until allocated, each device it asks for "
@@ -223,6 +226,46 @@ def demand(
             )
     if not every.nodes and (every.too_many or every.refused):
         warnings.append(_never_allocated(request.name, every, candidates))
+    return result
+
+
+def _all_of_no_device(
+    request: dra.ParsedRequest,
+    result: Demand,
+    per_device_on: dict[int, Decimal],
+    fleet: FleetShapes,
+    whole: str,
+    warnings: list[str],
+) -> Demand:
+    """An `allocationMode: All` request through a class that matches no device yet (a MIG
+    profile not configured, GPUs not bound to vfio): it will be given every matching device of
+    a node once they appear, so it counts as the most devices of its class's driver any one
+    node has, each a whole device, on the rules of its class and of its driver, with a
+    warning; never 0. Where the fleet has no device of that driver at all nothing says how
+    many it would be given: `unbound` (denied where an enforce rule binds the team)."""
+    if result.unbound:
+        return result  # a class that names no driver: said already
+    class_drivers = fleet.class_drivers(request.device_class_name)
+    drivers = ", ".join(sorted(class_drivers))
+    most = fleet.most_of_drivers(class_drivers)
+    if not most:
+        result.unbound = (
+            f'request "{request.name}" (allocationMode All): no device of class '
+            f'"{request.device_class_name}" is in the inventory, nor any of its driver '
+            f"{drivers or '(none named)'}, so Tally cannot tell how many devices it would be "
+            "given"
+        )
+        return result
+    result.devices = most
+    result.amounts = {rule_id: each * most for rule_id, each in per_device_on.items()}
+    label = unit_label(whole, plural=most != 1)
+    result.note = (
+        f' (request "{request.name}" (allocationMode All): class "{request.device_class_name}" '
+        f"matches no device yet; until allocated, it counts as {most} whole {label}, the most "
+        f"devices of its driver {drivers} on one node, on every quota rule of its class and "
+        "driver)"
+    )
+    warnings.append(result.note.removeprefix(" (").removesuffix(")"))
     return result
 
 

@@ -11,13 +11,16 @@ import hashlib
 import json
 from dataclasses import dataclass, field
 from decimal import Decimal
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from inventory import dra
 from inventory.gangs import GangRef
 from inventory.profiles import unit_label
 from quota.models import GangMode, QuotaRule, Unit
 from teams.models import Team
+
+if TYPE_CHECKING:
+    from quota.admission.shapes import FleetShapes
 
 NEAR_LIMIT = Decimal("0.8")
 # The resource.k8s.io versions whose ResourceClaim layout Tally reads (`dra.parse_claim_requests`):
@@ -29,6 +32,9 @@ CLAIM_API_VERSIONS = frozenset(f"{dra.GROUP}/{version}" for version in CLAIM_VER
 MEMORY_CAPACITIES = ("memory", "addressableMemory")
 # The resource-claim controller creates claims from ResourceClaimTemplates for Pods.
 CONTROLLER_USERS = ("system:serviceaccount:kube-system:", "system:kube-controller-manager")
+# The annotation the mutating webhook sets on a claim it narrowed to the models that fit: the
+# models kept, by request (JSON).
+NARROWED_ANNOTATION = "tally.dev/narrowed-to"
 
 
 @dataclass(slots=True)
@@ -130,6 +136,9 @@ class AdmissionState:
     live: LiveReservation | None
     # How the team's gangs are admitted (`GangMode`; a team without a policy: enforce).
     gang_mode: str = GangMode.ENFORCE.value
+    # Whether the mutating webhook may narrow the team's claims to the models that fit
+    # (`NarrowingPolicy`; a team without one: no).
+    narrow_to_fit: bool = False
     # What the claim may draw, by rule, from its gang's live hold (`store.gang_state`): counted
     # in the rules' usage already, so only what it asks beyond that is weighed against limits.
     credit: dict[int, Decimal] = field(default_factory=dict)
@@ -163,6 +172,17 @@ class Demand:
     unbound: str = ""
 
 
+@dataclass(frozen=True)
+class Narrowing:
+    """A request the mutating webhook narrowed to the models that fit (the team's
+    `narrowToFit`): the selector it adds, the models that selector keeps and the quota rules
+    that had no room for the request as sent."""
+
+    selector: str
+    models: tuple[str, ...]
+    rules: tuple[str, ...]
+
+
 @dataclass
 class Decision:
     """The webhook's answer to one claim."""
@@ -176,6 +196,8 @@ class Decision:
     removed: dict[str, list[str]] = field(default_factory=dict)
     # The quota rule that denied, for metrics.
     rule: str = ""
+    # Requests narrowed to the models that fit (the mutating webhook), by request name.
+    narrowed: dict[str, Narrowing] = field(default_factory=dict)
 
 
 @dataclass
@@ -195,6 +217,12 @@ class Plan:
     units: dict[int, str] = field(default_factory=dict)
     # What the claim may take, by rule, from its gang's hold (`AdmissionState.credit`).
     credit: dict[int, Decimal] = field(default_factory=dict)
+    # Requests narrowed to the models that fit (`Narrowing`), by request name.
+    narrowed: dict[str, Narrowing] = field(default_factory=dict)
+    # What each request (each alternative kept) takes, and the fleet it was weighed on: what a
+    # denial at reservation says of a rule that binds models the claim need not be given.
+    demands: list[Demand] = field(default_factory=list)
+    fleet: FleetShapes | None = None
     # The claim's gang, and what admitting it reserves for the gang (`weigh_gang`).
     gang: GangPlan | None = None
 
@@ -209,7 +237,13 @@ class Plan:
                 team=self.team,
                 rule=self.rule,
             )
-        return Decision(allowed=True, warnings=self.warnings, team=self.team, removed=self.removed)
+        return Decision(
+            allowed=True,
+            warnings=self.warnings,
+            team=self.team,
+            removed=self.removed,
+            narrowed=self.narrowed,
+        )
 
 
 @dataclass(frozen=True)

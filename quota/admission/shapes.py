@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import re
 import threading
@@ -71,10 +72,14 @@ class Shape:
     capacity: dict[str, Any] = field(default_factory=dict, compare=False)
     # The model its driver's profile reads ("NVIDIA H100 80GB HBM3", "Gaudi2"); "" if none.
     model: str = field(default="", compare=False)
+    # Where it publishes that model, as a DRA CEL selector reads it (`device.attributes[...]`:
+    # `model_selector`); "" if it publishes none.
+    model_attribute: str = field(default="", compare=False)
 
     @classmethod
     def from_row(cls, row: DeviceShape, *, memory_bytes: int | None) -> Shape:
         """The shape as selectors see it, from its stored row."""
+        model, model_attribute = _model(row)
         return cls(
             id=row.pk,
             driver=row.driver,
@@ -84,7 +89,8 @@ class Shape:
             shareable=row.allow_multiple_allocations,
             unit=row.unit,
             capacity=row.capacity,
-            model=_model(row),
+            model=model,
+            model_attribute=model_attribute,
             view=cel.DeviceShape.from_device(
                 driver=row.driver,
                 attributes=row.attributes,
@@ -249,6 +255,23 @@ class FleetShapes:
             for shape in candidates
             if self.shape_devices.get(shape.id, 0) > self.invalid.devices_of(shape.id)
         ]
+
+    def most_of_drivers(self, drivers: frozenset[str]) -> int:
+        """The most devices of `drivers` one node reaches, of those the scheduler can give (its
+        own and those published without a node); 0: the fleet has none. What an `All` request
+        through a class that matches no device yet could be given, at most, once such devices
+        appear (`quota.admission.demand`)."""
+
+        def most() -> int:
+            on_nodes, off_node = self.placeable_by_node()
+            ids = {shape_id for shape_id, shape in self.shapes.items() if shape.driver in drivers}
+            everywhere = sum(n for shape_id, n in off_node.items() if shape_id in ids)
+            return everywhere + max(
+                (sum(n for shape_id, n in node.items() if shape_id in ids) for node in on_nodes),
+                default=0,
+            )
+
+        return self.derived(("most of drivers", drivers), most)
 
     def placeable_by_node(self) -> tuple[tuple[Mapping[int, int], ...], Mapping[int, int]]:
         """The present devices the scheduler can give, by shape id (those of the pools it
@@ -1009,22 +1032,45 @@ def _forget_pool_checks(cluster_id: int) -> None:
     _pool_checks.pop(cluster_id, None)
 
 
-def _model(row: DeviceShape) -> str:
+def _model(row: DeviceShape) -> tuple[str, str]:
     """The model a device of `row` publishes, as its driver's built-in profile reads it (what
-    denials name: no database read on the webhook's path)."""
-    device = dra.ParsedDevice(
-        name="",
-        attributes=row.attributes if isinstance(row.attributes, dict) else {},
-        capacity={},
-        extra={},
-        consumes_counters=[],
-        node_name="",
-    )
+    denials name: no database read on the webhook's path), and where a DRA CEL selector reads
+    it (`device.attributes["<domain>"].<name>`); ("", "") if none."""
+    attributes = row.attributes if isinstance(row.attributes, dict) else {}
     for name in profiles.builtin_profile(row.driver).model_attributes:
-        value = device.attribute(name, row.driver)
-        if value is not None and not isinstance(value, list) and str(value):
-            return str(value)
-    return ""
+        # As `dra.ParsedDevice.attribute` looks it up: unqualified (the driver's domain),
+        # qualified with the driver's domain, or with NVIDIA's.
+        for key, domain in (
+            (name, row.driver),
+            (f"{row.driver}/{name}", row.driver),
+            (f"{dra.NVIDIA_DOMAIN}/{name}", dra.NVIDIA_DOMAIN),
+        ):
+            entry = attributes.get(key)
+            if not isinstance(entry, dict):
+                continue
+            value = next((entry[t] for t in dra.ATTRIBUTE_TYPES if t in entry), None)
+            if value is None:
+                continue
+            if isinstance(value, list) or not str(value):
+                break
+            attribute = name.rsplit("/", 1)[-1]
+            if "/" in name:  # a qualified name of the profile's: its own domain
+                domain = name.rsplit("/", 1)[0]
+            usable = "string" in entry and _IDENTIFIER.fullmatch(attribute) is not None
+            return str(value), (f"{domain}/{attribute}" if usable else "")
+    return "", ""
+
+
+_IDENTIFIER = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def model_selector(attribute: str, models: Iterable[str]) -> str:
+    """A DRA CEL selector that matches the devices whose `attribute` ("<domain>/<name>", as
+    `Shape.model_attribute`) is one of `models`: what the mutating webhook adds to a request it
+    narrows to the models that fit (`quota.admission.decision`)."""
+    domain, name = attribute.rsplit("/", 1)
+    read = f"device.attributes[{json.dumps(domain)}].{name}"
+    return " || ".join(f"{read} == {json.dumps(model)}" for model in sorted(set(models)))
 
 
 def shape_of(row: DeviceShape) -> Shape:

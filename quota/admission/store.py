@@ -67,6 +67,7 @@ from quota.models import (
     GangReservation,
     GangReservationLine,
     Mode,
+    NarrowingPolicy,
     QuotaRule,
     Reservation,
     ReservationLine,
@@ -284,11 +285,11 @@ def _admission_state_sql(*, with_settings: bool, local: bool = False) -> str:
     settings: set on the session, the session's own values read first (columns 12-13), or
     (`local`) set for the transaction. Column 11: the live reservation under the claim's
     name (its team id, claim uid and spec digest; NULL: none). Column 15: the team's gang
-    policy (NULL: none)."""
+    policy (NULL: none); column 16: whether its claims are narrowed to fit (NULL: no policy)."""
     quote = connection.ops.quote_name
-    team, owner, rule, reservation, gangs = (
+    team, owner, rule, reservation, gangs, narrowing = (
         quote(model._meta.db_table)
-        for model in (Team, TeamNamespace, QuotaRule, Reservation, GangPolicy)
+        for model in (Team, TeamNamespace, QuotaRule, Reservation, GangPolicy, NarrowingPolicy)
     )
     # One row to hang the rest on, made once per statement (a subquery with volatile functions
     # is not flattened): the database's clock, and the session's settings for the admission's
@@ -306,11 +307,12 @@ SELECT t.id, t.slug, t.name,
        (SELECT ARRAY[v.team_id::text, v.claim_uid, v.spec_digest] FROM {reservation} v
         WHERE v.cluster = %s AND v.namespace = %s AND v.name = %s AND NOT (v.state = 'released')
         LIMIT 1),
-       {", ".join(f"o.{name}" for name in SESSION_SETTINGS)}, o.clock, g.mode
+       {", ".join(f"o.{name}" for name in SESSION_SETTINGS)}, o.clock, g.mode, w.narrow_to_fit
 FROM ({driver}) o
 LEFT JOIN {owner} n ON n.namespace = %s AND n.valid_until IS NULL
 LEFT JOIN {team} t ON t.id = n.team_id
 LEFT JOIN {gangs} g ON g.team_id = t.id
+LEFT JOIN {narrowing} w ON w.team_id = t.id
 LEFT JOIN {rule} r ON r.team_id = t.id
 ORDER BY r.id
 """
@@ -371,6 +373,7 @@ def admission_state(*, cluster: str, namespace: str, name: str) -> AdmissionStat
         rules=rules,
         live=live,
         gang_mode=(rows[0][15] if rows else None) or GangMode.ENFORCE.value,
+        narrow_to_fit=bool(rows[0][16]) if rows else False,
     )
 
 

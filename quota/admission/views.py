@@ -33,16 +33,13 @@ from jsonpatch import JsonPointer
 from core import metrics
 from core.inputs import BadInput, parse_json
 from core.logging import PARSED_REVIEW
+from inventory import dra
 from quota.admission import service
-from quota.admission.plans import Decision
+from quota.admission.plans import NARROWED_ANNOTATION, Decision, Narrowing
 
 log = logging.getLogger(__name__)
 API_VERSION = "admission.k8s.io/v1"
 REMOVED_ANNOTATION = "tally.dev/removed-alternatives"
-# The annotation's JSON Pointer (RFC 6901 escapes its "/"), made once.
-_REMOVED_ANNOTATION_PATH = JsonPointer.from_parts(
-    ["metadata", "annotations", REMOVED_ANNOTATION]
-).path
 # The API server's request uids are UUIDs (36 characters); the records keep 64.
 MAX_UID_LENGTH = 64
 # Kubernetes' longest: a namespace is a DNS label, a name a DNS subdomain.
@@ -289,10 +286,11 @@ def _mutation(uid: str, claim: dict[str, Any], decision: Decision) -> dict[str, 
             reason=decision.reason,
             warnings=decision.warnings,
         )
-    if not decision.removed:
+    if not decision.removed and not decision.narrowed:
         return answer(uid, allowed=True, warnings=decision.warnings)
     operations: list[dict[str, Any]] = []
     requests = claim.get("spec", {}).get("devices", {}).get("requests", [])
+    flat = dra.flat_requests(str(claim.get("apiVersion") or ""))
     for index, request in enumerate(requests):
         removed = set(decision.removed.get(request.get("name"), []))
         alternatives = request.get("firstAvailable") or []
@@ -305,7 +303,18 @@ def _mutation(uid: str, claim: dict[str, Any], decision: Decision) -> dict[str, 
                         "path": f"/spec/devices/requests/{index}/firstAvailable/{alt_index}",
                     }
                 )
-    operations.append(_annotate(claim, json.dumps(decision.removed, sort_keys=True)))
+        narrowing = decision.narrowed.get(request.get("name"))
+        if narrowing is not None:
+            operations.append(_add_selector(request, index, narrowing, flat=flat))
+    annotations = {}
+    if decision.removed:
+        annotations[REMOVED_ANNOTATION] = json.dumps(decision.removed, sort_keys=True)
+    if decision.narrowed:
+        annotations[NARROWED_ANNOTATION] = json.dumps(
+            {name: list(narrowing.models) for name, narrowing in decision.narrowed.items()},
+            sort_keys=True,
+        )
+    operations.extend(_annotate(claim, annotations))
     warnings = [
         *decision.warnings,
         *(
@@ -317,19 +326,34 @@ def _mutation(uid: str, claim: dict[str, Any], decision: Decision) -> dict[str, 
     return answer(uid, allowed=True, warnings=warnings, patch=operations)
 
 
-def _annotate(claim: dict[str, Any], value: str) -> dict[str, Any]:
-    """The patch operation that sets the removed-alternatives annotation on `claim`: it must
-    apply to the object as sent, whichever of its metadata and annotations it has."""
+def _add_selector(
+    request: dict[str, Any], index: int, narrowing: Narrowing, *, flat: bool
+) -> dict[str, Any]:
+    """The patch operation that adds the narrowing's selector to the request at `index`: on the
+    request itself (`flat`: v1beta1) or under its `exactly` (v1beta2, v1), after the selectors
+    it has (all must match: the added one only narrows what they select)."""
+    base = f"/spec/devices/requests/{index}" + ("" if flat else "/exactly")
+    holder = request if flat else request.get("exactly")
+    selector = {"cel": {"expression": narrowing.selector}}
+    if isinstance(holder, dict) and isinstance(holder.get("selectors"), list):
+        return {"op": "add", "path": f"{base}/selectors/-", "value": selector}
+    return {"op": "add", "path": f"{base}/selectors", "value": [selector]}
+
+
+def _annotate(claim: dict[str, Any], annotations: dict[str, str]) -> list[dict[str, Any]]:
+    """The patch operations that set `annotations` on `claim`: they must apply to the object
+    as sent, whichever of its metadata and annotations it has."""
     metadata = claim.get("metadata")
     if not isinstance(metadata, dict):
-        return {
-            "op": "add",
-            "path": "/metadata",
-            "value": {"annotations": {REMOVED_ANNOTATION: value}},
-        }
+        return [{"op": "add", "path": "/metadata", "value": {"annotations": annotations}}]
     if not isinstance(metadata.get("annotations"), dict):
-        return {"op": "add", "path": "/metadata/annotations", "value": {REMOVED_ANNOTATION: value}}
-    return {"op": "add", "path": _REMOVED_ANNOTATION_PATH, "value": value}
+        return [{"op": "add", "path": "/metadata/annotations", "value": annotations}]
+    # Each annotation's JSON Pointer (RFC 6901 escapes its "/").
+    return [
+        {"op": "add", "path": JsonPointer.from_parts(["metadata", "annotations", key]).path,
+         "value": value}
+        for key, value in annotations.items()
+    ]  # fmt: skip
 
 
 @csrf_exempt
@@ -342,5 +366,6 @@ def validate(request: HttpRequest) -> HttpResponse:
 @csrf_exempt
 @require_POST
 def mutate(request: HttpRequest) -> HttpResponse:
-    """`POST /admission/resourceclaims/mutate`: drop firstAvailable alternatives over quota."""
+    """`POST /admission/resourceclaims/mutate`: drop firstAvailable alternatives over quota;
+    narrow claims to the models that fit, for teams that ask for it."""
     return _review(request, mutate=True)

@@ -26,6 +26,9 @@ The format (see docs/policy.example.yaml)::
       gangs: enforce               # optional; enforce (default: a gang is admitted whole or
                                    # not at all) | warn (claims decided alone, a gang that
                                    # cannot fit whole warned of) | off (claims decided alone)
+      narrowToFit: true            # optional (default false); the mutating webhook narrows a
+                                   # claim that could land on several models to those whose
+                                   # rules have room (a selector added) instead of denying it
       idleAlert: {belowPercent: 5, forHours: 4}   # optional; a claim utilised below 5% of
                                    # what it holds in each of the last 4 rolled-up hours is
                                    # alerted to its user and the leads (billing.alerts);

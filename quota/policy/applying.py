@@ -35,6 +35,7 @@ from inventory.versions import version_matrix
 from quota.models import (
     Budget,
     GangPolicy,
+    NarrowingPolicy,
     QuotaRule,
     Reservation,
     ReservationState,
@@ -78,6 +79,7 @@ class _State:
     closed_periods: list[ClosedPeriod]
     driver_profiles: dict[str, DriverProfile] = field(default_factory=dict)
     gang_policies: dict[int, GangPolicy] = field(default_factory=dict)
+    narrowing_policies: dict[int, NarrowingPolicy] = field(default_factory=dict)
     idle_alert_policies: dict[int, IdleAlertPolicy] = field(default_factory=dict)
 
     @classmethod
@@ -108,6 +110,10 @@ class _State:
         for gang_policy in GangPolicy.objects.all():
             gang_policy.team = by_id[gang_policy.team_id]
             gang_policies[gang_policy.team_id] = gang_policy
+        narrowing_policies = {}
+        for narrowing_policy in NarrowingPolicy.objects.all():
+            narrowing_policy.team = by_id[narrowing_policy.team_id]
+            narrowing_policies[narrowing_policy.team_id] = narrowing_policy
         idle_alert_policies = {}
         for idle_alert_policy in IdleAlertPolicy.objects.all():
             idle_alert_policy.team = by_id[idle_alert_policy.team_id]
@@ -127,6 +133,7 @@ class _State:
             closed_periods=closed,
             driver_profiles=driver_profiles,
             gang_policies=gang_policies,
+            narrowing_policies=narrowing_policies,
             idle_alert_policies=idle_alert_policies,
         )
 
@@ -314,6 +321,13 @@ class _Applier:
                 )
                 if changed:
                     self.recount.add(team.pk)  # gangs: off releases the team's gang holds
+            if spec.narrow_to_fit is not None:
+                self._put(
+                    self.state.narrowing_policies.get(team.pk),
+                    NarrowingPolicy,
+                    identity={"team": team},
+                    values={"narrow_to_fit": spec.narrow_to_fit},
+                )
             if spec.idle_alert is not None:
                 self._put(
                     self.state.idle_alert_policies.get(team.pk),
@@ -391,6 +405,9 @@ class _Applier:
             gang_policy = self.state.gang_policies.get(team.pk)
             if spec.gangs is None and gang_policy is not None:
                 undeclared.append(gang_policy)  # deleted: the team's gangs are enforced
+            narrowing_policy = self.state.narrowing_policies.get(team.pk)
+            if spec.narrow_to_fit is None and narrowing_policy is not None:
+                undeclared.append(narrowing_policy)  # deleted: the team's claims are not narrowed
             idle_alert_policy = self.state.idle_alert_policies.get(team.pk)
             if spec.idle_alert is None and idle_alert_policy is not None:
                 undeclared.append(idle_alert_policy)  # deleted: the default rule applies

@@ -199,6 +199,7 @@ def _team(
             else None
         ),
         gangs=team.gangs,
+        narrow_to_fit=team.narrow_to_fit,
         idle_alert=(
             IdleAlertSpec(
                 path=f"{path}.idleAlert",

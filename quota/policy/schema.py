@@ -441,6 +441,14 @@ def _gangs(value: Any) -> str | None:
     return str(value)
 
 
+def _narrow_to_fit(value: Any) -> bool | None:
+    if value is None:
+        return None  # `narrowToFit:` with no value: not declared
+    if not isinstance(value, bool):
+        raise problem(f"must be true or false, got {kind(value)}")
+    return value
+
+
 Namespace = Annotated[str, BeforeValidator(_namespace)]
 Username = Annotated[str, BeforeValidator(_username)]
 
@@ -457,6 +465,9 @@ class TeamModel(_Section):
     quotas: list[RuleModel] = []
     budget: Annotated[BudgetModel | None, BeforeValidator(_not_none("a mapping"))] = None
     gangs: Annotated[str | None, BeforeValidator(_gangs)] = None
+    narrow_to_fit: Annotated[bool | None, BeforeValidator(_narrow_to_fit)] = Field(
+        default=None, alias="narrowToFit"
+    )
     idle_alert: Annotated[IdleAlertModel | None, BeforeValidator(_idle_alert)] = Field(
         default=None, alias="idleAlert"
     )

@@ -109,6 +109,9 @@ class TeamSpec:
     budget: BudgetSpec | None = None
     # How the team's gangs are admitted (`GangMode`); None: not declared.
     gangs: str | None = None
+    # Whether the mutating webhook narrows claims to the models that fit (`NarrowingPolicy`);
+    # None: not declared.
+    narrow_to_fit: bool | None = None
     idle_alert: IdleAlertSpec | None = None
 
     def roles(self) -> dict[str, Role]:

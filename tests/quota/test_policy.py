@@ -226,6 +226,8 @@ def test_prune_removes_what_the_file_no_longer_declares(tmp_path: Path) -> None:
         ("budget", "nlp: 1500 GPU-hours (soft)"),
         # Not in VISION either: vision's idle alert threshold goes back to none.
         ("idle alert policy", "vision: below 5% for 4 h"),
+        # nlp's narrowToFit goes with its team, audited.
+        ("narrowing policy", "nlp: narrow to fit on"),
     }
     assert (
         AuditEntry.objects.get(object_repr="nlp", object_type="team", action="delete").after is None
