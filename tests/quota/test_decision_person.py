@@ -20,6 +20,7 @@ from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.test import Client
 from django.urls import reverse
+from django.utils import timezone
 from rest_framework.test import APIClient
 
 from devtools.fake_kube import FakeKube, RecordedRequest
@@ -27,7 +28,9 @@ from inventory import kube, kube_owners
 from inventory.owners import CREATED_BY_ANNOTATION
 from quota.admission import service
 from quota.models import AdmissionDecision, GangMode, GangPolicy, Webhook
+from quota.selectors import with_people
 from teams.models import Membership, Role
+from tests.factories import ResourceClaimFactory
 from tests.quota.fixtures import admit, claim, decide, gpu_request, make_team
 
 pytestmark = [pytest.mark.django_db, pytest.mark.usefixtures("fleet")]
@@ -271,3 +274,20 @@ def test_with_no_api_server_a_template_claim_is_still_answered(client: Client, t
     answer = admit(client, body, username=CONTROLLER)
     assert not answer["allowed"]
     assert AdmissionDecision.objects.get().created_by == ""
+
+
+def test_the_person_read_at_admission_comes_before_the_inventorys(team: Any) -> None:
+    """What the webhook read when it decided is the decision's own record; what the sync
+    found on a claim of that name later is used only where it read nothing (older decisions,
+    owners unreadable then), and the requester where neither names anyone."""
+    now = timezone.now()
+    fields = {"at": now, "namespace": NAMESPACE, "username": CONTROLLER, "team": team}
+    recorded = AdmissionDecision.objects.create(
+        uid="a", name="a-gpu", allowed=True, created_by="alice", **fields
+    )
+    found = AdmissionDecision.objects.create(uid="b", name="b-gpu", allowed=True, **fields)
+    unknown = AdmissionDecision.objects.create(uid="c", name="c-gpu", allowed=False, **fields)
+    for name in ("a-gpu", "b-gpu"):
+        ResourceClaimFactory(namespace=NAMESPACE, name=name, created_by="maria", first_seen=now)
+    people = {d.pk: d.person for d in with_people(AdmissionDecision.objects.all())}
+    assert people == {recorded.pk: "alice", found.pk: "maria", unknown.pk: CONTROLLER}
