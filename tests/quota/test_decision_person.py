@@ -289,5 +289,6 @@ def test_the_person_read_at_admission_comes_before_the_inventorys(team: Any) -> 
     unknown = AdmissionDecision.objects.create(uid="c", name="c-gpu", allowed=False, **fields)
     for name in ("a-gpu", "b-gpu"):
         ResourceClaimFactory(namespace=NAMESPACE, name=name, created_by="maria", first_seen=now)
-    people = {d.pk: d.person for d in with_people(AdmissionDecision.objects.all())}
+    decisions = with_people(AdmissionDecision.objects.all())
+    people = {d.pk: d.person for d in decisions}  # type: ignore[attr-defined]
     assert people == {recorded.pk: "alice", found.pk: "maria", unknown.pk: CONTROLLER}
