@@ -131,6 +131,20 @@ class GangReader:
                 return obj
         return None
 
+    def cached(
+        self, namespace: str, api_version: str, kind: str, name: str
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """What the reader keeps of the object, still fresh, without reading it: (whether it
+        keeps an answer, the object or None for a 404). For a caller with no time left for a
+        read (the admission webhook near its deadline)."""
+        group = owners.api_group(api_version)
+        version = api_version.rsplit("/", 1)[-1] if isinstance(api_version, str) else ""
+        with self._lock:
+            cached = self._objects.get((group, version, kind, namespace, name))
+        if cached is None or self._clock() - cached[0] >= self._ttl:
+            return False, None
+        return True, cached[1]
+
     def said_absent(self, namespace: str, api_version: str, kind: str, name: str) -> bool:
         """Whether the API server's last answer for the object, still fresh in the cache, was
         that it is not there (404): not the same as a read that failed or was not made."""

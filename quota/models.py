@@ -305,6 +305,15 @@ class AdmissionDecision(models.Model):
     # `Reservation.cluster`; empty where unknown: decisions made before it was recorded and
     # not matched to a reservation, or inserted by a pod of the previous version.
     cluster = models.CharField(max_length=63, blank=True, default="", db_default="")
+    # The person behind a claim a controller made for someone (`username` a
+    # TALLY_WORKLOAD_CONTROLLERS: a Pod's claim from a template, made by the resource-claim
+    # controller): the `tally.dev/created-by` the workload webhook wrote on the claim's owners
+    # (the Pod, its Job or ReplicaSet), as the webhook read them when it decided
+    # (`inventory.owners.claim_creator`), so that a denied claim, which never reaches the
+    # inventory, still names its person. Empty where the requester is the person, where
+    # nothing named one, where the owners could not be read in time, and for decisions made
+    # before it was recorded (or inserted by a pod of the previous version).
+    created_by = models.TextField(blank=True, default="", db_default="")
 
     def __str__(self) -> str:
         return f"{self.namespace}/{self.name}: {'allowed' if self.allowed else 'denied'}"

@@ -108,12 +108,16 @@ def with_people(decisions: Iterable[AdmissionDecision]) -> list[AdmissionDecisio
     """`decisions`, each with `person` set: who made the claim. The requester, unless a
     controller made the claim for someone (a Pod's claim from a template is created by the
     resource-claim controller): then the person the workload webhook recorded
-    (`tally.dev/created-by`) on the claim's workload, as the sync found it through the claim's
-    owners (`ResourceClaim.created_by`), where the claim got as far as the inventory; else
-    still the requester, for nobody else is known (a denied claim never exists). One query."""
+    (`tally.dev/created-by`) on the claim's workload, as the claim webhook read it from the
+    claim's owners when it decided (`AdmissionDecision.created_by`: denied claims too), else
+    as the sync found it through the claim's owners (`ResourceClaim.created_by`), where the
+    claim got as far as the inventory; else still the requester, for nobody else is known.
+    One query at most."""
     decisions = list(decisions)
     controllers = settings.TALLY_WORKLOAD_CONTROLLERS
-    made_for_someone = {d.pk: d for d in decisions if is_controller(d.username, controllers)}
+    made_for_someone = {
+        d.pk: d for d in decisions if not d.created_by and is_controller(d.username, controllers)
+    }
     creators: dict[tuple[str, str], list[tuple[datetime, str]]] = {}
     if made_for_someone:
         names = Q()
@@ -127,7 +131,7 @@ def with_people(decisions: Iterable[AdmissionDecision]) -> list[AdmissionDecisio
         for namespace, name, first_seen, created_by in found:
             creators.setdefault((namespace, name), []).append((first_seen, created_by))
     for decision in decisions:
-        decision.person = decision.username  # type: ignore[attr-defined]
+        decision.person = decision.created_by or decision.username  # type: ignore[attr-defined]
         if decision.pk in made_for_someone:
             # The claim of that name first seen after the decision: an older one of the same
             # name is another claim, made before it.

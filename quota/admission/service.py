@@ -10,6 +10,12 @@ as its team's gang policy says (`gang_weighing.weigh_gang`). The gang is read th
 `gang_lookup`: the API server when Tally runs in a cluster (or KUBECONFIG names one), else
 none, and claims are decided alone. A gang that cannot be read never fails an admission: the
 claim is decided alone, with a warning.
+
+A claim a controller makes for someone (a Pod's claim from a template, made by the
+resource-claim controller) records on its decision the person behind it: the
+`tally.dev/created-by` the workload webhook wrote on its owners, read through the same lookup,
+as far as the admission's deadline allows (`claim_person`). A denied claim never reaches the
+inventory, so its decision is the only place that person is kept.
 """
 
 from __future__ import annotations
@@ -19,7 +25,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from datetime import datetime
 from decimal import Decimal
@@ -29,7 +35,7 @@ from django.conf import settings
 from django.db import DatabaseError, transaction
 from django.urls import get_resolver
 
-from inventory import gangs, kube, kube_owners
+from inventory import gangs, kube, kube_owners, owners
 from inventory.models import Cluster
 from inventory.owners import api_group
 from inventory.services import get_cluster
@@ -77,6 +83,7 @@ def review_claim(
         cluster = _cluster()
         namespace, name = plans.claim_name(claim)
         gang: _Gang | None = None
+        created_by: str | None = None  # read once, when the decision is to be recorded
         for _ in range(_GANG_ATTEMPTS):
             state = store.admission_state(cluster=cluster.name, namespace=namespace, name=name)
             live = state.live
@@ -90,6 +97,14 @@ def review_claim(
             # Another claim under a live reservation's name is weighed as new, with that
             # reservation still counted in its rules' usage.
             gang = gang or _gang_of(claim=claim, state=state)
+            if created_by is None:
+                created_by = (
+                    ""
+                    if dry_run
+                    else claim_person(
+                        claim=claim, username=username, deadline=deadline, unreadable=gang.unread
+                    )
+                )
             plan = _plan(cluster=cluster, claim=claim, state=state, gang=gang)
             recorded = False
             if plan.denial or dry_run or plan.team is None:
@@ -112,6 +127,7 @@ def review_claim(
                     admission_uid=admission_uid,
                     at=at,
                     superseding=live is not None,
+                    created_by=created_by,
                 )
                 break
             except store.GangHoldChanged:
@@ -129,6 +145,7 @@ def review_claim(
             uid=admission_uid,
             at=at,
             cluster=cluster.name,
+            created_by=created_by or "",
         )
         return answer
 
@@ -166,7 +183,8 @@ def fit_alternatives(
             # The same claim once the alternatives not chosen are out: keep them out.
             if state.live.made_for(claim, removed=removed):
                 return Decision(allowed=True, team=state.team, removed=removed)
-        answer = _plan(cluster=cluster, claim=claim, state=state, narrow=True).decision()
+        gang = _gang_of(claim=claim, state=state)
+        answer = _plan(cluster=cluster, claim=claim, state=state, gang=gang, narrow=True).decision()
         if not answer.allowed and not dry_run:
             store.record(
                 answer,
@@ -177,6 +195,9 @@ def fit_alternatives(
                 at=at,
                 cluster=cluster.name,
                 webhook=Webhook.MUTATE,
+                created_by=claim_person(
+                    claim=claim, username=username, deadline=deadline, unreadable=gang.unread
+                ),
             )
         return answer
 
@@ -236,6 +257,7 @@ def _reserve_in_place(
     admission_uid: str,
     at: datetime,
     superseding: bool,
+    created_by: str = "",
 ) -> tuple[Decision, bool]:
     """`_reserve`, after releasing the live reservation of another claim of the same name
     when `superseding` (`quota.services.supersede_reservation`), in one transaction: a
@@ -250,6 +272,7 @@ def _reserve_in_place(
             username=username,
             admission_uid=admission_uid,
             at=at,
+            created_by=created_by,
         )
     namespace, name = plans.claim_name(claim)
     with transaction.atomic():
@@ -263,6 +286,7 @@ def _reserve_in_place(
             username=username,
             admission_uid=admission_uid,
             at=at,
+            created_by=created_by,
         )
         if not answer.allowed:
             transaction.set_rollback(True)
@@ -282,8 +306,10 @@ def _reserve(
     username: str,
     admission_uid: str,
     at: datetime,
+    created_by: str = "",
 ) -> tuple[Decision, bool]:
-    """Reserve `plan.reserve` for the claim, or deny if a rule's limit no longer allows it.
+    """Reserve `plan.reserve` for the claim, or deny if a rule's limit no longer allows it;
+    `created_by`: the person behind the claim, for its decision (`claim_person`).
 
     Returns the decision and whether it was recorded already (an `AdmissionDecision`).
     """
@@ -304,7 +330,9 @@ def _reserve(
         store.adopt_gang_members(ids=gang.adopted, key=gang.gang.key)
     if gang is not None and ((gang.hold_id is not None and plan.reserve) or gang.counted):
         try:
-            exceeded = store.reserve_gang(fields, plan, username=username, at=at)
+            exceeded = store.reserve_gang(
+                fields, plan, username=username, at=at, created_by=created_by
+            )
         except store.RulesChanged:
             return decision.rules_changed(plan.team), False
         if exceeded is None:
@@ -323,7 +351,7 @@ def _reserve(
         store.reserve_uncounted(fields)
         return admitted, False
     try:
-        exceeded = store.reserve(fields, plan, username=username)
+        exceeded = store.reserve(fields, plan, username=username, created_by=created_by)
     except store.RulesChanged:
         return decision.rules_changed(plan.team), False
     if exceeded is None:
@@ -359,6 +387,13 @@ class _Gang:
     lookup: gangs.GangLookup | None = None
     warnings: list[str] = field(default_factory=list)
 
+    @property
+    def unread(self) -> frozenset[tuple[str, str, str]]:
+        """(kind, namespace, name) of the objects finding it could not read."""
+        return (
+            frozenset(self.lookup.unreadable) if isinstance(self.lookup, _Watched) else frozenset()
+        )
+
 
 class _Watched:
     """A `GangLookup` that never raises and remembers what it could not read: a Pod the
@@ -368,6 +403,9 @@ class _Watched:
     def __init__(self, lookup: gangs.GangLookup) -> None:
         self._lookup = lookup
         self.failures: list[str] = []
+        # (kind, namespace, name) of each object that could not be read: not asked again for
+        # the claim's person in the same admission (`claim_person`).
+        self.unreadable: set[tuple[str, str, str]] = set()
 
     def get(self, namespace: str, api_version: str, kind: str, name: str) -> dict[str, Any] | None:
         return self._read(self._lookup.get, namespace, api_version, kind, name)
@@ -393,11 +431,13 @@ class _Watched:
         except Exception as exc:  # a reader's bug or an API error: no gang, never a failure
             log.warning("reading %s %s/%s for a gang failed: %s", kind, namespace, name, exc)
             self.failures.append(f"reading {kind} {namespace}/{name} failed")
+            self.unreadable.add((kind, namespace, name))
             return None
         if found is None and (kind == "Pod" or (api_group(api_version), kind) in gangs.GANG_KINDS):
             # The Pod, or the object its gang is declared by (not created or cached yet,
             # forbidden, timed out): the gang cannot be known.
             self.failures.append(f"{kind} {namespace}/{name} could not be read")
+            self.unreadable.add((kind, namespace, name))
         return found
 
 
@@ -486,6 +526,106 @@ def _admitted_alone(*, cluster: Cluster, claim: dict[str, Any], gang: _Gang) -> 
         for rule_id, amount in candidate.amounts.items():
             amounts[rule_id] = amounts.get(rule_id, Decimal(0)) + amount
     return plans.Adopted(ids=tuple(ids), amounts=amounts)
+
+
+# --- The person behind a controller's claim ---------------------------------------------------
+
+# An owner is read for a claim's person only while this much is left before the admission's
+# deadline: the longest one read waits (the webhook reader's connect and read timeouts) and
+# time for the statements still to come. Past it, only what the reader keeps is used: the
+# person is unknown rather than the answer late.
+PERSON_READ_SECONDS = sum(kube_owners.WEBHOOK_READ_TIMEOUT_SECONDS) + 0.25
+
+
+class _OwnersInTime:
+    """The owners of a claim (`owners.OwnerLookup`) through the admission's lookup (the gang
+    lookup: the same cache, timeouts and pauses), reading nothing once the admission's
+    `deadline` is nearer than `PERSON_READ_SECONDS` (then only what the reader keeps). Never
+    raises: what it cannot read is None (unknown); an owner the API server said is not there
+    is `owners.GONE`, as the sync's reader answers."""
+
+    def __init__(
+        self,
+        lookup: gangs.GangLookup,
+        *,
+        deadline: float | None,
+        unreadable: Collection[tuple[str, str, str]] = (),
+    ) -> None:
+        self._lookup = lookup
+        self._deadline = deadline
+        self._unreadable = unreadable
+
+    def owner(self, namespace: str, reference: owners.OwnerReference) -> owners.Owner | None:
+        api_version = str(reference.get("apiVersion") or "")
+        kind, name = str(reference["kind"]), str(reference["name"])
+        if (kind, namespace, name) in self._unreadable:
+            return None  # just failed, finding the gang: not asked again
+        try:
+            if self._deadline is None or time.monotonic() < self._deadline - PERSON_READ_SECONDS:
+                obj = self._lookup.get(namespace, api_version, kind, name)
+            elif isinstance(self._lookup, kube_owners.GangReader):
+                kept, obj = self._lookup.cached(namespace, api_version, kind, name)
+                if not kept:
+                    return None
+            else:
+                return None
+            if obj is not None:
+                return owners.Owner.of(obj)
+            said_absent = getattr(self._lookup, "said_absent", None)
+            if said_absent is not None and said_absent(namespace, api_version, kind, name):
+                return owners.GONE
+        except Exception as exc:  # a reader's bug or an API error: the person is unknown
+            log.warning(
+                "reading %s %s/%s for a claim's person failed: %s", kind, namespace, name, exc
+            )
+        return None
+
+
+def claim_person(
+    *,
+    claim: dict[str, Any],
+    username: str,
+    deadline: float | None,
+    unreadable: Collection[tuple[str, str, str]] = (),
+) -> str:
+    """The person behind `claim` when a controller (TALLY_WORKLOAD_CONTROLLERS) made it for
+    someone, as the inventory would name it (`owners.claim_creator`): the nearest
+    `tally.dev/created-by` of its owners (the Pod of a template's claim, then the Pod's Job or
+    ReplicaSet), read through `gang_lookup` while `deadline` allows, else the labels that name
+    a person. "" when the requester is the person (it is the decision's `username`), when
+    nothing names one, or when the owners cannot be read (none to read from, gone, forbidden,
+    timed out, no time left): never raises, never delays the answer past the deadline. The
+    objects of `unreadable` ((kind, namespace, name): finding the claim's gang just failed to
+    read them) are not asked for."""
+    controllers = settings.TALLY_WORKLOAD_CONTROLLERS
+    if not username or not owners.is_controller(username, controllers):
+        return ""
+    metadata = claim.get("metadata")
+    metadata = metadata if isinstance(metadata, dict) else {}
+    references = metadata.get("ownerReferences")
+    namespace, _ = plans.claim_name(claim)
+    try:
+        resolution = None
+        if owners.needs_lookup(references) and (lookup := gang_lookup()) is not None:
+            resolution = owners.resolve_job(
+                namespace=namespace,
+                owner_references=references,
+                lookup=_OwnersInTime(lookup, deadline=deadline, unreadable=unreadable),
+                creator_labels=settings.TALLY_CREATED_BY_LABELS,
+            )
+        return owners.claim_creator(
+            recorded=username,
+            owner_references=references,
+            labels=metadata.get("labels"),
+            resolution=resolution,
+            creator_labels=settings.TALLY_CREATED_BY_LABELS,
+            controllers=controllers,
+        )
+    except Exception:  # never fails an admission: the person is unknown
+        log.exception(
+            "finding the person behind claim %s/%s failed", namespace, metadata.get("name")
+        )
+        return ""
 
 
 _lookups: dict[str, gangs.GangLookup | None] = {}

@@ -509,7 +509,7 @@ def chosen_alternatives(*, cluster: str, namespace: str, name: str) -> Any:
 # The columns of `AdmissionDecision` both of the webhook's inserts write, in this order.
 _DECISION_COLUMNS = (
     "at, uid, namespace, name, username, webhook, team_id, allowed, dry_run, message, warnings, "
-    "cluster"
+    "cluster, created_by"
 )
 
 
@@ -523,10 +523,12 @@ def record(
     at: datetime,
     cluster: str,
     webhook: Webhook = Webhook.VALIDATE,
+    created_by: str = "",
 ) -> None:
     """Keep a webhook's answer for operators, for a decision whose claim holds no quota (one
     that does is recorded by the statement that reserves it): a denial, a namespace no team
-    owns, a claim no rule limits. A prepared INSERT, the admission's last statement. Its
+    owns, a claim no rule limits. `created_by`: the person behind a controller's claim
+    (`AdmissionDecision.created_by`). A prepared INSERT, the admission's last statement. Its
     commit does not wait for the disk: a database crash may lose the last such rows, never
     state that quota depends on.
     """
@@ -536,7 +538,7 @@ def record(
     fetch_prepared(
         _record_sql(restore=ending.restore, durability=ending.durable),
         [at, uid, namespace, name, username, webhook.value, team_id, decision.allowed,
-         decision.message, json.dumps(decision.warnings), cluster, *ending.params],
+         decision.message, json.dumps(decision.warnings), cluster, created_by, *ending.params],
     )  # fmt: skip
     if ending.restore:
         restored()
@@ -555,7 +557,7 @@ def _record_sql(*, restore: bool, durability: bool) -> str:
     ]
     return (
         f"INSERT INTO {table} ({_DECISION_COLUMNS}) "
-        "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, false, %s, %s::jsonb, %s) "
+        "VALUES (%s, %s, %s, %s, %s, %s, %s, %s, false, %s, %s::jsonb, %s, %s) "
         f"RETURNING {', '.join(returning)}"
     )
 
@@ -623,18 +625,20 @@ def _endings(*, restore: bool, durability: bool) -> str:
 
 
 def _recorded_cte() -> str:
-    """The CTE that records an admitted claim's decision (eight parameters:
+    """The CTE that records an admitted claim's decision (nine parameters:
     `_decision_params`) when the statement's verdict is 'fits'."""
     decision = connection.ops.quote_name(AdmissionDecision._meta.db_table)
     return f"""recorded AS (
     INSERT INTO {decision} ({_DECISION_COLUMNS})
-    SELECT %s, %s, %s, %s, %s, '{Webhook.VALIDATE.value}', %s, true, false, '', %s::jsonb, %s
+    SELECT %s, %s, %s, %s, %s, '{Webhook.VALIDATE.value}', %s, true, false, '', %s::jsonb, %s, %s
     FROM verdict WHERE verdict.outcome = 'fits'
     RETURNING id
 )"""
 
 
-def _decision_params(fields: dict[str, Any], plan: Plan, username: str) -> list[Any]:
+def _decision_params(
+    fields: dict[str, Any], plan: Plan, username: str, created_by: str
+) -> list[Any]:
     return [
         fields["created_at"],
         fields["admission_uid"],
@@ -644,6 +648,7 @@ def _decision_params(fields: dict[str, Any], plan: Plan, username: str) -> list[
         fields["team_id"],
         json.dumps(plan.warnings),
         fields["cluster"],
+        created_by,
     ]
 
 
@@ -698,7 +703,9 @@ FROM verdict LEFT JOIN over ON true
 """
 
 
-def reserve(fields: dict[str, Any], plan: Plan, *, username: str) -> tuple[Rule, Decimal] | None:
+def reserve(
+    fields: dict[str, Any], plan: Plan, *, username: str, created_by: str = ""
+) -> tuple[Rule, Decimal] | None:
     """Lock the plan's rules (in id order), check every enforce limit against their current
     usage, insert the reservation `fields` (once per claim), add its amounts to the rules,
     insert its lines and record the decision, all in one statement: one round trip. Returns
@@ -709,6 +716,7 @@ def reserve(fields: dict[str, Any], plan: Plan, *, username: str) -> tuple[Rule,
 
     A claim admitted meanwhile by another call (the same create sent again) makes the insert
     do nothing, and with it the rest: it reserves once and the answer is the same.
+    `created_by`: the person behind a controller's claim, recorded on the decision.
     """
     params: list[Any] = []
     for rule_id in sorted(plan.reserve):
@@ -716,7 +724,7 @@ def reserve(fields: dict[str, Any], plan: Plan, *, username: str) -> tuple[Rule,
     params += [
         _server_deadline(),
         *_reservation_params(fields),
-        *_decision_params(fields, plan, username),
+        *_decision_params(fields, plan, username, created_by),
     ]
     ending = statement_ending()  # set back when it admits: then it is the admission's last
     [(outcome, over_id, in_use, amount, *_)] = fetch_prepared(
@@ -868,7 +876,7 @@ FROM verdict LEFT JOIN over ON true
 
 
 def reserve_gang(
-    fields: dict[str, Any], plan: Plan, *, username: str, at: datetime
+    fields: dict[str, Any], plan: Plan, *, username: str, at: datetime, created_by: str = ""
 ) -> tuple[Rule, Decimal] | None:
     """Reserve for a gang's member (`plan.gang`), in one statement that takes its locks as
     `reserve` does: drawing from the gang's hold (`plan.gang.hold_id`; topping it up by
@@ -919,7 +927,7 @@ def reserve_gang(
             at,
             at + timedelta(seconds=settings.TALLY_GANG_RESERVATION_SECONDS),
         ]
-    params += _decision_params(fields, plan, username)
+    params += _decision_params(fields, plan, username, created_by)
     ending = statement_ending()
     sql = _gang_reserve_sql(
         len(rule_ids), draw=draw, restore=ending.restore, durability=ending.durable

@@ -103,7 +103,9 @@ class AdmissionDecisionSerializer(ReadOnlyModelSerializer):
         read_only=True,
         help_text="Who made the claim: `username`, unless a controller made it for someone "
         "(a Pod's claim from a template), then the person the workload webhook recorded "
-        "(`tally.dev/created-by`) where the claim reached the inventory.",
+        "(`tally.dev/created-by`) on the claim's Pod or its Job, as the claim webhook read it "
+        "when it decided (denied claims too), or as the inventory found it later; the "
+        "controller where neither could tell.",
     )
 
     class Meta:

@@ -650,7 +650,10 @@ def test_off_decides_claims_alone_and_reads_no_gang(
     assert [w for w in answer.get("warnings", []) if "on any node now" not in w] == []
     assert in_use() == 9
     assert Reservation.objects.get(name=WORKER_0).gang_key == ""
-    assert fake.reads("Pod") == []  # not even looked for
+    # No gang looked for: the JobSet is never read. The Pod and its Job are, once, for the
+    # person behind the claim (`service.claim_person`, issue 35), which its decision records.
+    assert fake.custom_reads("jobsets") == []
+    assert (len(fake.reads("Pod")), len(fake.reads("Job"))) == (1, 1)
     assert_ledger_true()
 
 
