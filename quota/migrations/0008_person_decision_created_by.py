@@ -8,7 +8,7 @@ from django.db import migrations, models
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("quota", "0006_apivocab_decision_cluster"),
+        ("quota", "0007_narrow_narrowing_policy"),
     ]
 
     operations = [
