@@ -10,14 +10,33 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
+from django.db.models import Count
+
+from inventory.models import Allocation
 from inventory.simulate import API_VERSION, DRIVER, WORKLOADS
 from quota.admission import service
 from quota.admission.plans import Decision
 from quota.models import AdmissionDecision
 from teams.models import TeamNamespace
 
-# The resource-claim controller creates the claims of Pods' templates.
+# The resource-claim controller creates the claims of Pods' templates; the demo has no API
+# server to read a Pod's creator from at admission, so its denied claim is one a person of
+# the namespace created directly (`kubectl create`), named on the decision as they are.
 CREATOR = "system:serviceaccount:kube-system:resource-claim-controller"
+
+
+def requester(namespace: str) -> str:
+    """Who sends the demo's claim in `namespace`: the person who made most of its claims in
+    the inventory, else the resource-claim controller."""
+    made = (
+        Allocation.objects.filter(claim__namespace=namespace)
+        .exclude(username="")
+        .values("username")
+        .annotate(claims=Count("claim", distinct=True))
+        .order_by("-claims", "username")
+        .first()
+    )
+    return str(made["username"]) if made else CREATOR
 
 
 def mig_slices(namespace: str) -> dict[str, Any]:
@@ -54,25 +73,28 @@ def deny_a_claim(*, at: datetime) -> AdmissionDecision | None:
     for make in CANDIDATES:
         for namespace in namespaces.values_list("namespace", flat=True):
             claim = make(namespace)
-            if _create(claim, at=at, dry_run=True).allowed:
+            username = requester(namespace)
+            if _create(claim, username=username, at=at, dry_run=True).allowed:
                 continue
             uid = str(uuid.uuid4())
-            decided = _create(claim, at=at, dry_run=False, uid=uid)
+            decided = _create(claim, username=username, at=at, dry_run=False, uid=uid)
             assert not decided.allowed, decided
             return AdmissionDecision.objects.filter(uid=uid).first()
     return None
 
 
-def _create(claim: dict[str, Any], *, at: datetime, dry_run: bool, uid: str = "") -> Decision:
+def _create(
+    claim: dict[str, Any], *, username: str, at: datetime, dry_run: bool, uid: str = ""
+) -> Decision:
     """What the webhooks answer to a CREATE of `claim`: the mutating one first; the validating
     one only after it allowed (each records its own decisions unless `dry_run`)."""
     answer = service.fit_alternatives(
-        claim=claim, username=CREATOR, dry_run=dry_run, admission_uid=uid, at=at
+        claim=claim, username=username, dry_run=dry_run, admission_uid=uid, at=at
     )
     if not answer.allowed:
         return answer
     return service.review_claim(
-        claim=claim, username=CREATOR, dry_run=dry_run, admission_uid=uid, at=at
+        claim=claim, username=username, dry_run=dry_run, admission_uid=uid, at=at
     )
 
 

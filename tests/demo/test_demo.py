@@ -324,6 +324,9 @@ def test_the_decision_log_shows_a_claim_the_quota_denied(demo: str) -> None:
     assert f"Denied {denied.namespace}/{denied.name}: {denied.message}" in demo
     html = page(as_user("operator"), reverse("decisions"))
     assert denied.name in html and "would be exceeded" in html
+    # A person of the namespace asked, and the log names them, not a controller (issue 35).
+    assert denied.username and not denied.username.startswith("system:")
+    assert denied.username in html
 
 
 def test_a_claim_idle_for_days_tops_its_teams_wasters(demo: str) -> None:
