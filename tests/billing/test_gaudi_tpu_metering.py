@@ -57,6 +57,14 @@ RECORDINGS = {
     "gaudi-hl225.prom": (GAUDI, "gaudi-node-1"),
     "tpu-v4-gke.prom": (TPU, "tpu-v4-node-1"),
 }
+# What HLML reports on gaudi-node-1 (`agent.exporters.hlml_serial_buses`): each card's serial
+# number and PCI address, as tests/fixtures/dra/vendors/gaudi2.yaml publishes them.
+GAUDI_HLML = {
+    "AN402031": "0000:0f:00.0",
+    "AN402038": "0000:17:00.0",
+    "AN402045": "0000:1c:00.0",
+    "AN402052": "0000:33:00.0",
+}
 
 
 def recorded_day() -> dict[Key, list[tuple[int, str]]]:
@@ -137,7 +145,8 @@ def agent_scrapes_the_day(
     samples: list[dict[str, Any]] = []
     at = DAY
     while at < DAY + timedelta(days=1):
-        samples.extend(reading.as_sample() for reading in parse_metrics(text, profile, at=at))
+        readings = parse_metrics(text, profile, at=at, serial_buses=GAUDI_HLML)
+        samples.extend(reading.as_sample() for reading in readings)
         at += SCRAPE
     for start in range(0, len(samples), 500):
         response = Client().post(
