@@ -26,6 +26,14 @@ whole step. Metric names, scales and the labels a series names its device by are
   partition by `gpu_partition_id` when the compute partition type is not SPX.
 - Intel XPU Manager exporter: `xpum_engine_group_ratio{type="compute"}` (ratio, x100), else
   `xpum_engine_ratio`; a GPU by `node` and `pci_bdf`; tile and card series skipped.
+- Intel Gaudi metric exporter: `habanalabs_utilization`; a card by `node` and `Serial`, the
+  card of that node whose `serial` attribute it is (the exporter writes no PCI address).
+- GKE's TPU metrics: `duty_cycle_node`, else `duty_cycle`; a chip by `node` and the chip index
+  ending `accelerator_id`.
+
+Which of these a series is matched by is its exporter profile's declared rule
+(`agent.exporters.MatchBy`), which `match_series` dispatches on; the inventory lookups a rule
+needs are made here.
 
 Devices named by PCI address are resolved as the ingest resolves samples naming them
 (`metering.ingest.resolve_named`), so one device has one meter id whichever source measured it.
@@ -851,7 +859,7 @@ def _by_uuid(
         [identities.by_uuid[own]] if own in identities.by_uuid
         else identities.mig.get((uuid, profile), [])
     )  # fmt: skip
-    key: str | InstanceMeters | None = candidates[0] if len(candidates) == 1 else None
+    key = candidates[0] if len(candidates) == 1 else None
     spans = identities.instances.get((uuid, int(instance)))
     if spans and own not in identities.by_uuid:
         return InstanceMeters(spans=spans, fallback=key, hold_ms=sample_hold_ms())
