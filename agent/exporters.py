@@ -170,8 +170,8 @@ class ExporterProfile:
     series are not a device's own; `prometheus_metrics()` and `prometheus_labels()` are the
     source's defaults (settings TALLY_PROMETHEUS_<NAME>_METRICS and _LABELS), which an
     operator who relabels may override. `match` is how a series names its device
-    (`MatchBy`): what both dispatch on. `named` exporters name devices by driver and PCI
-    address or device name, which `key` reads from the labels its roles give."""
+    (`MatchBy`): what both dispatch on; where it names a device by driver and PCI address or
+    device name, `key` reads them from the labels its roles give."""
 
     name: str
     utilisation: tuple[Metric, ...]
@@ -186,7 +186,6 @@ class ExporterProfile:
     skip: tuple[str, ...] = ()
     # Roles an operator may give besides `labels`'s (DCGM: `mig_uuid`, a label some relabel).
     more_roles: tuple[str, ...] = ()
-    named: bool = False
 
     @property
     def roles(self) -> frozenset[str]:
@@ -375,7 +374,6 @@ INTEL = ExporterProfile(
     driver=INTEL_DRIVER,
     labels={"pci_bus_id": "pci_bdf", "node": "node"},
     skip=("sub_dev", "card"),
-    named=True,
 )
 
 # Gaudi
@@ -463,7 +461,6 @@ TPU = ExporterProfile(
     match=MatchBy.DEVICE_NAME,
     driver=TPU_DRIVER,
     labels={"chip": "accelerator_id", "node": "node"},
-    named=True,
 )
 
 PROFILES = {profile.name: profile for profile in (DCGM, AMD, INTEL, GAUDI, TPU)}
