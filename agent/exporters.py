@@ -40,12 +40,18 @@ What each profile relies on (checked against the vendors' code and docs, not gue
   `xpum_engine_group_ratio{type="compute"}` (the exporter scales XPU Manager's percentage by
   0.01: a ratio), else `xpum_engine_ratio`; memory `xpum_memory_used_bytes`, per tile, so
   summed over the tiles.
-- **Gaudi** (Intel Gaudi Prometheus metric exporter, `habanalabs_*`, port 41611): a card's
-  series carry its PCI address as `bus_id`. Intel's Gaudi DRA driver (`gaudi.intel.com`)
-  publishes no uuid and no PCI attribute, but names each card by its PCI address
-  (`0000-0f-00-0-0x1020`: the address with hyphens, then the PCI device id), so a series is
-  named by `driver` + `pci_bus_id` and the ingest reads the address from the device's name.
-  Utilisation `habanalabs_utilization` (%), memory `habanalabs_memory_used_bytes`.
+- **Gaudi** (Intel Gaudi Prometheus metric exporter, `habanalabs_*`, port 41611): every card
+  series carries `Serial`, `UUID`, `device` (the serial again), `id` (HLML's index), `fit`,
+  `spi`, `driver` (the driver's version), `pod_namespace`, `pod_name`; no PCI address
+  (HabanaAI/gaudi-metric-exporter, exporter.go `getMetricLabels` and `deviceLabels`, release
+  1.24.0-1007). Intel's Gaudi DRA driver (`gaudi.intel.com`) publishes no uuid and no PCI
+  attribute, but names each card by its PCI address (`0000-0f-00-0-0x1020`: the address with
+  hyphens, then the PCI device id) and gives it the attribute `serial`, HLML's serial number
+  (intel-resource-drivers-for-kubernetes, cmd/kubelet-gaudi-plugin/healthcare.go `initHLML`).
+  So a series is matched by its `Serial` (`MatchBy.SERIAL`): the agent asks HLML for the PCI
+  address of each serial on its node (`hlml_serial_buses`) and names the card by `driver` +
+  `pci_bus_id`; the Prometheus source finds the device of that node whose `serial` attribute
+  it is. Utilisation `habanalabs_utilization` (%), memory `habanalabs_memory_used_bytes`.
 - **TPU** (GKE's TPU device plugin, `/metrics` on port 2112): a chip's series carry
   `accelerator_id` = `<VM instance id>-<chip index>`; Google's TPU DRA driver
   (`tpu.google.com`) names chip N `accelN` (its `uuid` is the host's, the same on every
@@ -55,12 +61,16 @@ What each profile relies on (checked against the vendors' code and docs, not gue
   slice the index may be the chip's in the slice, not on the host: such a series names no
   chip the node's inventory has and the ingest refuses it (unmeasured, never misplaced).
 
-The ingest resolves `driver` + `pci_bus_id` (+ `partition`) through the inventory to the
-device's meter id (`metering.ingest`).
+How a series names its device is each profile's declared rule (`MatchBy`), which the agent
+(`parse_metrics`, `ExporterSource`) and the Prometheus source (`metering.prometheus`) both
+dispatch on; neither asks which exporter it is. The ingest resolves `driver` + `pci_bus_id`
+(+ `partition`) through the inventory to the device's meter id (`metering.ingest`).
 """
 
 from __future__ import annotations
 
+import enum
+import logging
 import re
 import ssl
 import urllib.error
@@ -75,12 +85,40 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from agent.readings import GpuReading
 
+log = logging.getLogger(__name__)
+
 MIB = 1024 * 1024
 AMD_DRIVER = "gpu.amd.com"
 INTEL_DRIVER = "gpu.intel.com"
 GAUDI_DRIVER = "gaudi.intel.com"
 TPU_DRIVER = "tpu.google.com"
 _BDF = re.compile(r"[0-9a-fA-F]{4}:[0-9a-fA-F]{2}:[0-9a-fA-F]{2}\.[0-7]")
+
+
+class MatchBy(enum.Enum):
+    """How a series is matched to a device: a profile's declared rule, the one thing the agent
+    and the Prometheus source dispatch on (the labels each role reads are the profile's
+    `labels`).
+
+    - `UUID`: the device's published UUID (`uuid`); a MIG device by its parent's and its GPU
+      instance id (`gpu_instance`), matched to the MIG device through NVML's readings (agent)
+      or the GPU instances' spells (source).
+    - `PCI_ORDER`: the exporter numbers a node's GPUs (`gpu_id`, partitions under one
+      `serial`) in PCI address order: the node's devices of `kernel_driver` (agent: sysfs;
+      source: the inventory's PCI attributes of the profile's `driver`), `partition` when
+      partitioned.
+    - `PCI_BUS`: the series carries the PCI address (`pci_bus_id`).
+    - `SERIAL`: the series carries the card's serial number (`serial`): the agent maps it to
+      the PCI address on its node (`ScrapeContext.serial_buses`), the source to the device of
+      that node whose `serial` attribute it is.
+    - `DEVICE_NAME`: the series names the device's name in its ResourceSlice (`chip`).
+    """
+
+    UUID = "uuid"
+    PCI_ORDER = "pci_order"
+    PCI_BUS = "pci_bus"
+    SERIAL = "serial"
+    DEVICE_NAME = "device_name"
 
 
 class ExporterError(Exception):
@@ -131,18 +169,23 @@ class ExporterProfile:
     roles a label plays there (`role` -> the exporter's label) and `skip` the labels whose
     series are not a device's own; `prometheus_metrics()` and `prometheus_labels()` are the
     source's defaults (settings TALLY_PROMETHEUS_<NAME>_METRICS and _LABELS), which an
-    operator who relabels may override. `named` exporters name devices by driver and PCI
-    address or device name, which `key` reads from the labels its roles give."""
+    operator who relabels may override. `match` is how a series names its device
+    (`MatchBy`): what both dispatch on; where it names a device by driver and PCI address or
+    device name, `key` reads them from the labels its roles give."""
 
     name: str
     utilisation: tuple[Metric, ...]
     memory: tuple[Metric, ...]
     key: Callable[[Mapping[str, str], ScrapeContext], DeviceKey | None]
+    match: MatchBy
+    # The DRA driver publishing the devices, and the kernel driver the node's PCI devices
+    # are bound to (`MatchBy.PCI_ORDER`).
+    driver: str = ""
+    kernel_driver: str = ""
     labels: Mapping[str, str] = field(default_factory=dict)
     skip: tuple[str, ...] = ()
     # Roles an operator may give besides `labels`'s (DCGM: `mig_uuid`, a label some relabel).
     more_roles: tuple[str, ...] = ()
-    named: bool = False
 
     @property
     def roles(self) -> frozenset[str]:
@@ -181,11 +224,14 @@ def _spelled(metric: Metric) -> str:
 
 @dataclass
 class ScrapeContext:
-    """What a profile may need besides the labels: the node's PCI addresses of AMD GPUs in
-    order, and the serial number -> physical index map built from the scrape itself."""
+    """What a profile may need besides the labels: the node's PCI addresses of its GPUs in
+    order and the serial number -> physical index map built from the scrape itself
+    (`MatchBy.PCI_ORDER`), and the PCI address of each card's serial number on the node
+    (`MatchBy.SERIAL`)."""
 
     amd_bus_ids: list[str] = field(default_factory=list)
     serial_index: dict[str, int] = field(default_factory=dict)
+    serial_buses: dict[str, str] = field(default_factory=dict)
 
 
 # DCGM
@@ -215,6 +261,7 @@ DCGM = ExporterProfile(
     ),
     memory=(Metric("DCGM_FI_DEV_FB_USED", scale=MIB),),
     key=_dcgm_key,
+    match=MatchBy.UUID,
     labels={
         "uuid": "UUID",
         "node": "Hostname",
@@ -263,6 +310,9 @@ AMD = ExporterProfile(
     utilisation=(Metric("gpu_gfx_activity", source="gfx_activity"),),
     memory=(Metric("gpu_used_vram", scale=MIB),),
     key=_amd_key,
+    match=MatchBy.PCI_ORDER,
+    driver=AMD_DRIVER,
+    kernel_driver="amdgpu",
     labels={
         "serial": "serial_number",
         "gpu_id": "gpu_id",
@@ -276,6 +326,11 @@ AMD = ExporterProfile(
 def amd_bus_ids(sys_root: str | Path = "/sys") -> list[str]:
     """PCI addresses of the devices bound to the `amdgpu` driver, in address order: the
     node's physical AMD GPUs (a partition is no PCI device of its own)."""
+    return pci_bus_ids(sys_root, AMD.kernel_driver)
+
+
+def pci_bus_ids(sys_root: str | Path, kernel_driver: str) -> list[str]:
+    """PCI addresses of the devices bound to `kernel_driver`, in address order."""
     devices = Path(sys_root) / "bus" / "pci" / "devices"
     found = []
     try:
@@ -287,7 +342,7 @@ def amd_bus_ids(sys_root: str | Path = "/sys") -> list[str]:
             driver = (entry / "driver").resolve().name
         except OSError:
             continue
-        if driver == "amdgpu" and _BDF.fullmatch(entry.name):
+        if driver == kernel_driver and _BDF.fullmatch(entry.name):
             found.append(entry.name.lower())
     return found
 
@@ -315,18 +370,19 @@ INTEL = ExporterProfile(
     ),
     memory=(Metric("xpum_memory_used_bytes", summed=True),),
     key=_intel_key,
+    match=MatchBy.PCI_BUS,
+    driver=INTEL_DRIVER,
     labels={"pci_bus_id": "pci_bdf", "node": "node"},
     skip=("sub_dev", "card"),
-    named=True,
 )
 
 # Gaudi
 
 
 def _gaudi_key(labels: Mapping[str, str], context: ScrapeContext) -> DeviceKey | None:
-    bus = labels.get("bus_id", "")
+    bus = context.serial_buses.get(labels.get("Serial", ""), "")
     if not _BDF.fullmatch(bus):
-        return None
+        return None  # a card HLML did not show on this node: cannot be named
     return DeviceKey(node=labels.get("node") or None, driver=GAUDI_DRIVER, pci_bus_id=bus.lower())
 
 
@@ -335,9 +391,44 @@ GAUDI = ExporterProfile(
     utilisation=(Metric("habanalabs_utilization", source="habanalabs_utilization"),),
     memory=(Metric("habanalabs_memory_used_bytes"),),
     key=_gaudi_key,
-    labels={"pci_bus_id": "bus_id", "node": "node"},
-    named=True,
+    match=MatchBy.SERIAL,
+    driver=GAUDI_DRIVER,
+    labels={"serial": "Serial", "node": "node"},
 )
+
+
+def hlml_serial_buses() -> dict[str, str]:
+    """Each Gaudi card's serial number -> its PCI address, as HLML (Habana's management
+    library, `pyhlml`) reports them on this node: what the exporter's `Serial` and the DRA
+    driver's `serial` attribute are read from. Empty where HLML cannot be read (unmeasured,
+    never misplaced)."""
+    try:
+        import pyhlml
+    except ImportError:
+        log.warning("pyhlml is not installed: Gaudi cards cannot be named by serial number")
+        return {}
+    found: dict[str, str] = {}
+    try:
+        pyhlml.hlmlInit()
+    except Exception as error:  # the library raises its own error types
+        log.warning("HLML could not be initialised: %s", error)
+        return {}
+    try:
+        for index in range(pyhlml.hlmlDeviceGetCount()):
+            handle = pyhlml.hlmlDeviceGetHandleByIndex(index)
+            serial = _text(pyhlml.hlmlDeviceGetSerial(handle))
+            bus = _text(pyhlml.hlmlDeviceGetPCIInfo(handle).bus_id).lower()
+            if serial and _BDF.fullmatch(bus):
+                found[serial] = bus
+    except Exception as error:
+        log.warning("HLML could not list the Gaudi cards: %s", error)
+    finally:
+        pyhlml.hlmlShutdown()
+    return found
+
+
+def _text(value: bytes | str) -> str:
+    return (value.decode(errors="replace") if isinstance(value, bytes) else value).strip("\0 ")
 
 
 # TPU
@@ -367,8 +458,9 @@ TPU = ExporterProfile(
     ),
     memory=(Metric("memory_used_node"), Metric("memory_used")),
     key=_tpu_key,
+    match=MatchBy.DEVICE_NAME,
+    driver=TPU_DRIVER,
     labels={"chip": "accelerator_id", "node": "node"},
-    named=True,
 )
 
 PROFILES = {profile.name: profile for profile in (DCGM, AMD, INTEL, GAUDI, TPU)}
@@ -391,6 +483,7 @@ def parse_metrics(
     *,
     at: datetime,
     amd_bus_ids: list[str] | None = None,
+    serial_buses: Mapping[str, str] | None = None,
 ) -> list[GpuReading]:
     """Readings at `at` of every device in one scrape of the exporter `profile` reads.
 
@@ -407,8 +500,10 @@ def parse_metrics(
                     samples[sample.name].append((sample.labels, float(sample.value)))
     except (ValueError, TypeError) as error:
         raise ExporterError(f"{profile.name} exporter text: {error}") from error
-    context = ScrapeContext(amd_bus_ids=list(amd_bus_ids or []))
-    if profile is AMD:
+    context = ScrapeContext(
+        amd_bus_ids=list(amd_bus_ids or []), serial_buses=dict(serial_buses or {})
+    )
+    if profile.match is MatchBy.PCI_ORDER:
         context.serial_index = _amd_serials(
             labels for series in samples.values() for labels, _ in series
         )
@@ -519,6 +614,7 @@ class ExporterSource:
         *,
         sys_root: str | Path = "/sys",
         nvml: object | None = None,
+        serials: Callable[[], Mapping[str, str]] = hlml_serial_buses,
         ca_file: str | None = None,
         timeout_seconds: float = 10.0,
         clock: Callable[[], datetime] = _now,
@@ -527,6 +623,7 @@ class ExporterSource:
         self.profile = profile
         self.sys_root = Path(sys_root)
         self.nvml = nvml
+        self.serials = serials
         self.timeout_seconds = timeout_seconds
         self._clock = clock
         self._ssl = ssl.create_default_context(cafile=ca_file) if ca_file else None
@@ -553,8 +650,14 @@ class ExporterSource:
 
     def read(self) -> list[GpuReading]:
         at = self._clock()
-        bus_ids = amd_bus_ids(self.sys_root) if self.profile is AMD else None
-        readings = parse_metrics(self.scrape(), self.profile, at=at, amd_bus_ids=bus_ids)
+        match = self.profile.match
+        bus_ids = None
+        if match is MatchBy.PCI_ORDER:
+            bus_ids = pci_bus_ids(self.sys_root, self.profile.kernel_driver)
+        serial_buses = self.serials() if match is MatchBy.SERIAL else None
+        readings = parse_metrics(
+            self.scrape(), self.profile, at=at, amd_bus_ids=bus_ids, serial_buses=serial_buses
+        )
         read_nvml = getattr(self.nvml, "read", None)
         if read_nvml is None:
             return readings

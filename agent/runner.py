@@ -161,14 +161,25 @@ class Config:
                 "TALLY_EXPORTER_URL (http:// or https://) is required with "
                 "TALLY_AGENT_SOURCE=exporter"
             )
-        profile = (env.get("TALLY_EXPORTER_PROFILE") or "dcgm").strip().lower()
-        if profile not in ("dcgm", "amd", "intel", "gaudi", "tpu"):
-            raise ConfigError("TALLY_EXPORTER_PROFILE must be dcgm, amd, intel, gaudi or tpu")
+        from agent.exporters import PROFILES, MatchBy
+
+        names = list(PROFILES)
+        profile = (env.get("TALLY_EXPORTER_PROFILE") or names[0]).strip().lower()
+        if profile not in PROFILES:
+            raise ConfigError(
+                f"TALLY_EXPORTER_PROFILE must be {', '.join(names[:-1])} or {names[-1]}"
+            )
         with_nvml = (env.get("TALLY_EXPORTER_WITH_NVML") or "false").strip().lower()
         if with_nvml not in ("true", "false"):
             raise ConfigError("TALLY_EXPORTER_WITH_NVML must be true or false")
-        if with_nvml == "true" and profile != "dcgm":
-            raise ConfigError("TALLY_EXPORTER_WITH_NVML=true goes with TALLY_EXPORTER_PROFILE=dcgm")
+        # NVML names MIG devices by UUID: it completes the exporters whose series are matched
+        # by UUID, whichever they are.
+        by_uuid = [name for name, one in PROFILES.items() if one.match is MatchBy.UUID]
+        if with_nvml == "true" and profile not in by_uuid:
+            raise ConfigError(
+                "TALLY_EXPORTER_WITH_NVML=true goes with TALLY_EXPORTER_PROFILE="
+                + " or ".join(by_uuid)
+            )
         prometheus_url = env.get("TALLY_PROMETHEUS_URL") or None
         if source == "dcgm" and not prometheus_url:
             raise ConfigError("TALLY_PROMETHEUS_URL is required with TALLY_AGENT_SOURCE=dcgm")

@@ -26,6 +26,14 @@ whole step. Metric names, scales and the labels a series names its device by are
   partition by `gpu_partition_id` when the compute partition type is not SPX.
 - Intel XPU Manager exporter: `xpum_engine_group_ratio{type="compute"}` (ratio, x100), else
   `xpum_engine_ratio`; a GPU by `node` and `pci_bdf`; tile and card series skipped.
+- Intel Gaudi metric exporter: `habanalabs_utilization`; a card by `node` and `Serial`, the
+  card of that node whose `serial` attribute it is (the exporter writes no PCI address).
+- GKE's TPU metrics: `duty_cycle_node`, else `duty_cycle`; a chip by `node` and the chip index
+  ending `accelerator_id`.
+
+Which of these a series is matched by is its exporter profile's declared rule
+(`agent.exporters.MatchBy`), which `match_series` dispatches on; the inventory lookups a rule
+needs are made here.
 
 Devices named by PCI address are resolved as the ingest resolves samples naming them
 (`metering.ingest.resolve_named`), so one device has one meter id whichever source measured it.
@@ -71,7 +79,7 @@ from django.db import connection
 from django.db.models import Q, QuerySet
 from django.utils import timezone
 
-from agent.exporters import PROFILES, ScrapeContext
+from agent.exporters import PROFILES, ExporterProfile, MatchBy, ScrapeContext
 from db.copy import copy_rows
 from inventory.models import Allocation, Device, DeviceKind
 from metering import silence
@@ -84,7 +92,6 @@ from metering.models import MigInstance
 log = logging.getLogger(__name__)
 
 SOURCES = ("samples", "prometheus")
-AMD_DRIVER = "gpu.amd.com"
 # The readings of one rollup run, shaped as the rollup reads `billing_sample`.
 READINGS_TABLE = "tally_prometheus_readings"
 _READINGS_TYPES = ("text", "int8", "float8", "int8")
@@ -182,6 +189,12 @@ class Exporter:
     def label(self, labels: Mapping[str, str], role: str) -> str:
         name = self.labels.get(role)
         return labels.get(name, "") if name else ""
+
+    @property
+    def profile(self) -> ExporterProfile:
+        """The exporter's profile (`agent.exporters`): its metrics' defaults and the rule a
+        series names its device by (`profile.match`)."""
+        return PROFILES[self.name]
 
 
 @dataclass(frozen=True)
@@ -622,7 +635,10 @@ class Identities:
     # meter id)
     instances: dict[tuple[str, int], list[tuple[int, int, str]]] = field(default_factory=dict)
     mig: dict[tuple[str, str], list[str]] = field(default_factory=dict)
-    amd_buses: dict[str, list[str]] = field(default_factory=dict)  # node -> PCI addresses
+    # (DRA driver, node) -> the PCI addresses of its devices, in order (`MatchBy.PCI_ORDER`)
+    buses: dict[tuple[str, str], list[str]] = field(default_factory=dict)
+    # (DRA driver, node) -> serial number -> device name (`MatchBy.SERIAL`)
+    serials: dict[tuple[str, str], dict[str, str]] = field(default_factory=dict)
 
 
 def _identities(devices: QuerySet[Device], start_ms: int, end_ms: int) -> Identities:
@@ -682,24 +698,61 @@ class InstanceMeters:
         return next(iter(meters)) if len(meters) == 1 else None
 
 
-def _amd_buses(nodes: set[str], start_ms: int) -> dict[str, list[str]]:
-    """Per node, the PCI addresses of its AMD GPUs in address order (partitions share one),
-    read as the inventory and the ingest read them (`pciBusID`, else `pciAddr`)."""
+def _node_buses(driver: str, nodes: set[str], start_ms: int) -> dict[tuple[str, str], list[str]]:
+    """Per node, the PCI addresses of its devices of `driver` in address order (partitions
+    share one), read as the inventory and the ingest read them (`pciBusID`, else `pciAddr`):
+    `MatchBy.PCI_ORDER`."""
     buses: dict[str, set[str]] = defaultdict(set)
     start = hour_at(start_ms // MS_PER_HOUR)
     for node, attributes in Device.objects.filter(
         Q(gone_at__isnull=True) | Q(gone_at__gt=start),
         node__name__in=nodes,
-        driver=AMD_DRIVER,
+        driver=driver,
         attributes__has_any_keys=list(PCI_ATTRIBUTES),
     ).values_list("node__name", "attributes"):
         bus = pci_address(attributes)
         if bus is not None:
             buses[node].add(bus)
-    return {node: sorted(found) for node, found in buses.items()}
+    return {(driver, node): sorted(found) for node, found in buses.items()}
 
 
-def _amd_indexes(exporter: Exporter, series: Iterable[Series]) -> dict[tuple[str, str], int]:
+SERIAL_ATTRIBUTE = "serial"
+
+
+def _node_serials(
+    driver: str, nodes: set[str], start_ms: int
+) -> dict[tuple[str, str], dict[str, str]]:
+    """Per node, its devices of `driver` by their `serial` attribute (the card's serial
+    number, as the Gaudi DRA driver publishes it): serial -> device name. A serial two
+    devices of one node carry names neither (`MatchBy.SERIAL`)."""
+    found: dict[tuple[str, str], dict[str, str]] = defaultdict(dict)
+    twice: set[tuple[str, str, str]] = set()
+    start = hour_at(start_ms // MS_PER_HOUR)
+    for node, name, attributes in Device.objects.filter(
+        Q(gone_at__isnull=True) | Q(gone_at__gt=start),
+        node__name__in=nodes,
+        driver=driver,
+        attributes__has_key=SERIAL_ATTRIBUTE,
+    ).values_list("node__name", "name", "attributes"):
+        serial = _attribute_text(attributes.get(SERIAL_ATTRIBUTE))
+        if not serial:
+            continue
+        known = found[driver, node].setdefault(serial, name)
+        if known != name:
+            twice.add((driver, node, serial))
+    for driver_, node, serial in twice:
+        found[driver_, node].pop(serial, None)
+    return dict(found)
+
+
+def _attribute_text(value: Any) -> str:
+    """A published attribute's value as text: the DRA form (`{"string": ...}`) or plain."""
+    if isinstance(value, dict):
+        value = value.get("string", "")
+    return value if isinstance(value, str) else ""
+
+
+def _pci_order_indexes(exporter: Exporter, series: Iterable[Series]) -> dict[tuple[str, str], int]:
     """(node, serial) -> physical GPU index. amd-smi (and so the exporter) numbers a node's
     GPUs, or their partitions, in PCI address order, a GPU's partitions one after another
     under its serial: a GPU's lowest `gpu_id` over its number of partitions is its index (a
@@ -741,62 +794,44 @@ def match_series(
     start_ms: int,
 ) -> tuple[list[str | InstanceMeters | None], list[str]]:
     """Each series' meter id (None: not a device the inventory knows; `InstanceMeters`: a
-    DCGM MIG series, each reading's by its instant), and why each unmatched one is (for
-    `meter_prometheus --check`)."""
+    MIG series named by its GPU instance, each reading's by its instant), and why each
+    unmatched one is (for `meter_prometheus --check`).
+
+    Dispatched on the rule the exporter's profile declares (`MatchBy`), never on which
+    exporter it is: the inventory lookups a rule needs (a node's PCI addresses in order, its
+    cards by serial number, the GPU instances' spells) are made here for the rule."""
+    profile = exporter.profile
+    rule = profile.match
     keys: list[str | InstanceMeters | None] = []
     why: list[str] = []
-    if exporter.name == "amd":
-        indexes = _amd_indexes(exporter, series)
-        nodes = {node for node, _ in indexes}
-        identities.amd_buses.update(_amd_buses(nodes - identities.amd_buses.keys(), start_ms))
+    indexes: dict[tuple[str, str], int] = {}
+    if rule is MatchBy.PCI_ORDER:
+        indexes = _pci_order_indexes(exporter, series)
+        nodes = {node for node, _ in indexes} - {
+            node for driver, node in identities.buses if driver == profile.driver
+        }
+        identities.buses.update(_node_buses(profile.driver, nodes, start_ms))
+    elif rule is MatchBy.SERIAL:
+        nodes = {exporter.label(one.labels, "node") for one in series} - {""}
+        nodes -= {node for driver, node in identities.serials if driver == profile.driver}
+        found = _node_serials(profile.driver, nodes, start_ms)
+        identities.serials.update(
+            {(profile.driver, node): found.get((profile.driver, node), {}) for node in nodes}
+        )
     for one in series:
         labels = one.labels
-        key: str | InstanceMeters | None = None
         if any(name in labels for name in exporter.skip):
             keys.append(None)
             continue
         node = exporter.label(labels, "node")
-        if exporter.name == "dcgm":
-            uuid = exporter.label(labels, "uuid")
-            instance = exporter.label(labels, "gpu_instance")
-            if _is_number(instance):
-                own = exporter.label(labels, "mig_uuid")
-                profile = exporter.label(labels, "mig_profile")
-                candidates = (
-                    [identities.by_uuid[own]] if own in identities.by_uuid
-                    else identities.mig.get((uuid, profile), [])
-                )  # fmt: skip
-                key = candidates[0] if len(candidates) == 1 else None
-                spans = identities.instances.get((uuid, int(instance)))
-                if spans and own not in identities.by_uuid:
-                    key = InstanceMeters(spans=spans, fallback=key, hold_ms=sample_hold_ms())
-                elif key is None:
-                    why.append(
-                        f"MIG {profile or '?'} (GPU instance {instance}) of {uuid}: no agent "
-                        f"sent that GPU instance's device, and {len(candidates)} MIG devices of "
-                        "that profile on that GPU in the inventory"
-                    )
-            else:
-                key = identities.by_uuid.get(uuid)
-        elif exporter.name == "amd":
-            serial = exporter.label(labels, "serial") or exporter.label(labels, "gpu_id")
-            index = indexes.get((node, serial))
-            buses = identities.amd_buses.get(node, [])
-            if index is not None and index < len(buses):
-                kind = exporter.label(labels, "partition_type").lower()
-                partition = exporter.label(labels, "partition")
-                partitioned = kind not in ("", "spx") and _is_number(partition)
-                key = _named(node, AMD_DRIVER, buses[index], partition if partitioned else "")
-            else:
-                why.append(f"AMD GPU {serial or '?'} on {node or '?'}: no AMD PCI address for it")
-        elif node and (seam := PROFILES[exporter.name]).named:
-            # Named by driver and PCI address or device name, as the agent names it.
-            device = seam.key(seam.native(labels, exporter.labels), ScrapeContext())
-            if device is not None and device.driver and device.pci_bus_id:
-                partition = "" if device.partition is None else str(device.partition)
-                key = _named(node, device.driver, device.pci_bus_id, partition)
-            elif device is not None and device.driver and device.device:
-                key = NAMED + NAMED.join((node, device.driver, "", device.device))
+        if rule is MatchBy.UUID:
+            key = _by_uuid(exporter, labels, identities, why)
+        elif rule is MatchBy.PCI_ORDER:
+            key = _by_pci_order(exporter, labels, node, indexes, identities, why)
+        elif rule is MatchBy.SERIAL:
+            key = _by_serial(exporter, labels, node, identities, why)
+        else:
+            key = _by_name(exporter, labels, node)
         keys.append(key)
     named = {key for key in keys if isinstance(key, str) and key.startswith(NAMED)}
     resolved: dict[str, str] = {}
@@ -806,6 +841,95 @@ def match_series(
     return [
         resolved.get(key) if isinstance(key, str) and key.startswith(NAMED) else key for key in keys
     ], why
+
+
+def _by_uuid(
+    exporter: Exporter, labels: Mapping[str, str], identities: Identities, why: list[str]
+) -> str | InstanceMeters | None:
+    """`MatchBy.UUID`: a whole GPU by its UUID; a MIG device by a label carrying its own
+    UUID, else by its parent's UUID and GPU instance id (the spells the agents recorded),
+    else by its profile where its GPU has one MIG device of it."""
+    uuid = exporter.label(labels, "uuid")
+    instance = exporter.label(labels, "gpu_instance")
+    if not _is_number(instance):
+        return identities.by_uuid.get(uuid)
+    own = exporter.label(labels, "mig_uuid")
+    profile = exporter.label(labels, "mig_profile")
+    candidates = (
+        [identities.by_uuid[own]] if own in identities.by_uuid
+        else identities.mig.get((uuid, profile), [])
+    )  # fmt: skip
+    key = candidates[0] if len(candidates) == 1 else None
+    spans = identities.instances.get((uuid, int(instance)))
+    if spans and own not in identities.by_uuid:
+        return InstanceMeters(spans=spans, fallback=key, hold_ms=sample_hold_ms())
+    if key is None:
+        why.append(
+            f"MIG {profile or '?'} (GPU instance {instance}) of {uuid}: no agent "
+            f"sent that GPU instance's device, and {len(candidates)} MIG devices of "
+            "that profile on that GPU in the inventory"
+        )
+    return key
+
+
+def _by_pci_order(
+    exporter: Exporter,
+    labels: Mapping[str, str],
+    node: str,
+    indexes: Mapping[tuple[str, str], int],
+    identities: Identities,
+    why: list[str],
+) -> str | None:
+    """`MatchBy.PCI_ORDER`: the node's devices of the driver in PCI address order, the
+    exporter's physical index into them; a partition where the GPU is partitioned."""
+    driver = exporter.profile.driver
+    serial = exporter.label(labels, "serial") or exporter.label(labels, "gpu_id")
+    index = indexes.get((node, serial))
+    buses = identities.buses.get((driver, node), [])
+    if index is None or index >= len(buses):
+        why.append(f"GPU {serial or '?'} on {node or '?'}: no {driver} PCI address for it")
+        return None
+    kind = exporter.label(labels, "partition_type").lower()
+    partition = exporter.label(labels, "partition")
+    partitioned = kind not in ("", "spx") and _is_number(partition)
+    return _named(node, driver, buses[index], partition if partitioned else "")
+
+
+def _by_serial(
+    exporter: Exporter,
+    labels: Mapping[str, str],
+    node: str,
+    identities: Identities,
+    why: list[str],
+) -> str | None:
+    """`MatchBy.SERIAL`: the device of the node whose `serial` attribute the series' serial
+    number is, by its name."""
+    driver = exporter.profile.driver
+    serial = exporter.label(labels, "serial")
+    device = identities.serials.get((driver, node), {}).get(serial) if node and serial else None
+    if device is None:
+        why.append(
+            f"{driver} card {serial or '?'} on {node or '?'}: no device of that node "
+            f"publishes {SERIAL_ATTRIBUTE}={serial!r} (once) in the inventory"
+        )
+        return None
+    return NAMED + NAMED.join((node, driver, "", device))
+
+
+def _by_name(exporter: Exporter, labels: Mapping[str, str], node: str) -> str | None:
+    """`MatchBy.PCI_BUS` and `MatchBy.DEVICE_NAME`: named by driver and PCI address or device
+    name, as the agent names it (the profile's own key, on the series' labels as the
+    exporter writes them)."""
+    if not node:
+        return None
+    profile = exporter.profile
+    device = profile.key(profile.native(labels, exporter.labels), ScrapeContext())
+    if device is not None and device.driver and device.pci_bus_id:
+        partition = "" if device.partition is None else str(device.partition)
+        return _named(node, device.driver, device.pci_bus_id, partition)
+    if device is not None and device.driver and device.device:
+        return NAMED + NAMED.join((node, device.driver, "", device.device))
+    return None
 
 
 # --- Readings for the rollup ------------------------------------------------------------------

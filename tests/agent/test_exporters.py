@@ -206,12 +206,18 @@ def test_intel_devices_by_pci_address_with_tiles_summed_and_cards_skipped() -> N
 # Gaudi
 
 
-def test_gaudi_cards_by_pci_address_from_the_exporters_bus_id() -> None:
-    readings = parse_metrics(fixture("gaudi-hl225.prom"), GAUDI, at=AT)
+# What HLML reports on the node the recording was scraped on: serial number -> PCI address.
+GAUDI_HLML = {"AN402031": "0000:0F:00.0", "AN402038": "0000:17:00.0", "AN402045": "0000:1c:00.0"}
+
+
+def test_gaudi_cards_by_pci_address_from_hlml_by_the_exporters_serial() -> None:
+    readings = parse_metrics(fixture("gaudi-hl225.prom"), GAUDI, at=AT, serial_buses=GAUDI_HLML)
     assert [(r.pci_bus_id, r.gpu_util, r.mem_used_bytes) for r in readings] == [
         ("0000:0f:00.0", 87.0, 80 * 2**30),
         ("0000:17:00.0", 12.5, 2**30),
-    ]  # the card without a bus_id names no device
+    ]  # the card whose serial HLML does not show names no device
+    # Without HLML's view no card is named: unmeasured, never misplaced.
+    assert parse_metrics(fixture("gaudi-hl225.prom"), GAUDI, at=AT) == []
     sample = readings[0].as_sample()
     assert (sample["driver"], sample["pci_bus_id"]) == ("gaudi.intel.com", "0000:0f:00.0")
     assert "uuid" not in sample and readings[0].util_source == "habanalabs_utilization"
@@ -269,6 +275,64 @@ def test_the_source_scrapes_the_exporter_at_every_read(exporter: str) -> None:
     assert {r.ts for r in readings} == {AT}
     with pytest.raises(ExporterError, match="HTTP 404"):
         ExporterSource(f"{exporter}/nothing", INTEL).read()
+
+
+def test_the_source_asks_hlml_for_the_serials_of_a_profile_matched_by_serial() -> None:
+    """`MatchBy.SERIAL`: each read asks the node (HLML) for its cards' PCI addresses; other
+    rules never do."""
+    body = fixture("gaudi-hl225.prom").encode()
+    asked: list[str] = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    def hlml() -> dict[str, str]:
+        asked.append("hlml")
+        return GAUDI_HLML
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, args=(0.01,), daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}/metrics"
+        readings = ExporterSource(url, GAUDI, serials=hlml, clock=lambda: AT).read()
+        assert [r.pci_bus_id for r in readings] == ["0000:0f:00.0", "0000:17:00.0"]
+        assert asked == ["hlml"]
+        ExporterSource(url, TPU, serials=hlml, clock=lambda: AT).read()
+        assert asked == ["hlml"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_hlml_serial_buses_reads_each_cards_serial_and_pci_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`hlml_serial_buses` through pyhlml's API (a stand-in module: the library needs the
+    Habana driver): bytes decoded, NUL padding stripped, addresses lower-cased, a card without
+    a PCI address left out, HLML shut down."""
+    import types
+
+    from agent.exporters import hlml_serial_buses
+
+    cards = [(b"AN402031", b"0000:0F:00.0\x00\x00"), (b"AN402038", b"0000:17:00.0"), (b"X", b"")]
+    calls: list[str] = []
+    info = types.SimpleNamespace
+    fake = types.ModuleType("pyhlml")
+    fake.hlmlInit = lambda: calls.append("init")  # type: ignore[attr-defined]
+    fake.hlmlShutdown = lambda: calls.append("shutdown")  # type: ignore[attr-defined]
+    fake.hlmlDeviceGetCount = lambda: len(cards)  # type: ignore[attr-defined]
+    fake.hlmlDeviceGetHandleByIndex = lambda index: index  # type: ignore[attr-defined]
+    fake.hlmlDeviceGetSerial = lambda handle: cards[handle][0]  # type: ignore[attr-defined]
+    fake.hlmlDeviceGetPCIInfo = lambda handle: info(bus_id=cards[handle][1])  # type: ignore[attr-defined]
+    monkeypatch.setitem(__import__("sys").modules, "pyhlml", fake)
+    assert hlml_serial_buses() == {"AN402031": "0000:0f:00.0", "AN402038": "0000:17:00.0"}
+    assert calls == ["init", "shutdown"]
 
 
 # Configuration

@@ -57,6 +57,14 @@ RECORDINGS = {
     "gaudi-hl225.prom": (GAUDI, "gaudi-node-1"),
     "tpu-v4-gke.prom": (TPU, "tpu-v4-node-1"),
 }
+# What HLML reports on gaudi-node-1 (`agent.exporters.hlml_serial_buses`): each card's serial
+# number and PCI address, as tests/fixtures/dra/vendors/gaudi2.yaml publishes them.
+GAUDI_HLML = {
+    "AN402031": "0000:0f:00.0",
+    "AN402038": "0000:17:00.0",
+    "AN402045": "0000:1c:00.0",
+    "AN402052": "0000:33:00.0",
+}
 
 
 def recorded_day() -> dict[Key, list[tuple[int, str]]]:
@@ -137,7 +145,8 @@ def agent_scrapes_the_day(
     samples: list[dict[str, Any]] = []
     at = DAY
     while at < DAY + timedelta(days=1):
-        samples.extend(reading.as_sample() for reading in parse_metrics(text, profile, at=at))
+        readings = parse_metrics(text, profile, at=at, serial_buses=GAUDI_HLML)
+        samples.extend(reading.as_sample() for reading in readings)
         at += SCRAPE
     for start in range(0, len(samples), 500):
         response = Client().post(
@@ -242,3 +251,33 @@ def test_tpu_series_relabelled_by_the_operator_are_named_through_their_roles(tea
     meters, _ = prometheus.match_series(exporter, series, prometheus.Identities(), 0)
     accel2 = Device.objects.get(cluster=cluster, name="accel2")
     assert meters == [accel2.meter_id, None, None]
+
+
+def test_gaudi_series_are_matched_by_serial_to_the_card_of_their_node(team: Any) -> None:
+    """`MatchBy.SERIAL` in the Prometheus source: a series names the card of its node whose
+    `serial` attribute its `Serial` is (as the exporter writes its labels); a serial no card of
+    that node publishes, a series of another node, or one without a node name none, each
+    said why."""
+    cluster = a_day_held("gaudi2.yaml")
+    with override_settings(TALLY_PROMETHEUS_EXPORTERS=["gaudi"]):
+        (exporter,) = prometheus.config().exporters
+    assert exporter.labels == {"serial": "Serial", "node": "node"}
+    series = [
+        prometheus.Series(labels={"Serial": serial, "node": node}, points=[(0, 5.0)])
+        for serial, node in (
+            ("AN402045", "gaudi-node-1"),
+            ("AN402999", "gaudi-node-1"),
+            ("AN402045", "gaudi-node-9"),
+            ("AN402045", ""),
+        )
+    ]
+    meters, why = prometheus.match_series(exporter, series, prometheus.Identities(), 0)
+    card = Device.objects.get(cluster=cluster, name="0000-1c-00-0-0x1020")
+    assert meters == [card.meter_id, None, None, None]
+    assert len(why) == 3 and "AN402999 on gaudi-node-1" in why[0]
+    # Two cards of one node publishing one serial: neither is named.
+    other = Device.objects.get(cluster=cluster, name="0000-33-00-0-0x1020")
+    other.attributes = other.attributes | {"serial": {"string": "AN402045"}}
+    other.save(update_fields=["attributes"])
+    meters, _ = prometheus.match_series(exporter, series[:1], prometheus.Identities(), 0)
+    assert meters == [None]

@@ -588,8 +588,8 @@ def test_prometheus_labels_in_digits_int_refuses_are_not_read_as_numbers(a100: D
     )
     assert keys == [identities.by_uuid[a100.uuid]]
     odd = {amd.labels["serial"]: "S1", amd.labels["gpu_id"]: "²", amd.labels["node"]: NODE}
-    assert prometheus._amd_indexes(amd, [prometheus.Series(labels=odd, points=[])]) == {}
+    assert prometheus._pci_order_indexes(amd, [prometheus.Series(labels=odd, points=[])]) == {}
     partition = {**odd, amd.labels["gpu_id"]: "0", amd.labels["partition"]: "¹"}
-    assert prometheus._amd_indexes(amd, [prometheus.Series(labels=partition, points=[])]) == {
+    assert prometheus._pci_order_indexes(amd, [prometheus.Series(labels=partition, points=[])]) == {
         (NODE, "S1"): 0
     }
