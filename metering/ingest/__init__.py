@@ -62,15 +62,10 @@ from metering.ingest.named import (
     resolve_named,
 )
 from metering.ingest.rows import IngestReport, InvalidSample, Refusal, Rejection, SampleRow
+from metering.ingest.schema import json_type
 from metering.ingest.store import inventory_nodes
 from metering.ingest.tokens import authenticate, token_sha256
-from metering.ingest.validation import (
-    Window,
-    check_sample,
-    json_type,
-    sample_window,
-    validate_samples,
-)
+from metering.ingest.validation import Window, check_sample, sample_window, validate_samples
 
 __all__ = [
     "NAMED",
