@@ -107,6 +107,11 @@ def json_schema() -> dict[str, Any]:
     return TypeAdapter(Batch).json_schema()
 
 
+def json_schema_text() -> str:
+    """`json_schema()` as `docs/reference/ingest.md` shows it (a test holds the page to it)."""
+    return json.dumps(json_schema(), indent=2)
+
+
 # --- From pydantic's errors to ingest's messages -----------------------------------------------
 
 # The errors of a value of the wrong type, or of none where one is needed.
