@@ -20,7 +20,7 @@ placement and adoption, which need the database, are the other modules'.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Annotated, Any, NotRequired
 
 from django.conf import settings
@@ -91,15 +91,44 @@ class Sample(TypedDict):
 
 
 @with_config(ConfigDict(strict=True, extra="ignore"))
-class Batch(TypedDict):
+class _Sender(TypedDict):
+    node: NodeName
+
+
+@with_config(ConfigDict(strict=True, extra="ignore"))
+class Batch(_Sender):
     """What an agent posts: its node and its samples (each validated on its own: a bad one
     is rejected, the rest stored)."""
 
-    node: NodeName
     samples: list[Sample]
 
 
+@with_config(ConfigDict(strict=True, extra="ignore"))
+class Envelope(_Sender):
+    """A batch with its samples unchecked: what the view checks before the token's node."""
+
+    samples: list[Any]
+
+
 SAMPLES: TypeAdapter[list[Sample]] = TypeAdapter(list[Sample])
+
+
+ENVELOPE: TypeAdapter[Envelope] = TypeAdapter(Envelope)
+
+
+def envelope_problems(payload: Any) -> Problems:
+    """What `Envelope` refuses in a batch: its fields in error ("" for the body itself) -> the
+    kind of error (`type`, `value`), as `sample_problems` gives a sample's; {} if none."""
+    try:
+        ENVELOPE.validate_python(payload)
+    except ValidationError as exc:
+        found: Problems = {}
+        for error in exc.errors(include_url=False, include_input=False, include_context=False):
+            loc = error["loc"]
+            kind = "type" if error["type"] in _TYPE_ERRORS and len(loc) <= 1 else "value"
+            found.setdefault(str(loc[0]) if loc else "", kind)
+        return found
+    return {}
 
 
 def json_schema() -> dict[str, Any]:
@@ -158,7 +187,7 @@ def show(value: object) -> str:
 Problems = dict[str, str]  # a sample's field -> the type of pydantic's first error there
 
 
-def sample_problems(raw: list[Any]) -> dict[int, Problems] | None:
+def sample_problems(raw: Sequence[object]) -> dict[int, Problems] | None:
     """Validate `raw` (a batch's samples) against `Sample` in one call: None if all are
     valid, else each invalid sample's index -> its fields in error ("" for the sample itself)
     -> the kind of error (`type` for a wrong type or none, `value` for one out of bounds)."""

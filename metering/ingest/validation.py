@@ -232,7 +232,7 @@ def _checked_uuid(
     uuid = sample.get(field_name)
     if uuid is None:
         raise InvalidSample(field_name, MESSAGES[field_name]("type", uuid))
-    return uuid  # type: ignore[no-any-return]
+    return uuid
 
 
 def _checked_placement(
@@ -348,7 +348,7 @@ def _checked_name(sample: dict[str, Any], name: str, problems: Problems | None) 
     value = sample.get(name)
     if value is None:
         raise InvalidSample(name, MESSAGES[name]("type", value))
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def _checked_ms(ts: str, *, window: Window) -> int:
