@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Annotated, Any, NotRequired
 
 from django.conf import settings
-from pydantic import ConfigDict, Field, TypeAdapter, ValidationError, with_config
+from pydantic import ConfigDict, Field, InstanceOf, TypeAdapter, ValidationError, with_config
 from typing_extensions import TypedDict  # pydantic's, on Python 3.11
 
 from metering.ingest.named import MAX_NAME_LENGTH
@@ -78,8 +78,9 @@ class Sample(TypedDict):
     ts: Annotated[str, Field(description="ISO 8601, with a timezone")]
     gpu_util: NotRequired[Annotated[float, Field(ge=0, le=100, allow_inf_nan=False)] | None]
     mem_used_bytes: NotRequired[Annotated[int, Field(ge=0, le=MAX_BIGINT)] | None]
-    # What a process's fields hold is the agent's; JSON text jsonb takes, checked apart.
-    processes: NotRequired[list[dict[Any, Any]] | None]
+    # What a process's fields hold is the agent's; JSON text jsonb takes, checked apart. Each
+    # is checked to be an object, not copied (a copy of each would cost a third of the time).
+    processes: NotRequired[list[InstanceOf[dict[Any, Any]]] | None]
     covered_seconds: NotRequired[Annotated[float, Field(gt=0, allow_inf_nan=False)] | None]
     mig_placement: NotRequired[Placement | None]
     parent_uuid: NotRequired[Uuid | None]
