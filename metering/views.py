@@ -21,6 +21,7 @@ from django.views.decorators.csrf import csrf_exempt
 from core import metrics
 from core.inputs import BadInput, parse_json
 from metering import ingest
+from metering.ingest.schema import envelope_problems
 from metering.models import AgentToken
 
 log = logging.getLogger(__name__)
@@ -117,12 +118,15 @@ def read_batch(request: HttpRequest) -> Batch | JsonResponse:
         payload: Any = parse_json(body, max_depth=MAX_DEPTH)
     except BadInput as exc:
         return _error(400, f"body is not JSON this service accepts: {exc}")
-    if not isinstance(payload, dict):
+    # The batch's own fields, by its schema (`metering.ingest.schema`); its samples are
+    # validated one by one later, a bad one rejected, the rest stored.
+    problems = envelope_problems(payload)
+    if "" in problems:
         return _error(400, 'body must be a JSON object {"node": ..., "samples": [...]}')
     node = payload.get("node")
-    if not isinstance(node, str) or not node:
+    if problems.get("node") == "type":
         return _error(400, "node is missing or not a non-empty string")
-    if not ingest.NODE_NAME.fullmatch(node):
+    if "node" in problems:
         return _error(
             400, f"node {node[:64]!r} is not a Kubernetes node name (a DNS subdomain, <= 253)"
         )
@@ -131,7 +135,7 @@ def read_batch(request: HttpRequest) -> Batch | JsonResponse:
     if agent.node != "*" and node != agent.node:
         return _error(403, f"this token belongs to node {agent.node!r}, not {node[:253]!r}")
     samples = payload.get("samples")
-    if not isinstance(samples, list):
+    if "samples" in problems:
         return _error(400, "samples is missing or not a list")
     if len(samples) > _max_samples():
         return _error(

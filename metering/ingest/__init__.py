@@ -38,12 +38,14 @@ decimal the agent sent, so the rollup holds the mean for the time its readings c
 sample set aside keeps it, and its placement, so that it is adopted as it would have been
 stored.
 
-The package's modules, in the order a batch meets them: `tokens` (who sends), `validation`
-(each sample checked into its stored form, `rows`), `named` (devices named by driver and
-device, resolved against the inventory), `batch` (`ingest`: a batch stored), `store` (COPY,
-the general way, samples set aside), `gaps` (each sample's gap to its device's next),
-`placement` (MIG GPU instances and DCGM's samples named by them) and `adoption` (samples set
-aside, stored once their device is known). What callers use is imported here.
+The package's modules, in the order a batch meets them: `tokens` (who sends), `schema` (the
+payload declared with pydantic: a batch's samples checked in one call, the messages its
+refusals give), `validation` (each sample checked into its stored form, `rows`), `named`
+(devices named by driver and device, resolved against the inventory), `batch` (`ingest`: a
+batch stored), `store` (COPY, the general way, samples set aside), `gaps` (each sample's gap to
+its device's next), `placement` (MIG GPU instances and DCGM's samples named by them) and
+`adoption` (samples set aside, stored once their device is known). What callers use is imported
+here.
 """
 
 from __future__ import annotations
@@ -62,15 +64,10 @@ from metering.ingest.named import (
     resolve_named,
 )
 from metering.ingest.rows import IngestReport, InvalidSample, Refusal, Rejection, SampleRow
+from metering.ingest.schema import json_type
 from metering.ingest.store import inventory_nodes
 from metering.ingest.tokens import authenticate, token_sha256
-from metering.ingest.validation import (
-    Window,
-    check_sample,
-    json_type,
-    sample_window,
-    validate_samples,
-)
+from metering.ingest.validation import Window, check_sample, sample_window, validate_samples
 
 __all__ = [
     "NAMED",

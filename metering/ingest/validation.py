@@ -1,6 +1,8 @@
-"""Validation: each sample of a batch checked field by field into its stored form
-(`SampleRow`), or left out with a reason that names the field (`validate_samples`). Every
-value that reaches the database is checked here, so a stored batch never fails on a value.
+"""Validation: a batch's samples checked against their schema (`metering.ingest.schema`,
+in one call), then each taken field by field into its stored form (`SampleRow`), or left out
+with a reason that names the field (`validate_samples`): the schema's refusal, in the order the
+fields have always been checked, or what the schema cannot say (see `schema`). Every value
+that reaches the database is checked here, so a stored batch never fails on a value.
 """
 
 from __future__ import annotations
@@ -18,17 +20,24 @@ from django.conf import settings
 from django.utils import timezone
 
 from metering.hours import epoch_ms
-from metering.ingest.named import MAX_NAME_LENGTH, NAMED, NODE_NAME, PCI_BUS_ID, PCI_KEY
+from metering.ingest.named import NAMED, PCI_KEY
 from metering.ingest.rows import (
-    MAX_BIGINT,
     MAX_GPU_INSTANCE_ID,
     MAX_MEMORY_SLICES,
-    MAX_PROFILE_ID,
-    MAX_PROFILE_LENGTH,
-    MAX_UUID_LENGTH,
     InvalidSample,
     Rejection,
     SampleRow,
+)
+from metering.ingest.schema import (
+    MESSAGES,
+    Problems,
+    covered_bounds_message,
+    placement_bounds_message,
+    refuse,
+    sample_problems,
+)
+from metering.ingest.schema import (
+    show as _show,
 )
 from metering.mig_samples import GpuInstance, MigPlacement
 
@@ -37,33 +46,6 @@ _ESCAPED_NUL = re.compile(r"(?<!\\)(?:\\\\)*\\u0000")
 
 
 # Validation
-
-
-JSON_TYPES = {
-    dict: "an object",
-    list: "an array",
-    str: "a string",
-    int: "a number",
-    float: "a number",
-    bool: "a boolean",
-    type(None): "null",
-}
-
-
-def json_type(value: object) -> str:
-    """What a decoded JSON value is, in JSON's words (an array, null), for messages."""
-    return JSON_TYPES.get(type(value), type(value).__name__)
-
-
-def _show(value: object) -> str:
-    """A value for an error message, cut short: the message goes back to the sender."""
-    # Scalars as written (true, null, 3, "x"); an object or array by its kind only.
-    text = (
-        json.dumps(value)
-        if value is None or isinstance(value, str | int | float)
-        else (json_type(value))
-    )
-    return text if len(text) <= 64 else text[:61] + "..."
 
 
 class Window(NamedTuple):
@@ -91,7 +73,8 @@ def check_sample(sample: object, *, window: Window) -> SampleRow:
     Unknown keys are ignored. Every value that reaches the database is checked here, so a
     stored batch never fails on a value (NUL characters, lone surrogates, numbers too large).
     """
-    return SampleChecker(window=window).check(sample)
+    found = sample_problems([sample])
+    return SampleChecker(window=window).check(sample, None if found is None else found[0])
 
 
 class SampleChecker:
@@ -104,13 +87,15 @@ class SampleChecker:
         self._instants: dict[str, int] = {}  # timestamp text -> ms, valid ones only
         self._named_keys: dict[tuple[Any, ...], str] = {}  # identity fields -> key, valid ones
         self._covered_ms: dict[float, int] = {}  # a float covered_seconds -> ms, valid ones
-        # (parent_uuid, gpu_instance_id and its type) -> the GPU instance, valid ones
-        self._instances: dict[tuple[Any, Any, type], GpuInstance] = {}
+        # (parent_uuid, gpu_instance_id) -> the GPU instance, valid ones (the schema took both)
+        self._instances: dict[tuple[Any, Any], GpuInstance] = {}
         # A DCGM sample's `<parent UUID>::gi<N>` as sent -> (its key as stored, its GPU instance)
         self._keyed: dict[str, tuple[str, GpuInstance]] = {}
 
-    def _named(self, sample: dict[str, Any]) -> str:
+    def _named(self, sample: dict[str, Any], problems: Problems | None) -> str:
         """`_named_key(sample)`, worked out once per distinct identity of the batch."""
+        if problems is not None:  # the schema refused a field: checked in order, not kept
+            return _named_key(sample, problems)
         partition = sample.get("partition")
         fields = (
             sample.get("driver"),
@@ -125,63 +110,53 @@ class SampleChecker:
         try:
             return self._named_keys[fields]
         except KeyError:
-            key = self._named_keys[fields] = _named_key(sample)
+            key = self._named_keys[fields] = _named_key(sample, None)
             return key
-        except TypeError:  # an unhashable value (an array): not valid anyway
-            return _named_key(sample)
 
-    def check(self, sample: object) -> SampleRow:
-        """As `check_sample`."""
-        if type(sample) is not dict:
-            raise InvalidSample("", f"must be an object, not {_show(sample)}")
+    def check(self, sample: Any, problems: Problems | None) -> SampleRow:
+        """As `check_sample`, for a sample `problems` says what the schema refused in (None:
+        nothing)."""
+        if problems is not None:
+            refuse(problems, sample, "")
         uuid = sample.get("uuid")
         if not (isinstance(uuid, str) and uuid in self._valid_uuids) or (
             "driver" in sample or "device" in sample
         ):
             if uuid is None and ("driver" in sample or "device" in sample):
-                uuid = self._named(sample)
+                uuid = self._named(sample, problems)
             elif sample.get("driver") is not None or sample.get("device") is not None:
                 raise InvalidSample(
                     "uuid",
                     "give uuid, or driver and device, not both: they could name two devices",
                 )
             else:
-                uuid = _checked_uuid(uuid)
+                uuid = _checked_uuid(sample, problems)
                 keyed = _keyed_instance(uuid)
                 if keyed is not None:
                     self._keyed[uuid] = (instance_key(keyed), keyed)
                 self._valid_uuids.add(uuid)
         keyed_as = self._keyed.get(uuid) if self._keyed else None
-        ts = sample.get("ts")
-        if type(ts) is not str:
-            raise InvalidSample("ts", "must be an ISO 8601 string with a timezone")
+        if problems is not None:
+            refuse(problems, sample, "ts")
+        ts = sample["ts"]
         ts_ms = self._instants.get(ts)
         if ts_ms is None:
             ts_ms = self._instants[ts] = _checked_ms(ts, window=self.window)
+        if problems is not None:
+            refuse(problems, sample, "gpu_util")
+            refuse(problems, sample, "mem_used_bytes")
+            refuse(problems, sample, "processes")
         gpu_util = sample.get("gpu_util")
         if gpu_util is not None:
-            if type(gpu_util) is not float and type(gpu_util) is not int:
-                raise InvalidSample("gpu_util", f"must be a number or null, not {_show(gpu_util)}")
-            if not 0 <= gpu_util <= 100:  # also false for NaN
-                raise InvalidSample("gpu_util", f"{_show(gpu_util)} is not between 0 and 100")
             gpu_util = float(gpu_util)
         mem_used_bytes = sample.get("mem_used_bytes")
-        if mem_used_bytes is not None and (
-            type(mem_used_bytes) is not int or not 0 <= mem_used_bytes <= MAX_BIGINT
-        ):
-            raise InvalidSample(
-                "mem_used_bytes",
-                f"must be an integer from 0 to 2^63-1, not {_show(mem_used_bytes)}",
-            )
         processes = sample.get("processes")
-        processes_json = None
-        if processes is not None:
-            if type(processes) is not list or not _DICTS_ONLY.issuperset(map(type, processes)):
-                raise InvalidSample("processes", "must be a list of objects")
-            processes_json = _processes_json(processes)
+        processes_json = None if processes is None else _processes_json(processes)
         covered = sample.get("covered_seconds")
         covered_ms = None
         if covered is not None:
+            if problems is not None:
+                refuse(problems, sample, "covered_seconds")
             if type(covered) is float:
                 covered_ms = self._covered_ms.get(covered)
                 if covered_ms is None:
@@ -199,7 +174,7 @@ class SampleChecker:
                     "mig_placement",
                     "goes with a MIG device's own uuid, not with a <parent UUID>::gi<N> one",
                 )
-            placement = _checked_placement(sample, placement)
+            placement = _checked_placement(sample, placement, problems)
         instance = sample.get("gpu_instance_id")
         if keyed_as is not None:
             uuid, instance = keyed_as
@@ -209,23 +184,23 @@ class SampleChecker:
                 raise InvalidSample(
                     "gpu_instance_id", "goes with a MIG device's uuid, not with driver and device"
                 )
-            key = (sample.get("parent_uuid"), instance, type(instance))
-            try:
-                instance = self._instances[key]
-            except KeyError:
-                instance = self._instances[key] = _checked_instance(sample, instance)
-            except TypeError:  # an unhashable value (an object): not valid anyway
-                instance = _checked_instance(sample, instance)
+            if problems is not None:
+                instance = _checked_instance(sample, instance, problems)
+            else:
+                key = (sample.get("parent_uuid"), instance)
+                try:
+                    instance = self._instances[key]
+                except KeyError:
+                    instance = self._instances[key] = _checked_instance(sample, instance, None)
         return SampleRow(
             uuid, ts_ms, gpu_util, mem_used_bytes, processes_json, covered_ms, placement, instance
         )
 
 
-_DICTS_ONLY = frozenset([dict])
 _MS = Decimal(1)
 
 
-def _covered_ms(covered: object) -> int:
+def _covered_ms(covered: Any) -> int:
     """A mean's `covered_seconds` in whole milliseconds: the sample is the mean of readings
     over `[ts, ts + covered_seconds)` (an agent sampling each second sends minute means).
 
@@ -235,15 +210,8 @@ def _covered_ms(covered: object) -> int:
     so back-to-back means each weigh their whole interval; a longer one would count in part
     only, and is refused rather than undercounted; one under half a millisecond would hold
     for none, and is refused too."""
-    if type(covered) is not int and type(covered) is not float:
-        raise InvalidSample("covered_seconds", f"must be a number of seconds, not {_show(covered)}")
-    hold = int(settings.TALLY_SAMPLE_HOLD_SECONDS)
-    if not 0 < covered <= hold:  # also false for NaN
-        raise InvalidSample(
-            "covered_seconds",
-            f"must be more than 0 and at most {hold} (TALLY_SAMPLE_HOLD_SECONDS, how long a "
-            f"sample holds), not {_show(covered)}: send means over a shorter interval",
-        )
+    if not covered <= int(settings.TALLY_SAMPLE_HOLD_SECONDS):  # a number, more than 0: schema
+        raise InvalidSample("covered_seconds", covered_bounds_message(covered))
     if type(covered) is int:
         return covered * 1000
     covered_ms = int(Decimal(repr(covered)).scaleb(3).quantize(_MS, ROUND_HALF_UP))
@@ -255,64 +223,42 @@ def _covered_ms(covered: object) -> int:
     return covered_ms
 
 
-def _checked_uuid(uuid: object, field_name: str = "uuid") -> str:
-    if type(uuid) is not str or not uuid:
-        or_named = " (or give driver and device)" if field_name == "uuid" else ""
-        raise InvalidSample(field_name, f"must be a non-empty string{or_named}")
-    if len(uuid) > MAX_UUID_LENGTH or not (uuid.isascii() and uuid.isprintable()):
-        raise InvalidSample(
-            field_name,
-            f"{_show(uuid)} is not printable ASCII of at most {MAX_UUID_LENGTH} characters",
-        )
+def _checked_uuid(
+    sample: dict[str, Any], problems: Problems | None, field_name: str = "uuid"
+) -> str:
+    """A sample's `uuid` (or `parent_uuid`), which must be given."""
+    if problems is not None:
+        refuse(problems, sample, field_name)
+    uuid = sample.get(field_name)
+    if uuid is None:
+        raise InvalidSample(field_name, MESSAGES[field_name]("type", uuid))
     return uuid
 
 
-def _checked_placement(sample: dict[str, Any], placement: object) -> MigPlacement:
+def _checked_placement(
+    sample: dict[str, Any], placement: Any, problems: Problems | None
+) -> MigPlacement:
     """Where a MIG device sits, as its sample gives it: `mig_placement` (`start` and `size`,
     in memory slices) with `parent_uuid`, and optionally `mig_profile` and `mig_profile_id`
     (its GPU instance profile id), as NVML reads them (`agent.nvml`)."""
-    if type(placement) is not dict:
-        raise InvalidSample(
-            "mig_placement",
-            f'must be an object {{"start": ..., "size": ...}}, not {_show(placement)}',
-        )
-    start, size = placement.get("start"), placement.get("size")
-    if (
-        type(start) is not int
-        or type(size) is not int
-        or not 0 <= start < start + size <= MAX_MEMORY_SLICES
-    ):
-        raise InvalidSample(
-            "mig_placement",
-            f"start and size must be integers, start from 0 and size from 1, start + size at "
-            f"most {MAX_MEMORY_SLICES} (memory slices), not {_show(start)} and {_show(size)}",
-        )
+    if problems is not None:
+        refuse(problems, sample, "mig_placement")
+    start, size = placement["start"], placement["size"]
+    if start + size > MAX_MEMORY_SLICES:
+        raise InvalidSample("mig_placement", placement_bounds_message(start, size))
     parent = sample.get("parent_uuid")
     if parent is None:
         raise InvalidSample("parent_uuid", "is needed with mig_placement: the MIG device's GPU")
+    if problems is not None:
+        refuse(problems, sample, "mig_profile")
+        refuse(problems, sample, "mig_profile_id")
     profile = sample.get("mig_profile")
     if profile is None:
         profile = ""
-    elif (
-        type(profile) is not str
-        or not profile
-        or len(profile) > MAX_PROFILE_LENGTH
-        or not (profile.isascii() and profile.isprintable())
-    ):
-        raise InvalidSample(
-            "mig_profile",
-            f"must be printable ASCII of 1 to {MAX_PROFILE_LENGTH} characters, like 1g.10gb, "
-            f"not {_show(profile)}",
-        )
     profile_id = sample.get("mig_profile_id")
-    if profile_id is not None and (
-        type(profile_id) is not int or not 0 <= profile_id <= MAX_PROFILE_ID
-    ):
-        raise InvalidSample(
-            "mig_profile_id",
-            f"must be an integer from 0 to {MAX_PROFILE_ID}, not {_show(profile_id)}",
-        )
-    return MigPlacement(_checked_uuid(parent, "parent_uuid"), start, size, profile, profile_id)
+    return MigPlacement(
+        _checked_uuid(sample, problems, "parent_uuid"), start, size, profile, profile_id
+    )
 
 
 # How the DCGM source names a MIG device it cannot tell (`agent.dcgm`): its GPU's UUID and its
@@ -361,59 +307,47 @@ def _check_agrees(sample: dict[str, Any], instance: GpuInstance) -> None:
         )
 
 
-def _checked_instance(sample: dict[str, Any], instance_id: object) -> GpuInstance:
+def _checked_instance(
+    sample: dict[str, Any], instance_id: Any, problems: Problems | None
+) -> GpuInstance:
     """A MIG device's GPU instance, as its sample gives it: `gpu_instance_id` with
     `parent_uuid` (`agent.nvml`)."""
-    if type(instance_id) is not int or not 0 <= instance_id <= MAX_GPU_INSTANCE_ID:
-        raise InvalidSample(
-            "gpu_instance_id",
-            f"must be an integer from 0 to {MAX_GPU_INSTANCE_ID}, not {_show(instance_id)}",
-        )
-    parent = sample.get("parent_uuid")
-    if parent is None:
+    if problems is not None:
+        refuse(problems, sample, "gpu_instance_id")
+    if sample.get("parent_uuid") is None:
         raise InvalidSample("parent_uuid", "is needed with gpu_instance_id: the MIG device's GPU")
-    return GpuInstance(_checked_uuid(parent, "parent_uuid"), instance_id)
+    return GpuInstance(_checked_uuid(sample, problems, "parent_uuid"), instance_id)
 
 
-def _named_key(sample: dict[str, Any]) -> str:
+def _named_key(sample: dict[str, Any], problems: Problems | None) -> str:
     """The key a sample naming its device by `driver` and `device` travels under."""
-    driver = _checked_name(sample, "driver")
+    driver = _checked_name(sample, "driver", problems)
     if "device" in sample or "pci_bus_id" not in sample:
-        device = _checked_name(sample, "device")
+        device = _checked_name(sample, "device", problems)
     else:
         bus_id = sample["pci_bus_id"]
-        if type(bus_id) is not str or not PCI_BUS_ID.fullmatch(bus_id):
-            raise InvalidSample(
-                "pci_bus_id", f"{_show(bus_id)} is not a PCI address like 0000:19:00.0"
-            )
+        if bus_id is None:
+            raise InvalidSample("pci_bus_id", MESSAGES["pci_bus_id"]("type", bus_id))
+        if problems is not None:
+            refuse(problems, sample, "pci_bus_id")
+            refuse(problems, sample, "partition")
         partition = sample.get("partition")
-        if partition is not None and (type(partition) is not int or not 0 <= partition < 4096):
-            raise InvalidSample(
-                "partition", f"must be an integer from 0 to 4095, not {_show(partition)}"
-            )
         device = f"{PCI_KEY}{bus_id.lower()}{PCI_KEY}{'' if partition is None else partition}"
-    pool = sample.get("pool")
-    pool = "" if pool is None else _checked_name(sample, "pool")
+    pool = "" if sample.get("pool") is None else _checked_name(sample, "pool", problems)
+    if problems is not None:
+        refuse(problems, sample, "node")
     node = sample.get("node")
     if node is None:
         node = ""
-    elif type(node) is not str or not NODE_NAME.fullmatch(node):
-        raise InvalidSample(
-            "node", f"{_show(node)} is not a Kubernetes node name (a DNS subdomain, <= 253)"
-        )
     return NAMED + NAMED.join((node, driver, pool, device))
 
 
-def _checked_name(sample: dict[str, Any], name: str) -> str:
+def _checked_name(sample: dict[str, Any], name: str, problems: Problems | None) -> str:
+    if problems is not None:
+        refuse(problems, sample, name)
     value = sample.get(name)
-    if type(value) is not str or not value:
-        raise InvalidSample(
-            name, f"must be a non-empty string as the ResourceSlice gives it, not {_show(value)}"
-        )
-    if len(value) > MAX_NAME_LENGTH or not (value.isascii() and value.isprintable()):
-        raise InvalidSample(
-            name, f"{_show(value)} is not printable ASCII of at most {MAX_NAME_LENGTH} characters"
-        )
+    if value is None:
+        raise InvalidSample(name, MESSAGES[name]("type", value))
     return value
 
 
@@ -516,11 +450,12 @@ def validate_samples(
     timestamps' window (`sample_window`) is counted from.
     """
     check = SampleChecker(window=sample_window(now)).check
+    found = sample_problems(raw)
     valid: list[SampleRow] = []
     rejected: list[Rejection] = []
     for index, sample in enumerate(raw):
         try:
-            valid.append(check(sample))
+            valid.append(check(sample, None if found is None else found.get(index)))
         except InvalidSample as exc:
             where = f"samples[{index}]"
             reason = f"{where}.{exc}" if exc.field_name else f"{where}: {exc}"
