@@ -102,3 +102,19 @@ def chromium() -> Iterator[Any]:
             os.environ.pop("DJANGO_ALLOW_ASYNC_UNSAFE", None)
         else:
             os.environ["DJANGO_ALLOW_ASYNC_UNSAFE"] = previous
+
+
+@pytest.fixture
+def wide(chromium: Any) -> Iterator[Any]:
+    """A page at a laptop's width (`browsing.WIDE`)."""
+    from tests.frontend.browsing import WIDE, open_page
+
+    yield from open_page(chromium, WIDE)
+
+
+@pytest.fixture
+def phone(chromium: Any) -> Iterator[Any]:
+    """A page at a phone's width (`browsing.PHONE`)."""
+    from tests.frontend.browsing import PHONE, open_page
+
+    yield from open_page(chromium, PHONE)

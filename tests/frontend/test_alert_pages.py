@@ -16,9 +16,9 @@ from pytest_django.live_server_helper import LiveServer
 
 from teams.models import Alert, AlertKind, AlertState, AuditEntry
 from tests.api.cast import Cast, cast
+from tests.frontend.browsing import WIDE
 from tests.frontend.conftest import watched_page
 from tests.frontend.seed import PASSWORD
-from tests.frontend.test_browser import WIDE
 
 __all__ = ["cast"]
 

@@ -26,14 +26,13 @@ from inventory.services import apply_watch_event
 from metering.models import UsageHour
 from quota.models import QuotaRule
 from tests.factories import AllocationFactory, DeviceFactory, MigDeviceFactory, NodeFactory
+from tests.frontend.browsing import PHONE, WIDE, log_in
 from tests.frontend.conftest import watched_page
-from tests.frontend.seed import OUTLIER_NODE, PASSWORD, Portal
+from tests.frontend.seed import OUTLIER_NODE, Portal
 
 pytestmark = pytest.mark.browser
 
 NARROW = {"width": 375, "height": 812}
-WIDE = {"width": 1280, "height": 900}
-PHONE = {"width": 390, "height": 844}
 # A claim and an owner with no place to break a line (the demo's look like these).
 LONG_CLAIM = "tensorboard.experiment.resnet152.imagenet.finetune.run0042.gpu"
 LONG_OWNER = "system:serviceaccount:researchplatform:pipelinerunner0042"
@@ -69,14 +68,6 @@ def page(chromium: Any) -> Iterator[Any]:
         yield page
 
 
-def _log_in(page: Any, live_server: LiveServer, username: str) -> None:
-    page.goto(f"{live_server.url}/login/")
-    page.get_by_label("Username").fill(username)
-    page.get_by_label("Password").fill(PASSWORD)
-    page.get_by_role("button", name="Log in").click()
-    page.wait_for_load_state()
-
-
 def _shot(page: Any, artifacts: Path, name: str) -> None:
     path = artifacts / f"{name}.png"
     page.screenshot(path=str(path), full_page=True)
@@ -109,7 +100,7 @@ def test_team_lead_sees_charts_and_downloads_the_statement(
 ) -> None:
     page.goto(f"{live_server.url}/login/")
     _shot(page, artifacts, "login")
-    _log_in(page, live_server, "lead_a")
+    log_in(page, live_server, "lead_a")
     # A lead of one team lands on it.
     assert page.url == f"{live_server.url}/teams/vision/"
     assert page.get_by_role("heading", level=1).inner_text() == "Vision"
@@ -180,7 +171,7 @@ def test_team_lead_sees_charts_and_downloads_the_statement(
 def test_operator_finds_the_outlier_node(
     page: Any, live_server: LiveServer, live_portal: Portal, artifacts: Path
 ) -> None:
-    _log_in(page, live_server, "operator")
+    log_in(page, live_server, "operator")
     assert page.get_by_role("heading", name="Teams", exact=True).is_visible()
     page.get_by_role("link", name="Fleet", exact=True).click()
     page.wait_for_load_state()
@@ -247,7 +238,7 @@ def test_team_page_fits_and_reads_right_at_each_width(
         valid_from=live_portal.now.date() - timedelta(days=400),
     )
     page.set_viewport_size(viewport)
-    _log_in(page, live_server, "lead_a")
+    log_in(page, live_server, "lead_a")
     page.goto(f"{live_server.url}/teams/vision/?days=30")
     page.evaluate("document.querySelectorAll('details').forEach(d => { d.open = true; })")
 
@@ -285,7 +276,7 @@ def test_refusals_are_the_portals_own_pages(
     404, and the fleet its 403: the portal's header and a way back, no debug page."""
     settings.DEBUG = True
     page.set_viewport_size(viewport)
-    _log_in(page, live_server, "lead_a")
+    log_in(page, live_server, "lead_a")
     for url, status, heading, name in (
         ("/teams/nlp/", 404, "Page not found", "not-found"),
         ("/fleet/", 403, "Not allowed", "forbidden"),
@@ -332,7 +323,7 @@ def test_operator_sees_sync_warnings_and_a_partly_used_a100_node(
     }
     apply_watch_event(cluster=cluster, event_type="ADDED", obj=dangling, at=live_portal.now)
 
-    _log_in(page, live_server, "operator")
+    log_in(page, live_server, "operator")
     page.goto(f"{live_server.url}/fleet/")
 
     warnings = page.get_by_role("region", name="Sync warnings")
@@ -377,7 +368,7 @@ def test_the_api_docs_load_nothing_from_outside_and_every_page_has_its_icon(
             route.abort()
 
     page.route("**/*", watch)
-    _log_in(page, live_server, "lead_a")
+    log_in(page, live_server, "lead_a")
     page.goto(f"{live_server.url}/api/docs/")
     page.get_by_role("heading", name=re.compile("Tally")).first.wait_for()
     page.get_by_text("API docs by Redocly").wait_for()  # the footer whose logo it was

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Iterator
 from datetime import UTC, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -16,36 +15,11 @@ import pytest
 from pytest_django.live_server_helper import LiveServer
 
 from billing.compare import ROW_COLUMNS
-from tests.frontend.conftest import watched_page
-from tests.frontend.seed import PASSWORD, Portal
-from tests.frontend.test_browser import OVERFLOWING, PHONE, WIDE
+from tests.frontend.browsing import log_in
+from tests.frontend.seed import Portal
+from tests.frontend.test_browser import OVERFLOWING
 
 pytestmark = pytest.mark.browser
-
-
-def _page(chromium: Any, viewport: dict[str, int]) -> Iterator[Any]:
-    context = chromium.new_context(viewport=viewport)
-    context.set_default_timeout(15_000)
-    with watched_page(context) as page:
-        yield page
-
-
-@pytest.fixture
-def wide(chromium: Any) -> Iterator[Any]:
-    yield from _page(chromium, WIDE)
-
-
-@pytest.fixture
-def phone(chromium: Any) -> Iterator[Any]:
-    yield from _page(chromium, PHONE)
-
-
-def _log_in(page: Any, live_server: LiveServer, username: str) -> None:
-    page.goto(f"{live_server.url}/login/")
-    page.get_by_label("Username").fill(username)
-    page.get_by_label("Password").fill(PASSWORD)
-    page.get_by_role("button", name="Log in").click()
-    page.wait_for_load_state()
 
 
 def _points(text: str) -> Decimal:
@@ -55,7 +29,7 @@ def _points(text: str) -> Decimal:
 def test_a_lead_finds_out_whether_it_helped(
     wide: Any, live_server: LiveServer, live_portal: Portal, artifacts: Path
 ) -> None:
-    _log_in(wide, live_server, "lead_a")
+    log_in(wide, live_server, "lead_a")
     wide.get_by_role("link", name="Did it help?").click()
     wide.wait_for_load_state()
     assert wide.get_by_role("heading", name="Did it help?", level=1).is_visible()
@@ -109,7 +83,7 @@ def test_a_lead_finds_out_whether_it_helped(
 def test_the_comparison_fits_a_phone(
     phone: Any, live_server: LiveServer, live_portal: Portal, artifacts: Path
 ) -> None:
-    _log_in(phone, live_server, "lead_a")
+    log_in(phone, live_server, "lead_a")
     phone.goto(f"{live_server.url}/compare/")
     assert phone.locator("#compare-jobs tbody tr").first.is_visible()
     spilling = phone.evaluate(OVERFLOWING)

@@ -6,7 +6,6 @@ operators at both widths."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,9 +17,9 @@ from pytest_django.live_server_helper import LiveServer
 from billing.models import Period
 from frontend import selectors
 from metering.models import UsageHour
-from tests.frontend.conftest import watched_page
+from tests.frontend.browsing import PHONE, WIDE, log_in, open_page
 from tests.frontend.seed import PASSWORD, Portal
-from tests.frontend.test_browser import LONG_CLAIM, LONG_OWNER, PHONE, WIDE
+from tests.frontend.test_browser import LONG_CLAIM, LONG_OWNER
 from tests.frontend.test_cluster_pages import _second_cluster
 
 pytestmark = pytest.mark.browser
@@ -76,31 +75,6 @@ BREAKS_AFTER = """(selector) => [...document.querySelectorAll(selector)].map(el 
 NAME_BREAKS = {"-"}
 
 
-def _page(chromium: Any, viewport: dict[str, int]) -> Iterator[Any]:
-    context = chromium.new_context(viewport=viewport)
-    context.set_default_timeout(15_000)
-    with watched_page(context) as page:
-        yield page
-
-
-@pytest.fixture
-def wide(chromium: Any) -> Iterator[Any]:
-    yield from _page(chromium, WIDE)
-
-
-@pytest.fixture
-def phone(chromium: Any) -> Iterator[Any]:
-    yield from _page(chromium, PHONE)
-
-
-def _log_in(page: Any, live_server: LiveServer, username: str) -> None:
-    page.goto(f"{live_server.url}/login/")
-    page.get_by_label("Username").fill(username)
-    page.get_by_label("Password").fill(PASSWORD)
-    page.get_by_role("button", name="Log in").click()
-    page.wait_for_load_state()
-
-
 def _fits(page: Any, width: int) -> None:
     assert page.evaluate("document.documentElement.scrollWidth") <= width
     cut_off = page.evaluate(CUT_OFF)
@@ -110,7 +84,7 @@ def _fits(page: Any, width: int) -> None:
 def test_fleet_and_decision_log_fit_a_phone(
     phone: Any, live_server: LiveServer, live_portal: Portal, artifacts: Path
 ) -> None:
-    _log_in(phone, live_server, "operator")
+    log_in(phone, live_server, "operator")
     phone.goto(f"{live_server.url}/fleet/")
     _fits(phone, PHONE["width"])
     for table in ("version-matrix", "version-baselines", "nodes", "free-blocks"):
@@ -142,7 +116,7 @@ def test_team_page_names_fit_their_cards_at_1280(
     UsageHour.objects.filter(team=team, claim_name=waster.claim_name).update(
         claim_name=LONG_CLAIM, username=LONG_OWNER
     )
-    _log_in(wide, live_server, "lead_a")
+    log_in(wide, live_server, "lead_a")
     wide.goto(f"{live_server.url}/teams/vision/?days=30")
     _fits(wide, WIDE["width"])
     assert wide.evaluate(CLIPPED, "main .break, main th[scope=row], .model-name") == []
@@ -166,8 +140,8 @@ def test_finance_and_operator_homes_fit(
     finance.set_password(PASSWORD)
     finance.save()
     for who, heading in (("finance", "Spend and periods"), ("operator", "Fleet and teams")):
-        for page in _page(chromium, viewport):
-            _log_in(page, live_server, who)
+        for page in open_page(chromium, viewport):
+            log_in(page, live_server, who)
             assert page.get_by_role("heading", level=1).inner_text() == heading
             _fits(page, viewport["width"])
             if who == "finance":
@@ -188,7 +162,7 @@ def test_finance_closes_a_period_from_its_home_on_a_phone(
     finance = User.objects.get(username="finance")
     finance.set_password(PASSWORD)
     finance.save()
-    _log_in(phone, live_server, "finance")
+    log_in(phone, live_server, "finance")
     phone.get_by_role("link", name=f"Close {period.label}…").click()
     phone.wait_for_load_state()
     assert phone.get_by_role("heading", level=1).inner_text() == f"Close {period.label}"
@@ -219,8 +193,8 @@ def test_the_cluster_column_fits_the_team_page(
     """With two clusters the team page's lists gain a Cluster column and a filter: still
     nothing cut off, at either width."""
     _second_cluster(live_portal)
-    for page in _page(chromium, viewport):
-        _log_in(page, live_server, "lead_a")
+    for page in open_page(chromium, viewport):
+        log_in(page, live_server, "lead_a")
         page.goto(f"{live_server.url}/teams/vision/")
         assert page.locator("#cluster-filter").is_visible()
         assert page.locator("#live-claims tbody td[data-label='Cluster']").count() > 0

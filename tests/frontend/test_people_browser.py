@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import csv
 import io
-from collections.abc import Iterator
 from decimal import Decimal
 from pathlib import Path
 from typing import Any
@@ -17,9 +16,8 @@ from pytest_django.live_server_helper import LiveServer
 
 from tests.api.cast import Cast, cast
 from tests.api.test_people_usage import Week, week_scenario
-from tests.frontend.conftest import watched_page
 from tests.frontend.seed import PASSWORD
-from tests.frontend.test_browser import OVERFLOWING, PHONE, WIDE
+from tests.frontend.test_browser import OVERFLOWING
 from tests.frontend.test_people_pages import last_monday_but_one
 
 pytestmark = pytest.mark.browser
@@ -33,23 +31,6 @@ def live_week(transactional_db: None, cast: Cast, settings: LazySettings) -> Wee
     cast.lead_a.set_password(PASSWORD)
     cast.lead_a.save()
     return week_scenario(cast.alpha, cast.beta, monday=last_monday_but_one(timezone.now()))
-
-
-def _page(chromium: Any, viewport: dict[str, int]) -> Iterator[Any]:
-    context = chromium.new_context(viewport=viewport, accept_downloads=True)
-    context.set_default_timeout(15_000)
-    with watched_page(context) as page:
-        yield page
-
-
-@pytest.fixture
-def wide(chromium: Any) -> Iterator[Any]:
-    yield from _page(chromium, WIDE)
-
-
-@pytest.fixture
-def phone(chromium: Any) -> Iterator[Any]:
-    yield from _page(chromium, PHONE)
 
 
 def _open_team_page(page: Any, live_server: LiveServer, cast: Cast) -> None:

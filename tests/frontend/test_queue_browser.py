@@ -3,7 +3,6 @@ the fleet page, and a lead's team page shows them without a spilling card at pho
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -11,44 +10,19 @@ import pytest
 from django.utils import timezone
 from pytest_django.live_server_helper import LiveServer
 
-from tests.frontend.conftest import watched_page
-from tests.frontend.seed import PASSWORD, Portal
-from tests.frontend.test_browser import OVERFLOWING, PHONE, WIDE
+from tests.frontend.browsing import log_in
+from tests.frontend.seed import Portal
+from tests.frontend.test_browser import OVERFLOWING
 from tests.frontend.test_queue_pages import add_queue
 
 pytestmark = pytest.mark.browser
-
-
-def _page(chromium: Any, viewport: dict[str, int]) -> Iterator[Any]:
-    context = chromium.new_context(viewport=viewport)
-    context.set_default_timeout(15_000)
-    with watched_page(context) as page:
-        yield page
-
-
-def _log_in(page: Any, live_server: LiveServer, username: str) -> None:
-    page.goto(f"{live_server.url}/login/")
-    page.get_by_label("Username").fill(username)
-    page.get_by_label("Password").fill(PASSWORD)
-    page.get_by_role("button", name="Log in").click()
-    page.wait_for_load_state()
-
-
-@pytest.fixture
-def wide(chromium: Any) -> Iterator[Any]:
-    yield from _page(chromium, WIDE)
-
-
-@pytest.fixture
-def phone(chromium: Any) -> Iterator[Any]:
-    yield from _page(chromium, PHONE)
 
 
 def test_operator_finds_the_queue_and_the_stranded_gang(
     wide: Any, live_server: LiveServer, live_portal: Portal, artifacts: Path
 ) -> None:
     add_queue(live_portal, timezone.now())
-    _log_in(wide, live_server, "operator")
+    log_in(wide, live_server, "operator")
     wide.goto(f"{live_server.url}/fleet/")
     assert wide.get_by_role("heading", name="Pending demand").is_visible()
     waiting = wide.locator("#pending-claims tbody tr", has_text="waiting-four")
@@ -67,7 +41,7 @@ def test_team_page_queue_fits_a_phone(
     phone: Any, live_server: LiveServer, live_portal: Portal
 ) -> None:
     add_queue(live_portal, timezone.now())
-    _log_in(phone, live_server, "lead_a")
+    log_in(phone, live_server, "lead_a")
     phone.goto(f"{live_server.url}/teams/vision/")
     assert phone.locator("#stranded-gangs tbody tr", has_text="JobSet/train").is_visible()
     assert phone.locator("#pending-claims tbody tr", has_text="waiting-four").is_visible()

@@ -4,7 +4,6 @@ page fits a phone."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +13,9 @@ from pytest_django.live_server_helper import LiveServer
 
 from teams.selectors import OPERATORS_GROUP
 from tests.billing.test_week_report import build_week_scenario
-from tests.frontend.conftest import watched_page
+from tests.frontend.browsing import log_in
 from tests.frontend.seed import PASSWORD
-from tests.frontend.test_browser import OVERFLOWING, PHONE, WIDE
+from tests.frontend.test_browser import OVERFLOWING
 
 pytestmark = pytest.mark.browser
 
@@ -33,35 +32,10 @@ def week_portal(transactional_db: None) -> None:
     operator.groups.add(Group.objects.get_or_create(name=OPERATORS_GROUP)[0])
 
 
-def _page(chromium: Any, viewport: dict[str, int]) -> Iterator[Any]:
-    context = chromium.new_context(viewport=viewport, accept_downloads=True)
-    context.set_default_timeout(15_000)
-    with watched_page(context) as page:
-        yield page
-
-
-@pytest.fixture
-def wide(chromium: Any) -> Iterator[Any]:
-    yield from _page(chromium, WIDE)
-
-
-@pytest.fixture
-def phone(chromium: Any) -> Iterator[Any]:
-    yield from _page(chromium, PHONE)
-
-
-def _log_in(page: Any, live_server: LiveServer, username: str) -> None:
-    page.goto(f"{live_server.url}/login/")
-    page.get_by_label("Username").fill(username)
-    page.get_by_label("Password").fill(PASSWORD)
-    page.get_by_role("button", name="Log in").click()
-    page.wait_for_load_state()
-
-
 def test_a_lead_reads_the_week_and_downloads_it(
     wide: Any, live_server: LiveServer, week_portal: None, artifacts: Path
 ) -> None:
-    _log_in(wide, live_server, "lead_a")
+    log_in(wide, live_server, "lead_a")
     wide.goto(f"{live_server.url}/teams/vision/week/{START}")
     assert wide.get_by_role("heading", name="Vision: the week from Mon 16 Nov 2026").is_visible()
     ben = wide.locator("#week-people tbody tr", has_text="ben")
@@ -83,7 +57,7 @@ def test_a_lead_reads_the_week_and_downloads_it(
 def test_an_operator_reads_the_heatmap(
     wide: Any, live_server: LiveServer, week_portal: None, artifacts: Path
 ) -> None:
-    _log_in(wide, live_server, "operator")
+    log_in(wide, live_server, "operator")
     wide.goto(f"{live_server.url}/fleet/")
     wide.get_by_role("link", name="Fleet week").click()
     wide.wait_for_load_state()
@@ -107,7 +81,7 @@ def test_an_operator_reads_the_heatmap(
 def test_the_week_fits_a_phone(
     phone: Any, live_server: LiveServer, week_portal: None, artifacts: Path
 ) -> None:
-    _log_in(phone, live_server, "lead_a")
+    log_in(phone, live_server, "lead_a")
     phone.goto(f"{live_server.url}/teams/vision/week/{START}")
     assert phone.locator("#week-jobs tbody tr", has_text="StatefulSet/nb").is_visible()
     assert phone.evaluate(OVERFLOWING) == []
