@@ -39,6 +39,7 @@ from billing.pricing import (
     LineKey,
     RateCards,
     frozen_usage_lines,
+    line_key,
     rate_hours,
     round_money,
 )
@@ -146,16 +147,7 @@ def _usage(
     usage: dict[_Line, dict[_Holder, _Figures]] = defaultdict(dict)
     for row in rows:
         card = cards.on(row["product_name"], row["profile"], row["day"])
-        per_slice = card is not None and card.rate_unit == SLICE_HOUR
-        key: LineKey = (
-            row["product_name"],
-            row["profile"] if per_slice else "",
-            row["unit"],
-            card.currency if card else "USD",
-            card.per_gpu_hour if card else None,
-            card.idle_factor if card else None,
-            row["device_share"] if per_slice else None,
-        )
+        key = line_key(row, card)
         # Periods start at midnight UTC, so a day's hours are in one piece of the window.
         moment = max(since, _midnight(row["day"]))
         piece = next(piece for piece in pieces if piece[0] <= moment < piece[1])

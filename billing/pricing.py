@@ -18,7 +18,7 @@ Periods are calendar months in UTC, or ISO weeks (Monday 00:00 UTC) with
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from datetime import UTC, date, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
@@ -194,6 +194,24 @@ class LineFigures:
             self.idle_factor,
             self.gpu_share,
         )
+
+
+def line_key(row: Mapping[str, Any], card: RateCard | None) -> LineKey:
+    """The statement line a usage row is billed on (`LineFigures.key`): its model and unit at
+    `card`'s price, the card its model has on the row's day (none: unpriced, in USD); for a
+    card priced per slice-hour, its profile and the device's share too (`row` has
+    `product_name`, `profile`, `unit` and `device_share`). Statements, the billed breakdowns
+    and the FOCUS export key their lines by it."""
+    per_slice = card is not None and card.rate_unit == SLICE_HOUR
+    return (
+        row["product_name"],
+        row["profile"] if per_slice else "",
+        row["unit"],
+        card.currency if card else "USD",
+        card.per_gpu_hour if card else None,
+        card.idle_factor if card else None,
+        row["device_share"] if per_slice else None,
+    )
 
 
 def usage_lines(*, team: Team | None, period: Period) -> list[LineFigures]:

@@ -15,13 +15,14 @@ from django.db.models import F, OuterRef, Subquery, Sum
 from django.db.models.functions import TruncDate
 
 from billing.idle import claim_hours, idle_hour_q
-from billing.models import SLICE_HOUR, Period, RateCard
+from billing.models import Period, RateCard
 from billing.periods import period_bounds
 from billing.pricing import (
     LineFigures,
     LineKey,
     RateCards,
     frozen_usage_lines,
+    line_key,
     rate_hours,
     unowned_lines,
 )
@@ -309,16 +310,7 @@ def billed_usage(
     line_cards: dict[_PeriodLine, RateCard | None] = {}
     for row in rows:
         card = cards.on(row["product_name"], row["profile"], row["day"])
-        per_slice = card is not None and card.rate_unit == SLICE_HOUR
-        key: LineKey = (
-            row["product_name"],
-            row["profile"] if per_slice else "",
-            row["unit"],
-            card.currency if card else "USD",
-            card.per_gpu_hour if card else None,
-            card.idle_factor if card else None,
-            row["device_share"] if per_slice else None,
-        )
+        key = line_key(row, card)
         # Periods start at midnight UTC, so a day's hours are in one period of the window.
         moment = max(since, datetime.combine(row["day"], datetime.min.time(), tzinfo=UTC))
         piece = next(start for start, end in pieces if start <= moment < end)
