@@ -13,6 +13,7 @@ used here, because this file runs before anything is installed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
@@ -114,8 +115,16 @@ def serve(argv: list[str]) -> int:
             ],
             cwd=ROOT,
             env=env,
+            start_new_session=True,
         ),
-        subprocess.Popen([*map(str, manage), "runserver", f"127.0.0.1:{port}"], cwd=ROOT, env=env),
+        # runserver's autoreloader runs the server in a child of its own: each child leads a
+        # process group, and the group is stopped, so no server is left holding the port.
+        subprocess.Popen(
+            [*map(str, manage), "runserver", f"127.0.0.1:{port}"],
+            cwd=ROOT,
+            env=env,
+            start_new_session=True,
+        ),
     ]
     time.sleep(2)
     print(
@@ -143,16 +152,28 @@ def stop(children: list[subprocess.Popen[bytes]]) -> None:
     database stops."""
     try:
         for child in children:
-            if child.poll() is None:
-                child.send_signal(signal.SIGINT)
+            _signal_group(child, signal.SIGINT)
         for child in children:
             child.wait(timeout=10)
     except (subprocess.TimeoutExpired, KeyboardInterrupt):
         for child in children:
-            if child.poll() is None:
-                child.kill()
+            _signal_group(child, signal.SIGKILL)
         for child in children:
             child.wait()
+    for child in children:
+        # What a child left behind in its group (the reloader's server).
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(child.pid, signal.SIGKILL)
+
+
+def _signal_group(child: subprocess.Popen[bytes], signum: int) -> None:
+    """Send `signum` to the process group `child` leads (started with `start_new_session`),
+    which holds what it started; to `child` alone when it leads none."""
+    try:
+        os.killpg(child.pid, signum)
+    except ProcessLookupError:
+        if child.poll() is None:
+            child.send_signal(signum)
 
 
 def test(argv: list[str]) -> int:

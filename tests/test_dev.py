@@ -80,3 +80,44 @@ def test_children_that_stop_on_sigint_are_not_killed() -> None:
     dev.stop(children)
     closed(children)
     assert children[0].returncode != -signal.SIGKILL
+
+
+# A child that starts a server of its own, as runserver's autoreloader does, says the
+# server's pid, and stops on SIGINT without stopping it.
+LEAVES_A_SERVER = (
+    "import subprocess, sys, time; "
+    "server = subprocess.Popen([sys.executable, '-c', "
+    "'import signal, time; signal.signal(signal.SIGINT, signal.SIG_IGN); time.sleep(60)']); "
+    "print(server.pid, flush=True); time.sleep(60)"
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie is gone but for its exit status.
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_what_a_child_started_is_stopped_with_it() -> None:
+    """runserver's server runs in a child of the reloader: stopping the reloader alone left it
+    holding the port. Each child leads its group, and the group is stopped."""
+    dev = load_dev()
+    child = subprocess.Popen(
+        [sys.executable, "-c", LEAVES_A_SERVER], stdout=subprocess.PIPE, start_new_session=True
+    )
+    assert child.stdout is not None
+    server = int(child.stdout.readline())
+    try:
+        dev.stop([child])
+        deadline = time.monotonic() + 10
+        while _alive(server) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not _alive(server)
+    finally:
+        child.stdout.close()
+        if _alive(server):
+            os.kill(server, signal.SIGKILL)
