@@ -28,6 +28,7 @@ from datetime import UTC, date, datetime, timedelta
 from decimal import ROUND_HALF_UP, Decimal
 from fractions import Fraction
 
+from django.conf import settings
 from django.db.models import F, Sum
 from django.db.models.functions import TruncDate
 
@@ -50,8 +51,8 @@ from metering.hours import MS_PER_HOUR, ONE_MS, idle_of
 from metering.models import UsageHour
 from teams.models import Team
 
-# Who provides, publishes and invoices the service, and the one billing account: Tally.
-TALLY = "Tally"
+# The one billing account; who provides, publishes and invoices the service is the setting
+# TALLY_FOCUS_PROVIDER_NAME (the organisation that charges back; "Tally" unless set).
 BILLING_ACCOUNT_ID = "tally"
 SERVICE_NAME = "Kubernetes accelerators"
 SERVICE_CATEGORY, SERVICE_SUBCATEGORY = "Compute", "Containers"
@@ -421,12 +422,13 @@ def _adjustment_row(line: StatementLine) -> FocusRow:
 
 def _row(team: Team, **values: str | None) -> FocusRow:
     """A row in column order: `values`, the team's sub-account, and what every row has."""
+    provider = settings.TALLY_FOCUS_PROVIDER_NAME
     values = {
         "BillingAccountId": BILLING_ACCOUNT_ID,
-        "BillingAccountName": TALLY,
-        "InvoiceIssuerName": TALLY,
-        "ProviderName": TALLY,
-        "PublisherName": TALLY,
+        "BillingAccountName": provider,
+        "InvoiceIssuerName": provider,
+        "ProviderName": provider,
+        "PublisherName": provider,
         "ServiceName": SERVICE_NAME,
         "ServiceCategory": SERVICE_CATEGORY,
         "ServiceSubcategory": SERVICE_SUBCATEGORY,

@@ -23,6 +23,8 @@ CHARGE_FREQUENCIES = ("One-Time", "Recurring", "Usage-Based")
 PRICING_CATEGORIES = ("Standard", "Dynamic", "Committed", "Other")
 COMMITMENT_DISCOUNT_CATEGORIES = ("Spend", "Usage")
 COMMITMENT_DISCOUNT_STATUSES = ("Used", "Unused")
+# What the provider's columns hold.
+PROVIDER = "the setting `TALLY_FOCUS_PROVIDER_NAME` (`Tally` unless set)"
 # ServiceSubcategory's allowed values, under their one parent ServiceCategory.
 SERVICE_SUBCATEGORIES: Final[dict[str, tuple[str, ...]]] = {
     "AI and Machine Learning": (
@@ -174,7 +176,7 @@ def _column(
 COLUMNS: Final[tuple[FocusColumn, ...]] = (
     _column("BilledCost", DECIMAL, False, "the statement line's amount, shared out to the cent"),
     _column("BillingAccountId", STRING, False, "`tally`: one billing account"),
-    _column("BillingAccountName", STRING, True, "`Tally`"),
+    _column("BillingAccountName", STRING, True, PROVIDER),
     _column("BillingCurrency", STRING, False, "the statement's currency (ISO 4217)"),
     _column("BillingPeriodEnd", DATE_TIME, False, "the billing period's end (exclusive)"),
     _column("BillingPeriodStart", DATE_TIME, False, "the billing period's start"),
@@ -228,7 +230,7 @@ COLUMNS: Final[tuple[FocusColumn, ...]] = (
     _column("ContractedUnitPrice", DECIMAL, True, "the rate card's price per PricingUnit"),
     _column("EffectiveCost", DECIMAL, False, "BilledCost: Tally amortises nothing"),
     _column("InvoiceId", STRING, True, "the statement: `<period>/<team>/<currency>`"),
-    _column("InvoiceIssuerName", STRING, False, "`Tally`"),
+    _column("InvoiceIssuerName", STRING, False, PROVIDER),
     _column("ListCost", DECIMAL, False, "ListUnitPrice x PricingQuantity, rounded"),
     _column("ListUnitPrice", DECIMAL, True, "the rate card's price per PricingUnit"),
     _column(
@@ -240,8 +242,8 @@ COLUMNS: Final[tuple[FocusColumn, ...]] = (
     ),
     _column("PricingQuantity", DECIMAL, True, "allocated hours of what the rate card prices"),
     _column("PricingUnit", STRING, True, "`GPU-Hours` (and the like) or `Slice-Hours`"),
-    _column("ProviderName", STRING, False, "`Tally`"),
-    _column("PublisherName", STRING, False, "`Tally`"),
+    _column("ProviderName", STRING, False, PROVIDER),
+    _column("PublisherName", STRING, False, PROVIDER),
     _column("RegionId", STRING, True, "null: clusters are not regions"),
     _column("RegionName", STRING, True, "null"),
     _column("ResourceId", STRING, True, "`<cluster>/<namespace>/<Kind>/<name>` of the job"),

@@ -709,6 +709,14 @@ if TALLY_BILLING_PERIOD == "week" and TALLY_CLOSE_PERIOD_DAY > 7:
         f"TALLY_CLOSE_PERIOD_DAY={TALLY_CLOSE_PERIOD_DAY} must be at most 7 when "
         "TALLY_BILLING_PERIOD=week (1 is Monday)"
     )
+# Who provides and invoices the accelerators in the FOCUS export (`billing.focus`): the
+# organisation or platform team that charges back, e.g. "Acme GPU Platform".
+TALLY_FOCUS_PROVIDER_NAME = " ".join((env.get_str("TALLY_FOCUS_PROVIDER_NAME") or "Tally").split())
+if not TALLY_FOCUS_PROVIDER_NAME or len(TALLY_FOCUS_PROVIDER_NAME) > 200:
+    raise ImproperlyConfigured(
+        "TALLY_FOCUS_PROVIDER_NAME must name the provider in 1 to 200 characters, got "
+        f"{len(TALLY_FOCUS_PROVIDER_NAME)}"
+    )
 CELERY_BEAT_SCHEDULE["billing-close-period"] = {
     "task": "billing.tasks.close_previous_period",
     # Hourly: the task itself decides whether the day has come, so a missed run is made up.

@@ -330,47 +330,38 @@ def parse_version_policy(value: Any, path: str) -> tuple[VersionPolicy, list[str
         for key in lists:
             if key not in wrong and isinstance(value.get(key), list):
                 lists[key] = value[key]
-    baselines: list[BaselineSpec] = []
-    deviations: list[DeviationSpec] = []
-    if "baselines" in wrong:
-        errors.append(wrong["baselines"])
-    for index, item in enumerate(lists["baselines"]):
-        where = f"{path}.baselines[{index}]"
-        if (baseline := _item(_Baseline, item, where, errors)) is not None:
-            baselines.append(
-                BaselineSpec(
-                    path=where,
-                    cluster=baseline.cluster,
-                    driver=baseline.driver,
-                    product_name=baseline.product_name,
-                    architecture=baseline.architecture,
-                    driver_version=baseline.driver_version,
-                    cuda_driver_version=baseline.cuda_driver_version,
-                    note=baseline.note,
-                )
-            )
-    if "deviations" in wrong:
-        errors.append(wrong["deviations"])
-    for index, item in enumerate(lists["deviations"]):
-        where = f"{path}.deviations[{index}]"
-        if (deviation := _item(_Deviation, item, where, errors)) is not None:
-            deviations.append(
-                DeviationSpec(
-                    path=where,
-                    cluster=deviation.cluster,
-                    driver=deviation.driver,
-                    node_name=deviation.node_name,
-                    pool=deviation.pool,
-                    driver_version=deviation.driver_version,
-                    cuda_driver_version=deviation.cuda_driver_version,
-                    reason=deviation.reason,
-                    owner=deviation.owner,
-                    expires_at=deviation.expires_at,
-                )
-            )
+    baselines = [
+        BaselineSpec(path=where, **checked.model_dump())
+        for where, checked in _items(_Baseline, lists, "baselines", path, wrong, errors)
+    ]
+    deviations = [
+        DeviationSpec(path=where, **checked.model_dump())
+        for where, checked in _items(_Deviation, lists, "deviations", path, wrong, errors)
+    ]
     _check_unique([(spec.path, spec.key) for spec in baselines], "baseline", errors)
     _check_unique([(spec.path, spec.key) for spec in deviations], "deviation", errors)
     return VersionPolicy(baselines=tuple(baselines), deviations=tuple(deviations)), errors
+
+
+def _items(
+    model: type[_Baseline] | type[_Deviation],
+    lists: dict[str, list[Any]],
+    key: str,
+    path: str,
+    wrong: dict[str, str],
+    errors: list[str],
+) -> list[tuple[str, Any]]:
+    """The items of the list `key` that pass `model`, each with its path; the list's own error
+    (not a list) and each failing item's go to `errors`. Each spec holds its model's fields
+    under the same names, plus its path."""
+    if key in wrong:
+        errors.append(wrong[key])
+    found = []
+    for index, item in enumerate(lists[key]):
+        where = f"{path}.{key}[{index}]"
+        if (checked := _item(model, item, where, errors)) is not None:
+            found.append((where, checked))
+    return found
 
 
 def _check_unique(

@@ -14,7 +14,7 @@ from operator import attrgetter
 from typing import Any
 
 from django.utils import timezone
-from drf_spectacular.utils import extend_schema_field
+from drf_spectacular.utils import extend_schema_field, extend_schema_serializer
 from rest_framework import serializers
 
 from billing.api.filtersets import PERIOD_HELP, period_lookups
@@ -413,8 +413,12 @@ BILLED_MONEY = (
     "idle_at_list_price",
 )
 BILLED_FIGURES = ("currency", *BILLED_MONEY)
+# The window of a billed row, under the API's names (`since` and `until` are their deprecated
+# aliases, sent until the next release as the query parameters' old names are taken).
+WINDOW_FIELDS = ("start", "end")
 
 
+@extend_schema_serializer(deprecate_fields=["since", "until"])
 class BilledUsageSerializer(UsageSerializer):
     """A person's or a job's hours of one unit in the window, and what the statements bill for
     them in one currency, per part: utilised and unmeasured hours at the rate, idle hours at the
@@ -422,8 +426,14 @@ class BilledUsageSerializer(UsageSerializer):
     cent among the rows it bills, so a team's rows add up to its statements' usage lines."""
 
     team = serializers.CharField(read_only=True)
-    since = serializers.SerializerMethodField(help_text="The window's start (UTC).")
-    until = serializers.SerializerMethodField(help_text="The window's end, exclusive (UTC).")
+    since = serializers.SerializerMethodField(
+        help_text="Deprecated: the window's start, as `start`; dropped in the next release."
+    )
+    until = serializers.SerializerMethodField(
+        help_text="Deprecated: the window's end, as `end`; dropped in the next release."
+    )
+    start = serializers.SerializerMethodField(help_text="The window's start (UTC).")
+    end = serializers.SerializerMethodField(help_text="The window's end, exclusive (UTC).")
     unit = serializers.CharField(read_only=True, help_text="gpu, tpu, gaudi, accelerator.")
     currency = serializers.CharField(
         read_only=True, help_text="The rate cards' currency; empty where no card prices the hours."
@@ -438,21 +448,32 @@ class BilledUsageSerializer(UsageSerializer):
     )
 
     @extend_schema_field(serializers.DateTimeField())
+    def get_start(self, row: Any) -> str:
+        return _iso(self.context["start"])
+
+    @extend_schema_field(serializers.DateTimeField())
+    def get_end(self, row: Any) -> str:
+        return _iso(self.context["end"])
+
+    @extend_schema_field(serializers.DateTimeField())
     def get_since(self, row: Any) -> str:
-        return _iso(self.context["since"])
+        return self.get_start(row)
 
     @extend_schema_field(serializers.DateTimeField())
     def get_until(self, row: Any) -> str:
-        return _iso(self.context["until"])
+        return self.get_end(row)
 
     @extend_schema_field(serializers.CharField())
     def get_hours(self, row: Any) -> str:
         return hours_label(row.unit)
 
     def get_fields(self) -> dict[str, serializers.Field[Any, Any, Any, Any]]:
+        # `start` and `end` come last, after the money, so a spreadsheet that reads the CSV's
+        # columns by position keeps working while `since` and `until` are still sent.
         fields = super().get_fields()
-        keys = {name: field for name, field in fields.items() if name not in BILLED_FIGURES}
-        return keys | {name: fields[name] for name in BILLED_FIGURES}
+        last = (*BILLED_FIGURES, *WINDOW_FIELDS)
+        keys = {name: field for name, field in fields.items() if name not in last}
+        return keys | {name: fields[name] for name in last}
 
 
 def _iso(moment: datetime) -> str:

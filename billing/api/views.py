@@ -320,7 +320,7 @@ class BilledUsageViewSet(mixins.ListModelMixin, TeamScopedViewSet):
         ]
         rows = ordered(rows, asked.get("ordering", ""), self.ordering_names())
         page = self.paginate_queryset(rows)
-        context = {**self.get_serializer_context(), "since": usage.since, "until": usage.until}
+        context = {**self.get_serializer_context(), "start": usage.since, "end": usage.until}
         shown = self.get_serializer_class()(page, many=True, context=context)
         return self.get_paginated_response(shown.data)
 

@@ -13,7 +13,10 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 import re
+import subprocess
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, timedelta
@@ -25,6 +28,7 @@ import pytest
 from django.conf import LazySettings
 from django.core.management import call_command
 from django.db import transaction
+from django.test import override_settings
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -536,6 +540,40 @@ def test_the_command_writes_the_same_csv(cast: Cast, closed: Closed) -> None:
     out = io.StringIO()
     call_command("focus_export", "--period", "2026-W45", "--format", "json", stdout=out)
     assert json.loads(out.getvalue()) == _json(cast, period="2026-W45")
+
+
+PROVIDER_COLUMNS = ("BillingAccountName", "InvoiceIssuerName", "ProviderName", "PublisherName")
+
+
+def test_the_provider_is_the_organisation_that_charges_back(cast: Cast, closed: Closed) -> None:
+    assert {row[name] for row in _json(cast, period="2026-W45") for name in PROVIDER_COLUMNS} == {
+        "Tally"
+    }
+    with override_settings(TALLY_FOCUS_PROVIDER_NAME="Acme GPU Platform"):
+        rows = _json(cast, period="2026-W45")
+    assert {row[name] for row in rows for name in PROVIDER_COLUMNS} == {"Acme GPU Platform"}
+    for row in rows:
+        check_row(row)
+
+
+@pytest.mark.parametrize("name", ["   ", "x" * 201])
+def test_a_provider_name_that_is_blank_or_too_long_stops_the_process(name: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", "from django.conf import settings; settings.INSTALLED_APPS"],
+        env={
+            **os.environ,
+            "DJANGO_SETTINGS_MODULE": "config.settings",
+            "TALLY_FOCUS_PROVIDER_NAME": name,
+        },
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode != 0
+    assert "TALLY_FOCUS_PROVIDER_NAME must name the provider in 1 to 200 characters" in (
+        result.stderr
+    )
 
 
 def test_the_docs_page_maps_every_column() -> None:

@@ -287,8 +287,11 @@ def test_people_of_a_week_to_the_hour_and_the_cent(cast: Cast, week: Week) -> No
     assert by_person["ana", "gpu"]["hours"] == "GPU-hours"
     assert by_person["ana", "gpu"]["currency"] == "USD"
     assert by_person["ana", "gpu"]["efficiency"] == f"{Decimal(112) / 148:.6f}"
-    assert by_person["ana", "gpu"]["since"] == "2026-11-02T00:00:00Z"
-    assert by_person["ana", "gpu"]["until"] == "2026-11-09T00:00:00Z"
+    assert by_person["ana", "gpu"]["start"] == "2026-11-02T00:00:00Z"
+    assert by_person["ana", "gpu"]["end"] == "2026-11-09T00:00:00Z"
+    # The deprecated names of the window, still sent until the next release.
+    assert by_person["ana", "gpu"]["since"] == by_person["ana", "gpu"]["start"]
+    assert by_person["ana", "gpu"]["until"] == by_person["ana", "gpu"]["end"]
     # Most billed first.
     assert [row["username"] for row in rows] == ["ana", "ben", "cara", "", "dan"]
 
@@ -388,6 +391,9 @@ def test_csv_has_the_json_columns(cast: Cast, week: Week) -> None:
         "144.000000",
     )
     assert list(rows[0]) == list(_get(cast, "lead_a", PEOPLE, **_week_query())[0])
+    # The window's new columns come last: a sheet reading the old columns by position still can.
+    assert list(rows[0])[-2:] == ["start", "end"]
+    assert (ben["start"], ben["end"]) == ("2026-11-02T00:00:00Z", "2026-11-09T00:00:00Z")
     jobs = cast.client("lead_a").get(JOBS, {"format": "csv", **_week_query()}).content.decode()
     notebook = next(
         row for row in csv.DictReader(io.StringIO(jobs)) if row["job"] == "Deployment/notebook"

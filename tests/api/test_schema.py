@@ -60,6 +60,9 @@ def test_schema_and_docs_need_a_login_unless_public(db: None, settings: Any) -> 
     assert anonymous.get("/api/docs/").status_code == 200
 
 
+WINDOW_NAMES = ("start", "end", "since", "until")
+
+
 def test_schema_has_areas_readable_ids_and_documented_errors(cast: Cast) -> None:
     response = cast.client("finance").get(
         "/api/schema/", HTTP_ACCEPT="application/vnd.oai.openapi+json"
@@ -84,6 +87,14 @@ def test_schema_has_areas_readable_ids_and_documented_errors(cast: Cast) -> None
             documented = operation["responses"][code]["content"]["application/json"]["schema"]
             assert documented == error, (path, code)
     assert schema["components"]["schemas"]["Error"]["properties"]["detail"]["type"] == "string"
+    # A billed row's window: `start`/`end`, and the old names marked deprecated.
+    billed = schema["components"]["schemas"]["BilledPerson"]["properties"]
+    assert {name: billed[name].get("deprecated", False) for name in WINDOW_NAMES} == {
+        "start": False,
+        "end": False,
+        "since": True,
+        "until": True,
+    }
 
 
 @pytest.fixture
