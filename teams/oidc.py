@@ -22,7 +22,7 @@ import requests
 from django.conf import settings
 from django.contrib.auth import get_user_model
 from django.core.exceptions import ValidationError
-from django.db import models
+from django.db import IntegrityError, models, transaction
 from django.http import HttpRequest
 from django.urls import reverse
 from mozilla_django_oidc.auth import OIDCAuthenticationBackend
@@ -173,7 +173,16 @@ class OidcBackend(OIDCAuthenticationBackend):
     def create_user(self, claims: dict[str, Any]) -> Any:
         username = self.username(claims)
         assert username is not None  # verify_claims refused the sign-in otherwise
-        return self.UserModel.objects.create_user(username, email=claims.get("email") or "")
+        try:
+            with transaction.atomic():  # a savepoint, in case the user is created meanwhile
+                return self.UserModel.objects.create_user(username, email=claims.get("email") or "")
+        except IntegrityError:
+            # Created since the lookup, by `apply_policy` naming them in a team or by a second
+            # sign-in of theirs: that user is the one signing in, not a failed login.
+            user = self.filter_users_by_claims(claims).first()
+            if user is None:
+                raise
+            return user
 
     def get_or_create_user(self, access_token: str, id_token: str, payload: dict[str, Any]) -> Any:
         user = super().get_or_create_user(access_token, id_token, payload)

@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Any, TypeVar
 
 from django.contrib.auth import get_user_model
-from django.db import models, transaction
+from django.db import IntegrityError, models, transaction
 from django.db.models import ProtectedError, RestrictedError
 from django.utils import timezone
 
@@ -463,24 +463,49 @@ class _Applier:
         ]
 
     def _users(self, teams: Iterable[TeamSpec]) -> dict[str, Any]:
-        """The users the teams name, by username; missing ones created, password unusable."""
+        """The users the teams name, by username; missing ones created, password unusable.
+
+        Each named user's row is locked (in id order) and their memberships read again under
+        the lock, which a sign-in holds too (`teams.sso.apply_sso_groups`): a membership a
+        sign-in gave after this transaction read the state is seen, and made the file's,
+        rather than inserted twice (a unique violation that failed the whole apply); a sign-in
+        meanwhile waits for this transaction. A user a sign-in creates at the same moment is
+        taken as found, not created twice.
+        """
         user_model = get_user_model()
-        usernames = sorted({username for spec in teams for username in spec.roles()})
+        name_field = user_model.USERNAME_FIELD
+        named = {f"{name_field}__in": sorted({name for spec in teams for name in spec.roles()})}
+        found = set(user_model._default_manager.filter(**named).values_list(name_field, flat=True))
+        for username in named[f"{name_field}__in"]:
+            if username in found:
+                continue
+            user = user_model(**{name_field: username})
+            user.set_unusable_password()
+            try:
+                with transaction.atomic():  # a savepoint: a sign-in may create them meanwhile
+                    user.save()
+            except IntegrityError:
+                if not user_model._default_manager.filter(**{name_field: username}).exists():
+                    raise
+                continue  # a sign-in created them first: locked and read below
+            self.report.add(action="created", object_type="user", line=f"created user {username}")
         users = {
             user.get_username(): user
-            for user in user_model._default_manager.filter(
-                **{f"{user_model.USERNAME_FIELD}__in": usernames}
-            )
+            for user in user_model._default_manager.select_for_update()
+            .filter(**named)
+            .order_by("pk")
         }
-        for username in usernames:
-            if username not in users:
-                user = user_model(**{user_model.USERNAME_FIELD: username})
-                user.set_unusable_password()
-                user.save()
-                users[username] = user
-                self.report.add(
-                    action="created", object_type="user", line=f"created user {username}"
-                )
+        teams_by_id = {team.pk: team for team in self.state.teams.values()}
+        users_by_id = {user.pk: user for user in users.values()}
+        for held in self.state.memberships.values():
+            for username in users.keys() & held.keys():
+                del held[username]
+        for membership in Membership.objects.filter(user__in=users.values()):
+            if (team := teams_by_id.get(membership.team_id)) is None:
+                continue  # a team made since the state was read: not this file's to change
+            membership.user = users_by_id[membership.user_id]
+            membership.team = team
+            self.state.memberships[team.pk][membership.user.get_username()] = membership
         return users
 
     def _team(self, spec: TeamSpec) -> Team:

@@ -224,3 +224,108 @@ def test_two_sign_ins_of_one_user_at_once_apply_one_after_the_other() -> None:
     # It then saw the first's membership: no second insert, no unique violation.
     assert errors == []
     assert Membership.objects.filter(user=user).count() == 1
+
+
+def _hold_in_thread(work: Any) -> tuple[threading.Thread, threading.Event, threading.Event]:
+    """Run `work` in a transaction of its own connection and keep it open (its locks and
+    uncommitted rows held) until the returned `release` is set."""
+    holds, release = threading.Event(), threading.Event()
+
+    def run() -> None:
+        try:
+            with transaction.atomic():
+                work()
+                holds.set()
+                release.wait(10)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    assert holds.wait(10)
+    return thread, holds, release
+
+
+def _apply_in_thread(text: str, errors: list[BaseException]) -> threading.Thread:
+    def run() -> None:
+        try:
+            apply_text(text)
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_file_naming_a_user_while_they_sign_in_makes_their_membership_its_own() -> None:
+    apply_text(MAPPING)
+    user = User.objects.create_user("ana")
+    # Ana signs in: her sign-in gives her a vision membership and has not committed yet when
+    # the file naming her a lead of vision is applied.
+    signing_in, _, release = _hold_in_thread(
+        lambda: apply_sso_groups(user=user, groups=["vision-all"], actor="sso:ana")
+    )
+    errors: list[BaseException] = []
+    applying = _apply_in_thread(MAPPING.replace("[file-lead]", "[file-lead, ana]"), errors)
+    applying.join(0.5)
+    assert applying.is_alive()  # waiting for the sign-in, on ana's row
+    release.set()
+    signing_in.join(10)
+    applying.join(20)
+    # The apply saw the sign-in's membership and made it the file's: no unique violation.
+    assert errors == []
+    membership = Membership.objects.get(user=user)
+    assert (membership.role, membership.granted_by_sso) == (Role.LEAD, False)
+    assert AuditEntry.objects.filter(object_type="membership", action="update").exists()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_file_naming_a_user_a_sign_in_is_creating_takes_that_user() -> None:
+    apply_text(MAPPING)
+    created = _hold_in_thread(lambda: User.objects.create_user("ben"))
+    signing_in, _, release = created
+    errors: list[BaseException] = []
+    applying = _apply_in_thread(MAPPING.replace("[file-lead]", "[file-lead, ben]"), errors)
+    applying.join(0.5)
+    assert applying.is_alive()  # its insert of ben waits for the sign-in's
+    release.set()
+    signing_in.join(10)
+    applying.join(20)
+    assert errors == []
+    user = User.objects.get(username="ben")
+    assert not user.has_usable_password()
+    assert Membership.objects.get(user=user).role == Role.LEAD
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_sign_in_creating_a_user_the_file_is_creating_signs_that_user_in() -> None:
+    from teams.oidc import OidcBackend
+
+    apply_text(MAPPING)
+    applying, _, release = _hold_in_thread(
+        lambda: apply_text(MAPPING.replace("[file-lead]", "[file-lead, cara]"))
+    )
+    found: list[Any] = []
+    errors: list[BaseException] = []
+
+    def sign_in() -> None:
+        try:
+            found.append(OidcBackend().create_user({"preferred_username": "cara"}))
+        except BaseException as exc:
+            errors.append(exc)
+        finally:
+            connection.close()
+
+    signing_in = threading.Thread(target=sign_in)
+    signing_in.start()
+    signing_in.join(0.5)
+    assert signing_in.is_alive()  # its insert waits for the apply's
+    release.set()
+    applying.join(10)
+    signing_in.join(20)
+    assert errors == []
+    assert [user.pk for user in found] == [User.objects.get(username="cara").pk]
