@@ -19,9 +19,11 @@ def _serve_metrics(**_: object) -> None:
     """Worker and beat have no web server: serve their metrics on TALLY_WORKER_METRICS_PORT."""
     port = os.environ.get("TALLY_WORKER_METRICS_PORT")
     if port:
+        from django.conf import settings
+
         from core.metrics import start_metrics_server
 
-        start_metrics_server(int(port))
+        start_metrics_server(int(port), token=settings.TALLY_METRICS_TOKEN)
 
 
 @cache

@@ -8,8 +8,8 @@
   pod has a private address, so "internal only" is no protection there.
 
 The worker's and the syncer's own metrics ports (`core.metrics.start_metrics_server`) serve
-plain HTTP without a token; the `tally-metrics` NetworkPolicy admits only the monitoring
-namespace to them.
+plain HTTP and want the same token when it is set (401 without); the `tally-metrics`
+NetworkPolicy also admits only the monitoring namespace to them.
 """
 
 from __future__ import annotations

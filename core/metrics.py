@@ -35,11 +35,13 @@ policy's rule names, capped per process.
 
 from __future__ import annotations
 
+import hmac
 import os
 import re
 import threading
 from collections.abc import Iterable, Mapping
-from typing import Generic, TypeVar
+from typing import TYPE_CHECKING, Generic, TypeVar
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
@@ -49,11 +51,15 @@ from prometheus_client import (
     Gauge,
     Histogram,
     generate_latest,
-    start_http_server,
+    make_wsgi_app,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from _typeshed.wsgi import StartResponse, WSGIApplication, WSGIEnvironment
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -271,10 +277,50 @@ def render(*, include_database: bool = True) -> bytes:
     return output
 
 
-def start_metrics_server(port: int, *, address: str = "0.0.0.0") -> None:
+def start_metrics_server(
+    port: int, *, address: str = "0.0.0.0", token: str | None = None
+) -> WSGIServer:
     """Serve the process metrics on `port` from a thread, for processes without a web server.
 
-    For the syncer (`sync_inventory`) and the Celery worker and beat, whose metrics the web
-    pods cannot see. Only the monitoring namespace may reach the port (NetworkPolicy).
+    For the syncer (`sync_inventory`) and the Celery worker, whose metrics the web pods cannot
+    see. With `token` (TALLY_METRICS_TOKEN, as the web pods' /metrics takes it) a scrape needs
+    `Authorization: Bearer <token>`, or is answered 401; without, anyone who reaches the port
+    may read it, and only the NetworkPolicy (the monitoring namespace alone) keeps others out.
     """
-    start_http_server(port, addr=address, registry=process_registry())
+    app = make_wsgi_app(process_registry())
+    server = make_server(
+        address,
+        port,
+        _bearer_only(app, token) if token else app,
+        ThreadingWSGIServer,
+        handler_class=_QuietHandler,
+    )
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server
+
+
+class _QuietHandler(WSGIRequestHandler):
+    """No access log line for every scrape."""
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+def _bearer_only(app: WSGIApplication, token: str) -> WSGIApplication:
+    """`app`, answering 401 to a request without `Authorization: Bearer <token>`."""
+    expected = token.encode()
+
+    def guarded(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        scheme, _, given = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected):
+            return app(environ, start_response)
+        start_response(
+            "401 Unauthorized",
+            [
+                ("Content-Type", "text/plain; charset=utf-8"),
+                ("WWW-Authenticate", 'Bearer realm="tally-metrics"'),
+            ],
+        )
+        return [b"metrics need a bearer token\n"]
+
+    return guarded

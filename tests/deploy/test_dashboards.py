@@ -440,6 +440,9 @@ def test_the_monitors_scrape_every_process_that_serves_metrics(tmp_path: Path) -
         (container,) = spec["containers"]
         ports = {p["name"]: p["containerPort"] for p in container.get("ports", [])}
         assert served_metrics_port(container) == ports[pod_endpoint["port"]], scraped[-1]
+        # Each wants the token the monitor sends, mounted from the same secret as the web's.
+        token_file = env_of(container)["TALLY_METRICS_TOKEN_FILE"]["value"]
+        assert pod_endpoint["authorization"]["credentials"] == mounted_secret(spec, token_file)
     assert sorted(scraped) == ["tally-syncer", "tally-worker"]
 
 

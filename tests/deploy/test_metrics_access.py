@@ -1,10 +1,11 @@
 """Every port a Tally pod serves metrics on is reachable from the monitoring namespace alone.
 
-The web pods' /metrics takes a bearer token (config/metrics_auth.py); the worker's and the
-syncer's own metrics ports (core.metrics.start_metrics_server) serve plain HTTP without one,
-so the NetworkPolicies are all that keeps other pods from them. Kubernetes admits a connection
-that ANY policy selecting the pod admits, so every policy selecting a metrics pod is read: each
-rule that admits its metrics port must name only namespaces labelled tally.dev/monitoring.
+The web pods' /metrics takes a bearer token (config/metrics_auth.py), and so do the worker's
+and the syncer's own metrics ports (core.metrics.start_metrics_server, plain HTTP) when the
+token is set; the NetworkPolicies keep other pods from them all the same. Kubernetes admits a
+connection that ANY policy selecting the pod admits, so every policy selecting a metrics pod is
+read: each rule that admits its metrics port must name only namespaces labelled
+tally.dev/monitoring.
 """
 
 from __future__ import annotations

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from typing import Any
 from unittest import mock
 
@@ -71,6 +73,38 @@ def test_metrics_need_the_token_when_one_is_set(client: Client, settings: Settin
     response = client.get("/metrics", HTTP_AUTHORIZATION="Bearer s3cret")
     assert response.status_code == 200
     assert response["Content-Type"].startswith("text/plain; version=")
+
+
+def _scrape(port: int, token: str | None) -> tuple[int, str]:
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as refused:
+        return refused.code, refused.read().decode()
+
+
+def test_the_worker_and_syncer_metrics_port_wants_the_token_when_one_is_set() -> None:
+    # The process-metrics server the worker and the syncer run, over real HTTP.
+    server = metrics.start_metrics_server(0, address="127.0.0.1", token="s3cret")
+    try:
+        port = server.server_address[1]
+        assert _scrape(port, None)[0] == 401
+        assert _scrape(port, "wrong")[0] == 401
+        status, text = _scrape(port, "s3cret")
+        assert status == 200
+        assert "tally_" in text or "python_info" in text
+    finally:
+        server.shutdown()
+        server.server_close()
+    # Without a token (development), anyone who reaches the port reads it.
+    server = metrics.start_metrics_server(0, address="127.0.0.1")
+    try:
+        assert _scrape(server.server_address[1], None)[0] == 200
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_metrics_without_a_token_answer_internal_addresses_only(

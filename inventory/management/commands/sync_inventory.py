@@ -202,7 +202,7 @@ class Command(BaseCommand):
             f"Syncing {', '.join(kinds)} of cluster {cluster.name}; stop with SIGTERM"
         )
         if options["metrics_port"]:
-            start_metrics_server(options["metrics_port"])
+            start_metrics_server(options["metrics_port"], token=settings.TALLY_METRICS_TOKEN)
 
         def work(stop_working: threading.Event) -> dict[str, services.SyncReport]:
             return kube_sync.sync(
