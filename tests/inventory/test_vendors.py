@@ -238,7 +238,7 @@ def test_a_guests_vgpu_is_named_by_its_types_board_and_never_its_physical_produc
     whole["uuid"] = {"string": "GPU-0c9e8d7f-3b7d-11ef-8f00-1a2b3c4d5e6f"}
     report = services.import_snapshot(
         cluster=services.get_cluster("fx"),
-        objects=objects + [passthrough],
+        objects=[*objects, passthrough],
         at=AT,
         kinds=["ResourceSlice"],
     )
