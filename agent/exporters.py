@@ -80,6 +80,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -397,33 +398,81 @@ GAUDI = ExporterProfile(
 )
 
 
-def hlml_serial_buses() -> dict[str, str]:
+# Where Habana's packages install HLML (habanalabs-firmware-tools, with hl-smi) and where pyhlml
+# looks by default; deploy/components/agent-gaudi mounts the host's directory there.
+HLML_LIBRARY_DIR = "/usr/lib/habanalabs"
+HLML_LIBRARY = "libhlml.so"
+
+
+def hlml_serial_buses(library_dir: str | Path = HLML_LIBRARY_DIR) -> dict[str, str]:
     """Each Gaudi card's serial number -> its PCI address, as HLML (Habana's management
-    library, `pyhlml`) reports them on this node: what the exporter's `Serial` and the DRA
-    driver's `serial` attribute are read from. Empty where HLML cannot be read (unmeasured,
-    never misplaced)."""
+    library, through `pyhlml`) reports them on this node: what the exporter's `Serial` and the
+    DRA driver's `serial` attribute are read from. `library_dir` holds `libhlml.so`
+    (`TALLY_HLML_LIBRARY_DIR`). Empty where HLML cannot be read (unmeasured, never
+    misplaced), with a warning naming the library it looked for and why it failed."""
+    library = Path(library_dir) / HLML_LIBRARY
+    if not library.is_file():
+        log.warning(
+            "HLML's library %s is missing (TALLY_HLML_LIBRARY_DIR=%s): Gaudi cards cannot be "
+            "named by serial number and stay unmeasured. Mount the host's directory holding "
+            "libhlml.so (Habana's habanalabs-firmware-tools package installs it in %s; see "
+            "deploy/components/agent-gaudi)",
+            library,
+            library_dir,
+            HLML_LIBRARY_DIR,
+        )
+        return {}
     try:
         import pyhlml
     except ImportError:
         log.warning("pyhlml is not installed: Gaudi cards cannot be named by serial number")
         return {}
-    found: dict[str, str] = {}
     try:
-        pyhlml.hlmlInit()
+        _hlml_init(library)
     except Exception as error:  # the library raises its own error types
-        log.warning("HLML could not be initialised: %s", error)
+        log.warning("HLML (%s) could not be initialised: %s", library, error)
         return {}
     try:
-        for index in range(pyhlml.hlmlDeviceGetCount()):
-            handle = pyhlml.hlmlDeviceGetHandleByIndex(index)
-            serial = _text(pyhlml.hlmlDeviceGetSerial(handle))
-            bus = _text(pyhlml.hlmlDeviceGetPCIInfo(handle).bus_id).lower()
+        return serial_buses_of(pyhlml)
+    finally:
+        pyhlml.hlmlShutdown()
+
+
+def _hlml_init(library: Path) -> None:
+    """`pyhlml.hlmlInit`, with the library at `library`: pyhlml loads only its built-in path
+    (`/usr/lib/habanalabs/libhlml.so`), and prints, rather than raises, why a load failed. The
+    library is opened here first so that the loader's own message (a missing dependency, a C
+    library too old for it) reaches the warning; then pyhlml's loader object is pointed at it,
+    as `hlmlInit` would (pyhlml 1.24, pinned in pyproject.toml)."""
+    import ctypes
+
+    from pyhlml import main as hlml_main
+    from pyhlml.hlml_lib import LibHLML
+
+    try:
+        ctypes.CDLL(str(library))
+    except OSError as error:
+        raise RuntimeError(f"cannot load it: {error}") from error
+    hlml_main.ErrorsAsClass()
+    loaded = LibHLML(str(library))
+    hlml_main._hlmlOBJ = loaded
+    result = loaded.get_func_ptr("hlml_init")()
+    loaded.inc_ref()
+    hlml_main.check_return(result)
+
+
+def serial_buses_of(hlml: Any) -> dict[str, str]:
+    """The serial -> PCI address of each card an initialised HLML (pyhlml's API) lists."""
+    found: dict[str, str] = {}
+    try:
+        for index in range(hlml.hlmlDeviceGetCount()):
+            handle = hlml.hlmlDeviceGetHandleByIndex(index)
+            serial = _text(hlml.hlmlDeviceGetSerial(handle))
+            bus = _text(hlml.hlmlDeviceGetPCIInfo(handle).bus_id).lower()
             if serial and _BDF.fullmatch(bus):
                 found[serial] = bus
     except Exception as error:
         log.warning("HLML could not list the Gaudi cards: %s", error)
-    finally:
-        pyhlml.hlmlShutdown()
     return found
 
 

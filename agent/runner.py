@@ -37,6 +37,7 @@ harmless; samples are never sent twice otherwise.
 from __future__ import annotations
 
 import argparse
+import functools
 import http.client
 import json
 import logging
@@ -82,6 +83,8 @@ configuration (environment variables, defaults in brackets):
   TALLY_EXPORTER_PROFILE           dcgm, amd, intel, gaudi or tpu: which exporter (exporter)
   TALLY_EXPORTER_WITH_NVML         true: read NVML too, for MIG devices (exporter, dcgm) [false]
   TALLY_AGENT_SYS_ROOT             the host's /sys, to find AMD GPUs' PCI addresses [/sys]
+  TALLY_HLML_LIBRARY_DIR           the directory holding Habana's libhlml.so, to name Gaudi
+                                   cards by serial (exporter, gaudi) [/usr/lib/habanalabs]
   TALLY_PROMETHEUS_URL             Prometheus with the DCGM exporter's metrics (dcgm)
   TALLY_PROMETHEUS_TOKEN_FILE      bearer token for Prometheus (dcgm)
   TALLY_PROMETHEUS_NODE_LABEL      the label naming a metric's node (dcgm) [Hostname]
@@ -124,6 +127,7 @@ class Config:
     exporter_profile: str = "dcgm"
     exporter_with_nvml: bool = False
     sys_root: str = "/sys"
+    hlml_library_dir: str = "/usr/lib/habanalabs"
     proc_root: str = "/proc"
     timeout_seconds: float = 10.0
     backoff_initial_seconds: float = 1.0
@@ -161,7 +165,7 @@ class Config:
                 "TALLY_EXPORTER_URL (http:// or https://) is required with "
                 "TALLY_AGENT_SOURCE=exporter"
             )
-        from agent.exporters import PROFILES, MatchBy
+        from agent.exporters import HLML_LIBRARY_DIR, PROFILES, MatchBy
 
         names = list(PROFILES)
         profile = (env.get("TALLY_EXPORTER_PROFILE") or names[0]).strip().lower()
@@ -204,6 +208,7 @@ class Config:
             exporter_profile=profile,
             exporter_with_nvml=with_nvml == "true",
             sys_root=env.get("TALLY_AGENT_SYS_ROOT") or "/sys",
+            hlml_library_dir=env.get("TALLY_HLML_LIBRARY_DIR") or HLML_LIBRARY_DIR,
             proc_root=env.get("TALLY_AGENT_PROC_ROOT") or "/proc",
             timeout_seconds=_positive_float(env, "TALLY_AGENT_TIMEOUT_SECONDS", 10.0),
             backoff_max_seconds=_positive_float(env, "TALLY_AGENT_BACKOFF_MAX_SECONDS", 60.0),
@@ -666,7 +671,7 @@ def _retry_after_seconds(value: str | None) -> float | None:
 def make_source(config: Config) -> Source:
     """The source `TALLY_AGENT_SOURCE` names; NVML is imported only when asked for."""
     if config.source == "exporter":
-        from agent.exporters import PROFILES, ExporterSource
+        from agent.exporters import PROFILES, ExporterSource, hlml_serial_buses
 
         nvml = None
         if config.exporter_with_nvml:
@@ -678,6 +683,7 @@ def make_source(config: Config) -> Source:
             PROFILES[config.exporter_profile],
             sys_root=config.sys_root,
             nvml=nvml,
+            serials=functools.partial(hlml_serial_buses, config.hlml_library_dir),
             timeout_seconds=config.timeout_seconds,
         )
     if config.source == "dcgm":

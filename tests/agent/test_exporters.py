@@ -310,29 +310,102 @@ def test_the_source_asks_hlml_for_the_serials_of_a_profile_matched_by_serial() -
         server.server_close()
 
 
-def test_hlml_serial_buses_reads_each_cards_serial_and_pci_address(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """`hlml_serial_buses` through pyhlml's API (a stand-in module: the library needs the
-    Habana driver): bytes decoded, NUL padding stripped, addresses lower-cased, a card without
-    a PCI address left out, HLML shut down."""
+def test_serial_buses_of_reads_each_cards_serial_and_pci_address() -> None:
+    """Through pyhlml's API (a stand-in module: the library needs the Habana driver): bytes
+    decoded, NUL padding stripped, addresses lower-cased, a card without a PCI address left
+    out."""
     import types
+
+    from agent.exporters import serial_buses_of
+
+    cards = [(b"AN402031", b"0000:0F:00.0\x00\x00"), (b"AN402038", b"0000:17:00.0"), (b"X", b"")]
+    info = types.SimpleNamespace
+    api = types.SimpleNamespace(
+        hlmlDeviceGetCount=lambda: len(cards),
+        hlmlDeviceGetHandleByIndex=lambda index: index,
+        hlmlDeviceGetSerial=lambda handle: cards[handle][0],
+        hlmlDeviceGetPCIInfo=lambda handle: info(bus_id=cards[handle][1]),
+    )
+    assert serial_buses_of(api) == {"AN402031": "0000:0f:00.0", "AN402038": "0000:17:00.0"}
+
+
+def test_a_missing_hlml_library_is_named_in_the_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A node where the library is not where the agent was told (the host directory not
+    mounted, or the firmware tools not installed): no cards, and the warning names the file it
+    looked for, the variable that set it and where Habana's package puts it."""
+    from agent.exporters import hlml_serial_buses
+
+    with caplog.at_level("WARNING", logger="agent.exporters"):
+        assert hlml_serial_buses(tmp_path / "habanalabs") == {}
+    (message,) = caplog.messages
+    assert f"{tmp_path / 'habanalabs' / 'libhlml.so'} is missing" in message
+    assert f"TALLY_HLML_LIBRARY_DIR={tmp_path / 'habanalabs'}" in message
+    assert "/usr/lib/habanalabs" in message and "deploy/components/agent-gaudi" in message
+
+
+def test_an_hlml_library_that_does_not_load_says_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A file that the loader refuses (here not a shared object at all; on a node, a library
+    built for a newer C library than the image's): the loader's own reason is in the warning,
+    not pyhlml's bare "Failed to load libhlml"."""
+    from agent.exporters import hlml_serial_buses
+
+    (tmp_path / "libhlml.so").write_text("not a library")
+    with caplog.at_level("WARNING", logger="agent.exporters"):
+        assert hlml_serial_buses(tmp_path) == {}
+    (message,) = caplog.messages
+    assert f"HLML ({tmp_path / 'libhlml.so'}) could not be initialised: cannot load it:" in message
+    assert "invalid ELF header" in message or "too short" in message
+
+
+# A stand-in for libhlml.so with the five calls the agent makes, in the C API's shapes
+# (docs.habana.ai, HLML C API Reference; pyhlml 1.24's ctypes signatures): two cards.
+FAKE_HLML = r"""
+#include <string.h>
+typedef struct { unsigned int bus; char bus_id[19]; } pci_info;  /* the leading fields */
+static const char *serials[] = {"AN402031", "AN402038"};
+static const char *buses[] = {"0000:0F:00.0", "0000:17:00.0"};
+static int initialised;
+int hlml_init(void) { initialised = 1; return 0; }
+int hlml_shutdown(void) { initialised = 0; return 0; }
+int hlml_device_get_count(unsigned int *count) { *count = 2; return initialised ? 0 : 1; }
+int hlml_device_get_handle_by_index(unsigned int index, void **device) {
+    *device = (void *)(unsigned long)(index + 1); return index < 2 ? 0 : 2;
+}
+int hlml_device_get_serial(void *device, char *serial, unsigned int length) {
+    strncpy(serial, serials[(unsigned long)device - 1], length); return 0;
+}
+int hlml_device_get_pci_info(void *device, pci_info *info) {
+    strcpy(info->bus_id, buses[(unsigned long)device - 1]); return 0;
+}
+"""
+
+
+def test_hlml_is_loaded_from_the_directory_the_agent_is_given(tmp_path: Path) -> None:
+    """Through pyhlml itself, with a library that is not at pyhlml's built-in path: the
+    agent's `TALLY_HLML_LIBRARY_DIR` is the one read (a C compiler builds the stand-in)."""
+    import shutil
+    import subprocess
 
     from agent.exporters import hlml_serial_buses
 
-    cards = [(b"AN402031", b"0000:0F:00.0\x00\x00"), (b"AN402038", b"0000:17:00.0"), (b"X", b"")]
-    calls: list[str] = []
-    info = types.SimpleNamespace
-    fake = types.ModuleType("pyhlml")
-    fake.hlmlInit = lambda: calls.append("init")  # type: ignore[attr-defined]
-    fake.hlmlShutdown = lambda: calls.append("shutdown")  # type: ignore[attr-defined]
-    fake.hlmlDeviceGetCount = lambda: len(cards)  # type: ignore[attr-defined]
-    fake.hlmlDeviceGetHandleByIndex = lambda index: index  # type: ignore[attr-defined]
-    fake.hlmlDeviceGetSerial = lambda handle: cards[handle][0]  # type: ignore[attr-defined]
-    fake.hlmlDeviceGetPCIInfo = lambda handle: info(bus_id=cards[handle][1])  # type: ignore[attr-defined]
-    monkeypatch.setitem(__import__("sys").modules, "pyhlml", fake)
-    assert hlml_serial_buses() == {"AN402031": "0000:0f:00.0", "AN402038": "0000:17:00.0"}
-    assert calls == ["init", "shutdown"]
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler to build a stand-in libhlml.so")
+    library_dir = tmp_path / "opt" / "habanalabs"
+    library_dir.mkdir(parents=True)
+    (tmp_path / "fake_hlml.c").write_text(FAKE_HLML)
+    subprocess.run(
+        [compiler, "-shared", "-fPIC", "-o", library_dir / "libhlml.so", tmp_path / "fake_hlml.c"],
+        check=True,
+    )
+    assert hlml_serial_buses(library_dir) == {
+        "AN402031": "0000:0f:00.0",
+        "AN402038": "0000:17:00.0",
+    }
 
 
 # Configuration
@@ -353,6 +426,13 @@ def test_the_agent_reads_an_exporter_when_configured_to(exporter: str) -> None:
     assert isinstance(source, ExporterSource)
     assert source.profile is INTEL
     assert len(source.read()) == 2
+    assert runner.Config.from_env(env).hlml_library_dir == "/usr/lib/habanalabs"
+    gaudi = runner.Config.from_env(
+        env | {"TALLY_EXPORTER_PROFILE": "gaudi", "TALLY_HLML_LIBRARY_DIR": "/host/habanalabs"}
+    )
+    assert gaudi.hlml_library_dir == "/host/habanalabs"
+    assert isinstance(gaudi_source := runner.make_source(gaudi), ExporterSource)
+    assert getattr(gaudi_source.serials, "args", None) == ("/host/habanalabs",)
     for bad, message in (
         ({"TALLY_EXPORTER_URL": ""}, "TALLY_EXPORTER_URL"),
         ({"TALLY_EXPORTER_PROFILE": "habana"}, "TALLY_EXPORTER_PROFILE must be dcgm, amd"),

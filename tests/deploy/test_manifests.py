@@ -14,6 +14,7 @@ import secrets
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
@@ -38,6 +39,11 @@ DEPLOY = REPO / "deploy"
 # How to deploy, with the secrets to create (deploy/README.md points to it).
 DEPLOY_DOCS = REPO / "docs" / "operations" / "deploying.md"
 OVERLAYS = ["default", "production"]
+# The components an operator adds to an overlay of theirs that change the processes: rendered
+# onto production as such an overlay would ("production+<component>"), every check here holds
+# with them too.
+COMPONENTS = ["agent-gaudi"]
+RENDERINGS = [*OVERLAYS, *(f"production+{component}" for component in COMPONENTS)]
 KUBERNETES_VERSION = "1.34"
 SYSTEM_NAMESPACES = ["kube-system", "kube-public", "kube-node-lease"]
 CRD_REQUIRED = {
@@ -51,16 +57,28 @@ Obj = dict[str, Any]
 
 @cache
 def render(overlay: str) -> tuple[Obj, ...]:
+    """An overlay, or `<overlay>+<component>`: the overlay with a component added."""
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed: cannot render the Kustomize overlays")
-    result = subprocess.run(
-        [kubectl, "kustomize", str(DEPLOY / "overlays" / overlay)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    name, _, component = overlay.partition("+")
+    with tempfile.TemporaryDirectory() as scratch:
+        target = DEPLOY / "overlays" / name
+        if component:
+            # Kustomize takes relative paths only.
+            kustomization = {
+                "resources": [os.path.relpath(target, scratch)],
+                "components": [os.path.relpath(DEPLOY / "components" / component, scratch)],
+            }
+            (Path(scratch) / "kustomization.yaml").write_text(yaml.safe_dump(kustomization))
+            target = Path(scratch)
+        result = subprocess.run(
+            [kubectl, "kustomize", str(target)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
     assert result.returncode == 0, result.stderr
     return tuple(doc for doc in yaml.safe_load_all(result.stdout) if doc)
 
@@ -156,7 +174,7 @@ def network_policy_ports(objects: tuple[Obj, ...]) -> dict[int, list[Obj]]:
     return allowed
 
 
-@pytest.fixture(params=OVERLAYS)
+@pytest.fixture(params=RENDERINGS)
 def objects(request: pytest.FixtureRequest) -> tuple[Obj, ...]:
     return render(request.param)
 
@@ -264,31 +282,40 @@ def test_the_web_pods_serve_tls_from_the_certificate(objects: tuple[Obj, ...]) -
     assert container["livenessProbe"]["httpGet"]["path"] == "/healthz"
 
 
+def agents(objects: tuple[Obj, ...]) -> list[Obj]:
+    """The node agents' DaemonSets: the base's, and one per component that adds one."""
+    return [o for o in objects if o["kind"] == "DaemonSet" and "agent" in o["metadata"]["name"]]
+
+
 def test_the_agent_reaches_the_ingest_port(objects: tuple[Obj, ...]) -> None:
     agent = find(objects, "DaemonSet", "tally-agent")
     spec = agent["spec"]["template"]["spec"]
     assert spec["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
     assert {t["key"] for t in spec["tolerations"]} == {"nvidia.com/gpu"}
-    (container,) = spec["containers"]
-    environment = env_of(container)
-    url = urlsplit(environment["TALLY_URL"]["value"])
-    assert url.scheme == "https"
-    service = find(objects, "Service", url.hostname.split(".")[0] if url.hostname else "")
-    assert url.hostname in service_dns_names(service)
-    assert url.hostname in find(objects, "Certificate", "tally-web")["spec"]["dnsNames"]
-    target = service_target(objects, service, url.port or 443)
-    assert listeners(web_container(objects))[target] == ["/ingest/"]
+    target = 0
+    for each in agents(objects):
+        (container,) = each["spec"]["template"]["spec"]["containers"]
+        environment = env_of(container)
+        url = urlsplit(environment["TALLY_URL"]["value"])
+        assert url.scheme == "https"
+        service = find(objects, "Service", url.hostname.split(".")[0] if url.hostname else "")
+        assert url.hostname in service_dns_names(service)
+        assert url.hostname in find(objects, "Certificate", "tally-web")["spec"]["dnsNames"]
+        target = service_target(objects, service, url.port or 443)
+        assert listeners(web_container(objects))[target] == ["/ingest/"]
+        # The token comes from a Secret through TALLY_AGENT_TOKEN_FILE; only ca.crt is mounted.
+        mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+        volumes = {v["name"]: v for v in each["spec"]["template"]["spec"]["volumes"]}
+        token_file = Path(environment["TALLY_AGENT_TOKEN_FILE"]["value"])
+        assert volumes[mounts[str(token_file.parent)]]["secret"]["secretName"] == (
+            "tally-agent-token"
+        )
+        ca_volume = volumes[mounts[str(Path(environment["TALLY_AGENT_CA_FILE"]["value"]).parent)]]
+        assert ca_volume["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
     assert resolve("/ingest/samples"), "POST /ingest/samples is not routed in config/urls.py"
-    # Only agent pods may reach the ingest port.
+    # Only agent pods may reach the ingest port: each agent's, nothing else.
     peers = network_policy_ports(objects)[target]
-    assert peers == [{"podSelector": {"matchLabels": spec_labels(agent)}}]
-    # The token comes from a Secret through TALLY_AGENT_TOKEN_FILE; only ca.crt is mounted.
-    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
-    volumes = {v["name"]: v for v in spec["volumes"]}
-    token_volume = volumes[mounts[str(Path(environment["TALLY_AGENT_TOKEN_FILE"]["value"]).parent)]]
-    assert token_volume["secret"]["secretName"] == "tally-agent-token"
-    ca_volume = volumes[mounts[str(Path(environment["TALLY_AGENT_CA_FILE"]["value"]).parent)]]
-    assert ca_volume["secret"]["items"] == [{"key": "ca.crt", "path": "ca.crt"}]
+    assert peers == [{"podSelector": {"matchLabels": spec_labels(a)}} for a in agents(objects)]
 
 
 def spec_labels(obj: Obj) -> dict[str, str]:
@@ -371,12 +398,23 @@ def test_one_image_for_everything(objects: tuple[Obj, ...]) -> None:
 # -- security -----------------------------------------------------------------------------
 
 
+# Privileged, still as a non-root user with no capabilities: the Gaudi agent, whose HLML opens
+# each card's control device node, which only a privileged container may open when it holds no
+# card (deploy/components/agent-gaudi/agent-gaudi.yaml). Kubernetes refuses privileged with
+# allowPrivilegeEscalation false.
+PRIVILEGED = {"tally-agent-gaudi"}
+
+
 def test_pods_run_as_non_root_with_limits(objects: tuple[Obj, ...]) -> None:
     for obj, spec in pod_specs(objects):
         assert spec["securityContext"]["runAsNonRoot"] is True, obj["metadata"]["name"]
         for container in spec["containers"]:
             context = container["securityContext"]
-            assert context["allowPrivilegeEscalation"] is False
+            if obj["metadata"]["name"] in PRIVILEGED:
+                assert context["privileged"] is True and "allowPrivilegeEscalation" not in context
+            else:
+                assert context.get("privileged", False) is False
+                assert context["allowPrivilegeEscalation"] is False
             assert context["readOnlyRootFilesystem"] is True
             assert context["capabilities"]["drop"] == ["ALL"]
             assert container["resources"]["requests"] and container["resources"]["limits"]

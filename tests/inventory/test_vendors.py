@@ -6,6 +6,7 @@ accelerators, what unit they count, how a partition's share and a device's ident
 
 from __future__ import annotations
 
+import copy
 from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 from pathlib import Path
@@ -217,6 +218,46 @@ def test_vgpu_profiles_count_their_fraction_of_the_physical_gpu() -> None:
     assert {d.meter_id for d in tens} == {d.uuid for d in tens}
     assert physical_units(tens) == 2
     assert small.gpu_share + sum(d.gpu_share for d in tens) == Decimal("0.6")
+
+
+def test_a_guests_vgpu_is_named_by_its_types_board_and_never_its_physical_product() -> None:
+    """docs/reference/drivers.md, "What a guest cannot tell": the guest names only the type, so
+    the model is the board the type names; a type whose board Tally's table lacks counts a
+    whole GPU (overcharged, never undercharged); a card passed through whole keeps its name."""
+    objects = list(iter_objects(VENDORS / "vgpu.yaml"))
+    (vm,) = [o for o in objects if o["metadata"]["name"].startswith("vgpu-vm-1")]
+    guest = vm["spec"]["devices"][0]["attributes"]
+    # A name of NVIDIA's type shape whose board is not in VGPU_BOARD_MEMORY_GB.
+    assert "Z900" not in profiles.VGPU_BOARD_MEMORY_GB
+    guest["productName"] = {"string": "NVIDIA Z900-8C"}
+    passthrough = copy.deepcopy(vm)
+    passthrough["metadata"]["name"] = "vgpu-vm-9-gpu.nvidia.com-p4ss7"
+    passthrough["spec"]["nodeName"] = passthrough["spec"]["pool"]["name"] = "vgpu-vm-9"
+    whole = passthrough["spec"]["devices"][0]["attributes"]
+    whole["productName"] = {"string": "NVIDIA A100-PCIE-40GB"}
+    whole["uuid"] = {"string": "GPU-0c9e8d7f-3b7d-11ef-8f00-1a2b3c4d5e6f"}
+    report = services.import_snapshot(
+        cluster=services.get_cluster("fx"),
+        objects=[*objects, passthrough],
+        at=AT,
+        kinds=["ResourceSlice"],
+    )
+    assert report.errors == []
+    (unknown,) = accelerators("gpu.nvidia.com", "vgpu-vm-1")
+    assert (unknown.product_name, unknown.profile, unknown.gpu_share) == (
+        "NVIDIA Z900",
+        "Z900-8C",
+        Decimal(1),
+    )
+    (card,) = accelerators("gpu.nvidia.com", "vgpu-vm-9")
+    assert (card.product_name, card.profile, card.kind, card.gpu_share) == (
+        "NVIDIA A100-PCIE-40GB",
+        "",
+        "gpu",
+        Decimal(1),
+    )
+    # The known types keep their board, never a physical product's name.
+    assert {d.product_name for d in accelerators("gpu.nvidia.com", "vgpu-vm-2")} == {"NVIDIA A100"}
 
 
 def test_vgpu_slots_published_on_the_host_are_shares_of_their_physical_gpu() -> None:
