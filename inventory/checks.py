@@ -34,7 +34,7 @@ from django.db.models.functions import Coalesce
 from kubernetes.utils import parse_quantity
 
 from inventory.models import Cluster, Device, Pool, ResourceSlice
-from inventory.profiles import INTEL_UNNAMED_PREFIX
+from inventory.profiles import INTEL_UNNAMED_PREFIX, VGPU_BOARD_MEMORY_GB, vgpu_type
 
 INCOMPLETE_POOL = "incomplete_pool"
 DEVICE_ELSEWHERE = "device_elsewhere"
@@ -44,6 +44,7 @@ MISSING_COUNTER_SET = "missing_counter_set"
 UNKNOWN_COUNTER = "unknown_counter"
 COUNTER_OVER_SET = "counter_over_set"
 UNNAMED_MODEL = "unnamed_model"
+UNKNOWN_VGPU_BOARD = "unknown_vgpu_board"
 # In the order a summary lists them, with how it names them.
 CHECKS = {
     INCOMPLETE_POOL: "incomplete pools",
@@ -54,6 +55,7 @@ CHECKS = {
     UNKNOWN_COUNTER: "unknown counters",
     COUNTER_OVER_SET: "counters over their set",
     UNNAMED_MODEL: "models named by PCI id",
+    UNKNOWN_VGPU_BOARD: "vGPUs counted whole",
 }
 # Device names a message spells out before it says "and N more".
 _NAMED = 3
@@ -82,7 +84,12 @@ def sync_warnings(*, cluster: Cluster | None = None) -> list[SyncWarning]:
     names in every generation present. Two queries, whatever the size of the fleet: the
     slices' device names and counters are picked out of their spec by PostgreSQL.
     """
-    findings = _incomplete_pools(cluster) + _devices_elsewhere(cluster) + _unnamed_models(cluster)
+    findings = (
+        _incomplete_pools(cluster)
+        + _devices_elsewhere(cluster)
+        + _unnamed_models(cluster)
+        + _unknown_vgpu_boards(cluster)
+    )
     generations: dict[tuple[str, str, str, int], list[dict[str, Any]]] = defaultdict(list)
     for row in _slice_rows(cluster):
         key = (row["cluster__name"], row["driver"], row["pool"], row["generation"])
@@ -240,6 +247,51 @@ def _unnamed_models(cluster: Cluster | None) -> list[SyncWarning]:
                     f"billed as model {model!r} from the PCI device id. Give that id's model "
                     "name to Tally's maintainers (inventory.profiles.INTEL_GPU_MODELS), and "
                     "price and limit it under that name until then"
+                ),
+            )
+        )
+    return findings
+
+
+# A vGPU type a framebuffer share is read from (`inventory.profiles.vgpu_fraction`): the
+# MIG-backed form (A100-2-10C) is a share of slices, whatever the board.
+_VGPU_BY_FRAMEBUFFER = r"^[A-Z][A-Z0-9]*-[0-9]+[ABCQ]$"
+
+
+def _unknown_vgpu_boards(cluster: Cluster | None) -> list[SyncWarning]:
+    """Per pool and vGPU type, the present vGPUs whose board's framebuffer Tally's table lacks
+    (`inventory.profiles.VGPU_BOARD_MEMORY_GB`): each is counted, limited and billed as a whole
+    GPU, more than its share, until the board is added. One query."""
+    devices = Device.objects.filter(
+        gone_at__isnull=True, profile__regex=_VGPU_BY_FRAMEBUFFER, gpu_share=1
+    )
+    if cluster is not None:
+        devices = devices.filter(cluster=cluster)
+    groups: dict[tuple[str, str, str, str], list[tuple[str, datetime]]] = defaultdict(list)
+    for cluster_name, driver, pool, profile, name, first_seen in devices.values_list(
+        "cluster__name", "driver", "pool", "profile", "name", "first_seen"
+    ):
+        found = vgpu_type(profile)
+        if found is not None and found[0] not in VGPU_BOARD_MEMORY_GB:
+            groups[cluster_name, driver, pool, profile].append((name, first_seen))
+    findings = []
+    for (cluster_name, driver, pool, profile), members in sorted(groups.items()):
+        names = sorted(name for name, _ in members)
+        board = profile.split("-", 1)[0]
+        findings.append(
+            SyncWarning(
+                cluster=cluster_name,
+                check=UNKNOWN_VGPU_BOARD,
+                driver=driver,
+                pool=pool,
+                generation=None,
+                devices=names,
+                since=_iso(min(seen for _, seen in members)),
+                message=(
+                    f"pool {driver}/{pool}: {_devices(names)} of vGPU type {profile}: Tally "
+                    f"does not know board {board}'s framebuffer, so each is counted and billed "
+                    "as a whole GPU, more than its share. Give the board's framebuffer to "
+                    "Tally's maintainers (inventory.profiles.VGPU_BOARD_MEMORY_GB)"
                 ),
             )
         )

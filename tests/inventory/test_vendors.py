@@ -258,6 +258,12 @@ def test_a_guests_vgpu_is_named_by_its_types_board_and_never_its_physical_produc
     )
     # The known types keep their board, never a physical product's name.
     assert {d.product_name for d in accelerators("gpu.nvidia.com", "vgpu-vm-2")} == {"NVIDIA A100"}
+    # Counted whole, never in silence: the sync warns, naming the type, the board and why.
+    (warning,) = [w for w in checks.sync_warnings() if w["check"] == checks.UNKNOWN_VGPU_BOARD]
+    assert (warning["pool"], warning["devices"]) == ("vgpu-vm-1", [unknown.name])
+    assert "vGPU type Z900-8C" in warning["message"]
+    assert "board Z900's framebuffer" in warning["message"]
+    assert "as a whole GPU" in warning["message"]
 
 
 def test_vgpu_slots_published_on_the_host_are_shares_of_their_physical_gpu() -> None:
