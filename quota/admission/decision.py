@@ -63,11 +63,13 @@ def plan_claim(
     mutating webhook) it keeps only its first alternative that fits, and holds what that one
     takes; and, where the team narrows to fit (`AdmissionState.narrow_to_fit`), a request that
     does not fit but could be given devices of several models is narrowed to the models whose
-    rules have room (`_narrow_to_fit`), a selector added. Without (the validating webhook,
-    which sees the claim as the scheduler will) every alternative left must fit, and it holds
-    on each rule the most any one alternative takes there: whichever the scheduler picks takes
-    no more on any rule, so this never under-counts and `reserved + allocated <= limit` holds
-    for every enforce rule. Not every alternative at once: a GPU-or-Gaudi request holds one of
+    rules have room (`_narrow_to_fit`), a selector added: a `firstAvailable` request keeps the
+    first alternative, in order, that fits as sent or once narrowed. Without (the validating
+    webhook, which sees the claim as the scheduler will, and keeps for its reservation what
+    its annotation says was narrowed: `narrowed_in`) every alternative left must fit, and it
+    holds on each rule the most any one alternative takes there: whichever the scheduler picks
+    takes no more on any rule, so this never under-counts and `reserved + allocated <= limit`
+    holds for every enforce rule. Not every alternative at once: a GPU-or-Gaudi request holds one of
     each, not two of either.
 
     `fleet` and `budget` give the fleet's shapes and a team's budget use; each is asked only
