@@ -49,7 +49,7 @@ def spec_operations(
                 _add_selector(holder, base + ("" if flat else "/exactly"), narrowed[name])
             )
         for alt_index, alternative in enumerate(alternatives):
-            key = f"{name}/{alternative.get('name')}" if isinstance(alternative, dict) else None
+            key = f"{name}/{alternative.get('name')}" if isinstance(alternative, dict) else ""
             if key in narrowed:
                 operations.append(
                     _add_selector(alternative, f"{base}/firstAvailable/{alt_index}", narrowed[key])
