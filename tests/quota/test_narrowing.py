@@ -535,3 +535,18 @@ def test_a_team_that_does_not_narrow_keeps_no_narrowing(client: Client) -> None:
     assert Reservation.objects.get().narrowed == {}
     again = mutation(client, claim("copied", [gpu_request(2)]))
     assert "patch" not in again
+
+
+def test_a_v1beta1_alternative_is_narrowed_alike(client: Client) -> None:
+    """v1beta1 writes an alternative as v1 does (its selectors on itself): the same patch
+    applies, and the patched claim parses with the selector on the kept alternative."""
+    narrowing_team()
+    body = claim("beta", [CHOICE], api_version="resource.k8s.io/v1beta1")
+    answer = mutation(client, body)
+    patch = json.loads(base64.b64decode(answer["patch"]))
+    assert patch[0]["path"] == "/spec/devices/requests/0/firstAvailable/1/selectors"
+    narrowed = patched(body, answer)
+    (request,) = dra.parse_claim_requests(narrowed["spec"], narrowed["apiVersion"])
+    assert [(alt.name, alt.selectors) for alt in request.first_available] == [("any", [H100_ONLY])]
+    assert decide(client, narrowed)["allowed"]
+    assert QuotaRule.objects.get(name="t4").in_use == 0
