@@ -69,8 +69,8 @@ def plan_claim(
     its annotation says was narrowed: `narrowed_in`) every alternative left must fit, and it
     holds on each rule the most any one alternative takes there: whichever the scheduler picks
     takes no more on any rule, so this never under-counts and `reserved + allocated <= limit`
-    holds for every enforce rule. Not every alternative at once: a GPU-or-Gaudi request holds one of
-    each, not two of either.
+    holds for every enforce rule. Not every alternative at once: a GPU-or-Gaudi request holds
+    one of each, not two of either.
 
     `fleet` and `budget` give the fleet's shapes and a team's budget use; each is asked only
     when the plan needs it (a claim of no team, or past its budget, needs neither). `units`
@@ -192,7 +192,7 @@ def plan_claim(
                     f" (none of the {len(demands)} alternatives of request {request.name!r} fits)"
                 )
             plan.reason = "QuotaExceeded"
-            # What a gang's denial by the same rule says of it (`note`).
+            # What a gang's denial by the same rule says of it (`rule_note`).
             plan.demands.append(demands[0])
             return plan
         # The mutating webhook keeps one alternative, the first that fits, so the claim holds

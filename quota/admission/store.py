@@ -594,8 +594,9 @@ _RESERVATION_COLUMNS = (
     "spec_digest",
     "narrowed",
 )
+# Those of them stored as JSON.
 _JSON_COLUMNS = ("owner_references", "chosen", "narrowed")
-# Their placeholders, in the same order.
+# Their placeholders, in the order of `_RESERVATION_COLUMNS`.
 _RESERVATION_VALUES = ", ".join(
     "%s::jsonb" if column in _JSON_COLUMNS else "%s" for column in _RESERVATION_COLUMNS
 )
