@@ -109,6 +109,12 @@ class Reservation(models.Model):
     # A digest of the spec admitted (`decision.spec_digest`): a create of the same name is a
     # retry only if it is the same claim (same uid, or same spec); "" before digests were kept.
     spec_digest = models.CharField(max_length=64, blank=True, default="", db_default="")
+    # The selectors the mutating webhook added to the claim admitted, narrowing it to the
+    # models that fit (its team's `narrowToFit`), by request ("request", or
+    # "request/alternative"): {"selector": ..., "models": [...]}. A create sent again,
+    # unpatched, is narrowed alike (`plans.LiveReservation.made_for`); {} for a claim not
+    # narrowed. A default in the database too, for the inserts of a pod of the previous version.
+    narrowed = models.JSONField(default=dict, blank=True, db_default={})
 
     class Meta:
         constraints = [

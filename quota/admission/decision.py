@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timedelta
 from decimal import Decimal
@@ -42,7 +43,7 @@ from quota.admission.plans import (
     claim_name,
     spec_digest,
 )
-from quota.admission.shapes import FleetShapes, model_selector, too_many_steps
+from quota.admission.shapes import FleetShapes, fit_selector, too_many_steps
 from quota.models import Mode, ReservationState
 from teams.models import Team
 
@@ -62,12 +63,14 @@ def plan_claim(
     mutating webhook) it keeps only its first alternative that fits, and holds what that one
     takes; and, where the team narrows to fit (`AdmissionState.narrow_to_fit`), a request that
     does not fit but could be given devices of several models is narrowed to the models whose
-    rules have room (`_narrow_to_fit`), a selector added. Without (the validating webhook,
-    which sees the claim as the scheduler will) every alternative left must fit, and it holds
-    on each rule the most any one alternative takes there: whichever the scheduler picks takes
-    no more on any rule, so this never under-counts and `reserved + allocated <= limit` holds
-    for every enforce rule. Not every alternative at once: a GPU-or-Gaudi request holds one of
-    each, not two of either.
+    rules have room (`_narrow_to_fit`), a selector added: a `firstAvailable` request keeps the
+    first alternative, in order, that fits as sent or once narrowed. Without (the validating
+    webhook, which sees the claim as the scheduler will, and keeps for its reservation what
+    its annotation says was narrowed: `narrowed_in`) every alternative left must fit, and it
+    holds on each rule the most any one alternative takes there: whichever the scheduler picks
+    takes no more on any rule, so this never under-counts and `reserved + allocated <= limit`
+    holds for every enforce rule. Not every alternative at once: a GPU-or-Gaudi request holds
+    one of each, not two of either.
 
     `fleet` and `budget` give the fleet's shapes and a team's budget use; each is asked only
     when the plan needs it (a claim of no team, or past its budget, needs neither). `units`
@@ -115,6 +118,8 @@ def plan_claim(
         return plan
     if not narrow:
         plan.warnings.extend(_narrowed_before(claim))
+        if state.narrow_to_fit:
+            plan.narrowed_sent = narrowed_in(claim, requests)
     if _budget_denies(plan, requests, budget, fleet):
         return plan
     rules = state.rules
@@ -160,10 +165,23 @@ def plan_claim(
             return plan
         plan.warnings.extend(f"{problem} (warn only); it counts on none" for problem in unbound)
         fitting = [d for d in demands if exceeded(plan, d) is None]
-        if not fitting and narrow and state.narrow_to_fit and not request.first_available:
-            narrowed = _narrow_to_fit(plan, request, demands[0], rules, shapes)
-            if narrowed is not None:
-                demands = fitting = [narrowed]
+        if narrow and state.narrow_to_fit and (request.first_available or not fitting):
+            # The team narrows to fit: the alternatives in order (a plain request is its own
+            # one), the first that fits as sent kept as without the option, else the first
+            # that fits once narrowed to the models with room, a selector added to it. Those
+            # before it fit on no model: removed with the others (`plan.removed`), as the
+            # scheduler would pass over them only to be denied devices the quota lacks room for.
+            for alternative, weighed in zip(alternatives, demands, strict=True):
+                if any(d is weighed for d in fitting):
+                    break
+                key = f"{request.name}/{alternative.name}" if request.first_available else ""
+                narrowed = _narrow_to_fit(
+                    plan, alternative, weighed, rules, shapes, key=key or request.name
+                )
+                if narrowed is not None:
+                    demands = [narrowed if d is weighed else d for d in demands]
+                    fitting = [narrowed]
+                    break
         if not fitting:
             rule, asked = exceeded(plan, demands[0]) or (rules[0], Decimal(0))
             plan.denial = over_limit(plan.team, rule, asked, plan.units.get(rule.pk))
@@ -174,6 +192,8 @@ def plan_claim(
                     f" (none of the {len(demands)} alternatives of request {request.name!r} fits)"
                 )
             plan.reason = "QuotaExceeded"
+            # What a gang's denial by the same rule says of it (`rule_note`).
+            plan.demands.append(demands[0])
             return plan
         # The mutating webhook keeps one alternative, the first that fits, so the claim holds
         # only what that one takes. Left to the validating webhook, every alternative stays in
@@ -190,6 +210,7 @@ def plan_claim(
                 "remove the alternatives over quota)" + _binds(shapes, rule, unfit)
             )
             plan.rule, plan.reason = rule.name, "QuotaExceeded"
+            plan.demands.append(unfit)
             return plan
         if request.first_available:
             plan.chosen[request.name] = [d.name for d in kept]
@@ -429,45 +450,69 @@ def _narrow_to_fit(
     unfit: Demand,
     rules: Sequence[Rule],
     fleet: FleetShapes,
+    *,
+    key: str,
 ) -> Demand | None:
-    """What `request` takes once narrowed to the models of its candidate devices whose rules
-    have room (the team's `narrowToFit`): "any two NVIDIA GPUs", which a full T4 rule denies,
-    narrowed to the free H100s. Recorded in `plan.narrowed` (the selector the mutating webhook
-    adds, the models it keeps), with a warning; None where it cannot be narrowed: its devices
-    are of one model, or some publish no model a selector can name (as a string, under the
-    same attribute: a selector reading an attribute a device lacks fails its allocation), or
-    no model fits. Models are taken in order of name, each kept if the request, narrowed to
-    it and those kept before, still fits: the selector keeps every model that can be given."""
-    models = {fleet.shapes[shape_id].model for shape_id in unfit.shapes}
-    attributes = {fleet.shapes[shape_id].model_attribute for shape_id in unfit.shapes}
-    if len(models) < 2 or "" in models or len(attributes) != 1 or "" in attributes:
+    """What `request` (a plain request, or one alternative of a `firstAvailable` request:
+    `key` names it, "request" or "request/alternative") takes once narrowed to the models of
+    its candidate devices whose rules have room (the team's `narrowToFit`): "any two NVIDIA
+    GPUs", which a full T4 rule denies, narrowed to the free H100s. Recorded in
+    `plan.narrowed[key]` (the selector the mutating webhook adds, the models it keeps), with a
+    warning; None where it cannot be narrowed: its devices are of one model, or some publish
+    no model a selector can name (as a string, under one attribute per driver: a selector
+    reading an attribute a device lacks fails its allocation), or no model fits. Candidates
+    of several drivers, each publishing its model under its own attribute, get a selector with
+    one clause per driver (`shapes.fit_selector`). Models are taken in order of name, each kept
+    if the request, narrowed to it and those kept before, still fits: the selector keeps every
+    model that can be given."""
+    candidates = [fleet.shapes[shape_id] for shape_id in unfit.shapes]
+    attributes: dict[str, str] = {}
+    for shape in candidates:
+        if not shape.model or not shape.model_attribute:
+            return None
+        if attributes.setdefault(shape.driver, shape.model_attribute) != shape.model_attribute:
+            return None  # one driver's devices publish their model under different names
+    choices = sorted({(shape.model, shape.driver) for shape in candidates})
+    if len({model for model, _ in choices}) < 2:
         return None
-    (attribute,) = attributes
+    by_driver = len(set(attributes.values())) > 1
     full = sorted({rule.name for rule, _ in _exceeding(plan, unfit)})
-    kept: list[str] = []
+    kept: list[tuple[str, str]] = []
     best: tuple[Demand, list[str], str] | None = None
-    for model in sorted(models):
-        selector = model_selector(attribute, [*kept, model])
+    for choice in choices:
+        selector = fit_selector([*kept, choice], attributes, by_driver=by_driver)
         warnings: list[str] = []
         narrowed = dataclasses.replace(request, selectors=[*request.selectors, selector])
         candidate = demand(narrowed, rules, fleet, warnings)
         if candidate.shapes and exceeded(plan, candidate) is None:
-            kept.append(model)
+            kept.append(choice)
             best = candidate, warnings, selector
     if best is None:
         return None
     narrowed_demand, warnings, selector = best
-    plan.narrowed[request.name] = Narrowing(
-        selector=selector, models=tuple(kept), rules=tuple(full)
-    )
+    models = tuple(dict.fromkeys(model for model, _ in kept))
+    plan.narrowed[key] = Narrowing(selector=selector, models=models, rules=tuple(full))
     plan.warnings.extend(warnings)
-    plan.warnings.append(
-        f"request {request.name!r} narrowed to {', '.join(kept)} (a selector added; the "
-        "team narrows to fit): as sent it could be given devices that quota rule"
-        f"{'s' if len(full) > 1 else ''} {', '.join(full)} ha{'ve' if len(full) > 1 else 's'} "
-        "no room for"
-    )
+    plan.warnings.append(narrowing_warning(key, plan.narrowed[key]))
     return narrowed_demand
+
+
+def narrowing_warning(key: str, narrowing: Narrowing) -> str:
+    """What the mutating webhook says of a request it narrowed (`key`: "request", or
+    "request/alternative"): the models kept and the rules that had no room for it as sent
+    (none named: a create sent again, narrowed as its first admission was)."""
+    kept = ", ".join(narrowing.models)
+    if not narrowing.rules:
+        return (
+            f"request {key!r} narrowed to {kept} (a selector added; the team narrows to fit), "
+            "as when this claim was first admitted: a create sent again"
+        )
+    full = narrowing.rules
+    return (
+        f"request {key!r} narrowed to {kept} (a selector added; the team narrows to fit): as "
+        f"sent it could be given devices that quota rule{'s' if len(full) > 1 else ''} "
+        f"{', '.join(full)} ha{'ve' if len(full) > 1 else 's'} no room for"
+    )
 
 
 def _narrowed_before(claim: dict[str, Any]) -> list[str]:
@@ -480,6 +525,55 @@ def _narrowed_before(claim: dict[str, Any]) -> list[str]:
     if not isinstance(value, str) or not value:
         return []
     return [f"the claim was narrowed to the models that fit ({NARROWED_ANNOTATION}: {value})"]
+
+
+def narrowed_in(claim: dict[str, Any], requests: list[dra.ParsedRequest]) -> dict[str, Any]:
+    """What the mutating webhook narrowed in `claim`, as the claim's reservation keeps it
+    (`Reservation.narrowed`), so that a create sent again, unpatched, is narrowed alike: by
+    request ("request", or "request/alternative"), the models its annotation names and the
+    selector its patch added (the request's last: the patch adds it after the others). Only
+    a request the annotation names, with models and a selector."""
+    metadata = claim.get("metadata")
+    annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
+    value = annotations.get(NARROWED_ANNOTATION) if isinstance(annotations, dict) else None
+    try:
+        named = json.loads(value) if isinstance(value, str) else None
+    except ValueError:
+        return {}
+    if not isinstance(named, dict):
+        return {}
+    found: dict[str, Any] = {}
+    for request in requests:
+        holders = [(request.name, request)] + [
+            (f"{request.name}/{alternative.name}", alternative)
+            for alternative in request.first_available
+        ]
+        for key, holder in holders:
+            models = named.get(key)
+            if (
+                holder.selectors
+                and isinstance(models, list)
+                and models
+                and all(isinstance(model, str) for model in models)
+            ):
+                found[key] = {"selector": holder.selectors[-1], "models": models}
+    return found
+
+
+def narrowed_again(kept: Any) -> dict[str, Narrowing]:
+    """The narrowings a reservation kept (`Reservation.narrowed`, as `narrowed_in` stored
+    them), to narrow a create sent again alike; what is not as stored is left out."""
+    if not isinstance(kept, dict):
+        return {}
+    again = {}
+    for key, entry in kept.items():
+        selector = entry.get("selector") if isinstance(entry, dict) else None
+        models = entry.get("models") if isinstance(entry, dict) else None
+        if isinstance(selector, str) and isinstance(models, list):
+            again[key] = Narrowing(
+                selector=selector, models=tuple(str(model) for model in models), rules=()
+            )
+    return again
 
 
 def _fresh(plan: Plan, rule_id: int, amount: Decimal) -> Decimal:
@@ -505,7 +599,7 @@ def over_quota(plan: Plan, rule: Rule, asked: Decimal) -> Decision:
     assert plan.team is not None
     return Decision(
         allowed=False,
-        message=over_limit(plan.team, rule, asked, plan.units.get(rule.pk)) + _note(plan, rule),
+        message=over_limit(plan.team, rule, asked, plan.units.get(rule.pk)) + rule_note(plan, rule),
         reason="QuotaExceeded",
         warnings=plan.warnings,
         team=plan.team,
@@ -513,9 +607,11 @@ def over_quota(plan: Plan, rule: Rule, asked: Decimal) -> Decision:
     )
 
 
-def _note(plan: Plan, rule: Rule) -> str:
+def rule_note(plan: Plan, rule: Rule) -> str:
     """What a denial by `rule` says of the first of the plan's requests that takes something
-    on it, as `plan_claim`'s own denial does; "" when none does."""
+    on it, as `plan_claim`'s own denial does (why it counts what it does, the models the rule
+    binds that it could be given): said too by a denial at reservation and a gang's; "" when
+    none does."""
     for weighed in plan.demands:
         if weighed.amounts.get(rule.pk):
             binds = _binds(plan.fleet, rule, weighed) if plan.fleet is not None else ""
@@ -566,6 +662,7 @@ def reservation_fields(
         "expires_at": at + timedelta(seconds=settings.TALLY_RESERVATION_TTL_SECONDS),
         "gang_key": plan.gang.gang.key if plan.gang is not None else "",
         "spec_digest": spec_digest(claim),
+        "narrowed": plan.narrowed_sent,
     }
 
 

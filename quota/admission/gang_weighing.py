@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from decimal import Decimal
 
 from inventory.gangs import GangRef
+from quota.admission.decision import rule_note
 from quota.admission.plans import (
     Adopted,
     Decision,
@@ -112,7 +113,9 @@ def weigh_gang(
     if over is not None:
         message = gang_over_limit(plan, over, counted[over.pk])
         if mode == GangMode.ENFORCE:
-            plan.denial = message + "; the gang is denied whole, nothing reserved"
+            plan.denial = (
+                message + rule_note(plan, over) + "; the gang is denied whole, nothing reserved"
+            )
             plan.reason, plan.rule = "QuotaExceeded", over.name
             return
         plan.warnings.append(message + " (gangs: warn; the claim is decided alone)")
@@ -153,7 +156,9 @@ def gang_over_quota(plan: Plan, rule: Rule) -> Decision:
     needs = plan.gang.counted.get(rule.pk, Decimal(0))
     return Decision(
         allowed=False,
-        message=gang_over_limit(plan, rule, needs) + "; the gang is denied whole, nothing reserved",
+        message=gang_over_limit(plan, rule, needs)
+        + rule_note(plan, rule)
+        + "; the gang is denied whole, nothing reserved",
         reason="QuotaExceeded",
         warnings=plan.warnings,
         team=plan.team,

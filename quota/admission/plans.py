@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import TYPE_CHECKING, Any
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from inventory import dra
 from inventory.gangs import GangRef
 from inventory.profiles import unit_label
+from quota.admission import patches
 from quota.models import GangMode, QuotaRule, Unit
 from teams.models import Team
 
@@ -70,11 +72,16 @@ class LiveReservation:
     spec_digest: str
 
     def made_for(
-        self, claim: dict[str, Any], *, removed: dict[str, list[str]] | None = None
+        self,
+        claim: dict[str, Any],
+        *,
+        removed: dict[str, list[str]] | None = None,
+        narrowed: Mapping[str, str] | None = None,
     ) -> bool:
         """Whether `claim` is the claim this reservation was made for: a create the API server
         (or its client) sent again. The same uid, or the same spec (as sent, or with the
-        alternatives `removed` left out, as the mutating webhook's patch stores it);
+        alternatives `removed` left out and the selectors `narrowed` added, by request, as the
+        mutating webhook's patch stores it: `patches.spec_operations`);
         a reservation with no digest (made before digests were kept, or adopted by the sync)
         takes any claim as its, but one of another uid than the claim the sync saw.
         Another claim under the same name (one deleted and made again differently, or a
@@ -88,14 +95,24 @@ class LiveReservation:
                 return False  # another object, and no spec kept to find it the same
         elif not self.spec_digest:
             return True
+        if narrowed:
+            return self.spec_digest == spec_digest(claim, removed=removed, narrowed=narrowed)
         return self.spec_digest in {spec_digest(claim), spec_digest(claim, removed=removed)}
 
 
-def spec_digest(claim: dict[str, Any], *, removed: dict[str, list[str]] | None = None) -> str:
+def spec_digest(
+    claim: dict[str, Any],
+    *,
+    removed: dict[str, list[str]] | None = None,
+    narrowed: Mapping[str, str] | None = None,
+) -> str:
     """A digest of `claim`'s spec, as JSON with sorted keys (so the order a client wrote it
-    in does not matter), less the firstAvailable alternatives `removed` (by request)."""
+    in does not matter), less the firstAvailable alternatives `removed` (by request) and with
+    the selectors `narrowed` added (by request: the mutating webhook's patch)."""
     spec = claim.get("spec")
-    if removed and isinstance(spec, dict):
+    if narrowed:
+        spec = patches.patched_spec(claim, removed=removed or {}, narrowed=narrowed)
+    elif removed and isinstance(spec, dict):
         spec = _without_alternatives(spec, removed)
     text = json.dumps(spec, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(text.encode()).hexdigest()
@@ -217,8 +234,12 @@ class Plan:
     units: dict[int, str] = field(default_factory=dict)
     # What the claim may take, by rule, from its gang's hold (`AdmissionState.credit`).
     credit: dict[int, Decimal] = field(default_factory=dict)
-    # Requests narrowed to the models that fit (`Narrowing`), by request name.
+    # Requests narrowed to the models that fit (`Narrowing`), by request name ("request", or
+    # "request/alternative").
     narrowed: dict[str, Narrowing] = field(default_factory=dict)
+    # What the mutating webhook narrowed in the claim the validating webhook weighs, as its
+    # reservation keeps it (`Reservation.narrowed`, `decision.narrowed_in`).
+    narrowed_sent: dict[str, dict[str, Any]] = field(default_factory=dict)
     # What each request (each alternative kept) takes, and the fleet it was weighed on: what a
     # denial at reservation says of a rule that binds models the claim need not be given.
     demands: list[Demand] = field(default_factory=list)

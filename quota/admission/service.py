@@ -178,11 +178,27 @@ def fit_alternatives(
         namespace, name = plans.claim_name(claim)
         state = store.admission_state(cluster=cluster.name, namespace=namespace, name=name)
         if state.live is not None:
-            chosen = store.chosen_alternatives(cluster=cluster.name, namespace=namespace, name=name)
+            chosen, kept = store.admitted_patch(
+                cluster=cluster.name, namespace=namespace, name=name
+            )
             removed = decision.not_chosen(claim, chosen)
             # The same claim once the alternatives not chosen are out: keep them out.
             if state.live.made_for(claim, removed=removed):
                 return Decision(allowed=True, team=state.team, removed=removed)
+            # The same claim once narrowed as its first admission narrowed it (a create sent
+            # again, unpatched): narrowed alike, whatever room its models have now that its
+            # own reservation holds some. Planned again, it would be counted beside that
+            # reservation, and narrowed to other models or denied.
+            again = decision.narrowed_again(kept)
+            selectors = {key: narrowing.selector for key, narrowing in again.items()}
+            if again and state.live.made_for(claim, removed=removed, narrowed=selectors):
+                return Decision(
+                    allowed=True,
+                    team=state.team,
+                    removed=removed,
+                    narrowed=again,
+                    warnings=[decision.narrowing_warning(k, n) for k, n in again.items()],
+                )
         gang = _gang_of(claim=claim, state=state)
         answer = _plan(cluster=cluster, claim=claim, state=state, gang=gang, narrow=True).decision()
         if not answer.allowed and not dry_run:

@@ -1073,6 +1073,30 @@ def model_selector(attribute: str, models: Iterable[str]) -> str:
     return " || ".join(f"{read} == {json.dumps(model)}" for model in sorted(set(models)))
 
 
+def fit_selector(
+    kept: Iterable[tuple[str, str]], attributes: Mapping[str, str], *, by_driver: bool
+) -> str:
+    """The selector that keeps the models `kept` ((model, driver) pairs), each read where its
+    driver publishes it (`attributes`, by driver: `Shape.model_attribute`). Without `by_driver`
+    (every candidate device publishes its model under one attribute) as `model_selector`;
+    with it (candidates of several drivers, each its own attribute), one clause per driver that
+    reads its attribute only on its own devices: `(device.driver == "gpu.nvidia.com" &&
+    (device.attributes["gpu.nvidia.com"].productName == "...")) || (device.driver == ...)`.
+    A device of another driver never reads an attribute it lacks (CEL's `false && error` is
+    false), which would fail its allocation."""
+    by: dict[str, set[str]] = defaultdict(set)
+    for model, driver in kept:
+        by[driver].add(model)
+    if not by_driver:
+        (attribute,) = {attributes[driver] for driver in by}
+        return model_selector(attribute, {model for models in by.values() for model in models})
+    clauses = []
+    for driver in sorted(by):
+        models = model_selector(attributes[driver], by[driver])
+        clauses.append(f"(device.driver == {json.dumps(driver)} && ({models}))")
+    return " || ".join(clauses)
+
+
 def shape_of(row: DeviceShape) -> Shape:
     """The shape of a stored row, its memory read from its capacity."""
     return Shape.from_row(row, memory_bytes=_memory(row.capacity))

@@ -494,14 +494,17 @@ def team_by_id(pk: int) -> Team | None:
     return Team.objects.filter(pk=pk).first()
 
 
-def chosen_alternatives(*, cluster: str, namespace: str, name: str) -> Any:
-    """The alternatives the claim's live reservation kept, by request (as stored), or None."""
-    return (
+def admitted_patch(*, cluster: str, namespace: str, name: str) -> tuple[Any, Any]:
+    """What the mutating webhook's patch made of the claim whose live reservation this is, as
+    stored: the alternatives it kept, by request, and the selectors it added to narrow it
+    (`Reservation.narrowed`); (None, None) when there is none."""
+    found = (
         Reservation.objects.filter(cluster=cluster, namespace=namespace, name=name)
         .exclude(state=ReservationState.RELEASED)
-        .values_list("chosen", flat=True)
+        .values_list("chosen", "narrowed")
         .first()
     )
+    return found if found is not None else (None, None)
 
 
 # --- The writes -----------------------------------------------------------------------------
@@ -589,18 +592,20 @@ _RESERVATION_COLUMNS = (
     "expires_at",
     "gang_key",
     "spec_digest",
+    "narrowed",
 )
-# Their placeholders, in the same order.
+# Those of them stored as JSON.
+_JSON_COLUMNS = ("owner_references", "chosen", "narrowed")
+# Their placeholders, in the order of `_RESERVATION_COLUMNS`.
 _RESERVATION_VALUES = ", ".join(
-    "%s::jsonb" if column in ("owner_references", "chosen") else "%s"
-    for column in _RESERVATION_COLUMNS
+    "%s::jsonb" if column in _JSON_COLUMNS else "%s" for column in _RESERVATION_COLUMNS
 )
 
 
 def _reservation_params(fields: dict[str, Any]) -> list[Any]:
     """The values of `_RESERVATION_VALUES`, from a reservation's `fields`."""
     return [
-        json.dumps(fields[column]) if column in ("owner_references", "chosen") else fields[column]
+        json.dumps(fields[column]) if column in _JSON_COLUMNS else fields[column]
         for column in _RESERVATION_COLUMNS
     ]
 

@@ -33,9 +33,8 @@ from jsonpatch import JsonPointer
 from core import metrics
 from core.inputs import BadInput, parse_json
 from core.logging import PARSED_REVIEW
-from inventory import dra
-from quota.admission import service
-from quota.admission.plans import NARROWED_ANNOTATION, Decision, Narrowing
+from quota.admission import patches, service
+from quota.admission.plans import NARROWED_ANNOTATION, Decision
 
 log = logging.getLogger(__name__)
 API_VERSION = "admission.k8s.io/v1"
@@ -288,24 +287,11 @@ def _mutation(uid: str, claim: dict[str, Any], decision: Decision) -> dict[str, 
         )
     if not decision.removed and not decision.narrowed:
         return answer(uid, allowed=True, warnings=decision.warnings)
-    operations: list[dict[str, Any]] = []
-    requests = claim.get("spec", {}).get("devices", {}).get("requests", [])
-    flat = dra.flat_requests(str(claim.get("apiVersion") or ""))
-    for index, request in enumerate(requests):
-        removed = set(decision.removed.get(request.get("name"), []))
-        alternatives = request.get("firstAvailable") or []
-        # From the last: each removal leaves the indexes before it as they were.
-        for alt_index in reversed(range(len(alternatives))):
-            if alternatives[alt_index].get("name") in removed:
-                operations.append(
-                    {
-                        "op": "remove",
-                        "path": f"/spec/devices/requests/{index}/firstAvailable/{alt_index}",
-                    }
-                )
-        narrowing = decision.narrowed.get(request.get("name"))
-        if narrowing is not None:
-            operations.append(_add_selector(request, index, narrowing, flat=flat))
+    operations = patches.spec_operations(
+        claim,
+        removed=decision.removed,
+        narrowed={key: narrowing.selector for key, narrowing in decision.narrowed.items()},
+    )
     annotations = {}
     if decision.removed:
         annotations[REMOVED_ANNOTATION] = json.dumps(decision.removed, sort_keys=True)
@@ -324,20 +310,6 @@ def _mutation(uid: str, claim: dict[str, Any], decision: Decision) -> dict[str, 
         ),
     ]
     return answer(uid, allowed=True, warnings=warnings, patch=operations)
-
-
-def _add_selector(
-    request: dict[str, Any], index: int, narrowing: Narrowing, *, flat: bool
-) -> dict[str, Any]:
-    """The patch operation that adds the narrowing's selector to the request at `index`: on the
-    request itself (`flat`: v1beta1) or under its `exactly` (v1beta2, v1), after the selectors
-    it has (all must match: the added one only narrows what they select)."""
-    base = f"/spec/devices/requests/{index}" + ("" if flat else "/exactly")
-    holder = request if flat else request.get("exactly")
-    selector = {"cel": {"expression": narrowing.selector}}
-    if isinstance(holder, dict) and isinstance(holder.get("selectors"), list):
-        return {"op": "add", "path": f"{base}/selectors/-", "value": selector}
-    return {"op": "add", "path": f"{base}/selectors", "value": [selector]}
 
 
 def _annotate(claim: dict[str, Any], annotations: dict[str, str]) -> list[dict[str, Any]]:

@@ -31,7 +31,7 @@ from inventory import gangs, kube, kube_owners
 from inventory import services as inventory_services
 from inventory.dumps import iter_objects
 from quota import services
-from quota.admission import service
+from quota.admission import service, store
 from quota.models import (
     GangMode,
     GangPolicy,
@@ -296,6 +296,69 @@ def test_two_gangs_that_fit_one_after_the_other_are_both_admitted(
     assert held_for_gangs() == 0
     assert GangReservation.objects.count() == 2
     assert_ledger_true()
+
+
+# --- Issue 36: a gang's denial says why a model rule weighs "any GPU" ---------------------------
+
+A100_RULE = "device.attributes['gpu.nvidia.com'].productName.contains('A100')"
+BINDS = (
+    "; the rule binds NVIDIA A100-SXM4-80GB, which request 'gpu' could be given (a selector "
+    "that leaves it out of the request leaves the rule out too)"
+)
+
+
+def team_with_an_a100_rule(limit: int) -> None:
+    make_team(
+        [
+            {"name": "a100", "device_class": "gpu.nvidia.com", "selector": A100_RULE,
+             "limit": limit},
+            {"name": "gpus", "device_class": "gpu.nvidia.com", "limit": 16},
+        ],
+        slug="ml",
+    )  # fmt: skip
+
+
+def test_a_gangs_denial_names_the_model_its_rule_binds(
+    fake: FakeKube, reader: kube_owners.GangReader
+) -> None:
+    """Two workers, each any two NVIDIA GPUs, with room for two A100s: each claim alone fits,
+    the gang does not (it could be given four A100s). Its denial says why the A100 rule
+    weighs it, as a claim's own denial does."""
+    objects = jobset("any", workers=2, gpus=2)
+    serve(fake, objects)
+    team_with_an_a100_rule(2)
+    answer = admit(claims_of(objects)[0])
+    assert not answer["allowed"]
+    assert answer["status"]["message"] == (
+        'gang JobSet/any (2 pods) needs 4 GPUs of class gpu.nvidia.com; team "ml" uses 0 GPUs '
+        'of 2 GPUs on quota rule "a100" (enforce)' + BINDS + "; the gang is denied whole, "
+        "nothing reserved"
+    )
+    assert not Reservation.objects.exists() and not GangReservation.objects.exists()
+
+
+def test_a_gangs_denial_at_reservation_names_the_model_too(
+    fake: FakeKube, reader: kube_owners.GangReader
+) -> None:
+    """The gang fitted when weighed; the reservation's lock finds the A100 rule's usage grown
+    meanwhile: denied whole, saying the same."""
+    objects = jobset("any", workers=2, gpus=2)
+    serve(fake, objects)
+    team_with_an_a100_rule(4)
+    cluster = inventory_services.get_cluster("default")
+    body = claims_of(objects)[0]
+    state = store.admission_state(cluster=cluster.name, namespace="ml", name="any-0")
+    plan = service._plan(cluster=cluster, claim=body, state=state)
+    assert plan.denial == "" and plan.gang is not None and plan.gang.whole
+    QuotaRule.objects.filter(name="a100").update(in_use=1)  # meanwhile another took one
+    decision, recorded = service._reserve(
+        cluster=cluster, claim=body, plan=plan, username=CONTROLLER, admission_uid="u", at=AT
+    )
+    assert not decision.allowed and not recorded
+    assert decision.message.endswith(
+        'on quota rule "a100" (enforce)' + BINDS + "; the gang is denied whole, nothing reserved"
+    )
+    assert not Reservation.objects.exists() and not GangReservation.objects.exists()
 
 
 class WithTemplates:

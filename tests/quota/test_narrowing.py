@@ -18,13 +18,16 @@ from django.urls import reverse
 
 from inventory import dra
 from inventory import services as inventory_services
+from inventory.dumps import iter_objects
 from inventory.services import get_cluster
-from quota.admission import service, store
+from quota import cel
+from quota.admission import service, shapes, store
 from quota.admission.plans import NARROWED_ANNOTATION
 from quota.admission.shapes import forget_fleet_shapes
 from quota.models import AdmissionDecision, NarrowingPolicy, QuotaRule, Reservation, Webhook
 from quota.policy import PolicyError, apply_policy, load_policy
 from teams.models import AuditEntry, Team
+from tests.fixtures import DRA
 from tests.quota.fixtures import (
     AT,
     claim,
@@ -308,3 +311,242 @@ def test_a_narrowed_create_sent_again_is_narrowed_alike_and_reserves_once(client
     assert answers[0]["patch"] == answers[1]["patch"]
     assert Reservation.objects.count() == 1
     assert QuotaRule.objects.get(name="h100").in_use == 2
+
+
+# --- firstAvailable alternatives, each narrowed on its own ------------------------------------
+
+A100_ONLY = 'device.attributes["gpu.nvidia.com"].productName == "NVIDIA A100-SXM4-80GB"'
+
+
+def alternatives(*subrequests: dict[str, Any]) -> dict[str, Any]:
+    return {"name": "accel", "firstAvailable": list(subrequests)}
+
+
+def subrequest(name: str, count: int, *selectors: str) -> dict[str, Any]:
+    return {
+        "name": name,
+        "deviceClassName": "gpu.nvidia.com",
+        "count": count,
+        **({"selectors": [{"cel": {"expression": s}} for s in selectors]} if selectors else {}),
+    }
+
+
+# Two A100s (no room: the A100 rule's limit is 0), else any two NVIDIA GPUs (no room as sent:
+# they could be T4s), else one T4 (room as sent).
+CHOICE = alternatives(
+    subrequest("a100s", 2, A100), subrequest("any", 2), subrequest("one-t4", 1, T4)
+)
+
+
+def test_a_first_available_alternative_is_narrowed_in_order(client: Client) -> None:
+    """The alternatives in order: two A100s fit on no model (dropped); any two NVIDIA GPUs fit
+    once narrowed to the H100s (kept, the selector added to it); one T4, which fits as sent
+    and which Tally kept before, comes after it, so it goes. The patch adds the selector at the
+    alternative's index as sent, then removes the others; the claim holds what the kept,
+    narrowed alternative takes, which is all the scheduler can now give it."""
+    narrowing_team()
+    body = claim("choice", [CHOICE])
+    answer = mutation(client, body)
+    assert answer["allowed"]
+    patch = json.loads(base64.b64decode(answer["patch"]))
+    assert patch[:3] == [
+        {
+            "op": "add",
+            "path": "/spec/devices/requests/0/firstAvailable/1/selectors",
+            "value": [{"cel": {"expression": H100_ONLY}}],
+        },
+        {"op": "remove", "path": "/spec/devices/requests/0/firstAvailable/2"},
+        {"op": "remove", "path": "/spec/devices/requests/0/firstAvailable/0"},
+    ]
+    annotations = patch[3]["value"]
+    assert json.loads(annotations[NARROWED_ANNOTATION]) == {"accel/any": ["NVIDIA H100 80GB HBM3"]}
+    assert json.loads(annotations["tally.dev/removed-alternatives"]) == {
+        "accel": ["a100s", "one-t4"]
+    }
+    assert any(w.startswith("request 'accel/any' narrowed to") for w in answer["warnings"])
+
+    narrowed = patched(body, answer)
+    (request,) = dra.parse_claim_requests(narrowed["spec"], narrowed["apiVersion"])
+    assert [(alt.name, alt.selectors) for alt in request.first_available] == [("any", [H100_ONLY])]
+    assert decide(client, narrowed)["allowed"]
+    in_use = dict(QuotaRule.objects.values_list("name", "in_use"))
+    assert in_use == {"t4": 0, "a100": 0, "h100": 2, "all-gpus": 2}
+    reservation = Reservation.objects.get()
+    assert reservation.chosen == {"accel": ["any"]}
+    assert reservation.narrowed == {
+        "accel/any": {"selector": H100_ONLY, "models": ["NVIDIA H100 80GB HBM3"]}
+    }
+
+
+def test_an_alternative_that_fits_as_sent_is_kept_before_a_later_one(client: Client) -> None:
+    """The first alternative fits as sent: kept as without the option, nothing narrowed."""
+    narrowing_team()
+    body = claim("choice", [alternatives(subrequest("one-t4", 1, T4), subrequest("any", 2))])
+    answer = mutation(client, body)
+    patch = json.loads(base64.b64decode(answer["patch"]))
+    assert patch[0] == {"op": "remove", "path": "/spec/devices/requests/0/firstAvailable/1"}
+    assert NARROWED_ANNOTATION not in patch[1]["value"]
+
+
+def test_first_available_is_not_narrowed_without_the_option(client: Client) -> None:
+    """Off: the first alternative that fits as sent is kept, as before (the one T4)."""
+    narrowing_team(on=False)
+    answer = mutation(client, claim("choice", [CHOICE]))
+    patch = json.loads(base64.b64decode(answer["patch"]))
+    assert [op["path"] for op in patch[:2]] == [
+        "/spec/devices/requests/0/firstAvailable/1",
+        "/spec/devices/requests/0/firstAvailable/0",
+    ]
+    assert NARROWED_ANNOTATION not in patch[2]["value"]
+
+
+# --- Candidates of several drivers ----------------------------------------------------------
+
+ANY_GPU_CLASS = {
+    "apiVersion": "resource.k8s.io/v1",
+    "kind": "DeviceClass",
+    "metadata": {"name": "any-gpu"},
+    "spec": {
+        "selectors": [{"cel": {"expression": 'device.driver in ["gpu.nvidia.com", "gpu.amd.com"]'}}]
+    },
+}
+MI300X_AND_H100 = (
+    '(device.driver == "gpu.amd.com" && (device.attributes["gpu.amd.com"].productName == '
+    '"AMD_Instinct_MI300X_OAM")) || (device.driver == "gpu.nvidia.com" && (' + H100_ONLY + "))"
+)
+
+
+@pytest.fixture
+def amd_too(t4_and_h100_nodes: None) -> None:
+    """The fleet, AMD's two MI300X nodes besides, and a class of any NVIDIA or AMD GPU."""
+    h100 = [nvidia_gpu(i, "h100-b", "NVIDIA H100 80GB HBM3", "80Gi") for i in range(8)]
+    t4s = [nvidia_gpu(i, "t4-a", "Tesla T4", "16Gi") for i in range(4)]
+    forget_fleet_shapes()
+    report = inventory_services.import_snapshot(
+        cluster=inventory_services.get_cluster("default"),
+        objects=[
+            *fleet_objects(),
+            nvidia_slice("h100-b", h100),
+            nvidia_slice("t4-a", t4s),
+            *iter_objects(DRA / "vendors" / "amd-mi300x.yaml"),
+            ANY_GPU_CLASS,
+        ],
+        at=AT,
+    )
+    assert report.errors == []
+
+
+@pytest.mark.usefixtures("amd_too")
+def test_candidates_of_two_drivers_get_a_selector_per_driver(client: Client) -> None:
+    """Any two NVIDIA or AMD GPUs, the T4 and A100 rules full: narrowed to the MI300X and the
+    H100, each model read where its own driver publishes it, and guarded by its driver (an
+    AMD device has no gpu.nvidia.com attributes: reading one would fail its allocation)."""
+    narrowing_team([*RULES, {"name": "mi300x", "device_class": "gpu.amd.com", "limit": 8}])
+    body = claim("any-two", [gpu_request(2, "any-gpu")])
+    answer = mutation(client, body)
+    assert answer["allowed"], answer
+    patch = json.loads(base64.b64decode(answer["patch"]))
+    assert patch[0]["value"] == [{"cel": {"expression": MI300X_AND_H100}}]
+    assert json.loads(patch[1]["value"][NARROWED_ANNOTATION]) == {
+        "gpu": ["AMD_Instinct_MI300X_OAM", "NVIDIA H100 80GB HBM3"]
+    }
+
+    # Tally's CEL evaluator compiles it, and on every device of the fleet it matches or not,
+    # never fails: the MI300X (whole and partitions) and the H100s, nothing else.
+    selector = cel.compile_selector(MI300X_AND_H100)
+    fleet = shapes.fleet_shapes(cluster=get_cluster("default"))
+    outcomes = {shape.id: selector.run(shape.view) for shape in fleet.shapes.values()}
+    assert all(outcome.error is None for outcome in outcomes.values())
+    matched = {fleet.shapes[i].model for i, outcome in outcomes.items() if outcome.matched}
+    assert matched == {"AMD_Instinct_MI300X_OAM", "NVIDIA H100 80GB HBM3"}
+
+    narrowed = patched(body, answer)
+    (request,) = dra.parse_claim_requests(narrowed["spec"], narrowed["apiVersion"])
+    assert request.selectors == [MI300X_AND_H100]
+    assert decide(client, narrowed)["allowed"]
+    in_use = dict(QuotaRule.objects.values_list("name", "in_use"))
+    assert in_use == {"t4": 0, "a100": 0, "h100": 2, "all-gpus": 2, "mi300x": 2}
+
+
+# --- A create sent again after its models filled -----------------------------------------------
+
+
+def test_a_create_sent_again_after_its_models_filled_is_narrowed_as_first(client: Client) -> None:
+    """The A100 rule has room for exactly this claim: narrowed to the A100s and the H100s, it
+    fills the A100 rule. Its client sends the create again (a timeout): weighed anew, beside
+    its own reservation, it would be narrowed to the H100s alone (another selector, another
+    claim to the validating webhook). It gets the first patch, and reserves nothing more."""
+    rules = [{**rule, "limit": 2} if rule["name"] == "a100" else rule for rule in RULES]
+    narrowing_team(rules)
+    body = claim("any-two", [gpu_request(2)])
+    first = post(client, review(body, uid="first"), MUTATE).json()["response"]
+    assert decide(client, patched(body, first), uid="first")["allowed"]
+    before = dict(QuotaRule.objects.values_list("name", "in_use"))
+    assert before == {"t4": 0, "a100": 2, "h100": 2, "all-gpus": 2}
+
+    again = post(client, review(body, uid="again"), MUTATE).json()["response"]
+    assert again["allowed"] and again["patch"] == first["patch"]
+    assert (
+        "request 'gpu' narrowed to NVIDIA A100-SXM4-80GB, NVIDIA H100 80GB HBM3 (a selector "
+        "added; the team narrows to fit), as when this claim was first admitted: a create sent "
+        "again"
+    ) in again["warnings"]
+    assert decide(client, patched(body, again), uid="again")["allowed"]
+    assert Reservation.objects.count() == 1
+    assert dict(QuotaRule.objects.values_list("name", "in_use")) == before
+
+
+def test_a_first_available_create_sent_again_is_narrowed_and_cut_alike(client: Client) -> None:
+    """The same for an alternative narrowed: the retry gets the same selector and the same
+    alternatives removed, though the H100 rule is full once the first is admitted."""
+    rules = [{**rule, "limit": 2} if rule["name"] == "h100" else rule for rule in RULES]
+    narrowing_team(rules)
+    body = claim("choice", [CHOICE])
+    first = post(client, review(body, uid="first"), MUTATE).json()["response"]
+    assert decide(client, patched(body, first), uid="first")["allowed"]
+    again = post(client, review(body, uid="again"), MUTATE).json()["response"]
+    assert again["allowed"] and again["patch"] == first["patch"]
+    assert decide(client, patched(body, again), uid="again")["allowed"]
+    assert Reservation.objects.count() == 1
+    assert QuotaRule.objects.get(name="h100").in_use == 2
+
+
+def test_another_claim_under_the_name_is_weighed_as_new(client: Client) -> None:
+    """Not the same spec once narrowed alike (it asks for three): weighed as new, its own
+    narrowing, with the first claim's reservation counted."""
+    narrowing_team()
+    body = claim("any", [gpu_request(2)])
+    first = post(client, review(body), MUTATE).json()["response"]
+    assert decide(client, patched(body, first))["allowed"]
+    other = claim("any", [gpu_request(3)])
+    answer = post(client, review(other), MUTATE).json()["response"]
+    assert answer["allowed"]
+    assert "as when this claim was first admitted" not in " ".join(answer["warnings"])
+
+
+def test_a_team_that_does_not_narrow_keeps_no_narrowing(client: Client) -> None:
+    """A claim of a team without the option, carrying the annotation and a selector of its own
+    (copied from a narrowed claim): weighed and reserved as ever, its reservation keeps no
+    narrowing, and its create sent again is never patched."""
+    make_team(RULES)
+    body = claim("copied", [gpu_request(2, selectors=[{"cel": {"expression": H100_ONLY}}])])
+    body["metadata"]["annotations"] = {NARROWED_ANNOTATION: '{"gpu": ["NVIDIA H100 80GB HBM3"]}'}
+    assert decide(client, body)["allowed"]
+    assert Reservation.objects.get().narrowed == {}
+    again = mutation(client, claim("copied", [gpu_request(2)]))
+    assert "patch" not in again
+
+
+def test_a_v1beta1_alternative_is_narrowed_alike(client: Client) -> None:
+    """v1beta1 writes an alternative as v1 does (its selectors on itself): the same patch
+    applies, and the patched claim parses with the selector on the kept alternative."""
+    narrowing_team()
+    body = claim("beta", [CHOICE], api_version="resource.k8s.io/v1beta1")
+    answer = mutation(client, body)
+    patch = json.loads(base64.b64decode(answer["patch"]))
+    assert patch[0]["path"] == "/spec/devices/requests/0/firstAvailable/1/selectors"
+    narrowed = patched(body, answer)
+    (request,) = dra.parse_claim_requests(narrowed["spec"], narrowed["apiVersion"])
+    assert [(alt.name, alt.selectors) for alt in request.first_available] == [("any", [H100_ONLY])]
+    assert decide(client, narrowed)["allowed"]
+    assert QuotaRule.objects.get(name="t4").in_use == 0
