@@ -17,7 +17,7 @@ from django.db.backends.utils import CursorWrapper
 from psycopg.errors import UniqueViolation
 
 from db.copy import copy_rows
-from inventory.models import Device
+from inventory.models import Device, Node
 from metering.hours import MS_PER_HOUR
 from metering.ingest.gaps import (
     batch_gaps,
@@ -259,24 +259,27 @@ class Place(NamedTuple):
     parent: str = ""
 
 
-def _metered(ids: Iterable[str]) -> models.QuerySet[Device]:
-    """The devices samples name by `ids`: by meter id (`Device.meter_id`: a NVIDIA device's
-    UUID, a formed identity for one without); a device imported before meter ids were
-    formed (meter id empty) by its UUID."""
-    ids = list(ids)
-    return Device.objects.filter(models.Q(meter_id__in=ids) | models.Q(meter_id="", uuid__in=ids))
+# The devices samples name by their ids: by meter id (`Device.meter_id`: a NVIDIA device's
+# UUID, a formed identity for one without); a device imported before meter ids were formed
+# (meter id empty) by its UUID. Written once rather than built by the ORM for every batch.
+_PLACES_SQL = f"""
+SELECT d.meter_id, d.uuid, d.cluster_id, n.name, d.parent_uuid, d.gone_at
+FROM {Device._meta.db_table} AS d LEFT JOIN {Node._meta.db_table} AS n ON n.id = d.node_id
+WHERE d.meter_id = ANY(%s) OR (d.meter_id = '' AND d.uuid = ANY(%s))
+"""
 
 
 def device_places(uuids: set[str]) -> dict[str, set[Place]]:
     """Where the devices carrying `uuids` are, per UUID the inventory knows: the present
     devices' places if any carries it, else the gone ones'. A MIG device published without a
     node of its own is where its parent GPU is."""
-    rows = [
-        (meter_id or uuid, cluster_id, node, parent, gone_at)
-        for meter_id, uuid, cluster_id, node, parent, gone_at in _metered(uuids).values_list(
-            "meter_id", "uuid", "cluster_id", "node__name", "parent_uuid", "gone_at"
-        )
-    ]
+    ids = sorted(uuids)
+    with connection.cursor() as cursor:
+        cursor.execute(_PLACES_SQL, [ids, ids])
+        rows = [
+            (meter_id or uuid, cluster_id, node, parent, gone_at)
+            for meter_id, uuid, cluster_id, node, parent, gone_at in cursor.fetchall()
+        ]
     orphans = {parent for _, _, node, parent, _ in rows if node is None and parent}
     parents: dict[tuple[str, int], str] = {}
     if orphans:
