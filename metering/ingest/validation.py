@@ -153,7 +153,9 @@ class SampleChecker:
                 if uuid is None or _keyed_instance(uuid) is not None:
                     return None
             ms = {ts: _checked_ms(ts, window=self.window) for ts in set(instants)}
-            covered_ms = {value: _covered_ms(value) for value in set(covered) if value is not None}
+            covered_ms: dict[Any, int | None] = {
+                value: _covered_ms(value) for value in set(covered) if value is not None
+            }
             processes_json = [
                 None if value is None else _processes_json(value) for value in processes
             ]

@@ -113,7 +113,7 @@ def test_a_batch_and_its_samples_one_by_one_agree(sample: dict[str, Any]) -> Non
     assert json.dumps([r["reason"] for r in rejected])  # plain text, for the JSON answer
 
 
-PLAIN = st.fixed_dictionaries(
+PLAIN: st.SearchStrategy[dict[str, Any]] = st.fixed_dictionaries(
     {
         "uuid": st.sampled_from(["GPU-1", "GPU-2", "GPU-1::gi3", "GPU-1::gi9999", "MIG-7"]),
         "ts": st.sampled_from(
