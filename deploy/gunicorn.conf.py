@@ -25,6 +25,7 @@ API server's reviews need.
 
 from __future__ import annotations
 
+import gc
 import os
 import selectors
 import shutil
@@ -107,6 +108,13 @@ def post_worker_init(worker: Any) -> None:
     from quota.admission.service import warm_up_worker
 
     warm_up_worker()
+    # What the worker holds now (Django, the project's modules, the fleet's shapes: hundreds of
+    # thousands of objects) lives as long as it does: kept out of the cyclic collector's
+    # reach, so that its full collections, which the objects of a few requests in flight on
+    # the threads at once set off again and again, walk only what requests made (an ingest
+    # worker of 4 threads spent a third of its CPU in them). The start's garbage goes first.
+    gc.collect()
+    gc.freeze()
 
 
 def child_exit(server: Any, worker: Any) -> None:

@@ -11,9 +11,10 @@ from typing import NamedTuple
 
 from django.db import connection, models, transaction
 from django.db.backends.utils import CursorWrapper
+from django.db.transaction import TransactionManagementError
 
 from db.copy import json_rows
-from db.locks import advisory_xact_lock, text_key
+from db.locks import LockName, advisory_xact_lock, text_key, xact_lock_sql
 from metering.hours import MS_PER_HOUR, hour_at, sample_hold_ms
 from metering.ingest.rows import SampleRow
 from metering.models import Sample
@@ -77,15 +78,82 @@ def batch_gaps(ordered: Sequence[SampleRow]) -> tuple[list[int | None], dict[str
     return gaps, bounds, repeats
 
 
+_DEVICE_LOCK: LockName = "billing.ingest.device"
+
+
 def lock_devices(cursor: CursorWrapper, uuids: Iterable[str]) -> None:
     """Hold the devices' advisory locks to the end of the transaction, taken in key order so
     that two writers never wait on each other in a cycle; the key is a hash of the UUID (a
     collision only makes two devices wait on each other)."""
-    advisory_xact_lock(
-        "billing.ingest.device",
-        {text_key(uuid) for uuid in uuids},
-        cursor=cursor,
+    advisory_xact_lock(_DEVICE_LOCK, {text_key(uuid) for uuid in uuids}, cursor=cursor)
+
+
+# Per device (`r`, with the first instant of its samples in a batch): its latest sample stored
+# before that instant, and its first stored at or after it (an index probe each).
+_NEIGHBOURS_SQL = """
+SELECT r.uuid,
+       (SELECT MAX(p.ts_ms) FROM billing_sample AS p WHERE p.device_uuid = r.uuid AND p.ts_ms < r.lo),
+       (SELECT MIN(n.ts_ms) FROM billing_sample AS n WHERE n.device_uuid = r.uuid AND n.ts_ms >= r.lo)
+FROM unnest(%s::text[], %s::bigint[]) AS r(uuid, lo)
+"""  # noqa: E501
+
+
+class Neighbours(NamedTuple):
+    """A device's samples stored nearest a batch's first instant of it: the latest before it
+    and the first at or after it (None: none)."""
+
+    before_ms: int | None
+    after_ms: int | None
+
+
+def lock_and_find_neighbours(
+    cursor: CursorWrapper, bounds: dict[str, Bounds], *, also_lock: Iterable[str] = ()
+) -> dict[str, Neighbours]:
+    """Lock the devices of `bounds` (with `also_lock`, as `lock_devices`), then read each one's
+    `Neighbours` around its first instant: in one round trip, the read a statement of its own
+    after the locks (so it sees every sample committed before they were granted). JIT is off
+    for the rest of the transaction, as in `refresh_gaps`."""
+    if not connection.in_atomic_block:  # as `advisory_xact_lock`: let go at once otherwise
+        raise TransactionManagementError("the devices' locks are held by a transaction: open one")
+    lock, lock_params = xact_lock_sql(
+        _DEVICE_LOCK, {text_key(uuid) for uuid in bounds.keys() | set(also_lock)}
     )
+    uuids = sorted(bounds)
+    cursor.execute(
+        f"SELECT set_config('jit', 'off', true); {lock}; {_NEIGHBOURS_SQL}",
+        [*lock_params, uuids, [bounds[uuid].first_ms for uuid in uuids]],
+    )
+    cursor.nextset()
+    cursor.nextset()
+    return {uuid: Neighbours(before, after) for uuid, before, after in cursor.fetchall()}
+
+
+# Each device's sample just before a batch appended after it gets its gap to the batch's
+# first: one UPDATE by the unique key. The instants are also given as constants, so that the
+# planner keeps only the day partitions holding them.
+_PREVIOUS_GAPS_SQL = """
+UPDATE billing_sample AS s SET gap_ms = p.gap
+FROM unnest(%s::text[], %s::bigint[], %s::bigint[]) AS p(uuid, ts_ms, gap)
+WHERE s.device_uuid = p.uuid AND s.ts_ms = p.ts_ms AND s.ts_ms = ANY(%s::bigint[])
+  AND s.gap_ms IS DISTINCT FROM p.gap
+"""
+
+
+def set_previous_gaps(
+    cursor: CursorWrapper, bounds: dict[str, Bounds], neighbours: dict[str, Neighbours]
+) -> None:
+    """After a batch (`bounds`, per device) was stored with its own gaps right, under the
+    devices' locks: set the gap of each device's sample stored just before it (`neighbours`,
+    read under the same locks) to the batch's first. The only gap the batch changes: what
+    `refresh_gaps` over each device's first instant works out, in one statement."""
+    previous = sorted(
+        (uuid, found.before_ms, bounds[uuid].first_ms - found.before_ms)
+        for uuid, found in neighbours.items()
+        if found.before_ms is not None
+    )
+    if previous:
+        uuids, instants, gaps = (list(column) for column in zip(*previous, strict=True))
+        cursor.execute(_PREVIOUS_GAPS_SQL, [uuids, instants, gaps, sorted(set(instants))])
 
 
 # Per device in `r`: its samples from the one before `lo` to the one after `hi`, their gaps

@@ -17,9 +17,16 @@ from django.db.backends.utils import CursorWrapper
 from psycopg.errors import UniqueViolation
 
 from db.copy import copy_rows
-from inventory.models import Device
+from inventory.models import Device, Node
 from metering.hours import MS_PER_HOUR
-from metering.ingest.gaps import Bounds, batch_gaps, latest_per_hour, lock_devices, refresh_gaps
+from metering.ingest.gaps import (
+    batch_gaps,
+    latest_per_hour,
+    lock_and_find_neighbours,
+    lock_devices,
+    refresh_gaps,
+    set_previous_gaps,
+)
 from metering.ingest.rows import BATCH_TABLE, COLUMNS, ROW_COLUMNS, UNIQUE_SET_ASIDE, SampleRow
 from metering.mig_samples import GpuInstance, MigPlacement
 from metering.models import AgentToken, Sample, UnknownDeviceSample
@@ -177,14 +184,6 @@ def fields_json(fields: MigPlacement | GpuInstance | None) -> str | None:
     return None if fields is None else json.dumps(fields._asdict())
 
 
-# Per device of the batch: the first sample stored at or after its first instant.
-_FOLLOWING_SQL = """
-SELECT r.uuid, (SELECT MIN(s.ts_ms) FROM billing_sample AS s
-                WHERE s.device_uuid = r.uuid AND s.ts_ms >= r.lo)
-FROM unnest(%s::text[], %s::bigint[]) AS r(uuid, lo)
-"""
-
-
 def store_samples(
     cursor: CursorWrapper,
     rows: Sequence[SampleRow],
@@ -199,10 +198,10 @@ def store_samples(
     write samples of: all in one round, in key order), so their gaps are worked out against
     every sample stored before. A batch that repeats nothing and falls after (or between) what is
     stored, the usual case, is COPYed straight into `billing_sample` with its gaps, then the
-    gap of each device's sample just before it is worked out again; the COPY runs under a
-    savepoint, and should it meet a stored sample after all it is undone. Otherwise the batch
-    takes the general way (`store_batch`), then its devices' gaps are worked out again over its
-    span.
+    gap of each device's sample just before it is set (`set_previous_gaps`); the COPY runs
+    under a savepoint, and should it meet a stored sample after all it is undone. Otherwise the
+    batch takes the general way (`store_batch`), then its devices' gaps are worked out again
+    over its span.
     """
     also_lock = set(also_lock)
     if not rows:
@@ -211,15 +210,19 @@ def store_samples(
         return 0, []
     ordered = sorted(rows, key=_KEY)
     gaps, bounds, repeats = batch_gaps(ordered)
-    lock_devices(cursor, bounds.keys() | also_lock)
-    if not repeats:
-        uuids = sorted(bounds)
-        cursor.execute(_FOLLOWING_SQL, [uuids, [bounds[uuid].first_ms for uuid in uuids]])
-        following = dict(cursor.fetchall())
-        if all(after is None or after > bounds[uuid].last_ms for uuid, after in following.items()):
+    if repeats:
+        lock_devices(cursor, bounds.keys() | also_lock)
+    else:
+        neighbours = lock_and_find_neighbours(cursor, bounds, also_lock=also_lock)
+        if all(
+            found.after_ms is None or found.after_ms > bounds[uuid].last_ms
+            for uuid, found in neighbours.items()
+        ):
             for index, (row, gap) in enumerate(zip(ordered, gaps, strict=True)):
-                if gap is None and following[row[0]] is not None:
-                    gaps[index] = following[row[0]] - row[1]
+                if gap is None:
+                    after = neighbours[row[0]].after_ms
+                    if after is not None:
+                        gaps[index] = after - row[1]
             tail = (node, received_at)
             try:
                 with transaction.atomic():
@@ -237,10 +240,7 @@ def store_samples(
             except UniqueViolation:
                 pass
             else:
-                # Only each device's sample just before the batch has a gap to set now.
-                refresh_gaps(
-                    cursor, {uuid: Bounds(b.first_ms, b.first_ms) for uuid, b in bounds.items()}
-                )
+                set_previous_gaps(cursor, bounds, neighbours)
                 return len(rows), latest_per_hour(row[1] for row in rows)
     stored, instants = store_batch(
         cursor, Sample, ordered, node=node, received_at=received_at, gaps=gaps
@@ -259,24 +259,27 @@ class Place(NamedTuple):
     parent: str = ""
 
 
-def _metered(ids: Iterable[str]) -> models.QuerySet[Device]:
-    """The devices samples name by `ids`: by meter id (`Device.meter_id`: a NVIDIA device's
-    UUID, a formed identity for one without); a device imported before meter ids were
-    formed (meter id empty) by its UUID."""
-    ids = list(ids)
-    return Device.objects.filter(models.Q(meter_id__in=ids) | models.Q(meter_id="", uuid__in=ids))
+# The devices samples name by their ids: by meter id (`Device.meter_id`: a NVIDIA device's
+# UUID, a formed identity for one without); a device imported before meter ids were formed
+# (meter id empty) by its UUID. Written once rather than built by the ORM for every batch.
+_PLACES_SQL = f"""
+SELECT d.meter_id, d.uuid, d.cluster_id, n.name, d.parent_uuid, d.gone_at
+FROM {Device._meta.db_table} AS d LEFT JOIN {Node._meta.db_table} AS n ON n.id = d.node_id
+WHERE d.meter_id = ANY(%s) OR (d.meter_id = '' AND d.uuid = ANY(%s))
+"""
 
 
 def device_places(uuids: set[str]) -> dict[str, set[Place]]:
     """Where the devices carrying `uuids` are, per UUID the inventory knows: the present
     devices' places if any carries it, else the gone ones'. A MIG device published without a
     node of its own is where its parent GPU is."""
-    rows = [
-        (meter_id or uuid, cluster_id, node, parent, gone_at)
-        for meter_id, uuid, cluster_id, node, parent, gone_at in _metered(uuids).values_list(
-            "meter_id", "uuid", "cluster_id", "node__name", "parent_uuid", "gone_at"
-        )
-    ]
+    ids = sorted(uuids)
+    with connection.cursor() as cursor:
+        cursor.execute(_PLACES_SQL, [ids, ids])
+        rows = [
+            (meter_id or uuid, cluster_id, node, parent, gone_at)
+            for meter_id, uuid, cluster_id, node, parent, gone_at in cursor.fetchall()
+        ]
     orphans = {parent for _, _, node, parent, _ in rows if node is None and parent}
     parents: dict[tuple[str, int], str] = {}
     if orphans:

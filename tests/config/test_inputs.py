@@ -31,3 +31,16 @@ def test_a_body_at_the_limit_is_read() -> None:
     assert parse_json(b'{"a": {"b": [1, 2.5, "x", null, true]}}') == {
         "a": {"b": [1, 2.5, "x", None, True]}
     }
+
+
+def test_depth_counts_objects_and_arrays_alike_wherever_they_sit() -> None:
+    # The deepest branch counts, however shallow its siblings and whatever comes after it.
+    deep = '{"a": [{"b": {"c": [[1]]}}]}'  # 6 levels
+    body = f'[1, "x", {{"k": null}}, {deep}, [true]]'.encode()  # 7 levels in all
+    assert parse_json(body, max_depth=7) is not None
+    with pytest.raises(BadInput, match="nested deeper than 6 levels"):
+        parse_json(body, max_depth=6)
+    assert parse_json(b'{"a": {}, "b": []}', max_depth=2) is not None
+    with pytest.raises(BadInput):
+        parse_json(b'{"a": {}, "b": []}', max_depth=1)
+    assert parse_json(b'"scalar"', max_depth=0) == "scalar"

@@ -111,3 +111,45 @@ def test_a_batch_and_its_samples_one_by_one_agree(sample: dict[str, Any]) -> Non
         assert rejected == []
         assert valid[1] == alone
     assert json.dumps([r["reason"] for r in rejected])  # plain text, for the JSON answer
+
+
+PLAIN: st.SearchStrategy[dict[str, Any]] = st.fixed_dictionaries(
+    {
+        "uuid": st.sampled_from(["GPU-1", "GPU-2", "GPU-1::gi3", "GPU-1::gi9999", "MIG-7"]),
+        "ts": st.sampled_from(
+            [TS, "2026-03-01T10:00:00.123456+01:00", "1999-01-01T00:00:00Z", "2026-03-01 10:00"]
+        ),
+    },
+    optional={
+        "gpu_util": st.none() | st.integers(0, 100) | st.floats(0, 100),
+        "mem_used_bytes": st.none() | st.integers(0, MAX_BIGINT),
+        "processes": st.none()
+        | st.lists(st.dictionaries(st.sampled_from(["pid", "pod_uid", "x\u0000"]), JSON)),
+        "covered_seconds": st.none()
+        | st.sampled_from([1, 4.0005, 0.0001, 59.9999, 10**9])
+        | st.floats(0.001, 60),
+        "extra": JSON,  # unknown keys are ignored
+        "parent_uuid": st.sampled_from(["GPU-1", None]),  # a MIG field: checked field by field
+        "node": st.none(),
+    },
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(PLAIN, min_size=1, max_size=6))
+def test_a_plain_batch_checked_a_field_at_a_time_agrees_with_each_sample_checked(
+    samples: list[dict[str, Any]],
+) -> None:
+    """An agent's usual batch (samples the schema takes, each naming its device by `uuid`)
+    is worked out a field at a time (`SampleChecker.plain_rows`); what it stores, or rejects
+    and why, is what checking each sample on its own gives."""
+    valid, rejected = ingest.validate_samples(samples, now=NOW)
+    window = ingest.sample_window(NOW)
+    expected_valid, expected_rejected = [], []
+    for index, sample in enumerate(samples):
+        try:
+            expected_valid.append(ingest.check_sample(sample, window=window))
+        except ingest.InvalidSample as exc:
+            expected_rejected.append(f"samples[{index}].{exc}")
+    assert valid == expected_valid
+    assert [r["reason"] for r in rejected] == expected_rejected
