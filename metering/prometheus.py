@@ -55,9 +55,11 @@ timeout per hour; the hours not asked stay pending for the next run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
+import operator
 import re
 import ssl
 import time
@@ -65,10 +67,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections import defaultdict
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from functools import lru_cache
+from itertools import islice, repeat
+from operator import itemgetter
 from typing import Any
 
 import orjson
@@ -80,7 +84,6 @@ from django.db.models import Q, QuerySet
 from django.utils import timezone
 
 from agent.exporters import PROFILES, ExporterProfile, MatchBy, ScrapeContext
-from db.copy import copy_rows
 from inventory.models import Allocation, Device, DeviceKind
 from metering import silence
 from metering.dirty import mark_dirty
@@ -94,7 +97,8 @@ log = logging.getLogger(__name__)
 SOURCES = ("samples", "prometheus")
 # The readings of one rollup run, shaped as the rollup reads `billing_sample`.
 READINGS_TABLE = "tally_prometheus_readings"
-_READINGS_TYPES = ("text", "int8", "float8", "int8")
+# The statistics target its ANALYZE runs with (rows sampled: 300 times this).
+_READINGS_STATISTICS = 10
 
 # Per exporter: the roles a label may play (its metrics, labels and how a series names its
 # device are the exporter's profile's, `agent.exporters`, the node agent's too).
@@ -558,8 +562,12 @@ class Engine:
             )
         series = []
         for result in data.get("result") or []:
-            values = ((ts, float(value)) for ts, value in result.get("values") or [])
-            points = [(round(ts * 1000), value) for ts, value in values if math.isfinite(value)]
+            points = [(round(ts * 1000), float(value)) for ts, value in result.get("values") or []]
+            # A reading that is no number (NaN, ±Inf) is left out. Checked on the sum, in C: a
+            # sum that is not finite (one such reading, or finite ones overflowing) sends the
+            # series through the check of each reading.
+            if not math.isfinite(sum(map(_VALUE, points))):
+                points = [point for point in points if math.isfinite(point[1])]
             series.append(Series(labels=result.get("metric") or {}, points=points))
         return series
 
@@ -584,9 +592,14 @@ def fetch(
     engine: Engine, exporter: Exporter, metric: Metric, *, extra: str, start_ms: int, end_ms: int
 ) -> list[Series]:
     """The readings of `metric` in `[start_ms, end_ms)`, in chunks of at most
-    TALLY_PROMETHEUS_QUERY_HOURS: as scraped (step 0), or one mean per step, each reading
-    placed at the start of the step it is the mean of. Points outside the window are left out
-    (chunk edges may repeat one; the caller keeps one per instant)."""
+    TALLY_PROMETHEUS_QUERY_HOURS, the last one a hold longer at most: as scraped (step 0), or
+    one mean per step, each reading placed at the start of the step it is the mean of. Points
+    outside the window are left out (chunk edges may repeat one; the caller keeps one per
+    instant).
+
+    A rollup run asks for its hours and the hold before them (`_ask`): the hold rides with
+    the last chunk rather than making a question of its own, which doubled the questions of
+    a run of one hour."""
     conf = engine.conf
     selector = _selector(metric, extra)
     step_ms = conf.step_seconds * 1000
@@ -595,6 +608,8 @@ def fetch(
     chunk_start = start_ms
     while chunk_start < end_ms:
         chunk_end = min(chunk_start + chunk_ms, end_ms)
+        if end_ms - chunk_end <= sample_hold_ms():
+            chunk_end = end_ms
         length = chunk_end - chunk_start
         if step_ms:
             # Steps ending at chunk_start + step ... chunk_end + step: their means cover the
@@ -607,18 +622,34 @@ def fetch(
             series = engine.matrix(query, at_ms=chunk_end - 1)
             shift = 0
         for one in series:
-            points = [
-                (ts - shift, value)
-                for ts, value in one.points
-                if chunk_start <= ts - shift < chunk_end
-            ]
-            if points:
-                found.append(Series(labels=one.labels, points=points))
+            points = one.points
+            if not points:
+                continue
+            # Most series lie within the chunk as they are (step 0): kept, not copied.
+            if (
+                shift
+                or min(map(_INSTANT, points)) < chunk_start
+                or max(map(_INSTANT, points)) >= chunk_end
+            ):
+                points = [
+                    (ts - shift, value)
+                    for ts, value in points
+                    if chunk_start <= ts - shift < chunk_end
+                ]
+                if not points:
+                    continue
+            found.append(Series(labels=one.labels, points=points))
         chunk_start = chunk_end
     return found
 
 
 # --- Devices ----------------------------------------------------------------------------------
+
+
+_INSTANT = itemgetter(0)
+_VALUE = itemgetter(1)
+_WHOLE = float.is_integer
+_PLUS_ZERO = float.__add__
 
 
 def _percent(value: float, scale: float) -> float:
@@ -1070,8 +1101,11 @@ def _ask(
     start = start_ms - sample_hold_ms()
     # meter id -> instant -> (rank of the metric, percent): at each instant the first of the
     # exporter's metrics that has a reading, as the agent reads a scrape; of its series, the
-    # maximum.
+    # maximum. Series matched to a meter id by their labels are first kept whole, per meter id
+    # (`parts`: rank, scale and points of each): a device with one series, or series whose
+    # instants follow one another (the chunks of one), needs no instant-by-instant merge.
     found: dict[str, dict[int, tuple[int, float]]] = defaultdict(dict)
+    parts: dict[str, list[tuple[int, float, list[tuple[int, float]]]]] = defaultdict(list)
     unmatched: list[str] = []
     for exporter in engine.conf.exporters:
         for rank, metric in enumerate(exporter.metrics):
@@ -1081,32 +1115,98 @@ def _ask(
             for one, meter in zip(series, meters, strict=True):
                 if meter is None or (isinstance(meter, str) and meter not in wanted):
                     continue
+                if isinstance(meter, str):
+                    parts[meter].append((rank, metric.scale, one.points))
+                    continue
                 for ts, value in one.points:
-                    meter_id = meter if isinstance(meter, str) else meter.meter_at(ts)
+                    meter_id = meter.meter_at(ts)
                     if meter_id is None or meter_id not in wanted:
                         continue
-                    instants = found[meter_id]
-                    reading = (-rank, _percent(value, metric.scale))
-                    if reading > instants.get(ts, (-rank - 1, 0.0)):
-                        instants[ts] = reading
-    points = {
-        meter_id: [(ts, percent) for ts, (_, percent) in sorted(instants.items())]
-        for meter_id, instants in found.items()
-    }
+                    _keep(found[meter_id], ts, rank, _percent(value, metric.scale))
+    points: dict[str, list[tuple[int, float]]] = {}
+    for meter_id, kept in parts.items():
+        if meter_id not in found and (merged := _in_turn(kept)) is not None:
+            points[meter_id] = merged
+            continue
+        instants = found[meter_id]
+        for rank, scale, readings in kept:
+            for ts, value in readings:
+                _keep(instants, ts, rank, _percent(value, scale))
+    for meter_id, instants in found.items():
+        points[meter_id] = [(ts, percent) for ts, (_, percent) in sorted(instants.items())]
     return points, unmatched
+
+
+def _keep(instants: dict[int, tuple[int, float]], ts: int, rank: int, percent: float) -> None:
+    """Keep the reading at `ts` if it is the first metric's (lowest `rank`) there, or the
+    highest of its metric's."""
+    reading = (-rank, percent)
+    if reading > instants.get(ts, (-rank - 1, 0.0)):
+        instants[ts] = reading
+
+
+def _in_turn(
+    kept: list[tuple[int, float, list[tuple[int, float]]]],
+) -> list[tuple[int, float]] | None:
+    """The readings of one device's series as percent, in order, when no two of them share an
+    instant (each series' instants rising, and each series' after the one before): then no
+    reading is weighed against another, whatever its metric. None when some may be."""
+    kept = sorted(kept, key=lambda part: part[2][0][0] if part[2] else 0)
+    last = None
+    merged: list[tuple[int, float]] = []
+    for _, scale, readings in kept:
+        if not readings:
+            continue
+        stamps = list(map(_INSTANT, readings))
+        if (last is not None and stamps[0] <= last) or not all(
+            map(operator.lt, stamps, islice(stamps, 1, None))
+        ):
+            return None
+        last = stamps[-1]
+        merged.extend(zip(stamps, _percents(list(map(_VALUE, readings)), scale), strict=True))
+    return merged
+
+
+def _percents(values: list[float], scale: float) -> list[float]:
+    """`_percent` of each of `values`: where none needs clamping, without its calls (+ 0.0:
+    a -0.0 read is 0.0, as `_percent`'s max(0.0, ...) makes it)."""
+    if scale != 1.0:
+        values = [value * scale for value in values]
+    if values and (min(values) < 0.0 or max(values) > 100.0):
+        return [_percent(value, 1.0) for value in values]
+    with contextlib.suppress(TypeError):  # (a value that is no float: `_percent` below)
+        if all(map(_WHOLE, values)):
+            # Whole percents (DCGM's utilisation) round to themselves.
+            return list(map(_PLUS_ZERO, values, repeat(0.0)))
+    return [round(value, 2) + 0.0 for value in values]
 
 
 def _quoted(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"')
 
 
-def readings_rows(readings: Readings) -> Iterable[tuple[str, int, float, int | None]]:
-    """Rows of `READINGS_TABLE`: each reading with its gap to the device's next (None for the
-    last: the hold applies, as to a device's latest sample)."""
+# COPY's text format escapes these in a value (its delimiter, line ends and escape).
+_COPY_TEXT_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+
+
+def readings_copy_text(readings: Readings) -> Iterator[str]:
+    """The rows of `READINGS_TABLE` (device, instant, percent, gap to the device's next reading;
+    NULL for its last: the hold applies, as to a device's latest sample) in COPY's text
+    format, a block of lines per device: one formatting per reading, where writing rows one at
+    a time cost more than the engine took to answer. A percent is written as `repr` writes
+    it, the shortest text that reads back as the same double."""
     for meter_id, points in readings.points.items():
-        for index, (ts, percent) in enumerate(points):
-            following = points[index + 1][0] - ts if index + 1 < len(points) else None
-            yield meter_id, ts, percent, following
+        if not points:
+            continue
+        prefix = meter_id.translate(_COPY_TEXT_ESCAPES) + "\t"
+        stamps = list(map(_INSTANT, points))
+        values = list(map(_VALUE, points))
+        lines = [
+            f"{prefix}{ts}\t{value!r}\t{following - ts}\n"
+            for ts, value, following in zip(stamps, values, islice(stamps, 1, None), strict=False)
+        ]
+        lines.append(f"{prefix}{stamps[-1]}\t{values[-1]!r}\t\\N\n")
+        yield "".join(lines)
 
 
 def load_readings(readings: Readings, *, start_ms: int, end_ms: int) -> str:
@@ -1120,12 +1220,11 @@ def load_readings(readings: Readings, *, start_ms: int, end_ms: int) -> str:
             f"CREATE TEMP TABLE {READINGS_TABLE} (device_uuid text, ts_ms bigint, "
             "gpu_util double precision, gap_ms bigint, covered_ms bigint) ON COMMIT DROP"
         )
-        copy_rows(
-            cursor,
-            f"{READINGS_TABLE} (device_uuid, ts_ms, gpu_util, gap_ms)",
-            readings_rows(readings),
-            _READINGS_TYPES,
-        )
+        with cursor.copy(
+            f"COPY {READINGS_TABLE} (device_uuid, ts_ms, gpu_util, gap_ms) FROM STDIN"
+        ) as copy:
+            for block in readings_copy_text(readings):
+                copy.write(block)
         if readings.mixed:
             cursor.execute(
                 f"INSERT INTO {READINGS_TABLE} "
@@ -1138,7 +1237,17 @@ def load_readings(readings: Readings, *, start_ms: int, end_ms: int) -> str:
                     "metered": sorted(readings.metered),
                 },
             )
-        cursor.execute(f"ANALYZE {READINGS_TABLE}")
+        # Its size, for the rollup's plans (a join to its pieces), and a few statistics: a
+        # sample of 3,000 rows rather than the default 30,000, which took longer than the
+        # rollup's own statements over an hour of a thousand GPUs. Set back for the rest of the
+        # caller's transaction.
+        cursor.execute("SHOW default_statistics_target")
+        (target,) = cursor.fetchone()
+        cursor.execute(
+            f"SET LOCAL default_statistics_target = {_READINGS_STATISTICS}; "
+            f"ANALYZE {READINGS_TABLE}; "
+            f"SET LOCAL default_statistics_target = {int(target)}"
+        )
     return READINGS_TABLE
 
 
