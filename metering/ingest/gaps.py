@@ -14,6 +14,7 @@ from django.db.backends.utils import CursorWrapper
 
 from db.copy import json_rows
 from db.locks import advisory_xact_lock, text_key
+from metering.blocks import thaw_samples
 from metering.hours import MS_PER_HOUR, hour_at, sample_hold_ms
 from metering.ingest.rows import SampleRow
 from metering.models import Sample
@@ -135,6 +136,9 @@ def refresh_gaps(cursor: CursorWrapper, bounds: dict[str, Bounds]) -> None:
     `last_ms`: after samples were stored between them, in any order."""
     if not bounds:
         return
+    # Compacted samples in the span back in `billing_sample`, so that its gaps are worked out
+    # on every sample (`metering.blocks`); nothing when none are there.
+    thaw_samples(cursor, bounds)
     # Over a partition of millions of samples (a day of 1,000 GPUs is 1.4 million) the
     # planner's cost for these few index ranges passes `jit_above_cost`, and compiling the
     # statement took ~0.5 s of a call it runs in 2 ms: ingest fell from 60,000 samples a

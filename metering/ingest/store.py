@@ -18,6 +18,7 @@ from psycopg.errors import UniqueViolation
 
 from db.copy import copy_rows
 from inventory.models import Device
+from metering.blocks import thaw_samples
 from metering.hours import MS_PER_HOUR
 from metering.ingest.gaps import Bounds, batch_gaps, latest_per_hour, lock_devices, refresh_gaps
 from metering.ingest.rows import BATCH_TABLE, COLUMNS, ROW_COLUMNS, UNIQUE_SET_ASIDE, SampleRow
@@ -212,6 +213,8 @@ def store_samples(
     ordered = sorted(rows, key=_KEY)
     gaps, bounds, repeats = batch_gaps(ordered)
     lock_devices(cursor, bounds.keys() | also_lock)
+    # Compacted samples the batch falls among back in `billing_sample` first (`metering.blocks`).
+    thaw_samples(cursor, bounds)
     if not repeats:
         uuids = sorted(bounds)
         cursor.execute(_FOLLOWING_SQL, [uuids, [bounds[uuid].first_ms for uuid in uuids]])
