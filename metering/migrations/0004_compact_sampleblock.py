@@ -3,9 +3,10 @@ holding its samples as arrays, and the two functions that read a time window of 
 `billing_sample` and the blocks alike: `metering_readings(lo, hi)` (what the rollup reads) and
 `metering_samples(lo, hi)` (every column of `billing_sample` but `id`).
 
-Both are LANGUAGE sql, STABLE, one SELECT: PostgreSQL inlines them into the query that calls
-them, so `lo` and `hi` prune `billing_sample`'s day partitions and pick the blocks by day, as a
-`WHERE ts_ms >= lo AND ts_ms < hi` on `billing_sample` would. `hi` is exclusive.
+Both are LANGUAGE sql, STABLE, one SELECT (a block's arrays unnested side by side, in
+step): PostgreSQL inlines them into the query that calls them, so `lo` and `hi` prune
+`billing_sample`'s day partitions and pick the blocks by day, as a `WHERE ts_ms >= lo AND
+ts_ms < hi` on `billing_sample` would. `hi` is exclusive.
 
 No data moves here: existing days are compacted by `compact_samples` (beat's
 `metering.tasks.compact_samples`), which is what moves them, day by day, resumably.
@@ -24,12 +25,11 @@ LANGUAGE sql STABLE PARALLEL SAFE AS $$
 SELECT s.device_uuid, s.ts_ms, s.gpu_util, s.gap_ms, s.covered_ms, s.placed_gpu_instance
 FROM billing_sample AS s WHERE s.ts_ms >= $1 AND s.ts_ms < $2
 UNION ALL
-SELECT b.device_uuid, b.day_ms + u.off, u.gpu_util, u.gap_ms, u.covered_ms, NULL::integer
-FROM metering_sampleblock AS b
-CROSS JOIN LATERAL unnest(b.ts_off, b.gpu_util, b.gap_ms, b.covered_ms)
-     AS u(off, gpu_util, gap_ms, covered_ms)
-WHERE b.day_ms > $1 - 86400000 AND b.day_ms < $2
-  AND b.day_ms + u.off >= $1 AND b.day_ms + u.off < $2
+SELECT u.device_uuid, u.ts_ms, u.gpu_util, u.gap_ms, u.covered_ms, NULL::integer
+FROM (SELECT b.device_uuid, b.day_ms + unnest(b.ts_off) AS ts_ms, unnest(b.gpu_util) AS gpu_util,
+             unnest(b.gap_ms) AS gap_ms, unnest(b.covered_ms) AS covered_ms
+      FROM metering_sampleblock AS b WHERE b.day_ms > $1 - 86400000 AND b.day_ms < $2) AS u
+WHERE u.ts_ms >= $1 AND u.ts_ms < $2
 $$;
 CREATE FUNCTION metering_samples(bigint, bigint)
 RETURNS TABLE (device_uuid varchar, ts_ms bigint, gpu_util double precision,
