@@ -758,7 +758,7 @@ TALLY_SAMPLE_COMPACT_DEVICES = env.get_int(
 )
 CELERY_BEAT_SCHEDULE["metering-compact-samples"] = {
     "task": "metering.tasks.compact_samples",
-    "schedule": crontab(minute="20"),
+    "schedule": crontab(minute="35"),
 }
 CELERY_BEAT_SCHEDULE["quota-history-retention"] = {
     "task": "quota.tasks.purge_history",
