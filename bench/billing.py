@@ -50,7 +50,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from typing import Any
 
 from bench.database import fresh_database
@@ -596,6 +596,18 @@ def _timed_rollup(hours: list[datetime], now: datetime) -> float:
     return min(times)
 
 
+def _left_bloated(days: list[date]) -> bool:
+    """Whether a day's partition, or DEFAULT, still holds the space of rows moved out."""
+    from django.db import connection
+
+    from metering.compaction import partition_bloated
+
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_total_relation_size('billing_sample_default')")
+        (default,) = cursor.fetchone()
+    return default > 2**20 or any(partition_bloated(day) for day in days)
+
+
 def _compaction(hours: list[datetime], now: datetime) -> list[tuple[str, bool, str]]:
     """Bytes a stored sample before and after `compact_samples`, and the rollup of the period
     from `billing_sample` against the same from the compacted blocks (identical rows
@@ -622,7 +634,7 @@ def _compaction(hours: list[datetime], now: datetime) -> list[tuple[str, bool, s
     # another database's long transaction holds it back (its xid is in every snapshot's
     # xmin). Beat's next runs rewrite a partition left bloated; here, as many as it takes.
     tries = 1
-    while _sample_bytes()[1] > TARGET_BYTES_PER_SAMPLE * samples and tries < 24:
+    while _left_bloated(days) and tries < 24:
         time.sleep(5)
         tries += 1
         compact_samples(now=now + timedelta(days=3))

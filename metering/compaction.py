@@ -171,7 +171,7 @@ def _rewrite(day: date) -> bool:
     return True
 
 
-def _bloated(day: date) -> bool:
+def partition_bloated(day: date) -> bool:
     """Whether `day`'s partition holds far more pages than its rows need: a compaction whose
     rewrite did not run (interrupted, or its lock busy)."""
     with connection.cursor() as cursor:
@@ -212,7 +212,7 @@ def compact_samples(
         if moved:
             report.moved[day], report.blocks[day] = moved, made
             done += 1
-        if moved or _bloated(day):
+        if moved or partition_bloated(day):
             (report.rewritten if _rewrite(day) else report.busy).append(day)
     if report.blocks:
         with connection.cursor() as cursor:
