@@ -630,9 +630,9 @@ def _compaction(hours: list[datetime], now: datetime) -> list[tuple[str, bool, s
     started = time.perf_counter()
     report = compact_samples(now=now + timedelta(days=3))
     compact_s = time.perf_counter() - started
-    # The partitions' rewrite keeps what an older snapshot may still see: on a shared server
-    # another database's long transaction holds it back (its xid is in every snapshot's
-    # xmin). Beat's next runs rewrite a partition left bloated; here, as many as it takes.
+    # A partition whose rewrite could not have its lock is left bloated for beat's next run;
+    # here, as many runs as it takes. DEFAULT's VACUUM FULL keeps what an older snapshot may
+    # see (on a shared server, another database's long transaction): again until it is done.
     tries = 1
     while _left_bloated(days) and tries < 24:
         time.sleep(5)

@@ -9,8 +9,8 @@ The write path is unchanged: ingest writes `billing_sample`, and beat's `compact
 (`compact_samples` the command) turns each day older than TALLY_SAMPLE_COMPACT_AFTER_DAYS into
 blocks, one transaction per batch of TALLY_SAMPLE_COMPACT_DEVICES devices, under those
 devices' ingest locks (`billing.ingest.device`), then rewrites the day's partition
-(VACUUM FULL) to give its space back. Idempotent, resumable: a device-day with a block is
-left as it is; a rerun picks up where one stopped.
+(a new table with the rows left takes its place) to give its space back. Idempotent,
+resumable: a device-day with a block is left as it is; a rerun picks up where one stopped.
 
 What makes it safe for every writer and reader that reads `billing_sample` alone:
 
@@ -46,8 +46,10 @@ from psycopg.errors import LockNotAvailable
 from db.locks import advisory_xact_lock
 from metering.blocks import BLOCKS, readings_between, thaw_samples
 from metering.ingest.gaps import lock_devices
+from metering.models import Sample
 from metering.retention import (
     MS_PER_DAY,
+    PARENT,
     day_bounds_ms,
     lock_timeout,
     partition_name,
@@ -148,23 +150,40 @@ def compact_day(day: date, *, batch: int | None = None) -> tuple[int, int]:
 
 
 def _rewrite(day: date) -> bool:
-    """Rewrite `day`'s partition in its unique index's order (CLUSTER): the space of the
-    samples moved out given back, which a plain vacuum keeps (the few rows left are spread
-    over every page). Waits at most TALLY_SAMPLE_PARTITION_LOCK_SECONDS for its lock (it
-    holds the partition alone, for the moment it takes to copy a few thousand rows); False
-    when it could not have it."""
+    """Give back the space of the samples moved out of `day`'s partition: its rows left (each
+    device's first and last) copied into a new table that takes its place, the old one
+    dropped, as retention drops a day (`metering.retention`). Neither a plain vacuum (the few
+    rows left are spread over every page) nor VACUUM FULL or CLUSTER would do: those keep
+    what any older snapshot may see, and a snapshot's horizon counts the transactions of
+    every database on the server. Under the parent's lock, as a drop (ingest into every day
+    waits for the moment it takes to copy a few rows a device), waiting at most
+    TALLY_SAMPLE_PARTITION_LOCK_SECONDS for it; False when it could not have it."""
     name = partition_name(day)
+    new = f"{name}_c"
+    start, end = day_bounds_ms(day)
+    columns = ", ".join(field.column for field in Sample._meta.concrete_fields)
     try:
         with transaction.atomic(), connection.cursor() as cursor:
             lock_timeout(cursor)
+            advisory_xact_lock("metering.compact.day", {start // MS_PER_DAY}, cursor=cursor)
+            cursor.execute(f"LOCK TABLE {PARENT} IN ACCESS EXCLUSIVE MODE")
+            if day not in sample_partitions():
+                return True
+            # The check lets ATTACH skip scanning the new table (`create_day_partition`).
             cursor.execute(
-                "SELECT i.indexrelid::regclass::text FROM pg_index AS i "
-                "JOIN pg_inherits AS h ON h.inhrelid = i.indexrelid "
-                "WHERE h.inhparent = 'sample_unique'::regclass AND i.indrelid = %s::regclass",
-                [name],
+                f"CREATE TABLE {new} (LIKE {PARENT} INCLUDING DEFAULTS, "
+                f"CONSTRAINT {new}_range CHECK (ts_ms >= {start} AND ts_ms < {end}))"
             )
-            (index,) = cursor.fetchone()
-            cursor.execute(f"CLUSTER {name} USING {index}")
+            cursor.execute(
+                f"INSERT INTO {new} ({columns}) SELECT {columns} FROM {name} ORDER BY "
+                "device_uuid, ts_ms"
+            )
+            cursor.execute(f"DROP TABLE {name}")
+            cursor.execute(f"ALTER TABLE {new} RENAME TO {name}")
+            cursor.execute(
+                f"ALTER TABLE {PARENT} ATTACH PARTITION {name} FOR VALUES FROM ({start}) TO ({end})"
+            )
+            cursor.execute(f"ALTER TABLE {name} DROP CONSTRAINT {new}_range")
             cursor.execute(f"ANALYZE {name}")
     except LockNotAvailable:
         return False
