@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from django.core.management import call_command
-from django.db import connection
+from django.db import connection, transaction
 from django.test import override_settings
 from django.utils import timezone
 from hypothesis import HealthCheck, given, settings
@@ -314,3 +314,60 @@ def test_late_writes_among_compacted_days_leave_every_gap_right(
     assert [row[7] for row in after] == expected_gaps(after)
     compact_samples()
     assert everything() == after
+
+
+@pytest.mark.django_db(transaction=True)
+def test_compaction_waits_for_a_write_holding_a_device_of_the_day() -> None:
+    """A writer holding a device's ingest lock (between its check for blocks and its write)
+    is never overtaken: compaction of that device's day waits for it, then compacts what it
+    wrote too."""
+    import threading
+
+    from django.db import connections
+
+    from metering.ingest.gaps import lock_devices
+
+    gpu = DeviceFactory.create()
+    day = today() - timedelta(days=4)
+    send(day_of_samples(gpu, day, seed=3))
+    maintain_sample_partitions()
+    locked, release, compacted = threading.Event(), threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            with transaction.atomic(), connection.cursor() as cursor:
+                lock_devices(cursor, [gpu.meter_id])
+                locked.set()
+                assert release.wait(30)
+                cursor.execute(
+                    "INSERT INTO billing_sample (device_uuid, ts_ms, gpu_util, node, received_at)"
+                    " VALUES (%s, %s, 1.0, '', now())",
+                    [gpu.meter_id, at(day, 600) + 1],
+                )
+        except BaseException as error:
+            errors.append(error)
+        finally:
+            connections.close_all()
+
+    def compactor() -> None:
+        try:
+            compact_samples()
+            compacted.set()
+        except BaseException as error:
+            errors.append(error)
+        finally:
+            connections.close_all()
+
+    first = threading.Thread(target=writer)
+    first.start()
+    assert locked.wait(30)
+    second = threading.Thread(target=compactor)
+    second.start()
+    assert not compacted.wait(2)  # waiting for the writer's lock
+    release.set()
+    first.join(30)
+    second.join(60)
+    assert not errors and compacted.is_set()
+    block = SampleBlock.objects.get(device_uuid=gpu.meter_id)
+    assert at(day, 600) + 1 - block.day_ms in block.ts_off
