@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from datetime import UTC, date, timedelta
 
+from django.conf import settings
 from django.db.backends.utils import CursorWrapper
+from django.utils import timezone
 
 from metering.models import SampleBlock
 
@@ -50,13 +53,24 @@ CROSS JOIN LATERAL unnest(t.ts_off, t.gpu_util, t.mem_used_bytes, t.processes, t
 """
 
 
+def _uncompacted_from_ms() -> int:
+    """An instant no block's span reaches: compaction takes days before TALLY_SAMPLE_COMPACT_
+    AFTER_DAYS before its own today, and a block's span ends before its day does; a day of
+    margin for a compacting worker's clock ahead of this one's. A write at or after it, the
+    usual one (today's samples), skips the query."""
+    today = timezone.now().astimezone(UTC).date()
+    first = today - timedelta(days=int(settings.TALLY_SAMPLE_COMPACT_AFTER_DAYS) - 1)
+    return (first - date(1970, 1, 1)).days * MS_PER_DAY
+
+
 def thaw_samples(cursor: CursorWrapper, spans: Mapping[str, tuple[int, int]]) -> int:
     """Put back into `billing_sample` the compacted samples of each device whose block's span
     meets its `[first_ms, last_ms]` in `spans`; how many. Called by every writer of samples
     under the devices' locks (`lock_devices`) and before it reads its neighbours: afterwards
     `billing_sample` alone holds every sample the write can meet. Nothing when no block is
-    there (one index probe a device: the usual case, a write of today's samples)."""
-    if not spans:
+    there: a write of the last days (the usual one) skips even the query, one index probe a
+    device otherwise."""
+    if not spans or min(lo for lo, _ in spans.values()) >= _uncompacted_from_ms():
         return 0
     uuids = sorted(spans)
     cursor.execute(

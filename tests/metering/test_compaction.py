@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from inventory.models import Device
 from metering import rollup
 from metering.compaction import compact_samples
+from metering.hours import epoch_ms
 from metering.ingest import SampleRow, ingest
 from metering.models import SampleBlock, UsageHour
 from metering.retention import (
@@ -371,3 +372,20 @@ def test_compaction_waits_for_a_write_holding_a_device_of_the_day() -> None:
     assert not errors and compacted.is_set()
     block = SampleBlock.objects.get(device_uuid=gpu.meter_id)
     assert at(day, 600) + 1 - block.day_ms in block.ts_off
+
+
+def test_a_write_of_the_last_days_skips_the_thaw_query(fleet: Any) -> None:
+    from django.test.utils import CaptureQueriesContext
+
+    from metering.blocks import thaw_samples
+
+    gpus, days = fleet
+    compact_samples()
+    now_ms = epoch_ms(timezone.now())
+    yesterday = day_bounds_ms(today() - timedelta(days=1))[0]
+    with CaptureQueriesContext(connection) as queries, connection.cursor() as cursor:
+        assert thaw_samples(cursor, {gpus[0].meter_id: (yesterday, now_ms)}) == 0
+        assert not queries.captured_queries
+        # One reaching back into a compacted day asks, and thaws.
+        assert thaw_samples(cursor, {gpus[0].meter_id: (at(days[2], 500), now_ms)}) > 0
+        assert len(queries.captured_queries) == 1
