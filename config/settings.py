@@ -751,6 +751,23 @@ CELERY_BEAT_SCHEDULE["billing-sample-retention"] = {
     "task": "billing.tasks.sample_retention",
     "schedule": crontab(minute="50"),
 }
+# Samples of days older than this are compacted into one row of arrays per device and day
+# (`metering.compaction`): a fifth of their size or less. A sample arriving late for such a
+# day (TALLY_INGEST_MAX_AGE_DAYS allows it) thaws the device-day it touches back first.
+TALLY_SAMPLE_COMPACT_AFTER_DAYS = env.get_int("TALLY_SAMPLE_COMPACT_AFTER_DAYS", 2, minimum=1)
+if TALLY_SAMPLE_COMPACT_AFTER_DAYS >= TALLY_SAMPLE_RETENTION_DAYS:
+    raise ImproperlyConfigured(
+        f"TALLY_SAMPLE_COMPACT_AFTER_DAYS={TALLY_SAMPLE_COMPACT_AFTER_DAYS} must be less than "
+        f"TALLY_SAMPLE_RETENTION_DAYS={TALLY_SAMPLE_RETENTION_DAYS}"
+    )
+# Devices compacted per transaction (their ingest locks are held meanwhile).
+TALLY_SAMPLE_COMPACT_DEVICES = env.get_int(
+    "TALLY_SAMPLE_COMPACT_DEVICES", 500, minimum=1, maximum=5000
+)
+CELERY_BEAT_SCHEDULE["metering-compact-samples"] = {
+    "task": "metering.tasks.compact_samples",
+    "schedule": crontab(minute="35"),
+}
 CELERY_BEAT_SCHEDULE["quota-history-retention"] = {
     "task": "quota.tasks.purge_history",
     "schedule": crontab(minute="55"),

@@ -51,6 +51,10 @@ LockName = Literal[
     # clusters' syncs never both take one GPU; the key is 0. Taken first in the transaction,
     # before any lock a claim's write takes (`quota.usage`), so no cycle.
     "inventory.device.identity",
+    # One UTC day's samples while they are compacted into blocks or dropped by retention
+    # (`metering.compaction`, `metering.retention`); the key is the day since the epoch.
+    # Taken before the devices' locks (`billing.ingest.device`).
+    "metering.compact.day",
 ]
 
 INT4_MIN, INT4_MAX = -(2**31), 2**31 - 1

@@ -5,7 +5,10 @@ itself is never stored.
 
 from __future__ import annotations
 
+from typing import Any
+
 from django.contrib import admin
+from django.http import HttpRequest, HttpResponse
 
 from metering.models import (
     AgentToken,
@@ -28,14 +31,31 @@ class AgentTokenAdmin(ReadOnlyAdmin):
 
 @admin.register(Sample)
 class SampleAdmin(ReadOnlyAdmin):
+    """`billing_sample` only: the recent days, and each device's first and last sample of
+    older days; the rest of an older day is compacted (`metering.compaction`) and read with
+    `SELECT * FROM metering_samples(lo_ms, hi_ms)`. The changelist says so."""
+
     list_display = ("device_uuid", "ts_ms", "gpu_util", "mem_used_bytes", "node", "received_at")
     search_fields = ("device_uuid", "node")
     show_full_result_count = False
+    note = (
+        "Recent days only: the samples of days older than TALLY_SAMPLE_COMPACT_AFTER_DAYS "
+        "are compacted, one row of arrays per device and day, and only each device's first "
+        "and last sample of such a day is listed here. Usage, statements and reports read "
+        "them all (SQL: SELECT * FROM metering_samples(lo_ms, hi_ms))."
+    )
+
+    def changelist_view(
+        self, request: HttpRequest, extra_context: dict[str, Any] | None = None
+    ) -> HttpResponse:
+        if self.note:
+            extra_context = {"subtitle": self.note, **(extra_context or {})}
+        return super().changelist_view(request, extra_context)
 
 
 @admin.register(UnknownDeviceSample)
 class UnknownDeviceSampleAdmin(SampleAdmin):
-    pass
+    note = ""
 
 
 @admin.register(DirtyHour)

@@ -50,7 +50,7 @@ from db.bulk import update_rows
 from db.copy import json_rows
 from db.locks import text_key, xact_lock_sql
 from metering.hours import sample_hold_ms
-from metering.models import DcgmInstance, MigInstance, Sample
+from metering.models import DcgmInstance, MigInstance
 
 _TABLE = MigInstance._meta.db_table
 _KEY_COLUMNS = "cluster_id, node, parent_uuid, gpu_instance_id"
@@ -264,8 +264,8 @@ _FOUND_SQL = f"""
 SELECT g.i, s.first_ms, s.last_ms
 FROM ({json_rows("bigint", "text", "bigint", "bigint")}) AS g(i, meter_id, lo, hi)
 CROSS JOIN LATERAL (
-    SELECT min(ts_ms) AS first_ms, max(ts_ms) AS last_ms FROM {Sample._meta.db_table}
-    WHERE device_uuid = g.meter_id AND ts_ms BETWEEN g.lo AND g.hi{{own}}
+    SELECT min(ts_ms) AS first_ms, max(ts_ms) AS last_ms FROM metering_readings(g.lo, g.hi + 1)
+    WHERE device_uuid = g.meter_id{{own}}
 ) AS s
 WHERE s.first_ms IS NOT NULL
 """

@@ -8,6 +8,7 @@ billing's (`billing_sample`, ...): moving them here moved no data (issue 37).
 
 from __future__ import annotations
 
+from django.contrib.postgres.fields import ArrayField
 from django.contrib.postgres.indexes import BrinIndex
 from django.db import models
 
@@ -83,6 +84,49 @@ class Sample(models.Model):
 
     def __str__(self) -> str:
         return f"{self.device_uuid}@{self.ts_ms}"
+
+
+class SampleBlock(models.Model):
+    """One device's samples of one closed UTC day, compacted: arrays in time order, one row
+    where `Sample` holds one a sample (`metering.compaction`).
+
+    The device's first and last sample of the day (`lo_ms`, `hi_ms`) stay in `Sample`: a
+    block holds only the samples strictly between them. So every lookup of a device's
+    neighbouring, first or latest sample that `Sample` answers stays right without reading
+    blocks, unless it falls inside a block's `(lo_ms, hi_ms)`: a write there thaws the block
+    back into `Sample` first (`compaction.thaw_samples`). Readers of a time window read both
+    through `metering_readings(lo, hi)` / `metering_samples(lo, hi)` (migration 0004). Samples
+    placed by a GPU instance's spells (`Sample.placed_gpu_instance`) are never compacted: their
+    device-day stays in `Sample`, so the spells' moves find them there.
+
+    Instants are kept as milliseconds from `day_ms` (int4); the arrays are TOASTed and
+    compressed (pglz) as one value each, so a repeated node, process list or gap costs next
+    to nothing. `processes` keeps each sample's JSON as text (null: none), exactly.
+    """
+
+    device_uuid = models.CharField(max_length=128, db_collation="C")
+    day_ms = models.BigIntegerField()  # the UTC day's start, ms since the epoch
+    lo_ms = models.BigIntegerField()
+    hi_ms = models.BigIntegerField()
+    ts_off = ArrayField(models.IntegerField())
+    gpu_util = ArrayField(models.FloatField(null=True))
+    gap_ms = ArrayField(models.BigIntegerField(null=True))
+    covered_ms = ArrayField(models.BigIntegerField(null=True))
+    mem_used_bytes = ArrayField(models.BigIntegerField(null=True))
+    processes = ArrayField(models.TextField(null=True))
+    node = ArrayField(models.TextField())
+    received_at = ArrayField(models.DateTimeField())
+
+    class Meta:
+        db_table = "metering_sampleblock"
+        constraints = [
+            models.UniqueConstraint(fields=["device_uuid", "day_ms"], name="sampleblock_unique")
+        ]
+        # A window's blocks, all devices (the rollup's reads).
+        indexes = [models.Index(fields=["day_ms"], name="sampleblock_day")]
+
+    def __str__(self) -> str:
+        return f"{self.device_uuid}@{self.day_ms} ({len(self.ts_off)} samples)"
 
 
 class UnknownDeviceSample(models.Model):

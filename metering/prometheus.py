@@ -86,6 +86,7 @@ from django.utils import timezone
 from agent.exporters import PROFILES, ExporterProfile, MatchBy, ScrapeContext
 from inventory.models import Allocation, Device, DeviceKind
 from metering import silence
+from metering.blocks import readings_between
 from metering.dirty import mark_dirty
 from metering.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
 from metering.ingest import NAMED, PCI_ATTRIBUTES, PCI_KEY, pci_address, resolve_named
@@ -1228,8 +1229,9 @@ def load_readings(readings: Readings, *, start_ms: int, end_ms: int) -> str:
         if readings.mixed:
             cursor.execute(
                 f"INSERT INTO {READINGS_TABLE} "
-                "SELECT device_uuid, ts_ms, gpu_util, gap_ms, covered_ms FROM billing_sample "
-                "WHERE ts_ms >= %(start)s AND ts_ms < %(end)s "
+                "SELECT device_uuid, ts_ms, gpu_util, gap_ms, covered_ms FROM "
+                + readings_between(start_ms - sample_hold_ms(), end_ms)
+                + " WHERE ts_ms >= %(start)s AND ts_ms < %(end)s "
                 "AND gpu_util IS NOT NULL AND NOT device_uuid = ANY(%(metered)s)",
                 {
                     "start": start_ms - sample_hold_ms(),

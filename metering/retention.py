@@ -37,7 +37,8 @@ from django.db.models import Q
 from django.utils import timezone
 from psycopg.errors import LockNotAvailable
 
-from metering.models import DirtyHour, UnknownDeviceSample
+from db.locks import advisory_xact_lock
+from metering.models import DirtyHour, SampleBlock, UnknownDeviceSample
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def sample_partitions() -> dict[date, str]:
     return days
 
 
-def _lock_timeout(cursor: CursorWrapper) -> None:
+def lock_timeout(cursor: CursorWrapper) -> None:
     seconds = int(settings.TALLY_SAMPLE_PARTITION_LOCK_SECONDS)
     cursor.execute("SELECT set_config('lock_timeout', %s, true)", [f"{seconds}s"])
 
@@ -108,7 +109,7 @@ def create_day_partition(day: date) -> int:
     name = partition_name(day)
     start, end = day_bounds_ms(day)
     with transaction.atomic(), connection.cursor() as cursor:
-        _lock_timeout(cursor)
+        lock_timeout(cursor)
         # The parent first, then DEFAULT: every run takes them in this order, and ingest
         # holds nothing a run waits for while waiting itself.
         cursor.execute(f"LOCK TABLE {PARENT} IN SHARE UPDATE EXCLUSIVE MODE")
@@ -158,15 +159,31 @@ def retention_cutoff(now: datetime) -> date:
 
 
 def drop_day_partition(day: date) -> bool:
-    """Drop `day`'s partition, its samples with it; False when it did not exist.
+    """Drop `day`'s partition, its samples with it, and its compacted samples' blocks
+    (`metering.compaction`), in one transaction; False when neither was there.
     `LockNotAvailable` when the parent's lock is not had in time."""
+    start, _ = day_bounds_ms(day)
     with transaction.atomic(), connection.cursor() as cursor:
-        _lock_timeout(cursor)
+        lock_timeout(cursor)
+        # After a compaction of the day that holds it, whose blocks are then deleted here.
+        advisory_xact_lock("metering.compact.day", {start // MS_PER_DAY}, cursor=cursor)
         cursor.execute(f"LOCK TABLE {PARENT} IN ACCESS EXCLUSIVE MODE")
+        cursor.execute(f"DELETE FROM {SampleBlock._meta.db_table} WHERE day_ms = %s", [start])
+        blocks = cursor.rowcount
         if day not in sample_partitions():
-            return False
+            return blocks > 0
         cursor.execute(f"DROP TABLE {partition_name(day)}")
     return True
+
+
+def _block_days(*, before: date) -> set[date]:
+    """The days before `before` that compacted samples' blocks are of."""
+    end, _ = day_bounds_ms(before)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"SELECT DISTINCT day_ms FROM {SampleBlock._meta.db_table} WHERE day_ms < %s", [end]
+        )
+        return {day_of_ms(day_ms) for (day_ms,) in cursor.fetchall()}
 
 
 def _default_days() -> dict[date, int]:
@@ -223,7 +240,9 @@ def maintain_sample_partitions(*, now: datetime | None = None) -> PartitionRepor
             continue
         report.created.append(day)
         existing[day] = partition_name(day)
-    for day in sorted(existing):
+    # A compacted day keeps its partition (each device's first and last sample); blocks of a
+    # day without one (none is made so, but a partition dropped by hand) go the same way.
+    for day in sorted(existing.keys() | _block_days(before=retention_cutoff(now))):
         if day >= retention_cutoff(now):
             break
         why = why_kept(day, now=now)

@@ -59,6 +59,7 @@ from db.copy import insert_rows, json_rows
 from inventory.attribution import charge_by_team
 from inventory.models import Allocation
 from metering import prometheus, silence
+from metering.blocks import readings_between
 from metering.dirty import mark_dirty
 from metering.hours import (
     HOUR,
@@ -78,7 +79,8 @@ MICRO = 1_000_000  # shares of a GPU are kept to the millionth
 UTIL_SCALE = 1_000_000
 # A GPU-millisecond in the weighted sums times a share's millionths: percent, scale and share.
 _UTILISED_UNIT = 100 * UTIL_SCALE * MICRO
-SAMPLE_TABLE = "billing_sample"  # where readings come from, unless a source gives its own
+# Readings come from `billing_sample` and its compacted days (`metering.blocks
+# .readings_between`), unless a source gives its own.
 log = logging.getLogger(__name__)
 
 
@@ -338,7 +340,7 @@ def _rollup_run(first: datetime, count: int, now: datetime, budget: prometheus.R
         replaced.delete()
         if window_end <= window_start:
             return 0
-        samples = SAMPLE_TABLE
+        samples = readings_between(window_start - sample_hold_ms(), window_end)
         if readings is not None:
             samples = prometheus.load_readings(readings, start_ms=window_start, end_ms=window_end)
         intervals = _intervals(first, count, window_start, window_end, left_out)

@@ -13,7 +13,7 @@ import logging
 from celery import shared_task
 from django.utils import timezone
 
-from metering import retention
+from metering import compaction, retention
 
 log = logging.getLogger(__name__)
 
@@ -52,4 +52,33 @@ def sample_retention() -> dict[str, object]:
         "kept": {day.isoformat(): why for day, why in report.kept.items()},
         "busy": [day.isoformat() for day in report.busy],
         "unknown_device_samples_deleted": report.unknown_device_samples_deleted,
+    }
+
+
+@shared_task(
+    name="metering.tasks.compact_samples",
+    autoretry_for=(Exception,),
+    retry_backoff=True,
+    max_retries=3,
+    acks_late=True,
+)
+def compact_samples() -> dict[str, object]:
+    """Compact the samples of the days older than TALLY_SAMPLE_COMPACT_AFTER_DAYS into blocks
+    (`compaction.compact_samples`); what it did, for the task's result. Beat runs it hourly;
+    reruns change nothing, and an interrupted run is picked up by the next."""
+    report = compaction.compact_samples(now=timezone.now())
+    log.info(
+        "sample compaction: %d sample(s) into %d block(s) over %d day(s); %d partition(s) "
+        "rewritten, %d busy",
+        sum(report.moved.values()),
+        sum(report.blocks.values()),
+        len(report.moved),
+        len(report.rewritten),
+        len(report.busy),
+    )
+    return {
+        "moved": {day.isoformat(): n for day, n in report.moved.items()},
+        "blocks": {day.isoformat(): n for day, n in report.blocks.items()},
+        "rewritten": [day.isoformat() for day in report.rewritten],
+        "busy": [day.isoformat() for day in report.busy],
     }

@@ -16,6 +16,7 @@ from django.db.models.fields.json import KT
 
 from db.copy import json_rows
 from inventory.models import Device, DeviceKind
+from metering.blocks import thaw_samples
 from metering.dirty import mark_dirty
 from metering.hours import sample_hold_ms
 from metering.ingest.gaps import Bounds, lock_devices, refresh_gaps, touched_hours
@@ -258,6 +259,7 @@ def adopt_unknown_samples(*, now: datetime) -> int:
                     lock_instances(cursor, {key.instance for key in points})
                     placements = place_keyed(cursor, record_instances(cursor, points), [])
                 lock_devices(cursor, bounds.keys() | placements.devices)
+                thaw_samples(cursor, bounds)  # compacted samples among them (`metering.blocks`)
                 stored, instants = insert_new(
                     cursor,
                     Sample,

@@ -15,6 +15,7 @@ from django.db.transaction import TransactionManagementError
 
 from db.copy import json_rows
 from db.locks import LockName, advisory_xact_lock, text_key, xact_lock_sql
+from metering.blocks import thaw_samples
 from metering.hours import MS_PER_HOUR, hour_at, sample_hold_ms
 from metering.ingest.rows import SampleRow
 from metering.models import Sample
@@ -128,6 +129,14 @@ def lock_and_find_neighbours(
     return {uuid: Neighbours(before, after) for uuid, before, after in cursor.fetchall()}
 
 
+def find_neighbours(cursor: CursorWrapper, bounds: dict[str, Bounds]) -> dict[str, Neighbours]:
+    """Each device's `Neighbours` around its first instant in `bounds`, read again under the
+    locks `lock_and_find_neighbours` took (after compacted samples were thawed among them)."""
+    uuids = sorted(bounds)
+    cursor.execute(_NEIGHBOURS_SQL, [uuids, [bounds[uuid].first_ms for uuid in uuids]])
+    return {uuid: Neighbours(before, after) for uuid, before, after in cursor.fetchall()}
+
+
 # Each device's sample just before a batch appended after it gets its gap to the batch's
 # first: one UPDATE by the unique key. The instants are also given as constants, so that the
 # planner keeps only the day partitions holding them.
@@ -203,6 +212,9 @@ def refresh_gaps(cursor: CursorWrapper, bounds: dict[str, Bounds]) -> None:
     `last_ms`: after samples were stored between them, in any order."""
     if not bounds:
         return
+    # Compacted samples in the span back in `billing_sample`, so that its gaps are worked out
+    # on every sample (`metering.blocks`); nothing when none are there.
+    thaw_samples(cursor, bounds)
     # Over a partition of millions of samples (a day of 1,000 GPUs is 1.4 million) the
     # planner's cost for these few index ranges passes `jit_above_cost`, and compiling the
     # statement took ~0.5 s of a call it runs in 2 ms: ingest fell from 60,000 samples a

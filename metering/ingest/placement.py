@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 from django.db.backends.utils import CursorWrapper
 
 from db.copy import json_rows
+from metering.blocks import thaw_samples
 from metering.hours import sample_hold_ms
 from metering.ingest.gaps import Bounds, latest_per_hour, refresh_gaps
 from metering.ingest.rows import COLUMNS, UNIQUE_SET_ASIDE, SampleRow
@@ -339,6 +340,12 @@ def _insert_placed(cursor: CursorWrapper, rows: list[list[Any]]) -> set[tuple[st
     them) unless that device has a sample at that instant; the (device, instant) stored."""
     if not rows:
         return set()
+    # A device's compacted samples about these instants back in `billing_sample` first, so
+    # that one at the same instant is found (`metering.blocks`).
+    spans: dict[str, list[int]] = defaultdict(list)
+    for row in rows:
+        spans[row[0]].append(row[1])
+    thaw_samples(cursor, {device: (min(at), max(at)) for device, at in spans.items()})
     cursor.execute(_PLACE_SQL, [json.dumps(rows)])
     return {(device, ts_ms) for device, ts_ms in cursor.fetchall()}
 

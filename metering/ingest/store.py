@@ -18,9 +18,11 @@ from psycopg.errors import UniqueViolation
 
 from db.copy import copy_rows
 from inventory.models import Device, Node
+from metering.blocks import thaw_samples
 from metering.hours import MS_PER_HOUR
 from metering.ingest.gaps import (
     batch_gaps,
+    find_neighbours,
     latest_per_hour,
     lock_and_find_neighbours,
     lock_devices,
@@ -210,10 +212,16 @@ def store_samples(
         return 0, []
     ordered = sorted(rows, key=_KEY)
     gaps, bounds, repeats = batch_gaps(ordered)
+    # Compacted samples the batch falls among go back into `billing_sample` first, under the
+    # devices' locks (`metering.blocks`); a batch of the last days (the usual one) skips it
+    # without a query.
     if repeats:
         lock_devices(cursor, bounds.keys() | also_lock)
+        thaw_samples(cursor, bounds)
     else:
         neighbours = lock_and_find_neighbours(cursor, bounds, also_lock=also_lock)
+        if thaw_samples(cursor, bounds):
+            neighbours = find_neighbours(cursor, bounds)  # among the thawed ones now
         if all(
             found.after_ms is None or found.after_ms > bounds[uuid].last_ms
             for uuid, found in neighbours.items()

@@ -140,3 +140,12 @@ def test_mig_instances_and_dirty_marks_are_listed_read_only(ops_client: Client) 
     marks = ops_client.get(reverse("admin:metering_dirtyhour_changelist"))
     assert marks.status_code == 200 and "Nov. 30, 2026, 6 a.m." in _text(marks.content)
     assert ops_client.get(reverse("admin:metering_miginstance_add")).status_code == 403
+
+
+def test_the_samples_list_says_older_days_are_compacted(ops_client: Client) -> None:
+    samples = _text(ops_client.get(reverse("admin:metering_sample_changelist")).content)
+    assert "Recent days only" in samples and "metering_samples(lo_ms, hi_ms)" in samples
+    unknown = _text(
+        ops_client.get(reverse("admin:metering_unknowndevicesample_changelist")).content
+    )
+    assert "Recent days only" not in unknown
