@@ -26,6 +26,8 @@ from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import F, Lookup
 from django.db.models.sql.compiler import SQLCompiler
 
+from db.copy import json_rows
+
 ModelT = TypeVar("ModelT", bound=models.Model)
 
 # The PostgreSQL type each array is cast to, by Django field type. Character columns take
@@ -119,7 +121,7 @@ def update_instances(
 
 class AnyOf(Lookup):
     """A filter on many values of one column, `Device.objects.filter(AnyOf("name", names),
-    cluster=cluster)`: `column = ANY(ARRAY(...))` of one JSON parameter (a JSON array),
+    cluster=cluster)`: `column = ANY(ARRAY(...))` of one JSON parameter (`db.copy.json_rows`),
     the values' array, which PostgreSQL expands once and matches through the column's index.
 
     Django's `name__in=names` writes one placeholder per value and prepares each on its own;
@@ -133,17 +135,12 @@ class AnyOf(Lookup):
     prepare_rhs = False
 
     def __init__(self, field: str, values: Iterable[Any]) -> None:
-        super().__init__(F(field), list(values))
+        super().__init__(F(field), [[value] for value in values])
 
     def as_sql(self, compiler: SQLCompiler, connection: BaseDatabaseWrapper) -> Any:
         column, params = self.process_lhs(compiler, connection)
-        # A flat JSON array, its elements as text cast to the column's type: written by
-        # orjson (a lookup of an import's 100,000 names took ~0.1 s with `json.dumps` of an
-        # array of one-element arrays).
-        values = (
-            f"SELECT CAST(value AS {_array_type(self.lhs.output_field)}) "
-            "FROM json_array_elements_text(%s::json) AS item(value)"
-        )
+        values = json_rows(_array_type(self.lhs.output_field))
+        # Written by orjson (`json.dumps` took ~0.1 s for an import's 100,000 names).
         return f"{column} = ANY(ARRAY({values}))", [*params, _json_text(self.rhs)]
 
 
@@ -158,10 +155,7 @@ class NoneOf(AnyOf):
 
     def as_sql(self, compiler: SQLCompiler, connection: BaseDatabaseWrapper) -> Any:
         column, params = self.process_lhs(compiler, connection)
-        values = (
-            f"SELECT CAST(value AS {_array_type(self.lhs.output_field)}) "
-            "FROM json_array_elements_text(%s::json) AS item(value)"
-        )
+        values = json_rows(_array_type(self.lhs.output_field))
         return f"NOT ({column} IN ({values}))", [*params, _json_text(self.rhs)]
 
 
