@@ -36,6 +36,9 @@ TRIGGER_KEPT = frozenset({"inventory_nodeshapecount"})
 @dataclass
 class Measurement:
     import_seconds: float
+    # CPU seconds (user + system) of the import's process: steadier than its wall time on a
+    # machine shared with other jobs (PostgreSQL's share is not in it).
+    import_cpu_seconds: float
     peak_mib: float
     floor_seconds: float
     rows: dict[str, int]
@@ -102,14 +105,16 @@ def _measure(url: str, dump: Path, workdir: Path) -> Measurement:
     completed = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     import_seconds = time.perf_counter() - started
     # Linux reports ru_maxrss in KiB: the largest child waited for, here the import only.
-    peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    peak_mib = usage.ru_maxrss / 1024
+    import_cpu_seconds = usage.ru_utime + usage.ru_stime
     sys.stdout.write(completed.stdout)
     if completed.returncode:
         sys.stderr.write(completed.stderr[-4000:])
         raise SystemExit(f"the import failed (exit status {completed.returncode})")
     rows = _row_counts(url)
     floor_seconds = _floor(url, rows, workdir)
-    return Measurement(import_seconds, peak_mib, floor_seconds, rows)
+    return Measurement(import_seconds, import_cpu_seconds, peak_mib, floor_seconds, rows)
 
 
 def _floor(url: str, rows: dict[str, int], workdir: Path) -> float:
@@ -219,6 +224,10 @@ def _report(result: Measurement, *, expected_devices: int) -> int:
         (f"devices imported {devices:,}", devices == expected_devices, f"== {expected_devices:,}"),
     ]  # fmt: skip
     print()
+    print(
+        f"import CPU (its process, user + system) {result.import_cpu_seconds:.1f} s; load "
+        f"average {os.getloadavg()[0]:.1f}"
+    )
     for text, passed, target in checks:
         print(f"{'PASS' if passed else 'FAIL'}  {text}  (target {target})")
     return 0 if all(passed for _, passed, _ in checks) else 1

@@ -20,6 +20,7 @@ import json
 from collections.abc import Iterable, Sequence
 from typing import Any, TypeVar
 
+import orjson
 from django.db import DEFAULT_DB_ALIAS, connections, models
 from django.db.backends.base.base import BaseDatabaseWrapper
 from django.db.models import F, Lookup
@@ -127,7 +128,7 @@ class AnyOf(Lookup):
     psycopg then splices each into the statement (it binds client-side, as Django has it),
     too long a statement for its cache of parsed queries: ~2 ms of CPU for 400 uids. An array
     parameter still quotes each element in Python (~0.6 ms); one JSON document, ~0.1 ms. The
-    values are what `json.dumps` writes as the column's values (ints, strings); none matches
+    values are what JSON writes as the column's values (ints, strings); none matches
     nothing, as `__in=[]` does (but the query is sent)."""
 
     lookup_name = "any_of"
@@ -139,7 +140,31 @@ class AnyOf(Lookup):
     def as_sql(self, compiler: SQLCompiler, connection: BaseDatabaseWrapper) -> Any:
         column, params = self.process_lhs(compiler, connection)
         values = json_rows(_array_type(self.lhs.output_field))
-        return f"{column} = ANY(ARRAY({values}))", [*params, json.dumps(self.rhs)]
+        # Written by orjson (`json.dumps` took ~0.1 s for an import's 100,000 names).
+        return f"{column} = ANY(ARRAY({values}))", [*params, _json_text(self.rhs)]
+
+
+class NoneOf(AnyOf):
+    """The rows whose column holds none of many values, `Claim.objects.filter(NoneOf("uid",
+    present))`: `NOT (column IN (SELECT ...))` of one JSON parameter, which PostgreSQL answers
+    with a hash of the values. `exclude(AnyOf(...))` (`NOT (column = ANY(array))`) compared
+    each row with every value: a snapshot of 30,000 claims took ~10 s to find those missing.
+    For columns that hold no NULL (as `NOT IN` treats NULL, no row is returned for one)."""
+
+    lookup_name = "none_of"
+
+    def as_sql(self, compiler: SQLCompiler, connection: BaseDatabaseWrapper) -> Any:
+        column, params = self.process_lhs(compiler, connection)
+        values = json_rows(_array_type(self.lhs.output_field))
+        return f"NOT ({column} IN ({values}))", [*params, _json_text(self.rhs)]
+
+
+def _json_text(values: list[Any]) -> str:
+    """`values` as a JSON array; orjson where it can write them (not integers over 64 bits)."""
+    try:
+        return orjson.dumps(values).decode()
+    except TypeError:
+        return json.dumps(values)
 
 
 def _field(model: type[models.Model], name: str) -> models.Field[Any, Any]:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 import tenacity
 import urllib3
 from django.conf import settings
@@ -141,9 +142,20 @@ HTTP_CONFLICT = 409
 WRITE_TIMEOUT_SECONDS = (CONNECT_TIMEOUT_SECONDS, 10)
 
 
+def decode_json(text: bytes | str) -> Any:
+    """JSON text as Python values, as `json.loads` gives them. By orjson, several times as
+    fast (the sync decodes every watch event, list page and owner it reads), but for what it
+    refuses and the standard library takes (integers over 64 bits, NaN): `json.loads` decides
+    those, and raises ValueError for text that is no JSON."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return json.loads(text)
+
+
 def response_json(response: urllib3.BaseHTTPResponse) -> dict[str, Any]:
     try:
-        data = json.loads(response.data)
+        data = decode_json(response.data)
     except ValueError as exc:
         raise StreamError(f"the answer is not JSON: {exc}") from exc
     finally:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import queue
 import threading
@@ -62,6 +61,7 @@ from inventory.kube import (
     Backoff,
     KubeError,
     StreamError,
+    decode_json,
     status_message,
 )
 from inventory.kube_owners import OwnerReader, RereadSchedule, read_pods
@@ -354,7 +354,7 @@ class KindSync:
                 _request_timeout=(CONNECT_TIMEOUT_SECONDS, LIST_READ_TIMEOUT_SECONDS),
             )
             try:
-                page = json.loads(response.data)
+                page = decode_json(response.data)
             except ValueError as exc:
                 raise StreamError(f"the list answer is not JSON: {exc}") from exc
             finally:
@@ -872,7 +872,7 @@ class _WatchReader:
         try:
             for line in _lines(self._response):
                 try:
-                    event = json.loads(line)
+                    event = decode_json(line)
                 except ValueError as exc:
                     raise StreamError(f"a watch event is not JSON: {line[:200]!r}") from exc
                 if not isinstance(event, dict):

@@ -18,7 +18,7 @@ from django.db.models import (
 )
 
 from db.bulk import AnyOf, update_instances, update_rows
-from db.copy import bulk_insert
+from db.copy import bulk_insert, insert_values
 from inventory import cel, dra
 from inventory.models import (
     Allocation,
@@ -363,7 +363,7 @@ class SliceWriter(WriterState):
             ):
                 if (driver, pool_name) in carry:
                     kept[(driver, pool_name)].append((pk, generation))
-        new_devices: list[Device] = []
+        new_devices: list[dict[str, Any]] = []
         # (id, value, ...) of the devices changed, by the columns that changed.
         changed_devices: dict[tuple[str, ...], list[tuple[Any, ...]]] = defaultdict(list)
         counted_pools: list[tuple[Pool, dict[str, dra.CountedDevice]]] = []
@@ -434,15 +434,16 @@ class SliceWriter(WriterState):
                 )
                 known = current.pop(name) if name in current else None
                 if known is None:
+                    # Rows, not instances: an import makes 100,000 of them.
                     new_devices.append(
-                        Device(
-                            cluster=self.cluster,
-                            driver=pool_row.driver,
-                            pool=pool_row.name,
-                            name=name,
-                            first_seen=pool_at,
+                        {
+                            "cluster_id": self.cluster.pk,
+                            "driver": pool_row.driver,
+                            "pool": pool_row.name,
+                            "name": name,
+                            "first_seen": pool_at,
                             **fields,
-                        )
+                        }
                     )
                     appeared[(pool_row.driver, pool_row.name, name)] = pool_at
                 elif changed := [attr for attr, value in fields.items() if known[attr] != value]:
@@ -452,7 +453,7 @@ class SliceWriter(WriterState):
                     if "meter_id" in changed:
                         renamed[known["pk"]] = pool_at
             gone.update((device["pk"], pool_at) for device in current.values())
-        bulk_insert(Device, new_devices)
+        insert_values(Device, new_devices)
         # By the columns that changed: a new pool generation changes one column of each of
         # its devices, and an UPDATE of every column would send all of them for each device.
         for columns, rows in changed_devices.items():

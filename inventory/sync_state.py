@@ -9,7 +9,6 @@ from collections import Counter, defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import datetime
-from typing import Any
 
 from django.conf import settings
 from django.db.models import (
@@ -156,10 +155,10 @@ class WriterState:
         self.carry_regenerated = batched
         self.claims_written: set[int] = set()
         self.slices: list[dra.ParsedSlice] = []
-        # Slice name -> (driver, pool, generation, spec) of its first listing in this run: a
-        # dump that lists one name twice (files concatenated, two clusters' dumps mixed) keeps
-        # the last, and says so.
-        self.slice_listings: dict[str, tuple[str, str, int, dict[str, Any]]] = {}
+        # Slice name -> (driver, pool, generation, digest of the spec) of its first listing in
+        # this run: a dump that lists one name twice (files concatenated, two clusters' dumps
+        # mixed) keeps the last, and says so.
+        self.slice_listings: dict[str, tuple[str, str, int, bytes]] = {}
         self.buffered_devices = 0
         self.claims: list[dra.ParsedClaim] = []
         self.nodes: list[dra.ParsedNode] = []

@@ -157,6 +157,22 @@ def test_a_slice_name_listed_twice_in_a_dump_is_reported_and_the_last_kept() -> 
     assert sorted(Device.objects.values_list("name", flat=True)) == ["gpu-0", "gpu-1"]
 
 
+def test_a_slice_listed_twice_alike_but_for_the_order_of_its_keys_is_no_conflict() -> None:
+    """The import keeps a digest of each slice's spec, not the spec: two listings that differ
+    only in the order of their JSON keys are the same, as they compare equal as objects."""
+    first = resource_slice("node-a-0", device("gpu-0"), device("gpu-1"))
+    reordered = json.loads(json.dumps(first))
+    reordered["spec"] = dict(reversed(list(reordered["spec"].items())))
+    reordered["spec"]["devices"] = [
+        dict(reversed(list(d.items()))) for d in first["spec"]["devices"]
+    ]
+    assert list(reordered["spec"]) != list(first["spec"])
+    assert load(first, reordered).errors == []
+    changed = json.loads(json.dumps(first))
+    changed["spec"]["devices"][1]["name"] = "gpu-2"
+    assert len(load(first, changed, cluster="other").errors) == 1
+
+
 def test_many_duplicates_are_one_line_naming_the_first_few() -> None:
     names = [f"gpu-{index}" for index in range(5)]
     load(
