@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from decimal import Decimal
@@ -223,34 +223,16 @@ def _unnamed_models(cluster: Cluster | None) -> list[SyncWarning]:
     devices = Device.objects.filter(
         gone_at__isnull=True, product_name__startswith=INTEL_UNNAMED_PREFIX
     )
-    if cluster is not None:
-        devices = devices.filter(cluster=cluster)
-    groups: dict[tuple[str, str, str, str], list[tuple[str, datetime]]] = defaultdict(list)
-    for cluster_name, driver, pool, model, name, first_seen in devices.values_list(
-        "cluster__name", "driver", "pool", "product_name", "name", "first_seen"
-    ):
-        groups[cluster_name, driver, pool, model].append((name, first_seen))
-    findings = []
-    for (cluster_name, driver, pool, model), members in sorted(groups.items()):
-        names = sorted(name for name, _ in members)
-        findings.append(
-            SyncWarning(
-                cluster=cluster_name,
-                check=UNNAMED_MODEL,
-                driver=driver,
-                pool=pool,
-                generation=None,
-                devices=names,
-                since=_iso(min(seen for _, seen in members)),
-                message=(
-                    f"pool {driver}/{pool}: {_devices(names)} published no model name; counted and "
-                    f"billed as model {model!r} from the PCI device id. Give that id's model "
-                    "name to Tally's maintainers (inventory.profiles.INTEL_GPU_MODELS), and "
-                    "price and limit it under that name until then"
-                ),
-            )
-        )
-    return findings
+    return _pool_findings(
+        _by_pool(devices, cluster, "product_name"),
+        UNNAMED_MODEL,
+        lambda driver, pool, model, names: (
+            f"pool {driver}/{pool}: {_devices(names)} published no model name; counted and "
+            f"billed as model {model!r} from the PCI device id. Give that id's model "
+            "name to Tally's maintainers (inventory.profiles.INTEL_GPU_MODELS), and "
+            "price and limit it under that name until then"
+        ),
+    )
 
 
 # A vGPU type a framebuffer share is read from (`inventory.profiles.vgpu_fraction`): the
@@ -265,34 +247,63 @@ def _unknown_vgpu_boards(cluster: Cluster | None) -> list[SyncWarning]:
     devices = Device.objects.filter(
         gone_at__isnull=True, profile__regex=_VGPU_BY_FRAMEBUFFER, gpu_share=1
     )
+
+    def unknown_board(profile: str) -> bool:
+        found = vgpu_type(profile)
+        return found is not None and found[0] not in VGPU_BOARD_MEMORY_GB
+
+    return _pool_findings(
+        _by_pool(devices, cluster, "profile", keep=unknown_board),
+        UNKNOWN_VGPU_BOARD,
+        lambda driver, pool, profile, names: (
+            f"pool {driver}/{pool}: {_devices(names)} of vGPU type {profile}: Tally does not "
+            f"know board {profile.split('-', 1)[0]}'s framebuffer, so each is counted and "
+            "billed as a whole GPU, more than its share. Give the board's framebuffer to "
+            "Tally's maintainers (inventory.profiles.VGPU_BOARD_MEMORY_GB)"
+        ),
+    )
+
+
+_Groups = dict[tuple[str, str, str, str], list[tuple[str, datetime]]]
+
+
+def _by_pool(
+    devices: QuerySet[Device],
+    cluster: Cluster | None,
+    column: str,
+    keep: Callable[[str], bool] = lambda _: True,
+) -> _Groups:
+    """The `devices` (of `cluster`, or all) by cluster, driver, pool and `column`'s value,
+    those whose value `keep` takes: each device's name and when it was first seen."""
     if cluster is not None:
         devices = devices.filter(cluster=cluster)
-    groups: dict[tuple[str, str, str, str], list[tuple[str, datetime]]] = defaultdict(list)
-    for cluster_name, driver, pool, profile, name, first_seen in devices.values_list(
-        "cluster__name", "driver", "pool", "profile", "name", "first_seen"
+    groups: _Groups = defaultdict(list)
+    for cluster_name, driver, pool, value, name, first_seen in devices.values_list(
+        "cluster__name", "driver", "pool", column, "name", "first_seen"
     ):
-        found = vgpu_type(profile)
-        if found is not None and found[0] not in VGPU_BOARD_MEMORY_GB:
-            groups[cluster_name, driver, pool, profile].append((name, first_seen))
+        if keep(value):
+            groups[cluster_name, driver, pool, value].append((name, first_seen))
+    return groups
+
+
+def _pool_findings(
+    groups: _Groups, check: str, message: Callable[[str, str, str, list[str]], str]
+) -> list[SyncWarning]:
+    """A finding of `check` per group (`_by_pool`), its one line `message(driver, pool, value,
+    device names)`, true since its first device was seen."""
     findings = []
-    for (cluster_name, driver, pool, profile), members in sorted(groups.items()):
+    for (cluster_name, driver, pool, value), members in sorted(groups.items()):
         names = sorted(name for name, _ in members)
-        board = profile.split("-", 1)[0]
         findings.append(
             SyncWarning(
                 cluster=cluster_name,
-                check=UNKNOWN_VGPU_BOARD,
+                check=check,
                 driver=driver,
                 pool=pool,
                 generation=None,
                 devices=names,
                 since=_iso(min(seen for _, seen in members)),
-                message=(
-                    f"pool {driver}/{pool}: {_devices(names)} of vGPU type {profile}: Tally "
-                    f"does not know board {board}'s framebuffer, so each is counted and billed "
-                    "as a whole GPU, more than its share. Give the board's framebuffer to "
-                    "Tally's maintainers (inventory.profiles.VGPU_BOARD_MEMORY_GB)"
-                ),
+                message=message(driver, pool, value, names),
             )
         )
     return findings
