@@ -187,45 +187,6 @@ def test_what_sign_ins_gave_goes_when_the_mapping_no_longer_gives_it() -> None:
     assert not Membership.objects.filter(user=user).exists()
 
 
-@pytest.mark.django_db(transaction=True)
-def test_two_sign_ins_of_one_user_at_once_apply_one_after_the_other() -> None:
-    apply_text(MAPPING)
-    user = User.objects.create_user("ana")
-    first_holds, release = threading.Event(), threading.Event()
-    errors: list[BaseException] = []
-
-    def first() -> None:
-        try:
-            with transaction.atomic():
-                apply_sso_groups(user=user, groups=["vision-leads"], actor="sso:ana")
-                first_holds.set()
-                release.wait(10)
-        finally:
-            connection.close()
-
-    def second() -> None:
-        try:
-            apply_sso_groups(user=user, groups=["vision-leads"], actor="sso:ana")
-        except BaseException as exc:
-            errors.append(exc)
-        finally:
-            connection.close()
-
-    first_thread = threading.Thread(target=first)
-    first_thread.start()
-    assert first_holds.wait(10)
-    second_thread = threading.Thread(target=second)
-    second_thread.start()
-    second_thread.join(0.5)
-    assert second_thread.is_alive()  # waiting for the first sign-in to commit
-    release.set()
-    first_thread.join(10)
-    second_thread.join(10)
-    # It then saw the first's membership: no second insert, no unique violation.
-    assert errors == []
-    assert Membership.objects.filter(user=user).count() == 1
-
-
 def _hold_in_thread(work: Any) -> tuple[threading.Thread, threading.Event, threading.Event]:
     """Run `work` in a transaction of its own connection and keep it open (its locks and
     uncommitted rows held) until the returned `release` is set."""
@@ -246,10 +207,12 @@ def _hold_in_thread(work: Any) -> tuple[threading.Thread, threading.Event, threa
     return thread, holds, release
 
 
-def _apply_in_thread(text: str, errors: list[BaseException]) -> threading.Thread:
+def _run_in_thread(work: Any, errors: list[BaseException]) -> threading.Thread:
+    """Start `work` on a connection of its own; what it raises goes to `errors`."""
+
     def run() -> None:
         try:
-            apply_text(text)
+            work()
         except BaseException as exc:
             errors.append(exc)
         finally:
@@ -258,6 +221,31 @@ def _apply_in_thread(text: str, errors: list[BaseException]) -> threading.Thread
     thread = threading.Thread(target=run)
     thread.start()
     return thread
+
+
+def _apply_in_thread(text: str, errors: list[BaseException]) -> threading.Thread:
+    return _run_in_thread(lambda: apply_text(text), errors)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_two_sign_ins_of_one_user_at_once_apply_one_after_the_other() -> None:
+    apply_text(MAPPING)
+    user = User.objects.create_user("ana")
+    first_thread, _, release = _hold_in_thread(
+        lambda: apply_sso_groups(user=user, groups=["vision-leads"], actor="sso:ana")
+    )
+    errors: list[BaseException] = []
+    second_thread = _run_in_thread(
+        lambda: apply_sso_groups(user=user, groups=["vision-leads"], actor="sso:ana"), errors
+    )
+    second_thread.join(0.5)
+    assert second_thread.is_alive()  # waiting for the first sign-in to commit
+    release.set()
+    first_thread.join(10)
+    second_thread.join(10)
+    # It then saw the first's membership: no second insert, no unique violation.
+    assert errors == []
+    assert Membership.objects.filter(user=user).count() == 1
 
 
 @pytest.mark.django_db(transaction=True)
