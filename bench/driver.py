@@ -42,6 +42,26 @@ def wait_until_idle(limit_s: float = 120.0) -> None:
             time.sleep(0.2)
 
 
+def wait_until_settled(table: str, *, quiet_s: float = 1.0, limit_s: float = 120.0) -> None:
+    """Wait until the bench database is idle (`wait_until_idle`) and `table`'s row count has
+    not changed for `quiet_s`: requests a run cut short by its time limit may still be queued
+    in gunicorn, not yet in PostgreSQL, and would otherwise be served while the run's checks
+    read the tables (or after the reset that follows)."""
+    from django.db import connection
+
+    deadline = time.monotonic() + limit_s
+    counted = None
+    while time.monotonic() < deadline:
+        wait_until_idle(max(deadline - time.monotonic(), 0.0))
+        with connection.cursor() as cursor:
+            cursor.execute(f"SELECT count(*) FROM {connection.ops.quote_name(table)}")
+            row = cursor.fetchone()
+        if row is not None and row[0] == counted:
+            return
+        counted = row[0] if row is not None else None
+        time.sleep(quiet_s)
+
+
 # --- gunicorn ----------------------------------------------------------------------------------
 
 

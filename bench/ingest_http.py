@@ -48,8 +48,7 @@ from agent.readings import GpuReading, ProcessReading
 from agent.runner import INGEST_PATH, ingest_request
 from bench.billing import GPUS_PER_NODE, Gpu, _load_fleet
 from bench.database import fresh_database
-from bench.inventory import _database_name
-from bench.webhook import (
+from bench.driver import (
     CpuMeter,
     Leg,
     Run,
@@ -60,6 +59,7 @@ from bench.webhook import (
     stop,
     wait_until_idle,
 )
+from bench.inventory import _database_name
 
 DEFAULT_URL = "postgres://postgres@127.0.0.1:5432/tally_bench_ingest_http"
 FLOOR_PATH = "/ingest/floor"  # bench.ingest_urls.FLOOR_PATH, without loading Django here
