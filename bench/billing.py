@@ -598,31 +598,26 @@ def _timed_rollup(hours: list[datetime], now: datetime) -> float:
 
 def _left_bloated(days: list[date]) -> bool:
     """Whether a day's partition, or DEFAULT, still holds the space of rows moved out."""
-    from django.db import connection
 
     from metering.compaction import partition_bloated
 
-    with connection.cursor() as cursor:
-        cursor.execute("SELECT pg_total_relation_size('billing_sample_default')")
-        (default,) = cursor.fetchone()
-    return default > 2**20 or any(partition_bloated(day) for day in days)
+    return any(partition_bloated(day) for day in [None, *days])
 
 
 def _compaction(hours: list[datetime], now: datetime) -> list[tuple[str, bool, str]]:
     """Bytes a stored sample before and after `compact_samples`, and the rollup of the period
     from `billing_sample` against the same from the compacted blocks (identical rows
     required); the checks' lines."""
-    from django.db import connection
 
-    from metering.compaction import compact_samples
+    from metering.compaction import compact_samples, partition_bloated, rewrite_default
     from metering.retention import create_day_partition
 
     started = time.perf_counter()
     days = sorted({hour.date() for hour in hours})
     for day in days:  # the week's samples are in DEFAULT (partitions are made around today)
         create_day_partition(day)
-    with connection.cursor() as cursor:  # the space of the rows moved out of DEFAULT
-        cursor.execute("VACUUM FULL billing_sample_default")
+    while partition_bloated(None) and not rewrite_default():  # the rows moved out of it
+        time.sleep(1)
     print(f"\ncompaction: day partitions made for the period {time.perf_counter() - started:.1f} s")
     samples, before = _sample_bytes()
     hot_s = _timed_rollup(hours, now)
@@ -630,16 +625,13 @@ def _compaction(hours: list[datetime], now: datetime) -> list[tuple[str, bool, s
     started = time.perf_counter()
     report = compact_samples(now=now + timedelta(days=3))
     compact_s = time.perf_counter() - started
-    # A partition whose rewrite could not have its lock is left bloated for beat's next run;
-    # here, as many runs as it takes. DEFAULT's VACUUM FULL keeps what an older snapshot may
-    # see (on a shared server, another database's long transaction): again until it is done.
+    # A partition (DEFAULT too) whose rewrite could not have its lock is left bloated for
+    # beat's next run; here, as many runs as it takes.
     tries = 1
     while _left_bloated(days) and tries < 24:
         time.sleep(5)
         tries += 1
         compact_samples(now=now + timedelta(days=3))
-        with connection.cursor() as cursor:  # DEFAULT, held back the same way
-            cursor.execute("VACUUM FULL billing_sample_default")
     print(f"  compact_samples runs until the partitions were rewritten: {tries}")
     stored, after = _sample_bytes()
     compacted_s = _timed_rollup(hours, now)

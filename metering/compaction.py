@@ -48,9 +48,12 @@ from metering.blocks import BLOCKS, readings_between, thaw_samples
 from metering.ingest.gaps import lock_devices
 from metering.models import Sample
 from metering.retention import (
+    DEFAULT_PARTITION,
     MS_PER_DAY,
     PARENT,
+    create_day_partition,
     day_bounds_ms,
+    default_days,
     lock_timeout,
     partition_name,
     sample_partitions,
@@ -112,6 +115,14 @@ class CompactionReport:
     blocks: dict[date, int] = field(default_factory=dict)
     rewritten: list[date] = field(default_factory=list)  # partitions given their space back
     busy: list[date] = field(default_factory=list)  # the rewrite's lock not had: next run
+    # Days whose samples were in DEFAULT (no partition of their own: a backfill, history
+    # loaded before the partitions were made), given their partition first; dry: how many
+    # samples each has there.
+    partitioned: dict[date, int] = field(default_factory=dict)
+    # DEFAULT given its space back (rows moved out of it, by this run or retention), or left
+    # bloated, its rewrite's lock not had: the next run.
+    default_rewritten: bool = False
+    default_busy: bool = False
 
 
 def compaction_horizon(now: datetime) -> date:
@@ -190,16 +201,45 @@ def _rewrite(day: date) -> bool:
     return True
 
 
-def partition_bloated(day: date) -> bool:
-    """Whether `day`'s partition holds far more pages than its rows need: a compaction whose
-    rewrite did not run (interrupted, or its lock busy)."""
+def partition_bloated(day: date | None) -> bool:
+    """Whether `day`'s partition (None: DEFAULT) holds far more pages than its rows need: a
+    compaction whose rewrite did not run (interrupted, or its lock busy), or DEFAULT once
+    its days' rows were moved to their own partitions."""
+    name = partition_name(day) if day is not None else DEFAULT_PARTITION
     with connection.cursor() as cursor:
+        # Bloated: over a MiB, and more than twice what its rows take (each with its header
+        # and item pointer, ~28 bytes).
         cursor.execute(
-            f"SELECT pg_relation_size(%s), (SELECT count(*) FROM {partition_name(day)})",
-            [partition_name(day)],
+            f"SELECT pg_relation_size(%s), (SELECT coalesce(sum(pg_column_size(t.*) + 28), 0) "
+            f"FROM {name} AS t)",
+            [name],
         )
-        size, rows = cursor.fetchone()
-    return bool(size > 1024 * 1024 and size > 8 * 1024 * max(rows, 1))
+        size, used = cursor.fetchone()
+    return bool(size > 1024 * 1024 and size > 2 * used)
+
+
+def rewrite_default() -> bool:
+    """Give back the space of the rows moved out of DEFAULT into their days' partitions (a
+    delete leaves the table its size): the rows left copied into a new table that becomes
+    DEFAULT, as `_rewrite` does a day's. Under the parent's lock, waiting at most
+    TALLY_SAMPLE_PARTITION_LOCK_SECONDS; False when it could not have it."""
+    new = f"{DEFAULT_PARTITION}_c"
+    columns = ", ".join(field.column for field in Sample._meta.concrete_fields)
+    try:
+        with transaction.atomic(), connection.cursor() as cursor:
+            lock_timeout(cursor)
+            cursor.execute(f"LOCK TABLE {PARENT} IN ACCESS EXCLUSIVE MODE")
+            cursor.execute(f"CREATE TABLE {new} (LIKE {PARENT} INCLUDING DEFAULTS)")
+            cursor.execute(
+                f"INSERT INTO {new} ({columns}) SELECT {columns} FROM {DEFAULT_PARTITION}"
+            )
+            cursor.execute(f"DROP TABLE {DEFAULT_PARTITION}")
+            cursor.execute(f"ALTER TABLE {new} RENAME TO {DEFAULT_PARTITION}")
+            cursor.execute(f"ALTER TABLE {PARENT} ATTACH PARTITION {DEFAULT_PARTITION} DEFAULT")
+            cursor.execute(f"ANALYZE {DEFAULT_PARTITION}")
+    except LockNotAvailable:
+        return False
+    return True
 
 
 def compact_samples(
@@ -211,6 +251,23 @@ def compact_samples(
     now = now or timezone.now()
     report = CompactionReport()
     horizon = compaction_horizon(now)
+    # A closed day's samples in DEFAULT are compacted too, once in a partition of their own
+    # (what beat's `sample_retention` would make them hourly, `create_day_partition`).
+    for day, count in sorted(default_days().items()):
+        if day >= horizon or (limit is not None and len(report.partitioned) >= limit):
+            continue
+        if dry_run:
+            report.partitioned[day] = count
+            continue
+        try:
+            report.partitioned[day] = create_day_partition(day)
+        except LockNotAvailable:
+            report.busy.append(day)
+    if not dry_run and partition_bloated(None):
+        if rewrite_default():
+            report.default_rewritten = True
+        else:
+            report.default_busy = True
     days = sorted(day for day in sample_partitions() if day < horizon)
     done = 0
     for day in days:

@@ -186,7 +186,7 @@ def _block_days(*, before: date) -> set[date]:
         return {day_of_ms(day_ms) for (day_ms,) in cursor.fetchall()}
 
 
-def _default_days() -> dict[date, int]:
+def default_days() -> dict[date, int]:
     """The days that rows in DEFAULT fall in, and how many rows each."""
     with connection.cursor() as cursor:
         cursor.execute(
@@ -224,7 +224,7 @@ def maintain_sample_partitions(*, now: datetime | None = None) -> PartitionRepor
     horizon = today + timedelta(days=int(settings.TALLY_SAMPLE_PARTITIONS_AHEAD_DAYS))
     existing = sample_partitions()
     wanted = {today + timedelta(days=ahead) for ahead in range((horizon - today).days + 1)}
-    stray = _default_days()
+    stray = default_days()
     for day, count in stray.items():
         if day > horizon:
             report.left_in_default[day] = count

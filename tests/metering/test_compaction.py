@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from inventory.models import Device
 from metering import rollup
-from metering.compaction import compact_samples
+from metering.compaction import compact_samples, partition_bloated
 from metering.hours import epoch_ms
 from metering.ingest import SampleRow, ingest
 from metering.models import SampleBlock, UsageHour
@@ -28,6 +28,7 @@ from metering.retention import (
     drop_day_partition,
     maintain_sample_partitions,
     partition_name,
+    sample_partitions,
 )
 from tests.factories import AllocationFactory, DeviceFactory
 
@@ -238,6 +239,48 @@ def test_dry_run_and_limit(fleet: Any, capsys: pytest.CaptureFixture[str]) -> No
     call_command("compact_samples", "--limit", "1")
     assert set(SampleBlock.objects.values_list("day_ms", flat=True)) == {day_bounds_ms(days[0])[0]}
     assert everything() == before
+
+
+def default_bytes() -> int:
+    with connection.cursor() as cursor:
+        cursor.execute("SELECT pg_relation_size('billing_sample_default')")
+        (size,) = cursor.fetchone()
+    return int(size)
+
+
+def test_closed_days_left_in_default_are_partitioned_compacted_and_default_shrunk(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """History loaded before its days had partitions (a backfill, the demo's weeks) waits in
+    DEFAULT: compaction gives each closed day its partition first, compacts it, and gives
+    DEFAULT the space of the rows moved out (a delete alone leaves it its size)."""
+    gpu = DeviceFactory.create()
+    days = [today() - timedelta(days=back) for back in (5, 4, 3)]
+    for number, day in enumerate(days):
+        send(day_of_samples(gpu, day, every=1, seed=number))
+    assert not set(days) & set(sample_partitions())  # in DEFAULT, as loaded
+    before = everything()
+    grown = default_bytes()
+    assert grown > 1 << 20
+
+    call_command("compact_samples", "--dry-run")
+    out = capsys.readouterr().out
+    for day in days:
+        start, end = day_bounds_ms(day)
+        count = sum(1 for row in before if start <= row[1] < end)
+        assert f"{day}: {count} sample(s) in the DEFAULT partition would be given" in out
+    assert everything() == before and default_bytes() == grown
+    assert not set(days) & set(sample_partitions()) and not SampleBlock.objects.exists()
+
+    call_command("compact_samples")
+    out = capsys.readouterr().out
+    assert all(f"{day}: moved " in out for day in days)
+    assert "DEFAULT partition: the space of the rows moved out given back" in out
+    assert set(days) <= set(sample_partitions())
+    assert SampleBlock.objects.count() == 3
+    assert everything() == before
+    assert default_bytes() < grown // 10
+    assert not partition_bloated(None)
 
 
 def test_days_within_the_horizon_are_not_compacted(fleet: Any) -> None:

@@ -37,10 +37,20 @@ class Command(BaseCommand):
             raise CommandError(f"--limit must be at least 1, not {limit}")
         report = compact_samples(dry_run=options["dry_run"], limit=limit)
         verb = "would move" if options["dry_run"] else "moved"
+        for day, count in sorted(report.partitioned.items()):
+            self.stdout.write(
+                f"{day}: {count} sample(s) in the DEFAULT partition "
+                + ("would be given" if options["dry_run"] else "given")
+                + " their day's partition, to be compacted there"
+            )
         for day, moved in sorted(report.moved.items()):
             blocks = "" if options["dry_run"] else f" into {report.blocks[day]} block(s)"
             self.stdout.write(f"{day}: {verb} {moved} sample(s){blocks}")
+        if report.default_rewritten:
+            self.stdout.write("DEFAULT partition: the space of the rows moved out given back")
+        if report.default_busy:
+            self.stdout.write("DEFAULT partition busy, its space is given back on the next run")
         for day in report.busy:
             self.stdout.write(f"{day}: partition busy, its space is given back on the next run")
-        if not report.moved:
+        if not (report.moved or report.partitioned or report.default_rewritten):
             self.stdout.write("nothing to compact")
