@@ -109,7 +109,9 @@ def weigh_gang(
         if rule.mode == Mode.ENFORCE:
             over = over or rule
         else:
-            plan.warnings.append(gang_over_limit(plan, rule, amount) + " (warn only)")
+            plan.warnings.append(
+                gang_over_limit(plan, rule, amount) + rule_note(plan, rule) + " (warn only)"
+            )
     if over is not None:
         message = gang_over_limit(plan, over, counted[over.pk])
         if mode == GangMode.ENFORCE:
@@ -118,7 +120,9 @@ def weigh_gang(
             )
             plan.reason, plan.rule = "QuotaExceeded", over.name
             return
-        plan.warnings.append(message + " (gangs: warn; the claim is decided alone)")
+        plan.warnings.append(
+            message + rule_note(plan, over) + " (gangs: warn; the claim is decided alone)"
+        )
     if mode == GangMode.WARN:
         if state.hold_id is not None:
             # Decided alone (a hold kept from when the team enforced gangs): it draws what the

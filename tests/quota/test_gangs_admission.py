@@ -33,10 +33,12 @@ from inventory.dumps import iter_objects
 from quota import services
 from quota.admission import service, store
 from quota.models import (
+    AdmissionDecision,
     GangMode,
     GangPolicy,
     GangReservation,
     GangReservationLine,
+    Mode,
     QuotaRule,
     Reservation,
     ReservationLine,
@@ -335,6 +337,33 @@ def test_a_gangs_denial_names_the_model_its_rule_binds(
         "nothing reserved"
     )
     assert not Reservation.objects.exists() and not GangReservation.objects.exists()
+
+
+def test_a_gangs_warning_names_the_model_its_rule_binds(
+    fake: FakeKube, reader: kube_owners.GangReader
+) -> None:
+    """As the denial, under `gangs: warn` (each claim decided alone), and for a warn rule. The
+    API server keeps a warning's first 256 characters; the decision's record keeps it whole."""
+    objects = jobset("any", workers=2, gpus=2)
+    serve(fake, objects)
+    team_with_an_a100_rule(2)
+    GangPolicy.objects.create(team=QuotaRule.objects.get(name="a100").team, mode=GangMode.WARN)
+
+    def recorded(claim: dict[str, Any]) -> list[str]:
+        assert admit(claim)["allowed"]
+        name = claim["metadata"]["name"]
+        return list(AdmissionDecision.objects.filter(name=name).latest("id").warnings)
+
+    assert (
+        'gang JobSet/any (2 pods) needs 4 GPUs of class gpu.nvidia.com; team "ml" uses 0 GPUs '
+        'of 2 GPUs on quota rule "a100" (enforce)' + BINDS + " (gangs: warn; the claim is "
+        "decided alone)"
+    ) in recorded(claims_of(objects)[0])
+    QuotaRule.objects.filter(name="a100").update(mode=Mode.WARN)
+    assert any(
+        w.startswith("gang JobSet/any (2 pods) needs") and w.endswith(BINDS + " (warn only)")
+        for w in recorded(claims_of(objects)[1])
+    )
 
 
 def test_a_gangs_denial_at_reservation_names_the_model_too(
