@@ -84,12 +84,7 @@ def sync_warnings(*, cluster: Cluster | None = None) -> list[SyncWarning]:
     names in every generation present. Two queries, whatever the size of the fleet: the
     slices' device names and counters are picked out of their spec by PostgreSQL.
     """
-    findings = (
-        _incomplete_pools(cluster)
-        + _devices_elsewhere(cluster)
-        + _unnamed_models(cluster)
-        + _unknown_vgpu_boards(cluster)
-    )
+    findings = _incomplete_pools(cluster) + _devices_elsewhere(cluster) + _device_findings(cluster)
     generations: dict[tuple[str, str, str, int], list[dict[str, Any]]] = defaultdict(list)
     for row in _slice_rows(cluster):
         key = (row["cluster__name"], row["driver"], row["pool"], row["generation"])
@@ -216,15 +211,41 @@ def _devices_elsewhere(cluster: Cluster | None) -> list[SyncWarning]:
     return findings
 
 
-def _unnamed_models(cluster: Cluster | None) -> list[SyncWarning]:
-    """Per pool, the present GPUs whose driver published no model name, named by their PCI
-    device id (`inventory.profiles.fallback_model`): billed and limited under that name, which
-    no person chose. One query."""
+# A vGPU type a framebuffer share is read from (`inventory.profiles.vgpu_fraction`): the
+# MIG-backed form (A100-2-10C) is a share of slices, whatever the board.
+_VGPU_BY_FRAMEBUFFER = r"^[A-Z][A-Z0-9]*-[0-9]+[ABCQ]$"
+
+_Groups = dict[tuple[str, str, str, str], list[tuple[str, datetime]]]
+
+
+def _device_findings(cluster: Cluster | None) -> list[SyncWarning]:
+    """Per pool, the present devices billed under a name or share no person chose, in one
+    query: GPUs whose driver published no model name, named by their PCI device id
+    (`inventory.profiles.fallback_model`), and vGPUs whose board's framebuffer Tally's table
+    lacks (`inventory.profiles.VGPU_BOARD_MEMORY_GB`), each counted, limited and billed as a
+    whole GPU, more than its share, until the board is added."""
     devices = Device.objects.filter(
-        gone_at__isnull=True, product_name__startswith=INTEL_UNNAMED_PREFIX
+        Q(product_name__startswith=INTEL_UNNAMED_PREFIX)
+        | Q(profile__regex=_VGPU_BY_FRAMEBUFFER, gpu_share=1),
+        gone_at__isnull=True,
     )
+    if cluster is not None:
+        devices = devices.filter(cluster=cluster)
+    unnamed: _Groups = defaultdict(list)
+    vgpus: _Groups = defaultdict(list)
+    for cluster_name, driver, pool, model, profile, share, name, first_seen in (
+        devices.values_list(
+            "cluster__name", "driver", "pool", "product_name", "profile", "gpu_share", "name",
+            "first_seen",
+        )
+    ):  # fmt: skip
+        if model.startswith(INTEL_UNNAMED_PREFIX):
+            unnamed[cluster_name, driver, pool, model].append((name, first_seen))
+        found = vgpu_type(profile) if share == 1 else None
+        if found is not None and found[0] not in VGPU_BOARD_MEMORY_GB:
+            vgpus[cluster_name, driver, pool, profile].append((name, first_seen))
     return _pool_findings(
-        _by_pool(devices, cluster, "product_name"),
+        unnamed,
         UNNAMED_MODEL,
         lambda driver, pool, model, names: (
             f"pool {driver}/{pool}: {_devices(names)} published no model name; counted and "
@@ -232,28 +253,8 @@ def _unnamed_models(cluster: Cluster | None) -> list[SyncWarning]:
             "name to Tally's maintainers (inventory.profiles.INTEL_GPU_MODELS), and "
             "price and limit it under that name until then"
         ),
-    )
-
-
-# A vGPU type a framebuffer share is read from (`inventory.profiles.vgpu_fraction`): the
-# MIG-backed form (A100-2-10C) is a share of slices, whatever the board.
-_VGPU_BY_FRAMEBUFFER = r"^[A-Z][A-Z0-9]*-[0-9]+[ABCQ]$"
-
-
-def _unknown_vgpu_boards(cluster: Cluster | None) -> list[SyncWarning]:
-    """Per pool and vGPU type, the present vGPUs whose board's framebuffer Tally's table lacks
-    (`inventory.profiles.VGPU_BOARD_MEMORY_GB`): each is counted, limited and billed as a whole
-    GPU, more than its share, until the board is added. One query."""
-    devices = Device.objects.filter(
-        gone_at__isnull=True, profile__regex=_VGPU_BY_FRAMEBUFFER, gpu_share=1
-    )
-
-    def unknown_board(profile: str) -> bool:
-        found = vgpu_type(profile)
-        return found is not None and found[0] not in VGPU_BOARD_MEMORY_GB
-
-    return _pool_findings(
-        _by_pool(devices, cluster, "profile", keep=unknown_board),
+    ) + _pool_findings(
+        vgpus,
         UNKNOWN_VGPU_BOARD,
         lambda driver, pool, profile, names: (
             f"pool {driver}/{pool}: {_devices(names)} of vGPU type {profile}: Tally does not "
@@ -262,28 +263,6 @@ def _unknown_vgpu_boards(cluster: Cluster | None) -> list[SyncWarning]:
             "Tally's maintainers (inventory.profiles.VGPU_BOARD_MEMORY_GB)"
         ),
     )
-
-
-_Groups = dict[tuple[str, str, str, str], list[tuple[str, datetime]]]
-
-
-def _by_pool(
-    devices: QuerySet[Device],
-    cluster: Cluster | None,
-    column: str,
-    keep: Callable[[str], bool] = lambda _: True,
-) -> _Groups:
-    """The `devices` (of `cluster`, or all) by cluster, driver, pool and `column`'s value,
-    those whose value `keep` takes: each device's name and when it was first seen."""
-    if cluster is not None:
-        devices = devices.filter(cluster=cluster)
-    groups: _Groups = defaultdict(list)
-    for cluster_name, driver, pool, value, name, first_seen in devices.values_list(
-        "cluster__name", "driver", "pool", column, "name", "first_seen"
-    ):
-        if keep(value):
-            groups[cluster_name, driver, pool, value].append((name, first_seen))
-    return groups
 
 
 def _pool_findings(
