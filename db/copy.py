@@ -26,27 +26,17 @@ ModelT = TypeVar("ModelT", bound=models.Model)
 def bulk_insert(model: type[ModelT], rows: Sequence[ModelT]) -> None:
     """Insert `rows` (unsaved instances, primary keys unset) with one COPY; their `pk` stays
     unset."""
-    if not rows:
-        return
-    # The connection itself, not the `django.db.connection` proxy: this loop runs per value.
-    connection = connections[DEFAULT_DB_ALIAS]
-    fields = [field for field in model._meta.concrete_fields if not field.primary_key]
-    columns = ", ".join(connection.ops.quote_name(field.column) for field in fields)
-    table = connection.ops.quote_name(model._meta.db_table)
-    preparers = [(field.attname, _preparer(field, connection)) for field in fields]
-    with connection.cursor() as cursor, cursor.copy(f"COPY {table} ({columns}) FROM STDIN") as copy:
-        for row in rows:
-            values = row.__dict__
-            copy.write_row([prepare(values[attname]) for attname, prepare in preparers])
+    insert_values(model, [row.__dict__ for row in rows])
 
 
 def insert_values(model: type[models.Model], rows: Sequence[Mapping[str, Any]]) -> None:
-    """As `bulk_insert`, from mappings of field attnames (`node_id`, not `node`) to values
-    instead of instances; a field a row does not name takes its default. For the largest
-    inserts (an import's devices), where making a model instance of each row cost more than
-    writing it."""
+    """Insert `rows`, mappings of field attnames (`node_id`, not `node`) to values, with one
+    COPY; a field a row does not name takes its default. `bulk_insert` gives it instances' own
+    values; an import's devices give it plain mappings, where making a model instance of each
+    row cost more than writing it."""
     if not rows:
         return
+    # The connection itself, not the `django.db.connection` proxy: this loop runs per value.
     connection = connections[DEFAULT_DB_ALIAS]
     fields = [field for field in model._meta.concrete_fields if not field.primary_key]
     columns = ", ".join(connection.ops.quote_name(field.column) for field in fields)
