@@ -609,14 +609,14 @@ def _compaction(hours: list[datetime], now: datetime) -> list[tuple[str, bool, s
     from `billing_sample` against the same from the compacted blocks (identical rows
     required); the checks' lines."""
 
-    from metering.compaction import compact_samples, partition_bloated, rewrite_default
+    from metering.compaction import compact_samples, partition_bloated, rewrite_partition
     from metering.retention import create_day_partition
 
     started = time.perf_counter()
     days = sorted({hour.date() for hour in hours})
     for day in days:  # the week's samples are in DEFAULT (partitions are made around today)
         create_day_partition(day)
-    while partition_bloated(None) and not rewrite_default():  # the rows moved out of it
+    while partition_bloated(None) and not rewrite_partition(None):  # the rows moved out of it
         time.sleep(1)
     print(f"\ncompaction: day partitions made for the period {time.perf_counter() - started:.1f} s")
     samples, before = _sample_bytes()

@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from datetime import UTC, date, timedelta
+from datetime import UTC, timedelta
 
 from django.conf import settings
 from django.db.backends.utils import CursorWrapper
 from django.utils import timezone
 
 from metering.models import SampleBlock
+from metering.retention import MS_PER_DAY, PARENT, day_bounds_ms
 
 log = logging.getLogger(__name__)
 
-PARENT = "billing_sample"
-MS_PER_DAY = 86_400_000
 BLOCKS = SampleBlock._meta.db_table
 
 
@@ -60,7 +59,7 @@ def _uncompacted_from_ms() -> int:
     usual one (today's samples), skips the query."""
     today = timezone.now().astimezone(UTC).date()
     first = today - timedelta(days=int(settings.TALLY_SAMPLE_COMPACT_AFTER_DAYS) - 1)
-    return (first - date(1970, 1, 1)).days * MS_PER_DAY
+    return day_bounds_ms(first)[0]
 
 
 def thaw_samples(cursor: CursorWrapper, spans: Mapping[str, tuple[int, int]]) -> int:

@@ -43,17 +43,16 @@ from django.db import connection, transaction
 from django.utils import timezone
 from psycopg.errors import LockNotAvailable
 
-from db.locks import advisory_xact_lock
 from metering.blocks import BLOCKS, readings_between, thaw_samples
 from metering.ingest.gaps import lock_devices
 from metering.models import Sample
 from metering.retention import (
     DEFAULT_PARTITION,
-    MS_PER_DAY,
     PARENT,
     create_day_partition,
     day_bounds_ms,
     default_days,
+    lock_day,
     lock_timeout,
     partition_name,
     sample_partitions,
@@ -148,7 +147,7 @@ def compact_day(day: date, *, batch: int | None = None) -> tuple[int, int]:
     for first in range(0, len(uuids), size):
         chunk = uuids[first : first + size]
         with transaction.atomic(), connection.cursor() as cursor:
-            advisory_xact_lock("metering.compact.day", {start // MS_PER_DAY}, cursor=cursor)
+            lock_day(day, cursor)
             lock_devices(cursor, chunk)
             cursor.execute(
                 "SELECT set_config('jit', 'off', true), set_config('work_mem', '64MB', true)"
@@ -160,41 +159,43 @@ def compact_day(day: date, *, batch: int | None = None) -> tuple[int, int]:
     return moved, made
 
 
-def _rewrite(day: date) -> bool:
-    """Give back the space of the samples moved out of `day`'s partition: its rows left (each
+def rewrite_partition(day: date | None) -> bool:
+    """Give back the space of the samples moved out of `day`'s partition (None: DEFAULT, once
+    its days' rows went to their own partitions): its rows left (a compacted day's: each
     device's first and last) copied into a new table that takes its place, the old one
     dropped, as retention drops a day (`metering.retention`). Neither a plain vacuum (the few
     rows left are spread over every page) nor VACUUM FULL or CLUSTER would do: those keep
     what any older snapshot may see, and a snapshot's horizon counts the transactions of
     every database on the server. Under the parent's lock, as a drop (ingest into every day
-    waits for the moment it takes to copy a few rows a device), waiting at most
+    waits for the moment it takes to copy the rows left), waiting at most
     TALLY_SAMPLE_PARTITION_LOCK_SECONDS for it; False when it could not have it."""
-    name = partition_name(day)
+    name = partition_name(day) if day is not None else DEFAULT_PARTITION
     new = f"{name}_c"
-    start, end = day_bounds_ms(day)
     columns = ", ".join(field.column for field in Sample._meta.concrete_fields)
     try:
         with transaction.atomic(), connection.cursor() as cursor:
             lock_timeout(cursor)
-            advisory_xact_lock("metering.compact.day", {start // MS_PER_DAY}, cursor=cursor)
+            if day is None:
+                bounds, check = "DEFAULT", ""
+            else:
+                start, end = day_bounds_ms(day)
+                lock_day(day, cursor)
+                bounds = f"FOR VALUES FROM ({start}) TO ({end})"
+                # The check lets ATTACH skip scanning the new table (`create_day_partition`).
+                check = f", CONSTRAINT {new}_range CHECK (ts_ms >= {start} AND ts_ms < {end})"
             cursor.execute(f"LOCK TABLE {PARENT} IN ACCESS EXCLUSIVE MODE")
-            if day not in sample_partitions():
+            if day is not None and day not in sample_partitions():
                 return True
-            # The check lets ATTACH skip scanning the new table (`create_day_partition`).
-            cursor.execute(
-                f"CREATE TABLE {new} (LIKE {PARENT} INCLUDING DEFAULTS, "
-                f"CONSTRAINT {new}_range CHECK (ts_ms >= {start} AND ts_ms < {end}))"
-            )
+            cursor.execute(f"CREATE TABLE {new} (LIKE {PARENT} INCLUDING DEFAULTS{check})")
             cursor.execute(
                 f"INSERT INTO {new} ({columns}) SELECT {columns} FROM {name} ORDER BY "
                 "device_uuid, ts_ms"
             )
             cursor.execute(f"DROP TABLE {name}")
             cursor.execute(f"ALTER TABLE {new} RENAME TO {name}")
-            cursor.execute(
-                f"ALTER TABLE {PARENT} ATTACH PARTITION {name} FOR VALUES FROM ({start}) TO ({end})"
-            )
-            cursor.execute(f"ALTER TABLE {name} DROP CONSTRAINT {new}_range")
+            cursor.execute(f"ALTER TABLE {PARENT} ATTACH PARTITION {name} {bounds}")
+            if check:
+                cursor.execute(f"ALTER TABLE {name} DROP CONSTRAINT {new}_range")
             cursor.execute(f"ANALYZE {name}")
     except LockNotAvailable:
         return False
@@ -216,30 +217,6 @@ def partition_bloated(day: date | None) -> bool:
         )
         size, used = cursor.fetchone()
     return bool(size > 1024 * 1024 and size > 2 * used)
-
-
-def rewrite_default() -> bool:
-    """Give back the space of the rows moved out of DEFAULT into their days' partitions (a
-    delete leaves the table its size): the rows left copied into a new table that becomes
-    DEFAULT, as `_rewrite` does a day's. Under the parent's lock, waiting at most
-    TALLY_SAMPLE_PARTITION_LOCK_SECONDS; False when it could not have it."""
-    new = f"{DEFAULT_PARTITION}_c"
-    columns = ", ".join(field.column for field in Sample._meta.concrete_fields)
-    try:
-        with transaction.atomic(), connection.cursor() as cursor:
-            lock_timeout(cursor)
-            cursor.execute(f"LOCK TABLE {PARENT} IN ACCESS EXCLUSIVE MODE")
-            cursor.execute(f"CREATE TABLE {new} (LIKE {PARENT} INCLUDING DEFAULTS)")
-            cursor.execute(
-                f"INSERT INTO {new} ({columns}) SELECT {columns} FROM {DEFAULT_PARTITION}"
-            )
-            cursor.execute(f"DROP TABLE {DEFAULT_PARTITION}")
-            cursor.execute(f"ALTER TABLE {new} RENAME TO {DEFAULT_PARTITION}")
-            cursor.execute(f"ALTER TABLE {PARENT} ATTACH PARTITION {DEFAULT_PARTITION} DEFAULT")
-            cursor.execute(f"ANALYZE {DEFAULT_PARTITION}")
-    except LockNotAvailable:
-        return False
-    return True
 
 
 def compact_samples(
@@ -264,7 +241,7 @@ def compact_samples(
         except LockNotAvailable:
             report.busy.append(day)
     if not dry_run and partition_bloated(None):
-        if rewrite_default():
+        if rewrite_partition(None):
             report.default_rewritten = True
         else:
             report.default_busy = True
@@ -289,7 +266,7 @@ def compact_samples(
             report.moved[day], report.blocks[day] = moved, made
             done += 1
         if moved or partition_bloated(day):
-            (report.rewritten if _rewrite(day) else report.busy).append(day)
+            (report.rewritten if rewrite_partition(day) else report.busy).append(day)
     if report.blocks:
         with connection.cursor() as cursor:
             cursor.execute(f"ANALYZE {BLOCKS}")

@@ -158,6 +158,12 @@ def retention_cutoff(now: datetime) -> date:
     return now.astimezone(UTC).date() - timedelta(days=int(settings.TALLY_SAMPLE_RETENTION_DAYS))
 
 
+def lock_day(day: date, cursor: CursorWrapper) -> None:
+    """Hold `day`'s lock to the end of the transaction: compaction's batches, its rewrite of
+    the day's partition and retention's drop of the day take it, one after another."""
+    advisory_xact_lock("metering.compact.day", {day_bounds_ms(day)[0] // MS_PER_DAY}, cursor=cursor)
+
+
 def drop_day_partition(day: date) -> bool:
     """Drop `day`'s partition, its samples with it, and its compacted samples' blocks
     (`metering.compaction`), in one transaction; False when neither was there.
@@ -166,7 +172,7 @@ def drop_day_partition(day: date) -> bool:
     with transaction.atomic(), connection.cursor() as cursor:
         lock_timeout(cursor)
         # After a compaction of the day that holds it, whose blocks are then deleted here.
-        advisory_xact_lock("metering.compact.day", {start // MS_PER_DAY}, cursor=cursor)
+        lock_day(day, cursor)
         cursor.execute(f"LOCK TABLE {PARENT} IN ACCESS EXCLUSIVE MODE")
         cursor.execute(f"DELETE FROM {SampleBlock._meta.db_table} WHERE day_ms = %s", [start])
         blocks = cursor.rowcount
