@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from datetime import datetime
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from django.db import connection, models, transaction
 from django.db.backends.utils import CursorWrapper
@@ -119,21 +119,29 @@ def lock_and_find_neighbours(
     lock, lock_params = xact_lock_sql(
         _DEVICE_LOCK, {text_key(uuid) for uuid in bounds.keys() | set(also_lock)}
     )
-    uuids = sorted(bounds)
     cursor.execute(
         f"SELECT set_config('jit', 'off', true); {lock}; {_NEIGHBOURS_SQL}",
-        [*lock_params, uuids, [bounds[uuid].first_ms for uuid in uuids]],
+        [*lock_params, *_firsts(bounds)],
     )
     cursor.nextset()
     cursor.nextset()
-    return {uuid: Neighbours(before, after) for uuid, before, after in cursor.fetchall()}
+    return _neighbours_read(cursor)
 
 
 def find_neighbours(cursor: CursorWrapper, bounds: dict[str, Bounds]) -> dict[str, Neighbours]:
     """Each device's `Neighbours` around its first instant in `bounds`, read again under the
     locks `lock_and_find_neighbours` took (after compacted samples were thawed among them)."""
+    cursor.execute(_NEIGHBOURS_SQL, _firsts(bounds))
+    return _neighbours_read(cursor)
+
+
+def _firsts(bounds: dict[str, Bounds]) -> list[list[Any]]:
+    """`_NEIGHBOURS_SQL`'s parameters: the devices, and each one's first instant in `bounds`."""
     uuids = sorted(bounds)
-    cursor.execute(_NEIGHBOURS_SQL, [uuids, [bounds[uuid].first_ms for uuid in uuids]])
+    return [uuids, [bounds[uuid].first_ms for uuid in uuids]]
+
+
+def _neighbours_read(cursor: CursorWrapper) -> dict[str, Neighbours]:
     return {uuid: Neighbours(before, after) for uuid, before, after in cursor.fetchall()}
 
 
