@@ -515,14 +515,21 @@ def narrowing_warning(key: str, narrowing: Narrowing) -> str:
     )
 
 
+def _narrowed_annotation(claim: dict[str, Any]) -> str | None:
+    """The claim's `NARROWED_ANNOTATION`, as the mutating webhook's patch wrote it (None: no
+    such annotation, or not a string)."""
+    metadata = claim.get("metadata")
+    annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
+    value = annotations.get(NARROWED_ANNOTATION) if isinstance(annotations, dict) else None
+    return value if isinstance(value, str) else None
+
+
 def _narrowed_before(claim: dict[str, Any]) -> list[str]:
     """What the mutating webhook narrowed in `claim`, as its annotation says (the validating
     webhook records it with its decision); the annotation is the claim's, its selectors are
     weighed as any others."""
-    metadata = claim.get("metadata")
-    annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
-    value = annotations.get(NARROWED_ANNOTATION) if isinstance(annotations, dict) else None
-    if not isinstance(value, str) or not value:
+    value = _narrowed_annotation(claim)
+    if not value:
         return []
     return [f"the claim was narrowed to the models that fit ({NARROWED_ANNOTATION}: {value})"]
 
@@ -533,11 +540,9 @@ def narrowed_in(claim: dict[str, Any], requests: list[dra.ParsedRequest]) -> dic
     request ("request", or "request/alternative"), the models its annotation names and the
     selector its patch added (the request's last: the patch adds it after the others). Only
     a request the annotation names, with models and a selector."""
-    metadata = claim.get("metadata")
-    annotations = metadata.get("annotations") if isinstance(metadata, dict) else None
-    value = annotations.get(NARROWED_ANNOTATION) if isinstance(annotations, dict) else None
+    value = _narrowed_annotation(claim)
     try:
-        named = json.loads(value) if isinstance(value, str) else None
+        named = json.loads(value) if value is not None else None
     except ValueError:
         return {}
     if not isinstance(named, dict):
