@@ -14,7 +14,6 @@ NetworkPolicy also admits only the monitoring namespace to them.
 
 from __future__ import annotations
 
-import hmac
 import ipaddress
 from typing import Any
 
@@ -22,6 +21,8 @@ from django.apps import AppConfig
 from django.conf import settings
 from django.core import checks
 from django.http import HttpRequest, HttpResponse
+
+from core.metrics import BEARER_CHALLENGE, BEARER_REFUSAL, bearer_matches
 
 NO_TOKEN_REFUSAL = (
     "metrics need a bearer token, and none is configured: set TALLY_METRICS_TOKEN (or "
@@ -31,11 +32,6 @@ NO_TOKEN_WARNING = (
     "TALLY_METRICS_TOKEN is not set: /metrics refuses every scrape (or, with "
     "TALLY_METRICS_ANONYMOUS, answers any pod of the cluster without a token)."
 )
-
-
-def _bearer_token(request: HttpRequest) -> str:
-    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-    return token.strip() if scheme.lower() == "bearer" else ""
 
 
 def _is_internal(address: str) -> bool:
@@ -50,10 +46,10 @@ def metrics_refusal(request: HttpRequest) -> HttpResponse | None:
     """Why `request` may not read the metrics, as the answer to send; None when it may."""
     token = getattr(settings, "TALLY_METRICS_TOKEN", None)
     if token:
-        if hmac.compare_digest(_bearer_token(request).encode(), str(token).encode()):
+        if bearer_matches(request.headers.get("Authorization", ""), str(token)):
             return None
-        response = HttpResponse("metrics need a bearer token\n", status=401)
-        response["WWW-Authenticate"] = 'Bearer realm="tally-metrics"'
+        response = HttpResponse(BEARER_REFUSAL, status=401)
+        response["WWW-Authenticate"] = BEARER_CHALLENGE
         return response
     if not settings.TALLY_METRICS_ANONYMOUS:
         return HttpResponse(NO_TOKEN_REFUSAL, status=403, content_type="text/plain")

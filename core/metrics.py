@@ -306,21 +306,32 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
+# The answer to a scrape without the token, here and on the web pods (`config.metrics_auth`).
+BEARER_REFUSAL = "metrics need a bearer token\n"
+BEARER_CHALLENGE = 'Bearer realm="tally-metrics"'
+
+
+def bearer_matches(authorization: str, token: str) -> bool:
+    """Whether an `Authorization` header's value is `Bearer <token>` (compared in constant
+    time)."""
+    scheme, _, given = authorization.partition(" ")
+    given = given.strip() if scheme.lower() == "bearer" else ""
+    return hmac.compare_digest(given.encode(), token.encode())
+
+
 def _bearer_only(app: WSGIApplication, token: str) -> WSGIApplication:
     """`app`, answering 401 to a request without `Authorization: Bearer <token>`."""
-    expected = token.encode()
 
     def guarded(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
-        scheme, _, given = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
-        if scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), expected):
+        if bearer_matches(environ.get("HTTP_AUTHORIZATION", ""), token):
             return app(environ, start_response)
         start_response(
             "401 Unauthorized",
             [
                 ("Content-Type", "text/plain; charset=utf-8"),
-                ("WWW-Authenticate", 'Bearer realm="tally-metrics"'),
+                ("WWW-Authenticate", BEARER_CHALLENGE),
             ],
         )
-        return [b"metrics need a bearer token\n"]
+        return [BEARER_REFUSAL.encode()]
 
     return guarded
