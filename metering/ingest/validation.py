@@ -36,6 +36,7 @@ from metering.ingest.schema import (
     refuse,
     sample_problems,
 )
+from metering.ingest.schema import Sample as SampleSchema
 from metering.ingest.schema import (
     show as _show,
 )
@@ -77,23 +78,11 @@ def check_sample(sample: object, *, window: Window) -> SampleRow:
     return SampleChecker(window=window).check(sample, None if found is None else found[0])
 
 
-# The schema's fields a sample gives to name its device other than by `uuid`, or as a MIG
-# device's: a sample with any of them, even null, is checked field by field.
-_NOT_PLAIN = frozenset(
-    [
-        "driver",
-        "device",
-        "pool",
-        "node",
-        "pci_bus_id",
-        "partition",
-        "mig_placement",
-        "parent_uuid",
-        "mig_profile",
-        "mig_profile_id",
-        "gpu_instance_id",
-    ]
-)
+# The fields of a plain sample, an agent's usual one: named by `uuid`, with its readings. A
+# sample with any other field of the schema (naming its device otherwise, or a MIG device's),
+# even null, is checked field by field.
+_PLAIN = frozenset(["uuid", "ts", "gpu_util", "mem_used_bytes", "processes", "covered_seconds"])
+_NOT_PLAIN = frozenset(SampleSchema.__annotations__) - _PLAIN
 _PLAIN_FIELDS_ONLY = _NOT_PLAIN.isdisjoint
 
 
