@@ -141,7 +141,7 @@ class AnyOf(Lookup):
         column, params = self.process_lhs(compiler, connection)
         values = json_rows(_array_type(self.lhs.output_field))
         # Written by orjson (`json.dumps` took ~0.1 s for an import's 100,000 names).
-        return f"{column} = ANY(ARRAY({values}))", [*params, _json_text(self.rhs)]
+        return f"{column} = ANY(ARRAY({values}))", [*params, json_text(self.rhs)]
 
 
 class NoneOf(AnyOf):
@@ -156,15 +156,16 @@ class NoneOf(AnyOf):
     def as_sql(self, compiler: SQLCompiler, connection: BaseDatabaseWrapper) -> Any:
         column, params = self.process_lhs(compiler, connection)
         values = json_rows(_array_type(self.lhs.output_field))
-        return f"NOT ({column} IN ({values}))", [*params, _json_text(self.rhs)]
+        return f"NOT ({column} IN ({values}))", [*params, json_text(self.rhs)]
 
 
-def _json_text(values: list[Any]) -> str:
-    """`values` as a JSON array; orjson where it can write them (not integers over 64 bits)."""
+def json_text(value: Any, *, sort_keys: bool = False) -> str:
+    """`value` as JSON text; orjson where it can write it (not integers over 64 bits), else
+    the standard library's encoder."""
     try:
-        return orjson.dumps(values).decode()
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS if sort_keys else None).decode()
     except TypeError:
-        return json.dumps(values)
+        return json.dumps(value, sort_keys=sort_keys)
 
 
 def _field(model: type[models.Model], name: str) -> models.Field[Any, Any]:

@@ -7,7 +7,6 @@ code serves `sync_inventory --from-file`, the live list + watch, tests and bench
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -15,7 +14,6 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any
 
-import orjson
 from django.db import connection, transaction
 from django.db.models import (
     Case,
@@ -25,7 +23,7 @@ from django.db.models import (
     When,
 )
 
-from db.bulk import AnyOf, NoneOf
+from db.bulk import AnyOf, NoneOf, json_text
 from inventory import dra, owners
 from inventory.claim_sync import ClaimWriter
 from inventory.gang_sync import (
@@ -527,11 +525,7 @@ def _times_by_pk(times: Mapping[int, datetime]) -> Expression:
 
 def _digest(spec: Any) -> bytes:
     """A digest of `spec` that two equal specs share, whatever the order of their keys."""
-    try:
-        text = orjson.dumps(spec, option=orjson.OPT_SORT_KEYS)
-    except TypeError:  # what orjson will not write (integers over 64 bits): the slow way
-        text = json.dumps(spec, sort_keys=True).encode()
-    return hashlib.blake2b(text, digest_size=16).digest()
+    return hashlib.blake2b(json_text(spec, sort_keys=True).encode(), digest_size=16).digest()
 
 
 def _claim_uid(obj: Any) -> str:
