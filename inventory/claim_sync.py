@@ -15,7 +15,7 @@ from django.db.models import (
     Q,
 )
 
-from db.bulk import AnyOf, update_instances, update_rows
+from db.bulk import AnyOf, AnyRowOf, update_instances, update_rows
 from db.copy import bulk_insert
 from inventory import dra, owners
 from inventory.attribution import (
@@ -330,9 +330,7 @@ class ClaimWriter(WriterState):
         devices = {
             (row["driver"], row["pool"], row["name"]): row
             for row in Device.objects.filter(
-                AnyOf("driver", {driver for driver, _, _ in wanted}),
-                AnyOf("pool", {pool for _, pool, _ in wanted}),
-                AnyOf("name", {name for _, _, name in wanted}),
+                AnyRowOf(("driver", "pool", "name"), wanted),
                 cluster=self.cluster,
                 gone_at__isnull=True,
             ).values("pk", "driver", "pool", "name", *_METERED_DEVICE_FIELDS)
@@ -370,8 +368,7 @@ class ClaimWriter(WriterState):
         unlinked = [
             allocation
             for allocation in Allocation.objects.filter(
-                AnyOf("driver", {driver for driver, _ in pools}),
-                AnyOf("pool", {pool for _, pool in pools}),
+                AnyRowOf(("driver", "pool"), pools),
                 cluster=self.cluster,
                 device__isnull=True,
                 end__isnull=True,
