@@ -176,7 +176,7 @@ class AnyRowOf(Expression):
 
     def __init__(self, fields: Sequence[str], rows: Iterable[Sequence[Any]]) -> None:
         super().__init__()
-        self.fields = [F(name) for name in fields]
+        self.fields: list[Any] = [F(name) for name in fields]
         self.rows = [list(row) for row in rows]
 
     def get_source_expressions(self) -> list[Any]:
@@ -186,7 +186,8 @@ class AnyRowOf(Expression):
         self.fields = list(exprs)
 
     def as_sql(self, compiler: SQLCompiler, connection: BaseDatabaseWrapper) -> Any:
-        columns, params = [], []
+        columns: list[str] = []
+        params: list[Any] = []
         for expression in self.fields:
             sql, column_params = compiler.compile(expression)
             columns.append(sql)
