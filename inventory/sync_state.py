@@ -119,9 +119,9 @@ class ClaimChanges:
 
 @dataclass(eq=False)
 class NewAllocation:
-    """An allocation a sync is about to write (`db.copy.bulk_insert` writes its attributes as
-    the row, the fields it lacks taking their defaults): an import makes 60,000 of them, and
-    a model instance cost ~40 times as much to make. `_link` sets its device and metering
+    """An allocation a sync is about to write (`db.copy.insert_values` writes its attributes
+    as the row, the fields it lacks taking their defaults): an import makes 60,000 of them,
+    and a model instance cost ~40 times as much to make. `_link` sets its device and metering
     fields as it would an instance's, and `start` may move (`_charge_from_taking`)."""
 
     cluster_id: int
