@@ -8,15 +8,15 @@ from collections import defaultdict
 from collections.abc import Mapping
 from datetime import datetime
 from decimal import ROUND_HALF_EVEN, Decimal
-from typing import Any
+from typing import Any, TypeVar
 
 from django.conf import settings
 from django.db.models import (
     Q,
 )
 
-from db.bulk import AnyOf, update_instances, update_rows
-from db.copy import bulk_insert
+from db.bulk import AnyOf, AnyRowOf, update_instances, update_rows
+from db.copy import insert_values
 from inventory import dra, owners
 from inventory.attribution import (
     allocation_attribution,
@@ -32,15 +32,18 @@ from inventory.models import (
     ResourceClaim,
 )
 from inventory.signals import claims_changed, usage_closed_until
-from inventory.sync_state import ClaimChanges, WriterState, device_key
+from inventory.sync_state import ClaimChanges, NewAllocation, WriterState, device_key
 
 log = logging.getLogger(__name__)
+
+# Allocations stored (instances) or about to be (`NewAllocation`): `_link` takes either.
+AllocationT = TypeVar("AllocationT", Allocation, NewAllocation)
 
 
 class ClaimWriter(WriterState):
     """Writes claims and their allocations."""
 
-    def _charge_from_taking(self, allocations: list[Allocation]) -> list[Allocation]:
+    def _charge_from_taking(self, allocations: list[AllocationT]) -> list[AllocationT]:
         """Move the start of allocations of devices taken only now from another cluster
         (`retaken`) to when they were taken: the hours before were the other cluster's, its
         allocations billed them. Returns the allocations moved."""
@@ -92,13 +95,14 @@ class ClaimWriter(WriterState):
             if creators[key]:
                 fields["created_by"] = creators[key]
             if claim is None:
+                # Rows, not instances: an import makes 30,000 of them.
                 claims_to_create.append(
-                    ResourceClaim(
-                        cluster=self.cluster,
-                        uid=key,
-                        first_seen=self._stamp("ResourceClaim", key),
+                    {
+                        "cluster_id": self.cluster.pk,
+                        "uid": key,
+                        "first_seen": self._stamp("ResourceClaim", key),
                         **fields,
-                    )
+                    }
                 )
             elif changed := [
                 *(attr for attr, value in fields.items() if getattr(claim, attr) != value),
@@ -114,18 +118,18 @@ class ClaimWriter(WriterState):
         for columns, changed_claims in claims_to_update.items():
             update_instances(ResourceClaim, changed_claims, columns)
         refine_allocation_jobs(refined)
-        bulk_insert(ResourceClaim, claims_to_create)
+        insert_values(ResourceClaim, claims_to_create)
         self.report.created["ResourceClaim"] += len(claims_to_create)
         # The ids of the claims read above are known; only those just created are read.
         claim_ids = {uid: claim.pk for uid, claim in existing.items()}
         if claims_to_create:
             claim_ids.update(
                 ResourceClaim.objects.filter(
-                    AnyOf("uid", [claim.uid for claim in claims_to_create]), cluster=self.cluster
+                    AnyOf("uid", [claim["uid"] for claim in claims_to_create]), cluster=self.cluster
                 ).values_list("uid", "pk")
             )
         self.claims_written.update(claim_ids.values())
-        new_allocations: list[Allocation] = []
+        new_allocations: list[NewAllocation] = []
         ended: dict[int, datetime] = {}
         for key, parsed in by_key.items():
             claim_id = claim_ids[key]
@@ -153,8 +157,8 @@ class ClaimWriter(WriterState):
                 )
                 if current.pop(result_key, None) is None:
                     new_allocations.append(
-                        Allocation(
-                            cluster=self.cluster,
+                        NewAllocation(
+                            cluster_id=self.cluster.pk,
                             claim_id=claim_id,
                             request=result.request,
                             driver=result.driver,
@@ -169,7 +173,7 @@ class ClaimWriter(WriterState):
             ended.update((allocation_id, at) for allocation_id in current.values())
         self._end_allocations(ended)
         self._charge_from_taking(self._link(new_allocations))
-        bulk_insert(Allocation, new_allocations)
+        insert_values(Allocation, [allocation.__dict__ for allocation in new_allocations])
         self.report.created["Allocation"] += len(new_allocations)
         # Usage changes from a new allocation's start and from an ended one's end (`at`); a
         # claim changed in nothing else (labels, status, resourceVersion) changes none.
@@ -319,7 +323,7 @@ class ClaimWriter(WriterState):
             Allocation, ["end"], ends.items(), where_null=["end"]
         )
 
-    def _link(self, allocations: list[Allocation]) -> list[Allocation]:
+    def _link(self, allocations: list[AllocationT]) -> list[AllocationT]:
         """Tie each allocation to its present device, where it is known, and fix what the
         allocation is metered and counted by from the device as it is now (see `Allocation`);
         returns the allocations linked. A device's capacity is read only for the few that
@@ -330,9 +334,7 @@ class ClaimWriter(WriterState):
         devices = {
             (row["driver"], row["pool"], row["name"]): row
             for row in Device.objects.filter(
-                AnyOf("driver", {driver for driver, _, _ in wanted}),
-                AnyOf("pool", {pool for _, pool, _ in wanted}),
-                AnyOf("name", {name for _, _, name in wanted}),
+                AnyRowOf(("driver", "pool", "name"), wanted),
                 cluster=self.cluster,
                 gone_at__isnull=True,
             ).values("pk", "driver", "pool", "name", *_METERED_DEVICE_FIELDS)
@@ -370,8 +372,7 @@ class ClaimWriter(WriterState):
         unlinked = [
             allocation
             for allocation in Allocation.objects.filter(
-                AnyOf("driver", {driver for driver, _ in pools}),
-                AnyOf("pool", {pool for _, pool in pools}),
+                AnyRowOf(("driver", "pool"), pools),
                 cluster=self.cluster,
                 device__isnull=True,
                 end__isnull=True,

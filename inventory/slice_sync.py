@@ -17,7 +17,7 @@ from django.db.models import (
     QuerySet,
 )
 
-from db.bulk import AnyOf, update_instances, update_rows
+from db.bulk import AnyOf, AnyRowOf, update_instances, update_rows
 from db.copy import bulk_insert, insert_values
 from inventory import cel, dra
 from inventory.models import (
@@ -239,8 +239,7 @@ class SliceWriter(WriterState):
             in_hand[(parsed.driver, parsed.pool)].append(parsed)
         stored: dict[tuple[str, str], set[str]] = defaultdict(set)
         for driver, pool, name in ResourceSlice.objects.filter(
-            AnyOf("driver", {driver for driver, _ in in_hand}),
-            AnyOf("pool", {pool for _, pool in in_hand}),
+            AnyRowOf(("driver", "pool"), in_hand),
             cluster=self.cluster,
             gone_at__isnull=True,
         ).values_list("driver", "pool", "name"):
@@ -330,11 +329,10 @@ class SliceWriter(WriterState):
         time when a driver republishes its pools unchanged."""
         carried = carried or {}
         wanted = set(pools)
-        drivers, pool_names = {d for d, _ in pools}, {p for _, p in pools}
         pool_rows = {
             (row.driver, row.name): row
             for row in Pool.objects.filter(
-                AnyOf("driver", drivers), AnyOf("name", pool_names), cluster=self.cluster
+                AnyRowOf(("driver", "name"), pools), cluster=self.cluster
             )
         }
         carry = {
@@ -529,8 +527,7 @@ class SliceWriter(WriterState):
         pools': filter by pair)."""
         pools = list(pools)
         return Device.objects.filter(
-            AnyOf("driver", {driver for driver, _ in pools}),
-            AnyOf("pool", {pool for _, pool in pools}),
+            AnyRowOf(("driver", "pool"), pools),
             cluster=self.cluster,
             gone_at__isnull=True,
         )
@@ -552,9 +549,7 @@ class SliceWriter(WriterState):
         relinked = []
         if appeared:
             for allocation in Allocation.objects.filter(
-                AnyOf("driver", {driver for driver, _, _ in appeared}),
-                AnyOf("pool", {pool for _, pool, _ in appeared}),
-                AnyOf("device_name", {name for _, _, name in appeared}),
+                AnyRowOf(("driver", "pool", "device_name"), appeared),
                 cluster=self.cluster,
                 end__isnull=True,
                 device__gone_at__isnull=False,
@@ -569,9 +564,7 @@ class SliceWriter(WriterState):
             present = {
                 (driver, pool, name): (pk, meter_id)
                 for pk, driver, pool, name, meter_id in Device.objects.filter(
-                    AnyOf("driver", {a.driver for a in relinked}),
-                    AnyOf("pool", {a.pool for a in relinked}),
-                    AnyOf("name", {a.device_name for a in relinked}),
+                    AnyRowOf(("driver", "pool", "name"), {device_key(a) for a in relinked}),
                     cluster=self.cluster,
                     gone_at__isnull=True,
                 ).values_list("pk", "driver", "pool", "name", "meter_id")

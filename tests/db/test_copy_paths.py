@@ -1,6 +1,6 @@
 """`bulk_insert` and `insert_values` (COPY, values prepared by shortcuts) store what Django's
-own save stores; `AnyOf` and `NoneOf` pick the same rows as `__in` and its negation. On
-PostgreSQL."""
+own save stores; `AnyOf` and `NoneOf` pick the same rows as `__in` and its negation, `AnyRowOf`
+the rows whose columns hold one of its tuples exactly. On PostgreSQL."""
 
 from __future__ import annotations
 
@@ -9,8 +9,10 @@ from decimal import Decimal
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
-from db.bulk import AnyOf, NoneOf
+from db.bulk import AnyOf, AnyRowOf, NoneOf
 from db.copy import bulk_insert, insert_values
 from inventory.models import Cluster, Device, DeviceKind, Node
 
@@ -87,3 +89,39 @@ def test_none_of_is_the_negation_of_any_of_and_empty_means_all() -> None:
     assert Node.objects.filter(AnyOf("name", [])).count() == 0
     # Integers, over a foreign key's column.
     assert Node.objects.filter(NoneOf("cluster", [cluster.pk + 1])).count() == 50
+
+
+# Few values per column, so that a tuple asked for often shares each of its values with others
+# stored (the superset that `AnyOf` per column would pick) without being stored itself.
+_NAMES = st.sampled_from(["a", "b", "c", "a b", "é", "'"])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    stored=st.sets(st.tuples(_NAMES, _NAMES, _NAMES), max_size=12),
+    wanted=st.sets(st.tuples(_NAMES, _NAMES, _NAMES), max_size=12),
+)
+def test_any_row_of_picks_the_rows_holding_one_of_the_tuples(
+    stored: set[tuple[str, str, str]], wanted: set[tuple[str, str, str]]
+) -> None:
+    # A cluster of its own per example: the examples share the test's transaction.
+    cluster = Cluster.objects.create(name=f"c{Cluster.objects.count()}")
+    node = Node.objects.create(cluster=cluster, name="n", first_seen=AT)
+    devices = [_device(cluster, node, name, {}) for _, _, name in sorted(stored)]
+    for device, (driver, pool, _) in zip(devices, sorted(stored), strict=True):
+        device.driver, device.pool = driver, pool
+    bulk_insert(Device, devices)
+    rows = Device.objects.filter(AnyRowOf(("driver", "pool", "name"), wanted), cluster=cluster)
+    assert set(rows.values_list("driver", "pool", "name")) == stored & wanted
+    pairs = {(driver, pool) for driver, pool, _ in wanted}
+    assert set(
+        Device.objects.filter(AnyRowOf(("driver", "pool"), pairs), cluster=cluster).values_list(
+            "driver", "pool", "name"
+        )
+    ) == {row for row in stored if row[:2] in pairs}
+    # Over a foreign key's column (integers) and a text one.
+    pools = {pool for _, pool in pairs}
+    assert Device.objects.filter(
+        AnyRowOf(("cluster", "pool"), [(cluster.pk, pool) for pool in pools]),
+        node__cluster=cluster,
+    ).count() == len([row for row in stored if row[1] in pools])
