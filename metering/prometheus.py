@@ -40,12 +40,13 @@ Devices named by PCI address are resolved as the ingest resolves samples naming 
 A device with several series (two scrape jobs, several engines) reads their maximum at one
 instant, from the first of its exporter's metrics that has a reading then.
 
-The readings go into a temporary table shaped like `billing_sample` (device, instant,
-utilisation, gap to the device's next reading) and the rollup's own SQL reads it: the hold, the
-unmeasured time, the rounding and the reruns are the rollup's, so an hour is billed the same
-whichever source measured it. An engine that does not answer, or answers in part, raises
-`EngineUnavailable` naming its clusters: the rollup writes nothing for their hours, which stay
-marked and are retried, never billed as idle; the other clusters' rows are written. Hours the
+The readings go into a temporary table, a run of a device's readings to a row of arrays, which
+the rollup's own SQL reads through a view shaped like `billing_sample` (device, instant,
+utilisation, gap to the device's next reading): the hold, the unmeasured time, the rounding
+and the reruns are the rollup's, so an hour is billed the same whichever source measured it.
+An engine that does not answer, or answers in part, raises `EngineUnavailable` naming its
+clusters: the rollup writes nothing for their hours, which stay marked and are retried, never
+billed as idle; the other clusters' rows are written. Hours the
 engine may still be receiving (`TALLY_PROMETHEUS_SETTLE_SECONDS`) are marked to be rolled up
 again. An engine that answers with no reading of any device a cluster held is not believed at
 once (`metering.silence`). One rollup run spends at most TALLY_PROMETHEUS_RUN_DEADLINE_SECONDS
