@@ -40,12 +40,13 @@ Devices named by PCI address are resolved as the ingest resolves samples naming 
 A device with several series (two scrape jobs, several engines) reads their maximum at one
 instant, from the first of its exporter's metrics that has a reading then.
 
-The readings go into a temporary table shaped like `billing_sample` (device, instant,
-utilisation, gap to the device's next reading) and the rollup's own SQL reads it: the hold, the
-unmeasured time, the rounding and the reruns are the rollup's, so an hour is billed the same
-whichever source measured it. An engine that does not answer, or answers in part, raises
-`EngineUnavailable` naming its clusters: the rollup writes nothing for their hours, which stay
-marked and are retried, never billed as idle; the other clusters' rows are written. Hours the
+The readings go into a temporary table, a run of a device's readings to a row of arrays, which
+the rollup's own SQL reads through a view shaped like `billing_sample` (device, instant,
+utilisation, gap to the device's next reading): the hold, the unmeasured time, the rounding
+and the reruns are the rollup's, so an hour is billed the same whichever source measured it.
+An engine that does not answer, or answers in part, raises `EngineUnavailable` naming its
+clusters: the rollup writes nothing for their hours, which stay marked and are retried, never
+billed as idle; the other clusters' rows are written. Hours the
 engine may still be receiving (`TALLY_PROMETHEUS_SETTLE_SECONDS`) are marked to be rolled up
 again. An engine that answers with no reading of any device a cluster held is not believed at
 once (`metering.silence`). One rollup run spends at most TALLY_PROMETHEUS_RUN_DEADLINE_SECONDS
@@ -96,9 +97,19 @@ from metering.models import MigInstance
 log = logging.getLogger(__name__)
 
 SOURCES = ("samples", "prometheus")
-# The readings of one rollup run, shaped as the rollup reads `billing_sample`.
+# The readings of one rollup run, shaped as the rollup reads `billing_sample`: a temporary view
+# over `_READING_RUNS` (and `_SAMPLES`, where some clusters send samples).
 READINGS_TABLE = "tally_prometheus_readings"
-# The statistics target its ANALYZE runs with (rows sampled: 300 times this).
+# The engine's readings, a run of at most `_RUN_READINGS` readings of one device to a row:
+# arrays of instants and percents, and the instant of the device's next reading after them.
+_READING_RUNS = "tally_prometheus_reading_runs"
+# At most this many readings to a row: a row of two arrays of 64 stays well under the size past
+# which PostgreSQL compresses or moves a row's values out of line (TOAST, about 2 kB), and an
+# hour's readings a minute apart (61, and the hold's) fit one row.
+_RUN_READINGS = 64
+# The samples of the window's devices metered by samples, where some clusters send samples.
+_SAMPLES = "tally_prometheus_samples"
+# The statistics target the samples' ANALYZE runs with (rows sampled: 300 times this).
 _READINGS_STATISTICS = 10
 
 # Per exporter: the roles a label may play (its metrics, labels and how a series names its
@@ -967,18 +978,33 @@ def _by_name(exporter: Exporter, labels: Mapping[str, str], node: str) -> str | 
 # --- Readings for the rollup ------------------------------------------------------------------
 
 
+# A device's readings as two lists side by side: instants (ms since the epoch), rising, and
+# percents. Kept so from the engine's series to the COPY: no tuple per reading to make, take
+# apart again and have the garbage collector go over.
+Columns = tuple[list[int], list[float]]
+
+
 @dataclass
 class Readings:
-    """A window's readings from the engine: per meter id, (ms since the epoch, percent)
-    sorted by time; `metered` the meter ids the engine meters in it; `mixed` whether some
-    allocations held in the window are metered by samples."""
+    """A window's readings from the engine: per meter id, its instants and percents sorted by
+    time (`columns`; `points` as (ms since the epoch, percent) pairs); `metered` the meter ids
+    the engine meters in it; `mixed` whether some allocations held in the window are metered
+    by samples."""
 
     metered: set[str]
     mixed: bool
-    points: dict[str, list[tuple[int, float]]]
+    columns: dict[str, Columns]
     unmatched: list[str] = field(default_factory=list)
     # Clusters the engine gave no reading of any device held (`metering.silence`).
     silences: list[silence.Silence] = field(default_factory=list)
+
+    @property
+    def points(self) -> dict[str, list[tuple[int, float]]]:
+        """Per meter id, its (ms since the epoch, percent) readings sorted by time."""
+        return {
+            meter_id: list(zip(stamps, percents, strict=True))
+            for meter_id, (stamps, percents) in self.columns.items()
+        }
 
 
 def window_readings(
@@ -1017,7 +1043,7 @@ def window_readings(
     if not by_cluster:
         return None
     identities = _identities(Device.objects.filter(pk__in=device_ids), start_ms, end_ms)
-    points: dict[str, list[tuple[int, float]]] = {}
+    columns: dict[str, Columns] = {}
     unmatched: list[str] = []
     budget = budget or RunBudget(seconds=math.inf)
     unreachable = budget.unreachable
@@ -1040,7 +1066,7 @@ def window_readings(
             except EngineUnavailable as failure:
                 error = failure
             else:
-                points.update(found)  # each cluster's devices are its own: no overlap
+                columns.update(found)  # each cluster's devices are its own: no overlap
                 unmatched.extend(why)
                 for cluster in clusters:
                     if found.keys() & by_cluster[cluster] or not by_cluster[cluster]:
@@ -1061,7 +1087,7 @@ def window_readings(
     readings = Readings(
         metered=set().union(*by_cluster.values()),
         mixed=mixed,
-        points=points,
+        columns=columns,
         unmatched=unmatched,
         silences=silences,
     )
@@ -1096,7 +1122,7 @@ def _ask(
     identities: Identities,
     start_ms: int,
     end_ms: int,
-) -> tuple[dict[str, list[tuple[int, float]]], list[str]]:
+) -> tuple[dict[str, Columns], list[str]]:
     """One question to one engine: the readings of the meter ids `wanted`, sorted by time,
     and why the series not matched were not; `EngineUnavailable` if it cannot answer."""
     start = start_ms - sample_hold_ms()
@@ -1124,18 +1150,19 @@ def _ask(
                     if meter_id is None or meter_id not in wanted:
                         continue
                     _keep(found[meter_id], ts, rank, _percent(value, metric.scale))
-    points: dict[str, list[tuple[int, float]]] = {}
+    columns: dict[str, Columns] = {}
     for meter_id, kept in parts.items():
         if meter_id not in found and (merged := _in_turn(kept)) is not None:
-            points[meter_id] = merged
+            columns[meter_id] = merged
             continue
         instants = found[meter_id]
         for rank, scale, readings in kept:
             for ts, value in readings:
                 _keep(instants, ts, rank, _percent(value, scale))
     for meter_id, instants in found.items():
-        points[meter_id] = [(ts, percent) for ts, (_, percent) in sorted(instants.items())]
-    return points, unmatched
+        stamps = sorted(instants)
+        columns[meter_id] = (stamps, [instants[ts][1] for ts in stamps])
+    return columns, unmatched
 
 
 def _keep(instants: dict[int, tuple[int, float]], ts: int, rank: int, percent: float) -> None:
@@ -1146,26 +1173,24 @@ def _keep(instants: dict[int, tuple[int, float]], ts: int, rank: int, percent: f
         instants[ts] = reading
 
 
-def _in_turn(
-    kept: list[tuple[int, float, list[tuple[int, float]]]],
-) -> list[tuple[int, float]] | None:
+def _in_turn(kept: list[tuple[int, float, list[tuple[int, float]]]]) -> Columns | None:
     """The readings of one device's series as percent, in order, when no two of them share an
     instant (each series' instants rising, and each series' after the one before): then no
     reading is weighed against another, whatever its metric. None when some may be."""
     kept = sorted(kept, key=lambda part: part[2][0][0] if part[2] else 0)
-    last = None
-    merged: list[tuple[int, float]] = []
+    stamps: list[int] = []
+    percents: list[float] = []
     for _, scale, readings in kept:
         if not readings:
             continue
-        stamps = list(map(_INSTANT, readings))
-        if (last is not None and stamps[0] <= last) or not all(
-            map(operator.lt, stamps, islice(stamps, 1, None))
+        instants = list(map(_INSTANT, readings))
+        if (stamps and instants[0] <= stamps[-1]) or not all(
+            map(operator.lt, instants, islice(instants, 1, None))
         ):
             return None
-        last = stamps[-1]
-        merged.extend(zip(stamps, _percents(list(map(_VALUE, readings)), scale), strict=True))
-    return merged
+        stamps += instants
+        percents += _percents(list(map(_VALUE, readings)), scale)
+    return stamps, percents
 
 
 def _percents(values: list[float], scale: float) -> list[float]:
@@ -1188,66 +1213,90 @@ def _quoted(value: str) -> str:
 
 # COPY's text format escapes these in a value (its delimiter, line ends and escape).
 _COPY_TEXT_ESCAPES = str.maketrans({"\\": "\\\\", "\t": "\\t", "\n": "\\n", "\r": "\\r"})
+_COPY_NULL = "\\N"
 
 
-def readings_copy_text(readings: Readings) -> Iterator[str]:
-    """The rows of `READINGS_TABLE` (device, instant, percent, gap to the device's next reading;
-    NULL for its last: the hold applies, as to a device's latest sample) in COPY's text
-    format, a block of lines per device: one formatting per reading, where writing rows one at
-    a time cost more than the engine took to answer. A percent is written as `repr` writes
-    it, the shortest text that reads back as the same double."""
-    for meter_id, points in readings.points.items():
-        if not points:
+def reading_runs_copy_text(readings: Readings) -> Iterator[str]:
+    """The rows of `_READING_RUNS` (device; its readings' instants and percents; the instant
+    of the device's next reading after the run, NULL after its last) in COPY's text format, a
+    block of lines per device, each a run of at most `_RUN_READINGS` readings as two arrays.
+    Each number is made text by `str` or `repr` mapped over a device's readings, with no
+    formatting per reading; a percent as `repr` writes it, the shortest text that reads back
+    as the same double."""
+    for meter_id, (stamps, values) in readings.columns.items():
+        if not stamps:
             continue
-        prefix = meter_id.translate(_COPY_TEXT_ESCAPES) + "\t"
-        stamps = list(map(_INSTANT, points))
-        values = list(map(_VALUE, points))
-        lines = [
-            f"{prefix}{ts}\t{value!r}\t{following - ts}\n"
-            for ts, value, following in zip(stamps, values, islice(stamps, 1, None), strict=False)
-        ]
-        lines.append(f"{prefix}{stamps[-1]}\t{values[-1]!r}\t\\N\n")
-        yield "".join(lines)
+        prefix = meter_id.translate(_COPY_TEXT_ESCAPES) + "\t{"
+        instants = list(map(str, stamps))
+        percents = list(map(repr, values))
+        # Each run's next instant: the next run's first, NULL after the last.
+        following = instants[_RUN_READINGS::_RUN_READINGS]
+        following.append(_COPY_NULL)
+        yield "".join(
+            f"{prefix}{','.join(instants[at : at + _RUN_READINGS])}}}\t"
+            f"{{{','.join(percents[at : at + _RUN_READINGS])}}}\t{after}\n"
+            for at, after in zip(range(0, len(stamps), _RUN_READINGS), following, strict=True)
+        )
 
 
 def load_readings(readings: Readings, *, start_ms: int, end_ms: int) -> str:
-    """Write `readings` into a temporary table the rollup reads instead of `billing_sample`
-    (with the samples of the window's other devices where some clusters send samples, means
-    with their covered time; an engine's readings have none); its name. Inside the rollup's
-    transaction."""
+    """Write `readings` where the rollup reads them instead of `billing_sample` (with the
+    samples of the window's other devices where some clusters send samples, means with their
+    covered time; an engine's readings have none); the name of the temporary view it reads
+    them through, shaped like `billing_sample`. Inside the rollup's transaction.
+
+    The readings are stored a run of a device's readings to a row (`_READING_RUNS`) and the
+    view unnests them: an hour of a thousand GPUs is a thousand rows to COPY rather than
+    62,000, each line of text made by a few joins rather than a formatting per reading, and
+    the rollup's sums read the arrays without a table row per reading to store and scan. A
+    reading's gap to the device's next is the next instant less its own, the instants
+    unnested beside themselves shifted by one (and the run's next: NULL after the last, where
+    the hold applies as to a device's latest sample). The table's few rows need no
+    statistics: its joins go by device, a hash of its rows."""
+    runs = (
+        "SELECT r.device_uuid, u.ts_ms, u.gpu_util, u.next_ms - u.ts_ms AS gap_ms, "
+        f"CAST(NULL AS bigint) AS covered_ms FROM {_READING_RUNS} AS r CROSS JOIN LATERAL "
+        "unnest(r.ts_ms, r.gpu_util, array_append(r.ts_ms[2:], r.next_ms)) "
+        "AS u(ts_ms, gpu_util, next_ms)"
+    )
     with connection.cursor() as cursor:
         cursor.execute(
-            f"DROP TABLE IF EXISTS {READINGS_TABLE}; "
-            f"CREATE TEMP TABLE {READINGS_TABLE} (device_uuid text, ts_ms bigint, "
-            "gpu_util double precision, gap_ms bigint, covered_ms bigint) ON COMMIT DROP"
+            f"DROP VIEW IF EXISTS {READINGS_TABLE}; "
+            f"DROP TABLE IF EXISTS {_READING_RUNS}, {_SAMPLES}; "
+            f"CREATE TEMP TABLE {_READING_RUNS} (device_uuid text, ts_ms bigint[], "
+            "gpu_util double precision[], next_ms bigint) ON COMMIT DROP"
         )
-        with cursor.copy(
-            f"COPY {READINGS_TABLE} (device_uuid, ts_ms, gpu_util, gap_ms) FROM STDIN"
-        ) as copy:
-            for block in readings_copy_text(readings):
+        with cursor.copy(f"COPY {_READING_RUNS} FROM STDIN") as copy:
+            for block in reading_runs_copy_text(readings):
                 copy.write(block)
-        if readings.mixed:
-            cursor.execute(
-                f"INSERT INTO {READINGS_TABLE} "
-                "SELECT device_uuid, ts_ms, gpu_util, gap_ms, covered_ms FROM "
-                + readings_between(start_ms - sample_hold_ms(), end_ms)
-                + " WHERE ts_ms >= %(start)s AND ts_ms < %(end)s "
-                "AND gpu_util IS NOT NULL AND NOT device_uuid = ANY(%(metered)s)",
-                {
-                    "start": start_ms - sample_hold_ms(),
-                    "end": end_ms,
-                    "metered": sorted(readings.metered),
-                },
-            )
-        # Its size, for the rollup's plans (a join to its pieces), and a few statistics: a
-        # sample of 3,000 rows rather than the default 30,000, which took longer than the
-        # rollup's own statements over an hour of a thousand GPUs. Set back for the rest of the
-        # caller's transaction.
+        if not readings.mixed:
+            # Dropped with the table it reads, at the transaction's end.
+            cursor.execute(f"CREATE TEMP VIEW {READINGS_TABLE} AS {runs}")
+            return READINGS_TABLE
+        cursor.execute(
+            f"CREATE TEMP TABLE {_SAMPLES} ON COMMIT DROP AS "
+            "SELECT device_uuid, ts_ms, gpu_util, gap_ms, covered_ms FROM "
+            + readings_between(start_ms - sample_hold_ms(), end_ms)
+            + " WHERE ts_ms >= %(start)s AND ts_ms < %(end)s "
+            "AND gpu_util IS NOT NULL AND NOT device_uuid = ANY(%(metered)s)",
+            {
+                "start": start_ms - sample_hold_ms(),
+                "end": end_ms,
+                "metered": sorted(readings.metered),
+            },
+        )
+        cursor.execute(
+            f"CREATE TEMP VIEW {READINGS_TABLE} AS {runs} UNION ALL "
+            f"SELECT device_uuid, ts_ms, gpu_util, gap_ms, covered_ms FROM {_SAMPLES}"
+        )
+        # The samples' size, for the rollup's plans (a join to its pieces), and a few
+        # statistics: a sample of 3,000 rows rather than the default 30,000. Set back for the
+        # rest of the caller's transaction.
         cursor.execute("SHOW default_statistics_target")
         (target,) = cursor.fetchone()
         cursor.execute(
             f"SET LOCAL default_statistics_target = {_READINGS_STATISTICS}; "
-            f"ANALYZE {READINGS_TABLE}; "
+            f"ANALYZE {_SAMPLES}; "
             f"SET LOCAL default_statistics_target = {int(target)}"
         )
     return READINGS_TABLE
