@@ -8,6 +8,10 @@ import psycopg
 from django.conf import settings
 from django.db import DEFAULT_DB_ALIAS, connections
 
+# Cursors kept per connection, one per statement (the webhook has a handful; past this many,
+# from statements made on the fly, they are all let go and made again as needed).
+MAX_CURSORS = 64
+
 
 def fetch_prepared(sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
     """Run one statement and fetch its rows.
@@ -27,14 +31,23 @@ def fetch_prepared(sql: str, params: list[Any]) -> list[tuple[Any, ...]]:
             return list(cursor.fetchall())
     db.ensure_connection()
     with db.wrap_database_errors:
-        # One server-side-binding cursor per psycopg connection, kept on Django's wrapper and
-        # replaced when Django reconnects (its own cursors bind client-side and cannot
-        # prepare; making one each time costs more than the statement).
+        # One server-side-binding cursor per statement and psycopg connection, kept on
+        # Django's wrapper and replaced when Django reconnects (its own cursors bind
+        # client-side and cannot prepare; making one each time costs more than the
+        # statement). Per statement: a cursor run again with the very query it ran last
+        # keeps its adapters (the loaders of its columns), which it makes anew for any
+        # other; the webhook's statements come from caches, the same string each time.
         raw = db.connection
-        prepared: Any = getattr(db, "_tally_prepared_cursor", None)
-        if prepared is None or prepared.connection is not raw or prepared.closed:
-            prepared = psycopg.Cursor(raw)
-            db._tally_prepared_cursor = prepared  # type: ignore[attr-defined]
+        cursors: dict[str, Any] | None = getattr(db, "_tally_prepared_cursors", None)
+        if cursors is None or getattr(db, "_tally_prepared_for", None) is not raw:
+            cursors = {}
+            db._tally_prepared_cursors = cursors  # type: ignore[attr-defined]
+            db._tally_prepared_for = raw  # type: ignore[attr-defined]
+        prepared: Any = cursors.get(sql)
+        if prepared is None or prepared.closed:
+            if len(cursors) >= MAX_CURSORS:
+                cursors.clear()
+            prepared = cursors[sql] = psycopg.Cursor(raw)
         prepared.execute(sql, params, prepare=True)
         rows: list[tuple[Any, ...]] = prepared.fetchall()
         return rows

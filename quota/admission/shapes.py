@@ -26,7 +26,7 @@ import re
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from decimal import Decimal
 from typing import Any, Protocol, TypeVar
@@ -318,6 +318,19 @@ class FleetShapes:
             ),
         )
 
+    def accelerator_units(self, device_class: str, selector: str) -> frozenset[str]:
+        """The units of the accelerators (devices of a kind other than "other") a quota rule
+        of `device_class` and `selector` covers in this fleet, worked out once per rule
+        definition and snapshot (`rule_units` combines them over every cluster's fleet)."""
+        return self.derived(
+            ("accelerator units", device_class, selector),
+            lambda: frozenset(
+                self.shapes[shape_id].unit
+                for shape_id in self.covered(device_class, selector)
+                if self.shapes[shape_id].kind != "other"
+            ),
+        )
+
     def covers_accelerators(self, device_class: str, selector: str) -> bool:
         """Whether a quota rule of `device_class` and `selector` covers any accelerator (a
         device of a kind other than "other") in this fleet."""
@@ -522,10 +535,14 @@ def covers(
 def rule_unit(shapes: Iterable[Shape]) -> str:
     """The unit of the accelerators among `shapes` (devices of kind "other" say nothing):
     theirs when all agree, "accelerator" when they differ, "gpu" when there are none."""
-    units = {shape.unit for shape in shapes if shape.kind != "other"}
+    return _unit_of({shape.unit for shape in shapes if shape.kind != "other"})
+
+
+def _unit_of(units: Collection[str]) -> str:
+    """`rule_unit` of shapes whose accelerators have `units`."""
     if len(units) > 1:
         return Unit.ACCELERATOR
-    return units.pop() if units else Unit.GPU
+    return next(iter(units)) if units else Unit.GPU
 
 
 class RuleDefinition(Protocol):
@@ -539,13 +556,23 @@ class RuleDefinition(Protocol):
 def rule_units(rules: Iterable[RuleDefinition], fleets: Iterable[FleetShapes]) -> dict[int, str]:
     """What each of `rules` counts over `fleets` (every cluster's: a rule is not of one
     cluster): the unit of the accelerators it covers in any of them (see `rule_unit`). The
-    API and the webhook's messages both name a rule's unit by it, so they agree."""
+    API and the webhook's messages both name a rule's unit by it, so they agree.
+
+    Each fleet keeps, per rule definition, the units of what the rule covers there
+    (`FleetShapes.accelerator_units`): the webhook asks on every admission, and walking the
+    covered shapes each time cost more than the rest of weighing a plain claim's units."""
     fleets = list(fleets)
+    if len(fleets) == 1:
+        [fleet] = fleets
+        return {
+            rule.pk: _unit_of(fleet.accelerator_units(rule.device_class, rule.selector))
+            for rule in rules
+        }
     return {
-        rule.pk: rule_unit(
-            fleet.shapes[shape_id]
-            for fleet in fleets
-            for shape_id in fleet.covered(rule.device_class, rule.selector)
+        rule.pk: _unit_of(
+            frozenset().union(
+                *(fleet.accelerator_units(rule.device_class, rule.selector) for fleet in fleets)
+            )
         )
         for rule in rules
     }
