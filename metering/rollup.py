@@ -30,7 +30,10 @@ The work is in the database. Each sample carries its gap to the device's next on
 `metering.ingest`), so a run of consecutive hours is rolled up from one unordered pass over its
 samples, summed per device and hour, then joined to the allocations that hold those hours
 whole and written by one INSERT ... SELECT. Only the hours an allocation starts or ends in
-are measured piece by piece, and their rows made here.
+are measured piece by piece, and their rows made here. The sums of every hour that has ended
+are not even scanned for: they are kept per device and hour as samples are written
+(`metering.hoursums`), and read from there while they are made under the hold in force; the
+hour still in progress is summed from its samples.
 
 Clusters that TALLY_METERING_SOURCE meters from a Prometheus-compatible engine are read from
 it: `metering.prometheus` puts the engine's readings in a table shaped like `billing_sample`,
