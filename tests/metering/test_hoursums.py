@@ -195,7 +195,8 @@ def test_retention_drops_a_days_sums_with_its_samples() -> None:
 
 class Writes(RuleBasedStateMachine):
     """Random writes of samples of two devices over three closed days and today: batches in
-    any order, replays, late samples among compacted days, compaction, a day dropped. After
+    any order, replays, late samples among compacted days, compaction, a day dropped, the sums
+    rebuilt (from samples and blocks: unchanged). After
     each, the sums are a recompute's; and the rollup's rows from them are scanning's."""
 
     def __init__(self) -> None:
@@ -224,6 +225,12 @@ class Writes(RuleBasedStateMachine):
     @rule()
     def partitions(self) -> None:
         maintain_sample_partitions()
+
+    @rule()
+    def rebuild(self) -> None:
+        before = stored_sums()
+        hoursums.rebuild_sums()  # from `billing_sample` and the blocks alike: the same sums
+        assert stored_sums() == before
 
     @rule(day=st.integers(0, 2))
     def drop(self, day: int) -> None:
