@@ -21,6 +21,10 @@ every GPU is allocated all week. Then:
 3. **Rollup**: `metering.rollup.rollup_pending`, the Celery task's rollup, over every hour
    the ingest marked (the whole period), timed; then the **floor**, one `GROUP BY device,
    hour` over the same samples, every row fetched (run twice, the faster counted). The
+   rollup reads the per device-hour sums the ingest kept (`metering.hoursums`, one row a
+   device and hour) for every hour that has ended, and scans no sample for them; the floor
+   still scans every sample. So the rollup's cost moved to ingest (the triggers' upserts,
+   counted in its samples/s), and the ratio says what the rollup costs beside one scan. The
    rollup's rows are checked: allocated GPU-hours == GPUs x hours, measured coverage ~100%
    (with `--covered S`, each sample a mean of readings over S seconds, as agents with
    `TALLY_AGENT_MEAN_SECONDS` send them: coverage S / interval, each held for no more).
@@ -29,7 +33,7 @@ every GPU is allocated all week. Then:
    TOAST and indexes, after a VACUUM), the period rolled up again (best of two), then
    `compact_samples` as beat's task runs it, bytes a sample again, and the period rolled up
    from the compacted blocks (best of two): the usage rows must be identical, the ratio of
-   the two rollups at most 1.1.
+   the two rollups at most 1.1 (both read the sums: compaction moves no sum).
 5. Prints figures, ratios and PASS/FAIL per target; exits 1 if any fails, after a diagnosis
    (time per kind of statement and per COPY, EXPLAIN ANALYZE of the coverage query).
 

@@ -14,6 +14,7 @@ from django.conf import settings
 from django.db.backends.utils import CursorWrapper
 from django.utils import timezone
 
+from metering.hoursums import SKIP_SETTING
 from metering.models import SampleBlock
 from metering.retention import MS_PER_DAY, PARENT, day_bounds_ms
 
@@ -32,7 +33,9 @@ def readings_between(lo_ms: int, hi_ms: int) -> str:
 
 # Per device and span `[lo, hi]`: delete the blocks whose span's inside `(lo_ms, hi_ms)`
 # meets it, and put their samples back in `billing_sample`. The day bounds pick the blocks
-# through the unique index; a block's span lies in its day.
+# through the unique index; a block's span lies in its day. A move: the per device-hour sums
+# count compacted samples already, so the statement's rows tell the trigger to skip it
+# (`metering.hoursums`; the setting is set only when a row goes in, and the trigger clears it).
 _THAW_SQL = f"""
 WITH r(uuid, lo, hi) AS (SELECT * FROM unnest(%s::text[], %s::bigint[], %s::bigint[])),
 thawed AS (
@@ -49,6 +52,7 @@ FROM thawed AS t
 CROSS JOIN LATERAL unnest(t.ts_off, t.gpu_util, t.mem_used_bytes, t.processes, t.node,
                           t.received_at, t.gap_ms, t.covered_ms)
      AS u(off, gpu_util, mem_used_bytes, processes, node, received_at, gap_ms, covered_ms)
+WHERE set_config('{SKIP_SETTING}', 'on', true) = 'on'
 """
 
 

@@ -129,6 +129,53 @@ class SampleBlock(models.Model):
         return f"{self.device_uuid}@{self.day_ms} ({len(self.ts_off)} samples)"
 
 
+class HourSum(models.Model):
+    """Per device and hour `h` (hours since the epoch): what the rollup's per-hour sums
+    (`metering.rollup._PER_HOUR_SQL`) make of the spans of the samples whose own hour is `h`,
+    kept as samples are written (`metering.hoursums`), so the rollup of a closed hour reads one
+    row a device rather than scanning its samples.
+
+    `covered` is the milliseconds the spans cover within hour `h`, `weighted` those milliseconds
+    times utilisation (`UTIL_SCALE`ths of a percent, each reading rounded as the rollup rounds
+    it); `spill` and `spill_weighted` the same for the part past the hour's end, in `h + 1`.
+    Integer sums: exact, the same whatever order samples arrive in. Made under the hold
+    `HourSumState` records. Statement triggers on `billing_sample` (migration 0005) add each
+    statement's new rows and take away its old ones, in the writer's transaction; samples
+    compacted into blocks count as before (a move changes no sum).
+    """
+
+    # The key the triggers' upserts meet rows by; no id (no sequence for each upsert to draw).
+    pk = models.CompositePrimaryKey("device_uuid", "h")
+    device_uuid = models.CharField(max_length=128, db_collation="C")
+    h = models.BigIntegerField()
+    covered = models.BigIntegerField()
+    weighted = models.BigIntegerField()
+    spill = models.BigIntegerField()
+    spill_weighted = models.BigIntegerField()
+
+    class Meta:
+        db_table = "metering_hoursum"
+        # A window's rows, every device (the rollup's read).
+        indexes = [models.Index(fields=["h"], name="hoursum_h")]
+
+    def __str__(self) -> str:
+        return f"{self.device_uuid}@{self.h}"
+
+
+class HourSumState(models.Model):
+    """One row (id 1): the hold (TALLY_SAMPLE_HOLD_SECONDS, in ms) `HourSum` is made with. The
+    triggers read it; the rollup reads the sums only while it equals the setting's hold, and
+    `rebuild_sample_sums` makes the sums again under a new one."""
+
+    hold_ms = models.BigIntegerField()
+
+    class Meta:
+        db_table = "metering_hoursumstate"
+
+    def __str__(self) -> str:
+        return f"hold {self.hold_ms} ms"
+
+
 class UnknownDeviceSample(models.Model):
     """A sample for a UUID the inventory does not know yet, kept aside, not dropped.
 

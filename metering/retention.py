@@ -38,6 +38,7 @@ from django.utils import timezone
 from psycopg.errors import LockNotAvailable
 
 from db.locks import advisory_xact_lock
+from metering.hoursums import refill_sums
 from metering.models import DirtyHour, SampleBlock, UnknownDeviceSample
 
 log = logging.getLogger(__name__)
@@ -165,10 +166,11 @@ def lock_day(day: date, cursor: CursorWrapper) -> None:
 
 
 def drop_day_partition(day: date) -> bool:
-    """Drop `day`'s partition, its samples with it, and its compacted samples' blocks
-    (`metering.compaction`), in one transaction; False when neither was there.
+    """Drop `day`'s partition, its samples with it, its compacted samples' blocks
+    (`metering.compaction`) and its per device-hour sums (`metering.hoursums`), in one
+    transaction; False when neither was there.
     `LockNotAvailable` when the parent's lock is not had in time."""
-    start, _ = day_bounds_ms(day)
+    start, end = day_bounds_ms(day)
     with transaction.atomic(), connection.cursor() as cursor:
         lock_timeout(cursor)
         # After a compaction of the day that holds it, whose blocks are then deleted here.
@@ -176,10 +178,13 @@ def drop_day_partition(day: date) -> bool:
         cursor.execute(f"LOCK TABLE {PARENT} IN ACCESS EXCLUSIVE MODE")
         cursor.execute(f"DELETE FROM {SampleBlock._meta.db_table} WHERE day_ms = %s", [start])
         blocks = cursor.rowcount
-        if day not in sample_partitions():
-            return blocks > 0
-        cursor.execute(f"DROP TABLE {partition_name(day)}")
-    return True
+        dropped = day in sample_partitions()
+        if dropped:
+            cursor.execute(f"DROP TABLE {partition_name(day)}")
+        # The day's per device-hour sums go with its samples (a DROP fires no trigger).
+        if dropped or blocks:
+            refill_sums(cursor, start, end)
+    return dropped or blocks > 0
 
 
 def _block_days(*, before: date) -> set[date]:

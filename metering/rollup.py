@@ -30,7 +30,10 @@ The work is in the database. Each sample carries its gap to the device's next on
 `metering.ingest`), so a run of consecutive hours is rolled up from one unordered pass over its
 samples, summed per device and hour, then joined to the allocations that hold those hours
 whole and written by one INSERT ... SELECT. Only the hours an allocation starts or ends in
-are measured piece by piece, and their rows made here.
+are measured piece by piece, and their rows made here. The sums of every hour that has ended
+are not even scanned for: they are kept per device and hour as samples are written
+(`metering.hoursums`), and read from there while they are made under the hold in force; the
+hour still in progress is summed from its samples.
 
 Clusters that TALLY_METERING_SOURCE meters from a Prometheus-compatible engine are read from
 it: `metering.prometheus` puts the engine's readings in a table shaped like `billing_sample`,
@@ -70,7 +73,8 @@ from metering.hours import (
     hours_between,
     sample_hold_ms,
 )
-from metering.models import DirtyHour, RollupProgress, UsageHour
+from metering.hoursums import sums_usable
+from metering.models import DirtyHour, HourSum, RollupProgress, UsageHour
 
 MICRO = 1_000_000  # shares of a GPU are kept to the millionth
 # Utilisation is summed in millionths of a percent, each reading rounded to one (half to even,
@@ -193,6 +197,32 @@ FROM (
 ) AS covering
 WHERE covered > 0
 GROUP BY piece
+"""
+# `_PER_HOUR_SQL`'s rows from the per device-hour sums kept as samples are written
+# (`metering.hoursums`), for a window whose hours have all ended by its end: its hours' own
+# rows and the hour before's (for its spill). An hour that has ended is summed there exactly
+# as `_PER_HOUR_SQL` sums it (no span of its samples, nor of the hour before's, reaches the
+# window's end), but for spill nulls where it has none, which the joins read as 0. The
+# weighted sums as numeric, as `_PER_HOUR_SQL`'s SUM makes them (times a share, past bigint).
+_SUMS_PER_HOUR_SQL = """
+SELECT device_uuid, h, covered, CAST(weighted AS numeric) AS weighted, spill,
+       CAST(spill_weighted AS numeric) AS spill_weighted
+FROM {sums} WHERE h >= %(first_hour)s - 1 AND h < %(end_hour)s
+"""
+# The same for a window whose last hour is still in progress at its end (`%(end_hour)s`, whose
+# start is `%(tail)s`): that hour, and what the hour before spills into it up to the window's
+# end, from its samples (`_PER_HOUR_SQL` from `%(tail)s`); the hours before from the sums.
+_SUMS_AND_TAIL_SQL = """
+WITH tail AS MATERIALIZED ({tail})
+SELECT s.device_uuid, s.h, s.covered, CAST(s.weighted AS numeric) AS weighted,
+       CASE WHEN s.h = %(end_hour)s - 1 THEN t.spill ELSE s.spill END AS spill,
+       CASE WHEN s.h = %(end_hour)s - 1 THEN t.spill_weighted
+            ELSE CAST(s.spill_weighted AS numeric) END AS spill_weighted
+FROM {sums} AS s
+LEFT JOIN tail AS t ON t.device_uuid = s.device_uuid AND t.h = s.h AND s.h = %(end_hour)s - 1
+WHERE s.h >= %(first_hour)s - 1 AND s.h < %(end_hour)s
+UNION ALL
+SELECT * FROM tail WHERE h = %(end_hour)s
 """
 # The columns of `iv` above, as `json_rows` types.
 _INTERVAL_TYPES = (
@@ -341,10 +371,14 @@ def _rollup_run(first: datetime, count: int, now: datetime, budget: prometheus.R
         if window_end <= window_start:
             return 0
         samples = readings_between(window_start - sample_hold_ms(), window_end)
+        # The hours that have ended are read from the per device-hour sums, where they are
+        # made under the hold in force (`metering.hoursums`); an engine's readings are not in
+        # them.
+        sums = readings is None and sums_usable()
         if readings is not None:
             samples = prometheus.load_readings(readings, start_ms=window_start, end_ms=window_end)
         intervals = _intervals(first, count, window_start, window_end, left_out)
-        written = _write_usage(intervals, window_start, window_end, samples)
+        written = _write_usage(intervals, window_start, window_end, samples, sums=sums)
     if readings is not None:
         prometheus.mark_unsettled(start_ms=window_start, end_ms=window_end, now=now)
     if unanswered is not None:
@@ -358,7 +392,7 @@ _REFUSED_ROW = (DataError, IntegrityError)
 
 
 def _write_usage(
-    intervals: list[_Interval], window_start: int, window_end: int, samples: str
+    intervals: list[_Interval], window_start: int, window_end: int, samples: str, *, sums: bool
 ) -> int:
     """Write the usage rows of `intervals` (in the run's transaction); how many.
 
@@ -369,7 +403,7 @@ def _write_usage(
     """
     try:
         with transaction.atomic():
-            return _write_intervals(intervals, window_start, window_end, samples)
+            return _write_intervals(intervals, window_start, window_end, samples, sums=sums)
     except _REFUSED_ROW:
         pass
     written = 0
@@ -377,7 +411,9 @@ def _write_usage(
     for interval in intervals:
         try:
             with transaction.atomic():
-                written += _write_intervals([interval], window_start, window_end, samples)
+                written += _write_intervals(
+                    [interval], window_start, window_end, samples, sums=sums
+                )
         except _REFUSED_ROW as error:
             refused.append((interval.allocation_id, str(error).splitlines()[0]))
     log.error(
@@ -392,10 +428,10 @@ def _write_usage(
 
 
 def _write_intervals(
-    intervals: list[_Interval], window_start: int, window_end: int, samples: str
+    intervals: list[_Interval], window_start: int, window_end: int, samples: str, *, sums: bool
 ) -> int:
     whole, partial = _split(intervals, window_start, window_end)
-    written = _insert_whole_hours(whole, window_start, window_end, samples)
+    written = _insert_whole_hours(whole, window_start, window_end, samples, sums=sums)
     rows = _partial_rows(partial, samples)
     insert_rows(UsageHour, _USAGE_COLUMNS, rows, types=_USAGE_TYPES)
     return written + len(rows)
@@ -518,8 +554,26 @@ def _split(
     return whole, partial
 
 
+def _per_hour_sql(window_start: int, window_end: int, samples: str, *, sums: bool) -> str:
+    """The statement of the window's per device-hour sums (`_PER_HOUR_SQL`'s rows): from
+    `samples`, or (`sums`) from the sums kept as samples are written, but for an hour still in
+    progress at the window's end, read from `samples`."""
+    if not sums or window_end // MS_PER_HOUR == window_start // MS_PER_HOUR:
+        # No sums to read, or none of use: the window is one hour, still in progress.
+        return _sql(_PER_HOUR_SQL, samples=samples)
+    if window_end % MS_PER_HOUR == 0:
+        return _SUMS_PER_HOUR_SQL.format(sums=HourSum._meta.db_table)
+    tail = _sql(_PER_HOUR_SQL, samples=samples).replace("%(start)s", "%(tail)s")
+    return _SUMS_AND_TAIL_SQL.format(sums=HourSum._meta.db_table, tail=tail)
+
+
 def _insert_whole_hours(
-    whole: list[tuple[_Interval, int, int]], window_start: int, window_end: int, samples: str
+    whole: list[tuple[_Interval, int, int]],
+    window_start: int,
+    window_end: int,
+    samples: str,
+    *,
+    sums: bool,
 ) -> int:
     """Write the usage rows of the hours allocations hold whole, in the database; how many."""
     if not whole:
@@ -527,6 +581,9 @@ def _insert_whole_hours(
     params: dict[str, int | str] = {
         "start": window_start,
         "end": window_end,
+        "first_hour": window_start // MS_PER_HOUR,
+        "end_hour": window_end // MS_PER_HOUR,
+        "tail": window_end // MS_PER_HOUR * MS_PER_HOUR,
         "hold": sample_hold_ms(),
         "intervals": json.dumps(
             [
@@ -554,7 +611,7 @@ def _insert_whole_hours(
     with connection.cursor() as cursor:
         cursor.execute(
             f"CREATE TEMP TABLE {_PER_HOUR_TABLE} ON COMMIT DROP AS "
-            f"{_sql(_PER_HOUR_SQL, samples=samples)}",
+            f"{_per_hour_sql(window_start, window_end, samples, sums=sums)}",
             params,
         )
         cursor.execute(
