@@ -36,7 +36,9 @@ pytestmark = pytest.mark.django_db
 MINUTE = 60_000
 
 
-def put(uuid: str, ts: int, util: float | None, gap: int | None = None, covered: int | None = None) -> None:
+def put(
+    uuid: str, ts: int, util: float | None, gap: int | None = None, covered: int | None = None
+) -> None:
     """One sample written straight into the parent, as any SQL writer would."""
     with connection.cursor() as cursor:
         cursor.execute(
@@ -75,11 +77,16 @@ def test_an_update_moving_rows_between_day_partitions_and_default() -> None:
         "AND ts_ms >= %s AND ts_ms < %s",
         [start + 3 * MINUTE, start + 6 * MINUTE],
     )
-    run("UPDATE billing_sample SET ts_ms = ts_ms + 3 * %s WHERE ts_ms >= %s AND ts_ms < %s",
-        [MS_PER_HOUR, start + 6 * MINUTE, start + 9 * MINUTE])
+    run(
+        "UPDATE billing_sample SET ts_ms = ts_ms + 3 * %s WHERE ts_ms >= %s AND ts_ms < %s",
+        [MS_PER_HOUR, start + 6 * MINUTE, start + 9 * MINUTE],
+    )
     assert_sums_right()
     # And back out of DEFAULT.
-    run("UPDATE billing_sample SET ts_ms = ts_ms - 20 * 86400000 WHERE ts_ms > %s", [start + 86400000])
+    run(
+        "UPDATE billing_sample SET ts_ms = ts_ms - 20 * 86400000 WHERE ts_ms > %s",
+        [start + 86400000],
+    )
     assert_sums_right()
 
 
@@ -181,6 +188,68 @@ def test_on_conflict_do_update_in_a_cte_as_ingest_writes_it() -> None:
     assert_sums_right()
 
 
+def test_writes_into_a_partition_whose_columns_lie_in_another_order() -> None:
+    """A day partition attached with its columns in another physical order (as one made by
+    hand, or before a column was added to the parent): rows routed to it, updated and moved
+    out of it go through PostgreSQL's conversion to the parent's row type in the transition
+    tables."""
+    day = today() - timedelta(days=25)
+    start, end = day_bounds_ms(day)
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "SELECT string_agg(quote_ident(attname) || ' ' || format_type(atttypid, atttypmod) "
+            "|| CASE WHEN attcollation = 950 THEN ' COLLATE \"C\"' ELSE '' END "
+            "|| CASE WHEN attnotnull THEN ' NOT NULL' ELSE '' END, "
+            "', ' ORDER BY attnum DESC) FROM pg_attribute "
+            "WHERE attrelid = 'billing_sample'::regclass "
+            "AND attnum > 0 AND NOT attisdropped"
+        )
+        (columns,) = cursor.fetchone()
+        cursor.execute(f"CREATE TABLE billing_sample_p{day:%Y%m%d} ({columns}, junk int)")
+        cursor.execute(f"ALTER TABLE billing_sample_p{day:%Y%m%d} DROP COLUMN junk")
+        cursor.execute(
+            f"ALTER TABLE billing_sample ATTACH PARTITION billing_sample_p{day:%Y%m%d} "
+            f"FOR VALUES FROM ({start}) TO ({end})"
+        )
+    for index in range(12):
+        put(
+            "gpu-l",
+            start + 23 * MS_PER_HOUR + index * 5 * MINUTE,
+            10.0 + index,
+            5 * MINUTE,
+            200_000,
+        )
+    assert_sums_right()
+    run(
+        "UPDATE billing_sample SET gpu_util = gpu_util * 2, gap_ms = gap_ms - 1 "
+        "WHERE device_uuid = 'gpu-l'"
+    )
+    assert_sums_right()
+    # Half of them out, into DEFAULT (the next day has no partition).
+    run("UPDATE billing_sample SET ts_ms = ts_ms + 2 * 3600000 WHERE gpu_util > 40")
+    assert_sums_right()
+    run("DELETE FROM billing_sample WHERE device_uuid = 'gpu-l' AND ts_ms %% 600000 = 0")
+    assert_sums_right()
+
+
+def test_a_merge_into_the_parent() -> None:
+    """No writer uses MERGE today; one that did must be counted (inserted, updated and deleted
+    rows alike)."""
+    start = hour_start(today() - timedelta(days=1), 15)
+    for index in range(6):
+        put("gpu-m", start + index * MINUTE, 20.0, MINUTE)
+    run(
+        "MERGE INTO billing_sample AS s USING (SELECT 'gpu-m' AS uuid, %s + g * 60000 AS ts, "
+        "g FROM generate_series(0, 9) AS g) AS n ON s.device_uuid = n.uuid AND s.ts_ms = n.ts "
+        "WHEN MATCHED AND n.g %% 2 = 0 THEN UPDATE SET gpu_util = 90 "
+        "WHEN MATCHED THEN DELETE "
+        "WHEN NOT MATCHED THEN INSERT (device_uuid, ts_ms, gpu_util, node, received_at, gap_ms) "
+        "VALUES (n.uuid, n.ts, 70, '', now(), 60000)",
+        [start],
+    )
+    assert_sums_right()
+
+
 # --- the thaw's skip setting ---------------------------------------------------------------
 
 
@@ -189,15 +258,14 @@ def test_a_skip_left_by_a_failed_statement_is_undone_with_its_savepoint() -> Non
     setting must not make the next statement's samples go uncounted."""
     start = hour_start(today() - timedelta(days=1), 2)
     put("gpu-i", start, 50.0, MINUTE)
-    with pytest.raises(DatabaseError):
-        with transaction.atomic():
-            # Sets the skip, then meets the stored sample: a unique violation.
-            run(
-                "INSERT INTO billing_sample (device_uuid, ts_ms, gpu_util, node, received_at) "
-                "SELECT 'gpu-i', %s, 1, '', now() WHERE set_config('tally.hoursum_skip', 'on', "
-                "true) = 'on'",
-                [start],
-            )
+    with pytest.raises(DatabaseError), transaction.atomic():
+        # Sets the skip, then meets the stored sample: a unique violation.
+        run(
+            "INSERT INTO billing_sample (device_uuid, ts_ms, gpu_util, node, received_at) "
+            "SELECT 'gpu-i', %s, 1, '', now() WHERE set_config('tally.hoursum_skip', 'on', "
+            "true) = 'on'",
+            [start],
+        )
     put("gpu-i", start + MINUTE, 70.0, MINUTE)
     assert_sums_right()
 
@@ -296,8 +364,12 @@ def test_a_window_ending_mid_hour_matches_scanning(offset_s: int) -> None:
     end = epoch_ms(start + timedelta(hours=5))
     send(samples(gpus[0], epoch_ms(start), 250, seed=21))
     send([SampleRow(gpus[1].meter_id, end - 90_000, 64.5, None, None)])
-    send([SampleRow(gpus[2].meter_id, end - 3 * MINUTE, 11.0, None, None),
-          SampleRow(gpus[2].meter_id, end + 1_000, 12.0, None, None)])
+    send(
+        [
+            SampleRow(gpus[2].meter_id, end - 3 * MINUTE, 11.0, None, None),
+            SampleRow(gpus[2].meter_id, end + 1_000, 12.0, None, None),
+        ]
+    )
     hours = [start + timedelta(hours=index) for index in range(6)]
     billed = both_ways(hours, now=now)
     assert any(row[0] == hours[-1] and row[3] for row in billed) or offset_s == 0
@@ -312,8 +384,21 @@ def test_a_window_ending_on_an_hour_boundary_with_a_device_spilling_past_it() ->
     AllocationFactory.create(device=gpu, start=start, end=None)
     end = epoch_ms(start + timedelta(hours=3))
     send([SampleRow(gpu.meter_id, end - 30_000, 80.0, None, None)])
-    both_ways([start + timedelta(hours=index) for index in range(4)], now=start + timedelta(hours=3))
+    both_ways(
+        [start + timedelta(hours=index) for index in range(4)], now=start + timedelta(hours=3)
+    )
     both_ways([start + timedelta(hours=index) for index in range(4)])
+
+
+def test_a_window_reaching_past_now_matches_scanning() -> None:
+    """Hours asked for that lie past `now` (the window ends at now, mid-hour, before them)."""
+    gpu = DeviceFactory.create()
+    start = day_start(today() - timedelta(days=1))
+    AllocationFactory.create(device=gpu, start=start, end=None)
+    send(samples(gpu, epoch_ms(start), 200, seed=51))
+    now = start + timedelta(hours=2, minutes=41)
+    both_ways([start + timedelta(hours=index) for index in range(6)], now=now)
+    both_ways([start + timedelta(hours=index) for index in range(1, 4)], now=now)
 
 
 # --- retention -----------------------------------------------------------------------------
@@ -327,7 +412,12 @@ def test_a_dropped_day_whose_last_samples_spill_into_the_next() -> None:
     create_day_partition(nxt)
     end = day_bounds_ms(old)[1]
     AllocationFactory.create(device=gpu, start=day_start(old), end=None)
-    send([SampleRow(gpu.meter_id, end - 60_000 + index * 10_000, 50.0, None, None) for index in range(5)])
+    send(
+        [
+            SampleRow(gpu.meter_id, end - 60_000 + index * 10_000, 50.0, None, None)
+            for index in range(5)
+        ]
+    )
     send([SampleRow(gpu.meter_id, end + 200_000, 10.0, None, None)])
     hours = [day_start(nxt) + timedelta(hours=index) for index in range(2)]
     both_ways(hours)
@@ -421,7 +511,7 @@ def _in_threads(jobs: list[Any]) -> list[BaseException]:
         try:
             barrier.wait()
             job()
-        except BaseException as error:  # noqa: BLE001 - reported to the test
+        except BaseException as error:
             errors.append(error)
         finally:
             connections.close_all()
@@ -456,6 +546,70 @@ def test_concurrent_ingests_of_the_same_and_other_devices_in_one_hour(sums_kept:
 
 
 @pytest.mark.django_db(transaction=True)
+def test_many_concurrent_ingests_replays_and_late_samples(sums_kept: None) -> None:
+    """Eight connections at once, each a batch of three devices out of four over two hours
+    (in either order), replays of each other's samples, late samples among them."""
+    gpus = [DeviceFactory.create() for _ in range(4)]
+    start = hour_start(today() - timedelta(days=1), 14) + 40 * MINUTE
+    everything = [samples(gpu, start, 60, seed=200 + index) for index, gpu in enumerate(gpus)]
+    batches = []
+    for index in range(8):
+        rows = [
+            row for k in range(3) for row in everything[(index + k) % 4][index % 3 :: 2 + index % 2]
+        ]
+        batches.append(rows[::-1] if index % 2 else rows)
+
+    def job(rows: list[SampleRow]) -> Any:
+        return lambda: ingest(node="node-a", samples=rows, received_at=timezone.now())
+
+    for _ in range(2):
+        errors = _in_threads([job(rows) for rows in batches])
+        assert not errors, errors
+        assert_sums_right()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_concurrent_late_samples_into_a_compacted_day(sums_kept: None) -> None:
+    """Thaws on several connections at once (each skips its own statement only), with a
+    compaction and a rebuild of the sums in between."""
+    gpus = [DeviceFactory.create() for _ in range(2)]
+    day = today() - timedelta(days=15)
+    create_day_partition(day)
+    start = day_bounds_ms(day)[0]
+    for index, gpu in enumerate(gpus):
+        send(samples(gpu, start, 300, seed=300 + index))
+    compact_samples()
+    assert_sums_right()
+    jobs: list[Any] = [
+        (lambda gpu=gpu, k=k: send(samples(gpu, start + (10 + 37 * k) * MINUTE, 20, seed=k)))
+        for gpu in gpus
+        for k in range(3)
+    ]
+    jobs.append(compact_samples)
+    jobs.append(hoursums.rebuild_sums)
+    errors = _in_threads(jobs)
+    assert not errors, errors
+    assert_sums_right()
+
+
+@pytest.mark.django_db(transaction=True)
+def test_a_day_dropped_while_ingests_run(sums_kept: None) -> None:
+    gpu = DeviceFactory.create()
+    old = today() - timedelta(days=45)
+    create_day_partition(old)
+    send(samples(gpu, day_bounds_ms(old)[1] - 30 * MINUTE, 40, seed=61))
+    errors = _in_threads(
+        [
+            lambda: drop_day_partition(old),
+            lambda: send(samples(gpu, day_bounds_ms(old)[1] + 5 * MINUTE, 40, seed=62)),
+            lambda: send(samples(gpu, day_bounds_ms(old)[1] - 25 * MINUTE, 10, seed=63)),
+        ]
+    )
+    assert not errors, errors
+    assert_sums_right()
+
+
+@pytest.mark.django_db(transaction=True)
 def test_a_rollup_racing_an_ingest_ends_with_the_scanning_rows(sums_kept: None) -> None:
     gpu = DeviceFactory.create()
     start = day_start(today() - timedelta(days=1))
@@ -473,3 +627,23 @@ def test_a_rollup_racing_an_ingest_ends_with_the_scanning_rows(sums_kept: None) 
     assert not errors, errors
     assert_sums_right()
     both_ways(hours)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a flush empties metering_hoursumstate: no sums kept, the after-test check skips",
+)
+@pytest.mark.django_db(transaction=True)
+def test_the_sums_are_kept_after_a_flush() -> None:
+    """pytest-django flushes the database after each transactional test (`manage.py flush`,
+    then post_migrate): `metering_hoursumstate` loses its row, so the triggers keep no sums,
+    the rollup scans, and the conftest's check after each test
+    (`sums_check.check_after_each_test`) skips silently. Every transactional test that runs
+    after the first one in a session (test_ingest's and test_dirty_race's concurrency tests,
+    billing's test_ledger and test_worker) so checks nothing of the sums."""
+    call_command("flush", interactive=False, verbosity=0)
+    assert hoursums.recorded_hold_ms() is not None
+    gpu = DeviceFactory.create()
+    send(samples(gpu, hour_start(today() - timedelta(days=1), 3), 20, seed=1))
+    assert stored_sums()
+    assert_sums_right()
