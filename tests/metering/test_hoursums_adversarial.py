@@ -270,7 +270,7 @@ def test_a_skip_left_by_a_failed_statement_is_undone_with_its_savepoint() -> Non
     assert_sums_right()
 
 
-def test_a_skip_set_by_a_statement_that_writes_no_sample_does_not_leak() -> None:
+def test_a_skip_set_outside_a_thaw_is_honoured_by_the_next_write() -> None:
     """The setting set by a statement that is not an insert into the parent (a SELECT, an
     insert into another table): no trigger of the parent clears it, and the next write of
     samples must still be counted. (A thaw sets it only as its rows go in; this is what
