@@ -1,4 +1,8 @@
+from typing import Any
+
 from django.apps import AppConfig
+from django.db import DEFAULT_DB_ALIAS
+from django.db.models.signals import post_migrate
 
 
 class MeteringConfig(AppConfig):
@@ -18,3 +22,21 @@ class MeteringConfig(AppConfig):
         # which must run its own step first (quota/apps.py).
         meters_changed.connect(on_meters_changed, dispatch_uid="billing.meters_changed")
         ownership_changed.connect(on_ownership_changed, dispatch_uid="billing.ownership_changed")
+        post_migrate.connect(keep_sums, sender=self, dispatch_uid="metering.keep_sums")
+
+
+def keep_sums(using: str = DEFAULT_DB_ALIAS, **kwargs: Any) -> None:
+    """After `migrate` (and `flush`, which empties every table and then sends post_migrate):
+    where the per device-hour sums have no hold recorded, they are made again from what is
+    stored (`metering.hoursums.rebuild_sums`), so the triggers keep them from then on rather
+    than keep none (the rollup would scan the samples, right but slower)."""
+    from django.db import connections
+
+    from metering import hoursums
+
+    if using != DEFAULT_DB_ALIAS:
+        return
+    if hoursums.STATE not in connections[using].introspection.table_names():
+        return  # migrated to before the sums
+    if hoursums.recorded_hold_ms() is None:
+        hoursums.rebuild_sums()

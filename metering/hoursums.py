@@ -31,10 +31,12 @@ sums again under the setting's hold, holding off every writer of samples meanwhi
 
 from __future__ import annotations
 
+import itertools
 import logging
+import time
 from dataclasses import dataclass
 
-from django.db import connection, transaction
+from django.db import OperationalError, connection, transaction
 from django.db.backends.utils import CursorWrapper
 
 from metering.hours import sample_hold_ms
@@ -52,16 +54,27 @@ SKIP_SETTING = "tally.hoursum_skip"
 _warned_hold: tuple[int | None, int] | None = None
 
 
-def recorded_hold_ms() -> int | None:
-    """The hold the sums are made with; None when none is recorded (no sums are kept)."""
-    return HourSumState.objects.filter(id=1).values_list("hold_ms", flat=True).first()
+def recorded_hold_ms(*, share: bool = False) -> int | None:
+    """The hold the sums are made with; None when none is recorded (no sums are kept).
+
+    `share`: the state's row locked FOR SHARE until the transaction ends, so that a rebuild
+    (which rewrites that row) cannot commit sums made under another hold while the caller
+    reads them; a rebuild already under way is waited for, and its hold read."""
+    if not share:
+        return HourSumState.objects.filter(id=1).values_list("hold_ms", flat=True).first()
+    with connection.cursor() as cursor:
+        cursor.execute(f"SELECT hold_ms FROM {STATE} WHERE id = 1 FOR SHARE")
+        row = cursor.fetchone()
+    return None if row is None else int(row[0])
 
 
 def sums_usable() -> bool:
     """Whether the sums are made under the hold the rollup works with now
-    (`sample_hold_ms`); if not, a warning, once per process and pair of holds."""
+    (`sample_hold_ms`); if not, a warning, once per process and pair of holds. Called in the
+    rollup's transaction: the hold is read under a share lock (`recorded_hold_ms`), so the
+    sums it then reads are the ones made under that hold."""
     global _warned_hold
-    recorded, wanted = recorded_hold_ms(), sample_hold_ms()
+    recorded, wanted = recorded_hold_ms(share=True), sample_hold_ms()
     if recorded == wanted:
         return True
     if _warned_hold != (recorded, wanted):
@@ -105,12 +118,48 @@ def rebuild_sums(*, dry_run: bool = False) -> RebuildReport:
     writers (ingest, compaction, retention wait; readers go on): no statement can change a
     sample between the sums' delete and their remaking."""
     hold = sample_hold_ms()
+    if dry_run:
+        return _rebuild(hold, dry_run=True)
+    for attempt in itertools.count(1):
+        try:
+            return _rebuild(hold, dry_run=False)
+        except OperationalError as error:
+            if getattr(error.__cause__, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
+                raise
+            if attempt >= REBUILD_LOCK_TRIES:
+                raise RebuildBusy(
+                    f"could not lock the samples against writers in {attempt} tries of "
+                    f"{REBUILD_LOCK_TIMEOUT_MS} ms each; run it again when ingest is quieter"
+                ) from error
+            time.sleep(min(0.1 * attempt, 2.0))
+    raise AssertionError("unreachable")
+
+
+# A rebuild takes its locks with a short timeout and tries again, rather than wait: a thaw
+# locks the blocks and then `billing_sample` (and so does the rebuild, in that order), but
+# compaction locks a day's partition and then the blocks, so a rebuild that waited could
+# deadlock with it; giving up within the timeout, before PostgreSQL's deadlock check (1 s by
+# default), leaves the other transaction to go on.
+REBUILD_LOCK_TIMEOUT_MS = 500
+REBUILD_LOCK_TRIES = 20
+_LOCK_NOT_AVAILABLE = "55P03"
+
+
+class RebuildBusy(Exception):
+    """The rebuild could not lock the samples against writers in its tries."""
+
+
+def _rebuild(hold: int, *, dry_run: bool) -> RebuildReport:
     with transaction.atomic(), connection.cursor() as cursor:
         if not dry_run:
             cursor.execute(
-                f"LOCK TABLE {PARENT}, metering_sampleblock, {SUMS}, {STATE} "
+                "SELECT set_config('lock_timeout', %s, true)", [f"{REBUILD_LOCK_TIMEOUT_MS}ms"]
+            )
+            cursor.execute(
+                f"LOCK TABLE metering_sampleblock, {PARENT}, {SUMS}, {STATE} "
                 "IN SHARE ROW EXCLUSIVE MODE"
             )
+            cursor.execute("SELECT set_config('lock_timeout', '0', true)")
         recorded = recorded_hold_ms()
         cursor.execute(f"SELECT count(*) FROM {SUMS}")
         (before,) = cursor.fetchone()

@@ -21,7 +21,7 @@ WORDS = "SELECT upper(%s), %s::text FROM generate_series(1, %s::int)"
 
 
 def _cursors() -> dict[str, object]:
-    return connection._tally_prepared_cursors  # type: ignore[attr-defined,no-any-return]
+    return connection._tally_prepared_cursors  # type: ignore[attr-defined]
 
 
 def test_statements_taking_turns_answer_their_own_rows_each_on_its_own_cursor() -> None:

@@ -629,18 +629,12 @@ def test_a_rollup_racing_an_ingest_ends_with_the_scanning_rows(sums_kept: None) 
     both_ways(hours)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a flush empties metering_hoursumstate: no sums kept, the after-test check skips",
-)
 @pytest.mark.django_db(transaction=True)
 def test_the_sums_are_kept_after_a_flush() -> None:
     """pytest-django flushes the database after each transactional test (`manage.py flush`,
-    then post_migrate): `metering_hoursumstate` loses its row, so the triggers keep no sums,
-    the rollup scans, and the conftest's check after each test
-    (`sums_check.check_after_each_test`) skips silently. Every transactional test that runs
-    after the first one in a session (test_ingest's and test_dirty_race's concurrency tests,
-    billing's test_ledger and test_worker) so checks nothing of the sums."""
+    then post_migrate): `metering_hoursumstate` loses its row, and the triggers would keep no
+    sums (the rollup scanning, the conftest's check after each test skipping) but for
+    post_migrate's `metering.apps.keep_sums`, which makes them again."""
     call_command("flush", interactive=False, verbosity=0)
     assert hoursums.recorded_hold_ms() is not None
     gpu = DeviceFactory.create()
@@ -649,11 +643,6 @@ def test_the_sums_are_kept_after_a_flush() -> None:
     assert_sums_right()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the rollup checks the recorded hold and reads the sums in two statements: a "
-    "rebuild under another hold committed between them is read with the rollup's own hold",
-)
 @pytest.mark.django_db(transaction=True)
 def test_a_rebuild_under_another_hold_committed_while_a_rollup_runs(
     sums_kept: None, monkeypatch: pytest.MonkeyPatch
@@ -690,13 +679,25 @@ def test_a_rebuild_under_another_hold_committed_while_a_rollup_runs(
                 connections.close_all()
 
         thread = threading.Thread(target=rebuild)
+        threads.append(thread)
         thread.start()
-        thread.join()
+        # Until the rebuild waits (the hold's row is held FOR SHARE by this transaction), or
+        # is done (it was not held off).
+        with connection.cursor() as cursor:
+            for _ in range(100):
+                cursor.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")
+                if cursor.fetchone()[0] or not thread.is_alive():
+                    break
+                threading.Event().wait(0.05)
         return answer
 
+    threads: list[threading.Thread] = []
     monkeypatch.setattr(rollup, "sums_usable", usable_then_rebuilt_elsewhere)
     rollup.rollup_hours(hours=hours)
+    for thread in threads:
+        thread.join()
     raced = _usage_rows()
+    assert hoursums.recorded_hold_ms() == 30_000  # the rebuild went through, after the run
     monkeypatch.setattr(rollup, "sums_usable", real)
     hoursums.rebuild_sums()  # under this worker's hold again
     rollup.rollup_hours(hours=hours)
@@ -709,41 +710,27 @@ def _usage_rows() -> list[tuple[Any, ...]]:
     return usage()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="lock order: a rebuild locks billing_sample then the blocks, a thaw the blocks "
-    "(its DELETE) then billing_sample (its INSERT): a deadlock, one of them aborted",
-)
 @pytest.mark.django_db(transaction=True)
 def test_a_rebuild_and_a_thaw_lock_in_the_same_order(sums_kept: None) -> None:
-    """`rebuild_sums` takes `LOCK TABLE billing_sample, metering_sampleblock, ...` (one table
-    after the other); an ingest's thaw (`_THAW_SQL`) locks the blocks before the parent. Here
-    the rebuild's lock is taken in its two steps with the thaw in between (the window the
-    single statement leaves is the same, only narrower): the deadlock detector aborts one."""
+    """An ingest's thaw (`_THAW_SQL`) locks the blocks (its DELETE) before `billing_sample`
+    (its INSERT); `rebuild_sums` takes its locks in that order too. Here the thaw's
+    transaction holds the blocks first, the rebuild waits for them (holding nothing yet), and
+    the thaw goes on into `billing_sample`: no deadlock, both done, the sums right."""
     gpu = DeviceFactory.create()
     day = today() - timedelta(days=16)
     create_day_partition(day)
     start = day_bounds_ms(day)[0]
     send(samples(gpu, start, 100, seed=71))
     compact_samples()
-    parent_held = threading.Event()
     errors: list[BaseException] = []
+    blocks_held = threading.Event()
+    rebuild_started = threading.Event()
 
-    def rebuild_steps() -> None:
+    def rebuild() -> None:
         try:
-            with transaction.atomic(), connection.cursor() as cursor:
-                cursor.execute("LOCK TABLE billing_sample IN SHARE ROW EXCLUSIVE MODE")
-                parent_held.set()
-                # Until the thaw waits on the parent (holding the blocks).
-                for _ in range(200):
-                    cursor.execute(
-                        "SELECT count(*) FROM pg_locks WHERE NOT granted "
-                        "AND relation = 'billing_sample'::regclass"
-                    )
-                    if cursor.fetchone()[0]:
-                        break
-                    threading.Event().wait(0.05)
-                cursor.execute("LOCK TABLE metering_sampleblock IN SHARE ROW EXCLUSIVE MODE")
+            blocks_held.wait()
+            rebuild_started.set()
+            hoursums.rebuild_sums()
         except BaseException as error:
             errors.append(error)
         finally:
@@ -751,15 +738,22 @@ def test_a_rebuild_and_a_thaw_lock_in_the_same_order(sums_kept: None) -> None:
 
     def thaw() -> None:
         try:
-            parent_held.wait()
             with transaction.atomic(), connection.cursor() as cursor:
+                cursor.execute("DELETE FROM metering_sampleblock WHERE false")  # its lock
+                blocks_held.set()
+                rebuild_started.wait()
+                for _ in range(100):  # until the rebuild waits on the blocks
+                    cursor.execute("SELECT count(*) FROM pg_locks WHERE NOT granted")
+                    if cursor.fetchone()[0]:
+                        break
+                    threading.Event().wait(0.02)
                 thaw_samples(cursor, {gpu.meter_id: (start + 30 * MINUTE, start + 40 * MINUTE)})
         except BaseException as error:
             errors.append(error)
         finally:
             connections.close_all()
 
-    threads = [threading.Thread(target=rebuild_steps), threading.Thread(target=thaw)]
+    threads = [threading.Thread(target=rebuild), threading.Thread(target=thaw)]
     for thread in threads:
         thread.start()
     for thread in threads:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from django.core.management.base import BaseCommand, CommandParser
+from django.core.management.base import BaseCommand, CommandError, CommandParser
 
-from metering.hoursums import rebuild_sums
+from metering.hoursums import RebuildBusy, rebuild_sums
 
 
 class Command(BaseCommand):
@@ -27,7 +27,10 @@ class Command(BaseCommand):
         )
 
     def handle(self, *args: Any, **options: Any) -> None:
-        report = rebuild_sums(dry_run=options["dry_run"])
+        try:
+            report = rebuild_sums(dry_run=options["dry_run"])
+        except RebuildBusy as error:
+            raise CommandError(f"sums not made again: {error}") from error
         recorded = (
             "no hold recorded"
             if report.recorded_hold_ms is None
