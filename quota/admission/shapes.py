@@ -311,12 +311,7 @@ class FleetShapes:
     def unit(self, device_class: str, selector: str) -> str:
         """What a quota rule of `device_class` and `selector` counts in this fleet: the unit of
         the accelerators it covers, "accelerator" when they differ, "gpu" when it covers none."""
-        return self.derived(
-            ("unit", device_class, selector),
-            lambda: rule_unit(
-                self.shapes[shape_id] for shape_id in self.covered(device_class, selector)
-            ),
-        )
+        return _unit_of(self.accelerator_units(device_class, selector))
 
     def accelerator_units(self, device_class: str, selector: str) -> frozenset[str]:
         """The units of the accelerators (devices of a kind other than "other") a quota rule
@@ -334,13 +329,7 @@ class FleetShapes:
     def covers_accelerators(self, device_class: str, selector: str) -> bool:
         """Whether a quota rule of `device_class` and `selector` covers any accelerator (a
         device of a kind other than "other") in this fleet."""
-        return self.derived(
-            ("accelerators", device_class, selector),
-            lambda: any(
-                self.shapes[shape_id].kind != "other"
-                for shape_id in self.covered(device_class, selector)
-            ),
-        )
+        return bool(self.accelerator_units(device_class, selector))
 
     def class_drivers(self, device_class: str) -> frozenset[str]:
         """The drivers whose devices `device_class` is written for, as its selectors name them
@@ -562,12 +551,6 @@ def rule_units(rules: Iterable[RuleDefinition], fleets: Iterable[FleetShapes]) -
     (`FleetShapes.accelerator_units`): the webhook asks on every admission, and walking the
     covered shapes each time cost more than the rest of weighing a plain claim's units."""
     fleets = list(fleets)
-    if len(fleets) == 1:
-        [fleet] = fleets
-        return {
-            rule.pk: _unit_of(fleet.accelerator_units(rule.device_class, rule.selector))
-            for rule in rules
-        }
     return {
         rule.pk: _unit_of(
             frozenset().union(
