@@ -36,8 +36,10 @@ are not even scanned for: they are kept per device and hour as samples are writt
 hour still in progress is summed from its samples.
 
 Clusters that TALLY_METERING_SOURCE meters from a Prometheus-compatible engine are read from
-it: `metering.prometheus` puts the engine's readings in a table shaped like `billing_sample`,
-and the same SQL reads that instead, so the hold and rounding rules are the same.
+it: `metering.prometheus` sums the engine's readings per device and hour as it parses them
+(`metering.reading_sums`, the arithmetic of `_PER_HOUR_SQL` and `_PIECE_COVERAGE_SQL` below)
+and loads only the sums, which the same SQL reads instead of the kept sums, so the hold and
+rounding rules are the same.
 """
 
 from __future__ import annotations
