@@ -1202,14 +1202,18 @@ def _in_turn(kept: list[tuple[int, float, list[tuple[int, float]]]]) -> Columns 
 def _percents(values: list[float], scale: float) -> list[float]:
     """`_percent` of each of `values`: where none needs clamping, without its calls (+ 0.0:
     a -0.0 read is 0.0, as `_percent`'s max(0.0, ...) makes it)."""
+    if not values:
+        return values
     if scale != 1.0:
         values = [value * scale for value in values]
-    if values and (min(values) < 0.0 or max(values) > 100.0):
+    lowest = min(values)
+    if lowest < 0.0 or max(values) > 100.0:
         return [_percent(value, 1.0) for value in values]
     with contextlib.suppress(TypeError):  # (a value that is no float: `_percent` below)
         if all(map(_WHOLE, values)):
-            # Whole percents (DCGM's utilisation) round to themselves.
-            return list(map(_PLUS_ZERO, values, repeat(0.0)))
+            # Whole percents (DCGM's utilisation) round to themselves; with none at 0 (nor
+            # -0.0), they are the values themselves.
+            return values if lowest > 0.0 else list(map(_PLUS_ZERO, values, repeat(0.0)))
     return [round(value, 2) + 0.0 for value in values]
 
 

@@ -70,7 +70,8 @@ def hour_sums(
         hi = bisect_left(stamps, end_ms) if stamps[-1] >= end_ms else count
         if lo >= hi:
             continue
-        own = stamps[lo:hi]
+        whole = lo == 0 and hi == count  # (usually: the engine is asked for that range)
+        own = stamps if whole else stamps[lo:hi]
         # Each reading's span: its gap to the next (which may lie past the window's end), at
         # most the hold; the hold after the device's last.
         spans = list(map(sub, stamps[lo + 1 : hi + 1], own))
@@ -78,7 +79,7 @@ def hour_sums(
             spans.append(hold_ms)
         if max(spans) > hold_ms:
             spans = [span if span < hold_ms else hold_ms for span in spans]
-        values = percents[lo:hi]
+        values = percents if whole else percents[lo:hi]
         units = _units(values)
         first = own[0] // MS_PER_HOUR
         last = own[-1] // MS_PER_HOUR

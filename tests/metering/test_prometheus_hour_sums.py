@@ -196,3 +196,22 @@ def test_a_nan_percent_is_left_to_the_sql() -> None:
     )
     with transaction.atomic():
         assert prometheus.load_hour_sums(readings, start_ms=START, end_ms=START + HOUR) is None
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    values=st.lists(
+        st.one_of(
+            st.integers(min_value=-5, max_value=105).map(float),
+            st.sampled_from([0.0, -0.0, 100.0, 1e-9, 99.999]),
+            st.floats(min_value=-10.0, max_value=110.0, allow_nan=False),
+        ),
+        max_size=8,
+    ),
+    scale=st.sampled_from([1.0, 100.0, 0.5]),
+)
+def test_the_percents_of_a_series_are_each_readings(values: list[float], scale: float) -> None:
+    """`_percents` (a series' values at once) gives each value's `_percent`, to the bit
+    (-0.0 read as 0.0)."""
+    expected = [repr(prometheus._percent(value, scale)) for value in values]
+    assert [repr(value) for value in prometheus._percents(list(values), scale)] == expected
