@@ -31,6 +31,10 @@ MS_PER_HOUR: Final = 3_600_000
 # pages, the week report and its CSV show them.
 KEPT_HOURS: Final = Decimal("0.000001")
 SHOWN_HOURS: Final = Decimal("0.01")
+# Utilisation is summed in millionths of a percent, each reading rounded to one (half to even,
+# as PostgreSQL's round() of a double and Python's round() do): sums of integers, exact in any
+# order, and finer than any source measures (`metering.rollup`, `metering.reading_sums`).
+UTIL_SCALE: Final = 1_000_000
 
 _Amount = TypeVar("_Amount", int, Decimal, Fraction)
 

@@ -40,10 +40,14 @@ Devices named by PCI address are resolved as the ingest resolves samples naming 
 A device with several series (two scrape jobs, several engines) reads their maximum at one
 instant, from the first of its exporter's metrics that has a reading then.
 
-The readings go into a temporary table, a run of a device's readings to a row of arrays, which
-the rollup's own SQL reads through a view shaped like `billing_sample` (device, instant,
-utilisation, gap to the device's next reading): the hold, the unmeasured time, the rounding
-and the reruns are the rollup's, so an hour is billed the same whichever source measured it.
+The readings are summed per device and hour here, as the rollup's SQL sums samples
+(`metering.reading_sums`: the same integer arithmetic, hold and spill into the next hour), and
+only those sums go into a temporary table (`load_hour_sums`), which the rollup's own SQL reads
+as it reads the sums kept of samples: the hold, the unmeasured time, the rounding and the
+reruns are the rollup's, so an hour is billed the same whichever source measured it. Where a
+percent cannot be summed so (NaN), the readings themselves are loaded (`load_readings`: a run of
+a device's readings to a row of arrays, read through a view shaped like `billing_sample`) and
+the rollup's SQL sums them, as it did before.
 An engine that does not answer, or answers in part, raises `EngineUnavailable` naming its
 clusters: the rollup writes nothing for their hours, which stay marked and are retried, never
 billed as idle; the other clusters' rows are written. Hours the
@@ -86,7 +90,7 @@ from django.utils import timezone
 
 from agent.exporters import PROFILES, ExporterProfile, MatchBy, ScrapeContext
 from inventory.models import Allocation, Device, DeviceKind
-from metering import silence
+from metering import reading_sums, silence
 from metering.blocks import readings_between
 from metering.dirty import mark_dirty
 from metering.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
@@ -109,6 +113,8 @@ _READING_RUNS = "tally_prometheus_reading_runs"
 _RUN_READINGS = 64
 # The samples of the window's devices metered by samples, where some clusters send samples.
 _SAMPLES = "tally_prometheus_samples"
+# The per device-hour sums of the engine's readings, made here (`load_hour_sums`).
+HOUR_SUMS_TABLE = "tally_prometheus_hour_sums"
 # The statistics target the samples' ANALYZE runs with (rows sampled: 300 times this).
 _READINGS_STATISTICS = 10
 
@@ -1196,14 +1202,18 @@ def _in_turn(kept: list[tuple[int, float, list[tuple[int, float]]]]) -> Columns 
 def _percents(values: list[float], scale: float) -> list[float]:
     """`_percent` of each of `values`: where none needs clamping, without its calls (+ 0.0:
     a -0.0 read is 0.0, as `_percent`'s max(0.0, ...) makes it)."""
+    if not values:
+        return values
     if scale != 1.0:
         values = [value * scale for value in values]
-    if values and (min(values) < 0.0 or max(values) > 100.0):
+    lowest = min(values)
+    if lowest < 0.0 or max(values) > 100.0:
         return [_percent(value, 1.0) for value in values]
     with contextlib.suppress(TypeError):  # (a value that is no float: `_percent` below)
         if all(map(_WHOLE, values)):
-            # Whole percents (DCGM's utilisation) round to themselves.
-            return list(map(_PLUS_ZERO, values, repeat(0.0)))
+            # Whole percents (DCGM's utilisation) round to themselves; with none at 0 (nor
+            # -0.0), they are the values themselves.
+            return values if lowest > 0.0 else list(map(_PLUS_ZERO, values, repeat(0.0)))
     return [round(value, 2) + 0.0 for value in values]
 
 
@@ -1273,33 +1283,102 @@ def load_readings(readings: Readings, *, start_ms: int, end_ms: int) -> str:
             # Dropped with the table it reads, at the transaction's end.
             cursor.execute(f"CREATE TEMP VIEW {READINGS_TABLE} AS {runs}")
             return READINGS_TABLE
-        cursor.execute(
-            f"CREATE TEMP TABLE {_SAMPLES} ON COMMIT DROP AS "
-            "SELECT device_uuid, ts_ms, gpu_util, gap_ms, covered_ms FROM "
-            + readings_between(start_ms - sample_hold_ms(), end_ms)
-            + " WHERE ts_ms >= %(start)s AND ts_ms < %(end)s "
-            "AND gpu_util IS NOT NULL AND NOT device_uuid = ANY(%(metered)s)",
-            {
-                "start": start_ms - sample_hold_ms(),
-                "end": end_ms,
-                "metered": sorted(readings.metered),
-            },
-        )
+        _load_samples(cursor, readings, start_ms=start_ms, end_ms=end_ms)
         cursor.execute(
             f"CREATE TEMP VIEW {READINGS_TABLE} AS {runs} UNION ALL "
             f"SELECT device_uuid, ts_ms, gpu_util, gap_ms, covered_ms FROM {_SAMPLES}"
         )
-        # The samples' size, for the rollup's plans (a join to its pieces), and a few
-        # statistics: a sample of 3,000 rows rather than the default 30,000. Set back for the
-        # rest of the caller's transaction.
-        cursor.execute("SHOW default_statistics_target")
-        (target,) = cursor.fetchone()
-        cursor.execute(
-            f"SET LOCAL default_statistics_target = {_READINGS_STATISTICS}; "
-            f"ANALYZE {_SAMPLES}; "
-            f"SET LOCAL default_statistics_target = {int(target)}"
-        )
     return READINGS_TABLE
+
+
+def _load_samples(cursor: Any, readings: Readings, *, start_ms: int, end_ms: int) -> None:
+    """The window's samples of the devices the engine does not meter (some clusters send
+    samples) into `_SAMPLES`, shaped like `billing_sample`, with a few statistics."""
+    cursor.execute(
+        f"DROP TABLE IF EXISTS {_SAMPLES}; "
+        f"CREATE TEMP TABLE {_SAMPLES} ON COMMIT DROP AS "
+        "SELECT device_uuid, ts_ms, gpu_util, gap_ms, covered_ms FROM "
+        + readings_between(start_ms - sample_hold_ms(), end_ms)
+        + " WHERE ts_ms >= %(start)s AND ts_ms < %(end)s "
+        "AND gpu_util IS NOT NULL AND NOT device_uuid = ANY(%(metered)s)",
+        {
+            "start": start_ms - sample_hold_ms(),
+            "end": end_ms,
+            "metered": sorted(readings.metered),
+        },
+    )
+    # The samples' size, for the rollup's plans (a join to its pieces), and a few
+    # statistics: a sample of 3,000 rows rather than the default 30,000. Set back for the
+    # rest of the caller's transaction.
+    cursor.execute("SHOW default_statistics_target")
+    (target,) = cursor.fetchone()
+    cursor.execute(
+        f"SET LOCAL default_statistics_target = {_READINGS_STATISTICS}; "
+        f"ANALYZE {_SAMPLES}; "
+        f"SET LOCAL default_statistics_target = {int(target)}"
+    )
+
+
+@dataclass
+class HourSums:
+    """An engine's readings of a rollup run as the rollup reads them (`load_hour_sums`): its
+    per device-hour sums in `table` (`metering.rollup._PER_HOUR_SQL`'s rows); the window's
+    samples of the devices metered by samples in `samples` (shaped like `billing_sample`),
+    or None where there are none; and the readings themselves, for the few pieces of hours
+    that allocations hold in part (`coverage`)."""
+
+    table: str
+    samples: str | None
+    readings: Readings
+    hold_ms: int
+
+    def coverage(self, pieces: Iterable[tuple[int, str, int, int]]) -> dict[int, tuple[int, int]]:
+        """`reading_sums.piece_coverage` of the readings."""
+        return reading_sums.piece_coverage(self.readings.columns, pieces, hold_ms=self.hold_ms)
+
+
+def load_hour_sums(readings: Readings, *, start_ms: int, end_ms: int) -> HourSums | None:
+    """Sum `readings` per device and hour here (`metering.reading_sums`) and load only the
+    sums (and, where some clusters send samples, the window's samples of theirs), for the
+    rollup to read instead of the readings. Inside the rollup's transaction.
+
+    None where a percent cannot be summed (NaN): the caller loads the readings themselves
+    (`load_readings`), whose SQL refuses the rows it cannot make, as it always did."""
+    hold = sample_hold_ms()
+    try:
+        sums = list(
+            reading_sums.hour_sums(readings.columns, start_ms=start_ms, end_ms=end_ms, hold_ms=hold)
+        )
+    except (ValueError, OverflowError):
+        return None
+    with connection.cursor() as cursor:
+        cursor.execute(
+            f"DROP TABLE IF EXISTS {HOUR_SUMS_TABLE}; "
+            f"CREATE TEMP TABLE {HOUR_SUMS_TABLE} (device_uuid text, h bigint, covered bigint, "
+            "weighted numeric, spill bigint, spill_weighted numeric) ON COMMIT DROP"
+        )
+        with cursor.copy(f"COPY {HOUR_SUMS_TABLE} FROM STDIN") as copy:
+            copy.write(_hour_sums_copy_text(sums))
+        samples = None
+        if readings.mixed:
+            _load_samples(cursor, readings, start_ms=start_ms, end_ms=end_ms)
+            samples = _SAMPLES
+    return HourSums(table=HOUR_SUMS_TABLE, samples=samples, readings=readings, hold_ms=hold)
+
+
+def _hour_sums_copy_text(sums: list[reading_sums.HourSum]) -> str:
+    """`sums` in COPY's text format, a line each."""
+    escaped: dict[str, str] = {}
+    lines = []
+    for meter_id, hour, covered, weighted, spill, spill_weighted in sums:
+        name = escaped.get(meter_id)
+        if name is None:
+            name = escaped[meter_id] = meter_id.translate(_COPY_TEXT_ESCAPES)
+        if spill is None:
+            lines.append(f"{name}\t{hour}\t{covered}\t{weighted}\t\\N\t\\N\n")
+        else:
+            lines.append(f"{name}\t{hour}\t{covered}\t{weighted}\t{spill}\t{spill_weighted}\n")
+    return "".join(lines)
 
 
 def run_hours_limit() -> int | None:

@@ -36,8 +36,10 @@ are not even scanned for: they are kept per device and hour as samples are writt
 hour still in progress is summed from its samples.
 
 Clusters that TALLY_METERING_SOURCE meters from a Prometheus-compatible engine are read from
-it: `metering.prometheus` puts the engine's readings in a table shaped like `billing_sample`,
-and the same SQL reads that instead, so the hold and rounding rules are the same.
+it: `metering.prometheus` sums the engine's readings per device and hour as it parses them
+(`metering.reading_sums`, the arithmetic of `_PER_HOUR_SQL` and `_PIECE_COVERAGE_SQL` below)
+and loads only the sums, which the same SQL reads instead of the kept sums, so the hold and
+rounding rules are the same.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from typing import Any, NamedTuple
 
 from django.conf import settings
 from django.db import DataError, IntegrityError, connection, transaction
-from django.db.models import Q, QuerySet
+from django.db.models import BigIntegerField, Func, Q, QuerySet
 from django.utils import timezone
 
 from core import metrics
@@ -67,6 +69,7 @@ from metering.dirty import mark_dirty
 from metering.hours import (
     HOUR,
     MS_PER_HOUR,
+    UTIL_SCALE,
     epoch_ms,
     hour_at,
     hour_start,
@@ -77,10 +80,6 @@ from metering.hoursums import sums_usable
 from metering.models import DirtyHour, HourSum, RollupProgress, UsageHour
 
 MICRO = 1_000_000  # shares of a GPU are kept to the millionth
-# Utilisation is summed in millionths of a percent, each reading rounded to one (half to even,
-# as PostgreSQL's round() of a double and Python's round() do): sums of integers, exact in any
-# order, and finer than any source measures.
-UTIL_SCALE = 1_000_000
 # A GPU-millisecond in the weighted sums times a share's millionths: percent, scale and share.
 _UTILISED_UNIT = 100 * UTIL_SCALE * MICRO
 # Readings come from `billing_sample` and its compacted days (`metering.blocks
@@ -152,7 +151,8 @@ GROUP BY device_uuid, h
 # rounded half up, exactly, in integers: held and unmeasured time (shares are millionths), and
 # utilised time (sums of milliseconds times `UTIL_SCALE`ths of a percent) by div(), whose
 # integer quotient is exact where a numeric division rounds to a scale of its own. `iv` is
-# MATERIALIZED: its JSON is parsed once, before the join.
+# MATERIALIZED: its JSON is parsed once, before the join (as jsonb: a json value's `->>` parses
+# the row's text again for each column, 15 times).
 # Rows go in in (hour, allocation) order, the unique index's.
 _WHOLE_HOURS_SQL = """
 WITH
@@ -370,20 +370,43 @@ def _rollup_run(first: datetime, count: int, now: datetime, budget: prometheus.R
         replaced.delete()
         if window_end <= window_start:
             return 0
-        samples = readings_between(window_start - sample_hold_ms(), window_end)
-        # The hours that have ended are read from the per device-hour sums, where they are
-        # made under the hold in force (`metering.hoursums`); an engine's readings are not in
-        # them.
-        sums = readings is None and sums_usable()
-        if readings is not None:
-            samples = prometheus.load_readings(readings, start_ms=window_start, end_ms=window_end)
+        source = _source(readings, window_start, window_end)
         intervals = _intervals(first, count, window_start, window_end, left_out)
-        written = _write_usage(intervals, window_start, window_end, samples, sums=sums)
+        written = _write_usage(intervals, window_start, window_end, source)
     if readings is not None:
         prometheus.mark_unsettled(start_ms=window_start, end_ms=window_end, now=now)
     if unanswered is not None:
         raise unanswered
     return written
+
+
+class _Source(NamedTuple):
+    """Where a run reads its readings from: `samples`, a table shaped like `billing_sample`
+    (None: no device of the run is metered by samples); `sums`, whether the hours that have
+    ended are read from the per device-hour sums kept of samples (`metering.hoursums`); and
+    `engine`, an engine's readings summed per device and hour (`prometheus.HourSums`), or
+    None."""
+
+    samples: str | None
+    sums: bool = False
+    engine: prometheus.HourSums | None = None
+
+
+def _source(readings: prometheus.Readings | None, window_start: int, window_end: int) -> _Source:
+    """The run's `_Source`, loaded (in its transaction)."""
+    if readings is None:
+        # The hours that have ended are read from the per device-hour sums, where they are
+        # made under the hold in force (`metering.hoursums`).
+        samples = readings_between(window_start - sample_hold_ms(), window_end)
+        return _Source(samples, sums=sums_usable())
+    # An engine's readings are summed per device and hour as they were parsed, and only the
+    # sums loaded; the samples of the clusters that send them are read as they are (no
+    # sums kept of them cover an engine's run: its hours are read from the samples).
+    engine = prometheus.load_hour_sums(readings, start_ms=window_start, end_ms=window_end)
+    if engine is not None:
+        return _Source(engine.samples, engine=engine)
+    # A percent the sums cannot take: the readings loaded and summed by the SQL, as before.
+    return _Source(prometheus.load_readings(readings, start_ms=window_start, end_ms=window_end))
 
 
 # What the database refuses of a row, rather than failing for every row: a value that does
@@ -392,7 +415,7 @@ _REFUSED_ROW = (DataError, IntegrityError)
 
 
 def _write_usage(
-    intervals: list[_Interval], window_start: int, window_end: int, samples: str, *, sums: bool
+    intervals: list[_Interval], window_start: int, window_end: int, source: _Source
 ) -> int:
     """Write the usage rows of `intervals` (in the run's transaction); how many.
 
@@ -403,7 +426,7 @@ def _write_usage(
     """
     try:
         with transaction.atomic():
-            return _write_intervals(intervals, window_start, window_end, samples, sums=sums)
+            return _write_intervals(intervals, window_start, window_end, source)
     except _REFUSED_ROW:
         pass
     written = 0
@@ -411,9 +434,7 @@ def _write_usage(
     for interval in intervals:
         try:
             with transaction.atomic():
-                written += _write_intervals(
-                    [interval], window_start, window_end, samples, sums=sums
-                )
+                written += _write_intervals([interval], window_start, window_end, source)
         except _REFUSED_ROW as error:
             refused.append((interval.allocation_id, str(error).splitlines()[0]))
     log.error(
@@ -428,11 +449,11 @@ def _write_usage(
 
 
 def _write_intervals(
-    intervals: list[_Interval], window_start: int, window_end: int, samples: str, *, sums: bool
+    intervals: list[_Interval], window_start: int, window_end: int, source: _Source
 ) -> int:
     whole, partial = _split(intervals, window_start, window_end)
-    written = _insert_whole_hours(whole, window_start, window_end, samples, sums=sums)
-    rows = _partial_rows(partial, samples)
+    written = _insert_whole_hours(whole, window_start, window_end, source)
+    rows = _partial_rows(partial, source)
     insert_rows(UsageHour, _USAGE_COLUMNS, rows, types=_USAGE_TYPES)
     return written + len(rows)
 
@@ -450,9 +471,18 @@ _INTERVAL_FIELDS = (
     "profile",
     "unit",
     "gpu_share",
-    "start",
-    "end",
+    "start_ms",
+    "end_ms",
 )
+
+
+class _EpochMs(Func):
+    """A moment as `epoch_ms` makes it, in the database: whole milliseconds since the epoch,
+    sub-millisecond digits cut (EXTRACT's numeric is exact). A run reads a thousand
+    allocations' bounds as numbers rather than parse them as datetimes to turn into them."""
+
+    template = "CAST(floor(EXTRACT(EPOCH FROM %(expressions)s) * 1000) AS bigint)"
+    output_field = BigIntegerField()
 
 
 def held_allocations(start: datetime, end: datetime) -> QuerySet[Allocation]:
@@ -470,14 +500,18 @@ def _intervals(
     held = held_allocations(first, first + count * HOUR)
     if left_out:
         held = held.exclude(cluster__name__in=left_out)
-    rows = held.order_by("pk").values_list(*_INTERVAL_FIELDS)
+    rows = (
+        held.annotate(start_ms=_EpochMs("start"), end_ms=_EpochMs("end"))
+        .order_by("pk")
+        .values_list(*_INTERVAL_FIELDS)
+    )
     intervals = []
     for (
         pk, cluster_id, namespace, name, job, username, meter_id, meter_id_now,
-        product, profile, unit, share, start_at, end_at,
+        product, profile, unit, share, start_ms, end_ms,
     ) in rows:  # fmt: skip
-        start = max(epoch_ms(start_at), window_start)
-        end = min(epoch_ms(end_at), window_end) if end_at else window_end
+        start = max(start_ms, window_start)
+        end = window_end if end_ms is None else min(end_ms, window_end)
         if end <= start:
             continue
         intervals.append(
@@ -554,10 +588,19 @@ def _split(
     return whole, partial
 
 
-def _per_hour_sql(window_start: int, window_end: int, samples: str, *, sums: bool) -> str:
+def _per_hour_sql(window_start: int, window_end: int, source: _Source) -> str:
     """The statement of the window's per device-hour sums (`_PER_HOUR_SQL`'s rows): from
     `samples`, or (`sums`) from the sums kept as samples are written, but for an hour still in
-    progress at the window's end, read from `samples`."""
+    progress at the window's end, read from `samples`; an engine's, made as its readings were
+    parsed, with those of the samples of the clusters that send them, if any."""
+    if source.engine is not None:
+        assert source.samples is not None  # else its table is read as it is
+        return (
+            f"{_sql(_PER_HOUR_SQL, samples=source.samples)} UNION ALL "
+            f"SELECT * FROM {source.engine.table}"
+        )
+    samples, sums = source.samples, source.sums
+    assert samples is not None
     if not sums or window_end // MS_PER_HOUR == window_start // MS_PER_HOUR:
         # No sums to read, or none of use: the window is one hour, still in progress.
         return _sql(_PER_HOUR_SQL, samples=samples)
@@ -571,9 +614,7 @@ def _insert_whole_hours(
     whole: list[tuple[_Interval, int, int]],
     window_start: int,
     window_end: int,
-    samples: str,
-    *,
-    sums: bool,
+    source: _Source,
 ) -> int:
     """Write the usage rows of the hours allocations hold whole, in the database; how many."""
     if not whole:
@@ -608,54 +649,60 @@ def _insert_whole_hours(
             ]
         ),
     }
+    # An engine's sums alone are a table already, read as they are.
+    ready = source.engine.table if source.engine and source.samples is None else None
     with connection.cursor() as cursor:
-        cursor.execute(
-            f"CREATE TEMP TABLE {_PER_HOUR_TABLE} ON COMMIT DROP AS "
-            f"{_per_hour_sql(window_start, window_end, samples, sums=sums)}",
-            params,
-        )
+        if ready is None:
+            cursor.execute(
+                f"CREATE TEMP TABLE {_PER_HOUR_TABLE} ON COMMIT DROP AS "
+                f"{_per_hour_sql(window_start, window_end, source)}",
+                params,
+            )
         cursor.execute(
             _sql(
                 _WHOLE_HOURS_SQL,
-                samples=samples,
-                intervals=json_rows(*_INTERVAL_TYPES, placeholder="%(intervals)s"),
-                per_hour_table=_PER_HOUR_TABLE,
+                samples="",
+                intervals=json_rows(*_INTERVAL_TYPES, placeholder="%(intervals)s", jsonb=True),
+                per_hour_table=ready or _PER_HOUR_TABLE,
                 columns=", ".join(_USAGE_COLUMNS),
             ),
             params,
         )
         written = cursor.rowcount
-        cursor.execute(f"DROP TABLE {_PER_HOUR_TABLE}")
+        if ready is None:
+            cursor.execute(f"DROP TABLE {_PER_HOUR_TABLE}")
     return written
 
 
-def _piece_coverage(pieces: list[_Piece], samples: str) -> dict[int, tuple[int, int]]:
+def _piece_coverage(pieces: list[_Piece], source: _Source) -> dict[int, tuple[int, int]]:
     """Per piece (by position in `pieces`): milliseconds its device's samples cover within
     it, and those milliseconds times utilisation (`UTIL_SCALE`ths of a percent), under either
-    of its names."""
+    of its names (each name's readings are in one of the source's samples and its engine's)."""
     if not pieces:
         return {}
+    names = [
+        (index, uuid, piece.start_ms, piece.end_ms)
+        for index, piece in enumerate(pieces)
+        for uuid in (piece.interval.device_uuid, piece.interval.renamed_uuid)
+        if uuid
+    ]
+    found = source.engine.coverage(names) if source.engine is not None else {}
+    if source.samples is None:
+        return found
     with connection.cursor() as cursor:
         cursor.execute(
             _sql(
                 _PIECE_COVERAGE_SQL,
-                samples=samples,
+                samples=source.samples,
                 sample="s",
                 pieces=json_rows("bigint", "text", "bigint", "bigint", placeholder="%(pieces)s"),
             ),
-            {
-                "pieces": json.dumps(
-                    [
-                        [index, uuid, piece.start_ms, piece.end_ms]
-                        for index, piece in enumerate(pieces)
-                        for uuid in (piece.interval.device_uuid, piece.interval.renamed_uuid)
-                        if uuid
-                    ]
-                ),
-                "hold": sample_hold_ms(),
-            },
+            {"pieces": json.dumps(names), "hold": sample_hold_ms()},
         )
-        return {index: (int(covered), int(weighted)) for index, covered, weighted in cursor}
+        for index, covered, weighted in cursor:
+            before = found.get(index, (0, 0))
+            found[index] = (before[0] + int(covered), before[1] + int(weighted))
+    return found
 
 
 _USAGE_COLUMNS = (
@@ -683,9 +730,9 @@ _USAGE_TYPES = (
 )  # fmt: skip
 
 
-def _partial_rows(pieces: list[_Piece], samples: str) -> list[tuple[Any, ...]]:
+def _partial_rows(pieces: list[_Piece], source: _Source) -> list[tuple[Any, ...]]:
     """The usage rows of the hours allocations hold in part, made here: they are few."""
-    coverage = _piece_coverage(pieces, samples)
+    coverage = _piece_coverage(pieces, source)
     rows = []
     for index, piece in enumerate(pieces):
         interval = piece.interval
