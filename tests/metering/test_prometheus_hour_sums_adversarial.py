@@ -43,7 +43,7 @@ from inventory.models import Allocation, Device
 from metering import ingest, prometheus, reading_sums, rollup
 from metering.hours import epoch_ms
 from metering.ingest import SampleRow
-from metering.models import UsageHour
+from metering.models import Sample, UsageHour
 from tests.factories import (
     AllocationFactory,
     ClusterFactory,
@@ -51,6 +51,8 @@ from tests.factories import (
     MigDeviceFactory,
     NodeFactory,
 )
+from tests.metering import test_prometheus_source as source
+from tests.metering.test_prometheus_source import day_engine, team  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.django_db
 
@@ -760,3 +762,43 @@ def test_one_nan_reading_refuses_only_its_own_devices_rows() -> None:
         rollup.rollup_hours(hours=[T0], now=T0 + timedelta(days=1))
     written = set(UsageHour.objects.values_list("allocation_id", flat=True))
     assert {allocations["b"].pk, allocations["other"].pk} <= written
+
+
+# --- a real engine's day, new path against the old --------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("more", "now_hours"),
+    [
+        ({}, 48.0),
+        ({"TALLY_PROMETHEUS_STEP_SECONDS": 60}, 48.0),  # subquery mode: a mean per step
+        ({"TALLY_SAMPLE_HOLD_SECONDS": 45}, 48.0),
+        ({"TALLY_ROLLUP_DEVICE_HOURS": 1, "TALLY_SAMPLE_HOLD_SECONDS": 600}, 48.0),
+        ({}, 10.5),  # the last hour in progress, during the outage of one GPU
+        ({"TALLY_PROMETHEUS_STEP_SECONDS": 60}, 3 + 20 / 60 + 5 / 3600),  # just after a start
+    ],
+)
+def test_a_real_engines_day_writes_the_same_rows_as_the_old_path(
+    request: pytest.FixtureRequest, more: dict[str, int], now_hours: float
+) -> None:
+    """The recorded day served by Prometheus (DCGM with MIG instances, AMD, Intel; a cluster
+    that sends samples beside it): the usage rows the new path writes are the old path's,
+    with readings as scraped or as means per step, other holds, runs of one hour, and hours
+    still in progress."""
+    # The fixtures of `test_prometheus_source` (imported above): the engine, the team.
+    url: str = request.getfixturevalue("day_engine")
+    allocations = source.the_day(request.getfixturevalue("team"))
+    source.feed_samples(allocations)
+    Sample.objects.filter(device_uuid__in=source.metered_by_engine(allocations)).delete()
+    now = source.DAY + timedelta(hours=now_hours)
+    hours = [source.at(n) for n in range(24) if source.at(n) < now]
+    with source.prometheus_settings(url, **more):
+        with _sums_used() as used:
+            rollup.rollup_hours(hours=hours, now=now)
+        new = _rows()
+        with _old_path():
+            rollup.rollup_hours(hours=hours, now=now)
+        old = _rows()
+    assert used and all(used)
+    assert sum(row[-2] for row in new) > 0  # utilised
+    assert new == old
