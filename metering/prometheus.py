@@ -40,10 +40,14 @@ Devices named by PCI address are resolved as the ingest resolves samples naming 
 A device with several series (two scrape jobs, several engines) reads their maximum at one
 instant, from the first of its exporter's metrics that has a reading then.
 
-The readings go into a temporary table, a run of a device's readings to a row of arrays, which
-the rollup's own SQL reads through a view shaped like `billing_sample` (device, instant,
-utilisation, gap to the device's next reading): the hold, the unmeasured time, the rounding
-and the reruns are the rollup's, so an hour is billed the same whichever source measured it.
+The readings are summed per device and hour here, as the rollup's SQL sums samples
+(`metering.reading_sums`: the same integer arithmetic, hold and spill into the next hour), and
+only those sums go into a temporary table (`load_hour_sums`), which the rollup's own SQL reads
+as it reads the sums kept of samples: the hold, the unmeasured time, the rounding and the
+reruns are the rollup's, so an hour is billed the same whichever source measured it. Where a
+percent cannot be summed so (NaN), the readings themselves are loaded (`load_readings`: a run of
+a device's readings to a row of arrays, read through a view shaped like `billing_sample`) and
+the rollup's SQL sums them, as it did before.
 An engine that does not answer, or answers in part, raises `EngineUnavailable` naming its
 clusters: the rollup writes nothing for their hours, which stay marked and are retried, never
 billed as idle; the other clusters' rows are written. Hours the

@@ -20,6 +20,7 @@ window's end. So a device's spans are its gaps (at most the hold) but at those r
 
 from __future__ import annotations
 
+import contextlib
 from bisect import bisect_left
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from itertools import repeat
@@ -32,12 +33,26 @@ Columns = tuple[list[int], list[float]]
 # next hour or None, that spill times utilisation or None): `_PER_HOUR_SQL`'s row.
 HourSum = tuple[str, int, int, int, int | None, int | None]
 _SCALE = float(UTIL_SCALE)
+_WHOLE = float.is_integer
 
 
-def _units(percents: Sequence[float]) -> list[int]:
+def _units(percents: Sequence[float]) -> list[int] | None:
     """Each percent in `UTIL_SCALE`ths, rounded half to even (ValueError for a NaN, as the
-    SQL's cast of it to bigint fails)."""
+    SQL's cast of it to bigint fails); None where every percent is whole (DCGM's are): then
+    a sum of spans times percents, made in doubles, is exact (each product and sum a whole
+    number under 2**53: spans of an hour and its hold, times at most 100), and times
+    `UTIL_SCALE` is the sum of spans times units, with no rounding per reading."""
+    with contextlib.suppress(TypeError):  # (a percent that is no float: rounded below)
+        if all(map(_WHOLE, percents)):
+            return None
     return list(map(round, map(mul, percents, repeat(_SCALE))))
+
+
+def _weighted(spans: list[int], percents: Sequence[float], units: list[int] | None) -> int:
+    """The sum of `spans` times utilisation in `UTIL_SCALE`ths (`_units`)."""
+    if units is None:
+        return int(sum(map(mul, spans, percents))) * UTIL_SCALE
+    return sum(map(mul, spans, units))
 
 
 def hour_sums(
@@ -63,7 +78,8 @@ def hour_sums(
             spans.append(hold_ms)
         if max(spans) > hold_ms:
             spans = [span if span < hold_ms else hold_ms for span in spans]
-        units = _units(percents[lo:hi])
+        values = percents[lo:hi]
+        units = _units(values)
         first = own[0] // MS_PER_HOUR
         last = own[-1] // MS_PER_HOUR
         at = 0
@@ -80,13 +96,14 @@ def hour_sums(
             spill = spill_weighted = None
             if reach > next_h:
                 spill = min(reach, end_ms) - next_h
-                spill_weighted = spill * units[end]
+                spill_weighted = _weighted([spill], values[end:upto], units and units[end:upto])
             if at == 0 and upto == len(own):
                 covered = sum(spans)
-                weighted = sum(map(mul, spans, units))
+                weighted = _weighted(spans, values, units)
             else:
-                covered = sum(spans[at:upto])
-                weighted = sum(map(mul, spans[at:upto], units[at:upto]))
+                part = spans[at:upto]
+                covered = sum(part)
+                weighted = _weighted(part, values[at:upto], units and units[at:upto])
             yield meter_id, hour, covered, weighted, spill, spill_weighted
             at = upto
 
