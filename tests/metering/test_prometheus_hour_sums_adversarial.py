@@ -590,6 +590,15 @@ def test_the_rollup_writes_the_same_rows_as_from_samples(history: dict[str, Any]
         ]
         ingest.ingest(node=_node_name(fleet["gpu-a"]), samples=rows, received_at=now)
         samples = _rollup_rows(hours, now)
+        if os.environ.get("PROMREVIEW_DEBUG"):
+            print(
+                "samples",
+                len(rows),
+                Sample.objects.count(),
+                "rows",
+                len(engine),
+                sum(row[-2] for row in engine),
+            )
         assert engine == samples
         transaction.set_rollback(True)
 
@@ -853,3 +862,47 @@ def test_a_percent_past_the_sqls_bigint_is_refused_as_the_sql_refuses_it(percent
         _sql_hour_sums(columns, START, START + HOUR, HOUR)
     with override_settings(TALLY_SAMPLE_HOLD_SECONDS=3600):
         assert _loaded_hour_sums(columns, START, START + HOUR) is None
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+@override_settings(**_SETTINGS)
+def test_a_refused_row_refuses_only_its_allocation_as_in_the_old_path(mixed: bool) -> None:
+    """The database refuses one allocation's rows (a check added here stands for a value that
+    does not fit): the rollup writes the others' one allocation at a time, the engine's sums
+    read again for each (its table read as it is, or beside the samples); as the old path."""
+    with connection.cursor() as cursor:
+        cursor.execute(
+            "ALTER TABLE billing_usagehour ADD CONSTRAINT promreview_refused "
+            "CHECK (claim_name <> 'refuse-me')"
+        )
+    fleet = _fleet("prom-east")
+    start = T0 - timedelta(hours=1)
+    AllocationFactory.create(device=fleet["gpu-a"], start=start, claim__name="refuse-me")
+    kept = [
+        AllocationFactory.create(device=fleet["gpu-a"], start=start),
+        AllocationFactory.create(device=fleet["gpu-b"], start=T0 + timedelta(minutes=7)),
+        AllocationFactory.create(device=fleet["mig"], start=start, end=T0 + timedelta(hours=2)),
+    ]
+    stamps = [T0_MS + offset * MINUTE for offset in range(-3, 190, 2)]
+    columns = {
+        device.meter_id: (stamps, [float(index % 101) for index in range(len(stamps))])
+        for device in fleet.values()
+    }
+    if mixed:
+        other = _fleet("samp-west")
+        kept.append(AllocationFactory.create(device=other["gpu-a"], start=start))
+        ingest.ingest(
+            node=_node_name(other["gpu-a"]),
+            samples=[SampleRow(other["gpu-a"].meter_id, ts, 33.0, None, None) for ts in stamps],
+            received_at=T0 + timedelta(hours=4),
+        )
+    hours = [T0, T0 + timedelta(hours=1), T0 + timedelta(hours=2)]
+    now = T0 + timedelta(hours=2, minutes=41)
+    with _engine_answers(columns, mixed=mixed, metered=set(columns)):
+        with _sums_used() as used:
+            new = _rollup_rows(hours, now)
+        with _old_path():
+            old = _rollup_rows(hours, now)
+    assert used == [True]
+    assert new == old
+    assert {row[1] for row in new} == {allocation.pk for allocation in kept}
