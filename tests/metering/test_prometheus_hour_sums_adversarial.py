@@ -185,7 +185,7 @@ _windows = st.tuples(
 @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
 @given(
     devices=st.dictionaries(
-        st.sampled_from(["GPU-a", "GPU-b", "MIG-c", "x\\y", "n\nl", "é"]),
+        st.sampled_from(["GPU-a", "GPU-b", "MIG-c", "x\\y", "n\nl", "é", "\\N", "c\rr"]),
         _columns(_odd_percents),
     ),
     window=_windows,
