@@ -906,3 +906,37 @@ def test_a_refused_row_refuses_only_its_allocation_as_in_the_old_path(mixed: boo
     assert used == [True]
     assert new == old
     assert {row[1] for row in new} == {allocation.pk for allocation in kept}
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+@override_settings(**_SETTINGS)
+def test_an_empty_answer_writes_unmeasured_hours_as_the_old_path(mixed: bool) -> None:
+    """The engine answers no reading at all (an empty series for one device, none for the
+    others): every allocated millisecond is unmeasured, none utilised; the sums table is
+    empty and the samples beside it are still read."""
+    fleet = _fleet("prom-east")
+    for device in fleet.values():
+        AllocationFactory.create(device=device, start=T0 - timedelta(minutes=30))
+    columns: dict[str, Columns] = {fleet["gpu-a"].meter_id: ([], [])}
+    metered = {device.meter_id for device in fleet.values()}
+    if mixed:
+        other = _fleet("samp-west")
+        AllocationFactory.create(device=other["gpu-a"], start=T0 + timedelta(minutes=5))
+        ingest.ingest(
+            node=_node_name(other["gpu-a"]),
+            samples=[SampleRow(other["gpu-a"].meter_id, T0_MS + 10 * MINUTE, 80.0, None, None)],
+            received_at=T0 + timedelta(hours=4),
+        )
+    hours = [T0, T0 + timedelta(hours=1)]
+    now = T0 + timedelta(hours=1, minutes=20)
+    with _engine_answers(columns, mixed=mixed, metered=metered):
+        with _sums_used() as used:
+            new = _rollup_rows(hours, now)
+        with _old_path():
+            old = _rollup_rows(hours, now)
+    assert used == [True]
+    assert new == old
+    engine_rows = [row for row in new if row[3] in metered]
+    assert len(engine_rows) == 6
+    assert all(row[-2] == 0 and row[-1] == row[-3] for row in engine_rows)
+    assert any(row[-2] > 0 for row in new) == mixed
