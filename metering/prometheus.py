@@ -1295,6 +1295,9 @@ def _load_samples(cursor: Any, readings: Readings, *, start_ms: int, end_ms: int
     """The window's samples of the devices the engine does not meter (some clusters send
     samples) into `_SAMPLES`, shaped like `billing_sample`, with a few statistics."""
     cursor.execute(
+        # (The view of an earlier run of the transaction that loaded the readings is over
+        # this table: it goes first.)
+        f"DROP VIEW IF EXISTS {READINGS_TABLE}; "
         f"DROP TABLE IF EXISTS {_SAMPLES}; "
         f"CREATE TEMP TABLE {_SAMPLES} ON COMMIT DROP AS "
         "SELECT device_uuid, ts_ms, gpu_util, gap_ms, covered_ms FROM "
