@@ -8,17 +8,14 @@ engine needed."""
 
 from __future__ import annotations
 
-import json
-from decimal import Decimal
-
 import pytest
-from django.db import connection, transaction
+from django.db import transaction
 from django.test import override_settings
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from db.copy import json_rows
-from metering import prometheus, reading_sums, rollup
+from metering import prometheus, reading_sums
+from tests.metering import reading_sums_reference as reference
 
 pytestmark = pytest.mark.django_db
 
@@ -26,72 +23,7 @@ HOUR = 3_600_000
 START = 1_772_409_600_000  # an hour's start
 HOLD = 120_000
 
-Columns = tuple[list[int], list[float]]
-
-
-def _sql_hour_sums(
-    readings: prometheus.Readings, start_ms: int, end_ms: int
-) -> list[tuple[object, ...]]:
-    with transaction.atomic():
-        view = prometheus.load_readings(readings, start_ms=start_ms, end_ms=end_ms)
-        with connection.cursor() as cursor:
-            cursor.execute(
-                rollup._sql(rollup._PER_HOUR_SQL, samples=view),
-                {"start": start_ms, "end": end_ms, "hold": HOLD},
-            )
-            rows = [tuple(row) for row in cursor.fetchall()]
-        transaction.set_rollback(True)
-    return sorted(rows, key=lambda row: (row[0], row[1]))
-
-
-def _python_hour_sums(
-    readings: prometheus.Readings, start_ms: int, end_ms: int
-) -> list[tuple[object, ...]]:
-    rows = reading_sums.hour_sums(readings.columns, start_ms=start_ms, end_ms=end_ms, hold_ms=HOLD)
-    # As the SQL's types read back: the weighted sums numeric.
-    return sorted(
-        (
-            (meter, h, covered, Decimal(weighted), spill, None if sw is None else Decimal(sw))
-            for meter, h, covered, weighted, spill, sw in rows
-        ),
-        key=lambda row: (row[0], row[1]),
-    )
-
-
-def _loaded_hour_sums(
-    readings: prometheus.Readings, start_ms: int, end_ms: int
-) -> list[tuple[object, ...]]:
-    """What the rollup reads of `load_hour_sums`' table."""
-    with transaction.atomic():
-        loaded = prometheus.load_hour_sums(readings, start_ms=start_ms, end_ms=end_ms)
-        assert loaded is not None and loaded.samples is None
-        with connection.cursor() as cursor:
-            cursor.execute(f"SELECT * FROM {loaded.table}")
-            rows = [tuple(row) for row in cursor.fetchall()]
-        transaction.set_rollback(True)
-    return sorted(rows, key=lambda row: (row[0], row[1]))
-
-
-def _sql_coverage(
-    readings: prometheus.Readings, pieces: list[tuple[int, str, int, int]], start_ms: int
-) -> dict[int, tuple[int, int]]:
-    with transaction.atomic():
-        view = prometheus.load_readings(readings, start_ms=start_ms, end_ms=start_ms + HOUR)
-        with connection.cursor() as cursor:
-            cursor.execute(
-                rollup._sql(
-                    rollup._PIECE_COVERAGE_SQL,
-                    samples=view,
-                    sample="s",
-                    pieces=json_rows(
-                        "bigint", "text", "bigint", "bigint", placeholder="%(pieces)s"
-                    ),
-                ),
-                {"pieces": json.dumps(pieces), "hold": HOLD},
-            )
-            found = {int(p): (int(c), int(w)) for p, c, w in cursor.fetchall()}
-        transaction.set_rollback(True)
-    return found
+Columns = reference.Columns
 
 
 _percents = st.one_of(
@@ -156,10 +88,10 @@ def test_the_hour_sums_made_here_are_the_sqls(
     devices: dict[str, Columns], window: tuple[int, int]
 ) -> None:
     start_ms, length = window
-    readings = prometheus.Readings(metered=set(devices), mixed=False, columns=devices)
-    expected = _sql_hour_sums(readings, start_ms, start_ms + length)
-    assert _python_hour_sums(readings, start_ms, start_ms + length) == expected
-    assert _loaded_hour_sums(readings, start_ms, start_ms + length) == expected
+    end_ms = start_ms + length
+    expected = reference.sql_hour_sums(devices, start_ms, end_ms, HOLD)
+    assert reference.python_hour_sums(devices, start_ms, end_ms, HOLD) == expected
+    assert reference.loaded_hour_sums(devices, start_ms, end_ms) == expected
 
 
 @override_settings(TALLY_SAMPLE_HOLD_SECONDS=HOLD // 1000)
@@ -179,13 +111,14 @@ def test_the_coverage_of_pieces_made_here_is_the_sqls(
     devices: dict[str, Columns], cuts: list[tuple[str, int, int]]
 ) -> None:
     """Pieces of an hour (a piece may come under two names, as a renamed device's does)."""
-    readings = prometheus.Readings(metered=set(devices), mixed=False, columns=devices)
     pieces = [
         (index // 2, meter, START + min(a, b), START + max(a, b) + 1)
         for index, (meter, a, b) in enumerate(cuts)
     ]
     found = reading_sums.piece_coverage(devices, pieces, hold_ms=HOLD)
-    assert found == _sql_coverage(readings, pieces, START)
+    assert found == reference.sql_coverage(
+        devices, pieces, start_ms=START, end_ms=START + HOUR, hold_ms=HOLD
+    )
 
 
 def test_a_nan_percent_is_left_to_the_sql() -> None:

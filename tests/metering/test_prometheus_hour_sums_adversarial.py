@@ -29,12 +29,10 @@ engine never reaches `Readings` either: the parse leaves it out
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from datetime import UTC, datetime, timedelta
-from decimal import Decimal
 from typing import Any
 
 import pytest
@@ -43,7 +41,6 @@ from django.test import override_settings
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from db.copy import json_rows
 from inventory.models import Allocation, Device
 from metering import ingest, prometheus, reading_sums, rollup
 from metering.hours import epoch_ms
@@ -56,6 +53,7 @@ from tests.factories import (
     MigDeviceFactory,
     NodeFactory,
 )
+from tests.metering import reading_sums_reference as reference
 from tests.metering import test_prometheus_source as source
 from tests.metering.test_prometheus_source import day_engine, team  # noqa: F401 (fixtures)
 
@@ -64,79 +62,10 @@ pytestmark = pytest.mark.django_db
 HOUR = 3_600_000
 START = 1_772_409_600_000  # an hour's start
 
-Columns = tuple[list[int], list[float]]
+Columns = reference.Columns
 
 
 # --- the functions against the SQL ------------------------------------------------------------
-
-
-def _sql_hour_sums(
-    columns: dict[str, Columns], start_ms: int, end_ms: int, hold_ms: int
-) -> list[tuple[Any, ...]]:
-    readings = prometheus.Readings(metered=set(columns), mixed=False, columns=columns)
-    with transaction.atomic():
-        view = prometheus.load_readings(readings, start_ms=start_ms, end_ms=end_ms)
-        with connection.cursor() as cursor:
-            cursor.execute(
-                rollup._sql(rollup._PER_HOUR_SQL, samples=view),
-                {"start": start_ms, "end": end_ms, "hold": hold_ms},
-            )
-            rows = [tuple(row) for row in cursor.fetchall()]
-        transaction.set_rollback(True)
-    return sorted(rows, key=lambda row: (row[0], row[1]))
-
-
-def _loaded_hour_sums(
-    columns: dict[str, Columns], start_ms: int, end_ms: int
-) -> list[tuple[Any, ...]] | None:
-    """What the rollup reads of `load_hour_sums`' table (None where it falls back)."""
-    readings = prometheus.Readings(metered=set(columns), mixed=False, columns=columns)
-    with transaction.atomic():
-        loaded = prometheus.load_hour_sums(readings, start_ms=start_ms, end_ms=end_ms)
-        if loaded is None:
-            transaction.set_rollback(True)
-            return None
-        with connection.cursor() as cursor:
-            cursor.execute(f"SELECT * FROM {loaded.table}")
-            rows = [tuple(row) for row in cursor.fetchall()]
-        transaction.set_rollback(True)
-    return sorted(rows, key=lambda row: (row[0], row[1]))
-
-
-def _python_hour_sums(
-    columns: dict[str, Columns], start_ms: int, end_ms: int, hold_ms: int
-) -> list[tuple[Any, ...]]:
-    rows = reading_sums.hour_sums(columns, start_ms=start_ms, end_ms=end_ms, hold_ms=hold_ms)
-    return sorted(
-        (
-            (meter, h, covered, Decimal(weighted), spill, None if sw is None else Decimal(sw))
-            for meter, h, covered, weighted, spill, sw in rows
-        ),
-        key=lambda row: (row[0], row[1]),
-    )
-
-
-def _sql_coverage(
-    columns: dict[str, Columns], pieces: list[tuple[int, str, int, int]], hold_ms: int
-) -> dict[int, tuple[int, int]]:
-    readings = prometheus.Readings(metered=set(columns), mixed=False, columns=columns)
-    with transaction.atomic():
-        view = prometheus.load_readings(readings, start_ms=START, end_ms=START + HOUR)
-        with connection.cursor() as cursor:
-            cursor.execute(
-                rollup._sql(
-                    rollup._PIECE_COVERAGE_SQL,
-                    samples=view,
-                    sample="s",
-                    pieces=json_rows(
-                        "bigint", "text", "bigint", "bigint", placeholder="%(pieces)s"
-                    ),
-                ),
-                {"pieces": json.dumps(pieces), "hold": hold_ms},
-            )
-            found = {int(p): (int(c), int(w)) for p, c, w in cursor.fetchall()}
-        transaction.set_rollback(True)
-    return found
 
 
 # Every percent a `Readings` may hold once parsed (clamped to [0, 100], two decimals or whole)
@@ -221,10 +150,10 @@ def test_hour_sums_agree_with_the_sql_on_any_hold_and_window(
 ) -> None:
     start_ms, length = window
     end_ms = start_ms + length
-    expected = _sql_hour_sums(devices, start_ms, end_ms, hold_ms)
-    assert _python_hour_sums(devices, start_ms, end_ms, hold_ms) == expected
+    expected = reference.sql_hour_sums(devices, start_ms, end_ms, hold_ms)
+    assert reference.python_hour_sums(devices, start_ms, end_ms, hold_ms) == expected
     with override_settings(TALLY_SAMPLE_HOLD_SECONDS=hold_ms // 1000):
-        assert _loaded_hour_sums(devices, start_ms, end_ms) == expected
+        assert reference.loaded_hour_sums(devices, start_ms, end_ms) == expected
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
@@ -250,7 +179,9 @@ def test_piece_coverage_agrees_with_the_sql_on_any_hold(
         for index, (meter, offset, length) in enumerate(cuts)
     ]
     found = reading_sums.piece_coverage(devices, pieces, hold_ms=hold_ms)
-    assert found == _sql_coverage(devices, pieces, hold_ms)
+    assert found == reference.sql_coverage(
+        devices, pieces, start_ms=START, end_ms=START + HOUR, hold_ms=hold_ms
+    )
 
 
 def test_rounding_half_to_even_matches_the_sql() -> None:
@@ -259,8 +190,8 @@ def test_rounding_half_to_even_matches_the_sql() -> None:
     percents = [n * 0.5e-6 + 12.0 for n in range(0, 64)] + [0.0000005, 0.0000015, 0.0000025]
     stamps = [START + 60_000 * index for index in range(len(percents))]
     columns = {"GPU-a": (stamps, percents)}
-    expected = _sql_hour_sums(columns, START, START + 2 * HOUR, 120_000)
-    assert _python_hour_sums(columns, START, START + 2 * HOUR, 120_000) == expected
+    expected = reference.sql_hour_sums(columns, START, START + 2 * HOUR, 120_000)
+    assert reference.python_hour_sums(columns, START, START + 2 * HOUR, 120_000) == expected
     with connection.cursor() as cursor:
         cursor.execute(
             "SELECT CAST(round(p * 1000000) AS bigint) FROM unnest(%s::float8[]) AS p",
@@ -278,10 +209,10 @@ def test_nan_outside_the_window_is_summed_as_the_sql_does() -> None:
             [float("nan"), 50.0, float("nan")],
         )
     }
-    expected = _sql_hour_sums(columns, START, START + HOUR, 120_000)
-    assert _python_hour_sums(columns, START, START + HOUR, 120_000) == expected
+    expected = reference.sql_hour_sums(columns, START, START + HOUR, 120_000)
+    assert reference.python_hour_sums(columns, START, START + HOUR, 120_000) == expected
     with override_settings(TALLY_SAMPLE_HOLD_SECONDS=120):
-        assert _loaded_hour_sums(columns, START, START + HOUR) == expected
+        assert reference.loaded_hour_sums(columns, START, START + HOUR) == expected
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
@@ -290,9 +221,9 @@ def test_a_percent_the_sums_cannot_take_falls_back(value: float) -> None:
     loaded as before), and the SQL refuses them too (it cannot cast them to bigint)."""
     columns = {"GPU-a": ([START + 1_000], [value])}
     with override_settings(TALLY_SAMPLE_HOLD_SECONDS=120):
-        assert _loaded_hour_sums(columns, START, START + HOUR) is None
+        assert reference.loaded_hour_sums(columns, START, START + HOUR) is None
     with pytest.raises(Exception, match="out of range"):
-        _sql_hour_sums(columns, START, START + HOUR, 120_000)
+        reference.sql_hour_sums(columns, START, START + HOUR, 120_000)
 
 
 # --- the whole rollup: new path against the old, and against samples -------------------------
@@ -800,11 +731,13 @@ def test_whole_percents_summed_in_doubles_agree_with_the_sql(
 ) -> None:
     start_ms, length = window
     end_ms = start_ms + length
-    expected = _sql_hour_sums(devices, start_ms, end_ms, hold_ms)
-    assert _python_hour_sums(devices, start_ms, end_ms, hold_ms) == expected
+    expected = reference.sql_hour_sums(devices, start_ms, end_ms, hold_ms)
+    assert reference.python_hour_sums(devices, start_ms, end_ms, hold_ms) == expected
     pieces = [(0, "GPU-a", start_ms, end_ms), (1, "GPU-b", start_ms, end_ms)]
     found = reading_sums.piece_coverage(devices, pieces, hold_ms=hold_ms)
-    assert found == _sql_coverage(devices, pieces, hold_ms)
+    assert found == reference.sql_coverage(
+        devices, pieces, start_ms=START, end_ms=START + HOUR, hold_ms=hold_ms
+    )
 
 
 @pytest.mark.parametrize("mixed", [False, True])
