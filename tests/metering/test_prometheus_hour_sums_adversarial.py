@@ -29,9 +29,8 @@ engine never reaches `Readings` either: the parse leaves it out
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import contextmanager, nullcontext, suppress
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -283,10 +282,14 @@ def _rows() -> list[tuple[Any, ...]]:
     return sorted(tuple(values) for values in UsageHour.objects.values_list(*fields))
 
 
-def _rollup_rows(hours: list[datetime], now: datetime) -> list[tuple[Any, ...]]:
-    """The usage rows a rollup of `hours` leaves, rolled back after."""
+def _rollup_rows(
+    hours: list[datetime], now: datetime, *, unanswered: bool = False
+) -> list[tuple[Any, ...]]:
+    """The usage rows a rollup of `hours` leaves, rolled back after; with `unanswered`, an
+    engine that did not answer for some clusters (`EngineUnavailable`) leaves the others'."""
     with transaction.atomic():
-        rollup.rollup_hours(hours=hours, now=now)
+        with suppress(prometheus.EngineUnavailable) if unanswered else nullcontext():
+            rollup.rollup_hours(hours=hours, now=now)
         rows = _rows()
         transaction.set_rollback(True)
     return rows
@@ -394,10 +397,15 @@ def _renamed_columns(
     return found
 
 
-def _compare_new_and_old(
-    history: dict[str, Any], *, mixed: bool, unavailable: frozenset[str] = frozenset()
-) -> list[tuple[Any, ...]]:
-    """Usage rows with the new path and with the old; asserts they are the same."""
+def _compare_new_and_old(history: dict[str, Any], *, mixed: bool) -> None:
+    """Usage rows with the new path and with the old; asserts they are the same. In a
+    transaction rolled back after (each example starts from an empty fleet)."""
+    with transaction.atomic():
+        _compare_in_transaction(history, mixed=mixed)
+        transaction.set_rollback(True)
+
+
+def _compare_in_transaction(history: dict[str, Any], *, mixed: bool) -> None:
     fleet = _fleet("prom-east")
     holds = history["holds"]
     _allocate(fleet, holds)
@@ -417,17 +425,14 @@ def _compare_new_and_old(
     metered = set(columns) | {device.meter_id for device in fleet.values()}
     hours = [T0 + index * timedelta(hours=1) for index in range(history["hours"])]
     now = T0 + timedelta(minutes=history["now"])
-    with _engine_answers(columns, mixed=mixed, metered=metered, unavailable=unavailable):
+    with _engine_answers(columns, mixed=mixed, metered=metered):
         with _sums_used() as used:
-            new = _rollup_rows_tolerant(hours, now)
+            new = _rollup_rows(hours, now, unanswered=True)
         with _old_path():
-            old = _rollup_rows_tolerant(hours, now)
+            old = _rollup_rows(hours, now, unanswered=True)
     # The new path did sum the readings here (no fallback), for every run with readings.
     assert used and all(used)
-    if os.environ.get("PROMREVIEW_DEBUG"):
-        print("rows", len(new), "runs", len(used), "mixed", mixed)
     assert new == old
-    return new
 
 
 @contextmanager
@@ -448,15 +453,6 @@ def _sums_used() -> Iterator[list[bool]]:
         prometheus.load_hour_sums = original
 
 
-def _rollup_rows_tolerant(hours: list[datetime], now: datetime) -> list[tuple[Any, ...]]:
-    with transaction.atomic():
-        with suppress(prometheus.EngineUnavailable):
-            rollup.rollup_hours(hours=hours, now=now)
-        rows = _rows()
-        transaction.set_rollback(True)
-    return rows
-
-
 _SETTINGS = {"TALLY_SAMPLE_HOLD_SECONDS": 120, "TALLY_METERING_SOURCE": "samples"}
 
 
@@ -464,9 +460,7 @@ _SETTINGS = {"TALLY_SAMPLE_HOLD_SECONDS": 120, "TALLY_METERING_SOURCE": "samples
 @settings(max_examples=40, deadline=None, suppress_health_check=list(HealthCheck))
 @given(history=_history())
 def test_the_rollup_writes_the_same_rows_as_the_old_path(history: dict[str, Any]) -> None:
-    with transaction.atomic():
-        _compare_new_and_old(history, mixed=False)
-        transaction.set_rollback(True)
+    _compare_new_and_old(history, mixed=False)
 
 
 @override_settings(**_SETTINGS)
@@ -474,27 +468,21 @@ def test_the_rollup_writes_the_same_rows_as_the_old_path(history: dict[str, Any]
 @given(history=_history())
 def test_a_mixed_fleet_writes_the_same_rows_as_the_old_path(history: dict[str, Any]) -> None:
     """Some clusters send samples: the engine's sums beside the samples' SQL."""
-    with transaction.atomic():
-        _compare_new_and_old(history, mixed=True)
-        transaction.set_rollback(True)
+    _compare_new_and_old(history, mixed=True)
 
 
 @override_settings(TALLY_SAMPLE_HOLD_SECONDS=3600, TALLY_METERING_SOURCE="samples")
 @settings(max_examples=15, deadline=None, suppress_health_check=list(HealthCheck))
 @given(history=_history())
 def test_an_hour_long_hold_writes_the_same_rows_as_the_old_path(history: dict[str, Any]) -> None:
-    with transaction.atomic():
-        _compare_new_and_old(history, mixed=True)
-        transaction.set_rollback(True)
+    _compare_new_and_old(history, mixed=True)
 
 
 @override_settings(TALLY_SAMPLE_HOLD_SECONDS=1, TALLY_METERING_SOURCE="samples")
 @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
 @given(history=_history())
 def test_a_one_second_hold_writes_the_same_rows_as_the_old_path(history: dict[str, Any]) -> None:
-    with transaction.atomic():
-        _compare_new_and_old(history, mixed=False)
-        transaction.set_rollback(True)
+    _compare_new_and_old(history, mixed=False)
 
 
 def _no_renames(history: dict[str, Any]) -> dict[str, Any]:
@@ -526,15 +514,6 @@ def test_the_rollup_writes_the_same_rows_as_from_samples(history: dict[str, Any]
         ]
         ingest.ingest(node=_node_name(fleet["gpu-a"]), samples=rows, received_at=now)
         samples = _rollup_rows(hours, now)
-        if os.environ.get("PROMREVIEW_DEBUG"):
-            print(
-                "samples",
-                len(rows),
-                Sample.objects.count(),
-                "rows",
-                len(engine),
-                sum(row[-2] for row in engine),
-            )
         assert engine == samples
         transaction.set_rollback(True)
 
@@ -597,9 +576,9 @@ def test_an_engine_answering_in_part_leaves_its_clusters_rows(
             answered, mixed=False, metered=metered, unavailable=frozenset({"prom-west"})
         ):
             with _sums_used() as used:
-                new = _rollup_rows_tolerant(hours, now)
+                new = _rollup_rows(hours, now, unanswered=True)
             with _old_path():
-                old = _rollup_rows_tolerant(hours, now)
+                old = _rollup_rows(hours, now, unanswered=True)
         assert all(used)
         assert new == old
         cluster_at = 2  # hour, allocation, cluster, ... (`_rows`)
@@ -652,9 +631,7 @@ def test_a_fallback_run_then_a_summed_run_in_one_transaction() -> None:
 def test_runs_of_one_hour_write_the_same_rows_as_the_old_path(history: dict[str, Any]) -> None:
     """Each hour its own run (its own window and question): what spills into a window's
     first hour comes from the readings within the hold before it, every hour."""
-    with transaction.atomic():
-        _compare_new_and_old(history, mixed=True)
-        transaction.set_rollback(True)
+    _compare_new_and_old(history, mixed=True)
 
 
 @override_settings(**_SETTINGS, TALLY_ROLLUP_DEVICE_HOURS=1)
