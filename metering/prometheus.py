@@ -97,6 +97,7 @@ from metering.hours import MS_PER_HOUR, epoch_ms, hour_at, sample_hold_ms
 from metering.ingest import NAMED, PCI_ATTRIBUTES, PCI_KEY, pci_address, resolve_named
 from metering.mig_instances import covering
 from metering.models import MigInstance
+from metering.reading_sums import Columns
 
 log = logging.getLogger(__name__)
 
@@ -984,12 +985,6 @@ def _by_name(exporter: Exporter, labels: Mapping[str, str], node: str) -> str | 
 # --- Readings for the rollup ------------------------------------------------------------------
 
 
-# A device's readings as two lists side by side: instants (ms since the epoch), rising, and
-# percents. Kept so from the engine's series to the COPY: no tuple per reading to make, take
-# apart again and have the garbage collector go over.
-Columns = tuple[list[int], list[float]]
-
-
 @dataclass
 class Readings:
     """A window's readings from the engine: per meter id, its instants and percents sorted by
@@ -1378,7 +1373,7 @@ def _hour_sums_copy_text(sums: list[reading_sums.HourSum]) -> str:
         if name is None:
             name = escaped[meter_id] = meter_id.translate(_COPY_TEXT_ESCAPES)
         if spill is None:
-            lines.append(f"{name}\t{hour}\t{covered}\t{weighted}\t\\N\t\\N\n")
+            lines.append(f"{name}\t{hour}\t{covered}\t{weighted}\t{_COPY_NULL}\t{_COPY_NULL}\n")
         else:
             lines.append(f"{name}\t{hour}\t{covered}\t{weighted}\t{spill}\t{spill_weighted}\n")
     return "".join(lines)

@@ -28,6 +28,9 @@ from operator import mul, sub
 
 from metering.hours import MS_PER_HOUR, UTIL_SCALE
 
+# A device's readings as two lists side by side: instants (ms since the epoch), rising, and
+# percents (`metering.prometheus.Readings.columns`). Kept so from the engine's series to the
+# sums: no tuple per reading to make, take apart again and have the garbage collector go over.
 Columns = tuple[list[int], list[float]]
 # (meter id, hour since the epoch, covered ms, covered ms times utilisation, spill ms into the
 # next hour or None, that spill times utilisation or None): `_PER_HOUR_SQL`'s row.

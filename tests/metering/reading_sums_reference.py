@@ -15,7 +15,7 @@ from django.db import connection, transaction
 from db.copy import json_rows
 from metering import prometheus, reading_sums, rollup
 
-Columns = tuple[list[int], list[float]]
+Columns = reading_sums.Columns
 Row = tuple[Any, ...]
 
 
